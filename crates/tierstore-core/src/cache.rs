@@ -1,0 +1,978 @@
+//! The cache engine: the read path (lookup, single flight, fetch, publish), prefetch, counters and faults.
+//!
+//! The read path in order: resolve the path under the source; `stat` the source (its identity decides
+//! whether a copy is current); look the key up tier by tier and open a valid copy (a hit); otherwise join
+//! the in-process flight of the key, take the node-wide fetch lock, look again (another process may have
+//! just published), reserve room by policy, and read the source once. Small files are read whole and
+//! handed to every waiter at once while the copy pool writes them into the tier; large files are copied
+//! by the pool while readers follow the copy. Any cache fault falls back to the source.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::config::{Config, Verify};
+use crate::counters::{source as src_slot, tier as tier_slot, Counters};
+use crate::flight::{Flight, Flights, Outcome, Role};
+use crate::index::{key_of, Entry, Key, Reservation, SourceId, Usage};
+use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
+use crate::placement::plan;
+use crate::pool::Pool;
+use crate::reader::{Backing, Growing, Reader};
+use crate::source::PosixSource;
+use crate::tier::Tier;
+use crate::Error;
+
+const COPY_CHUNK: usize = 4 << 20;
+
+fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+/// Process-wide registry of opened tiers and lock files. LMDB must not open one environment twice in a
+/// process, and closing any descriptor of the lock file would drop the process's fetch locks, so every
+/// cache of a process that names the same directory shares one handle. After `fork()` the registry is
+/// abandoned (leaked, never closed) and the child opens its own.
+struct Registry {
+    pid: u32,
+    tiers: HashMap<PathBuf, Weak<Tier>>,
+    locks: HashMap<PathBuf, Weak<FetchLocks>>,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let m = REG
+        .get_or_init(|| Mutex::new(Registry { pid: std::process::id(), tiers: HashMap::new(), locks: HashMap::new() }));
+    let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+    if g.pid != std::process::id() {
+        let old = std::mem::replace(
+            &mut *g,
+            Registry { pid: std::process::id(), tiers: HashMap::new(), locks: HashMap::new() },
+        );
+        std::mem::forget(old);
+    }
+    g
+}
+
+/// Counters and usage of one tier, as `tierstore status` shows them.
+#[derive(Clone, Debug)]
+pub struct TierStats {
+    /// The tier's directory as configured.
+    pub path: PathBuf,
+    /// `"memory"` or `"local"`.
+    pub kind: &'static str,
+    /// The quota in bytes.
+    pub quota: u64,
+    /// Opens served from the tier.
+    pub hits: u64,
+    /// Lookups that did not find a valid copy in the tier.
+    pub misses: u64,
+    /// Bytes read by jobs from the tier.
+    pub bytes_served: u64,
+    /// Entries evicted.
+    pub evictions: u64,
+    /// Cache faults.
+    pub faults: u64,
+    /// Entries published.
+    pub inserts: u64,
+    /// Bytes written into the tier.
+    pub bytes_written: u64,
+    /// Entries, bytes used, fetches in flight.
+    pub usage: Usage,
+    /// Why the tier is unavailable, if it is.
+    pub error: Option<String>,
+}
+
+/// Counters of the source.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SourceStats {
+    /// Files opened on the source.
+    pub opens: u64,
+    /// `stat` calls.
+    pub stats: u64,
+    /// `read` calls.
+    pub reads: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Reads that fell back to the source after a cache fault.
+    pub fallbacks: u64,
+    /// Opens served from the source because no tier had room.
+    pub uncached: u64,
+}
+
+/// A snapshot of every counter of a cache.
+#[derive(Clone, Debug)]
+pub struct Stats {
+    /// The source.
+    pub source: SourceStats,
+    /// Each tier, fastest first.
+    pub tiers: Vec<TierStats>,
+}
+
+/// Progress of a prefetch, updated by the copy pool and read by whoever shows it.
+#[derive(Default)]
+pub struct PrefetchProgress {
+    /// Files to prefetch (known once the listing is done).
+    pub files_total: AtomicU64,
+    /// Bytes to prefetch.
+    pub bytes_total: AtomicU64,
+    /// Files handled (copied, already cached, or skipped).
+    pub files_done: AtomicU64,
+    /// Bytes of handled files.
+    pub bytes_done: AtomicU64,
+    /// Files copied by this prefetch.
+    pub files_copied: AtomicU64,
+    /// Files that could not be cached (no room, or an error).
+    pub files_failed: AtomicU64,
+    /// The first error met, for the report.
+    pub first_error: Mutex<Option<String>>,
+}
+
+impl PrefetchProgress {
+    /// True when every listed file is handled.
+    pub fn finished(&self) -> bool {
+        self.files_done.load(Ordering::Acquire) >= self.files_total.load(Ordering::Acquire)
+    }
+}
+
+struct Inner {
+    config: Config,
+    source: Arc<PosixSource>,
+    tiers: Vec<Arc<Tier>>,
+    locks: Arc<FetchLocks>,
+    flights: Flights,
+    /// Hits not yet written to the index: (tier, key) -> (hits, last access).
+    access: Mutex<HashMap<(usize, Key), (u64, u64)>>,
+    last_access_flush: Mutex<Instant>,
+    logged: Mutex<HashSet<String>>,
+    pool: OnceLock<Weak<Pool>>,
+    /// The process that opened the cache; a forked child must open its own.
+    pid: u32,
+}
+
+/// A tiered, node-local cache of one source directory.
+pub struct Cache {
+    inner: Arc<Inner>,
+    pool: Arc<Pool>,
+}
+
+/// What the fetch under the lock is for.
+enum Purpose {
+    /// A reader waits for the bytes.
+    Read,
+    /// Warm the cache; nobody waits.
+    Prefetch,
+}
+
+/// What a fetch under the lock produced.
+enum Fetched {
+    Reader(Reader),
+    Cached,
+    Uncached,
+    /// Already cached, or being fetched by another thread or process.
+    Skipped,
+}
+
+impl Cache {
+    /// Opens the cache described by `config`: creates tier directories, opens indexes (an index that
+    /// cannot be opened leaves its tier out and is reported, reads go on), maps counters.
+    pub fn new(config: Config) -> Result<Cache, Error> {
+        let state_dir = config.tiers[0].path.join(crate::tier::namespace(&config.source));
+        std::fs::create_dir_all(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
+        let source_counters =
+            Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
+        let source = Arc::new(PosixSource::new(&config.source, Arc::new(source_counters)));
+        let mut reg = registry();
+        let mut tiers = Vec::new();
+        for t in &config.tiers {
+            let existing = reg.tiers.get(&t.path).and_then(Weak::upgrade);
+            let tier = match existing {
+                Some(tier)
+                    if tier.root.starts_with(&t.path)
+                        && tier.root.ends_with(crate::tier::namespace(&config.source)) =>
+                {
+                    tier
+                }
+                _ => {
+                    let tier =
+                        Arc::new(Tier::open(t, &config.source, config.policy).map_err(|e| Error::io(&t.path, e))?);
+                    tier.sweep_temps();
+                    reg.tiers.insert(t.path.clone(), Arc::downgrade(&tier));
+                    tier
+                }
+            };
+            tiers.push(tier);
+        }
+        let lock_path = state_dir.join("fetch.lock");
+        let locks = match reg.locks.get(&lock_path).and_then(Weak::upgrade) {
+            Some(l) => l,
+            None => {
+                let l = Arc::new(FetchLocks::open(&lock_path).map_err(|e| Error::io(&lock_path, e))?);
+                reg.locks.insert(lock_path, Arc::downgrade(&l));
+                l
+            }
+        };
+        drop(reg);
+        let pool = Arc::new(Pool::new(config.threads));
+        let inner = Arc::new(Inner {
+            config,
+            source,
+            tiers,
+            locks,
+            flights: Flights::default(),
+            access: Mutex::new(HashMap::new()),
+            last_access_flush: Mutex::new(Instant::now()),
+            logged: Mutex::new(HashSet::new()),
+            pool: OnceLock::new(),
+            pid: std::process::id(),
+        });
+        let _ = inner.pool.set(Arc::downgrade(&pool));
+        for (i, t) in inner.tiers.iter().enumerate() {
+            if let Err(e) = &t.index {
+                t.counters.add(tier_slot::FAULTS, 1);
+                inner.log_once(&format!("index{i}"), &format!("index of tier {} cannot be opened ({e}); the tier is skipped and reads go to the source. `tierstore clear` rebuilds it", t.config.path.display()));
+            }
+        }
+        Ok(Cache { inner, pool })
+    }
+
+    /// The effective configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Opens `path` (a file under the source) for reading through the cache.
+    pub fn open(&self, path: &Path) -> Result<Reader, Error> {
+        let rel = self.inner.source.relative(path)?;
+        self.inner.open_rel(&rel)
+    }
+
+    /// The path of a current cached copy of `path`, if a tier holds one. With `validate`, the source is
+    /// `stat`ed and a copy of an older version does not count; without it, this is the index lookup alone.
+    pub fn lookup(&self, path: &Path, validate: bool) -> Result<Option<PathBuf>, Error> {
+        let rel = self.inner.source.relative(path)?;
+        let key = key_of(&rel);
+        let sid = if validate {
+            let m = self.inner.source.stat(&rel).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
+            Some(SourceId::of(&m))
+        } else {
+            None
+        };
+        for tier in &self.inner.tiers {
+            let Ok(index) = &tier.index else { continue };
+            if let Ok(Some(e)) = index.lookup(&key) {
+                if e.ready && e.rel == rel && sid.is_none_or(|s| s == e.source) {
+                    return Ok(Some(tier.data_path(&key)));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Warms the cache with `paths` (files, or directories walked recursively) on the copy pool. Returns
+    /// at once; watch the progress, or [`Cache::wait_idle`].
+    pub fn prefetch(&self, paths: &[PathBuf]) -> Result<Arc<PrefetchProgress>, Error> {
+        let mut files = Vec::new();
+        for p in paths {
+            let rel = self.inner.source.relative(p).or_else(|e| {
+                if normalize_abs(p) == self.inner.source.root() {
+                    Ok(String::new())
+                } else {
+                    Err(e)
+                }
+            })?;
+            let full = self.inner.source.path_of(&rel);
+            let m = self.inner.source.stat_path(&full).map_err(|e| Error::io(&full, e))?;
+            if m.is_dir() {
+                walk(&self.inner.source, &full, &mut files).map_err(|e| Error::io(&full, e))?;
+            } else {
+                files.push((rel, m.len()));
+            }
+        }
+        let progress = Arc::new(PrefetchProgress::default());
+        progress.files_total.store(files.len() as u64, Ordering::Release);
+        progress.bytes_total.store(files.iter().map(|(_, s)| s).sum(), Ordering::Release);
+        for (rel, size) in files {
+            let inner = self.inner.clone();
+            let p = progress.clone();
+            self.pool.background(move || {
+                match inner.prefetch_one(&rel) {
+                    Ok(Fetched::Uncached) => {
+                        p.files_failed.fetch_add(1, Ordering::Relaxed);
+                        let mut first = p.first_error.lock().expect("progress lock");
+                        first.get_or_insert_with(|| format!("{rel}: no tier has room (quota reached)"));
+                    }
+                    Ok(Fetched::Reader(_)) | Ok(Fetched::Skipped) => {}
+                    Ok(Fetched::Cached) => {
+                        p.files_copied.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        p.files_failed.fetch_add(1, Ordering::Relaxed);
+                        p.first_error.lock().expect("progress lock").get_or_insert_with(|| e.to_string());
+                    }
+                }
+                p.bytes_done.fetch_add(size, Ordering::Relaxed);
+                p.files_done.fetch_add(1, Ordering::AcqRel);
+            });
+        }
+        Ok(progress)
+    }
+
+    /// Blocks until every queued copy is published (and access statistics are written).
+    pub fn wait_idle(&self) {
+        self.pool.wait_idle();
+        self.inner.flush_access();
+    }
+
+    /// Copies queued or running in the pool.
+    pub fn pending_copies(&self) -> usize {
+        self.pool.pending()
+    }
+
+    /// A snapshot of all counters.
+    pub fn stats(&self) -> Stats {
+        let c = self.inner.source.counters();
+        let source = SourceStats {
+            opens: c.get(src_slot::OPENS),
+            stats: c.get(src_slot::STATS),
+            reads: c.get(src_slot::READS),
+            bytes_read: c.get(src_slot::BYTES_READ),
+            fallbacks: c.get(src_slot::FALLBACKS),
+            uncached: c.get(src_slot::UNCACHED),
+        };
+        let tiers = self
+            .inner
+            .tiers
+            .iter()
+            .map(|t| {
+                let (usage, error) = match &t.index {
+                    Ok(ix) => match ix.usage() {
+                        Ok(u) => (u, None),
+                        Err(e) => (Usage::default(), Some(e.to_string())),
+                    },
+                    Err(e) => (Usage::default(), Some(e.clone())),
+                };
+                TierStats {
+                    path: t.config.path.clone(),
+                    kind: t.config.kind.name(),
+                    quota: t.config.quota,
+                    hits: t.counters.get(tier_slot::HITS),
+                    misses: t.counters.get(tier_slot::MISSES),
+                    bytes_served: t.counters.get(tier_slot::BYTES_SERVED),
+                    evictions: t.counters.get(tier_slot::EVICTIONS),
+                    faults: t.counters.get(tier_slot::FAULTS),
+                    inserts: t.counters.get(tier_slot::INSERTS),
+                    bytes_written: t.counters.get(tier_slot::BYTES_WRITTEN),
+                    usage,
+                    error,
+                }
+            })
+            .collect();
+        Stats { source, tiers }
+    }
+
+    /// Sets every counter of this cache (node-wide) back to zero.
+    pub fn reset_counters(&self) {
+        self.inner.source.counters().reset();
+        for t in &self.inner.tiers {
+            t.counters.reset();
+        }
+    }
+
+    /// Removes every cached copy and index entry of this source from every tier. Readers that have a
+    /// copy open keep reading it (the file is unlinked, not truncated).
+    pub fn clear(&self) -> Result<(), Error> {
+        self.pool.wait_idle();
+        for t in &self.inner.tiers {
+            if let Ok(ix) = &t.index {
+                ix.clear().map_err(|e| Error::Tier { path: t.config.path.clone(), message: e.to_string() })?;
+            }
+            let data = t.root.join("data");
+            if data.exists() {
+                std::fs::remove_dir_all(&data).map_err(|e| Error::io(&data, e))?;
+            }
+            std::fs::create_dir_all(&data).map_err(|e| Error::io(&data, e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        if self.inner.pid_matches() {
+            self.pool.wait_idle();
+            self.inner.flush_access();
+        }
+    }
+}
+
+fn normalize_abs(p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        crate::source::normalize(p)
+    } else {
+        crate::source::normalize(&std::env::current_dir().unwrap_or_default().join(p))
+    }
+}
+
+fn walk(source: &PosixSource, dir: &Path, out: &mut Vec<(String, u64)>) -> io::Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let ft = e.file_type()?;
+        let path = e.path();
+        if ft.is_dir() {
+            walk(source, &path, out)?;
+        } else {
+            let m = source.stat_path(&path)?;
+            if m.is_file() {
+                let rel = path.strip_prefix(source.root()).map(|r| r.to_string_lossy().into_owned());
+                out.push((rel.unwrap_or_default(), m.len()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
+/// write into the copy (which changes its mtime) is detected on the next open.
+fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
+    let ts = libc::timespec { tv_sec: mtime_ns.div_euclid(1_000_000_000), tv_nsec: mtime_ns.rem_euclid(1_000_000_000) };
+    let times = [ts, ts];
+    // SAFETY: futimens on an open descriptor with two valid timespecs.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl Inner {
+    fn pid_matches(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    fn pool(&self) -> Option<Arc<Pool>> {
+        self.pool.get().and_then(Weak::upgrade)
+    }
+
+    /// Counts a cache fault in `tier` and says so on stderr once per kind and process.
+    fn fault(&self, tier: Option<usize>, kind: &str, detail: &str) {
+        if let Some(i) = tier {
+            self.tiers[i].counters.add(tier_slot::FAULTS, 1);
+        }
+        self.source.counters().add(src_slot::FALLBACKS, 1);
+        self.log_once(kind, &format!("cache fault ({detail}); served from the source. Further faults of this kind are counted, not logged: see `tierstore status`"));
+    }
+
+    fn log_once(&self, kind: &str, message: &str) {
+        if std::env::var("TIERSTORE_LOG").is_ok_and(|v| v == "off") {
+            return;
+        }
+        if self.logged.lock().expect("log lock").insert(kind.to_string()) {
+            let _ = writeln!(io::stderr(), "tierstore: warning: {message}");
+        }
+    }
+
+    fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
+        let key = key_of(rel);
+        let meta = self.source.stat(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+        if meta.is_dir() {
+            return Err(Error::io(&self.source.path_of(rel), io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        let sid = SourceId::of(&meta);
+        for _ in 0..3 {
+            if let Some(r) = self.hit(&key, rel, &sid, true) {
+                return Ok(r);
+            }
+            match self.flights.join(&key) {
+                Role::Leader(flight) => {
+                    let r = self.lead(&key, rel, sid, flight, Purpose::Read)?;
+                    match r {
+                        Fetched::Reader(r) => return Ok(r),
+                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped => continue,
+                    }
+                }
+                Role::Follower(flight) => match flight.wait() {
+                    Outcome::Bytes(b) => {
+                        return Ok(Reader::new(
+                            Backing::Memory(b.clone()),
+                            b.len() as u64,
+                            rel.into(),
+                            self.source.clone(),
+                        ))
+                    }
+                    Outcome::Growing(g) => {
+                        return Ok(Reader::new(Backing::Growing(g), sid.size, rel.into(), self.source.clone()))
+                    }
+                    Outcome::Retry => continue,
+                },
+            }
+        }
+        self.direct(rel, sid)
+    }
+
+    fn direct(&self, rel: &str, sid: SourceId) -> Result<Reader, Error> {
+        let f = self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+        Ok(Reader::new(Backing::Source(f), sid.size, rel.into(), self.source.clone()))
+    }
+
+    /// Opens a valid published copy of `key`, if a tier has one.
+    fn hit(&self, key: &Key, rel: &str, sid: &SourceId, count: bool) -> Option<Reader> {
+        for (i, tier) in self.tiers.iter().enumerate() {
+            let Ok(index) = &tier.index else { continue };
+            let entry = match index.lookup(key) {
+                Ok(Some(e)) if e.ready && e.rel == rel && e.source == *sid => e,
+                Ok(_) => {
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    self.fault(
+                        Some(i),
+                        "index-read",
+                        &format!("index of {} unreadable: {e}", tier.config.path.display()),
+                    );
+                    continue;
+                }
+            };
+            match self.open_copy(i, key, &entry) {
+                Ok(Some(backing)) => {
+                    if count {
+                        tier.counters.add(tier_slot::HITS, 1);
+                        self.note_access(i, key);
+                    }
+                    return Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()));
+                }
+                Ok(None) => {
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                    }
+                }
+                Err(detail) => {
+                    // The look under the fetch lock (count = false) sees the same damage again: once is a fault.
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                        self.fault(
+                            Some(i),
+                            "bad-copy",
+                            &format!("{detail} for {rel} in {}; it will be fetched again", tier.config.path.display()),
+                        );
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).
+    fn open_copy(&self, i: usize, key: &Key, e: &Entry) -> Result<Option<Backing>, String> {
+        let tier = &self.tiers[i];
+        let file = match File::open(tier.data_path(key)) {
+            Ok(f) => f,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Err("missing copy".into()),
+            Err(err) => return Err(format!("copy unreadable ({err})")),
+        };
+        lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
+        let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
+        use std::os::unix::fs::MetadataExt;
+        if m.nlink() == 0 {
+            return Ok(None);
+        }
+        let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
+        if m.size() != e.source.size {
+            return Err(format!("truncated copy ({} of {} bytes)", m.size(), e.source.size));
+        }
+        if mtime != e.source.mtime_ns {
+            return Err("modified copy (its mtime changed)".into());
+        }
+        if self.config.verify == Verify::Checksum {
+            let mut bytes = Vec::with_capacity(m.size() as usize);
+            use std::io::Read;
+            (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
+            if Some(*blake3::hash(&bytes).as_bytes()) != e.checksum {
+                return Err("corrupted copy (checksum mismatch)".into());
+            }
+            tier.counters.add(tier_slot::BYTES_SERVED, bytes.len() as u64);
+            return Ok(Some(Backing::Memory(Arc::new(bytes))));
+        }
+        Ok(Some(Backing::Copy(file, tier.clone())))
+    }
+
+    fn note_access(&self, tier: usize, key: &Key) {
+        if !self.config.policy.tracks_access() {
+            return;
+        }
+        let n = {
+            let mut a = self.access.lock().expect("access lock");
+            let slot = a.entry((tier, *key)).or_insert((0, 0));
+            slot.0 += 1;
+            slot.1 = now_ns();
+            a.len()
+        };
+        let due = n >= 512 || self.last_access_flush.lock().expect("flush lock").elapsed().as_millis() >= 500;
+        if due {
+            self.flush_access();
+        }
+    }
+
+    /// Writes pending hit statistics into the indexes (batched: one write transaction per tier).
+    fn flush_access(&self) {
+        let batch = std::mem::take(&mut *self.access.lock().expect("access lock"));
+        *self.last_access_flush.lock().expect("flush lock") = Instant::now();
+        let mut per_tier: HashMap<usize, Vec<(Key, u64, u64)>> = HashMap::new();
+        for ((t, k), (hits, last)) in batch {
+            per_tier.entry(t).or_default().push((k, hits, last));
+        }
+        for (t, list) in per_tier {
+            if let Ok(ix) = &self.tiers[t].index {
+                if let Err(e) = ix.record_access(&list) {
+                    self.fault(Some(t), "access-stats", &format!("access statistics not written: {e}"));
+                }
+            }
+        }
+    }
+
+    /// Fetches `key` under the node-wide fetch lock (the caller leads the in-process flight).
+    fn lead(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+    ) -> Result<Fetched, Error> {
+        let guard = match self.locks.lock(key) {
+            Ok(g) => g,
+            Err(e) => {
+                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
+                self.flights.land(key, &flight);
+                return Ok(Fetched::Reader(self.direct(rel, sid)?));
+            }
+        };
+        self.fetch_locked(key, rel, sid, flight, guard, purpose)
+    }
+
+    fn fetch_locked(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        flight: Arc<Flight>,
+        guard: FetchGuard,
+        purpose: Purpose,
+    ) -> Result<Fetched, Error> {
+        let land = |f: Fetched| {
+            self.flights.land(key, &flight);
+            Ok(f)
+        };
+        // Another process may have published while this one waited for the lock.
+        if let Some(r) = self.hit(key, rel, &sid, false) {
+            return land(match purpose {
+                Purpose::Read => Fetched::Reader(r),
+                Purpose::Prefetch => Fetched::Cached,
+            });
+        }
+        // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
+        for tier in &self.tiers {
+            if let Ok(ix) = &tier.index {
+                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
+                    if old.ready {
+                        let _ = std::fs::remove_file(tier.data_path(key));
+                    }
+                }
+            }
+        }
+        let Some(t) = self.place(key, rel, sid) else {
+            self.source.counters().add(src_slot::UNCACHED, 1);
+            drop(guard);
+            return land(match purpose {
+                Purpose::Read => Fetched::Reader(self.direct(rel, sid)?),
+                Purpose::Prefetch => Fetched::Uncached,
+            });
+        };
+        match purpose {
+            Purpose::Prefetch => {
+                let r = self.copy_into(t, key, rel, sid, None);
+                drop(guard);
+                self.flights.land(key, &flight);
+                r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
+            }
+            Purpose::Read if sid.size <= self.config.inline_max => {
+                let (bytes, after) = match self.source.read_whole(rel, sid.size) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.abort(t, key);
+                        drop(guard);
+                        self.flights.land(key, &flight);
+                        return Err(Error::io(&self.source.path_of(rel), e));
+                    }
+                };
+                let bytes = Arc::new(bytes);
+                flight.deliver(Outcome::Bytes(bytes.clone()));
+                let reader =
+                    Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
+                let inner = self.clone();
+                let key = *key;
+                let job = move || {
+                    if after == sid && bytes.len() as u64 == sid.size {
+                        inner.publish_bytes(t, &key, &bytes, sid);
+                    } else {
+                        inner.abort(t, &key);
+                    }
+                    drop(guard);
+                    inner.flights.land(&key, &flight);
+                };
+                match self.pool() {
+                    Some(pool) => pool.urgent(job),
+                    None => job(),
+                }
+                Ok(Fetched::Reader(reader))
+            }
+            Purpose::Read => {
+                let tier = &self.tiers[t];
+                let temp = tier.create_temp(key).and_then(|(path, f)| {
+                    let reader = File::open(&path)?;
+                    lock_shared(&reader)?;
+                    Ok((path, f, reader))
+                });
+                let (path, file, read_handle) = match temp {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.fault(
+                            Some(t),
+                            "tier-write",
+                            &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
+                        );
+                        self.abort(t, key);
+                        drop(guard);
+                        self.flights.land(key, &flight);
+                        return Ok(Fetched::Reader(self.direct(rel, sid)?));
+                    }
+                };
+                let growing = Arc::new(Growing::new(read_handle));
+                flight.deliver(Outcome::Growing(growing.clone()));
+                let reader = Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone());
+                let inner = self.clone();
+                let (key, rel) = (*key, rel.to_string());
+                let job = move || {
+                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)));
+                    drop(guard);
+                    inner.flights.land(&key, &flight);
+                };
+                match self.pool() {
+                    Some(pool) => pool.urgent(job),
+                    None => job(),
+                }
+                Ok(Fetched::Reader(reader))
+            }
+        }
+    }
+
+    /// Reserves room for the entry by policy; returns the tier that took it.
+    fn place(&self, key: &Key, rel: &str, sid: SourceId) -> Option<usize> {
+        let free: Vec<Option<u64>> = self
+            .tiers
+            .iter()
+            .map(|t| {
+                t.index
+                    .as_ref()
+                    .ok()
+                    .and_then(|ix| ix.usage_bytes().ok())
+                    .map(|used| t.config.quota.saturating_sub(used))
+            })
+            .collect();
+        let quotas: Vec<u64> = self.tiers.iter().map(|t| t.config.quota).collect();
+        for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
+            let tier = &self.tiers[i];
+            let Ok(ix) = &tier.index else { continue };
+            let mut try_remove = |victim: &Key, _: &Entry| {
+                let path = tier.data_path(victim);
+                match File::open(&path) {
+                    Ok(f) if try_lock_exclusive(&f) => std::fs::remove_file(&path).is_ok(),
+                    Ok(_) => false,
+                    Err(e) => e.kind() == io::ErrorKind::NotFound,
+                }
+            };
+            match ix.reserve(key, rel, sid, tier.config.quota, evict, &mut try_remove) {
+                Ok(Reservation::Reserved { evicted }) => {
+                    tier.counters.add(tier_slot::EVICTIONS, evicted);
+                    return Some(i);
+                }
+                Ok(Reservation::NoRoom { evicted }) => tier.counters.add(tier_slot::EVICTIONS, evicted),
+                Err(e) => self.fault(
+                    Some(i),
+                    "index-write",
+                    &format!("index of {} not writable: {e}", tier.config.path.display()),
+                ),
+            }
+        }
+        None
+    }
+
+    fn abort(&self, t: usize, key: &Key) {
+        if let Ok(ix) = &self.tiers[t].index {
+            let pid = std::process::id();
+            let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
+        }
+    }
+
+    fn finish_publish(
+        &self,
+        t: usize,
+        key: &Key,
+        temp: &Path,
+        file: &File,
+        sid: SourceId,
+        sum: [u8; 32],
+    ) -> io::Result<()> {
+        let tier = &self.tiers[t];
+        set_mtime(file, sid.mtime_ns)?;
+        tier.publish_file(temp, key)?;
+        let published = match &tier.index {
+            Ok(ix) => ix.publish(key, sum, now_ns()).unwrap_or(false),
+            Err(_) => false,
+        };
+        if published {
+            tier.counters.add(tier_slot::INSERTS, 1);
+            tier.counters.add(tier_slot::BYTES_WRITTEN, sid.size);
+        } else {
+            // The reservation vanished (the cache was cleared meanwhile): leave no unaccounted copy.
+            let _ = std::fs::remove_file(tier.data_path(key));
+        }
+        Ok(())
+    }
+
+    /// Writes fetched bytes into tier `t` and publishes them.
+    fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
+        let tier = &self.tiers[t];
+        let r = tier.create_temp(key).and_then(|(path, mut f)| {
+            let result = f
+                .write_all(bytes)
+                .and_then(|_| self.finish_publish(t, key, &path, &f, sid, *blake3::hash(bytes).as_bytes()));
+            if result.is_err() {
+                let _ = std::fs::remove_file(&path);
+            }
+            result
+        });
+        if let Err(e) = r {
+            self.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
+            self.abort(t, key);
+        }
+    }
+
+    /// Streams a source file into tier `t` and publishes it; readers of `growing` follow the copy. Returns
+    /// whether the copy was published.
+    fn copy_into(
+        &self,
+        t: usize,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        started: Option<(PathBuf, File, Arc<Growing>)>,
+    ) -> Result<bool, Error> {
+        let tier = &self.tiers[t];
+        let (temp, mut file, growing) = match started {
+            Some((p, f, g)) => (p, f, Some(g)),
+            None => match tier.create_temp(key) {
+                Ok((p, f)) => (p, f, None),
+                Err(e) => {
+                    self.fault(
+                        Some(t),
+                        "tier-write",
+                        &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
+                    );
+                    self.abort(t, key);
+                    return Ok(false);
+                }
+            },
+        };
+        let fail = |why: Option<(&str, String)>| {
+            if let Some(g) = &growing {
+                g.fail();
+            }
+            let _ = std::fs::remove_file(&temp);
+            self.abort(t, key);
+            if let Some((kind, detail)) = why {
+                self.fault(Some(t), kind, &detail);
+            }
+        };
+        let src = match self.source.open(rel) {
+            Ok(f) => f,
+            Err(e) => {
+                fail(None);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+        };
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; COPY_CHUNK.min(sid.size as usize + 1).max(1)];
+        let mut copied = 0u64;
+        loop {
+            let n = match self.source.read_at(&src, &mut buf, copied) {
+                Ok(n) => n,
+                Err(e) => {
+                    fail(None);
+                    return Err(Error::io(&self.source.path_of(rel), e));
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            if let Err(e) = file.write_all(&buf[..n]) {
+                fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
+                return Ok(false);
+            }
+            hasher.update(&buf[..n]);
+            copied += n as u64;
+            if let Some(g) = &growing {
+                g.advance(copied.min(sid.size));
+            }
+            if copied > sid.size {
+                break;
+            }
+        }
+        // A file rewritten during the copy is never published.
+        let after = src.metadata().map(|m| SourceId::of(&m)).ok();
+        if copied != sid.size || after != Some(sid) {
+            fail(None);
+            return Ok(false);
+        }
+        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, *hasher.finalize().as_bytes()) {
+            fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// One file of a prefetch: copy it unless it is cached or being fetched by someone else.
+    fn prefetch_one(self: &Arc<Self>, rel: &str) -> Result<Fetched, Error> {
+        let key = key_of(rel);
+        let meta = self.source.stat(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+        let sid = SourceId::of(&meta);
+        if self.hit(&key, rel, &sid, false).is_some() {
+            return Ok(Fetched::Skipped);
+        }
+        let Role::Leader(flight) = self.flights.join(&key) else {
+            return Ok(Fetched::Skipped);
+        };
+        // Never block a pool thread on another process's fetch: it is being done, which is all a
+        // prefetch wants, and blocking could tie up every pool thread.
+        match self.locks.try_lock(&key) {
+            Ok(Some(guard)) => self.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch),
+            Ok(None) => {
+                self.flights.land(&key, &flight);
+                Ok(Fetched::Skipped)
+            }
+            Err(e) => {
+                self.flights.land(&key, &flight);
+                Err(Error::io(&self.source.path_of(rel), e))
+            }
+        }
+    }
+}

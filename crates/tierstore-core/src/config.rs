@@ -1,0 +1,758 @@
+//! Configuration: a TOML file, overridden by `TIERSTORE_*` environment variables, overridden by API
+//! arguments. Every value remembers where it came from (`tierstore config show`), and every invalid value
+//! fails at start with one message that names the key, the value, where it was set and the fix.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::placement::Policy;
+
+/// Where a configuration value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// tierstore's built-in default.
+    Default,
+    /// A TOML file.
+    File(PathBuf),
+    /// An environment variable.
+    Env(String),
+    /// An argument of the Python API or the CLI.
+    Argument,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Default => write!(f, "default"),
+            Origin::File(p) => write!(f, "{}", p.display()),
+            Origin::Env(name) => write!(f, "${name}"),
+            Origin::Argument => write!(f, "argument"),
+        }
+    }
+}
+
+/// A configuration value that is wrong, with what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[error("{origin}: {key} = {value}: {problem}; {fix}")]
+pub struct ConfigError {
+    /// Where the bad value was set.
+    pub origin: Origin,
+    /// The key, as written in the TOML file (`tiers[1].quota`).
+    pub key: String,
+    /// The value as given.
+    pub value: String,
+    /// What is wrong with it.
+    pub problem: String,
+    /// What to do instead.
+    pub fix: String,
+}
+
+fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
+    ConfigError {
+        origin: origin.clone(),
+        key: key.to_string(),
+        value: value.to_string(),
+        problem: problem.to_string(),
+        fix: fix.to_string(),
+    }
+}
+
+/// Whether a tier lives in RAM or on a local disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierKind {
+    /// A RAM-backed directory (tmpfs, such as /dev/shm).
+    Memory,
+    /// A directory on a local disk (NVMe, SSD).
+    Local,
+}
+
+impl TierKind {
+    /// The name used in configuration files.
+    pub fn name(self) -> &'static str {
+        match self {
+            TierKind::Memory => "memory",
+            TierKind::Local => "local",
+        }
+    }
+}
+
+/// One cache tier as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierConfig {
+    /// The directory that holds the tier.
+    pub path: PathBuf,
+    /// Most bytes of cached copies the tier may hold.
+    pub quota: u64,
+    /// RAM or disk.
+    pub kind: TierKind,
+}
+
+/// How a cached copy is checked when it is opened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    /// Size and mtime of the copy against the index (one `fstat`, free): catches truncation and writes.
+    Metadata,
+    /// Also a blake3 hash of the whole copy: catches silent bit rot, at the cost of hashing every open.
+    Checksum,
+}
+
+/// The effective configuration of a cache.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The source directory: the truth, never written by the read path.
+    pub source: PathBuf,
+    /// Cache tiers, fastest first.
+    pub tiers: Vec<TierConfig>,
+    /// Placement and eviction policy.
+    pub policy: Policy,
+    /// Threads of the background copy pool.
+    pub threads: usize,
+    /// Files up to this size are fetched whole into memory and handed to the reader at once; larger ones
+    /// are streamed into the tier while the reader follows the copy.
+    pub inline_max: u64,
+    /// How cached copies are checked on open.
+    pub verify: Verify,
+    /// Where each top-level key's value came from.
+    pub origins: BTreeMap<String, Origin>,
+}
+
+/// Values given by the API or CLI; `None` leaves the file or environment value in place.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
+    pub config_file: Option<PathBuf>,
+    /// The source directory.
+    pub source: Option<String>,
+    /// Tiers as `(path, quota)` pairs; quota `None` means "derive from free space".
+    pub tiers: Option<Vec<(String, Option<String>)>>,
+    /// Placement policy name.
+    pub policy: Option<String>,
+    /// Background thread count.
+    pub threads: Option<String>,
+    /// Inline fetch limit (a size).
+    pub inline_max: Option<String>,
+    /// Verification mode name.
+    pub verify: Option<String>,
+}
+
+/// The environment variables tierstore reads; any other `TIERSTORE_*` name is a typo and an error.
+pub const ENV_VARS: &[&str] = &[
+    "TIERSTORE_CONFIG",
+    "TIERSTORE_SOURCE",
+    "TIERSTORE_TIERS",
+    "TIERSTORE_POLICY",
+    "TIERSTORE_THREADS",
+    "TIERSTORE_INLINE_MAX",
+    "TIERSTORE_VERIFY",
+    "TIERSTORE_LOG",
+];
+
+const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
+
+/// Parses a size: a number of bytes, or a number with a unit. `K`, `M`, `G`, `T` and `KiB`… are powers
+/// of 1024; `KB`, `MB`, `GB`, `TB` are powers of 1000.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return None;
+    }
+    let n: f64 = num.parse().ok()?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return None,
+    };
+    let bytes = n * mult;
+    if !bytes.is_finite() || bytes > u64::MAX as f64 || (unit.is_empty() && num.contains('.')) {
+        return None;
+    }
+    Some(bytes.round() as u64)
+}
+
+/// Formats a byte count for people: `1.5 GiB`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < UNITS.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[i])
+    }
+}
+
+/// The raw, unvalidated values of the TOML file.
+#[derive(Default)]
+struct Raw {
+    source: Option<(String, Origin)>,
+    tiers: Option<(Vec<RawTier>, Origin)>,
+    policy: Option<(String, Origin)>,
+    threads: Option<(String, Origin)>,
+    inline_max: Option<(String, Origin)>,
+    verify: Option<(String, Origin)>,
+}
+
+struct RawTier {
+    path: String,
+    quota: Option<String>,
+    kind: Option<String>,
+}
+
+const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify"];
+const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
+
+fn scalar(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn closest<'a>(word: &str, choices: &[&'a str]) -> Option<&'a str> {
+    choices.iter().copied().find(|c| {
+        let (a, b) = (word.to_ascii_lowercase(), c.to_ascii_lowercase());
+        a.contains(&b) || b.contains(&a) || edit_distance(&a, &b) <= 2
+    })
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur.push((prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn unknown_key(origin: &Origin, key: &str, value: &toml::Value, known: &[&str]) -> ConfigError {
+    let fix = match closest(key.rsplit('.').next().unwrap_or(key), known) {
+        Some(k) => format!("did you mean \"{k}\"? known keys: {}", known.join(", ")),
+        None => format!("known keys: {}", known.join(", ")),
+    };
+    bad(origin, key, scalar(value), "unknown key", &fix)
+}
+
+fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
+    let origin = Origin::File(path.to_path_buf());
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        bad(&origin, "file", path.display(), &format!("cannot be read ({e})"), "check the path and its permissions")
+    })?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        bad(&origin, "file", path.display(), &format!("is not valid TOML: {}", e.message()), "fix the syntax")
+    })?;
+    for (key, value) in &table {
+        let text_of = |v: &toml::Value| -> Result<String, ConfigError> {
+            match v {
+                toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Float(_) => Ok(scalar(v)),
+                _ => Err(bad(&origin, key, v, "must be a string or a number", "write a single value")),
+            }
+        };
+        match key.as_str() {
+            "source" => raw.source = Some((text_of(value)?, origin.clone())),
+            "policy" => raw.policy = Some((text_of(value)?, origin.clone())),
+            "threads" => raw.threads = Some((text_of(value)?, origin.clone())),
+            "inline_max" => raw.inline_max = Some((text_of(value)?, origin.clone())),
+            "verify" => raw.verify = Some((text_of(value)?, origin.clone())),
+            "tiers" => {
+                let fix = "write [[tiers]] tables with path = \"/dev/shm/tierstore\" and quota = \"8G\"";
+                let list = value.as_array().ok_or_else(|| bad(&origin, key, value, "must be a list of tables", fix))?;
+                let mut tiers = Vec::new();
+                for (i, item) in list.iter().enumerate() {
+                    let k = format!("tiers[{i}]");
+                    let t = item.as_table().ok_or_else(|| bad(&origin, &k, item, "must be a table", fix))?;
+                    for (tk, tv) in t {
+                        if !TIER_KEYS.contains(&tk.as_str()) {
+                            return Err(unknown_key(&origin, &format!("{k}.{tk}"), tv, TIER_KEYS));
+                        }
+                    }
+                    let path = t.get("path").and_then(|p| p.as_str()).ok_or_else(|| {
+                        bad(&origin, &format!("{k}.path"), "(missing)", "every tier needs a path", fix)
+                    })?;
+                    tiers.push(RawTier {
+                        path: path.to_string(),
+                        quota: t.get("quota").map(scalar),
+                        kind: t.get("kind").map(scalar),
+                    });
+                }
+                raw.tiers = Some((tiers, origin.clone()));
+            }
+            other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
+        }
+    }
+    Ok(())
+}
+
+fn parse_env_tiers(text: &str, origin: &Origin) -> Result<Vec<RawTier>, ConfigError> {
+    let fix = "write TIERSTORE_TIERS=\"/dev/shm/tierstore:8G,/nvme/tierstore:500G\"";
+    text.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| {
+            let item = item.trim();
+            match item.rsplit_once(':') {
+                Some((path, quota)) if !path.is_empty() && parse_size(quota).is_some() => {
+                    Ok(RawTier { path: path.to_string(), quota: Some(quota.to_string()), kind: None })
+                }
+                Some((_, quota)) if !quota.contains('/') => {
+                    Err(bad(origin, "tiers", item, &format!("quota \"{quota}\" is not a size"), SIZE_FIX))
+                }
+                _ if item.starts_with('/') || item.starts_with('~') || item.starts_with('.') => {
+                    Ok(RawTier { path: item.to_string(), quota: None, kind: None })
+                }
+                _ => Err(bad(origin, "tiers", item, "is not PATH or PATH:QUOTA", fix)),
+            }
+        })
+        .collect()
+}
+
+fn expand_home(p: &str) -> PathBuf {
+    match p.strip_prefix("~/") {
+        Some(rest) => home_dir().join(rest),
+        None if p == "~" => home_dir(),
+        None => PathBuf::from(p),
+    }
+}
+
+fn home_dir() -> PathBuf {
+    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"))
+}
+
+/// The directory of the default tier: `$XDG_CACHE_HOME/tierstore` or `~/.cache/tierstore`.
+pub fn default_tier_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME") {
+        Some(x) if !x.is_empty() => PathBuf::from(x).join("tierstore"),
+        _ => home_dir().join(".cache").join("tierstore"),
+    }
+}
+
+/// Size facts about the file system holding `path` (or its nearest existing ancestor).
+pub struct FsInfo {
+    /// Total bytes of the file system.
+    pub total: u64,
+    /// Bytes available to unprivileged users.
+    pub free: u64,
+    /// True for tmpfs/ramfs.
+    pub in_memory: bool,
+}
+
+/// Reads [`FsInfo`] for `path`, walking up to the first ancestor that exists.
+pub fn fs_info(path: &Path) -> std::io::Result<FsInfo> {
+    let mut p = path;
+    while !p.exists() {
+        p = p.parent().unwrap_or(Path::new("/"));
+    }
+    let c = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str()))
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let mut s = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: statfs writes into `s` on success.
+    if unsafe { libc::statfs(c.as_ptr(), s.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let s = unsafe { s.assume_init() };
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    let bsize = s.f_bsize as u64;
+    Ok(FsInfo {
+        total: s.f_blocks as u64 * bsize,
+        free: s.f_bavail as u64 * bsize,
+        in_memory: matches!(s.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC),
+    })
+}
+
+impl Config {
+    /// Builds the effective configuration from the file, the environment and `overrides`, and validates
+    /// it. Tier directories are created here so that a tier that cannot exist fails at start.
+    pub fn load(overrides: &Overrides) -> Result<Config, ConfigError> {
+        let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
+        Self::load_with_env(overrides, &env)
+    }
+
+    /// [`Config::load`] with an explicit environment (tests).
+    pub fn load_with_env(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+        for (name, value) in env {
+            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) {
+                let fix = match closest(name, ENV_VARS) {
+                    Some(k) => format!("did you mean {k}? tierstore reads {}", ENV_VARS.join(", ")),
+                    None => format!("tierstore reads {}", ENV_VARS.join(", ")),
+                };
+                return Err(bad(&Origin::Env(name.clone()), name, value, "unknown tierstore variable", &fix));
+            }
+        }
+        let mut raw = Raw::default();
+        let file = match (&overrides.config_file, env.get("TIERSTORE_CONFIG")) {
+            (Some(p), _) => Some((p.clone(), true)),
+            (None, Some(p)) => Some((PathBuf::from(p), true)),
+            (None, None) => Some((PathBuf::from("tierstore.toml"), false)).filter(|(p, _)| p.exists()),
+        };
+        if let Some((path, explicit)) = file {
+            if explicit && !path.exists() {
+                let origin = if overrides.config_file.is_some() {
+                    Origin::Argument
+                } else {
+                    Origin::Env("TIERSTORE_CONFIG".into())
+                };
+                return Err(bad(&origin, "config", path.display(), "no such file", "give the path of a TOML file"));
+            }
+            let abs = std::path::absolute(&path).unwrap_or(path);
+            read_file(&abs, &mut raw)?;
+        }
+        let env_origin = |k: &str| Origin::Env(k.to_string());
+        if let Some(v) = env.get("TIERSTORE_SOURCE") {
+            raw.source = Some((v.clone(), env_origin("TIERSTORE_SOURCE")));
+        }
+        if let Some(v) = env.get("TIERSTORE_TIERS") {
+            let o = env_origin("TIERSTORE_TIERS");
+            raw.tiers = Some((parse_env_tiers(v, &o)?, o));
+        }
+        for (name, slot) in [
+            ("TIERSTORE_POLICY", &mut raw.policy),
+            ("TIERSTORE_THREADS", &mut raw.threads),
+            ("TIERSTORE_INLINE_MAX", &mut raw.inline_max),
+            ("TIERSTORE_VERIFY", &mut raw.verify),
+        ] {
+            if let Some(v) = env.get(name) {
+                *slot = Some((v.clone(), env_origin(name)));
+            }
+        }
+        if let Some(v) = &overrides.source {
+            raw.source = Some((v.clone(), Origin::Argument));
+        }
+        if let Some(t) = &overrides.tiers {
+            let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
+            raw.tiers = Some((tiers, Origin::Argument));
+        }
+        for (value, slot) in [
+            (&overrides.policy, &mut raw.policy),
+            (&overrides.threads, &mut raw.threads),
+            (&overrides.inline_max, &mut raw.inline_max),
+            (&overrides.verify, &mut raw.verify),
+        ] {
+            if let Some(v) = value {
+                *slot = Some((v.clone(), Origin::Argument));
+            }
+        }
+        Self::validate(raw)
+    }
+
+    fn validate(raw: Raw) -> Result<Config, ConfigError> {
+        let mut origins = BTreeMap::new();
+        let (source_text, source_origin) = raw.source.ok_or_else(|| {
+            bad(
+                &Origin::Default,
+                "source",
+                "(unset)",
+                "no source directory is configured",
+                "set source = \"/path/to/dataset\" in tierstore.toml, TIERSTORE_SOURCE, or Cache(source=...)",
+            )
+        })?;
+        let source = expand_home(&source_text);
+        let source = std::path::absolute(&source).unwrap_or(source);
+        match std::fs::metadata(&source) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(bad(
+                    &source_origin,
+                    "source",
+                    &source_text,
+                    "is not a directory",
+                    "give the dataset's directory",
+                ))
+            }
+            Err(e) => {
+                return Err(bad(
+                    &source_origin,
+                    "source",
+                    &source_text,
+                    &format!("cannot be read ({e})"),
+                    "give an existing directory",
+                ))
+            }
+        }
+        let source = std::fs::canonicalize(&source).unwrap_or(source);
+        origins.insert("source".to_string(), source_origin);
+
+        let (raw_tiers, tiers_origin) = raw.tiers.unwrap_or_else(|| {
+            let path = default_tier_dir().to_string_lossy().into_owned();
+            (vec![RawTier { path, quota: None, kind: None }], Origin::Default)
+        });
+        if raw_tiers.is_empty() {
+            return Err(bad(&tiers_origin, "tiers", "[]", "no cache tier", "configure at least one tier directory"));
+        }
+        let mut tiers: Vec<TierConfig> = Vec::new();
+        for (i, rt) in raw_tiers.iter().enumerate() {
+            let key = format!("tiers[{i}]");
+            let path = expand_home(&rt.path);
+            let path = std::path::absolute(&path).unwrap_or(path);
+            std::fs::create_dir_all(&path).map_err(|e| {
+                bad(
+                    &tiers_origin,
+                    &format!("{key}.path"),
+                    &rt.path,
+                    &format!("cannot be created ({e})"),
+                    "give a directory you can write to",
+                )
+            })?;
+            let path = std::fs::canonicalize(&path).unwrap_or(path);
+            let probe = path.join(format!(".tierstore-probe-{}", std::process::id()));
+            if let Err(e) = std::fs::write(&probe, b"") {
+                return Err(bad(
+                    &tiers_origin,
+                    &format!("{key}.path"),
+                    &rt.path,
+                    &format!("is not writable ({e})"),
+                    "give a directory you can write to",
+                ));
+            }
+            let _ = std::fs::remove_file(&probe);
+            if path.starts_with(&source) || source.starts_with(&path) {
+                return Err(bad(
+                    &tiers_origin,
+                    &format!("{key}.path"),
+                    &rt.path,
+                    &format!("overlaps the source {}", source.display()),
+                    "put cache tiers outside the source directory",
+                ));
+            }
+            if let Some(prev) = tiers.iter().position(|t| t.path == path) {
+                return Err(bad(
+                    &tiers_origin,
+                    &format!("{key}.path"),
+                    &rt.path,
+                    &format!("is the same directory as tiers[{prev}]"),
+                    "give each tier its own directory",
+                ));
+            }
+            let info = fs_info(&path).map_err(|e| {
+                bad(&tiers_origin, &format!("{key}.path"), &rt.path, &format!("statfs failed ({e})"), "check the path")
+            })?;
+            let kind = match rt.kind.as_deref() {
+                None => {
+                    if info.in_memory {
+                        TierKind::Memory
+                    } else {
+                        TierKind::Local
+                    }
+                }
+                Some("memory") if info.in_memory => TierKind::Memory,
+                Some("memory") => {
+                    return Err(bad(
+                        &tiers_origin,
+                        &format!("{key}.kind"),
+                        "memory",
+                        &format!("{} is not on a RAM-backed file system", path.display()),
+                        "use a directory under /dev/shm, or kind = \"local\"",
+                    ))
+                }
+                Some("local") => TierKind::Local,
+                Some(other) => {
+                    return Err(bad(
+                        &tiers_origin,
+                        &format!("{key}.kind"),
+                        other,
+                        "unknown tier kind",
+                        "use \"memory\" or \"local\" (or leave it out to detect it)",
+                    ))
+                }
+            };
+            let quota = match &rt.quota {
+                // Half of what is free now: leaves room for everything else on the node.
+                None => (info.free / 2).max(1),
+                Some(q) => {
+                    let quota = parse_size(q).ok_or_else(|| {
+                        bad(&tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), "not a size", SIZE_FIX)
+                    })?;
+                    if quota == 0 {
+                        return Err(bad(
+                            &tiers_origin,
+                            &format!("{key}.quota"),
+                            format!("\"{q}\""),
+                            "a tier of zero bytes caches nothing",
+                            "give a positive size, or remove the tier",
+                        ));
+                    }
+                    if info.total > 0 && quota > info.total {
+                        return Err(bad(
+                            &tiers_origin,
+                            &format!("{key}.quota"),
+                            format!("\"{q}\""),
+                            &format!("exceeds the size of the file system ({})", format_size(info.total)),
+                            &format!("use at most {}", format_size(info.total)),
+                        ));
+                    }
+                    quota
+                }
+            };
+            tiers.push(TierConfig { path, quota, kind });
+        }
+        origins.insert("tiers".to_string(), tiers_origin);
+
+        let policy = match raw.policy {
+            None => {
+                origins.insert("policy".into(), Origin::Default);
+                Policy::Fill
+            }
+            Some((text, origin)) => {
+                let p = Policy::parse(&text).ok_or_else(|| {
+                    bad(
+                        &origin,
+                        "policy",
+                        format!("\"{text}\""),
+                        "unknown policy",
+                        "use \"fill\" (fill tiers in order, never evict), \"lru\", \"lfu\" or \"fifo\"",
+                    )
+                })?;
+                origins.insert("policy".into(), origin);
+                p
+            }
+        };
+
+        let threads = match raw.threads {
+            None => {
+                origins.insert("threads".into(), Origin::Default);
+                std::thread::available_parallelism().map(|n| n.get() * 2).unwrap_or(4).clamp(2, 16)
+            }
+            Some((text, origin)) => {
+                let n: usize = text.trim().parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
+                    bad(&origin, "threads", &text, "not a thread count", "use a whole number from 1 to 256")
+                })?;
+                origins.insert("threads".into(), origin);
+                n
+            }
+        };
+
+        let inline_max = match raw.inline_max {
+            None => {
+                origins.insert("inline_max".into(), Origin::Default);
+                8 << 20
+            }
+            Some((text, origin)) => {
+                let n = parse_size(&text)
+                    .ok_or_else(|| bad(&origin, "inline_max", format!("\"{text}\""), "not a size", SIZE_FIX))?;
+                origins.insert("inline_max".into(), origin);
+                n
+            }
+        };
+
+        let verify = match raw.verify {
+            None => {
+                origins.insert("verify".into(), Origin::Default);
+                Verify::Metadata
+            }
+            Some((text, origin)) => {
+                let v = match text.as_str() {
+                    "metadata" => Verify::Metadata,
+                    "checksum" => Verify::Checksum,
+                    _ => {
+                        return Err(bad(
+                            &origin,
+                            "verify",
+                            format!("\"{text}\""),
+                            "unknown verification mode",
+                            "use \"metadata\" (size and mtime, free) or \"checksum\" (blake3 of every copy opened)",
+                        ))
+                    }
+                };
+                origins.insert("verify".into(), origin);
+                v
+            }
+        };
+
+        Ok(Config { source, tiers, policy, threads, inline_max, verify, origins })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512MiB"), Some(512 << 20));
+        assert_eq!(parse_size("64G"), Some(64 << 30));
+        assert_eq!(parse_size("1.5k"), Some(1536));
+        assert_eq!(parse_size("2GB"), Some(2_000_000_000));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("80X"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("G"), None);
+        assert_eq!(parse_size("1.5"), None);
+        assert_eq!(format_size(1536 << 20), "1.5 GiB");
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn layers_override_in_order_and_remember_origins() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let file = dir.path().join("t.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "source = \"{}\"\npolicy = \"lru\"\nthreads = 3\n[[tiers]]\npath = \"{}\"\nquota = \"1M\"\n",
+                src.display(),
+                dir.path().join("t0").display()
+            ),
+        )
+        .unwrap();
+        let o = Overrides { config_file: Some(file.clone()), threads: Some("5".into()), ..Default::default() };
+        let c = Config::load_with_env(&o, &env(&[("TIERSTORE_POLICY", "lfu")])).unwrap();
+        assert_eq!(c.policy, Policy::Lfu);
+        assert_eq!(c.threads, 5);
+        assert_eq!(c.tiers[0].quota, 1 << 20);
+        assert_eq!(c.origins["policy"], Origin::Env("TIERSTORE_POLICY".into()));
+        assert_eq!(c.origins["threads"], Origin::Argument);
+        assert_eq!(c.origins["tiers"], Origin::File(file));
+    }
+
+    #[test]
+    fn errors_name_key_value_and_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let t0 = dir.path().join("t0").display().to_string();
+        let base = Overrides { source: Some(src.display().to_string()), ..Default::default() };
+        let err = |o: Overrides, e: &[(&str, &str)]| Config::load_with_env(&o, &env(e)).unwrap_err().to_string();
+
+        let e = err(Overrides { tiers: Some(vec![(t0.clone(), Some("80X".into()))]), ..base.clone() }, &[]);
+        assert!(e.contains("tiers[0].quota") && e.contains("80X") && e.contains("use a size like"), "{e}");
+        let e = err(Overrides { policy: Some("lfru".into()), ..base.clone() }, &[]);
+        assert!(e.contains("policy") && e.contains("lfru") && e.contains("\"fill\""), "{e}");
+        let e = err(Overrides { threads: Some("0".into()), ..base.clone() }, &[]);
+        assert!(e.contains("threads = 0"), "{e}");
+        let e = err(base.clone(), &[("TIERSTORE_POLCY", "lru")]);
+        assert!(e.contains("did you mean TIERSTORE_POLICY"), "{e}");
+        let inside = src.join("cache").display().to_string();
+        let e = err(Overrides { tiers: Some(vec![(inside, Some("1M".into()))]), ..base.clone() }, &[]);
+        assert!(e.contains("overlaps the source"), "{e}");
+        let e = err(Overrides { source: None, ..base.clone() }, &[]);
+        assert!(e.contains("no source directory"), "{e}");
+        let e = err(base.clone(), &[("TIERSTORE_TIERS", "/tmp/x:12Q")]);
+        assert!(e.contains("TIERSTORE_TIERS") && e.contains("not a size"), "{e}");
+        let file = dir.path().join("bad.toml");
+        std::fs::write(&file, "polcy = \"lru\"\n").unwrap();
+        let e = err(Overrides { config_file: Some(file), ..base.clone() }, &[]);
+        assert!(e.contains("unknown key") && e.contains("did you mean \"policy\""), "{e}");
+    }
+}

@@ -1,0 +1,424 @@
+//! The index of one tier: which files the tier holds, for which version of the source, how many bytes it
+//! uses against its quota, and the eviction order. One LMDB environment per tier, shared by every process
+//! of the node; every change of quota accounting happens inside LMDB's single write transaction, so
+//! concurrent writers from many processes can never push a tier over its quota.
+
+use std::path::Path;
+
+use crate::lmdb::{Db, Env, LmdbError};
+use crate::placement::{AccessStats, Policy};
+
+/// A 16-byte key: blake3 of the file's path relative to the source (LMDB keys are at most 511 bytes;
+/// paths are not).
+pub type Key = [u8; 16];
+
+/// Hashes a source-relative path into its index key.
+pub fn key_of(rel: &str) -> Key {
+    let h = blake3::hash(rel.as_bytes());
+    h.as_bytes()[..16].try_into().expect("16 bytes")
+}
+
+/// The identity of a source file version. A cached copy is valid only for the identity it was taken from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct SourceId {
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time in nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    /// Inode number (a file replaced by rename has a new one).
+    pub ino: u64,
+    /// Device number.
+    pub dev: u64,
+}
+
+impl SourceId {
+    /// The identity of a file from its metadata.
+    pub fn of(m: &std::fs::Metadata) -> SourceId {
+        use std::os::unix::fs::MetadataExt;
+        SourceId { size: m.size(), mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(), ino: m.ino(), dev: m.dev() }
+    }
+}
+
+/// One record of the index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// True once the copy is published; false while a fetch holds the reservation.
+    pub ready: bool,
+    /// The process that reserved the entry (meaningful while not ready).
+    pub pid: u32,
+    /// The source version the copy was taken from; also the bytes it uses in the tier.
+    pub source: SourceId,
+    /// What the eviction policy ranks by.
+    pub stats: AccessStats,
+    /// blake3 of the copy, when known.
+    pub checksum: Option<[u8; 32]>,
+    /// The source-relative path (for listings, and to check key collisions).
+    pub rel: String,
+}
+
+const HEADER: usize = 1 + 4 + 8 * 7 + 1 + 32;
+
+impl Entry {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(HEADER + self.rel.len());
+        v.push(self.ready as u8);
+        v.extend_from_slice(&self.pid.to_le_bytes());
+        for x in [
+            self.source.size,
+            self.source.mtime_ns as u64,
+            self.source.ino,
+            self.source.dev,
+            self.stats.inserted_seq,
+            self.stats.last_access_ns,
+            self.stats.hits,
+        ] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.push(self.checksum.is_some() as u8);
+        v.extend_from_slice(&self.checksum.unwrap_or([0; 32]));
+        v.extend_from_slice(self.rel.as_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Entry> {
+        if b.len() < HEADER {
+            return None;
+        }
+        let u = |i: usize| u64::from_le_bytes(b[5 + 8 * i..13 + 8 * i].try_into().expect("8 bytes"));
+        let has_sum = b[5 + 56] == 1;
+        let sum: [u8; 32] = b[62..94].try_into().expect("32 bytes");
+        Some(Entry {
+            ready: b[0] == 1,
+            pid: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
+            source: SourceId { size: u(0), mtime_ns: u(1) as i64, ino: u(2), dev: u(3) },
+            stats: AccessStats { inserted_seq: u(4), last_access_ns: u(5), hits: u(6) },
+            checksum: has_sum.then_some(sum),
+            rel: String::from_utf8_lossy(&b[HEADER..]).into_owned(),
+        })
+    }
+}
+
+/// Failures of the index.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    /// LMDB failed.
+    #[error(transparent)]
+    Lmdb(#[from] LmdbError),
+    /// A record could not be decoded: the index is damaged.
+    #[error("damaged index record")]
+    Damaged,
+}
+
+/// Outcome of [`Index::reserve`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// The bytes are reserved and a pending entry is in the index.
+    Reserved {
+        /// Entries evicted to make room.
+        evicted: u64,
+    },
+    /// The tier cannot take the entry.
+    NoRoom {
+        /// Entries evicted while trying (they stay evicted).
+        evicted: u64,
+    },
+}
+
+/// Usage of a tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Published entries.
+    pub entries: u64,
+    /// Bytes counted against the quota (published entries and reservations of fetches in flight).
+    pub used: u64,
+    /// Fetches in flight (reserved, not yet published).
+    pub pending: u64,
+}
+
+/// The index of one tier.
+pub struct Index {
+    env: Env,
+    entries: Db,
+    ranks: Db,
+    meta: Db,
+    policy: Policy,
+}
+
+const USED: &[u8] = b"used";
+const SEQ: &[u8] = b"seq";
+
+fn get_u64(txn: &crate::lmdb::Txn<'_>, db: Db, key: &[u8]) -> Result<u64, LmdbError> {
+    Ok(txn.get(db, key)?.and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0))
+}
+
+fn rank_key(rank: &[u8; 16], key: &Key) -> [u8; 32] {
+    let mut k = [0u8; 32];
+    k[..16].copy_from_slice(rank);
+    k[16..].copy_from_slice(key);
+    k
+}
+
+/// Called by eviction for each candidate: remove its copy if no reader holds it, and say whether it did.
+pub type TryRemove<'a> = &'a mut dyn FnMut(&Key, &Entry) -> bool;
+
+impl Index {
+    /// Opens (creating if needed) the index in directory `dir`.
+    pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
+        // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
+        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta"])?;
+        Ok(Index { entries: env.db(0), ranks: env.db(1), meta: env.db(2), env, policy })
+    }
+
+    /// Leaks the environment (after `fork()`; see [`Env::forget`]).
+    pub fn forget(self) {
+        self.env.forget();
+    }
+
+    /// The entry of `key`, if any.
+    pub fn lookup(&self, key: &Key) -> Result<Option<Entry>, IndexError> {
+        let txn = self.env.read()?;
+        match txn.get(self.entries, key)? {
+            None => Ok(None),
+            Some(b) => Entry::decode(b).map(Some).ok_or(IndexError::Damaged),
+        }
+    }
+
+    fn delete(&self, txn: &mut crate::lmdb::Txn<'_>, key: &Key, e: &Entry) -> Result<(), LmdbError> {
+        txn.del(self.entries, key)?;
+        txn.del(self.ranks, &rank_key(&self.policy.rank(&e.stats), key))?;
+        let used = get_u64(txn, self.meta, USED)?.saturating_sub(e.source.size);
+        txn.put(self.meta, USED, &used.to_le_bytes())
+    }
+
+    /// Reserves room for `rel` (a fetch of `source`) as a pending entry of this process, evicting by the
+    /// policy if `evict` is set and the tier is full. An existing entry of the key is replaced (the caller
+    /// holds the key's fetch lock, so it is stale or left by a dead fetcher).
+    pub fn reserve(
+        &self,
+        key: &Key,
+        rel: &str,
+        source: SourceId,
+        quota: u64,
+        evict: bool,
+        try_remove: TryRemove<'_>,
+    ) -> Result<Reservation, IndexError> {
+        let mut txn = self.env.write()?;
+        if let Some(old) = txn.get(self.entries, key)?.map(|b| Entry::decode(b).ok_or(IndexError::Damaged)) {
+            self.delete(&mut txn, key, &old?)?;
+        }
+        let size = source.size;
+        let mut used = get_u64(&txn, self.meta, USED)?;
+        let mut evicted = 0;
+        if used + size > quota && evict && size <= quota {
+            let mut from = Vec::new();
+            'outer: loop {
+                let mut batch: Vec<(Vec<u8>, Key)> = Vec::new();
+                txn.scan(self.ranks, &from, |k, _| {
+                    if k != from.as_slice() {
+                        batch.push((k.to_vec(), k[16..32].try_into().expect("16 bytes")));
+                    }
+                    batch.len() < 64
+                })?;
+                if batch.is_empty() {
+                    break;
+                }
+                from = batch.last().expect("non-empty").0.clone();
+                for (_, victim) in batch {
+                    if &victim == key {
+                        continue;
+                    }
+                    let Some(e) = txn.get(self.entries, &victim)?.and_then(Entry::decode) else { continue };
+                    if !e.ready || !try_remove(&victim, &e) {
+                        continue;
+                    }
+                    self.delete(&mut txn, &victim, &e)?;
+                    used = used.saturating_sub(e.source.size);
+                    evicted += 1;
+                    if used + size <= quota {
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        if used + size > quota {
+            txn.commit()?;
+            return Ok(Reservation::NoRoom { evicted });
+        }
+        let entry = Entry {
+            ready: false,
+            pid: std::process::id(),
+            source,
+            stats: AccessStats::default(),
+            checksum: None,
+            rel: rel.to_string(),
+        };
+        txn.put(self.entries, key, &entry.encode())?;
+        txn.put(self.meta, USED, &(used + size).to_le_bytes())?;
+        txn.commit()?;
+        Ok(Reservation::Reserved { evicted })
+    }
+
+    /// Turns this process's pending entry of `key` into a published one. Returns false (and changes
+    /// nothing) if the reservation is gone, for instance cleared by `tierstore clear`.
+    pub fn publish(&self, key: &Key, checksum: [u8; 32], now_ns: u64) -> Result<bool, IndexError> {
+        let mut txn = self.env.write()?;
+        let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(false) };
+        if e.ready || e.pid != std::process::id() {
+            return Ok(false);
+        }
+        let seq = get_u64(&txn, self.meta, SEQ)? + 1;
+        txn.put(self.meta, SEQ, &seq.to_le_bytes())?;
+        e.ready = true;
+        e.checksum = Some(checksum);
+        e.stats = AccessStats { inserted_seq: seq, last_access_ns: now_ns, hits: 0 };
+        txn.put(self.entries, key, &e.encode())?;
+        txn.put(self.ranks, &rank_key(&self.policy.rank(&e.stats), key), &[])?;
+        txn.commit()?;
+        Ok(true)
+    }
+
+    /// Removes the entry of `key` if `matches` approves of it; returns the removed entry.
+    pub fn remove_if(&self, key: &Key, matches: impl Fn(&Entry) -> bool) -> Result<Option<Entry>, IndexError> {
+        let mut txn = self.env.write()?;
+        let Some(e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(None) };
+        if !matches(&e) {
+            return Ok(None);
+        }
+        self.delete(&mut txn, key, &e)?;
+        txn.commit()?;
+        Ok(Some(e))
+    }
+
+    /// Writes a batch of access statistics (hits since the last batch, last access time) and re-ranks.
+    pub fn record_access(&self, batch: &[(Key, u64, u64)]) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        for (key, hits, last_ns) in batch {
+            let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { continue };
+            if !e.ready {
+                continue;
+            }
+            txn.del(self.ranks, &rank_key(&self.policy.rank(&e.stats), key))?;
+            e.stats.hits += hits;
+            e.stats.last_access_ns = e.stats.last_access_ns.max(*last_ns);
+            txn.put(self.ranks, &rank_key(&self.policy.rank(&e.stats), key), &[])?;
+            txn.put(self.entries, key, &e.encode())?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Every entry, in key order.
+    pub fn entries(&self) -> Result<Vec<(Key, Entry)>, IndexError> {
+        let txn = self.env.read()?;
+        let mut out = Vec::new();
+        txn.scan(self.entries, &[], |k, v| {
+            if let (Ok(k), Some(e)) = (k.try_into(), Entry::decode(v)) {
+                out.push((k, e));
+            }
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// Entries, bytes used and fetches in flight.
+    pub fn usage(&self) -> Result<Usage, IndexError> {
+        let txn = self.env.read()?;
+        let used = get_u64(&txn, self.meta, USED)?;
+        let mut u = Usage { used, ..Usage::default() };
+        txn.scan(self.entries, &[], |_, v| {
+            if v.first() == Some(&1) {
+                u.entries += 1;
+            } else {
+                u.pending += 1;
+            }
+            true
+        })?;
+        Ok(u)
+    }
+
+    /// Bytes counted against the quota (the hot part of [`Index::usage`]).
+    pub fn usage_bytes(&self) -> Result<u64, IndexError> {
+        let txn = self.env.read()?;
+        Ok(get_u64(&txn, self.meta, USED)?)
+    }
+
+    /// Forgets every entry (the caller removes the copies).
+    pub fn clear(&self) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        txn.clear(self.entries)?;
+        txn.clear(self.ranks)?;
+        txn.put(self.meta, USED, &0u64.to_le_bytes())?;
+        txn.commit()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sid(size: u64) -> SourceId {
+        SourceId { size, mtime_ns: 1, ino: 2, dev: 3 }
+    }
+
+    #[test]
+    fn entry_round_trips() {
+        let e = Entry {
+            ready: true,
+            pid: 42,
+            source: SourceId { size: 9, mtime_ns: -5, ino: 7, dev: 8 },
+            stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
+            checksum: Some([9; 32]),
+            rel: "a/b.jpg".into(),
+        };
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+    }
+
+    #[test]
+    fn quota_is_never_exceeded_and_eviction_follows_the_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), Policy::Fifo).unwrap();
+        let mut keep_all = |_: &Key, _: &Entry| true;
+        for i in 0..3 {
+            let k = key_of(&format!("f{i}"));
+            let r = idx.reserve(&k, &format!("f{i}"), sid(40), 100, false, &mut keep_all).unwrap();
+            if i < 2 {
+                assert_eq!(r, Reservation::Reserved { evicted: 0 });
+                assert!(idx.publish(&k, [0; 32], i).unwrap());
+            } else {
+                assert_eq!(r, Reservation::NoRoom { evicted: 0 });
+            }
+        }
+        assert_eq!(idx.usage().unwrap(), Usage { entries: 2, used: 80, pending: 0 });
+        let mut removed = Vec::new();
+        let mut remove = |_: &Key, e: &Entry| {
+            removed.push(e.rel.clone());
+            true
+        };
+        let k = key_of("f2");
+        assert_eq!(
+            idx.reserve(&k, "f2", sid(40), 100, true, &mut remove).unwrap(),
+            Reservation::Reserved { evicted: 1 }
+        );
+        assert_eq!(removed, vec!["f0".to_string()]);
+        assert_eq!(idx.usage().unwrap(), Usage { entries: 1, used: 80, pending: 1 });
+    }
+
+    #[test]
+    fn locked_victims_are_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), Policy::Lru).unwrap();
+        let mut yes = |_: &Key, _: &Entry| true;
+        for i in 0..2 {
+            let k = key_of(&format!("f{i}"));
+            idx.reserve(&k, &format!("f{i}"), sid(50), 100, false, &mut yes).unwrap();
+            idx.publish(&k, [0; 32], 10 + i).unwrap();
+        }
+        // f0 is older, but a reader holds it: f1 goes instead.
+        let mut busy_f0 = |_: &Key, e: &Entry| e.rel != "f0";
+        let r = idx.reserve(&key_of("n"), "n", sid(50), 100, true, &mut busy_f0).unwrap();
+        assert_eq!(r, Reservation::Reserved { evicted: 1 });
+        assert!(idx.lookup(&key_of("f0")).unwrap().is_some());
+        assert!(idx.lookup(&key_of("f1")).unwrap().is_none());
+    }
+}

@@ -1,0 +1,64 @@
+//! tierstore-core: a node-local, tiered cache in front of a slow shared store.
+//!
+//! A [`Cache`] serves files of a source directory from the fastest tier that holds a current copy
+//! (RAM, then local disks), fetches each file from the source at most once per node however many threads
+//! and processes ask, places copies by policy, and falls back to the source on any cache fault.
+//! See `ARCHITECTURE.md` for the design and the papers it comes from.
+#![deny(missing_docs)]
+
+pub mod cache;
+pub mod config;
+pub mod counters;
+pub mod flight;
+pub mod index;
+pub mod lmdb;
+pub mod lock;
+pub mod placement;
+pub mod pool;
+pub mod reader;
+pub mod source;
+pub mod tier;
+
+use std::path::{Path, PathBuf};
+
+pub use cache::{Cache, PrefetchProgress, SourceStats, Stats, TierStats};
+pub use config::{Config, ConfigError, Overrides, TierConfig, TierKind, Verify};
+pub use placement::Policy;
+pub use reader::Reader;
+pub use source::OutsideSource;
+
+/// Everything that can go wrong, folded from the modules' own errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration value is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A path is not under the source.
+    #[error(transparent)]
+    OutsideSource(#[from] OutsideSource),
+    /// An I/O operation on a file failed (the source's errors keep their kind: not found, permission…).
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tier cannot be used.
+    #[error("cache tier {}: {message}", path.display())]
+    Tier {
+        /// The tier's directory.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl Error {
+    /// An I/O error on `path`.
+    pub fn io(path: &Path, source: std::io::Error) -> Error {
+        Error::Io { path: path.to_path_buf(), source }
+    }
+}

@@ -1,0 +1,255 @@
+//! A thin, fork-aware wrapper over LMDB (the C library that `heed` also wraps).
+//!
+//! Why not `heed` itself: heed keeps a process-global registry of opened environments and refuses to open
+//! a path twice. LMDB's rule is the opposite of what a forked PyTorch DataLoader worker needs: an
+//! environment inherited through `fork()` must not be used, and the child must open its own. heed gives no
+//! way to forget the inherited handle, so the child could never reopen the index. This wrapper exposes
+//! exactly the calls the index uses, and [`Env::forget`] leaks an inherited handle instead of closing it.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::ptr;
+
+use lmdb_master_sys as ffi;
+
+/// An LMDB failure: the library's code and its message.
+#[derive(Debug, thiserror::Error)]
+#[error("LMDB {op}: {message} (code {code})")]
+pub struct LmdbError {
+    /// The LMDB call that failed.
+    pub op: &'static str,
+    /// LMDB's error code (negative) or an errno (positive).
+    pub code: i32,
+    /// LMDB's description of the code.
+    pub message: String,
+}
+
+impl LmdbError {
+    fn new(op: &'static str, code: i32) -> Self {
+        // SAFETY: mdb_strerror returns a pointer to a static string for every code.
+        let message = unsafe { std::ffi::CStr::from_ptr(ffi::mdb_strerror(code)) }.to_string_lossy().into_owned();
+        LmdbError { op, code, message }
+    }
+
+    /// True when the environment's map is full (the index needs a larger map).
+    pub fn is_map_full(&self) -> bool {
+        self.code == ffi::MDB_MAP_FULL
+    }
+}
+
+fn check(op: &'static str, rc: i32) -> Result<(), LmdbError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(LmdbError::new(op, rc))
+    }
+}
+
+/// An open LMDB environment with a fixed set of named databases.
+pub struct Env {
+    raw: *mut ffi::MDB_env,
+    dbs: Vec<ffi::MDB_dbi>,
+}
+
+// SAFETY: an MDB_env is thread-safe; transactions are confined to their creating thread by `NOTLS`
+// read transactions and by LMDB's own writer mutex.
+unsafe impl Send for Env {}
+unsafe impl Sync for Env {}
+
+impl Env {
+    /// Opens (creating if needed) the environment in directory `dir` with the named databases.
+    ///
+    /// `NOSYNC`: the index describes a cache, so losing the last transactions in a power cut is fine (the
+    /// entries are validated against the source and their own size on every open); a process crash loses
+    /// nothing because LMDB writes land in the page cache.
+    pub fn open(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
+        unsafe {
+            check("env_create", ffi::mdb_env_create(&mut raw))?;
+            let env = Env { raw, dbs: Vec::new() };
+            check("env_set_mapsize", ffi::mdb_env_set_mapsize(raw, map_size))?;
+            check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
+            check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
+            let c_path = CString::new(dir.as_os_str().as_bytes()).expect("path without NUL bytes");
+            let flags = ffi::MDB_NOSYNC | ffi::MDB_NOTLS;
+            check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o644))?;
+            let mut env = env;
+            let mut rc = 0;
+            let mut dbs = Vec::with_capacity(names.len());
+            let mut txn = ptr::null_mut();
+            check("txn_begin", ffi::mdb_txn_begin(raw, ptr::null_mut(), 0, &mut txn))?;
+            for name in names {
+                let c_name = CString::new(*name).expect("database name without NUL bytes");
+                let mut dbi = 0;
+                rc = ffi::mdb_dbi_open(txn, c_name.as_ptr(), ffi::MDB_CREATE, &mut dbi);
+                if rc != 0 {
+                    break;
+                }
+                dbs.push(dbi);
+            }
+            if rc != 0 {
+                ffi::mdb_txn_abort(txn);
+                return Err(LmdbError::new("dbi_open", rc));
+            }
+            check("txn_commit", ffi::mdb_txn_commit(txn))?;
+            env.dbs = dbs;
+            // Readers left by processes that died (SIGKILL) would pin old pages forever.
+            let mut dead = 0;
+            ffi::mdb_reader_check(raw, &mut dead);
+            Ok(env)
+        }
+    }
+
+    /// Leaks this handle without closing it: the only safe thing to do with an environment inherited
+    /// through `fork()` (closing it would touch the parent's lock table).
+    pub fn forget(self) {
+        std::mem::forget(self);
+    }
+
+    /// The database handle of the `i`-th name given to [`Env::open`].
+    pub fn db(&self, i: usize) -> Db {
+        Db(self.dbs[i])
+    }
+
+    /// Starts a read-only transaction (no lock taken; a reader slot is used until it ends).
+    pub fn read(&self) -> Result<Txn<'_>, LmdbError> {
+        self.begin(ffi::MDB_RDONLY)
+    }
+
+    /// Starts the write transaction; blocks while another thread or process holds it.
+    pub fn write(&self) -> Result<Txn<'_>, LmdbError> {
+        self.begin(0)
+    }
+
+    fn begin(&self, flags: u32) -> Result<Txn<'_>, LmdbError> {
+        let mut txn = ptr::null_mut();
+        // SAFETY: the environment is open for the lifetime of `self`.
+        check("txn_begin", unsafe { ffi::mdb_txn_begin(self.raw, ptr::null_mut(), flags, &mut txn) })?;
+        Ok(Txn { raw: txn, _env: std::marker::PhantomData })
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // SAFETY: no transaction outlives the environment (they borrow it).
+        unsafe { ffi::mdb_env_close(self.raw) };
+    }
+}
+
+/// A database handle inside an [`Env`].
+#[derive(Clone, Copy, Debug)]
+pub struct Db(ffi::MDB_dbi);
+
+/// A transaction; aborted on drop unless committed.
+pub struct Txn<'env> {
+    raw: *mut ffi::MDB_txn,
+    _env: std::marker::PhantomData<&'env Env>,
+}
+
+fn val(bytes: &[u8]) -> ffi::MDB_val {
+    ffi::MDB_val { mv_size: bytes.len(), mv_data: bytes.as_ptr() as *mut _ }
+}
+
+/// # Safety
+/// `v` must come from LMDB inside a live transaction that outlives `'t`.
+unsafe fn slice<'t>(v: &ffi::MDB_val) -> &'t [u8] {
+    if v.mv_size == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(v.mv_data as *const u8, v.mv_size)
+    }
+}
+
+impl<'env> Txn<'env> {
+    /// The value stored under `key`, borrowed from the map for the life of the transaction.
+    pub fn get(&self, db: Db, key: &[u8]) -> Result<Option<&[u8]>, LmdbError> {
+        let k = val(key);
+        let mut v = ffi::MDB_val { mv_size: 0, mv_data: ptr::null_mut() };
+        // SAFETY: the transaction is live; LMDB only reads `k`.
+        let rc = unsafe { ffi::mdb_get(self.raw, db.0, &k as *const _ as *mut _, &mut v) };
+        match rc {
+            0 => Ok(Some(unsafe { slice(&v) })),
+            ffi::MDB_NOTFOUND => Ok(None),
+            rc => Err(LmdbError::new("get", rc)),
+        }
+    }
+
+    /// Stores `value` under `key`, replacing what was there.
+    pub fn put(&mut self, db: Db, key: &[u8], value: &[u8]) -> Result<(), LmdbError> {
+        let k = val(key);
+        let v = val(value);
+        // SAFETY: a write transaction; LMDB copies both buffers.
+        check("put", unsafe { ffi::mdb_put(self.raw, db.0, &k as *const _ as *mut _, &v as *const _ as *mut _, 0) })
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub fn del(&mut self, db: Db, key: &[u8]) -> Result<bool, LmdbError> {
+        let k = val(key);
+        // SAFETY: a write transaction.
+        let rc = unsafe { ffi::mdb_del(self.raw, db.0, &k as *const _ as *mut _, ptr::null_mut()) };
+        match rc {
+            0 => Ok(true),
+            ffi::MDB_NOTFOUND => Ok(false),
+            rc => Err(LmdbError::new("del", rc)),
+        }
+    }
+
+    /// Removes every record of `db`.
+    pub fn clear(&mut self, db: Db) -> Result<(), LmdbError> {
+        // SAFETY: a write transaction; 0 = empty the database, keep its handle.
+        check("drop", unsafe { ffi::mdb_drop(self.raw, db.0, 0) })
+    }
+
+    /// Number of records in `db`.
+    pub fn len(&self, db: Db) -> Result<u64, LmdbError> {
+        let mut stat = std::mem::MaybeUninit::<ffi::MDB_stat>::zeroed();
+        // SAFETY: the transaction is live and `stat` is written by LMDB.
+        check("stat", unsafe { ffi::mdb_stat(self.raw, db.0, stat.as_mut_ptr()) })?;
+        Ok(unsafe { stat.assume_init() }.ms_entries as u64)
+    }
+
+    /// Calls `visit(key, value)` for records in key order, starting at the first key `>= from`,
+    /// until it returns false.
+    pub fn scan(&self, db: Db, from: &[u8], mut visit: impl FnMut(&[u8], &[u8]) -> bool) -> Result<(), LmdbError> {
+        let mut cursor = ptr::null_mut();
+        // SAFETY: the cursor lives only inside this call and is closed before returning.
+        unsafe {
+            check("cursor_open", ffi::mdb_cursor_open(self.raw, db.0, &mut cursor))?;
+            let mut k = val(from);
+            let mut v = ffi::MDB_val { mv_size: 0, mv_data: ptr::null_mut() };
+            let mut op = if from.is_empty() { ffi::MDB_FIRST } else { ffi::MDB_SET_RANGE };
+            let result = loop {
+                let rc = ffi::mdb_cursor_get(cursor, &mut k, &mut v, op);
+                if rc == ffi::MDB_NOTFOUND {
+                    break Ok(());
+                }
+                if rc != 0 {
+                    break Err(LmdbError::new("cursor_get", rc));
+                }
+                if !visit(slice(&k), slice(&v)) {
+                    break Ok(());
+                }
+                op = ffi::MDB_NEXT;
+            };
+            ffi::mdb_cursor_close(cursor);
+            result
+        }
+    }
+
+    /// Makes the transaction's writes durable and visible.
+    pub fn commit(self) -> Result<(), LmdbError> {
+        let raw = self.raw;
+        std::mem::forget(self);
+        // SAFETY: commit consumes the transaction handle.
+        check("txn_commit", unsafe { ffi::mdb_txn_commit(raw) })
+    }
+}
+
+impl Drop for Txn<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the handle was not committed (commit forgets `self`).
+        unsafe { ffi::mdb_txn_abort(self.raw) };
+    }
+}

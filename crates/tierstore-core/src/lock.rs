@@ -1,0 +1,137 @@
+//! Locks between processes of a node.
+//!
+//! *Fetch locks* decide which process reads a file from the source (DYAD's coordination). One lock file
+//! holds a one-byte POSIX record lock per key, at an offset taken from the key's hash: no lock file per
+//! entry, and the kernel releases a dead fetcher's locks when it dies, even by SIGKILL, so a crashed fetch
+//! blocks nobody. POSIX record locks belong to the process, not the thread, and are not inherited by
+//! `fork()` children (a DataLoader worker never holds its parent's fetch); threads of one process are kept
+//! apart by the in-process single flight in `flight.rs`.
+//!
+//! *Read locks* keep an entry from being evicted under its reader: a reader holds a shared `flock` on the
+//! copy it opened; eviction takes the exclusive lock without waiting and skips entries it cannot get.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The lock file of a node's fetch locks.
+pub struct FetchLocks {
+    file: File,
+}
+
+/// A held fetch lock; released on drop. It may be moved to the background thread that finishes the fetch.
+pub struct FetchGuard {
+    locks: Arc<FetchLocks>,
+    offset: i64,
+}
+
+fn record_lock(fd: i32, kind: i32, offset: i64, wait: bool) -> io::Result<()> {
+    // SAFETY: an all-zero flock is valid; fields are set below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = offset;
+    fl.l_len = 1;
+    let cmd = if wait { libc::F_SETLKW } else { libc::F_SETLK };
+    // SAFETY: fcntl with a valid descriptor and flock struct.
+    if unsafe { libc::fcntl(fd, cmd, &fl) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl FetchLocks {
+    /// Opens (creating if needed) the lock file. Keep one per process and path: closing any descriptor of
+    /// the file would drop every POSIX lock the process holds on it.
+    pub fn open(path: &Path) -> io::Result<FetchLocks> {
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        Ok(FetchLocks { file })
+    }
+
+    fn offset(key: &[u8; 16]) -> i64 {
+        (u64::from_le_bytes(key[..8].try_into().expect("8 bytes")) >> 2) as i64
+    }
+
+    /// Blocks until this process holds the fetch lock of `key`.
+    pub fn lock(self: &Arc<Self>, key: &[u8; 16]) -> io::Result<FetchGuard> {
+        let offset = Self::offset(key);
+        loop {
+            match record_lock(self.file.as_raw_fd(), libc::F_WRLCK, offset, true) {
+                Ok(()) => return Ok(FetchGuard { locks: self.clone(), offset }),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // The kernel sees processes, not threads, so two processes each fetching one key while
+                // waiting for the other's can look like a deadlock. It is not one: back off and wait again.
+                Err(e) if e.raw_os_error() == Some(libc::EDEADLK) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Takes the fetch lock of `key` if no other process holds it.
+    pub fn try_lock(self: &Arc<Self>, key: &[u8; 16]) -> io::Result<Option<FetchGuard>> {
+        let offset = Self::offset(key);
+        match record_lock(self.file.as_raw_fd(), libc::F_WRLCK, offset, false) {
+            Ok(()) => Ok(Some(FetchGuard { locks: self.clone(), offset })),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for FetchGuard {
+    fn drop(&mut self) {
+        let _ = record_lock(self.locks.file.as_raw_fd(), libc::F_UNLCK, self.offset, false);
+    }
+}
+
+/// Takes a shared read lock on an open cached copy (blocks only while an evictor holds it, microseconds).
+pub fn lock_shared(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on an open descriptor.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Tries to take the exclusive lock an evictor needs; false while any reader holds the copy open.
+pub fn try_lock_exclusive(file: &File) -> bool {
+    // SAFETY: flock on an open descriptor.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_locks_block_eviction() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("entry");
+        std::fs::write(&p, b"x").unwrap();
+        let reader = File::open(&p).unwrap();
+        lock_shared(&reader).unwrap();
+        let evictor = File::open(&p).unwrap();
+        assert!(!try_lock_exclusive(&evictor));
+        drop(reader);
+        assert!(try_lock_exclusive(&evictor));
+    }
+
+    #[test]
+    fn fetch_lock_is_released_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let locks = Arc::new(FetchLocks::open(&dir.path().join("locks")).unwrap());
+        let key = [7u8; 16];
+        let g = locks.lock(&key).unwrap();
+        drop(g);
+        assert!(locks.try_lock(&key).unwrap().is_some());
+    }
+}

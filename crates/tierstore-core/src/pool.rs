@@ -1,0 +1,119 @@
+//! The background copy pool: writes fetched bytes into tiers and runs prefetches, off the reader's path.
+//!
+//! Two queues: copies a reader is waiting on (a large file it follows, or the publish that other
+//! processes wait for) go first; prefetch work goes after them, so a read never waits behind a warm-up.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct Queues {
+    urgent: VecDeque<Job>,
+    background: VecDeque<Job>,
+    running: usize,
+    stopping: bool,
+}
+
+struct Shared {
+    queues: Mutex<Queues>,
+    work: Condvar,
+    idle: Condvar,
+}
+
+/// A fixed set of worker threads with an urgent and a background queue.
+pub struct Pool {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    /// Starts `threads` workers.
+    pub fn new(threads: usize) -> Pool {
+        let shared =
+            Arc::new(Shared { queues: Mutex::new(Queues::default()), work: Condvar::new(), idle: Condvar::new() });
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("tierstore-copy-{i}"))
+                    .spawn(move || worker(&s))
+                    .expect("spawn copy thread")
+            })
+            .collect();
+        Pool { shared, threads }
+    }
+
+    /// Queues a job that a reader is waiting on.
+    pub fn urgent(&self, job: impl FnOnce() + Send + 'static) {
+        self.push(Box::new(job), true);
+    }
+
+    /// Queues a job nobody waits on (prefetch).
+    pub fn background(&self, job: impl FnOnce() + Send + 'static) {
+        self.push(Box::new(job), false);
+    }
+
+    fn push(&self, job: Job, urgent: bool) {
+        let mut q = self.shared.queues.lock().expect("pool lock");
+        if urgent {
+            q.urgent.push_back(job);
+        } else {
+            q.background.push_back(job);
+        }
+        drop(q);
+        self.shared.work.notify_one();
+    }
+
+    /// Blocks until both queues are empty and no job runs.
+    pub fn wait_idle(&self) {
+        let mut q = self.shared.queues.lock().expect("pool lock");
+        while q.running > 0 || !q.urgent.is_empty() || !q.background.is_empty() {
+            q = self.shared.idle.wait(q).expect("pool lock");
+        }
+    }
+
+    /// Jobs queued or running.
+    pub fn pending(&self) -> usize {
+        let q = self.shared.queues.lock().expect("pool lock");
+        q.running + q.urgent.len() + q.background.len()
+    }
+}
+
+fn worker(s: &Shared) {
+    loop {
+        let job = {
+            let mut q = s.queues.lock().expect("pool lock");
+            loop {
+                if let Some(j) = q.urgent.pop_front().or_else(|| q.background.pop_front()) {
+                    q.running += 1;
+                    break j;
+                }
+                if q.stopping {
+                    return;
+                }
+                q = s.work.wait(q).expect("pool lock");
+            }
+        };
+        // A panicking job must not take the worker (and the jobs behind it) down with it.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+        let mut q = s.queues.lock().expect("pool lock");
+        q.running -= 1;
+        if q.running == 0 && q.urgent.is_empty() && q.background.is_empty() {
+            s.idle.notify_all();
+        }
+    }
+}
+
+impl Drop for Pool {
+    /// Finishes queued copies before the pool goes, so that a clean exit leaves them published.
+    fn drop(&mut self) {
+        self.shared.queues.lock().expect("pool lock").stopping = true;
+        self.shared.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! A file opened through the cache: positioned reads over whichever backing the open found.
+
+use std::fs::File;
+use std::io::{self, SeekFrom};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Condvar, Mutex};
+
+use crate::counters::tier as tier_slot;
+use crate::source::PosixSource;
+use crate::tier::Tier;
+
+/// A large file being copied into a tier. Readers read what is already copied and wait for the rest;
+/// if the copy fails they continue from the source at the same offset.
+pub struct Growing {
+    file: File,
+    pid: u32,
+    progress: Mutex<Progress>,
+    advanced: Condvar,
+}
+
+#[derive(Clone, Copy)]
+struct Progress {
+    copied: u64,
+    failed: bool,
+}
+
+impl Growing {
+    /// A copy that `file` (a read handle on the copy being written) will follow.
+    pub fn new(file: File) -> Growing {
+        Growing {
+            file,
+            pid: std::process::id(),
+            progress: Mutex::new(Progress { copied: 0, failed: false }),
+            advanced: Condvar::new(),
+        }
+    }
+
+    /// Records that the first `copied` bytes are written.
+    pub fn advance(&self, copied: u64) {
+        self.progress.lock().expect("progress lock").copied = copied;
+        self.advanced.notify_all();
+    }
+
+    /// Records that the copy stopped short; readers switch to the source.
+    pub fn fail(&self) {
+        self.progress.lock().expect("progress lock").failed = true;
+        self.advanced.notify_all();
+    }
+
+    /// Waits until `end` bytes are copied; false if the copy failed (or belongs to a parent process whose
+    /// copy thread this forked child does not have).
+    fn wait_for(&self, end: u64) -> bool {
+        if self.pid != std::process::id() {
+            return false;
+        }
+        let mut p = self.progress.lock().expect("progress lock");
+        loop {
+            if p.failed {
+                return false;
+            }
+            if p.copied >= end {
+                return true;
+            }
+            p = self.advanced.wait(p).expect("progress lock");
+        }
+    }
+}
+
+/// What a [`Reader`] reads from.
+pub enum Backing {
+    /// A published copy in a tier (a hit). The reader holds a shared lock on it against eviction.
+    Copy(File, Arc<Tier>),
+    /// The whole file in memory, fetched by this open (or a concurrent one) from the source.
+    Memory(Arc<Vec<u8>>),
+    /// A copy being written, followed as it grows.
+    Growing(Arc<Growing>),
+    /// The source itself: no tier had room, or a cache fault.
+    Source(File),
+}
+
+/// A read-only file opened through the cache.
+pub struct Reader {
+    backing: Backing,
+    size: u64,
+    pos: u64,
+    rel: String,
+    source: Arc<PosixSource>,
+    /// Source descriptor opened when a growing copy fails.
+    fallback: Option<File>,
+}
+
+impl Reader {
+    /// A reader of `size` bytes of the source file `rel` over `backing`.
+    pub fn new(backing: Backing, size: u64, rel: String, source: Arc<PosixSource>) -> Reader {
+        Reader { backing, size, pos: 0, rel, source, fallback: None }
+    }
+
+    /// The file's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The source-relative path.
+    pub fn rel(&self) -> &str {
+        &self.rel
+    }
+
+    /// Where the bytes come from: `"tier"`, `"memory"`, `"copying"` or `"source"`.
+    pub fn backing_kind(&self) -> &'static str {
+        match self.backing {
+            Backing::Copy(..) => "tier",
+            Backing::Memory(_) => "memory",
+            Backing::Growing(_) => "copying",
+            Backing::Source(_) => "source",
+        }
+    }
+
+    /// The descriptor of a real file holding exactly the file's bytes, if there is one.
+    pub fn fd(&self) -> Option<RawFd> {
+        match &self.backing {
+            Backing::Copy(f, _) | Backing::Source(f) => Some(f.as_raw_fd()),
+            Backing::Memory(_) | Backing::Growing(_) => None,
+        }
+    }
+
+    /// The current position.
+    pub fn tell(&self) -> u64 {
+        self.pos
+    }
+
+    /// Moves the position; positions past the end are allowed (reads there return 0 bytes).
+    pub fn seek(&mut self, to: SeekFrom) -> io::Result<u64> {
+        let new = match to {
+            SeekFrom::Start(n) => Some(n),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            SeekFrom::End(d) => self.size.checked_add_signed(d),
+        };
+        match new {
+            Some(n) => {
+                self.pos = n;
+                Ok(n)
+            }
+            None => Err(io::Error::new(io::ErrorKind::InvalidInput, "seek to a negative position")),
+        }
+    }
+
+    /// Reads at the current position and advances it.
+    pub fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+
+    /// Fills as much of `buf` as the file has from the current position (loops over short reads).
+    pub fn read_full(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = self.read(&mut buf[done..])?;
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        Ok(done)
+    }
+
+    /// Reads at `offset` without moving the position.
+    pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        if offset >= self.size || buf.is_empty() {
+            return Ok(0);
+        }
+        let want = buf.len().min((self.size - offset) as usize);
+        let buf = &mut buf[..want];
+        match &self.backing {
+            Backing::Copy(f, tier) => {
+                let n = f.read_at(buf, offset)?;
+                tier.counters.add(tier_slot::BYTES_SERVED, n as u64);
+                Ok(n)
+            }
+            Backing::Memory(bytes) => {
+                let start = offset as usize;
+                let n = want.min(bytes.len().saturating_sub(start));
+                buf[..n].copy_from_slice(&bytes[start..start + n]);
+                Ok(n)
+            }
+            Backing::Growing(g) => {
+                if self.fallback.is_none() && g.wait_for(offset + want as u64) {
+                    return g.file.read_at(buf, offset);
+                }
+                if self.fallback.is_none() {
+                    self.fallback = Some(self.source.open(&self.rel)?);
+                }
+                self.source.read_at(self.fallback.as_ref().expect("opened above"), buf, offset)
+            }
+            Backing::Source(f) => self.source.read_at(f, buf, offset),
+        }
+    }
+
+    /// Reads up to and including the next `\n`, at most `limit` bytes (all if `None`).
+    pub fn read_line(&mut self, limit: Option<usize>) -> io::Result<Vec<u8>> {
+        let limit = limit.unwrap_or(usize::MAX);
+        let mut line = Vec::new();
+        let mut chunk = [0u8; 8192];
+        while line.len() < limit {
+            let want = chunk.len().min(limit - line.len());
+            let n = self.read_at(&mut chunk[..want], self.pos)?;
+            if n == 0 {
+                break;
+            }
+            let take = chunk[..n].iter().position(|&b| b == b'\n').map(|i| i + 1).unwrap_or(n);
+            line.extend_from_slice(&chunk[..take]);
+            self.pos += take as u64;
+            if take < n || chunk[take - 1] == b'\n' {
+                break;
+            }
+        }
+        Ok(line)
+    }
+}

@@ -1,0 +1,158 @@
+//! The source: a POSIX directory on the shared store. It is the truth and is never written by the read
+//! path. Every operation sent to it is counted, because keeping those operations off the shared store is
+//! what tierstore is for.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+
+use crate::counters::{source as slot, Counters};
+use crate::index::SourceId;
+
+/// A POSIX source directory with its counters.
+pub struct PosixSource {
+    /// The directory as configured (absolute).
+    root: PathBuf,
+    /// The same directory with symlinks resolved; paths under either are accepted.
+    canonical: PathBuf,
+    counters: Arc<Counters>,
+}
+
+/// A path that lies outside the source.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{path} is outside the cached source {source_root}; open it directly, or configure its directory as the source"
+)]
+pub struct OutsideSource {
+    /// The path asked for.
+    pub path: PathBuf,
+    /// The source directory.
+    pub source_root: PathBuf,
+}
+
+/// Lexically normalizes an absolute path (`.` and `..` removed) without touching the file system.
+pub fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::from("/");
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(part) => out.push(part),
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
+impl PosixSource {
+    /// A source rooted at `root` (an existing directory), counting into `counters`.
+    pub fn new(root: &Path, counters: Arc<Counters>) -> PosixSource {
+        let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+        PosixSource { root: normalize(root), canonical, counters }
+    }
+
+    /// The source directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The counters of the source.
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
+
+    /// The path of `path` relative to the source. Relative paths are taken from the current directory,
+    /// as `open()` takes them.
+    pub fn relative(&self, path: &Path) -> Result<String, OutsideSource> {
+        let abs = if path.is_absolute() {
+            normalize(path)
+        } else {
+            normalize(&std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path))
+        };
+        let rel = abs.strip_prefix(&self.root).or_else(|_| abs.strip_prefix(&self.canonical));
+        match rel {
+            Ok(r) if !r.as_os_str().is_empty() => Ok(r.to_string_lossy().into_owned()),
+            _ => Err(OutsideSource { path: path.to_path_buf(), source_root: self.root.clone() }),
+        }
+    }
+
+    /// The absolute path of a source-relative path.
+    pub fn path_of(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    /// `stat` of a source file (counted).
+    pub fn stat(&self, rel: &str) -> io::Result<std::fs::Metadata> {
+        self.counters.add(slot::STATS, 1);
+        std::fs::metadata(self.path_of(rel))
+    }
+
+    /// `stat` of an absolute path under the source (counted).
+    pub fn stat_path(&self, path: &Path) -> io::Result<std::fs::Metadata> {
+        self.counters.add(slot::STATS, 1);
+        std::fs::metadata(path)
+    }
+
+    /// Opens a source file for reading (counted).
+    pub fn open(&self, rel: &str) -> io::Result<File> {
+        self.counters.add(slot::OPENS, 1);
+        File::open(self.path_of(rel))
+    }
+
+    /// Counts a read of `n` bytes done on a source descriptor.
+    #[inline]
+    pub fn count_read(&self, n: usize) {
+        self.counters.add(slot::READS, 1);
+        self.counters.add(slot::BYTES_READ, n as u64);
+    }
+
+    /// Reads a whole source file into memory with as few reads as its size allows. Returns the bytes and
+    /// the identity of the file as it was after the read; the caller publishes only if that identity is
+    /// the one it reserved for (a file rewritten during the read is served but never cached).
+    pub fn read_whole(&self, rel: &str, expect: u64) -> io::Result<(Vec<u8>, SourceId)> {
+        let mut f = self.open(rel)?;
+        let mut buf = Vec::with_capacity(expect as usize);
+        loop {
+            // Read up to what is left of the expected size plus one byte, to notice growth at once.
+            let want = (expect as usize + 1).saturating_sub(buf.len()).max(64 << 10);
+            let start = buf.len();
+            buf.resize(start + want, 0);
+            let n = f.read(&mut buf[start..])?;
+            buf.truncate(start + n);
+            self.count_read(n);
+            if n == 0 {
+                break;
+            }
+        }
+        let id = SourceId::of(&f.metadata()?);
+        Ok((buf, id))
+    }
+
+    /// Reads at `offset` from an open source descriptor (counted).
+    pub fn read_at(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let n = f.read_at(buf, offset)?;
+        self.count_read(n);
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_and_escapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Arc::new(Counters::open(&dir.path().join("c")).unwrap());
+        let root = dir.path().join("src");
+        std::fs::create_dir(&root).unwrap();
+        let s = PosixSource::new(&root, c);
+        assert_eq!(s.relative(&root.join("a/./b/../c.txt")).unwrap(), "a/c.txt");
+        assert!(s.relative(&root.join("../etc/passwd")).is_err());
+        assert!(s.relative(&root).is_err());
+        assert!(s.relative(Path::new("/etc/passwd")).unwrap_err().to_string().contains("outside the cached source"));
+    }
+}

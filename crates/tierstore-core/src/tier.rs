@@ -1,0 +1,110 @@
+//! A cache tier: a directory (RAM-backed or on a local disk) with a quota, its index and its counters.
+//!
+//! Layout of a tier's directory, namespaced per source so that two datasets can share one tier path:
+//! ```text
+//! <tier path>/<source name>-<hash>/
+//!     index/            LMDB index (entries, eviction ranks, bytes used)
+//!     data/ab/abcd…     published copies, named by key
+//!     tmp/              copies being written (published by rename, never served from here by path)
+//!     counters          shared counters of the tier
+//! ```
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::config::{TierConfig, TierKind};
+use crate::counters::Counters;
+use crate::index::{Index, IndexError, Key};
+use crate::placement::Policy;
+
+/// One tier of the cache.
+pub struct Tier {
+    /// The tier as configured.
+    pub config: TierConfig,
+    /// The tier's directory for this source.
+    pub root: PathBuf,
+    /// The index, or why it could not be opened (the tier is then skipped and reads go on).
+    pub index: Result<Index, String>,
+    /// Counters of this tier, shared by the node.
+    pub counters: Counters,
+}
+
+fn hex(key: &Key) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The namespace directory name of `source` inside a tier.
+pub fn namespace(source: &Path) -> String {
+    let name: String = source
+        .file_name()
+        .map(|n| {
+            n.to_string_lossy()
+                .chars()
+                .map(|c| if c.is_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+                .collect()
+        })
+        .unwrap_or_else(|| "root".into());
+    let h = blake3::hash(source.as_os_str().as_encoded_bytes());
+    format!("{name}-{}", &h.to_hex()[..12])
+}
+
+impl Tier {
+    /// Opens the tier for `source`. Only a failure to create the directories or the counters is an error;
+    /// an index that cannot be opened leaves the tier unavailable.
+    pub fn open(config: &TierConfig, source: &Path, policy: Policy) -> io::Result<Tier> {
+        let root = config.path.join(namespace(source));
+        for sub in ["index", "tmp", "data"] {
+            std::fs::create_dir_all(root.join(sub))?;
+        }
+        let counters = Counters::open(&root.join("counters"))?;
+        let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
+        Ok(Tier { config: config.clone(), root, index, counters })
+    }
+
+    /// Whether the tier holds data in RAM.
+    pub fn in_memory(&self) -> bool {
+        self.config.kind == TierKind::Memory
+    }
+
+    /// Where the published copy of `key` lives.
+    pub fn data_path(&self, key: &Key) -> PathBuf {
+        let h = hex(key);
+        self.root.join("data").join(&h[..2]).join(h)
+    }
+
+    /// Creates a new temporary file for a copy of `key`, unique to this process and attempt.
+    pub fn create_temp(&self, key: &Key) -> io::Result<(PathBuf, File)> {
+        static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), std::process::id()));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        Ok((path, f))
+    }
+
+    /// Moves a finished temporary copy to its published name (atomic; replaces an older copy).
+    pub fn publish_file(&self, temp: &Path, key: &Key) -> io::Result<()> {
+        let dest = self.data_path(key);
+        match std::fs::rename(temp, &dest) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(dest.parent().expect("data path has a parent"))?;
+                std::fs::rename(temp, &dest)
+            }
+            r => r,
+        }
+    }
+
+    /// Removes temporary files left by processes that no longer exist (killed mid-copy).
+    pub fn sweep_temps(&self) {
+        let Ok(dir) = std::fs::read_dir(self.root.join("tmp")) else { return };
+        for entry in dir.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let pid: Option<i32> = name.split('.').nth(1).and_then(|p| p.parse().ok());
+            // SAFETY: kill with signal 0 only checks whether the process exists.
+            let dead = pid.is_some_and(|pid| unsafe { libc::kill(pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH));
+            if dead {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! One conformance suite, run for every tier kind (RAM-backed and local disk) and every policy.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tierstore_core::{Cache, Config, Overrides};
+
+struct World {
+    _dirs: Vec<tempfile::TempDir>,
+    source: PathBuf,
+    tier: PathBuf,
+}
+
+fn world(kind: &str) -> World {
+    let base = tempfile::tempdir().unwrap();
+    let tier_base = match kind {
+        "memory" => tempfile::tempdir_in("/dev/shm").unwrap(),
+        _ => tempfile::tempdir().unwrap(),
+    };
+    let source = base.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let tier = tier_base.path().join("tier");
+    World { source, tier, _dirs: vec![base, tier_base] }
+}
+
+fn cache(w: &World, policy: &str, quota: &str, kind: &str) -> Cache {
+    let o = Overrides {
+        source: Some(w.source.display().to_string()),
+        tiers: Some(vec![(w.tier.display().to_string(), Some(quota.to_string()))]),
+        policy: Some(policy.into()),
+        threads: Some("4".into()),
+        inline_max: Some("64KiB".into()),
+        ..Default::default()
+    };
+    let c = Config::load_with_env(&o, &Default::default()).unwrap();
+    assert_eq!(c.tiers[0].kind.name(), kind);
+    Cache::new(c).unwrap()
+}
+
+fn content(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| ((i * 31 + j * 7) % 251) as u8).collect()
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn read_all(c: &Cache, p: &Path) -> Vec<u8> {
+    let mut r = c.open(p).unwrap();
+    let mut buf = vec![0u8; r.size() as usize];
+    assert_eq!(r.read_full(&mut buf).unwrap(), buf.len());
+    buf
+}
+
+fn suite(kind: &str, policy: &str) {
+    // Round trip, small (inline) and large (streamed) files; the second epoch is served by the tier.
+    let w = world(kind);
+    let files: Vec<(PathBuf, Vec<u8>)> = (0..20)
+        .map(|i| {
+            let len = if i % 5 == 0 { 300_000 + i } else { 1000 + i * 10 };
+            let b = content(i, len);
+            (write(&w.source, &format!("d{}/f{i}.bin", i % 3), &b), b)
+        })
+        .collect();
+    let c = cache(&w, policy, "100M", kind);
+    for (p, b) in &files {
+        assert_eq!(&read_all(&c, p), b, "{kind}/{policy}: first read of {}", p.display());
+    }
+    c.wait_idle();
+    let before = c.stats();
+    for (p, b) in &files {
+        assert_eq!(&read_all(&c, p), b, "{kind}/{policy}: cached read of {}", p.display());
+        assert!(c.lookup(p, true).unwrap().is_some());
+    }
+    let after = c.stats();
+    assert_eq!(after.source.bytes_read, before.source.bytes_read, "{kind}/{policy}: epoch 2 read the source");
+    assert_eq!(after.tiers[0].hits - before.tiers[0].hits, files.len() as u64);
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    assert_eq!(after.source.bytes_read, total, "{kind}/{policy}: each source byte read once");
+
+    // A rewritten source file is fetched again, never served stale.
+    let (p0, _) = &files[1];
+    std::fs::write(p0, b"new contents").unwrap();
+    assert_eq!(read_all(&c, p0), b"new contents");
+    c.wait_idle();
+    assert_eq!(read_all(&c, p0), b"new contents");
+
+    // A truncated copy falls back to the source and is repaired.
+    let (p1, b1) = &files[2];
+    let copy = c.lookup(p1, true).unwrap().unwrap();
+    std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_len(10).unwrap();
+    let faults = c.stats().tiers[0].faults;
+    assert_eq!(&read_all(&c, p1), b1);
+    c.wait_idle();
+    assert_eq!(c.stats().tiers[0].faults, faults + 1);
+    assert_eq!(std::fs::metadata(c.lookup(p1, true).unwrap().unwrap()).unwrap().len(), b1.len() as u64);
+
+    // Concurrent readers: every file is read from the source exactly once.
+    let w2 = world(kind);
+    let files: Vec<(PathBuf, Vec<u8>)> = (0..40)
+        .map(|i| {
+            let b = content(i, if i % 10 == 0 { 200_000 } else { 5000 });
+            (write(&w2.source, &format!("f{i}"), &b), b)
+        })
+        .collect();
+    let c2 = Arc::new(cache(&w2, policy, "100M", kind));
+    let files = Arc::new(files);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (c2, files) = (c2.clone(), files.clone());
+            std::thread::spawn(move || {
+                for k in 0..files.len() {
+                    let (p, b) = &files[(k + t * 5) % files.len()];
+                    assert_eq!(&read_all(&c2, p), b);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    c2.wait_idle();
+    let s = c2.stats();
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    assert_eq!(s.source.bytes_read, total, "{kind}/{policy}: read amplification above 1.0");
+
+    // A quota smaller than the data: never exceeded; `fill` never evicts, the others do.
+    let w3 = world(kind);
+    let files: Vec<(PathBuf, Vec<u8>)> = (0..30)
+        .map(|i| {
+            let b = content(i, 10_000);
+            (write(&w3.source, &format!("f{i}"), &b), b)
+        })
+        .collect();
+    let c3 = cache(&w3, policy, "100000", kind);
+    for _ in 0..2 {
+        for (p, b) in &files {
+            assert_eq!(&read_all(&c3, p), b);
+            c3.wait_idle();
+            assert!(c3.stats().tiers[0].usage.used <= 100_000, "{kind}/{policy}: over quota");
+        }
+    }
+    let s = c3.stats();
+    assert_eq!(s.tiers[0].usage.entries, 10);
+    if policy == "fill" {
+        assert_eq!(s.tiers[0].evictions, 0);
+        assert_eq!(s.tiers[0].hits, 10, "fill keeps the first files and serves them every epoch");
+    } else {
+        assert!(s.tiers[0].evictions >= 20, "{kind}/{policy}: {} evictions", s.tiers[0].evictions);
+    }
+
+    // Prefetch warms everything that fits.
+    let w4 = world(kind);
+    for i in 0..25 {
+        write(&w4.source, &format!("p/{i}"), &content(i, 20_000 + i));
+    }
+    let c4 = cache(&w4, policy, "100M", kind);
+    let progress = c4.prefetch(std::slice::from_ref(&w4.source)).unwrap();
+    c4.wait_idle();
+    assert!(progress.finished());
+    assert_eq!(progress.files_copied.load(std::sync::atomic::Ordering::Relaxed), 25);
+    let read_before = c4.stats().source.bytes_read;
+    assert_eq!(read_all(&c4, &w4.source.join("p/3")), content(3, 20_003));
+    assert_eq!(c4.stats().source.bytes_read, read_before);
+}
+
+macro_rules! conformance {
+    ($($name:ident: $kind:expr, $policy:expr;)*) => {$(
+        #[test]
+        fn $name() { suite($kind, $policy) }
+    )*};
+}
+
+conformance! {
+    memory_fill: "memory", "fill";
+    memory_lru: "memory", "lru";
+    memory_lfu: "memory", "lfu";
+    memory_fifo: "memory", "fifo";
+    local_fill: "local", "fill";
+    local_lru: "local", "lru";
+    local_lfu: "local", "lfu";
+    local_fifo: "local", "fifo";
+}
