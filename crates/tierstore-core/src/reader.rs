@@ -172,12 +172,23 @@ impl Reader {
         }
         let want = buf.len().min((self.size - offset) as usize);
         let buf = &mut buf[..want];
+        let n = self.fetch_at(buf, offset)?;
+        self.count_served(n);
+        Ok(n)
+    }
+
+    /// Counts bytes handed to the job from a cached copy.
+    fn count_served(&self, n: usize) {
+        if let Backing::Copy(_, tier) = &self.backing {
+            tier.counters.add(tier_slot::BYTES_SERVED, n as u64);
+        }
+    }
+
+    /// Reads at `offset` (within the file) from the backing, without counting bytes served.
+    fn fetch_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let want = buf.len();
         match &self.backing {
-            Backing::Copy(f, tier) => {
-                let n = f.read_at(buf, offset)?;
-                tier.counters.add(tier_slot::BYTES_SERVED, n as u64);
-                Ok(n)
-            }
+            Backing::Copy(f, _) => f.read_at(buf, offset),
             Backing::Memory(bytes) => {
                 let start = offset as usize;
                 let n = want.min(bytes.len().saturating_sub(start));
@@ -204,11 +215,16 @@ impl Reader {
         let mut chunk = [0u8; 8192];
         while line.len() < limit {
             let want = chunk.len().min(limit - line.len());
-            let n = self.read_at(&mut chunk[..want], self.pos)?;
+            if self.pos >= self.size {
+                break;
+            }
+            let want = want.min((self.size - self.pos) as usize);
+            let n = self.fetch_at(&mut chunk[..want], self.pos)?;
             if n == 0 {
                 break;
             }
             let take = chunk[..n].iter().position(|&b| b == b'\n').map(|i| i + 1).unwrap_or(n);
+            self.count_served(take);
             line.extend_from_slice(&chunk[..take]);
             self.pos += take as u64;
             if take < n || chunk[take - 1] == b'\n' {

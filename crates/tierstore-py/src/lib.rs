@@ -1,1 +1,383 @@
+//! Python bindings of tierstore, compiled to `tierstore._core`. Conversions only: the behaviour lives in
+//! `tierstore-core`, the Python API is shaped in `python/tierstore`.
 
+mod error;
+
+use std::io::SeekFrom;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tierstore_core::{Cache, Config, Overrides, PrefetchProgress, Reader};
+
+use crate::error::{io_to_py, to_py};
+
+/// A tiered cache of one source directory (see `tierstore.Cache`).
+#[pyclass(name = "Cache", module = "tierstore._core", frozen)]
+struct PyCache {
+    config: Config,
+    /// The engine of the process that uses it: a forked child (a DataLoader worker) opens its own, and
+    /// leaks the inherited one without closing it (its threads and locks belong to the parent).
+    engine: Mutex<(u32, Arc<Cache>)>,
+}
+
+fn open_engine(py: Python<'_>, config: &Config) -> PyResult<Arc<Cache>> {
+    let config = config.clone();
+    py.allow_threads(move || Cache::new(config)).map(Arc::new).map_err(to_py)
+}
+
+impl PyCache {
+    fn engine(&self, py: Python<'_>) -> PyResult<Arc<Cache>> {
+        let mut g = self.engine.lock().unwrap_or_else(|p| p.into_inner());
+        let pid = std::process::id();
+        if g.0 != pid {
+            let fresh = open_engine(py, &self.config)?;
+            let old = std::mem::replace(&mut *g, (pid, fresh));
+            std::mem::forget(old);
+        }
+        Ok(g.1.clone())
+    }
+}
+
+fn path_arg(p: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
+    let fspath = p.py().import("os")?.getattr("fspath")?.call1((p,))?;
+    if let Ok(s) = fspath.extract::<String>() {
+        return Ok(PathBuf::from(s));
+    }
+    let b: Vec<u8> = fspath.extract()?;
+    Ok(PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(b)))
+}
+
+fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    if let Ok(n) = v.extract::<i64>() {
+        return Ok(n.to_string());
+    }
+    v.extract::<String>().map_err(|_| PyTypeError::new_err("a size is an int (bytes) or a string like \"8G\""))
+}
+
+#[pymethods]
+impl PyCache {
+    #[new]
+    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        config_file: Option<Bound<'_, PyAny>>,
+        source: Option<Bound<'_, PyAny>>,
+        tiers: Option<Vec<(Bound<'_, PyAny>, Option<Bound<'_, PyAny>>)>>,
+        policy: Option<String>,
+        threads: Option<Bound<'_, PyAny>>,
+        inline_max: Option<Bound<'_, PyAny>>,
+        verify: Option<String>,
+    ) -> PyResult<Self> {
+        let tiers = match tiers {
+            None => None,
+            Some(list) => Some(
+                list.iter()
+                    .map(|(p, q)| {
+                        Ok((path_arg(p)?.to_string_lossy().into_owned(), q.as_ref().map(size_text).transpose()?))
+                    })
+                    .collect::<PyResult<Vec<_>>>()?,
+            ),
+        };
+        let overrides = Overrides {
+            config_file: config_file.as_ref().map(path_arg).transpose()?,
+            source: source.as_ref().map(path_arg).transpose()?.map(|p| p.to_string_lossy().into_owned()),
+            tiers,
+            policy,
+            threads: threads.as_ref().map(size_text).transpose()?,
+            inline_max: inline_max.as_ref().map(size_text).transpose()?,
+            verify,
+        };
+        let config = py.allow_threads(|| Config::load(&overrides)).map_err(|e| to_py(e.into()))?;
+        let engine = open_engine(py, &config)?;
+        Ok(PyCache { config, engine: Mutex::new((std::process::id(), engine)) })
+    }
+
+    /// Opens a file under the source for reading.
+    fn open(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<PyReader> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        let reader = py.allow_threads(|| engine.open(&p)).map_err(to_py)?;
+        Ok(PyReader { inner: Mutex::new(Some(reader)), name: p.to_string_lossy().into_owned() })
+    }
+
+    /// The path of a current cached copy of `path`, or None.
+    #[pyo3(signature = (path, validate=true))]
+    fn lookup(&self, py: Python<'_>, path: &Bound<'_, PyAny>, validate: bool) -> PyResult<Option<String>> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        let found = py.allow_threads(|| engine.lookup(&p, validate)).map_err(to_py)?;
+        Ok(found.map(|p| p.to_string_lossy().into_owned()))
+    }
+
+    /// Starts warming the cache with files and directories; returns a progress handle.
+    fn prefetch(&self, py: Python<'_>, paths: Vec<Bound<'_, PyAny>>) -> PyResult<PyPrefetch> {
+        let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
+        let engine = self.engine(py)?;
+        let progress = py.allow_threads(|| engine.prefetch(&paths)).map_err(to_py)?;
+        Ok(PyPrefetch { progress })
+    }
+
+    /// Blocks until queued copies are published.
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.allow_threads(|| engine.wait_idle());
+        Ok(())
+    }
+
+    /// Copies queued or running.
+    fn pending_copies(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.engine(py)?.pending_copies())
+    }
+
+    /// All counters, node-wide.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let engine = self.engine(py)?;
+        let s = py.allow_threads(|| engine.stats());
+        let out = PyDict::new(py);
+        let src = PyDict::new(py);
+        src.set_item("opens", s.source.opens)?;
+        src.set_item("stats", s.source.stats)?;
+        src.set_item("reads", s.source.reads)?;
+        src.set_item("bytes_read", s.source.bytes_read)?;
+        src.set_item("fallbacks", s.source.fallbacks)?;
+        src.set_item("uncached", s.source.uncached)?;
+        src.set_item("path", self.config.source.to_string_lossy())?;
+        out.set_item("source", src)?;
+        let tiers = PyList::empty(py);
+        for t in s.tiers {
+            let d = PyDict::new(py);
+            d.set_item("path", t.path.to_string_lossy())?;
+            d.set_item("kind", t.kind)?;
+            d.set_item("quota", t.quota)?;
+            d.set_item("hits", t.hits)?;
+            d.set_item("misses", t.misses)?;
+            d.set_item("bytes_served", t.bytes_served)?;
+            d.set_item("entries", t.usage.entries)?;
+            d.set_item("bytes_used", t.usage.used)?;
+            d.set_item("in_flight", t.usage.pending)?;
+            d.set_item("evictions", t.evictions)?;
+            d.set_item("faults", t.faults)?;
+            d.set_item("inserts", t.inserts)?;
+            d.set_item("bytes_written", t.bytes_written)?;
+            d.set_item("error", t.error)?;
+            tiers.append(d)?;
+        }
+        out.set_item("tiers", tiers)?;
+        Ok(out)
+    }
+
+    /// Sets every counter to zero (node-wide).
+    fn reset_counters(&self, py: Python<'_>) -> PyResult<()> {
+        self.engine(py)?.reset_counters();
+        Ok(())
+    }
+
+    /// Removes every cached copy of this source.
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.engine(py)?;
+        py.allow_threads(|| engine.clear()).map_err(to_py)
+    }
+
+    /// The effective configuration: {key: (value, origin)}.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.config;
+        let out = PyDict::new(py);
+        let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
+        out.set_item("source", (c.source.to_string_lossy(), origin("source")))?;
+        let tiers = PyList::empty(py);
+        for t in &c.tiers {
+            let d = PyDict::new(py);
+            d.set_item("path", t.path.to_string_lossy())?;
+            d.set_item("quota", t.quota)?;
+            d.set_item("kind", t.kind.name())?;
+            tiers.append(d)?;
+        }
+        out.set_item("tiers", (tiers, origin("tiers")))?;
+        out.set_item("policy", (c.policy.name(), origin("policy")))?;
+        out.set_item("threads", (c.threads, origin("threads")))?;
+        out.set_item("inline_max", (c.inline_max, origin("inline_max")))?;
+        let verify = match c.verify {
+            tierstore_core::Verify::Metadata => "metadata",
+            tierstore_core::Verify::Checksum => "checksum",
+        };
+        out.set_item("verify", (verify, origin("verify")))?;
+        Ok(out)
+    }
+
+    /// The source directory.
+    #[getter]
+    fn source(&self) -> String {
+        self.config.source.to_string_lossy().into_owned()
+    }
+}
+
+/// A file opened through the cache (wrapped by `tierstore.CachedFile`).
+#[pyclass(name = "Reader", module = "tierstore._core", frozen)]
+struct PyReader {
+    inner: Mutex<Option<Reader>>,
+    name: String,
+}
+
+fn closed() -> PyErr {
+    PyValueError::new_err("I/O operation on closed file")
+}
+
+impl PyReader {
+    fn with<T>(&self, f: impl FnOnce(&mut Reader) -> PyResult<T>) -> PyResult<T> {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(g.as_mut().ok_or_else(closed)?)
+    }
+}
+
+#[pymethods]
+impl PyReader {
+    /// Reads up to `size` bytes (all that is left if negative).
+    #[pyo3(signature = (size=-1))]
+    fn read<'py>(&self, py: Python<'py>, size: Option<i64>) -> PyResult<Bound<'py, PyBytes>> {
+        let name = &self.name;
+        self.with(|r| {
+            let left = r.size().saturating_sub(r.tell());
+            let n = match size {
+                Some(s) if s >= 0 => (s as u64).min(left),
+                _ => left,
+            } as usize;
+            let mut got = 0;
+            let bytes = PyBytes::new_with(py, n, |buf| {
+                // The new bytes object is not visible to any other thread yet: fill it without the GIL.
+                got = py.allow_threads(|| r.read_full(buf)).map_err(|e| io_to_py(e, Some(name)))?;
+                Ok(())
+            })?;
+            if got < n {
+                return Ok(PyBytes::new(py, &bytes.as_bytes()[..got]));
+            }
+            Ok(bytes)
+        })
+    }
+
+    /// Reads into a writable buffer (bytearray, memoryview, numpy array) with no intermediate copy.
+    fn readinto(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let buf = PyBuffer::<u8>::get(buffer)?;
+        if buf.readonly() {
+            return Err(PyTypeError::new_err("readinto() needs a writable buffer"));
+        }
+        if !buf.is_c_contiguous() {
+            return Err(PyTypeError::new_err("readinto() needs a contiguous buffer"));
+        }
+        let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+        let name = &self.name;
+        self.with(|r| {
+            py.allow_threads(|| {
+                // SAFETY: the exported buffer stays valid and unresizable while `buf` holds it.
+                let slice = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+                r.read_full(slice)
+            })
+            .map_err(|e| io_to_py(e, Some(name)))
+        })
+    }
+
+    /// Reads one line (up to `size` bytes if non-negative).
+    #[pyo3(signature = (size=-1))]
+    fn readline<'py>(&self, py: Python<'py>, size: Option<i64>) -> PyResult<Bound<'py, PyBytes>> {
+        let name = &self.name;
+        let limit = size.filter(|s| *s >= 0).map(|s| s as usize);
+        let line = self.with(|r| py.allow_threads(|| r.read_line(limit)).map_err(|e| io_to_py(e, Some(name))))?;
+        Ok(PyBytes::new(py, &line))
+    }
+
+    /// Moves the position; `whence` is 0 (start), 1 (current) or 2 (end).
+    #[pyo3(signature = (offset, whence=0))]
+    fn seek(&self, offset: i64, whence: i32) -> PyResult<u64> {
+        let to = match whence {
+            0 if offset >= 0 => SeekFrom::Start(offset as u64),
+            0 => return Err(PyValueError::new_err(format!("negative seek position {offset}"))),
+            1 => SeekFrom::Current(offset),
+            2 => SeekFrom::End(offset),
+            _ => return Err(PyValueError::new_err(format!("invalid whence ({whence}, should be 0, 1 or 2)"))),
+        };
+        self.with(|r| r.seek(to).map_err(|e| PyValueError::new_err(e.to_string())))
+    }
+
+    /// The current position.
+    fn tell(&self) -> PyResult<u64> {
+        self.with(|r| Ok(r.tell()))
+    }
+
+    /// The descriptor of a real file with exactly these bytes, or None (bytes held in memory).
+    fn fileno(&self) -> PyResult<Option<i32>> {
+        self.with(|r| Ok(r.fd()))
+    }
+
+    /// Size of the file in bytes.
+    #[getter]
+    fn size(&self) -> PyResult<u64> {
+        self.with(|r| Ok(r.size()))
+    }
+
+    /// Where the bytes come from: "tier", "memory", "copying" or "source".
+    #[getter]
+    fn backing(&self) -> PyResult<&'static str> {
+        self.with(|r| Ok(r.backing_kind()))
+    }
+
+    /// Releases the file (and its hold on the cached copy).
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// True once closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+}
+
+/// Progress of a prefetch.
+#[pyclass(name = "Prefetch", module = "tierstore._core", frozen)]
+struct PyPrefetch {
+    progress: Arc<PrefetchProgress>,
+}
+
+#[pymethods]
+impl PyPrefetch {
+    /// Counts so far: files and bytes total and done, files copied and failed, the first error.
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p = &self.progress;
+        let d = PyDict::new(py);
+        d.set_item("files_total", p.files_total.load(Relaxed))?;
+        d.set_item("files_done", p.files_done.load(Relaxed))?;
+        d.set_item("bytes_total", p.bytes_total.load(Relaxed))?;
+        d.set_item("bytes_done", p.bytes_done.load(Relaxed))?;
+        d.set_item("files_copied", p.files_copied.load(Relaxed))?;
+        d.set_item("files_failed", p.files_failed.load(Relaxed))?;
+        d.set_item("first_error", p.first_error.lock().unwrap_or_else(|e| e.into_inner()).clone())?;
+        Ok(d)
+    }
+
+    /// True when every file is handled.
+    #[getter]
+    fn done(&self) -> bool {
+        self.progress.finished()
+    }
+}
+
+/// Parses a size ("8G", "512MiB", "4096") into bytes; None if it is not one.
+#[pyfunction]
+fn parse_size(text: &str) -> Option<u64> {
+    tierstore_core::config::parse_size(text)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCache>()?;
+    m.add_class::<PyReader>()?;
+    m.add_class::<PyPrefetch>()?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    error::register(m)
+}

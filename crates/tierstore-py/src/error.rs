@@ -1,0 +1,81 @@
+//! The one place where Rust errors become Python exceptions. I/O errors keep their kind (an `OSError`
+//! built from errno becomes `FileNotFoundError`, `PermissionError`, `IsADirectoryError`…); everything else
+//! derives from `tierstore.TierstoreError`.
+
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyDict, PyTuple, PyType};
+use tierstore_core::Error;
+
+static TIERSTORE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+static CONFIG_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+static OUTSIDE_SOURCE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+
+fn make_type(py: Python<'_>, name: &str, bases: &[Bound<'_, PyAny>], doc: &str) -> PyResult<Py<PyType>> {
+    let ns = PyDict::new(py);
+    ns.set_item("__doc__", doc)?;
+    ns.set_item("__module__", "tierstore")?;
+    let t = py.import("builtins")?.getattr("type")?.call1((name, PyTuple::new(py, bases)?, ns))?;
+    Ok(t.downcast_into::<PyType>()?.unbind())
+}
+
+/// Creates the exception classes and adds them to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let base = TIERSTORE_ERROR.get_or_try_init(py, || {
+        make_type(py, "TierstoreError", &[py.get_type::<PyException>().into_any()], "Base of tierstore's errors.")
+    })?;
+    let config = CONFIG_ERROR.get_or_try_init(py, || {
+        make_type(
+            py,
+            "ConfigError",
+            &[base.bind(py).clone().into_any(), py.get_type::<PyValueError>().into_any()],
+            "A configuration value is invalid; the message names the key, the value, where it was set and the fix.",
+        )
+    })?;
+    let outside = OUTSIDE_SOURCE_ERROR.get_or_try_init(py, || {
+        make_type(
+            py,
+            "OutsideSourceError",
+            &[base.bind(py).clone().into_any(), py.get_type::<PyValueError>().into_any()],
+            "A path given to the cache is not under its source directory.",
+        )
+    })?;
+    m.add("TierstoreError", base.bind(py))?;
+    m.add("ConfigError", config.bind(py))?;
+    m.add("OutsideSourceError", outside.bind(py))?;
+    Ok(())
+}
+
+fn raise(py: Python<'_>, cell: &GILOnceCell<Py<PyType>>, message: String) -> PyErr {
+    match cell.get(py) {
+        Some(t) => PyErr::from_type(t.bind(py).clone(), message),
+        None => PyException::new_err(message),
+    }
+}
+
+/// Converts a core error into the matching Python exception.
+pub fn to_py(err: Error) -> PyErr {
+    Python::with_gil(|py| match err {
+        Error::Config(e) => raise(py, &CONFIG_ERROR, e.to_string()),
+        Error::OutsideSource(e) => raise(py, &OUTSIDE_SOURCE_ERROR, e.to_string()),
+        Error::Io { path, source } => io_to_py(source, Some(&path.to_string_lossy())),
+        other => raise(py, &TIERSTORE_ERROR, other.to_string()),
+    })
+}
+
+/// Converts an I/O error into `OSError(errno, message, filename)`, which Python turns into the subclass
+/// of its errno (`FileNotFoundError` for ENOENT, …).
+pub fn io_to_py(err: std::io::Error, path: Option<&str>) -> PyErr {
+    let message = err.to_string();
+    match (err.raw_os_error(), path) {
+        (Some(errno), Some(p)) => {
+            let text = std::io::Error::from_raw_os_error(errno).to_string();
+            let text = text.split(" (os error").next().unwrap_or(&text).to_string();
+            PyOSError::new_err((errno, text, p.to_string()))
+        }
+        (Some(errno), None) => PyOSError::new_err((errno, message)),
+        (None, _) => PyOSError::new_err(message),
+    }
+}

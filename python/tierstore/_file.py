@@ -1,0 +1,77 @@
+"""The file object returned by `tierstore.open`."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from tierstore import _core
+
+
+class CachedFile(io.RawIOBase):
+    """A read-only binary file served by the cache.
+
+    It behaves like the object `open(path, "rb")` returns: `read`, `readinto` (straight into the caller's
+    buffer, no intermediate copy), `readline`, iteration, `seek`, `tell`, and use as a context manager, so
+    numpy.load, PIL.Image.open, pickle, torch.load and h5py.File take it unchanged. `fileno()` works when a
+    real file holds the bytes (a cached copy, or the source); a file fetched into memory by this very open
+    has no descriptor and raises `io.UnsupportedOperation`, as `io.BytesIO` does.
+    """
+
+    def __init__(self, reader: _core.Reader, name: str) -> None:
+        super().__init__()
+        self._reader = reader
+        self.name = name
+        self.mode = "rb"
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def read(self, size: int | None = -1) -> bytes:
+        return self._reader.read(-1 if size is None else size)
+
+    def readall(self) -> bytes:
+        return self._reader.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        return self._reader.readinto(buffer)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        return self._reader.readline(-1 if size is None else size)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._reader.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._reader.tell()
+
+    def fileno(self) -> int:
+        fd = self._reader.fileno()
+        if fd is None:
+            raise io.UnsupportedOperation(f"{self.name} is held in memory by tierstore and has no file descriptor")
+        return fd
+
+    @property
+    def size(self) -> int:
+        """Size of the file in bytes."""
+        return self._reader.size
+
+    @property
+    def backing(self) -> str:
+        """Where the bytes come from: "tier" (a cached copy), "memory" (fetched by this open),
+        "copying" (a large file being copied) or "source"."""
+        return self._reader.backing
+
+    def close(self) -> None:
+        if not self.closed:
+            self._reader.close()
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"<tierstore.CachedFile name={self.name!r} backing={self._reader.backing if not self.closed else 'closed'}>"

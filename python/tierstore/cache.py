@@ -1,0 +1,243 @@
+"""The Python face of the cache: `tierstore.Cache` and the module-level helpers on a default cache."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any
+
+from tierstore import _core
+from tierstore._file import CachedFile
+
+PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+TierSpec = str | PathLike | tuple[PathLike, int | str | None] | Mapping[str, Any]
+
+
+def _tier(spec: TierSpec) -> tuple[Any, int | str | None]:
+    """Normalizes one tier given as "PATH[:QUOTA]", (path, quota), {"path": ..., "quota": ...} or a path."""
+    if isinstance(spec, Mapping):
+        if "path" not in spec:
+            raise _core.ConfigError(f"tier {dict(spec)!r} has no 'path'; give {{'path': DIR, 'quota': '8G'}}")
+        return spec["path"], spec.get("quota")
+    if isinstance(spec, tuple):
+        if len(spec) != 2:
+            raise _core.ConfigError(f"tier {spec!r} is not (path, quota); give ('/dev/shm/tierstore', '8G')")
+        return spec[0], spec[1]
+    if isinstance(spec, str) and ":" in spec:
+        path, _, quota = spec.rpartition(":")
+        if "/" not in quota:  # "PATH:QUOTA"; a bad quota is reported by the configuration check
+            return path, quota
+    return spec, None
+
+
+class Cache:
+    """A tiered, node-local cache in front of one source directory.
+
+    Args:
+        source: The directory on the shared store to cache. Overrides `source` of the config file and
+            `$TIERSTORE_SOURCE`.
+        tiers: Cache tiers, fastest first: "PATH:QUOTA" strings, (path, quota) pairs or
+            {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB") or a number of bytes;
+            leave it out to use half of the free space.
+        policy: "fill" (fill tiers in order, never evict: the default, right for datasets read every
+            epoch), "lru", "lfu" or "fifo".
+        threads: Threads of the background copy pool.
+        inline_max: Files up to this size are read whole on a miss and handed to the reader at once.
+        verify: "metadata" (size and mtime of the copy, free) or "checksum" (blake3 of every copy opened).
+        config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
+
+    Raises:
+        ConfigError: A value is invalid; the message names the key, the value, where it came from and the fix.
+    """
+
+    def __init__(
+        self,
+        source: PathLike | None = None,
+        tiers: Sequence[TierSpec] | None = None,
+        *,
+        policy: str | None = None,
+        threads: int | None = None,
+        inline_max: int | str | None = None,
+        verify: str | None = None,
+        config: PathLike | None = None,
+    ) -> None:
+        self._core = _core.Cache(
+            config_file=config,
+            source=source,
+            tiers=None if tiers is None else [_tier(t) for t in tiers],
+            policy=policy,
+            threads=threads,
+            inline_max=inline_max,
+            verify=verify,
+        )
+
+    @property
+    def source(self) -> str:
+        """The source directory."""
+        return self._core.source
+
+    def open(self, path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:
+        """Opens a file under the source for reading through the cache.
+
+        Args:
+            path: A file under the source (absolute, or relative to the current directory).
+            mode: "rb" for a binary file (`CachedFile`), "r" for text decoded with `encoding`.
+            encoding: Text encoding for mode "r".
+
+        Returns:
+            A binary file object, or a text wrapper around one.
+
+        Raises:
+            OutsideSourceError: The path is not under the source.
+            FileNotFoundError, PermissionError, IsADirectoryError: As `open()` raises them.
+            ValueError: A mode that writes.
+        """
+        if mode not in ("rb", "br", "r", "rt", "tr"):
+            raise ValueError(
+                f"tierstore.open({os.fsdecode(path)!r}, mode={mode!r}): the cache serves reads only; "
+                "use mode 'rb' or 'r', and open files you write with the built-in open()"
+            )
+        name = os.fsdecode(path)
+        raw = CachedFile(self._core.open(path), name)
+        if "b" in mode:
+            return raw
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding)
+
+    def lookup(self, path: PathLike, *, validate: bool = True) -> str | None:
+        """The path of a current cached copy of `path`, or None if no tier holds one.
+
+        Args:
+            path: A file under the source.
+            validate: Check the copy against the source's current version (one `stat` of the source).
+        """
+        return self._core.lookup(path, validate)
+
+    def prefetch(
+        self, paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True
+    ) -> dict[str, Any]:
+        """Warms the cache with files and directories (walked recursively), in parallel.
+
+        Args:
+            paths: Files or directories under the source.
+            progress: Show files, bytes, rate and ETA on stderr; by default only on a terminal.
+            wait: Wait until every file is cached. With False, returns at once with the counts so far.
+
+        Returns:
+            Counts: files_total, files_done, files_copied, files_failed, bytes_total, bytes_done,
+            first_error (None if none).
+        """
+        if isinstance(paths, (str, bytes, os.PathLike)):
+            paths = [paths]
+        handle = self._core.prefetch(list(paths))
+        if not wait:
+            return handle.progress()
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if progress:
+            _show_progress(handle)
+        else:
+            while not handle.done:
+                time.sleep(0.05)
+        self._core.wait_idle()
+        return handle.progress()
+
+    def stats(self) -> dict[str, Any]:
+        """Every counter, node-wide: `source` (opens, stats, reads, bytes_read, fallbacks, uncached) and
+        `tiers` (hits, misses, bytes_served, entries, bytes_used, evictions, faults, … per tier)."""
+        return self._core.stats()
+
+    def reset_counters(self) -> None:
+        """Sets every counter to zero, for all processes of the node."""
+        self._core.reset_counters()
+
+    def wait(self) -> None:
+        """Blocks until every background copy is published."""
+        self._core.wait_idle()
+
+    def clear(self) -> None:
+        """Removes every cached copy of this source from every tier."""
+        self._core.clear()
+
+    def config(self) -> dict[str, tuple[Any, str]]:
+        """The effective configuration: {key: (value, where it came from)}."""
+        return self._core.config()
+
+    def __repr__(self) -> str:
+        return f"tierstore.Cache(source={self.source!r})"
+
+
+def _show_progress(handle: _core.Prefetch) -> None:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    p = handle.progress()
+    columns = (
+        TextColumn("prefetch"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("files"),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("prefetch", total=p["bytes_total"] or 1)
+        while True:
+            p = handle.progress()
+            bar.update(task, completed=p["bytes_done"])
+            if handle.done:
+                break
+            time.sleep(0.1)
+        bar.update(task, completed=p["bytes_total"] or 1)
+
+
+_default: Cache | None = None
+_default_pid = 0
+_default_lock = threading.Lock()
+
+
+def default_cache() -> Cache:
+    """The cache the module-level helpers use, configured from `tierstore.toml` and `TIERSTORE_*`
+    variables on first use (or by `configure`)."""
+    global _default, _default_pid
+    with _default_lock:
+        if _default is None:
+            _default = Cache()
+            _default_pid = os.getpid()
+        return _default
+
+
+def configure(source: PathLike | None = None, tiers: Sequence[TierSpec] | None = None, **kwargs: Any) -> Cache:
+    """Replaces the default cache with one built from these arguments (see `Cache`)."""
+    global _default
+    cache = Cache(source, tiers, **kwargs)
+    with _default_lock:
+        _default = cache
+    return cache
+
+
+def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:  # noqa: A001
+    """Opens a file through the default cache (see `Cache.open`)."""
+    return default_cache().open(path, mode, encoding=encoding)
+
+
+def prefetch(paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True) -> dict[str, Any]:
+    """Warms the default cache (see `Cache.prefetch`)."""
+    return default_cache().prefetch(paths, progress=progress, wait=wait)
+
+
+def stats() -> dict[str, Any]:
+    """Counters of the default cache (see `Cache.stats`)."""
+    return default_cache().stats()

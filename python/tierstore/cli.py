@@ -1,0 +1,158 @@
+"""The `tierstore` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+import tierstore
+from tierstore import _core
+from tierstore.cache import Cache
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file "
+              "(default: $TIERSTORE_CONFIG, then ./tierstore.toml).")
+@click.option("--source", help="Source directory to cache (overrides the file and $TIERSTORE_SOURCE).")
+@click.option("--tier", "tiers", multiple=True, metavar="PATH[:QUOTA]",
+              help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).")
+@click.option("--policy", type=click.Choice(["fill", "lru", "lfu", "fifo"]), help="Placement policy.")
+@click.version_option(tierstore.__version__, prog_name="tierstore")
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None, source: str | None, tiers: tuple[str, ...],
+         policy: str | None) -> None:
+    """tierstore serves training data from the fastest tier of the node (RAM, local NVMe) instead of
+    the shared store, fetching each file at most once per node and never serving stale bytes.
+
+    \b
+    Configuration comes from a TOML file, then TIERSTORE_* variables, then these options:
+      source = "/lustre/datasets/imagenet"
+      policy = "fill"            # fill | lru | lfu | fifo
+      [[tiers]]
+      path = "/dev/shm/tierstore"
+      quota = "64G"
+
+    \b
+    Examples:
+      tierstore --source /lustre/data --tier /dev/shm/ts:32G prefetch /lustre/data/train
+      tierstore status
+      tierstore config show
+    """
+    def make() -> Cache:
+        try:
+            return Cache(source, list(tiers) or None, policy=policy, config=config_file)
+        except _core.ConfigError as e:
+            raise click.ClickException(str(e)) from e
+    ctx.obj = make
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show files, bytes, rate and ETA.")
+@click.pass_obj
+def prefetch(make: Any, paths: tuple[str, ...], progress: bool) -> None:
+    """Copy files or whole directories of the source into the cache, in parallel."""
+    cache = make()
+    try:
+        result = cache.prefetch(list(paths), progress=progress)
+    except (OSError, _core.TierstoreError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(
+        f"prefetched {result['files_done']} files ({_human(result['bytes_done'])}): "
+        f"{result['files_copied']} copied, {result['files_done'] - result['files_copied'] - result['files_failed']} "
+        f"already cached, {result['files_failed']} not cached"
+    )
+    if result["first_error"]:
+        click.echo(f"first problem: {result['first_error']}", err=True)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the counters as JSON.")
+@click.pass_obj
+def status(make: Any, as_json: bool) -> None:
+    """Show what the cache holds and did: per tier and for the source, node-wide."""
+    stats = make().stats()
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tiers = Table(title="cache tiers", title_justify="left")
+    for col in ("tier", "kind", "used / quota", "entries", "hits", "misses", "hit rate", "served",
+                "evictions", "faults"):
+        tiers.add_column(col, justify="left" if col in ("tier", "kind") else "right")
+    for t in stats["tiers"]:
+        lookups = t["hits"] + t["misses"]
+        rate = f"{100 * t['hits'] / lookups:.1f}%" if lookups else "-"
+        used = "unavailable" if t["error"] else f"{_human(t['bytes_used'])} / {_human(t['quota'])}"
+        tiers.add_row(t["path"], t["kind"], used, str(t["entries"]), str(t["hits"]), str(t["misses"]), rate,
+                      _human(t["bytes_served"]), str(t["evictions"]), str(t["faults"]))
+    s = stats["source"]
+    source = Table(title=f"source {s['path']}", title_justify="left")
+    for col in ("opens", "stats", "reads", "bytes read", "fallbacks", "uncached opens"):
+        source.add_column(col, justify="right")
+    source.add_row(str(s["opens"]), str(s["stats"]), str(s["reads"]), _human(s["bytes_read"]),
+                   str(s["fallbacks"]), str(s["uncached"]))
+    console = Console()
+    console.print(tiers)
+    console.print(source)
+    for t in stats["tiers"]:
+        if t["error"]:
+            console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
+
+
+@main.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--counters", is_flag=True, help="Reset the counters too.")
+@click.pass_obj
+def clear(make: Any, yes: bool, counters: bool) -> None:
+    """Remove every cached copy of the source from every tier."""
+    cache = make()
+    if not yes and sys.stdin.isatty():
+        click.confirm(f"remove every cached copy of {cache.source}?", abort=True)
+    cache.clear()
+    if counters:
+        cache.reset_counters()
+    click.echo(f"cleared the cache of {cache.source}")
+
+
+@main.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.pass_obj
+def config_show(make: Any, as_json: bool) -> None:
+    """Print the effective configuration and where each value came from."""
+    cfg = make().config()
+    if as_json:
+        click.echo(json.dumps({k: {"value": v, "from": o} for k, (v, o) in cfg.items()}, indent=2))
+        return
+    width = max(len(k) for k in cfg)
+    for key, (value, origin) in cfg.items():
+        if key == "tiers":
+            click.echo(f"{key:<{width}}  (from {origin})")
+            for i, t in enumerate(value):
+                click.echo(f"  [{i}] {t['path']}  quota {_human(t['quota'])}  {t['kind']}")
+        else:
+            shown = _human(value) if key == "inline_max" else value
+            click.echo(f"{key:<{width}}  {shown}  (from {origin})")
+
+
+if __name__ == "__main__":
+    main()
