@@ -2,11 +2,21 @@
 
 from collections.abc import Sequence
 from os import PathLike
-from typing import Any, Literal
+from typing import Any, Literal, final
 
 _Path = str | bytes | PathLike[str] | PathLike[bytes]
 _Size = int | str
 
+__all__ = [
+    "Cache",
+    "ConfigError",
+    "OutsideSourceError",
+    "Prefetch",
+    "Reader",
+    "TierstoreError",
+    "__version__",
+    "parse_size",
+]
 __version__: str
 
 class TierstoreError(Exception): ...
@@ -15,10 +25,11 @@ class OutsideSourceError(TierstoreError, ValueError): ...
 
 def parse_size(text: str) -> int | None: ...
 
+@final
 class Reader:
-    def read(self, size: int | None = -1) -> bytes: ...
+    def read(self, size: int = -1) -> bytes: ...
     def readinto(self, buffer: Any) -> int: ...
-    def readline(self, size: int | None = -1) -> bytes: ...
+    def readline(self, size: int = -1) -> bytes: ...
     def seek(self, offset: int, whence: int = 0) -> int: ...
     def tell(self) -> int: ...
     def fileno(self) -> int | None: ...
@@ -30,11 +41,13 @@ class Reader:
     @property
     def closed(self) -> bool: ...
 
+@final
 class Prefetch:
     def progress(self) -> dict[str, Any]: ...
     @property
     def done(self) -> bool: ...
 
+@final
 class Cache:
     def __new__(
         cls,

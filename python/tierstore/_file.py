@@ -54,7 +54,9 @@ class CachedFile(io.RawIOBase):
     def fileno(self) -> int:
         fd = self._reader.fileno()
         if fd is None:
-            raise io.UnsupportedOperation(f"{self.name} is held in memory by tierstore and has no file descriptor")
+            raise io.UnsupportedOperation(
+                f"{self.name} is held in memory by tierstore and has no file descriptor"
+            )
         return fd
 
     @property

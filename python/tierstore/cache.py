@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 from tierstore import _core
 from tierstore._file import CachedFile
@@ -80,7 +80,9 @@ class Cache:
         """The source directory."""
         return self._core.source
 
-    def open(self, path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:
+    def open(
+        self, path: PathLike, mode: str = "rb", *, encoding: str | None = None
+    ) -> CachedFile | io.TextIOWrapper:
         """Opens a file under the source for reading through the cache.
 
         Args:
@@ -219,7 +221,9 @@ def default_cache() -> Cache:
         return _default
 
 
-def configure(source: PathLike | None = None, tiers: Sequence[TierSpec] | None = None, **kwargs: Any) -> Cache:
+def configure(
+    source: PathLike | None = None, tiers: Sequence[TierSpec] | None = None, **kwargs: Any
+) -> Cache:
     """Replaces the default cache with one built from these arguments (see `Cache`)."""
     global _default
     cache = Cache(source, tiers, **kwargs)
@@ -228,12 +232,14 @@ def configure(source: PathLike | None = None, tiers: Sequence[TierSpec] | None =
     return cache
 
 
-def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:  # noqa: A001
+def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> CachedFile | io.TextIOWrapper:
     """Opens a file through the default cache (see `Cache.open`)."""
     return default_cache().open(path, mode, encoding=encoding)
 
 
-def prefetch(paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True) -> dict[str, Any]:
+def prefetch(
+    paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True
+) -> dict[str, Any]:
     """Warms the default cache (see `Cache.prefetch`)."""
     return default_cache().prefetch(paths, progress=progress, wait=wait)
 

@@ -23,16 +23,30 @@ def _human(n: int) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file "
-              "(default: $TIERSTORE_CONFIG, then ./tierstore.toml).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    help="TOML configuration file (default: $TIERSTORE_CONFIG, then ./tierstore.toml).",
+)
 @click.option("--source", help="Source directory to cache (overrides the file and $TIERSTORE_SOURCE).")
-@click.option("--tier", "tiers", multiple=True, metavar="PATH[:QUOTA]",
-              help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).")
+@click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    metavar="PATH[:QUOTA]",
+    help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).",
+)
 @click.option("--policy", type=click.Choice(["fill", "lru", "lfu", "fifo"]), help="Placement policy.")
 @click.version_option(tierstore.__version__, prog_name="tierstore")
 @click.pass_context
-def main(ctx: click.Context, config_file: str | None, source: str | None, tiers: tuple[str, ...],
-         policy: str | None) -> None:
+def main(
+    ctx: click.Context,
+    config_file: str | None,
+    source: str | None,
+    tiers: tuple[str, ...],
+    policy: str | None,
+) -> None:
     """tierstore serves training data from the fastest tier of the node (RAM, local NVMe) instead of
     the shared store, fetching each file at most once per node and never serving stale bytes.
 
@@ -50,17 +64,21 @@ def main(ctx: click.Context, config_file: str | None, source: str | None, tiers:
       tierstore status
       tierstore config show
     """
+
     def make() -> Cache:
         try:
             return Cache(source, list(tiers) or None, policy=policy, config=config_file)
         except _core.ConfigError as e:
             raise click.ClickException(str(e)) from e
+
     ctx.obj = make
 
 
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Show files, bytes, rate and ETA.")
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show files, bytes, rate and ETA."
+)
 @click.pass_obj
 def prefetch(make: Any, paths: tuple[str, ...], progress: bool) -> None:
     """Copy files or whole directories of the source into the cache, in parallel."""
@@ -91,21 +109,47 @@ def status(make: Any, as_json: bool) -> None:
     from rich.table import Table
 
     tiers = Table(title="cache tiers", title_justify="left")
-    for col in ("tier", "kind", "used / quota", "entries", "hits", "misses", "hit rate", "served",
-                "evictions", "faults"):
+    for col in (
+        "tier",
+        "kind",
+        "used / quota",
+        "entries",
+        "hits",
+        "misses",
+        "hit rate",
+        "served",
+        "evictions",
+        "faults",
+    ):
         tiers.add_column(col, justify="left" if col in ("tier", "kind") else "right")
     for t in stats["tiers"]:
         lookups = t["hits"] + t["misses"]
         rate = f"{100 * t['hits'] / lookups:.1f}%" if lookups else "-"
         used = "unavailable" if t["error"] else f"{_human(t['bytes_used'])} / {_human(t['quota'])}"
-        tiers.add_row(t["path"], t["kind"], used, str(t["entries"]), str(t["hits"]), str(t["misses"]), rate,
-                      _human(t["bytes_served"]), str(t["evictions"]), str(t["faults"]))
+        tiers.add_row(
+            t["path"],
+            t["kind"],
+            used,
+            str(t["entries"]),
+            str(t["hits"]),
+            str(t["misses"]),
+            rate,
+            _human(t["bytes_served"]),
+            str(t["evictions"]),
+            str(t["faults"]),
+        )
     s = stats["source"]
     source = Table(title=f"source {s['path']}", title_justify="left")
     for col in ("opens", "stats", "reads", "bytes read", "fallbacks", "uncached opens"):
         source.add_column(col, justify="right")
-    source.add_row(str(s["opens"]), str(s["stats"]), str(s["reads"]), _human(s["bytes_read"]),
-                   str(s["fallbacks"]), str(s["uncached"]))
+    source.add_row(
+        str(s["opens"]),
+        str(s["stats"]),
+        str(s["reads"]),
+        _human(s["bytes_read"]),
+        str(s["fallbacks"]),
+        str(s["uncached"]),
+    )
     console = Console()
     console.print(tiers)
     console.print(source)

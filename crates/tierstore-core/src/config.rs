@@ -1,6 +1,8 @@
 //! Configuration: a TOML file, overridden by `TIERSTORE_*` environment variables, overridden by API
 //! arguments. Every value remembers where it came from (`tierstore config show`), and every invalid value
 //! fails at start with one message that names the key, the value, where it was set and the fix.
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -354,6 +356,8 @@ pub struct FsInfo {
 }
 
 /// Reads [`FsInfo`] for `path`, walking up to the first ancestor that exists.
+// statfs field types differ between libc targets (u64 here, u32 or i32 elsewhere): the casts are for them.
+#[allow(clippy::unnecessary_cast)]
 pub fn fs_info(path: &Path) -> std::io::Result<FsInfo> {
     let mut p = path;
     while !p.exists() {

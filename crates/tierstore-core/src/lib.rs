@@ -33,7 +33,7 @@ pub use source::OutsideSource;
 pub enum Error {
     /// A configuration value is invalid.
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     /// A path is not under the source.
     #[error(transparent)]
     OutsideSource(#[from] OutsideSource),
@@ -54,6 +54,12 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+}
+
+impl From<ConfigError> for Error {
+    fn from(e: ConfigError) -> Error {
+        Error::Config(Box::new(e))
+    }
 }
 
 impl Error {

@@ -42,6 +42,9 @@ impl PyCache {
     }
 }
 
+/// A tier as the Python layer passes it: (path, quota or None).
+type TierArg<'py> = (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>);
+
 fn path_arg(p: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
     let fspath = p.py().import("os")?.getattr("fspath")?.call1((p,))?;
     if let Ok(s) = fspath.extract::<String>() {
@@ -67,7 +70,7 @@ impl PyCache {
         py: Python<'_>,
         config_file: Option<Bound<'_, PyAny>>,
         source: Option<Bound<'_, PyAny>>,
-        tiers: Option<Vec<(Bound<'_, PyAny>, Option<Bound<'_, PyAny>>)>>,
+        tiers: Option<Vec<TierArg<'_>>>,
         policy: Option<String>,
         threads: Option<Bound<'_, PyAny>>,
         inline_max: Option<Bound<'_, PyAny>>,
@@ -92,7 +95,8 @@ impl PyCache {
             inline_max: inline_max.as_ref().map(size_text).transpose()?,
             verify,
         };
-        let config = py.allow_threads(|| Config::load(&overrides)).map_err(|e| to_py(e.into()))?;
+        let config =
+            py.allow_threads(|| Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)?;
         let engine = open_engine(py, &config)?;
         Ok(PyCache { config, engine: Mutex::new((std::process::id(), engine)) })
     }
@@ -237,15 +241,12 @@ impl PyReader {
 #[pymethods]
 impl PyReader {
     /// Reads up to `size` bytes (all that is left if negative).
-    #[pyo3(signature = (size=-1))]
-    fn read<'py>(&self, py: Python<'py>, size: Option<i64>) -> PyResult<Bound<'py, PyBytes>> {
+    #[pyo3(signature = (size=-1), text_signature = "(self, size=-1)")]
+    fn read<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
         let name = &self.name;
         self.with(|r| {
             let left = r.size().saturating_sub(r.tell());
-            let n = match size {
-                Some(s) if s >= 0 => (s as u64).min(left),
-                _ => left,
-            } as usize;
+            let n = if size >= 0 { (size as u64).min(left) } else { left } as usize;
             let mut got = 0;
             let bytes = PyBytes::new_with(py, n, |buf| {
                 // The new bytes object is not visible to any other thread yet: fill it without the GIL.
@@ -281,10 +282,10 @@ impl PyReader {
     }
 
     /// Reads one line (up to `size` bytes if non-negative).
-    #[pyo3(signature = (size=-1))]
-    fn readline<'py>(&self, py: Python<'py>, size: Option<i64>) -> PyResult<Bound<'py, PyBytes>> {
+    #[pyo3(signature = (size=-1), text_signature = "(self, size=-1)")]
+    fn readline<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
         let name = &self.name;
-        let limit = size.filter(|s| *s >= 0).map(|s| s as usize);
+        let limit = (size >= 0).then_some(size as usize);
         let line = self.with(|r| py.allow_threads(|| r.read_line(limit)).map_err(|e| io_to_py(e, Some(name))))?;
         Ok(PyBytes::new(py, &line))
     }

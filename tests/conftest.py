@@ -1,0 +1,60 @@
+"""Shared fixtures: a real source directory on disk and fresh tier directories (RAM-backed and local)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tierstore
+
+
+def content(i: int, size: int) -> bytes:
+    """Deterministic, file-specific bytes."""
+    seed = hashlib.blake2b(str(i).encode(), digest_size=32).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    d = tmp_path / "source"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="tierstore-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def tier(shm_dir: Path) -> str:
+    return str(shm_dir / "tier")
+
+
+def make_files(root: Path, n: int, size: int = 4096, prefix: str = "f") -> dict[Path, bytes]:
+    files = {}
+    for i in range(n):
+        p = root / f"{prefix}{i // 50}" / f"{i:05d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        b = content(i, size + i % 7)
+        p.write_bytes(b)
+        files[p] = b
+    return files
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No test sees the developer's configuration, and the default cache is rebuilt per test."""
+    for k in list(os.environ):
+        if k.startswith("TIERSTORE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.setattr(tierstore.cache, "_default", None)

@@ -1,0 +1,144 @@
+"""Configuration layers and their errors, and the `tierstore` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tierstore
+
+
+def test_layers_file_then_env_then_arguments(
+    source: Path, tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "ts.toml"
+    cfg.write_text(
+        f'source = "{source}"\npolicy = "lru"\nthreads = 3\n[[tiers]]\npath = "{tier}"\nquota = "1G"\n'
+    )
+    monkeypatch.setenv("TIERSTORE_CONFIG", str(cfg))
+    monkeypatch.setenv("TIERSTORE_THREADS", "5")
+    c = tierstore.Cache(policy="fifo").config()
+    assert c["policy"] == ("fifo", "argument")
+    assert c["threads"] == (5, "$TIERSTORE_THREADS")
+    assert c["source"] == (str(source), str(cfg))
+    assert c["tiers"][0] == [{"path": tier, "quota": 1 << 30, "kind": "memory"}]
+
+
+def test_tierstore_toml_in_the_working_directory(
+    source: Path, tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tierstore.toml").write_text(
+        f'source = "{source}"\n[[tiers]]\npath = "{tier}"\nquota = 1048576\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    assert tierstore.Cache().config()["tiers"][0][0]["quota"] == 1 << 20
+
+
+def test_no_file_gives_a_default_tier_from_free_space(source: Path, tmp_path: Path) -> None:
+    c = tierstore.Cache(source).config()
+    (tiers, origin) = c["tiers"]
+    assert origin == "default" and tiers[0]["path"] == str(tmp_path / "xdg-cache" / "tierstore")
+    assert tiers[0]["quota"] > 0 and c["policy"] == ("fill", "default")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "expected"),
+    [
+        ({"tiers": ["{tier}:80X"]}, {}, ['tiers[0].quota = "80X"', "use a size like"]),
+        ({"tiers": ["{tier}:0"]}, {}, ["caches nothing"]),
+        ({"tiers": ["{tier}:1000T"]}, {}, ["exceeds the size of the file system"]),
+        ({"policy": "lfru"}, {}, ['policy = "lfru"', '"fill"']),
+        ({"threads": 0}, {}, ["threads = 0", "from 1 to 256"]),
+        ({"verify": "crc"}, {}, ['verify = "crc"', '"checksum"']),
+        ({}, {"TIERSTORE_POLCY": "lru"}, ["$TIERSTORE_POLCY", "did you mean TIERSTORE_POLICY"]),
+        ({}, {"TIERSTORE_TIERS": "/tmp/x:12Q"}, ["$TIERSTORE_TIERS", "not a size"]),
+        ({"tiers": ["{source}/inside:1M"]}, {}, ["overlaps the source"]),
+        ({"tiers": ["{tier}:1M", "{tier}:2M"]}, {}, ["same directory as tiers[0]"]),
+        ({"tiers": ["/proc/forbidden:1M"]}, {}, ["tiers[0].path", "cannot be created"]),
+    ],
+)
+def test_invalid_values_fail_at_start_naming_key_value_and_fix(
+    source: Path, tier: str, kwargs: dict, env: dict, expected: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    kwargs = {
+        k: [t.format(tier=tier, source=source) for t in v] if k == "tiers" else v for k, v in kwargs.items()
+    }
+    with pytest.raises(tierstore.ConfigError) as e:
+        tierstore.Cache(source, **kwargs)
+    for text in expected:
+        assert text in str(e.value), str(e.value)
+
+
+def test_config_file_errors(source: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('polcy = "lru"\n')
+    with pytest.raises(tierstore.ConfigError, match='unknown key; did you mean "policy"'):
+        tierstore.Cache(source, config=bad)
+    bad.write_text("[[tiers]]\npath = '/tmp/t'\nquota = '1G'\nsize = 3\n")
+    with pytest.raises(tierstore.ConfigError, match=r"tiers\[0\]\.size = 3: unknown key"):
+        tierstore.Cache(source, config=bad)
+    bad.write_text("source = [\n")
+    with pytest.raises(tierstore.ConfigError, match="not valid TOML"):
+        tierstore.Cache(source, config=bad)
+    with pytest.raises(tierstore.ConfigError, match="no such file"):
+        tierstore.Cache(source, config=tmp_path / "missing.toml")
+    with pytest.raises(tierstore.ConfigError, match="no source directory is configured"):
+        tierstore.Cache()
+    with pytest.raises(tierstore.ConfigError, match=r"source = .*cannot be read"):
+        tierstore.Cache(tmp_path / "nope")
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def test_cli_help_reads_well() -> None:
+    r = cli("--help")
+    assert r.returncode == 0
+    for command in ("prefetch", "status", "clear", "config"):
+        assert command in r.stdout
+    assert "fastest tier" in r.stdout
+    assert cli("prefetch", "--help").returncode == 0
+
+
+def test_cli_prefetch_status_clear_and_config(source: Path, tier: str) -> None:
+    for i in range(30):
+        (source / f"{i}.bin").write_bytes(os.urandom(1000))
+    base = ["--source", str(source), "--tier", f"{tier}:10M"]
+    r = cli(*base, "prefetch", "--no-progress", str(source))
+    assert r.returncode == 0, r.stderr
+    assert "prefetched 30 files" in r.stdout and "30 copied" in r.stdout
+    r = cli(*base, "status", "--json")
+    stats = json.loads(r.stdout)
+    assert stats["tiers"][0]["entries"] == 30 and stats["source"]["bytes_read"] == 30_000
+    r = cli(*base, "status")
+    assert r.returncode == 0 and "cache tiers" in r.stdout and "bytes read" in r.stdout
+    r = cli(*base, "config", "show")
+    assert r.returncode == 0 and f"{tier}" in r.stdout and "(from argument)" in r.stdout
+    r = cli(*base, "clear", "--yes")
+    assert r.returncode == 0
+    assert json.loads(cli(*base, "status", "--json").stdout)["tiers"][0]["entries"] == 0
+
+
+def test_cli_reports_config_errors_without_a_traceback(source: Path, tier: str) -> None:
+    r = cli("--source", str(source), "--tier", f"{tier}:80X", "status")
+    assert r.returncode != 0
+    assert 'tiers[0].quota = "80X"' in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_prefetch_outside_the_source_is_a_clear_error(source: Path, tier: str) -> None:
+    r = cli("--source", str(source), "--tier", f"{tier}:1M", "prefetch", "/etc")
+    assert r.returncode != 0 and "outside the cached source" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,323 @@
+"""What must never happen: a byte fetched twice, stale or partial bytes served, a fault that fails a read."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tierstore
+from tests.conftest import content, make_files
+
+
+def _read_all_in_process(args: tuple[str, str, list[str], int]) -> dict[str, str]:
+    source, tier, paths, seed = args
+    cache = tierstore.Cache(source, [tier])
+    random.Random(seed).shuffle(paths)
+    out = {}
+    for p in paths:
+        with cache.open(p) as f:
+            out[p] = hashlib.sha256(f.read()).hexdigest()
+    cache.wait()
+    return out
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_eight_processes_read_each_source_file_exactly_once(
+    source: Path, tier: str, start_method: str
+) -> None:
+    files = make_files(source, 200, size=20_000)
+    files.update(make_files(source, 4, size=3 << 20, prefix="large"))  # streamed copies, followed by readers
+    spec = f"{tier}:1G"
+    cache = tierstore.Cache(source, [spec])
+    paths = [str(p) for p in files]
+    ctx = mp.get_context(start_method)
+    with ctx.Pool(8) as pool:
+        results = pool.map(
+            _read_all_in_process, [(str(source), spec, list(paths), seed) for seed in range(8)]
+        )
+    expected = {str(p): hashlib.sha256(b).hexdigest() for p, b in files.items()}
+    for r in results:
+        assert r == expected
+    s = cache.stats()
+    total = sum(len(b) for b in files.values())
+    assert s["source"]["opens"] == len(files), "a source file was opened more than once"
+    assert s["source"]["bytes_read"] == total, f"read amplification {s['source']['bytes_read'] / total:.3f}"
+    assert s["tiers"][0]["entries"] == len(files)
+
+
+def test_forked_workers_share_the_parents_cache(source: Path, tier: str) -> None:
+    """The DataLoader pattern: the cache is created in the parent and used in forked workers."""
+    files = make_files(source, 60, size=10_000)
+    cache = tierstore.Cache(source, [f"{tier}:64M"])
+    with cache.open(next(iter(files))) as f:  # the parent has used it: threads, index, locks exist
+        f.read()
+
+    def worker(paths: list[Path], q: mp.Queue) -> None:
+        q.put(all(cache.open(p).read() == files[p] for p in paths))
+        cache.wait()
+
+    ctx = mp.get_context("fork")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(list(files), q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    assert all(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert cache.stats()["source"]["opens"] == len(files)
+
+
+def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None:
+    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    p = source / "epoch.bin"
+    p.write_bytes(b"version one")
+    for _ in range(2):
+        assert cache.open(p).read() == b"version one"
+        cache.wait()
+    # Same size, rewritten in place: mtime tells. Then replaced by rename: the inode tells.
+    p.write_bytes(b"version two")
+    assert cache.open(p).read() == b"version two"
+    cache.wait()
+    assert cache.open(p).read() == b"version two"
+    tmp = source / "new.tmp"
+    tmp.write_bytes(b"version three, longer")
+    os.replace(tmp, p)
+    assert cache.open(p).read() == b"version three, longer"
+    cache.wait()
+    with cache.open(p) as f:
+        assert f.backing == "tier" and f.read() == b"version three, longer"
+
+
+def test_copy_keeps_the_source_mtime(source: Path, tier: str) -> None:
+    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    p = source / "m.bin"
+    p.write_bytes(b"x" * 100)
+    os.utime(p, ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    cache.open(p).read()
+    cache.wait()
+    assert os.stat(cache.lookup(p)).st_mtime_ns == 1_600_000_000_123_456_789
+
+
+@pytest.mark.parametrize("damage", ["truncate", "overwrite", "delete"])
+def test_damaged_copy_falls_back_then_is_repaired(source: Path, tier: str, damage: str) -> None:
+    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    p = source / "d.bin"
+    data = content(7, 50_000)
+    p.write_bytes(data)
+    cache.open(p).read()
+    cache.wait()
+    copy = Path(cache.lookup(p))
+    if damage == "truncate":
+        os.truncate(copy, 1000)
+    elif damage == "overwrite":
+        with open(copy, "r+b") as f:
+            f.write(b"\0" * 100)
+    else:
+        copy.unlink()
+    assert cache.open(p).read() == data
+    s = cache.stats()
+    assert s["tiers"][0]["faults"] == 1 and s["source"]["fallbacks"] == 1
+    cache.wait()
+    assert Path(cache.lookup(p)).read_bytes() == data
+    with cache.open(p) as f:
+        assert f.backing == "tier" and f.read() == data
+
+
+def test_checksum_mode_catches_silent_corruption(source: Path, tier: str) -> None:
+    cache = tierstore.Cache(source, [f"{tier}:16M"], verify="checksum")
+    p = source / "rot.bin"
+    data = content(8, 30_000)
+    p.write_bytes(data)
+    cache.open(p).read()
+    cache.wait()
+    copy = cache.lookup(p)
+    st = os.stat(copy)
+    with open(copy, "r+b") as f:  # a flipped byte that keeps size and mtime
+        f.seek(12345)
+        f.write(bytes([data[12345] ^ 0xFF]))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.open(p).read() == data
+    assert cache.stats()["tiers"][0]["faults"] == 1
+
+
+def test_quota_full_tier_still_serves_every_read(source: Path, tier: str) -> None:
+    files = make_files(source, 40, size=10_000)
+    cache = tierstore.Cache(source, [f"{tier}:50000"])  # room for 4 files
+    for _ in range(2):
+        for p, b in files.items():
+            assert cache.open(p).read() == b
+        cache.wait()
+    s = cache.stats()
+    assert s["tiers"][0]["entries"] == 4 and s["tiers"][0]["bytes_used"] <= 50_000
+    assert s["source"]["uncached"] == 36 + 36
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs to fill a real disk needs root")
+def test_disk_full_under_the_tier_falls_back(source: Path, shm_dir: Path) -> None:
+    mnt = shm_dir / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        files = make_files(source, 30, size=200_000)
+        cache = tierstore.Cache(source, [f"{mnt}/tier:2M"])
+        (mnt / "filler").write_bytes(b"\0" * 1_500_000)  # the disk fills up behind the cache's back
+        for p, b in files.items():
+            assert cache.open(p).read() == b
+        cache.wait()
+        for p, b in files.items():
+            assert cache.open(p).read() == b
+        cache.wait()
+        s = cache.stats()
+        assert s["tiers"][0]["faults"] > 0 and s["tiers"][0]["entries"] < len(files)
+        assert s["tiers"][0]["in_flight"] == 0, "a failed copy left its reservation behind"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_eviction_under_quota_with_concurrent_readers(source: Path, tier: str, policy: str) -> None:
+    files = make_files(source, 120, size=8_000)
+    quota = 200_000  # about a fifth of the data
+    cache = tierstore.Cache(source, [f"{tier}:{quota}"], policy=policy)
+    pinned = next(iter(files))
+    held = cache.open(pinned)  # a reader that holds its copy open across all the churn
+    cache.wait()
+    errors: list[str] = []
+    over: list[int] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        keys = list(files)
+        for _ in range(300):
+            p = rng.choice(keys)
+            with cache.open(p) as f:
+                if f.read() != files[p]:
+                    errors.append(str(p))
+            used = cache.stats()["tiers"][0]["bytes_used"]
+            if used > quota:
+                over.append(used)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cache.wait()
+    assert not errors and not over
+    assert held.read() == files[pinned], "an evicted copy changed under its reader"
+    s = cache.stats()["tiers"][0]
+    assert s["evictions"] > 0 and s["bytes_used"] <= quota
+
+
+def test_reader_holding_a_copy_blocks_its_eviction(source: Path, tier: str) -> None:
+    files = make_files(source, 3, size=40_000)
+    a, b, c = files
+    cache = tierstore.Cache(source, [f"{tier}:100000"], policy="fifo")
+    for p in (a, b):
+        cache.open(p).read()
+        cache.wait()
+    held = cache.open(a)  # the oldest entry, first in FIFO order, is being read
+    assert held.backing == "tier"
+    cache.open(c).read()
+    cache.wait()
+    assert cache.lookup(a) is not None and cache.lookup(b) is None, "eviction took the copy being read"
+    assert held.read() == files[a]
+
+
+SLOW_FETCH = """
+import sys, time, tierstore
+cache = tierstore.Cache(sys.argv[1], [sys.argv[2]], inline_max="1MiB")
+f = cache.open(sys.argv[3])
+f.read(1)            # the copy has started
+print("started", flush=True)
+time.sleep(60)
+"""
+
+
+def test_fetcher_killed_mid_copy_blocks_nobody(source: Path, tmp_path: Path) -> None:
+    big = source / "big.bin"
+    size = 1 << 30
+    block = content(99, 1 << 20)
+    with open(big, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+    tier = f"{tmp_path}/disk-tier:4G"  # a local-disk tier: slower than RAM, so the copy is surely mid-way
+    child = subprocess.Popen(
+        [os.sys.executable, "-c", SLOW_FETCH, str(source), tier, str(big)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "started"
+        temps = list(Path(tmp_path, "disk-tier").glob("*/tmp/*"))
+        assert len(temps) == 1 and temps[0].stat().st_size < size, "the copy was not in flight"
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    finally:
+        child.kill()
+    t0 = time.monotonic()
+    cache = tierstore.Cache(source, [tier])  # a new process: sweeps the dead fetcher's temp file
+    assert not temps[0].exists()
+    h = hashlib.sha256()
+    with cache.open(big) as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    assert h.hexdigest() == hashlib.sha256(block * (size // len(block))).hexdigest()
+    assert time.monotonic() - t0 < 60
+    cache.wait()
+    s = cache.stats()["tiers"][0]
+    assert s["entries"] == 1 and s["in_flight"] == 0 and s["bytes_used"] == size
+    shutil.rmtree(Path(tmp_path, "disk-tier"))
+    big.unlink()
+
+
+def test_unreadable_index_falls_back_to_the_source(source: Path, tier: str) -> None:
+    (source / "a").write_bytes(b"still served")
+    cache = tierstore.Cache(source, [f"{tier}:1M"])
+    cache.open(source / "a").read()
+    cache.wait()
+    del cache
+    for mdb in Path(tier).glob("*/index/data.mdb"):
+        mdb.write_bytes(b"this is not an LMDB file" * 1000)
+
+    def fresh_process_reads() -> tuple[bytes, dict]:
+        c = tierstore.Cache(source, [f"{tier}:1M"])
+        return c.open(source / "a").read(), c.stats()
+
+    q: mp.Queue = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_unreadable_index_child, args=(str(source), tier, q))
+    p.start()
+    data, stats = q.get(timeout=60)
+    p.join(30)
+    assert data == b"still served"
+    assert stats["tiers"][0]["error"] and "LMDB" in stats["tiers"][0]["error"]
+    assert stats["tiers"][0]["faults"] >= 1
+
+
+def _unreadable_index_child(source: str, tier: str, q: mp.Queue) -> None:
+    c = tierstore.Cache(source, [f"{tier}:1M"])
+    q.put((c.open(os.path.join(source, "a")).read(), c.stats()))
+
+
+def test_prefetch_warms_everything_and_reports_progress(source: Path, tier: str) -> None:
+    files = make_files(source, 150, size=5_000)
+    cache = tierstore.Cache(source, [f"{tier}:64M"])
+    r = cache.prefetch(source, progress=False)
+    assert r["files_total"] == r["files_done"] == r["files_copied"] == 150
+    assert r["bytes_done"] == sum(len(b) for b in files.values()) and r["first_error"] is None
+    before = cache.stats()["source"]["bytes_read"]
+    for p, b in files.items():
+        with cache.open(p) as f:
+            assert f.backing == "tier" and f.read() == b
+    assert cache.stats()["source"]["bytes_read"] == before
+    again = cache.prefetch([source / "f0"], progress=False)
+    assert again["files_copied"] == 0 and again["files_done"] == 50

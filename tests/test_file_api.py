@@ -1,0 +1,184 @@
+"""`tierstore.open` returns a file object that real readers (numpy, PIL, pickle, torch, h5py) take unchanged."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tierstore
+from tests.conftest import content
+
+
+@pytest.fixture
+def cache(source: Path, tier: str) -> tierstore.Cache:
+    return tierstore.Cache(source, [f"{tier}:64M"], inline_max="64KiB")
+
+
+def both_backings(cache: tierstore.Cache, path: Path):
+    """The first open is served from the source fetch, the second from the tier copy."""
+    with cache.open(path) as f:
+        yield f
+    cache.wait()
+    with cache.open(path) as f:
+        assert f.backing == "tier"
+        yield f
+
+
+def test_read_seek_tell_readline_iteration(cache: tierstore.Cache, source: Path) -> None:
+    text = b"".join(b"line %d\n" % i for i in range(5000)) + b"no newline at end"
+    p = source / "lines.txt"
+    p.write_bytes(text)
+    for f in both_backings(cache, p):
+        assert f.readline() == b"line 0\n"
+        assert f.tell() == 7
+        assert f.read(5) == b"line "
+        f.seek(-17, io.SEEK_END)
+        assert f.read() == b"no newline at end"
+        assert f.read() == b""
+        f.seek(0)
+        lines = list(f)
+        assert lines[1] == b"line 1\n" and lines[-1] == b"no newline at end" and len(lines) == 5001
+        f.seek(3)
+        assert f.readline(2) == b"e "
+        assert f.seek(10**9) == 10**9 and f.read(10) == b""
+        with pytest.raises(ValueError, match="negative seek"):
+            f.seek(-1)
+        f.seek(0)
+        assert f.readlines()[4999] == b"line 4999\n"
+
+
+def test_readinto_fills_the_callers_buffer(cache: tierstore.Cache, source: Path) -> None:
+    data = content(1, 300_000)  # larger than inline_max: the first open follows a growing copy
+    p = source / "big.bin"
+    p.write_bytes(data)
+    for f in both_backings(cache, p):
+        arr = np.zeros(len(data) + 10, dtype=np.uint8)
+        assert f.readinto(arr) == len(data)
+        assert arr[: len(data)].tobytes() == data
+        f.seek(100)
+        buf = bytearray(1000)
+        assert f.readinto(memoryview(buf)) == 1000 and bytes(buf) == data[100:1100]
+        with pytest.raises(TypeError, match="writable"):
+            f.readinto(b"readonly")
+
+
+def test_fileno_is_a_real_descriptor_of_the_copy(cache: tierstore.Cache, source: Path) -> None:
+    import os
+
+    p = source / "x.bin"
+    p.write_bytes(content(2, 5000))
+    with cache.open(p) as f:
+        assert f.backing == "memory"
+        with pytest.raises(io.UnsupportedOperation, match="no file descriptor"):
+            f.fileno()
+    cache.wait()
+    with cache.open(p) as f:
+        assert os.pread(f.fileno(), 10, 0) == content(2, 5000)[:10]
+
+
+def test_closed_file_refuses_io(cache: tierstore.Cache, source: Path) -> None:
+    p = source / "c"
+    p.write_bytes(b"abc")
+    f = cache.open(p)
+    f.close()
+    assert f.closed
+    with pytest.raises(ValueError):
+        f.read()
+
+
+def test_text_mode_and_refused_write_modes(cache: tierstore.Cache, source: Path) -> None:
+    p = source / "t.txt"
+    p.write_text("héllo\nwörld\n", encoding="utf-8")
+    with cache.open(p, "r", encoding="utf-8") as f:
+        assert f.read() == "héllo\nwörld\n"
+    with pytest.raises(ValueError, match="reads only"):
+        cache.open(p, "wb")
+
+
+def test_errors_say_what_is_wrong(cache: tierstore.Cache, source: Path) -> None:
+    with pytest.raises(tierstore.OutsideSourceError, match="outside the cached source"):
+        cache.open("/etc/hostname")
+    with pytest.raises(ValueError):  # OutsideSourceError is a ValueError too
+        cache.open(source / ".." / "elsewhere")
+    with pytest.raises(FileNotFoundError) as e:
+        cache.open(source / "missing.bin")
+    assert e.value.filename == str(source / "missing.bin")
+    (source / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        cache.open(source / "dir")
+
+
+def test_relative_paths_are_taken_from_the_current_directory(
+    cache: tierstore.Cache, source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (source / "sub").mkdir()
+    (source / "sub" / "r.bin").write_bytes(b"relative")
+    monkeypatch.chdir(source / "sub")
+    with cache.open("r.bin") as f:
+        assert f.read() == b"relative"
+
+
+def test_numpy_pickle_pil(cache: tierstore.Cache, source: Path) -> None:
+    from PIL import Image
+
+    arr = np.arange(10000, dtype=np.float32).reshape(100, 100)
+    np.save(source / "a.npy", arr)
+    (source / "o.pkl").write_bytes(pickle.dumps({"k": [1, 2, 3]}))
+    rgb = (np.arange(64 * 48 * 3) % 256).astype(np.uint8).reshape(48, 64, 3)
+    Image.fromarray(rgb).save(source / "i.png")
+    for _ in range(2):
+        with cache.open(source / "a.npy") as f:
+            np.testing.assert_array_equal(np.load(f), arr)
+        with cache.open(source / "o.pkl") as f:
+            assert pickle.load(f) == {"k": [1, 2, 3]}
+        with cache.open(source / "i.png") as f, Image.open(f) as im:
+            np.testing.assert_array_equal(np.asarray(im), rgb)
+        cache.wait()
+
+
+def test_torch_load(cache: tierstore.Cache, source: Path) -> None:
+    torch = pytest.importorskip("torch")
+    state = {"w": torch.randn(64, 32), "b": torch.arange(10)}
+    torch.save(state, source / "m.pt")
+    for _ in range(2):
+        with cache.open(source / "m.pt") as f:
+            loaded = torch.load(f)
+        assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+        cache.wait()
+
+
+def test_h5py_file(cache: tierstore.Cache, source: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    data = np.random.default_rng(0).normal(size=(200, 50))
+    with h5py.File(source / "d.h5", "w") as h:
+        h["x"] = data
+        h["g/y"] = np.arange(7)
+    for _ in range(2):
+        with cache.open(source / "d.h5") as f, h5py.File(f, "r") as h:
+            np.testing.assert_array_equal(h["x"][...], data)
+            np.testing.assert_array_equal(h["g/y"][...], np.arange(7))
+        cache.wait()
+
+
+def test_module_level_helpers_use_the_configured_default(source: Path, tier: str) -> None:
+    (source / "m.bin").write_bytes(b"module level")
+    tierstore.configure(source=source, tiers=[f"{tier}:1M"])
+    with tierstore.open(source / "m.bin") as f:
+        assert f.read() == b"module level"
+    assert tierstore.stats()["source"]["opens"] == 1
+
+
+def test_default_cache_reads_the_environment(
+    source: Path, tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (source / "e.bin").write_bytes(b"from env")
+    monkeypatch.setenv("TIERSTORE_SOURCE", str(source))
+    monkeypatch.setenv("TIERSTORE_TIERS", f"{tier}:2M")
+    with tierstore.open(source / "e.bin") as f:
+        assert f.read() == b"from env"
+    cfg = tierstore.default_cache().config()
+    assert cfg["tiers"][1] == "$TIERSTORE_TIERS" and cfg["tiers"][0][0]["quota"] == 2 << 20
