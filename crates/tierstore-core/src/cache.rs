@@ -46,14 +46,12 @@ struct Registry {
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
     static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
-    let m = REG
-        .get_or_init(|| Mutex::new(Registry { pid: std::process::id(), tiers: HashMap::new(), locks: HashMap::new() }));
+    let m =
+        REG.get_or_init(|| Mutex::new(Registry { pid: crate::pid(), tiers: HashMap::new(), locks: HashMap::new() }));
     let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-    if g.pid != std::process::id() {
-        let old = std::mem::replace(
-            &mut *g,
-            Registry { pid: std::process::id(), tiers: HashMap::new(), locks: HashMap::new() },
-        );
+    if g.pid != crate::pid() {
+        let old =
+            std::mem::replace(&mut *g, Registry { pid: crate::pid(), tiers: HashMap::new(), locks: HashMap::new() });
         std::mem::forget(old);
     }
     g
@@ -229,7 +227,7 @@ impl Cache {
             last_access_flush: Mutex::new(Instant::now()),
             logged: Mutex::new(HashSet::new()),
             pool: OnceLock::new(),
-            pid: std::process::id(),
+            pid: crate::pid(),
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {
@@ -258,8 +256,7 @@ impl Cache {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
         let sid = if validate {
-            let m = self.inner.source.stat(&rel).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
-            Some(SourceId::of(&m))
+            Some(self.inner.source.identify(&rel).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?)
         } else {
             None
         };
@@ -392,11 +389,11 @@ impl Cache {
             if let Ok(ix) = &t.index {
                 ix.clear().map_err(|e| Error::Tier { path: t.config.path.clone(), message: e.to_string() })?;
             }
+            // Empty `data/` but keep it: every process of the node holds a descriptor of it.
             let data = t.root.join("data");
-            if data.exists() {
-                std::fs::remove_dir_all(&data).map_err(|e| Error::io(&data, e))?;
+            for sub in std::fs::read_dir(&data).map_err(|e| Error::io(&data, e))?.flatten() {
+                std::fs::remove_dir_all(sub.path()).map_err(|e| Error::io(&sub.path(), e))?;
             }
-            std::fs::create_dir_all(&data).map_err(|e| Error::io(&data, e))?;
         }
         Ok(())
     }
@@ -453,7 +450,7 @@ fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
 
 impl Inner {
     fn pid_matches(&self) -> bool {
-        self.pid == std::process::id()
+        self.pid == crate::pid()
     }
 
     fn pool(&self) -> Option<Arc<Pool>> {
@@ -480,11 +477,7 @@ impl Inner {
 
     fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
         let key = key_of(rel);
-        let meta = self.source.stat(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
-        if meta.is_dir() {
-            return Err(Error::io(&self.source.path_of(rel), io::Error::from_raw_os_error(libc::EISDIR)));
-        }
-        let sid = SourceId::of(&meta);
+        let sid = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
         for _ in 0..3 {
             if let Some(r) = self.hit(&key, rel, &sid, true) {
                 return Ok(r);
@@ -574,12 +567,15 @@ impl Inner {
     /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).
     fn open_copy(&self, i: usize, key: &Key, e: &Entry) -> Result<Option<Backing>, String> {
         let tier = &self.tiers[i];
-        let file = match File::open(tier.data_path(key)) {
+        let file = match tier.open_copy(key) {
             Ok(f) => f,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Err("missing copy".into()),
             Err(err) => return Err(format!("copy unreadable ({err})")),
         };
-        lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
+        // Only an evicting policy deletes copies readers may hold; `fill` never does, so skip the syscall.
+        if self.config.policy.evicts() {
+            lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
+        }
         let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
         use std::os::unix::fs::MetadataExt;
         if m.nlink() == 0 {
@@ -818,7 +814,7 @@ impl Inner {
 
     fn abort(&self, t: usize, key: &Key) {
         if let Ok(ix) = &self.tiers[t].index {
-            let pid = std::process::id();
+            let pid = crate::pid();
             let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
         }
     }
@@ -953,8 +949,7 @@ impl Inner {
     /// One file of a prefetch: copy it unless it is cached or being fetched by someone else.
     fn prefetch_one(self: &Arc<Self>, rel: &str) -> Result<Fetched, Error> {
         let key = key_of(rel);
-        let meta = self.source.stat(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
-        let sid = SourceId::of(&meta);
+        let sid = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
         if self.hit(&key, rel, &sid, false).is_some() {
             return Ok(Fetched::Skipped);
         }

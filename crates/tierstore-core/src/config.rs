@@ -515,7 +515,7 @@ impl Config {
                 )
             })?;
             let path = std::fs::canonicalize(&path).unwrap_or(path);
-            let probe = path.join(format!(".tierstore-probe-{}", std::process::id()));
+            let probe = path.join(format!(".tierstore-probe-{}", crate::pid()));
             if let Err(e) = std::fs::write(&probe, b"") {
                 return Err(bad(
                     &tiers_origin,

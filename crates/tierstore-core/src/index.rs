@@ -246,7 +246,7 @@ impl Index {
         }
         let entry = Entry {
             ready: false,
-            pid: std::process::id(),
+            pid: crate::pid(),
             source,
             stats: AccessStats::default(),
             checksum: None,
@@ -263,7 +263,7 @@ impl Index {
     pub fn publish(&self, key: &Key, checksum: [u8; 32], now_ns: u64) -> Result<bool, IndexError> {
         let mut txn = self.env.write()?;
         let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(false) };
-        if e.ready || e.pid != std::process::id() {
+        if e.ready || e.pid != crate::pid() {
             return Ok(false);
         }
         let seq = get_u64(&txn, self.meta, SEQ)? + 1;

@@ -20,6 +20,32 @@ pub mod source;
 pub mod tier;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Once;
+
+static PID: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn forget_pid() {
+    PID.store(0, Ordering::Relaxed);
+}
+
+/// The current process id, without a system call on the hot path (glibc no longer caches `getpid`). A
+/// fork handler clears the cached value in the child, which then reads its own.
+pub fn pid() -> u32 {
+    static HANDLER: Once = Once::new();
+    HANDLER.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic, which is async-signal-safe.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_pid)) };
+    });
+    match PID.load(Ordering::Relaxed) {
+        0 => {
+            let pid = std::process::id();
+            PID.store(pid, Ordering::Relaxed);
+            pid
+        }
+        pid => pid,
+    }
+}
 
 pub use cache::{Cache, PrefetchProgress, SourceStats, Stats, TierStats};
 pub use config::{Config, ConfigError, Overrides, TierConfig, TierKind, Verify};

@@ -30,7 +30,7 @@ impl Growing {
     pub fn new(file: File) -> Growing {
         Growing {
             file,
-            pid: std::process::id(),
+            pid: crate::pid(),
             progress: Mutex::new(Progress { copied: 0, failed: false }),
             advanced: Condvar::new(),
         }
@@ -51,7 +51,7 @@ impl Growing {
     /// Waits until `end` bytes are copied; false if the copy failed (or belongs to a parent process whose
     /// copy thread this forked child does not have).
     fn wait_for(&self, end: u64) -> bool {
-        if self.pid != std::process::id() {
+        if self.pid != crate::pid() {
             return false;
         }
         let mut p = self.progress.lock().expect("progress lock");

@@ -17,6 +17,9 @@ pub struct PosixSource {
     root: PathBuf,
     /// The same directory with symlinks resolved; paths under either are accepted.
     canonical: PathBuf,
+    /// A descriptor of the root: `stat` and `open` resolve paths from it, so the kernel walks only the
+    /// part of the path below the source on every call.
+    dir: File,
     counters: Arc<Counters>,
 }
 
@@ -51,7 +54,23 @@ impl PosixSource {
     /// A source rooted at `root` (an existing directory), counting into `counters`.
     pub fn new(root: &Path, counters: Arc<Counters>) -> PosixSource {
         let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-        PosixSource { root: normalize(root), canonical, counters }
+        let dir = open_dir(root).expect("the configured source is an existing directory");
+        PosixSource { root: normalize(root), canonical, dir, counters }
+    }
+
+    /// The identity of a source file (one counted `stat`). A directory is an `IsADirectory` error.
+    pub fn identify(&self, rel: &str) -> io::Result<SourceId> {
+        self.counters.add(slot::STATS, 1);
+        let st = stat_at(&self.dir, rel)?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            return Err(io::Error::from_raw_os_error(libc::EISDIR));
+        }
+        Ok(SourceId {
+            size: st.st_size as u64,
+            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
+            ino: st.st_ino,
+            dev: st.st_dev,
+        })
     }
 
     /// The source directory.
@@ -99,7 +118,7 @@ impl PosixSource {
     /// Opens a source file for reading (counted).
     pub fn open(&self, rel: &str) -> io::Result<File> {
         self.counters.add(slot::OPENS, 1);
-        File::open(self.path_of(rel))
+        open_at(&self.dir, rel)
     }
 
     /// Counts a read of `n` bytes done on a source descriptor.
@@ -137,6 +156,40 @@ impl PosixSource {
         self.count_read(n);
         Ok(n)
     }
+}
+
+fn c_path(rel: &str) -> io::Result<std::ffi::CString> {
+    std::ffi::CString::new(rel).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path with a NUL byte"))
+}
+
+/// Opens a directory as a descriptor to resolve relative paths from.
+pub fn open_dir(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY).open(path)
+}
+
+/// Opens `rel` (relative to `dir`) read-only.
+pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let c = c_path(rel)?;
+    // SAFETY: openat with a valid directory descriptor and NUL-terminated path; the new descriptor is owned.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// `stat` of `rel` relative to `dir`, following symlinks.
+pub fn stat_at(dir: &File, rel: &str) -> io::Result<libc::stat> {
+    use std::os::fd::AsRawFd;
+    let c = c_path(rel)?;
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstatat writes into `st` on success.
+    if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), st.as_mut_ptr(), 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { st.assume_init() })
 }
 
 #[cfg(test)]

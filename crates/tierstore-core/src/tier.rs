@@ -28,10 +28,18 @@ pub struct Tier {
     pub index: Result<Index, String>,
     /// Counters of this tier, shared by the node.
     pub counters: Counters,
+    /// A descriptor of `data/`: copies are opened relative to it (a short path walk on every hit).
+    data_dir: File,
 }
 
 fn hex(key: &Key) -> String {
-    key.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(32);
+    for b in key {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
 }
 
 /// The namespace directory name of `source` inside a tier.
@@ -59,7 +67,8 @@ impl Tier {
         }
         let counters = Counters::open(&root.join("counters"))?;
         let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
-        Ok(Tier { config: config.clone(), root, index, counters })
+        let data_dir = crate::source::open_dir(&root.join("data"))?;
+        Ok(Tier { config: config.clone(), root, index, counters, data_dir })
     }
 
     /// Whether the tier holds data in RAM.
@@ -73,11 +82,17 @@ impl Tier {
         self.root.join("data").join(&h[..2]).join(h)
     }
 
+    /// Opens the published copy of `key` for reading.
+    pub fn open_copy(&self, key: &Key) -> io::Result<File> {
+        let h = hex(key);
+        crate::source::open_at(&self.data_dir, &format!("{}/{h}", &h[..2]))
+    }
+
     /// Creates a new temporary file for a copy of `key`, unique to this process and attempt.
     pub fn create_temp(&self, key: &Key) -> io::Result<(PathBuf, File)> {
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), std::process::id()));
+        let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), crate::pid()));
         let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         Ok((path, f))
     }

@@ -32,7 +32,7 @@ fn open_engine(py: Python<'_>, config: &Config) -> PyResult<Arc<Cache>> {
 impl PyCache {
     fn engine(&self, py: Python<'_>) -> PyResult<Arc<Cache>> {
         let mut g = self.engine.lock().unwrap_or_else(|p| p.into_inner());
-        let pid = std::process::id();
+        let pid = tierstore_core::pid();
         if g.0 != pid {
             let fresh = open_engine(py, &self.config)?;
             let old = std::mem::replace(&mut *g, (pid, fresh));
@@ -46,6 +46,9 @@ impl PyCache {
 type TierArg<'py> = (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>);
 
 fn path_arg(p: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
+    if let Ok(s) = p.downcast::<pyo3::types::PyString>() {
+        return Ok(PathBuf::from(s.to_str()?));
+    }
     let fspath = p.py().import("os")?.getattr("fspath")?.call1((p,))?;
     if let Ok(s) = fspath.extract::<String>() {
         return Ok(PathBuf::from(s));
@@ -98,7 +101,7 @@ impl PyCache {
         let config =
             py.allow_threads(|| Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)?;
         let engine = open_engine(py, &config)?;
-        Ok(PyCache { config, engine: Mutex::new((std::process::id(), engine)) })
+        Ok(PyCache { config, engine: Mutex::new((tierstore_core::pid(), engine)) })
     }
 
     /// Opens a file under the source for reading.
