@@ -13,11 +13,12 @@ shared store. Every tierstore setup gets a fresh tier directory, which is a fres
 
   * source-read amplification 1.0 under concurrency (every source byte read once per node);
   * epochs 2 and 3 of `fit` read nothing from the source, at >= 90% of the throughput of reading the cached
-    copies directly (this machine's limit, measured in the same run, best of 3 interleaved passes);
+    copies directly (this machine's limit, measured in the same run, best of 5 interleaved passes);
   * `half`: source bytes per later epoch <= (dataset - quota) + 1% of the dataset;
   * `Cache.lookup(p, validate=False)` of a cached entry under 5 us from Python.
 
 Usage: .venv/bin/python bench/bench_cache.py [--small] [--out BENCHMARKS.md]
+The exit status is 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import shutil
 import sys
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,13 @@ import tierstore
 
 KiB = 1024
 MiB = 1024 * KiB
-GiB = 1024 * MiB
 
 EPOCHS = 3
 PROCS = 4
 # Passes over the epoch-2 order for the throughput ratio: tierstore and the raw copies alternate, and the
 # best of each is compared, so that a hiccup of the machine (2 cores shared with the copy pool and the
 # kernel) does not decide the ratio.
-RATIO_PASSES = 3
+RATIO_PASSES = 5
 LOOKUP_CALLS = 100_000
 LOOKUP_ROUNDS = 3
 
@@ -85,6 +85,7 @@ class Dataset:
 
     source: Path
     paths: list[str]
+    size: dict[str, int]
     crc: dict[str, int]
     total: int
 
@@ -174,7 +175,13 @@ def generate(root: Path, spec: Spec) -> Dataset:
         manifest_path.write_text(json.dumps({"spec": spec.__dict__, "crc": crc}))
         print(f"  generated in {time.perf_counter() - t0:.1f} s")
     paths = [str(source / r) for r in rels]
-    return Dataset(source, paths, {str(source / r): crc[r] for r in rels}, spec.total)
+    return Dataset(
+        source,
+        paths,
+        {str(source / r): sizes[r] for r in rels},
+        {str(source / r): crc[r] for r in rels},
+        spec.total,
+    )
 
 
 def drop_page_cache() -> bool:
@@ -218,10 +225,11 @@ def read_cached(cache: tierstore.Cache, order: Sequence[str]) -> int:
     return nbytes
 
 
-def plain_epoch(label: str, order: Sequence[str], files: Callable[[Sequence[str]], int] = read_plain) -> Epoch:
+def plain_epoch(label: str, order: Sequence[str]) -> Epoch:
+    """One epoch of plain open(); its operations are the read syscalls and bytes of this process."""
     before = proc_io()
     t0 = time.perf_counter()
-    nbytes = files(order)
+    nbytes = read_plain(order)
     seconds = time.perf_counter() - t0
     after = proc_io()
     return Epoch(
@@ -295,6 +303,27 @@ def run_plain(ds: Dataset, epoch_orders: list[list[str]], dropped: list[bool]) -
     return s
 
 
+def interleaved(
+    cache: tierstore.Cache, order: Sequence[str], copies: dict[str, str], passes: int, label: str
+) -> tuple[list[Epoch], list[Epoch]]:
+    """Passes of tierstore and of plain `open(copy, 'rb').read()` over the cached copies, alternating
+    (raw first, then tierstore first, ...), so that both see the same state of the machine."""
+    raw_order = [copies[p] for p in order]
+    ts: list[Epoch] = []
+    raw: list[Epoch] = []
+    for i in range(passes):
+        if i % 2 == 0:
+            raw.append(plain_epoch("raw copies", raw_order))
+        ts.append(cached_epoch(cache, label if i == 0 else f"{label} (repeat {i + 1})", order))
+        if i % 2 == 1:
+            raw.append(plain_epoch("raw copies", raw_order))
+    return ts, raw
+
+
+def best(epochs: Sequence[Epoch]) -> Epoch:
+    return max(epochs, key=lambda e: e.mib_s)
+
+
 def run_fit(
     ds: Dataset, epoch_orders: list[list[str]], tier_dir: Path, dropped: list[bool]
 ) -> tuple[Setup, dict[str, Any]]:
@@ -305,38 +334,45 @@ def run_fit(
     s.epochs.append(cached_epoch(cache, "1", epoch_orders[0], wait=True))
 
     # The copies the cache serves, read directly: the fastest this machine can read these bytes.
-    copies = {p: cache.lookup(p, validate=False) for p in ds.paths}
-    missing = [p for p, c in copies.items() if c is None]
+    found = {p: cache.lookup(p, validate=False) for p in ds.paths}
+    missing = [p for p, c in found.items() if c is None]
+    # A file without a copy is read from the source by both sides; the zero-read target then fails.
+    copies = {p: c or p for p, c in found.items()}
     order2 = epoch_orders[1]
-    raw_order = [copies[p] or p for p in order2]
-
-    # Epoch 2 is the first tierstore pass; the raw and tierstore passes alternate (ABBA) around it.
-    raw: list[Epoch] = []
-    ts: list[Epoch] = []
-    for i in range(RATIO_PASSES):
-        raw_first = i % 2 == 0
-        if raw_first:
-            raw.append(plain_epoch(f"raw copies #{i + 1}", raw_order))
-        ts.append(cached_epoch(cache, "2" if i == 0 else f"2 (repeat #{i + 1})", order2))
-        if not raw_first:
-            raw.append(plain_epoch(f"raw copies #{i + 1}", raw_order))
+    ts, raw = interleaved(cache, order2, copies, RATIO_PASSES, "2")
     s.epochs.append(ts[0])
     s.epochs.append(cached_epoch(cache, "3", epoch_orders[2]))
-    best_ts = max(ts, key=lambda e: e.mib_s)
-    best_raw = max(raw, key=lambda e: e.mib_s)
     s.notes.append(
-        f"Throughput ratio: {RATIO_PASSES} tierstore passes and {RATIO_PASSES} passes of plain "
-        "`open(copy, 'rb').read()` over the copies (paths from `lookup(p, validate=False)`), alternating, "
-        "all in the epoch-2 order. Tierstore: "
-        + ", ".join(f"{e.mib_s:.0f}" for e in ts)
+        f"Throughput ratio: {RATIO_PASSES} tierstore passes (the first is epoch 2) and {RATIO_PASSES} "
+        "passes of plain `open(copy, 'rb').read()` over the cached copies (paths from "
+        "`lookup(p, validate=False)`), alternating, all in the epoch-2 order; best against best. Tierstore: "
+        + ", ".join(f"{e.mib_s:,.0f}" for e in ts)
         + " MiB/s; raw copies: "
-        + ", ".join(f"{e.mib_s:.0f}" for e in raw)
+        + ", ".join(f"{e.mib_s:,.0f}" for e in raw)
         + " MiB/s."
+    )
+
+    # The same comparison per file size, to show where the difference comes from: a per-open cost
+    # weighs on small files, a per-byte cost on large ones.
+    later = [*ts, s.epochs[2]]
+    parts = []
+    for size in sorted({ds.size[p] for p in ds.paths}):
+        sub = [p for p in order2 if ds.size[p] == size]
+        sub_ts, sub_raw = interleaved(cache, sub, copies, RATIO_PASSES, "")
+        later += sub_ts
+        bt, br = best(sub_ts), best(sub_raw)
+        per_file = (bt.seconds - br.seconds) / len(sub) * 1e6
+        parts.append(
+            f"{len(sub)} files of {human(size)}: {bt.mib_s:,.0f} vs {br.mib_s:,.0f} MiB/s = "
+            f"{bt.mib_s / br.mib_s:.1%} ({per_file:+.1f} us per file)"
+        )
+    s.notes.append(
+        "By file size (best of each, epoch-2 order), tierstore vs raw copies: " + "; ".join(parts) + "."
     )
     if missing:
         s.notes.append(f"{len(missing)} files had no cached copy after epoch 1 (e.g. {missing[0]}).")
 
-    later = [*ts, s.epochs[2]]
+    best_ts, best_raw = best(ts), best(raw)
     result = {
         "later_reads": sum(e.reads or 0 for e in later),
         "later_bytes": sum(e.bytes_read or 0 for e in later),
@@ -344,9 +380,7 @@ def run_fit(
         "best_ratio": best_ts.mib_s / best_raw.mib_s,
         "best_ts": best_ts.mib_s,
         "best_raw": best_raw.mib_s,
-        "missing": len(missing),
         "lookup_us": lookup_latency(cache, ds.paths),
-        "tier": cache.stats()["tiers"][0],
     }
     del cache
     shutil.rmtree(tier_dir, ignore_errors=True)
@@ -360,13 +394,13 @@ def lookup_latency(cache: tierstore.Cache, paths: Sequence[str]) -> float:
     """
     calls = [paths[i % len(paths)] for i in range(LOOKUP_CALLS)]
     lookup = cache.lookup
-    best = float("inf")
+    fastest = float("inf")
     for _ in range(LOOKUP_ROUNDS):
         t0 = time.perf_counter()
         for p in calls:
             lookup(p, validate=False)
-        best = min(best, time.perf_counter() - t0)
-    return best / LOOKUP_CALLS * 1e6
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest / LOOKUP_CALLS * 1e6
 
 
 def run_half(
@@ -386,7 +420,7 @@ def run_half(
     )
     del cache
     shutil.rmtree(tier_dir, ignore_errors=True)
-    return s, {"quota": quota, "later_bytes": [e.bytes_read or 0 for e in s.epochs[1:]], "tier": tier}
+    return s, {"quota": quota, "later_bytes": [e.bytes_read or 0 for e in s.epochs[1:]]}
 
 
 def concurrent_reader(
@@ -429,7 +463,9 @@ def run_concurrent(ds: Dataset, tier_dir: Path, dropped: list[bool]) -> tuple[Se
     start = ctx.Barrier(PROCS + 1)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=concurrent_reader, args=(r, str(ds.source), spec, ds.paths, ds.crc, start, results))
+        ctx.Process(
+            target=concurrent_reader, args=(r, str(ds.source), spec, ds.paths, ds.crc, start, results)
+        )
         for r in range(PROCS)
     ]
     for p in procs:
@@ -460,7 +496,9 @@ def run_concurrent(ds: Dataset, tier_dir: Path, dropped: list[bool]) -> tuple[Se
             hits=sum(t["hits"] for t in after["tiers"]) - sum(t["hits"] for t in before["tiers"]),
         )
     )
-    per_proc = ", ".join(f"{g['seconds']:.1f}" for g in sorted(got, key=lambda g: g["rank"]) if "seconds" in g)
+    per_proc = ", ".join(
+        f"{g['seconds']:.1f}" for g in sorted(got, key=lambda g: g["rank"]) if "seconds" in g
+    )
     s.notes.append(
         f"Time is the wall time until all {PROCS} processes had read every file; each took {per_proc} s "
         f"(including a crc32 of every file read, checked against the generator's). Throughput counts the "
@@ -480,7 +518,9 @@ def fmt(v: int | None) -> str:
 
 
 def table(s: Setup) -> str:
-    head = "| epoch | time s | MiB/s | source opens | source stats | source reads | source bytes | tier hits |"
+    head = (
+        "| epoch | time s | MiB/s | source opens | source stats | source reads | source bytes | tier hits |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for e in s.epochs:
         lines.append(
@@ -515,7 +555,7 @@ def machine(spec: Spec, shm_root: Path, data_root: Path) -> list[str]:
         f"- kernel: {platform.system()} {platform.release()}",
         f"- Python {platform.python_version()}, tierstore {tierstore.__version__}",
         f"- source: {data_root / 'source'} on {fs_type(data_root)}; dataset {spec.describe()}",
-        f"- tiers: one memory tier per setup under {shm_root} on {fs_type(shm_root)}",
+        f"- tiers: a fresh memory tier per setup under {shm_root} on {fs_type(shm_root)}, removed after it",
     ]
 
 
@@ -553,13 +593,27 @@ def report(
         out += [f"## {s.name}: {s.title}", "", table(s), ""]
         out += [f"- {n}" for n in s.notes]
         out.append("")
+    out += [
+        "## Reading these numbers",
+        "",
+        "- The source here is this machine's local disk, not a shared store. Its epochs 2-3 come from the "
+        "page cache at memory speed, so plain `open()` looks as fast as the cache; on Lustre or GPFS every "
+        "one of those operations would cross the network. What the cache saves shows in the source columns.",
+        "- Epoch 1 of `fit` writes every byte into the RAM tier as well as reading it. With a local source "
+        "as fast as memory and 2 cores, that copy (page allocation and memcpy into tmpfs) is the visible "
+        "cost of epoch 1; against a shared store the source read dominates. The `half` setup copies half "
+        "the data, and its epoch 1 is correspondingly closer to plain.",
+        "",
+    ]
     return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help=f"quick run: {SMALL.describe()}")
-    ap.add_argument("--out", type=Path, help="write the results as Markdown to this file (e.g. BENCHMARKS.md)")
+    ap.add_argument(
+        "--out", type=Path, help="write the results as Markdown to this file (e.g. BENCHMARKS.md)"
+    )
     ap.add_argument("--data", type=Path, default=Path("/tmp/tierstore-bench"), help="where the dataset lives")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="where the memory tiers are created")
     args = ap.parse_args(argv)
@@ -613,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Target(
             "fit: source data reads in epochs 2-3",
             "0 reads, 0 bytes",
-            f"{fit['later_reads']} reads, {fit['later_bytes']:,} B (epochs 2, 3 and the repeat passes)",
+            f"{fit['later_reads']} reads, {fit['later_bytes']:,} B (epochs 2, 3 and every repeat pass)",
             fit["later_reads"] == 0 and fit["later_bytes"] == 0,
         ),
         Target(
@@ -640,8 +694,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     ]
     seconds = time.perf_counter() - t_start
-    command = " ".join([".venv/bin/python", "bench/bench_cache.py", *(argv if argv is not None else sys.argv[1:])])
-    text = report(command, machine(spec, args.shm, data_root), setups, targets, ds, seconds)
+    command = " ".join(
+        [".venv/bin/python", "bench/bench_cache.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    text = report(command, machine(spec, shm_root, data_root), setups, targets, ds, seconds)
     print()
     print(text)
     if args.out:

@@ -78,6 +78,24 @@ def test_forked_workers_share_the_parents_cache(source: Path, tier: str) -> None
     assert cache.stats()["source"]["opens"] == len(files)
 
 
+def _read_and_leave_at_once(cache: tierstore.Cache, paths: list[Path]) -> None:
+    for p in paths:
+        cache.open(p).read()  # small files: handed over at once, published by the pool afterwards
+
+
+def test_worker_exit_publishes_queued_copies(source: Path, tier: str) -> None:
+    """multiprocessing children leave through os._exit; their queued copies must still be published."""
+    files = make_files(source, 300, size=200_000)
+    cache = tierstore.Cache(source, [f"{tier}:1G"], threads=1)
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_read_and_leave_at_once, args=(cache, list(files)))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    s = cache.stats()["tiers"][0]
+    assert s["entries"] == len(files) and s["in_flight"] == 0
+
+
 def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None:
     cache = tierstore.Cache(source, [f"{tier}:16M"])
     p = source / "epoch.bin"

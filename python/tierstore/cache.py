@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import io
+import multiprocessing.util
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -74,6 +78,7 @@ class Cache:
             inline_max=inline_max,
             verify=verify,
         )
+        _live.add(self)
 
     @property
     def source(self) -> str:
@@ -204,6 +209,30 @@ def _show_progress(handle: _core.Prefetch) -> None:
             time.sleep(0.1)
         bar.update(task, completed=p["bytes_total"] or 1)
 
+
+# Copies still queued when a process exits must be published, or the next epoch reads the source again.
+# multiprocessing children (DataLoader workers) leave through os._exit, which skips atexit and destructors
+# but runs multiprocessing's own finalizers; a plain interpreter exit runs atexit.
+_live: weakref.WeakSet[Cache] = weakref.WeakSet()
+
+
+def _publish_pending_copies() -> None:
+    for cache in list(_live):
+        with contextlib.suppress(Exception):  # an exit hook must never turn a clean exit into a crash
+            cache.wait()
+
+
+class _ExitHook:
+    """Registers the flush with multiprocessing, again in every forked child (which clears the registry)."""
+
+    def __call__(self, _: object = None) -> None:
+        multiprocessing.util.Finalize(None, _publish_pending_copies, exitpriority=10)
+
+
+_exit_hook = _ExitHook()
+_exit_hook()
+multiprocessing.util.register_after_fork(_exit_hook, _ExitHook.__call__)
+atexit.register(_publish_pending_copies)
 
 _default: Cache | None = None
 _default_pid = 0

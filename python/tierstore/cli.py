@@ -150,7 +150,8 @@ def status(make: Any, as_json: bool) -> None:
         str(s["fallbacks"]),
         str(s["uncached"]),
     )
-    console = Console()
+    # Piped output (CI logs, make) would be cut at 80 columns: give the table the room it needs.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(tiers)
     console.print(source)
     for t in stats["tiers"]:

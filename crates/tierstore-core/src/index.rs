@@ -260,7 +260,7 @@ impl Index {
 
     /// Turns this process's pending entry of `key` into a published one. Returns false (and changes
     /// nothing) if the reservation is gone, for instance cleared by `tierstore clear`.
-    pub fn publish(&self, key: &Key, checksum: [u8; 32], now_ns: u64) -> Result<bool, IndexError> {
+    pub fn publish(&self, key: &Key, checksum: Option<[u8; 32]>, now_ns: u64) -> Result<bool, IndexError> {
         let mut txn = self.env.write()?;
         let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(false) };
         if e.ready || e.pid != crate::pid() {
@@ -269,7 +269,7 @@ impl Index {
         let seq = get_u64(&txn, self.meta, SEQ)? + 1;
         txn.put(self.meta, SEQ, &seq.to_le_bytes())?;
         e.ready = true;
-        e.checksum = Some(checksum);
+        e.checksum = checksum;
         e.stats = AccessStats { inserted_seq: seq, last_access_ns: now_ns, hits: 0 };
         txn.put(self.entries, key, &e.encode())?;
         txn.put(self.ranks, &rank_key(&self.policy.rank(&e.stats), key), &[])?;
@@ -384,7 +384,7 @@ mod tests {
             let r = idx.reserve(&k, &format!("f{i}"), sid(40), 100, false, &mut keep_all).unwrap();
             if i < 2 {
                 assert_eq!(r, Reservation::Reserved { evicted: 0 });
-                assert!(idx.publish(&k, [0; 32], i).unwrap());
+                assert!(idx.publish(&k, None, i).unwrap());
             } else {
                 assert_eq!(r, Reservation::NoRoom { evicted: 0 });
             }
@@ -412,7 +412,7 @@ mod tests {
         for i in 0..2 {
             let k = key_of(&format!("f{i}"));
             idx.reserve(&k, &format!("f{i}"), sid(50), 100, false, &mut yes).unwrap();
-            idx.publish(&k, [0; 32], 10 + i).unwrap();
+            idx.publish(&k, None, 10 + i).unwrap();
         }
         // f0 is older, but a reader holds it: f1 goes instead.
         let mut busy_f0 = |_: &Key, e: &Entry| e.rel != "f0";

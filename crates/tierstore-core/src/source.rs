@@ -3,7 +3,7 @@
 //! what tierstore is for.
 
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
@@ -132,22 +132,41 @@ impl PosixSource {
     /// the identity of the file as it was after the read; the caller publishes only if that identity is
     /// the one it reserved for (a file rewritten during the read is served but never cached).
     pub fn read_whole(&self, rel: &str, expect: u64) -> io::Result<(Vec<u8>, SourceId)> {
-        let mut f = self.open(rel)?;
-        let mut buf = Vec::with_capacity(expect as usize);
+        use std::os::fd::AsRawFd;
+        let f = self.open(rel)?;
+        // Room for one byte more than expected, to notice a file that grew. Reads go straight into the
+        // spare capacity: zeroing the buffer first would cost a pass over every byte.
+        let mut buf: Vec<u8> = Vec::with_capacity(expect as usize + 1);
         loop {
-            // Read up to what is left of the expected size plus one byte, to notice growth at once.
-            let want = (expect as usize + 1).saturating_sub(buf.len()).max(64 << 10);
-            let start = buf.len();
-            buf.resize(start + want, 0);
-            let n = f.read(&mut buf[start..])?;
-            buf.truncate(start + n);
-            self.count_read(n);
+            if buf.len() == buf.capacity() {
+                buf.reserve(64 << 10);
+            }
+            let spare = buf.capacity() - buf.len();
+            // SAFETY: read(2) writes at most `spare` bytes into the vector's unused capacity.
+            let n = unsafe { libc::read(f.as_raw_fd(), buf.as_mut_ptr().add(buf.len()) as *mut _, spare) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            self.count_read(n as usize);
             if n == 0 {
                 break;
             }
+            // SAFETY: the kernel initialized the `n` bytes after the old length.
+            unsafe { buf.set_len(buf.len() + n as usize) };
         }
         let id = SourceId::of(&f.metadata()?);
         Ok((buf, id))
+    }
+
+    /// Tells the kernel a source file will be read from start to end (larger readahead for copies).
+    pub fn advise_sequential(f: &File) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on an open descriptor; failure only loses the hint.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
     }
 
     /// Reads at `offset` from an open source descriptor (counted).
