@@ -199,5 +199,112 @@ def config_show(make: Any, as_json: bool) -> None:
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
 
 
+@main.group()
+@click.option(
+    "--repo",
+    envvar="TIERSTORE_MODELS",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="The model repository directory (or $TIERSTORE_MODELS).",
+)
+@click.pass_context
+def models(ctx: click.Context, repo: str) -> None:
+    """Inspect and maintain a model repository (tierstore.models)."""
+    from tierstore.models import Repository
+
+    ctx.obj = Repository(repo)
+
+
+def _split_ref(ref: str) -> tuple[str, str]:
+    name, _, version = ref.partition("@")
+    return name, version or "latest"
+
+
+def _models_errors() -> Any:
+    from tierstore.models import RepositoryError
+
+    return (RepositoryError, ValueError, OSError)
+
+
+@models.command("ls")
+@click.pass_obj
+def models_ls(repo: Any) -> None:
+    """List models with their versions, sizes and bytes saved by dedup."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"models in {repo.root}", title_justify="left")
+    for col in ("model", "versions", "latest", "size", "written", "saved by dedup"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name in repo.models():
+        vs = repo.versions(name)
+        total = sum(v.nbytes for v in vs)
+        written = sum(v.written_bytes for v in vs)
+        table.add_row(
+            name,
+            str(len(vs)),
+            str(vs[-1].version),
+            _human(vs[-1].nbytes),
+            _human(written),
+            _human(total - written),
+        )
+    s = repo.stats()
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    click.echo(
+        f"on disk {_human(s['stored_bytes'])} for {_human(s['logical_bytes'])} of versions "
+        f"({_human(s['saved_by_dedup'])} saved by dedup)"
+    )
+
+
+@models.command("show")
+@click.argument("ref", metavar="NAME[@VERSION]")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.pass_obj
+def models_show(repo: Any, ref: str, as_json: bool) -> None:
+    """Show one version: sizes, dedup, metadata and its tensors."""
+    name, version = _split_ref(ref)
+    try:
+        info = repo.info(name, version)
+    except _models_errors() as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(
+        f"{name}@{info['version']}: {len(info['tensors'])} tensors, {_human(info['nbytes'])}, "
+        f"{info['layers']} layers, wrote {_human(info['written_bytes'])} "
+        f"({_human(info['deduplicated_bytes'])} already stored)"
+    )
+    if info["metadata"]:
+        click.echo(f"metadata: {json.dumps(info['metadata'])}")
+    for t in info["tensors"]:
+        click.echo(f"  {t['name']:<50} {t['dtype']:<14} {tuple(t['shape'])!s:<20} {_human(t['nbytes'])}")
+
+
+@models.command("export")
+@click.argument("ref", metavar="NAME[@VERSION]")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.pass_obj
+def models_export(repo: Any, ref: str, path: str) -> None:
+    """Write a version as a safetensors file."""
+    name, version = _split_ref(ref)
+    try:
+        out = repo.export(name, version, path)
+    except _models_errors() as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"wrote {out} ({_human(out.stat().st_size)})")
+
+
+@models.command("gc")
+@click.pass_obj
+def models_gc(repo: Any) -> None:
+    """Remove packs no version uses and leftovers of crashed saves."""
+    r = repo.gc()
+    click.echo(
+        f"removed {r['packs_removed']} packs, freed {_human(r['bytes_freed'])}; "
+        f"{_human(r['bytes_unused_in_live_packs'])} of deleted versions stay in packs still in use"
+    )
+
+
 if __name__ == "__main__":
     main()

@@ -148,6 +148,7 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_INLINE_MAX",
     "TIERSTORE_VERIFY",
     "TIERSTORE_LOG",
+    "TIERSTORE_MODELS",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";

@@ -13,6 +13,7 @@ pub mod flight;
 pub mod index;
 pub mod lmdb;
 pub mod lock;
+pub mod pack;
 pub mod placement;
 pub mod pool;
 pub mod reader;

@@ -11,6 +11,7 @@ use tierstore_core::Error;
 static TIERSTORE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 static CONFIG_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 static OUTSIDE_SOURCE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+static INTEGRITY_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 
 fn make_type(py: Python<'_>, name: &str, bases: &[Bound<'_, PyAny>], doc: &str) -> PyResult<Py<PyType>> {
     let ns = PyDict::new(py);
@@ -42,6 +43,15 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "A path given to the cache is not under its source directory.",
         )
     })?;
+    let integrity = INTEGRITY_ERROR.get_or_try_init(py, || {
+        make_type(
+            py,
+            "IntegrityError",
+            &[base.bind(py).clone().into_any()],
+            "Stored bytes do not match their recorded hash: they are never returned.",
+        )
+    })?;
+    m.add("IntegrityError", integrity.bind(py))?;
     m.add("TierstoreError", base.bind(py))?;
     m.add("ConfigError", config.bind(py))?;
     m.add("OutsideSourceError", outside.bind(py))?;
@@ -77,5 +87,13 @@ pub fn io_to_py(err: std::io::Error, path: Option<&str>) -> PyErr {
         }
         (Some(errno), None) => PyOSError::new_err((errno, message)),
         (None, _) => PyOSError::new_err(message),
+    }
+}
+
+/// `IntegrityError(message, index)`: the index tells the caller which request failed.
+pub fn integrity_error(py: Python<'_>, message: String, index: Option<usize>) -> PyErr {
+    match INTEGRITY_ERROR.get(py) {
+        Some(t) => PyErr::from_type(t.bind(py).clone(), (message, index)),
+        None => PyException::new_err(message),
     }
 }

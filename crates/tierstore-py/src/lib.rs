@@ -2,6 +2,7 @@
 //! `tierstore-core`, the Python API is shaped in `python/tierstore`.
 
 mod error;
+mod pack;
 
 use std::io::SeekFrom;
 use std::path::PathBuf;
@@ -382,6 +383,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_class::<pack::PyPackWriter>()?;
+    m.add_function(wrap_pyfunction!(pack::hash_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(pack::read_into, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     error::register(m)
 }

@@ -1,0 +1,564 @@
+"""The model repository: versions of models stored tensor by tensor, deduplicated across versions.
+
+Layout of a repository directory:
+
+    packs/<id>.pack          tensors of one save, aligned, written in one sequential stream, then fsynced
+    models/<name>/v<N>.json  one manifest per version: tensor table, layer IDs, graph, user metadata
+    models/<name>/.lock      serializes version numbering of one model
+    repo.lock                shared by saves, exclusive for gc (which must not delete a save's new pack)
+
+A save hashes every tensor (blake3), writes only the tensors the repository does not hold yet into one new
+pack, fsyncs it, and writes the manifest last (temporary name, fsync, rename, fsync of the directory): a
+crashed save never appears and never touches earlier versions. A load reads only the chosen tensors,
+straight into their destination's memory, and checks every hash: wrong bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import json
+import os
+import re
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierstore import _core
+from tierstore.models import layers as layer_ids
+from tierstore.models.staging import POOL
+from tierstore.models.tensors import (
+    TensorSpec,
+    empty,
+    is_torch_tensor,
+    itemsize,
+    spec_and_bytes,
+    writable_bytes,
+)
+
+FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+IntegrityError = _core.IntegrityError
+
+
+class RepositoryError(_core.TierstoreError):
+    """A repository request that cannot be met (unknown model or version, keys that match nothing...)."""
+
+
+@dataclass(frozen=True)
+class Version:
+    """One saved version of a model."""
+
+    name: str
+    version: int
+    created: float
+    tensors: int
+    nbytes: int
+    written_bytes: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def deduplicated_bytes(self) -> int:
+        """Bytes of this version that were already stored and were not written again."""
+        return self.nbytes - self.written_bytes
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass
+class MatchReport:
+    """What `Repository.load_matching` filled in."""
+
+    matched: list[tuple[str, str]]  # (layer of the target model, layer of the stored model)
+    unmatched: list[str]  # layers of the target model with no stored layer of the same ID
+    tensors: int
+    nbytes: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _flock(path: Path, exclusive: bool) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock, also when the process dies
+
+
+def _flatten(obj: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The named tensors of `obj`, and the architecture graph when it is an nn.Module."""
+    if hasattr(obj, "state_dict") and hasattr(obj, "named_modules"):
+        state = obj.state_dict(keep_vars=False)
+        return dict(state), layer_ids.describe(obj)
+    if isinstance(obj, Mapping):
+        bad = [k for k in obj if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"tensor names must be strings, got {bad[0]!r}")
+        return dict(obj), None
+    raise TypeError(
+        f"cannot save a {type(obj).__name__}: give an nn.Module, a state_dict or a dict of numpy arrays"
+    )
+
+
+class Repository:
+    """A directory of model versions with tensor-level access.
+
+    Args:
+        root: The repository directory (created if missing), on a local disk or the shared store.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        for sub in ("packs", "models"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        marker = self.root / "format"
+        if not marker.exists():
+            marker.write_text(f"tierstore-models {FORMAT}\n")
+        elif marker.read_text().split() != ["tierstore-models", str(FORMAT)]:
+            raise RepositoryError(f"{self.root} is not a tierstore model repository of format {FORMAT}")
+        # hash -> (pack, offset, nbytes): what the repository holds, built from the manifests
+        self._blobs: dict[str, tuple[str, int, int]] = {}
+        self._seen: set[Path] = set()
+
+    # -- names and manifests ------------------------------------------------------------------------------
+
+    def _model_dir(self, name: str) -> Path:
+        if not _NAME.match(name):
+            raise ValueError(
+                f"model name {name!r}: use letters, digits, '.', '_' and '-' (at most 128, not starting with a dot)"
+            )
+        return self.root / "models" / name
+
+    def _manifest_path(self, name: str, version: int) -> Path:
+        return self._model_dir(name) / f"v{version}.json"
+
+    def _version_numbers(self, name: str) -> list[int]:
+        d = self._model_dir(name)
+        if not d.is_dir():
+            return []
+        return sorted(int(p.stem[1:]) for p in d.glob("v*.json") if p.stem[1:].isdigit())
+
+    def _resolve(self, name: str, version: int | str) -> int:
+        numbers = self._version_numbers(name)
+        if not numbers:
+            known = ", ".join(self.models()) or "none"
+            raise RepositoryError(f"no model named {name!r} in {self.root} (models: {known})")
+        if version == "latest":
+            return numbers[-1]
+        try:
+            v = int(version)
+        except (TypeError, ValueError):
+            raise RepositoryError(f"version {version!r} of {name}: give a number or 'latest'") from None
+        if v not in numbers:
+            raise RepositoryError(f"{name} has no version {v} (versions: {', '.join(map(str, numbers))})")
+        return v
+
+    def export(self, name: str, version: int | str, path: str | os.PathLike[str]) -> Path:
+        """Writes a version as a standard safetensors file."""
+        from tierstore.models.safetensors_io import export
+
+        return export(self, name, version, path)
+
+    def import_safetensors(self, path: str | os.PathLike[str], name: str) -> Version:
+        """Stores a safetensors file as a new version of `name`."""
+        from tierstore.models.safetensors_io import import_file
+
+        return import_file(self, path, name)
+
+    def manifest(self, name: str, version: int | str = "latest") -> dict[str, Any]:
+        """The manifest of a version, as stored."""
+        v = self._resolve(name, version)
+        return json.loads(self._manifest_path(name, v).read_text())
+
+    def _refresh(self) -> None:
+        """Brings the index of stored tensors up to date with the manifests on disk."""
+        paths = set((self.root / "models").glob("*/v*.json"))
+        if not self._seen <= paths:  # a version was deleted: its tensors may be gone after a gc
+            self._blobs.clear()
+            self._seen.clear()
+        for p in sorted(paths - self._seen):
+            try:
+                m = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue  # deleted meanwhile
+            for t in m["tensors"]:
+                self._blobs.setdefault(t["hash"], (t["pack"], t["offset"], t["nbytes"]))
+            self._seen.add(p)
+
+    # -- saving -------------------------------------------------------------------------------------------
+
+    def save(self, name: str, obj: Any, *, metadata: Mapping[str, Any] | None = None) -> Version:
+        """Stores a new version of a model.
+
+        Args:
+            name: The model's name.
+            obj: An `nn.Module`, a state_dict, or a dict of numpy arrays.
+            metadata: JSON-serializable information kept with the version.
+
+        Returns:
+            The new version, with how many bytes it wrote and how many it found already stored.
+        """
+        tensors, graph = _flatten(obj)
+        entries = []
+        frameworks = set()
+        for key, value in tensors.items():
+            spec, view, framework = spec_and_bytes(value, key)
+            frameworks.add(framework)
+            entries.append((key, spec, view))
+        if len(frameworks) > 1:
+            raise TypeError(f"{name}: mix of torch tensors and numpy arrays; convert them to one kind")
+        return self._save_entries(name, entries, graph, metadata, frameworks.pop() if frameworks else "numpy")
+
+    def _save_raw(
+        self,
+        name: str,
+        raw: Mapping[str, tuple[str, tuple[int, ...], np.ndarray]],
+        *,
+        metadata: Mapping[str, Any],
+    ) -> Version:
+        """Saves tensors given as (dtype name, shape, uint8 bytes), as read from another format."""
+        entries = []
+        for key, (dtype, shape, view) in raw.items():
+            spec = TensorSpec(dtype, tuple(shape))
+            if spec.numel * itemsize(dtype) != view.nbytes:
+                raise ValueError(f"tensor {key!r}: {view.nbytes} bytes for {dtype}{tuple(shape)}")
+            entries.append((key, spec, view))
+        return self._save_entries(name, entries, None, metadata, "torch")
+
+    def _save_entries(
+        self,
+        name: str,
+        entries: list[tuple[str, TensorSpec, np.ndarray]],
+        graph: dict[str, Any] | None,
+        metadata: Mapping[str, Any] | None,
+        framework: str,
+    ) -> Version:
+        model_dir = self._model_dir(name)
+        meta = json.loads(json.dumps(dict(metadata or {})))  # fails early on what JSON cannot hold
+        with _flock(self.root / "repo.lock", exclusive=False):
+            self._refresh()
+            hashes = [h.hex() for h in _core.hash_buffers([v for _, _, v in entries])]
+            locations: dict[str, tuple[str, int, int]] = {}
+            new = []
+            for (_, _, view), h in zip(entries, hashes, strict=True):
+                if h not in self._blobs and h not in locations:
+                    locations[h] = ("", 0, view.nbytes)
+                    new.append((h, view))
+            written = 0
+            if new:
+                pack = f"{uuid.uuid4().hex}.pack"
+                writer = _core.PackWriter(self.root / "packs" / pack)
+                try:
+                    for h, view in new:
+                        locations[h] = (pack, writer.append(view), view.nbytes)
+                        written += view.nbytes
+                    writer.commit()
+                except BaseException:
+                    writer.abort()
+                    raise
+            table = []
+            for (key, spec, _), h in zip(entries, hashes, strict=True):
+                pack, offset, nbytes = self._blobs.get(h) or locations[h]
+                table.append(
+                    {
+                        "name": key,
+                        "dtype": spec.dtype,
+                        "shape": list(spec.shape),
+                        "hash": h,
+                        "pack": pack,
+                        "offset": offset,
+                        "nbytes": nbytes,
+                    }
+                )
+            model_dir.mkdir(parents=True, exist_ok=True)
+            with _flock(model_dir / ".lock", exclusive=True):
+                numbers = self._version_numbers(name)
+                version = numbers[-1] + 1 if numbers else 1
+                manifest = {
+                    "format": FORMAT,
+                    "name": name,
+                    "version": version,
+                    "created": time.time(),
+                    "framework": framework,
+                    "metadata": meta,
+                    "graph": graph,
+                    "tensors": table,
+                    "written_bytes": written,
+                }
+                final = self._manifest_path(name, version)
+                tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+                with open(tmp, "w") as f:
+                    json.dump(manifest, f, separators=(",", ":"))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, final)
+                _fsync_dir(model_dir)
+            for h, loc in locations.items():
+                self._blobs.setdefault(h, loc)
+        return self._version_of(manifest)
+
+    @staticmethod
+    def _version_of(m: dict[str, Any]) -> Version:
+        return Version(
+            name=m["name"],
+            version=m["version"],
+            created=m["created"],
+            tensors=len(m["tensors"]),
+            nbytes=sum(t["nbytes"] for t in m["tensors"]),
+            written_bytes=m["written_bytes"],
+            metadata=m["metadata"],
+        )
+
+    # -- loading ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _select(m: dict[str, Any], keys: str | Iterable[str] | None) -> list[dict[str, Any]]:
+        tensors = m["tensors"]
+        if keys is None:
+            return tensors
+        patterns = [keys] if isinstance(keys, str) else list(keys)
+        chosen: dict[str, dict[str, Any]] = {}
+        for pat in patterns:
+            hits = [t for t in tensors if t["name"] == pat or fnmatch.fnmatchcase(t["name"], pat)]
+            if not hits:
+                sample = ", ".join(t["name"] for t in tensors[:8]) + (", ..." if len(tensors) > 8 else "")
+                raise RepositoryError(
+                    f"no tensor of {m['name']}@{m['version']} matches {pat!r} (tensors: {sample})"
+                )
+            for t in hits:
+                chosen[t["name"]] = t
+        return [t for t in tensors if t["name"] in chosen]
+
+    def load(
+        self,
+        name: str,
+        version: int | str = "latest",
+        *,
+        keys: str | Iterable[str] | None = None,
+        into: Any = None,
+        device: str = "cpu",
+    ) -> dict[str, Any]:
+        """Loads tensors of a version.
+
+        Args:
+            name: The model's name.
+            version: A version number or "latest".
+            keys: Tensor names or glob patterns (`"encoder.*"`); all tensors when None. Only the bytes of
+                the chosen tensors are read.
+            into: An `nn.Module` or a state_dict to fill in place: bytes land in its tensors' memory.
+            device: Where new tensors are created ("cpu", "cuda:0"...) when `into` is not given.
+
+        Returns:
+            The loaded tensors by name (the tensors of `into` when given).
+
+        Raises:
+            IntegrityError: Stored bytes do not match their hash; the message names the tensor. Nothing
+                wrong is returned (a destination given with `into` may be partly overwritten).
+            RepositoryError: Unknown model, version, or keys that match nothing.
+        """
+        m = self.manifest(name, version)
+        chosen = self._select(m, keys)
+        framework = m["framework"]
+        targets: dict[str, Any] = {}
+        if into is not None:
+            state = into.state_dict(keep_vars=True) if hasattr(into, "state_dict") else into
+            for t in chosen:
+                if t["name"] not in state:
+                    raise RepositoryError(
+                        f"{t['name']!r} of {name}@{m['version']} has no place in the target"
+                    )
+                dest = state[t["name"]]
+                shape = tuple(dest.shape)
+                dtype = (
+                    str(dest.dtype).removeprefix("torch.")
+                    if is_torch_tensor(dest)
+                    else np.dtype(dest.dtype).name
+                )
+                if shape != tuple(t["shape"]) or dtype != t["dtype"]:
+                    raise RepositoryError(
+                        f"{t['name']!r}: stored {t['dtype']}{tuple(t['shape'])}, target {dtype}{shape}"
+                    )
+                targets[t["name"]] = dest
+        else:
+            if framework == "numpy" and device != "cpu":
+                raise ValueError(f"{name} holds numpy arrays; device={device!r} needs torch tensors")
+            for t in chosen:
+                targets[t["name"]] = empty(TensorSpec(t["dtype"], tuple(t["shape"])), framework, device)
+        self._read(m, chosen, targets)
+        return targets
+
+    def _read(self, m: dict[str, Any], chosen: list[dict[str, Any]], targets: dict[str, Any]) -> None:
+        """Reads the chosen tensors into their targets, pack by pack, verifying every hash."""
+        by_pack: dict[str, list[tuple[dict[str, Any], np.ndarray]]] = defaultdict(list)
+        staged: list[tuple[dict[str, Any], Any]] = []
+        for t in chosen:
+            dest = targets[t["name"]]
+            buf = writable_bytes(dest)
+            if buf is None:  # on a GPU, or not contiguous: through the staging buffer
+                staged.append((t, dest))
+                continue
+            if buf.nbytes != t["nbytes"]:
+                raise IntegrityError(
+                    f"{t['name']!r}: manifest says {t['nbytes']} bytes, shape needs {buf.nbytes}"
+                )
+            by_pack[t["pack"]].append((t, buf))
+        for pack, items in by_pack.items():
+            self._read_pack(m, pack, items)
+        if staged:
+            with POOL.lock, _no_grad():
+                for t, dest in staged:
+                    host = POOL.acquire(t["nbytes"])
+                    self._read_pack(m, t["pack"], [(t, host.numpy())])
+                    src = host.view(dest.dtype).reshape(dest.shape)
+                    dest.copy_(src, non_blocking=False)
+
+    def _read_pack(
+        self, m: dict[str, Any], pack: str, items: list[tuple[dict[str, Any], np.ndarray]]
+    ) -> None:
+        path = self.root / "packs" / pack
+        try:
+            _core.read_into(path, [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items])
+        except IntegrityError as e:
+            index = e.args[1] if len(e.args) > 1 else None
+            what = f"tensor {items[index][0]['name']!r}" if index is not None else "a tensor"
+            raise IntegrityError(
+                f"{what} of {m['name']}@{m['version']} is damaged in {path} (its bytes do not match the "
+                f"recorded hash); it was not returned. Restore the pack from a backup or save the model again"
+            ) from e
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
+
+    # -- transfer learning --------------------------------------------------------------------------------
+
+    def load_matching(self, model: Any, source: str, version: int | str = "latest") -> MatchReport:
+        """Fills every layer of `model` whose stable ID equals that of a stored layer of `source`,
+        whatever the layers are called: a backbone reused under a new head, renamed modules.
+
+        Returns:
+            Which layers matched (target path, stored path) and which did not.
+        """
+        m = self.manifest(source, version)
+        if not m.get("graph"):
+            raise RepositoryError(
+                f"{source}@{m['version']} was saved without layer IDs (not from an nn.Module)"
+            )
+        stored: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for layer in m["graph"]["layers"]:
+            stored[layer["id"]].append(layer)
+        ids = layer_ids.layer_ids(model)
+        modules = dict(model.named_modules())
+        matched, unmatched, plan = [], [], []
+        for path, lid in ids.items():
+            candidates = stored.get(lid)
+            if not candidates:
+                unmatched.append(path)
+                continue
+            src = candidates.pop(0)
+            matched.append((path, src["path"]))
+            mod = modules[path]
+            for full in src["tensors"]:
+                local = full[len(src["path"]) + 1 :]
+                plan.append((full, getattr(mod, local)))
+        by_name = {t["name"]: t for t in m["tensors"]}
+        chosen = [by_name[full] for full, _ in plan]
+        self._read(m, chosen, {full: dest for full, dest in plan})
+        return MatchReport(matched, unmatched, len(chosen), sum(t["nbytes"] for t in chosen))
+
+    # -- listing and housekeeping ---------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        """Names of the stored models."""
+        return sorted(
+            p.name for p in (self.root / "models").iterdir() if p.is_dir() and any(p.glob("v*.json"))
+        )
+
+    def versions(self, name: str) -> list[Version]:
+        """Every version of a model, oldest first."""
+        return [self._version_of(self.manifest(name, v)) for v in self._version_numbers(name)]
+
+    def info(self, name: str, version: int | str = "latest") -> dict[str, Any]:
+        """A summary of a version: sizes, dedup, tensors (name, dtype, shape, bytes), layers, metadata."""
+        m = self.manifest(name, version)
+        v = self._version_of(m)
+        return {
+            "name": name,
+            "version": v.version,
+            "created": v.created,
+            "framework": m["framework"],
+            "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "nbytes")} for t in m["tensors"]],
+            "nbytes": v.nbytes,
+            "written_bytes": v.written_bytes,
+            "deduplicated_bytes": v.deduplicated_bytes,
+            "layers": len(m["graph"]["layers"]) if m.get("graph") else 0,
+            "metadata": m["metadata"],
+        }
+
+    def delete(self, name: str, version: int | str) -> None:
+        """Deletes a version (its tensors stay while another version uses them; `gc` frees the rest)."""
+        v = self._resolve(name, version)
+        d = self._model_dir(name)
+        with _flock(d / ".lock", exclusive=True):
+            self._manifest_path(name, v).unlink()
+            _fsync_dir(d)
+
+    def gc(self) -> dict[str, int]:
+        """Removes packs no version uses, and leftovers of crashed saves.
+
+        Returns:
+            packs_removed, bytes_freed, and bytes_unused_in_live_packs (tensors of deleted versions that share
+            a pack with tensors still in use; they are freed when the last user goes).
+        """
+        with _flock(self.root / "repo.lock", exclusive=True):
+            used: dict[str, int] = defaultdict(int)
+            seen: set[str] = set()
+            for p in (self.root / "models").glob("*/v*.json"):
+                for t in json.loads(p.read_text())["tensors"]:
+                    if t["hash"] not in seen:
+                        seen.add(t["hash"])
+                        used[t["pack"]] += t["nbytes"]
+            removed = freed = unused = 0
+            for p in (self.root / "packs").iterdir():
+                size = p.stat().st_size
+                if p.name in used:
+                    unused += max(0, size - used[p.name])
+                    continue
+                p.unlink()  # unused pack, or a temporary left by a crashed save (no save runs now)
+                removed += 1
+                freed += size
+            for p in (self.root / "models").glob("*/.v*.tmp"):
+                p.unlink()
+            self._blobs.clear()
+            self._seen.clear()
+        return {"packs_removed": removed, "bytes_freed": freed, "bytes_unused_in_live_packs": unused}
+
+    def stats(self) -> dict[str, int]:
+        """Bytes on disk against bytes the versions hold: what dedup saves."""
+        logical = 0
+        for p in (self.root / "models").glob("*/v*.json"):
+            logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
+        stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
+        return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+
+@contextlib.contextmanager
+def _no_grad() -> Iterator[None]:
+    import torch
+
+    with torch.no_grad():
+        yield
