@@ -90,10 +90,10 @@ pub fn io_to_py(err: std::io::Error, path: Option<&str>) -> PyErr {
     }
 }
 
-/// `IntegrityError(message, index)`: the index tells the caller which request failed.
-pub fn integrity_error(py: Python<'_>, message: String, index: Option<usize>) -> PyErr {
+/// `IntegrityError(message, index, kind)`: which request failed, and how ("corrupt" or "truncated").
+pub fn integrity_error(py: Python<'_>, message: String, index: Option<usize>, kind: &str) -> PyErr {
     match INTEGRITY_ERROR.get(py) {
-        Some(t) => PyErr::from_type(t.bind(py).clone(), (message, index)),
+        Some(t) => PyErr::from_type(t.bind(py).clone(), (message, index, kind.to_string())),
         None => PyException::new_err(message),
     }
 }

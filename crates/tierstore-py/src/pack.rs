@@ -112,7 +112,7 @@ impl PyPackWriter {
 }
 
 /// Reads `(offset, destination buffer, expected hash or None)` requests from a pack, in parallel and
-/// without the GIL. Raises `IntegrityError(message, index)` naming the first request whose bytes are
+/// without the GIL. Raises `IntegrityError(message, index, kind)` naming the first request whose bytes are
 /// wrong or missing.
 #[pyfunction]
 pub fn read_into(
@@ -141,6 +141,7 @@ pub fn read_into(
     });
     result.map_err(|e| match &e {
         ReadError::Io { source, .. } => io_to_py(std::io::Error::new(source.kind(), e.to_string()), None),
-        _ => crate::error::integrity_error(py, e.to_string(), e.index()),
+        ReadError::Truncated { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "truncated"),
+        ReadError::Corrupt { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "corrupt"),
     })
 }

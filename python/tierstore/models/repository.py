@@ -437,9 +437,14 @@ class Repository:
         except IntegrityError as e:
             index = e.args[1] if len(e.args) > 1 else None
             what = f"tensor {items[index][0]['name']!r}" if index is not None else "a tensor"
+            why = (
+                "the pack is truncated"
+                if e.args[2:] == ("truncated",)
+                else "its bytes do not match the recorded hash"
+            )
             raise IntegrityError(
-                f"{what} of {m['name']}@{m['version']} is damaged in {path} (its bytes do not match the "
-                f"recorded hash); it was not returned. Restore the pack from a backup or save the model again"
+                f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
+                "Restore the pack from a backup or save the model again"
             ) from e
         except FileNotFoundError as e:
             raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
@@ -465,13 +470,15 @@ class Repository:
         modules = dict(model.named_modules())
         matched, unmatched, plan = [], [], []
         for path, lid in ids.items():
+            mod = modules[path]
+            if not any(v is not None for v in [*mod._parameters.values(), *mod._buffers.values()]):
+                continue  # a layer without weights (pooling, activation) has nothing to transfer
             candidates = stored.get(lid)
             if not candidates:
                 unmatched.append(path)
                 continue
             src = candidates.pop(0)
             matched.append((path, src["path"]))
-            mod = modules[path]
             for full in src["tensors"]:
                 local = full[len(src["path"]) + 1 :]
                 plan.append((full, getattr(mod, local)))
