@@ -32,7 +32,8 @@ test-python: setup
 	$(PY) -m pytest tests
 
 bench: setup
-	$(PY) bench/bench_cache.py
+	$(PY) bench/bench_cache.py --out BENCHMARKS.md
+	$(PY) bench/bench_models.py --out BENCHMARKS-models.md --plot bench/models.png
 
 lint: setup
 	cargo fmt --all --check
