@@ -58,3 +58,58 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
             monkeypatch.delenv(k)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     monkeypatch.setattr(tierstore.cache, "_default", None)
+
+
+@pytest.fixture
+def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount)."""
+    import subprocess
+    import sys
+    import time
+
+    backing = tmp_path / "pfs-backing"
+    mount = tmp_path / "pfs"
+    backing.mkdir()
+    mount.mkdir()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.slowfs",
+            str(backing),
+            str(mount),
+            "--foreground",
+            "--meta-latency",
+            "0",
+            "--data-latency",
+            "0",
+            "--bandwidth",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while not os.path.ismount(mount):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the stand-in store did not mount: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.05)
+    try:
+        yield backing, mount
+    finally:
+        # Processes of the job that just ended may still be closing their files: retry, then detach.
+        for _ in range(50):
+            if subprocess.run(["fusermount3", "-u", str(mount)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["fusermount3", "-uz", str(mount)], check=False)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def store_stats(mount: Path) -> dict[str, int]:
+    from tierstore.slowfs import read_stats
+
+    return read_stats(str(mount))

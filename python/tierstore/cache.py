@@ -52,6 +52,8 @@ class Cache:
         threads: Threads of the background copy pool.
         inline_max: Files up to this size are read whole on a miss and handed to the reader at once.
         verify: "metadata" (size and mtime of the copy, free) or "checksum" (blake3 of every copy opened).
+        revalidate: "always" (one `stat` of the source per open: never stale) or "never" (a read-only
+            dataset: after the first epoch nothing at all is asked of the source).
         config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
 
     Raises:
@@ -67,8 +69,22 @@ class Cache:
         threads: int | None = None,
         inline_max: int | str | None = None,
         verify: str | None = None,
+        revalidate: str | None = None,
         config: PathLike | None = None,
     ) -> None:
+        # Kept to rebuild the cache in a spawned worker (see __reduce__); a forked one inherits it.
+        self._args = (
+            source,
+            tiers,
+            {
+                "policy": policy,
+                "threads": threads,
+                "inline_max": inline_max,
+                "verify": verify,
+                "revalidate": revalidate,
+                "config": config,
+            },
+        )
         self._core = _core.Cache(
             config_file=config,
             source=source,
@@ -77,8 +93,14 @@ class Cache:
             threads=threads,
             inline_max=inline_max,
             verify=verify,
+            revalidate=revalidate,
         )
         _live.add(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A spawned DataLoader worker gets the same configuration and opens the same node-wide cache.
+        source, tiers, kwargs = self._args
+        return (_rebuild, (source, tiers, kwargs))
 
     @property
     def source(self) -> str:
@@ -175,6 +197,10 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"tierstore.Cache(source={self.source!r})"
+
+
+def _rebuild(source: Any, tiers: Any, kwargs: dict[str, Any]) -> Cache:
+    return Cache(source, tiers, **kwargs)
 
 
 def _show_progress(handle: _core.Prefetch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -71,6 +72,17 @@ def main(
         except _core.ConfigError as e:
             raise click.ClickException(str(e)) from e
 
+    # `run` hands the same options to the shim through the environment.
+    make.env = {  # type: ignore[attr-defined]
+        k: v
+        for k, v in {
+            "TIERSTORE_CONFIG": config_file and os.path.abspath(config_file),
+            "TIERSTORE_SOURCE": source and os.path.abspath(source),
+            "TIERSTORE_TIERS": ",".join(tiers) or None,
+            "TIERSTORE_POLICY": policy,
+        }.items()
+        if v
+    }
     ctx.obj = make
 
 
@@ -172,6 +184,57 @@ def clear(make: Any, yes: bool, counters: bool) -> None:
     if counters:
         cache.reset_counters()
     click.echo(f"cleared the cache of {cache.source}")
+
+
+def preload_library() -> str:
+    """The path of the LD_PRELOAD shim installed with the package."""
+    import glob
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_preload*.so")))
+    if not found:
+        raise click.ClickException(
+            f"the LD_PRELOAD shim is missing from {here}; reinstall tierstore with `pip install .`"
+        )
+    return found[0]
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "--revalidate",
+    type=click.Choice(["always", "never"]),
+    help="never: trust the cache for a read-only dataset (no source operation after epoch 1).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
+    """Run COMMAND with its reads of the source served from the cache, unchanged.
+
+    \b
+    Any program works (Python, C, h5py, PyTorch DataLoader workers): reads of files under the source
+    come from the fastest tier holding a copy, each file is fetched once per node, and writes, renames
+    and deletes through the source invalidate what they change.
+
+    \b
+      tierstore --source /lustre/data --tier /dev/shm/ts:64G run -- python train.py --epochs 90
+    """
+    env = dict(os.environ)
+    env.update(make.env)
+    if revalidate:
+        env["TIERSTORE_REVALIDATE"] = revalidate
+    # Validate here, where the error can be reported well; the shim would only warn and run uncached.
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        make()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
+    try:
+        os.execvpe(command[0], list(command), env)
+    except OSError as e:
+        raise click.ClickException(f"cannot run {command[0]!r}: {e.strerror}") from e
 
 
 @main.group()

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::config::{Config, Verify};
+use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::flight::{Flight, Flights, Outcome, Role};
 use crate::index::{key_of, Entry, Key, Reservation, SourceId, Usage};
@@ -250,16 +250,51 @@ impl Cache {
         self.inner.open_rel(&rel)
     }
 
+    /// Opens `path` as a real file descriptor holding exactly its bytes: the tier copy (fetched whole
+    /// first on a miss, under the same single-flight rules), or the source itself when no tier has room.
+    /// This is what the LD_PRELOAD shim hands to unmodified programs, so that read, pread, mmap and fstat
+    /// need no further interception.
+    pub fn open_file(&self, path: &Path) -> Result<File, Error> {
+        let rel = self.inner.source.relative(path)?;
+        self.inner.open_file_rel(&rel)
+    }
+
+    /// `stat` of a cached file answered from its copy, without asking the source; `None` when the answer
+    /// must come from the source (not cached, or copies are revalidated on every open anyway).
+    pub fn cached_stat(&self, path: &Path) -> Result<Option<libc::stat>, Error> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return Ok(None);
+        }
+        let rel = self.inner.source.relative(path)?;
+        let key = key_of(&rel);
+        let Some((t, e)) = self.inner.published_in(&key, &rel) else { return Ok(None) };
+        let tier = &self.inner.tiers[t];
+        let Ok(mut st) = tier.stat_copy(&key) else { return Ok(None) };
+        if st.st_size as u64 != e.source.size {
+            return Ok(None);
+        }
+        // The copy's size and mtime are the source's; its identity is reported as the source's too, so
+        // that comparisons of inodes (os.path.samefile) keep their meaning.
+        st.st_ino = e.source.ino;
+        st.st_dev = e.source.dev;
+        Ok(Some(st))
+    }
+
+    /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).
+    pub fn invalidate(&self, path: &Path) -> Result<(), Error> {
+        let rel = self.inner.source.relative(path)?;
+        let key = key_of(&rel);
+        let _guard = self.inner.locks.lock(&key).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
+        self.inner.remove_entries(&key);
+        Ok(())
+    }
+
     /// The path of a current cached copy of `path`, if a tier holds one. With `validate`, the source is
     /// `stat`ed and a copy of an older version does not count; without it, this is the index lookup alone.
     pub fn lookup(&self, path: &Path, validate: bool) -> Result<Option<PathBuf>, Error> {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        let sid = if validate {
-            Some(self.inner.source.identify(&rel).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?)
-        } else {
-            None
-        };
+        let sid = if validate { Some(self.inner.identity(&key, &rel)?) } else { None };
         for tier in &self.inner.tiers {
             let Ok(index) = &tier.index else { continue };
             if let Ok(Some(e)) = index.lookup(&key) {
@@ -475,9 +510,32 @@ impl Inner {
         }
     }
 
+    /// The version of the source file to serve: asked of the source (`revalidate = "always"`), or taken
+    /// from a published entry when the dataset is trusted to be read-only (`"never"`).
+    fn identity(&self, key: &Key, rel: &str) -> Result<SourceId, Error> {
+        if self.config.revalidate == Revalidate::Never {
+            if let Some(e) = self.published(key, rel) {
+                return Ok(e.source);
+            }
+        }
+        self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))
+    }
+
+    /// The first published entry of `key` in tier order, with the tier's index.
+    fn published_in(&self, key: &Key, rel: &str) -> Option<(usize, Entry)> {
+        self.tiers.iter().enumerate().find_map(|(i, t)| {
+            let e = t.index.as_ref().ok()?.lookup(key).ok()??;
+            (e.ready && e.rel == rel).then_some((i, e))
+        })
+    }
+
+    fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
+        self.published_in(key, rel).map(|(_, e)| e)
+    }
+
     fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
         let key = key_of(rel);
-        let sid = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+        let sid = self.identity(&key, rel)?;
         for _ in 0..3 {
             if let Some(r) = self.hit(&key, rel, &sid, true) {
                 return Ok(r);
@@ -681,15 +739,7 @@ impl Inner {
             });
         }
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
-        for tier in &self.tiers {
-            if let Ok(ix) = &tier.index {
-                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
-                    if old.ready {
-                        let _ = std::fs::remove_file(tier.data_path(key));
-                    }
-                }
-            }
-        }
+        self.remove_entries(key);
         let Some(t) = self.place(key, rel, sid) else {
             self.source.counters().add(src_slot::UNCACHED, 1);
             drop(guard);
@@ -774,6 +824,43 @@ impl Inner {
                 Ok(Fetched::Reader(reader))
             }
         }
+    }
+
+    /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
+    fn remove_entries(&self, key: &Key) {
+        for tier in &self.tiers {
+            if let Ok(ix) = &tier.index {
+                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
+                    if old.ready {
+                        let _ = std::fs::remove_file(tier.data_path(key));
+                    }
+                }
+            }
+        }
+    }
+
+    /// See [`Cache::open_file`].
+    fn open_file_rel(self: &Arc<Self>, rel: &str) -> Result<File, Error> {
+        let key = key_of(rel);
+        let sid = self.identity(&key, rel)?;
+        for _ in 0..3 {
+            if let Some(r) = self.hit(&key, rel, &sid, true) {
+                if let Some(f) = r.into_file() {
+                    return Ok(f);
+                }
+            }
+            match self.flights.join(&key) {
+                // Fetched whole in this thread, so the caller gets a complete file.
+                Role::Leader(flight) => match self.lead(&key, rel, sid, flight, Purpose::Prefetch)? {
+                    Fetched::Uncached => break,
+                    _ => continue,
+                },
+                Role::Follower(flight) => {
+                    flight.wait();
+                }
+            }
+        }
+        self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))
     }
 
     /// Reserves room for the entry by policy; returns the tier that took it.

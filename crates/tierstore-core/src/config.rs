@@ -99,6 +99,16 @@ pub enum Verify {
     Checksum,
 }
 
+/// When a cached copy is checked against the source's current version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revalidate {
+    /// On every open, with one `stat` of the source: a changed file is never served stale.
+    Always,
+    /// Never: the dataset is read-only for the life of the cache (MONARCH's assumption). Later epochs send
+    /// no operation at all to the source; writes made through tierstore still invalidate what they change.
+    Never,
+}
+
 /// The effective configuration of a cache.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -115,6 +125,8 @@ pub struct Config {
     pub inline_max: u64,
     /// How cached copies are checked on open.
     pub verify: Verify,
+    /// Whether every open checks the source's current version (one `stat` of the source).
+    pub revalidate: Revalidate,
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
 }
@@ -136,6 +148,8 @@ pub struct Overrides {
     pub inline_max: Option<String>,
     /// Verification mode name.
     pub verify: Option<String>,
+    /// Revalidation mode name.
+    pub revalidate: Option<String>,
 }
 
 /// The environment variables tierstore reads; any other `TIERSTORE_*` name is a typo and an error.
@@ -147,6 +161,7 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_THREADS",
     "TIERSTORE_INLINE_MAX",
     "TIERSTORE_VERIFY",
+    "TIERSTORE_REVALIDATE",
     "TIERSTORE_LOG",
     "TIERSTORE_MODELS",
 ];
@@ -207,6 +222,7 @@ struct Raw {
     threads: Option<(String, Origin)>,
     inline_max: Option<(String, Origin)>,
     verify: Option<(String, Origin)>,
+    revalidate: Option<(String, Origin)>,
 }
 
 struct RawTier {
@@ -215,7 +231,7 @@ struct RawTier {
     kind: Option<String>,
 }
 
-const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify"];
+const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
 fn scalar(v: &toml::Value) -> String {
@@ -275,6 +291,7 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
             "threads" => raw.threads = Some((text_of(value)?, origin.clone())),
             "inline_max" => raw.inline_max = Some((text_of(value)?, origin.clone())),
             "verify" => raw.verify = Some((text_of(value)?, origin.clone())),
+            "revalidate" => raw.revalidate = Some((text_of(value)?, origin.clone())),
             "tiers" => {
                 let fix = "write [[tiers]] tables with path = \"/dev/shm/tierstore\" and quota = \"8G\"";
                 let list = value.as_array().ok_or_else(|| bad(&origin, key, value, "must be a list of tables", fix))?;
@@ -432,6 +449,7 @@ impl Config {
             ("TIERSTORE_THREADS", &mut raw.threads),
             ("TIERSTORE_INLINE_MAX", &mut raw.inline_max),
             ("TIERSTORE_VERIFY", &mut raw.verify),
+            ("TIERSTORE_REVALIDATE", &mut raw.revalidate),
         ] {
             if let Some(v) = env.get(name) {
                 *slot = Some((v.clone(), env_origin(name)));
@@ -449,6 +467,7 @@ impl Config {
             (&overrides.threads, &mut raw.threads),
             (&overrides.inline_max, &mut raw.inline_max),
             (&overrides.verify, &mut raw.verify),
+            (&overrides.revalidate, &mut raw.revalidate),
         ] {
             if let Some(v) = value {
                 *slot = Some((v.clone(), Origin::Argument));
@@ -680,7 +699,32 @@ impl Config {
             }
         };
 
-        Ok(Config { source, tiers, policy, threads, inline_max, verify, origins })
+        let revalidate = match raw.revalidate {
+            None => {
+                origins.insert("revalidate".into(), Origin::Default);
+                Revalidate::Always
+            }
+            Some((text, origin)) => {
+                let r = match text.as_str() {
+                    "always" => Revalidate::Always,
+                    "never" => Revalidate::Never,
+                    _ => {
+                        return Err(bad(
+                            &origin,
+                            "revalidate",
+                            format!("\"{text}\""),
+                            "unknown revalidation mode",
+                            "use \"always\" (stat the source on every open: never stale) or \"never\" (trust the \
+                             cache for a read-only dataset: no source operation at all after the first epoch)",
+                        ))
+                    }
+                };
+                origins.insert("revalidate".into(), origin);
+                r
+            }
+        };
+
+        Ok(Config { source, tiers, policy, threads, inline_max, verify, revalidate, origins })
     }
 }
 

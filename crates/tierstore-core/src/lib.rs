@@ -49,7 +49,7 @@ pub fn pid() -> u32 {
 }
 
 pub use cache::{Cache, PrefetchProgress, SourceStats, Stats, TierStats};
-pub use config::{Config, ConfigError, Overrides, TierConfig, TierKind, Verify};
+pub use config::{Config, ConfigError, Overrides, Revalidate, TierConfig, TierKind, Verify};
 pub use placement::Policy;
 pub use reader::Reader;
 pub use source::OutsideSource;

@@ -96,6 +96,14 @@ impl Reader {
         Reader { backing, size, pos: 0, rel, source, fallback: None }
     }
 
+    /// The descriptor of the cached copy or source file this reader reads, if it reads one directly.
+    pub fn into_file(self) -> Option<File> {
+        match self.backing {
+            Backing::Copy(f, _) | Backing::Source(f) => Some(f),
+            Backing::Memory(_) | Backing::Growing(_) => None,
+        }
+    }
+
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
         self.size

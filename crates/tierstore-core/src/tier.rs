@@ -88,6 +88,12 @@ impl Tier {
         crate::source::open_at(&self.data_dir, &format!("{}/{h}", &h[..2]))
     }
 
+    /// `stat` of the published copy of `key`.
+    pub fn stat_copy(&self, key: &Key) -> io::Result<libc::stat> {
+        let h = hex(key);
+        crate::source::stat_at(&self.data_dir, &format!("{}/{h}", &h[..2]))
+    }
+
     /// Creates a new temporary file for a copy of `key`, unique to this process and attempt.
     pub fn create_temp(&self, key: &Key) -> io::Result<(PathBuf, File)> {
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

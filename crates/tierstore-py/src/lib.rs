@@ -68,7 +68,7 @@ fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None))]
+    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -79,6 +79,7 @@ impl PyCache {
         threads: Option<Bound<'_, PyAny>>,
         inline_max: Option<Bound<'_, PyAny>>,
         verify: Option<String>,
+        revalidate: Option<String>,
     ) -> PyResult<Self> {
         let tiers = match tiers {
             None => None,
@@ -98,6 +99,7 @@ impl PyCache {
             threads: threads.as_ref().map(size_text).transpose()?,
             inline_max: inline_max.as_ref().map(size_text).transpose()?,
             verify,
+            revalidate,
         };
         let config =
             py.allow_threads(|| Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)?;
@@ -214,6 +216,11 @@ impl PyCache {
             tierstore_core::Verify::Checksum => "checksum",
         };
         out.set_item("verify", (verify, origin("verify")))?;
+        let revalidate = match c.revalidate {
+            tierstore_core::Revalidate::Always => "always",
+            tierstore_core::Revalidate::Never => "never",
+        };
+        out.set_item("revalidate", (revalidate, origin("revalidate")))?;
         Ok(out)
     }
 

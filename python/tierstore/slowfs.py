@@ -1,0 +1,268 @@
+"""A stand-in parallel file system for tests and benchmarks: a FUSE passthrough that adds latency to
+metadata and data operations, caps bandwidth, and counts every operation it is asked.
+
+A job reading through it sees what a job on a loaded Lustre sees: every open, stat and read pays a round
+trip, and bytes arrive at a per-node share of the store's bandwidth. Its counters are the ground truth of
+what reached the "shared store", independent of tierstore's own counters.
+
+    python -m tierstore.slowfs /data/real /mnt/pfs --meta-latency 1ms --data-latency 0.5ms --bandwidth 500MiB
+    cat /mnt/pfs/.slowfs-stats          # JSON counters (reading them, and stat of the mount root, not counted)
+    umount /mnt/pfs
+
+Defaults, from the figures of the papers this project builds on: DStore's Lustre delivers about 210 GB/s to
+126 nodes behind 7 GB/s links (about 1.7 GB/s per node at peak); a store shared with other jobs gives a
+node a fraction of that, hence 500 MiB/s. Metadata operations cost a round trip to the metadata server,
+1 ms under load (MONARCH counts them as a PFS bottleneck of its own), and each data request pays 0.5 ms
+before its bytes flow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+STATS = "/.slowfs-stats"
+META_OPS = ("getattr", "readdir", "open", "access", "statfs", "readlink", "opendir")
+DATA_OPS = ("read",)
+WRITE_OPS = ("write", "create", "truncate", "unlink", "rename", "mkdir", "rmdir", "utimens", "chmod")
+
+
+def parse_duration(text: str) -> float:
+    """ "1ms", "500us", "0.002s", "2" (seconds) -> seconds."""
+    t = text.strip().lower()
+    for unit, scale in (("us", 1e-6), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if t.endswith(unit):
+            return float(t[: -len(unit)]) * scale
+    return float(t)
+
+
+def parse_rate(text: str) -> float:
+    """ "500MiB" or "500MiB/s" -> bytes per second; "0" or "inf" means no cap."""
+    from tierstore import parse_size
+
+    t = text.strip().removesuffix("/s")
+    if t in ("0", "inf", "none"):
+        return 0.0
+    n = parse_size(t)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: use a size per second like 500MiB/s")
+    return float(n)
+
+
+class Throttle:
+    """A shared bandwidth cap: every read reserves its share of a timeline and sleeps until its turn."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.next_free = time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + nbytes / self.rate
+            wait = self.next_free - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+def make_operations(root: str, meta_latency: float, data_latency: float, bandwidth: float) -> Any:
+    from mfusepy import FuseOSError, Operations
+
+    counts: Counter[str] = Counter()
+    lock = threading.Lock()
+    throttle = Throttle(bandwidth)
+
+    def count(op: str, nbytes: int = 0) -> None:
+        with lock:
+            counts[op] += 1
+            if nbytes:
+                counts["bytes_read" if op == "read" else "bytes_written"] += nbytes
+
+    def stats_bytes() -> bytes:
+        with lock:
+            data = dict(counts)
+        data["metadata_ops"] = sum(data.get(o, 0) for o in META_OPS)
+        data["data_ops"] = sum(data.get(o, 0) for o in DATA_OPS)
+        return (json.dumps(data, sort_keys=True) + "\n").encode()
+
+    class SlowFS(Operations):
+        use_ns = True
+
+        def _full(self, path: str) -> str:
+            return os.path.join(root, path.lstrip("/"))
+
+        def _meta(self, op: str) -> None:
+            count(op)
+            if meta_latency > 0:
+                time.sleep(meta_latency)
+
+        def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+            if path == STATS:
+                return {"st_mode": 0o100444, "st_nlink": 1, "st_size": len(stats_bytes()) + 4096}
+            if path == "/":
+                # The kernel revalidates the mount root on every path lookup, reading the counters
+                # included; counting it would make the counters move when read.
+                return self._stat(path)
+            self._meta("getattr")
+            return self._stat(path)
+
+        def _stat(self, path: str) -> dict[str, Any]:
+            st = os.lstat(self._full(path))
+            keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime_ns", "st_mtime_ns",
+                    "st_ctime_ns", "st_ino", "st_blocks", "st_blksize")  # fmt: skip
+            out = {k: getattr(st, k) for k in keys}
+            for k in ("atime", "mtime", "ctime"):
+                out[f"st_{k}"] = out.pop(f"st_{k}_ns")
+            return out
+
+        def readdir(self, path: str, fh: int) -> list[str]:
+            self._meta("readdir")
+            names = [".", "..", *os.listdir(self._full(path))]
+            return [*names, STATS.lstrip("/")] if path == "/" else names
+
+        def readlink(self, path: str) -> str:
+            self._meta("readlink")
+            return os.readlink(self._full(path))
+
+        def access(self, path: str, amode: int) -> int:
+            if path == STATS:
+                return 0
+            self._meta("access")
+            if not os.access(self._full(path), amode):
+                raise FuseOSError(errno.EACCES)
+            return 0
+
+        def statfs(self, path: str) -> dict[str, int]:
+            self._meta("statfs")
+            s = os.statvfs(self._full(path))
+            keys = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_flag",
+                    "f_frsize", "f_namemax")  # fmt: skip
+            return {k: getattr(s, k) for k in keys}
+
+        def open(self, path: str, flags: int) -> int:
+            if path == STATS:
+                return 0
+            self._meta("open")
+            return os.open(self._full(path), flags)
+
+        def create(self, path: str, mode: int, fi: Any = None) -> int:
+            count("create")
+            return os.open(self._full(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+
+        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            if path == STATS:
+                return stats_bytes()[offset : offset + size]
+            if data_latency > 0:
+                time.sleep(data_latency)
+            data = os.pread(fh, size, offset)
+            throttle.take(len(data))
+            count("read", len(data))
+            return data
+
+        def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            count("write", len(data))
+            return os.pwrite(fh, data, offset)
+
+        def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+            count("truncate")
+            os.truncate(self._full(path), length)
+            return 0
+
+        def release(self, path: str, fh: int) -> int:
+            if path != STATS:
+                count("release")
+                os.close(fh)
+            return 0
+
+        def flush(self, path: str, fh: int) -> int:
+            return 0
+
+        def fsync(self, path: str, datasync: int, fh: int) -> int:
+            count("fsync")
+            os.fsync(fh)
+            return 0
+
+        def unlink(self, path: str) -> int:
+            count("unlink")
+            os.unlink(self._full(path))
+            return 0
+
+        def rename(self, old: str, new: str) -> int:
+            count("rename")
+            os.rename(self._full(old), self._full(new))
+            return 0
+
+        def mkdir(self, path: str, mode: int) -> int:
+            count("mkdir")
+            os.mkdir(self._full(path), mode)
+            return 0
+
+        def rmdir(self, path: str) -> int:
+            count("rmdir")
+            os.rmdir(self._full(path))
+            return 0
+
+        def chmod(self, path: str, mode: int) -> int:
+            count("chmod")
+            os.chmod(self._full(path), mode)
+            return 0
+
+        def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+            count("utimens")
+            if times is None:
+                os.utime(self._full(path))
+            else:
+                os.utime(self._full(path), ns=times)
+            return 0
+
+    return SlowFS()
+
+
+def read_stats(mountpoint: str) -> dict[str, int]:
+    """The counters of a mounted stand-in store."""
+    with open(os.path.join(mountpoint, STATS.lstrip("/"))) as f:
+        return json.loads(f.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tierstore.slowfs",
+        description="Mount SOURCE at MOUNTPOINT as a slow, counting shared store (FUSE passthrough).",
+    )
+    ap.add_argument("source", help="the real directory to serve")
+    ap.add_argument("mountpoint", help="an empty directory to mount it on")
+    ap.add_argument("--meta-latency", type=parse_duration, default="1ms",
+                    help="added to every metadata operation (open, stat, readdir...); default 1ms")  # fmt: skip
+    ap.add_argument("--data-latency", type=parse_duration, default="0.5ms",
+                    help="added to every read request; default 0.5ms")  # fmt: skip
+    ap.add_argument("--bandwidth", type=parse_rate, default="500MiB/s",
+                    help="read bandwidth cap shared by all readers; default 500MiB/s, 0 for none")  # fmt: skip
+    ap.add_argument("--foreground", action="store_true", help="stay in the foreground")
+    args = ap.parse_args(argv)
+    try:
+        from mfusepy import FUSE
+    except ImportError:
+        print("error: the stand-in store needs mfusepy: pip install mfusepy (and fuse3 from your distribution)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    ops = make_operations(os.path.abspath(args.source), args.meta_latency, args.data_latency, args.bandwidth)
+    # No kernel attribute or entry caching: every stat reaches the store, as on a PFS without client caching,
+    # so the counters see every operation a job sends.
+    FUSE(ops, args.mountpoint, foreground=args.foreground, nothreads=False, attr_timeout=0, entry_timeout=0,
+         negative_timeout=0, default_permissions=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""`tierstore run`: unmodified programs (Python with DataLoader workers, C, h5py) read through the cache,
+measured by the stand-in parallel file system's own counters."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import store_stats
+
+
+def tierstore_run(source: Path, tier: str, *cmd: str, revalidate: str = "never", **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "--source",
+            str(source),
+            "--tier",
+            tier,
+            "run",
+            "--revalidate",
+            revalidate,
+            "--",
+            *cmd,
+        ],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
+
+
+LOADER_JOB = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    import numpy as np, torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Images(Dataset):
+        def __init__(self, paths): self.paths = paths
+        def __len__(self): return len(self.paths)
+        def __getitem__(self, i):
+            with open(self.paths[i], "rb") as f:   # plain open(): the job is not changed for tierstore
+                return torch.from_numpy(np.load(f))
+
+    if __name__ == "__main__":
+        root, workers, context = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        paths = sorted(os.path.join(d, n) for d, _, ns in os.walk(root) for n in ns if n.endswith(".npy"))
+        loader = DataLoader(Images(paths), batch_size=16, num_workers=workers,
+                            multiprocessing_context=None if workers == 0 else context)
+        for epoch in range(3):
+            h = hashlib.sha256()
+            for batch in loader:
+                h.update(batch.numpy().tobytes())
+            print(json.dumps({"epoch": epoch + 1, "digest": h.hexdigest()}), flush=True)
+            sys.stdin.readline()   # the test reads the store's counters between epochs
+    """
+)
+
+
+def make_images(root: Path, n: int) -> str:
+    rng = np.random.default_rng(1)
+    h = hashlib.sha256()
+    batch = []
+    for i in range(n):
+        img = rng.integers(0, 256, size=(3, 32, 32), dtype=np.uint8)
+        d = root / f"c{i % 3}"
+        d.mkdir(exist_ok=True)
+        np.save(d / f"{i:04d}.npy", img)
+    # The digest of one epoch in sorted-path order, as the job computes it.
+    paths = sorted(str(p) for p in root.rglob("*.npy"))
+    for k in range(0, len(paths), 16):
+        batch = np.stack([np.load(p) for p in paths[k : k + 16]])
+        h.update(batch.tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("workers", "context"), [(0, "fork"), (2, "fork"), (4, "fork"), (2, "spawn"), (4, "spawn")]
+)
+def test_dataloader_under_tierstore_run_reads_the_store_only_in_epoch_one(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path, workers: int, context: str
+) -> None:
+    backing, mount = slow_store
+    expected = make_images(backing, 80)
+    job = tmp_path / "job.py"
+    job.write_text(LOADER_JOB)
+    proc = tierstore_run(mount, f"{tier}:256M", sys.executable, str(job), str(mount), str(workers), context)
+    counters = []
+    for epoch in (1, 2, 3):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        result = json.loads(line)
+        assert result == {"epoch": epoch, "digest": expected}, "samples differ from a direct read"
+        counters.append(store_stats(mount))
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    assert proc.wait(60) == 0, proc.stderr.read()
+    first, last = counters[0], counters[2]
+    total = sum(p.stat().st_size for p in backing.rglob("*.npy"))
+    assert first["bytes_read"] == total, "epoch 1 read some file twice or not at all"
+    for op in ("read", "open", "getattr", "bytes_read"):
+        assert last.get(op, 0) == first.get(op, 0), f"epochs 2-3 sent {op} to the store"
+
+
+C_READER = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static unsigned long sum(const unsigned char *b, long n) { unsigned long s = 1469598103934665603UL; for (long i = 0; i < n; i++) s = (s ^ b[i]) * 1099511628211UL; return s; }
+
+int main(int argc, char **argv) {
+    struct stat st;
+    if (stat(argv[1], &st) != 0) { perror("stat"); return 1; }
+    long n = st.st_size;
+    unsigned char *a = malloc(n), *b = malloc(n), *d = malloc(n);
+    int fd = open(argv[1], O_RDONLY);
+    if (fd < 0) { perror("open"); return 1; }
+    long got = 0, r;
+    while ((r = read(fd, a + got, n - got)) > 0) got += r;
+    if (pread(fd, b, n, 0) != n) { perror("pread"); return 1; }
+    unsigned char *m = mmap(NULL, n, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (m == MAP_FAILED) { perror("mmap"); return 1; }
+    FILE *f = fopen(argv[1], "rb");
+    if (!f || fread(d, 1, n, f) != (size_t)n) { perror("fopen"); return 1; }
+    char link[4096] = {0};
+    char proc[64]; snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    readlink(proc, link, sizeof link - 1);
+    printf("%ld %lx %lx %lx %lx %s\n", got, sum(a, n), sum(b, n), sum(m, n), sum(d, n), link);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_c_program_reads_identical_bytes_with_read_pread_mmap_fopen(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    data = os.urandom(3 << 20)
+    (backing / "blob.bin").write_bytes(data)
+    src = tmp_path / "reader.c"
+    src.write_text(C_READER)
+    exe = tmp_path / "reader"
+    subprocess.run(["cc", "-O2", "-o", str(exe), str(src)], check=True)
+    direct = subprocess.run([str(exe), str(mount / "blob.bin")], capture_output=True, text=True, check=True)
+    outputs = []
+    for _ in range(2):
+        p = tierstore_run(mount, f"{tier}:64M", str(exe), str(mount / "blob.bin"))
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        outputs.append(out.split())
+    want = direct.stdout.split()
+    for out in outputs:
+        assert out[:5] == want[:5], "bytes differ from a direct read"
+        assert out[5].startswith(tier), f"the descriptor is not the tier copy: {out[5]}"
+    assert int(want[0]) == len(data)
+
+
+H5_JOB = textwrap.dedent(
+    """
+    import sys, h5py, numpy as np
+    with h5py.File(sys.argv[1], "r") as h:
+        print(repr({k: h[k][...].tobytes().hex()[:64] + str(h[k][...].sum()) for k in sorted(h)}))
+    """
+)
+
+
+def test_h5py_under_tierstore_run_and_tierstore_open_match_a_direct_read(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    h5py = pytest.importorskip("h5py")
+    import tierstore
+
+    backing, mount = slow_store
+    rng = np.random.default_rng(3)
+    arrays = {"x": rng.normal(size=(300, 40)), "labels": rng.integers(0, 10, size=300)}
+    with h5py.File(backing / "data.h5", "w") as h:
+        for k, v in arrays.items():
+            h.create_dataset(k, data=v, chunks=True, compression="gzip")
+    job = tmp_path / "h5.py"
+    job.write_text(H5_JOB)
+    direct = subprocess.run(
+        [sys.executable, str(job), str(mount / "data.h5")], capture_output=True, text=True
+    )
+    for _ in range(2):
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount / "data.h5"))
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and out == direct.stdout, err
+    cache = tierstore.Cache(mount, [f"{tier}:64M"])
+    with cache.open(mount / "data.h5") as f, h5py.File(f, "r") as h:
+        for k, v in arrays.items():
+            np.testing.assert_array_equal(h[k][...], v)
+
+
+REWRITE_JOB = textwrap.dedent(
+    """
+    import os, sys
+    p = sys.argv[1]
+    print(open(p, "rb").read().decode())
+    with open(p, "wb") as f:                      # a write through the source invalidates the copy
+        f.write(b"rewritten under tierstore run")
+    print(open(p, "rb").read().decode())
+    tmp = p + ".new"
+    with open(tmp, "wb") as f:
+        f.write(b"replaced by rename")
+    os.rename(tmp, p)
+    print(open(p, "rb").read().decode())
+    os.unlink(p)
+    print(os.path.exists(p))
+    """
+)
+
+
+def test_file_rewritten_under_tierstore_run_is_read_back_new(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    (backing / "f.txt").write_bytes(b"original")
+    job = tmp_path / "rw.py"
+    job.write_text(REWRITE_JOB)
+    p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount / "f.txt"))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert out.split("\n")[:4] == ["original", "rewritten under tierstore run", "replaced by rename", "False"]
+
+
+THREADS_JOB = textwrap.dedent(
+    """
+    import hashlib, os, signal, subprocess, sys, threading
+    root = sys.argv[1]
+    names = sorted(n for n in os.listdir(root) if n.endswith(".bin"))  # not the store's counters file
+    signal.signal(signal.SIGUSR1, lambda *a: None)
+    results = {}
+    def reader(k):
+        for n in names[k:] + names[:k]:
+            with open(os.path.join(root, n), "rb") as f:
+                results.setdefault(n, set()).add(hashlib.sha256(f.read()).hexdigest())
+            os.kill(os.getpid(), signal.SIGUSR1)          # signals arrive mid-I/O
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    pid = os.fork()                                       # a forked child uses the cache too
+    if pid == 0:
+        os.chdir(root)
+        with open(names[0], "rb") as f:                   # a relative path
+            data = f.read()
+        with open(os.path.join(root, "..", os.path.basename(root), names[1]), "rb") as f:   # with ..
+            data2 = f.read()
+        os._exit(0 if hashlib.sha256(data).hexdigest() in results[names[0]] and data2 else 3)
+    _, status = os.waitpid(pid, 0)
+    out = subprocess.run(["sha256sum", os.path.join(root, names[2])], capture_output=True, text=True).stdout
+    print(all(len(v) == 1 for v in results.values()), os.waitstatus_to_exitcode(status), out.split()[0] in results[names[2]])
+    """
+)
+
+
+def test_threads_fork_exec_signals_relative_paths(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    for i in range(30):
+        (backing / f"{i:03d}.bin").write_bytes(os.urandom(50_000 + i))
+    job = tmp_path / "threads.py"
+    job.write_text(THREADS_JOB)
+    p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out.split() == ["True", "0", "True"]
+    assert store_stats(mount)["bytes_read"] == sum(50_000 + i for i in range(30)), "a file was fetched twice"
+
+
+def test_symlink_into_the_source_reads_correct_bytes(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    (backing / "s.bin").write_bytes(b"through a symlink")
+    link = tmp_path / "link"
+    link.symlink_to(mount)
+    p = tierstore_run(mount, f"{tier}:64M", "cat", str(link / "s.bin"))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and out == "through a symlink", err
+
+
+def test_run_reports_config_errors_and_missing_commands(tmp_path: Path, tier: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "--source", str(tmp_path), "--tier", f"{tier}:9Q",
+                        "run", "--", "true"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and "not a size" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "--source", str(tmp_path), "--tier", f"{tier}:1M",
+                        "run", "--", "no-such-program-xyz"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode != 0 and "cannot run 'no-such-program-xyz'" in r.stderr
