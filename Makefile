@@ -47,6 +47,7 @@ test-python: setup
 bench: setup
 	$(PY) bench/bench_cache.py --out BENCHMARKS.md
 	$(PY) bench/bench_models.py --out BENCHMARKS-models.md --plot bench/models.png
+	$(PY) bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
 
 lint: setup
 	cargo fmt --all --check

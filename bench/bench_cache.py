@@ -594,6 +594,13 @@ def report(
         out += [f"- {n}" for n in s.notes]
         out.append("")
     out += [
+        "## Other benchmarks",
+        "",
+        "- [BENCHMARKS-models.md](BENCHMARKS-models.md): the model repository against torch.save, safetensors, "
+        "h5py and the raw disk (`bench/bench_models.py`).",
+        "- [BENCHMARKS-run.md](BENCHMARKS-run.md): `tierstore run` and `tierstore.torch` with DataLoader jobs on "
+        "the stand-in parallel file system (`bench/bench_run.py`).",
+        "",
         "## Reading these numbers",
         "",
         "- The source here is this machine's local disk, not a shared store. Its epochs 2-3 come from the "

@@ -12,8 +12,6 @@ pub type Hash = [u8; 32];
 
 /// Buffers at least this large are hashed with all cores.
 const PARALLEL_HASH_MIN: usize = 4 << 20;
-/// Reads at least this large are split between threads.
-const PARALLEL_READ_MIN: usize = 16 << 20;
 
 /// Hashes one buffer, with all cores when it is large.
 pub fn hash(bytes: &[u8]) -> Hash {
@@ -68,6 +66,18 @@ impl PackWriter {
         let offset = self.len;
         self.file.write_all(bytes)?;
         self.len += bytes.len() as u64;
+        // Start writing these pages to the device now, without waiting: the caller hashes the next
+        // tensors meanwhile, and the final fsync only waits for the tail.
+        use std::os::fd::AsRawFd;
+        // SAFETY: a hint on an open descriptor; failure only loses the overlap.
+        unsafe {
+            libc::sync_file_range(
+                self.file.as_raw_fd(),
+                offset as i64,
+                bytes.len() as i64,
+                libc::SYNC_FILE_RANGE_WRITE,
+            )
+        };
         Ok(offset)
     }
 
@@ -169,47 +179,121 @@ fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> io::Result
     Ok(true)
 }
 
-/// Reads every request from the pack at `path` into its destination, in parallel (small tensors side
-/// by side, large ones split into chunks), then checks the hashes. Either every destination holds the
-/// right bytes, or an error names the first request that does not.
+/// Threads reading a pack at once: enough requests in flight to keep a disk's queue busy.
+const READ_THREADS: usize = 8;
+
+/// Reads every request from the pack at `path` into its destination and checks the hashes. Either every
+/// destination holds the right bytes, or an error names the first request that does not.
+///
+/// The kernel is told exactly which ranges will be read (and not to read ahead past them, which would drag
+/// neighbouring tensors of a partial load off the disk). Requests are spread over a few I/O threads; each
+/// reads its tensor in chunks and hashes each chunk as it arrives, so hashing overlaps other threads'
+/// reads. A very large tensor is split between all threads and hashed with all cores once read.
 pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadError> {
-    use rayon::prelude::*;
+    use std::os::fd::AsRawFd;
+    use std::sync::Mutex;
+
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
-    // Split every request into chunks so that one large tensor keeps all threads busy.
-    let mut chunks: Vec<(usize, u64, &mut [u8])> = Vec::new();
-    for (i, r) in requests.iter_mut().enumerate() {
-        let chunk = if r.dest.len() >= PARALLEL_READ_MIN { 8 << 20 } else { r.dest.len().max(1) };
-        let mut offset = r.offset;
-        for piece in r.dest.chunks_mut(chunk) {
-            let len = piece.len() as u64;
-            chunks.push((i, offset, piece));
-            offset += len;
+    let fd = file.as_raw_fd();
+    // SAFETY: advice on an open descriptor; failure only loses the hint.
+    unsafe {
+        libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_RANDOM);
+        for r in requests.iter() {
+            libc::posix_fadvise(fd, r.offset as i64, r.dest.len() as i64, libc::POSIX_FADV_WILLNEED);
         }
     }
-    let failures: Vec<(usize, Option<io::Error>)> = chunks
-        .par_iter_mut()
-        .filter_map(|(i, offset, piece)| match read_exact_at(&file, piece, *offset) {
-            Ok(true) => None,
-            Ok(false) => Some((*i, None)),
-            Err(e) => Some((*i, Some(e))),
-        })
-        .collect();
-    if let Some((index, err)) = failures.into_iter().min_by_key(|(i, _)| *i) {
-        let r = &requests[index];
-        return Err(match err {
-            Some(source) => ReadError::Io { path: path.to_path_buf(), source },
-            None => ReadError::Truncated { path: path.to_path_buf(), index, offset: r.offset, len: r.dest.len() },
-        });
+    const HUGE: usize = 256 << 20;
+    const CHUNK: usize = 8 << 20;
+    // Work items: whole tensors (read and hashed in one task) and pieces of huge tensors.
+    enum Item<'b> {
+        Whole(usize, u64, &'b mut [u8], Option<Hash>),
+        Piece(usize, u64, &'b mut [u8]),
     }
-    let bad = requests
-        .par_iter()
-        .enumerate()
-        .filter(|(_, r)| r.expect.is_some_and(|h| hash(r.dest) != h))
-        .map(|(i, _)| i)
-        .min();
-    match bad {
-        Some(index) => Err(ReadError::Corrupt { path: path.to_path_buf(), index, offset: requests[index].offset }),
+    let mut items: Vec<Item<'_>> = Vec::new();
+    let mut huge: Vec<usize> = Vec::new();
+    for (i, r) in requests.iter_mut().enumerate() {
+        if r.dest.len() >= HUGE {
+            huge.push(i);
+            let mut offset = r.offset;
+            for piece in r.dest.chunks_mut(CHUNK) {
+                let len = piece.len() as u64;
+                items.push(Item::Piece(i, offset, piece));
+                offset += len;
+            }
+        } else {
+            items.push(Item::Whole(i, r.offset, &mut *r.dest, r.expect));
+        }
+    }
+    let queue = Mutex::new(items.into_iter());
+    let failure: Mutex<Option<(usize, Option<io::Error>, bool)>> = Mutex::new(None);
+    let record = |i: usize, err: Option<io::Error>, corrupt: bool| {
+        let mut f = failure.lock().expect("failure lock");
+        if f.as_ref().is_none_or(|(j, _, _)| i < *j) {
+            *f = Some((i, err, corrupt));
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..READ_THREADS {
+            scope.spawn(|| loop {
+                let Some(item) = queue.lock().expect("queue lock").next() else { break };
+                match item {
+                    Item::Piece(i, offset, buf) => match read_exact_at(&file, buf, offset) {
+                        Ok(true) => {}
+                        Ok(false) => record(i, None, false),
+                        Err(e) => record(i, Some(e), false),
+                    },
+                    Item::Whole(i, offset, buf, expect) => {
+                        let mut hasher = expect.map(|_| blake3::Hasher::new());
+                        let mut pos = 0;
+                        while pos < buf.len() {
+                            let end = (pos + CHUNK).min(buf.len());
+                            match read_exact_at(&file, &mut buf[pos..end], offset + pos as u64) {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    record(i, None, false);
+                                    break;
+                                }
+                                Err(e) => {
+                                    record(i, Some(e), false);
+                                    break;
+                                }
+                            }
+                            if let Some(h) = hasher.as_mut() {
+                                h.update(&buf[pos..end]);
+                            }
+                            pos = end;
+                        }
+                        if pos == buf.len() {
+                            if let (Some(h), Some(want)) = (hasher, expect) {
+                                if *h.finalize().as_bytes() != want {
+                                    record(i, None, true);
+                                }
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if failure.lock().expect("failure lock").is_none() {
+        for i in huge {
+            let r = &requests[i];
+            if r.expect.is_some_and(|want| hash(r.dest) != want) {
+                record(i, None, true);
+                break;
+            }
+        }
+    }
+    match failure.into_inner().expect("failure lock") {
         None => Ok(()),
+        Some((index, err, corrupt)) => {
+            let r = &requests[index];
+            Err(match (err, corrupt) {
+                (Some(source), _) => ReadError::Io { path: path.to_path_buf(), source },
+                (None, true) => ReadError::Corrupt { path: path.to_path_buf(), index, offset: r.offset },
+                (None, false) => ReadError::Truncated { path: path.to_path_buf(), index, offset: r.offset, len: r.dest.len() },
+            })
+        }
     }
 }
 

@@ -253,25 +253,30 @@ class Repository:
         meta = json.loads(json.dumps(dict(metadata or {})))  # fails early on what JSON cannot hold
         with _flock(self.root / "repo.lock", exclusive=False):
             self._refresh()
-            hashes = [h.hex() for h in _core.hash_buffers([v for _, _, v in entries])]
+            hashes: list[str] = []
             locations: dict[str, tuple[str, int, int]] = {}
-            new = []
-            for (_, _, view), h in zip(entries, hashes, strict=True):
-                if h not in self._blobs and h not in locations:
-                    locations[h] = ("", 0, view.nbytes)
-                    new.append((h, view))
             written = 0
-            if new:
-                pack = f"{uuid.uuid4().hex}.pack"
-                writer = _core.PackWriter(self.root / "packs" / pack)
-                try:
-                    for h, view in new:
+            writer = None
+            pack = f"{uuid.uuid4().hex}.pack"
+            try:
+                # Hash a batch, write its new tensors, go on: the device writes one batch while the next is
+                # hashed (each append starts its own writeback), so hashing costs little on top of the I/O.
+                for batch in _batches(entries, 64 << 20):
+                    batch_hashes = [h.hex() for h in _core.hash_buffers([v for _, _, v in batch])]
+                    hashes.extend(batch_hashes)
+                    for (_, _, view), h in zip(batch, batch_hashes, strict=True):
+                        if h in self._blobs or h in locations:
+                            continue
+                        if writer is None:
+                            writer = _core.PackWriter(self.root / "packs" / pack)
                         locations[h] = (pack, writer.append(view), view.nbytes)
                         written += view.nbytes
+                if writer is not None:
                     writer.commit()
-                except BaseException:
+            except BaseException:
+                if writer is not None:
                     writer.abort()
-                    raise
+                raise
             table = []
             for (key, spec, _), h in zip(entries, hashes, strict=True):
                 pack, offset, nbytes = self._blobs.get(h) or locations[h]
@@ -561,6 +566,20 @@ class Repository:
             logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+
+def _batches(entries: list[Any], nbytes: int) -> Iterator[list[Any]]:
+    """Consecutive groups of entries of about `nbytes` each (one large entry makes its own group)."""
+    batch: list[Any] = []
+    size = 0
+    for e in entries:
+        batch.append(e)
+        size += e[2].nbytes
+        if size >= nbytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 @contextlib.contextmanager
