@@ -294,7 +294,15 @@ impl Cache {
     pub fn lookup(&self, path: &Path, validate: bool) -> Result<Option<PathBuf>, Error> {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        let sid = if validate { Some(self.inner.identity(&key, &rel)?) } else { None };
+        let sid = if validate {
+            let known = self.inner.known_identity(&key, &rel)?;
+            match known {
+                Some(sid) => Some(sid),
+                None => return Ok(None), // trusted, and no tier holds it
+            }
+        } else {
+            None
+        };
         for tier in &self.inner.tiers {
             let Ok(index) = &tier.index else { continue };
             if let Ok(Some(e)) = index.lookup(&key) {
@@ -510,15 +518,62 @@ impl Inner {
         }
     }
 
-    /// The version of the source file to serve: asked of the source (`revalidate = "always"`), or taken
-    /// from a published entry when the dataset is trusted to be read-only (`"never"`).
-    fn identity(&self, key: &Key, rel: &str) -> Result<SourceId, Error> {
+    /// The version of the source file to serve, when it is known without opening the file: asked of the
+    /// source with a `stat` (`revalidate = "always"`), or taken from a published entry when the dataset is
+    /// trusted to be read-only (`"never"`). `None`: a trusted file no tier holds; the thread that leads its
+    /// fetch opens it and identifies it by `fstat`, so a miss costs the store one open, and threads that
+    /// wait for that fetch do not touch the store at all.
+    fn known_identity(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
         if self.config.revalidate == Revalidate::Never {
             if let Some(e) = self.published(key, rel) {
-                return Ok(e.source);
+                return Ok(Some(e.source));
+            }
+            // Another process is fetching it: a stat will do, the copy follows. (Opening a file while it is
+            // read makes some clients, FUSE among them, drop their cache of it.)
+            if !self.fetch_pending(key) {
+                return Ok(None);
             }
         }
-        self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))
+        self.source.identify(rel).map(Some).map_err(|e| Error::io(&self.source.path_of(rel), e))
+    }
+
+    /// Opens a source file and identifies it from the open descriptor (one open, one fstat).
+    fn open_identified(&self, rel: &str) -> Result<(SourceId, File), Error> {
+        let path = self.source.path_of(rel);
+        let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
+        self.source.counters().add(src_slot::STATS, 1);
+        let m = f.metadata().map_err(|e| Error::io(&path, e))?;
+        if m.is_dir() {
+            return Err(Error::io(&path, io::Error::from_raw_os_error(libc::EISDIR)));
+        }
+        Ok((SourceId::of(&m), f))
+    }
+
+    /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
+    fn lead_flight(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        known: &mut Option<SourceId>,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+        pre: &mut Option<File>,
+    ) -> Result<Fetched, Error> {
+        let sid = match *known {
+            Some(sid) => sid,
+            None => match self.open_identified(rel) {
+                Ok((sid, f)) => {
+                    *pre = Some(f);
+                    *known = Some(sid);
+                    sid
+                }
+                Err(e) => {
+                    self.flights.land(key, &flight);
+                    return Err(e);
+                }
+            },
+        };
+        self.lead(key, rel, sid, flight, purpose, pre)
     }
 
     /// The first published entry of `key` in tier order, with the tier's index.
@@ -529,46 +584,77 @@ impl Inner {
         })
     }
 
+    /// Whether some process holds a reservation for `key` (a fetch in flight).
+    fn fetch_pending(&self, key: &Key) -> bool {
+        self.tiers.iter().any(|t| matches!(t.index.as_ref().map(|ix| ix.lookup(key)), Ok(Ok(Some(e))) if !e.ready))
+    }
+
     fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
         self.published_in(key, rel).map(|(_, e)| e)
     }
 
     fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
         let key = key_of(rel);
-        let sid = self.identity(&key, rel)?;
+        let mut known = self.known_identity(&key, rel)?;
+        let mut pre = None;
         for _ in 0..3 {
-            if let Some(r) = self.hit(&key, rel, &sid, true) {
-                return Ok(r);
+            match known {
+                Some(sid) => {
+                    if let Some(r) = self.hit(&key, rel, &sid, true) {
+                        return Ok(r);
+                    }
+                }
+                None => self.count_misses(),
             }
             match self.flights.join(&key) {
                 Role::Leader(flight) => {
-                    let r = self.lead(&key, rel, sid, flight, Purpose::Read)?;
-                    match r {
+                    match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre)? {
                         Fetched::Reader(r) => return Ok(r),
-                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped => continue,
+                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped => {}
                     }
                 }
                 Role::Follower(flight) => match flight.wait() {
                     Outcome::Bytes(b) => {
-                        return Ok(Reader::new(
-                            Backing::Memory(b.clone()),
-                            b.len() as u64,
-                            rel.into(),
-                            self.source.clone(),
-                        ))
+                        let size = b.len() as u64;
+                        return Ok(Reader::new(Backing::Memory(b), size, rel.into(), self.source.clone()));
                     }
                     Outcome::Growing(g) => {
-                        return Ok(Reader::new(Backing::Growing(g), sid.size, rel.into(), self.source.clone()))
+                        let size = g.size();
+                        return Ok(Reader::new(Backing::Growing(g), size, rel.into(), self.source.clone()));
                     }
-                    Outcome::Retry => continue,
+                    Outcome::Retry => {}
                 },
             }
+            if known.is_none() {
+                known = self.known_identity(&key, rel)?;
+            }
         }
-        self.direct(rel, sid)
+        let sid = match known {
+            Some(sid) => sid,
+            None => {
+                let (sid, f) = self.open_identified(rel)?;
+                pre = Some(f);
+                sid
+            }
+        };
+        self.direct(rel, sid, &mut pre)
     }
 
-    fn direct(&self, rel: &str, sid: SourceId) -> Result<Reader, Error> {
-        let f = self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+    /// Counts a miss in every available tier (a trusted file that no tier holds).
+    fn count_misses(&self) {
+        for t in &self.tiers {
+            if t.index.is_ok() {
+                t.counters.add(tier_slot::MISSES, 1);
+            }
+        }
+    }
+
+    /// A reader of the source itself (through `pre` when the source is already open).
+    fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<File>) -> Result<Reader, Error> {
+        let f = match pre.take() {
+            Some(f) => f,
+            None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?,
+        };
         Ok(Reader::new(Backing::Source(f), sid.size, rel.into(), self.source.clone()))
     }
 
@@ -706,18 +792,22 @@ impl Inner {
         sid: SourceId,
         flight: Arc<Flight>,
         purpose: Purpose,
+        pre: &mut Option<File>,
     ) -> Result<Fetched, Error> {
         let guard = match self.locks.lock(key) {
             Ok(g) => g,
             Err(e) => {
                 self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
                 self.flights.land(key, &flight);
-                return Ok(Fetched::Reader(self.direct(rel, sid)?));
+                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
             }
         };
-        self.fetch_locked(key, rel, sid, flight, guard, purpose)
+        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre)
     }
 
+    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose and
+    // the source descriptor it may already have); bundling them would only rename them.
+    #[allow(clippy::too_many_arguments)]
     fn fetch_locked(
         self: &Arc<Self>,
         key: &Key,
@@ -726,6 +816,7 @@ impl Inner {
         flight: Arc<Flight>,
         guard: FetchGuard,
         purpose: Purpose,
+        pre: &mut Option<File>,
     ) -> Result<Fetched, Error> {
         let land = |f: Fetched| {
             self.flights.land(key, &flight);
@@ -744,19 +835,19 @@ impl Inner {
             self.source.counters().add(src_slot::UNCACHED, 1);
             drop(guard);
             return land(match purpose {
-                Purpose::Read => Fetched::Reader(self.direct(rel, sid)?),
+                Purpose::Read => Fetched::Reader(self.direct(rel, sid, pre)?),
                 Purpose::Prefetch => Fetched::Uncached,
             });
         };
         match purpose {
             Purpose::Prefetch => {
-                let r = self.copy_into(t, key, rel, sid, None);
+                let r = self.copy_into(t, key, rel, sid, None, pre.take());
                 drop(guard);
                 self.flights.land(key, &flight);
                 r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
             }
             Purpose::Read if sid.size <= self.config.inline_max => {
-                let (bytes, after) = match self.source.read_whole(rel, sid.size) {
+                let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
                     Ok(x) => x,
                     Err(e) => {
                         self.abort(t, key);
@@ -804,16 +895,16 @@ impl Inner {
                         self.abort(t, key);
                         drop(guard);
                         self.flights.land(key, &flight);
-                        return Ok(Fetched::Reader(self.direct(rel, sid)?));
+                        return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
                     }
                 };
-                let growing = Arc::new(Growing::new(read_handle));
+                let growing = Arc::new(Growing::new(read_handle, sid.size));
                 flight.deliver(Outcome::Growing(growing.clone()));
                 let reader = Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone());
                 let inner = self.clone();
-                let (key, rel) = (*key, rel.to_string());
+                let (key, rel, src) = (*key, rel.to_string(), pre.take());
                 let job = move || {
-                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)));
+                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
                     drop(guard);
                     inner.flights.land(&key, &flight);
                 };
@@ -842,25 +933,38 @@ impl Inner {
     /// See [`Cache::open_file`].
     fn open_file_rel(self: &Arc<Self>, rel: &str) -> Result<File, Error> {
         let key = key_of(rel);
-        let sid = self.identity(&key, rel)?;
+        let mut known = self.known_identity(&key, rel)?;
+        let mut pre = None;
         for _ in 0..3 {
-            if let Some(r) = self.hit(&key, rel, &sid, true) {
-                if let Some(f) = r.into_file() {
-                    return Ok(f);
+            match known {
+                Some(sid) => {
+                    if let Some(f) = self.hit(&key, rel, &sid, true).and_then(Reader::into_file) {
+                        return Ok(f);
+                    }
                 }
+                None => self.count_misses(),
             }
             match self.flights.join(&key) {
                 // Fetched whole in this thread, so the caller gets a complete file.
-                Role::Leader(flight) => match self.lead(&key, rel, sid, flight, Purpose::Prefetch)? {
-                    Fetched::Uncached => break,
-                    _ => continue,
-                },
+                Role::Leader(flight) => {
+                    if let Fetched::Uncached =
+                        self.lead_flight(&key, rel, &mut known, flight, Purpose::Prefetch, &mut pre)?
+                    {
+                        break;
+                    }
+                }
                 Role::Follower(flight) => {
                     flight.wait();
                 }
             }
+            if known.is_none() {
+                known = self.known_identity(&key, rel)?;
+            }
         }
-        self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))
+        match pre.take() {
+            Some(f) => Ok(f),
+            None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e)),
+        }
     }
 
     /// Reserves room for the entry by policy; returns the tier that took it.
@@ -969,6 +1073,7 @@ impl Inner {
         rel: &str,
         sid: SourceId,
         started: Option<(PathBuf, File, Arc<Growing>)>,
+        source_file: Option<File>,
     ) -> Result<bool, Error> {
         let tier = &self.tiers[t];
         let (temp, mut file, growing) = match started {
@@ -996,7 +1101,7 @@ impl Inner {
                 self.fault(Some(t), kind, &detail);
             }
         };
-        let src = match self.source.open(rel) {
+        let src = match source_file.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
             Ok(f) => f,
             Err(e) => {
                 fail(None);
@@ -1059,7 +1164,7 @@ impl Inner {
         // Never block a pool thread on another process's fetch: it is being done, which is all a
         // prefetch wants, and blocking could tie up every pool thread.
         match self.locks.try_lock(&key) {
-            Ok(Some(guard)) => self.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch),
+            Ok(Some(guard)) => self.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut None),
             Ok(None) => {
                 self.flights.land(&key, &flight);
                 Ok(Fetched::Skipped)

@@ -71,12 +71,7 @@ impl PackWriter {
         use std::os::fd::AsRawFd;
         // SAFETY: a hint on an open descriptor; failure only loses the overlap.
         unsafe {
-            libc::sync_file_range(
-                self.file.as_raw_fd(),
-                offset as i64,
-                bytes.len() as i64,
-                libc::SYNC_FILE_RANGE_WRITE,
-            )
+            libc::sync_file_range(self.file.as_raw_fd(), offset as i64, bytes.len() as i64, libc::SYNC_FILE_RANGE_WRITE)
         };
         Ok(offset)
     }
@@ -291,7 +286,9 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
             Err(match (err, corrupt) {
                 (Some(source), _) => ReadError::Io { path: path.to_path_buf(), source },
                 (None, true) => ReadError::Corrupt { path: path.to_path_buf(), index, offset: r.offset },
-                (None, false) => ReadError::Truncated { path: path.to_path_buf(), index, offset: r.offset, len: r.dest.len() },
+                (None, false) => {
+                    ReadError::Truncated { path: path.to_path_buf(), index, offset: r.offset, len: r.dest.len() }
+                }
             })
         }
     }

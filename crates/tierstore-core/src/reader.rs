@@ -14,6 +14,7 @@ use crate::tier::Tier;
 /// if the copy fails they continue from the source at the same offset.
 pub struct Growing {
     file: File,
+    size: u64,
     pid: u32,
     progress: Mutex<Progress>,
     advanced: Condvar,
@@ -26,14 +27,20 @@ struct Progress {
 }
 
 impl Growing {
-    /// A copy that `file` (a read handle on the copy being written) will follow.
-    pub fn new(file: File) -> Growing {
+    /// A copy of `size` bytes that `file` (a read handle on the copy being written) will follow.
+    pub fn new(file: File, size: u64) -> Growing {
         Growing {
             file,
+            size,
             pid: crate::pid(),
             progress: Mutex::new(Progress { copied: 0, failed: false }),
             advanced: Condvar::new(),
         }
+    }
+
+    /// The size of the file being copied.
+    pub fn size(&self) -> u64 {
+        self.size
     }
 
     /// Records that the first `copied` bytes are written.

@@ -131,9 +131,13 @@ impl PosixSource {
     /// Reads a whole source file into memory with as few reads as its size allows. Returns the bytes and
     /// the identity of the file as it was after the read; the caller publishes only if that identity is
     /// the one it reserved for (a file rewritten during the read is served but never cached).
-    pub fn read_whole(&self, rel: &str, expect: u64) -> io::Result<(Vec<u8>, SourceId)> {
+    /// `pre` is the file when the caller already opened it.
+    pub fn read_whole(&self, rel: &str, expect: u64, pre: Option<File>) -> io::Result<(Vec<u8>, SourceId)> {
         use std::os::fd::AsRawFd;
-        let f = self.open(rel)?;
+        let f = match pre {
+            Some(f) => f,
+            None => self.open(rel)?,
+        };
         // Room for one byte more than expected, to notice a file that grew. Reads go straight into the
         // spare capacity: zeroing the buffer first would cost a pass over every byte.
         let mut buf: Vec<u8> = Vec::with_capacity(expect as usize + 1);
