@@ -44,7 +44,11 @@ pub struct PackWriter {
     temp: PathBuf,
     dest: PathBuf,
     len: u64,
+    /// Bytes already handed to the device by `sync_file_range`.
+    flushed: u64,
 }
+
+const WRITEBACK_STEP: u64 = 64 << 20;
 
 impl PackWriter {
     /// Starts the pack that will be published at `dest` (written under a temporary name beside it).
@@ -52,7 +56,7 @@ impl PackWriter {
         let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let temp = dest.with_file_name(format!(".{name}.{}.tmp", crate::pid()));
         let file = OpenOptions::new().write(true).create_new(true).open(&temp)?;
-        Ok(PackWriter { file, temp, dest: dest.to_path_buf(), len: 0 })
+        Ok(PackWriter { file, temp, dest: dest.to_path_buf(), len: 0, flushed: 0 })
     }
 
     /// Appends `bytes` at the next aligned offset; returns that offset.
@@ -66,13 +70,22 @@ impl PackWriter {
         let offset = self.len;
         self.file.write_all(bytes)?;
         self.len += bytes.len() as u64;
-        // Start writing these pages to the device now, without waiting: the caller hashes the next
-        // tensors meanwhile, and the final fsync only waits for the tail.
-        use std::os::fd::AsRawFd;
-        // SAFETY: a hint on an open descriptor; failure only loses the overlap.
-        unsafe {
-            libc::sync_file_range(self.file.as_raw_fd(), offset as i64, bytes.len() as i64, libc::SYNC_FILE_RANGE_WRITE)
-        };
+        // Every 64 MiB, start writing what is new to the device without waiting for it: the caller hashes
+        // the next tensors meanwhile, and the final fsync only waits for the tail. (Per small tensor, the
+        // call would cost more than it overlaps.)
+        if self.len - self.flushed >= WRITEBACK_STEP {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a hint on an open descriptor; failure only loses the overlap.
+            unsafe {
+                libc::sync_file_range(
+                    self.file.as_raw_fd(),
+                    self.flushed as i64,
+                    (self.len - self.flushed) as i64,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                )
+            };
+            self.flushed = self.len;
+        }
         Ok(offset)
     }
 
@@ -190,9 +203,15 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
 
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
     let fd = file.as_raw_fd();
+    // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk.
+    // A (nearly) whole pack is read in order, where readahead keeps the disk streaming.
+    let wanted: u64 = requests.iter().map(|r| r.dest.len() as u64).sum();
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let sparse = wanted * 10 < size * 9;
     // SAFETY: advice on an open descriptor; failure only loses the hint.
     unsafe {
-        libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_RANDOM);
+        let advice = if sparse { libc::POSIX_FADV_RANDOM } else { libc::POSIX_FADV_SEQUENTIAL };
+        libc::posix_fadvise(fd, 0, 0, advice);
         for r in requests.iter() {
             libc::posix_fadvise(fd, r.offset as i64, r.dest.len() as i64, libc::POSIX_FADV_WILLNEED);
         }

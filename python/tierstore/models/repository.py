@@ -45,6 +45,7 @@ from tierstore.models.tensors import (
 
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_GLOB = re.compile(r"[*?\[]")
 IntegrityError = _core.IntegrityError
 
 
@@ -338,9 +339,13 @@ class Repository:
         if keys is None:
             return tensors
         patterns = [keys] if isinstance(keys, str) else list(keys)
+        by_name = {t["name"]: t for t in tensors}
         chosen: dict[str, dict[str, Any]] = {}
         for pat in patterns:
-            hits = [t for t in tensors if t["name"] == pat or fnmatch.fnmatchcase(t["name"], pat)]
+            if pat in by_name:  # an exact name: a lookup, not a scan (partial loads name hundreds of tensors)
+                chosen[pat] = by_name[pat]
+                continue
+            hits = [t for t in tensors if fnmatch.fnmatchcase(t["name"], pat)] if _GLOB.search(pat) else []
             if not hits:
                 sample = ", ".join(t["name"] for t in tensors[:8]) + (", ..." if len(tensors) > 8 else "")
                 raise RepositoryError(
