@@ -11,7 +11,7 @@ import builtins
 import glob
 import io
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.utils.data
@@ -115,12 +115,3 @@ class Routed(torch.utils.data.Dataset):
 def route(dataset: Any, cache: Cache | None = None) -> Routed:
     """Routes an existing Dataset's file reads through the cache (see `Routed`)."""
     return Routed(dataset, cache)
-
-
-def files_of(root: PathLike, suffixes: Iterable[str] = ()) -> list[str]:
-    """Every file under `root` (optionally only those ending in one of `suffixes`), sorted."""
-    ends = tuple(suffixes)
-    out: list[str] = []
-    for dirpath, _, names in os.walk(os.fsdecode(root)):
-        out.extend(os.path.join(dirpath, n) for n in names if not ends or n.endswith(ends))
-    return sorted(out)

@@ -72,11 +72,6 @@ impl Flights {
         Role::Leader(f)
     }
 
-    /// Whether a flight of `key` is under way in this process.
-    pub fn in_flight(&self, key: &Key) -> bool {
-        self.map.lock().expect("flights lock").contains_key(key)
-    }
-
     /// Ends the flight of `key`: later misses look the index up again. Waiters that have not been handed
     /// an outcome yet are told to retry.
     pub fn land(&self, key: &Key, flight: &Arc<Flight>) {
