@@ -399,6 +399,23 @@ pub fn fs_info(path: &Path) -> std::io::Result<FsInfo> {
     })
 }
 
+/// One scalar setting: its default when unset, else its parsed value; either way, where it came from
+/// is recorded for `tierstore config show`.
+fn setting<T>(
+    origins: &mut BTreeMap<String, Origin>,
+    key: &str,
+    raw: Option<(String, Origin)>,
+    default: impl FnOnce() -> T,
+    parse: impl FnOnce(&str, &Origin) -> Result<T, ConfigError>,
+) -> Result<T, ConfigError> {
+    let (value, origin) = match raw {
+        None => (default(), Origin::Default),
+        Some((text, origin)) => (parse(&text, &origin)?, origin),
+    };
+    origins.insert(key.to_string(), origin);
+    Ok(value)
+}
+
 impl Config {
     /// Builds the effective configuration from the file, the environment and `overrides`, and validates
     /// it. Tier directories are created here so that a tier that cannot exist fails at start.
@@ -628,101 +645,78 @@ impl Config {
         }
         origins.insert("tiers".to_string(), tiers_origin);
 
-        let policy = match raw.policy {
-            None => {
-                origins.insert("policy".into(), Origin::Default);
-                Policy::Fill
-            }
-            Some((text, origin)) => {
-                let p = Policy::parse(&text).ok_or_else(|| {
+        let policy = setting(
+            &mut origins,
+            "policy",
+            raw.policy,
+            || Policy::Fill,
+            |text, origin| {
+                Policy::parse(text).ok_or_else(|| {
                     bad(
-                        &origin,
+                        origin,
                         "policy",
                         format!("\"{text}\""),
                         "unknown policy",
                         "use \"fill\" (fill tiers in order, never evict), \"lru\", \"lfu\" or \"fifo\"",
                     )
-                })?;
-                origins.insert("policy".into(), origin);
-                p
-            }
-        };
+                })
+            },
+        )?;
 
-        let threads = match raw.threads {
-            None => {
-                origins.insert("threads".into(), Origin::Default);
-                std::thread::available_parallelism().map(|n| n.get() * 2).unwrap_or(4).clamp(2, 16)
-            }
-            Some((text, origin)) => {
-                let n: usize = text.trim().parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
-                    bad(&origin, "threads", &text, "not a thread count", "use a whole number from 1 to 256")
-                })?;
-                origins.insert("threads".into(), origin);
-                n
-            }
-        };
+        let default_threads = || std::thread::available_parallelism().map(|n| n.get() * 2).unwrap_or(4).clamp(2, 16);
+        let threads =
+            setting(&mut origins, "threads", raw.threads, default_threads, |text, origin| {
+                text.trim().parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
+                    bad(origin, "threads", text, "not a thread count", "use a whole number from 1 to 256")
+                })
+            })?;
 
-        let inline_max = match raw.inline_max {
-            None => {
-                origins.insert("inline_max".into(), Origin::Default);
-                8 << 20
-            }
-            Some((text, origin)) => {
-                let n = parse_size(&text)
-                    .ok_or_else(|| bad(&origin, "inline_max", format!("\"{text}\""), "not a size", SIZE_FIX))?;
-                origins.insert("inline_max".into(), origin);
-                n
-            }
-        };
+        let inline_max = setting(
+            &mut origins,
+            "inline_max",
+            raw.inline_max,
+            || 8 << 20,
+            |text, origin| {
+                parse_size(text).ok_or_else(|| bad(origin, "inline_max", format!("\"{text}\""), "not a size", SIZE_FIX))
+            },
+        )?;
 
-        let verify = match raw.verify {
-            None => {
-                origins.insert("verify".into(), Origin::Default);
-                Verify::Metadata
-            }
-            Some((text, origin)) => {
-                let v = match text.as_str() {
-                    "metadata" => Verify::Metadata,
-                    "checksum" => Verify::Checksum,
-                    _ => {
-                        return Err(bad(
-                            &origin,
-                            "verify",
-                            format!("\"{text}\""),
-                            "unknown verification mode",
-                            "use \"metadata\" (size and mtime, free) or \"checksum\" (blake3 of every copy opened)",
-                        ))
-                    }
-                };
-                origins.insert("verify".into(), origin);
-                v
-            }
-        };
+        let verify = setting(
+            &mut origins,
+            "verify",
+            raw.verify,
+            || Verify::Metadata,
+            |text, origin| match text {
+                "metadata" => Ok(Verify::Metadata),
+                "checksum" => Ok(Verify::Checksum),
+                _ => Err(bad(
+                    origin,
+                    "verify",
+                    format!("\"{text}\""),
+                    "unknown verification mode",
+                    "use \"metadata\" (size and mtime, free) or \"checksum\" (blake3 of every copy opened)",
+                )),
+            },
+        )?;
 
-        let revalidate = match raw.revalidate {
-            None => {
-                origins.insert("revalidate".into(), Origin::Default);
-                Revalidate::Always
-            }
-            Some((text, origin)) => {
-                let r = match text.as_str() {
-                    "always" => Revalidate::Always,
-                    "never" => Revalidate::Never,
-                    _ => {
-                        return Err(bad(
-                            &origin,
-                            "revalidate",
-                            format!("\"{text}\""),
-                            "unknown revalidation mode",
-                            "use \"always\" (stat the source on every open: never stale) or \"never\" (trust the \
-                             cache for a read-only dataset: no source operation at all after the first epoch)",
-                        ))
-                    }
-                };
-                origins.insert("revalidate".into(), origin);
-                r
-            }
-        };
+        let revalidate = setting(
+            &mut origins,
+            "revalidate",
+            raw.revalidate,
+            || Revalidate::Always,
+            |text, origin| match text {
+                "always" => Ok(Revalidate::Always),
+                "never" => Ok(Revalidate::Never),
+                _ => Err(bad(
+                    origin,
+                    "revalidate",
+                    format!("\"{text}\""),
+                    "unknown revalidation mode",
+                    "use \"always\" (stat the source on every open: never stale) or \"never\" (trust the \
+                     cache for a read-only dataset: no source operation at all after the first epoch)",
+                )),
+            },
+        )?;
 
         Ok(Config { source, tiers, policy, threads, inline_max, verify, revalidate, origins })
     }
