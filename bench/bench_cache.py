@@ -255,6 +255,11 @@ def cached_epoch(cache: tierstore.Cache, label: str, order: Sequence[str], wait:
         # settled tier.
         cache.wait()
     after = cache.stats()
+    return delta_epoch(label, seconds, nbytes, before, after)
+
+
+def delta_epoch(label: str, seconds: float, nbytes: int, before: dict, after: dict) -> Epoch:
+    """An epoch's row from the cache counters before and after it."""
     src0, src1 = before["source"], after["source"]
     return Epoch(
         label,
@@ -480,22 +485,10 @@ def run_concurrent(ds: Dataset, tier_dir: Path, dropped: list[bool]) -> tuple[Se
         p.join(timeout=60)
     cache.wait()
     after = cache.stats()
-    src0, src1 = before["source"], after["source"]
     errors = [g["error"] for g in got if "error" in g]
     bad = sorted({b for g in got for b in g.get("bad", [])})
     nbytes = sum(g.get("nbytes", 0) for g in got)
-    s.epochs.append(
-        Epoch(
-            f"{PROCS} x 1",
-            wall,
-            nbytes,
-            opens=src1["opens"] - src0["opens"],
-            stats=src1["stats"] - src0["stats"],
-            reads=src1["reads"] - src0["reads"],
-            bytes_read=src1["bytes_read"] - src0["bytes_read"],
-            hits=sum(t["hits"] for t in after["tiers"]) - sum(t["hits"] for t in before["tiers"]),
-        )
-    )
+    s.epochs.append(delta_epoch(f"{PROCS} x 1", wall, nbytes, before, after))
     per_proc = ", ".join(
         f"{g['seconds']:.1f}" for g in sorted(got, key=lambda g: g["rank"]) if "seconds" in g
     )
@@ -506,7 +499,7 @@ def run_concurrent(ds: Dataset, tier_dir: Path, dropped: list[bool]) -> tuple[Se
     )
     del cache
     shutil.rmtree(tier_dir, ignore_errors=True)
-    amplification = (src1["bytes_read"] - src0["bytes_read"]) / ds.total
+    amplification = s.epochs[-1].bytes_read / ds.total
     return s, {"amplification": amplification, "errors": errors, "bad": bad, "nbytes": nbytes}
 
 
