@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -60,8 +61,10 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(tierstore.cache, "_default", None)
 
 
-@pytest.fixture
-def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+@contextlib.contextmanager
+def mounted_store(
+    tmp_path: Path, *, data_latency: str = "0", bandwidth: str = "0"
+) -> Iterator[tuple[Path, Path]]:
     """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount)."""
     import subprocess
     import sys
@@ -82,9 +85,9 @@ def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             "--meta-latency",
             "0",
             "--data-latency",
-            "0",
+            data_latency,
             "--bandwidth",
-            "0",
+            bandwidth,
         ],
         stderr=subprocess.PIPE,
     )
@@ -107,6 +110,20 @@ def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The stand-in store with no added latency: counts every operation."""
+    with mounted_store(tmp_path) as store:
+        yield store
+
+
+@pytest.fixture
+def throttled_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The stand-in store at 8 MiB/s, so that copying a few MiB takes a visible while."""
+    with mounted_store(tmp_path, bandwidth="8MiB/s") as store:
+        yield store
 
 
 def store_stats(mount: Path) -> dict[str, int]:

@@ -304,3 +304,112 @@ def test_run_reports_config_errors_and_missing_commands(tmp_path: Path, tier: st
     r = subprocess.run([sys.executable, "-m", "tierstore.cli", "--source", str(tmp_path), "--tier", f"{tier}:1M",
                         "run", "--", "no-such-program-xyz"], capture_output=True, text=True)  # fmt: skip
     assert r.returncode != 0 and "cannot run 'no-such-program-xyz'" in r.stderr
+
+
+STREAM_JOB = textwrap.dedent(
+    """
+    import hashlib, json, os, sys, threading, time
+    path, size = sys.argv[1], int(sys.argv[2])
+    where = lambda fd: os.readlink(f"/proc/self/fd/{fd}")
+    fd = os.open(path, os.O_RDONLY)
+    first = os.read(fd, 65536)
+    during = where(fd)                      # a miss on a large file: the source, while it is copied
+    # read() in records with a seek back, pread() from threads, all while the copy grows
+    parts, results = [first], {}
+    os.lseek(fd, len(first) - 100, os.SEEK_SET)
+    parts[0] = first[:-100]
+    while chunk := os.read(fd, 1 << 20):
+        parts.append(chunk)
+    def preader(k):
+        off = (k * 977_123) % size
+        results[k] = (off, os.pread(fd, 300_000, off))
+    threads = [threading.Thread(target=preader, args=(k,)) for k in range(6)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    # once the copy is finished, a read moves the descriptor to it, at the same offset
+    os.lseek(fd, 1234, os.SEEK_SET)
+    seen, deadline = set(), time.monotonic() + 60
+    while not where(fd).startswith(sys.argv[3]) and time.monotonic() < deadline:
+        seen.add(os.read(fd, 10)); os.lseek(fd, 1234, os.SEEK_SET)
+        time.sleep(0.01)
+    seen.add(os.read(fd, 10))
+    after = where(fd)
+    os.close(fd)
+    print(json.dumps({
+        "sha": hashlib.sha256(b"".join(parts)).hexdigest(),
+        "preads": {k: [off, hashlib.sha256(b).hexdigest()] for k, (off, b) in results.items()},
+        "during": during, "after": after, "seen": sorted(s.hex() for s in seen),
+    }))
+    """
+)
+
+
+def test_large_miss_under_tierstore_run_reads_while_copying_then_moves_to_the_copy(
+    throttled_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    """A large uncached file is served at once from its growing copy (the store is read once, by the copy)
+    and the descriptor moves to the finished copy at the same offset (MONARCH's swap)."""
+    backing, mount = throttled_store
+    data = os.urandom(6 << 20)  # about 0.75 s to copy at 8 MiB/s
+    (backing / "shard.bin").write_bytes(data)
+    job = tmp_path / "stream.py"
+    job.write_text(STREAM_JOB)
+    env = {**os.environ, "TIERSTORE_INLINE_MAX": "1M"}
+    p = tierstore_run(
+        mount,
+        f"{tier}:64M",
+        sys.executable,
+        str(job),
+        str(mount / "shard.bin"),
+        str(len(data)),
+        tier,
+        env=env,
+    )
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    r = json.loads(out)
+    assert r["sha"] == hashlib.sha256(data).hexdigest(), "read() with a seek back returned wrong bytes"
+    for off, digest in r["preads"].values():
+        assert digest == hashlib.sha256(data[off : off + 300_000]).hexdigest(), f"pread at {off} wrong"
+    assert r["during"] == str(mount / "shard.bin"), "a miss should not wait for the whole copy"
+    assert r["after"].startswith(tier), f"the descriptor did not move to the finished copy: {r['after']}"
+    assert r["seen"] == [data[1234:1244].hex()], "the move lost the descriptor's offset"
+    assert store_stats(mount)["bytes_read"] == len(data), "the store was not read exactly once"
+
+
+STREAM_REUSE_JOB = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    big, other = sys.argv[1], sys.argv[2]
+    fd = os.open(big, os.O_RDONLY)                  # followed by the shim while it is copied
+    head = os.pread(fd, 16, 0)
+    pid = os.fork()
+    if pid == 0:                                    # a forked child reads the inherited descriptor natively
+        ok = os.pread(fd, 4096, 5000) == open(sys.argv[3], "rb").read()[5000:9096]
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fdopen.restype = ctypes.c_void_p
+    fp = libc.fdopen(fd, b"rb")
+    libc.fclose(ctypes.c_void_p(fp))                # closes fd inside libc, where the shim cannot see it
+    fd2 = os.open(other, os.O_RDONLY)               # the same number, another file
+    print(fd2 == fd, os.read(fd2, 100).decode(), os.waitstatus_to_exitcode(status), len(head))
+    """
+)
+
+
+def test_descriptor_closed_behind_the_shim_and_reused_reads_its_own_file(
+    throttled_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = throttled_store
+    data = os.urandom(6 << 20)
+    (backing / "shard.bin").write_bytes(data)
+    (tmp_path / "copy-of-shard.bin").write_bytes(data)
+    (tmp_path / "other.txt").write_text("not the shard")
+    job = tmp_path / "reuse.py"
+    job.write_text(STREAM_REUSE_JOB)
+    env = {**os.environ, "TIERSTORE_INLINE_MAX": "1M"}
+    args = [str(mount / "shard.bin"), str(tmp_path / "other.txt"), str(tmp_path / "copy-of-shard.bin")]
+    p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *args, env=env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out.split() == ["True", "not", "the", "shard", "0", "16"]

@@ -160,16 +160,38 @@ pub struct Cache {
 }
 
 /// What the fetch under the lock is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Purpose {
     /// A reader waits for the bytes.
     Read,
     /// Warm the cache; nobody waits.
     Prefetch,
+    /// A program wants a real descriptor: a small file is fetched whole first, a large one is copied in
+    /// the background while the program holds a descriptor of the source.
+    Native,
+}
+
+/// A file opened for a program that reads it with system calls (see [`Cache::open_native`]).
+pub enum Native {
+    /// A descriptor holding exactly the file's bytes: a published copy, or the source when no tier has
+    /// room or the cache failed.
+    Whole(File),
+    /// A large file being copied into a tier: `source` is a descriptor of the source file itself, which
+    /// the program may read natively; reads can be served from `copy` as it grows, and the descriptor
+    /// moved to the copy once it is [`finished`](crate::reader::CopyState::Finished).
+    Copying {
+        /// The source file, open read-only.
+        source: File,
+        /// The copy being written.
+        copy: Arc<Growing>,
+    },
 }
 
 /// What a fetch under the lock produced.
 enum Fetched {
     Reader(Reader),
+    /// A large file whose copy has started: a descriptor of the source for the program, and the copy.
+    Streaming(File, Arc<Growing>),
     Cached,
     Uncached,
     /// Already cached, or being fetched by another thread or process.
@@ -256,7 +278,19 @@ impl Cache {
     /// need no further interception.
     pub fn open_file(&self, path: &Path) -> Result<File, Error> {
         let rel = self.inner.source.relative(path)?;
-        self.inner.open_file_rel(&rel)
+        match self.inner.open_native_rel(&rel, false)? {
+            Native::Whole(f) => Ok(f),
+            Native::Copying { .. } => unreachable!("only open_native streams"),
+        }
+    }
+
+    /// Like [`Cache::open_file`], except that a miss on a file larger than `inline_max` does not wait for
+    /// the whole copy: it returns a descriptor of the source at once and copies the file in the
+    /// background, so the program's first byte costs what it costs without the cache. The source is read
+    /// once: by the copy, whose reader the caller can follow.
+    pub fn open_native(&self, path: &Path) -> Result<Native, Error> {
+        let rel = self.inner.source.relative(path)?;
+        self.inner.open_native_rel(&rel, true)
     }
 
     /// `stat` of a cached file answered from its copy, without asking the source; `None` when the answer
@@ -347,7 +381,7 @@ impl Cache {
                         let mut first = p.first_error.lock().expect("progress lock");
                         first.get_or_insert_with(|| format!("{rel}: no tier has room (quota reached)"));
                     }
-                    Ok(Fetched::Reader(_)) | Ok(Fetched::Skipped) => {}
+                    Ok(Fetched::Reader(_)) | Ok(Fetched::Streaming(..)) | Ok(Fetched::Skipped) => {}
                     Ok(Fetched::Cached) => {
                         p.files_copied.fetch_add(1, Ordering::Relaxed);
                     }
@@ -610,7 +644,7 @@ impl Inner {
                 Role::Leader(flight) => {
                     match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre)? {
                         Fetched::Reader(r) => return Ok(r),
-                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped => {}
+                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped | Fetched::Streaming(..) => {}
                     }
                 }
                 Role::Follower(flight) => match flight.wait() {
@@ -826,7 +860,7 @@ impl Inner {
         if let Some(r) = self.hit(key, rel, &sid, false) {
             return land(match purpose {
                 Purpose::Read => Fetched::Reader(r),
-                Purpose::Prefetch => Fetched::Cached,
+                Purpose::Prefetch | Purpose::Native => Fetched::Cached,
             });
         }
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
@@ -835,10 +869,13 @@ impl Inner {
             self.source.counters().add(src_slot::UNCACHED, 1);
             drop(guard);
             return land(match purpose {
-                Purpose::Read => Fetched::Reader(self.direct(rel, sid, pre)?),
+                Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
                 Purpose::Prefetch => Fetched::Uncached,
             });
         };
+        let small = sid.size <= self.config.inline_max;
+        // A small file for a program is fetched whole in this thread, as a prefetch would.
+        let purpose = if purpose == Purpose::Native && small { Purpose::Prefetch } else { purpose };
         match purpose {
             Purpose::Prefetch => {
                 let r = self.copy_into(t, key, rel, sid, None, pre.take());
@@ -846,7 +883,7 @@ impl Inner {
                 self.flights.land(key, &flight);
                 r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
             }
-            Purpose::Read if sid.size <= self.config.inline_max => {
+            Purpose::Read if small => {
                 let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
                     Ok(x) => x,
                     Err(e) => {
@@ -877,7 +914,7 @@ impl Inner {
                 }
                 Ok(Fetched::Reader(reader))
             }
-            Purpose::Read => {
+            Purpose::Read | Purpose::Native => {
                 let tier = &self.tiers[t];
                 let temp = tier.create_temp(key).and_then(|(path, f)| {
                     let reader = File::open(&path)?;
@@ -898,11 +935,47 @@ impl Inner {
                         return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
                     }
                 };
+                // The program's descriptor shares the copy's open file (a dup: no second open on the
+                // store); the copy reads with pread, so the program's file offset is its own.
+                let (src, program) = match (purpose, pre.take()) {
+                    (Purpose::Native, src) => {
+                        let src = match src.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
+                            Ok(f) => f,
+                            Err(e) => {
+                                let _ = std::fs::remove_file(&path);
+                                self.abort(t, key);
+                                drop(guard);
+                                self.flights.land(key, &flight);
+                                return Err(Error::io(&self.source.path_of(rel), e));
+                            }
+                        };
+                        let program = src.try_clone().map_err(|e| Error::io(&self.source.path_of(rel), e));
+                        (Some(src), Some(program))
+                    }
+                    (_, src) => (src, None),
+                };
                 let growing = Arc::new(Growing::new(read_handle, sid.size));
                 flight.deliver(Outcome::Growing(growing.clone()));
-                let reader = Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone());
+                let fetched = match program {
+                    Some(Ok(f)) => Fetched::Streaming(f, growing.clone()),
+                    Some(Err(e)) => {
+                        // Without a descriptor for the program there is no one to copy for.
+                        growing.fail();
+                        let _ = std::fs::remove_file(&path);
+                        self.abort(t, key);
+                        drop(guard);
+                        self.flights.land(key, &flight);
+                        return Err(e);
+                    }
+                    None => Fetched::Reader(Reader::new(
+                        Backing::Growing(growing.clone()),
+                        sid.size,
+                        rel.into(),
+                        self.source.clone(),
+                    )),
+                };
                 let inner = self.clone();
-                let (key, rel, src) = (*key, rel.to_string(), pre.take());
+                let (key, rel) = (*key, rel.to_string());
                 let job = move || {
                     let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
                     drop(guard);
@@ -912,7 +985,7 @@ impl Inner {
                     Some(pool) => pool.urgent(job),
                     None => job(),
                 }
-                Ok(Fetched::Reader(reader))
+                Ok(fetched)
             }
         }
     }
@@ -930,31 +1003,41 @@ impl Inner {
         }
     }
 
-    /// See [`Cache::open_file`].
-    fn open_file_rel(self: &Arc<Self>, rel: &str) -> Result<File, Error> {
+    /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
+    fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
+        let purpose = if stream { Purpose::Native } else { Purpose::Prefetch };
         for _ in 0..3 {
             match known {
                 Some(sid) => {
                     if let Some(f) = self.hit(&key, rel, &sid, true).and_then(Reader::into_file) {
-                        return Ok(f);
+                        return Ok(Native::Whole(f));
                     }
                 }
                 None => self.count_misses(),
             }
             match self.flights.join(&key) {
-                // Fetched whole in this thread, so the caller gets a complete file.
-                Role::Leader(flight) => {
-                    if let Fetched::Uncached =
-                        self.lead_flight(&key, rel, &mut known, flight, Purpose::Prefetch, &mut pre)?
-                    {
-                        break;
+                // Small files (and every file without `stream`) are fetched whole in this thread, so the
+                // caller gets a complete copy.
+                Role::Leader(flight) => match self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre)? {
+                    Fetched::Uncached => break,
+                    Fetched::Reader(r) => {
+                        if let Some(f) = r.into_file() {
+                            return Ok(Native::Whole(f));
+                        }
                     }
-                }
+                    Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
+                    Fetched::Cached | Fetched::Skipped => {}
+                },
                 Role::Follower(flight) => {
-                    flight.wait();
+                    if let Outcome::Growing(copy) = flight.wait() {
+                        if stream {
+                            let source = self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+                            return Ok(Native::Copying { source, copy });
+                        }
+                    }
                 }
             }
             if known.is_none() {
@@ -962,8 +1045,8 @@ impl Inner {
             }
         }
         match pre.take() {
-            Some(f) => Ok(f),
-            None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e)),
+            Some(f) => Ok(Native::Whole(f)),
+            None => self.source.open(rel).map(Native::Whole).map_err(|e| Error::io(&self.source.path_of(rel), e)),
         }
     }
 
@@ -1147,6 +1230,9 @@ impl Inner {
         if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| *h.finalize().as_bytes())) {
             fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
             return Ok(false);
+        }
+        if let Some(g) = &growing {
+            g.finish();
         }
         Ok(true)
     }

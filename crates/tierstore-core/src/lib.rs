@@ -48,10 +48,10 @@ pub fn pid() -> u32 {
     }
 }
 
-pub use cache::{Cache, PrefetchProgress, SourceStats, Stats, TierStats};
+pub use cache::{Cache, Native, PrefetchProgress, SourceStats, Stats, TierStats};
 pub use config::{Config, ConfigError, Overrides, Revalidate, TierConfig, TierKind, Verify};
 pub use placement::Policy;
-pub use reader::Reader;
+pub use reader::{CopyState, Growing, Reader};
 pub use source::OutsideSource;
 
 /// Everything that can go wrong, folded from the modules' own errors.

@@ -24,6 +24,18 @@ pub struct Growing {
 struct Progress {
     copied: u64,
     failed: bool,
+    finished: bool,
+}
+
+/// Where a growing copy stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyState {
+    /// Bytes are still being written.
+    Copying,
+    /// Every byte is written and the source did not change meanwhile: the copy is the file.
+    Finished,
+    /// The copy stopped short (or belongs to a parent process): read the source.
+    Failed,
 }
 
 impl Growing {
@@ -33,7 +45,7 @@ impl Growing {
             file,
             size,
             pid: crate::pid(),
-            progress: Mutex::new(Progress { copied: 0, failed: false }),
+            progress: Mutex::new(Progress { copied: 0, failed: false, finished: false }),
             advanced: Condvar::new(),
         }
     }
@@ -53,6 +65,43 @@ impl Growing {
     pub fn fail(&self) {
         self.progress.lock().expect("progress lock").failed = true;
         self.advanced.notify_all();
+    }
+
+    /// Records that the copy is complete and checked against the source.
+    pub fn finish(&self) {
+        self.progress.lock().expect("progress lock").finished = true;
+        self.advanced.notify_all();
+    }
+
+    /// Where the copy stands, without waiting.
+    pub fn state(&self) -> CopyState {
+        if self.pid != crate::pid() {
+            return CopyState::Failed;
+        }
+        let p = *self.progress.lock().expect("progress lock");
+        match (p.failed, p.finished) {
+            (true, _) => CopyState::Failed,
+            (false, true) => CopyState::Finished,
+            (false, false) => CopyState::Copying,
+        }
+    }
+
+    /// The copy being written (a read handle, locked shared against eviction).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Reads at `offset` once the copy has those bytes (waiting for them); `None` if the copy failed
+    /// first, and the caller must read the source instead.
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Option<io::Result<usize>> {
+        if offset >= self.size || buf.is_empty() {
+            return Some(Ok(0));
+        }
+        let want = buf.len().min((self.size - offset) as usize);
+        if !self.wait_for(offset + want as u64) {
+            return None;
+        }
+        Some(self.file.read_at(&mut buf[..want], offset))
     }
 
     /// Waits until `end` bytes are copied; false if the copy failed (or belongs to a parent process whose
@@ -211,8 +260,10 @@ impl Reader {
                 Ok(n)
             }
             Backing::Growing(g) => {
-                if self.fallback.is_none() && g.wait_for(offset + want as u64) {
-                    return g.file.read_at(buf, offset);
+                if self.fallback.is_none() {
+                    if let Some(r) = g.read_at(buf, offset) {
+                        return r;
+                    }
                 }
                 if self.fallback.is_none() {
                     self.fallback = Some(self.source.open(&self.rel)?);

@@ -3,7 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tierstore_core::{Cache, Config, Overrides};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use tierstore_core::{Cache, Config, CopyState, Native, Overrides};
 
 struct World {
     _dirs: Vec<tempfile::TempDir>,
@@ -165,6 +168,30 @@ fn suite(kind: &str, policy: &str) {
     let read_before = c4.stats().source.bytes_read;
     assert_eq!(read_all(&c4, &w4.source.join("p/3")), content(3, 20_003));
     assert_eq!(c4.stats().source.bytes_read, read_before);
+
+    // Native opens (the shim's): a small miss is a complete copy at once; a large miss is the source
+    // plus the growing copy, which finishes and serves the next open. The source is read once.
+    let w5 = world(kind);
+    let small = write(&w5.source, "n/small", &content(1, 10_000));
+    let large = write(&w5.source, "n/large", &content(2, 3 << 20));
+    let c5 = cache(&w5, policy, "100M", kind);
+    let Native::Whole(f) = c5.open_native(&small).unwrap() else { panic!("a small miss streamed") };
+    assert!(std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).unwrap().starts_with(&w5.tier));
+    let Native::Copying { source, copy } = c5.open_native(&large).unwrap() else { panic!("a large miss waited") };
+    let mut via_copy = vec![0u8; 3 << 20];
+    let mut done = 0;
+    while done < via_copy.len() {
+        done += copy.read_at(&mut via_copy[done..], done as u64).expect("the copy failed").unwrap();
+    }
+    assert_eq!(via_copy, content(2, 3 << 20));
+    let mut via_source = vec![0u8; 4096];
+    source.read_exact_at(&mut via_source, 1 << 20).unwrap();
+    assert_eq!(via_source, content(2, 3 << 20)[1 << 20..(1 << 20) + 4096]);
+    c5.wait_idle();
+    assert_eq!(copy.state(), CopyState::Finished);
+    let Native::Whole(f) = c5.open_native(&large).unwrap() else { panic!("a finished copy missed") };
+    assert!(std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).unwrap().starts_with(&w5.tier));
+    assert_eq!(c5.stats().source.bytes_read, 10_000 + (3 << 20));
 }
 
 macro_rules! conformance {

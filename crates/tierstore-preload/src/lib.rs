@@ -2,8 +2,9 @@
 //! cache. It has no Python in it.
 //!
 //! For paths under the source it intercepts the open family (a read-only open returns a descriptor of
-//! the tier copy, fetched whole first on a miss, so read, pread, mmap and fstat work natively with no
-//! further interception), the stat family and access (answered from the cache when the dataset is
+//! the tier copy, so read, pread, mmap and fstat work natively with no further interception; on a miss a
+//! small file is fetched whole first, and a large one is opened on the source while it is copied, see
+//! `streams`), the stat family and access (answered from the cache when the dataset is
 //! trusted, `revalidate = "never"`), and the calls that change files (writes, truncation, rename, unlink),
 //! which pass through and invalidate what they change. Every other path costs a prefix comparison.
 //!
@@ -24,8 +25,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use libc::{c_char, c_int, c_uint, mode_t, FILE};
-use tierstore_core::{Cache, Config, Overrides};
+use libc::{c_char, c_int, c_uint, c_void, mode_t, off_t, size_t, ssize_t, FILE};
+use tierstore_core::{Cache, Config, Native, Overrides};
+
+mod streams;
 
 thread_local! {
     /// Set while this thread runs shim code: calls it makes land in the real functions.
@@ -198,16 +201,24 @@ fn writes(flags: c_int) -> bool {
 }
 
 /// The heart of the open family: a read-only open of a file under the source gets a descriptor of its
-/// tier copy. Returns `None` when the real function must do the call.
-unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
+/// tier copy, or with `stream`, of the source while a large file is copied (stdio reads through its own
+/// internal calls, which the shim cannot follow, so `fopen` fetches whole). Returns `None` when the real
+/// function must do the call.
+unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: bool) -> Option<c_int> {
     let s = shim()?;
     let abs = s.source_path(dirfd, path)?;
     // Directories, O_PATH handles and direct I/O (which tmpfs refuses) are the source's business.
     if writes(flags) || flags & (libc::O_DIRECTORY | libc::O_PATH | libc::O_DIRECT) != 0 {
         return None;
     }
-    match s.cache()?.open_file(&abs) {
-        Ok(f) => {
+    let cache = s.cache()?;
+    let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
+    match opened {
+        Ok(native) => {
+            let (f, copy) = match native {
+                Native::Whole(f) => (f, None),
+                Native::Copying { source, copy } => (source, Some(copy)),
+            };
             let fd = f.into_raw_fd();
             if flags & libc::O_CLOEXEC == 0 {
                 // Rust opens with O_CLOEXEC; the program did not ask for it and may exec with this fd.
@@ -215,6 +226,9 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option
             }
             if flags & libc::O_NONBLOCK != 0 {
                 libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
+            }
+            if let Some(copy) = copy {
+                streams::register(fd, copy);
             }
             Some(fd)
         }
@@ -242,7 +256,7 @@ unsafe fn invalidate(dirfd: c_int, path: *const c_char) {
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
-    if let Some(fd) = cached_open(dirfd, path, flags) {
+    if let Some(fd) = cached_open(dirfd, path, flags, true) {
         return fd;
     }
     let fd = real();
@@ -327,7 +341,7 @@ unsafe fn fopen_flags(mode: *const c_char) -> c_int {
 unsafe fn fopen_common(path: *const c_char, mode: *const c_char, real: impl FnOnce() -> *mut FILE) -> *mut FILE {
     let Some(_busy) = Busy::enter() else { return real() };
     let flags = fopen_flags(mode);
-    match cached_open(libc::AT_FDCWD, path, flags) {
+    match cached_open(libc::AT_FDCWD, path, flags, false) {
         Some(-1) => std::ptr::null_mut(),
         Some(fd) => {
             let f = libc::fdopen(fd, mode);
@@ -371,7 +385,7 @@ unsafe fn freopen_common(
         return real(path, mode, stream);
     }
     let flags = fopen_flags(mode);
-    match cached_open(libc::AT_FDCWD, path, flags) {
+    match cached_open(libc::AT_FDCWD, path, flags, false) {
         Some(-1) => std::ptr::null_mut(),
         Some(fd) => {
             // freopen keeps the FILE object: point it at the copy through /proc, then drop our descriptor.
@@ -653,4 +667,57 @@ pub unsafe extern "C" fn truncate(path: *const c_char, len: libc::off_t) -> c_in
 pub unsafe extern "C" fn truncate64(path: *const c_char, len: libc::off_t) -> c_int {
     let rc = real!("truncate64", unsafe extern "C" fn(*const c_char, libc::off_t) -> c_int)(path, len);
     changed(rc, &[(libc::AT_FDCWD, path)])
+}
+
+// Reads of descriptors whose file is still being copied (see `streams`). For every other descriptor
+// these cost one atomic load before the real call.
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
+    if let Some(n) = streams::serve(fd, buf, count, None) {
+        return n;
+    }
+    real!("read", unsafe extern "C" fn(c_int, *mut c_void, size_t) -> ssize_t)(fd, buf, count)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pread(fd: c_int, buf: *mut c_void, count: size_t, offset: off_t) -> ssize_t {
+    if let Some(n) = streams::serve(fd, buf, count, Some(offset)) {
+        return n;
+    }
+    real!("pread", unsafe extern "C" fn(c_int, *mut c_void, size_t, off_t) -> ssize_t)(fd, buf, count, offset)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, count: size_t, offset: off_t) -> ssize_t {
+    if let Some(n) = streams::serve(fd, buf, count, Some(offset)) {
+        return n;
+    }
+    real!("pread64", unsafe extern "C" fn(c_int, *mut c_void, size_t, off_t) -> ssize_t)(fd, buf, count, offset)
+}
+
+// Calls that end a descriptor's life drop it from the table (a missed one is caught by `kcmp`).
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    streams::forget(fd);
+    real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    let rc = real!("dup2", unsafe extern "C" fn(c_int, c_int) -> c_int)(old, new);
+    if rc >= 0 && old != new {
+        streams::forget(new);
+    }
+    rc
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    let rc = real!("dup3", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(old, new, flags);
+    if rc >= 0 {
+        streams::forget(new);
+    }
+    rc
 }

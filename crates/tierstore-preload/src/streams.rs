@@ -1,0 +1,219 @@
+//! Descriptors of large files still being copied into a tier, and the read calls that follow them.
+//!
+//! A miss on a large file does not make the program wait for the whole copy (a 16 MiB shard's first
+//! byte would come after the last one is copied). The open returns a descriptor of the source file at
+//! once, and the cache copies the file in the background. Until the copy is finished, `read` and `pread`
+//! on that descriptor are served from the copy as it grows, waiting for bytes not yet copied, so the store
+//! is read once, by the copy. When the copy is finished, the next read moves the descriptor to it
+//! (MONARCH's swap: a fresh open of the copy at the same offset, `dup3`ed over the program's descriptor)
+//! and the descriptor leaves the table; from then on its reads are native.
+//!
+//! Whatever else the program does with the descriptor (mmap, fstat, readv, stdio's internal reads)
+//! reaches the source descriptor itself and gets the source's bytes: never wrong, only not cached.
+//!
+//! Why the table cannot hand a file's bytes to the wrong descriptor:
+//! - each entry keeps a duplicate of the descriptor it was made for, and every use first checks with
+//!   `kcmp(KCMP_FILE)` that the number still names that open file, so a descriptor closed where the
+//!   shim cannot see it (an `fclose` after `fdopen`) and reused for another file is never served;
+//! - `read` (which moves the file offset) and the swap hold the entry's lock, so a swap never loses or
+//!   repeats the program's position;
+//! - the table belongs to a process: a forked child sees none of its parent's entries, and its inherited
+//!   descriptors read the source natively.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use libc::{c_int, c_void, off_t, size_t, ssize_t};
+use tierstore_core::{CopyState, Growing};
+
+use crate::Busy;
+
+/// One descriptor the program reads while its file is copied.
+struct Stream {
+    copy: Arc<Growing>,
+    /// A duplicate of the program's descriptor: the same open file, for `kcmp`.
+    witness: OwnedFd,
+    /// Held by `read` (get offset, read, set offset) and by the swap.
+    position: Mutex<()>,
+}
+
+struct Table {
+    pid: u32,
+    live: AtomicUsize,
+    entries: Mutex<HashMap<c_int, Arc<Stream>>>,
+}
+
+static TABLE: AtomicPtr<Table> = AtomicPtr::new(ptr::null_mut());
+
+/// This process's table, if it has ever had an entry. One atomic load on the path every `read` takes.
+fn table() -> Option<&'static Table> {
+    // SAFETY: tables are leaked, never freed.
+    let t = unsafe { TABLE.load(Ordering::Acquire).as_ref()? };
+    (t.live.load(Ordering::Relaxed) != 0 && t.pid == tierstore_core::pid()).then_some(t)
+}
+
+/// This process's table, created on first use (lock-free: a fork may happen at any moment).
+fn table_for_insert() -> &'static Table {
+    let pid = tierstore_core::pid();
+    loop {
+        let current = TABLE.load(Ordering::Acquire);
+        // SAFETY: as above.
+        if let Some(t) = unsafe { current.as_ref() } {
+            if t.pid == pid {
+                return t;
+            }
+        }
+        // None yet, or the parent's (inherited by fork): replace it, leaking the old one.
+        let fresh =
+            Box::into_raw(Box::new(Table { pid, live: AtomicUsize::new(0), entries: Mutex::new(HashMap::new()) }));
+        match TABLE.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: `fresh` was just leaked from a Box.
+            Ok(_) => return unsafe { &*fresh },
+            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
+        }
+    }
+}
+
+/// Whether descriptors `a` and `b` of this process name the same open file.
+fn same_file(a: c_int, b: c_int) -> bool {
+    const KCMP_FILE: c_int = 0;
+    let pid = tierstore_core::pid() as libc::pid_t;
+    // SAFETY: kcmp only compares kernel objects.
+    unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a, b) == 0 }
+}
+
+/// Starts following `copy` for reads of the program's descriptor `fd` (a descriptor of the source file).
+/// Where the kernel cannot compare descriptors (no kcmp), the program reads the source natively.
+pub(crate) fn register(fd: c_int, copy: Arc<Growing>) {
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor this entry owns.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return;
+    }
+    // SAFETY: `dup` is a fresh descriptor.
+    let witness = unsafe { OwnedFd::from_raw_fd(dup) };
+    if !same_file(fd, witness.as_raw_fd()) {
+        return;
+    }
+    let t = table_for_insert();
+    let stream = Arc::new(Stream { copy, witness, position: Mutex::new(()) });
+    let mut entries = t.entries.lock().unwrap_or_else(|e| e.into_inner());
+    if entries.insert(fd, stream).is_none() {
+        t.live.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Forgets `fd` (closed, replaced, or moved to its copy).
+pub(crate) fn forget(fd: c_int) {
+    let Some(t) = table() else { return };
+    let removed = t.entries.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
+    if removed.is_some() {
+        t.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The entry of `fd`, if the program's descriptor `fd` is one being followed. Calls the shim itself
+/// makes (the engine reading the copy) are never followed.
+fn lookup(fd: c_int) -> Option<(Arc<Stream>, Busy)> {
+    let t = table()?;
+    let busy = Busy::enter()?;
+    let stream = t.entries.lock().unwrap_or_else(|e| e.into_inner()).get(&fd).cloned()?;
+    Some((stream, busy))
+}
+
+/// Serves `read` (`at` = None) or `pread` (`at` = the offset) of `fd` from its copy. `None`: the real
+/// function must do the call (not followed, no longer followed, or just moved to the finished copy).
+pub(crate) unsafe fn serve(fd: c_int, buf: *mut c_void, count: size_t, at: Option<off_t>) -> Option<ssize_t> {
+    let (stream, _busy) = lookup(fd)?;
+    if !same_file(fd, stream.witness.as_raw_fd()) {
+        forget(fd); // closed behind the shim's back and reused: not ours any more
+        return None;
+    }
+    match stream.copy.state() {
+        CopyState::Failed => {
+            forget(fd); // the source descriptor reads on natively
+            return None;
+        }
+        CopyState::Finished => {
+            stream.swap(fd);
+            return None;
+        }
+        CopyState::Copying => {}
+    }
+    if buf.is_null() {
+        return None;
+    }
+    let buf = std::slice::from_raw_parts_mut(buf as *mut u8, count);
+    let served = match at {
+        Some(offset) if offset < 0 => return None, // EINVAL is the real function's to give
+        Some(offset) => stream.copy.read_at(buf, offset as u64),
+        None => {
+            let _position = stream.position.lock().unwrap_or_else(|e| e.into_inner());
+            let offset = libc::lseek(fd, 0, libc::SEEK_CUR);
+            if offset < 0 {
+                return None;
+            }
+            let served = stream.copy.read_at(buf, offset as u64);
+            if let Some(Ok(n)) = served {
+                libc::lseek(fd, offset + n as off_t, libc::SEEK_SET);
+            }
+            served
+        }
+    };
+    match served {
+        Some(Ok(n)) => Some(n as ssize_t),
+        Some(Err(e)) => {
+            crate::set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            Some(-1)
+        }
+        None => {
+            forget(fd);
+            None
+        }
+    }
+}
+
+impl Stream {
+    /// Moves the program's descriptor `fd` to the finished copy, at the same offset and with the same
+    /// flags, then forgets it. On any failure the descriptor stays on the source, which is just as right.
+    unsafe fn swap(&self, fd: c_int) {
+        let _position = self.position.lock().unwrap_or_else(|e| e.into_inner());
+        if !same_file(fd, self.witness.as_raw_fd()) {
+            forget(fd); // another thread swapped it already
+            return;
+        }
+        // Moved or not, the descriptor reads right bytes from here on without the table.
+        self.move_to_copy(fd);
+        forget(fd);
+    }
+
+    /// `dup3`s a fresh open of the copy over `fd`, at `fd`'s offset and with its flags.
+    unsafe fn move_to_copy(&self, fd: c_int) {
+        let offset = libc::lseek(fd, 0, libc::SEEK_CUR);
+        let fd_flags = libc::fcntl(fd, libc::F_GETFD);
+        let status = libc::fcntl(fd, libc::F_GETFL);
+        if offset < 0 || fd_flags < 0 || status < 0 {
+            return;
+        }
+        // A new open file of the copy (not a dup of the engine's handle, whose offset is shared).
+        let path = format!("/proc/self/fd/{}\0", self.copy.file().as_raw_fd());
+        let copy = libc::open(path.as_ptr() as *const libc::c_char, libc::O_RDONLY | libc::O_CLOEXEC);
+        if copy < 0 {
+            return;
+        }
+        let copy = OwnedFd::from_raw_fd(copy);
+        let c = copy.as_raw_fd();
+        // The shared lock keeps an evicting policy from deleting the copy while it is read.
+        if libc::flock(c, libc::LOCK_SH | libc::LOCK_NB) != 0
+            || libc::lseek(c, offset, libc::SEEK_SET) != offset
+            || libc::fcntl(c, libc::F_SETFL, status & libc::O_NONBLOCK) != 0
+        {
+            return;
+        }
+        let cloexec = if fd_flags & libc::FD_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 };
+        libc::dup3(c, fd, cloexec);
+    }
+}
