@@ -571,16 +571,16 @@ impl Inner {
         self.source.identify(rel).map(Some).map_err(|e| Error::io(&self.source.path_of(rel), e))
     }
 
-    /// Opens a source file and identifies it from the open descriptor (one open, one fstat).
+    /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
+    /// open fetched).
     fn open_identified(&self, rel: &str) -> Result<(SourceId, File), Error> {
         let path = self.source.path_of(rel);
         let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
-        self.source.counters().add(src_slot::STATS, 1);
-        let m = f.metadata().map_err(|e| Error::io(&path, e))?;
-        if m.is_dir() {
+        let (sid, is_dir) = self.source.identify_opened(&f).map_err(|e| Error::io(&path, e))?;
+        if is_dir {
             return Err(Error::io(&path, io::Error::from_raw_os_error(libc::EISDIR)));
         }
-        Ok((SourceId::of(&m), f))
+        Ok((sid, f))
     }
 
     /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
