@@ -1115,6 +1115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--root", type=Path, default=Path("/tmp/tierstore-bench-models"), help="where the systems write"
     )
     ap.add_argument("--reps", type=int, help="repetitions of every measurement (default 5, --small 2)")
+    ap.add_argument("--only", help="comma-separated workload names to run (while iterating), e.g. vgg19")
     args = ap.parse_args(argv)
     reps = args.reps or (2 if args.small else 5)
 
@@ -1126,6 +1127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     else:
         workloads = [synthetic(GiB, n) for n in (10, 100, 1000)] + [vgg19(), bert()]
+    if args.only:
+        wanted = set(args.only.split(","))
+        workloads = [w for w in workloads if w.name in wanted]
+        if not workloads:
+            ap.error(f"--only {args.only}: no such workload")
     # Room for the five systems' copies of the largest model, plus the second saves.
     need = 8 * max(w.nbytes for w in workloads)
     args.root.mkdir(parents=True, exist_ok=True)

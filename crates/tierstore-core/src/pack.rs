@@ -7,6 +7,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode};
+
 /// A content hash (blake3, 32 bytes).
 pub type Hash = [u8; 32];
 
@@ -190,21 +192,48 @@ fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> io::Result
 /// Threads reading a pack at once: enough requests in flight to keep a disk's queue busy.
 const READ_THREADS: usize = 8;
 
+/// The unit of reading and hashing: a power of two, so that a piece of a tensor is a whole subtree of
+/// its blake3 tree.
+const PIECE: usize = 8 << 20;
+
+/// The blake3 of a tensor from the chaining values of its pieces (every piece `PIECE` bytes but the
+/// last), merged in the shape of blake3's own tree: the result equals `hash` of the whole tensor.
+fn root_of_pieces(cvs: &[ChainingValue], len: u64) -> Hash {
+    fn subtree(cvs: &[ChainingValue], len: u64) -> ChainingValue {
+        if len <= PIECE as u64 {
+            return cvs[0];
+        }
+        let (left, n) = split(len);
+        merge_subtrees_non_root(&subtree(&cvs[..n], left), &subtree(&cvs[n..], len - left), Mode::Hash)
+    }
+    // blake3 splits a subtree longer than a piece at a power of two that is at least a piece, so at a
+    // piece boundary: `n` pieces go left.
+    fn split(len: u64) -> (u64, usize) {
+        let left = left_subtree_len(len);
+        (left, (left / PIECE as u64) as usize)
+    }
+    let (left, n) = split(len);
+    *merge_subtrees_root(&subtree(&cvs[..n], left), &subtree(&cvs[n..], len - left), Mode::Hash).as_bytes()
+}
+
 /// Reads every request from the pack at `path` into its destination and checks the hashes. Either every
 /// destination holds the right bytes, or an error names the first request that does not.
 ///
-/// The kernel is told exactly which ranges will be read (and not to read ahead past them, which would drag
-/// neighbouring tensors of a partial load off the disk). Requests are spread over a few I/O threads; each
-/// reads its tensor in chunks and hashes each chunk as it arrives, so hashing overlaps other threads'
-/// reads. A very large tensor is split between all threads and hashed with all cores once read.
+/// Tensors are cut into pieces of 8 MiB, which a
+/// few I/O threads take in file order; each thread hashes its piece as soon as it is read, while it is
+/// still in the CPU's cache and while the other threads wait on the disk. A tensor of several pieces is
+/// verified by merging its pieces' blake3 chaining values into the root (blake3 is a tree), so a large
+/// tensor is hashed by all threads at once and no hashing is left for after the reads.
 pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadError> {
     use std::os::fd::AsRawFd;
     use std::sync::Mutex;
 
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
     let fd = file.as_raw_fd();
-    // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk.
-    // A (nearly) whole pack is read in order, where readahead keeps the disk streaming.
+    // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk,
+    // so the kernel is told the exact ranges up front instead. A (nearly) whole pack is read in order,
+    // where sequential readahead keeps the disk streaming; asking for the whole pack up front there made
+    // cold loads slower (the advice call itself queues a gigabyte of reads before the threads start).
     let wanted: u64 = requests.iter().map(|r| r.dest.len() as u64).sum();
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let sparse = wanted * 10 < size * 9;
@@ -212,30 +241,46 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
     unsafe {
         let advice = if sparse { libc::POSIX_FADV_RANDOM } else { libc::POSIX_FADV_SEQUENTIAL };
         libc::posix_fadvise(fd, 0, 0, advice);
-        for r in requests.iter() {
-            libc::posix_fadvise(fd, r.offset as i64, r.dest.len() as i64, libc::POSIX_FADV_WILLNEED);
+        if sparse {
+            for r in requests.iter() {
+                libc::posix_fadvise(fd, r.offset as i64, r.dest.len() as i64, libc::POSIX_FADV_WILLNEED);
+            }
         }
     }
-    const HUGE: usize = 256 << 20;
-    const CHUNK: usize = 8 << 20;
-    // Work items: whole tensors (read and hashed in one task) and pieces of huge tensors.
-    enum Item<'b> {
-        Whole(usize, u64, &'b mut [u8], Option<Hash>),
-        Piece(usize, u64, &'b mut [u8]),
-    }
-    let mut items: Vec<Item<'_>> = Vec::new();
-    let mut huge: Vec<usize> = Vec::new();
-    for (i, r) in requests.iter_mut().enumerate() {
-        if r.dest.len() >= HUGE {
-            huge.push(i);
-            let mut offset = r.offset;
-            for piece in r.dest.chunks_mut(CHUNK) {
-                let len = piece.len() as u64;
-                items.push(Item::Piece(i, offset, piece));
-                offset += len;
+    // One slot per piece of every multi-piece tensor that is verified.
+    let mut cvs: Vec<Vec<ChainingValue>> = requests
+        .iter()
+        .map(|r| {
+            if r.expect.is_some() && r.dest.len() > PIECE {
+                vec![[0; 32]; r.dest.len().div_ceil(PIECE)]
+            } else {
+                Vec::new()
             }
-        } else {
-            items.push(Item::Whole(i, r.offset, &mut *r.dest, r.expect));
+        })
+        .collect();
+    /// What to do with a piece once read.
+    enum Check<'c> {
+        /// Nothing (the caller gave no hash).
+        None,
+        /// The piece is the whole tensor: compare its hash.
+        Whole(Hash),
+        /// Store the piece's chaining value; it starts at this offset within its tensor.
+        Subtree(u64, &'c mut ChainingValue),
+    }
+    let mut items: Vec<(usize, u64, &mut [u8], Check<'_>)> = Vec::new();
+    for ((i, r), slots) in requests.iter_mut().enumerate().zip(cvs.iter_mut()) {
+        if r.dest.len() <= PIECE {
+            let check = r.expect.map_or(Check::None, Check::Whole);
+            items.push((i, r.offset, &mut *r.dest, check));
+            continue;
+        }
+        let mut slots = slots.iter_mut();
+        let mut within = 0u64;
+        for piece in r.dest.chunks_mut(PIECE) {
+            let len = piece.len() as u64;
+            let check = slots.next().map_or(Check::None, |slot| Check::Subtree(within, slot));
+            items.push((i, r.offset + within, piece, check));
+            within += len;
         }
     }
     let queue = Mutex::new(items.into_iter());
@@ -249,52 +294,54 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
     std::thread::scope(|scope| {
         for _ in 0..READ_THREADS {
             scope.spawn(|| loop {
-                let Some(item) = queue.lock().expect("queue lock").next() else { break };
-                match item {
-                    Item::Piece(i, offset, buf) => match read_exact_at(&file, buf, offset) {
+                let Some((i, offset, buf, check)) = queue.lock().expect("queue lock").next() else { break };
+                // A whole small tensor is read in pieces too, so that hashing follows the reads closely.
+                let mut hasher = match &check {
+                    Check::None => None,
+                    Check::Whole(_) => Some(blake3::Hasher::new()),
+                    Check::Subtree(within, _) => {
+                        let mut h = blake3::Hasher::new();
+                        h.set_input_offset(*within);
+                        Some(h)
+                    }
+                };
+                let mut pos = 0;
+                while pos < buf.len() {
+                    let end = (pos + (1 << 20)).min(buf.len());
+                    match read_exact_at(&file, &mut buf[pos..end], offset + pos as u64) {
                         Ok(true) => {}
-                        Ok(false) => record(i, None, false),
-                        Err(e) => record(i, Some(e), false),
-                    },
-                    Item::Whole(i, offset, buf, expect) => {
-                        let mut hasher = expect.map(|_| blake3::Hasher::new());
-                        let mut pos = 0;
-                        while pos < buf.len() {
-                            let end = (pos + CHUNK).min(buf.len());
-                            match read_exact_at(&file, &mut buf[pos..end], offset + pos as u64) {
-                                Ok(true) => {}
-                                Ok(false) => {
-                                    record(i, None, false);
-                                    break;
-                                }
-                                Err(e) => {
-                                    record(i, Some(e), false);
-                                    break;
-                                }
-                            }
-                            if let Some(h) = hasher.as_mut() {
-                                h.update(&buf[pos..end]);
-                            }
-                            pos = end;
+                        Ok(false) => {
+                            record(i, None, false);
+                            break;
                         }
-                        if pos == buf.len() {
-                            if let (Some(h), Some(want)) = (hasher, expect) {
-                                if *h.finalize().as_bytes() != want {
-                                    record(i, None, true);
-                                }
-                            }
+                        Err(e) => {
+                            record(i, Some(e), false);
+                            break;
                         }
                     }
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(&buf[pos..end]);
+                    }
+                    pos = end;
+                }
+                if pos < buf.len() {
+                    continue;
+                }
+                match (check, hasher) {
+                    (Check::Whole(want), Some(h)) if *h.finalize().as_bytes() != want => record(i, None, true),
+                    (Check::Subtree(_, slot), Some(h)) => *slot = h.finalize_non_root(),
+                    _ => {}
                 }
             });
         }
     });
     if failure.lock().expect("failure lock").is_none() {
-        for i in huge {
-            let r = &requests[i];
-            if r.expect.is_some_and(|want| hash(r.dest) != want) {
-                record(i, None, true);
-                break;
+        for (i, (r, slots)) in requests.iter().zip(&cvs).enumerate() {
+            if let Some(want) = r.expect.filter(|_| !slots.is_empty()) {
+                if root_of_pieces(slots, r.dest.len() as u64) != want {
+                    record(i, None, true);
+                    break;
+                }
             }
         }
     }
@@ -341,8 +388,36 @@ mod tests {
         f.write_at(&[0xFF ^ big[12345]], o2 + 12345).unwrap();
         let mut reqs = vec![ReadInto { offset: o2, dest: &mut b, expect: Some(hash(&big)) }];
         assert!(matches!(read_into(&dest, &mut reqs), Err(ReadError::Corrupt { index: 0, .. })));
+        // Repaired there and broken in its last piece instead: still caught, and named by index.
+        f.write_at(&big[12345..12346], o2 + 12345).unwrap();
+        let last = big.len() as u64 - 1;
+        f.write_at(&[0xFF ^ big[last as usize]], o2 + last).unwrap();
+        let mut reqs = vec![
+            ReadInto { offset: o1, dest: &mut a, expect: Some(hash(&small)) },
+            ReadInto { offset: o2, dest: &mut b, expect: Some(hash(&big)) },
+        ];
+        assert!(matches!(read_into(&dest, &mut reqs), Err(ReadError::Corrupt { index: 1, .. })));
         let mut c = vec![0u8; 10];
         let mut reqs = vec![ReadInto { offset: o3, dest: &mut c, expect: None }];
         assert!(matches!(read_into(&dest, &mut reqs), Err(ReadError::Truncated { .. })));
+    }
+
+    #[test]
+    fn pieces_merge_into_the_hash_of_the_whole() {
+        let bytes: Vec<u8> = (0..(4 * PIECE + 3000)).map(|i| (i * 7 % 253) as u8).collect();
+        for len in [PIECE + 1, 2 * PIECE, 3 * PIECE - 1, 3 * PIECE + 1, 4 * PIECE + 3000] {
+            let whole = &bytes[..len];
+            let cvs: Vec<ChainingValue> = whole
+                .chunks(PIECE)
+                .enumerate()
+                .map(|(k, piece)| {
+                    let mut h = blake3::Hasher::new();
+                    h.set_input_offset((k * PIECE) as u64);
+                    h.update(piece);
+                    h.finalize_non_root()
+                })
+                .collect();
+            assert_eq!(root_of_pieces(&cvs, len as u64), hash(whole), "length {len}");
+        }
     }
 }
