@@ -189,7 +189,10 @@ fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> io::Result
     Ok(true)
 }
 
-/// Threads reading a pack at once: enough requests in flight to keep a disk's queue busy.
+/// Threads reading scattered tensors at once: enough requests in flight to keep a disk's queue busy.
+/// A whole pack is read in order, where the kernel's readahead keeps the disk busy and the threads only
+/// need to keep up with it: one per core (on this project's 2-core machines, 2 threads loaded 1 GiB cold
+/// in a median 0.67 s, as fast as one plain sequential read, against 0.80 s with 3 or 8).
 const READ_THREADS: usize = 8;
 
 /// The unit of reading and hashing: a power of two, so that a piece of a tensor is a whole subtree of
@@ -292,7 +295,9 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         }
     };
     std::thread::scope(|scope| {
-        for _ in 0..READ_THREADS {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = if sparse { READ_THREADS } else { cores.clamp(2, READ_THREADS) };
+        for _ in 0..threads {
             scope.spawn(|| loop {
                 let Some((i, offset, buf, check)) = queue.lock().expect("queue lock").next() else { break };
                 // A whole small tensor is read in pieces too, so that hashing follows the reads closely.
