@@ -233,10 +233,10 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
 
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
     let fd = file.as_raw_fd();
-    // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk,
-    // so the kernel is told the exact ranges up front instead. A (nearly) whole pack is read in order,
-    // where sequential readahead keeps the disk streaming; asking for the whole pack up front there made
-    // cold loads slower (the advice call itself queues a gigabyte of reads before the threads start).
+    // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk.
+    // A (nearly) whole pack is read in order, where sequential readahead keeps the disk streaming. (Telling
+    // the kernel every wanted range up front with WILLNEED was measured too, and was slower for both:
+    // the advice call itself queues all the reads before the threads start.)
     let wanted: u64 = requests.iter().map(|r| r.dest.len() as u64).sum();
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     let sparse = wanted * 10 < size * 9;
@@ -244,11 +244,6 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
     unsafe {
         let advice = if sparse { libc::POSIX_FADV_RANDOM } else { libc::POSIX_FADV_SEQUENTIAL };
         libc::posix_fadvise(fd, 0, 0, advice);
-        if sparse {
-            for r in requests.iter() {
-                libc::posix_fadvise(fd, r.offset as i64, r.dest.len() as i64, libc::POSIX_FADV_WILLNEED);
-            }
-        }
     }
     // One slot per piece of every multi-piece tensor that is verified.
     let mut cvs: Vec<Vec<ChainingValue>> = requests
