@@ -29,6 +29,7 @@ use crate::tier::Tier;
 use crate::Error;
 
 const COPY_CHUNK: usize = 4 << 20;
+const FIRST_COPY_CHUNK: usize = 256 << 10;
 
 fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
@@ -1194,9 +1195,12 @@ impl Inner {
         PosixSource::advise_sequential(&src);
         let mut hasher = (self.config.verify == Verify::Checksum).then(blake3::Hasher::new);
         let mut buf = vec![0u8; COPY_CHUNK.min(sid.size as usize + 1).max(1)];
+        // Readers of a growing copy wait for the first chunk: start small so that the first bytes come as
+        // soon as they would from the source, then double up to full-size chunks.
+        let mut want = FIRST_COPY_CHUNK.min(buf.len());
         let mut copied = 0u64;
         loop {
-            let n = match self.source.read_at(&src, &mut buf, copied) {
+            let n = match self.source.read_at(&src, &mut buf[..want], copied) {
                 Ok(n) => n,
                 Err(e) => {
                     fail(None);
@@ -1214,6 +1218,7 @@ impl Inner {
                 h.update(&buf[..n]);
             }
             copied += n as u64;
+            want = (want * 2).min(buf.len());
             if let Some(g) = &growing {
                 g.advance(copied.min(sid.size));
             }
