@@ -200,6 +200,21 @@ impl PosixSource {
         unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
     }
 
+    /// Copies up to `len` bytes at `offset` of the source file `from` to the current position of `to`
+    /// inside the kernel (`sendfile`), without a pass through a buffer of ours and without moving `from`'s
+    /// file offset (a program may share that open file). Counted as a read.
+    pub fn send_at(&self, from: &File, to: &File, offset: u64, len: usize) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let mut off = offset as libc::off_t;
+        // SAFETY: two open descriptors and an offset variable the call updates.
+        let n = unsafe { libc::sendfile(to.as_raw_fd(), from.as_raw_fd(), &mut off, len) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.count_read(n as usize);
+        Ok(n as usize)
+    }
+
     /// Reads at `offset` from an open source descriptor (counted).
     pub fn read_at(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let n = f.read_at(buf, offset)?;
