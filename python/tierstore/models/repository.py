@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,10 +261,9 @@ class Repository:
             writer = None
             pack = f"{uuid.uuid4().hex}.pack"
             try:
-                # Hash a batch, write its new tensors, go on: the device writes one batch while the next is
-                # hashed (each append starts its own writeback), so hashing costs little on top of the I/O.
-                for batch in _batches(entries, 64 << 20):
-                    batch_hashes = [h.hex() for h in _core.hash_buffers([v for _, _, v in batch])]
+                # Hash the next batch on a helper thread while this one is written (both release the GIL):
+                # the writes wait on the device and the hashing keeps the cores busy meanwhile.
+                for batch, batch_hashes in _hashed_ahead(_batches(entries, 64 << 20)):
                     hashes.extend(batch_hashes)
                     for (_, _, view), h in zip(batch, batch_hashes, strict=True):
                         if h in self._blobs or h in locations:
@@ -571,6 +571,25 @@ class Repository:
             logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+
+def _hashed_ahead(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], list[str]]]:
+    """Each batch of entries with the hex blake3 of its tensors; the next batch is hashed while the caller
+    works on this one."""
+
+    def hash_batch(batch: list[Any]) -> list[str]:
+        return [h.hex() for h in _core.hash_buffers([v for _, _, v in batch])]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-hash") as pool:
+        it = iter(batches)
+        current = next(it, None)
+        pending = pool.submit(hash_batch, current) if current is not None else None
+        while current is not None and pending is not None:
+            upcoming = next(it, None)
+            hashed = pending.result()
+            pending = pool.submit(hash_batch, upcoming) if upcoming is not None else None
+            yield current, hashed
+            current = upcoming
 
 
 def _batches(entries: list[Any], nbytes: int) -> Iterator[list[Any]]:
