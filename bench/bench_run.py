@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +54,19 @@ class Run:
 
     def all_ops(self, e: int) -> int:
         return self.data_ops(e) + self.meta_ops(e)
+
+
+def median_run(runs: list[Run]) -> Run:
+    """One run whose every epoch time and operation count is the median over `runs` (repeats of a job)."""
+    first = runs[0]
+    epochs = range(len(first.seconds))
+    keys = {k for r in runs for ops in r.ops for k in ops}
+    return Run(
+        first.name,
+        first.kind,
+        [statistics.median(r.seconds[e] for r in runs) for e in epochs],
+        [{k: int(statistics.median(r.ops[e].get(k, 0) for r in runs)) for k in keys} for e in epochs],
+    )
 
 
 def prime_memory(nbytes: int) -> None:
@@ -143,6 +157,7 @@ def run_job(
         2 * (spec.small_files * spec.small_size if kind == "small" else spec.shards * spec.shard_size)
     )
     proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
     run = Run(name, kind)
     before = store_stats(mnt) if mnt else {}
     for _ in range(spec.epochs):
@@ -268,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="a quick run on a smaller dataset")
     ap.add_argument("--root", type=Path, default=Path("/tmp/tierstore-bench-run"))
     ap.add_argument("--only", choices=("small", "shards"), help="run one dataset only (while iterating)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="runs of every job; tables give medians (default 3)"
+    )
     args = ap.parse_args(argv)
     spec = Spec(small_files=400, shards=4) if args.small else Spec()
     t_start = time.perf_counter()
@@ -284,30 +302,30 @@ def main(argv: list[str] | None = None) -> int:
             mnt = args.root / f"mnt-{kind}"
             proc = mount(backing, mnt)
             try:
-                runs = [run_job("local copy", kind, backing, None, spec, "plain", False, None)]
-                direct = run_job("direct", kind, mnt, mnt, spec, "plain", False, None)
-                runs.append(direct)
+                # (name, root, mount to count, mode, preload, tier); every round runs them all, in an order
+                # rotated by one each round, so that no job always follows the same one.
+                jobs: list[tuple[str, Path, Path | None, str, bool, str | None]] = [
+                    ("local copy", backing, None, "plain", False, None),
+                    ("direct", mnt, mnt, "plain", False, None),
+                ]
                 for tier_name, quota in (("fit", 2 * size), ("half", size // 2)):
                     for label, mode, preload in (
                         ("tierstore run", "plain", True),
                         ("tierstore.torch", "cache", False),
                     ):
-                        tier_dir = shm / f"{kind}-{tier_name}-{mode}"
-                        shutil.rmtree(tier_dir, ignore_errors=True)
-                        print(f"{kind}: {label}, tier {tier_name} ...", flush=True)
-                        runs.append(
-                            run_job(
-                                f"{label} ({tier_name})",
-                                kind,
-                                mnt,
-                                mnt,
-                                spec,
-                                mode,
-                                preload,
-                                f"{tier_dir}:{quota}",
-                            )
-                        )
-                        shutil.rmtree(tier_dir, ignore_errors=True)
+                        tier_spec = f"{shm / f'{kind}-{tier_name}-{mode}'}:{quota}"
+                        jobs.append((f"{label} ({tier_name})", mnt, mnt, mode, preload, tier_spec))
+                rounds: dict[str, list[Run]] = {name: [] for name, *_ in jobs}
+                for r in range(args.repeats):
+                    for name, root, counted, mode, preload, job_tier in jobs[r:] + jobs[:r]:
+                        print(f"{kind}: {name}, round {r + 1} of {args.repeats} ...", flush=True)
+                        job_dir = Path(job_tier.rsplit(":", 1)[0]) if job_tier else None
+                        if job_dir:
+                            shutil.rmtree(job_dir, ignore_errors=True)
+                        rounds[name].append(run_job(name, kind, root, counted, spec, mode, preload, job_tier))
+                        if job_dir:
+                            shutil.rmtree(job_dir, ignore_errors=True)
+                runs = [median_run(rounds[name]) for name, *_ in jobs]
                 if kind == "shards":
                     probe = next(backing.rglob("*.bin")).relative_to(backing)
                     tier_dir = shm / "first-byte"
@@ -382,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         "files with the cache API. Tiers are fresh directories on /dev/shm, `fit` twice the dataset, `half` half "
         "of it, policy fill, revalidate never (a read-only dataset). Before every run, twice the dataset's size is "
         "written to /dev/shm and freed, so that no run pays this VM's first touch of memory for another.",
+        f"- Every job runs {args.repeats} times, the jobs in an order rotated by one each round; the tables give "
+        "the median of each epoch's time and operation counts.",
         "",
         "## Targets",
         "",
