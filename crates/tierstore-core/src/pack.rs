@@ -321,8 +321,24 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         })
         .collect();
     let (sender, receiver) = std::sync::mpsc::channel::<(usize, &mut [u8], Check<'_>)>();
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let receiver = Mutex::new(receiver);
     let queue = Mutex::new(items.into_iter());
+    // Pieces read and not yet hashed; the next one, waiting for it or not (false: none).
+    let backlog = AtomicUsize::new(0);
+    let hash_next = |block: bool| {
+        // Without blocking, a busy lock means a hasher is waiting in `recv`: leave the piece to it
+        // (waiting for that lock could wait for the very piece this thread is about to send).
+        let next = if block {
+            receiver.lock().expect("receiver lock").recv().ok()
+        } else {
+            receiver.try_lock().ok().and_then(|r| r.try_recv().ok())
+        };
+        let Some((i, buf, check)) = next else { return false };
+        backlog.fetch_sub(1, Ordering::Relaxed);
+        verify(i, buf, check);
+        true
+    };
     std::thread::scope(|scope| {
         // Fresh destinations fault in page by page inside the readers' copies, which costs about as much
         // CPU as the copying itself. A helper populates them ahead, in file order, on another core
@@ -348,21 +364,28 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
             }
         } else {
             // The whole pack in order: one thread reads it as one sequential stream (what the kernel's
-            // readahead serves best), and the other cores hash each piece right behind it.
+            // readahead serves best), and the other cores hash each piece right behind it. When the bytes
+            // come faster than they can be hashed (from the page cache), the reader hashes too.
             let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-            for _ in 0..cores.saturating_sub(1).max(1) {
-                scope.spawn(|| loop {
-                    let Ok((i, buf, check)) = receiver.lock().expect("receiver lock").recv() else { break };
-                    verify(i, buf, check);
-                });
+            let hashers = cores.saturating_sub(1).max(1);
+            for _ in 0..hashers {
+                scope.spawn(|| while hash_next(true) {});
             }
             for (i, offset, buf, check) in queue.lock().expect("queue lock").by_ref() {
-                if read(i, offset, buf) && sender.send((i, buf, check)).is_err() {
+                if !read(i, offset, buf) {
+                    continue;
+                }
+                backlog.fetch_add(1, Ordering::Relaxed);
+                if sender.send((i, buf, check)).is_err() {
                     break;
                 }
+                if backlog.load(Ordering::Relaxed) > 2 * hashers {
+                    hash_next(false);
+                }
             }
+            drop(sender);
+            while hash_next(true) {}
         }
-        drop(sender);
     });
     drop((queue, receiver)); // they borrow the destinations, which the checks below read
     if failure.lock().expect("failure lock").is_none() {
