@@ -188,6 +188,12 @@ pub enum Native {
     },
 }
 
+/// Where a step of a copy failed: reading the source, or writing the tier.
+enum CopyFault {
+    Source(io::Error),
+    Tier(io::Error),
+}
+
 /// What a fetch under the lock produced.
 enum Fetched {
     Reader(Reader),
@@ -916,6 +922,29 @@ impl Inner {
                 Ok(Fetched::Reader(reader))
             }
             Purpose::Read | Purpose::Native => {
+                // For a program: its descriptor shares the copy's open file (a dup: no second open on the
+                // store); the copy reads with pread, so the program's file offset is its own.
+                let mut src = pre.take();
+                let program = if purpose == Purpose::Native {
+                    let opened = src.take().map_or_else(|| self.source.open(rel), Ok).and_then(|f| {
+                        let program = f.try_clone()?;
+                        Ok((f, program))
+                    });
+                    match opened {
+                        Ok((f, program)) => {
+                            src = Some(f);
+                            Some(program)
+                        }
+                        Err(e) => {
+                            self.abort(t, key);
+                            drop(guard);
+                            self.flights.land(key, &flight);
+                            return Err(Error::io(&self.source.path_of(rel), e));
+                        }
+                    }
+                } else {
+                    None
+                };
                 let tier = &self.tiers[t];
                 let temp = tier.create_temp(key).and_then(|(path, f)| {
                     let reader = File::open(&path)?;
@@ -933,41 +962,13 @@ impl Inner {
                         self.abort(t, key);
                         drop(guard);
                         self.flights.land(key, &flight);
-                        return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
+                        return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
                     }
-                };
-                // The program's descriptor shares the copy's open file (a dup: no second open on the
-                // store); the copy reads with pread, so the program's file offset is its own.
-                let (src, program) = match (purpose, pre.take()) {
-                    (Purpose::Native, src) => {
-                        let src = match src.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
-                            Ok(f) => f,
-                            Err(e) => {
-                                let _ = std::fs::remove_file(&path);
-                                self.abort(t, key);
-                                drop(guard);
-                                self.flights.land(key, &flight);
-                                return Err(Error::io(&self.source.path_of(rel), e));
-                            }
-                        };
-                        let program = src.try_clone().map_err(|e| Error::io(&self.source.path_of(rel), e));
-                        (Some(src), Some(program))
-                    }
-                    (_, src) => (src, None),
                 };
                 let growing = Arc::new(Growing::new(read_handle, sid.size));
                 flight.deliver(Outcome::Growing(growing.clone()));
                 let fetched = match program {
-                    Some(Ok(f)) => Fetched::Streaming(f, growing.clone()),
-                    Some(Err(e)) => {
-                        // Without a descriptor for the program there is no one to copy for.
-                        growing.fail();
-                        let _ = std::fs::remove_file(&path);
-                        self.abort(t, key);
-                        drop(guard);
-                        self.flights.land(key, &flight);
-                        return Err(e);
-                    }
+                    Some(f) => Fetched::Streaming(f, growing.clone()),
                     None => Fetched::Reader(Reader::new(
                         Backing::Growing(growing.clone()),
                         sid.size,
@@ -1203,41 +1204,37 @@ impl Inner {
         // memory copy per byte instead of two, which is CPU a first epoch shares with the job.
         let mut in_kernel = hasher.is_none();
         loop {
-            let n = if in_kernel {
-                match self.source.send_at(&src, &file, copied, want) {
-                    Ok(n) => n,
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => {
-                        in_kernel = false; // a file system that cannot: copy through a buffer
-                        continue;
-                    }
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)) => {
-                        fail(Some((
-                            "tier-write",
-                            format!("cannot write a copy into {}: {e}", tier.config.path.display()),
-                        )));
-                        return Ok(false);
-                    }
-                    Err(e) => {
-                        fail(None);
-                        return Err(Error::io(&self.source.path_of(rel), e));
-                    }
-                }
+            let step = if in_kernel {
+                self.source.send_at(&src, &file, copied, want).map_err(|e| match e.raw_os_error() {
+                    Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => CopyFault::Tier(e),
+                    _ => CopyFault::Source(e),
+                })
             } else {
-                let n = match self.source.read_at(&src, &mut buf[..want], copied) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        fail(None);
-                        return Err(Error::io(&self.source.path_of(rel), e));
+                self.source.read_at(&src, &mut buf[..want], copied).map_err(CopyFault::Source).and_then(|n| {
+                    file.write_all(&buf[..n]).map_err(CopyFault::Tier)?;
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(&buf[..n]);
                     }
-                };
-                if let Err(e) = file.write_all(&buf[..n]) {
+                    Ok(n)
+                })
+            };
+            let n = match step {
+                Ok(n) => n,
+                Err(CopyFault::Source(e))
+                    if in_kernel
+                        && matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) =>
+                {
+                    in_kernel = false; // a file system that cannot: copy through a buffer
+                    continue;
+                }
+                Err(CopyFault::Source(e)) => {
+                    fail(None);
+                    return Err(Error::io(&self.source.path_of(rel), e));
+                }
+                Err(CopyFault::Tier(e)) => {
                     fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
                     return Ok(false);
                 }
-                if let Some(h) = hasher.as_mut() {
-                    h.update(&buf[..n]);
-                }
-                n
             };
             if n == 0 {
                 break;

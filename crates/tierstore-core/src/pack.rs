@@ -225,6 +225,7 @@ fn root_of_pieces(cvs: &[ChainingValue], len: u64) -> Hash {
 /// hashing is left for after the reads.
 pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadError> {
     use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
 
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
@@ -321,11 +322,11 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         })
         .collect();
     let (sender, receiver) = std::sync::mpsc::channel::<(usize, &mut [u8], Check<'_>)>();
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let receiver = Mutex::new(receiver);
     let queue = Mutex::new(items.into_iter());
-    // Pieces read and not yet hashed; the next one, waiting for it or not (false: none).
+    // Pieces read and not yet hashed.
     let backlog = AtomicUsize::new(0);
+    // Hashes the next piece read, waiting for one if `block`; false when there is none.
     let hash_next = |block: bool| {
         // Without blocking, a busy lock means a hasher is waiting in `recv`: leave the piece to it
         // (waiting for that lock could wait for the very piece this thread is about to send).
