@@ -96,19 +96,36 @@ def test_numpy_dicts_round_trip_as_numpy(repo: Repository) -> None:
         repo.save("bad", {"x": [1, 2, 3]})
 
 
-def rchar() -> int:
+def io_counter(name: str) -> int:
+    """A counter of /proc/self/io: rchar counts bytes of read calls, read_bytes bytes fetched from the
+    device (page faults of a mapping included)."""
     for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
+        if line.startswith(f"{name}:"):
             return int(line.split()[1])
-    raise AssertionError("no rchar")
+    raise AssertionError(f"no {name} in /proc/self/io")
 
 
-def test_partial_load_reads_only_the_chosen_bytes(repo: Repository) -> None:
+def evict(paths: list[Path]) -> None:
+    """Drops the (clean, fsynced) pages of `paths` from the page cache, so the next access reads the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["copy", "mmap"])
+def test_partial_load_reads_only_the_chosen_bytes(repo: Repository, mmap: bool) -> None:
     state = {f"layer{i}.weight": torch.randn(256, 256) for i in range(20)}
     repo.save("big", state)
-    before = rchar()
-    part = repo.load("big", keys=["layer3.weight", "layer1?.*"])
-    read = rchar() - before
+    # A copying load is measured by its read calls; a mapped one by what its page faults fetch from the
+    # disk, once the pack's pages are out of the page cache.
+    counter = "read_bytes" if mmap else "rchar"
+    evict(list((repo.root / "packs").glob("*.pack")))
+    before = io_counter(counter)
+    part = repo.load("big", keys=["layer3.weight", "layer1?.*"], mmap=mmap)
+    read = io_counter(counter) - before
     assert sorted(part) == ["layer10.weight", "layer11.weight", "layer12.weight", "layer13.weight",
                             "layer14.weight", "layer15.weight", "layer16.weight", "layer17.weight",
                             "layer18.weight", "layer19.weight", "layer3.weight"]  # fmt: skip
@@ -117,6 +134,24 @@ def test_partial_load_reads_only_the_chosen_bytes(repo: Repository) -> None:
     assert torch.equal(part["layer3.weight"], state["layer3.weight"])
     with pytest.raises(RepositoryError, match=r"matches 'decoder\.\*'"):
         repo.load("big", keys="decoder.*")
+
+
+def test_mapped_loads_share_the_pack_and_never_change_it(repo: Repository) -> None:
+    state = {"w": torch.randn(300, 300), "b": torch.randn(300), "same": None}
+    state["same"] = state["w"].clone()  # one stored tensor under two names
+    repo.save("m", state)
+    first, second = repo.load("m"), repo.load("m")
+    for k in state:
+        assert torch.equal(first[k], state[k]), k
+    # Copy-on-write: changing one loaded tensor changes neither the other load nor the stored bytes.
+    first["w"].add_(1.0)
+    first["same"].zero_()
+    assert torch.equal(second["w"], state["w"]) and torch.equal(second["same"], state["w"])
+    assert torch.equal(repo.load("m", mmap=False)["w"], state["w"])
+    # The tensors keep their mapping: deleting the version and collecting its pack does not touch them.
+    repo.delete("m", 1)
+    assert repo.gc()["packs_removed"] == 1
+    assert torch.equal(second["b"], state["b"])
 
 
 def test_load_into_a_module_lands_in_its_memory(repo: Repository) -> None:

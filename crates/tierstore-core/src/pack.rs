@@ -52,6 +52,9 @@ pub struct PackWriter {
 
 const WRITEBACK_STEP: u64 = 64 << 20;
 
+/// The most slices one `writev` takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
 impl PackWriter {
     /// Starts the pack that will be published at `dest` (written under a temporary name beside it).
     pub fn create(dest: &Path) -> io::Result<PackWriter> {
@@ -63,18 +66,45 @@ impl PackWriter {
 
     /// Appends `bytes` at the next aligned offset; returns that offset.
     pub fn append(&mut self, bytes: &[u8]) -> io::Result<u64> {
-        let align = alignment_for(bytes.len());
-        let pad = (align - self.len % align) % align;
-        if pad > 0 {
-            self.file.write_all(&[0u8; 4096][..pad as usize])?;
-            self.len += pad;
+        Ok(self.append_all(&[bytes])?[0])
+    }
+
+    /// Appends every buffer, each at the next aligned offset, with as few system calls as the kernel
+    /// allows (one `writev` per `IOV_MAX` slices, padding included); returns their offsets.
+    ///
+    /// A `write` per tensor costs far more than its bytes: 1000 writes of 1 MiB took 2.6-3.5 s on this
+    /// project's VM, against 0.25-0.36 s for the same bytes in `writev`s of 64 or 1000 buffers.
+    pub fn append_all(&mut self, buffers: &[&[u8]]) -> io::Result<Vec<u64>> {
+        static ZEROS: [u8; 4096] = [0; 4096];
+        let mut offsets = Vec::with_capacity(buffers.len());
+        let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(2 * buffers.len());
+        let mut end = self.len;
+        for bytes in buffers {
+            let align = alignment_for(bytes.len());
+            let pad = (align - end % align) % align;
+            if pad > 0 {
+                slices.push(io::IoSlice::new(&ZEROS[..pad as usize]));
+            }
+            offsets.push(end + pad);
+            if !bytes.is_empty() {
+                slices.push(io::IoSlice::new(bytes)); // an empty slice would read as a refused write
+            }
+            end += pad + bytes.len() as u64;
         }
-        let offset = self.len;
-        self.file.write_all(bytes)?;
-        self.len += bytes.len() as u64;
+        for group in slices.chunks_mut(IOV_MAX) {
+            let mut group = &mut group[..];
+            while !group.is_empty() {
+                match self.file.write_vectored(group) {
+                    Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the pack accepted no bytes")),
+                    Ok(n) => io::IoSlice::advance_slices(&mut group, n),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        self.len = end;
         // Every 64 MiB, start writing what is new to the device without waiting for it: the caller hashes
-        // the next tensors meanwhile, and the final fsync only waits for the tail. (Per small tensor, the
-        // call would cost more than it overlaps.)
+        // the next tensors meanwhile, and the final fsync only waits for the tail.
         if self.len - self.flushed >= WRITEBACK_STEP {
             use std::os::fd::AsRawFd;
             // SAFETY: a hint on an open descriptor; failure only loses the overlap.
@@ -88,7 +118,7 @@ impl PackWriter {
             };
             self.flushed = self.len;
         }
-        Ok(offset)
+        Ok(offsets)
     }
 
     /// Bytes written so far, padding included.
@@ -225,23 +255,136 @@ fn root_of_pieces(cvs: &[ChainingValue], len: u64) -> Hash {
 /// hashing is left for after the reads.
 pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadError> {
     use std::os::fd::AsRawFd;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
 
     let file = File::open(path).map_err(|source| ReadError::Io { path: path.to_path_buf(), source })?;
-    let fd = file.as_raw_fd();
     // A partial load reads scattered tensors: readahead past each would drag its neighbours off the disk.
     // A (nearly) whole pack is read in order, where sequential readahead keeps the disk streaming. (Telling
     // the kernel every wanted range up front with WILLNEED was measured too, and was slower for both:
     // the advice call itself queues all the reads before the threads start.)
-    let wanted: u64 = requests.iter().map(|r| r.dest.len() as u64).sum();
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let sparse = wanted * 10 < size * 9;
+    let sparse = is_sparse(requests.iter().map(|r| r.dest.len()), size);
     // SAFETY: advice on an open descriptor; failure only loses the hint.
     unsafe {
         let advice = if sparse { libc::POSIX_FADV_RANDOM } else { libc::POSIX_FADV_SEQUENTIAL };
-        libc::posix_fadvise(fd, 0, 0, advice);
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice);
     }
+    fetch_and_verify(path, requests, sparse, true, |offset, buf| read_exact_at(&file, buf, offset))
+}
+
+/// True when the requests cover less than 90% of a pack of `size` bytes: a partial load.
+fn is_sparse(lens: impl Iterator<Item = usize>, size: u64) -> bool {
+    let wanted: u64 = lens.map(|n| n as u64).sum();
+    wanted * 10 < size * 9
+}
+
+/// A tensor of a pack to check in place: where it is, how long, and the hash it must have.
+#[derive(Clone, Copy, Debug)]
+pub struct Span {
+    /// Offset of the tensor in the pack.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: usize,
+    /// The hash its bytes must have, if checked.
+    pub expect: Option<Hash>,
+}
+
+/// Maps the pack at `path` copy-on-write, brings the bytes of every span into memory and checks their
+/// hashes: a zero-copy load. The spans' bytes are then the pack's pages in the page cache, shared with
+/// every other process that maps them; writing to the mapping copies the page written and never changes
+/// the pack.
+///
+/// Either every span is in memory with the right bytes, or an error names the first that is not. The
+/// pipeline is `read_into`'s, with `MADV_POPULATE_READ` in place of the reads: no byte is copied.
+///
+/// A pack is never changed once written, but a mapping cannot protect itself from another program that
+/// truncates the file afterwards (a later access faults with SIGBUS), which is why `read_into` exists for
+/// destinations of the caller's own.
+pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, ReadError> {
+    use std::os::fd::AsRawFd;
+
+    let io_err = |source| ReadError::Io { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(io_err)?;
+    let size = file.metadata().map_err(io_err)?.len();
+    for (index, s) in spans.iter().enumerate() {
+        if s.offset.saturating_add(s.len as u64) > size {
+            return Err(ReadError::Truncated { path: path.to_path_buf(), index, offset: s.offset, len: s.len });
+        }
+    }
+    // SAFETY: packs are written once under a temporary name and never changed after their rename.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(size as usize).map_copy(&file) }.map_err(io_err)?;
+    let sparse = is_sparse(spans.iter().map(|s| s.len), size);
+    // Each distinct tensor once (a version may name the same stored tensor twice), in pack order, so that
+    // the mapping splits into disjoint slices.
+    let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].len > 0).collect();
+    order.sort_by_key(|&i| (spans[i].offset, i));
+    order.dedup_by_key(|&mut i| (spans[i].offset, spans[i].len));
+    let mut requests = Vec::with_capacity(order.len());
+    let mut rest: &mut [u8] = &mut map[..];
+    let mut at = 0u64;
+    for &i in &order {
+        let s = spans[i];
+        if s.offset < at {
+            // Overlapping tensors: no save writes them, so the manifest does not describe this pack.
+            return Err(ReadError::Corrupt { path: path.to_path_buf(), index: i, offset: s.offset });
+        }
+        let tail = std::mem::take(&mut rest).split_at_mut((s.offset - at) as usize).1;
+        let (dest, after) = tail.split_at_mut(s.len);
+        rest = after;
+        at = s.offset + s.len as u64;
+        requests.push(ReadInto { offset: s.offset, dest, expect: s.expect });
+    }
+    let fd = file.as_raw_fd();
+    let populate = |offset: u64, buf: &mut [u8]| -> io::Result<bool> {
+        // From the page holding the piece's first byte (the mapping starts on a page, so that page is
+        // inside it).
+        let start = buf.as_ptr() as usize & !4095;
+        let len = buf.as_ptr() as usize + buf.len() - start;
+        // The kernel's readahead on a fault reads a window around the page (up to the device's read-ahead,
+        // 8 MiB here) into large folios: the fastest way in, measured at about twice the speed of asking
+        // for exact ranges (POSIX_FADV_WILLNEED reads into single pages). A partial load asks for exactly
+        // the bytes of pieces smaller than the window (small tensors, tails of large ones), so that
+        // scattered small tensors do not drag their neighbours in: 250 scattered tensors of 1 MiB read
+        // 4x their bytes through the window.
+        if sparse && buf.len() < PIECE {
+            // SAFETY: advice on an open descriptor; failure only loses the exactness.
+            unsafe { libc::posix_fadvise(fd, offset as i64, buf.len() as i64, libc::POSIX_FADV_WILLNEED) };
+        }
+        // SAFETY: the range lies inside the live mapping; populating maps pages and changes no contents.
+        if unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) } == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            // A kernel before 5.14: the hashing faults the pages in instead.
+            Some(libc::EINVAL) => Ok(true),
+            // The file is shorter than when it was checked: touching the piece would raise SIGBUS.
+            Some(libc::EFAULT) => Ok(false),
+            _ => Err(err),
+        }
+    };
+    fetch_and_verify(path, &mut requests, sparse, false, populate).map_err(|e| match e {
+        ReadError::Truncated { path, index, offset, len } => {
+            ReadError::Truncated { path, index: order[index], offset, len }
+        }
+        ReadError::Corrupt { path, index, offset } => ReadError::Corrupt { path, index: order[index], offset },
+        io @ ReadError::Io { .. } => io,
+    })?;
+    Ok(map)
+}
+
+/// The pipeline under `read_into` and `map_verified`: `fetch` brings a piece of a request into its
+/// destination (false when the pack ends first), and every piece is hashed as soon as it is there.
+/// `populate_destinations` maps fresh destination memory ahead of the fetches.
+fn fetch_and_verify(
+    path: &Path,
+    requests: &mut [ReadInto<'_>],
+    sparse: bool,
+    populate_destinations: bool,
+    fetch: impl Fn(u64, &mut [u8]) -> io::Result<bool> + Sync,
+) -> Result<(), ReadError> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
     // One slot per piece of every multi-piece tensor that is verified.
     let mut cvs: Vec<Vec<ChainingValue>> = requests
         .iter()
@@ -286,7 +429,7 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         }
     };
     // Reads one piece; false (and the failure recorded) if it could not.
-    let read = |i: usize, offset: u64, buf: &mut [u8]| match read_exact_at(&file, buf, offset) {
+    let read = |i: usize, offset: u64, buf: &mut [u8]| match fetch(offset, buf) {
         Ok(true) => true,
         Ok(false) => {
             record(i, None, false);
@@ -313,8 +456,9 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
     };
     // The page-aligned parts of the destinations' pieces, in file order (addresses only: the readers own
     // the buffers).
-    let spans: Vec<(usize, usize)> = items
+    let fresh: Vec<(usize, usize)> = items
         .iter()
+        .filter(|_| populate_destinations)
         .filter_map(|(_, _, buf, _)| {
             let addr = buf.as_ptr() as usize;
             let (start, end) = (addr.next_multiple_of(4096), (addr + buf.len()) & !4095);
@@ -347,7 +491,7 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         // and leaves the readers only the copy. A 1 GiB load, 8 cold runs each: median 0.42 s against
         // 0.71 s without it (one plain sequential read: 0.60 s).
         scope.spawn(|| {
-            for &(start, len) in &spans {
+            for &(start, len) in &fresh {
                 // SAFETY: advice on ranges inside live destination buffers; it maps pages and changes no
                 // contents; failure (an older kernel, a read-only mapping) only loses the head start.
                 unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
@@ -454,6 +598,51 @@ mod tests {
         let mut c = vec![0u8; 10];
         let mut reqs = vec![ReadInto { offset: o3, dest: &mut c, expect: None }];
         assert!(matches!(read_into(&dest, &mut reqs), Err(ReadError::Truncated { .. })));
+    }
+
+    #[test]
+    fn batched_appends_align_like_single_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("b.pack");
+        let tensors: Vec<Vec<u8>> = (0..3000).map(|i| vec![(i % 256) as u8; 1 + i * 37 % 70_000]).collect();
+        let slices: Vec<&[u8]> = tensors.iter().map(|t| t.as_slice()).collect();
+        let mut w = PackWriter::create(&dest).unwrap();
+        let offsets = w.append_all(&slices).unwrap(); // more slices than one writev takes
+        w.commit().unwrap();
+        let pack = std::fs::read(&dest).unwrap();
+        for (t, &o) in tensors.iter().zip(&offsets) {
+            assert_eq!(o % alignment_for(t.len()), 0);
+            assert_eq!(&pack[o as usize..o as usize + t.len()], t.as_slice());
+        }
+    }
+
+    #[test]
+    fn mapped_loads_verify_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("m.pack");
+        let small = vec![3u8; 1000];
+        let big: Vec<u8> = (0..(3 * PIECE + 77)).map(|i| (i % 241) as u8).collect();
+        let mut w = PackWriter::create(&dest).unwrap();
+        let offsets = w.append_all(&[&small, &big]).unwrap();
+        w.commit().unwrap();
+        let span = |i: usize, t: &[u8]| Span { offset: offsets[i], len: t.len(), expect: Some(hash(t)) };
+        // The big tensor named twice (two names of one stored tensor), and an empty one.
+        let spans = [span(0, &small), span(1, &big), span(1, &big), Span { offset: 0, len: 0, expect: None }];
+        let map = map_verified(&dest, &spans).unwrap();
+        assert_eq!(&map[offsets[1] as usize..][..big.len()], big.as_slice());
+        assert_eq!(&map[..small.len()], small.as_slice());
+        // Writing to the mapping never reaches the pack.
+        let mut map = map;
+        map[0] = 99;
+        assert_eq!(std::fs::read(&dest).unwrap()[0], 3);
+        // A flipped byte in the second piece of the big tensor: named by the first request that holds it.
+        let f = OpenOptions::new().write(true).open(&dest).unwrap();
+        f.write_at(&[0xFF ^ big[PIECE + 5]], offsets[1] + PIECE as u64 + 5).unwrap();
+        let err = map_verified(&dest, &spans).unwrap_err();
+        assert!(matches!(err, ReadError::Corrupt { index: 1, .. }), "{err:?}");
+        // A span past the end of the pack is refused before anything is mapped.
+        let past = Span { offset: offsets[1], len: big.len() + 1, expect: None };
+        assert!(matches!(map_verified(&dest, &[span(0, &small), past]), Err(ReadError::Truncated { index: 1, .. })));
     }
 
     #[test]

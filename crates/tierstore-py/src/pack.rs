@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use std::ffi::{c_char, c_int, c_void};
+
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::pack::{self, PackWriter, ReadError, ReadInto};
@@ -90,6 +93,19 @@ impl PyPackWriter {
         self.with(|w| py.allow_threads(|| w.append(unsafe { view.bytes() })))
     }
 
+    /// Appends buffers, each at the next aligned offset, in as few `writev` calls as possible; returns
+    /// their offsets.
+    fn append_all(&self, py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<u64>> {
+        let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
+        self.with(|w| {
+            py.allow_threads(|| {
+                // SAFETY: the views hold their buffers exported for this call.
+                let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
+                w.append_all(&slices)
+            })
+        })
+    }
+
     /// Bytes written so far.
     #[getter]
     fn size(&self) -> PyResult<u64> {
@@ -122,13 +138,7 @@ pub fn read_into(
 ) -> PyResult<()> {
     let mut views = Vec::with_capacity(requests.len());
     for (offset, buffer, expect) in &requests {
-        let expect = match expect {
-            None => None,
-            Some(h) => {
-                Some(<[u8; 32]>::try_from(h.as_slice()).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))?)
-            }
-        };
-        views.push((*offset, View::of(buffer, true)?, expect));
+        views.push((*offset, View::of(buffer, true)?, hash_of(expect.clone())?));
     }
     let result = py.allow_threads(|| {
         // SAFETY: every view holds its writable buffer exported for this call; the Python side passes
@@ -139,9 +149,77 @@ pub fn read_into(
             .collect();
         pack::read_into(&path, &mut reqs)
     });
-    result.map_err(|e| match &e {
+    result.map_err(|e| read_error_to_py(py, e))
+}
+
+fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
+    match &e {
         ReadError::Io { source, .. } => io_to_py(std::io::Error::new(source.kind(), e.to_string()), None),
         ReadError::Truncated { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "truncated"),
         ReadError::Corrupt { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "corrupt"),
-    })
+    }
+}
+
+fn hash_of(h: Option<Vec<u8>>) -> PyResult<Option<pack::Hash>> {
+    h.map(|h| <[u8; 32]>::try_from(h.as_slice()).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))).transpose()
+}
+
+/// A pack mapped copy-on-write, its requested tensors checked: a writable buffer whose bytes are the
+/// pack's (writes copy the page and never reach the file). Tensors made over it keep it alive.
+#[pyclass(name = "PackMap", module = "tierstore._core", frozen)]
+pub struct PyPackMap {
+    map: memmap2::MmapMut,
+}
+
+#[pymethods]
+impl PyPackMap {
+    fn __len__(&self) -> usize {
+        self.map.len()
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("no buffer view to fill"));
+        }
+        let (ptr, len) = {
+            let map = &slf.get().map;
+            (map.as_ptr(), map.len())
+        };
+        // SAFETY: `view` is CPython's buffer struct for this request; the mapping stays alive as long as
+        // `obj` (a reference to this object) is held, and a mapped pack never moves.
+        unsafe {
+            (*view).obj = slf.into_any().into_ptr();
+            (*view).buf = ptr as *mut c_void;
+            (*view).len = len as isize;
+            // Writable: private pages, so a tensor changed in place (an optimizer step) copies its pages.
+            (*view).readonly = 0;
+            (*view).itemsize = 1;
+            (*view).format =
+                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr() as *mut c_char } else { std::ptr::null_mut() };
+            (*view).ndim = 1;
+            (*view).shape = if flags & ffi::PyBUF_ND != 0 { &mut (*view).len } else { std::ptr::null_mut() };
+            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                &mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// Maps a pack and checks `(offset, length, expected hash or None)` tensors in it, without the GIL and
+/// without copying a byte. Raises `IntegrityError(message, index, kind)` as `read_into` does.
+#[pyfunction]
+pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyPackMap> {
+    let spans = spans
+        .into_iter()
+        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect)? }))
+        .collect::<PyResult<Vec<_>>>()?;
+    let map = py.allow_threads(|| pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    Ok(PyPackMap { map })
 }

@@ -10,7 +10,8 @@ Layout of a repository directory:
 A save hashes every tensor (blake3), writes only the tensors the repository does not hold yet into one new
 pack, fsyncs it, and writes the manifest last (temporary name, fsync, rename, fsync of the directory): a
 crashed save never appears and never touches earlier versions. A load reads only the chosen tensors,
-straight into their destination's memory, and checks every hash: wrong bytes are never returned.
+straight into their destination's memory (or maps new CPU tensors onto the pack's pages, copying nothing),
+and checks every hash: wrong bytes are never returned.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tierstore.models.tensors import (
     empty,
     is_torch_tensor,
     itemsize,
+    mapped,
     spec_and_bytes,
     writable_bytes,
 )
@@ -265,12 +267,18 @@ class Repository:
                 # the writes wait on the device and the hashing keeps the cores busy meanwhile.
                 for batch, batch_hashes in _hashed_ahead(_batches(entries, 64 << 20)):
                     hashes.extend(batch_hashes)
+                    new: dict[str, np.ndarray] = {}  # the batch's tensors not stored yet, each once
                     for (_, _, view), h in zip(batch, batch_hashes, strict=True):
-                        if h in self._blobs or h in locations:
-                            continue
-                        if writer is None:
-                            writer = _core.PackWriter(self.root / "packs" / pack)
-                        locations[h] = (pack, writer.append(view), view.nbytes)
+                        if h not in self._blobs and h not in locations and h not in new:
+                            new[h] = view
+                    if not new:
+                        continue
+                    if writer is None:
+                        writer = _core.PackWriter(self.root / "packs" / pack)
+                    # One writev for the batch: a write per tensor costs more than its bytes (see pack.rs).
+                    offsets = writer.append_all(list(new.values()))
+                    for (h, view), offset in zip(new.items(), offsets, strict=True):
+                        locations[h] = (pack, offset, view.nbytes)
                         written += view.nbytes
                 if writer is not None:
                     writer.commit()
@@ -363,6 +371,7 @@ class Repository:
         keys: str | Iterable[str] | None = None,
         into: Any = None,
         device: str = "cpu",
+        mmap: bool = True,
     ) -> dict[str, Any]:
         """Loads tensors of a version.
 
@@ -373,6 +382,11 @@ class Repository:
                 the chosen tensors are read.
             into: An `nn.Module` or a state_dict to fill in place: bytes land in its tensors' memory.
             device: Where new tensors are created ("cpu", "cuda:0"...) when `into` is not given.
+            mmap: For new CPU tensors: map them onto the pack's pages (copy-on-write, as safetensors'
+                `load_file` does): no byte is copied, and processes that load the same model share one
+                copy in the page cache. Writing to such a tensor copies the page and never changes the
+                repository. False reads them into memory of their own instead, which outlives a
+                repository whose disk goes away. Loads `into` a model or onto a GPU always copy.
 
         Returns:
             The loaded tensors by name (the tensors of `into` when given).
@@ -408,6 +422,8 @@ class Repository:
         else:
             if framework == "numpy" and device != "cpu":
                 raise ValueError(f"{name} holds numpy arrays; device={device!r} needs torch tensors")
+            if mmap and device == "cpu":
+                return self._map(m, chosen)
             for t in chosen:
                 targets[t["name"]] = empty(TensorSpec(t["dtype"], tuple(t["shape"])), framework, device)
         self._read(m, chosen, targets)
@@ -442,22 +458,30 @@ class Repository:
         self, m: dict[str, Any], pack: str, items: list[tuple[dict[str, Any], np.ndarray]]
     ) -> None:
         path = self.root / "packs" / pack
-        try:
+        with _named_damage(m, path, [t for t, _ in items]):
             _core.read_into(path, [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items])
-        except IntegrityError as e:
-            index = e.args[1] if len(e.args) > 1 else None
-            what = f"tensor {items[index][0]['name']!r}" if index is not None else "a tensor"
-            why = (
-                "the pack is truncated"
-                if e.args[2:] == ("truncated",)
-                else "its bytes do not match the recorded hash"
-            )
-            raise IntegrityError(
-                f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
-                "Restore the pack from a backup or save the model again"
-            ) from e
-        except FileNotFoundError as e:
-            raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
+
+    def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""
+        by_pack: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for t in chosen:
+            spec = TensorSpec(t["dtype"], tuple(t["shape"]))
+            if spec.numel * itemsize(spec.dtype) != t["nbytes"]:
+                raise IntegrityError(
+                    f"{t['name']!r}: manifest says {t['nbytes']} bytes, {spec.dtype}{spec.shape} needs "
+                    f"{spec.numel * itemsize(spec.dtype)}"
+                )
+            by_pack[t["pack"]].append(t)
+        out: dict[str, Any] = {}
+        for pack, items in by_pack.items():
+            path = self.root / "packs" / pack
+            with _named_damage(m, path, items):
+                spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
+                mapping = _core.map_pack(path, spans)
+            for t in items:
+                spec = TensorSpec(t["dtype"], tuple(t["shape"]))
+                out[t["name"]] = mapped(mapping, t["offset"], spec, m["framework"])
+        return {t["name"]: out[t["name"]] for t in chosen}
 
     # -- transfer learning --------------------------------------------------------------------------------
 
@@ -571,6 +595,28 @@ class Repository:
             logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+
+@contextlib.contextmanager
+def _named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) -> Iterator[None]:
+    """Turns the engine's IntegrityError (message, index of the request, kind) into one that names the
+    tensor, the version and the pack, and says what to do."""
+    try:
+        yield
+    except IntegrityError as e:
+        index = e.args[1] if len(e.args) > 1 else None
+        what = f"tensor {tensors[index]['name']!r}" if index is not None else "a tensor"
+        why = (
+            "the pack is truncated"
+            if e.args[2:] == ("truncated",)
+            else "its bytes do not match the recorded hash"
+        )
+        raise IntegrityError(
+            f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
+            "Restore the pack from a backup or save the model again"
+        ) from e
+    except FileNotFoundError as e:
+        raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
 
 
 def _hashed_ahead(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], list[str]]]:

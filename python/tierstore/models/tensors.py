@@ -2,7 +2,8 @@
 
 torch tensors of every dtype torch has (bfloat16 and the float8 types included) and numpy arrays are
 turned into uint8 views of their memory without a copy (non-contiguous tensors and views of shared storage
-are made contiguous one at a time), and empty destinations are made to read into.
+are made contiguous one at a time), empty destinations are made to read into, and tensors are laid over a
+mapped pack's bytes.
 """
 
 from __future__ import annotations
@@ -100,3 +101,17 @@ def writable_bytes(x: Any) -> np.ndarray | None:
             # detach() shares the memory: the bytes land in the tensor (or parameter) itself.
             return x.detach().reshape(-1).view(torch.uint8).numpy()
     return None
+
+
+def mapped(buffer: Any, offset: int, spec: TensorSpec, framework: str) -> Any:
+    """A tensor or array over `spec`'s bytes at `offset` of a writable buffer (a mapped pack), no copy.
+    It keeps the buffer alive."""
+    nbytes = spec.numel * itemsize(spec.dtype)
+    if nbytes == 0:
+        return empty(spec, framework)  # nothing to view; frombuffer refuses zero bytes
+    if framework == "numpy":
+        flat = np.frombuffer(buffer, dtype=np.uint8, count=nbytes, offset=offset)
+        return flat.view(np.dtype(spec.dtype)).reshape(spec.shape)
+    torch = _torch()
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(torch_dtype(spec.dtype)).reshape(spec.shape)
