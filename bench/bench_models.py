@@ -10,17 +10,21 @@ Workloads, all float32 with random weights built locally (no downloads):
 
 Systems, each saving to and loading from its own directory on the same local disk:
 
-  raw          every tensor's bytes written into one file + fsync; read back with readinto per tensor,
-               sequentially, into fresh buffers: what this machine's disk and memory allow.
+  raw          every tensor's bytes written into one file (one writev per 1024 tensors) + fsync; read
+               back with readinto per tensor, sequentially, into fresh buffers: what this machine's disk
+               and memory allow.
   raw-par      raw's file read with 4 threads in 8 MiB preadv pieces: the virtual disk here can read
                faster with requests in flight, so the load limit is the faster of raw and raw-par.
-  tierstore    Repository.save / Repository.load (every tensor's blake3 hash is checked on load).
+  tierstore    Repository.save / Repository.load (every tensor's blake3 hash is checked on load); the
+               default load maps the pack (copy-on-write, no copy), like safetensors' load_file.
+  tierstore-copy  Repository.load(mmap=False): the same load into fresh memory of its own (loads only).
   safetensors  save_file + fsync; load_file (its default mmap backend); safe_open + get_tensor for partial.
   torch        torch.save to an open file + fsync; torch.load(map_location="cpu", weights_only=True).
   h5py         one dataset per tensor, file closed + fsync; each dataset read into numpy, torch.from_numpy.
 
 Measured per workload: the save (fsync included), the full load and a ~25% partial load with the page cache
-dropped before every load, and a second save after changing 10% of the tensors. Every loaded tensor is
+dropped before every load, and a second save after changing 10% of the tensors. Right before every timed
+save and load, twice the model's bytes of memory are touched and freed (see `prime_memory`). Every loaded tensor is
 touched once per 4 KiB page inside the timing, so lazy (mmap) loaders pay for reading their bytes like the
 eager ones; the first repetition of each load is checked byte for byte against the saved model, outside the
 timing. Then the stable-ID hashing of a 1000-layer model (`layer_ids`), cold and memoized.
@@ -76,7 +80,7 @@ LAYER_ID_CALLS = 50
 SAVE_SYSTEMS = ("raw", "tierstore", "safetensors", "torch", "h5py")
 # raw-par reads raw's file with several threads: on this virtual disk, parallel reads can beat one
 # sequential stream, and the limit a loader is held to must be the faster of the two.
-LOAD_SYSTEMS = ("raw", "raw-par", "tierstore", "safetensors", "torch", "h5py")
+LOAD_SYSTEMS = ("raw", "raw-par", "tierstore", "tierstore-copy", "safetensors", "torch", "h5py")
 RAW_THREADS = 4
 RAW_CHUNK = 8 * MiB
 # The systems whose second save is compared: the two formats that rewrite the whole file, and tierstore.
@@ -85,6 +89,7 @@ COLORS = {
     "raw": "#9e9e9e",
     "raw-par": "#e0e0e0",
     "tierstore": "#1f77b4",
+    "tierstore-copy": "#aec7e8",
     "safetensors": "#ff7f0e",
     "torch": "#2ca02c",
     "h5py": "#d62728",
@@ -289,6 +294,19 @@ def drop_page_cache(notes: list[str]) -> None:
             notes.append(msg)
 
 
+def prime_memory(nbytes: int) -> None:
+    """Touches `nbytes` of fresh memory and frees it, right before a timed step.
+
+    This VM reports freed memory to its host (virtio-balloon free page reporting, about 2 s after the
+    free), and the host backs a reported page again only when it is next touched: slowly. A step that
+    allocates its page cache or buffers from reported pages ran about 4x slower (1 GiB written and
+    fsynced: 2.2-2.4 s after a pause, 0.53-0.62 s right after this priming). Which pages a step gets
+    was chance, so every system paid it at random; priming gives every step pages the host backs.
+    """
+    buf = np.ones(nbytes, dtype=np.uint8)
+    del buf
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn()
@@ -339,13 +357,20 @@ class Raw(System):
         self.layout: dict[str, tuple[int, torch.Size]] = {}
         path = self.root / "model.bin"
         offset = 0
-        with open(path, "wb", buffering=0) as f:
-            for k, t in sd.items():
-                buf = byte_view(t)
-                write_all(f, buf)
-                self.layout[k] = (offset, t.shape)
-                offset += buf.nbytes
-            os.fsync(f.fileno())
+        views = []
+        for k, t in sd.items():
+            views.append(byte_view(t))
+            self.layout[k] = (offset, t.shape)
+            offset += views[-1].nbytes
+        # A write per tensor costs more than its bytes on this VM (1000 writes of 1 MiB: 2.6-3.5 s, against
+        # 0.25-0.36 s in writevs): the limit writes up to 1024 tensors per call.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for i in range(0, len(views), 1024):
+                writev_all(fd, views[i : i + 1024])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def load(self, keys: list[str] | None) -> StateDict:
         names = sorted(keys or self.layout, key=lambda k: self.layout[k][0])  # in file order: sequential
@@ -365,6 +390,17 @@ class Raw(System):
                     mv = mv[n:]
                 out[k] = t
         return out
+
+
+def writev_all(fd: int, bufs: list[np.ndarray]) -> None:
+    """writev until every buffer is written (a call may write less than asked)."""
+    pending = [memoryview(b) for b in bufs if b.nbytes]
+    while pending:
+        done = os.writev(fd, pending)
+        while pending and done >= pending[0].nbytes:
+            done -= pending.pop(0).nbytes
+        if pending and done:
+            pending[0] = pending[0][done:]
 
 
 def pread_all(fd: int, offset: int, bufs: list[memoryview]) -> None:
@@ -444,6 +480,19 @@ class Tierstore(System):
         # Back to one version and its pack only, so that every repetition deduplicates against v1 alone.
         self.repo.delete("model", self.second.version)
         self.repo.gc()
+
+
+class TierstoreCopy(System):
+    """tierstore's load into fresh memory of its own (mmap=False), from the tierstore system's repository."""
+
+    name = "tierstore-copy"
+
+    def __init__(self, ts: Tierstore) -> None:
+        super().__init__(ts.root)
+        self.ts = ts
+
+    def load(self, keys: list[str] | None) -> StateDict:
+        return self.ts.repo.load("model", keys=keys, mmap=False)
 
 
 class Safetensors(System):
@@ -560,6 +609,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
     )
     systems: dict[str, System] = {name: CLASSES[name](base / w.name / name) for name in SAVE_SYSTEMS}
     systems["raw-par"] = RawParallel(systems["raw"])  # type: ignore[arg-type]
+    systems["tierstore-copy"] = TierstoreCopy(systems["tierstore"])  # type: ignore[arg-type]
     try:
         # Saves: every repetition starts from an empty directory; the last one's files stay for the loads.
         for rep in range(reps):
@@ -570,6 +620,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
                 # journal commit. A sync commits now, so that the timed fsync does not pay for it.
                 os.sync()
                 gc.collect()
+                prime_memory(2 * w.nbytes)
                 seconds, _ = timed(lambda s=s: s.save(sd))
                 r.save.setdefault(name, []).append(seconds)
         print("  save s:  " + fmt_reps(r.save), flush=True)
@@ -580,6 +631,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
                 s = systems[name]
                 for keys, table in ((None, r.full), (r.partial_names, r.partial)):
                     drop_page_cache(notes)
+                    prime_memory(2 * w.nbytes)
                     seconds, got = timed(lambda s=s, keys=keys: load_and_touch(s, keys))
                     table.setdefault(name, []).append(seconds)
                     if rep == 0:
@@ -596,6 +648,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
                 s = systems[name]
                 touch(s.load(None))  # brings the bytes into the page cache
                 gc.collect()
+                prime_memory(w.nbytes)
                 seconds, _ = timed(lambda s=s: touch(s.load(None)))
                 r.warm.setdefault(name, []).append(seconds)
                 gc.collect()
@@ -615,6 +668,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
             for name in rotated(SECOND_SAVE_SYSTEMS, rep):
                 s = systems[name]
                 gc.collect()
+                prime_memory(2 * w.nbytes)
                 seconds, written = timed(lambda s=s: s.save_again(sd))
                 r.second.setdefault(name, []).append(seconds)
                 r.second_written[name] = int(written)  # type: ignore[call-overload]
@@ -839,12 +893,12 @@ def reading_notes(results: list[Result]) -> list[str]:
         "empties this machine's cache only, and the host's cache and neighbours make repetitions of the "
         f"same measurement differ: slowest / fastest repetition is {statistics.median(spreads):.1f}x in the "
         f"median over all measurements here (worst {max(spreads):.1f}x). Read single ratios near a target "
-        "with that in mind, and see every repetition below. The first save of each workload is usually "
-        "the slowest for every system (fresh blocks of the virtual disk).",
+        "with that in mind, and see every repetition below.",
         "- Loads into fresh memory pay its first-touch page faults (zero-filling every 4 KiB page), which on "
         "this virtual machine is a large part of a load. safetensors' default `load_file` maps the file "
-        "instead: its tensors are the page cache's own pages, so it neither zero-fills nor copies. raw, "
-        "tierstore, torch and h5py copy every byte into memory of their own.",
+        "instead: its tensors are the page cache's own pages, so it neither zero-fills nor copies; so does "
+        "tierstore's default load. raw, raw-par, tierstore-copy, torch and h5py copy every byte into memory "
+        "of their own, so the raw limit is a copying load's limit.",
         "- A partial load reads scattered ranges, which on this disk cost more per byte than one sequential "
         "stream: the raw reads' own partial / full ratios (sequential / 4 threads) are " + raw_ratios + ".",
         "- tierstore's integrity check (blake3 of every byte, both cores) measured alone takes this share of "
@@ -917,11 +971,14 @@ def report(
         )
         + ".",
         "- Systems, each in its own directory on the same disk, emptied before every save: "
-        "**raw** (all tensor bytes into one file with unbuffered writes + fsync; read back with `readinto` "
+        "**raw** (all tensor bytes into one file with `os.writev`, up to 1024 tensors per call, + fsync; "
+        "read back with `readinto` "
         "per tensor, in file order, into fresh `torch.empty` buffers); **raw-par** (the raw file read by "
         f"{RAW_THREADS} threads in {RAW_CHUNK // MiB} MiB `os.preadv` pieces, tensors adjacent in the file "
         "sharing a piece, into fresh buffers; loads only); **tierstore** (`Repository.save`, "
-        "`Repository.load`, which checks the blake3 hash of every tensor it returns); **safetensors** "
+        "`Repository.load`, which checks the blake3 hash of every tensor it returns; by default it maps the "
+        "pack copy-on-write, as safetensors' `load_file` does); **tierstore-copy** (`Repository.load(..., "
+        "mmap=False)`: the same checked load into fresh memory of its own; loads only); **safetensors** "
         "(`save_file` + fsync; `load_file`, default mmap backend; `safe_open` + `get_tensor` for the partial "
         "load); **torch** (`torch.save` to an open file + flush + fsync; `torch.load(map_location='cpu', "
         "weights_only=True)`, no mmap); **h5py** (one dataset per tensor, file closed + fsync; each dataset "
@@ -931,6 +988,11 @@ def report(
         "otherwise trim the deleted blocks inside the next save's fsync. tierstore's save also hashes "
         "every tensor, writes and fsyncs a manifest and fsyncs two directories; it is timed as a user "
         "calls it.",
+        "- Right before every timed save and load, twice the model's bytes of memory are touched and freed "
+        "(`prime_memory`): this VM hands freed memory back to its host (virtio-balloon free page reporting), "
+        "and a step whose page cache or buffers land on such pages ran about 4x slower, at random. "
+        "Unprimed, 1 GiB written and fsynced took 2.2-2.4 s after a 3 s pause and 0.53-0.62 s right after "
+        "priming.",
         "- The limits: for saves, raw; for loads, the faster (by median) of raw and raw-par. "
         "Before every load, full or partial, the page cache is dropped (`sync; echo 1 > "
         "/proc/sys/vm/drop_caches`). Inside the timing, every loaded tensor is touched once per 4 KiB page "
