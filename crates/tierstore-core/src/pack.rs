@@ -318,7 +318,9 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].len > 0).collect();
     order.sort_by_key(|&i| (spans[i].offset, i));
     order.dedup_by_key(|&mut i| (spans[i].offset, spans[i].len));
-    let mut requests = Vec::with_capacity(order.len());
+    // Large tensors (a piece or more) and small ones, each with its pack index.
+    let mut large: Vec<(usize, ReadInto<'_>)> = Vec::new();
+    let mut small: Vec<(usize, ReadInto<'_>)> = Vec::new();
     let mut rest: &mut [u8] = &mut map[..];
     let mut at = 0u64;
     for &i in &order {
@@ -331,7 +333,8 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
         let (dest, after) = tail.split_at_mut(s.len);
         rest = after;
         at = s.offset + s.len as u64;
-        requests.push(ReadInto { offset: s.offset, dest, expect: s.expect });
+        let group = if s.len >= PIECE { &mut large } else { &mut small };
+        group.push((i, ReadInto { offset: s.offset, dest, expect: s.expect }));
     }
     let fd = file.as_raw_fd();
     let populate = |offset: u64, buf: &mut [u8]| -> io::Result<bool> {
@@ -362,13 +365,20 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
             _ => Err(err),
         }
     };
-    fetch_and_verify(path, &mut requests, sparse, false, populate).map_err(|e| match e {
-        ReadError::Truncated { path, index, offset, len } => {
-            ReadError::Truncated { path, index: order[index], offset, len }
-        }
-        ReadError::Corrupt { path, index, offset } => ReadError::Corrupt { path, index: order[index], offset },
-        io @ ReadError::Io { .. } => io,
-    })?;
+    // Large tensors stream best through one thread bringing pieces in order, each fault's readahead
+    // running ahead of it; the scattered small ones of a partial load need many requests in flight
+    // instead (3 tensors of 88 MB: 0.12-0.15 s in order against 0.17-0.32 s on 8 threads; 250 of 1 MB:
+    // the other way round).
+    for (group, scattered) in [(large, false), (small, sparse)] {
+        let (indices, mut requests): (Vec<usize>, Vec<ReadInto<'_>>) = group.into_iter().unzip();
+        fetch_and_verify(path, &mut requests, scattered, false, &populate).map_err(|e| match e {
+            ReadError::Truncated { path, index, offset, len } => {
+                ReadError::Truncated { path, index: indices[index], offset, len }
+            }
+            ReadError::Corrupt { path, index, offset } => ReadError::Corrupt { path, index: indices[index], offset },
+            io @ ReadError::Io { .. } => io,
+        })?;
+    }
     Ok(map)
 }
 
