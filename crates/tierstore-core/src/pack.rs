@@ -371,7 +371,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     // the other way round).
     for (group, scattered) in [(large, false), (small, sparse)] {
         let (indices, mut requests): (Vec<usize>, Vec<ReadInto<'_>>) = group.into_iter().unzip();
-        fetch_and_verify(path, &mut requests, scattered, false, &populate).map_err(|e| match e {
+        fetch_and_verify(path, &mut requests, scattered, false, populate).map_err(|e| match e {
             ReadError::Truncated { path, index, offset, len } => {
                 ReadError::Truncated { path, index: indices[index], offset, len }
             }
