@@ -1202,14 +1202,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     notes: list[str] = []
     torch.set_num_threads(os.cpu_count() or 1)
+    # First, on a quiet machine: after the workloads, the disk still trims gigabytes of deleted files and
+    # the CPU timing of a few milliseconds varied 2.6-7.4 ms with it.
+    print("stable layer IDs ...", flush=True)
+    ids = layer_id_timing()
     results = []
     try:
         for w in workloads:
             results.append(run_workload(w, args.root, reps, notes))
     finally:
         shutil.rmtree(args.root, ignore_errors=True)
-    print("\nstable layer IDs ...", flush=True)
-    ids = layer_id_timing()
 
     targets = targets_of(results, ids)
     seconds = time.perf_counter() - t_start
