@@ -24,9 +24,9 @@ import os
 import re
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,23 +263,40 @@ class Repository:
             writer = None
             pack = f"{uuid.uuid4().hex}.pack"
             try:
-                # Hash the next batch on a helper thread while this one is written (both release the GIL):
-                # the writes wait on the device and the hashing keeps the cores busy meanwhile.
-                for batch, batch_hashes in _hashed_ahead(_batches(entries, 64 << 20)):
+                # A tensor whose size no stored tensor has and no other tensor of this save shares cannot
+                # be a duplicate: it is written at once, while a helper thread hashes (both release the
+                # GIL). The others wait for their batch's hashes, which the helper computes ahead of the
+                # writes. A first save thus never waits for hashing before its first write.
+                stored_sizes = {nbytes for _, _, nbytes in self._blobs.values()}
+                size_counts = Counter(view.nbytes for _, _, view in entries)
+                for batch, hashed in _hashed_in_background(_batches(entries, 64 << 20)):
+                    if writer is None:
+                        writer = _core.PackWriter(self.root / "packs" / pack)
+                    eager = [
+                        k
+                        for k, (_, _, view) in enumerate(batch)
+                        if view.nbytes not in stored_sizes and size_counts[view.nbytes] == 1
+                    ]
+                    # One writev per group: a write per tensor costs more than its bytes (see pack.rs).
+                    eager_offsets = writer.append_all([batch[k][2] for k in eager])
+                    batch_hashes = hashed.result()
                     hashes.extend(batch_hashes)
-                    new: dict[str, np.ndarray] = {}  # the batch's tensors not stored yet, each once
+                    for k, offset in zip(eager, eager_offsets, strict=True):
+                        view = batch[k][2]
+                        locations[batch_hashes[k]] = (pack, offset, view.nbytes)
+                        written += view.nbytes
+                    new: dict[str, np.ndarray] = {}  # the batch's other tensors not stored yet, each once
                     for (_, _, view), h in zip(batch, batch_hashes, strict=True):
                         if h not in self._blobs and h not in locations and h not in new:
                             new[h] = view
-                    if not new:
-                        continue
-                    if writer is None:
-                        writer = _core.PackWriter(self.root / "packs" / pack)
-                    # One writev for the batch: a write per tensor costs more than its bytes (see pack.rs).
-                    offsets = writer.append_all(list(new.values()))
-                    for (h, view), offset in zip(new.items(), offsets, strict=True):
-                        locations[h] = (pack, offset, view.nbytes)
-                        written += view.nbytes
+                    if new:
+                        offsets = writer.append_all(list(new.values()))
+                        for (h, view), offset in zip(new.items(), offsets, strict=True):
+                            locations[h] = (pack, offset, view.nbytes)
+                            written += view.nbytes
+                if writer is not None and not locations:
+                    writer.abort()  # nothing new: no empty pack
+                    writer = None
                 if writer is not None:
                     writer.commit()
             except BaseException:
@@ -619,23 +636,20 @@ def _named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) 
         raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
 
 
-def _hashed_ahead(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], list[str]]]:
-    """Each batch of entries with the hex blake3 of its tensors; the next batch is hashed while the caller
-    works on this one."""
+def _hashed_in_background(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], Future[list[str]]]]:
+    """Each batch of entries with the future hex blake3 of its tensors: one helper thread hashes the batches
+    in order, running ahead of the caller, who writes meanwhile."""
 
     def hash_batch(batch: list[Any]) -> list[str]:
         return [h.hex() for h in _core.hash_buffers([v for _, _, v in batch])]
 
     with ThreadPoolExecutor(1, thread_name_prefix="tierstore-hash") as pool:
-        it = iter(batches)
-        current = next(it, None)
-        pending = pool.submit(hash_batch, current) if current is not None else None
-        while current is not None and pending is not None:
-            upcoming = next(it, None)
-            hashed = pending.result()
-            pending = pool.submit(hash_batch, upcoming) if upcoming is not None else None
-            yield current, hashed
-            current = upcoming
+        pending = [(batch, pool.submit(hash_batch, batch)) for batch in batches]
+        try:
+            yield from pending
+        finally:
+            for _, future in pending:
+                future.cancel()  # a failed save stops hashing what it will not write
 
 
 def _batches(entries: list[Any], nbytes: int) -> Iterator[list[Any]]:
