@@ -297,7 +297,7 @@ pub struct Span {
 /// every other process that maps them; writing to the mapping copies the page written and never changes
 /// the pack.
 ///
-/// Either every span is in memory with the right bytes, or an error names the first that is not. The
+/// Either every span is in memory with the right bytes, or an error names one that is not. The
 /// pipeline is `read_into`'s, with `MADV_POPULATE_READ` in place of the reads: no byte is copied.
 ///
 /// A pack is never changed once written, but a mapping cannot protect itself from another program that
@@ -322,7 +322,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].len > 0).collect();
     order.sort_by_key(|&i| (spans[i].offset, i));
     order.dedup_by_key(|&mut i| (spans[i].offset, spans[i].len));
-    // Large tensors (a piece or more) and small ones, each with its pack index.
+    // Tensors large enough to stream (`STREAMED_MIN`) and the others, each with its index in `spans`.
     let mut large: Vec<(usize, ReadInto<'_>)> = Vec::new();
     let mut small: Vec<(usize, ReadInto<'_>)> = Vec::new();
     let mut rest: &mut [u8] = &mut map[..];
@@ -341,7 +341,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
         group.push((i, ReadInto { offset: s.offset, dest, expect: s.expect }));
     }
     let fd = file.as_raw_fd();
-    let populate = |streamed: bool, offset: u64, buf: &mut [u8]| -> io::Result<bool> {
+    let populate = |scattered: bool, offset: u64, buf: &mut [u8]| -> io::Result<bool> {
         // From the page holding the piece's first byte (the mapping starts on a page, so that page is
         // inside it).
         let start = buf.as_ptr() as usize & !4095;
@@ -352,7 +352,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
         // the bytes of tensors too small to stream, and of the tails of those it streams, so that
         // scattered tensors do not drag their neighbours in: 250 scattered tensors of 1 MiB read 4x
         // their bytes through the window.
-        if sparse && (buf.len() < PIECE || !streamed) {
+        if scattered || (sparse && buf.len() < PIECE) {
             // SAFETY: advice on an open descriptor; failure only loses the exactness.
             unsafe { libc::posix_fadvise(fd, offset as i64, buf.len() as i64, libc::POSIX_FADV_WILLNEED) };
         }
@@ -375,8 +375,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     // the other way round).
     for (group, scattered) in [(large, false), (small, sparse)] {
         let (indices, mut requests): (Vec<usize>, Vec<ReadInto<'_>>) = group.into_iter().unzip();
-        let streamed = !scattered;
-        let fetch = |offset: u64, buf: &mut [u8]| populate(streamed, offset, buf);
+        let fetch = |offset: u64, buf: &mut [u8]| populate(scattered, offset, buf);
         fetch_and_verify(path, &mut requests, scattered, false, fetch).map_err(|e| match e {
             ReadError::Truncated { path, index, offset, len } => {
                 ReadError::Truncated { path, index: indices[index], offset, len }

@@ -1,12 +1,11 @@
 //! Bindings of the model repository's pack files: hashing, packed writes and verified parallel reads,
 //! all over the buffer protocol (numpy arrays and byte views of torch tensors) with the GIL released.
 
+use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
 use pyo3::buffer::PyBuffer;
-use std::ffi::{c_char, c_int, c_void};
-
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -138,7 +137,7 @@ pub fn read_into(
 ) -> PyResult<()> {
     let mut views = Vec::with_capacity(requests.len());
     for (offset, buffer, expect) in &requests {
-        views.push((*offset, View::of(buffer, true)?, hash_of(expect.clone())?));
+        views.push((*offset, View::of(buffer, true)?, hash_of(expect.as_deref())?));
     }
     let result = py.allow_threads(|| {
         // SAFETY: every view holds its writable buffer exported for this call; the Python side passes
@@ -160,8 +159,8 @@ fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
     }
 }
 
-fn hash_of(h: Option<Vec<u8>>) -> PyResult<Option<pack::Hash>> {
-    h.map(|h| <[u8; 32]>::try_from(h.as_slice()).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))).transpose()
+fn hash_of(h: Option<&[u8]>) -> PyResult<Option<pack::Hash>> {
+    h.map(|h| <[u8; 32]>::try_from(h).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))).transpose()
 }
 
 /// A pack mapped copy-on-write, its requested tensors checked: a writable buffer whose bytes are the
@@ -218,7 +217,7 @@ impl PyPackMap {
 pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyPackMap> {
     let spans = spans
         .into_iter()
-        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect)? }))
+        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? }))
         .collect::<PyResult<Vec<_>>>()?;
     let map = py.allow_threads(|| pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(PyPackMap { map })

@@ -269,16 +269,24 @@ class Repository:
                 # writes. A first save thus never waits for hashing before its first write.
                 stored_sizes = {nbytes for _, _, nbytes in self._blobs.values()}
                 size_counts = Counter(view.nbytes for _, _, view in entries)
-                for batch, hashed in _hashed_in_background(_batches(entries, 64 << 20)):
+
+                def append(views: list[np.ndarray]) -> list[int]:
+                    """Writes tensors with one writev (a write per tensor costs more than its bytes, see
+                    pack.rs) into the pack, created on the first tensor; returns their offsets."""
+                    nonlocal writer
+                    if not views:
+                        return []
                     if writer is None:
                         writer = _core.PackWriter(self.root / "packs" / pack)
+                    return writer.append_all(views)
+
+                for batch, hashed in _hashed_in_background(_batches(entries, 64 << 20)):
                     eager = [
                         k
                         for k, (_, _, view) in enumerate(batch)
                         if view.nbytes not in stored_sizes and size_counts[view.nbytes] == 1
                     ]
-                    # One writev per group: a write per tensor costs more than its bytes (see pack.rs).
-                    eager_offsets = writer.append_all([batch[k][2] for k in eager])
+                    eager_offsets = append([batch[k][2] for k in eager])
                     batch_hashes = hashed.result()
                     hashes.extend(batch_hashes)
                     for k, offset in zip(eager, eager_offsets, strict=True):
@@ -289,14 +297,10 @@ class Repository:
                     for (_, _, view), h in zip(batch, batch_hashes, strict=True):
                         if h not in self._blobs and h not in locations and h not in new:
                             new[h] = view
-                    if new:
-                        offsets = writer.append_all(list(new.values()))
-                        for (h, view), offset in zip(new.items(), offsets, strict=True):
-                            locations[h] = (pack, offset, view.nbytes)
-                            written += view.nbytes
-                if writer is not None and not locations:
-                    writer.abort()  # nothing new: no empty pack
-                    writer = None
+                    offsets = append(list(new.values()))
+                    for (h, view), offset in zip(new.items(), offsets, strict=True):
+                        locations[h] = (pack, offset, view.nbytes)
+                        written += view.nbytes
                 if writer is not None:
                     writer.commit()
             except BaseException:
@@ -481,8 +485,9 @@ class Repository:
     def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
         """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""
         by_pack: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        specs: dict[str, TensorSpec] = {}
         for t in chosen:
-            spec = TensorSpec(t["dtype"], tuple(t["shape"]))
+            spec = specs[t["name"]] = TensorSpec(t["dtype"], tuple(t["shape"]))
             if spec.numel * itemsize(spec.dtype) != t["nbytes"]:
                 raise IntegrityError(
                     f"{t['name']!r}: manifest says {t['nbytes']} bytes, {spec.dtype}{spec.shape} needs "
@@ -496,8 +501,7 @@ class Repository:
                 spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
                 mapping = _core.map_pack(path, spans)
             for t in items:
-                spec = TensorSpec(t["dtype"], tuple(t["shape"]))
-                out[t["name"]] = mapped(mapping, t["offset"], spec, m["framework"])
+                out[t["name"]] = mapped(mapping, t["offset"], specs[t["name"]], m["framework"])
         return {t["name"]: out[t["name"]] for t in chosen}
 
     # -- transfer learning --------------------------------------------------------------------------------
