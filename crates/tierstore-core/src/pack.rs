@@ -303,8 +303,6 @@ pub struct Span {
 /// truncates the file afterwards (a later access faults with SIGBUS), which is why `read_into` exists for
 /// destinations of the caller's own.
 pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, ReadError> {
-    use std::os::fd::AsRawFd;
-
     let io_err = |source| ReadError::Io { path: path.to_path_buf(), source };
     let file = File::open(path).map_err(io_err)?;
     let size = file.metadata().map_err(io_err)?.len();
@@ -316,23 +314,13 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     // SAFETY: packs are written once under a temporary name and never changed after their rename.
     let mut map = unsafe { memmap2::MmapOptions::new().len(size as usize).map_copy(&file) }.map_err(io_err)?;
     let sparse = is_sparse(spans.iter().map(|s| s.len), size);
-    // A fault in a mapping marked for huge pages reads the 2 MiB-aligned block around it into one large
-    // folio, the cheapest way for the kernel to read: fewer, larger requests, about 3 GB/s here against
-    // about 1 GB/s for the single pages that exact requests get. A partial load also marks it random,
-    // which stops a fault from reading further ahead than its block, and asks for the chosen bytes of
-    // blocks mostly not chosen exactly (`populate`). BERT-large's 25% partial load, 5 cold runs: median
-    // 0.15 s against 0.32 s with every tensor asked for exactly, and 0.19 s with only the blocks wholly
-    // chosen read whole. Both are hints: a kernel without them reads through its plain fault path.
-    // Random without huge pages would make every fault read a single page, so it goes only with them.
-    let blocks = map.advise(memmap2::Advice::HugePage).is_ok();
-    if sparse && blocks {
-        let _ = map.advise(memmap2::Advice::Random);
-    }
     // Each distinct tensor once (a version may name the same stored tensor twice), in pack order, so that
     // the mapping splits into disjoint slices.
     let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].len > 0).collect();
     order.sort_by_key(|&i| (spans[i].offset, i));
     order.dedup_by_key(|&mut i| (spans[i].offset, spans[i].len));
+    let ordered = order.iter().map(|&i| (spans[i].offset, spans[i].len));
+    let blocks = BlockFetch::new(&file, map.as_ptr(), map.len(), sparse, ordered);
     // A whole pack streams in order, large tensors first (`STREAMED_MIN`); a partial load fetches every
     // tensor from many threads. Each request keeps its index in `spans`.
     let mut large: Vec<(usize, ReadInto<'_>)> = Vec::new();
@@ -352,43 +340,8 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
         let group = if s.len >= STREAMED_MIN && !sparse { &mut large } else { &mut small };
         group.push((i, ReadInto { offset: s.offset, dest, expect: s.expect }));
     }
-    let fd = file.as_raw_fd();
-    let chosen = if sparse && blocks { chosen_per_block(spans, &order) } else { Default::default() };
-    let populate = |offset: u64, buf: &mut [u8]| -> io::Result<bool> {
-        // From the page holding the piece's first byte (the mapping starts on a page, so that page is
-        // inside it).
-        let start = buf.as_ptr() as usize & !4095;
-        let len = buf.as_ptr() as usize + buf.len() - start;
-        // In a block that is less than a third chosen, the chosen bytes are asked for exactly: single pages
-        // cost about 3x more per byte than a whole block, so a third is where the two cost the same, and
-        // a block read whole is never more than 3x its chosen bytes. The pages asked for are in the page
-        // cache, being read, when the advice returns, so the faults below wait for them instead of
-        // reading the block. (In a block mostly chosen, the pages would also break it into small folios.)
-        // Without huge pages, every chosen byte is asked for exactly: the plain fault path would read a
-        // window of several MiB around each tensor.
-        if sparse {
-            let end = offset + buf.len() as u64;
-            for b in offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
-                if !blocks || 3 * chosen[&b] < HUGE_BLOCK {
-                    let (from, to) = (offset.max(b * HUGE_BLOCK), end.min((b + 1) * HUGE_BLOCK));
-                    // SAFETY: advice on an open descriptor; failure only loses the exactness.
-                    unsafe { libc::posix_fadvise(fd, from as i64, (to - from) as i64, libc::POSIX_FADV_WILLNEED) };
-                }
-            }
-        }
-        // SAFETY: the range lies inside the live mapping; populating maps pages and changes no contents.
-        if unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) } == 0 {
-            return Ok(true);
-        }
-        let err = io::Error::last_os_error();
-        match err.raw_os_error() {
-            // A kernel before 5.14: the hashing faults the pages in instead.
-            Some(libc::EINVAL) => Ok(true),
-            // The file is shorter than when it was checked: touching the piece would raise SIGBUS.
-            Some(libc::EFAULT) => Ok(false),
-            _ => Err(err),
-        }
-    };
+    // The mapping is the destination: bringing a piece in is all there is to do.
+    let populate = |offset: u64, buf: &mut [u8]| blocks.bring_in(offset, buf.len());
     // A whole pack: large tensors stream best through one thread bringing pieces in order, each fault's
     // readahead running ahead of it. A partial load's scattered tensors need many requests in flight.
     for group in [large, small] {
@@ -407,17 +360,100 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
 /// The size of the blocks a fault reads in a mapping marked for huge pages (a PMD on x86-64 and arm64).
 const HUGE_BLOCK: u64 = 2 << 20;
 
-/// How many chosen bytes each 2 MiB block of the pack holds, for the blocks a partial load touches.
-/// `order` lists the distinct spans in pack order.
-fn chosen_per_block(spans: &[Span], order: &[usize]) -> std::collections::HashMap<u64, u64> {
-    let mut chosen = std::collections::HashMap::new();
-    for s in order.iter().map(|&i| &spans[i]) {
-        let end = s.offset + s.len as u64;
-        for b in s.offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
-            *chosen.entry(b).or_default() += end.min((b + 1) * HUGE_BLOCK) - s.offset.max(b * HUGE_BLOCK);
+/// Brings a load's bytes into the page cache, and into a mapping of the pack, at the kernel's cheapest.
+///
+/// A fault in a mapping marked for huge pages reads the 2 MiB-aligned block around it into one large
+/// folio: fewer, larger requests, about 3 GB/s here against about 1 GB/s for the single pages that exact
+/// requests (`POSIX_FADV_WILLNEED`) get. A partial load also marks the mapping random, which stops a
+/// fault from reading further ahead than its block, and asks for the chosen bytes of a block exactly
+/// when less than a third of the block is chosen: single pages cost about 3x more per byte than a whole
+/// block, so a third is where the two cost the same, and no block read whole is more than 3x its chosen
+/// bytes. BERT-large's 25% partial mapped load, 5 cold runs: median 0.15 s, against 0.32 s with every
+/// tensor asked for exactly and 0.19 s with only wholly chosen blocks read whole. Without huge pages
+/// (a kernel built without them), a partial load asks for every chosen byte exactly, since the plain
+/// fault path would read a window of several MiB around each tensor.
+struct BlockFetch {
+    /// The pack's descriptor, for the exact requests.
+    fd: std::os::fd::RawFd,
+    /// The address of the mapping's first byte (an address, so that the fetch can be shared by threads).
+    base: usize,
+    /// The mapping's length: the pack's size when it was mapped.
+    len: usize,
+    /// A partial load.
+    sparse: bool,
+    /// Faults read whole 2 MiB blocks (the mapping is marked for huge pages).
+    blocks: bool,
+    /// How many chosen bytes each block of a partial load holds.
+    chosen: std::collections::HashMap<u64, u64>,
+}
+
+impl BlockFetch {
+    /// Marks the mapping at `base` (`len` bytes, of the pack open as `file`) for the load of `spans`:
+    /// (offset, length), distinct, non-empty, in pack order.
+    fn new(
+        file: &File,
+        base: *const u8,
+        len: usize,
+        sparse: bool,
+        spans: impl Iterator<Item = (u64, usize)>,
+    ) -> BlockFetch {
+        use std::os::fd::AsRawFd;
+
+        let advise = |advice| {
+            // SAFETY: advice on the caller's live mapping; it changes no contents.
+            unsafe { libc::madvise(base as *mut libc::c_void, len, advice) == 0 }
+        };
+        let blocks = advise(libc::MADV_HUGEPAGE);
+        // Random alone would make every fault read a single page, so it goes only with huge pages.
+        if sparse && blocks {
+            advise(libc::MADV_RANDOM);
+        }
+        let mut chosen = std::collections::HashMap::new();
+        if sparse && blocks {
+            for (offset, len) in spans {
+                let end = offset + len as u64;
+                for b in offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
+                    *chosen.entry(b).or_default() += end.min((b + 1) * HUGE_BLOCK) - offset.max(b * HUGE_BLOCK);
+                }
+            }
+        }
+        BlockFetch { fd: file.as_raw_fd(), base: base as usize, len, sparse, blocks, chosen }
+    }
+
+    /// Brings `len` bytes at `offset` in the pack into the page cache and the mapping; false when the
+    /// pack turns out shorter.
+    fn bring_in(&self, offset: u64, len: usize) -> io::Result<bool> {
+        let end = offset + len as u64;
+        if end > self.len as u64 {
+            return Ok(false);
+        }
+        if self.sparse {
+            for b in offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
+                if !self.blocks || 3 * self.chosen[&b] < HUGE_BLOCK {
+                    // The pages asked for are in the page cache, being read, when the advice returns, so
+                    // the faults below wait for them instead of reading the block.
+                    let (from, to) = (offset.max(b * HUGE_BLOCK), end.min((b + 1) * HUGE_BLOCK));
+                    // SAFETY: advice on an open descriptor; failure only loses the exactness.
+                    unsafe { libc::posix_fadvise(self.fd, from as i64, (to - from) as i64, libc::POSIX_FADV_WILLNEED) };
+                }
+            }
+        }
+        // From the page holding the first byte (the mapping starts on a page, so that page is inside it).
+        let start = (self.base + offset as usize) & !4095;
+        let span = self.base + end as usize - start;
+        // SAFETY: the range lies inside the live mapping; populating maps pages and changes no contents.
+        if unsafe { libc::madvise(start as *mut libc::c_void, span, libc::MADV_POPULATE_READ) } == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            // A kernel before 5.14: the hashing (or the read) faults the pages in instead.
+            Some(libc::EINVAL) => Ok(true),
+            // The file is shorter than when it was checked: touching the piece would raise SIGBUS.
+            Some(libc::EFAULT) => Ok(false),
+            _ => Err(err),
         }
     }
-    chosen
 }
 
 /// The pipeline under `read_into` and `map_verified`: `fetch` brings a piece of a request into its
@@ -715,12 +751,20 @@ mod tests {
     #[test]
     fn chosen_bytes_are_counted_per_block() {
         const MIB: u64 = 1 << 20;
-        let span = |offset: u64, len: u64| Span { offset, len: len as usize, expect: None };
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(16 * MIB).unwrap();
+        // SAFETY: a private temporary file, only advised.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
         // A tensor inside block 0, one across blocks 1 to 3, one alone in block 5.
-        let spans = [span(MIB, MIB / 2), span(3 * MIB, 4 * MIB), span(11 * MIB, 4096)];
-        let chosen = chosen_per_block(&spans, &[0, 1, 2]);
-        let mut blocks: Vec<(u64, u64)> = chosen.into_iter().collect();
+        let spans = [(MIB, (MIB / 2) as usize), (3 * MIB, (4 * MIB) as usize), (11 * MIB, 4096)];
+        let fetch = BlockFetch::new(&file, map.as_ptr(), map.len(), true, spans.into_iter());
+        let mut blocks: Vec<(u64, u64)> = fetch.chosen.iter().map(|(&b, &n)| (b, n)).collect();
         blocks.sort();
-        assert_eq!(blocks, [(0, MIB / 2), (1, MIB), (2, 2 * MIB), (3, MIB), (5, 4096)]);
+        if fetch.blocks {
+            assert_eq!(blocks, [(0, MIB / 2), (1, MIB), (2, 2 * MIB), (3, MIB), (5, 4096)]);
+        }
+        for (offset, len) in spans {
+            assert!(fetch.bring_in(offset, len).unwrap());
+        }
     }
 }
