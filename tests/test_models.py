@@ -227,6 +227,23 @@ def test_corrupted_pack_bytes_are_detected_and_named(repo: Repository) -> None:
         repo.load("c", keys="b")
 
 
+@pytest.mark.parametrize("mmap", [False, True], ids=["copy", "mmap"])
+def test_a_manifest_whose_byte_count_disagrees_with_the_shape_is_refused(
+    repo: Repository, mmap: bool
+) -> None:
+    repo.save("m", {"w": torch.randn(100, 100), "b": torch.randn(100)})
+    path = repo.root / "models" / "m" / "v1.json"
+    manifest = json.loads(path.read_text())
+    entry = next(t for t in manifest["tensors"] if t["name"] == "w")
+    entry["nbytes"] += 4096  # would read past the tensor, into its neighbour
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(
+        IntegrityError, match=r"'w': the manifest records 44096 bytes, but float32\(100, 100\)"
+    ):
+        repo.load("m", mmap=mmap)
+    assert repo.load("m", keys="b", mmap=mmap)["b"].shape == (100,)  # the rest stays readable
+
+
 SAVE_BIG = """
 import sys, torch
 from tierstore.models import Repository

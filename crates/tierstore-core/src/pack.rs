@@ -202,6 +202,18 @@ impl ReadError {
             ReadError::Io { .. } => None,
         }
     }
+
+    /// The same error for a call that was given a subset of the requests: `indices[i]` is the index of
+    /// the subset's request `i` among all of them.
+    fn renumbered(self, indices: &[usize]) -> ReadError {
+        match self {
+            ReadError::Truncated { path, index, offset, len } => {
+                ReadError::Truncated { path, index: indices[index], offset, len }
+            }
+            ReadError::Corrupt { path, index, offset } => ReadError::Corrupt { path, index: indices[index], offset },
+            io @ ReadError::Io { .. } => io,
+        }
+    }
 }
 
 fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> io::Result<bool> {
@@ -346,13 +358,7 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     // readahead running ahead of it. A partial load's scattered tensors need many requests in flight.
     for group in [large, small] {
         let (indices, mut requests): (Vec<usize>, Vec<ReadInto<'_>>) = group.into_iter().unzip();
-        fetch_and_verify(path, &mut requests, sparse, false, populate).map_err(|e| match e {
-            ReadError::Truncated { path, index, offset, len } => {
-                ReadError::Truncated { path, index: indices[index], offset, len }
-            }
-            ReadError::Corrupt { path, index, offset } => ReadError::Corrupt { path, index: indices[index], offset },
-            io @ ReadError::Io { .. } => io,
-        })?;
+        fetch_and_verify(path, &mut requests, sparse, false, populate).map_err(|e| e.renumbered(&indices))?;
     }
     Ok(map)
 }

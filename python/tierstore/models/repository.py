@@ -456,15 +456,12 @@ class Repository:
         by_pack: dict[str, list[tuple[dict[str, Any], np.ndarray]]] = defaultdict(list)
         staged: list[tuple[dict[str, Any], Any]] = []
         for t in chosen:
+            _spec_of(t)  # the destination has the manifest's dtype and shape: their bytes must agree
             dest = targets[t["name"]]
             buf = writable_bytes(dest)
             if buf is None:  # on a GPU, or not contiguous: through the staging buffer
                 staged.append((t, dest))
                 continue
-            if buf.nbytes != t["nbytes"]:
-                raise IntegrityError(
-                    f"{t['name']!r}: manifest says {t['nbytes']} bytes, shape needs {buf.nbytes}"
-                )
             by_pack[t["pack"]].append((t, buf))
         for pack, items in by_pack.items():
             self._read_pack(m, pack, items)
@@ -488,12 +485,7 @@ class Repository:
         by_pack: dict[str, list[dict[str, Any]]] = defaultdict(list)
         specs: dict[str, TensorSpec] = {}
         for t in chosen:
-            spec = specs[t["name"]] = TensorSpec(t["dtype"], tuple(t["shape"]))
-            if spec.numel * itemsize(spec.dtype) != t["nbytes"]:
-                raise IntegrityError(
-                    f"{t['name']!r}: manifest says {t['nbytes']} bytes, {spec.dtype}{spec.shape} needs "
-                    f"{spec.numel * itemsize(spec.dtype)}"
-                )
+            specs[t["name"]] = _spec_of(t)
             by_pack[t["pack"]].append(t)
         out: dict[str, Any] = {}
         for pack, items in by_pack.items():
@@ -617,6 +609,19 @@ class Repository:
             logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+
+def _spec_of(t: dict[str, Any]) -> TensorSpec:
+    """A manifest entry's dtype and shape, checked against the byte count it records (a manifest edited
+    by hand, or written by a different program, must not make a load read the wrong range)."""
+    spec = TensorSpec(t["dtype"], tuple(t["shape"]))
+    needed = spec.numel * itemsize(spec.dtype)
+    if needed != t["nbytes"]:
+        raise IntegrityError(
+            f"{t['name']!r}: the manifest records {t['nbytes']} bytes, but {spec.dtype}{spec.shape} needs "
+            f"{needed}; the manifest is damaged"
+        )
+    return spec
 
 
 @contextlib.contextmanager
