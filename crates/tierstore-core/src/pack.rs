@@ -283,7 +283,41 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         let advice = if sparse { libc::POSIX_FADV_RANDOM } else { libc::POSIX_FADV_SEQUENTIAL };
         libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice);
     }
+    if sparse {
+        warm_blocks(&file, requests.iter().map(|r| (r.offset, r.dest.len())));
+    }
     fetch_and_verify(path, requests, sparse, true, |offset, buf| read_exact_at(&file, buf, offset))
+}
+
+/// Brings the ranges of a partial load into the page cache the way a mapped load does (`BlockFetch`),
+/// so that the reads after it copy from memory. The reads still check every hash: this only fetches.
+fn warm_blocks(file: &File, ranges: impl Iterator<Item = (u64, usize)>) {
+    // SAFETY: the mapping is only advised and populated, never read through (a populate of a truncated
+    // file fails with EFAULT instead of raising SIGBUS).
+    let Ok(map) = (unsafe { memmap2::Mmap::map(file) }) else { return };
+    let mut ranges: Vec<(u64, usize)> = ranges.filter(|&(o, n)| n > 0 && o + n as u64 <= map.len() as u64).collect();
+    ranges.sort_unstable();
+    ranges.dedup();
+    let blocks = BlockFetch::new(file, map.as_ptr(), map.len(), true, ranges.iter().copied());
+    // Worth it only where the blocks hold little else: the copies wait for the whole fetch, while the
+    // plain reads copy as the disk delivers. synthetic-1000's 258 scattered tensors of 1 MB fetch 1.9x
+    // their bytes this way and took 0.38-0.41 s against 0.24 s; BERT-large's 25% fetches 1.03x and took
+    // 0.21-0.23 s against 0.40 s (into existing tensors, 5 cold runs each).
+    if !blocks.blocks || blocks.fetched() > MAX_WARM_OVERREAD * ranges.iter().map(|&(_, n)| n as f64).sum::<f64>() {
+        return;
+    }
+    let queue =
+        std::sync::Mutex::new(ranges.iter().flat_map(|&(offset, len)| {
+            (0..len).step_by(PIECE).map(move |at| (offset + at as u64, PIECE.min(len - at)))
+        }));
+    std::thread::scope(|scope| {
+        for _ in 0..READ_THREADS {
+            scope.spawn(|| loop {
+                let Some((offset, len)) = queue.lock().expect("queue lock").next() else { break };
+                let _ = blocks.bring_in(offset, len); // a failure shows in the read that follows
+            });
+        }
+    });
 }
 
 /// True when the requests cover less than 90% of a pack of `size` bytes: a partial load.
@@ -363,6 +397,10 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     Ok(map)
 }
 
+/// A copying partial load fetches its blocks ahead of its reads when that fetches at most this many
+/// times its bytes (see `warm_blocks`).
+const MAX_WARM_OVERREAD: f64 = 1.25;
+
 /// The size of the blocks a fault reads in a mapping marked for huge pages (a PMD on x86-64 and arm64).
 const HUGE_BLOCK: u64 = 2 << 20;
 
@@ -424,6 +462,13 @@ impl BlockFetch {
             }
         }
         BlockFetch { fd: file.as_raw_fd(), base: base as usize, len, sparse, blocks, chosen }
+    }
+
+    /// How many bytes a partial load fetches from the disk: whole blocks where they are read whole, the
+    /// chosen bytes elsewhere.
+    fn fetched(&self) -> f64 {
+        let whole = |c: u64| if self.blocks && 3 * c >= HUGE_BLOCK { HUGE_BLOCK } else { c };
+        self.chosen.values().map(|&c| whole(c) as f64).sum()
     }
 
     /// Brings `len` bytes at `offset` in the pack into the page cache and the mapping; false when the
@@ -772,5 +817,35 @@ mod tests {
         for (offset, len) in spans {
             assert!(fetch.bring_in(offset, len).unwrap());
         }
+    }
+
+    #[test]
+    fn partial_copies_fetched_by_blocks_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("p.pack");
+        let tensors: Vec<Vec<u8>> = (0..8u8).map(|t| (0..3 << 20).map(|i| (i % 241) as u8 ^ t).collect()).collect();
+        let mut w = PackWriter::create(&dest).unwrap();
+        let offsets: Vec<u64> = tensors.iter().map(|t| w.append(t).unwrap()).collect();
+        w.commit().unwrap();
+        // Three neighbours of eight: a partial load whose blocks hold little else, fetched ahead by blocks.
+        let read = |corrupt_at: Option<u64>| {
+            if let Some(at) = corrupt_at {
+                let f = OpenOptions::new().write(true).open(&dest).unwrap();
+                f.write_at(&[0xAA], at).unwrap();
+            }
+            let mut bufs = vec![vec![0u8; 3 << 20]; 3];
+            let mut reqs: Vec<ReadInto<'_>> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, dest)| ReadInto { offset: offsets[i + 2], dest, expect: Some(hash(&tensors[i + 2])) })
+                .collect();
+            let result = read_into(&dest, &mut reqs);
+            (result, bufs)
+        };
+        let (result, bufs) = read(None);
+        result.unwrap();
+        assert!(bufs.iter().zip(&tensors[2..5]).all(|(b, t)| b == t));
+        let (result, _) = read(Some(offsets[3] + 777));
+        assert!(matches!(result, Err(ReadError::Corrupt { index: 1, .. })));
     }
 }

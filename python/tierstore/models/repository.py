@@ -400,8 +400,9 @@ class Repository:
             name: The model's name.
             version: A version number or "latest".
             keys: Tensor names or glob patterns (`"encoder.*"`); all tensors when None. Only the chosen
-                tensors are read: exactly their bytes when copying, and, when mapping, whole 2 MiB blocks
-                of the pack where at least a third of the block is chosen (faster, see the README).
+                tensors are read: by whole 2 MiB blocks of the pack where at least a third of the block
+                is chosen, which is faster, and exactly elsewhere (a copying load reads exactly unless
+                the blocks hold little else; see the README).
             into: An `nn.Module` or a state_dict to fill in place: bytes land in its tensors' memory.
             device: Where new tensors are created ("cpu", "cuda:0"...) when `into` is not given.
             mmap: For new CPU tensors: map them onto the pack's pages (copy-on-write, as safetensors'
