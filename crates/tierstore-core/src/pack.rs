@@ -284,40 +284,41 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
         libc::posix_fadvise(file.as_raw_fd(), 0, 0, advice);
     }
     if sparse {
-        warm_blocks(&file, requests.iter().map(|r| (r.offset, r.dest.len())));
+        if let Some((map, blocks)) = by_blocks(&file, requests.iter().map(|r| (r.offset, r.dest.len()))) {
+            return fetch_and_verify(path, requests, true, true, |offset, buf| {
+                // Brought in (or found in) the page cache by blocks, then copied out of the mapping.
+                // Copying with a read instead would set off the kernel's readahead from the blocks'
+                // folios, which are marked for it: 2.1x the bytes fetched for synthetic-100.
+                if !blocks.bring_in(offset, buf.len())? {
+                    return Ok(false);
+                }
+                let at = offset as usize;
+                buf.copy_from_slice(&map[at..at + buf.len()]);
+                Ok(true)
+            });
+        }
     }
     fetch_and_verify(path, requests, sparse, true, |offset, buf| read_exact_at(&file, buf, offset))
 }
 
-/// Brings the ranges of a partial load into the page cache the way a mapped load does (`BlockFetch`),
-/// so that the reads after it copy from memory. The reads still check every hash: this only fetches.
-fn warm_blocks(file: &File, ranges: impl Iterator<Item = (u64, usize)>) {
-    // SAFETY: the mapping is only advised and populated, never read through (a populate of a truncated
-    // file fails with EFAULT instead of raising SIGBUS).
-    let Ok(map) = (unsafe { memmap2::Mmap::map(file) }) else { return };
+/// A mapping of the pack and its `BlockFetch`, when a copying partial load of `ranges` is better read
+/// by blocks, as a mapped load is: when the blocks read whole hold little else (`MAX_WARM_OVERREAD`).
+/// Otherwise exact reads are better: they copy as the disk delivers each page.
+///
+/// The copies come out of the mapping right after `bring_in` has mapped their pages (and reported a
+/// truncated pack as such), so only a pack truncated in between by another program could fault with
+/// SIGBUS; tierstore never truncates a pack.
+fn by_blocks(file: &File, ranges: impl Iterator<Item = (u64, usize)>) -> Option<(memmap2::Mmap, BlockFetch)> {
+    // SAFETY: packs are written once under a temporary name and never changed after their rename.
+    let map = unsafe { memmap2::Mmap::map(file) }.ok()?;
     let mut ranges: Vec<(u64, usize)> = ranges.filter(|&(o, n)| n > 0 && o + n as u64 <= map.len() as u64).collect();
     ranges.sort_unstable();
     ranges.dedup();
     let blocks = BlockFetch::new(file, map.as_ptr(), map.len(), true, ranges.iter().copied());
-    // Worth it only where the blocks hold little else: the copies wait for the whole fetch, while the
-    // plain reads copy as the disk delivers. synthetic-1000's 258 scattered tensors of 1 MB fetch 1.9x
-    // their bytes this way and took 0.38-0.41 s against 0.24 s; BERT-large's 25% fetches 1.03x and took
-    // 0.21-0.23 s against 0.40 s (into existing tensors, 5 cold runs each).
-    if !blocks.blocks || blocks.fetched() > MAX_WARM_OVERREAD * ranges.iter().map(|&(_, n)| n as f64).sum::<f64>() {
-        return;
-    }
-    let queue =
-        std::sync::Mutex::new(ranges.iter().flat_map(|&(offset, len)| {
-            (0..len).step_by(PIECE).map(move |at| (offset + at as u64, PIECE.min(len - at)))
-        }));
-    std::thread::scope(|scope| {
-        for _ in 0..READ_THREADS {
-            scope.spawn(|| loop {
-                let Some((offset, len)) = queue.lock().expect("queue lock").next() else { break };
-                let _ = blocks.bring_in(offset, len); // a failure shows in the read that follows
-            });
-        }
-    });
+    // synthetic-1000's 258 scattered tensors of 1 MB would fetch 1.9x their bytes by blocks, and took
+    // 0.38-0.41 s that way against 0.24 s exactly; BERT-large's 25% fetches 1.03x.
+    let chosen: f64 = ranges.iter().map(|&(_, n)| n as f64).sum();
+    (blocks.blocks && blocks.fetched() <= MAX_WARM_OVERREAD * chosen).then_some((map, blocks))
 }
 
 /// True when the requests cover less than 90% of a pack of `size` bytes: a partial load.
@@ -397,8 +398,8 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     Ok(map)
 }
 
-/// A copying partial load fetches its blocks ahead of its reads when that fetches at most this many
-/// times its bytes (see `warm_blocks`).
+/// A copying partial load is read by blocks when that fetches at most this many times its bytes (see
+/// `by_blocks`).
 const MAX_WARM_OVERREAD: f64 = 1.25;
 
 /// The size of the blocks a fault reads in a mapping marked for huge pages (a PMD on x86-64 and arm64).
@@ -475,8 +476,8 @@ impl BlockFetch {
     /// pack turns out shorter.
     fn bring_in(&self, offset: u64, len: usize) -> io::Result<bool> {
         let end = offset + len as u64;
-        if end > self.len as u64 {
-            return Ok(false);
+        if end > self.len as u64 || len == 0 {
+            return Ok(end <= self.len as u64);
         }
         if self.sparse {
             for b in offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
