@@ -441,3 +441,9 @@ def test_models_cli(repo: Repository, tmp_path: Path) -> None:
     r = run("export", "cli-model", str(tmp_path / "x.safetensors"))
     assert r.returncode == 0 and (tmp_path / "x.safetensors").exists()
     assert run("gc").returncode == 0
+    # A mistyped --repo is reported, and no empty repository appears there.
+    missing = tmp_path / "no-repo"
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "models", "--repo", str(missing), "ls"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "is not a tierstore model repository" in r.stderr
+    assert not missing.exists()
