@@ -466,11 +466,16 @@ impl BlockFetch {
         BlockFetch { fd: file.as_raw_fd(), base: base as usize, len, sparse, blocks, chosen }
     }
 
+    /// True when a block holding `chosen` bytes of a partial load is read whole: faults read blocks, and at
+    /// least a third of this one is chosen (see the type's documentation).
+    fn reads_whole(&self, chosen: u64) -> bool {
+        self.blocks && 3 * chosen >= HUGE_BLOCK
+    }
+
     /// How many bytes a partial load fetches from the disk: whole blocks where they are read whole, the
     /// chosen bytes elsewhere.
     fn fetched(&self) -> f64 {
-        let whole = |c: u64| if self.blocks && 3 * c >= HUGE_BLOCK { HUGE_BLOCK } else { c };
-        self.chosen.values().map(|&c| whole(c) as f64).sum()
+        self.chosen.values().map(|&c| if self.reads_whole(c) { HUGE_BLOCK } else { c } as f64).sum()
     }
 
     /// Brings `len` bytes at `offset` in the pack into the page cache and the mapping; false when the
@@ -482,7 +487,7 @@ impl BlockFetch {
         }
         if self.sparse {
             for b in offset / HUGE_BLOCK..=(end - 1) / HUGE_BLOCK {
-                if !self.blocks || 3 * self.chosen[&b] < HUGE_BLOCK {
+                if !self.reads_whole(self.chosen.get(&b).copied().unwrap_or(0)) {
                     // The pages asked for are in the page cache, being read, when the advice returns, so
                     // the faults below wait for them instead of reading the block.
                     let (from, to) = (offset.max(b * HUGE_BLOCK), end.min((b + 1) * HUGE_BLOCK));
