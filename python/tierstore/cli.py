@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -274,17 +273,14 @@ def config_show(make: Any, as_json: bool) -> None:
 @click.pass_context
 def models(ctx: click.Context, repo: str) -> None:
     """Inspect and maintain a model repository (tierstore.models)."""
-    from tierstore.models import Repository
+    from tierstore.models import Repository, RepositoryError
 
     # Every command here works on a repository that exists: opening a mistyped path would create an empty
     # repository there and report no models instead of the mistake.
-    if not (Path(repo) / "format").is_file():
-        raise click.BadParameter(
-            f"{repo} is not a tierstore model repository (it has no 'format' file); check the path. "
-            "A repository is created by its first save: tierstore.models.Repository(path).save(...)",
-            param_hint="'--repo'",
-        )
-    ctx.obj = Repository(repo)
+    try:
+        ctx.obj = Repository(repo, create=False)
+    except RepositoryError as e:
+        raise click.BadParameter(str(e), param_hint="'--repo'") from e
 
 
 def _split_ref(ref: str) -> tuple[str, str]:

@@ -125,13 +125,20 @@ class Repository:
 
     Args:
         root: The repository directory (created if missing), on a local disk or the shared store.
+        create: False to open only a repository that exists: a path without one raises RepositoryError
+            instead of becoming an empty repository (for tools that only read or maintain one).
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         self.root = Path(root).absolute()
+        marker = self.root / "format"
+        if not create and not marker.is_file():
+            raise RepositoryError(
+                f"{self.root} is not a tierstore model repository (it has no 'format' file); check the "
+                "path. A repository is created by its first save: tierstore.models.Repository(path).save(...)"
+            )
         for sub in ("packs", "models"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        marker = self.root / "format"
         if not marker.exists():
             marker.write_text(f"tierstore-models {FORMAT}\n")
         elif marker.read_text().split() != ["tierstore-models", str(FORMAT)]:
