@@ -120,14 +120,14 @@ def test_partial_load_reads_only_the_chosen_bytes(repo: Repository, mmap: bool) 
     state = {f"layer{i}.weight": torch.randn(256, 256) for i in range(20)}  # 256 KiB each
     repo.save("big", state)
     tensor_bytes = 256 * 256 * 4
-    # What the load fetches from the disk (page faults included), once the pack is out of the page cache.
-    counter = "read_bytes"
 
     def cold_load(keys: list[str]) -> tuple[dict[str, torch.Tensor], int]:
+        """The chosen tensors, and what loading them fetched from the disk (page faults included), once
+        the pack is out of the page cache."""
         evict(list((repo.root / "packs").glob("*.pack")))
-        before = io_counter(counter)
+        before = io_counter("read_bytes")
         part = repo.load("big", keys=keys, mmap=mmap)
-        return part, io_counter(counter) - before
+        return part, io_counter("read_bytes") - before
 
     # Tensors far apart: exactly their bytes.
     part, read = cold_load(["layer3.weight", "layer13.weight"])
