@@ -111,8 +111,9 @@ def test_dataloader_under_tierstore_run_reads_the_store_only_in_epoch_one(
     first, last = counters[0], counters[2]
     total = sum(p.stat().st_size for p in backing.rglob("*.npy"))
     assert first["bytes_read"] == total, "epoch 1 read some file twice or not at all"
-    for op in ("read", "open", "getattr", "bytes_read"):
-        assert last.get(op, 0) == first.get(op, 0), f"epochs 2-3 sent {op} to the store"
+    # Workers start anew every epoch (and under spawn re-import everything): still not one operation.
+    sent = {op: last.get(op, 0) - n for op, n in first.items() if last.get(op, 0) != n}
+    assert sent == {}, f"epochs 2-3 sent operations to the store: {sent}"
 
 
 C_READER = r"""

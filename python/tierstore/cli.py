@@ -226,10 +226,13 @@ def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
     saved = dict(os.environ)
     os.environ.update(env)
     try:
-        make()
+        cache = make()
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    # The source is checked and its symlinks resolved here, once for the whole job: every process the
+    # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
+    env.update(cache._core.resolved_env())
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
     try:
         os.execvpe(command[0], list(command), env)

@@ -213,7 +213,8 @@ impl Cache {
         std::fs::create_dir_all(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
         let source_counters =
             Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
-        let source = Arc::new(PosixSource::new(&config.source, Arc::new(source_counters)));
+        let source =
+            Arc::new(PosixSource::new(&config.source, config.source_alias.as_deref(), Arc::new(source_counters)));
         let mut reg = registry();
         let mut tiers = Vec::new();
         for t in &config.tiers {
@@ -300,31 +301,88 @@ impl Cache {
         self.inner.open_native_rel(&rel, true)
     }
 
-    /// `stat` of a cached file answered from its copy, without asking the source; `None` when the answer
-    /// must come from the source (not cached, or copies are revalidated on every open anyway).
-    pub fn cached_stat(&self, path: &Path) -> Result<Option<libc::stat>, Error> {
+    /// `stat` of a cached file, or of a source directory, as the source gave it, without asking the
+    /// source; `None` when the answer must come from the source (not known, recorded by an older index,
+    /// or copies are revalidated on every open anyway). With `nofollow` (`lstat`), only for a path known
+    /// to name the file itself, with no symlink on the way.
+    pub fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return Ok(None);
+        }
+        let rel = self.inner.source.relative_or_root(path)?;
+        let key = key_of(&rel);
+        let known = match self.inner.published(&key, &rel) {
+            Some(e) => Some(e.source),
+            None => self.inner.directories().and_then(|ix| ix.directory(&key, &rel).ok().flatten()),
+        };
+        Ok(known.and_then(|sid| {
+            if nofollow && !sid.attrs.is_some_and(|a| a.canonical) {
+                return None;
+            }
+            sid.to_stat()
+        }))
+    }
+
+    /// Takes note of what the source answered to a `stat` (`lstat` with `nofollow`) of `path`, so that
+    /// the next one of a directory is answered from the cache (only when the source is trusted).
+    pub fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
+        if self.inner.config.revalidate != Revalidate::Never || st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return;
+        }
+        let Some(ix) = self.inner.directories() else { return };
+        let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
+        let key = key_of(&rel);
+        let before = ix.directory(&key, &rel).ok().flatten();
+        let canonical = nofollow || before.is_some_and(|b| b.attrs.is_some_and(|a| a.canonical));
+        let mut sid = SourceId::of_stat(st);
+        if let Some(a) = sid.attrs.as_mut() {
+            a.canonical = canonical;
+        }
+        if before.is_none_or(|b| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
+            let _ = ix.record_directory(&key, &rel, sid);
+        }
+    }
+
+    /// The path of a cached file with every symlink resolved (`realpath`), without asking the source;
+    /// `None` when only the source can tell.
+    pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
+        Ok(self
+            .trusted_entry(path)?
+            .and_then(|(rel, e)| e.source.attrs.is_some_and(|a| a.canonical).then(|| self.inner.source.path_of(&rel))))
+    }
+
+    /// The published entry of `path` when copies are trusted (`revalidate = "never"`).
+    fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
         if self.inner.config.revalidate != Revalidate::Never {
             return Ok(None);
         }
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        let Some((t, e)) = self.inner.published_in(&key, &rel) else { return Ok(None) };
-        let tier = &self.inner.tiers[t];
-        let Ok(mut st) = tier.stat_copy(&key) else { return Ok(None) };
-        if st.st_size as u64 != e.source.size {
-            return Ok(None);
+        Ok(self.inner.published(&key, &rel).map(|e| (rel, e)))
+    }
+
+    /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
+    /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
+    /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
+    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
+    pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
+        let tier = self.inner.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
+        let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+        let key = tier.key_of_copy(&name)?;
+        let e = tier.index.as_ref().ok()?.lookup(&key).ok()??;
+        if !e.ready || e.source.size != st.st_size as u64 {
+            return None;
         }
-        // The copy's size and mtime are the source's; its identity is reported as the source's too, so
-        // that comparisons of inodes (os.path.samefile) keep their meaning.
-        st.st_ino = e.source.ino;
-        st.st_dev = e.source.dev;
-        Ok(Some(st))
+        e.source.to_stat()
     }
 
     /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).
     pub fn invalidate(&self, path: &Path) -> Result<(), Error> {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
+        if let Some(ix) = self.inner.directories() {
+            let _ = ix.forget_directory(&key);
+        }
         let _guard = self.inner.locks.lock(&key).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
         self.inner.remove_entries(&key);
         Ok(())
@@ -583,7 +641,7 @@ impl Inner {
     fn open_identified(&self, rel: &str) -> Result<(SourceId, File), Error> {
         let path = self.source.path_of(rel);
         let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
-        let (sid, is_dir) = self.source.identify_opened(&f).map_err(|e| Error::io(&path, e))?;
+        let (sid, is_dir) = self.source.identify_opened(&f, rel).map_err(|e| Error::io(&path, e))?;
         if is_dir {
             return Err(Error::io(&path, io::Error::from_raw_os_error(libc::EISDIR)));
         }
@@ -623,6 +681,11 @@ impl Inner {
             let e = t.index.as_ref().ok()?.lookup(key).ok()??;
             (e.ready && e.rel == rel).then_some((i, e))
         })
+    }
+
+    /// The index that records the source's directories: the first tier's that is available.
+    fn directories(&self) -> Option<&crate::index::Index> {
+        self.tiers.iter().find_map(|t| t.index.as_ref().ok())
     }
 
     /// Whether some process holds a reservation for `key` (a fetch in flight).
@@ -754,7 +817,19 @@ impl Inner {
         let tier = &self.tiers[i];
         let file = match tier.open_copy(key) {
             Ok(f) => f,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Err("missing copy".into()),
+            // Under an evicting policy another process may have evicted the copy since the lookup: if
+            // its entry is gone or changed too, that is a miss, not damage.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
+                return match still {
+                    Some(now)
+                        if now.ready && now.source == e.source && now.stats.inserted_seq == e.stats.inserted_seq =>
+                    {
+                        Err("missing copy".into())
+                    }
+                    _ => Ok(None),
+                };
+            }
             Err(err) => return Err(format!("copy unreadable ({err})")),
         };
         // Only an evicting policy deletes copies readers may hold; `fill` never does, so skip the syscall.

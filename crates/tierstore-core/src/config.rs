@@ -112,8 +112,11 @@ pub enum Revalidate {
 /// The effective configuration of a cache.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// The source directory: the truth, never written by the read path.
+    /// The source directory, symlinks resolved: the truth, never written by the read path.
     pub source: PathBuf,
+    /// The source as it was configured (absolute), when that spelling goes through a symlink: paths under
+    /// it name source files too.
+    pub source_alias: Option<PathBuf>,
     /// Cache tiers, fastest first.
     pub tiers: Vec<TierConfig>,
     /// Placement and eviction policy.
@@ -223,6 +226,8 @@ struct Raw {
     inline_max: Option<(String, Origin)>,
     verify: Option<(String, Origin)>,
     revalidate: Option<(String, Origin)>,
+    /// The source as resolved by the parent process, with the spelling it was resolved from.
+    resolved: Option<(String, String)>,
 }
 
 struct RawTier {
@@ -416,7 +421,35 @@ fn setting<T>(
     Ok(value)
 }
 
+/// Set by `tierstore run` for the processes it starts: the source as configured and the same directory
+/// with symlinks resolved. A process that finds its own configured source there takes the resolved
+/// directory as it is, so a job checks and resolves its source once, not once per process (each check
+/// costs the shared store a few metadata operations, and DataLoader workers start every epoch).
+pub const RESOLVED_FROM_ENV: &str = "TIERSTORE_RESOLVED_SOURCE_OF";
+/// See [`RESOLVED_FROM_ENV`].
+pub const RESOLVED_ENV: &str = "TIERSTORE_RESOLVED_SOURCE";
+
+fn resolved_by_parent(given: &Path, resolved: Option<&(String, String)>) -> Option<PathBuf> {
+    let (from, to) = resolved?;
+    (Path::new(from) == given && Path::new(to).is_absolute()).then(|| PathBuf::from(to))
+}
+
+fn check_source_dir(source: &Path, origin: &Origin, text: &str) -> Result<(), ConfigError> {
+    match std::fs::metadata(source) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(bad(origin, "source", text, "is not a directory", "give the dataset's directory")),
+        Err(e) => Err(bad(origin, "source", text, &format!("cannot be read ({e})"), "give an existing directory")),
+    }
+}
+
 impl Config {
+    /// The environment that lets child processes skip checking and resolving the source again (see
+    /// [`RESOLVED_FROM_ENV`]).
+    pub fn resolved_env(&self) -> Vec<(&'static str, PathBuf)> {
+        let given = self.source_alias.clone().unwrap_or_else(|| self.source.clone());
+        vec![(RESOLVED_FROM_ENV, given), (RESOLVED_ENV, self.source.clone())]
+    }
+
     /// Builds the effective configuration from the file, the environment and `overrides`, and validates
     /// it. Tier directories are created here so that a tier that cannot exist fails at start.
     pub fn load(overrides: &Overrides) -> Result<Config, ConfigError> {
@@ -427,7 +460,8 @@ impl Config {
     /// [`Config::load`] with an explicit environment (tests).
     pub fn load_with_env(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
         for (name, value) in env {
-            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) {
+            let private = [RESOLVED_FROM_ENV, RESOLVED_ENV].contains(&name.as_str());
+            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) && !private {
                 let fix = match closest(name, ENV_VARS) {
                     Some(k) => format!("did you mean {k}? tierstore reads {}", ENV_VARS.join(", ")),
                     None => format!("tierstore reads {}", ENV_VARS.join(", ")),
@@ -454,6 +488,9 @@ impl Config {
             read_file(&abs, &mut raw)?;
         }
         let env_origin = |k: &str| Origin::Env(k.to_string());
+        if let (Some(from), Some(to)) = (env.get(RESOLVED_FROM_ENV), env.get(RESOLVED_ENV)) {
+            raw.resolved = Some((from.clone(), to.clone()));
+        }
         if let Some(v) = env.get("TIERSTORE_SOURCE") {
             raw.source = Some((v.clone(), env_origin("TIERSTORE_SOURCE")));
         }
@@ -504,30 +541,16 @@ impl Config {
                 "set source = \"/path/to/dataset\" in tierstore.toml, TIERSTORE_SOURCE, or Cache(source=...)",
             )
         })?;
-        let source = expand_home(&source_text);
-        let source = std::path::absolute(&source).unwrap_or(source);
-        match std::fs::metadata(&source) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(bad(
-                    &source_origin,
-                    "source",
-                    &source_text,
-                    "is not a directory",
-                    "give the dataset's directory",
-                ))
+        let given = expand_home(&source_text);
+        let given = crate::source::normalize(&std::path::absolute(&given).unwrap_or(given));
+        let source = match resolved_by_parent(&given, raw.resolved.as_ref()) {
+            Some(resolved) => resolved,
+            None => {
+                check_source_dir(&given, &source_origin, &source_text)?;
+                std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone())
             }
-            Err(e) => {
-                return Err(bad(
-                    &source_origin,
-                    "source",
-                    &source_text,
-                    &format!("cannot be read ({e})"),
-                    "give an existing directory",
-                ))
-            }
-        }
-        let source = std::fs::canonicalize(&source).unwrap_or(source);
+        };
+        let source_alias = (given != source).then_some(given);
         origins.insert("source".to_string(), source_origin);
 
         let (raw_tiers, tiers_origin) = raw.tiers.unwrap_or_else(|| {
@@ -718,7 +741,7 @@ impl Config {
             },
         )?;
 
-        Ok(Config { source, tiers, policy, threads, inline_max, verify, revalidate, origins })
+        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, origins })
     }
 }
 

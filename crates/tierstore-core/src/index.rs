@@ -18,24 +18,130 @@ pub fn key_of(rel: &str) -> Key {
     h.as_bytes()[..16].try_into().expect("16 bytes")
 }
 
-/// The identity of a source file version. A cached copy is valid only for the identity it was taken from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// The identity of a source file version, and the rest of what `stat` said of it. A cached copy is valid
+/// only for the identity it was taken from.
+///
+/// Identity is size, mtime, ctime, inode and device: a file rewritten in place with its old mtime put back
+/// has a new ctime, and chmod, chown and link change ctime too. `attrs` are not compared (atime moves on
+/// every read); they are what the shim reports for a cached file without asking the source.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SourceId {
     /// Size in bytes.
     pub size: u64,
     /// Modification time in nanoseconds since the epoch.
     pub mtime_ns: i64,
+    /// Status change time in nanoseconds since the epoch (0 when an older index did not record it).
+    pub ctime_ns: i64,
     /// Inode number (a file replaced by rename has a new one).
     pub ino: u64,
     /// Device number.
     pub dev: u64,
+    /// The rest of the source's `stat`, when it was recorded.
+    pub attrs: Option<SourceAttrs>,
+}
+
+impl PartialEq for SourceId {
+    fn eq(&self, other: &SourceId) -> bool {
+        (self.size, self.mtime_ns, self.ctime_ns, self.ino, self.dev)
+            == (other.size, other.mtime_ns, other.ctime_ns, other.ino, other.dev)
+    }
+}
+
+impl Eq for SourceId {}
+
+/// What `stat` reported of a source file besides its identity, so that `stat`, `lstat` and `fstat` of a
+/// cached file can be answered exactly as the source would answer them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceAttrs {
+    /// Type and permission bits.
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Hard links.
+    pub nlink: u64,
+    /// Access time in nanoseconds since the epoch, as it was when the file was identified.
+    pub atime_ns: i64,
+    /// Preferred I/O size.
+    pub blksize: u64,
+    /// 512-byte blocks allocated.
+    pub blocks: u64,
+    /// The path names the file itself, with no symlink at or below the source root: its `lstat` is its
+    /// `stat` and its real path is the source's real path joined with it. Known only when the file was
+    /// identified through an open descriptor; false otherwise, and then those calls ask the source.
+    pub canonical: bool,
+}
+
+fn ns(sec: i64, nsec: i64) -> i64 {
+    sec * 1_000_000_000 + nsec
 }
 
 impl SourceId {
     /// The identity of a file from its metadata.
     pub fn of(m: &std::fs::Metadata) -> SourceId {
         use std::os::unix::fs::MetadataExt;
-        SourceId { size: m.size(), mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(), ino: m.ino(), dev: m.dev() }
+        SourceId {
+            size: m.size(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+            ino: m.ino(),
+            dev: m.dev(),
+            attrs: Some(SourceAttrs {
+                mode: m.mode(),
+                uid: m.uid(),
+                gid: m.gid(),
+                nlink: m.nlink(),
+                atime_ns: ns(m.atime(), m.atime_nsec()),
+                blksize: m.blksize(),
+                blocks: m.blocks(),
+                canonical: false,
+            }),
+        }
+    }
+
+    /// The identity of a file from a `stat` buffer.
+    pub fn of_stat(st: &libc::stat) -> SourceId {
+        SourceId {
+            size: st.st_size as u64,
+            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
+            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
+            ino: st.st_ino,
+            dev: st.st_dev,
+            attrs: Some(SourceAttrs {
+                mode: st.st_mode,
+                uid: st.st_uid,
+                gid: st.st_gid,
+                nlink: st.st_nlink,
+                atime_ns: ns(st.st_atime, st.st_atime_nsec),
+                blksize: st.st_blksize as u64,
+                blocks: st.st_blocks as u64,
+                canonical: false,
+            }),
+        }
+    }
+
+    /// The `stat` the source gave for this version, rebuilt from the record; `None` when an older index
+    /// recorded only the identity.
+    pub fn to_stat(&self) -> Option<libc::stat> {
+        let a = self.attrs?;
+        // SAFETY: a plain C struct, all zeros is valid.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        st.st_dev = self.dev;
+        st.st_ino = self.ino;
+        st.st_mode = a.mode;
+        st.st_nlink = a.nlink as _;
+        st.st_uid = a.uid;
+        st.st_gid = a.gid;
+        st.st_size = self.size as i64;
+        st.st_blksize = a.blksize as _;
+        st.st_blocks = a.blocks as i64;
+        (st.st_atime, st.st_atime_nsec) = (a.atime_ns.div_euclid(1_000_000_000), a.atime_ns.rem_euclid(1_000_000_000));
+        (st.st_mtime, st.st_mtime_nsec) =
+            (self.mtime_ns.div_euclid(1_000_000_000), self.mtime_ns.rem_euclid(1_000_000_000));
+        (st.st_ctime, st.st_ctime_nsec) =
+            (self.ctime_ns.div_euclid(1_000_000_000), self.ctime_ns.rem_euclid(1_000_000_000));
+        Some(st)
     }
 }
 
@@ -56,12 +162,19 @@ pub struct Entry {
     pub rel: String,
 }
 
-const HEADER: usize = 1 + 4 + 8 * 7 + 1 + 32;
+/// Layout of a record: a format byte (`FORMAT` | ready), the pid, seven u64s (size, mtime, inode, device,
+/// and the three access statistics), the checksum flag and checksum, then (format 2) ctime and the
+/// recorded attributes, then the path. Format-1 records (no format bits, no ctime) still decode: their
+/// ctime reads as 0, so with revalidation they no longer match the source and are fetched again.
+const HEADER_V1: usize = 1 + 4 + 8 * 7 + 1 + 32;
+const ATTRS: usize = 8 + 1 + 4 * 3 + 8 * 4 + 1;
+const HEADER: usize = HEADER_V1 + ATTRS;
+const FORMAT: u8 = 0x20;
 
 impl Entry {
     fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(HEADER + self.rel.len());
-        v.push(self.ready as u8);
+        v.push(FORMAT | self.ready as u8);
         v.extend_from_slice(&self.pid.to_le_bytes());
         for x in [
             self.source.size,
@@ -76,24 +189,65 @@ impl Entry {
         }
         v.push(self.checksum.is_some() as u8);
         v.extend_from_slice(&self.checksum.unwrap_or([0; 32]));
+        v.extend_from_slice(&self.source.ctime_ns.to_le_bytes());
+        let a = self.source.attrs.unwrap_or_default();
+        v.push(self.source.attrs.is_some() as u8);
+        for x in [a.mode, a.uid, a.gid] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [a.nlink, a.atime_ns as u64, a.blksize, a.blocks] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.push(a.canonical as u8);
         v.extend_from_slice(self.rel.as_bytes());
         v
     }
 
+    /// Whether an encoded record is published, read without decoding it.
+    fn ready_in(b: &[u8]) -> bool {
+        b.first().is_some_and(|f| f & 1 == 1)
+    }
+
     fn decode(b: &[u8]) -> Option<Entry> {
-        if b.len() < HEADER {
+        let v2 = b.first()? & 0xf0 == FORMAT;
+        if b.len() < if v2 { HEADER } else { HEADER_V1 } {
             return None;
         }
-        let u = |i: usize| u64::from_le_bytes(b[5 + 8 * i..13 + 8 * i].try_into().expect("8 bytes"));
+        let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+        let w = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        let field = |i: usize| u(5 + 8 * i);
         let has_sum = b[5 + 56] == 1;
         let sum: [u8; 32] = b[62..94].try_into().expect("32 bytes");
+        let (ctime_ns, attrs, rel_at) = if v2 {
+            let at = HEADER_V1;
+            let attrs = (b[at + 8] == 1).then(|| SourceAttrs {
+                mode: w(at + 9),
+                uid: w(at + 13),
+                gid: w(at + 17),
+                nlink: u(at + 21),
+                atime_ns: u(at + 29) as i64,
+                blksize: u(at + 37),
+                blocks: u(at + 45),
+                canonical: b[at + 53] == 1,
+            });
+            (u(at) as i64, attrs, HEADER)
+        } else {
+            (0, None, HEADER_V1)
+        };
         Some(Entry {
-            ready: b[0] == 1,
-            pid: u32::from_le_bytes(b[1..5].try_into().expect("4 bytes")),
-            source: SourceId { size: u(0), mtime_ns: u(1) as i64, ino: u(2), dev: u(3) },
-            stats: AccessStats { inserted_seq: u(4), last_access_ns: u(5), hits: u(6) },
+            ready: b[0] & 1 == 1,
+            pid: w(1),
+            source: SourceId {
+                size: field(0),
+                mtime_ns: field(1) as i64,
+                ctime_ns,
+                ino: field(2),
+                dev: field(3),
+                attrs,
+            },
+            stats: AccessStats { inserted_seq: field(4), last_access_ns: field(5), hits: field(6) },
             checksum: has_sum.then_some(sum),
-            rel: String::from_utf8_lossy(&b[HEADER..]).into_owned(),
+            rel: String::from_utf8_lossy(&b[rel_at..]).into_owned(),
         })
     }
 }
@@ -141,6 +295,8 @@ pub struct Index {
     entries: Db,
     ranks: Db,
     meta: Db,
+    /// Directories under a trusted source, as `stat` described them (see [`Index::directory`]).
+    dirs: Db,
     policy: Policy,
 }
 
@@ -165,8 +321,8 @@ impl Index {
     /// Opens (creating if needed) the index in directory `dir`.
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
         // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
-        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta"])?;
-        Ok(Index { entries: env.db(0), ranks: env.db(1), meta: env.db(2), env, policy })
+        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs"])?;
+        Ok(Index { entries: env.db(0), ranks: env.db(1), meta: env.db(2), dirs: env.db(3), env, policy })
     }
 
     /// Leaks the environment (after `fork()`; see [`Env::forget`]).
@@ -277,6 +433,38 @@ impl Index {
         Ok(true)
     }
 
+    /// What `stat` said of the source directory `rel` (key `key`), if it was recorded. Only a trusted
+    /// source (`revalidate = "never"`) records directories: programs `stat` and `lstat` the directories
+    /// of the files they open (Python's `os.path.realpath` asks each part of the path), and a warm cache
+    /// must not send those to the store either. `attrs.canonical` says the record also answers `lstat`.
+    pub fn directory(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, IndexError> {
+        let txn = self.env.read()?;
+        match txn.get(self.dirs, key)? {
+            None => Ok(None),
+            Some(b) => {
+                let e = Entry::decode(b).ok_or(IndexError::Damaged)?;
+                Ok((e.rel == rel).then_some(e.source))
+            }
+        }
+    }
+
+    /// Records what `stat` (or with `attrs.canonical`, `lstat`) said of the source directory `rel`.
+    pub fn record_directory(&self, key: &Key, rel: &str, source: SourceId) -> Result<(), IndexError> {
+        let e = Entry { ready: true, pid: 0, source, stats: AccessStats::default(), checksum: None, rel: rel.into() };
+        let mut txn = self.env.write()?;
+        txn.put(self.dirs, key, &e.encode())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets the record of a directory (it was changed through tierstore).
+    pub fn forget_directory(&self, key: &Key) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        txn.del(self.dirs, key)?;
+        txn.commit()?;
+        Ok(())
+    }
+
     /// Removes the entry of `key` if `matches` approves of it; returns the removed entry.
     pub fn remove_if(&self, key: &Key, matches: impl Fn(&Entry) -> bool) -> Result<Option<Entry>, IndexError> {
         let mut txn = self.env.write()?;
@@ -326,7 +514,7 @@ impl Index {
         let used = get_u64(&txn, self.meta, USED)?;
         let mut u = Usage { used, ..Usage::default() };
         txn.scan(self.entries, &[], |_, v| {
-            if v.first() == Some(&1) {
+            if Entry::ready_in(v) {
                 u.entries += 1;
             } else {
                 u.pending += 1;
@@ -345,6 +533,7 @@ impl Index {
     /// Forgets every entry (the caller removes the copies).
     pub fn clear(&self) -> Result<(), IndexError> {
         let mut txn = self.env.write()?;
+        txn.clear(self.dirs)?;
         txn.clear(self.entries)?;
         txn.clear(self.ranks)?;
         txn.put(self.meta, USED, &0u64.to_le_bytes())?;
@@ -358,7 +547,7 @@ mod tests {
     use super::*;
 
     fn sid(size: u64) -> SourceId {
-        SourceId { size, mtime_ns: 1, ino: 2, dev: 3 }
+        SourceId { size, mtime_ns: 1, ctime_ns: 4, ino: 2, dev: 3, attrs: None }
     }
 
     #[test]
@@ -366,12 +555,50 @@ mod tests {
         let e = Entry {
             ready: true,
             pid: 42,
-            source: SourceId { size: 9, mtime_ns: -5, ino: 7, dev: 8 },
+            source: SourceId {
+                size: 9,
+                mtime_ns: -5,
+                ctime_ns: 11,
+                ino: 7,
+                dev: 8,
+                attrs: Some(SourceAttrs {
+                    mode: 0o100644,
+                    uid: 1000,
+                    gid: 100,
+                    nlink: 2,
+                    atime_ns: -3,
+                    blksize: 4096,
+                    blocks: 8,
+                    canonical: true,
+                }),
+            },
             stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
             checksum: Some([9; 32]),
             rel: "a/b.jpg".into(),
         };
-        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        let back = Entry::decode(&e.encode()).unwrap();
+        assert_eq!(back, e);
+        assert_eq!(back.source.attrs, e.source.attrs);
+    }
+
+    #[test]
+    fn format_1_records_decode_without_ctime_or_attributes() {
+        let e = Entry {
+            ready: true,
+            pid: 42,
+            source: SourceId { size: 9, mtime_ns: 5, ctime_ns: 6, ino: 7, dev: 8, attrs: None },
+            stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
+            checksum: None,
+            rel: "a/b.jpg".into(),
+        };
+        // A format-1 record: the format-2 one without its ctime and attributes, and no format bits.
+        let mut old = e.encode();
+        old.drain(HEADER_V1..HEADER);
+        old[0] = 1;
+        let back = Entry::decode(&old).unwrap();
+        assert_eq!((back.rel.as_str(), back.source.size, back.source.ctime_ns), ("a/b.jpg", 9, 0));
+        assert!(back.source.attrs.is_none() && back.ready);
+        assert_ne!(back.source, e.source, "without its ctime an old record never matches the source");
     }
 
     #[test]

@@ -6,20 +6,22 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::counters::{source as slot, Counters};
 use crate::index::SourceId;
 
 /// A POSIX source directory with its counters.
 pub struct PosixSource {
-    /// The directory as configured (absolute).
+    /// The directory with symlinks resolved (the configuration resolves it once).
     root: PathBuf,
-    /// The same directory with symlinks resolved; paths under either are accepted.
-    canonical: PathBuf,
+    /// The directory as it was configured, when that spelling goes through a symlink; paths under either
+    /// are accepted.
+    alias: Option<PathBuf>,
     /// A descriptor of the root: `stat` and `open` resolve paths from it, so the kernel walks only the
-    /// part of the path below the source on every call.
-    dir: File,
+    /// part of the path below the source on every call. Opened on the first miss, so that a process
+    /// served wholly from the cache never asks the store anything, not even to open its root.
+    dir: OnceLock<File>,
     counters: Arc<Counters>,
 }
 
@@ -51,53 +53,59 @@ pub fn normalize(path: &Path) -> PathBuf {
 }
 
 impl PosixSource {
-    /// A source rooted at `root` (an existing directory), counting into `counters`.
-    pub fn new(root: &Path, counters: Arc<Counters>) -> PosixSource {
-        let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-        let dir = open_dir(root).expect("the configured source is an existing directory");
-        PosixSource { root: normalize(root), canonical, dir, counters }
+    /// A source rooted at `root` (an existing directory with symlinks resolved) that may also be named
+    /// `alias`, counting into `counters`. Nothing is asked of the store until a file is.
+    pub fn new(root: &Path, alias: Option<&Path>, counters: Arc<Counters>) -> PosixSource {
+        let root = normalize(root);
+        let alias = alias.map(normalize).filter(|a| *a != root);
+        PosixSource { root, alias, dir: OnceLock::new(), counters }
+    }
+
+    /// The descriptor of the root, opened on first use.
+    fn dir(&self) -> io::Result<&File> {
+        if let Some(d) = self.dir.get() {
+            return Ok(d);
+        }
+        let d = open_dir(&self.root)?;
+        Ok(self.dir.get_or_init(|| d))
     }
 
     /// The identity of a source file (one counted `stat`). A directory is an `IsADirectory` error.
     pub fn identify(&self, rel: &str) -> io::Result<SourceId> {
         self.counters.add(slot::STATS, 1);
-        let st = stat_at(&self.dir, rel)?;
+        let st = stat_at(self.dir()?, rel)?;
         if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
             return Err(io::Error::from_raw_os_error(libc::EISDIR));
         }
-        Ok(SourceId {
-            size: st.st_size as u64,
-            mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec,
-            ino: st.st_ino,
-            dev: st.st_dev,
-        })
+        Ok(SourceId::of_stat(&st))
     }
 
-    /// The identity of a file this process has just opened on the source (one counted `stat`, with no
-    /// directory check). The attributes come from the client's cache when it has them (`statx` with
-    /// `AT_STATX_DONT_SYNC`): the open has just looked the file up, so they are as fresh as a round trip
-    /// to the store would make them, and the store is spared one metadata operation per miss.
-    pub fn identify_opened(&self, file: &File) -> io::Result<(SourceId, bool)> {
+    /// The identity of `rel`, which this process has just opened on the source as `file` (one counted
+    /// `stat`, with no directory check). The attributes come from the client's cache when it has them
+    /// (`statx` with `AT_STATX_DONT_SYNC`): the open has just looked the file up, so they are as fresh as
+    /// a round trip to the store would make them, and the store is spared one metadata operation per
+    /// miss. Whether `rel` is the file's own path (no symlink on the way) is read from the descriptor's
+    /// name in /proc, which the kernel knows without asking the store.
+    pub fn identify_opened(&self, file: &File, rel: &str) -> io::Result<(SourceId, bool)> {
         use std::os::fd::AsRawFd;
         self.counters.add(slot::STATS, 1);
         let mut x = std::mem::MaybeUninit::<libc::statx>::zeroed();
         let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC;
-        let mask = libc::STATX_TYPE | libc::STATX_SIZE | libc::STATX_MTIME | libc::STATX_INO;
         // SAFETY: statx writes into `x` on success; the path is the empty C string.
-        let rc = unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), flags, mask, x.as_mut_ptr()) };
-        if rc != 0 {
+        let rc = unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, x.as_mut_ptr()) };
+        let (mut id, is_dir) = if rc == 0 {
+            // SAFETY: statx succeeded.
+            let x = unsafe { x.assume_init() };
+            (from_statx(&x), u32::from(x.stx_mode) & libc::S_IFMT == libc::S_IFDIR)
+        } else {
             let m = file.metadata()?;
-            return Ok((SourceId::of(&m), m.is_dir()));
-        }
-        // SAFETY: statx succeeded.
-        let x = unsafe { x.assume_init() };
-        let id = SourceId {
-            size: x.stx_size,
-            mtime_ns: x.stx_mtime.tv_sec * 1_000_000_000 + i64::from(x.stx_mtime.tv_nsec),
-            ino: x.stx_ino,
-            dev: libc::makedev(x.stx_dev_major, x.stx_dev_minor),
+            (SourceId::of(&m), m.is_dir())
         };
-        Ok((id, u32::from(x.stx_mode) & libc::S_IFMT == libc::S_IFDIR))
+        if let Some(a) = id.attrs.as_mut() {
+            let named = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            a.canonical = named.is_ok_and(|p| p == self.root.join(rel));
+        }
+        Ok((id, is_dir))
     }
 
     /// The source directory.
@@ -118,11 +126,20 @@ impl PosixSource {
         } else {
             normalize(&std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path))
         };
-        let rel = abs.strip_prefix(&self.root).or_else(|_| abs.strip_prefix(&self.canonical));
+        let rel = abs.strip_prefix(&self.root).or_else(|e| self.alias.as_ref().map_or(Err(e), |a| abs.strip_prefix(a)));
         match rel {
             Ok(r) if !r.as_os_str().is_empty() => Ok(r.to_string_lossy().into_owned()),
             _ => Err(OutsideSource { path: path.to_path_buf(), source_root: self.root.clone() }),
         }
+    }
+
+    /// Like [`PosixSource::relative`], with the source directory itself as `""`.
+    pub fn relative_or_root(&self, path: &Path) -> Result<String, OutsideSource> {
+        let abs = normalize(path);
+        if abs == self.root || self.alias.as_ref() == Some(&abs) {
+            return Ok(String::new());
+        }
+        self.relative(path)
     }
 
     /// The absolute path of a source-relative path.
@@ -145,7 +162,7 @@ impl PosixSource {
     /// Opens a source file for reading (counted).
     pub fn open(&self, rel: &str) -> io::Result<File> {
         self.counters.add(slot::OPENS, 1);
-        open_at(&self.dir, rel)
+        open_at(self.dir()?, rel)
     }
 
     /// Counts a read of `n` bytes done on a source descriptor.
@@ -223,6 +240,29 @@ impl PosixSource {
     }
 }
 
+/// A source identity from `statx`'s answer.
+fn from_statx(x: &libc::statx) -> SourceId {
+    use crate::index::SourceAttrs;
+    let ns = |t: libc::statx_timestamp| t.tv_sec * 1_000_000_000 + i64::from(t.tv_nsec);
+    SourceId {
+        size: x.stx_size,
+        mtime_ns: ns(x.stx_mtime),
+        ctime_ns: ns(x.stx_ctime),
+        ino: x.stx_ino,
+        dev: libc::makedev(x.stx_dev_major, x.stx_dev_minor),
+        attrs: Some(SourceAttrs {
+            mode: u32::from(x.stx_mode),
+            uid: x.stx_uid,
+            gid: x.stx_gid,
+            nlink: u64::from(x.stx_nlink),
+            atime_ns: ns(x.stx_atime),
+            blksize: u64::from(x.stx_blksize),
+            blocks: x.stx_blocks,
+            canonical: false,
+        }),
+    }
+}
+
 fn c_path(rel: &str) -> io::Result<std::ffi::CString> {
     std::ffi::CString::new(rel).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path with a NUL byte"))
 }
@@ -267,7 +307,7 @@ mod tests {
         let c = Arc::new(Counters::open(&dir.path().join("c")).unwrap());
         let root = dir.path().join("src");
         std::fs::create_dir(&root).unwrap();
-        let s = PosixSource::new(&root, c);
+        let s = PosixSource::new(&root, None, c);
         assert_eq!(s.relative(&root.join("a/./b/../c.txt")).unwrap(), "a/c.txt");
         assert!(s.relative(&root.join("../etc/passwd")).is_err());
         assert!(s.relative(&root).is_err());

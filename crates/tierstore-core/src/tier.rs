@@ -30,6 +30,10 @@ pub struct Tier {
     pub counters: Counters,
     /// A descriptor of `data/`: copies are opened relative to it (a short path walk on every hit).
     data_dir: File,
+    /// `data/` with symlinks resolved, as /proc names the descriptors of copies.
+    data_real: PathBuf,
+    /// The device `data/` is on.
+    data_dev: u64,
 }
 
 fn hex(key: &Key) -> String {
@@ -68,7 +72,28 @@ impl Tier {
         let counters = Counters::open(&root.join("counters"))?;
         let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
         let data_dir = crate::source::open_dir(&root.join("data"))?;
-        Ok(Tier { config: config.clone(), root, index, counters, data_dir })
+        let data_real = std::fs::canonicalize(root.join("data"))?;
+        let data_dev = std::os::unix::fs::MetadataExt::dev(&data_dir.metadata()?);
+        Ok(Tier { config: config.clone(), root, index, counters, data_dir, data_real, data_dev })
+    }
+
+    /// Whether copies of this tier live on device `dev` (a cheap first test before [`Tier::key_of_copy`]).
+    pub fn holds_device(&self, dev: u64) -> bool {
+        self.data_dev == dev
+    }
+
+    /// The key of the published copy at `path` (as /proc names an open copy), if `path` is one.
+    pub fn key_of_copy(&self, path: &Path) -> Option<Key> {
+        let rest = path.strip_prefix(&self.data_real).ok()?.to_str()?;
+        let (prefix, name) = rest.split_once('/')?;
+        if name.len() != 32 || !name.starts_with(prefix) || prefix.len() != 2 {
+            return None;
+        }
+        let mut key = [0u8; 16];
+        for (i, byte) in key.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(name.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(key)
     }
 
     /// Whether the tier holds data in RAM.
@@ -86,12 +111,6 @@ impl Tier {
     pub fn open_copy(&self, key: &Key) -> io::Result<File> {
         let h = hex(key);
         crate::source::open_at(&self.data_dir, &format!("{}/{h}", &h[..2]))
-    }
-
-    /// `stat` of the published copy of `key`.
-    pub fn stat_copy(&self, key: &Key) -> io::Result<libc::stat> {
-        let h = hex(key);
-        crate::source::stat_at(&self.data_dir, &format!("{}/{h}", &h[..2]))
     }
 
     /// Creates a new temporary file for a copy of `key`, unique to this process and attempt.

@@ -20,7 +20,7 @@
 use std::cell::Cell;
 use std::ffi::{CStr, OsStr};
 use std::os::fd::IntoRawFd;
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -77,8 +77,10 @@ struct Shim {
     pid: u32,
     config: Option<Config>,
     cache: std::sync::OnceLock<Option<Cache>>,
+    /// The source directory (symlinks resolved) with a trailing slash.
     root: Vec<u8>,
-    canonical: Vec<u8>,
+    /// The source as configured, when that spelling goes through a symlink (empty otherwise).
+    alias: Vec<u8>,
 }
 
 static SHIM: AtomicPtr<Shim> = AtomicPtr::new(std::ptr::null_mut());
@@ -106,15 +108,13 @@ fn shim() -> Option<&'static Shim> {
             None
         }
     };
-    let (root, canonical) = match &config {
-        Some(c) => {
-            let canonical = std::fs::canonicalize(&c.source).unwrap_or_else(|_| c.source.clone());
-            (with_slash(&c.source), with_slash(&canonical))
-        }
+    // The configuration resolved the source's symlinks (once per job: `tierstore run` hands the result to
+    // every process it starts), so no process asks the store anything at start.
+    let (root, alias) = match &config {
+        Some(c) => (with_slash(&c.source), c.source_alias.as_deref().map(with_slash).unwrap_or_default()),
         None => (Vec::new(), Vec::new()),
     };
-    let s: &'static Shim =
-        Box::leak(Box::new(Shim { pid, config, cache: std::sync::OnceLock::new(), root, canonical }));
+    let s: &'static Shim = Box::leak(Box::new(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias }));
     SHIM.store(s as *const Shim as *mut Shim, Ordering::Release);
     s.config.as_ref().map(|_| s)
 }
@@ -140,6 +140,12 @@ impl Shim {
             .as_ref()
     }
 
+    /// Whether `b` (an absolute path) is the source directory or under it, by either of its names.
+    fn under(&self, b: &[u8]) -> bool {
+        let within = |dir: &[u8]| !dir.is_empty() && (b.starts_with(dir) || b == &dir[..dir.len() - 1]);
+        within(&self.root) || within(&self.alias)
+    }
+
     /// The absolute, normalized path if `path` (relative to `dirfd`) names something under the source.
     unsafe fn source_path(&self, dirfd: c_int, path: *const c_char) -> Option<PathBuf> {
         if path.is_null() {
@@ -149,8 +155,7 @@ impl Shim {
         if bytes.is_empty() {
             return None;
         }
-        let under = |b: &[u8]| b.starts_with(&self.root) || b.starts_with(&self.canonical);
-        if bytes[0] == b'/' && !under(bytes) && !contains_dotdot(bytes) {
+        if bytes[0] == b'/' && !self.under(bytes) && !contains_dotdot(bytes) {
             return None; // the common case outside the source: no allocation, no system call
         }
         let joined = if bytes[0] == b'/' {
@@ -164,7 +169,7 @@ impl Shim {
             base.join(OsStr::from_bytes(bytes))
         };
         let norm = tierstore_core::source::normalize(&joined);
-        under(norm.as_os_str().as_bytes()).then_some(norm)
+        self.under(norm.as_os_str().as_bytes()).then_some(norm)
     }
 
     /// Like `source_path`, and also through symlinks (for calls that change files: rare, and a missed
@@ -182,8 +187,7 @@ impl Shim {
         // The file may be gone (unlink, rename): resolve its directory.
         let (dir, name) = (full.parent()?, full.file_name()?);
         let real = std::fs::canonicalize(dir).ok()?.join(name);
-        let b = real.as_os_str().as_bytes();
-        (b.starts_with(&self.root) || b.starts_with(&self.canonical)).then_some(real)
+        self.under(real.as_os_str().as_bytes()).then_some(real)
     }
 }
 
@@ -424,58 +428,155 @@ pub unsafe extern "C" fn freopen64(path: *const c_char, mode: *const c_char, str
     )
 }
 
-// The stat family: for a cached file, the answer comes from its copy (size and mtime are the source's,
-// inode and device are reported as the source's), so later epochs send no metadata operation to the
-// source. Only when copies are trusted (`revalidate = "never"`); otherwise every open asks the source anyway.
+// The stat family. For a cached file every answer is the source's `stat` as recorded when the copy was
+// taken, whichever call asks: `stat`/`lstat`/`statx` of the path (from the index, without asking the source,
+// when copies are trusted: `revalidate = "never"`) and `fstat` of the descriptor an open returned (which is
+// the tier copy's). Programs that compare them (cp, tar, rsync: "file changed as we read it") see one file.
 
-/// The cached `stat` of `path` (relative to `dirfd`), when the cache can answer.
-unsafe fn cached_stat(dirfd: c_int, path: *const c_char) -> Option<libc::stat> {
+/// The cached `stat` of `path` (relative to `dirfd`), when the cache can answer. `nofollow`: `lstat`.
+unsafe fn cached_stat(dirfd: c_int, path: *const c_char, nofollow: bool) -> Option<libc::stat> {
     let s = shim()?;
     let abs = s.source_path(dirfd, path)?;
-    s.cache()?.cached_stat(&abs).ok().flatten()
+    s.cache()?.cached_stat(&abs, nofollow).ok().flatten()
 }
 
-unsafe fn stat_common(dirfd: c_int, path: *const c_char, buf: *mut libc::stat, real: impl FnOnce() -> c_int) -> c_int {
+/// The stat family by path: the cache's answer, or the source's, which the cache takes note of (a
+/// trusted source's directories are answered from the cache the next time). `record` turns what the
+/// real call wrote into a `stat`.
+unsafe fn stat_path<T>(
+    dirfd: c_int,
+    path: *const c_char,
+    buf: *mut T,
+    nofollow: bool,
+    answer: impl FnOnce(&libc::stat) -> T,
+    record: impl FnOnce(&T) -> libc::stat,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
-    match cached_stat(dirfd, path) {
-        Some(st) => {
-            *buf = st;
-            0
-        }
-        None => real(),
+    let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
+    let Some(cache) = s.cache() else { return real() };
+    if let Ok(Some(st)) = cache.cached_stat(&abs, nofollow) {
+        *buf = answer(&st);
+        return 0;
     }
+    let rc = real();
+    if rc == 0 && !buf.is_null() {
+        cache.note_stat(&abs, &record(&*buf), nofollow);
+    }
+    rc
+}
+
+unsafe fn stat_common(
+    dirfd: c_int,
+    path: *const c_char,
+    buf: *mut libc::stat,
+    nofollow: bool,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
+    stat_path(dirfd, path, buf, nofollow, |st| *st, |st| *st, real)
+}
+
+/// After the real `fstat` of `fd` filled `buf`: a tier copy this process's cache handed out is reported
+/// as the source file it copies. The cache is not opened for this: without it, no copy was handed out.
+unsafe fn fstat_common(fd: c_int, buf: *mut libc::stat, real: impl FnOnce() -> c_int) -> c_int {
+    let rc = real();
+    if rc != 0 || buf.is_null() {
+        return rc;
+    }
+    let Some(_busy) = Busy::enter() else { return rc };
+    if let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) {
+        if let Some(st) = cache.copy_stat(fd, &*buf) {
+            *buf = st;
+        }
+    }
+    rc
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stat(path: *const c_char, buf: *mut libc::stat) -> c_int {
-    stat_common(libc::AT_FDCWD, path, buf, || {
+    stat_common(libc::AT_FDCWD, path, buf, false, || {
         real!("stat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(path, buf)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stat64(path: *const c_char, buf: *mut libc::stat) -> c_int {
-    stat_common(libc::AT_FDCWD, path, buf, || {
+    stat_common(libc::AT_FDCWD, path, buf, false, || {
         real!("stat64", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(path, buf)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn __xstat(ver: c_int, path: *const c_char, buf: *mut libc::stat) -> c_int {
-    stat_common(libc::AT_FDCWD, path, buf, || {
+    stat_common(libc::AT_FDCWD, path, buf, false, || {
         real!("__xstat", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat) -> c_int)(ver, path, buf)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn __xstat64(ver: c_int, path: *const c_char, buf: *mut libc::stat) -> c_int {
-    stat_common(libc::AT_FDCWD, path, buf, || {
+    stat_common(libc::AT_FDCWD, path, buf, false, || {
         real!("__xstat64", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat) -> c_int)(ver, path, buf)
     })
 }
 
-/// `fstatat` answers from the cache only when it follows symlinks and names a path: `lstat` semantics
-/// (AT_SYMLINK_NOFOLLOW) and `fstat` through AT_EMPTY_PATH are the source's to answer.
+#[no_mangle]
+pub unsafe extern "C" fn lstat(path: *const c_char, buf: *mut libc::stat) -> c_int {
+    stat_common(libc::AT_FDCWD, path, buf, true, || {
+        real!("lstat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn lstat64(path: *const c_char, buf: *mut libc::stat) -> c_int {
+    stat_common(libc::AT_FDCWD, path, buf, true, || {
+        real!("lstat64", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __lxstat(ver: c_int, path: *const c_char, buf: *mut libc::stat) -> c_int {
+    stat_common(libc::AT_FDCWD, path, buf, true, || {
+        real!("__lxstat", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat) -> c_int)(ver, path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __lxstat64(ver: c_int, path: *const c_char, buf: *mut libc::stat) -> c_int {
+    stat_common(libc::AT_FDCWD, path, buf, true, || {
+        real!("__lxstat64", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat) -> c_int)(ver, path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstat(fd: c_int, buf: *mut libc::stat) -> c_int {
+    fstat_common(fd, buf, || real!("fstat", unsafe extern "C" fn(c_int, *mut libc::stat) -> c_int)(fd, buf))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstat64(fd: c_int, buf: *mut libc::stat) -> c_int {
+    fstat_common(fd, buf, || real!("fstat64", unsafe extern "C" fn(c_int, *mut libc::stat) -> c_int)(fd, buf))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __fxstat(ver: c_int, fd: c_int, buf: *mut libc::stat) -> c_int {
+    fstat_common(fd, buf, || {
+        real!("__fxstat", unsafe extern "C" fn(c_int, c_int, *mut libc::stat) -> c_int)(ver, fd, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __fxstat64(ver: c_int, fd: c_int, buf: *mut libc::stat) -> c_int {
+    fstat_common(fd, buf, || {
+        real!("__fxstat64", unsafe extern "C" fn(c_int, c_int, *mut libc::stat) -> c_int)(ver, fd, buf)
+    })
+}
+
+/// Whether a `*at` call with `flags` names the descriptor itself (`fstat` through AT_EMPTY_PATH).
+unsafe fn names_descriptor(path: *const c_char, flags: c_int) -> bool {
+    flags & libc::AT_EMPTY_PATH != 0 && (path.is_null() || *path == 0)
+}
+
 unsafe fn fstatat_common(
     dirfd: c_int,
     path: *const c_char,
@@ -483,10 +584,10 @@ unsafe fn fstatat_common(
     flags: c_int,
     real: impl FnOnce() -> c_int,
 ) -> c_int {
-    if flags & (libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
-        return real();
+    if names_descriptor(path, flags) {
+        return fstat_common(dirfd, buf, real);
     }
-    stat_common(dirfd, path, buf, real)
+    stat_common(dirfd, path, buf, flags & libc::AT_SYMLINK_NOFOLLOW != 0, real)
 }
 
 #[no_mangle]
@@ -537,12 +638,33 @@ pub unsafe extern "C" fn __fxstatat64(
     })
 }
 
-fn statx_time(sec: i64, nsec: i64) -> libc::statx_timestamp {
+fn statx_time(ns: (i64, i64)) -> libc::statx_timestamp {
     // SAFETY: a plain C struct, all zeros is valid.
     let mut t: libc::statx_timestamp = unsafe { std::mem::zeroed() };
-    t.tv_sec = sec;
-    t.tv_nsec = nsec as u32;
+    t.tv_sec = ns.0;
+    t.tv_nsec = ns.1 as u32;
     t
+}
+
+/// The `statx` answer that carries what `st` says.
+fn statx_of(st: &libc::stat) -> libc::statx {
+    // SAFETY: a plain C struct, all zeros is valid.
+    let mut x: libc::statx = unsafe { std::mem::zeroed() };
+    x.stx_mask = libc::STATX_BASIC_STATS;
+    x.stx_blksize = st.st_blksize as u32;
+    x.stx_nlink = st.st_nlink as u32;
+    x.stx_uid = st.st_uid;
+    x.stx_gid = st.st_gid;
+    x.stx_mode = st.st_mode as u16;
+    x.stx_ino = st.st_ino;
+    x.stx_size = st.st_size as u64;
+    x.stx_blocks = st.st_blocks as u64;
+    x.stx_atime = statx_time((st.st_atime, st.st_atime_nsec));
+    x.stx_mtime = statx_time((st.st_mtime, st.st_mtime_nsec));
+    x.stx_ctime = statx_time((st.st_ctime, st.st_ctime_nsec));
+    x.stx_dev_major = libc::major(st.st_dev);
+    x.stx_dev_minor = libc::minor(st.st_dev);
+    x
 }
 
 #[no_mangle]
@@ -558,33 +680,138 @@ pub unsafe extern "C" fn statx(
             dirfd, path, flags, mask, buf,
         )
     };
-    if flags & (libc::AT_SYMLINK_NOFOLLOW | libc::AT_EMPTY_PATH) != 0 {
+    if names_descriptor(path, flags) {
+        let rc = real();
+        if rc != 0 || buf.is_null() {
+            return rc;
+        }
+        let Some(_busy) = Busy::enter() else { return rc };
+        let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) else { return rc };
+        // Only the device and the size are read to recognise a copy.
+        let mut own: libc::stat = std::mem::zeroed();
+        own.st_dev = libc::makedev((*buf).stx_dev_major, (*buf).stx_dev_minor);
+        own.st_size = (*buf).stx_size as i64;
+        if let Some(st) = cache.copy_stat(dirfd, &own) {
+            *buf = statx_of(&st);
+        }
+        return rc;
+    }
+    stat_path(dirfd, path, buf, flags & libc::AT_SYMLINK_NOFOLLOW != 0, statx_of, stat_of, real)
+}
+
+/// The `stat` that carries what `statx` answered (for the cache's notes). An answer without every basic
+/// field (the program asked for fewer) gives a `stat` of no type, which the cache does not note.
+fn stat_of(x: &libc::statx) -> libc::stat {
+    // SAFETY: a plain C struct, all zeros is valid.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if x.stx_mask & libc::STATX_BASIC_STATS != libc::STATX_BASIC_STATS {
+        return st;
+    }
+    st.st_dev = libc::makedev(x.stx_dev_major, x.stx_dev_minor);
+    st.st_ino = x.stx_ino;
+    st.st_mode = u32::from(x.stx_mode);
+    st.st_nlink = x.stx_nlink as _;
+    st.st_uid = x.stx_uid;
+    st.st_gid = x.stx_gid;
+    st.st_size = x.stx_size as i64;
+    st.st_blksize = x.stx_blksize as _;
+    st.st_blocks = x.stx_blocks as i64;
+    (st.st_atime, st.st_atime_nsec) = (x.stx_atime.tv_sec, i64::from(x.stx_atime.tv_nsec));
+    (st.st_mtime, st.st_mtime_nsec) = (x.stx_mtime.tv_sec, i64::from(x.stx_mtime.tv_nsec));
+    (st.st_ctime, st.st_ctime_nsec) = (x.stx_ctime.tv_sec, i64::from(x.stx_ctime.tv_nsec));
+    st
+}
+
+// Path resolution of cached files, answered without the source when copies are trusted and the file's
+// path is known to have no symlink on the way (libhdf5 asks `realpath` and `readlink` of every file it
+// opens; Python's `os.path.realpath` asks `lstat` of each part).
+
+/// `realpath` of a cached file: the source's resolved path joined with the file's.
+unsafe fn cached_real_path(path: *const c_char) -> Option<std::ffi::CString> {
+    let s = shim()?;
+    let abs = s.source_path(libc::AT_FDCWD, path)?;
+    let real = s.cache()?.cached_real_path(&abs).ok().flatten()?;
+    std::ffi::CString::new(real.into_os_string().into_vec()).ok()
+}
+
+/// Writes `resolved` as `realpath` returns it: into `out` when given (PATH_MAX bytes), else into memory
+/// from `malloc` that the caller frees.
+unsafe fn return_path(resolved: &std::ffi::CStr, out: *mut c_char) -> *mut c_char {
+    let bytes = resolved.to_bytes_with_nul();
+    let dst = if out.is_null() { libc::malloc(bytes.len()) as *mut c_char } else { out };
+    if dst.is_null() {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    }
+    std::ptr::copy_nonoverlapping(bytes.as_ptr() as *const c_char, dst, bytes.len());
+    dst
+}
+
+unsafe fn realpath_common(path: *const c_char, out: *mut c_char, real: impl FnOnce() -> *mut c_char) -> *mut c_char {
+    let Some(_busy) = Busy::enter() else { return real() };
+    match cached_real_path(path) {
+        Some(resolved) if resolved.as_bytes().len() < libc::PATH_MAX as usize => return_path(&resolved, out),
+        _ => real(),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn realpath(path: *const c_char, out: *mut c_char) -> *mut c_char {
+    realpath_common(path, out, || {
+        real!("realpath", unsafe extern "C" fn(*const c_char, *mut c_char) -> *mut c_char)(path, out)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __realpath_chk(path: *const c_char, out: *mut c_char, outlen: size_t) -> *mut c_char {
+    let real = || {
+        real!("__realpath_chk", unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> *mut c_char)(
+            path, out, outlen,
+        )
+    };
+    // The fortified variant aborts when the buffer is short of PATH_MAX: let it.
+    if !out.is_null() && outlen < libc::PATH_MAX as size_t {
         return real();
     }
+    realpath_common(path, out, real)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn canonicalize_file_name(path: *const c_char) -> *mut c_char {
+    realpath_common(path, std::ptr::null_mut(), || {
+        real!("canonicalize_file_name", unsafe extern "C" fn(*const c_char) -> *mut c_char)(path)
+    })
+}
+
+/// `readlink` of a cached file known not to be a symlink: EINVAL, as the source would answer.
+unsafe fn readlink_common(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> ssize_t) -> ssize_t {
     let Some(_busy) = Busy::enter() else { return real() };
-    let Some(st) = cached_stat(dirfd, path) else { return real() };
-    let mut x: libc::statx = std::mem::zeroed();
-    x.stx_mask = libc::STATX_BASIC_STATS;
-    x.stx_blksize = st.st_blksize as u32;
-    x.stx_nlink = st.st_nlink as u32;
-    x.stx_uid = st.st_uid;
-    x.stx_gid = st.st_gid;
-    x.stx_mode = st.st_mode as u16;
-    x.stx_ino = st.st_ino;
-    x.stx_size = st.st_size as u64;
-    x.stx_blocks = st.st_blocks as u64;
-    x.stx_atime = statx_time(st.st_atime, st.st_atime_nsec);
-    x.stx_mtime = statx_time(st.st_mtime, st.st_mtime_nsec);
-    x.stx_ctime = statx_time(st.st_ctime, st.st_ctime_nsec);
-    x.stx_dev_major = libc::major(st.st_dev);
-    x.stx_dev_minor = libc::minor(st.st_dev);
-    *buf = x;
-    0
+    if cached_stat(dirfd, path, true).is_some() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    real()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readlink(path: *const c_char, buf: *mut c_char, size: size_t) -> ssize_t {
+    readlink_common(libc::AT_FDCWD, path, || {
+        real!("readlink", unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> ssize_t)(path, buf, size)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readlinkat(dirfd: c_int, path: *const c_char, buf: *mut c_char, size: size_t) -> ssize_t {
+    readlink_common(dirfd, path, || {
+        real!("readlinkat", unsafe extern "C" fn(c_int, *const c_char, *mut c_char, size_t) -> ssize_t)(
+            dirfd, path, buf, size,
+        )
+    })
 }
 
 unsafe fn access_common(dirfd: c_int, path: *const c_char, mode: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
-    if mode & (libc::W_OK | libc::X_OK) == 0 && cached_stat(dirfd, path).is_some() {
+    if mode & (libc::W_OK | libc::X_OK) == 0 && cached_stat(dirfd, path, false).is_some() {
         return 0;
     }
     real()

@@ -229,6 +229,12 @@ impl PyCache {
     fn source(&self) -> String {
         self.config.source.to_string_lossy().into_owned()
     }
+
+    /// Environment variables that let processes started for this cache (`tierstore run`) take the
+    /// source as this process resolved it, instead of asking the store again.
+    fn resolved_env(&self) -> Vec<(String, String)> {
+        self.config.resolved_env().into_iter().map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned())).collect()
+    }
 }
 
 /// A file opened through the cache (wrapped by `tierstore.CachedFile`).

@@ -1,0 +1,188 @@
+"""One consistent view of a cached file under `tierstore run`: `stat`, `lstat`, `statx` and `fstat` of the
+descriptor an open returns all describe the source's file, so programs that compare them (cp, tar,
+rsync) work; and with `revalidate = "never"` a warm cache answers every one of them, and `realpath` and
+`readlink`, without asking the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import content, store_stats
+from tests.test_preload import tierstore_run
+
+FIELDS = (
+    "st_dev",
+    "st_ino",
+    "st_mode",
+    "st_nlink",
+    "st_uid",
+    "st_gid",
+    "st_size",
+    "st_mtime_ns",
+    "st_ctime_ns",
+)
+
+# Stats every way a program can, and reports each answer's fields (and the bytes' length).
+VIEWS = textwrap.dedent(
+    """
+    import json, os, sys
+    FIELDS = json.loads(os.environ["FIELDS"])
+    out = {}
+    for p in sys.argv[1:]:
+        views = {"stat": os.stat(p), "lstat": os.lstat(p)}
+        with open(p, "rb") as f:
+            views["fstat"] = os.fstat(f.fileno())
+            n = len(f.read())
+            views["fstat after read"] = os.fstat(f.fileno())
+        out[p] = {k: [getattr(v, a) for a in FIELDS] for k, v in views.items()}
+        out[p]["read"] = n
+        out[p]["realpath"] = os.path.realpath(p)
+    print(json.dumps(out))
+    """
+)
+
+
+def run_views(mount: Path, tier: str, tmp_path: Path, paths: list[Path], revalidate: str) -> dict:
+    job = tmp_path / "views.py"
+    job.write_text(VIEWS)
+    env = {**os.environ, "FIELDS": json.dumps(FIELDS)}
+    p = tierstore_run(mount, tier, sys.executable, str(job), *map(str, paths), revalidate=revalidate, env=env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("revalidate", ["always", "never"])
+def test_stat_lstat_and_fstat_of_a_cached_file_describe_the_source_file(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path, revalidate: str
+) -> None:
+    backing, mount = slow_store
+    (backing / "d").mkdir()
+    (backing / "d" / "small.bin").write_bytes(content(1, 10_000))
+    (backing / "d" / "large.bin").write_bytes(content(2, 12 << 20))  # above inline_max: streamed
+    paths = [mount / "d" / "small.bin", mount / "d" / "large.bin"]
+    direct = {str(p): [getattr(os.stat(p), a) for a in FIELDS] for p in paths}
+    for attempt in ("cold", "warm"):
+        seen = run_views(mount, f"{tier}:256M", tmp_path, paths, revalidate)
+        for p in paths:
+            views = seen[str(p)]
+            assert views["read"] == p.stat().st_size
+            assert views["realpath"] == str(p)
+            for kind in ("stat", "lstat", "fstat", "fstat after read"):
+                assert views[kind] == direct[str(p)], f"{attempt} {kind} of {p.name} is not the source's"
+    # And so the tools that compare them work: cp and tar exit 0 with the same bytes.
+    copy = tmp_path / "copy.bin"
+    p = tierstore_run(mount, f"{tier}:256M", "cp", str(paths[1]), str(copy), revalidate=revalidate)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert copy.read_bytes() == (backing / "d" / "large.bin").read_bytes()
+    p = tierstore_run(
+        mount,
+        f"{tier}:256M",
+        "tar",
+        "cf",
+        str(tmp_path / "d.tar"),
+        "-C",
+        str(mount),
+        "d",
+        revalidate=revalidate,
+    )
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+
+
+# A per-sample reader's metadata calls: what libhdf5, numpy and Python's path helpers ask of a file.
+PER_SAMPLE = textwrap.dedent(
+    """
+    import ctypes, errno, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.realpath.restype = ctypes.c_char_p
+    for p in sys.argv[1:]:
+        os.stat(p); os.lstat(p); os.path.exists(p); os.path.isfile(p); os.access(p, os.R_OK)
+        assert os.path.realpath(p) == p, os.path.realpath(p)
+        assert libc.realpath(p.encode(), None) == p.encode()
+        buf = ctypes.create_string_buffer(256)
+        assert libc.readlink(p.encode(), buf, 256) == -1 and ctypes.get_errno() == errno.EINVAL
+        with open(p, "rb") as f:
+            os.fstat(f.fileno()); f.read()
+        os.stat(os.path.dirname(p)); os.lstat(os.path.dirname(p))
+    print("ok")
+    """
+)
+
+
+def test_a_warm_trusted_cache_asks_the_store_nothing(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    paths = []
+    for i in range(20):
+        p = backing / f"c{i % 3}" / f"{i}.bin"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(content(i, 5000))
+        paths.append(str(mount / p.relative_to(backing)))
+    job = tmp_path / "per_sample.py"
+    job.write_text(PER_SAMPLE)
+    for _ in ("cold", "warm"):
+        before = store_stats(mount)
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err
+        sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}
+    assert sent == {}, f"a warm pass sent operations to the store: {sent}"
+
+
+def test_symlinks_inside_the_source_are_still_reported_as_symlinks(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    (backing / "real.bin").write_bytes(b"x" * 100)
+    (backing / "link.bin").symlink_to("real.bin")
+    script = textwrap.dedent(
+        """
+        import json, os, stat, sys
+        link, real = sys.argv[1], sys.argv[2]
+        open(link, "rb").read(); open(real, "rb").read()
+        print(json.dumps([stat.S_ISLNK(os.lstat(link).st_mode), os.readlink(link), os.path.realpath(link),
+                          os.stat(link).st_ino == os.stat(real).st_ino]))
+        """
+    )
+    for _ in range(2):  # cold, then warm
+        p = tierstore_run(
+            mount,
+            f"{tier}:64M",
+            sys.executable,
+            "-c",
+            script,
+            str(mount / "link.bin"),
+            str(mount / "real.bin"),
+        )
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert json.loads(out) == [True, "real.bin", str(mount / "real.bin"), True]
+
+
+def test_a_source_reached_through_a_symlinked_path_is_cached(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    """The source configured by a path through a symlink: programs using either spelling are served."""
+    backing, mount = slow_store
+    (backing / "a.bin").write_bytes(b"a" * 1000)
+    alias = tmp_path / "dataset"
+    alias.symlink_to(mount)
+    for name in (alias, mount):
+        p = tierstore_run(alias, f"{tier}:64M", "cat", str(name / "a.bin"))
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and out == "a" * 1000, err
+    before = store_stats(mount)
+    for name in (alias, mount):
+        p = tierstore_run(alias, f"{tier}:64M", "cat", str(name / "a.bin"))
+        assert p.communicate(timeout=60)[0] == "a" * 1000
+    after = store_stats(mount)
+    assert after.get("open", 0) == before.get("open", 0), "a warm read by either spelling opened the source"
