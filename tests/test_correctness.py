@@ -117,6 +117,24 @@ def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None
         assert f.backing == "tier" and f.read() == b"version three, longer"
 
 
+def test_rewrite_in_place_with_the_old_mtime_put_back_is_fetched_again(source: Path, tier: str) -> None:
+    """rsync --times, tar x and cp -p restore the mtime after writing: the ctime still tells."""
+    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    p = source / "restored.bin"
+    p.write_bytes(b"version one")
+    before = p.stat()
+    assert cache.open(p).read() == b"version one"
+    cache.wait()
+    time.sleep(0.01)  # a ctime tick apart, however coarse the file system's clock
+    p.write_bytes(b"version two")
+    os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (p.stat().st_size, p.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert cache.open(p).read() == b"version two"
+    cache.wait()
+    with cache.open(p) as f:
+        assert f.backing == "tier" and f.read() == b"version two"
+
+
 def test_copy_keeps_the_source_mtime(source: Path, tier: str) -> None:
     cache = tierstore.Cache(source, [f"{tier}:16M"])
     p = source / "m.bin"
@@ -236,6 +254,7 @@ def test_eviction_under_quota_with_concurrent_readers(source: Path, tier: str, p
     assert held.read() == files[pinned], "an evicted copy changed under its reader"
     s = cache.stats()["tiers"][0]
     assert s["evictions"] > 0 and s["bytes_used"] <= quota
+    assert s["faults"] == 0, "a copy evicted between lookup and open was counted as damage"
 
 
 def test_reader_holding_a_copy_blocks_its_eviction(source: Path, tier: str) -> None:

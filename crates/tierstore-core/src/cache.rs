@@ -817,10 +817,10 @@ impl Inner {
         let tier = &self.tiers[i];
         let file = match tier.open_copy(key) {
             Ok(f) => f,
-            // Under an evicting policy another process may have evicted the copy since the lookup: if
-            // its entry is gone or changed too, that is a miss, not damage.
+            // Under an evicting policy another thread or process may have evicted the copy since the
+            // lookup: if its entry is gone or changed too, that is a miss, not damage.
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
+                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup_settled(key).ok().flatten());
                 return match still {
                     Some(now)
                         if now.ready && now.source == e.source && now.stats.inserted_seq == e.stats.inserted_seq =>

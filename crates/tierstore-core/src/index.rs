@@ -339,6 +339,17 @@ impl Index {
         }
     }
 
+    /// The entry of `key` once every write in progress has committed. Eviction removes a copy inside
+    /// the write that deletes its entry, so a reader that found an entry and then no copy asks again
+    /// here: an entry gone by then was evicted under it (a miss); one still there lost its copy (damage).
+    pub fn lookup_settled(&self, key: &Key) -> Result<Option<Entry>, IndexError> {
+        let txn = self.env.write()?; // waits for the writer in progress; dropped without committing
+        match txn.get(self.entries, key)? {
+            None => Ok(None),
+            Some(b) => Entry::decode(b).map(Some).ok_or(IndexError::Damaged),
+        }
+    }
+
     fn delete(&self, txn: &mut crate::lmdb::Txn<'_>, key: &Key, e: &Entry) -> Result<(), LmdbError> {
         txn.del(self.entries, key)?;
         txn.del(self.ranks, &rank_key(&self.policy.rank(&e.stats), key))?;
