@@ -186,3 +186,48 @@ def test_a_source_reached_through_a_symlinked_path_is_cached(
         assert p.communicate(timeout=60)[0] == "a" * 1000
     after = store_stats(mount)
     assert after.get("open", 0) == before.get("open", 0), "a warm read by either spelling opened the source"
+
+
+READERS = textwrap.dedent(
+    """
+    import sys
+    import h5py, numpy as np
+    from PIL import Image
+    for p in sys.argv[1:]:
+        if p.endswith(".h5"):
+            with h5py.File(p, "r") as f:
+                assert f["records"][3].sum() > 0
+        elif p.endswith(".npy"):
+            assert np.load(p).shape == (64,)
+        else:
+            with Image.open(p) as im:
+                assert im.load() is not None and im.size == (8, 8)
+    print("ok")
+    """
+)
+
+
+def test_per_sample_h5py_numpy_and_pil_readers_ask_a_warm_cache_nothing(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    import h5py
+    import numpy as np
+    from PIL import Image
+
+    backing, mount = slow_store
+    (backing / "s").mkdir()
+    for i in range(8):
+        with h5py.File(backing / "s" / f"{i}.h5", "w") as f:
+            f["records"] = np.arange(1, 10 * 16 + 1, dtype=np.float32).reshape(10, 16) + i
+        np.save(backing / "s" / f"{i}.npy", np.arange(64) + i)
+        Image.new("RGB", (8, 8), (i, 2 * i, 3 * i)).save(backing / "s" / f"{i}.png")
+    paths = sorted(str(mount / "s" / p.name) for p in (backing / "s").iterdir())
+    job = tmp_path / "readers.py"
+    job.write_text(READERS)
+    for _ in ("cold", "warm"):
+        before = store_stats(mount)
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err
+        sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}
+    assert sent == {}, f"a warm pass of h5py, numpy.load and PIL sent operations to the store: {sent}"

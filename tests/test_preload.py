@@ -88,7 +88,8 @@ def make_images(root: Path, n: int) -> str:
 
 
 @pytest.mark.parametrize(
-    ("workers", "context"), [(0, "fork"), (2, "fork"), (4, "fork"), (2, "spawn"), (4, "spawn")]
+    ("workers", "context"),
+    [(0, "fork"), (2, "fork"), (4, "fork"), (2, "spawn"), (4, "spawn"), (2, "forkserver")],
 )
 def test_dataloader_under_tierstore_run_reads_the_store_only_in_epoch_one(
     slow_store: tuple[Path, Path], tier: str, tmp_path: Path, workers: int, context: str

@@ -4,9 +4,12 @@
 //! For paths under the source it intercepts the open family (a read-only open returns a descriptor of
 //! the tier copy, so read, pread, mmap and fstat work natively with no further interception; on a miss a
 //! small file is fetched whole first, and a large one is opened on the source while it is copied, see
-//! `streams`), the stat family and access (answered from the cache when the dataset is
-//! trusted, `revalidate = "never"`), and the calls that change files (writes, truncation, rename, unlink),
-//! which pass through and invalidate what they change. Every other path costs a prefix comparison.
+//! `streams`), the stat family (whose every member, `fstat` of a copy's descriptor included, reports the
+//! source's file, so programs that compare them see one file), `access`, `realpath` and `readlink`
+//! (answered from the cache when the dataset is trusted, `revalidate = "never"`), and the calls that
+//! change files (writes, truncation, rename, unlink), which pass through and invalidate what they change.
+//! Every other path costs a prefix comparison; `fstat` of a file on another device than the tiers' costs
+//! a comparison of device numbers.
 //!
 //! Rules that keep it safe inside any process:
 //! - the real functions come from `dlsym(RTLD_NEXT)`; the shim's own file operations (the cache engine
