@@ -1,0 +1,149 @@
+//! A client of an agent: connect, say hello (with the token's proof where one is needed), then one
+//! request at a time. Every step has a deadline, and an error names the agent and how long it waited.
+
+use std::io;
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpStream, UnixStream};
+
+use crate::protocol::{self, Frame, VERSION};
+
+/// A failed exchange with an agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No agent answers there.
+    #[error("no agent at {at} ({source}); start one with `tierstore agent run`")]
+    Unreachable {
+        /// The socket or address.
+        at: String,
+        /// Why the connection failed.
+        source: io::Error,
+    },
+    /// The agent did not answer in time.
+    #[error("the agent at {at} did not answer within {waited:?}")]
+    Deadline {
+        /// The socket or address.
+        at: String,
+        /// How long the client waited.
+        waited: Duration,
+    },
+    /// The agent refused the request.
+    #[error("the agent at {at} refused: {message}")]
+    Refused {
+        /// The socket or address.
+        at: String,
+        /// The agent's message.
+        message: String,
+    },
+    /// The connection broke or carried something that is not a frame.
+    #[error("the connection to the agent at {at} failed: {source}")]
+    Broken {
+        /// The socket or address.
+        at: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+/// A connection to an agent, past its hello.
+pub struct Client<S> {
+    stream: S,
+    at: String,
+    deadline: Duration,
+    /// The agent's node name, from its welcome.
+    pub node: String,
+}
+
+impl Client<UnixStream> {
+    /// Connects to the agent of this node on `socket`.
+    pub async fn local(socket: &Path, deadline: Duration) -> Result<Self, ClientError> {
+        let at = socket.display().to_string();
+        let stream = match tokio::time::timeout(deadline, UnixStream::connect(socket)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => return Err(ClientError::Unreachable { at, source }),
+            Err(_) => return Err(ClientError::Deadline { at, waited: deadline }),
+        };
+        Client::hello(stream, at, "local", None, deadline).await
+    }
+}
+
+impl Client<TcpStream> {
+    /// Connects to the agent of a peer at `addr` as node `me`, proving the job's `token`.
+    pub async fn peer(addr: &str, me: &str, token: Option<&[u8]>, deadline: Duration) -> Result<Self, ClientError> {
+        let at = addr.to_string();
+        let stream = match tokio::time::timeout(deadline, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(source)) => return Err(ClientError::Unreachable { at, source }),
+            Err(_) => return Err(ClientError::Deadline { at, waited: deadline }),
+        };
+        let _ = stream.set_nodelay(true);
+        Client::hello(stream, at, me, token, deadline).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
+    async fn hello(
+        stream: S,
+        at: String,
+        me: &str,
+        token: Option<&[u8]>,
+        deadline: Duration,
+    ) -> Result<Self, ClientError> {
+        let mut c = Client { stream, at, deadline, node: String::new() };
+        let nonce = match c.receive().await? {
+            Frame::Challenge { nonce, .. } => nonce,
+            other => return Err(c.unexpected(&other)),
+        };
+        let proof = token.map_or([0; 32], |t| protocol::proof(t, &nonce));
+        match c.call(&Frame::Hello { version: VERSION, node: me.to_string(), proof }).await? {
+            Frame::Welcome { node } => c.node = node,
+            other => return Err(c.unexpected(&other)),
+        }
+        Ok(c)
+    }
+
+    fn unexpected(&self, frame: &Frame) -> ClientError {
+        match frame {
+            Frame::Error { message, .. } => ClientError::Refused { at: self.at.clone(), message: message.clone() },
+            other => ClientError::Broken {
+                at: self.at.clone(),
+                source: io::Error::new(io::ErrorKind::InvalidData, format!("unexpected answer {other:?}")),
+            },
+        }
+    }
+
+    async fn receive(&mut self) -> Result<Frame, ClientError> {
+        match tokio::time::timeout(self.deadline, protocol::read_frame(&mut self.stream)).await {
+            Ok(Ok(Some(f))) => Ok(f),
+            Ok(Ok(None)) => Err(ClientError::Broken {
+                at: self.at.clone(),
+                source: io::Error::new(io::ErrorKind::UnexpectedEof, "the agent closed the connection"),
+            }),
+            Ok(Err(source)) => Err(ClientError::Broken { at: self.at.clone(), source }),
+            Err(_) => Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
+        }
+    }
+
+    /// Sends `request` and returns the agent's answer (an error answer becomes [`ClientError::Refused`]).
+    pub async fn call(&mut self, request: &Frame) -> Result<Frame, ClientError> {
+        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, request)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(source)) => return Err(ClientError::Broken { at: self.at.clone(), source }),
+            Err(_) => return Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
+        }
+        match self.receive().await? {
+            Frame::Error { message, .. } => Err(ClientError::Refused { at: self.at.clone(), message }),
+            answer => Ok(answer),
+        }
+    }
+
+    /// The agent's status as JSON text.
+    pub async fn status(&mut self) -> Result<String, ClientError> {
+        match self.call(&Frame::Status).await? {
+            Frame::StatusReport { json } => Ok(json),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! `tierstore-agent`: the node agent's executable (`tierstore agent ...` runs it).
+//!
+//! ```text
+//! tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
+//! tierstore-agent status [--socket PATH] [--json]
+//! tierstore-agent stop   [--socket PATH]
+//! ```
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tierstore_agent::client::Client;
+use tierstore_agent::protocol::Frame;
+use tierstore_agent::server::{Agent, Options};
+
+const USAGE: &str = "usage:
+  tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
+  tierstore-agent status [--socket PATH] [--json]
+  tierstore-agent stop   [--socket PATH]";
+
+/// The socket of this user's agent: in the user's runtime directory, or in /tmp.
+fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d).join("tierstore").join("agent.sock"),
+        // SAFETY: getuid cannot fail.
+        _ => PathBuf::from(format!("/tmp/tierstore-{}", unsafe { libc::getuid() })).join("agent.sock"),
+    }
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    if unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        return String::from_utf8_lossy(&buf[..end]).into_owned();
+    }
+    "localhost".into()
+}
+
+struct Logger;
+
+impl log::Log for Logger {
+    fn enabled(&self, m: &log::Metadata) -> bool {
+        m.level() <= log::Level::Info
+    }
+    fn log(&self, r: &log::Record) {
+        if self.enabled(r.metadata()) {
+            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let _ = writeln!(std::io::stderr(), "{:.3} tierstore-agent {}: {}", t.as_secs_f64(), r.level(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+static LOGGER: Logger = Logger;
+
+struct Args {
+    command: String,
+    socket: PathBuf,
+    node: Option<String>,
+    listen: Option<String>,
+    token_file: Option<PathBuf>,
+    idle_exit: Option<f64>,
+    json: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let command = it.next().ok_or("no command given")?;
+    let mut a = Args {
+        command,
+        socket: default_socket(),
+        node: None,
+        listen: None,
+        token_file: None,
+        idle_exit: None,
+        json: false,
+    };
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--socket" => a.socket = PathBuf::from(value()?),
+            "--node" => a.node = Some(value()?),
+            "--listen" => a.listen = Some(value()?),
+            "--token-file" => a.token_file = Some(PathBuf::from(value()?)),
+            "--idle-exit" => {
+                let v = value()?;
+                a.idle_exit = Some(v.parse().map_err(|_| format!("--idle-exit {v:?}: give seconds, e.g. 300"))?);
+            }
+            "--json" => a.json = true,
+            other => return Err(format!("unknown option {other:?}")),
+        }
+    }
+    Ok(a)
+}
+
+async fn run(a: Args) -> Result<(), String> {
+    let mut options = Options::new(a.node.unwrap_or_else(hostname), a.socket);
+    if let Some(l) = &a.listen {
+        options.listen =
+            Some(l.parse().map_err(|_| format!("--listen {l:?}: give ADDRESS:PORT, e.g. 127.0.0.1:7078"))?);
+    }
+    if let Some(f) = &a.token_file {
+        let token = std::fs::read(f).map_err(|e| format!("--token-file {}: {e}", f.display()))?;
+        let token = token.trim_ascii().to_vec();
+        if token.len() < 16 {
+            return Err(format!(
+                "--token-file {}: the token is shorter than 16 bytes; use a long random one",
+                f.display()
+            ));
+        }
+        options.token = Some(token);
+    }
+    options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
+    let agent = Agent::bind(options.clone()).await.map_err(|e| e.to_string())?;
+    log::info!(
+        "node {} serving on {}{}",
+        options.node,
+        options.socket.display(),
+        agent.peer_address().map(|p| format!(" and peers on {p}")).unwrap_or_default()
+    );
+    // The line tierstore's launcher waits for: the agent is ready once it is printed.
+    println!("ready {}", agent.peer_address().map(|p| p.to_string()).unwrap_or_default());
+    let _ = std::io::stdout().flush();
+    let signals = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => std::future::pending().await,
+        }
+    };
+    agent.serve(signals).await;
+    log::info!("stopped");
+    Ok(())
+}
+
+async fn status(a: Args) -> Result<(), String> {
+    let mut c = Client::local(&a.socket, Duration::from_secs(5)).await.map_err(|e| e.to_string())?;
+    let json = c.status().await.map_err(|e| e.to_string())?;
+    if a.json {
+        println!("{json}");
+        return Ok(());
+    }
+    let v: serde_json::Value = serde_json::from_str(&json).map_err(|e| e.to_string())?;
+    if let Some(map) = v.as_object() {
+        for (k, v) in map {
+            println!("{k:<18} {v}");
+        }
+    }
+    Ok(())
+}
+
+async fn stop(a: Args) -> Result<(), String> {
+    let mut c = Client::local(&a.socket, Duration::from_secs(5)).await.map_err(|e| e.to_string())?;
+    match c.call(&Frame::Stop).await.map_err(|e| e.to_string())? {
+        Frame::Stopping => {
+            // Stopped once the socket is gone (the agent removes it last), within a deadline.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while a.socket.exists() {
+                if std::time::Instant::now() > deadline {
+                    return Err(format!("the agent on {} did not stop within 10 s", a.socket.display()));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            println!("stopped the agent of node {}", c.node);
+            Ok(())
+        }
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+fn main() -> ExitCode {
+    let _ = log::set_logger(&LOGGER).map(|()| log::set_max_level(log::LevelFilter::Info));
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("tierstore-agent: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tierstore-agent: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        match args.command.as_str() {
+            "run" => run(args).await,
+            "status" => status(args).await,
+            "stop" => stop(args).await,
+            other => Err(format!("unknown command {other:?}\n{USAGE}")),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tierstore-agent: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,438 @@
+//! The agent's server: a Unix socket for the processes of its node, TCP for its peers, one task per
+//! connection, every read under a deadline, and a graceful stop (a local `Stop`, SIGTERM, or idleness).
+//!
+//! Shape after mini-redis's server: `run(options, shutdown)` binds, accepts under a semaphore with
+//! back-off on accept errors, and a watch channel tells every connection to finish its request and close.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::sync::{watch, Semaphore};
+
+use crate::protocol::{self, ErrorCode, Frame, VERSION};
+
+/// How a connection may act: processes of this node may stop the agent; peers may not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Side {
+    Local,
+    Peer,
+}
+
+/// What the agent is started with.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// This node's name, as peers know it.
+    pub node: String,
+    /// The Unix socket of local clients.
+    pub socket: PathBuf,
+    /// Where to listen for peers (none: this node serves no peer).
+    pub listen: Option<SocketAddr>,
+    /// The job's shared secret; required to listen anywhere but loopback.
+    pub token: Option<Vec<u8>>,
+    /// Exit after this long with no connection (an agent started on demand); `None`: run until stopped.
+    pub idle_exit: Option<Duration>,
+    /// The longest a connection may take to send its hello, or a request's remaining bytes.
+    pub deadline: Duration,
+    /// The longest a connection may stay silent between requests before it is closed.
+    pub idle_connection: Duration,
+    /// Connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+}
+
+impl Options {
+    /// Options with the usual deadlines for `node` on `socket`.
+    pub fn new(node: impl Into<String>, socket: impl Into<PathBuf>) -> Options {
+        Options {
+            node: node.into(),
+            socket: socket.into(),
+            listen: None,
+            token: None,
+            idle_exit: None,
+            deadline: Duration::from_secs(5),
+            idle_connection: Duration::from_secs(300),
+            max_connections: 1024,
+        }
+    }
+}
+
+/// Why the agent could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// Listening beyond loopback without a token would let anyone on the network read the cache.
+    #[error(
+        "refusing to listen on {0} without a token: peers beyond this machine must authenticate; give \
+         every agent of the job the same --token-file, or listen on 127.0.0.1"
+    )]
+    NoToken(SocketAddr),
+    /// Another agent answers on the socket.
+    #[error("an agent already runs on {0}; stop it with `tierstore agent stop`, or give another --socket")]
+    AlreadyRunning(PathBuf),
+    /// A socket or listener could not be set up.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+/// The agent's report of itself (`tierstore agent status`).
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    /// This node's name.
+    pub node: String,
+    /// The agent's process.
+    pub pid: u32,
+    /// The wire protocol version.
+    pub protocol: u8,
+    /// Seconds since start.
+    pub uptime_s: f64,
+    /// The Unix socket.
+    pub socket: String,
+    /// The peer listener, if any.
+    pub listen: Option<String>,
+    /// Connections open now.
+    pub connections: u64,
+    /// Connections accepted since start.
+    pub connections_total: u64,
+    /// Connections refused for a wrong or missing token, or another protocol version.
+    pub refused: u64,
+    /// Connections closed for missing a deadline.
+    pub timeouts: u64,
+    /// Exits after this many seconds without a connection (started on demand), if set.
+    pub idle_exit_s: Option<f64>,
+}
+
+struct Shared {
+    options: Options,
+    listen: Option<SocketAddr>,
+    started: Instant,
+    open: AtomicU64,
+    total: AtomicU64,
+    refused: AtomicU64,
+    timeouts: AtomicU64,
+    last_activity: Mutex<Instant>,
+    stop: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn status(&self) -> Status {
+        Status {
+            node: self.options.node.clone(),
+            pid: std::process::id(),
+            protocol: VERSION,
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            socket: self.options.socket.display().to_string(),
+            listen: self.listen.map(|a| a.to_string()),
+            connections: self.open.load(Ordering::Relaxed),
+            connections_total: self.total.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            timeouts: self.timeouts.load(Ordering::Relaxed),
+            idle_exit_s: self.options.idle_exit.map(|d| d.as_secs_f64()),
+        }
+    }
+
+    fn touch(&self) {
+        *self.last_activity.lock().expect("activity lock") = Instant::now();
+    }
+}
+
+/// A started agent: its listeners are bound (clients can connect) and [`Agent::serve`] runs it.
+pub struct Agent {
+    shared: Arc<Shared>,
+    unix: UnixListener,
+    tcp: Option<TcpListener>,
+}
+
+fn io_err(what: &'static str, path: impl std::fmt::Display) -> impl FnOnce(io::Error) -> AgentError {
+    let path = path.to_string();
+    move |source| AgentError::Io { what, path, source }
+}
+
+impl Agent {
+    /// Checks the options and binds the listeners.
+    pub async fn bind(options: Options) -> Result<Agent, AgentError> {
+        if let Some(addr) = options.listen {
+            if !addr.ip().is_loopback() && options.token.is_none() {
+                return Err(AgentError::NoToken(addr));
+            }
+        }
+        let unix = bind_unix(&options.socket).await?;
+        let tcp = match options.listen {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(io_err("cannot listen on", addr))?),
+            None => None,
+        };
+        let listen = match &tcp {
+            Some(l) => Some(l.local_addr().map_err(io_err("cannot read the address of", "the listener"))?),
+            None => None,
+        };
+        let (stop, _) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            options,
+            listen,
+            started: Instant::now(),
+            open: AtomicU64::new(0),
+            total: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            last_activity: Mutex::new(Instant::now()),
+            stop,
+        });
+        Ok(Agent { shared, unix, tcp })
+    }
+
+    /// The address peers reach this agent on (the port is known once bound, also for port 0).
+    pub fn peer_address(&self) -> Option<SocketAddr> {
+        self.shared.listen
+    }
+
+    /// Serves until `shutdown` completes, a local client sends `Stop`, or the agent was idle for
+    /// `idle_exit`. Open connections finish their current request; the socket file is removed.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        let Agent { shared, unix, tcp } = self;
+        let limit = Arc::new(Semaphore::new(shared.options.max_connections));
+        let mut stopped = shared.stop.subscribe();
+        let unix_loop = accept_unix(unix, shared.clone(), limit.clone());
+        let tcp_loop = async {
+            match tcp {
+                Some(l) => accept_tcp(l, shared.clone(), limit.clone()).await,
+                None => std::future::pending().await,
+            }
+        };
+        let idle = watch_idleness(shared.clone());
+        tokio::select! {
+            _ = unix_loop => {}
+            _ = tcp_loop => {}
+            _ = idle => log::info!("idle for {:?} with nothing pending: exiting", shared.options.idle_exit),
+            _ = shutdown => log::info!("asked to stop"),
+            _ = stopping(&mut stopped) => log::info!("stopped by a local client"),
+        }
+        let _ = shared.stop.send(true);
+        // Wait (bounded) for the connections to finish the request they are serving.
+        let deadline = Instant::now() + shared.options.deadline;
+        while shared.open.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let _ = std::fs::remove_file(&shared.options.socket);
+    }
+}
+
+/// Binds the Unix socket in a directory only this user can enter, replacing a stale socket file (one no
+/// agent answers on) and refusing to start beside a live agent.
+async fn bind_unix(path: &Path) -> Result<UnixListener, AgentError> {
+    if let Some(dir) = path.parent() {
+        use std::os::unix::fs::DirBuilderExt;
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io_err("cannot create the socket directory", dir.display()))?;
+        }
+    }
+    if path.exists() {
+        let live = tokio::time::timeout(Duration::from_secs(1), UnixStream::connect(path)).await;
+        if matches!(live, Ok(Ok(_))) {
+            return Err(AgentError::AlreadyRunning(path.to_path_buf()));
+        }
+        std::fs::remove_file(path).map_err(io_err("cannot remove the stale socket", path.display()))?;
+    }
+    let l = UnixListener::bind(path).map_err(io_err("cannot bind the socket", path.display()))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err("cannot restrict the socket", path.display()))?;
+    Ok(l)
+}
+
+async fn accept_unix(l: UnixListener, shared: Arc<Shared>, limit: Arc<Semaphore>) {
+    let mut backoff = Duration::from_millis(1);
+    loop {
+        let Ok(permit) = limit.clone().acquire_owned().await else { return };
+        match l.accept().await {
+            Ok((stream, _)) => {
+                backoff = Duration::from_millis(1);
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    serve_connection(stream, Side::Local, shared).await;
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                log::warn!("accept on the socket failed ({e}); retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+async fn accept_tcp(l: TcpListener, shared: Arc<Shared>, limit: Arc<Semaphore>) {
+    let mut backoff = Duration::from_millis(1);
+    loop {
+        let Ok(permit) = limit.clone().acquire_owned().await else { return };
+        match l.accept().await {
+            Ok((stream, _)) => {
+                backoff = Duration::from_millis(1);
+                let _ = stream.set_nodelay(true);
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    serve_connection(stream, Side::Peer, shared).await;
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                log::warn!("accept of a peer failed ({e}); retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Resolves once the agent has had no connection for `idle_exit` (never, without it).
+async fn watch_idleness(shared: Arc<Shared>) {
+    let Some(idle) = shared.options.idle_exit else { return std::future::pending().await };
+    loop {
+        tokio::time::sleep(Duration::from_millis(100).min(idle)).await;
+        let quiet = shared.last_activity.lock().expect("activity lock").elapsed();
+        if shared.open.load(Ordering::Acquire) == 0 && quiet >= idle {
+            return;
+        }
+    }
+}
+
+/// Resolves once the agent is stopping (the watch's guard is not held across an await).
+async fn stopping(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await.map(|_| ());
+}
+
+/// Counts a connection open for as long as it lives.
+struct Open(Arc<Shared>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.touch();
+    }
+}
+
+fn nonce() -> [u8; 32] {
+    let mut n = [0u8; 32];
+    // SAFETY: getrandom writes at most `n.len()` bytes into the buffer.
+    let got = unsafe { libc::getrandom(n.as_mut_ptr() as *mut libc::c_void, n.len(), 0) };
+    if got != n.len() as isize {
+        // Never expected on Linux; a nonce from the clock and the pid still differs per connection.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        n = *blake3::hash(format!("{t:?}{}", std::process::id()).as_bytes()).as_bytes();
+    }
+    n
+}
+
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side: Side, shared: Arc<Shared>) {
+    shared.open.fetch_add(1, Ordering::AcqRel);
+    shared.total.fetch_add(1, Ordering::Relaxed);
+    shared.touch();
+    let _open = Open(shared.clone());
+    let mut stop = shared.stop.subscribe();
+    let deadline = shared.options.deadline;
+    let n = nonce();
+    if protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await.is_err() {
+        return;
+    }
+    let hello = match tokio::time::timeout(deadline, protocol::read_frame(&mut stream)).await {
+        Ok(Ok(Some(f))) => f,
+        Ok(_) => return,
+        Err(_) => {
+            shared.timeouts.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let refusal = match &hello {
+        Frame::Hello { version, .. } if *version != VERSION => Some((
+            ErrorCode::Version,
+            format!("this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"),
+        )),
+        Frame::Hello { node, proof, .. } => match (&shared.options.token, side) {
+            (Some(token), Side::Peer) if !protocol::proof_matches(token, &n, proof) => Some((
+                ErrorCode::Unauthorized,
+                format!("node {node:?}: wrong token; every agent of a job must be given the same token"),
+            )),
+            _ => None,
+        },
+        _ => Some((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+    };
+    if let Some((code, message)) = refusal {
+        shared.refused.fetch_add(1, Ordering::Relaxed);
+        log::warn!("refused a {side:?} connection: {message}");
+        let _ = protocol::write_frame(&mut stream, &Frame::Error { code, message }).await;
+        return;
+    }
+    if protocol::write_frame(&mut stream, &Frame::Welcome { node: shared.options.node.clone() }).await.is_err() {
+        return;
+    }
+    loop {
+        let request = tokio::select! {
+            r = tokio::time::timeout(shared.options.idle_connection, protocol::read_frame(&mut stream)) => r,
+            _ = stopping(&mut stop) => {
+                let _ = protocol::write_frame(&mut stream, &Frame::Error {
+                    code: ErrorCode::ShuttingDown,
+                    message: "the agent is shutting down".into(),
+                }).await;
+                return;
+            }
+        };
+        let frame = match request {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                let _ = protocol::write_frame(
+                    &mut stream,
+                    &Frame::Error { code: ErrorCode::BadRequest, message: e.to_string() },
+                )
+                .await;
+                return;
+            }
+            Err(_) => {
+                shared.timeouts.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        shared.touch();
+        let (answer, then_stop) = match frame {
+            Frame::Ping { nonce } => (Frame::Pong { nonce }, false),
+            Frame::Status => {
+                let json = serde_json::to_string(&shared.status()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+                (Frame::StatusReport { json }, false)
+            }
+            Frame::Stop if side == Side::Local => (Frame::Stopping, true),
+            Frame::Stop => (
+                Frame::Error {
+                    code: ErrorCode::BadRequest,
+                    message: "only processes of the agent's node may stop it".into(),
+                },
+                false,
+            ),
+            other => {
+                (Frame::Error { code: ErrorCode::BadRequest, message: format!("not a request: {other:?}") }, false)
+            }
+        };
+        let sent = tokio::time::timeout(deadline, protocol::write_frame(&mut stream, &answer)).await;
+        if then_stop {
+            let _ = shared.stop.send(true);
+        }
+        if !matches!(sent, Ok(Ok(()))) {
+            return;
+        }
+    }
+}

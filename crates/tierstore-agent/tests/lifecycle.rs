@@ -1,0 +1,151 @@
+//! The agent's lifecycle and protocol against real instances: in-process on a temporary socket and on
+//! 127.0.0.1:0, and as the real executable, killed with SIGKILL mid-conversation.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tierstore_agent::client::{Client, ClientError};
+use tierstore_agent::protocol::{self, Frame};
+use tierstore_agent::server::{Agent, AgentError, Options};
+
+const TOKEN: &[u8] = b"a-token-of-the-job-0123456789";
+
+fn options(dir: &Path) -> Options {
+    let mut o = Options::new("node-a", dir.join("agent.sock"));
+    o.listen = Some("127.0.0.1:0".parse().unwrap());
+    o.token = Some(TOKEN.to_vec());
+    o.deadline = Duration::from_millis(300);
+    o
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_clients_and_authenticated_peers_are_served_then_a_local_stop_ends_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = options(dir.path());
+    let agent = Agent::bind(o.clone()).await.unwrap();
+    let peer = agent.peer_address().unwrap().to_string();
+    let served = tokio::spawn(agent.serve(std::future::pending()));
+    let d = Duration::from_secs(2);
+
+    let mut local = Client::local(&o.socket, d).await.unwrap();
+    assert_eq!(local.node, "node-a");
+    assert_eq!(local.call(&Frame::Ping { nonce: 42 }).await.unwrap(), Frame::Pong { nonce: 42 });
+
+    let mut p = Client::peer(&peer, "node-b", Some(TOKEN), d).await.unwrap();
+    assert_eq!(p.call(&Frame::Ping { nonce: 7 }).await.unwrap(), Frame::Pong { nonce: 7 });
+    let e = p.call(&Frame::Stop).await.unwrap_err();
+    assert!(e.to_string().contains("only processes of the agent's node"), "{e}");
+
+    for token in [Some(&b"not-the-token-of-this-job"[..]), None] {
+        match Client::peer(&peer, "intruder", token, d).await {
+            Err(ClientError::Refused { message, .. }) => assert!(message.contains("wrong token"), "{message}"),
+            Err(other) => panic!("expected a refusal, got {other}"),
+            Ok(_) => panic!("a peer without the token was let in"),
+        }
+    }
+    let status: serde_json::Value = serde_json::from_str(&local.status().await.unwrap()).unwrap();
+    assert_eq!(status["node"], "node-a");
+    assert_eq!(status["refused"], 2);
+    assert_eq!(status["listen"], peer.as_str());
+
+    assert_eq!(local.call(&Frame::Stop).await.unwrap(), Frame::Stopping);
+    tokio::time::timeout(Duration::from_secs(5), served).await.expect("the agent stopped").unwrap();
+    assert!(!o.socket.exists(), "the socket file is removed on stop");
+}
+
+#[tokio::test]
+async fn listening_beyond_loopback_without_a_token_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path());
+    o.listen = Some("0.0.0.0:0".parse().unwrap());
+    o.token = None;
+    match Agent::bind(o).await {
+        Err(e @ AgentError::NoToken(_)) => assert!(e.to_string().contains("--token-file"), "{e}"),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("an unauthenticated listener on every interface was started"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_on_a_live_socket_is_refused_and_a_stale_socket_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = options(dir.path());
+    let first = Agent::bind(o.clone()).await.unwrap();
+    let served = tokio::spawn(first.serve(std::future::pending()));
+    match Agent::bind(o.clone()).await {
+        Err(AgentError::AlreadyRunning(p)) => assert_eq!(p, o.socket),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("two agents on one socket"),
+    }
+    served.abort();
+    let _ = served.await;
+    // The aborted agent left its socket file behind, with nobody listening: a new agent takes it over.
+    assert!(o.socket.exists());
+    let second = Agent::bind(o.clone()).await.unwrap();
+    let served = tokio::spawn(second.serve(std::future::pending()));
+    let mut c = Client::local(&o.socket, Duration::from_secs(2)).await.unwrap();
+    assert_eq!(c.call(&Frame::Ping { nonce: 1 }).await.unwrap(), Frame::Pong { nonce: 1 });
+    served.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_is_dropped_at_its_deadline_and_an_idle_agent_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path());
+    o.idle_exit = Some(Duration::from_millis(300));
+    let agent = Agent::bind(o.clone()).await.unwrap();
+    let started = Instant::now();
+    let served = tokio::spawn(agent.serve(std::future::pending()));
+    // Connects and never says hello: the agent closes it after its deadline, it does not wait forever.
+    let mut silent = tokio::net::UnixStream::connect(&o.socket).await.unwrap();
+    let challenge = protocol::read_frame(&mut silent).await.unwrap();
+    assert!(matches!(challenge, Some(Frame::Challenge { .. })));
+    let closed = tokio::time::timeout(Duration::from_secs(3), protocol::read_frame(&mut silent)).await;
+    assert!(matches!(closed, Ok(Ok(None)) | Ok(Err(_))), "the silent client was not dropped: {closed:?}");
+    drop(silent);
+    tokio::time::timeout(Duration::from_secs(5), served).await.expect("the idle agent exited").unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(!o.socket.exists());
+}
+
+#[test]
+fn the_executable_starts_answers_and_a_killed_agent_never_hangs_its_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("a.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierstore-agent"))
+        .args(["run", "--socket", socket.to_str().unwrap(), "--node", "n1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("ready"), "{line}");
+    let status = Command::new(env!("CARGO_BIN_EXE_tierstore-agent"))
+        .args(["status", "--json", "--socket", socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let s: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!((s["node"].as_str(), s["pid"].as_u64()), (Some("n1"), Some(u64::from(child.id()))));
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = Client::local(&socket, Duration::from_secs(1)).await.unwrap();
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        let t = Instant::now();
+        let e = c.call(&Frame::Ping { nonce: 3 }).await.unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(2), "the client waited {:?} for a dead agent", t.elapsed());
+        assert!(matches!(e, ClientError::Broken { .. } | ClientError::Deadline { .. }), "{e}");
+    });
+    child.wait().unwrap();
+    // A new agent takes over the socket the killed one left behind.
+    let out = Command::new(env!("CARGO_BIN_EXE_tierstore-agent"))
+        .args(["run", "--socket", socket.to_str().unwrap(), "--idle-exit", "0.2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("idle"), "{}", String::from_utf8_lossy(&out.stderr));
+}

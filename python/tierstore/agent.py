@@ -1,0 +1,117 @@
+"""The node agent: one long-lived process per node (see ARCHITECTURE.md, "The node agent").
+
+`tierstore agent run` runs it in the foreground (for a launcher: `srun --ntasks-per-node=1 tierstore
+agent run`, a systemd unit); `start` starts it as a detached daemon and returns once it answers;
+`status` and `stop` talk to it over its Unix socket. The executable is `tierstore-agent`, installed
+beside the `tierstore` command by the same `pip install`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class AgentError(RuntimeError):
+    """The agent could not be started, reached or stopped; the message says why and what to do."""
+
+
+def executable() -> str:
+    """The path of `tierstore-agent`: beside this Python's scripts (the venv), else on PATH."""
+    here = Path(sys.executable).parent / "tierstore-agent"
+    if here.exists():
+        return str(here)
+    found = shutil.which("tierstore-agent")
+    if not found:
+        raise AgentError("tierstore-agent is not installed beside tierstore; reinstall with `pip install .`")
+    return found
+
+
+def default_socket() -> Path:
+    """This user's agent socket: in $XDG_RUNTIME_DIR, or in a private directory under /tmp."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "tierstore" / "agent.sock"
+    return Path(f"/tmp/tierstore-{os.getuid()}") / "agent.sock"
+
+
+def run_args(
+    socket: Path,
+    node: str | None = None,
+    listen: str | None = None,
+    token_file: str | None = None,
+    idle_exit: float | None = None,
+) -> list[str]:
+    """The command line that runs an agent with these settings."""
+    args = [executable(), "run", "--socket", str(socket)]
+    for flag, value in (("--node", node), ("--listen", listen), ("--token-file", token_file)):
+        if value:
+            args += [flag, value]
+    if idle_exit is not None:
+        args += ["--idle-exit", str(idle_exit)]
+    return args
+
+
+def status(socket: Path, timeout: float = 10.0) -> str | None:
+    """The agent's status as JSON text, or None when no agent answers on `socket`."""
+    p = subprocess.run(
+        [executable(), "status", "--json", "--socket", str(socket)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return p.stdout if p.returncode == 0 else None
+
+
+def start(socket: Path, *, log: Path | None = None, deadline: float = 10.0, **settings) -> tuple[int, Path]:
+    """Starts an agent as a detached daemon (its own session, its output in `log`) and returns once it
+    answers: (its pid, its log). An agent already answering on `socket` is left as it is.
+
+    Raises:
+        AgentError: the agent exited or did not become ready within `deadline` seconds; the message
+            carries the end of its log.
+    """
+    log = log or socket.parent / "agent.log"
+    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            run_args(socket, **settings),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=out,
+            start_new_session=True,  # survives the shell and the job step that started it
+            close_fds=True,
+        )
+    assert proc.stdout is not None
+    end = time.monotonic() + deadline
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen = b""
+    while time.monotonic() < end:
+        chunk = proc.stdout.read() or b""
+        seen += chunk
+        if seen.startswith(b"ready"):
+            proc.stdout.close()
+            return proc.pid, log
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise AgentError(
+        f"the agent did not start on {socket} within {deadline:.0f} s; its log {log} ends with:\n{tail}"
+    )
+
+
+def stop(socket: Path, timeout: float = 15.0) -> str:
+    """Stops the agent on `socket` gracefully; returns what it said."""
+    p = subprocess.run(
+        [executable(), "stop", "--socket", str(socket)], capture_output=True, text=True, timeout=timeout
+    )
+    if p.returncode != 0:
+        raise AgentError(p.stderr.strip().removeprefix("tierstore-agent: "))
+    return p.stdout.strip()

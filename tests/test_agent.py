@@ -1,0 +1,84 @@
+"""`tierstore agent`: the node agent's lifecycle as a user drives it from the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "agent", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> dict[str, str]:
+    """A private runtime directory, so the default socket is this test's own."""
+    d = tmp_path / "run"
+    d.mkdir()
+    return {**os.environ, "XDG_RUNTIME_DIR": str(d)}
+
+
+def test_start_status_stop_and_a_second_start_is_harmless(runtime: dict[str, str]) -> None:
+    socket = Path(runtime["XDG_RUNTIME_DIR"]) / "tierstore" / "agent.sock"
+    started = cli("start", "--node", "n1", env=runtime)
+    assert started.returncode == 0, started.stderr
+    assert str(socket) in started.stdout and socket.exists()
+    again = cli("start", env=runtime)
+    assert again.returncode == 0 and "already runs" in again.stdout
+    status = cli("status", "--json", env=runtime)
+    report = json.loads(status.stdout)
+    assert report["node"] == "n1" and report["socket"] == str(socket)
+    os.kill(report["pid"], 0)  # alive, and detached from us: its own session
+    assert os.getsid(report["pid"]) == report["pid"]
+    stopped = cli("stop", env=runtime)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    assert not socket.exists()
+    gone = cli("status", env=runtime)
+    assert gone.returncode != 0 and "no agent answers" in gone.stderr
+    log = (socket.parent / "agent.log").read_text()
+    assert "serving on" in log and "stopped by a local client" in log
+
+
+def test_an_agent_started_on_demand_exits_when_idle(runtime: dict[str, str]) -> None:
+    assert cli("start", "--idle-exit", "0.5", env=runtime).returncode == 0
+    pid = json.loads(cli("status", "--json", env=runtime).stdout)["pid"]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("an idle agent did not exit")
+    assert cli("status", env=runtime).returncode != 0
+
+
+def test_listening_beyond_loopback_needs_a_token(runtime: dict[str, str], tmp_path: Path) -> None:
+    refused = cli("start", "--listen", "0.0.0.0:0", env=runtime)
+    assert refused.returncode != 0
+    assert "without a token" in refused.stderr and "--token-file" in refused.stderr
+    short = tmp_path / "short"
+    short.write_text("abc")
+    bad = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(short), env=runtime)
+    assert bad.returncode != 0 and "shorter than 16 bytes" in bad.stderr
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    # (Tests listen on loopback only; the token is what any other address would require.)
+    ok = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(token), env=runtime)
+    assert ok.returncode == 0, ok.stderr
+    report = json.loads(cli("status", "--json", env=runtime).stdout)
+    assert report["listen"].startswith("127.0.0.1:") and not report["listen"].endswith(":0")
+    assert cli("stop", env=runtime).returncode == 0
