@@ -356,6 +356,15 @@ def config_show(make: Any, as_json: bool) -> None:
             click.echo(f"{key:<{width}}  (from {origin})")
             for i, t in enumerate(value):
                 click.echo(f"  [{i}] {t['path']}  quota {_human(t['quota'])}  {t['kind']}")
+        elif key == "cluster":
+            click.echo(f"{key:<{width}}  sharing {value['sharing']}  (from {origin})")
+            if value["sharing"] != "off":
+                members = value["members"]
+                shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+                click.echo(f"  {len(members)} members: {shown}")
+                click.echo(
+                    f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}"
+                )
         else:
             shown = _human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")

@@ -1,8 +1,7 @@
 //! Who the members of the job are, and which of them owns a file.
 //!
-//! Membership comes from the launcher: a list in the configuration, `TIERSTORE_PEERS`, or Slurm's
-//! `SLURM_JOB_NODELIST` (its hostlist syntax, `gpu[001-016,020]`, is expanded here). No consensus of our
-//! own: every agent of a job reads the same list, so they all agree on it.
+//! Membership comes from the launcher (`[cluster]` in the configuration, see `tierstore_core::cluster`):
+//! every agent of a job reads the same list, so they all agree on it without a consensus of our own.
 //!
 //! A file's owner is chosen by rendezvous (highest random weight) hashing: every member gets a weight
 //! from the hash of the file's key and the member's name, and the heaviest live member owns the file.
@@ -16,115 +15,6 @@ use std::collections::BTreeSet;
 
 /// Children per node of the skeleton tree.
 pub const FANOUT: usize = 8;
-
-/// The most names a hostlist may expand to (a guard against a typo such as `n[1-99999999]`).
-pub const MAX_HOSTS: usize = 100_000;
-
-/// A hostlist that cannot be expanded.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("hostlist {list:?}: {problem}; write it as Slurm does, e.g. \"gpu[001-016,020],login1\"")]
-pub struct HostlistError {
-    /// The hostlist.
-    pub list: String,
-    /// What is wrong with it.
-    pub problem: String,
-}
-
-/// Expands a Slurm hostlist (`node[01-04,7],gpu[1-2]-ib,login`) into host names, in order, without
-/// duplicates. Zero padding of a range is kept (`[08-10]` gives `08 09 10`).
-pub fn expand_hostlist(list: &str) -> Result<Vec<String>, HostlistError> {
-    let err = |problem: &str| HostlistError { list: list.to_string(), problem: problem.to_string() };
-    let mut out = Vec::new();
-    let mut seen = BTreeSet::new();
-    for item in split_top_level(list).map_err(|p| err(&p))? {
-        let item = item.trim();
-        if item.is_empty() {
-            continue;
-        }
-        let mut names = vec![String::new()];
-        let mut rest = item;
-        while !rest.is_empty() {
-            match rest.find('[') {
-                None => {
-                    names.iter_mut().for_each(|n| n.push_str(rest));
-                    rest = "";
-                }
-                Some(open) => {
-                    let close = rest[open..].find(']').ok_or_else(|| err("a '[' is never closed"))? + open;
-                    let prefix = &rest[..open];
-                    let choices = expand_ranges(&rest[open + 1..close]).map_err(|p| err(&p))?;
-                    if names.len().saturating_mul(choices.len()) > MAX_HOSTS {
-                        return Err(err(&format!("expands to more than {MAX_HOSTS} hosts")));
-                    }
-                    names = names.iter().flat_map(|n| choices.iter().map(move |c| format!("{n}{prefix}{c}"))).collect();
-                    rest = &rest[close + 1..];
-                }
-            }
-        }
-        for n in names {
-            if n.contains(']') {
-                return Err(err("a ']' without its '['"));
-            }
-            if seen.insert(n.clone()) {
-                out.push(n);
-            }
-        }
-        if out.len() > MAX_HOSTS {
-            return Err(err(&format!("expands to more than {MAX_HOSTS} hosts")));
-        }
-    }
-    if out.is_empty() {
-        return Err(err("names no host"));
-    }
-    Ok(out)
-}
-
-/// Splits at commas outside brackets.
-fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
-    let (mut depth, mut start, mut parts) = (0i32, 0, Vec::new());
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => depth -= 1,
-            ',' if depth == 0 => {
-                parts.push(&list[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-        if !(0..=1).contains(&depth) {
-            return Err("brackets are unbalanced or nested".into());
-        }
-    }
-    if depth != 0 {
-        return Err("a '[' is never closed".into());
-    }
-    parts.push(&list[start..]);
-    Ok(parts)
-}
-
-/// `01-03,7` into `01 02 03 7`.
-fn expand_ranges(spec: &str) -> Result<Vec<String>, String> {
-    let mut out = Vec::new();
-    for part in spec.split(',') {
-        let part = part.trim();
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        let bad = || format!("{part:?} is not a number or a range like 01-16");
-        if lo.is_empty() || !lo.bytes().all(|b| b.is_ascii_digit()) || !hi.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(bad());
-        }
-        let (a, b): (u64, u64) = (lo.parse().map_err(|_| bad())?, hi.parse().map_err(|_| bad())?);
-        if b < a {
-            return Err(format!("range {part:?} runs backwards"));
-        }
-        if b - a >= MAX_HOSTS as u64 {
-            return Err(format!("range {part:?} is longer than {MAX_HOSTS} hosts"));
-        }
-        let width = lo.len();
-        out.extend((a..=b).map(|n| format!("{n:0width$}")));
-    }
-    Ok(out)
-}
 
 /// A 64-bit mix (splitmix64's finalizer): spreads a combined key and member hash into a weight.
 fn mix(mut z: u64) -> u64 {
@@ -231,17 +121,6 @@ impl Owners {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hostlists_expand_as_slurm_writes_them() {
-        assert_eq!(expand_hostlist("node[01-03,7],login").unwrap(), ["node01", "node02", "node03", "node7", "login"]);
-        assert_eq!(expand_hostlist("r[1-2]-n[08-09]").unwrap(), ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]);
-        assert_eq!(expand_hostlist("a,a,b").unwrap(), ["a", "b"]);
-        for bad in ["n[1-", "n[3-1]", "n[a-b]", "n]1[", "", "n[1-999999999]", "n[[1]]"] {
-            let e = expand_hostlist(bad).unwrap_err();
-            assert!(e.to_string().contains("write it as Slurm does"), "{bad}: {e}");
-        }
-    }
 
     fn names(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("node{i:04}")).collect()

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use crate::cluster::{ClusterConfig, Sharing, DEFAULT_PORT};
 use crate::placement::Policy;
 
 /// Where a configuration value came from.
@@ -130,6 +131,8 @@ pub struct Config {
     pub verify: Verify,
     /// Whether every open checks the source's current version (one `stat` of the source).
     pub revalidate: Revalidate,
+    /// How the nodes of a job share their caches, and who they are.
+    pub cluster: ClusterConfig,
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
 }
@@ -167,6 +170,9 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_REVALIDATE",
     "TIERSTORE_LOG",
     "TIERSTORE_MODELS",
+    "TIERSTORE_SHARING",
+    "TIERSTORE_PEERS",
+    "TIERSTORE_TOKEN_FILE",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
@@ -228,6 +234,10 @@ struct Raw {
     revalidate: Option<(String, Origin)>,
     /// The source as resolved by the parent process, with the spelling it was resolved from.
     resolved: Option<(String, String)>,
+    /// `[cluster]` keys, each with where it was set.
+    cluster: BTreeMap<&'static str, (toml::Value, Origin)>,
+    /// Slurm's node list of the job, when the process runs under Slurm.
+    slurm_nodes: Option<String>,
 }
 
 struct RawTier {
@@ -236,7 +246,8 @@ struct RawTier {
     kind: Option<String>,
 }
 
-const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate"];
+const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster"];
+const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
 fn scalar(v: &toml::Value) -> String {
@@ -320,10 +331,82 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                 }
                 raw.tiers = Some((tiers, origin.clone()));
             }
+            "cluster" => {
+                let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
+                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
+                for (ck, cv) in t {
+                    let Some(&name) = CLUSTER_KEYS.iter().find(|k| **k == ck.as_str()) else {
+                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, CLUSTER_KEYS));
+                    };
+                    raw.cluster.insert(name, (cv.clone(), origin.clone()));
+                }
+            }
             other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
         }
     }
     Ok(())
+}
+
+/// Validates the `[cluster]` keys (see [`crate::cluster`]).
+fn validate_cluster(
+    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
+    slurm_nodes: Option<&str>,
+) -> Result<ClusterConfig, ConfigError> {
+    let text = |k: &str| keys.get(k).map(|(v, o)| (v.as_str().map_or_else(|| scalar(v), str::to_owned), o));
+    let mut c = ClusterConfig { port: DEFAULT_PORT, listen: "127.0.0.1".into(), ..Default::default() };
+    if let Some((v, o)) = text("sharing") {
+        c.sharing = Sharing::parse(&v).ok_or_else(|| {
+            bad(o, "cluster.sharing", &v, "is not a sharing mode", "use \"off\", \"inclusive\" or \"partitioned\"")
+        })?;
+    }
+    if let Some((v, o)) = text("port") {
+        c.port = v.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+            bad(o, "cluster.port", &v, "is not a TCP port", "use a number from 1 to 65535, e.g. 7078")
+        })?;
+    }
+    if let Some((v, o)) = text("listen") {
+        if v.parse::<std::net::IpAddr>().is_err() {
+            return Err(bad(
+                o,
+                "cluster.listen",
+                &v,
+                "is not an IP address",
+                "use 0.0.0.0, 127.0.0.1 or this node's address",
+            ));
+        }
+        c.listen = v;
+    }
+    if let Some((v, _)) = text("token_file") {
+        c.token_file = Some(expand_home(&v));
+    }
+    if c.sharing == Sharing::Off {
+        return Ok(c);
+    }
+    let fix = "list the job's nodes in [cluster] peers, TIERSTORE_PEERS (e.g. \"gpu[001-016]\"), or run under Slurm";
+    let (entries, origin) = match keys.get("peers") {
+        Some((toml::Value::Array(list), o)) => (list.iter().map(scalar_text).collect(), o.clone()),
+        Some((toml::Value::String(s), o)) => (vec![s.clone()], o.clone()),
+        Some((other, o)) => return Err(bad(o, "cluster.peers", scalar(other), "must be a list of hosts", fix)),
+        None => match slurm_nodes {
+            Some(s) => (vec![s.to_string()], Origin::Env("SLURM_JOB_NODELIST".into())),
+            None => {
+                return Err(bad(
+                    &Origin::Default,
+                    "cluster.peers",
+                    "(unset)",
+                    "sharing is on but no node is listed",
+                    fix,
+                ))
+            }
+        },
+    };
+    c.members = crate::cluster::members_of(&entries, c.port)
+        .map_err(|e| bad(&origin, "cluster.peers", entries.join(","), &e.problem, fix))?;
+    Ok(c)
+}
+
+fn scalar_text(v: &toml::Value) -> String {
+    v.as_str().map_or_else(|| scalar(v), str::to_owned)
 }
 
 fn parse_env_tiers(text: &str, origin: &Origin) -> Result<Vec<RawTier>, ConfigError> {
@@ -453,7 +536,8 @@ impl Config {
     /// Builds the effective configuration from the file, the environment and `overrides`, and validates
     /// it. Tier directories are created here so that a tier that cannot exist fails at start.
     pub fn load(overrides: &Overrides) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
+        let env: BTreeMap<String, String> =
+            std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_") || k == "SLURM_JOB_NODELIST").collect();
         Self::load_with_env(overrides, &env)
     }
 
@@ -488,6 +572,14 @@ impl Config {
             read_file(&abs, &mut raw)?;
         }
         let env_origin = |k: &str| Origin::Env(k.to_string());
+        raw.slurm_nodes = env.get("SLURM_JOB_NODELIST").cloned();
+        for (name, key) in
+            [("TIERSTORE_SHARING", "sharing"), ("TIERSTORE_PEERS", "peers"), ("TIERSTORE_TOKEN_FILE", "token_file")]
+        {
+            if let Some(v) = env.get(name) {
+                raw.cluster.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
+            }
+        }
         if let (Some(from), Some(to)) = (env.get(RESOLVED_FROM_ENV), env.get(RESOLVED_ENV)) {
             raw.resolved = Some((from.clone(), to.clone()));
         }
@@ -741,7 +833,11 @@ impl Config {
             },
         )?;
 
-        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, origins })
+        let cluster = validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref())?;
+        if let Some((_, o)) = raw.cluster.get("sharing") {
+            origins.insert("cluster".to_string(), o.clone());
+        }
+        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, cluster, origins })
     }
 }
 
@@ -790,6 +886,44 @@ mod tests {
         assert_eq!(c.origins["policy"], Origin::Env("TIERSTORE_POLICY".into()));
         assert_eq!(c.origins["threads"], Origin::Argument);
         assert_eq!(c.origins["tiers"], Origin::File(file));
+    }
+
+    #[test]
+    fn cluster_members_come_from_the_file_the_environment_or_slurm() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let t0 = dir.path().join("t0").display().to_string();
+        let file = dir.path().join("t.toml");
+        let toml = format!(
+            "source = \"{}\"\n[[tiers]]\npath = \"{t0}\"\n[cluster]\nsharing = \"partitioned\"\npeers = [\"gpu[01-02]\", \"login:7100\"]\n",
+            src.display()
+        );
+        std::fs::write(&file, toml).unwrap();
+        let o = Overrides { config_file: Some(file), ..Default::default() };
+        let c = Config::load_with_env(&o, &env(&[])).unwrap();
+        assert_eq!(c.cluster.sharing, Sharing::Partitioned);
+        let addrs: Vec<String> = c.cluster.members.iter().map(|m| m.address()).collect();
+        assert_eq!(addrs, ["gpu01:7078", "gpu02:7078", "login:7100"]);
+        // The environment overrides the file; Slurm's list is the fallback when none is given.
+        let c = Config::load_with_env(&o, &env(&[("TIERSTORE_PEERS", "n[1-3]")])).unwrap();
+        assert_eq!(c.cluster.members.len(), 3);
+        let base = Overrides { source: Some(src.display().to_string()), ..Default::default() };
+        let c = Config::load_with_env(
+            &base,
+            &env(&[("TIERSTORE_SHARING", "inclusive"), ("SLURM_JOB_NODELIST", "node[001-004]")]),
+        )
+        .unwrap();
+        assert_eq!((c.cluster.sharing, c.cluster.members.len()), (Sharing::Inclusive, 4));
+        assert_eq!(Config::load_with_env(&base, &env(&[])).unwrap().cluster.sharing, Sharing::Off);
+
+        let err = |e: &[(&str, &str)]| Config::load_with_env(&base, &env(e)).unwrap_err().to_string();
+        let e = err(&[("TIERSTORE_SHARING", "partitoned")]);
+        assert!(e.contains("cluster.sharing") && e.contains("\"partitioned\""), "{e}");
+        let e = err(&[("TIERSTORE_SHARING", "partitioned")]);
+        assert!(e.contains("no node is listed") && e.contains("TIERSTORE_PEERS"), "{e}");
+        let e = err(&[("TIERSTORE_SHARING", "partitioned"), ("TIERSTORE_PEERS", "gpu[3-1]")]);
+        assert!(e.contains("TIERSTORE_PEERS") && e.contains("runs backwards"), "{e}");
     }
 
     #[test]

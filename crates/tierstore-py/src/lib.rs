@@ -221,6 +221,13 @@ impl PyCache {
             tierstore_core::Revalidate::Never => "never",
         };
         out.set_item("revalidate", (revalidate, origin("revalidate")))?;
+        let cluster = PyDict::new(py);
+        cluster.set_item("sharing", c.cluster.sharing.name())?;
+        cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
+        cluster.set_item("port", c.cluster.port)?;
+        cluster.set_item("listen", &c.cluster.listen)?;
+        cluster.set_item("token_file", c.cluster.token_file.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
+        out.set_item("cluster", (cluster, origin("cluster")))?;
         Ok(out)
     }
 

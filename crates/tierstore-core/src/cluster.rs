@@ -1,0 +1,238 @@
+//! The `[cluster]` part of the configuration: whether and how the nodes of a job share their caches, who
+//! the members are, and how their agents find and trust each other.
+//!
+//! ```toml
+//! [cluster]
+//! sharing = "partitioned"            # off (default) | inclusive | partitioned
+//! peers = ["gpu[001-016]"]           # or TIERSTORE_PEERS, or Slurm's SLURM_JOB_NODELIST
+//! port = 7078                        # where agents listen for peers
+//! listen = "0.0.0.0"                 # the address to listen on (default 127.0.0.1)
+//! token_file = "~/.tierstore/token"  # the job's shared secret; required beyond loopback
+//! ```
+//!
+//! Membership comes from the launcher (ARCHITECTURE.md: no consensus of our own): an explicit list, or
+//! Slurm's node list when sharing is on and no list is given. Hostlist syntax (`gpu[001-016,020]`) is
+//! expanded here, where a typo can still be reported with the key it came from.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+/// The port agents listen on for peers when none is configured.
+pub const DEFAULT_PORT: u16 = 7078;
+
+/// The most names a hostlist may expand to (a guard against a typo such as `n[1-99999999]`).
+pub const MAX_HOSTS: usize = 100_000;
+
+/// How the nodes of a job share cached files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Sharing {
+    /// Each node caches for itself (no agent needed).
+    #[default]
+    Off,
+    /// A file a peer served is also kept locally (DYAD): fastest re-reads, capacity of one node.
+    Inclusive,
+    /// Only a file's owner keeps it (Cache VOL, HVAC): the job's cache is the sum of its nodes'.
+    Partitioned,
+}
+
+impl Sharing {
+    /// Parses a configuration value.
+    pub fn parse(text: &str) -> Option<Sharing> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "off" => Some(Sharing::Off),
+            "inclusive" => Some(Sharing::Inclusive),
+            "partitioned" => Some(Sharing::Partitioned),
+            _ => None,
+        }
+    }
+
+    /// The name used in configuration files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharing::Off => "off",
+            Sharing::Inclusive => "inclusive",
+            Sharing::Partitioned => "partitioned",
+        }
+    }
+}
+
+/// One member of the job: a host and the port its agent listens on.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Member {
+    /// Host name or address.
+    pub host: String,
+    /// The agent's port.
+    pub port: u16,
+}
+
+impl Member {
+    /// `host:port`, as a socket address is written.
+    pub fn address(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// The effective `[cluster]` configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ClusterConfig {
+    /// How the nodes share.
+    pub sharing: Sharing,
+    /// The members, sorted; empty when sharing is off.
+    pub members: Vec<Member>,
+    /// The port this node's agent listens on.
+    pub port: u16,
+    /// The address this node's agent listens on.
+    pub listen: String,
+    /// The job's shared secret.
+    pub token_file: Option<PathBuf>,
+}
+
+/// A hostlist that cannot be expanded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{problem}; write hosts as Slurm does, e.g. \"gpu[001-016,020],login1\"")]
+pub struct HostlistError {
+    /// What is wrong.
+    pub problem: String,
+}
+
+/// Expands a Slurm hostlist (`node[01-04,7],gpu[1-2]-ib,login`) into host names, in order, without
+/// duplicates. Zero padding of a range is kept (`[08-10]` gives `08 09 10`).
+pub fn expand_hostlist(list: &str) -> Result<Vec<String>, HostlistError> {
+    let err = |problem: String| HostlistError { problem };
+    let mut out = Vec::new();
+    let mut seen = BTreeSet::new();
+    for item in split_top_level(list).map_err(err)? {
+        let item = item.trim();
+        if item.is_empty() {
+            continue;
+        }
+        let mut names = vec![String::new()];
+        let mut rest = item;
+        while !rest.is_empty() {
+            let Some(open) = rest.find('[') else {
+                names.iter_mut().for_each(|n| n.push_str(rest));
+                break;
+            };
+            let close = rest[open..].find(']').ok_or_else(|| err(format!("{item:?}: a '[' is never closed")))? + open;
+            let prefix = &rest[..open];
+            let choices = expand_ranges(&rest[open + 1..close]).map_err(err)?;
+            if names.len().saturating_mul(choices.len()) > MAX_HOSTS {
+                return Err(err(format!("{item:?} expands to more than {MAX_HOSTS} hosts")));
+            }
+            names = names.iter().flat_map(|n| choices.iter().map(move |c| format!("{n}{prefix}{c}"))).collect();
+            rest = &rest[close + 1..];
+        }
+        for n in names {
+            if n.contains(']') {
+                return Err(err(format!("{item:?}: a ']' without its '['")));
+            }
+            if seen.insert(n.clone()) {
+                out.push(n);
+            }
+        }
+        if out.len() > MAX_HOSTS {
+            return Err(err(format!("the list expands to more than {MAX_HOSTS} hosts")));
+        }
+    }
+    if out.is_empty() {
+        return Err(err("the list names no host".into()));
+    }
+    Ok(out)
+}
+
+/// Splits at commas outside brackets.
+fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
+    let (mut depth, mut start, mut parts) = (0i32, 0, Vec::new());
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+        if !(0..=1).contains(&depth) {
+            return Err(format!("{list:?}: brackets are unbalanced or nested"));
+        }
+    }
+    if depth != 0 {
+        return Err(format!("{list:?}: a '[' is never closed"));
+    }
+    parts.push(&list[start..]);
+    Ok(parts)
+}
+
+/// `01-03,7` into `01 02 03 7`.
+fn expand_ranges(spec: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        let part = part.trim();
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let bad = || format!("[{spec}]: {part:?} is not a number or a range like 01-16");
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        if !digits(lo) || !digits(hi) {
+            return Err(bad());
+        }
+        let (a, b): (u64, u64) = (lo.parse().map_err(|_| bad())?, hi.parse().map_err(|_| bad())?);
+        if b < a {
+            return Err(format!("[{spec}]: the range {part:?} runs backwards"));
+        }
+        if b - a >= MAX_HOSTS as u64 {
+            return Err(format!("[{spec}]: the range {part:?} is longer than {MAX_HOSTS} hosts"));
+        }
+        let width = lo.len();
+        out.extend((a..=b).map(|n| format!("{n:0width$}")));
+    }
+    Ok(out)
+}
+
+/// Members from hostlist entries, each `HOSTLIST` or `HOST:PORT` (a port of its own overrides `port`).
+pub fn members_of(entries: &[String], port: u16) -> Result<Vec<Member>, HostlistError> {
+    let mut out = BTreeSet::new();
+    for entry in entries {
+        // A port is written after the last ':' of an entry without brackets left open, e.g. "n1:7100".
+        let (hosts, own_port) = match entry.rsplit_once(':') {
+            Some((h, p)) if !p.contains(']') && !h.contains(':') => {
+                let p: u16 = p
+                    .parse()
+                    .map_err(|_| HostlistError { problem: format!("{entry:?}: {p:?} is not a port number") })?;
+                (h, p)
+            }
+            _ => (entry.as_str(), port),
+        };
+        for host in expand_hostlist(hosts)? {
+            out.insert(Member { host, port: own_port });
+        }
+    }
+    Ok(out.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostlists_expand_as_slurm_writes_them() {
+        assert_eq!(expand_hostlist("node[01-03,7],login").unwrap(), ["node01", "node02", "node03", "node7", "login"]);
+        assert_eq!(expand_hostlist("r[1-2]-n[08-09]").unwrap(), ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]);
+        assert_eq!(expand_hostlist("a,a,b").unwrap(), ["a", "b"]);
+        for bad in ["n[1-", "n[3-1]", "n[a-b]", "n]1[", "", "n[1-999999999]", "n[[1]]", "n[]"] {
+            let e = expand_hostlist(bad).unwrap_err();
+            assert!(e.to_string().contains("write hosts as Slurm does"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn members_take_their_own_port_or_the_default() {
+        let m = members_of(&["n[1-2]".into(), "10.0.0.9:7100".into()], 7078).unwrap();
+        let addrs: Vec<String> = m.iter().map(Member::address).collect();
+        assert_eq!(addrs, ["10.0.0.9:7100", "n1:7078", "n2:7078"]);
+        assert!(members_of(&["n1:port".into()], 7078).unwrap_err().to_string().contains("not a port"));
+    }
+}
