@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod client;
+pub mod members;
 pub mod peers;
 pub mod protocol;
 pub mod server;

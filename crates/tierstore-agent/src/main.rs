@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
+//!                        [--peers HOST:PORT,...]
 //! tierstore-agent status [--socket PATH] [--json]
 //! tierstore-agent stop   [--socket PATH]
 //! ```
@@ -17,6 +18,7 @@ use tierstore_agent::server::{Agent, Options};
 
 const USAGE: &str = "usage:
   tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
+                         [--peers HOST:PORT,...]
   tierstore-agent status [--socket PATH] [--json]
   tierstore-agent stop   [--socket PATH]";
 
@@ -63,6 +65,7 @@ struct Args {
     listen: Option<String>,
     token_file: Option<PathBuf>,
     idle_exit: Option<f64>,
+    peers: Vec<String>,
     json: bool,
 }
 
@@ -76,6 +79,7 @@ fn parse_args() -> Result<Args, String> {
         listen: None,
         token_file: None,
         idle_exit: None,
+        peers: Vec::new(),
         json: false,
     };
     while let Some(flag) = it.next() {
@@ -88,6 +92,12 @@ fn parse_args() -> Result<Args, String> {
             "--idle-exit" => {
                 let v = value()?;
                 a.idle_exit = Some(v.parse().map_err(|_| format!("--idle-exit {v:?}: give seconds, e.g. 300"))?);
+            }
+            "--peers" => {
+                let list = value()?;
+                let members = tierstore_core::cluster::members_of(&[list], tierstore_core::cluster::DEFAULT_PORT)
+                    .map_err(|e| format!("--peers: {e}"))?;
+                a.peers = members.iter().map(|m| m.address()).collect();
             }
             "--json" => a.json = true,
             other => return Err(format!("unknown option {other:?}")),
@@ -114,6 +124,10 @@ async fn run(a: Args) -> Result<(), String> {
         options.token = Some(token);
     }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
+    // Every agent is given the whole list; it pings the others.
+    let me = options.listen.map(|l| l.to_string());
+    let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);
+    options.peers = a.peers.into_iter().filter(|p| !is_me(p)).collect();
     let agent = Agent::bind(options.clone()).await.map_err(|e| e.to_string())?;
     log::info!(
         "node {} serving on {}{}",

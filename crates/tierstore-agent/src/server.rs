@@ -17,6 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{watch, Semaphore};
 
+use crate::members::{Members, PeerView};
 use crate::protocol::{self, ErrorCode, Frame, VERSION};
 
 /// How a connection may act: processes of this node may stop the agent; peers may not.
@@ -45,6 +46,10 @@ pub struct Options {
     pub idle_connection: Duration,
     /// Connections served at once; more wait to be accepted.
     pub max_connections: usize,
+    /// The other members' agents (`host:port`), pinged every `heartbeat`.
+    pub peers: Vec<String>,
+    /// How often peers are pinged; a peer that misses `deadline` is down until it answers again.
+    pub heartbeat: Duration,
 }
 
 impl Options {
@@ -59,6 +64,8 @@ impl Options {
             deadline: Duration::from_secs(5),
             idle_connection: Duration::from_secs(300),
             max_connections: 1024,
+            peers: Vec::new(),
+            heartbeat: Duration::from_millis(500),
         }
     }
 }
@@ -112,10 +119,13 @@ pub struct Status {
     pub timeouts: u64,
     /// Exits after this many seconds without a connection (started on demand), if set.
     pub idle_exit_s: Option<f64>,
+    /// How this agent sees the other members.
+    pub members: Vec<PeerView>,
 }
 
 struct Shared {
     options: Options,
+    members: Arc<Members>,
     listen: Option<SocketAddr>,
     started: Instant,
     open: AtomicU64,
@@ -140,6 +150,7 @@ impl Shared {
             refused: self.refused.load(Ordering::Relaxed),
             timeouts: self.timeouts.load(Ordering::Relaxed),
             idle_exit_s: self.options.idle_exit.map(|d| d.as_secs_f64()),
+            members: self.members.view(),
         }
     }
 
@@ -178,7 +189,9 @@ impl Agent {
             None => None,
         };
         let (stop, _) = watch::channel(false);
+        let members = Members::new(options.peers.clone());
         let shared = Arc::new(Shared {
+            members,
             options,
             listen,
             started: Instant::now(),
@@ -190,6 +203,11 @@ impl Agent {
             stop,
         });
         Ok(Agent { shared, unix, tcp })
+    }
+
+    /// The other members as this agent sees them.
+    pub fn members(&self) -> Arc<Members> {
+        self.shared.members.clone()
     }
 
     /// The address peers reach this agent on (the port is known once bound, also for port 0).
@@ -211,7 +229,10 @@ impl Agent {
             }
         };
         let idle = watch_idleness(shared.clone());
+        let o = &shared.options;
+        let heartbeats = shared.members.clone().watch(o.node.clone(), o.token.clone(), o.heartbeat, o.deadline);
         tokio::select! {
+            _ = heartbeats => {}
             _ = unix_loop => {}
             _ = tcp_loop => {}
             _ = idle => log::info!("idle for {:?} with nothing pending: exiting", shared.options.idle_exit),

@@ -149,3 +149,79 @@ fn the_executable_starts_answers_and_a_killed_agent_never_hangs_its_client() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("idle"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn spawn_agent(dir: &Path, name: &str, port: u16, peers: &str, token_file: &Path) -> std::process::Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierstore-agent"))
+        .args(["run", "--node", name, "--socket"])
+        .arg(dir.join(format!("{name}.sock")))
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--peers", peers, "--token-file"])
+        .arg(token_file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("ready"), "{name}: {line}");
+    child
+}
+
+fn members_seen_by(dir: &Path, name: &str) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_tierstore-agent"))
+        .args(["status", "--json", "--socket"])
+        .arg(dir.join(format!("{name}.sock")))
+        .output()
+        .unwrap();
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    s["members"].as_array().unwrap().clone()
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !ok() {
+        assert!(t.elapsed() < limit, "{what} did not happen within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    t.elapsed()
+}
+
+#[test]
+fn agents_see_each_other_and_a_killed_peer_is_marked_down_within_two_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let peers = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    let mut agents: Vec<_> =
+        ["a", "b", "c"].iter().zip(&ports).map(|(n, p)| spawn_agent(dir.path(), n, *p, &peers, &token)).collect();
+    let all_up = |m: &[serde_json::Value]| m.len() == 2 && m.iter().all(|p| p["up"] == true);
+    wait_until("every agent seeing both others up", Duration::from_secs(5), || {
+        ["a", "b", "c"].iter().all(|n| all_up(&members_seen_by(dir.path(), n)))
+    });
+    let seen = members_seen_by(dir.path(), "a");
+    let names: Vec<&str> = seen.iter().map(|p| p["node"].as_str().unwrap()).collect();
+    assert_eq!(names, ["b", "c"]);
+
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agents[1].id() as i32, libc::SIGKILL) };
+    agents[1].wait().unwrap();
+    let b = format!("127.0.0.1:{}", ports[1]);
+    let b_down = |m: Vec<serde_json::Value>| m.iter().any(|p| p["address"] == b.as_str() && p["up"] == false);
+    let took = wait_until("a marking b down", Duration::from_secs(2), || b_down(members_seen_by(dir.path(), "a")));
+    eprintln!("a saw b down after {took:?}");
+    assert!(b_down(members_seen_by(dir.path(), "c")));
+    let c_seen = members_seen_by(dir.path(), "a");
+    assert!(c_seen.iter().any(|p| p["node"] == "c" && p["up"] == true), "a live peer was marked down: {c_seen:?}");
+
+    // Back on the same port: up again on its first answer.
+    agents[1] = spawn_agent(dir.path(), "b", ports[1], &peers, &token);
+    wait_until("a seeing b up again", Duration::from_secs(3), || all_up(&members_seen_by(dir.path(), "a")));
+    for a in &mut agents {
+        a.kill().unwrap();
+        a.wait().unwrap();
+    }
+}

@@ -68,11 +68,7 @@ pub struct Member {
 impl Member {
     /// `host:port`, as a socket address is written.
     pub fn address(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        format!("{}:{}", self.host, self.port)
     }
 }
 
@@ -192,23 +188,34 @@ fn expand_ranges(spec: &str) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
-/// Members from hostlist entries, each `HOSTLIST` or `HOST:PORT` (a port of its own overrides `port`).
+/// Members from hostlist entries, each a comma-separated list of `HOSTLIST` or `HOSTLIST:PORT` items (a
+/// port of its own overrides `port`).
 pub fn members_of(entries: &[String], port: u16) -> Result<Vec<Member>, HostlistError> {
     let mut out = BTreeSet::new();
     for entry in entries {
-        // A port is written after the last ':' of an entry without brackets left open, e.g. "n1:7100".
-        let (hosts, own_port) = match entry.rsplit_once(':') {
-            Some((h, p)) if !p.contains(']') && !h.contains(':') => {
-                let p: u16 = p
-                    .parse()
-                    .map_err(|_| HostlistError { problem: format!("{entry:?}: {p:?} is not a port number") })?;
-                (h, p)
+        for item in split_top_level(entry).map_err(|problem| HostlistError { problem })? {
+            let item = item.trim();
+            if item.is_empty() {
+                continue;
             }
-            _ => (entry.as_str(), port),
-        };
-        for host in expand_hostlist(hosts)? {
-            out.insert(Member { host, port: own_port });
+            // A port follows the last ':' of an item, after any brackets: "gpu[1-4]:7100".
+            let (hosts, own_port) = match item.rsplit_once(':') {
+                Some((h, p)) if !p.contains(']') => {
+                    let p: u16 =
+                        p.parse().ok().filter(|p| *p > 0).ok_or_else(|| HostlistError {
+                            problem: format!("{item:?}: {p:?} is not a port number"),
+                        })?;
+                    (h, p)
+                }
+                _ => (item, port),
+            };
+            for host in expand_hostlist(hosts)? {
+                out.insert(Member { host, port: own_port });
+            }
         }
+    }
+    if out.is_empty() {
+        return Err(HostlistError { problem: "the list names no host".into() });
     }
     Ok(out.into_iter().collect())
 }
@@ -230,9 +237,9 @@ mod tests {
 
     #[test]
     fn members_take_their_own_port_or_the_default() {
-        let m = members_of(&["n[1-2]".into(), "10.0.0.9:7100".into()], 7078).unwrap();
+        let m = members_of(&["n[1-2]".into(), "10.0.0.9:7100,gpu[3-4]:7200".into()], 7078).unwrap();
         let addrs: Vec<String> = m.iter().map(Member::address).collect();
-        assert_eq!(addrs, ["10.0.0.9:7100", "n1:7078", "n2:7078"]);
+        assert_eq!(addrs, ["10.0.0.9:7100", "gpu3:7200", "gpu4:7200", "n1:7078", "n2:7078"]);
         assert!(members_of(&["n1:port".into()], 7078).unwrap_err().to_string().contains("not a port"));
     }
 }
