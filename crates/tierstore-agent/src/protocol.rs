@@ -23,6 +23,12 @@ pub const MAX_FRAME: usize = (1 << 20) + 4096;
 /// The longest text field.
 pub const MAX_TEXT: usize = u16::MAX as usize;
 
+/// The bytes of a file travel in chunks of at most this size.
+pub const CHUNK: usize = 1 << 20;
+
+/// The longest source-relative path a request may name.
+pub const MAX_PATH: usize = 4096;
+
 /// Why a frame was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
@@ -46,6 +52,12 @@ pub enum FrameError {
     /// Bytes left after the last field.
     #[error("{0} bytes after the end of a frame")]
     Trailing(usize),
+    /// A path that is empty, absolute, too long, or climbs out of the source.
+    #[error("path {0:?} does not name a file inside the source")]
+    BadPath(String),
+    /// A chunk longer than [`CHUNK`].
+    #[error("a chunk of {0} bytes, more than the limit")]
+    BigChunk(usize),
     /// A text field that is not UTF-8.
     #[error("{field} is not UTF-8")]
     BadText {
@@ -130,6 +142,55 @@ pub enum Frame {
     Stop,
     /// The agent is shutting down.
     Stopping,
+    /// Asks for a file of a source, in chunks; the asker may hold `credit` chunks unacknowledged.
+    Fetch {
+        /// The transfer's number, chosen by the asker.
+        id: u32,
+        /// The source directory, as every node mounts it.
+        source: String,
+        /// The file, relative to the source (checked by [`check_path`]).
+        rel: String,
+        /// How many chunks may be sent before the asker grants more.
+        credit: u32,
+    },
+    /// The file's identity at the source, sent before its bytes: the asker never mixes versions.
+    Found {
+        /// The transfer.
+        id: u32,
+        /// Size in bytes.
+        size: u64,
+        /// Modification time in nanoseconds.
+        mtime_ns: i64,
+        /// Status change time in nanoseconds.
+        ctime_ns: i64,
+        /// Inode at the source.
+        ino: u64,
+        /// Device at the source.
+        dev: u64,
+    },
+    /// Bytes of the file at `offset`.
+    Chunk {
+        /// The transfer.
+        id: u32,
+        /// Where the bytes go.
+        offset: u64,
+        /// At most [`CHUNK`] bytes.
+        data: Vec<u8>,
+    },
+    /// The asker can take `more` chunks (receiver-driven credit, as DYAD's transfers).
+    Credit {
+        /// The transfer.
+        id: u32,
+        /// Chunks granted.
+        more: u32,
+    },
+    /// Every byte was sent; the blake3 of the whole file, for the asker to check.
+    Done {
+        /// The transfer.
+        id: u32,
+        /// blake3 of the bytes sent.
+        hash: [u8; 32],
+    },
     /// A request failed.
     Error {
         /// What kind of failure.
@@ -150,6 +211,24 @@ mod kind {
     pub const STOP: u8 = 8;
     pub const STOPPING: u8 = 9;
     pub const ERROR: u8 = 10;
+    pub const FETCH: u8 = 11;
+    pub const FOUND: u8 = 12;
+    pub const CHUNK: u8 = 13;
+    pub const CREDIT: u8 = 14;
+    pub const DONE: u8 = 15;
+}
+
+/// Checks a source-relative path from the network: not empty, not absolute, no `.` or `..` part, no NUL
+/// and no empty part, at most [`MAX_PATH`] bytes. A request can never name a file outside its source.
+pub fn check_path(rel: &str) -> Result<(), FrameError> {
+    let bad = || FrameError::BadPath(rel.chars().take(200).collect());
+    if rel.is_empty() || rel.len() > MAX_PATH || rel.starts_with('/') || rel.contains('\0') {
+        return Err(bad());
+    }
+    if rel.split('/').any(|part| part.is_empty() || part == "." || part == "..") {
+        return Err(bad());
+    }
+    Ok(())
 }
 
 /// The proof that a client holds `token`, for a challenge's `nonce`: a blake3 keyed by the token's own
@@ -207,6 +286,38 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
         }
         Frame::Stop => out.push(kind::STOP),
         Frame::Stopping => out.push(kind::STOPPING),
+        Frame::Fetch { id, source, rel, credit } => {
+            out.push(kind::FETCH);
+            out.extend_from_slice(&id.to_be_bytes());
+            text(out, source);
+            text(out, rel);
+            out.extend_from_slice(&credit.to_be_bytes());
+        }
+        Frame::Found { id, size, mtime_ns, ctime_ns, ino, dev } => {
+            out.push(kind::FOUND);
+            out.extend_from_slice(&id.to_be_bytes());
+            for x in [*size, *mtime_ns as u64, *ctime_ns as u64, *ino, *dev] {
+                out.extend_from_slice(&x.to_be_bytes());
+            }
+        }
+        Frame::Chunk { id, offset, data } => {
+            out.push(kind::CHUNK);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&offset.to_be_bytes());
+            let d = &data[..data.len().min(CHUNK)];
+            out.extend_from_slice(&(d.len() as u32).to_be_bytes());
+            out.extend_from_slice(d);
+        }
+        Frame::Credit { id, more } => {
+            out.push(kind::CREDIT);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&more.to_be_bytes());
+        }
+        Frame::Done { id, hash } => {
+            out.push(kind::DONE);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(hash);
+        }
         Frame::Error { code, message } => {
             out.push(kind::ERROR);
             out.extend_from_slice(&(*code as u16).to_be_bytes());
@@ -306,6 +417,28 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
         kind::STOP => Frame::Stop,
         kind::STOPPING => Frame::Stopping,
         kind::ERROR => Frame::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.text("message")? },
+        kind::FETCH => {
+            let (id, source, rel) = (r.u32("id")?, r.text("source")?, r.text("rel")?);
+            check_path(&rel)?;
+            Frame::Fetch { id, source, rel, credit: r.u32("credit")? }
+        }
+        kind::FOUND => Frame::Found {
+            id: r.u32("id")?,
+            size: r.u64("size")?,
+            mtime_ns: r.u64("mtime")? as i64,
+            ctime_ns: r.u64("ctime")? as i64,
+            ino: r.u64("ino")?,
+            dev: r.u64("dev")?,
+        },
+        kind::CHUNK => {
+            let (id, offset, n) = (r.u32("id")?, r.u64("offset")?, r.u32("data")? as usize);
+            if n > CHUNK {
+                return Err(FrameError::BigChunk(n));
+            }
+            Frame::Chunk { id, offset, data: r.take(n, "data")?.to_vec() }
+        }
+        kind::CREDIT => Frame::Credit { id: r.u32("id")?, more: r.u32("more")? },
+        kind::DONE => Frame::Done { id: r.u32("id")?, hash: r.bytes32("hash")? },
         other => return Err(FrameError::UnknownKind(other)),
     };
     r.end()?;
@@ -361,6 +494,15 @@ mod tests {
             Just(Frame::Stop),
             Just(Frame::Stopping),
             (1u16..5, text).prop_map(|(c, message)| Frame::Error { code: ErrorCode::from_u16(c), message }),
+            (any::<u32>(), "/[a-z/]{1,30}", "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}", any::<u32>())
+                .prop_map(|(id, source, rel, credit)| Frame::Fetch { id, source, rel, credit }),
+            (any::<u32>(), any::<u64>(), any::<i64>(), any::<i64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(id, size, mtime_ns, ctime_ns, ino, dev)| Frame::Found { id, size, mtime_ns, ctime_ns, ino, dev }
+            ),
+            (any::<u32>(), any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300))
+                .prop_map(|(id, offset, data)| Frame::Chunk { id, offset, data }),
+            (any::<u32>(), any::<u32>()).prop_map(|(id, more)| Frame::Credit { id, more }),
+            (any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, hash)| Frame::Done { id, hash }),
         ]
     }
 
@@ -411,6 +553,28 @@ mod tests {
         assert_eq!(parse(&body), Err(FrameError::Trailing(1)));
         assert_eq!(parse(&[200]), Err(FrameError::UnknownKind(200)));
         assert_eq!(parse(&[]), Err(FrameError::Empty));
+    }
+
+    #[test]
+    fn requests_cannot_name_a_file_outside_their_source() {
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a/./b", "a//b", "a/", "a\0b", &"x".repeat(5000)] {
+            assert!(check_path(bad).is_err(), "{bad:?} was accepted");
+            let mut wire = Vec::new();
+            encode(&Frame::Fetch { id: 1, source: "/s".into(), rel: bad.into(), credit: 4 }, &mut wire);
+            assert!(parse(&wire[4..]).is_err(), "a Fetch of {bad:?} parsed");
+        }
+        for good in ["a", "train/n0144/0001.JPEG", "a..b/c.d", ".hidden/x"] {
+            assert_eq!(check_path(good), Ok(()), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn a_chunk_longer_than_the_limit_is_refused() {
+        let mut body = vec![kind::CHUNK];
+        body.extend_from_slice(&1u32.to_be_bytes());
+        body.extend_from_slice(&0u64.to_be_bytes());
+        body.extend_from_slice(&((CHUNK + 1) as u32).to_be_bytes());
+        assert_eq!(parse(&body), Err(FrameError::BigChunk(CHUNK + 1)));
     }
 
     #[test]
