@@ -86,10 +86,12 @@ def test_numpy_dicts_round_trip_as_numpy(repo: Repository) -> None:
         "zero_d": np.array(3.5),
     }
     repo.save("np", arrays)
-    out = repo.load("np")
-    for k, a in arrays.items():
-        assert isinstance(out[k], np.ndarray) and out[k].dtype == a.dtype
-        np.testing.assert_array_equal(out[k], a)
+    for mmap in (True, False):
+        out = repo.load("np", mmap=mmap)
+        for k, a in arrays.items():
+            assert isinstance(out[k], np.ndarray) and out[k].dtype == a.dtype
+            assert out[k].shape == a.shape, f"{k}: shape {out[k].shape}, saved {a.shape}"
+            np.testing.assert_array_equal(out[k], a)
     with pytest.raises(TypeError, match="holds Python objects"):
         repo.save("bad", {"o": np.array([object()])})
     with pytest.raises(TypeError, match="not a tensor"):

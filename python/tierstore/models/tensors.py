@@ -74,7 +74,8 @@ def spec_and_bytes(value: Any, key: str) -> tuple[TensorSpec, np.ndarray, str]:
             raise TypeError(
                 f"array {key!r}: dtype {value.dtype} holds Python objects or fields; store plain numbers"
             )
-        a = np.ascontiguousarray(value)
+        # ascontiguousarray gives at least one dimension: put a 0-d array's shape back.
+        a = np.ascontiguousarray(value).reshape(value.shape)
         return TensorSpec(a.dtype.name, tuple(a.shape)), a.reshape(-1).view(np.uint8), "numpy"
     raise TypeError(
         f"{key!r} is a {type(value).__name__}, not a tensor: give an nn.Module, a state_dict or a dict of numpy arrays"
