@@ -648,7 +648,7 @@ def _named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) 
         )
         raise IntegrityError(
             f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
-            "Restore the pack from a backup or save the model again"
+            "Restore the pack from a backup (saving the model again reuses the damaged copy)"
         ) from e
     except FileNotFoundError as e:
         raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e

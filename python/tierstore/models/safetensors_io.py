@@ -23,6 +23,7 @@ TO_SAFETENSORS = {
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }  # fmt: skip
 FROM_SAFETENSORS = {v: k for k, v in TO_SAFETENSORS.items()}
 
@@ -45,16 +46,24 @@ def export(repo: Repository, name: str, version: int | str, path: str | os.PathL
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     out = Path(path)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in m["tensors"]:
-            buf = np.empty(t["nbytes"], dtype=np.uint8)
-            _core.read_into(repo.root / "packs" / t["pack"], [(t["offset"], buf, bytes.fromhex(t["hash"]))])
-            f.write(buf.data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, out)
+    from tierstore.models.repository import _named_damage
+
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for t in m["tensors"]:
+                buf = np.empty(t["nbytes"], dtype=np.uint8)
+                pack = repo.root / "packs" / t["pack"]
+                with _named_damage(m, pack, [t]):  # a damaged tensor is named, not "tensor #0"
+                    _core.read_into(pack, [(t["offset"], buf, bytes.fromhex(t["hash"]))])
+                f.write(buf.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed export leaves nothing beside its target
+        raise
     return out
 
 
