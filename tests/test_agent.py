@@ -82,3 +82,18 @@ def test_listening_beyond_loopback_needs_a_token(runtime: dict[str, str], tmp_pa
     report = json.loads(cli("status", "--json", env=runtime).stdout)
     assert report["listen"].startswith("127.0.0.1:") and not report["listen"].endswith(":0")
     assert cli("stop", env=runtime).returncode == 0
+
+
+def test_config_show_lists_the_cluster_members(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TIERSTORE_", "SLURM_"))}
+    run = [sys.executable, "-m", "tierstore.cli", "--source", str(src), "config", "show"]
+    env = {**base, "TIERSTORE_SHARING": "partitioned", "SLURM_JOB_NODELIST": "gpu[001-016]"}
+    shown = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "sharing partitioned" in shown.stdout and "16 members: gpu001:7078" in shown.stdout
+    bad = subprocess.run(
+        run, capture_output=True, text=True, env={**base, "TIERSTORE_SHARING": "on"}, timeout=60
+    )
+    assert bad.returncode != 0 and "cluster.sharing" in bad.stderr and '"partitioned"' in bad.stderr
