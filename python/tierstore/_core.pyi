@@ -22,6 +22,7 @@ __all__ = [
     "map_pack",
     "parse_size",
     "read_into",
+    "verify_pack",
 ]
 __version__: str
 
@@ -34,6 +35,9 @@ def parse_size(text: str) -> int | None: ...
 def hash_buffers(buffers: Sequence[Any]) -> list[bytes]: ...
 def read_into(path: _Path, requests: Sequence[tuple[int, Any, bytes | None]]) -> None: ...
 def map_pack(path: _Path, spans: Sequence[tuple[int, int, bytes | None]]) -> PackMap: ...
+def verify_pack(
+    path: _Path, spans: Sequence[tuple[int, int, bytes | None]]
+) -> list[tuple[str, str] | None]: ...
 
 @final
 class PackMap:

@@ -399,6 +399,51 @@ pub fn map_verified(path: &Path, spans: &[Span]) -> Result<memmap2::MmapMut, Rea
     Ok(map)
 }
 
+/// Checks every span of the pack at `path` against its hash, as a check of a whole repository needs:
+/// every damaged span is named, not only the first, and memory stays at a piece per thread whatever the
+/// size of the pack (a load's destinations hold every tensor at once; a check keeps no byte).
+///
+/// Returns one result per span, in order: `Truncated` for a span past the end of the pack, `Corrupt` for
+/// bytes that do not have the span's hash, `Io` for bytes that cannot be read (a bad sector). A span
+/// without a hash is only checked for being in the pack. `Err` only when the pack cannot be opened.
+pub fn verify(path: &Path, spans: &[Span]) -> Result<Vec<Result<(), ReadError>>, ReadError> {
+    use rayon::prelude::*;
+    use std::os::fd::AsRawFd;
+
+    let io_err = |source| ReadError::Io { path: path.to_path_buf(), source };
+    let file = File::open(path).map_err(io_err)?;
+    let size = file.metadata().map_err(io_err)?.len();
+    // SAFETY: advice on an open descriptor; failure only loses the hint.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
+    let check = |(index, s): (usize, &Span)| -> Result<(), ReadError> {
+        let truncated = || ReadError::Truncated { path: path.to_path_buf(), index, offset: s.offset, len: s.len };
+        if s.offset.saturating_add(s.len as u64) > size {
+            return Err(truncated());
+        }
+        let Some(expect) = s.expect else { return Ok(()) };
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; s.len.min(PIECE)];
+        let mut done = 0;
+        while done < s.len {
+            let piece = &mut buf[..(s.len - done).min(PIECE)];
+            if !read_exact_at(&file, piece, s.offset + done as u64).map_err(io_err)? {
+                return Err(truncated()); // the pack shrank while it was checked
+            }
+            if piece.len() >= PARALLEL_HASH_MIN {
+                hasher.update_rayon(piece);
+            } else {
+                hasher.update(piece);
+            }
+            done += piece.len();
+        }
+        if *hasher.finalize().as_bytes() != expect {
+            return Err(ReadError::Corrupt { path: path.to_path_buf(), index, offset: s.offset });
+        }
+        Ok(())
+    };
+    Ok(spans.par_iter().enumerate().map(check).collect())
+}
+
 /// A copying partial load is read by blocks when that fetches at most this many times its bytes (see
 /// `by_blocks`).
 const MAX_WARM_OVERREAD: f64 = 1.25;
@@ -785,6 +830,39 @@ mod tests {
         // A span past the end of the pack is refused before anything is mapped.
         let past = Span { offset: offsets[1], len: big.len() + 1, expect: None };
         assert!(matches!(map_verified(&dest, &[span(0, &small), past]), Err(ReadError::Truncated { index: 1, .. })));
+    }
+
+    #[test]
+    fn verify_names_every_damaged_span() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("v.pack");
+        let tensors: Vec<Vec<u8>> = [100, 2 * PIECE + 9, 5000, 70_000]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 13 % 251) as u8).collect())
+            .collect();
+        let slices: Vec<&[u8]> = tensors.iter().map(|t| t.as_slice()).collect();
+        let mut w = PackWriter::create(&dest).unwrap();
+        let offsets = w.append_all(&slices).unwrap();
+        w.commit().unwrap();
+        let spans: Vec<Span> = tensors
+            .iter()
+            .zip(&offsets)
+            .map(|(t, &offset)| Span { offset, len: t.len(), expect: Some(hash(t)) })
+            .collect();
+        assert!(verify(&dest, &spans).unwrap().iter().all(Result::is_ok));
+        // Two damaged tensors, one in the last piece of the large one: both named, the others fine.
+        let f = OpenOptions::new().write(true).open(&dest).unwrap();
+        let last = offsets[1] + tensors[1].len() as u64 - 1;
+        f.write_at(&[0xFF ^ tensors[1][tensors[1].len() - 1]], last).unwrap();
+        f.write_at(&[0xFF ^ tensors[2][17]], offsets[2] + 17).unwrap();
+        let found = verify(&dest, &spans).unwrap();
+        assert!(found[0].is_ok() && found[3].is_ok(), "{found:?}");
+        assert!(matches!(found[1], Err(ReadError::Corrupt { index: 1, .. })), "{found:?}");
+        assert!(matches!(found[2], Err(ReadError::Corrupt { index: 2, .. })), "{found:?}");
+        // A span past the end is truncated; a missing pack cannot be checked at all.
+        let past = Span { offset: offsets[3], len: tensors[3].len() + 1, expect: None };
+        assert!(matches!(verify(&dest, &[past]).unwrap()[0], Err(ReadError::Truncated { index: 0, .. })));
+        assert!(matches!(verify(&dir.path().join("gone.pack"), &spans), Err(ReadError::Io { .. })));
     }
 
     #[test]

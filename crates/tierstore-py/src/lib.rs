@@ -407,6 +407,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::hash_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(pack::read_into, m)?)?;
     m.add_function(wrap_pyfunction!(pack::map_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(pack::verify_pack, m)?)?;
     m.add_class::<pack::PyPackMap>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     error::register(m)

@@ -222,3 +222,33 @@ pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Ve
     let map = py.allow_threads(|| pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(PyPackMap { map })
 }
+
+/// Checks `(offset, length, expected hash or None)` tensors of a pack, without the GIL and keeping no
+/// byte: one entry per span, `None` when it is intact, else `(kind, message)` with kind `"corrupt"`,
+/// `"truncated"` or `"unreadable"`. Every damaged span is reported, not only the first. Raises `OSError`
+/// (`FileNotFoundError`...) when the pack cannot be opened.
+#[pyfunction]
+pub fn verify_pack(
+    py: Python<'_>,
+    path: PathBuf,
+    spans: Vec<(u64, usize, Option<Vec<u8>>)>,
+) -> PyResult<Vec<Option<(&'static str, String)>>> {
+    let spans = spans
+        .into_iter()
+        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? }))
+        .collect::<PyResult<Vec<_>>>()?;
+    let found = py.allow_threads(|| pack::verify(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    Ok(found
+        .into_iter()
+        .map(|r| {
+            r.err().map(|e| {
+                let kind = match e {
+                    ReadError::Corrupt { .. } => "corrupt",
+                    ReadError::Truncated { .. } => "truncated",
+                    ReadError::Io { .. } => "unreadable",
+                };
+                (kind, e.to_string())
+            })
+        })
+        .collect())
+}
