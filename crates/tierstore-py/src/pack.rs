@@ -152,8 +152,12 @@ pub fn read_into(
 }
 
 fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
-    match &e {
-        ReadError::Io { source, .. } => io_to_py(std::io::Error::new(source.kind(), e.to_string()), None),
+    match e {
+        // With its errno, so that a missing pack is a FileNotFoundError naming the pack.
+        ReadError::Io { path, source } if source.raw_os_error().is_some() => {
+            io_to_py(source, Some(&path.to_string_lossy()))
+        }
+        ReadError::Io { ref source, .. } => io_to_py(std::io::Error::new(source.kind(), e.to_string()), None),
         ReadError::Truncated { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "truncated"),
         ReadError::Corrupt { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "corrupt"),
     }
