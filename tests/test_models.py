@@ -98,6 +98,30 @@ def test_numpy_dicts_round_trip_as_numpy(repo: Repository) -> None:
         repo.save("bad", {"x": [1, 2, 3]})
 
 
+@pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "copy"])
+def test_zero_d_tensors_keep_their_shape(repo: Repository, mmap: bool) -> None:
+    state = {
+        "step": torch.tensor(7),
+        "scale": torch.tensor(0.5, dtype=torch.bfloat16),
+        "flag": torch.tensor(True),
+        "vector": torch.arange(3.0),
+    }
+    repo.save("t", state)
+    out = repo.load("t", mmap=mmap)
+    for k, t in state.items():
+        assert out[k].shape == t.shape and same_bytes(out[k], t), f"{k}: {out[k]!r}, saved {t!r}"
+    target = {k: torch.zeros_like(t) for k, t in state.items()}
+    repo.load("t", into=target)
+    assert all(same_bytes(target[k], t) for k, t in state.items())
+    arrays = {"zero_d": np.array(3.5), "int": np.array(-2, dtype=np.int16)}
+    repo.save("n", arrays)
+    out = repo.load("n", mmap=mmap)
+    assert {k: out[k].shape for k in arrays} == {"zero_d": (), "int": ()}
+    into = {k: np.zeros_like(a) for k, a in arrays.items()}
+    repo.load("n", into=into)
+    assert into["zero_d"].shape == () and into["zero_d"] == 3.5 and into["int"] == -2
+
+
 def io_counter(name: str) -> int:
     """A counter of /proc/self/io: rchar counts bytes of read calls, read_bytes bytes fetched from the
     device (page faults of a mapping included)."""
@@ -421,6 +445,31 @@ def test_safetensors_export_and_import(repo: Repository, tmp_path: Path) -> None
         for k in state
     )
     assert repo.info("st-imported")["metadata"]["epoch"] == "3"
+
+
+def test_every_safetensors_dtype_round_trips_through_export_and_import(
+    repo: Repository, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from tierstore.models.safetensors_io import TO_SAFETENSORS
+
+    names = [n for n in TO_SAFETENSORS if isinstance(getattr(torch, n, None), torch.dtype)]
+    assert {"float8_e4m3fnuz", "float8_e5m2fnuz"} <= set(names)  # AMD's float8 types, in safetensors 0.4+
+    state = {}
+    for i, name in enumerate(names):
+        dtype = getattr(torch, name)
+        state[f"{name}.matrix"] = random_tensor(dtype, (5, 7), seed=i)  # every bit pattern: NaNs included
+        state[f"{name}.scalar"] = random_tensor(dtype, (), seed=50 + i)
+        state[f"{name}.empty"] = random_tensor(dtype, (0, 3), seed=i)
+    repo.save("all", state)
+    exported = load_file(repo.export("all", 1, tmp_path / "ours.safetensors"))  # read by safetensors itself
+    assert set(exported) == set(state) and all(same_bytes(exported[k], t) for k, t in state.items())
+    save_file(state, tmp_path / "theirs.safetensors")  # written by safetensors itself
+    v = repo.import_safetensors(tmp_path / "theirs.safetensors", "imported")
+    assert v.written_bytes == 0  # byte for byte the tensors already stored
+    back = repo.load("imported", mmap=False)
+    assert set(back) == set(state) and all(same_bytes(back[k], t) for k, t in state.items())
 
 
 def test_delete_and_gc(repo: Repository) -> None:
