@@ -589,11 +589,13 @@ class Repository:
         """
         with _flock(self.root / "repo.lock", exclusive=True):
             used: dict[str, int] = defaultdict(int)
-            seen: set[str] = set()
+            seen: set[tuple[str, int]] = set()
             for p in (self.root / "models").glob("*/v*.json"):
                 for t in json.loads(p.read_text())["tensors"]:
-                    if t["hash"] not in seen:
-                        seen.add(t["hash"])
+                    # By location, not by hash: a tensor saved anew after its copy was quarantined (or by
+                    # two concurrent saves) is stored twice, and each copy's pack is in use.
+                    if (t["pack"], t["offset"]) not in seen:
+                        seen.add((t["pack"], t["offset"]))
                         used[t["pack"]] += t["nbytes"]
             removed = freed = unused = 0
             for p in (self.root / "packs").iterdir():
