@@ -242,20 +242,134 @@ def test_corrupted_pack_bytes_are_detected_and_named(repo: Repository) -> None:
         byte = f.read(1)
         f.seek(t["offset"] + 4321)
         f.write(bytes([byte[0] ^ 0x40]))
-    with pytest.raises(IntegrityError, match=r"tensor 'b' of c@1 is damaged"):
+    with pytest.raises(IntegrityError, match=r"tensor 'b' of c@1 is damaged") as e:
         repo.load("c")
+    # The advice names the command that makes a new save write the tensor again.
+    assert f"tierstore models --repo {repo.root} verify c@1 --repair" in str(e.value)
     target = {"b": torch.zeros(200_000)}
     with pytest.raises(IntegrityError):
         repo.load("c", keys="b", into=target)
     ok = repo.load("c", keys=["a", "c"])  # the rest of the version is still readable
     assert torch.equal(ok["a"], state["a"]) and torch.equal(ok["c"], state["c"])
-    target_file = repo.root.parent / "damaged.safetensors"
-    with pytest.raises(IntegrityError, match=r"tensor 'b' of c@1 is damaged"):
-        repo.export("c", 1, target_file)
-    assert list(repo.root.parent.glob("*damaged.safetensors*")) == [], "a failed export left a file behind"
+    # Export names the tensor (not "tensor #0 at offset 4096") and leaves nothing beside its target,
+    # although 'a' was written to the temporary file before 'b' failed.
+    out_dir = repo.root.parent / "exports"
+    out_dir.mkdir()
+    with pytest.raises(IntegrityError, match=r"tensor 'b' of c@1 is damaged") as e:
+        repo.export("c", 1, out_dir / "damaged.safetensors")
+    assert "#0" not in str(e.value) and "offset" not in str(e.value)
+    assert os.listdir(out_dir) == [], "a failed export left a file behind"
+    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "models", "--repo", str(repo.root), "export", "c",
+                        str(out_dir / "cli.safetensors")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "tensor 'b' of c@1 is damaged" in r.stderr and "Traceback" not in r.stderr
+    assert os.listdir(out_dir) == []
     os.truncate(pack, t["offset"] + 100)
     with pytest.raises(IntegrityError, match="the pack is truncated"):
         repo.load("c", keys="b")
+
+
+def flip_byte(repo: Repository, t: dict, at: int) -> None:
+    """Damages the stored copy of manifest entry `t` at byte `at` of the tensor."""
+    with open(repo.root / "packs" / t["pack"], "r+b") as f:
+        f.seek(t["offset"] + at)
+        byte = f.read(1)
+        f.seek(t["offset"] + at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_verify_repair_makes_the_next_save_write_damaged_tensors_anew(repo: Repository) -> None:
+    state = {"a": torch.randn(1000), "b": torch.randn(200_000), "c": torch.randn(10)}
+    other = Repository(repo.root)  # another process's view, whose index of stored tensors is already built
+    other.save("c", state)
+    assert repo.verify().ok
+    b = next(t for t in repo.manifest("c")["tensors"] if t["name"] == "b")
+    flip_byte(repo, b, 4321)
+    with pytest.raises(IntegrityError, match="tensor 'b' of c@1 is damaged"):
+        repo.load("c")
+    # Before a repair, a save refers to the damaged copy: it writes nothing and is as broken.
+    assert other.save("c", state).written_bytes == 0
+    with pytest.raises(IntegrityError, match="tensor 'b' of c@2 is damaged"):
+        repo.load("c", 2)
+    report = repo.verify("c", 1)
+    assert not report.ok and (report.versions, report.tensors, report.blobs) == (1, 3, 3)
+    assert [(d.model, d.version, d.tensor, d.reason) for d in report.damaged] == [
+        ("c", 1, "b", "corrupt"),
+        ("c", 2, "b", "corrupt"),  # not asked, but it refers to the same damaged copy
+    ]
+    assert report.quarantined == 0 and not (repo.root / "quarantine").exists()  # no repair asked
+    report = repo.verify(repair=True)
+    assert report.quarantined == 1 and report.broken_versions == ["c@1", "c@2"]
+    # The next save of the same tensors writes the damaged one anew (the other two are intact), and loads.
+    v3 = other.save("c", state)
+    assert v3.version == 3 and v3.written_bytes == b["nbytes"]
+    for mmap in (True, False):
+        out = repo.load("c", 3, mmap=mmap)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+    # The versions that referred to the damaged copy stay broken, and say so.
+    with pytest.raises(IntegrityError, match="quarantined: c@1 stays broken"):
+        repo.load("c", 1)
+    report = repo.verify(repair=True)
+    assert report.broken_versions == ["c@1", "c@2"] and report.quarantined == 0
+    assert repo.verify("c", 3).ok
+    # gc keeps the new copy's pack although an older version refers to the same hash elsewhere.
+    repo.gc()
+    assert torch.equal(repo.load("c", 3, mmap=False)["b"], state["b"])
+    # A pack restored from a backup: its copy is released from quarantine, and the versions load again.
+    flip_byte(repo, b, 4321)
+    report = repo.verify(repair=True)
+    assert report.ok and report.released == 1 and os.listdir(repo.root / "quarantine") == []
+    assert torch.equal(repo.load("c", 1)["b"], state["b"])
+
+
+def test_verify_reports_a_missing_pack_and_refuses_a_version_without_a_name(repo: Repository) -> None:
+    w = torch.randn(100)
+    repo.save("m", {"w": w})
+    repo.save("keep", {"k": torch.randn(100)})
+    pack = repo.root / "packs" / repo.manifest("m")["tensors"][0]["pack"]
+    pack.unlink()
+    with pytest.raises(IntegrityError, match=r"m@1: pack .* which holds tensor 'w', is missing") as e:
+        repo.load("m")
+    assert "verify m@1 --repair" in str(e.value)
+    report = repo.verify(repair=True)
+    assert [(d.model, d.tensor, d.reason) for d in report.damaged] == [("m", "w", "missing")]
+    assert (report.versions, report.quarantined) == (2, 1)
+    assert repo.save("m", {"w": w}).written_bytes == 400  # not a reference to the missing pack
+    assert torch.equal(repo.load("m")["w"], w)
+    with pytest.raises(ValueError, match="without a model name"):
+        repo.verify(None, 1)
+    with pytest.raises(RepositoryError, match="no model named 'nope'"):
+        repo.verify("nope")
+
+
+def test_models_verify_cli(repo: Repository) -> None:
+    state = {"a": torch.randn(1000), "b": torch.randn(200_000)}
+    repo.save("v", state)
+    repo.save("w", {"x": torch.randn(10)})
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tierstore.cli", "models", "--repo", str(repo.root), *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    r = run("verify")
+    assert r.returncode == 0 and "checked 3 tensors of 2 versions" in r.stdout and "no damage" in r.stdout
+    assert "verify" in r.stderr and "KiB" in r.stderr  # rich's progress bar
+    flip_byte(repo, next(t for t in repo.manifest("v")["tensors"] if t["name"] == "b"), 99)
+    r = run("verify", "w")  # another model: its tensors are intact
+    assert r.returncode == 0, r.stdout
+    r = run("verify", "v@1", "--no-progress")
+    assert r.returncode == 1 and r.stderr == ""
+    assert "damaged: v@1 tensor 'b': its bytes do not match the recorded hash" in r.stdout
+    assert f"tierstore models --repo {repo.root} verify v@1 --repair" in r.stdout
+    r = run("verify", "v", "--repair", "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["quarantined"] == 1 and report["broken_versions"] == ["v@1"]
+    assert [d["tensor"] for d in report["damaged"]] == ["b"]
+    assert repo.save("v", state).written_bytes == 800_000
+    r = run("verify", "v@latest")
+    assert r.returncode == 0 and "no damage" in r.stdout
+    r = run("verify", "v@7")
+    assert r.returncode == 1 and "v has no version 7" in r.stderr
 
 
 @pytest.mark.parametrize("mmap", [False, True], ids=["copy", "mmap"])

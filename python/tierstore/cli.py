@@ -397,9 +397,9 @@ def _split_ref(ref: str) -> tuple[str, str]:
 
 
 def _models_errors() -> Any:
-    from tierstore.models import RepositoryError
+    from tierstore.models import IntegrityError, RepositoryError
 
-    return (RepositoryError, ValueError, OSError)
+    return (RepositoryError, IntegrityError, ValueError, OSError)
 
 
 @models.command("ls")
@@ -469,6 +469,69 @@ def models_export(repo: Any, ref: str, path: str) -> None:
     except _models_errors() as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"wrote {out} ({_human(out.stat().st_size)})")
+
+
+@models.command("verify")
+@click.argument("ref", metavar="[NAME[@VERSION]]", required=False)
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Quarantine damaged stored tensors, so that the next save of them writes them anew.",
+)
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show bytes checked, rate and ETA."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_json: bool) -> None:
+    """Check the hash of every stored tensor: of every model, of every version of NAME, or of NAME@VERSION.
+
+    \b
+    Exits with status 1 when a tensor is damaged. A damaged copy stays the one a save of the same tensor
+    refers to (dedup) until --repair quarantines it; the versions that refer to it stay broken.
+      tierstore models --repo /lustre/models verify resnet50@3 --repair
+    """
+    name, version = (None, None) if ref is None else ref.partition("@")[::2]
+    try:
+        report = repo.verify(name or None, version or None, repair=repair, progress=progress)
+    except _models_errors() as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        from dataclasses import asdict
+
+        click.echo(json.dumps({**asdict(report), "broken_versions": report.broken_versions}, indent=2))
+    else:
+        for d in report.damaged:
+            click.echo(f"damaged: {d}")
+        copies = len({(d.pack, d.offset, d.hash) for d in report.damaged})
+        broken = ", ".join(report.broken_versions)
+        click.echo(
+            f"checked {report.tensors} tensors of {report.versions} versions ({report.blobs} stored, "
+            f"{_human(report.nbytes)}): "
+            + (f"{copies} stored tensors damaged, in {broken}" if copies else "no damage")
+        )
+        if report.released:
+            click.echo(f"released {report.released} quarantined tensors found intact again")
+        if report.damaged:
+            if repair:
+                already = copies - report.quarantined
+                click.echo(
+                    f"quarantined {report.quarantined} damaged stored tensors"
+                    + (f" ({already} already were)" if already else "")
+                    + ": the next save of these tensors writes them anew"
+                )
+                click.echo(
+                    f"these versions stay broken: {broken}; restore their packs from a backup, or save "
+                    "the models again and delete these versions (Repository.delete)"
+                )
+            else:
+                again = f" {ref}" if ref else ""
+                click.echo(
+                    f"broken versions: {broken}; to repair, restore their packs from a backup, or run "
+                    f"`tierstore models --repo {repo.root} verify{again} --repair` and save the models again"
+                )
+    if report.damaged:
+        sys.exit(1)
 
 
 @models.command("gc")

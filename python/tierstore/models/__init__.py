@@ -7,10 +7,21 @@ integrity checks and DStore's stable layer IDs for transfer learning.
     repo.load("resnet50", into=model)                       # in place, every hash checked
     heads = repo.load("resnet50", keys=["fc.*"])             # reads only those bytes
     report = repo.load_matching(new_model, "resnet50")       # fills layers with equal stable IDs
+    repo.verify(repair=True)                                 # checks every stored tensor
 """
 
 from tierstore._core import IntegrityError
+from tierstore.models.integrity import DamagedTensor, VerifyReport
 from tierstore.models.layers import layer_ids
 from tierstore.models.repository import MatchReport, Repository, RepositoryError, Version
 
-__all__ = ["IntegrityError", "MatchReport", "Repository", "RepositoryError", "Version", "layer_ids"]
+__all__ = [
+    "DamagedTensor",
+    "IntegrityError",
+    "MatchReport",
+    "Repository",
+    "RepositoryError",
+    "VerifyReport",
+    "Version",
+    "layer_ids",
+]

@@ -5,7 +5,9 @@ Layout of a repository directory:
     packs/<id>.pack          tensors of one save, aligned, written in one sequential stream, then fsynced
     models/<name>/v<N>.json  one manifest per version: tensor table, layer IDs, graph, user metadata
     models/<name>/.lock      serializes version numbering of one model
+    quarantine/<hash>.<offset>.<pack>  a damaged stored tensor, which saves no longer deduplicate against
     repo.lock                shared by saves, exclusive for gc (which must not delete a save's new pack)
+                             and for quarantining (see `verify`)
 
 A save hashes every tensor (blake3), writes only the tensors the repository does not hold yet into one new
 pack, fsyncs it, and writes the manifest last (temporary name, fsync, rename, fsync of the directory): a
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tierstore import _core
+from tierstore.models import integrity
 from tierstore.models import layers as layer_ids
 from tierstore.models.staging import POOL
 from tierstore.models.tensors import (
@@ -143,9 +146,11 @@ class Repository:
             marker.write_text(f"tierstore-models {FORMAT}\n")
         elif marker.read_text().split() != ["tierstore-models", str(FORMAT)]:
             raise RepositoryError(f"{self.root} is not a tierstore model repository of format {FORMAT}")
-        # hash -> (pack, offset, nbytes): what the repository holds, built from the manifests
+        # hash -> (pack, offset, nbytes): what the repository holds, built from the manifests, without the
+        # quarantined (damaged) copies
         self._blobs: dict[str, tuple[str, int, int]] = {}
         self._seen: set[Path] = set()
+        self._quarantined: frozenset[integrity.BlobKey] = frozenset()
 
     # -- names and manifests ------------------------------------------------------------------------------
 
@@ -181,7 +186,19 @@ class Repository:
         return v
 
     def export(self, name: str, version: int | str, path: str | os.PathLike[str]) -> Path:
-        """Writes a version as a standard safetensors file."""
+        """Writes a version as a standard safetensors file (the fnuz float8 types included).
+
+        Every tensor is checked as it is read. The file is written under a temporary name beside `path`
+        and renamed into place once whole; a failed export removes it and leaves `path` as it was.
+
+        Returns:
+            The path written.
+
+        Raises:
+            IntegrityError: A stored tensor is damaged: the message names it (its key in the state dict), the
+                model and the version, and how to repair.
+            ValueError: A tensor's dtype has no safetensors name.
+        """
         from tierstore.models.safetensors_io import export
 
         return export(self, name, version, path)
@@ -200,16 +217,21 @@ class Repository:
     def _refresh(self) -> None:
         """Brings the index of stored tensors up to date with the manifests on disk."""
         paths = set((self.root / "models").glob("*/v*.json"))
-        if not self._seen <= paths:  # a version was deleted: its tensors may be gone after a gc
+        quarantined = integrity.quarantined(self.root)
+        # A version was deleted (its tensors may be gone after a gc), or a copy was quarantined (another
+        # copy of the same tensor may be intact): start again.
+        if not self._seen <= paths or quarantined != self._quarantined:
             self._blobs.clear()
             self._seen.clear()
+            self._quarantined = quarantined
         for p in sorted(paths - self._seen):
             try:
                 m = json.loads(p.read_text())
             except (OSError, ValueError):
                 continue  # deleted meanwhile
             for t in m["tensors"]:
-                self._blobs.setdefault(t["hash"], (t["pack"], t["offset"], t["nbytes"]))
+                if (t["pack"], t["offset"], t["hash"]) not in quarantined:
+                    self._blobs.setdefault(t["hash"], (t["pack"], t["offset"], t["nbytes"]))
             self._seen.add(p)
 
     # -- saving -------------------------------------------------------------------------------------------
@@ -422,8 +444,9 @@ class Repository:
             The loaded tensors by name (the tensors of `into` when given).
 
         Raises:
-            IntegrityError: Stored bytes do not match their hash; the message names the tensor. Nothing
-                wrong is returned (a destination given with `into` may be partly overwritten).
+            IntegrityError: Stored bytes do not match their hash, or their pack is missing; the message
+                names the tensor and how to repair (`verify`). Nothing wrong is returned (a destination given
+                with `into` may be partly overwritten).
             RepositoryError: Unknown model, version, or keys that match nothing.
         """
         m = self.manifest(name, version)
@@ -608,6 +631,9 @@ class Repository:
                 freed += size
             for p in (self.root / "models").glob("*/.v*.tmp"):
                 p.unlink()
+            for key in integrity.quarantined(self.root):
+                if key[0] not in used:  # its pack is gone with the last version that referred to it
+                    (self.root / integrity.QUARANTINE / integrity.entry_name(key)).unlink()
             self._blobs.clear()
             self._seen.clear()
         return {"packs_removed": removed, "bytes_freed": freed, "bytes_unused_in_live_packs": unused}
@@ -619,6 +645,39 @@ class Repository:
             logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
+
+    def verify(
+        self,
+        name: str | None = None,
+        version: int | str | None = None,
+        *,
+        repair: bool = False,
+        progress: bool | None = None,
+    ) -> integrity.VerifyReport:
+        """Checks the blake3 hash of every stored tensor of the chosen versions (each stored copy once).
+
+        A damaged copy cannot be mended here, and while it is the repository's copy of its tensor, a save
+        of the same tensor refers to it instead of writing it (dedup) and is as broken. With `repair`,
+        damaged copies are quarantined: the next save of those tensors writes them anew, and the new
+        version loads. The versions that refer to a damaged copy stay broken (restore their packs from a
+        backup, or delete them); they are reported, never silently changed. A copy quarantined earlier and
+        found intact (its pack restored) is released.
+
+        Args:
+            name: The model to check; every model when None.
+            version: A version number or "latest"; every version of `name` when None.
+            repair: Quarantine the damaged copies found.
+            progress: Show bytes checked, rate and ETA on stderr; by default only on a terminal.
+
+        Returns:
+            What was checked, and every damaged tensor by model, version and name (also those of versions
+            not asked that refer to the same damaged copy). `report.ok` is False when damage was found.
+
+        Raises:
+            RepositoryError: Unknown model or version.
+            ValueError: A version without a name.
+        """
+        return integrity.verify(self, name, version, repair=repair, progress=progress)
 
 
 def _spec_of(t: dict[str, Any]) -> TensorSpec:
@@ -650,10 +709,30 @@ def _named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) 
         )
         raise IntegrityError(
             f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
-            "Restore the pack from a backup (saving the model again reuses the damaged copy)"
+            + _repair_advice(m, path, tensors[index] if index is not None else None)
         ) from e
     except FileNotFoundError as e:
-        raise IntegrityError(f"{m['name']}@{m['version']}: pack {path} is missing") from e
+        names = ", ".join(repr(t["name"]) for t in tensors[:3]) + (", ..." if len(tensors) > 3 else "")
+        raise IntegrityError(
+            f"{m['name']}@{m['version']}: pack {path}, which holds tensor {names}, is missing. "
+            + _repair_advice(m, path, None)
+        ) from e
+
+
+def _repair_advice(m: dict[str, Any], pack: Path, t: dict[str, Any] | None) -> str:
+    """What to do about a damaged tensor of version `m` in `pack`: a save of the same tensors would refer to
+    the damaged copy (dedup) until `verify --repair` quarantines it."""
+    root = pack.parent.parent
+    ref = f"{m['name']}@{m['version']}"
+    if t is not None and integrity.is_quarantined(root, t):
+        return (
+            f"The damaged copy is quarantined: {ref} stays broken. Restore the pack from a backup, or save "
+            "the model again, which now writes the tensor anew, and delete this version"
+        )
+    return (
+        f"Restore the pack from a backup, or run `tierstore models --repo {root} verify {ref} --repair` "
+        "and then save the model again (until the repair, a save reuses the damaged copy)"
+    )
 
 
 def _hashed_in_background(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], Future[list[str]]]]:
