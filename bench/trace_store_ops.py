@@ -97,7 +97,7 @@ def run_pass(
     if strace_log is not None:
         # Inside `run`, so that the trace holds the command's calls, not the CLI's.
         cmd = ["strace", "-f", "-y", "-qq", "-s", "256", "-o", str(strace_log),
-               "-e", "trace=%file,%stat,%desc,getdents64,readlink,readlinkat", *command]  # fmt: skip
+               "-e", "trace=%file,%stat,%desc,getdents64,readlink,readlinkat,clone,clone3,fork,vfork", *command]  # fmt: skip
     argv = [PY, "-m", "tierstore.cli", "--source", str(mnt), "--tier", tier, "run", "--revalidate", revalidate,
             "--", *cmd]  # fmt: skip
     before = store_stats(mnt)
@@ -109,7 +109,7 @@ def run_pass(
 UNFINISHED = re.compile(r"^(?P<pid>\d+)\s+(?P<start>.*) <unfinished \.\.\.>$")
 RESUMED = re.compile(r"^(?P<pid>\d+)\s+<\.\.\. \w+ resumed>(?P<rest>.*)$")
 LINE = re.compile(r"^(?P<pid>\d+)\s+(?P<call>\w+)\((?P<args>.*)\)\s+=\s+(?P<ret>.*)$")
-FD = re.compile(r"\d+<([^>]*)>")
+FD = re.compile(r"(?:\d+|AT_FDCWD)<([^>]*)>")
 QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 FLAGS = re.compile(r"\b(AT_(?!FDCWD)[A-Z_]+|O_[A-Z_]+|[FRWX]_OK|STATX_[A-Z_]+)\b")
 IGNORED = {
@@ -134,6 +134,8 @@ def store_calls(log: Path, mnt: Path) -> collections.Counter[str]:
     root = str(mnt)
     calls: collections.Counter[str] = collections.Counter()
     pending: dict[str, str] = {}
+    start = os.getcwd()  # where the traced command starts; chdir moves a process, fork copies it
+    cwds: dict[str, str] = {}
     for raw in log.read_text(errors="replace").splitlines():
         if u := UNFINISHED.match(raw):
             pending[u["pid"]] = u["start"]
@@ -143,21 +145,48 @@ def store_calls(log: Path, mnt: Path) -> collections.Counter[str]:
         m = LINE.match(raw)
         if not m or m["call"] in IGNORED:
             continue
-        # Only what the call was asked about: its descriptor and its first path, not what it answered
-        # (readlink of /proc/self/fd/N answers a path on the store without asking the store).
+        # Only what the call was asked about, its descriptor (or the working directory) and its first
+        # path, not what it answered: readlink of /proc/self/fd/N answers a path on the store without
+        # asking the store. strace -y names descriptors; the working directory is followed through chdir.
         args = m["args"]
         q = QUOTED.search(args)
         head = args[: q.end()] if q else args.split(",", 1)[0]
-        if root not in head:
+        base = FD.search(head)
+        path = q[1] if q else ""
+        cwd = cwds.get(m["pid"], start)
+        if m["call"] in ("clone", "clone3", "fork", "vfork") and m["ret"].isdigit():
+            cwds[m["ret"]] = cwd
             continue
-        shown = []
-        for p in (*FD.findall(head), *([q[1]] if q else [])):
-            shown.append("<mnt>" + p[len(root) :] if p.startswith(root) else repr(p))
-        where = " ".join(shown)
+        if m["call"] == "chdir" and m["ret"] == "0":
+            cwds[m["pid"]] = os.path.normpath(os.path.join(cwd, path))
+            continue
+        if m["call"] == "chdir":
+            continue
+        if q and path.startswith("/"):
+            full = path
+        elif base:
+            full = os.path.join(base[1], path) if path else base[1]
+        elif q:
+            full = os.path.join(cwd, path)
+        else:
+            continue
+        full = os.path.normpath(full)
+        if full != root and not full.startswith(root + "/"):
+            continue
+        where = "<mnt>" + full[len(root) :]
         flags = "|".join(sorted(set(FLAGS.findall(args))))
         failed = " -> " + m["ret"].split(" ", 2)[1] if m["ret"].startswith("-1") else ""
         calls[f"{m['call']}({flags}) {where}{failed}"] += 1
     return calls
+
+
+FILL = (
+    "import os, sys\n"
+    "for d, _, names in os.walk(sys.argv[1]):\n"
+    "    for n in names:\n"
+    "        if n != '.slowfs-stats' and not os.path.islink(os.path.join(d, n)):\n"
+    "            open(os.path.join(d, n), 'rb').read()\n"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--revalidate", choices=("never", "always"), default="never")
     ap.add_argument("--warmups", type=int, default=1, help="passes before the one measured (default 1)")
     ap.add_argument(
+        "--fill", action="store_true", help="read every file of the store once before the warm-ups"
+    )
+    ap.add_argument(
         "--strace", action="store_true", help="trace the measured pass and list the calls on the store"
     )
     ap.add_argument("--meta-latency", default="0", help="of a stand-in this script mounts (default 0)")
     ap.add_argument("--data-latency", default="0", help="of a stand-in this script mounts (default 0)")
+    ap.add_argument("--trace-out", type=Path, help="with --strace: keep strace's whole log here")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
@@ -194,12 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         mnt = args.mount or stack.enter_context(mounted(args.backing, args.meta_latency, args.data_latency))
         cmd = [a.replace("{mnt}", str(mnt)) for a in command]
         passes = []
+        if args.fill:
+            # Every file in the cache, including those the command only lists or stats.
+            fill = [PY, "-c", FILL, str(mnt)]
+            passes.append(run_pass(mnt, tier, args.revalidate, fill, None))
         for _ in range(args.warmups):
             passes.append(run_pass(mnt, tier, args.revalidate, cmd, None))
-        log = Path(tempfile.mkstemp(prefix="tierstore-trace-", suffix=".strace")[1]) if args.strace else None
+        log = None
+        if args.strace:
+            log = args.trace_out or Path(tempfile.mkstemp(prefix="tierstore-trace-", suffix=".strace")[1])
         rc, ops = run_pass(mnt, tier, args.revalidate, cmd, log)
         calls = store_calls(log, mnt) if log else None
-        if log:
+        if log and not args.trace_out:
             log.unlink()
     finally:
         stack.close()
@@ -212,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return rc
     for i, (r, o) in enumerate(passes, 1):
-        print(f"warm-up pass {i}: exit {r}, store operations {o or 'none'}")
+        what = "fill" if args.fill and i == 1 else "warm-up"
+        print(f"{what} pass {i}: exit {r}, store operations {o or 'none'}")
     print(f"measured pass (revalidate={args.revalidate}): exit {rc}, store operations {ops or 'none'}")
     if calls is not None:
         print("system calls that named the store on the measured pass (count, call(flags), path):")
