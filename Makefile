@@ -10,14 +10,15 @@ RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyp
 setup: $(STAMP)/installed $(STAMP)/system
 
 # System packages the tests need: fuse3 for the stand-in parallel file system (FUSE), a C compiler for
-# the LD_PRELOAD test program. Installed with apt when missing and we are root (CI is).
+# the LD_PRELOAD test program, rsync for the tool conformance test (tests/test_tools.py). Installed with
+# apt when missing and we are root (CI is).
 $(STAMP)/system:
 	@mkdir -p $(STAMP)
-	@if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null; then \
+	@if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null || ! command -v rsync >/dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			(apt-get install -y -q fuse3 gcc || (apt-get update -q && apt-get install -y -q fuse3 gcc)); \
+			(apt-get install -y -q fuse3 gcc rsync || (apt-get update -q && apt-get install -y -q fuse3 gcc rsync)); \
 		else \
-			echo "tierstore: install fuse3 and gcc (e.g. sudo apt-get install fuse3 gcc) for the FUSE tests" >&2; exit 1; \
+			echo "tierstore: install fuse3, gcc and rsync (e.g. sudo apt-get install fuse3 gcc rsync) for the FUSE tests" >&2; exit 1; \
 		fi; \
 	fi
 	@touch $@

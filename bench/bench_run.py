@@ -276,20 +276,198 @@ def plot(results: dict[str, list[Run]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# Per-sample readers: one file per sample, opened by path in DataLoader workers (issue 11). Epochs 2-3 of
+# a warm cache with revalidate=never should match a local copy and send the store nothing.
+
+PER_SAMPLE_READERS = ("h5py", "npy")
+# (label, persistent_workers, multiprocessing context): workers that live across epochs, workers started
+# anew every epoch (each a new process that must find the cache without asking the store), and spawn.
+PER_SAMPLE_LOADERS = (
+    ("fork, persistent", True, "fork"),
+    ("fork", False, "fork"),
+    ("spawn", False, "spawn"),
+)
+
+
+@dataclass
+class PerSampleSpec:
+    samples: int = 2000
+    records: int = 4  # rows of each file's "records" dataset (h5py) or array (npy)
+    row: int = 256  # float32 values per row: 1 KiB a sample, 4 KiB a file
+    epochs: int = 3
+    workers: int = 4
+
+
+def generate_per_sample(root: Path, spec: PerSampleSpec) -> dict[str, Path]:
+    """One small HDF5 file and one .npy file per sample, 100 to a directory."""
+    import numpy as np
+
+    out = {}
+    for reader in PER_SAMPLE_READERS:
+        d = root / "data" / f"per-sample-{reader}"
+        marker = d / f".complete-{spec.samples}-{spec.records}-{spec.row}"
+        if not marker.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            rng = np.random.default_rng(11)
+            for i in range(spec.samples):
+                sub = d / f"part{i // 100:03d}"
+                sub.mkdir(parents=True, exist_ok=True)
+                rows = rng.standard_normal((spec.records, spec.row), dtype=np.float32)
+                if reader == "h5py":
+                    import h5py
+
+                    with h5py.File(sub / f"{i:06d}.h5", "w") as f:
+                        f.create_dataset("records", data=rows)
+                else:
+                    np.save(sub / f"{i:06d}.npy", rows)
+            marker.touch()
+        out[reader] = d
+    return out
+
+
+def run_per_sample_job(
+    name: str,
+    reader: str,
+    root: Path,
+    mnt: Path | None,
+    spec: PerSampleSpec,
+    persistent: bool,
+    context: str,
+    tier: str | None,
+) -> Run:
+    """One job of `per_sample_job.py`, under `tierstore run --revalidate never` when given a tier; the
+    store's operations per epoch, every kind, from its counters at epoch boundaries."""
+    job = [PY, str(HERE / "per_sample_job.py"), str(root), reader, str(spec.workers), str(int(persistent)),
+           context, str(spec.epochs)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    cmd = job
+    if tier:
+        env.update(TIERSTORE_SOURCE=str(root), TIERSTORE_TIERS=tier)
+        cmd = [PY, "-m", "tierstore.cli", "run", "--revalidate", "never", "--", *job]
+    proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    run = Run(name, reader)
+    before = store_stats(mnt) if mnt else {}
+    for _ in range(spec.epochs):
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{name} ({reader}) failed")
+        result = json.loads(line)
+        if result["samples"] != spec.samples:
+            raise RuntimeError(f"{name} ({reader}): {result['samples']} samples, not {spec.samples}")
+        run.seconds.append(result["seconds"])
+        after = store_stats(mnt) if mnt else {}
+        skip = ("metadata_ops", "data_ops")
+        run.ops.append(
+            {k: v - before.get(k, 0) for k, v in after.items() if k not in skip and v != before.get(k, 0)}
+        )
+        before = after
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    if proc.wait(120) != 0:
+        raise RuntimeError(f"{name} ({reader}) exited with {proc.returncode}")
+    return run
+
+
+def per_sample_ops(ops: dict[str, int]) -> str:
+    """Operations of one epoch by kind, bytes left out: `getattr 7450, open 0`."""
+    kinds = {k: v for k, v in sorted(ops.items()) if v and not k.startswith("bytes")}
+    return ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0"
+
+
+def per_sample_section(
+    root: Path, shm: Path, repeats: int, spec: PerSampleSpec | None = None
+) -> tuple[dict[str, list[Run]], list[tuple[str, str, str, bool]], list[str]]:
+    """Runs the per-sample jobs on the stand-in store; their runs, targets and Markdown section."""
+    spec = spec or PerSampleSpec()
+    data = generate_per_sample(root, spec)
+    results: dict[str, list[Run]] = {}
+    targets: list[tuple[str, str, str, bool]] = []
+    lines = [
+        "## per-sample readers",
+        "",
+        f"A DataLoader ({spec.workers} workers, batch 32, shuffled, no compute) whose Dataset opens one file per "
+        f'sample by path: `h5py.File(path)["records"][k]` (one HDF5 file per sample, a {spec.records}x{spec.row} '
+        f'float32 "records" dataset) or `numpy.load(path)`; {spec.samples} samples, {spec.epochs} epochs. '
+        "`tierstore run` uses `--revalidate never` and a fresh tier on /dev/shm that fits the dataset; "
+        "`local copy` is the same job on the store's backing directory. Store operations per epoch are every "
+        "kind the stand-in counted (`getattr` includes the kernel's lookups of each path component).",
+        "",
+        "| reader | workers | job | samples/s (1/2/3) | epochs 2-3 vs local | store operations per epoch (1 / 2 / 3) |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    for reader, backing in data.items():
+        mnt = root / f"mnt-per-sample-{reader}"
+        proc = mount(backing, mnt)
+        runs: list[Run] = []
+        try:
+            for label, persistent, context in PER_SAMPLE_LOADERS:
+                rounds: dict[str, list[Run]] = {"local copy": [], "tierstore run": []}
+                for r in range(repeats):
+                    order = [("local copy", None), ("tierstore run", "run")]
+                    for name, how in order[r % 2 :] + order[: r % 2]:
+                        print(
+                            f"per-sample {reader}, {label}: {name}, round {r + 1} of {repeats} ...",
+                            flush=True,
+                        )
+                        tier_dir = shm / f"per-sample-{reader}" if how else None
+                        if tier_dir:
+                            shutil.rmtree(tier_dir, ignore_errors=True)
+                        job_root, counted = (mnt, mnt) if how else (backing, None)
+                        tier = f"{tier_dir}:1G" if tier_dir else None
+                        prime_memory(64 << 20)
+                        rounds[name].append(
+                            run_per_sample_job(
+                                name, reader, job_root, counted, spec, persistent, context, tier
+                            )
+                        )
+                        if tier_dir:
+                            shutil.rmtree(tier_dir, ignore_errors=True)
+                local, cached = median_run(rounds["local copy"]), median_run(rounds["tierstore run"])
+                local.name, cached.name = f"local copy ({label})", f"tierstore run ({label})"
+                runs += [local, cached]
+                ratio = sum(cached.seconds[1:]) / sum(local.seconds[1:])
+                later = [
+                    sum(v for k, v in cached.ops[e].items() if not k.startswith("bytes")) for e in (1, 2)
+                ]
+                for r_ in (local, cached):
+                    rate = " / ".join(f"{spec.samples / s:.0f}" for s in r_.seconds)
+                    vs = f"{ratio:.2f}x" if r_ is cached else ""
+                    ops = (
+                        " / ".join(per_sample_ops(o) for o in r_.ops)
+                        if r_ is cached
+                        else "(not on the store)"
+                    )
+                    lines.append(f"| {reader} | {label} | {r_.name.split(' (')[0]} | {rate} | {vs} | {ops} |")
+                targets.append((f"per-sample {reader}, {label}: epochs 2-3 vs a local copy", "<= 1.10x",
+                                f"{ratio:.2f}x", ratio <= 1.10))  # fmt: skip
+                targets.append((f"per-sample {reader}, {label}: store operations in epochs 2-3", "0",
+                                f"{sum(later)} ({sum(later) / (2 * spec.samples):.2f} per sample)",
+                                sum(later) == 0))  # fmt: skip
+        finally:
+            unmount(mnt, proc)
+        results[f"per-sample {reader}"] = runs
+    lines.append("")
+    return results, targets, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write the results as Markdown here")
     ap.add_argument("--plot", type=Path, help="write the PNG figure here")
     ap.add_argument("--small", action="store_true", help="a quick run on a smaller dataset")
     ap.add_argument("--root", type=Path, default=Path("/tmp/tierstore-bench-run"))
-    ap.add_argument("--only", choices=("small", "shards"), help="run one dataset only (while iterating)")
+    ap.add_argument(
+        "--only", choices=("small", "shards", "per-sample"), help="run one section only (while iterating)"
+    )
     ap.add_argument(
         "--repeats", type=int, default=3, help="runs of every job; tables give medians (default 3)"
     )
     args = ap.parse_args(argv)
     spec = Spec(small_files=400, shards=4) if args.small else Spec()
     t_start = time.perf_counter()
-    data = generate(args.root, spec)
+    data = generate(args.root, spec) if args.only != "per-sample" else {}
+    per_sample_lines: list[str] = []
     shm = Path("/dev/shm") / f"tierstore-bench-run-{os.getpid()}"
     results: dict[str, list[Run]] = {}
     targets: list[tuple[str, str, str, bool]] = []
@@ -372,8 +550,15 @@ def main(argv: list[str] | None = None) -> int:
                         share <= 0.52,
                     )
                 )
+        if args.only in (None, "per-sample"):
+            ps_spec = PerSampleSpec(samples=400) if args.small else PerSampleSpec()
+            ps_results, ps_targets, per_sample_lines = per_sample_section(
+                args.root, shm, args.repeats, ps_spec
+            )
+            results.update(ps_results)
+            targets += ps_targets
         tier = f"{shm / 'outside'}:64M"
-        plain, shim = outside_overhead(tier, data["small"], args.root)
+        plain, shim = outside_overhead(tier, data.get("small", args.root / "data"), args.root)
         notes.append(
             f"Paths outside the source: 20,000 open+close of a file elsewhere took {plain * 1000:.0f} ms without the "
             f"shim and {shim * 1000:.0f} ms under tierstore run ({100 * (shim / plain - 1):+.1f}%)."
@@ -412,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for kind, runs in results.items():
         lines += [f"## {kind}", "", *table(runs), ""]
+    lines += per_sample_lines
     lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
     if args.plot:
         plot(results, args.plot)

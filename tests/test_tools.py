@@ -1,0 +1,368 @@
+"""Everyday tools under `tierstore run` on the stand-in store: the same bytes, output and exit code as the
+same command run directly on the store, on a cold and a warm cache, and what a warm trusted cache
+(`revalidate = never`) still sends the store, read from the stand-in's own counters.
+
+Every tool runs four times under `tierstore run`: cold then warm with `revalidate = always` on one tier,
+cold then warm with `revalidate = never` on a second (with every file of the tree read once more before
+the last pass, so that the cache holds what a walker only listed). A warm pass reads no byte from the
+store. On the last pass, tools that read named files send the store nothing at all; tools that walk
+directories (find, cp -r, tar, rsync, copytree, opendir) still list them there, and nothing else: their
+cases print what remains, per operation (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import content, mounted_store, store_stats
+
+# The tree under the store's `data/` directory: nested directories, files below and above inline_max
+# (1 MiB here, so that the large ones take the shim's read-while-copying path on a miss), an empty file,
+# and a relative symlink to a file of the source.
+INLINE_MAX = 1 << 20
+FILES = {
+    "small.txt": 100,
+    "empty.bin": 0,
+    "large.bin": 3 * INLINE_MAX + 12345,
+    "a/mid.bin": 200_000,
+    "a/b/c/deep.bin": 5000,
+    "a/b/large2.bin": INLINE_MAX + 1,
+    "d/e.txt": 7,
+}
+SYMLINK = ("a/b/link.bin", "../mid.bin")
+REGULAR = sorted(FILES)
+
+# realpath, lstat, stat, statx, fstatat and fstat (after open, and after reading) of each path; readlink;
+# and whether what describes the open descriptor matches what describes the path. `dir` mode lists each
+# directory with opendir/readdir and fstatat of every entry. Device and inode numbers are compared within
+# a run, never printed: the stand-in's numbers are its own.
+PROBE_C = r"""
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+static void diff(const char *what, const struct stat *a, const struct stat *b) {
+    printf(" %s=", what);
+    if (a->st_dev != b->st_dev) printf("dev,");
+    if (a->st_ino != b->st_ino) printf("ino,");
+    if (a->st_mode != b->st_mode) printf("mode,");
+    if (a->st_nlink != b->st_nlink) printf("nlink,");
+    if (a->st_uid != b->st_uid || a->st_gid != b->st_gid) printf("owner,");
+    if (a->st_size != b->st_size) printf("size,");
+    if (a->st_mtim.tv_sec != b->st_mtim.tv_sec || a->st_mtim.tv_nsec != b->st_mtim.tv_nsec) printf("mtime,");
+    if (a->st_ctim.tv_sec != b->st_ctim.tv_sec || a->st_ctim.tv_nsec != b->st_ctim.tv_nsec) printf("ctime,");
+    printf("ok");
+}
+
+static void from_statx(const struct statx *x, struct stat *st) {
+    memset(st, 0, sizeof *st);
+    st->st_dev = makedev(x->stx_dev_major, x->stx_dev_minor);
+    st->st_ino = x->stx_ino; st->st_mode = x->stx_mode; st->st_nlink = x->stx_nlink;
+    st->st_uid = x->stx_uid; st->st_gid = x->stx_gid; st->st_size = x->stx_size;
+    st->st_mtim.tv_sec = x->stx_mtime.tv_sec; st->st_mtim.tv_nsec = x->stx_mtime.tv_nsec;
+    st->st_ctim.tv_sec = x->stx_ctime.tv_sec; st->st_ctim.tv_nsec = x->stx_ctime.tv_nsec;
+}
+
+static int probe_file(const char *p) {
+    struct stat l, s, at, xs, f0, f1;
+    struct statx x;
+    char rp[PATH_MAX], link[PATH_MAX];
+    printf("%s", p);
+    if (!realpath(p, rp)) { printf(" realpath:errno=%d\n", errno); return 1; }
+    printf(" realpath=%s", rp);
+    if (lstat(p, &l) != 0) { printf(" lstat:errno=%d\n", errno); return 1; }
+    printf(" lstat=%o,%lld,%lld.%09ld", l.st_mode, (long long)l.st_size, (long long)l.st_mtim.tv_sec, l.st_mtim.tv_nsec);
+    ssize_t n = readlink(p, link, sizeof link - 1);
+    if (n >= 0) { link[n] = 0; printf(" readlink=%s", link); } else printf(" readlink:errno=%d", errno);
+    if (stat(p, &s) != 0) { printf(" stat:errno=%d\n", errno); return 1; }
+    printf(" stat=%o,%lld,%lld.%09ld", s.st_mode, (long long)s.st_size, (long long)s.st_mtim.tv_sec, s.st_mtim.tv_nsec);
+    if (fstatat(AT_FDCWD, p, &at, AT_SYMLINK_NOFOLLOW) != 0) { printf(" fstatat:errno=%d\n", errno); return 1; }
+    diff("fstatat_nofollow_vs_lstat", &at, &l);
+    if (statx(AT_FDCWD, p, 0, STATX_BASIC_STATS, &x) != 0) { printf(" statx:errno=%d\n", errno); return 1; }
+    from_statx(&x, &xs);
+    diff("statx_vs_stat", &xs, &s);
+    int fd = open(p, O_RDONLY);
+    if (fd < 0) { printf(" open:errno=%d\n", errno); return 1; }
+    if (fstat(fd, &f0) != 0) { printf(" fstat:errno=%d\n", errno); return 1; }
+    diff("fstat_vs_stat", &f0, &s);
+    char buf[65536];
+    unsigned long h = 1469598103934665603UL;
+    long total = 0, r;
+    while ((r = read(fd, buf, sizeof buf)) > 0) { for (long i = 0; i < r; i++) h = (h ^ (unsigned char)buf[i]) * 1099511628211UL; total += r; }
+    if (fstat(fd, &f1) != 0) { printf(" fstat:errno=%d\n", errno); return 1; }
+    diff("fstat_after_read_vs_stat", &f1, &s);
+    struct statx fx;
+    struct stat fxs;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_BASIC_STATS, &fx) != 0) { printf(" statx_fd:errno=%d\n", errno); return 1; }
+    from_statx(&fx, &fxs);
+    diff("statx_fd_vs_stat", &fxs, &s);
+    close(fd);
+    printf(" read=%ld fnv=%lx\n", total, h);
+    return 0;
+}
+
+static int cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static int probe_dir(const char *p) {
+    DIR *d = opendir(p);
+    if (!d) { printf("%s opendir:errno=%d\n", p, errno); return 1; }
+    char *names[4096];
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 4096) {
+        struct stat st;
+        char line[PATH_MAX + 128];
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            snprintf(line, sizeof line, "%s type=%d fstatat:errno=%d", e->d_name, e->d_type, errno);
+        } else {
+            snprintf(line, sizeof line, "%s type=%d mode=%o size=%lld", e->d_name, e->d_type, st.st_mode,
+                     S_ISDIR(st.st_mode) ? 0LL : (long long)st.st_size);
+        }
+        names[n++] = strdup(line);
+    }
+    closedir(d);
+    qsort(names, n, sizeof *names, cmp);
+    printf("%s:", p);
+    for (int i = 0; i < n; i++) printf(" [%s]", names[i]);
+    printf("\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int rc = 0;
+    for (int i = 2; i < argc; i++) rc |= strcmp(argv[1], "dir") == 0 ? probe_dir(argv[i]) : probe_file(argv[i]);
+    return rc;
+}
+"""
+
+COPYTREE = textwrap.dedent(
+    """
+    import shutil, sys
+    shutil.copytree(sys.argv[1], sys.argv[2])                     # follows the symlink: copies its target
+    shutil.copytree(sys.argv[1], sys.argv[2] + "-links", symlinks=True)
+    """
+)
+
+
+@dataclass
+class Store:
+    backing: Path
+    mount: Path
+    data: Path  # the tree, on the mount
+    out: Path  # where tools write: outside the source
+    probe: Path  # the compiled C program
+    scratch: Path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    tmp = tmp_path_factory.mktemp("tools")
+    probe = tmp / "probe"
+    (tmp / "probe.c").write_text(PROBE_C)
+    cc = subprocess.run(
+        ["cc", "-O1", "-Wall", "-o", str(probe), str(tmp / "probe.c")], capture_output=True, text=True
+    )
+    assert cc.returncode == 0, cc.stderr
+    (tmp / "copytree.py").write_text(COPYTREE)
+    # Each read request waits 2 ms, so that copying a large file outlasts a tool that reads its head.
+    with mounted_store(tmp, data_latency="2ms") as (backing, mount):
+        for i, (rel, size) in enumerate(sorted(FILES.items())):
+            p = backing / "data" / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(content(i, size))
+        (backing / "data" / SYMLINK[0]).symlink_to(SYMLINK[1])
+        yield Store(backing, mount, mount / "data", tmp / "out", probe, tmp)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A command (with `{data}`, `{out}`, `{probe}`, `{py}`, `{scratch}` filled in) and how to judge it."""
+
+    argv: tuple[str, ...]
+    walks: bool = False  # lists directories: the store still sees its listings on a warm pass
+    keep_mtimes: bool = False  # the tool preserves times: compare them in what it wrote
+
+
+def d(*rel: str) -> tuple[str, ...]:
+    return tuple(f"{{data}}/{r}" for r in rel)
+
+
+TOOLS = {
+    "cat": Tool(("cat", *d(*REGULAR, SYMLINK[0]))),
+    "md5sum": Tool(("md5sum", *d(*REGULAR))),
+    "dd": Tool(("dd", "if={data}/large.bin", "bs=64k", "skip=3", "count=20", "status=none")),
+    "head-c": Tool(("head", "-c", "4096", *d("large.bin"))),
+    "dd-whole-small": Tool(("dd", "if={data}/a/mid.bin", "of={out}", "bs=4096", "status=none")),
+    "tail-c": Tool(("tail", "-c", "100000", *d("large.bin", "a/b/large2.bin", "small.txt", "empty.bin"))),
+    "tail-c-from": Tool(("tail", "-c", "+1000", *d("a/mid.bin"))),
+    "cp-files": Tool(("sh", "-c", 'mkdir {out} && cp "$@" {out}/', "cp", *d(*REGULAR))),
+    "cp-preserve": Tool(
+        ("sh", "-c", 'mkdir {out} && cp -p "$@" {out}/', "cp", *d(*REGULAR)), keep_mtimes=True
+    ),
+    "cp-symlink-deref": Tool(("cp", "-L", *d(SYMLINK[0]), "{out}")),
+    "c-probe-files": Tool(("{probe}", "file", *d(*REGULAR))),
+    "c-probe-symlink": Tool(("{probe}", "file", *d(SYMLINK[0]))),
+    "c-probe-opendir": Tool(("{probe}", "dir", *d(".", "a", "a/b", "a/b/c", "d")), walks=True),
+    "cp-r": Tool(("cp", "-r", "{data}", "{out}"), walks=True),
+    "cp-a": Tool(("cp", "-a", "{data}", "{out}"), walks=True, keep_mtimes=True),
+    "tar-c": Tool(
+        ("tar", "c", "--format=gnu", "--sort=name", "-f", "{out}", "-C", "{data}/..", "data"), walks=True
+    ),
+    "tar-c-stdout": Tool(
+        ("tar", "cv", "--format=gnu", "--sort=name", "-f", "-", "-C", "{data}", "."), walks=True
+    ),
+    "rsync-a": Tool(("rsync", "-a", "-i", "{data}/", "{out}/"), walks=True, keep_mtimes=True),
+    "find": Tool(
+        ("find", "{data}", "-printf", "%P %y %Y %s %m %T@ %l\\n"),
+        walks=True,
+    ),
+    "find-type-f-size": Tool(
+        ("find", "{data}", "-type", "f", "-size", "+10k", "-newer", "{data}/empty.bin"), walks=True
+    ),
+    "find-exec-md5sum": Tool(("find", "{data}", "-type", "f", "-exec", "md5sum", "{{}}", "+"), walks=True),
+    "shutil-copytree": Tool(
+        ("{py}", "{scratch}/copytree.py", "{data}", "{out}"), walks=True, keep_mtimes=True
+    ),
+}
+
+
+def manifest(root: Path, keep_mtimes: bool) -> list[tuple]:
+    """What a tool wrote: every path under `root` with its kind, mode, size, digest or link target."""
+    if not root.exists() and not Path(f"{root}-links").exists():
+        return []
+    out = []
+    for top in (root, Path(f"{root}-links")):
+        if not top.exists():
+            continue
+        paths = [top, *sorted(top.rglob("*"))] if top.is_dir() else [top]
+        for p in paths:
+            st = p.lstat()
+            rel = str(p.relative_to(top.parent))
+            if stat.S_ISLNK(st.st_mode):
+                out.append((rel, "link", os.readlink(p)))
+            elif stat.S_ISDIR(st.st_mode):
+                out.append((rel, "dir", oct(st.st_mode)))
+            else:
+                digest = hashlib.sha256(p.read_bytes()).hexdigest()
+                out.append(
+                    (
+                        rel,
+                        "file",
+                        oct(st.st_mode),
+                        st.st_size,
+                        digest,
+                        *([st.st_mtime_ns] if keep_mtimes else []),
+                    )
+                )
+    return out
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: bytes
+    stderr: bytes
+    wrote: list[tuple]
+
+    def shown(self) -> str:
+        return f"exit {self.rc}, stderr {self.stderr.decode(errors='replace')[-1500:]!r}"
+
+
+def run_tool(store: Store, tool: Tool, tier: str | None, revalidate: str = "always") -> Result:
+    """Runs the tool directly on the store (no tier) or under `tierstore run`; what it wrote goes to a fresh
+    `out`, the same path every run, so that outputs naming it compare equal."""
+    shutil.rmtree(store.out, ignore_errors=True)
+    if store.out.exists() or Path(f"{store.out}-links").exists():
+        store.out.unlink(missing_ok=True)
+    shutil.rmtree(f"{store.out}-links", ignore_errors=True)
+    names = {
+        "data": store.data,
+        "out": store.out,
+        "probe": store.probe,
+        "py": sys.executable,
+        "scratch": store.scratch,
+    }
+    argv = [a.format(**{k: str(v) for k, v in names.items()}) for a in tool.argv]
+    env = {**os.environ, "TIERSTORE_INLINE_MAX": str(INLINE_MAX), "LC_ALL": "C"}
+    if tier is not None:
+        argv = [sys.executable, "-m", "tierstore.cli", "--source", str(store.mount), "--tier", f"{tier}:64M",
+                "run", "--revalidate", revalidate, "--", *argv]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, env=env, timeout=60, cwd=store.scratch)
+    return Result(r.returncode, r.stdout, r.stderr, manifest(store.out, tool.keep_mtimes))
+
+
+def sent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The store's operations between two readings of its counters, per kind (totals left out)."""
+    totals = {"metadata_ops", "data_ops"}
+    return {
+        k: after[k] - before.get(k, 0)
+        for k in sorted(after)
+        if k not in totals and after[k] != before.get(k, 0)
+    }
+
+
+@pytest.mark.parametrize("name", list(TOOLS))
+def test_tool_under_tierstore_run(store: Store, tier: str, name: str) -> None:
+    """The same bytes, output and exit code as a direct run, cold and warm; a warm trusted cache sends
+    the store nothing but directory listings."""
+    tool = TOOLS[name]
+    if shutil.which(tool.argv[0]) is None and not tool.argv[0].startswith("{"):
+        pytest.fail(f"{tool.argv[0]} is not installed: `make setup` installs it")
+    direct = run_tool(store, tool, None)
+    assert direct.rc == 0, f"the command fails even without tierstore: {direct.shown()}"
+    passes = [
+        ("cold, revalidate=always", f"{tier}-always", "always"),
+        ("warm, revalidate=always", f"{tier}-always", "always"),
+        ("cold, revalidate=never", f"{tier}-never", "never"),
+        ("warm, revalidate=never", f"{tier}-never", "never"),
+    ]
+    for label, tier_dir, revalidate in passes:
+        if label == passes[-1][0]:
+            # A warm cache holds every file, whether the tool read it or only listed it.
+            fill = run_tool(store, TOOLS["cat"], tier_dir, revalidate)
+            assert fill.rc == 0, fill.shown()
+        before = store_stats(store.mount)
+        got = run_tool(store, tool, tier_dir, revalidate)
+        ops = sent(before, store_stats(store.mount))
+        print(f"\n{name}, {label}: store operations {json.dumps(ops)}")
+        assert (got.rc, got.stderr) == (direct.rc, direct.stderr), (
+            f"{label}: {got.shown()}; direct: {direct.shown()}"
+        )
+        assert got.stdout == direct.stdout, f"{label}: output differs from a direct run"
+        assert got.wrote == direct.wrote, f"{label}: what the tool wrote differs from a direct run"
+        if label.startswith("warm"):
+            # The tool's own first pass left every file it read in the cache, whole.
+            assert ops.get("bytes_read", 0) == 0, (
+                f"{label}: a file the first pass read came from the store again"
+            )
+    print(f"\n{name}: store operations on the warm pass with revalidate=never: {json.dumps(ops)}")
+    if not tool.walks:
+        assert ops == {}, f"a warm trusted cache sent the store: {ops}"
+    else:
+        # Directory listings still reach the store (the kernel looks each directory up, then reads it);
+        # nothing else may: no file is opened, read, stat'ed one by one or resolved as a link.
+        assert ops.get("bytes_read", 0) == 0 and ops.get("read", 0) == 0, (
+            f"file bytes read from the store: {ops}"
+        )
+        others = {k: v for k, v in ops.items() if k not in ("readdir", "getattr")}
+        assert others == {}, f"a warm trusted cache sent the store more than listings: {ops}"
