@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 class AgentError(RuntimeError):
@@ -67,9 +68,17 @@ def status(socket: Path, timeout: float = 10.0) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
-def start(socket: Path, *, log: Path | None = None, deadline: float = 10.0, **settings) -> tuple[int, Path]:
+def start(
+    socket: Path,
+    *,
+    log: Path | None = None,
+    deadline: float = 10.0,
+    env: dict[str, str] | None = None,
+    **settings: Any,
+) -> tuple[int, Path]:
     """Starts an agent as a detached daemon (its own session, its output in `log`) and returns once it
-    answers: (its pid, its log). An agent already answering on `socket` is left as it is.
+    answers: (its pid, its log). `env` is the job's environment (its TIERSTORE_* configuration names
+    the source the agent serves). An agent already answering on `socket` is left as it is.
 
     Raises:
         AgentError: the agent exited or did not become ready within `deadline` seconds; the message
@@ -85,6 +94,7 @@ def start(socket: Path, *, log: Path | None = None, deadline: float = 10.0, **se
             stderr=out,
             start_new_session=True,  # survives the shell and the job step that started it
             close_fds=True,
+            env=env,
         )
     assert proc.stdout is not None
     end = time.monotonic() + deadline

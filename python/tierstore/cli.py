@@ -281,17 +281,23 @@ def _agent_settings(f: Any) -> Any:
 
 @agent.command("run")
 @_agent_settings
-def agent_run(socket: Path | None, **settings: Any) -> None:
-    """Run the agent in the foreground until stopped (SIGTERM, `tierstore agent stop`)."""
+@click.pass_obj
+def agent_run(make: Any, socket: Path | None, **settings: Any) -> None:
+    """Run the agent in the foreground until stopped (SIGTERM, `tierstore agent stop`).
+
+    It serves the files of the source configured for the job (--source and --tier before `agent`,
+    tierstore.toml or TIERSTORE_*) to the other nodes, as [cluster] says."""
     from tierstore import agent as agent_mod
 
     args = agent_mod.run_args(socket or agent_mod.default_socket(), **settings)
+    os.environ.update(make.env)
     os.execv(args[0], args)
 
 
 @agent.command("start")
 @_agent_settings
-def agent_start(socket: Path | None, **settings: Any) -> None:
+@click.pass_obj
+def agent_start(make: Any, socket: Path | None, **settings: Any) -> None:
     """Start the agent as a detached daemon, and return once it answers."""
     from tierstore import agent as agent_mod
 
@@ -300,7 +306,7 @@ def agent_start(socket: Path | None, **settings: Any) -> None:
         click.echo(f"an agent already runs on {socket}")
         return
     try:
-        pid, log = agent_mod.start(socket, **settings)
+        pid, log = agent_mod.start(socket, env={**os.environ, **make.env}, **settings)
     except agent_mod.AgentError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"started the agent (pid {pid}) on {socket}; log: {log}")

@@ -6,6 +6,10 @@
 //! tierstore-agent status [--socket PATH] [--json]
 //! tierstore-agent stop   [--socket PATH]
 //! ```
+//!
+//! The agent serves the node's cache to its peers: the source, tiers and `[cluster]` come from the job's
+//! configuration, read as every tierstore process reads it (`TIERSTORE_CONFIG` or `./tierstore.toml`,
+//! then `TIERSTORE_*`). The flags above override the `[cluster]` settings.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,6 +19,9 @@ use std::time::Duration;
 use tierstore_agent::client::Client;
 use tierstore_agent::protocol::Frame;
 use tierstore_agent::server::{Agent, Options};
+use tierstore_core::cluster::{hostname, Sharing};
+use tierstore_core::config::{Config, Overrides};
+use tierstore_core::Cache;
 
 const USAGE: &str = "usage:
   tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
@@ -31,14 +38,13 @@ fn default_socket() -> PathBuf {
     }
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes.
-    if unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        return String::from_utf8_lossy(&buf[..end]).into_owned();
+/// The job's configuration, if it names a source (an agent started with none serves no file).
+fn job_config() -> Result<Option<Config>, String> {
+    match Config::load(&Overrides::default()) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if e.key == "source" && e.value == "(unset)" => Ok(None),
+        Err(e) => Err(e.to_string()),
     }
-    "localhost".into()
 }
 
 struct Logger;
@@ -107,12 +113,23 @@ fn parse_args() -> Result<Args, String> {
 }
 
 async fn run(a: Args) -> Result<(), String> {
-    let mut options = Options::new(a.node.unwrap_or_else(hostname), a.socket);
-    if let Some(l) = &a.listen {
+    let config = job_config()?;
+    let cluster = config.as_ref().map(|c| c.cluster.clone()).filter(|c| c.sharing != Sharing::Off);
+    let me = cluster.as_ref().and_then(|c| c.me.map(|i| c.members[i].clone()));
+    let node = a.node.clone().or_else(|| cluster.as_ref().map(|c| c.node.clone())).unwrap_or_else(hostname);
+    let mut options = Options::new(node, a.socket);
+    let listen = match (&a.listen, &cluster) {
+        (Some(l), _) => Some(l.clone()),
+        // A member listens where the others will look for it.
+        (None, Some(c)) => Some(format!("{}:{}", c.listen, me.as_ref().map_or(c.port, |m| m.port))),
+        (None, None) => None,
+    };
+    if let Some(l) = &listen {
         options.listen =
             Some(l.parse().map_err(|_| format!("--listen {l:?}: give ADDRESS:PORT, e.g. 127.0.0.1:7078"))?);
     }
-    if let Some(f) = &a.token_file {
+    let token_file = a.token_file.clone().or_else(|| cluster.as_ref().and_then(|c| c.token_file.clone()));
+    if let Some(f) = &token_file {
         let token = std::fs::read(f).map_err(|e| format!("--token-file {}: {e}", f.display()))?;
         let token = token.trim_ascii().to_vec();
         if token.len() < 16 {
@@ -123,17 +140,28 @@ async fn run(a: Args) -> Result<(), String> {
         }
         options.token = Some(token);
     }
+    let peers = match (&a.peers, &cluster) {
+        (p, _) if !p.is_empty() => p.clone(),
+        (_, Some(c)) => c.members.iter().filter(|m| Some(*m) != me.as_ref()).map(|m| m.address()).collect(),
+        _ => Vec::new(),
+    };
+    if let Some(config) = config {
+        let source = config.source.display().to_string();
+        let cache = Cache::serving(config).map_err(|e| format!("cannot open the cache of {source}: {e}"))?;
+        options.cache = Some(std::sync::Arc::new(cache));
+    }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
     // Every agent is given the whole list; it pings the others.
     let me = options.listen.map(|l| l.to_string());
     let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);
-    options.peers = a.peers.into_iter().filter(|p| !is_me(p)).collect();
+    options.peers = peers.into_iter().filter(|p| !is_me(p)).collect();
     let agent = Agent::bind(options.clone()).await.map_err(|e| e.to_string())?;
     log::info!(
-        "node {} serving on {}{}",
+        "node {} serving on {}{}; files of {}",
         options.node,
         options.socket.display(),
-        agent.peer_address().map(|p| format!(" and peers on {p}")).unwrap_or_default()
+        agent.peer_address().map(|p| format!(" and peers on {p}")).unwrap_or_default(),
+        options.cache.as_ref().map_or("no source".into(), |c| c.config().source.display().to_string()),
     );
     // The line tierstore's launcher waits for: the agent is ready once it is printed.
     println!("ready {}", agent.peer_address().map(|p| p.to_string()).unwrap_or_default());

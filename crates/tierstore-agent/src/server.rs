@@ -17,6 +17,8 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{watch, Semaphore};
 
+use tierstore_core::Cache;
+
 use crate::members::{Members, PeerView};
 use crate::protocol::{self, ErrorCode, Frame, VERSION};
 
@@ -28,7 +30,7 @@ enum Side {
 }
 
 /// What the agent is started with.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Options {
     /// This node's name, as peers know it.
     pub node: String,
@@ -50,6 +52,8 @@ pub struct Options {
     pub peers: Vec<String>,
     /// How often peers are pinged; a peer that misses `deadline` is down until it answers again.
     pub heartbeat: Duration,
+    /// The node's cache, whose files this agent serves to peers (none: it serves no file).
+    pub cache: Option<Arc<Cache>>,
 }
 
 impl Options {
@@ -66,6 +70,7 @@ impl Options {
             max_connections: 1024,
             peers: Vec::new(),
             heartbeat: Duration::from_millis(500),
+            cache: None,
         }
     }
 }
@@ -436,6 +441,27 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
                 let json = serde_json::to_string(&shared.status()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
                 (Frame::StatusReport { json }, false)
             }
+            Frame::Fetch { id, source, rel, credit } => {
+                match crate::transfer::serve_fetch(
+                    &mut stream,
+                    shared.options.cache.clone(),
+                    deadline,
+                    id,
+                    &source,
+                    &rel,
+                    credit,
+                )
+                .await
+                {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        log::warn!("sending {rel} to a {side:?} client failed: {e}");
+                        return;
+                    }
+                }
+            }
+            // Credit a finished transfer did not need.
+            Frame::Credit { .. } => continue,
             Frame::Stop if side == Side::Local => (Frame::Stopping, true),
             Frame::Stop => (
                 Frame::Error {

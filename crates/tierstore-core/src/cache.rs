@@ -28,6 +28,9 @@ use crate::source::PosixSource;
 use crate::tier::Tier;
 use crate::Error;
 
+mod peers;
+pub use peers::Served;
+
 const COPY_CHUNK: usize = 4 << 20;
 const FIRST_COPY_CHUNK: usize = 256 << 10;
 
@@ -102,6 +105,16 @@ pub struct SourceStats {
     pub fallbacks: u64,
     /// Opens served from the source because no tier had room.
     pub uncached: u64,
+    /// Files received from a peer's agent instead of the source.
+    pub peer_hits: u64,
+    /// Bytes received from peers.
+    pub peer_bytes: u64,
+    /// Reads from a peer that failed and went to the source.
+    pub peer_faults: u64,
+    /// Files this node's agent served to peers.
+    pub served_files: u64,
+    /// Bytes this node's agent served to peers.
+    pub served_bytes: u64,
 }
 
 /// A snapshot of every counter of a cache.
@@ -152,6 +165,11 @@ struct Inner {
     pool: OnceLock<Weak<Pool>>,
     /// The process that opened the cache; a forked child must open its own.
     pid: u32,
+    /// The job's other members, when nodes share their caches (not in the agent's own cache).
+    remote: Option<crate::remote::Remote>,
+    /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
+    /// the bytes served to peers.
+    record_checksums: bool,
 }
 
 /// A tiered, node-local cache of one source directory.
@@ -209,6 +227,28 @@ impl Cache {
     /// Opens the cache described by `config`: creates tier directories, opens indexes (an index that
     /// cannot be opened leaves its tier out and is reported, reads go on), maps counters.
     pub fn new(config: Config) -> Result<Cache, Error> {
+        Cache::open_with(config, true)
+    }
+
+    /// The cache a node's agent serves its peers from: the same tiers and source, read without asking
+    /// any peer (a request from a peer is never forwarded to a third node).
+    pub fn serving(config: Config) -> Result<Cache, Error> {
+        Cache::open_with(config, false)
+    }
+
+    fn open_with(config: Config, ask_peers: bool) -> Result<Cache, Error> {
+        let remote = match (ask_peers, config.cluster.sharing) {
+            (false, _) | (_, crate::cluster::Sharing::Off) => None,
+            _ => {
+                let token = match &config.cluster.token_file {
+                    Some(f) => Some(std::fs::read(f).map_err(|e| Error::io(f, e))?.trim_ascii().to_vec()),
+                    None => None,
+                };
+                Some(crate::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
+            }
+        };
+        let record_checksums =
+            config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
         let state_dir = config.tiers[0].path.join(crate::tier::namespace(&config.source));
         std::fs::create_dir_all(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
         let source_counters =
@@ -258,6 +298,8 @@ impl Cache {
             logged: Mutex::new(HashSet::new()),
             pool: OnceLock::new(),
             pid: crate::pid(),
+            remote,
+            record_checksums,
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {
@@ -483,6 +525,11 @@ impl Cache {
             bytes_read: c.get(src_slot::BYTES_READ),
             fallbacks: c.get(src_slot::FALLBACKS),
             uncached: c.get(src_slot::UNCACHED),
+            peer_hits: c.get(src_slot::PEER_HITS),
+            peer_bytes: c.get(src_slot::PEER_BYTES),
+            peer_faults: c.get(src_slot::PEER_FAULTS),
+            served_files: c.get(src_slot::SERVED_FILES),
+            served_bytes: c.get(src_slot::SERVED_BYTES),
         };
         let tiers = self
             .inner
@@ -712,6 +759,9 @@ impl Inner {
             }
             match self.flights.join(&key) {
                 Role::Leader(flight) => {
+                    if let Some(Fetched::Reader(r)) = self.from_peer(&key, rel, &mut known, &flight, Purpose::Read) {
+                        return Ok(r);
+                    }
                     match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre)? {
                         Fetched::Reader(r) => return Ok(r),
                         Fetched::Cached | Fetched::Uncached | Fetched::Skipped | Fetched::Streaming(..) => {}
@@ -1098,7 +1148,10 @@ impl Inner {
             match self.flights.join(&key) {
                 // Small files (and every file without `stream`) are fetched whole in this thread, so the
                 // caller gets a complete copy.
-                Role::Leader(flight) => match self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre)? {
+                Role::Leader(flight) => match self
+                    .from_peer(&key, rel, &mut known, &flight, Purpose::Native)
+                    .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre), Ok)?
+                {
                     Fetched::Uncached => break,
                     Fetched::Reader(r) => {
                         if let Some(f) = r.into_file() {
@@ -1178,7 +1231,7 @@ impl Inner {
     /// The blake3 of a copy, computed only when copies are verified by checksum (hashing costs a few
     /// percent of a first epoch that nothing else would use).
     fn checksum(&self, bytes: &[u8]) -> Option<[u8; 32]> {
-        (self.config.verify == Verify::Checksum).then(|| *blake3::hash(bytes).as_bytes())
+        self.record_checksums.then(|| *blake3::hash(bytes).as_bytes())
     }
 
     fn finish_publish(
@@ -1269,7 +1322,7 @@ impl Inner {
             }
         };
         PosixSource::advise_sequential(&src);
-        let mut hasher = (self.config.verify == Verify::Checksum).then(blake3::Hasher::new);
+        let mut hasher = self.record_checksums.then(blake3::Hasher::new);
         let mut buf = vec![0u8; COPY_CHUNK.min(sid.size as usize + 1).max(1)];
         // Readers of a growing copy wait for the first chunk: start small so that the first bytes come as
         // soon as they would from the source, then double up to full-size chunks.

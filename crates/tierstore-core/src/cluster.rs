@@ -85,6 +85,35 @@ pub struct ClusterConfig {
     pub listen: String,
     /// The job's shared secret.
     pub token_file: Option<PathBuf>,
+    /// This node's name (`[cluster] node`, `TIERSTORE_NODE`, or the host name).
+    pub node: String,
+    /// This node's place in `members`; `None` when it is not a member (it reads from the members' agents
+    /// but owns no file).
+    pub me: Option<usize>,
+}
+
+/// The member that `node` names: written as `host:port`, or as a host (with the default `port`) that
+/// only one member has.
+pub fn find_member(members: &[Member], node: &str, port: u16) -> Option<usize> {
+    if let Some(i) = members.iter().position(|m| m.address() == node) {
+        return Some(i);
+    }
+    let same_host: Vec<usize> = (0..members.len()).filter(|&i| members[i].host == node).collect();
+    match same_host.as_slice() {
+        [one] => Some(*one),
+        many => many.iter().copied().find(|&i| members[i].port == port),
+    }
+}
+
+/// This machine's host name.
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    if unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0 {
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        return String::from_utf8_lossy(&buf[..end]).into_owned();
+    }
+    "localhost".into()
 }
 
 /// A hostlist that cannot be expanded.

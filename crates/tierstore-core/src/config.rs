@@ -172,6 +172,11 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_MODELS",
     "TIERSTORE_SHARING",
     "TIERSTORE_PEERS",
+    "TIERSTORE_NODE",
+    "TIERSTORE_PORT",
+    "TIERSTORE_LISTEN",
+    "TIERSTORE_PEER_CONNECT_MS",
+    "TIERSTORE_PEER_DEADLINE_MS",
     "TIERSTORE_TOKEN_FILE",
 ];
 
@@ -247,7 +252,7 @@ struct RawTier {
 }
 
 const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster"];
-const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "port", "listen", "token_file"];
+const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "node", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
 fn scalar(v: &toml::Value) -> String {
@@ -402,6 +407,22 @@ fn validate_cluster(
     };
     c.members = crate::cluster::members_of(&entries, c.port)
         .map_err(|e| bad(&origin, "cluster.peers", entries.join(","), &e.problem, fix))?;
+    let (node, node_origin) = match text("node") {
+        Some((v, o)) => (v, o.clone()),
+        None => (crate::cluster::hostname(), Origin::Default),
+    };
+    c.me = crate::cluster::find_member(&c.members, &node, c.port);
+    if c.me.is_none() && node_origin != Origin::Default {
+        let names: Vec<String> = c.members.iter().take(8).map(|m| m.address()).collect();
+        return Err(bad(
+            &node_origin,
+            "cluster.node",
+            &node,
+            "is not one of the members",
+            &format!("name this node as the member list does (host or host:port), e.g. {}", names.join(", ")),
+        ));
+    }
+    c.node = node;
     Ok(c)
 }
 
@@ -573,9 +594,14 @@ impl Config {
         }
         let env_origin = |k: &str| Origin::Env(k.to_string());
         raw.slurm_nodes = env.get("SLURM_JOB_NODELIST").cloned();
-        for (name, key) in
-            [("TIERSTORE_SHARING", "sharing"), ("TIERSTORE_PEERS", "peers"), ("TIERSTORE_TOKEN_FILE", "token_file")]
-        {
+        for (name, key) in [
+            ("TIERSTORE_SHARING", "sharing"),
+            ("TIERSTORE_PEERS", "peers"),
+            ("TIERSTORE_NODE", "node"),
+            ("TIERSTORE_PORT", "port"),
+            ("TIERSTORE_LISTEN", "listen"),
+            ("TIERSTORE_TOKEN_FILE", "token_file"),
+        ] {
             if let Some(v) = env.get(name) {
                 raw.cluster.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
             }

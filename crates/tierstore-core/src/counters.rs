@@ -114,6 +114,16 @@ pub mod source {
     pub const FALLBACKS: usize = 4;
     /// Opens served straight from the source because no tier had room.
     pub const UNCACHED: usize = 5;
+    /// Files this node's processes received from a peer's agent instead of the source.
+    pub const PEER_HITS: usize = 6;
+    /// Bytes received from peers.
+    pub const PEER_BYTES: usize = 7;
+    /// Reads from a peer that failed (dead, slow, refusing, damaged bytes) and went to the source.
+    pub const PEER_FAULTS: usize = 8;
+    /// Files this node's agent served to peers.
+    pub const SERVED_FILES: usize = 9;
+    /// Bytes this node's agent served to peers.
+    pub const SERVED_BYTES: usize = 10;
 }
 
 #[cfg(test)]

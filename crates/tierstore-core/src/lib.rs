@@ -14,12 +14,15 @@ pub mod flight;
 pub mod index;
 pub mod lmdb;
 pub mod lock;
+pub mod owners;
 pub mod pack;
 pub mod placement;
 pub mod pool;
 pub mod reader;
+pub mod remote;
 pub mod source;
 pub mod tier;
+pub mod wire;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -91,6 +94,11 @@ impl From<ConfigError> for Error {
 }
 
 impl Error {
+    /// Whether the file does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: &Path, source: std::io::Error) -> Error {
         Error::Io { path: path.to_path_buf(), source }

@@ -133,6 +133,8 @@ pub enum Backing {
     Growing(Arc<Growing>),
     /// The source itself: no tier had room, or a cache fault.
     Source(File),
+    /// A file a peer served that no tier of this node keeps (partitioned sharing): private to this open.
+    Private(File),
 }
 
 /// A read-only file opened through the cache.
@@ -155,7 +157,7 @@ impl Reader {
     /// The descriptor of the cached copy or source file this reader reads, if it reads one directly.
     pub fn into_file(self) -> Option<File> {
         match self.backing {
-            Backing::Copy(f, _) | Backing::Source(f) => Some(f),
+            Backing::Copy(f, _) | Backing::Source(f) | Backing::Private(f) => Some(f),
             Backing::Memory(_) | Backing::Growing(_) => None,
         }
     }
@@ -170,20 +172,26 @@ impl Reader {
         &self.rel
     }
 
-    /// Where the bytes come from: `"tier"`, `"memory"`, `"copying"` or `"source"`.
+    /// What serves this reader's bytes.
+    pub fn backing(&self) -> &Backing {
+        &self.backing
+    }
+
+    /// What serves this reader's bytes: "tier", "memory", "copying", "source" or "peer".
     pub fn backing_kind(&self) -> &'static str {
         match self.backing {
             Backing::Copy(..) => "tier",
             Backing::Memory(_) => "memory",
             Backing::Growing(_) => "copying",
             Backing::Source(_) => "source",
+            Backing::Private(_) => "peer",
         }
     }
 
     /// The descriptor of a real file holding exactly the file's bytes, if there is one.
     pub fn fd(&self) -> Option<RawFd> {
         match &self.backing {
-            Backing::Copy(f, _) | Backing::Source(f) => Some(f.as_raw_fd()),
+            Backing::Copy(f, _) | Backing::Source(f) | Backing::Private(f) => Some(f.as_raw_fd()),
             Backing::Memory(_) | Backing::Growing(_) => None,
         }
     }
@@ -252,7 +260,7 @@ impl Reader {
     fn fetch_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let want = buf.len();
         match &self.backing {
-            Backing::Copy(f, _) => f.read_at(buf, offset),
+            Backing::Copy(f, _) | Backing::Private(f) => f.read_at(buf, offset),
             Backing::Memory(bytes) => {
                 let start = offset as usize;
                 let n = want.min(bytes.len().saturating_sub(start));

@@ -156,6 +156,11 @@ impl PyCache {
         src.set_item("bytes_read", s.source.bytes_read)?;
         src.set_item("fallbacks", s.source.fallbacks)?;
         src.set_item("uncached", s.source.uncached)?;
+        src.set_item("peer_hits", s.source.peer_hits)?;
+        src.set_item("peer_bytes", s.source.peer_bytes)?;
+        src.set_item("peer_faults", s.source.peer_faults)?;
+        src.set_item("served_files", s.source.served_files)?;
+        src.set_item("served_bytes", s.source.served_bytes)?;
         src.set_item("path", self.config.source.to_string_lossy())?;
         out.set_item("source", src)?;
         let tiers = PyList::empty(py);

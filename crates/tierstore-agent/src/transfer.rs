@@ -1,0 +1,116 @@
+//! Sending a file to the process of another node that asked for it (the owner's side of a `Fetch`).
+//!
+//! The agent first makes sure its node holds the file (its cache fetches it from the source once, as
+//! for any reader of the node), says which version it sends, then streams it in chunks of at most
+//! [`CHUNK`] bytes, never more than the asker's credit ahead (DYAD's receiver-driven flow control: a
+//! slow reader holds back the sender instead of filling its memory). The file's blake3, recorded when
+//! the copy was made from the source, ends the transfer; a copy whose bytes no longer match it is
+//! reported as damaged, removed, and the asker reads the source instead.
+
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tierstore_core::Cache;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::protocol::{self, ErrorCode, Frame, CHUNK};
+
+/// Serves one `Fetch` on `stream`. `Err` only when the connection itself failed (it is then closed); a
+/// file that cannot be served is answered with an error frame and the connection goes on.
+pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    cache: Option<Arc<Cache>>,
+    deadline: Duration,
+    id: u32,
+    source: &str,
+    rel: &str,
+    credit: u32,
+) -> io::Result<()> {
+    let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
+    let Some(cache) = cache else {
+        let f = refuse(ErrorCode::BadRequest, "this agent serves no source; start it with the job's --source".into());
+        return write(stream, &f, deadline).await;
+    };
+    let ours = cache.config().source.to_string_lossy().into_owned();
+    if source != ours {
+        let f = refuse(
+            ErrorCode::NotFound,
+            format!("this agent caches {ours}, not {source}: every node must mount the source at the same path"),
+        );
+        return write(stream, &f, deadline).await;
+    }
+    let opener = cache.clone();
+    let wanted = rel.to_string();
+    let served = match tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
+            return write(stream, &refuse(code, e.to_string()), deadline).await;
+        }
+        Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("the read failed: {e}")), deadline).await,
+    };
+    let size = served.identity.size;
+    write(stream, &Frame::Found { id, identity: served.identity }, deadline).await?;
+    if credit == 0 {
+        // Asked only to hold the file.
+        return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
+    }
+    let file = Arc::new(served.file);
+    let mut credit = credit;
+    let mut offset = 0u64;
+    let mut hasher = blake3::Hasher::new();
+    while offset < size {
+        while credit == 0 {
+            match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
+                Ok(Ok(Some(Frame::Credit { id: i, more }))) if i == id => credit = credit.saturating_add(more),
+                Ok(Ok(other)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("expected credit for transfer {id}, got {other:?}"),
+                    ))
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "the reader granted no credit in time")),
+            }
+        }
+        let n = CHUNK.min((size - offset) as usize);
+        let f = file.clone();
+        let data = tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; n];
+            f.read_exact_at(&mut buf, offset).map(|()| buf)
+        })
+        .await
+        .map_err(io::Error::other)?;
+        let data = match data {
+            Ok(d) => d,
+            Err(e) => {
+                let f = refuse(ErrorCode::Failed, format!("reading the copy of {rel} failed: {e}"));
+                return write(stream, &f, deadline).await;
+            }
+        };
+        hasher.update(&data);
+        write(stream, &Frame::Chunk { id, offset, data }, deadline).await?;
+        offset += n as u64;
+        credit -= 1;
+    }
+    let hash = *hasher.finalize().as_bytes();
+    if served.checksum.is_some_and(|recorded| recorded != hash) {
+        let c = cache.clone();
+        let wanted = rel.to_string();
+        let _ = tokio::task::spawn_blocking(move || c.drop_damaged(&wanted)).await;
+        let f = refuse(ErrorCode::Failed, format!("the copy of {rel} on this node is damaged; it was removed"));
+        return write(stream, &f, deadline).await;
+    }
+    write(stream, &Frame::Done { id, hash }, deadline).await?;
+    cache.count_served(size);
+    Ok(())
+}
+
+async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {
+    match tokio::time::timeout(deadline, protocol::write_frame(stream, frame)).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the reader took nothing in time")),
+    }
+}

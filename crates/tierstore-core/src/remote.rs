@@ -1,0 +1,289 @@
+//! Reading a file from the agent of the node that owns it: the cluster cache's side of the read path
+//! that runs in every process (DYAD's order: local tiers, then the owner, then the source).
+//!
+//! The owner of a file is found by rendezvous hashing over the job's members ([`crate::owners`]), with no
+//! network hop. A process talks to the owner's agent directly over TCP, with a deadline on the connection
+//! and on every frame: a dead or silent peer costs at most those deadlines, is marked down in this
+//! process for [`DOWN_FOR`], and its files go to the next heaviest member (or to the source) meanwhile.
+//! The bytes come in chunks under receiver-driven credit, and the blake3 the owner sends at the end
+//! (the one recorded when its copy was made from the source) is checked before a byte is used.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::cluster::ClusterConfig;
+use crate::index::SourceId;
+use crate::owners::Owners;
+use crate::wire::{self, ErrorCode, Frame, VERSION};
+
+/// How long a member that missed a deadline is left out of this process's owner choice.
+pub const DOWN_FOR: Duration = Duration::from_secs(2);
+
+/// Chunks a reader lets the owner send ahead of what it has taken (8 MiB in flight per transfer).
+pub const WINDOW: u32 = 8;
+
+/// Why a file could not be had from a peer. Every one of them sends the reader to the source.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// Nothing answers at the member's address.
+    #[error("the agent of {at} cannot be reached ({source})")]
+    Unreachable {
+        /// The member.
+        at: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// The member did not answer within the deadline.
+    #[error("the agent of {at} did not answer within {waited:?}")]
+    Deadline {
+        /// The member.
+        at: String,
+        /// The deadline.
+        waited: Duration,
+    },
+    /// The member refused or could not serve the request.
+    #[error("the agent of {at} refused: {message}")]
+    Refused {
+        /// The member.
+        at: String,
+        /// Its error code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+    /// The bytes received are not the bytes the owner vouched for.
+    #[error("the agent of {at} sent damaged bytes: {detail}")]
+    Corrupt {
+        /// The member.
+        at: String,
+        /// What did not match.
+        detail: String,
+    },
+    /// The connection broke or carried something out of order.
+    #[error("the connection to the agent of {at} failed: {detail}")]
+    Broken {
+        /// The member.
+        at: String,
+        /// What happened.
+        detail: String,
+    },
+    /// Writing the received bytes failed on this node.
+    #[error("cannot keep the bytes received: {0}")]
+    Sink(io::Error),
+}
+
+impl RemoteError {
+    /// Whether the member itself failed (rather than the file or this node): it is then marked down.
+    pub fn member_failed(&self) -> bool {
+        matches!(
+            self,
+            RemoteError::Unreachable { .. }
+                | RemoteError::Deadline { .. }
+                | RemoteError::Broken { .. }
+                | RemoteError::Refused { code: ErrorCode::ShuttingDown, .. }
+        )
+    }
+}
+
+/// The members of a job as one process sees them: who owns what, who is down, how to reach them.
+pub struct Remote {
+    owners: Owners,
+    /// This node's index in `owners.members()`, if it is a member.
+    me: Option<usize>,
+    node: String,
+    token: Option<Vec<u8>>,
+    source: String,
+    /// Members that missed a deadline, and until when they are left out.
+    down: Mutex<HashMap<usize, Instant>>,
+    connect_deadline: Duration,
+    deadline: Duration,
+}
+
+impl Remote {
+    /// The members of `cluster`, serving files of `source` (as every node mounts it). `token` is the
+    /// job's shared secret, when the agents require one.
+    pub fn new(cluster: &ClusterConfig, source: &str, token: Option<Vec<u8>>) -> Remote {
+        let names: Vec<String> = cluster.members.iter().map(|m| m.address()).collect();
+        let owners = Owners::new(&names);
+        let me = cluster.me.and_then(|i| {
+            let mine = cluster.members[i].address();
+            owners.members().iter().position(|n| *n == mine)
+        });
+        let ms = |var: &str, default: u64| {
+            std::env::var(var)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map_or(Duration::from_millis(default), Duration::from_millis)
+        };
+        Remote {
+            owners,
+            me,
+            node: cluster.node.clone(),
+            token,
+            source: source.to_string(),
+            down: Mutex::new(HashMap::new()),
+            connect_deadline: ms("TIERSTORE_PEER_CONNECT_MS", 1000),
+            deadline: ms("TIERSTORE_PEER_DEADLINE_MS", 5000),
+        }
+    }
+
+    /// The member that owns `rel` among those not marked down, when it is another node: `None` when
+    /// this node owns it (or no member is up), and the file is read from the source.
+    pub fn owner(&self, rel: &str) -> Option<usize> {
+        let now = Instant::now();
+        let mut down = self.down.lock().expect("down lock");
+        down.retain(|_, until| *until > now);
+        let owner = self.owners.owner(rel.as_bytes(), |m| Some(m) == self.me || !down.contains_key(&m))?;
+        (Some(owner) != self.me).then_some(owner)
+    }
+
+    /// The address of member `who`.
+    pub fn address(&self, who: usize) -> &str {
+        &self.owners.members()[who]
+    }
+
+    /// Leaves `who` out of the owner choice for [`DOWN_FOR`].
+    pub fn mark_down(&self, who: usize) {
+        self.down.lock().expect("down lock").insert(who, Instant::now() + DOWN_FOR);
+    }
+
+    /// Asks member `who` for `rel`; returns once the owner has said which version it sends. A `credit` of
+    /// 0 only asks the owner to cache the file.
+    pub fn open(&self, who: usize, rel: &str, credit: u32) -> Result<Transfer, RemoteError> {
+        let at = self.address(who).to_string();
+        let mut stream = self.connect(&at)?;
+        let io_err = |at: &str, e: io::Error| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                RemoteError::Deadline { at: at.to_string(), waited: self.deadline }
+            }
+            _ => RemoteError::Broken { at: at.to_string(), detail: e.to_string() },
+        };
+        let nonce = match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
+            Some(Frame::Challenge { version, nonce }) if version == VERSION => nonce,
+            Some(Frame::Challenge { version, .. }) => {
+                return Err(RemoteError::Refused {
+                    at,
+                    code: ErrorCode::Version,
+                    message: format!(
+                        "it speaks protocol {version}, this process {VERSION}: run the same tierstore on every node"
+                    ),
+                })
+            }
+            other => return Err(RemoteError::Broken { at, detail: format!("expected a challenge, got {other:?}") }),
+        };
+        let proof = self.token.as_deref().map_or([0; 32], |t| wire::proof(t, &nonce));
+        let hello = Frame::Hello { version: VERSION, node: self.node.clone(), proof };
+        wire::write_frame(&mut stream, &hello).map_err(|e| io_err(&at, e))?;
+        match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
+            Some(Frame::Welcome { .. }) => {}
+            Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
+            other => return Err(RemoteError::Broken { at, detail: format!("expected a welcome, got {other:?}") }),
+        }
+        let fetch = Frame::Fetch { id: 1, source: self.source.clone(), rel: rel.to_string(), credit };
+        wire::write_frame(&mut stream, &fetch).map_err(|e| io_err(&at, e))?;
+        let found = match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
+            Some(Frame::Found { id: 1, identity }) => identity,
+            Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
+            other => {
+                return Err(RemoteError::Broken { at, detail: format!("expected the file's identity, got {other:?}") })
+            }
+        };
+        Ok(Transfer { stream, at, found, deadline: self.deadline })
+    }
+
+    fn connect(&self, at: &str) -> Result<TcpStream, RemoteError> {
+        let addrs: Vec<SocketAddr> =
+            at.to_socket_addrs().map_err(|source| RemoteError::Unreachable { at: at.to_string(), source })?.collect();
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, self.connect_deadline) {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s.set_read_timeout(Some(self.deadline)).map_err(RemoteError::Sink)?;
+                    s.set_write_timeout(Some(self.deadline)).map_err(RemoteError::Sink)?;
+                    return Ok(s);
+                }
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    return Err(RemoteError::Deadline { at: at.to_string(), waited: self.connect_deadline })
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(RemoteError::Unreachable { at: at.to_string(), source: last })
+    }
+}
+
+/// A file on its way from a peer: its version is known, its bytes follow.
+pub struct Transfer {
+    stream: TcpStream,
+    at: String,
+    /// The version the owner sends.
+    pub found: SourceId,
+    deadline: Duration,
+}
+
+impl Transfer {
+    /// Takes every chunk in order into `sink(offset, bytes)`, granting credit as they come, and checks
+    /// the size and the owner's blake3. Returns the blake3 of the file.
+    pub fn receive(mut self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
+        let at = self.at.clone();
+        let mut hasher = blake3::Hasher::new();
+        let mut got = 0u64;
+        loop {
+            let frame = match wire::read_frame(&mut self.stream) {
+                Ok(Some(f)) => f,
+                Ok(None) => return Err(RemoteError::Broken { at, detail: format!("closed after {got} bytes") }),
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    return Err(RemoteError::Deadline { at, waited: self.deadline })
+                }
+                Err(e) => return Err(RemoteError::Broken { at, detail: e.to_string() }),
+            };
+            match frame {
+                Frame::Chunk { id: 1, offset, data } => {
+                    if offset != got || got + data.len() as u64 > self.found.size {
+                        return Err(RemoteError::Corrupt {
+                            at,
+                            detail: format!("a chunk of {} bytes at {offset}, expected one at {got}", data.len()),
+                        });
+                    }
+                    hasher.update(&data);
+                    sink(offset, &data).map_err(RemoteError::Sink)?;
+                    got += data.len() as u64;
+                    let credit = Frame::Credit { id: 1, more: 1 };
+                    if got < self.found.size {
+                        wire::write_frame(&mut self.stream, &credit)
+                            .map_err(|e| RemoteError::Broken { at: at.clone(), detail: e.to_string() })?;
+                    }
+                }
+                Frame::Done { id: 1, hash } => {
+                    if got != self.found.size {
+                        return Err(RemoteError::Corrupt {
+                            at,
+                            detail: format!("{got} bytes of {} before the end", self.found.size),
+                        });
+                    }
+                    let mine = *hasher.finalize().as_bytes();
+                    if mine != hash {
+                        return Err(RemoteError::Corrupt { at, detail: "blake3 mismatch".into() });
+                    }
+                    return Ok(hash);
+                }
+                Frame::Error { code, message } => return Err(RemoteError::Refused { at, code, message }),
+                other => return Err(RemoteError::Broken { at, detail: format!("unexpected {other:?}") }),
+            }
+        }
+    }
+
+    /// Waits for the owner to confirm it cached the file (a transfer opened with no credit).
+    pub fn confirmed(mut self) -> Result<(), RemoteError> {
+        match wire::read_frame(&mut self.stream) {
+            Ok(Some(Frame::Done { .. })) => Ok(()),
+            Ok(Some(Frame::Error { code, message })) => Err(RemoteError::Refused { at: self.at, code, message }),
+            Ok(other) => Err(RemoteError::Broken { at: self.at, detail: format!("unexpected {other:?}") }),
+            Err(e) => Err(RemoteError::Broken { at: self.at, detail: e.to_string() }),
+        }
+    }
+}

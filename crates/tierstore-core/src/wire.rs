@@ -1,0 +1,645 @@
+//! The wire protocol of tierstore's agents: every byte that crosses a process or a node goes in these
+//! frames. It lives in the core because both ends speak it: the agent serves files, and the read path
+//! of every process asks a peer's agent for them (synchronous I/O here; the agent's async I/O is in
+//! `tierstore_agent::protocol`).
+//!
+//! A frame is a 4-byte big-endian body length, then the body: one kind byte and the kind's fields.
+//! Integers are big-endian; text is a 2-byte length then UTF-8. [`check`] reads only the length and
+//! refuses a frame over [`MAX_FRAME`] before anything is allocated for it, so a hostile or confused peer
+//! costs at most one bounded buffer; [`parse`] then decodes a complete body and refuses anything left
+//! over, unknown or out of bounds.
+//!
+//! A connection opens with the agent's [`Frame::Challenge`] (the protocol version and a fresh nonce), and
+//! the client's [`Frame::Hello`] (its version, its name and, on TCP, a proof that it holds the cluster's
+//! token: a keyed blake3 of the nonce, see [`proof`]). Every request after that gets exactly one answer.
+
+use std::io::{self, Read, Write};
+
+use crate::index::{SourceAttrs, SourceId};
+
+/// The protocol version this build speaks. A peer with another one is refused with a clear error.
+pub const VERSION: u8 = 1;
+
+/// The largest frame body accepted (a data chunk of 1 MiB and its header, when data frames come).
+pub const MAX_FRAME: usize = (1 << 20) + 4096;
+
+/// The longest text field.
+pub const MAX_TEXT: usize = u16::MAX as usize;
+
+/// The bytes of a file travel in chunks of at most this size.
+pub const CHUNK: usize = 1 << 20;
+
+/// The longest source-relative path a request may name.
+pub const MAX_PATH: usize = 4096;
+
+/// Why a frame was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FrameError {
+    /// The length prefix announces more than [`MAX_FRAME`].
+    #[error("frame of {len} bytes announced, more than the limit of {max}")]
+    TooLong {
+        /// The announced length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The body ends inside a field.
+    #[error("frame truncated inside its {field} field")]
+    Truncated {
+        /// The field being read.
+        field: &'static str,
+    },
+    /// An unknown kind byte.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Bytes left after the last field.
+    #[error("{0} bytes after the end of a frame")]
+    Trailing(usize),
+    /// A path that is empty, absolute, too long, or climbs out of the source.
+    #[error("path {0:?} does not name a file inside the source")]
+    BadPath(String),
+    /// A chunk longer than [`CHUNK`].
+    #[error("a chunk of {0} bytes, more than the limit")]
+    BigChunk(usize),
+    /// A text field that is not UTF-8.
+    #[error("{field} is not UTF-8")]
+    BadText {
+        /// The field.
+        field: &'static str,
+    },
+    /// A frame with no kind byte.
+    #[error("empty frame")]
+    Empty,
+}
+
+/// Error codes of [`Frame::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum ErrorCode {
+    /// The peer's proof of the token is wrong, or missing where one is required.
+    Unauthorized = 1,
+    /// The peer speaks another protocol version.
+    Version = 2,
+    /// The request is not valid here (a frame a client may not send, or sent out of order).
+    BadRequest = 3,
+    /// The agent is shutting down.
+    ShuttingDown = 4,
+    /// The file asked for does not exist at the source.
+    NotFound = 5,
+    /// The agent could not serve the file (the source failed, or its copy was damaged): read it
+    /// from the source.
+    Failed = 6,
+    /// A code this build does not know (a newer peer).
+    Other = 0xffff,
+}
+
+impl ErrorCode {
+    fn from_u16(v: u16) -> ErrorCode {
+        match v {
+            1 => ErrorCode::Unauthorized,
+            2 => ErrorCode::Version,
+            3 => ErrorCode::BadRequest,
+            4 => ErrorCode::ShuttingDown,
+            5 => ErrorCode::NotFound,
+            6 => ErrorCode::Failed,
+            _ => ErrorCode::Other,
+        }
+    }
+}
+
+/// One message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// The agent's first frame on every connection.
+    Challenge {
+        /// The agent's protocol version.
+        version: u8,
+        /// Fresh random bytes the client's proof is made of.
+        nonce: [u8; 32],
+    },
+    /// The client's first frame.
+    Hello {
+        /// The client's protocol version.
+        version: u8,
+        /// Who the client is (a node name, or "local" for a process of this node).
+        node: String,
+        /// [`proof`] of the token for the challenge's nonce (zeros where no token is needed).
+        proof: [u8; 32],
+    },
+    /// The agent accepted the hello.
+    Welcome {
+        /// The agent's node name.
+        node: String,
+    },
+    /// Are you there?
+    Ping {
+        /// Echoed back.
+        nonce: u64,
+    },
+    /// Yes.
+    Pong {
+        /// The ping's nonce.
+        nonce: u64,
+    },
+    /// Asks for the agent's status.
+    Status,
+    /// The agent's status as JSON (see `server::Status`).
+    StatusReport {
+        /// The JSON text.
+        json: String,
+    },
+    /// Asks the agent to shut down gracefully (local clients only).
+    Stop,
+    /// The agent is shutting down.
+    Stopping,
+    /// Asks for a file of a source, in chunks; the asker may hold `credit` chunks unacknowledged. The
+    /// agent answers [`Frame::Found`], the chunks in order, then [`Frame::Done`] (or [`Frame::Error`] at
+    /// any point). A `credit` of 0 asks only that the agent cache the file: `Found` then `Done`, no chunk.
+    Fetch {
+        /// The transfer's number, chosen by the asker.
+        id: u32,
+        /// The source directory, as every node mounts it.
+        source: String,
+        /// The file, relative to the source (checked by [`check_path`]).
+        rel: String,
+        /// How many chunks may be sent before the asker grants more.
+        credit: u32,
+    },
+    /// The file's identity at the source, and the rest of its `stat`, sent before its bytes: the asker
+    /// never mixes versions, and answers `stat` of its copy as the source would.
+    Found {
+        /// The transfer.
+        id: u32,
+        /// The version sent.
+        identity: SourceId,
+    },
+    /// Bytes of the file at `offset`.
+    Chunk {
+        /// The transfer.
+        id: u32,
+        /// Where the bytes go.
+        offset: u64,
+        /// At most [`CHUNK`] bytes.
+        data: Vec<u8>,
+    },
+    /// The asker can take `more` chunks (receiver-driven credit, as DYAD's transfers).
+    Credit {
+        /// The transfer.
+        id: u32,
+        /// Chunks granted.
+        more: u32,
+    },
+    /// Every byte was sent; the blake3 of the whole file, for the asker to check.
+    Done {
+        /// The transfer.
+        id: u32,
+        /// blake3 of the bytes sent.
+        hash: [u8; 32],
+    },
+    /// A request failed.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// What went wrong and what to do, for a person.
+        message: String,
+    },
+}
+
+mod kind {
+    pub const CHALLENGE: u8 = 1;
+    pub const HELLO: u8 = 2;
+    pub const WELCOME: u8 = 3;
+    pub const PING: u8 = 4;
+    pub const PONG: u8 = 5;
+    pub const STATUS: u8 = 6;
+    pub const STATUS_REPORT: u8 = 7;
+    pub const STOP: u8 = 8;
+    pub const STOPPING: u8 = 9;
+    pub const ERROR: u8 = 10;
+    pub const FETCH: u8 = 11;
+    pub const FOUND: u8 = 12;
+    pub const CHUNK: u8 = 13;
+    pub const CREDIT: u8 = 14;
+    pub const DONE: u8 = 15;
+}
+
+/// Checks a source-relative path from the network: not empty, not absolute, no `.` or `..` part, no NUL
+/// and no empty part, at most [`MAX_PATH`] bytes. A request can never name a file outside its source.
+pub fn check_path(rel: &str) -> Result<(), FrameError> {
+    let bad = || FrameError::BadPath(rel.chars().take(200).collect());
+    if rel.is_empty() || rel.len() > MAX_PATH || rel.starts_with('/') || rel.contains('\0') {
+        return Err(bad());
+    }
+    if rel.split('/').any(|part| part.is_empty() || part == "." || part == "..") {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// The proof that a client holds `token`, for a challenge's `nonce`: a blake3 keyed by the token's own
+/// hash, so the token never crosses the network and a recorded proof is worthless for another nonce.
+pub fn proof(token: &[u8], nonce: &[u8; 32]) -> [u8; 32] {
+    let key = blake3::derive_key("tierstore agent token v1", token);
+    *blake3::keyed_hash(&key, nonce).as_bytes()
+}
+
+/// Whether `given` is the proof of `token` for `nonce`, compared in constant time.
+pub fn proof_matches(token: &[u8], nonce: &[u8; 32], given: &[u8; 32]) -> bool {
+    blake3::Hash::from(proof(token, nonce)) == blake3::Hash::from(*given)
+}
+
+/// Appends the wire form of `frame` (length prefix included) to `out`.
+pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    let text = |out: &mut Vec<u8>, s: &str| {
+        let b = &s.as_bytes()[..s.len().min(MAX_TEXT)];
+        out.extend_from_slice(&(b.len() as u16).to_be_bytes());
+        out.extend_from_slice(b);
+    };
+    match frame {
+        Frame::Challenge { version, nonce } => {
+            out.push(kind::CHALLENGE);
+            out.push(*version);
+            out.extend_from_slice(nonce);
+        }
+        Frame::Hello { version, node, proof } => {
+            out.push(kind::HELLO);
+            out.push(*version);
+            text(out, node);
+            out.extend_from_slice(proof);
+        }
+        Frame::Welcome { node } => {
+            out.push(kind::WELCOME);
+            text(out, node);
+        }
+        Frame::Ping { nonce } => {
+            out.push(kind::PING);
+            out.extend_from_slice(&nonce.to_be_bytes());
+        }
+        Frame::Pong { nonce } => {
+            out.push(kind::PONG);
+            out.extend_from_slice(&nonce.to_be_bytes());
+        }
+        Frame::Status => out.push(kind::STATUS),
+        Frame::StatusReport { json } => {
+            out.push(kind::STATUS_REPORT);
+            // A report can be longer than a text field.
+            let b = &json.as_bytes()[..json.len().min(MAX_FRAME - 5)];
+            out.extend_from_slice(&(b.len() as u32).to_be_bytes());
+            out.extend_from_slice(b);
+        }
+        Frame::Stop => out.push(kind::STOP),
+        Frame::Stopping => out.push(kind::STOPPING),
+        Frame::Fetch { id, source, rel, credit } => {
+            out.push(kind::FETCH);
+            out.extend_from_slice(&id.to_be_bytes());
+            text(out, source);
+            text(out, rel);
+            out.extend_from_slice(&credit.to_be_bytes());
+        }
+        Frame::Found { id, identity: i } => {
+            out.push(kind::FOUND);
+            out.extend_from_slice(&id.to_be_bytes());
+            for x in [i.size, i.mtime_ns as u64, i.ctime_ns as u64, i.ino, i.dev] {
+                out.extend_from_slice(&x.to_be_bytes());
+            }
+            match &i.attrs {
+                None => out.push(0),
+                Some(a) => {
+                    out.push(if a.canonical { 2 } else { 1 });
+                    out.extend_from_slice(&a.mode.to_be_bytes());
+                    out.extend_from_slice(&a.uid.to_be_bytes());
+                    out.extend_from_slice(&a.gid.to_be_bytes());
+                    for x in [a.nlink, a.atime_ns as u64, a.blksize, a.blocks] {
+                        out.extend_from_slice(&x.to_be_bytes());
+                    }
+                }
+            }
+        }
+        Frame::Chunk { id, offset, data } => {
+            out.push(kind::CHUNK);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&offset.to_be_bytes());
+            let d = &data[..data.len().min(CHUNK)];
+            out.extend_from_slice(&(d.len() as u32).to_be_bytes());
+            out.extend_from_slice(d);
+        }
+        Frame::Credit { id, more } => {
+            out.push(kind::CREDIT);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&more.to_be_bytes());
+        }
+        Frame::Done { id, hash } => {
+            out.push(kind::DONE);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(hash);
+        }
+        Frame::Error { code, message } => {
+            out.push(kind::ERROR);
+            out.extend_from_slice(&(*code as u16).to_be_bytes());
+            text(out, message);
+        }
+    }
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Whether `buf` starts with a whole frame: `Ok(Some(n))` with its length on the wire, `Ok(None)` when
+/// more bytes are needed, an error when its announced length is over the limit.
+pub fn check(buf: &[u8]) -> Result<Option<usize>, FrameError> {
+    let Some(prefix) = buf.get(..4) else { return Ok(None) };
+    let len = body_len(prefix.try_into().expect("4 bytes"))?;
+    Ok((buf.len() >= 4 + len).then_some(4 + len))
+}
+
+/// The body length a prefix announces, if it is within the limit.
+pub fn body_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    let len = u32::from_be_bytes(prefix) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLong { len, max: MAX_FRAME });
+    }
+    Ok(len)
+}
+
+/// A cursor over a frame body that refuses to read past its end.
+struct Body<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Body<'a> {
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&'a [u8], FrameError> {
+        if self.b.len() < n {
+            return Err(FrameError::Truncated { field });
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(head)
+    }
+
+    fn u8(&mut self, field: &'static str) -> Result<u8, FrameError> {
+        Ok(self.take(1, field)?[0])
+    }
+
+    fn u16(&mut self, field: &'static str) -> Result<u16, FrameError> {
+        Ok(u16::from_be_bytes(self.take(2, field)?.try_into().expect("2 bytes")))
+    }
+
+    fn u32(&mut self, field: &'static str) -> Result<u32, FrameError> {
+        Ok(u32::from_be_bytes(self.take(4, field)?.try_into().expect("4 bytes")))
+    }
+
+    fn u64(&mut self, field: &'static str) -> Result<u64, FrameError> {
+        Ok(u64::from_be_bytes(self.take(8, field)?.try_into().expect("8 bytes")))
+    }
+
+    fn bytes32(&mut self, field: &'static str) -> Result<[u8; 32], FrameError> {
+        Ok(self.take(32, field)?.try_into().expect("32 bytes"))
+    }
+
+    fn text_of(&mut self, n: usize, field: &'static str) -> Result<String, FrameError> {
+        let b = self.take(n, field)?;
+        std::str::from_utf8(b).map(str::to_owned).map_err(|_| FrameError::BadText { field })
+    }
+
+    fn text(&mut self, field: &'static str) -> Result<String, FrameError> {
+        let n = self.u16(field)? as usize;
+        self.text_of(n, field)
+    }
+
+    fn end(self) -> Result<(), FrameError> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(FrameError::Trailing(self.b.len()))
+        }
+    }
+}
+
+/// Decodes one frame body (the bytes after the length prefix).
+pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
+    let mut r = Body { b: body };
+    let k = r.u8("kind").map_err(|_| FrameError::Empty)?;
+    let frame = match k {
+        kind::CHALLENGE => Frame::Challenge { version: r.u8("version")?, nonce: r.bytes32("nonce")? },
+        kind::HELLO => Frame::Hello { version: r.u8("version")?, node: r.text("node")?, proof: r.bytes32("proof")? },
+        kind::WELCOME => Frame::Welcome { node: r.text("node")? },
+        kind::PING => Frame::Ping { nonce: r.u64("nonce")? },
+        kind::PONG => Frame::Pong { nonce: r.u64("nonce")? },
+        kind::STATUS => Frame::Status,
+        kind::STATUS_REPORT => {
+            let n = r.u32("json")? as usize;
+            Frame::StatusReport { json: r.text_of(n, "json")? }
+        }
+        kind::STOP => Frame::Stop,
+        kind::STOPPING => Frame::Stopping,
+        kind::ERROR => Frame::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.text("message")? },
+        kind::FETCH => {
+            let (id, source, rel) = (r.u32("id")?, r.text("source")?, r.text("rel")?);
+            check_path(&rel)?;
+            Frame::Fetch { id, source, rel, credit: r.u32("credit")? }
+        }
+        kind::FOUND => {
+            let id = r.u32("id")?;
+            let (size, mtime_ns, ctime_ns) = (r.u64("size")?, r.u64("mtime")? as i64, r.u64("ctime")? as i64);
+            let (ino, dev) = (r.u64("ino")?, r.u64("dev")?);
+            let attrs = match r.u8("attrs")? {
+                0 => None,
+                flag @ (1 | 2) => Some(SourceAttrs {
+                    mode: r.u32("mode")?,
+                    uid: r.u32("uid")?,
+                    gid: r.u32("gid")?,
+                    nlink: r.u64("nlink")?,
+                    atime_ns: r.u64("atime")? as i64,
+                    blksize: r.u64("blksize")?,
+                    blocks: r.u64("blocks")?,
+                    canonical: flag == 2,
+                }),
+                _ => return Err(FrameError::Truncated { field: "attrs" }),
+            };
+            Frame::Found { id, identity: SourceId { size, mtime_ns, ctime_ns, ino, dev, attrs } }
+        }
+        kind::CHUNK => {
+            let (id, offset, n) = (r.u32("id")?, r.u64("offset")?, r.u32("data")? as usize);
+            if n > CHUNK {
+                return Err(FrameError::BigChunk(n));
+            }
+            Frame::Chunk { id, offset, data: r.take(n, "data")?.to_vec() }
+        }
+        kind::CREDIT => Frame::Credit { id: r.u32("id")?, more: r.u32("more")? },
+        kind::DONE => Frame::Done { id: r.u32("id")?, hash: r.bytes32("hash")? },
+        other => return Err(FrameError::UnknownKind(other)),
+    };
+    r.end()?;
+    Ok(frame)
+}
+
+/// A refused frame as an I/O error.
+pub fn invalid(e: FrameError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e)
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of stream (between frames).
+pub fn read_frame<R: Read>(r: &mut R) -> io::Result<Option<Frame>> {
+    let mut prefix = [0u8; 4];
+    match r.read_exact(&mut prefix) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = body_len(prefix).map_err(invalid)?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    parse(&body).map(Some).map_err(invalid)
+}
+
+/// Writes one frame.
+pub fn write_frame<W: Write>(w: &mut W, frame: &Frame) -> io::Result<()> {
+    let mut out = Vec::new();
+    encode(frame, &mut out);
+    w.write_all(&out)?;
+    w.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn any_frame() -> impl Strategy<Value = Frame> {
+        let text = "[a-zA-Z0-9 ./é-]{0,40}";
+        prop_oneof![
+            (any::<u8>(), any::<[u8; 32]>()).prop_map(|(version, nonce)| Frame::Challenge { version, nonce }),
+            (any::<u8>(), text, any::<[u8; 32]>()).prop_map(|(version, node, proof)| Frame::Hello {
+                version,
+                node,
+                proof
+            }),
+            text.prop_map(|node| Frame::Welcome { node }),
+            any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
+            any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
+            Just(Frame::Status),
+            "[ -~]{0,300}".prop_map(|json| Frame::StatusReport { json }),
+            Just(Frame::Stop),
+            Just(Frame::Stopping),
+            (1u16..7, text).prop_map(|(c, message)| Frame::Error { code: ErrorCode::from_u16(c), message }),
+            (any::<u32>(), "/[a-z/]{1,30}", "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}", any::<u32>())
+                .prop_map(|(id, source, rel, credit)| Frame::Fetch { id, source, rel, credit }),
+            (any::<u32>(), any::<u64>(), any::<i64>(), any::<i64>(), any::<u64>(), any::<u64>()).prop_map(
+                |(id, size, mtime_ns, ctime_ns, ino, dev)| Frame::Found {
+                    id,
+                    identity: SourceId { size, mtime_ns, ctime_ns, ino, dev, attrs: None }
+                }
+            ),
+            (any::<u32>(), any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300))
+                .prop_map(|(id, offset, data)| Frame::Chunk { id, offset, data }),
+            (any::<u32>(), any::<u32>()).prop_map(|(id, more)| Frame::Credit { id, more }),
+            (any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, hash)| Frame::Done { id, hash }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn frames_round_trip(frame in any_frame()) {
+            let mut wire = Vec::new();
+            encode(&frame, &mut wire);
+            prop_assert_eq!(check(&wire), Ok(Some(wire.len())));
+            prop_assert_eq!(parse(&wire[4..]), Ok(frame));
+        }
+
+        #[test]
+        fn any_bytes_parse_or_fail_cleanly(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse(&bytes);
+            let _ = check(&bytes);
+        }
+
+        #[test]
+        fn every_truncation_is_refused(frame in any_frame(), cut in 0usize..64) {
+            let mut wire = Vec::new();
+            encode(&frame, &mut wire);
+            let body = &wire[4..];
+            if cut < body.len() {
+                prop_assert!(parse(&body[..cut]).is_err());
+                prop_assert_eq!(check(&wire[..4 + cut]), Ok(None));
+            }
+        }
+    }
+
+    #[test]
+    fn a_length_over_the_limit_is_refused_before_reading_the_body() {
+        let mut wire = ((MAX_FRAME + 1) as u32).to_be_bytes().to_vec();
+        wire.push(kind::PING);
+        assert_eq!(check(&wire), Err(FrameError::TooLong { len: MAX_FRAME + 1, max: MAX_FRAME }));
+        let mut r = &wire[..];
+        let e = read_frame(&mut r).unwrap_err();
+        assert!(e.to_string().contains("more than the limit"), "{e}");
+    }
+
+    #[test]
+    fn trailing_bytes_and_unknown_kinds_are_refused() {
+        let mut wire = Vec::new();
+        encode(&Frame::Ping { nonce: 7 }, &mut wire);
+        let mut body = wire[4..].to_vec();
+        body.push(0);
+        assert_eq!(parse(&body), Err(FrameError::Trailing(1)));
+        assert_eq!(parse(&[200]), Err(FrameError::UnknownKind(200)));
+        assert_eq!(parse(&[]), Err(FrameError::Empty));
+    }
+
+    #[test]
+    fn requests_cannot_name_a_file_outside_their_source() {
+        for bad in ["", "/etc/passwd", "../x", "a/../../x", "a/./b", "a//b", "a/", "a\0b", &"x".repeat(5000)] {
+            assert!(check_path(bad).is_err(), "{bad:?} was accepted");
+            let mut wire = Vec::new();
+            encode(&Frame::Fetch { id: 1, source: "/s".into(), rel: bad.into(), credit: 4 }, &mut wire);
+            assert!(parse(&wire[4..]).is_err(), "a Fetch of {bad:?} parsed");
+        }
+        for good in ["a", "train/n0144/0001.JPEG", "a..b/c.d", ".hidden/x"] {
+            assert_eq!(check_path(good), Ok(()), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn a_chunk_longer_than_the_limit_is_refused() {
+        let mut body = vec![kind::CHUNK];
+        body.extend_from_slice(&1u32.to_be_bytes());
+        body.extend_from_slice(&0u64.to_be_bytes());
+        body.extend_from_slice(&((CHUNK + 1) as u32).to_be_bytes());
+        assert_eq!(parse(&body), Err(FrameError::BigChunk(CHUNK + 1)));
+    }
+
+    #[test]
+    fn a_found_carries_the_rest_of_the_stat() {
+        let attrs = SourceAttrs {
+            mode: 0o100644,
+            uid: 7,
+            gid: 8,
+            nlink: 1,
+            atime_ns: -5,
+            blksize: 4096,
+            blocks: 9,
+            canonical: true,
+        };
+        let identity = SourceId { size: 10, mtime_ns: 11, ctime_ns: 12, ino: 13, dev: 14, attrs: Some(attrs) };
+        let mut wire = Vec::new();
+        encode(&Frame::Found { id: 3, identity }, &mut wire);
+        match parse(&wire[4..]) {
+            Ok(Frame::Found { id: 3, identity: got }) => {
+                assert_eq!(got, identity);
+                assert_eq!(got.attrs, Some(attrs));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_proof_holds_only_for_its_token_and_nonce() {
+        let n1 = [1u8; 32];
+        let n2 = [2u8; 32];
+        let p = proof(b"secret", &n1);
+        assert!(proof_matches(b"secret", &n1, &p));
+        assert!(!proof_matches(b"secret", &n2, &p));
+        assert!(!proof_matches(b"other", &n1, &p));
+    }
+}

@@ -1,0 +1,297 @@
+"""One dataset cache across the nodes of a job: each node's agent serves the files it owns to the others.
+
+The nodes here share this machine's loopback (each with its own agent, port, tiers and counters) and one
+stand-in store mounted once, which counts every byte the job reads from it. tests/test_netns.py runs the
+same job on nodes in their own network namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import store_stats
+from tierstore import agent as agent_mod
+
+# Files under and over one chunk of the wire protocol (1 MiB), and one over inline_max (set to 1 MiB).
+SIZES = [0, 1, 4096, 100_000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 17]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    name: str
+    env: dict[str, str]
+    tier: Path
+    socket: Path
+    pid: int = 0
+
+
+@dataclass
+class Cluster:
+    mount: Path
+    nodes: list[Node] = field(default_factory=list)
+
+    def read_all(self, node: Node, rels: list[str], timeout: float = 120) -> dict:
+        """Reads every file through `tierstore.Cache` in a process of `node`; returns the digests it
+        read, its counters and how long it took."""
+        code = (
+            "import hashlib, json, os, sys, time, tierstore\n"
+            "c = tierstore.Cache()\n"
+            "t = time.monotonic()\n"
+            "got = {r: hashlib.sha256(c.open(os.path.join(c.source, r)).read()).hexdigest() for r in sys.argv[1:]}\n"
+            "print(json.dumps({'got': got, 'seconds': time.monotonic() - t, 'stats': c.stats()['source']}))\n"
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", code, *rels], env=node.env, capture_output=True, text=True, timeout=timeout
+        )
+        assert p.returncode == 0, f"reader on {node.name} failed: {p.stderr[-3000:]}"
+        out = json.loads(p.stdout)
+        out["stderr"] = p.stderr
+        return out
+
+    def stats(self, node: Node) -> dict:
+        """The node's source counters now (its processes' and its agent's)."""
+        code = "import json, tierstore; print(json.dumps(tierstore.Cache().stats()['source']))"
+        p = subprocess.run(
+            [sys.executable, "-c", code], env=node.env, capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    def agent_status(self, node: Node) -> dict:
+        report = agent_mod.status(node.socket)
+        assert report is not None, f"the agent of {node.name} does not answer"
+        return json.loads(report)
+
+
+def make_cluster(tmp_path: Path, mount: Path, n: int, sharing: str, revalidate: str = "never") -> Cluster:
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    cluster = Cluster(mount)
+    for i, port in enumerate(ports):
+        runtime = tmp_path / f"node{i}" / "run"
+        runtime.mkdir(parents=True)
+        tier = tmp_path / f"node{i}" / "tier"
+        env = {
+            **os.environ,
+            "XDG_RUNTIME_DIR": str(runtime),
+            "TIERSTORE_SOURCE": str(mount),
+            "TIERSTORE_TIERS": f"{tier}:256M",
+            "TIERSTORE_INLINE_MAX": str(1 << 20),
+            "TIERSTORE_REVALIDATE": revalidate,
+            "TIERSTORE_SHARING": sharing,
+            "TIERSTORE_PEERS": members,
+            "TIERSTORE_NODE": f"127.0.0.1:{port}",
+            "TIERSTORE_PEER_CONNECT_MS": "500",
+            "TIERSTORE_PEER_DEADLINE_MS": "2000",
+        }
+        cluster.nodes.append(Node(f"node{i}", env, tier, runtime / "tierstore" / "agent.sock"))
+    for node in cluster.nodes:
+        p = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "agent", "start"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, f"{node.name}: {p.stderr}"
+        node.pid = cluster.agent_status(node)["pid"]
+    return cluster
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    for node in cluster.nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGTERM)
+    for node in cluster.nodes:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(node.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+
+
+def dataset(backing: Path) -> dict[str, str]:
+    """Writes the files to the store's backing directory; returns their digests by relative path."""
+    digests = {}
+    for i, size in enumerate(SIZES * 3):
+        rel = f"shard{i % 4}/sample{i:03d}.bin"
+        data = hashlib.sha256(f"{i}".encode()).digest() * (size // 32 + 1)
+        path = backing / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data[:size])
+        digests[rel] = hashlib.sha256(data[:size]).hexdigest()
+    return digests
+
+
+@pytest.fixture
+def store(slow_store: tuple[Path, Path]) -> tuple[Path, dict[str, str]]:
+    backing, mount = slow_store
+    return mount, dataset(backing)
+
+
+@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+def test_the_job_reads_each_file_from_the_store_once(
+    tmp_path: Path, store: tuple[Path, dict[str, str]], sharing: str
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    total = sum(SIZES) * 3
+    cluster = make_cluster(tmp_path, mount, 3, sharing)
+    try:
+        before = store_stats(mount)
+        epochs = []
+        for epoch in range(2):
+            for node in cluster.nodes:
+                out = cluster.read_all(node, rels)
+                assert out["got"] == digests, f"{node.name}, epoch {epoch + 1}: wrong bytes"
+                epochs.append(out["stats"])
+            read = store_stats(mount).get("bytes_read", 0) - before.get("bytes_read", 0)
+            # Every file came from the store once, read by its owner's node, whichever node asked first.
+            assert read == total, (
+                f"epoch {epoch + 1}: the store served {read} bytes for a {total}-byte dataset"
+            )
+        first = epochs[:3]
+        # Each node received the files the others own from them, not from the store.
+        assert all(s["peer_hits"] > 0 for s in first), first
+        assert all(s["peer_faults"] == 0 for s in epochs), epochs
+        # Counters are per node: what the nodes received is what their agents served.
+        now = [cluster.stats(n) for n in cluster.nodes]
+        assert sum(s["peer_bytes"] for s in now) == sum(s["served_bytes"] for s in now) > 0
+        if sharing == "inclusive":
+            # A file a peer served is kept: the second epoch reads only local tiers.
+            assert [a["peer_hits"] for a in epochs[3:]] == [b["peer_hits"] for b in epochs[:3]]
+        else:
+            # Only owners keep files: each node again receives what the others own.
+            assert all(b["peer_hits"] > a["peer_hits"] for a, b in zip(epochs[:3], epochs[3:], strict=True))
+            # And no node holds a file it does not own: the job's cache is the sum of the nodes'.
+            held = sum(sum(1 for p in (n.tier).rglob("data/*/*") if p.is_file()) for n in cluster.nodes)
+            assert held == len(rels), f"{held} copies of {len(rels)} files across the nodes"
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_killed_owner_sends_its_readers_to_the_store(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 3, "partitioned")
+    try:
+        dead = cluster.nodes[2]
+        os.kill(dead.pid, signal.SIGKILL)
+        out = cluster.read_all(cluster.nodes[0], rels, timeout=60)
+        assert out["got"] == digests
+        # The dead node's files were rerouted after one failed attempt, not one per file.
+        assert out["stats"]["peer_faults"] >= 1
+        assert out["seconds"] < 10, f"reading with a dead owner took {out['seconds']:.1f} s"
+        assert "cannot be reached" in out["stderr"] or "did not answer" in out["stderr"], out["stderr"]
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_damaged_copy_on_the_owner_is_never_served(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 2, "partitioned")
+    try:
+        owner, other = cluster.nodes
+        # The owner's node reads everything: it holds its own files (and not the others').
+        assert cluster.read_all(owner, rels)["got"] == digests
+        copies = [p for p in owner.tier.rglob("data/*/*") if p.is_file() and p.stat().st_size > 0]
+        assert copies, "the owner holds no copy"
+        for p in copies:
+            st = p.stat()
+            with open(p, "r+b") as f:
+                b = f.read(1)
+                f.seek(0)
+                f.write(bytes([b[0] ^ 0xFF]))
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        out = cluster.read_all(other, rels)
+        assert out["got"] == digests, "a damaged byte reached a reader"
+        assert out["stats"]["peer_faults"] == len(copies)
+        # The damaged copies are gone from the owner.
+        assert not any(p.exists() for p in copies)
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_file_changed_at_the_source_is_not_served_stale_by_a_peer(
+    tmp_path: Path, slow_store: tuple[Path, Path]
+) -> None:
+    backing, mount = slow_store
+    digests = dataset(backing)
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive", revalidate="always")
+    try:
+        for node in cluster.nodes:
+            assert cluster.read_all(node, rels)["got"] == digests
+        for rel in rels[:6]:
+            data = b"rewritten " + rel.encode()
+            (backing / rel).write_bytes(data)
+            digests[rel] = hashlib.sha256(data).hexdigest()
+        for node in cluster.nodes:
+            assert cluster.read_all(node, rels)["got"] == digests, f"{node.name} read a stale file"
+    finally:
+        stop_cluster(cluster)
+
+
+def test_a_wrong_token_is_refused_and_the_reader_uses_the_store(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    good = tmp_path / "token"
+    good.write_text("a-long-shared-secret-of-the-job")
+    bad = tmp_path / "bad-token"
+    bad.write_text("somebody-else's-secret-value!")
+    ports = [free_port(), free_port()]
+    cluster = Cluster(mount)
+    try:
+        for i, port in enumerate(ports):
+            runtime = tmp_path / f"n{i}"
+            runtime.mkdir()
+            env = {
+                **os.environ,
+                "XDG_RUNTIME_DIR": str(runtime),
+                "TIERSTORE_SOURCE": str(mount),
+                "TIERSTORE_TIERS": f"{tmp_path / f't{i}'}:64M",
+                "TIERSTORE_SHARING": "partitioned",
+                "TIERSTORE_PEERS": ",".join(f"127.0.0.1:{p}" for p in ports),
+                "TIERSTORE_NODE": f"127.0.0.1:{port}",
+                "TIERSTORE_TOKEN_FILE": str(good if i == 0 else bad),
+            }
+            node = Node(f"n{i}", env, tmp_path / f"t{i}", runtime / "tierstore" / "agent.sock")
+            subprocess.run(
+                [sys.executable, "-m", "tierstore.cli", "agent", "start"], env=env, check=True, timeout=60
+            )
+            node.pid = cluster.agent_status(node)["pid"]
+            cluster.nodes.append(node)
+        out = cluster.read_all(cluster.nodes[1], rels)
+        assert out["got"] == digests
+        assert out["stats"]["peer_hits"] == 0 and out["stats"]["peer_faults"] >= 1
+        assert "wrong token" in out["stderr"], out["stderr"]
+        assert cluster.agent_status(cluster.nodes[0])["refused"] >= 1
+    finally:
+        stop_cluster(cluster)
