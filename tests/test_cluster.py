@@ -295,3 +295,67 @@ def test_a_wrong_token_is_refused_and_the_reader_uses_the_store(
         assert cluster.agent_status(cluster.nodes[0])["refused"] >= 1
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+def test_tierstore_run_starts_the_agent_on_demand_and_programs_read_across_nodes(
+    tmp_path: Path, store: tuple[Path, dict[str, str]], sharing: str
+) -> None:
+    """No agent is started by hand: `tierstore run` starts each node's, and a program that is not Python
+    (sha256sum, through the LD_PRELOAD shim) reads the files other nodes own from their agents."""
+    mount, digests = store
+    rels = sorted(digests)
+    ports = [free_port(), free_port()]
+    cluster = Cluster(mount)
+    for i, port in enumerate(ports):
+        runtime = tmp_path / f"n{i}"
+        runtime.mkdir()
+        env = {
+            **os.environ,
+            "XDG_RUNTIME_DIR": str(runtime),
+            "TIERSTORE_SOURCE": str(mount),
+            "TIERSTORE_TIERS": f"{tmp_path / f't{i}'}:64M",
+            "TIERSTORE_INLINE_MAX": str(1 << 20),
+            "TIERSTORE_SHARING": sharing,
+            "TIERSTORE_PEERS": ",".join(f"127.0.0.1:{p}" for p in ports),
+            "TIERSTORE_NODE": f"127.0.0.1:{port}",
+        }
+        cluster.nodes.append(Node(f"n{i}", env, tmp_path / f"t{i}", runtime / "tierstore" / "agent.sock"))
+    try:
+        # Every node's job starts (here with a command that reads nothing) before any reads: a node whose
+        # agent is not up yet is read around, from the store.
+        for node in cluster.nodes:
+            run = [sys.executable, "-m", "tierstore.cli", "run", "--", "true"]
+            subprocess.run(run, env=node.env, check=True, timeout=60)
+            assert agent_mod.answers(node.socket), f"tierstore run started no agent on {node.name}"
+        before = store_stats(mount).get("bytes_read", 0)
+        for epoch in range(2):
+            for node in cluster.nodes:
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tierstore.cli",
+                        "run",
+                        "--revalidate",
+                        "never",
+                        "--",
+                        "sha256sum",
+                        *rels,
+                    ],
+                    env=node.env,
+                    cwd=mount,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert p.returncode == 0, p.stderr
+                got = dict(reversed(line.split()) for line in p.stdout.splitlines())
+                assert got == digests, f"{node.name}, epoch {epoch + 1}: wrong bytes"
+                node.pid = cluster.agent_status(node)["pid"]
+        read = store_stats(mount).get("bytes_read", 0) - before
+        assert read == sum(SIZES) * 3, f"the store served {read} bytes over two epochs on two nodes"
+        stats = [cluster.stats(n) for n in cluster.nodes]
+        assert all(s["peer_hits"] > 0 and s["served_files"] > 0 for s in stats), stats
+    finally:
+        stop_cluster(cluster)

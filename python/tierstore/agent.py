@@ -117,6 +117,48 @@ def start(
     )
 
 
+# How long an agent started on demand waits, with no peer or local client, before it exits.
+ON_DEMAND_IDLE_EXIT = 600.0
+
+_ensured: set[Path] = set()
+
+
+def answers(socket: Path) -> bool:
+    """Whether an agent accepts connections on `socket` (a connect, no request)."""
+    import socket as so
+
+    with so.socket(so.AF_UNIX, so.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(str(socket))
+        except OSError:
+            return False
+    return True
+
+
+def ensure(cluster: dict[str, Any], env: dict[str, str] | None = None, socket: Path | None = None) -> None:
+    """Starts this node's agent on demand when the configuration shares the cache across nodes (once per
+    process): the node's files must be served to its peers while the job runs. It exits after
+    ON_DEMAND_IDLE_EXIT seconds without a client.
+
+    Raises:
+        AgentError: no agent answers and none could be started; the message carries its log.
+    """
+    if cluster.get("sharing", "off") == "off":
+        return
+    socket = socket or default_socket()
+    if socket in _ensured or answers(socket):
+        _ensured.add(socket)
+        return
+    try:
+        start(socket, env=env, idle_exit=ON_DEMAND_IDLE_EXIT)
+    except AgentError:
+        # Another process of the node may have started it meanwhile.
+        if not answers(socket):
+            raise
+    _ensured.add(socket)
+
+
 def stop(socket: Path, timeout: float = 15.0) -> str:
     """Stops the agent on `socket` gracefully; returns what it said."""
     p = subprocess.run(

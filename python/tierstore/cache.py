@@ -96,6 +96,12 @@ class Cache:
             revalidate=revalidate,
         )
         _live.add(self)
+        cluster = self._core.config().get("cluster")
+        if cluster is not None and cluster[0].get("sharing", "off") != "off":
+            from tierstore import agent
+
+            # The node's files must be served to its peers while the job runs.
+            agent.ensure(cluster[0], env=_agent_env(self._args))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned DataLoader worker gets the same configuration and opens the same node-wide cache.
@@ -197,6 +203,26 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"tierstore.Cache(source={self.source!r})"
+
+
+def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
+    """The environment an agent started for this cache reads the same configuration from."""
+    source, tiers, kwargs = args
+    env = dict(os.environ)
+    if source is not None:
+        env["TIERSTORE_SOURCE"] = os.path.abspath(os.fspath(source))
+    if tiers is not None:
+        specs = [_tier(t) for t in tiers]
+        env["TIERSTORE_TIERS"] = ",".join(
+            os.path.abspath(os.fspath(p)) + (f":{q}" if q is not None else "") for p, q in specs
+        )
+    for key, var in (("policy", "TIERSTORE_POLICY"), ("inline_max", "TIERSTORE_INLINE_MAX"),
+                     ("verify", "TIERSTORE_VERIFY"), ("revalidate", "TIERSTORE_REVALIDATE")):  # fmt: skip
+        if kwargs.get(key) is not None:
+            env[var] = str(kwargs[key])
+    if kwargs.get("config") is not None:
+        env["TIERSTORE_CONFIG"] = os.path.abspath(os.fspath(kwargs["config"]))
+    return env
 
 
 def _rebuild(source: Any, tiers: Any, kwargs: dict[str, Any]) -> Cache:

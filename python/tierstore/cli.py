@@ -234,6 +234,14 @@ def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
     # The source is checked and its symlinks resolved here, once for the whole job: every process the
     # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
     env.update(cache._core.resolved_env())
+    cluster = cache.config().get("cluster")
+    if cluster is not None:
+        from tierstore import agent as agent_mod
+
+        try:
+            agent_mod.ensure(cluster[0], env=env)
+        except agent_mod.AgentError as e:
+            raise click.ClickException(str(e)) from e
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
     try:
         os.execvpe(command[0], list(command), env)
