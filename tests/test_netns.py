@@ -1,0 +1,157 @@
+"""Four nodes, each in its own network namespace, joined by veth pairs and a bridge: each runs its own
+agent (listening on its own address, with the job's token), its own tiers and a PyTorch DataLoader with
+two worker processes, and all read one stand-in store mounted once, as a shared file system is.
+
+Needs root (CI runs as root) to create namespaces and links.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import store_stats
+from tests.test_cluster import SIZES, dataset
+
+NODES = 4
+
+LOADER = r"""
+import hashlib, json, os, sys, time
+import torch
+import tierstore
+from tierstore.torch import CachedDataset
+
+rels = sys.argv[1:]
+cache = tierstore.Cache()
+files = CachedDataset([os.path.join(cache.source, r) for r in rels], cache=cache,
+                      decode=lambda f: hashlib.sha256(f.read()).hexdigest())
+
+class Tagged(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(files)
+
+    def __getitem__(self, i):
+        return i, files[i]
+
+loader = torch.utils.data.DataLoader(Tagged(), batch_size=None, num_workers=2, shuffle=True,
+                                     generator=torch.Generator().manual_seed(int(os.environ["SEED"])))
+t = time.monotonic()
+got = {}
+for epoch in range(2):
+    for i, digest in loader:
+        got[rels[i]] = digest
+print(json.dumps({"got": got, "seconds": time.monotonic() - t, "stats": cache.stats()["source"]}))
+"""
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[list[str]]:
+    """NODES namespaces with addresses 10.77.x.1 .. on one bridge; torn down after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    tag = f"{os.getpid() % 10000}"
+    bridge = f"tsbr{tag}"
+    names = [f"ts{tag}n{i}" for i in range(NODES)]
+    subnet = f"10.77.{os.getpid() % 200}"
+    try:
+        sh("ip", "link", "add", bridge, "type", "bridge")
+        sh("ip", "link", "set", bridge, "up")
+        for i, ns in enumerate(names):
+            host, inside = f"ts{tag}v{i}", f"ts{tag}p{i}"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", host, "type", "veth", "peer", "name", inside)
+            sh("ip", "link", "set", inside, "netns", ns)
+            sh("ip", "link", "set", host, "master", bridge)
+            sh("ip", "link", "set", host, "up")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{i + 1}/24", "dev", inside)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield [f"{ns}|{subnet}.{i + 1}" for i, ns in enumerate(names)]
+    finally:
+        for ns in names:
+            # Agents left running in a namespace keep it alive: stop them first.
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+def test_four_nodes_in_namespaces_read_the_dataset_from_the_store_once(
+    tmp_path: Path, slow_store: tuple[Path, Path], namespaces: list[str], sharing: str
+) -> None:
+    backing, mount = slow_store
+    digests = dataset(backing)
+    rels = sorted(digests)
+    token = tmp_path / "token"
+    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
+    token.chmod(0o600)
+    addresses = [n.split("|")[1] for n in namespaces]
+    envs = []
+    for i in range(len(namespaces)):
+        runtime = tmp_path / f"node{i}"
+        runtime.mkdir()
+        envs.append(
+            {
+                **os.environ,
+                "XDG_RUNTIME_DIR": str(runtime),
+                "TIERSTORE_SOURCE": str(mount),
+                "TIERSTORE_TIERS": f"{tmp_path / f'tier{i}'}:256M",
+                "TIERSTORE_INLINE_MAX": str(1 << 20),
+                "TIERSTORE_REVALIDATE": "never",
+                "TIERSTORE_SHARING": sharing,
+                "TIERSTORE_PEERS": ",".join(addresses),
+                "TIERSTORE_NODE": addresses[i],
+                "TIERSTORE_LISTEN": addresses[i],
+                "TIERSTORE_TOKEN_FILE": str(token),
+                "SEED": str(i),
+            }
+        )
+    in_ns = [["ip", "netns", "exec", n.split("|")[0]] for n in namespaces]
+    # Each node's agent first (a launcher's `srun --ntasks-per-node=1 tierstore agent run`), then the
+    # four jobs at once.
+    for cmd, env in zip(in_ns, envs, strict=True):
+        start = [*cmd, sys.executable, "-m", "tierstore.cli", "agent", "start"]
+        p = subprocess.run(start, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    before = store_stats(mount).get("bytes_read", 0)
+    procs = [
+        subprocess.Popen(
+            [*cmd, sys.executable, "-c", LOADER, *rels],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cmd, env in zip(in_ns, envs, strict=True)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out))
+    for i, r in enumerate(results):
+        assert r["got"] == digests, f"node {i} read wrong bytes"
+    read = store_stats(mount).get("bytes_read", 0) - before
+    total = sum(SIZES) * 3
+    # Four nodes, two epochs each, concurrently: the store served the dataset once (single flight per
+    # job: a node asking for a file its owner is still fetching waits for it).
+    assert read == total, f"the store served {read} bytes for a {total}-byte dataset"
+    assert all(r["stats"]["peer_hits"] > 0 for r in results), [r["stats"] for r in results]
+    assert all(r["stats"]["peer_faults"] == 0 for r in results), [r["stats"] for r in results]
+    for cmd, env in zip(in_ns, envs, strict=True):
+        subprocess.run([*cmd, sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=env, timeout=60)
+    time.sleep(0.1)
