@@ -359,3 +359,79 @@ def test_tierstore_run_starts_the_agent_on_demand_and_programs_read_across_nodes
         assert all(s["peer_hits"] > 0 and s["served_files"] > 0 for s in stats), stats
     finally:
         stop_cluster(cluster)
+
+
+def test_status_shows_every_member_and_a_dead_one_as_down(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 2, "partitioned")
+    try:
+        first, second = cluster.nodes
+        assert cluster.read_all(first, rels)["got"] == digests
+
+        def status() -> dict:
+            p = subprocess.run(
+                [sys.executable, "-m", "tierstore.cli", "status", "--json"],
+                env=first.env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert p.returncode == 0, p.stderr
+            return json.loads(p.stdout)["cluster"]
+
+        c = status()
+        assert c["sharing"] == "partitioned"
+        by = {m["address"]: m for m in c["members"]}
+        assert set(by) == {first.env["TIERSTORE_NODE"], second.env["TIERSTORE_NODE"]}
+        assert all(m["up"] for m in c["members"]), c
+        views = [m["report"]["cache"] for m in c["members"]]
+        # What the first node received, the second served; both hold only what they own.
+        assert (
+            views[0]["peer_bytes"] + views[1]["peer_bytes"]
+            == views[0]["served_bytes"] + views[1]["served_bytes"]
+        )
+        assert sum(v["store_bytes"] for v in views) == sum(SIZES) * 3
+        text = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "status"], env=first.env, capture_output=True, text=True
+        ).stdout
+        assert "cluster (partitioned)" in text and second.env["TIERSTORE_NODE"] in text
+        os.kill(second.pid, signal.SIGKILL)
+        down = {m["address"]: m for m in status()["members"]}
+        assert down[first.env["TIERSTORE_NODE"]]["up"]
+        assert not down[second.env["TIERSTORE_NODE"]]["up"]
+        assert "no agent at" in down[second.env["TIERSTORE_NODE"]]["error"]
+    finally:
+        stop_cluster(cluster)
+
+
+def test_the_agent_serves_prometheus_metrics_when_asked(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    import urllib.request
+
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 2, "partitioned")
+    try:
+        first, second = cluster.nodes
+        # A second agent of node 0 is not possible (one per socket); restart it with metrics.
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=first.env, check=True)
+        port = free_port()
+        start = [sys.executable, "-m", "tierstore.cli", "agent", "start", "--metrics", f"127.0.0.1:{port}"]
+        subprocess.run(start, env=first.env, check=True, timeout=60)
+        first.pid = cluster.agent_status(first)["pid"]
+        assert cluster.read_all(second, rels)["got"] == digests
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        served = cluster.stats(first)["served_bytes"]
+        assert served > 0 and float(samples["tierstore_served_bytes_total"]) == served
+        assert samples[f'tierstore_peer_up{{peer="{second.env["TIERSTORE_NODE"]}"}}'] == "1"
+        assert "# TYPE tierstore_store_read_bytes_total counter" in text
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
+        assert e.value.code == 404
+    finally:
+        stop_cluster(cluster)

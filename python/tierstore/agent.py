@@ -8,6 +8,7 @@ beside the `tierstore` command by the same `pip install`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,10 +47,16 @@ def run_args(
     listen: str | None = None,
     token_file: str | None = None,
     idle_exit: float | None = None,
+    metrics: str | None = None,
 ) -> list[str]:
     """The command line that runs an agent with these settings."""
     args = [executable(), "run", "--socket", str(socket)]
-    for flag, value in (("--node", node), ("--listen", listen), ("--token-file", token_file)):
+    for flag, value in (
+        ("--node", node),
+        ("--listen", listen),
+        ("--token-file", token_file),
+        ("--metrics", metrics),
+    ):
         if value:
             args += [flag, value]
     if idle_exit is not None:
@@ -115,6 +122,39 @@ def start(
     raise AgentError(
         f"the agent did not start on {socket} within {deadline:.0f} s; its log {log} ends with:\n{tail}"
     )
+
+
+def peer_status(address: str, env: dict[str, str] | None = None, timeout: float = 5.0) -> dict[str, Any]:
+    """The status of the agent of another node (`host:port`), asked over TCP with the job's token (from
+    the configuration in `env`): its report, or {"error": why}."""
+    p = subprocess.run(
+        [executable(), "status", "--json", "--peer", address],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    if p.returncode != 0:
+        return {"error": p.stderr.strip().removeprefix("tierstore-agent: ")}
+    report: dict[str, Any] = json.loads(p.stdout)
+    return report
+
+
+def cluster_status(members: list[str], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every member's agent status, asked at once: [{"address": ..., "up": ..., "report"/"error": ...}]."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(address: str) -> dict[str, Any]:
+        try:
+            r = peer_status(address, env)
+        except subprocess.TimeoutExpired:
+            r = {"error": "no answer within 5 s"}
+        if "error" in r:
+            return {"address": address, "up": False, "error": r["error"]}
+        return {"address": address, "up": True, "report": r}
+
+    with ThreadPoolExecutor(min(32, max(1, len(members)))) as pool:
+        return list(pool.map(one, members))
 
 
 # How long an agent started on demand waits, with no peer or local client, before it exits.

@@ -113,8 +113,19 @@ def prefetch(make: Any, paths: tuple[str, ...], progress: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the counters as JSON.")
 @click.pass_obj
 def status(make: Any, as_json: bool) -> None:
-    """Show what the cache holds and did: per tier and for the source, node-wide."""
-    stats = make().stats()
+    """Show what the cache holds and did: per tier and for the source, node-wide; with sharing on, every
+    member of the job too (up or down, what it holds, read from the store, served and received)."""
+    cache = make()
+    stats = cache.stats()
+    cluster = cache.config().get("cluster")
+    if cluster is not None and cluster[0].get("sharing", "off") != "off":
+        from tierstore import agent as agent_mod
+
+        env = {**os.environ, **make.env}
+        stats["cluster"] = {
+            "sharing": cluster[0]["sharing"],
+            "members": agent_mod.cluster_status(cluster[0]["members"], env),
+        }
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -170,6 +181,34 @@ def status(make: Any, as_json: bool) -> None:
     for t in stats["tiers"]:
         if t["error"]:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
+    if "cluster" in stats:
+        c = stats["cluster"]
+        members = Table(title=f"cluster ({c['sharing']})", title_justify="left")
+        for col in (
+            "member",
+            "agent",
+            "cached / quota",
+            "from the store",
+            "served",
+            "received",
+            "peer faults",
+        ):
+            members.add_column(col, justify="left" if col in ("member", "agent") else "right")
+        for m in c["members"]:
+            view = m.get("report", {}).get("cache") or {}
+            if not m["up"]:
+                members.add_row(m["address"], f"[red]down[/] ({m['error'][:60]})", "", "", "", "", "")
+                continue
+            members.add_row(
+                m["address"],
+                "[green]up[/]",
+                f"{_human(view.get('cached_bytes', 0))} / {_human(view.get('quota', 0))}",
+                _human(view.get("store_bytes", 0)),
+                _human(view.get("served_bytes", 0)),
+                _human(view.get("peer_bytes", 0)),
+                str(view.get("peer_faults", 0)),
+            )
+        console.print(members)
 
 
 @main.command()
@@ -281,6 +320,9 @@ def _agent_settings(f: Any) -> Any:
                 help="The job's shared secret; required to listen beyond loopback.",
             ),
             click.option("--idle-exit", type=float, metavar="SECONDS", help="Exit after this long unused."),
+            click.option(
+                "--metrics", metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP here (/metrics)."
+            ),
         ]
     ):
         f = option(f)

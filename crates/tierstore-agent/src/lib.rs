@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod members;
+pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod transfer;

@@ -2,8 +2,8 @@
 //!
 //! ```text
 //! tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
-//!                        [--peers HOST:PORT,...]
-//! tierstore-agent status [--socket PATH] [--json]
+//!                        [--peers HOST:PORT,...] [--metrics ADDR:PORT]
+//! tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
 //! tierstore-agent stop   [--socket PATH]
 //! ```
 //!
@@ -25,8 +25,8 @@ use tierstore_core::Cache;
 
 const USAGE: &str = "usage:
   tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
-                         [--peers HOST:PORT,...]
-  tierstore-agent status [--socket PATH] [--json]
+                         [--peers HOST:PORT,...] [--metrics ADDR:PORT]
+  tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
   tierstore-agent stop   [--socket PATH]";
 
 /// The socket of this user's agent: in the user's runtime directory, or in /tmp.
@@ -73,6 +73,9 @@ struct Args {
     idle_exit: Option<f64>,
     peers: Vec<String>,
     json: bool,
+    /// `status` of another node's agent, over TCP.
+    peer: Option<String>,
+    metrics: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -87,6 +90,8 @@ fn parse_args() -> Result<Args, String> {
         idle_exit: None,
         peers: Vec::new(),
         json: false,
+        peer: None,
+        metrics: None,
     };
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -106,6 +111,8 @@ fn parse_args() -> Result<Args, String> {
                 a.peers = members.iter().map(|m| m.address()).collect();
             }
             "--json" => a.json = true,
+            "--peer" => a.peer = Some(value()?),
+            "--metrics" => a.metrics = Some(value()?),
             other => return Err(format!("unknown option {other:?}")),
         }
     }
@@ -127,6 +134,10 @@ async fn run(a: Args) -> Result<(), String> {
     if let Some(l) = &listen {
         options.listen =
             Some(l.parse().map_err(|_| format!("--listen {l:?}: give ADDRESS:PORT, e.g. 127.0.0.1:7078"))?);
+    }
+    if let Some(m) = &a.metrics {
+        options.metrics =
+            Some(m.parse().map_err(|_| format!("--metrics {m:?}: give ADDRESS:PORT, e.g. 127.0.0.1:9478"))?);
     }
     let token_file = a.token_file.clone().or_else(|| cluster.as_ref().and_then(|c| c.token_file.clone()));
     if let Some(f) = &token_file {
@@ -164,6 +175,9 @@ async fn run(a: Args) -> Result<(), String> {
         options.cache.as_ref().map_or("no source".into(), |c| c.config().source.display().to_string()),
     );
     // The line tierstore's launcher waits for: the agent is ready once it is printed.
+    if let Some(m) = agent.metrics_address() {
+        log::info!("metrics on http://{m}/metrics");
+    }
     println!("ready {}", agent.peer_address().map(|p| p.to_string()).unwrap_or_default());
     let _ = std::io::stdout().flush();
     let signals = async {
@@ -184,8 +198,24 @@ async fn run(a: Args) -> Result<(), String> {
 }
 
 async fn status(a: Args) -> Result<(), String> {
-    let mut c = Client::local(&a.socket, Duration::from_secs(5)).await.map_err(|e| e.to_string())?;
-    let json = c.status().await.map_err(|e| e.to_string())?;
+    let deadline = Duration::from_secs(3);
+    let json = match &a.peer {
+        Some(addr) => {
+            let token_file =
+                a.token_file.clone().or_else(|| job_config().ok().flatten().and_then(|c| c.cluster.token_file));
+            let token = match &token_file {
+                Some(f) => Some(std::fs::read(f).map_err(|e| format!("--token-file {}: {e}", f.display()))?),
+                None => None,
+            };
+            let token = token.map(|t| t.trim_ascii().to_vec());
+            let mut c = Client::peer(addr, &hostname(), token.as_deref(), deadline).await.map_err(|e| e.to_string())?;
+            c.status().await.map_err(|e| e.to_string())?
+        }
+        None => {
+            let mut c = Client::local(&a.socket, deadline).await.map_err(|e| e.to_string())?;
+            c.status().await.map_err(|e| e.to_string())?
+        }
+    };
     if a.json {
         println!("{json}");
         return Ok(());

@@ -54,6 +54,8 @@ pub struct Options {
     pub heartbeat: Duration,
     /// The node's cache, whose files this agent serves to peers (none: it serves no file).
     pub cache: Option<Arc<Cache>>,
+    /// Where to serve Prometheus metrics over HTTP (none: not served).
+    pub metrics: Option<SocketAddr>,
 }
 
 impl Options {
@@ -71,6 +73,7 @@ impl Options {
             peers: Vec::new(),
             heartbeat: Duration::from_millis(500),
             cache: None,
+            metrics: None,
         }
     }
 }
@@ -126,6 +129,48 @@ pub struct Status {
     pub idle_exit_s: Option<f64>,
     /// How this agent sees the other members.
     pub members: Vec<PeerView>,
+    /// What this node's cache holds and moved, when the agent serves one.
+    pub cache: Option<CacheView>,
+}
+
+/// A node's cache in the agent's status: what `tierstore status` shows for each member.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheView {
+    /// The source directory.
+    pub source: String,
+    /// Bytes held in the node's tiers.
+    pub cached_bytes: u64,
+    /// The tiers' quotas, summed.
+    pub quota: u64,
+    /// Bytes the node read from the store.
+    pub store_bytes: u64,
+    /// Files and bytes the node's processes received from peers.
+    pub peer_hits: u64,
+    /// Bytes received from peers.
+    pub peer_bytes: u64,
+    /// Peer reads that failed and went to the store.
+    pub peer_faults: u64,
+    /// Files the node's agent served to peers.
+    pub served_files: u64,
+    /// Bytes served to peers.
+    pub served_bytes: u64,
+}
+
+impl CacheView {
+    fn of(cache: &Cache) -> CacheView {
+        let s = cache.stats();
+        CacheView {
+            source: cache.config().source.display().to_string(),
+            cached_bytes: s.tiers.iter().map(|t| t.usage.used).sum(),
+            quota: s.tiers.iter().map(|t| t.quota).sum(),
+            store_bytes: s.source.bytes_read,
+            peer_hits: s.source.peer_hits,
+            peer_bytes: s.source.peer_bytes,
+            peer_faults: s.source.peer_faults,
+            served_files: s.source.served_files,
+            served_bytes: s.source.served_bytes,
+        }
+    }
 }
 
 struct Shared {
@@ -156,6 +201,7 @@ impl Shared {
             timeouts: self.timeouts.load(Ordering::Relaxed),
             idle_exit_s: self.options.idle_exit.map(|d| d.as_secs_f64()),
             members: self.members.view(),
+            cache: self.options.cache.as_deref().map(CacheView::of),
         }
     }
 
@@ -169,6 +215,7 @@ pub struct Agent {
     shared: Arc<Shared>,
     unix: UnixListener,
     tcp: Option<TcpListener>,
+    metrics: Option<TcpListener>,
 }
 
 fn io_err(what: &'static str, path: impl std::fmt::Display) -> impl FnOnce(io::Error) -> AgentError {
@@ -189,6 +236,10 @@ impl Agent {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(io_err("cannot listen on", addr))?),
             None => None,
         };
+        let metrics = match options.metrics {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(io_err("cannot serve metrics on", addr))?),
+            None => None,
+        };
         let listen = match &tcp {
             Some(l) => Some(l.local_addr().map_err(io_err("cannot read the address of", "the listener"))?),
             None => None,
@@ -207,7 +258,12 @@ impl Agent {
             last_activity: Mutex::new(Instant::now()),
             stop,
         });
-        Ok(Agent { shared, unix, tcp })
+        Ok(Agent { shared, unix, tcp, metrics })
+    }
+
+    /// The address metrics are served on (the port is known once bound, also for port 0).
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// The other members as this agent sees them.
@@ -223,13 +279,19 @@ impl Agent {
     /// Serves until `shutdown` completes, a local client sends `Stop`, or the agent was idle for
     /// `idle_exit`. Open connections finish their current request; the socket file is removed.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
-        let Agent { shared, unix, tcp } = self;
+        let Agent { shared, unix, tcp, metrics } = self;
         let limit = Arc::new(Semaphore::new(shared.options.max_connections));
         let mut stopped = shared.stop.subscribe();
         let unix_loop = accept_unix(unix, shared.clone(), limit.clone());
         let tcp_loop = async {
             match tcp {
                 Some(l) => accept_tcp(l, shared.clone(), limit.clone()).await,
+                None => std::future::pending().await,
+            }
+        };
+        let metrics_loop = async {
+            match metrics {
+                Some(l) => serve_metrics(l, shared.clone()).await,
                 None => std::future::pending().await,
             }
         };
@@ -240,6 +302,7 @@ impl Agent {
             _ = heartbeats => {}
             _ = unix_loop => {}
             _ = tcp_loop => {}
+            _ = metrics_loop => {}
             _ = idle => log::info!("idle for {:?} with nothing pending: exiting", shared.options.idle_exit),
             _ = shutdown => log::info!("asked to stop"),
             _ = stopping(&mut stopped) => log::info!("stopped by a local client"),
@@ -323,6 +386,61 @@ async fn accept_tcp(l: TcpListener, shared: Arc<Shared>, limit: Arc<Semaphore>) 
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
+    }
+}
+
+/// Answers every HTTP request on `l` with the metrics (scrapes are not activity: they do not keep an
+/// agent started on demand alive).
+async fn serve_metrics(l: TcpListener, shared: Arc<Shared>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut stream, _)) = l.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let deadline = shared.options.deadline;
+            let mut request = Vec::new();
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(deadline, async {
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return false,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                true
+            })
+            .await;
+            if !matches!(read, Ok(true)) {
+                return;
+            }
+            let line = String::from_utf8_lossy(&request);
+            let path = line.split_whitespace().nth(1).unwrap_or("/");
+            let (code, body) = if path == "/metrics" || path == "/" {
+                let status = tokio::task::spawn_blocking({
+                    let shared = shared.clone();
+                    move || shared.status()
+                })
+                .await;
+                match status {
+                    Ok(s) => ("200 OK", crate::metrics::render(&s)),
+                    Err(e) => ("500 Internal Server Error", format!("{e}\n")),
+                }
+            } else {
+                ("404 Not Found", "metrics are at /metrics\n".to_string())
+            };
+            let head = format!(
+                "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = tokio::time::timeout(deadline, async {
+                stream.write_all(head.as_bytes()).await?;
+                stream.write_all(body.as_bytes()).await
+            })
+            .await;
+        });
     }
 }
 
