@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import store_stats
 from tests.test_cluster import SIZES, dataset
+from tierstore.netns import Nodes
 
 NODES = 4
 
@@ -52,41 +53,13 @@ print(json.dumps({"got": got, "seconds": time.monotonic() - t, "stats": cache.st
 """
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def namespaces() -> Iterator[list[str]]:
-    """NODES namespaces with addresses 10.77.x.1 .. on one bridge; torn down after the test."""
+    """NODES namespaces on one bridge, as "name|address"; torn down after the test."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
-    tag = f"{os.getpid() % 10000}"
-    bridge = f"tsbr{tag}"
-    names = [f"ts{tag}n{i}" for i in range(NODES)]
-    subnet = f"10.77.{os.getpid() % 200}"
-    try:
-        sh("ip", "link", "add", bridge, "type", "bridge")
-        sh("ip", "link", "set", bridge, "up")
-        for i, ns in enumerate(names):
-            host, inside = f"ts{tag}v{i}", f"ts{tag}p{i}"
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", host, "type", "veth", "peer", "name", inside)
-            sh("ip", "link", "set", inside, "netns", ns)
-            sh("ip", "link", "set", host, "master", bridge)
-            sh("ip", "link", "set", host, "up")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{i + 1}/24", "dev", inside)
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield [f"{ns}|{subnet}.{i + 1}" for i, ns in enumerate(names)]
-    finally:
-        for ns in names:
-            # Agents left running in a namespace keep it alive: stop them first.
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                subprocess.run(["kill", "-9", pid], capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+    with Nodes(NODES) as nodes:
+        yield [f"{n.name}|{n.address}" for n in nodes.nodes]
 
 
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])

@@ -397,6 +397,19 @@ impl PyPrefetch {
 }
 
 /// Parses a size ("8G", "512MiB", "4096") into bytes; None if it is not one.
+/// The owner of each of `rels` among `members` (as `host:port`) not in `down`, by the agents' own
+/// rendezvous hashing (what the cluster simulator predicts with); `None` where every member is down.
+#[pyfunction]
+#[pyo3(signature = (members, rels, down = Vec::new()))]
+fn owners(py: Python<'_>, members: Vec<String>, rels: Vec<String>, down: Vec<String>) -> Vec<Option<String>> {
+    py.allow_threads(|| {
+        let o = tierstore_core::owners::Owners::new(&members);
+        let names = o.members();
+        let out: Vec<bool> = names.iter().map(|n| down.contains(n)).collect();
+        rels.iter().map(|r| o.owner(r.as_bytes(), |m| !out[m]).map(|m| names[m].clone())).collect()
+    })
+}
+
 #[pyfunction]
 fn parse_size(text: &str) -> Option<u64> {
     tierstore_core::config::parse_size(text)
@@ -408,6 +421,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(owners, m)?)?;
     m.add_class::<pack::PyPackWriter>()?;
     m.add_function(wrap_pyfunction!(pack::hash_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(pack::read_into, m)?)?;

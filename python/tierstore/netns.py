@@ -1,0 +1,101 @@
+"""Nodes on one machine, for tests and benchmarks of the cluster cache: network namespaces joined by veth
+pairs and a bridge, each with its own address, optionally with its link shaped by `tc tbf`.
+
+Every process of a node runs under `ip netns exec NAME`; the file systems are this machine's, so a store
+mounted once is seen by every node as a shared file system is. Needs root.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+
+class NetnsError(RuntimeError):
+    """The namespaces could not be set up; the message names the command and its error."""
+
+
+def _sh(*args: str) -> None:
+    p = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if p.returncode != 0:
+        raise NetnsError(f"{' '.join(args)}: {p.stderr.strip()}")
+
+
+@dataclass
+class Node:
+    """One node: its namespace, its address, and the link it reaches the bridge by."""
+
+    name: str
+    address: str
+    link: str
+
+    def cmd(self, *argv: str) -> list[str]:
+        """`argv` run inside this node."""
+        return ["ip", "netns", "exec", self.name, *argv]
+
+
+@dataclass
+class Nodes:
+    """`count` nodes on one bridge, torn down by `close` (or as a context manager)."""
+
+    count: int
+    nodes: list[Node] = field(default_factory=list)
+    tag: str = ""
+
+    def __post_init__(self) -> None:
+        if os.geteuid() != 0:
+            raise NetnsError("network namespaces need root")
+        self.tag = f"{os.getpid() % 10000}"
+        self.bridge = f"tsbr{self.tag}"
+        subnet = f"10.77.{os.getpid() % 200}"
+        try:
+            _sh("ip", "link", "add", self.bridge, "type", "bridge")
+            _sh("ip", "link", "set", self.bridge, "up")
+            for i in range(self.count):
+                ns, host, inside = f"ts{self.tag}n{i}", f"ts{self.tag}v{i}", f"ts{self.tag}p{i}"
+                _sh("ip", "netns", "add", ns)
+                self.nodes.append(Node(ns, f"{subnet}.{i + 1}", inside))
+                _sh("ip", "link", "add", host, "type", "veth", "peer", "name", inside)
+                _sh("ip", "link", "set", inside, "netns", ns)
+                _sh("ip", "link", "set", host, "master", self.bridge)
+                _sh("ip", "link", "set", host, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{i + 1}/24", "dev", inside)
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", inside, "up")
+                _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def shape(self, rate: str = "1gbit") -> None:
+        """Caps every node's outgoing traffic at `rate` with a token bucket (tc tbf)."""
+        for n in self.nodes:
+            _sh(*n.cmd("tc", "qdisc", "replace", "dev", n.link, "root", "tbf", "rate", rate,
+                       "burst", "1mb", "latency", "50ms"))  # fmt: skip
+
+    def unshape(self) -> None:
+        """Removes the caps `shape` set."""
+        for n in self.nodes:
+            subprocess.run(n.cmd("tc", "qdisc", "del", "dev", n.link, "root"), capture_output=True)
+
+    def link_down(self, i: int) -> None:
+        """Takes node `i`'s link down (its peers see it vanish without a reset)."""
+        _sh(*self.nodes[i].cmd("ip", "link", "set", self.nodes[i].link, "down"))
+
+    def close(self) -> None:
+        """Kills what still runs in the namespaces, and removes them and the bridge."""
+        for n in self.nodes:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", n.name], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n.name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self.nodes = []
+
+    def __enter__(self) -> Nodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
