@@ -19,8 +19,13 @@ use crate::index::SourceId;
 use crate::owners::Owners;
 use crate::wire::{self, ErrorCode, Frame, VERSION};
 
-/// How long a member that missed a deadline is left out of this process's owner choice.
+/// How long a member that missed a deadline is left out of this process's owner choice; doubled at each
+/// further miss in a row, up to [`DOWN_AT_MOST`], so a dead node costs its readers a deadline now and then
+/// rather than every few seconds.
 pub const DOWN_FOR: Duration = Duration::from_secs(2);
+
+/// The longest a member is left out before it is tried again.
+pub const DOWN_AT_MOST: Duration = Duration::from_secs(60);
 
 /// Chunks a reader lets the owner send ahead of what it has taken (8 MiB in flight per transfer).
 pub const WINDOW: u32 = 8;
@@ -96,8 +101,8 @@ pub struct Remote {
     node: String,
     token: Option<Vec<u8>>,
     source: String,
-    /// Members that missed a deadline, and until when they are left out.
-    down: Mutex<HashMap<usize, Instant>>,
+    /// Members that missed a deadline: until when they are left out, and how many misses in a row.
+    down: Mutex<HashMap<usize, (Instant, u32)>>,
     connect_deadline: Duration,
     deadline: Duration,
 }
@@ -134,9 +139,9 @@ impl Remote {
     /// this node owns it (or no member is up), and the file is read from the source.
     pub fn owner(&self, rel: &str) -> Option<usize> {
         let now = Instant::now();
-        let mut down = self.down.lock().expect("down lock");
-        down.retain(|_, until| *until > now);
-        let owner = self.owners.owner(rel.as_bytes(), |m| Some(m) == self.me || !down.contains_key(&m))?;
+        let down = self.down.lock().expect("down lock");
+        let out = |m: usize| down.get(&m).is_some_and(|(until, _)| *until > now);
+        let owner = self.owners.owner(rel.as_bytes(), |m| Some(m) == self.me || !out(m))?;
         (Some(owner) != self.me).then_some(owner)
     }
 
@@ -145,9 +150,21 @@ impl Remote {
         &self.owners.members()[who]
     }
 
-    /// Leaves `who` out of the owner choice for [`DOWN_FOR`].
+    /// Leaves `who` out of the owner choice for [`DOWN_FOR`], or twice as long as last time if it
+    /// failed again since.
     pub fn mark_down(&self, who: usize) {
-        self.down.lock().expect("down lock").insert(who, Instant::now() + DOWN_FOR);
+        let mut down = self.down.lock().expect("down lock");
+        let strikes = down.get(&who).map_or(0, |(_, s)| *s).saturating_add(1);
+        let wait = DOWN_FOR.saturating_mul(1 << (strikes - 1).min(10)).min(DOWN_AT_MOST);
+        down.insert(who, (Instant::now() + wait, strikes));
+    }
+
+    /// `who` served a request: it is up again.
+    pub fn mark_up(&self, who: usize) {
+        let mut down = self.down.lock().expect("down lock");
+        if !down.is_empty() {
+            down.remove(&who);
+        }
     }
 
     /// Asks member `who` for `rel`; returns once the owner has said which version it sends. A `credit` of

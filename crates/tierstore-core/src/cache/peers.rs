@@ -136,6 +136,7 @@ impl Inner {
         drop(guard);
         match result {
             Ok(fetched) => {
+                remote.mark_up(who);
                 let c = self.source.counters();
                 c.add(src_slot::PEER_HITS, 1);
                 c.add(src_slot::PEER_BYTES, sid.size);
