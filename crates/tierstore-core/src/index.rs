@@ -695,6 +695,25 @@ mod tests {
     }
 
     #[test]
+    fn links_round_trip_and_are_forgotten_with_the_statfs_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), Policy::Fill).unwrap();
+        let k = key_of("a/link");
+        let link = Link { lstat: sid(10), target: b"../b".to_vec(), resolved: Some(b"/src/b".to_vec()) };
+        idx.record_link(&k, "a/link", &link).unwrap();
+        idx.record_statfs(&[1, 2, 3]).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), Some(link.clone()));
+        assert_eq!(idx.link(&k, "other").unwrap(), None, "a key collision is not the link");
+        let dangling = Link { resolved: None, ..link };
+        idx.record_link(&k, "a/link", &dangling).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), Some(dangling));
+        assert_eq!(idx.statfs().unwrap(), Some(vec![1, 2, 3]));
+        idx.forget_path(&k).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), None);
+        assert_eq!(idx.statfs().unwrap(), None);
+    }
+
+    #[test]
     fn format_1_records_decode_without_ctime_or_attributes() {
         let e = Entry {
             ready: true,
