@@ -8,9 +8,11 @@
 //! by the pool while readers follow the copy. Any cache fault falls back to the source.
 
 use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -19,7 +21,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::flight::{Flight, Flights, Outcome, Role};
-use crate::index::{key_of, Entry, Key, Reservation, SourceId, Usage};
+use crate::index::{key_of, Entry, Key, Link, Reservation, SourceId, Usage};
 use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
 use crate::placement::plan;
 use crate::pool::Pool;
@@ -318,7 +320,7 @@ impl Cache {
 
     /// Opens `path` (a file under the source) for reading through the cache.
     pub fn open(&self, path: &Path) -> Result<Reader, Error> {
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.followed(path)?;
         self.inner.open_rel(&rel)
     }
 
@@ -327,7 +329,7 @@ impl Cache {
     /// This is what the LD_PRELOAD shim hands to unmodified programs, so that read, pread, mmap and fstat
     /// need no further interception.
     pub fn open_file(&self, path: &Path) -> Result<File, Error> {
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.followed(path)?;
         match self.inner.open_native_rel(&rel, false)? {
             Native::Whole(f) => Ok(f),
             Native::Copying { .. } => unreachable!("only open_native streams"),
@@ -339,41 +341,78 @@ impl Cache {
     /// background, so the program's first byte costs what it costs without the cache. The source is read
     /// once: by the copy, whose reader the caller can follow.
     pub fn open_native(&self, path: &Path) -> Result<Native, Error> {
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.followed(path)?;
         self.inner.open_native_rel(&rel, true)
     }
 
-    /// `stat` of a cached file, or of a source directory, as the source gave it, without asking the
-    /// source; `None` when the answer must come from the source (not known, recorded by an older index,
-    /// or copies are revalidated on every open anyway). With `nofollow` (`lstat`), only for a path known
-    /// to name the file itself, with no symlink on the way.
+    /// The source-relative path to open for `path`: the file a recorded symlink leads to when copies are
+    /// trusted and it leads into the source (so a file reached by its link and by its own name is one
+    /// cached copy, and an open through the link asks the store nothing), else `path`'s own.
+    fn followed(&self, path: &Path) -> Result<String, Error> {
+        let rel = self.inner.source.relative(path)?;
+        if self.inner.config.revalidate == Revalidate::Never {
+            if let Some(to) = self.inner.link(&rel).and_then(|l| l.resolved) {
+                if let Ok(target) = self.inner.source.relative(Path::new(OsStr::from_bytes(&to))) {
+                    return Ok(target);
+                }
+            }
+        }
+        Ok(rel)
+    }
+
+    /// `stat` of a cached file, of a source directory or of a symlink under the source, as the source gave
+    /// it, without asking the source; `None` when the answer must come from the source (not known,
+    /// recorded by an older index, or copies are revalidated on every open anyway). With `nofollow`
+    /// (`lstat`), only for a path known to name the file itself, with no symlink on the way, or a
+    /// recorded symlink; without it, a recorded symlink is answered by what it leads to, when that is
+    /// known under the source.
     pub fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
         if self.inner.config.revalidate != Revalidate::Never {
             return Ok(None);
         }
         let rel = self.inner.source.relative_or_root(path)?;
-        let key = key_of(&rel);
-        let known = match self.inner.published(&key, &rel) {
-            Some(e) => Some(e.source),
-            None => self.inner.directories().and_then(|ix| ix.directory(&key, &rel).ok().flatten()),
+        let known = match self.inner.known_path(&rel, nofollow) {
+            Some(sid) => Some(sid),
+            None => self.inner.link(&rel).and_then(|link| {
+                if nofollow {
+                    return Some(link.lstat);
+                }
+                let to = self.inner.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
+                self.inner.known_path(&to, false)
+            }),
         };
-        Ok(known.and_then(|sid| {
-            if nofollow && !sid.attrs.is_some_and(|a| a.canonical) {
-                return None;
-            }
-            sid.to_stat()
-        }))
+        Ok(known.and_then(|sid| sid.to_stat()))
     }
 
     /// Takes note of what the source answered to a `stat` (`lstat` with `nofollow`) of `path`, so that
-    /// the next one of a directory is answered from the cache (only when the source is trusted).
+    /// the next one of a directory is answered from the cache (only when the source is trusted). A symlink
+    /// met by `lstat` is recorded the first time with its target and where it resolves to (asking the
+    /// store those two once), so that `lstat`, `readlink`, `realpath`, `stat` and opens through it are
+    /// answered from the cache from then on.
     pub fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
-        if self.inner.config.revalidate != Revalidate::Never || st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        if self.inner.config.revalidate != Revalidate::Never {
             return;
         }
         let Some(ix) = self.inner.directories() else { return };
         let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
         let key = key_of(&rel);
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => {}
+            libc::S_IFLNK if nofollow && !rel.is_empty() => {
+                let lstat = SourceId::of_stat(st);
+                if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
+                    return;
+                }
+                let own = self.inner.source.path_of(&rel);
+                self.inner.source.counters().add(src_slot::STATS, 2);
+                let Ok(target) = std::fs::read_link(&own) else { return };
+                let resolved = std::fs::canonicalize(&own).ok().map(|p| p.into_os_string().into_vec());
+                let _ =
+                    ix.record_link(&key, &rel, &Link { lstat, target: target.into_os_string().into_vec(), resolved });
+                return;
+            }
+            _ => return,
+        }
         let before = ix.directory(&key, &rel).ok().flatten();
         let canonical = nofollow || before.is_some_and(|b| b.attrs.is_some_and(|a| a.canonical));
         let mut sid = SourceId::of_stat(st);
@@ -385,12 +424,67 @@ impl Cache {
         }
     }
 
-    /// The path of a cached file with every symlink resolved (`realpath`), without asking the source;
-    /// `None` when only the source can tell.
+    /// What `readlink` of `path` returns, when it is a symlink under a trusted source that was recorded.
+    pub fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return Ok(None);
+        }
+        let rel = self.inner.source.relative(path)?;
+        Ok(self.inner.link(&rel).map(|l| l.target))
+    }
+
+    /// The path of a cached file, or of a recorded symlink, with every symlink resolved (`realpath`),
+    /// without asking the source; `None` when only the source can tell.
     pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
-        Ok(self
-            .trusted_entry(path)?
-            .and_then(|(rel, e)| e.source.attrs.is_some_and(|a| a.canonical).then(|| self.inner.source.path_of(&rel))))
+        let Some((rel, e)) = self.trusted_entry(path)? else {
+            if self.inner.config.revalidate != Revalidate::Never {
+                return Ok(None);
+            }
+            let rel = self.inner.source.relative(path)?;
+            return Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
+        };
+        if e.source.attrs.is_some_and(|a| a.canonical) {
+            return Ok(Some(self.inner.source.path_of(&rel)));
+        }
+        Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
+    }
+
+    /// What `statfs` said of the source's file system, recorded the first time it was asked, when the
+    /// source is trusted (`revalidate = "never"`); `None` otherwise. One record stands for the whole
+    /// source, so a file system mounted inside the source would be reported as the source's.
+    pub fn cached_statfs(&self) -> Option<libc::statfs64> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let raw = self.inner.directories()?.statfs().ok()??;
+        if raw.len() != std::mem::size_of::<libc::statfs64>() {
+            return None;
+        }
+        // SAFETY: a plain C struct, written by `note_statfs` on this node with the same layout.
+        Some(unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const libc::statfs64) })
+    }
+
+    /// Takes note of what the source answered to `statfs` (only when the source is trusted).
+    pub fn note_statfs(&self, st: &libc::statfs64) {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return;
+        }
+        let Some(ix) = self.inner.directories() else { return };
+        // SAFETY: the bytes of a plain C struct.
+        let raw = unsafe {
+            std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
+        };
+        let _ = ix.record_statfs(raw);
+    }
+
+    /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
+    pub fn is_copy(&self, path: &Path) -> bool {
+        self.inner.tiers.iter().any(|t| t.key_of_copy(path).is_some())
+    }
+
+    /// The source directory (symlinks resolved).
+    pub fn source_root(&self) -> &Path {
+        self.inner.source.root()
     }
 
     /// The published entry of `path` when copies are trusted (`revalidate = "never"`).
@@ -423,7 +517,7 @@ impl Cache {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
         if let Some(ix) = self.inner.directories() {
-            let _ = ix.forget_directory(&key);
+            let _ = ix.forget_path(&key);
         }
         let _guard = self.inner.locks.lock(&key).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
         self.inner.remove_entries(&key);
@@ -733,6 +827,22 @@ impl Inner {
     /// The index that records the source's directories: the first tier's that is available.
     fn directories(&self) -> Option<&crate::index::Index> {
         self.tiers.iter().find_map(|t| t.index.as_ref().ok())
+    }
+
+    /// What a published entry or a directory record says of `rel`; with `nofollow`, only one recorded as
+    /// the path's own (`lstat`).
+    fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
+        let key = key_of(rel);
+        let known = match self.published(&key, rel) {
+            Some(e) => Some(e.source),
+            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten()),
+        };
+        known.filter(|sid| !nofollow || sid.attrs.is_some_and(|a| a.canonical))
+    }
+
+    /// The record of the symlink `rel`, if one was made.
+    fn link(&self, rel: &str) -> Option<Link> {
+        self.directories()?.link(&key_of(rel), rel).ok().flatten()
     }
 
     /// Whether some process holds a reservation for `key` (a fetch in flight).

@@ -297,11 +297,61 @@ pub struct Index {
     meta: Db,
     /// Directories under a trusted source, as `stat` described them (see [`Index::directory`]).
     dirs: Db,
+    /// Symlinks under a trusted source: their `lstat` and where they lead (see [`Index::link`]).
+    links: Db,
     policy: Policy,
 }
 
 const USED: &[u8] = b"used";
 const SEQ: &[u8] = b"seq";
+/// The meta key of the source's `statfs` record (see [`Index::statfs`]).
+const STATFS: &[u8] = b"statfs";
+
+/// A symlink under a trusted source, recorded the first time it is seen (see [`Index::link`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    /// What `lstat` said of the link itself.
+    pub lstat: SourceId,
+    /// Its contents, as `readlink` returns them.
+    pub target: Vec<u8>,
+    /// The absolute path it resolves to with every symlink followed (`realpath`); `None` when it led
+    /// nowhere when it was recorded (dangling, a loop): then only the source can answer what follows it.
+    pub resolved: Option<Vec<u8>>,
+}
+
+impl Link {
+    /// The lstat record (an [`Entry`] naming `rel`), the target's length and the target, then the
+    /// resolved path (absent when empty: a resolved path is absolute, never empty).
+    fn encode(&self, rel: &str) -> Vec<u8> {
+        let e = Entry {
+            ready: true,
+            pid: 0,
+            source: self.lstat,
+            stats: AccessStats::default(),
+            checksum: None,
+            rel: rel.into(),
+        };
+        let entry = e.encode();
+        let mut v = Vec::with_capacity(8 + entry.len() + self.target.len());
+        v.extend_from_slice(&(entry.len() as u32).to_le_bytes());
+        v.extend_from_slice(&entry);
+        v.extend_from_slice(&(self.target.len() as u32).to_le_bytes());
+        v.extend_from_slice(&self.target);
+        v.extend_from_slice(self.resolved.as_deref().unwrap_or_default());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<(String, Link)> {
+        let len = |at: usize| Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?) as usize);
+        let n = len(0)?;
+        let e = Entry::decode(b.get(4..4 + n)?)?;
+        let t = len(4 + n)?;
+        let target = b.get(8 + n..8 + n + t)?.to_vec();
+        let rest = &b[8 + n + t..];
+        let resolved = (!rest.is_empty()).then(|| rest.to_vec());
+        Some((e.rel, Link { lstat: e.source, target, resolved }))
+    }
+}
 
 fn get_u64(txn: &crate::lmdb::Txn<'_>, db: Db, key: &[u8]) -> Result<u64, LmdbError> {
     Ok(txn.get(db, key)?.and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0))
@@ -321,8 +371,16 @@ impl Index {
     /// Opens (creating if needed) the index in directory `dir`.
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
         // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
-        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs"])?;
-        Ok(Index { entries: env.db(0), ranks: env.db(1), meta: env.db(2), dirs: env.db(3), env, policy })
+        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links"])?;
+        Ok(Index {
+            entries: env.db(0),
+            ranks: env.db(1),
+            meta: env.db(2),
+            dirs: env.db(3),
+            links: env.db(4),
+            env,
+            policy,
+        })
     }
 
     /// Leaks the environment (after `fork()`; see [`Env::forget`]).
@@ -468,10 +526,52 @@ impl Index {
         Ok(())
     }
 
-    /// Forgets the record of a directory (it was changed through tierstore).
-    pub fn forget_directory(&self, key: &Key) -> Result<(), IndexError> {
+    /// The symlink `rel` (key `key`) as it was recorded, if it was. Only a trusted source records links:
+    /// walkers (`cp -a`, `tar`, `rsync`, `find`) `lstat` and `readlink` every link they meet, and
+    /// `realpath` resolves them, so a warm cache answers all of these, and opens through the link reach
+    /// the copy of the file it leads to.
+    pub fn link(&self, key: &Key, rel: &str) -> Result<Option<Link>, IndexError> {
+        let txn = self.env.read()?;
+        match txn.get(self.links, key)? {
+            None => Ok(None),
+            Some(b) => {
+                let (at, link) = Link::decode(b).ok_or(IndexError::Damaged)?;
+                Ok((at == rel).then_some(link))
+            }
+        }
+    }
+
+    /// Records the symlink `rel`.
+    pub fn record_link(&self, key: &Key, rel: &str, link: &Link) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        txn.put(self.links, key, &link.encode(rel))?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets what was recorded of the directory or symlink of `key`, and the `statfs` record (a change
+    /// through tierstore changes the file system's free counts).
+    pub fn forget_path(&self, key: &Key) -> Result<(), IndexError> {
         let mut txn = self.env.write()?;
         txn.del(self.dirs, key)?;
+        txn.del(self.links, key)?;
+        txn.del(self.meta, STATFS)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// What `statfs` said of the source's file system, if it was recorded: programs that walk a tree
+    /// (GNU find, through fts) ask it of every directory they open, to choose how to walk. Only a trusted
+    /// source records it, once; a change through tierstore forgets it, since it changes the free counts.
+    pub fn statfs(&self) -> Result<Option<Vec<u8>>, IndexError> {
+        let txn = self.env.read()?;
+        Ok(txn.get(self.meta, STATFS)?.map(<[u8]>::to_vec))
+    }
+
+    /// Records the source's `statfs` answer (its bytes; the index never leaves the node).
+    pub fn record_statfs(&self, raw: &[u8]) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        txn.put(self.meta, STATFS, raw)?;
         txn.commit()?;
         Ok(())
     }
@@ -545,6 +645,8 @@ impl Index {
     pub fn clear(&self) -> Result<(), IndexError> {
         let mut txn = self.env.write()?;
         txn.clear(self.dirs)?;
+        txn.clear(self.links)?;
+        txn.del(self.meta, STATFS)?;
         txn.clear(self.entries)?;
         txn.clear(self.ranks)?;
         txn.put(self.meta, USED, &0u64.to_le_bytes())?;
@@ -590,6 +692,25 @@ mod tests {
         let back = Entry::decode(&e.encode()).unwrap();
         assert_eq!(back, e);
         assert_eq!(back.source.attrs, e.source.attrs);
+    }
+
+    #[test]
+    fn links_round_trip_and_are_forgotten_with_the_statfs_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), Policy::Fill).unwrap();
+        let k = key_of("a/link");
+        let link = Link { lstat: sid(10), target: b"../b".to_vec(), resolved: Some(b"/src/b".to_vec()) };
+        idx.record_link(&k, "a/link", &link).unwrap();
+        idx.record_statfs(&[1, 2, 3]).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), Some(link.clone()));
+        assert_eq!(idx.link(&k, "other").unwrap(), None, "a key collision is not the link");
+        let dangling = Link { resolved: None, ..link };
+        idx.record_link(&k, "a/link", &dangling).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), Some(dangling));
+        assert_eq!(idx.statfs().unwrap(), Some(vec![1, 2, 3]));
+        idx.forget_path(&k).unwrap();
+        assert_eq!(idx.link(&k, "a/link").unwrap(), None);
+        assert_eq!(idx.statfs().unwrap(), None);
     }
 
     #[test]

@@ -6,8 +6,10 @@
 //! small file is fetched whole first, and a large one is opened on the source while it is copied, see
 //! `streams`), the stat family (whose every member, `fstat` of a copy's descriptor included, reports the
 //! source's file, so programs that compare them see one file), `access`, `realpath` and `readlink`
-//! (answered from the cache when the dataset is trusted, `revalidate = "never"`), and the calls that
-//! change files (writes, truncation, rename, unlink), which pass through and invalidate what they change.
+//! (answered from the cache when the dataset is trusted, `revalidate = "never"`, for symlinks inside the
+//! source too), the statfs family (the source's file system, recorded once when trusted), the xattr
+//! calls that follow symlinks, and the calls that change files (writes, truncation, rename, unlink,
+//! rmdir, symlink), which pass through and invalidate what they change.
 //! Every other path costs a prefix comparison; `fstat` of a file on another device than the tiers' costs
 //! a comparison of device numbers.
 //!
@@ -786,10 +788,28 @@ pub unsafe extern "C" fn canonicalize_file_name(path: *const c_char) -> *mut c_c
     })
 }
 
-/// `readlink` of a cached file known not to be a symlink: EINVAL, as the source would answer.
-unsafe fn readlink_common(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> ssize_t) -> ssize_t {
+/// `readlink` when copies are trusted: a recorded symlink's target, and EINVAL for a cached file or a
+/// recorded directory (not symlinks), as the source would answer.
+unsafe fn readlink_common(
+    dirfd: c_int,
+    path: *const c_char,
+    buf: *mut c_char,
+    size: size_t,
+    real: impl FnOnce() -> ssize_t,
+) -> ssize_t {
     let Some(_busy) = Busy::enter() else { return real() };
-    if cached_stat(dirfd, path, true).is_some() {
+    if size == 0 || buf.is_null() {
+        return real(); // the kernel's EINVAL or EFAULT
+    }
+    let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
+    let Some(cache) = s.cache() else { return real() };
+    if let Ok(Some(target)) = cache.cached_link(&abs) {
+        // As readlink(2): the first `size` bytes, no terminating NUL.
+        let n = target.len().min(size);
+        std::ptr::copy_nonoverlapping(target.as_ptr() as *const c_char, buf, n);
+        return n as ssize_t;
+    }
+    if cache.cached_stat(&abs, true).ok().flatten().is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFLNK) {
         set_errno(libc::EINVAL);
         return -1;
     }
@@ -798,17 +818,242 @@ unsafe fn readlink_common(dirfd: c_int, path: *const c_char, real: impl FnOnce()
 
 #[no_mangle]
 pub unsafe extern "C" fn readlink(path: *const c_char, buf: *mut c_char, size: size_t) -> ssize_t {
-    readlink_common(libc::AT_FDCWD, path, || {
+    readlink_common(libc::AT_FDCWD, path, buf, size, || {
         real!("readlink", unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> ssize_t)(path, buf, size)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn readlinkat(dirfd: c_int, path: *const c_char, buf: *mut c_char, size: size_t) -> ssize_t {
-    readlink_common(dirfd, path, || {
+    readlink_common(dirfd, path, buf, size, || {
         real!("readlinkat", unsafe extern "C" fn(c_int, *const c_char, *mut c_char, size_t) -> ssize_t)(
             dirfd, path, buf, size,
         )
+    })
+}
+
+// Extended attributes of a path, following symlinks (`shutil.copystat` lists them for every file it
+// copies): a path that names a recorded symlink is handed to the real call as the path it resolves to,
+// so that the store is not asked to resolve the link again (the answer is the same: the call follows it).
+
+/// The resolved path to use in place of `path` when it names a symlink under a trusted source that was
+/// recorded; `None`: use `path`.
+unsafe fn through_link(path: *const c_char) -> Option<std::ffi::CString> {
+    let _busy = Busy::enter()?;
+    let s = shim()?;
+    let abs = s.source_path(libc::AT_FDCWD, path)?;
+    let cache = s.cache()?;
+    cache.cached_link(&abs).ok()??;
+    let real = cache.cached_real_path(&abs).ok()??;
+    std::ffi::CString::new(real.into_os_string().into_vec()).ok()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listxattr(path: *const c_char, list: *mut c_char, size: size_t) -> ssize_t {
+    let resolved = through_link(path);
+    let path = resolved.as_ref().map_or(path, |p| p.as_ptr());
+    real!("listxattr", unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> ssize_t)(path, list, size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getxattr(
+    path: *const c_char,
+    name: *const c_char,
+    value: *mut c_void,
+    size: size_t,
+) -> ssize_t {
+    let resolved = through_link(path);
+    let path = resolved.as_ref().map_or(path, |p| p.as_ptr());
+    real!("getxattr", unsafe extern "C" fn(*const c_char, *const c_char, *mut c_void, size_t) -> ssize_t)(
+        path, name, value, size,
+    )
+}
+
+// The statfs family. Walkers ask it of the directories they open (GNU find's fts, to choose how to walk),
+// so a trusted source answers it from a record taken the first time (see `Cache::cached_statfs`); a tier
+// copy's descriptor reports the source's file system, as its `fstat` reports the source's file. On
+// x86_64 and aarch64 the `*64` structures are the plain ones; the shim reads both as `statfs64`, whose
+// `f_flags` the libc crate names.
+
+const _: () = assert!(std::mem::size_of::<libc::statfs>() == std::mem::size_of::<libc::statfs64>());
+const _: () = assert!(std::mem::size_of::<libc::statvfs>() == std::mem::size_of::<libc::statvfs64>());
+
+/// The `statvfs` glibc derives from a `statfs` (sysdeps/unix/sysv/linux/internal_statvfs.c).
+fn statvfs_of(f: &libc::statfs64) -> libc::statvfs {
+    // SAFETY: plain C structs, all zeros is valid; fsid_t is two ints.
+    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+    let fsid: [u32; 2] = unsafe { std::mem::transmute(f.f_fsid) };
+    v.f_bsize = f.f_bsize as _;
+    v.f_frsize = if f.f_frsize != 0 { f.f_frsize } else { f.f_bsize } as _;
+    v.f_blocks = f.f_blocks;
+    v.f_bfree = f.f_bfree;
+    v.f_bavail = f.f_bavail;
+    v.f_files = f.f_files;
+    v.f_ffree = f.f_ffree;
+    v.f_favail = f.f_ffree;
+    v.f_fsid = u64::from(fsid[0]) | (u64::from(fsid[1]) << 32);
+    const ST_VALID: u64 = 0x20; // the kernel sets it: the other flags are the mount's
+    v.f_flag = (f.f_flags as u64) ^ ST_VALID;
+    v.f_namemax = f.f_namelen as _;
+    v
+}
+
+/// Which file system a `statfs` call is about, as far as the cache is concerned.
+enum Fs {
+    /// A path or descriptor under the source.
+    Source,
+    /// A descriptor of a tier copy: the source's file system is reported.
+    Copy,
+}
+
+/// The source's `statfs` for a call about `fs`: the record when copies are trusted, else the source's
+/// answer (`ask` for a path or descriptor under it, the source directory itself for a copy), noted.
+unsafe fn source_statfs(
+    cache: &Cache,
+    fs: Fs,
+    ask: impl FnOnce(*mut libc::statfs64) -> c_int,
+) -> (c_int, libc::statfs64) {
+    if let Some(st) = cache.cached_statfs() {
+        return (0, st);
+    }
+    let mut st: libc::statfs64 = std::mem::zeroed();
+    let rc = match fs {
+        Fs::Source => ask(&mut st),
+        Fs::Copy => match std::ffi::CString::new(cache.source_root().as_os_str().as_bytes()) {
+            Ok(root) => real!("statfs", unsafe extern "C" fn(*const c_char, *mut libc::statfs64) -> c_int)(
+                root.as_ptr(),
+                &mut st,
+            ),
+            Err(_) => -1,
+        },
+    };
+    if rc == 0 {
+        cache.note_statfs(&st);
+    }
+    (rc, st)
+}
+
+/// Whether a `statfs` of `path` or of descriptor `fd` concerns the cache, and its cache.
+unsafe fn statfs_target(path: *const c_char, fd: c_int) -> Option<(&'static Cache, Fs)> {
+    let s = shim()?;
+    if !path.is_null() {
+        s.source_path(libc::AT_FDCWD, path)?;
+        return Some((s.cache()?, Fs::Source));
+    }
+    let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    if s.under(name.as_os_str().as_bytes()) {
+        return Some((s.cache()?, Fs::Source));
+    }
+    // A copy is only ever handed out by a cache this process opened.
+    let cache = s.cache.get()?.as_ref()?;
+    cache.is_copy(&name).then_some((cache, Fs::Copy))
+}
+
+/// `statfs` and `fstatfs` (`path` null), answered in `T` (`statfs` or `statvfs`); `ask` is the real
+/// `statfs`/`fstatfs` of the same argument, `real` the function the program called.
+unsafe fn statfs_common<T>(
+    path: *const c_char,
+    fd: c_int,
+    buf: *mut T,
+    answer: impl FnOnce(&libc::statfs64) -> T,
+    ask: impl FnOnce(*mut libc::statfs64) -> c_int,
+    real: impl FnOnce() -> c_int,
+) -> c_int {
+    let Some(_busy) = Busy::enter() else { return real() };
+    if buf.is_null() {
+        return real();
+    }
+    let Some((cache, fs)) = statfs_target(path, fd) else { return real() };
+    match source_statfs(cache, fs, ask) {
+        (0, st) => {
+            *buf = answer(&st);
+            0
+        }
+        (rc, _) => rc,
+    }
+}
+
+unsafe fn real_statfs(path: *const c_char) -> impl FnOnce(*mut libc::statfs64) -> c_int {
+    move |st| real!("statfs", unsafe extern "C" fn(*const c_char, *mut libc::statfs64) -> c_int)(path, st)
+}
+
+unsafe fn real_fstatfs(fd: c_int) -> impl FnOnce(*mut libc::statfs64) -> c_int {
+    move |st| real!("fstatfs", unsafe extern "C" fn(c_int, *mut libc::statfs64) -> c_int)(fd, st)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn statfs(path: *const c_char, buf: *mut libc::statfs64) -> c_int {
+    statfs_common(
+        path,
+        -1,
+        buf,
+        |st| *st,
+        real_statfs(path),
+        || real!("statfs", unsafe extern "C" fn(*const c_char, *mut libc::statfs64) -> c_int)(path, buf),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn statfs64(path: *const c_char, buf: *mut libc::statfs64) -> c_int {
+    statfs_common(
+        path,
+        -1,
+        buf,
+        |st| *st,
+        real_statfs(path),
+        || real!("statfs64", unsafe extern "C" fn(*const c_char, *mut libc::statfs64) -> c_int)(path, buf),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstatfs(fd: c_int, buf: *mut libc::statfs64) -> c_int {
+    statfs_common(
+        std::ptr::null(),
+        fd,
+        buf,
+        |st| *st,
+        real_fstatfs(fd),
+        || real!("fstatfs", unsafe extern "C" fn(c_int, *mut libc::statfs64) -> c_int)(fd, buf),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstatfs64(fd: c_int, buf: *mut libc::statfs64) -> c_int {
+    statfs_common(
+        std::ptr::null(),
+        fd,
+        buf,
+        |st| *st,
+        real_fstatfs(fd),
+        || real!("fstatfs64", unsafe extern "C" fn(c_int, *mut libc::statfs64) -> c_int)(fd, buf),
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn statvfs(path: *const c_char, buf: *mut libc::statvfs) -> c_int {
+    statfs_common(path, -1, buf, statvfs_of, real_statfs(path), || {
+        real!("statvfs", unsafe extern "C" fn(*const c_char, *mut libc::statvfs) -> c_int)(path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn statvfs64(path: *const c_char, buf: *mut libc::statvfs) -> c_int {
+    statfs_common(path, -1, buf, statvfs_of, real_statfs(path), || {
+        real!("statvfs64", unsafe extern "C" fn(*const c_char, *mut libc::statvfs) -> c_int)(path, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstatvfs(fd: c_int, buf: *mut libc::statvfs) -> c_int {
+    statfs_common(std::ptr::null(), fd, buf, statvfs_of, real_fstatfs(fd), || {
+        real!("fstatvfs", unsafe extern "C" fn(c_int, *mut libc::statvfs) -> c_int)(fd, buf)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fstatvfs64(fd: c_int, buf: *mut libc::statvfs) -> c_int {
+    statfs_common(std::ptr::null(), fd, buf, statvfs_of, real_fstatfs(fd), || {
+        real!("fstatvfs64", unsafe extern "C" fn(c_int, *mut libc::statvfs) -> c_int)(fd, buf)
     })
 }
 
@@ -856,6 +1101,25 @@ pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
     let rc = real!("unlinkat", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags);
+    changed(rc, &[(dirfd, path)])
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn rmdir(path: *const c_char) -> c_int {
+    let rc = real!("rmdir", unsafe extern "C" fn(*const c_char) -> c_int)(path);
+    changed(rc, &[(libc::AT_FDCWD, path)])
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn symlink(target: *const c_char, path: *const c_char) -> c_int {
+    let rc = real!("symlink", unsafe extern "C" fn(*const c_char, *const c_char) -> c_int)(target, path);
+    changed(rc, &[(libc::AT_FDCWD, path)])
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn symlinkat(target: *const c_char, dirfd: c_int, path: *const c_char) -> c_int {
+    let rc =
+        real!("symlinkat", unsafe extern "C" fn(*const c_char, c_int, *const c_char) -> c_int)(target, dirfd, path);
     changed(rc, &[(dirfd, path)])
 }
 
