@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,8 @@ def start(
         seen += chunk
         if seen.startswith(b"ready"):
             proc.stdout.close()
+            # Reap it whenever it exits, so a long job that started it keeps no zombie.
+            threading.Thread(target=proc.wait, name="tierstore-agent-reaper", daemon=True).start()
             return proc.pid, log
         if proc.poll() is not None:
             break

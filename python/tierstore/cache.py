@@ -55,6 +55,9 @@ class Cache:
         revalidate: "always" (one `stat` of the source per open: never stale) or "never" (a read-only
             dataset: after the first epoch nothing at all is asked of the source).
         config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
+        start_agent: With `[cluster] sharing` on, start this node's agent if none runs (the default):
+            the node's files must be served to its peers while the job reads. False for a cache that
+            only inspects (`tierstore status`, `config show`).
 
     Raises:
         ConfigError: A value is invalid; the message names the key, the value, where it came from and the fix.
@@ -71,6 +74,7 @@ class Cache:
         verify: str | None = None,
         revalidate: str | None = None,
         config: PathLike | None = None,
+        start_agent: bool = True,
     ) -> None:
         # Kept to rebuild the cache in a spawned worker (see __reduce__); a forked one inherits it.
         self._args = (
@@ -97,7 +101,7 @@ class Cache:
         )
         _live.add(self)
         cluster = self._core.config().get("cluster")
-        if cluster is not None and cluster[0].get("sharing", "off") != "off":
+        if start_agent and cluster is not None and cluster[0].get("sharing", "off") != "off":
             from tierstore import agent
 
             # The node's files must be served to its peers while the job runs.

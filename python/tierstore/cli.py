@@ -69,7 +69,8 @@ def main(
 
     def make() -> Cache:
         try:
-            return Cache(source, list(tiers) or None, policy=policy, config=config_file)
+            # Commands that only inspect or manage the cache start no agent; `run` starts one itself.
+            return Cache(source, list(tiers) or None, policy=policy, config=config_file, start_agent=False)
         except _core.ConfigError as e:
             raise click.ClickException(str(e)) from e
 
