@@ -9,16 +9,19 @@ RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyp
 
 setup: $(STAMP)/installed $(STAMP)/system
 
-# System packages the tests need: fuse3 for the stand-in parallel file system (FUSE), a C compiler for
-# the LD_PRELOAD test program, rsync for the tool conformance test (tests/test_tools.py). Installed with
-# apt when missing and we are root (CI is).
+# System packages the tests and benchmarks need: fuse3 for the stand-in parallel file system (FUSE), a C
+# compiler for the LD_PRELOAD test program, rsync for the tool conformance test (tests/test_tools.py),
+# redis-server for the cluster registry's tests, iperf3 for the cluster benchmark's baseline. Installed
+# with apt when missing and we are root (CI is).
+SYSTEM_PACKAGES := fuse3 gcc rsync redis-server iperf3
 $(STAMP)/system:
 	@mkdir -p $(STAMP)
-	@if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null || ! command -v rsync >/dev/null; then \
+	@if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null || ! command -v rsync >/dev/null \
+		|| ! command -v redis-server >/dev/null || ! command -v iperf3 >/dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			(apt-get install -y -q fuse3 gcc rsync || (apt-get update -q && apt-get install -y -q fuse3 gcc rsync)); \
+			(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(SYSTEM_PACKAGES) || (apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES))); \
 		else \
-			echo "tierstore: install fuse3, gcc and rsync (e.g. sudo apt-get install fuse3 gcc rsync) for the FUSE tests" >&2; exit 1; \
+			echo "tierstore: install $(SYSTEM_PACKAGES) (e.g. sudo apt-get install $(SYSTEM_PACKAGES)) for the tests" >&2; exit 1; \
 		fi; \
 	fi
 	@touch $@
@@ -49,6 +52,8 @@ bench: setup
 	$(PY) bench/bench_cache.py --out BENCHMARKS.md
 	$(PY) bench/bench_models.py --out BENCHMARKS-models.md --plot bench/models.png
 	$(PY) bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
+	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out BENCHMARKS-cluster.md --plot bench/cluster.png; \
+	else echo "bench_cluster.py skipped: network namespaces need root"; fi
 
 lint: setup
 	cargo fmt --all --check
