@@ -11,5 +11,6 @@ pub mod client;
 pub mod members;
 pub mod metrics;
 pub mod protocol;
+pub mod registry;
 pub mod server;
 pub mod transfer;

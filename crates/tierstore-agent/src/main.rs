@@ -29,13 +29,8 @@ const USAGE: &str = "usage:
   tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
   tierstore-agent stop   [--socket PATH]";
 
-/// The socket of this user's agent: in the user's runtime directory, or in /tmp.
 fn default_socket() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d).join("tierstore").join("agent.sock"),
-        // SAFETY: getuid cannot fail.
-        _ => PathBuf::from(format!("/tmp/tierstore-{}", unsafe { libc::getuid() })).join("agent.sock"),
-    }
+    tierstore_core::cluster::default_socket()
 }
 
 /// The job's configuration, if it names a source (an agent started with none serves no file).

@@ -8,6 +8,8 @@
 //! port = 7078                        # where agents listen for peers
 //! listen = "0.0.0.0"                 # the address to listen on (default 127.0.0.1)
 //! token_file = "~/.tierstore/token"  # the job's shared secret; required beyond loopback
+//! registry = "redis://head:6379"     # elastic jobs: members register there instead of `peers`
+//! job = "run-42"                     # the job's name in the registry (default: Slurm's job id)
 //! ```
 //!
 //! Membership comes from the launcher (ARCHITECTURE.md: no consensus of our own): an explicit list, or
@@ -90,6 +92,21 @@ pub struct ClusterConfig {
     /// This node's place in `members`; `None` when it is not a member (it reads from the members' agents
     /// but owns no file).
     pub me: Option<usize>,
+    /// Where the members register (`redis://…`), when the job is elastic: the members are then whoever
+    /// registered, as this node's agent reports them.
+    pub registry: Option<String>,
+    /// The job's name in the registry (`[cluster] job`, `TIERSTORE_JOB`, or Slurm's job id).
+    pub job: String,
+}
+
+/// The Unix socket of this user's agent: in the user's runtime directory, or in a private directory
+/// under /tmp.
+pub fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d).join("tierstore").join("agent.sock"),
+        // SAFETY: getuid cannot fail.
+        _ => PathBuf::from(format!("/tmp/tierstore-{}", unsafe { libc::getuid() })).join("agent.sock"),
+    }
 }
 
 /// The member that `node` names: written as `host:port`, or as a host (with the default `port`) that

@@ -178,6 +178,8 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_PEER_CONNECT_MS",
     "TIERSTORE_PEER_DEADLINE_MS",
     "TIERSTORE_TOKEN_FILE",
+    "TIERSTORE_REGISTRY",
+    "TIERSTORE_JOB",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
@@ -243,6 +245,8 @@ struct Raw {
     cluster: BTreeMap<&'static str, (toml::Value, Origin)>,
     /// Slurm's node list of the job, when the process runs under Slurm.
     slurm_nodes: Option<String>,
+    /// Slurm's job id, which names the job in a registry by default.
+    slurm_job: Option<String>,
 }
 
 struct RawTier {
@@ -252,7 +256,7 @@ struct RawTier {
 }
 
 const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster"];
-const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "node", "port", "listen", "token_file"];
+const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
 fn scalar(v: &toml::Value) -> String {
@@ -356,6 +360,7 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
 fn validate_cluster(
     keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
     slurm_nodes: Option<&str>,
+    slurm_job: Option<&str>,
 ) -> Result<ClusterConfig, ConfigError> {
     let text = |k: &str| keys.get(k).map(|(v, o)| (v.as_str().map_or_else(|| scalar(v), str::to_owned), o));
     let mut c = ClusterConfig { port: DEFAULT_PORT, listen: "127.0.0.1".into(), ..Default::default() };
@@ -384,7 +389,25 @@ fn validate_cluster(
     if let Some((v, _)) = text("token_file") {
         c.token_file = Some(expand_home(&v));
     }
+    if let Some((v, o)) = text("registry") {
+        if !(v.starts_with("redis://") || v.starts_with("rediss://") || v.starts_with("redis+unix://")) {
+            return Err(bad(o, "cluster.registry", &v, "is not a Redis URL", "write redis://HOST:6379"));
+        }
+        c.registry = Some(v);
+    }
+    c.job = match text("job") {
+        Some((v, _)) => v,
+        None => slurm_job.map_or_else(|| "tierstore".to_string(), |id| format!("slurm-{id}")),
+    };
     if c.sharing == Sharing::Off {
+        return Ok(c);
+    }
+    if c.registry.is_some() && !keys.contains_key("peers") {
+        // The members are whoever registered: the agent keeps the list, and every process asks it.
+        c.node = match text("node") {
+            Some((v, _)) => v,
+            None => crate::cluster::hostname(),
+        };
         return Ok(c);
     }
     let fix = "list the job's nodes in [cluster] peers, TIERSTORE_PEERS (e.g. \"gpu[001-016]\"), or run under Slurm";
@@ -594,6 +617,7 @@ impl Config {
         }
         let env_origin = |k: &str| Origin::Env(k.to_string());
         raw.slurm_nodes = env.get("SLURM_JOB_NODELIST").cloned();
+        raw.slurm_job = env.get("SLURM_JOB_ID").cloned();
         for (name, key) in [
             ("TIERSTORE_SHARING", "sharing"),
             ("TIERSTORE_PEERS", "peers"),
@@ -601,6 +625,8 @@ impl Config {
             ("TIERSTORE_PORT", "port"),
             ("TIERSTORE_LISTEN", "listen"),
             ("TIERSTORE_TOKEN_FILE", "token_file"),
+            ("TIERSTORE_REGISTRY", "registry"),
+            ("TIERSTORE_JOB", "job"),
         ] {
             if let Some(v) = env.get(name) {
                 raw.cluster.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
@@ -859,7 +885,7 @@ impl Config {
             },
         )?;
 
-        let cluster = validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref())?;
+        let cluster = validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())?;
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
         }
