@@ -6,11 +6,14 @@ use std::time::{Duration, Instant};
 
 use super::{Registry, RegistryError};
 
+/// A value and when it expires (never: `None`).
+type Value = (Vec<u8>, Option<Instant>);
+
 /// Members and keys in memory, with their expiry.
 #[derive(Default)]
 pub struct Embedded {
     members: Mutex<BTreeMap<String, Instant>>,
-    keys: Mutex<HashMap<String, (Vec<u8>, Option<Instant>)>>,
+    keys: Mutex<HashMap<String, Value>>,
 }
 
 impl Registry for Embedded {
