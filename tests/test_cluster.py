@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -433,5 +434,108 @@ def test_the_agent_serves_prometheus_metrics_when_asked(
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=10)
         assert e.value.code == 404
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of this test's own on a free loopback port."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: `make setup` installs it")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"redis://127.0.0.1:{port}/"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def registry_cluster(tmp_path: Path, mount: Path, n: int, url: str) -> Cluster:
+    """`n` nodes that find each other in the registry: no member list anywhere."""
+    cluster = Cluster(mount)
+    for i in range(n):
+        runtime = tmp_path / f"r{i}"
+        runtime.mkdir()
+        port = free_port()
+        env = {
+            **os.environ,
+            "XDG_RUNTIME_DIR": str(runtime),
+            "TIERSTORE_SOURCE": str(mount),
+            "TIERSTORE_TIERS": f"{tmp_path / f'rt{i}'}:64M",
+            "TIERSTORE_SHARING": "partitioned",
+            "TIERSTORE_REGISTRY": url,
+            "TIERSTORE_JOB": "test-job",
+            "TIERSTORE_NODE": f"127.0.0.1:{port}",
+            "TIERSTORE_PEER_CONNECT_MS": "500",
+        }
+        node = Node(f"r{i}", env, tmp_path / f"rt{i}", runtime / "tierstore" / "agent.sock")
+        subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "agent", "start"], env=env, check=True, timeout=60
+        )
+        node.pid = cluster.agent_status(node)["pid"]
+        cluster.nodes.append(node)
+    deadline = time.monotonic() + 15
+    while not all(len(cluster.agent_status(x)["members"]) == n - 1 for x in cluster.nodes):
+        assert time.monotonic() < deadline, [cluster.agent_status(x)["members"] for x in cluster.nodes]
+        time.sleep(0.2)
+    return cluster
+
+
+def test_members_found_in_redis_share_the_cache_and_a_stopped_redis_stops_nothing(
+    tmp_path: Path, store: tuple[Path, dict[str, str]], redis_url: str
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = registry_cluster(tmp_path, mount, 3, redis_url)
+    try:
+        before = store_stats(mount).get("bytes_read", 0)
+        for node in cluster.nodes:
+            out = cluster.read_all(node, rels)
+            assert out["got"] == digests
+            assert out["stats"]["peer_hits"] > 0 and out["stats"]["peer_faults"] == 0, out["stats"]
+        assert store_stats(mount).get("bytes_read", 0) - before == sum(SIZES) * 3
+        # An agent that stops leaves the registry at once: the others drop it at their next heartbeat.
+        leaving = cluster.nodes.pop()
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=leaving.env, check=True)
+        deadline = time.monotonic() + 10
+        while any(len(cluster.agent_status(x)["members"]) != 1 for x in cluster.nodes):
+            assert time.monotonic() < deadline, "a stopped agent is still a member"
+            time.sleep(0.2)
+        # Redis goes away: the agents keep the members they knew, reads go on, the errors are counted.
+        port = int(redis_url.rsplit(":", 1)[1].strip("/"))
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, timeout=10)
+        time.sleep(1.5)
+        for node in cluster.nodes:
+            out = cluster.read_all(node, rels)
+            assert out["got"] == digests
+            assert out["stats"]["peer_faults"] == 0, out["stats"]
+        assert all(cluster.agent_status(x)["registry_errors"] > 0 for x in cluster.nodes)
+        assert all(len(cluster.agent_status(x)["members"]) == 1 for x in cluster.nodes)
     finally:
         stop_cluster(cluster)

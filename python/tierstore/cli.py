@@ -123,9 +123,16 @@ def status(make: Any, as_json: bool) -> None:
         from tierstore import agent as agent_mod
 
         env = {**os.environ, **make.env}
+        members = list(cluster[0]["members"])
+        if not members and cluster[0].get("registry"):
+            # The members are whoever registered: this node's agent knows them.
+            local = agent_mod.status(agent_mod.default_socket())
+            known = json.loads(local)["members"] if local else []
+            members = sorted({cluster[0]["node"], *(m["address"] for m in known)})
         stats["cluster"] = {
             "sharing": cluster[0]["sharing"],
-            "members": agent_mod.cluster_status(cluster[0]["members"], env),
+            "registry": cluster[0].get("registry"),
+            "members": agent_mod.cluster_status(members, env),
         }
     if as_json:
         click.echo(json.dumps(stats, indent=2))
@@ -415,7 +422,10 @@ def config_show(make: Any, as_json: bool) -> None:
                 click.echo(f"  [{i}] {t['path']}  quota {_human(t['quota'])}  {t['kind']}")
         elif key == "cluster":
             click.echo(f"{key:<{width}}  sharing {value['sharing']}  (from {origin})")
-            if value["sharing"] != "off":
+            if value["sharing"] != "off" and value.get("registry") and not value["members"]:
+                click.echo(f"  members: whoever registers in {value['registry']} as job {value['job']!r}")
+                click.echo(f"  this node: {value['node']}")
+            elif value["sharing"] != "off":
                 members = value["members"]
                 shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
                 click.echo(f"  {len(members)} members: {shown}")

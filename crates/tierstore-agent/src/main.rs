@@ -123,7 +123,13 @@ async fn run(a: Args) -> Result<(), String> {
     let listen = match (&a.listen, &cluster) {
         (Some(l), _) => Some(l.clone()),
         // A member listens where the others will look for it.
-        (None, Some(c)) => Some(format!("{}:{}", c.listen, me.as_ref().map_or(c.port, |m| m.port))),
+        (None, Some(c)) => {
+            let port = me.as_ref().map_or_else(
+                || c.my_address().rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(c.port),
+                |m| m.port,
+            );
+            Some(format!("{}:{port}", c.listen))
+        }
         (None, None) => None,
     };
     if let Some(l) = &listen {
@@ -145,6 +151,15 @@ async fn run(a: Args) -> Result<(), String> {
             ));
         }
         options.token = Some(token);
+    }
+    if let Some(c) = &cluster {
+        options.me = c.my_address();
+        options.job_members = c.members.iter().map(|m| m.address()).collect();
+        options.job = c.job.clone();
+        if let Some(url) = &c.registry {
+            let r = tierstore_agent::registry::open(Some(url), &c.job).map_err(|e| e.to_string())?;
+            options.registry = Some(std::sync::Arc::from(r));
+        }
     }
     let peers = match (&a.peers, &cluster) {
         (p, _) if !p.is_empty() => p.clone(),

@@ -48,24 +48,44 @@ pub struct Members {
     peers: Mutex<Vec<Peer>>,
     /// Pings sent, for the status.
     pings: AtomicU64,
+    /// Bumped each time the list changes (a registry's members come and go).
+    generation: AtomicU64,
+}
+
+fn fresh(address: String) -> Peer {
+    Peer { address, node: None, up: false, last_seen: None, rtt: None, downs: 0, last_error: None }
 }
 
 impl Members {
     /// The members at `addresses` (this node excluded by the caller), all down until they answer.
     pub fn new(addresses: Vec<String>) -> Arc<Members> {
-        let peers = addresses
-            .into_iter()
-            .map(|address| Peer {
-                address,
-                node: None,
-                up: false,
-                last_seen: None,
-                rtt: None,
-                downs: 0,
-                last_error: None,
-            })
-            .collect();
-        Arc::new(Members { peers: Mutex::new(peers), pings: AtomicU64::new(0) })
+        let peers = addresses.into_iter().map(fresh).collect();
+        Arc::new(Members { peers: Mutex::new(peers), pings: AtomicU64::new(0), generation: AtomicU64::new(0) })
+    }
+
+    /// Makes `addresses` the other members (a registry's list): those that stay keep what is known of
+    /// them, new ones are down until they answer.
+    pub fn replace(&self, mut addresses: Vec<String>) {
+        addresses.sort();
+        addresses.dedup();
+        let mut peers = self.peers.lock().expect("members lock");
+        if peers.iter().map(|p| &p.address).eq(addresses.iter()) {
+            return;
+        }
+        let mut old: Vec<Peer> = std::mem::take(&mut *peers);
+        for a in addresses {
+            match old.iter().position(|p| p.address == a) {
+                Some(i) => peers.push(old.swap_remove(i)),
+                None => {
+                    log::info!("member {a} joined");
+                    peers.push(fresh(a));
+                }
+            }
+        }
+        for gone in old {
+            log::info!("member {} left", gone.address);
+        }
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Whether peer `i` is up.
@@ -91,9 +111,9 @@ impl Members {
             .collect()
     }
 
-    fn record(&self, i: usize, outcome: Result<(String, Duration), String>) {
+    fn record(&self, address: &str, outcome: Result<(String, Duration), String>) {
         let mut peers = self.peers.lock().expect("members lock");
-        let p = &mut peers[i];
+        let Some(p) = peers.iter_mut().find(|p| p.address == address) else { return };
         match outcome {
             Ok((node, rtt)) => {
                 if !p.up {
@@ -118,36 +138,42 @@ impl Members {
     /// Pings every peer each `period`, each ping under `deadline`, until the task is dropped. A peer's
     /// connection is kept between pings and opened again after a failure.
     pub async fn watch(self: Arc<Self>, me: String, token: Option<Vec<u8>>, period: Duration, deadline: Duration) {
-        let count = self.peers.lock().expect("members lock").len();
-        let mut tasks = Vec::new();
-        for i in 0..count {
-            let members = self.clone();
-            let (me, token) = (me.clone(), token.clone());
-            tasks.push(tokio::spawn(async move {
-                let address = members.peers.lock().expect("members lock")[i].address.clone();
-                let mut conn: Option<Client<TcpStream>> = None;
-                let mut nonce = 0u64;
-                loop {
-                    let started = Instant::now();
-                    let outcome = ping(&mut conn, &address, &me, token.as_deref(), deadline, nonce).await;
-                    members.pings.fetch_add(1, Ordering::Relaxed);
-                    if outcome.is_err() {
-                        conn = None;
-                    }
-                    members.record(i, outcome.map(|node| (node, started.elapsed())));
-                    nonce += 1;
-                    tokio::time::sleep(period.saturating_sub(started.elapsed())).await;
-                }
-            }));
-        }
         struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
         impl Drop for AbortOnDrop {
             fn drop(&mut self) {
                 self.0.iter().for_each(|t| t.abort());
             }
         }
-        let _guard = AbortOnDrop(tasks);
-        std::future::pending::<()>().await;
+        loop {
+            let generation = self.generation.load(Ordering::Acquire);
+            let addresses: Vec<String> =
+                self.peers.lock().expect("members lock").iter().map(|p| p.address.clone()).collect();
+            let mut tasks = Vec::new();
+            for address in addresses {
+                let members = self.clone();
+                let (me, token) = (me.clone(), token.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut conn: Option<Client<TcpStream>> = None;
+                    let mut nonce = 0u64;
+                    loop {
+                        let started = Instant::now();
+                        let outcome = ping(&mut conn, &address, &me, token.as_deref(), deadline, nonce).await;
+                        members.pings.fetch_add(1, Ordering::Relaxed);
+                        if outcome.is_err() {
+                            conn = None;
+                        }
+                        members.record(&address, outcome.map(|node| (node, started.elapsed())));
+                        nonce += 1;
+                        tokio::time::sleep(period.saturating_sub(started.elapsed())).await;
+                    }
+                }));
+            }
+            let _guard = AbortOnDrop(tasks);
+            // Until the list changes: then the pingers are started again for the new one.
+            while self.generation.load(Ordering::Acquire) == generation {
+                tokio::time::sleep(period.min(Duration::from_millis(200))).await;
+            }
+        }
     }
 }
 

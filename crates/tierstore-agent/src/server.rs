@@ -56,6 +56,15 @@ pub struct Options {
     pub cache: Option<Arc<Cache>>,
     /// Where to serve Prometheus metrics over HTTP (none: not served).
     pub metrics: Option<SocketAddr>,
+    /// This node's agent as the members name it (`host:port`).
+    pub me: String,
+    /// The job's members, this node included, when they are a fixed list.
+    pub job_members: Vec<String>,
+    /// Where members register, for an elastic job: this agent registers `me` and heartbeats; the
+    /// members are whoever is registered.
+    pub registry: Option<Arc<dyn crate::registry::Registry>>,
+    /// The job's name in the registry.
+    pub job: String,
 }
 
 impl Options {
@@ -74,6 +83,10 @@ impl Options {
             heartbeat: Duration::from_millis(500),
             cache: None,
             metrics: None,
+            me: String::new(),
+            job_members: Vec::new(),
+            registry: None,
+            job: String::new(),
         }
     }
 }
@@ -131,6 +144,10 @@ pub struct Status {
     pub members: Vec<PeerView>,
     /// What this node's cache holds and moved, when the agent serves one.
     pub cache: Option<CacheView>,
+    /// The job's name in the registry, if the members register in one.
+    pub registry_job: Option<String>,
+    /// Registry calls that failed.
+    pub registry_errors: u64,
 }
 
 /// A node's cache in the agent's status: what `tierstore status` shows for each member.
@@ -184,6 +201,10 @@ struct Shared {
     timeouts: AtomicU64,
     last_activity: Mutex<Instant>,
     stop: watch::Sender<bool>,
+    /// The job's members, this node included (the registry's list when there is one).
+    job_members: Mutex<Vec<String>>,
+    /// Registry calls that failed.
+    registry_errors: AtomicU64,
 }
 
 impl Shared {
@@ -202,6 +223,8 @@ impl Shared {
             idle_exit_s: self.options.idle_exit.map(|d| d.as_secs_f64()),
             members: self.members.view(),
             cache: self.options.cache.as_deref().map(CacheView::of),
+            registry_job: self.options.registry.as_ref().map(|_| self.options.job.clone()),
+            registry_errors: self.registry_errors.load(Ordering::Relaxed),
         }
     }
 
@@ -246,6 +269,7 @@ impl Agent {
         };
         let (stop, _) = watch::channel(false);
         let members = Members::new(options.peers.clone());
+        let options_members = options.job_members.clone();
         let shared = Arc::new(Shared {
             members,
             options,
@@ -257,6 +281,8 @@ impl Agent {
             timeouts: AtomicU64::new(0),
             last_activity: Mutex::new(Instant::now()),
             stop,
+            job_members: Mutex::new(options_members),
+            registry_errors: AtomicU64::new(0),
         });
         Ok(Agent { shared, unix, tcp, metrics })
     }
@@ -295,6 +321,7 @@ impl Agent {
                 None => std::future::pending().await,
             }
         };
+        let registration = register(shared.clone());
         let idle = watch_idleness(shared.clone());
         let o = &shared.options;
         let heartbeats = shared.members.clone().watch(o.node.clone(), o.token.clone(), o.heartbeat, o.deadline);
@@ -303,11 +330,20 @@ impl Agent {
             _ = unix_loop => {}
             _ = tcp_loop => {}
             _ = metrics_loop => {}
+            _ = registration => {}
             _ = idle => log::info!("idle for {:?} with nothing pending: exiting", shared.options.idle_exit),
             _ = shutdown => log::info!("asked to stop"),
             _ = stopping(&mut stopped) => log::info!("stopped by a local client"),
         }
         let _ = shared.stop.send(true);
+        if let Some(r) = shared.options.registry.clone() {
+            let me = shared.options.me.clone();
+            match tokio::task::spawn_blocking(move || r.leave(&me)).await {
+                Ok(Ok(())) => log::info!("left the registry"),
+                Ok(Err(e)) => log::warn!("could not leave the registry ({e}); the registration expires on its own"),
+                Err(_) => {}
+            }
+        }
         // Wait (bounded) for the connections to finish the request they are serving.
         let deadline = Instant::now() + shared.options.deadline;
         while shared.open.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
@@ -441,6 +477,45 @@ async fn serve_metrics(l: TcpListener, shared: Arc<Shared>) {
             })
             .await;
         });
+    }
+}
+
+/// How long a registration lasts without a heartbeat.
+pub const REGISTRATION_TTL: Duration = Duration::from_secs(10);
+
+/// Registers this agent and renews it every heartbeat, taking the registered members as the job's; a
+/// registry that fails leaves the last list in place (counted and logged once per failure streak).
+/// Never resolves; without a registry, does nothing.
+async fn register(shared: Arc<Shared>) {
+    let Some(registry) = shared.options.registry.clone() else { return std::future::pending().await };
+    let me = shared.options.me.clone();
+    let mut failing = false;
+    loop {
+        let (r, m) = (registry.clone(), me.clone());
+        let round = tokio::task::spawn_blocking(move || {
+            r.join(&m, REGISTRATION_TTL)?;
+            r.members()
+        })
+        .await;
+        match round {
+            Ok(Ok(members)) => {
+                if failing {
+                    log::info!("the registry answers again");
+                    failing = false;
+                }
+                shared.members.replace(members.iter().filter(|a| **a != me).cloned().collect());
+                *shared.job_members.lock().expect("members lock") = members;
+            }
+            Ok(Err(e)) => {
+                shared.registry_errors.fetch_add(1, Ordering::Relaxed);
+                if !failing {
+                    log::warn!("{e}; keeping the members known last");
+                    failing = true;
+                }
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(shared.options.heartbeat).await;
     }
 }
 
@@ -580,6 +655,9 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
             }
             // Credit a finished transfer did not need.
             Frame::Credit { .. } => continue,
+            Frame::Members => {
+                (Frame::MemberList { members: shared.job_members.lock().expect("members lock").clone() }, false)
+            }
             Frame::Stop if side == Side::Local => (Frame::Stopping, true),
             Frame::Stop => (
                 Frame::Error {

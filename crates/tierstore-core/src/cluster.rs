@@ -99,6 +99,17 @@ pub struct ClusterConfig {
     pub job: String,
 }
 
+impl ClusterConfig {
+    /// The address this node's agent is reached at: `node` if it names a port, else `node:port`.
+    pub fn my_address(&self) -> String {
+        match self.me {
+            Some(i) => self.members[i].address(),
+            None if self.node.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) => self.node.clone(),
+            None => format!("{}:{}", self.node, self.port),
+        }
+    }
+}
+
 /// The Unix socket of this user's agent: in the user's runtime directory, or in a private directory
 /// under /tmp.
 pub fn default_socket() -> PathBuf {

@@ -11,7 +11,8 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::cluster::ClusterConfig;
@@ -93,16 +94,37 @@ impl RemoteError {
     }
 }
 
-/// The members of a job as one process sees them: who owns what, who is down, how to reach them.
-pub struct Remote {
+/// Who owns what among the members this process knows of.
+struct View {
     owners: Owners,
     /// This node's index in `owners.members()`, if it is a member.
     me: Option<usize>,
+}
+
+impl View {
+    fn of(members: &[String], mine: &str) -> View {
+        let owners = Owners::new(members);
+        let me = owners.members().iter().position(|n| n == mine);
+        View { owners, me }
+    }
+}
+
+/// How often a process asks its node's agent for the members, where a registry keeps them.
+pub const MEMBERS_EVERY: Duration = Duration::from_secs(2);
+
+/// The members of a job as one process sees them: who owns what, who is down, how to reach them.
+pub struct Remote {
+    view: RwLock<Arc<View>>,
+    /// This node's agent, which knows the members when a registry keeps them (a fixed list otherwise).
+    agent_socket: Option<PathBuf>,
+    /// When the members were last asked of the agent.
+    asked: Mutex<Option<Instant>>,
+    mine: String,
     node: String,
     token: Option<Vec<u8>>,
     source: String,
     /// Members that missed a deadline: until when they are left out, and how many misses in a row.
-    down: Mutex<HashMap<usize, (Instant, u32)>>,
+    down: Mutex<HashMap<String, (Instant, u32)>>,
     connect_deadline: Duration,
     deadline: Duration,
 }
@@ -112,20 +134,19 @@ impl Remote {
     /// job's shared secret, when the agents require one.
     pub fn new(cluster: &ClusterConfig, source: &str, token: Option<Vec<u8>>) -> Remote {
         let names: Vec<String> = cluster.members.iter().map(|m| m.address()).collect();
-        let owners = Owners::new(&names);
-        let me = cluster.me.and_then(|i| {
-            let mine = cluster.members[i].address();
-            owners.members().iter().position(|n| *n == mine)
-        });
+        let mine = cluster.my_address();
         let ms = |var: &str, default: u64| {
             std::env::var(var)
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map_or(Duration::from_millis(default), Duration::from_millis)
         };
+        let from_registry = cluster.registry.is_some() && names.is_empty();
         Remote {
-            owners,
-            me,
+            view: RwLock::new(Arc::new(View::of(&names, &mine))),
+            agent_socket: from_registry.then(crate::cluster::default_socket),
+            asked: Mutex::new(None),
+            mine,
             node: cluster.node.clone(),
             token,
             source: source.to_string(),
@@ -135,42 +156,62 @@ impl Remote {
         }
     }
 
-    /// The member that owns `rel` among those not marked down, when it is another node: `None` when
-    /// this node owns it (or no member is up), and the file is read from the source.
-    pub fn owner(&self, rel: &str) -> Option<usize> {
+    /// The member (`host:port`) that owns `rel` among those not marked down, when it is another node:
+    /// `None` when this node owns it (or no member is known or up), and the file is read from the source.
+    pub fn owner(&self, rel: &str) -> Option<String> {
+        self.refresh();
+        let view = self.view.read().expect("view lock").clone();
         let now = Instant::now();
         let down = self.down.lock().expect("down lock");
-        let out = |m: usize| down.get(&m).is_some_and(|(until, _)| *until > now);
-        let owner = self.owners.owner(rel.as_bytes(), |m| Some(m) == self.me || !out(m))?;
-        (Some(owner) != self.me).then_some(owner)
+        let names = view.owners.members();
+        let out = |m: usize| down.get(&names[m]).is_some_and(|(until, _)| *until > now);
+        let owner = view.owners.owner(rel.as_bytes(), |m| Some(m) == view.me || !out(m))?;
+        (Some(owner) != view.me).then(|| names[owner].clone())
     }
 
-    /// The address of member `who`.
-    pub fn address(&self, who: usize) -> &str {
-        &self.owners.members()[who]
+    /// Asks this node's agent for the members, at most every [`MEMBERS_EVERY`] (where a registry keeps
+    /// them). An agent that does not answer leaves the list as it was.
+    fn refresh(&self) {
+        let Some(socket) = &self.agent_socket else { return };
+        {
+            let mut asked = self.asked.lock().expect("asked lock");
+            if asked.is_some_and(|t| t.elapsed() < MEMBERS_EVERY) {
+                return;
+            }
+            *asked = Some(Instant::now());
+        }
+        match members_from_agent(socket, self.connect_deadline) {
+            Ok(members) => {
+                let changed = self.view.read().expect("view lock").owners.members() != members.as_slice();
+                if changed {
+                    *self.view.write().expect("view lock") = Arc::new(View::of(&members, &self.mine));
+                }
+            }
+            Err(e) => log::debug!("the members could not be asked of the agent on {}: {e}", socket.display()),
+        }
     }
 
     /// Leaves `who` out of the owner choice for [`DOWN_FOR`], or twice as long as last time if it
     /// failed again since.
-    pub fn mark_down(&self, who: usize) {
+    pub fn mark_down(&self, who: &str) {
         let mut down = self.down.lock().expect("down lock");
-        let strikes = down.get(&who).map_or(0, |(_, s)| *s).saturating_add(1);
+        let strikes = down.get(who).map_or(0, |(_, s)| *s).saturating_add(1);
         let wait = DOWN_FOR.saturating_mul(1 << (strikes - 1).min(10)).min(DOWN_AT_MOST);
-        down.insert(who, (Instant::now() + wait, strikes));
+        down.insert(who.to_string(), (Instant::now() + wait, strikes));
     }
 
     /// `who` served a request: it is up again.
-    pub fn mark_up(&self, who: usize) {
+    pub fn mark_up(&self, who: &str) {
         let mut down = self.down.lock().expect("down lock");
         if !down.is_empty() {
-            down.remove(&who);
+            down.remove(who);
         }
     }
 
     /// Asks member `who` for `rel`; returns once the owner has said which version it sends. A `credit` of
     /// 0 only asks the owner to cache the file.
-    pub fn open(&self, who: usize, rel: &str, credit: u32) -> Result<Transfer, RemoteError> {
-        let at = self.address(who).to_string();
+    pub fn open(&self, who: &str, rel: &str, credit: u32) -> Result<Transfer, RemoteError> {
+        let at = who.to_string();
         let mut stream = self.connect(&at)?;
         let io_err = |at: &str, e: io::Error| match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
@@ -230,6 +271,28 @@ impl Remote {
             }
         }
         Err(RemoteError::Unreachable { at: at.to_string(), source: last })
+    }
+}
+
+/// The members the agent on `socket` knows of.
+fn members_from_agent(socket: &Path, deadline: Duration) -> io::Result<Vec<String>> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    s.set_read_timeout(Some(deadline))?;
+    s.set_write_timeout(Some(deadline))?;
+    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+    match wire::read_frame(&mut s)? {
+        Some(Frame::Challenge { .. }) => {}
+        other => return Err(bad(format!("expected a challenge, got {other:?}"))),
+    }
+    wire::write_frame(&mut s, &Frame::Hello { version: VERSION, node: "local".into(), proof: [0; 32] })?;
+    match wire::read_frame(&mut s)? {
+        Some(Frame::Welcome { .. }) => {}
+        other => return Err(bad(format!("expected a welcome, got {other:?}"))),
+    }
+    wire::write_frame(&mut s, &Frame::Members)?;
+    match wire::read_frame(&mut s)? {
+        Some(Frame::MemberList { members }) => Ok(members),
+        other => Err(bad(format!("expected the members, got {other:?}"))),
     }
 }
 

@@ -196,6 +196,13 @@ pub enum Frame {
         /// blake3 of the bytes sent.
         hash: [u8; 32],
     },
+    /// Asks the agent of this node for the job's members (where a registry keeps them).
+    Members,
+    /// The job's members, as `host:port`, sorted (this node's agent included).
+    MemberList {
+        /// The members.
+        members: Vec<String>,
+    },
     /// A request failed.
     Error {
         /// What kind of failure.
@@ -221,6 +228,8 @@ mod kind {
     pub const CHUNK: u8 = 13;
     pub const CREDIT: u8 = 14;
     pub const DONE: u8 = 15;
+    pub const MEMBERS: u8 = 16;
+    pub const MEMBER_LIST: u8 = 17;
 }
 
 /// Checks a source-relative path from the network: not empty, not absolute, no `.` or `..` part, no NUL
@@ -334,6 +343,25 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.push(kind::DONE);
             out.extend_from_slice(&id.to_be_bytes());
             out.extend_from_slice(hash);
+        }
+        Frame::Members => out.push(kind::MEMBERS),
+        Frame::MemberList { members } => {
+            out.push(kind::MEMBER_LIST);
+            // Whole names only, as many as fit in a frame.
+            let mut room = MAX_FRAME - 5;
+            let fit: Vec<&String> = members
+                .iter()
+                .take_while(|m| {
+                    let need = 2 + m.len().min(MAX_TEXT);
+                    let ok = need <= room;
+                    room = room.saturating_sub(need);
+                    ok
+                })
+                .collect();
+            out.extend_from_slice(&(fit.len() as u32).to_be_bytes());
+            for m in fit {
+                text(out, m);
+            }
         }
         Frame::Error { code, message } => {
             out.push(kind::ERROR);
@@ -468,6 +496,20 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
         }
         kind::CREDIT => Frame::Credit { id: r.u32("id")?, more: r.u32("more")? },
         kind::DONE => Frame::Done { id: r.u32("id")?, hash: r.bytes32("hash")? },
+        kind::MEMBERS => Frame::Members,
+        kind::MEMBER_LIST => {
+            let n = r.u32("count")? as usize;
+            // Each name takes at least its 2-byte length: a count the body cannot hold is refused
+            // before anything is allocated for it.
+            if n > r.b.len() / 2 {
+                return Err(FrameError::Truncated { field: "members" });
+            }
+            let mut members = Vec::with_capacity(n);
+            for _ in 0..n {
+                members.push(r.text("member")?);
+            }
+            Frame::MemberList { members }
+        }
         other => return Err(FrameError::UnknownKind(other)),
     };
     r.end()?;
@@ -536,6 +578,8 @@ mod tests {
                 .prop_map(|(id, offset, data)| Frame::Chunk { id, offset, data }),
             (any::<u32>(), any::<u32>()).prop_map(|(id, more)| Frame::Credit { id, more }),
             (any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, hash)| Frame::Done { id, hash }),
+            Just(Frame::Members),
+            proptest::collection::vec(text, 0..20).prop_map(|members| Frame::MemberList { members }),
         ]
     }
 

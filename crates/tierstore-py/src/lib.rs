@@ -232,6 +232,9 @@ impl PyCache {
         cluster.set_item("port", c.cluster.port)?;
         cluster.set_item("listen", &c.cluster.listen)?;
         cluster.set_item("token_file", c.cluster.token_file.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
+        cluster.set_item("registry", c.cluster.registry.as_deref())?;
+        cluster.set_item("job", &c.cluster.job)?;
+        cluster.set_item("node", c.cluster.my_address())?;
         out.set_item("cluster", (cluster, origin("cluster")))?;
         Ok(out)
     }

@@ -101,7 +101,7 @@ impl Inner {
         let keep = self.config.cluster.sharing == Sharing::Inclusive;
         if purpose == Purpose::Prefetch && !keep {
             // Partitioned: the owner keeps it; make sure it does, and keep nothing here.
-            let done = remote.open(who, rel, 0).and_then(|t| t.confirmed());
+            let done = remote.open(&who, rel, 0).and_then(|t| t.confirmed());
             drop(guard);
             return match done {
                 Ok(()) => {
@@ -109,23 +109,23 @@ impl Inner {
                     Some(Fetched::Cached)
                 }
                 Err(e) => {
-                    self.peer_failed(who, rel, &e);
+                    self.peer_failed(&who, rel, &e);
                     None
                 }
             };
         }
-        let transfer = match remote.open(who, rel, crate::remote::WINDOW) {
+        let transfer = match remote.open(&who, rel, crate::remote::WINDOW) {
             Ok(t) => t,
             Err(e) => {
-                self.peer_failed(who, rel, &e);
+                self.peer_failed(&who, rel, &e);
                 return None;
             }
         };
         let sid = transfer.found;
         if known.is_some_and(|k| k != sid) {
             // The owner has another version than the source showed this process: take the source's.
-            let stale = RemoteError::Corrupt { at: remote.address(who).into(), detail: "another version".into() };
-            self.peer_failed(who, rel, &stale);
+            let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
+            self.peer_failed(&who, rel, &stale);
             return None;
         }
         let tier = if keep { self.place(key, rel, sid) } else { None };
@@ -136,7 +136,7 @@ impl Inner {
         drop(guard);
         match result {
             Ok(fetched) => {
-                remote.mark_up(who);
+                remote.mark_up(&who);
                 let c = self.source.counters();
                 c.add(src_slot::PEER_HITS, 1);
                 c.add(src_slot::PEER_BYTES, sid.size);
@@ -150,14 +150,14 @@ impl Inner {
                 Some(fetched)
             }
             Err(e) => {
-                self.peer_failed(who, rel, &e);
+                self.peer_failed(&who, rel, &e);
                 None
             }
         }
     }
 
     /// Counts a failed peer read, says so once, and leaves a failed member out for a while.
-    fn peer_failed(&self, who: usize, rel: &str, e: &RemoteError) {
+    fn peer_failed(&self, who: &str, rel: &str, e: &RemoteError) {
         let Some(remote) = self.remote.as_ref() else { return };
         if e.member_failed() {
             remote.mark_down(who);
