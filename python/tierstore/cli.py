@@ -191,7 +191,7 @@ def status(make: Any, as_json: bool) -> None:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
     if "cluster" in stats:
         c = stats["cluster"]
-        members = Table(title=f"cluster ({c['sharing']})", title_justify="left")
+        table = Table(title=f"cluster ({c['sharing']})", title_justify="left")
         for col in (
             "member",
             "agent",
@@ -201,13 +201,13 @@ def status(make: Any, as_json: bool) -> None:
             "received",
             "peer faults",
         ):
-            members.add_column(col, justify="left" if col in ("member", "agent") else "right")
+            table.add_column(col, justify="left" if col in ("member", "agent") else "right")
         for m in c["members"]:
             view = m.get("report", {}).get("cache") or {}
             if not m["up"]:
-                members.add_row(m["address"], f"[red]down[/] ({m['error'][:60]})", "", "", "", "", "")
+                table.add_row(m["address"], f"[red]down[/] ({m['error'][:60]})", "", "", "", "", "")
                 continue
-            members.add_row(
+            table.add_row(
                 m["address"],
                 "[green]up[/]",
                 f"{_human(view.get('cached_bytes', 0))} / {_human(view.get('quota', 0))}",
@@ -216,7 +216,7 @@ def status(make: Any, as_json: bool) -> None:
                 _human(view.get("peer_bytes", 0)),
                 str(view.get("peer_faults", 0)),
             )
-        console.print(members)
+        console.print(table)
 
 
 @main.command()
