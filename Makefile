@@ -49,6 +49,7 @@ bench: setup
 	$(PY) bench/bench_cache.py --out BENCHMARKS.md
 	$(PY) bench/bench_models.py --out BENCHMARKS-models.md --plot bench/models.png
 	$(PY) bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
+	$(PY) bench/bench_prefetch.py --out BENCHMARKS-prefetch.md
 
 lint: setup
 	cargo fmt --all --check
