@@ -149,6 +149,8 @@ def test_an_unlistable_directory_is_named_and_the_rest_lands(source: Path, tier:
     finally:
         closed.chmod(0o755)
     assert r["files_copied"] == len(files) and r["files_failed"] == 1
+    # The directory counts as one failed entry, so that done = copied + already cached + failed.
+    assert r["files_done"] == r["files_total"] == len(files) + 1
     assert r["errors"][0].startswith(f"{closed}: ") and "were not prefetched" in r["errors"][0]
 
 

@@ -164,7 +164,7 @@ class Cache:
             paths: Files or directories under the source.
             progress: Show files, bytes and rate on stderr; by default only on a terminal.
             wait: Wait until every file is cached. With False, returns at once with the counts so far.
-            jobs: Files (and directory listings) in flight at once, 1 to 1024; default 16.
+            jobs: Files (and directory listings) in flight at once, 1 to 1024; default 32.
 
         Returns:
             Counts: files_total, files_done, files_copied, files_failed, bytes_total, bytes_done,

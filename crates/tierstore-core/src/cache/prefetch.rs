@@ -26,8 +26,9 @@ use crate::source::list_dir;
 use crate::Error;
 
 /// Files fetched at once when the caller does not say: enough to hide a store's round trip behind the
-/// others (about 4x what 8 parallel `cat`s keep in flight), few enough not to flood its metadata server.
-pub const DEFAULT_JOBS: usize = 16;
+/// others (on the stand-in store, 2000 files took 4.3 s with 4, 2.6 s with 16, 2.0 s with 32), few enough
+/// not to flood its metadata server.
+pub const DEFAULT_JOBS: usize = 32;
 /// The most files a prefetch fetches at once.
 pub const MAX_JOBS: usize = 1024;
 /// Directory descriptors kept open for entries still queued: past this, entries are fetched before more
@@ -50,7 +51,7 @@ pub struct PrefetchProgress {
     pub bytes_done: AtomicU64,
     /// Files copied by this prefetch.
     pub files_copied: AtomicU64,
-    /// Files (or directories) that could not be cached: no room, or an error.
+    /// Files that could not be cached (no room, or an error), and directories that could not be walked.
     pub files_failed: AtomicU64,
     /// The first problem met, for the report.
     pub first_error: Mutex<Option<String>>,
@@ -286,7 +287,7 @@ impl Walk {
                 let rel = parent.child(&name);
                 match self.inner.source.open_in(&parent.file, &name) {
                     Ok(f) => self.list(self.handle(f, rel)),
-                    Err(e) => self.progress.fail(format!(
+                    Err(e) => self.fail_dir(format!(
                         "{}: cannot open the directory ({e}); its files were not prefetched",
                         self.inner.source.path_of(&rel).display()
                     )),
@@ -296,11 +297,19 @@ impl Walk {
         }
     }
 
+    /// A directory that cannot be walked counts as one failed entry, so that the counts still add up
+    /// (done = copied + already cached + failed).
+    fn fail_dir(&self, message: String) {
+        self.progress.files_total.fetch_add(1, Ordering::AcqRel);
+        self.progress.fail(message);
+        self.progress.handled(0);
+    }
+
     fn list(&self, h: Arc<DirHandle>) {
         let mut entries = match list_dir(&h.file) {
             Ok(entries) => entries,
             Err(e) => {
-                self.progress.fail(format!(
+                self.fail_dir(format!(
                     "{}: cannot list the directory ({e}); its files were not prefetched",
                     self.inner.source.path_of(&h.rel).display()
                 ));
