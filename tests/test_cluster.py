@@ -539,3 +539,43 @@ def test_members_found_in_redis_share_the_cache_and_a_stopped_redis_stops_nothin
         assert all(len(cluster.agent_status(x)["members"]) == 1 for x in cluster.nodes)
     finally:
         stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+def test_a_prefetch_on_one_node_asks_the_owners_and_the_store_serves_each_file_once(
+    tmp_path: Path, store: tuple[Path, dict[str, str]], sharing: str
+) -> None:
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 3, sharing)
+    try:
+        before = store_stats(mount).get("bytes_read", 0)
+        first = cluster.nodes[0]
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tierstore.cli",
+                "prefetch",
+                str(mount / "shard0"),
+                str(mount / "shard1"),
+                str(mount / "shard2"),
+                str(mount / "shard3"),
+            ],
+            env=first.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stderr
+        assert store_stats(mount).get("bytes_read", 0) - before == sum(SIZES) * 3
+        # Every node now reads the whole dataset without the store.
+        for node in cluster.nodes:
+            out = cluster.read_all(node, rels)
+            assert out["got"] == digests
+        assert store_stats(mount).get("bytes_read", 0) - before == sum(SIZES) * 3
+        held = [sum(1 for f in n.tier.rglob("data/*/*") if f.is_file()) for n in cluster.nodes]
+        if sharing == "partitioned":
+            assert sum(held) == len(rels), held
+    finally:
+        stop_cluster(cluster)

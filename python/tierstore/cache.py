@@ -156,22 +156,38 @@ class Cache:
         return self._core.lookup(path, validate)
 
     def prefetch(
-        self, paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True
+        self,
+        paths: PathLike | Iterable[PathLike],
+        *,
+        progress: bool | None = None,
+        wait: bool = True,
+        jobs: int | None = None,
     ) -> dict[str, Any]:
-        """Warms the cache with files and directories (walked recursively), in parallel.
+        """Warms the cache with files and directories (walked recursively), many at a time.
+
+        Directories are listed concurrently and up to `jobs` files are fetched at once, so a store's
+        latency is paid in parallel. A file the cache already holds costs the store nothing when
+        `revalidate="never"` (it is confirmed from the index) and one `stat` with "always". A file that
+        fails is reported and the others still land.
 
         Args:
             paths: Files or directories under the source.
-            progress: Show files, bytes, rate and ETA on stderr; by default only on a terminal.
+            progress: Show files, bytes and rate on stderr; by default only on a terminal.
             wait: Wait until every file is cached. With False, returns at once with the counts so far.
+            jobs: Files (and directory listings) in flight at once, 1 to 1024; default 32.
 
         Returns:
             Counts: files_total, files_done, files_copied, files_failed, bytes_total, bytes_done,
-            first_error (None if none).
+            first_error (None if none) and errors (every problem, up to 1000, each naming its file).
+
+        Raises:
+            ValueError: `jobs` is not a whole number from 1 to 1024.
+            OutsideSourceError, FileNotFoundError: A path named is outside the source or missing.
         """
+        check_jobs(jobs)
         if isinstance(paths, (str, bytes, os.PathLike)):
             paths = [paths]
-        handle = self._core.prefetch(list(paths))
+        handle = self._core.prefetch(list(paths), jobs)
         if not wait:
             return handle.progress()
         if progress is None:
@@ -180,7 +196,7 @@ class Cache:
             _show_progress(handle)
         else:
             while not handle.done:
-                time.sleep(0.05)
+                time.sleep(0.02)
         self._core.wait_idle()
         return handle.progress()
 
@@ -233,37 +249,64 @@ def _rebuild(source: Any, tiers: Any, kwargs: dict[str, Any]) -> Cache:
     return Cache(source, tiers, **kwargs)
 
 
+def check_jobs(jobs: object) -> None:
+    """Raises ValueError unless `jobs` is None or a whole number of files to fetch at once (1 to 1024)."""
+    if jobs is None:
+        return
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= _core.MAX_PREFETCH_JOBS:
+        raise ValueError(
+            f"prefetch jobs={jobs!r}: give the number of files to fetch at once, a whole number from 1 to "
+            f"{_core.MAX_PREFETCH_JOBS} (default {_core.DEFAULT_PREFETCH_JOBS}; more hides more of a slow "
+            "store's latency)"
+        )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.0f} B"
+
+
 def _show_progress(handle: _core.Prefetch) -> None:
     from rich.progress import (
         BarColumn,
-        DownloadColumn,
         MofNCompleteColumn,
         Progress,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
 
-    p = handle.progress()
+    # Files are the bar: their total is known as soon as the directories are listed, while sizes are
+    # learnt file by file as each is opened.
     columns = (
         TextColumn("prefetch"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("files"),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        TextColumn("{task.fields[bytes]}"),
+        TextColumn("{task.fields[rate]}"),
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
+    start = time.monotonic()
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task("prefetch", total=p["bytes_total"] or 1)
+        task = bar.add_task("prefetch", total=None, bytes="0 B", rate="")
         while True:
+            done = handle.done
             p = handle.progress()
-            bar.update(task, completed=p["bytes_done"])
-            if handle.done:
+            elapsed = max(time.monotonic() - start, 1e-3)
+            bar.update(
+                task,
+                total=p["files_total"] or (1 if done else None),
+                completed=p["files_done"] if p["files_total"] else (1 if done else 0),
+                bytes=_human(p["bytes_done"]),
+                rate=f"{_human(p['bytes_done'] / elapsed)}/s",
+            )
+            if done:
                 break
             time.sleep(0.1)
-        bar.update(task, completed=p["bytes_total"] or 1)
 
 
 # Copies still queued when a process exits must be published, or the next epoch reads the source again.
@@ -323,10 +366,14 @@ def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> Ca
 
 
 def prefetch(
-    paths: PathLike | Iterable[PathLike], *, progress: bool | None = None, wait: bool = True
+    paths: PathLike | Iterable[PathLike],
+    *,
+    progress: bool | None = None,
+    wait: bool = True,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
     """Warms the default cache (see `Cache.prefetch`)."""
-    return default_cache().prefetch(paths, progress=progress, wait=wait)
+    return default_cache().prefetch(paths, progress=progress, wait=wait, jobs=jobs)
 
 
 def stats() -> dict[str, Any]:

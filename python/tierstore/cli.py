@@ -12,7 +12,7 @@ import click
 
 import tierstore
 from tierstore import _core
-from tierstore.cache import Cache
+from tierstore.cache import Cache, check_jobs
 
 
 def _human(n: int) -> str:
@@ -93,21 +93,54 @@ def main(
 @click.option(
     "--progress/--no-progress", default=True, show_default=True, help="Show files, bytes, rate and ETA."
 )
+@click.option(
+    "-j",
+    "--jobs",
+    type=int,
+    metavar="N",
+    help=f"Files (and directory listings) in flight at once, 1 to {_core.MAX_PREFETCH_JOBS} "
+    f"[default: {_core.DEFAULT_PREFETCH_JOBS}].",
+)
 @click.pass_obj
-def prefetch(make: Any, paths: tuple[str, ...], progress: bool) -> None:
-    """Copy files or whole directories of the source into the cache, in parallel."""
-    cache = make()
+def prefetch(make: Any, paths: tuple[str, ...], progress: bool, jobs: int | None) -> None:
+    """Copy files or whole directories of the source into the cache, many at a time.
+
+    A file that fails is reported by name and the others still land; the exit status is 1 if any failed.
+    """
     try:
-        result = cache.prefetch(list(paths), progress=progress)
+        check_jobs(jobs)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--jobs") from e
+    cache = make()
+    cluster = cache.config().get("cluster")
+    if cluster is not None:
+        from tierstore import agent as agent_mod
+
+        # Files this node owns are served to its peers once prefetched: its agent must run.
+        try:
+            agent_mod.ensure(cluster[0], env={**os.environ, **make.env})
+        except agent_mod.AgentError as e:
+            raise click.ClickException(str(e)) from e
+    try:
+        result = cache.prefetch(list(paths), progress=progress, jobs=jobs)
     except (OSError, _core.TierstoreError) as e:
         raise click.ClickException(str(e)) from e
+    failed = result["files_failed"]
     click.echo(
         f"prefetched {result['files_done']} files ({_human(result['bytes_done'])}): "
-        f"{result['files_copied']} copied, {result['files_done'] - result['files_copied'] - result['files_failed']} "
-        f"already cached, {result['files_failed']} not cached"
+        f"{result['files_copied']} copied, {result['files_done'] - result['files_copied'] - failed} "
+        f"already cached, {failed} not cached"
     )
-    if result["first_error"]:
-        click.echo(f"first problem: {result['first_error']}", err=True)
+    if failed:
+        errors = result["errors"]
+        for message in errors[:_SHOWN_ERRORS]:
+            click.echo(f"error: {message}", err=True)
+        if failed > _SHOWN_ERRORS:
+            click.echo(f"... and {failed - _SHOWN_ERRORS} more", err=True)
+        sys.exit(1)
+
+
+_SHOWN_ERRORS = 20
 
 
 @main.command()

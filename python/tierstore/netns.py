@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class NetnsError(RuntimeError):
@@ -42,13 +43,15 @@ class Nodes:
     count: int
     nodes: list[Node] = field(default_factory=list)
     tag: str = ""
+    _made: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         if os.geteuid() != 0:
             raise NetnsError("network namespaces need root")
-        self.tag = f"{os.getpid() % 10000}"
+        Nodes._made += 1
+        self.tag = f"{os.getpid() % 1000}{Nodes._made % 100:02d}"
         self.bridge = f"tsbr{self.tag}"
-        subnet = f"10.77.{os.getpid() % 200}"
+        subnet = f"10.{77 + Nodes._made % 100}.{os.getpid() % 200}"
         try:
             _sh("ip", "link", "add", self.bridge, "type", "bridge")
             _sh("ip", "link", "set", self.bridge, "up")
@@ -91,6 +94,9 @@ class Nodes:
             for pid in pids:
                 subprocess.run(["kill", "-9", pid], capture_output=True)
             subprocess.run(["ip", "netns", "del", n.name], capture_output=True)
+        for i in range(self.count):
+            # Gone with its namespace, unless a process held the namespace a moment longer.
+            subprocess.run(["ip", "link", "del", f"ts{self.tag}v{i}"], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         self.nodes = []
 

@@ -14,8 +14,7 @@ use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config::{Config, Revalidate, Verify};
@@ -32,6 +31,8 @@ use crate::Error;
 
 mod peers;
 pub use peers::Served;
+mod prefetch;
+pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 
 const COPY_CHUNK: usize = 4 << 20;
 const FIRST_COPY_CHUNK: usize = 256 << 10;
@@ -128,32 +129,6 @@ pub struct Stats {
     pub tiers: Vec<TierStats>,
 }
 
-/// Progress of a prefetch, updated by the copy pool and read by whoever shows it.
-#[derive(Default)]
-pub struct PrefetchProgress {
-    /// Files to prefetch (known once the listing is done).
-    pub files_total: AtomicU64,
-    /// Bytes to prefetch.
-    pub bytes_total: AtomicU64,
-    /// Files handled (copied, already cached, or skipped).
-    pub files_done: AtomicU64,
-    /// Bytes of handled files.
-    pub bytes_done: AtomicU64,
-    /// Files copied by this prefetch.
-    pub files_copied: AtomicU64,
-    /// Files that could not be cached (no room, or an error).
-    pub files_failed: AtomicU64,
-    /// The first error met, for the report.
-    pub first_error: Mutex<Option<String>>,
-}
-
-impl PrefetchProgress {
-    /// True when every listed file is handled.
-    pub fn finished(&self) -> bool {
-        self.files_done.load(Ordering::Acquire) >= self.files_total.load(Ordering::Acquire)
-    }
-}
-
 struct Inner {
     config: Config,
     source: Arc<PosixSource>,
@@ -165,6 +140,9 @@ struct Inner {
     last_access_flush: Mutex<Instant>,
     logged: Mutex<HashSet<String>>,
     pool: OnceLock<Weak<Pool>>,
+    /// Prefetches whose workers are still running, for [`Cache::wait_idle`].
+    prefetches: Mutex<usize>,
+    prefetch_idle: Condvar,
     /// The process that opened the cache; a forked child must open its own.
     pid: u32,
     /// The job's other members, when nodes share their caches (not in the agent's own cache).
@@ -221,6 +199,8 @@ enum Fetched {
     Streaming(File, Arc<Growing>),
     Cached,
     Uncached,
+    /// A prefetch found no tier with room.
+    NoRoom,
     /// Already cached, or being fetched by another thread or process.
     Skipped,
 }
@@ -299,6 +279,8 @@ impl Cache {
             last_access_flush: Mutex::new(Instant::now()),
             logged: Mutex::new(HashSet::new()),
             pool: OnceLock::new(),
+            prefetches: Mutex::new(0),
+            prefetch_idle: Condvar::new(),
             pid: crate::pid(),
             remote,
             record_checksums,
@@ -549,10 +531,18 @@ impl Cache {
         Ok(None)
     }
 
-    /// Warms the cache with `paths` (files, or directories walked recursively) on the copy pool. Returns
-    /// at once; watch the progress, or [`Cache::wait_idle`].
+    /// Warms the cache with `paths` (files, or directories walked recursively), fetching
+    /// [`DEFAULT_PREFETCH_JOBS`] files at a time. Returns at once; watch the progress, or
+    /// [`Cache::wait_idle`].
     pub fn prefetch(&self, paths: &[PathBuf]) -> Result<Arc<PrefetchProgress>, Error> {
-        let mut files = Vec::new();
+        self.prefetch_with(paths, DEFAULT_PREFETCH_JOBS)
+    }
+
+    /// Like [`Cache::prefetch`], with up to `jobs` files (and directory listings) in flight at once
+    /// (1 to [`MAX_PREFETCH_JOBS`]; out of range is brought into it). The paths named are checked here: one
+    /// that is missing or outside the source is an error before anything starts.
+    pub fn prefetch_with(&self, paths: &[PathBuf], jobs: usize) -> Result<Arc<PrefetchProgress>, Error> {
+        let walk = Arc::new(prefetch::Walk::new(self.inner.clone()));
         for p in paths {
             let rel = self.inner.source.relative(p).or_else(|e| {
                 if normalize_abs(p) == self.inner.source.root() {
@@ -564,42 +554,28 @@ impl Cache {
             let full = self.inner.source.path_of(&rel);
             let m = self.inner.source.stat_path(&full).map_err(|e| Error::io(&full, e))?;
             if m.is_dir() {
-                walk(&self.inner.source, &full, &mut files).map_err(|e| Error::io(&full, e))?;
+                self.inner.source.counters().add(src_slot::OPENS, 1);
+                let dir = crate::source::open_dir(&full).map_err(|e| Error::io(&full, e))?;
+                walk.add_dir(dir, rel);
             } else {
-                files.push((rel, m.len()));
+                walk.add_file(rel);
             }
         }
-        let progress = Arc::new(PrefetchProgress::default());
-        progress.files_total.store(files.len() as u64, Ordering::Release);
-        progress.bytes_total.store(files.iter().map(|(_, s)| s).sum(), Ordering::Release);
-        for (rel, size) in files {
-            let inner = self.inner.clone();
-            let p = progress.clone();
-            self.pool.background(move || {
-                match inner.prefetch_one(&rel) {
-                    Ok(Fetched::Uncached) => {
-                        p.files_failed.fetch_add(1, Ordering::Relaxed);
-                        let mut first = p.first_error.lock().expect("progress lock");
-                        first.get_or_insert_with(|| format!("{rel}: no tier has room (quota reached)"));
-                    }
-                    Ok(Fetched::Reader(_)) | Ok(Fetched::Streaming(..)) | Ok(Fetched::Skipped) => {}
-                    Ok(Fetched::Cached) => {
-                        p.files_copied.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        p.files_failed.fetch_add(1, Ordering::Relaxed);
-                        p.first_error.lock().expect("progress lock").get_or_insert_with(|| e.to_string());
-                    }
-                }
-                p.bytes_done.fetch_add(size, Ordering::Relaxed);
-                p.files_done.fetch_add(1, Ordering::AcqRel);
-            });
-        }
+        let progress = walk.progress();
+        walk.start(jobs)?;
         Ok(progress)
     }
 
-    /// Blocks until every queued copy is published (and access statistics are written).
+    /// Blocks until every prefetch has finished and every queued copy is published (and access
+    /// statistics are written).
     pub fn wait_idle(&self) {
+        if self.inner.pid_matches() {
+            // A forked child inherits the count but not the threads: it has no prefetch to wait for.
+            let mut running = self.inner.prefetches.lock().unwrap_or_else(|p| p.into_inner());
+            while *running > 0 {
+                running = self.inner.prefetch_idle.wait(running).unwrap_or_else(|p| p.into_inner());
+            }
+        }
         self.pool.wait_idle();
         self.inner.flush_access();
     }
@@ -699,25 +675,6 @@ fn normalize_abs(p: &Path) -> PathBuf {
     }
 }
 
-fn walk(source: &PosixSource, dir: &Path, out: &mut Vec<(String, u64)>) -> io::Result<()> {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
-        let ft = e.file_type()?;
-        let path = e.path();
-        if ft.is_dir() {
-            walk(source, &path, out)?;
-        } else {
-            let m = source.stat_path(&path)?;
-            if m.is_file() {
-                let rel = path.strip_prefix(source.root()).map(|r| r.to_string_lossy().into_owned());
-                out.push((rel.unwrap_or_default(), m.len()));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
 /// write into the copy (which changes its mtime) is detected on the next open.
 fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
@@ -734,6 +691,18 @@ fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
 impl Inner {
     fn pid_matches(&self) -> bool {
         self.pid == crate::pid()
+    }
+
+    fn prefetch_started(&self) {
+        *self.prefetches.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    }
+
+    fn prefetch_finished(&self) {
+        let mut running = self.prefetches.lock().unwrap_or_else(|p| p.into_inner());
+        *running = running.saturating_sub(1);
+        if *running == 0 {
+            self.prefetch_idle.notify_all();
+        }
     }
 
     fn pool(&self) -> Option<Arc<Pool>> {
@@ -874,7 +843,11 @@ impl Inner {
                     }
                     match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre)? {
                         Fetched::Reader(r) => return Ok(r),
-                        Fetched::Cached | Fetched::Uncached | Fetched::Skipped | Fetched::Streaming(..) => {}
+                        Fetched::Cached
+                        | Fetched::Uncached
+                        | Fetched::NoRoom
+                        | Fetched::Skipped
+                        | Fetched::Streaming(..) => {}
                     }
                 }
                 Role::Follower(flight) => match flight.wait() {
@@ -1112,7 +1085,7 @@ impl Inner {
             drop(guard);
             return land(match purpose {
                 Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
-                Purpose::Prefetch => Fetched::Uncached,
+                Purpose::Prefetch => Fetched::NoRoom,
             });
         };
         let small = sid.size <= self.config.inline_max;
@@ -1262,7 +1235,7 @@ impl Inner {
                     .from_peer(&key, rel, &mut known, &flight, Purpose::Native)
                     .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre), Ok)?
                 {
-                    Fetched::Uncached => break,
+                    Fetched::Uncached | Fetched::NoRoom => break,
                     Fetched::Reader(r) => {
                         if let Some(f) = r.into_file() {
                             return Ok(Native::Whole(f));
@@ -1502,26 +1475,25 @@ impl Inner {
         Ok(true)
     }
 
-    /// One file of a prefetch: copy it unless it is cached or being fetched by someone else.
-    fn prefetch_one(self: &Arc<Self>, rel: &str) -> Result<Fetched, Error> {
-        let key = key_of(rel);
-        let sid = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
-        if self.hit(&key, rel, &sid, false).is_some() {
+    /// One file of a prefetch, opened and identified by the caller: copy it unless it is cached or being
+    /// fetched by someone else.
+    fn prefetch_file(self: &Arc<Self>, key: &Key, rel: &str, sid: SourceId, file: File) -> Result<Fetched, Error> {
+        if self.hit(key, rel, &sid, false).is_some() {
             return Ok(Fetched::Skipped);
         }
-        let Role::Leader(flight) = self.flights.join(&key) else {
+        let Role::Leader(flight) = self.flights.join(key) else {
             return Ok(Fetched::Skipped);
         };
-        // Never block a pool thread on another process's fetch: it is being done, which is all a
-        // prefetch wants, and blocking could tie up every pool thread.
-        match self.locks.try_lock(&key) {
-            Ok(Some(guard)) => self.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut None),
+        // Never block a prefetch worker on another process's fetch: it is being done, which is all a
+        // prefetch wants.
+        match self.locks.try_lock(key) {
+            Ok(Some(guard)) => self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file)),
             Ok(None) => {
-                self.flights.land(&key, &flight);
+                self.flights.land(key, &flight);
                 Ok(Fetched::Skipped)
             }
             Err(e) => {
-                self.flights.land(&key, &flight);
+                self.flights.land(key, &flight);
                 Err(Error::io(&self.source.path_of(rel), e))
             }
         }

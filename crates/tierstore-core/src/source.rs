@@ -159,6 +159,28 @@ impl PosixSource {
         std::fs::metadata(path)
     }
 
+    /// Opens `name` in the source directory `dir` for reading (counted): one lookup of the last
+    /// component only, where a path from the root would look every directory on the way up again (a store
+    /// without client caching, FUSE with zero timeouts among them, answers each lookup with a round trip).
+    /// Directories open too, and a FIFO does not block (`O_NONBLOCK`, which regular files ignore), so that
+    /// an entry of unknown type is identified by opening it.
+    pub fn open_in(&self, dir: &File, name: &std::ffi::OsStr) -> io::Result<File> {
+        use std::os::unix::ffi::OsStrExt;
+        self.counters.add(slot::OPENS, 1);
+        let c = std::ffi::CString::new(name.as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name with a NUL byte"))?;
+        open_at_flags(dir, &c, libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NONBLOCK)
+    }
+
+    /// `stat` of `name` in the source directory `dir`, following symlinks (counted).
+    pub fn stat_in(&self, dir: &File, name: &std::ffi::OsStr) -> io::Result<libc::stat> {
+        use std::os::unix::ffi::OsStrExt;
+        self.counters.add(slot::STATS, 1);
+        let c = std::ffi::CString::new(name.as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name with a NUL byte"))?;
+        stat_at_c(dir, &c)
+    }
+
     /// Opens a source file for reading (counted).
     pub fn open(&self, rel: &str) -> io::Result<File> {
         self.counters.add(slot::OPENS, 1);
@@ -285,10 +307,66 @@ pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
+fn open_at_flags(dir: &File, name: &std::ffi::CStr, flags: libc::c_int) -> io::Result<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: openat with a valid directory descriptor and NUL-terminated name; the new descriptor is owned.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// The entries of an open directory (`.` and `..` left out) with the type `readdir` gave them
+/// (`libc::DT_*`; `DT_UNKNOWN` where the file system does not say, as FUSE file systems often do not).
+/// One listing of the directory, and nothing asked of any entry: `std::fs::read_dir` would `lstat` every
+/// entry of unknown type.
+pub fn list_dir(dir: &File) -> io::Result<Vec<(std::ffi::OsString, u8)>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    // fdopendir takes the descriptor over (closedir closes it): hand it a duplicate.
+    // SAFETY: dup of an open descriptor.
+    let fd = unsafe { libc::fcntl(dir.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is an open directory descriptor we own; on failure we close it.
+    let d = unsafe { libc::fdopendir(fd) };
+    if d.is_null() {
+        let e = io::Error::last_os_error();
+        unsafe { libc::close(fd) };
+        return Err(e);
+    }
+    // The duplicate shares the file offset of `dir`: start at the beginning whatever was read before.
+    unsafe { libc::rewinddir(d) };
+    let mut out = Vec::new();
+    let result = loop {
+        // SAFETY: errno is thread-local; readdir returns null at the end (errno unchanged) or on error.
+        unsafe { *libc::__errno_location() = 0 };
+        let ent = unsafe { libc::readdir64(d) };
+        if ent.is_null() {
+            let errno = unsafe { *libc::__errno_location() };
+            break if errno == 0 { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
+        }
+        // SAFETY: a non-null entry is valid until the next readdir; its name is NUL-terminated.
+        let (name, kind) = unsafe { (std::ffi::CStr::from_ptr((*ent).d_name.as_ptr()), (*ent).d_type) };
+        let name = name.to_bytes();
+        if name != b"." && name != b".." {
+            out.push((std::ffi::OsStr::from_bytes(name).to_os_string(), kind));
+        }
+    };
+    // SAFETY: `d` came from fdopendir and is closed once.
+    unsafe { libc::closedir(d) };
+    result.map(|()| out)
+}
+
 /// `stat` of `rel` relative to `dir`, following symlinks.
 pub fn stat_at(dir: &File, rel: &str) -> io::Result<libc::stat> {
+    stat_at_c(dir, &c_path(rel)?)
+}
+
+fn stat_at_c(dir: &File, c: &std::ffi::CStr) -> io::Result<libc::stat> {
     use std::os::fd::AsRawFd;
-    let c = c_path(rel)?;
     let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
     // SAFETY: fstatat writes into `st` on success.
     if unsafe { libc::fstatat(dir.as_raw_fd(), c.as_ptr(), st.as_mut_ptr(), 0) } != 0 {

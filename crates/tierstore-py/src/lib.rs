@@ -124,11 +124,14 @@ impl PyCache {
         Ok(found.map(|p| p.to_string_lossy().into_owned()))
     }
 
-    /// Starts warming the cache with files and directories; returns a progress handle.
-    fn prefetch(&self, py: Python<'_>, paths: Vec<Bound<'_, PyAny>>) -> PyResult<PyPrefetch> {
+    /// Starts warming the cache with files and directories, `jobs` files at a time (the core's default
+    /// when None); returns a progress handle.
+    #[pyo3(signature = (paths, jobs=None))]
+    fn prefetch(&self, py: Python<'_>, paths: Vec<Bound<'_, PyAny>>, jobs: Option<usize>) -> PyResult<PyPrefetch> {
         let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
         let engine = self.engine(py)?;
-        let progress = py.allow_threads(|| engine.prefetch(&paths)).map_err(to_py)?;
+        let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
+        let progress = py.allow_threads(|| engine.prefetch_with(&paths, jobs)).map_err(to_py)?;
         Ok(PyPrefetch { progress })
     }
 
@@ -377,7 +380,8 @@ struct PyPrefetch {
 
 #[pymethods]
 impl PyPrefetch {
-    /// Counts so far: files and bytes total and done, files copied and failed, the first error.
+    /// Counts so far: files and bytes total and done, files copied and failed, the first error and every
+    /// error (each naming its file).
     fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
         let p = &self.progress;
@@ -389,10 +393,11 @@ impl PyPrefetch {
         d.set_item("files_copied", p.files_copied.load(Relaxed))?;
         d.set_item("files_failed", p.files_failed.load(Relaxed))?;
         d.set_item("first_error", p.first_error.lock().unwrap_or_else(|e| e.into_inner()).clone())?;
+        d.set_item("errors", p.errors())?;
         Ok(d)
     }
 
-    /// True when every file is handled.
+    /// True when the walk is over and every file is handled.
     #[getter]
     fn done(&self) -> bool {
         self.progress.finished()
@@ -432,5 +437,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::verify_pack, m)?)?;
     m.add_class::<pack::PyPackMap>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
+    m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;
     error::register(m)
 }

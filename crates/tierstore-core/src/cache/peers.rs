@@ -101,7 +101,10 @@ impl Inner {
         let keep = self.config.cluster.sharing == Sharing::Inclusive;
         if purpose == Purpose::Prefetch && !keep {
             // Partitioned: the owner keeps it; make sure it does, and keep nothing here.
-            let done = remote.open(&who, rel, 0).and_then(|t| t.confirmed());
+            let done = remote.open(&who, rel, 0).and_then(|t| {
+                *known = Some(t.found);
+                t.confirmed()
+            });
             drop(guard);
             return match done {
                 Ok(()) => {
