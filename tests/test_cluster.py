@@ -579,3 +579,28 @@ def test_a_prefetch_on_one_node_asks_the_owners_and_the_store_serves_each_file_o
             assert sum(held) == len(rels), held
     finally:
         stop_cluster(cluster)
+
+
+def test_an_owner_with_a_full_tier_still_serves_its_files(
+    tmp_path: Path, store: tuple[Path, dict[str, str]]
+) -> None:
+    """The owner's tier has no room: it serves each file from the store as it reads it, and nothing
+    breaks; its reader's node keeps what the owner could not (inclusive)."""
+    mount, digests = store
+    rels = sorted(digests)
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    try:
+        owner, reader = cluster.nodes
+        # Restart the first node's agent over a tier of 4 KiB.
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=owner.env, check=True)
+        owner.env["TIERSTORE_TIERS"] = f"{tmp_path / 'full-tier'}:4K"
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "start"], env=owner.env, check=True)
+        owner.pid = cluster.agent_status(owner)["pid"]
+        out = cluster.read_all(reader, rels)
+        assert out["got"] == digests
+        assert out["stats"]["peer_hits"] > 0 and out["stats"]["peer_faults"] == 0, out["stats"]
+        served = cluster.stats(owner)
+        assert served["served_files"] == out["stats"]["peer_hits"]
+        assert served["uncached"] > 0, served
+    finally:
+        stop_cluster(cluster)

@@ -132,3 +132,60 @@ def test_four_nodes_in_namespaces_read_the_dataset_from_the_store_once(
     for cmd, env in zip(in_ns, envs, strict=True):
         subprocess.run([*cmd, sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=env, timeout=60)
     time.sleep(0.1)
+
+
+READER = r"""
+import hashlib, json, os, sys, time, tierstore
+c = tierstore.Cache()
+got, slowest = {}, 0.0
+for r in sys.argv[1:]:
+    t = time.monotonic()
+    got[r] = hashlib.sha256(c.open(os.path.join(c.source, r)).read()).hexdigest()
+    slowest = max(slowest, time.monotonic() - t)
+print(json.dumps({"got": got, "slowest": slowest, "stats": c.stats()["source"]}))
+"""
+
+
+def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
+    tmp_path: Path, slow_store: tuple[Path, Path]
+) -> None:
+    """The link of one node is taken down (its peers see it vanish, no reset): every read on the others
+    completes, correct, none waits more than 2 s, and the failures are counted."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    backing, mount = slow_store
+    digests = dataset(backing)
+    rels = sorted(digests)
+    token = tmp_path / "token"
+    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
+    with Nodes(NODES) as nodes:
+        addresses = [n.address for n in nodes.nodes]
+        envs = []
+        for i, n in enumerate(nodes.nodes):
+            runtime = tmp_path / f"node{i}"
+            runtime.mkdir()
+            env = {
+                **os.environ,
+                "XDG_RUNTIME_DIR": str(runtime),
+                "TIERSTORE_SOURCE": str(mount),
+                "TIERSTORE_TIERS": f"{tmp_path / f'tier{i}'}:256M",
+                "TIERSTORE_REVALIDATE": "never",
+                "TIERSTORE_SHARING": "partitioned",
+                "TIERSTORE_PEERS": ",".join(addresses),
+                "TIERSTORE_NODE": addresses[i],
+                "TIERSTORE_LISTEN": addresses[i],
+                "TIERSTORE_TOKEN_FILE": str(token),
+            }
+            envs.append(env)
+            start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
+            subprocess.run(start, env=env, check=True, capture_output=True, timeout=60)
+        nodes.link_down(NODES - 1)
+        for i in range(NODES - 1):
+            p = subprocess.run(nodes.nodes[i].cmd(sys.executable, "-c", READER, *rels), env=envs[i],
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert p.returncode == 0, p.stderr[-3000:]
+            out = json.loads(p.stdout)
+            assert out["got"] == digests, f"node {i} read wrong bytes"
+            assert out["slowest"] < 2.0, f"node {i}: a read waited {out['slowest']:.2f} s"
+            assert out["stats"]["peer_faults"] >= 1, out["stats"]
+            assert "did not answer" in p.stderr or "cannot be reached" in p.stderr, p.stderr
