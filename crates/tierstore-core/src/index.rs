@@ -355,6 +355,9 @@ impl Link {
     }
 }
 
+/// A recorded listing: the directory's source-relative path, and its entries unless they were forgotten.
+pub type Listing = (String, Option<Vec<Listed>>);
+
 /// One entry of a directory listing, as `readdir` returned it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Listed {
@@ -383,8 +386,7 @@ impl Listed {
         v
     }
 
-    #[allow(clippy::type_complexity)]
-    fn decode(b: &[u8]) -> Option<(String, Option<Vec<Listed>>)> {
+    fn decode(b: &[u8]) -> Option<Listing> {
         let n = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
         let rel = std::str::from_utf8(b.get(4..4 + n)?).ok()?.to_string();
         let mut at = 4 + n;
@@ -620,7 +622,7 @@ impl Index {
     /// directory of the tier that stands for the source's, and replays this record to `readdir`). The
     /// path stays when the entries are forgotten, so that a descriptor handed out before still names its
     /// directory.
-    pub fn listing(&self, key: &Key) -> Result<Option<(String, Option<Vec<Listed>>)>, IndexError> {
+    pub fn listing(&self, key: &Key) -> Result<Option<Listing>, IndexError> {
         let txn = self.env.read()?;
         match txn.get(self.listings, key)? {
             None => Ok(None),

@@ -251,6 +251,12 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
         return None;
     }
     let cache = s.cache()?;
+    // A directory opened without O_DIRECTORY (tar opens whatever it meets that way, then reads it as a
+    // directory if it is one).
+    let nofollow = flags & libc::O_NOFOLLOW != 0;
+    if cache.cached_stat(&abs, nofollow).ok().flatten().is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR) {
+        return dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY);
+    }
     let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
     match opened {
         Ok(native) => {
@@ -272,7 +278,8 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
             Some(fd)
         }
         Err(tierstore_core::Error::Io { source, .. }) => match source.raw_os_error() {
-            Some(libc::EISDIR) | None => None,
+            Some(libc::EISDIR) => dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY),
+            None => None,
             Some(e) => {
                 set_errno(e);
                 Some(-1)
