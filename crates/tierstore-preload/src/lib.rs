@@ -7,9 +7,10 @@
 //! `streams`), the stat family (whose every member, `fstat` of a copy's descriptor included, reports the
 //! source's file, so programs that compare them see one file), `access`, `realpath` and `readlink`
 //! (answered from the cache when the dataset is trusted, `revalidate = "never"`, for symlinks inside the
-//! source too), the statfs family (the source's file system, recorded once when trusted), the xattr
-//! calls that follow symlinks, and the calls that change files (writes, truncation, rename, unlink,
-//! rmdir, symlink), which pass through and invalidate what they change.
+//! source too), the statfs family (the source's file system, recorded once when trusted), directory
+//! listings when trusted (see `dirs`), the xattr calls that follow symlinks, and the calls that change
+//! files (writes, truncation, rename, unlink, mkdir, rmdir, symlink), which pass through and invalidate
+//! what they change.
 //! Every other path costs a prefix comparison; `fstat` of a file on another device than the tiers' costs
 //! a comparison of device numbers.
 //!
