@@ -23,7 +23,9 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use libc::{c_char, c_int, c_long, DIR};
 use tierstore_core::index::Listed;
@@ -46,9 +48,33 @@ struct Stream {
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
-fn streams() -> std::sync::MutexGuard<'static, HashMap<usize, Stream>> {
-    static TABLE: OnceLock<Mutex<HashMap<usize, Stream>>> = OnceLock::new();
-    TABLE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+static TABLE: OnceLock<Mutex<HashMap<usize, Stream>>> = OnceLock::new();
+
+/// The table of streams on shadows. A forked child keeps its parent's streams (its `DIR *`s are copies
+/// of them); the table's lock is taken before a fork and released after it in both processes, so a fork
+/// made while another thread held it cannot leave the child's table locked forever.
+fn streams() -> parking_lot::MutexGuard<'static, HashMap<usize, Stream>> {
+    TABLE
+        .get_or_init(|| {
+            // SAFETY: registers handlers that only lock and unlock the table.
+            unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+            Mutex::new(HashMap::new())
+        })
+        .lock()
+}
+
+extern "C" fn before_fork() {
+    if let Some(t) = TABLE.get() {
+        std::mem::forget(t.lock());
+    }
+}
+
+extern "C" fn after_fork() {
+    if let Some(t) = TABLE.get() {
+        // SAFETY: `before_fork` left the table locked by this thread (the one that forked); in the child
+        // it is the only thread.
+        unsafe { t.force_unlock() };
+    }
 }
 
 fn register(dirp: *mut DIR, entries: Vec<Listed>) {
