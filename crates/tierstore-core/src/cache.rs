@@ -20,7 +20,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::flight::{Flight, Flights, Outcome, Role};
-use crate::index::{key_of, Entry, Key, Link, Reservation, SourceId, Usage};
+use crate::index::{key_of, Entry, Key, Link, Listed, Reservation, SourceId, Usage};
 use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
 use crate::placement::plan;
 use crate::pool::Pool;
@@ -459,6 +459,55 @@ impl Cache {
         let _ = ix.record_statfs(raw);
     }
 
+    /// The listing of the source directory `path` as it was recorded, when the source is trusted and
+    /// nothing changed it through tierstore since; `None` otherwise.
+    pub fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let rel = self.inner.source.relative_or_root(path).ok()?;
+        let (at, entries) = self.inner.directories()?.listing(&key_of(&rel)).ok()??;
+        (at == rel).then_some(entries)?
+    }
+
+    /// Records what `readdir` listed of the source directory `path` (only when the source is trusted).
+    pub fn note_listing(&self, path: &Path, entries: &[Listed]) {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return;
+        }
+        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
+            return;
+        };
+        self.inner.source.counters().add(src_slot::STATS, 1);
+        let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries));
+    }
+
+    /// The empty directory of the first tier that stands for the source directory `path` when the source
+    /// is trusted (a descriptor of it is handed out in place of one of the source directory, and
+    /// [`Cache::shadowed`] maps it back); `None` otherwise.
+    pub fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
+        if self.inner.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let rel = self.inner.source.relative_or_root(path).ok()?;
+        let key = key_of(&rel);
+        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
+        let ix = tier.index.as_ref().ok()?;
+        if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
+            ix.record_listing(&key, &rel, None).ok()?;
+        }
+        tier.shadow_dir(&key).ok()
+    }
+
+    /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
+    /// for, if it is one.
+    pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
+        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
+        let key = tier.key_of_shadow(name)?;
+        let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
+        Some(self.inner.source.path_of(&rel))
+    }
+
     /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
     pub fn is_copy(&self, path: &Path) -> bool {
         self.inner.tiers.iter().any(|t| t.key_of_copy(path).is_some())
@@ -500,6 +549,10 @@ impl Cache {
         let key = key_of(&rel);
         if let Some(ix) = self.inner.directories() {
             let _ = ix.forget_path(&key);
+            // A name appeared, went or changed in its directory; a directory itself may have gone.
+            let parent = rel.rsplit_once('/').map_or("", |(dir, _)| dir);
+            let _ = ix.forget_listing(&key_of(parent));
+            let _ = ix.forget_listing(&key);
         }
         let _guard = self.inner.locks.lock(&key).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
         self.inner.remove_entries(&key);

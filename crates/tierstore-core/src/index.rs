@@ -299,6 +299,8 @@ pub struct Index {
     dirs: Db,
     /// Symlinks under a trusted source: their `lstat` and where they lead (see [`Index::link`]).
     links: Db,
+    /// Listings of source directories under a trusted source (see [`Index::listing`]).
+    listings: Db,
     policy: Policy,
 }
 
@@ -353,6 +355,58 @@ impl Link {
     }
 }
 
+/// A recorded listing: the directory's source-relative path, and its entries unless they were forgotten.
+pub type Listing = (String, Option<Vec<Listed>>);
+
+/// One entry of a directory listing, as `readdir` returned it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    /// `d_ino`.
+    pub ino: u64,
+    /// `d_type` (`DT_UNKNOWN` when the file system does not say).
+    pub kind: u8,
+    /// `d_name`, without its NUL.
+    pub name: Vec<u8>,
+}
+
+impl Listed {
+    /// The path's length and the path, then a flag (1: the entries follow), then per entry its inode,
+    /// type, name length and name.
+    fn encode(rel: &str, entries: Option<&[Listed]>) -> Vec<u8> {
+        let mut v = Vec::with_capacity(5 + rel.len() + entries.map_or(0, |e| e.len() * 24));
+        v.extend_from_slice(&(rel.len() as u32).to_le_bytes());
+        v.extend_from_slice(rel.as_bytes());
+        v.push(u8::from(entries.is_some()));
+        for e in entries.unwrap_or_default() {
+            v.extend_from_slice(&e.ino.to_le_bytes());
+            v.push(e.kind);
+            v.extend_from_slice(&(e.name.len() as u16).to_le_bytes());
+            v.extend_from_slice(&e.name);
+        }
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<Listing> {
+        let n = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+        let rel = std::str::from_utf8(b.get(4..4 + n)?).ok()?.to_string();
+        let mut at = 4 + n;
+        if *b.get(at)? == 0 {
+            return Some((rel, None));
+        }
+        at += 1;
+        let mut entries = Vec::new();
+        while at < b.len() {
+            let ino = u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?);
+            let kind = *b.get(at + 8)?;
+            let len = u16::from_le_bytes(b.get(at + 9..at + 11)?.try_into().ok()?) as usize;
+            let name = b.get(at + 11..at + 11 + len)?.to_vec();
+            at += 11 + len;
+            entries.push(Listed { ino, kind, name });
+        }
+        Some((rel, Some(entries)))
+    }
+}
+
 fn get_u64(txn: &crate::lmdb::Txn<'_>, db: Db, key: &[u8]) -> Result<u64, LmdbError> {
     Ok(txn.get(db, key)?.and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0))
 }
@@ -371,13 +425,14 @@ impl Index {
     /// Opens (creating if needed) the index in directory `dir`.
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
         // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
-        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links"])?;
+        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links", "listings"])?;
         Ok(Index {
             entries: env.db(0),
             ranks: env.db(1),
             meta: env.db(2),
             dirs: env.db(3),
             links: env.db(4),
+            listings: env.db(5),
             env,
             policy,
         })
@@ -560,6 +615,45 @@ impl Index {
         Ok(())
     }
 
+    /// The listing of the source directory of `key`: the directory's source-relative path, and its entries
+    /// as `readdir` returned them, in order, unless a change through tierstore made them stale. Only a
+    /// trusted source records listings: walkers (find, cp -r, tar, rsync) list every directory they meet,
+    /// and a warm cache answers those listings from here (the shim hands out a descriptor of an empty
+    /// directory of the tier that stands for the source's, and replays this record to `readdir`). The
+    /// path stays when the entries are forgotten, so that a descriptor handed out before still names its
+    /// directory.
+    pub fn listing(&self, key: &Key) -> Result<Option<Listing>, IndexError> {
+        let txn = self.env.read()?;
+        match txn.get(self.listings, key)? {
+            None => Ok(None),
+            Some(b) => Listed::decode(b).map(Some).ok_or(IndexError::Damaged),
+        }
+    }
+
+    /// Records the listing of the source directory `rel` (key `key`); `None`: only its path.
+    pub fn record_listing(&self, key: &Key, rel: &str, entries: Option<&[Listed]>) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        txn.put(self.listings, key, &Listed::encode(rel, entries))?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Forgets the entries of the listing of `key` (the directory changed), keeping its path.
+    pub fn forget_listing(&self, key: &Key) -> Result<(), IndexError> {
+        let mut txn = self.env.write()?;
+        let rel = match txn.get(self.listings, key)? {
+            Some(b) => match Listed::decode(b) {
+                Some((_, None)) => return Ok(()),
+                Some((rel, Some(_))) => rel,
+                None => return Ok(()),
+            },
+            None => return Ok(()),
+        };
+        txn.put(self.listings, key, &Listed::encode(&rel, None))?;
+        txn.commit()?;
+        Ok(())
+    }
+
     /// What `statfs` said of the source's file system, if it was recorded: programs that walk a tree
     /// (GNU find, through fts) ask it of every directory they open, to choose how to walk. Only a trusted
     /// source records it, once; a change through tierstore forgets it, since it changes the free counts.
@@ -646,6 +740,7 @@ impl Index {
         let mut txn = self.env.write()?;
         txn.clear(self.dirs)?;
         txn.clear(self.links)?;
+        txn.clear(self.listings)?;
         txn.del(self.meta, STATFS)?;
         txn.clear(self.entries)?;
         txn.clear(self.ranks)?;
@@ -711,6 +806,26 @@ mod tests {
         idx.forget_path(&k).unwrap();
         assert_eq!(idx.link(&k, "a/link").unwrap(), None);
         assert_eq!(idx.statfs().unwrap(), None);
+    }
+
+    #[test]
+    fn listings_round_trip_and_forgetting_keeps_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let ix = Index::open(dir.path(), Policy::Fill).unwrap();
+        let key = key_of("a/b");
+        assert_eq!(ix.listing(&key).unwrap(), None);
+        let entries = vec![
+            Listed { ino: 1, kind: libc::DT_DIR, name: b".".to_vec() },
+            Listed { ino: u64::MAX, kind: libc::DT_UNKNOWN, name: "é x".as_bytes().to_vec() },
+        ];
+        ix.record_listing(&key, "a/b", Some(&entries)).unwrap();
+        assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), Some(entries))));
+        ix.forget_listing(&key).unwrap();
+        assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), None)));
+        ix.record_listing(&key, "a/b", Some(&[])).unwrap();
+        assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), Some(vec![]))));
+        ix.clear().unwrap();
+        assert_eq!(ix.listing(&key).unwrap(), None);
     }
 
     #[test]

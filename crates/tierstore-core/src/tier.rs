@@ -46,6 +46,18 @@ fn hex(key: &Key) -> String {
     s
 }
 
+/// The key that `hex` wrote as `name`.
+fn key_of_hex(name: &str) -> Option<Key> {
+    if name.len() != 32 {
+        return None;
+    }
+    let mut key = [0u8; 16];
+    for (i, byte) in key.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(name.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(key)
+}
+
 /// The namespace directory name of `source` inside a tier.
 pub fn namespace(source: &Path) -> String {
     let name: String = source
@@ -66,7 +78,7 @@ impl Tier {
     /// an index that cannot be opened leaves the tier unavailable.
     pub fn open(config: &TierConfig, source: &Path, policy: Policy) -> io::Result<Tier> {
         let root = config.path.join(namespace(source));
-        for sub in ["index", "tmp", "data"] {
+        for sub in ["index", "tmp", "data", "shadow"] {
             std::fs::create_dir_all(root.join(sub))?;
         }
         let counters = Counters::open(&root.join("counters"))?;
@@ -82,18 +94,30 @@ impl Tier {
         self.data_dev == dev
     }
 
+    /// The empty directory that stands for the listed source directory of `key` (see
+    /// [`crate::index::Index::listing`]), created if needed.
+    pub fn shadow_dir(&self, key: &Key) -> io::Result<PathBuf> {
+        let p = self.root.join("shadow").join(hex(key));
+        match std::fs::create_dir(&p) {
+            Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(e),
+            _ => Ok(p),
+        }
+    }
+
+    /// The key of the shadow directory at `path` (as /proc names an open descriptor of it), if it is one.
+    pub fn key_of_shadow(&self, path: &Path) -> Option<Key> {
+        let name = path.strip_prefix(self.data_real.with_file_name("shadow")).ok()?.to_str()?;
+        key_of_hex(name)
+    }
+
     /// The key of the published copy at `path` (as /proc names an open copy), if `path` is one.
     pub fn key_of_copy(&self, path: &Path) -> Option<Key> {
         let rest = path.strip_prefix(&self.data_real).ok()?.to_str()?;
         let (prefix, name) = rest.split_once('/')?;
-        if name.len() != 32 || !name.starts_with(prefix) || prefix.len() != 2 {
+        if !name.starts_with(prefix) || prefix.len() != 2 {
             return None;
         }
-        let mut key = [0u8; 16];
-        for (i, byte) in key.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(name.get(2 * i..2 * i + 2)?, 16).ok()?;
-        }
-        Some(key)
+        key_of_hex(name)
     }
 
     /// Whether the tier holds data in RAM.

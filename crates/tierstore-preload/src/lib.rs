@@ -7,9 +7,10 @@
 //! `streams`), the stat family (whose every member, `fstat` of a copy's descriptor included, reports the
 //! source's file, so programs that compare them see one file), `access`, `realpath` and `readlink`
 //! (answered from the cache when the dataset is trusted, `revalidate = "never"`, for symlinks inside the
-//! source too), the statfs family (the source's file system, recorded once when trusted), the xattr
-//! calls that follow symlinks, and the calls that change files (writes, truncation, rename, unlink,
-//! rmdir, symlink), which pass through and invalidate what they change.
+//! source too), the statfs family (the source's file system, recorded once when trusted), directory
+//! listings when trusted (see `dirs`), the xattr calls that follow symlinks, and the calls that change
+//! files (writes, truncation, rename, unlink, mkdir, rmdir, symlink), which pass through and invalidate
+//! what they change.
 //! Every other path costs a prefix comparison; `fstat` of a file on another device than the tiers' costs
 //! a comparison of device numbers.
 //!
@@ -74,6 +75,8 @@ macro_rules! real {
         std::mem::transmute::<usize, $ty>(p)
     }};
 }
+
+mod dirs;
 
 /// The engine of one process. The configuration is read on the first intercepted call; the cache itself
 /// is opened on the first path under the source, so processes that never touch the source (compilers,
@@ -200,6 +203,27 @@ fn contains_dotdot(b: &[u8]) -> bool {
     b.windows(3).any(|w| w == b"/..")
 }
 
+/// For a `*at` call relative to a shadow descriptor (see `dirs`): the source path it names, for the call
+/// to make with `AT_FDCWD` instead, so that what the shim does not answer is done on the source, never
+/// on the shadow.
+unsafe fn unshadow(dirfd: c_int, path: *const c_char) -> Option<std::ffi::CString> {
+    if !dirs::HANDED_OUT.load(Ordering::Relaxed) || dirfd < 0 || path.is_null() || matches!(*path as u8, 0 | b'/') {
+        return None;
+    }
+    let _busy = Busy::enter()?;
+    let (_, dir) = dirs::shadowed(dirfd)?;
+    let joined = dir.join(OsStr::from_bytes(CStr::from_ptr(path).to_bytes()));
+    std::ffi::CString::new(joined.into_os_string().into_vec()).ok()
+}
+
+/// The arguments of a `*at` call after `unshadow`.
+fn at(unshadowed: &Option<std::ffi::CString>, dirfd: c_int, path: *const c_char) -> (c_int, *const c_char) {
+    match unshadowed {
+        Some(p) => (libc::AT_FDCWD, p.as_ptr()),
+        None => (dirfd, path),
+    }
+}
+
 fn set_errno(e: c_int) {
     // SAFETY: errno is thread-local.
     unsafe { *libc::__errno_location() = e };
@@ -216,11 +240,24 @@ fn writes(flags: c_int) -> bool {
 unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: bool) -> Option<c_int> {
     let s = shim()?;
     let abs = s.source_path(dirfd, path)?;
-    // Directories, O_PATH handles and direct I/O (which tmpfs refuses) are the source's business.
-    if writes(flags) || flags & (libc::O_DIRECTORY | libc::O_PATH | libc::O_DIRECT) != 0 {
+    if writes(flags) {
+        return None;
+    }
+    // A directory of a trusted source: a descriptor of its shadow (see `dirs`).
+    if flags & libc::O_DIRECTORY != 0 {
+        return dirs::open_shadow(s.cache()?, &abs, flags);
+    }
+    // O_PATH handles and direct I/O (which tmpfs refuses) are the source's business.
+    if flags & (libc::O_PATH | libc::O_DIRECT) != 0 {
         return None;
     }
     let cache = s.cache()?;
+    // A directory opened without O_DIRECTORY (tar opens whatever it meets that way, then reads it as a
+    // directory if it is one).
+    let nofollow = flags & libc::O_NOFOLLOW != 0;
+    if cache.cached_stat(&abs, nofollow).ok().flatten().is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR) {
+        return dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY);
+    }
     let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
     match opened {
         Ok(native) => {
@@ -242,7 +279,8 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
             Some(fd)
         }
         Err(tierstore_core::Error::Io { source, .. }) => match source.raw_os_error() {
-            Some(libc::EISDIR) | None => None,
+            Some(libc::EISDIR) => dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY),
+            None => None,
             Some(e) => {
                 set_errno(e);
                 Some(-1)
@@ -294,6 +332,8 @@ pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: mode_t)
 
 #[no_mangle]
 pub unsafe extern "C" fn openat(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     open_common(dirfd, path, flags, || {
         real!("openat", unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int)(dirfd, path, flags, mode)
     })
@@ -301,6 +341,8 @@ pub unsafe extern "C" fn openat(dirfd: c_int, path: *const c_char, flags: c_int,
 
 #[no_mangle]
 pub unsafe extern "C" fn openat64(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     open_common(dirfd, path, flags, || {
         real!("openat64", unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int)(dirfd, path, flags, mode)
     })
@@ -322,6 +364,8 @@ pub unsafe extern "C" fn __open64_2(path: *const c_char, flags: c_int) -> c_int 
 
 #[no_mangle]
 pub unsafe extern "C" fn __openat_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     open_common(dirfd, path, flags, || {
         real!("__openat_2", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags)
     })
@@ -329,6 +373,8 @@ pub unsafe extern "C" fn __openat_2(dirfd: c_int, path: *const c_char, flags: c_
 
 #[no_mangle]
 pub unsafe extern "C" fn __openat64_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     open_common(dirfd, path, flags, || {
         real!("__openat64_2", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags)
     })
@@ -492,6 +538,12 @@ unsafe fn fstat_common(fd: c_int, buf: *mut libc::stat, real: impl FnOnce() -> c
     if let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) {
         if let Some(st) = cache.copy_stat(fd, &*buf) {
             *buf = st;
+            return rc;
+        }
+    }
+    if (*buf).st_mode & libc::S_IFMT == libc::S_IFDIR {
+        if let Some(st) = dirs::shadow_stat(fd) {
+            *buf = st;
         }
     }
     rc
@@ -597,6 +649,8 @@ unsafe fn fstatat_common(
 
 #[no_mangle]
 pub unsafe extern "C" fn fstatat(dirfd: c_int, path: *const c_char, buf: *mut libc::stat, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     fstatat_common(dirfd, path, buf, flags, || {
         real!("fstatat", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat, c_int) -> c_int)(
             dirfd, path, buf, flags,
@@ -606,6 +660,8 @@ pub unsafe extern "C" fn fstatat(dirfd: c_int, path: *const c_char, buf: *mut li
 
 #[no_mangle]
 pub unsafe extern "C" fn fstatat64(dirfd: c_int, path: *const c_char, buf: *mut libc::stat, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     fstatat_common(dirfd, path, buf, flags, || {
         real!("fstatat64", unsafe extern "C" fn(c_int, *const c_char, *mut libc::stat, c_int) -> c_int)(
             dirfd, path, buf, flags,
@@ -621,6 +677,8 @@ pub unsafe extern "C" fn __fxstatat(
     buf: *mut libc::stat,
     flags: c_int,
 ) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     fstatat_common(dirfd, path, buf, flags, || {
         real!("__fxstatat", unsafe extern "C" fn(c_int, c_int, *const c_char, *mut libc::stat, c_int) -> c_int)(
             ver, dirfd, path, buf, flags,
@@ -636,6 +694,8 @@ pub unsafe extern "C" fn __fxstatat64(
     buf: *mut libc::stat,
     flags: c_int,
 ) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     fstatat_common(dirfd, path, buf, flags, || {
         real!("__fxstatat64", unsafe extern "C" fn(c_int, c_int, *const c_char, *mut libc::stat, c_int) -> c_int)(
             ver, dirfd, path, buf, flags,
@@ -680,6 +740,8 @@ pub unsafe extern "C" fn statx(
     mask: c_uint,
     buf: *mut libc::statx,
 ) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     let real = || {
         real!("statx", unsafe extern "C" fn(c_int, *const c_char, c_int, c_uint, *mut libc::statx) -> c_int)(
             dirfd, path, flags, mask, buf,
@@ -691,6 +753,12 @@ pub unsafe extern "C" fn statx(
             return rc;
         }
         let Some(_busy) = Busy::enter() else { return rc };
+        if u32::from((*buf).stx_mode) & libc::S_IFMT == libc::S_IFDIR {
+            if let Some(st) = dirs::shadow_stat(dirfd) {
+                *buf = statx_of(&st);
+            }
+            return rc;
+        }
         let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) else { return rc };
         // Only the device and the size are read to recognise a copy.
         let mut own: libc::stat = std::mem::zeroed();
@@ -825,6 +893,8 @@ pub unsafe extern "C" fn readlink(path: *const c_char, buf: *mut c_char, size: s
 
 #[no_mangle]
 pub unsafe extern "C" fn readlinkat(dirfd: c_int, path: *const c_char, buf: *mut c_char, size: size_t) -> ssize_t {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     readlink_common(dirfd, path, buf, size, || {
         real!("readlinkat", unsafe extern "C" fn(c_int, *const c_char, *mut c_char, size_t) -> ssize_t)(
             dirfd, path, buf, size,
@@ -944,9 +1014,9 @@ unsafe fn statfs_target(path: *const c_char, fd: c_int) -> Option<(&'static Cach
     if s.under(name.as_os_str().as_bytes()) {
         return Some((s.cache()?, Fs::Source));
     }
-    // A copy is only ever handed out by a cache this process opened.
+    // A copy or a shadow is only ever handed out by a cache this process opened.
     let cache = s.cache.get()?.as_ref()?;
-    cache.is_copy(&name).then_some((cache, Fs::Copy))
+    (cache.is_copy(&name) || cache.shadowed(&name).is_some()).then_some((cache, Fs::Copy))
 }
 
 /// `statfs` and `fstatfs` (`path` null), answered in `T` (`statfs` or `statvfs`); `ask` is the real
@@ -1074,6 +1144,8 @@ pub unsafe extern "C" fn access(path: *const c_char, mode: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn faccessat(dirfd: c_int, path: *const c_char, mode: c_int, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     access_common(dirfd, path, mode, || {
         real!("faccessat", unsafe extern "C" fn(c_int, *const c_char, c_int, c_int) -> c_int)(dirfd, path, mode, flags)
     })
@@ -1100,8 +1172,40 @@ pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     let rc = real!("unlinkat", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags);
     changed(rc, &[(dirfd, path)])
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mkdir(path: *const c_char, mode: mode_t) -> c_int {
+    let rc = real!("mkdir", unsafe extern "C" fn(*const c_char, mode_t) -> c_int)(path, mode);
+    changed(rc, &[(libc::AT_FDCWD, path)])
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn mkdirat(dirfd: c_int, path: *const c_char, mode: mode_t) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
+    let rc = real!("mkdirat", unsafe extern "C" fn(c_int, *const c_char, mode_t) -> c_int)(dirfd, path, mode);
+    changed(rc, &[(dirfd, path)])
+}
+
+/// `fchdir` to a shadow descriptor changes to the source directory it stands for, so that later relative
+/// paths (of calls the shim does not interpose too) name the source, never the shadow.
+#[no_mangle]
+pub unsafe extern "C" fn fchdir(fd: c_int) -> c_int {
+    if dirs::HANDED_OUT.load(Ordering::Relaxed) {
+        if let Some(_busy) = Busy::enter() {
+            if let Some(dir) =
+                dirs::shadowed(fd).and_then(|(_, d)| std::ffi::CString::new(d.into_os_string().into_vec()).ok())
+            {
+                return real!("chdir", unsafe extern "C" fn(*const c_char) -> c_int)(dir.as_ptr());
+            }
+        }
+    }
+    real!("fchdir", unsafe extern "C" fn(c_int) -> c_int)(fd)
 }
 
 #[no_mangle]
@@ -1118,6 +1222,8 @@ pub unsafe extern "C" fn symlink(target: *const c_char, path: *const c_char) -> 
 
 #[no_mangle]
 pub unsafe extern "C" fn symlinkat(target: *const c_char, dirfd: c_int, path: *const c_char) -> c_int {
+    let u = unshadow(dirfd, path);
+    let (dirfd, path) = at(&u, dirfd, path);
     let rc =
         real!("symlinkat", unsafe extern "C" fn(*const c_char, c_int, *const c_char) -> c_int)(target, dirfd, path);
     changed(rc, &[(dirfd, path)])
@@ -1131,6 +1237,8 @@ pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int
 
 #[no_mangle]
 pub unsafe extern "C" fn renameat(olddir: c_int, old: *const c_char, newdir: c_int, new: *const c_char) -> c_int {
+    let (uo, un) = (unshadow(olddir, old), unshadow(newdir, new));
+    let ((olddir, old), (newdir, new)) = (at(&uo, olddir, old), at(&un, newdir, new));
     let rc = real!("renameat", unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char) -> c_int)(
         olddir, old, newdir, new,
     );
@@ -1145,6 +1253,8 @@ pub unsafe extern "C" fn renameat2(
     new: *const c_char,
     flags: c_uint,
 ) -> c_int {
+    let (uo, un) = (unshadow(olddir, old), unshadow(newdir, new));
+    let ((olddir, old), (newdir, new)) = (at(&uo, olddir, old), at(&un, newdir, new));
     let rc = real!("renameat2", unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char, c_uint) -> c_int)(
         olddir, old, newdir, new, flags,
     );
