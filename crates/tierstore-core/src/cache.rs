@@ -35,6 +35,12 @@ mod prefetch;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 
 const COPY_CHUNK: usize = 4 << 20;
+
+/// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
+type CopyIncarnation = (u64, u64, i64, i64);
+
+/// How many copies' rewritten `stat`s a process remembers before it starts over.
+const COPY_STATS_KEPT: usize = 1 << 16;
 const FIRST_COPY_CHUNK: usize = 256 << 10;
 
 fn now_ns() -> u64 {
@@ -147,6 +153,8 @@ struct Inner {
     pid: u32,
     /// The job's other members, when nodes share their caches (not in the agent's own cache).
     remote: Option<crate::remote::Remote>,
+    /// What `copy_stat` found for each copy incarnation this process has seen (see there).
+    copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
     record_checksums: bool,
@@ -284,6 +292,7 @@ impl Cache {
             pid: crate::pid(),
             remote,
             record_checksums,
+            copy_stats: Mutex::new(HashMap::new()),
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {
@@ -534,13 +543,32 @@ impl Cache {
     /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
     pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
         let tier = self.inner.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
+        // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
+        // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
+        // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
+        // (Callers that know less of the descriptor, with no inode or link count, take the long way.)
+        let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
+        let remembered = st.st_nlink > 0 && st.st_ino != 0;
+        if remembered {
+            if let Some(known) = self.inner.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
+                return (known.st_size == st.st_size).then_some(*known);
+            }
+        }
         let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
         let key = tier.key_of_copy(&name)?;
         let e = tier.index.as_ref().ok()?.lookup(&key).ok()??;
         if !e.ready || e.source.size != st.st_size as u64 {
             return None;
         }
-        e.source.to_stat()
+        let rewritten = e.source.to_stat()?;
+        if remembered {
+            let mut memo = self.inner.copy_stats.lock().expect("copy stats lock");
+            if memo.len() >= COPY_STATS_KEPT {
+                memo.clear();
+            }
+            memo.insert(incarnation, rewritten);
+        }
+        Some(rewritten)
     }
 
     /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).

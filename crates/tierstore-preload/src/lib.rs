@@ -760,10 +760,18 @@ pub unsafe extern "C" fn statx(
             return rc;
         }
         let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) else { return rc };
-        // Only the device and the size are read to recognise a copy.
+        // The device and the size recognise a copy; the inode, links and change time let the cache
+        // remember it (see `Cache::copy_stat`).
         let mut own: libc::stat = std::mem::zeroed();
         own.st_dev = libc::makedev((*buf).stx_dev_major, (*buf).stx_dev_minor);
         own.st_size = (*buf).stx_size as i64;
+        let basic = libc::STATX_INO | libc::STATX_NLINK | libc::STATX_CTIME;
+        if (*buf).stx_mask & basic == basic {
+            own.st_ino = (*buf).stx_ino;
+            own.st_nlink = (*buf).stx_nlink as _;
+            own.st_ctime = (*buf).stx_ctime.tv_sec;
+            own.st_ctime_nsec = (*buf).stx_ctime.tv_nsec as _;
+        }
         if let Some(st) = cache.copy_stat(dirfd, &own) {
             *buf = statx_of(&st);
         }
