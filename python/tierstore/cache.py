@@ -39,11 +39,11 @@ def _tier(spec: TierSpec) -> tuple[Any, int | str | None]:
 
 
 class Cache:
-    """A tiered, node-local cache in front of one source directory.
+    """A tiered, node-local cache in front of one source: a directory or an S3-compatible bucket.
 
     Args:
-        source: The directory on the shared store to cache. Overrides `source` of the config file and
-            `$TIERSTORE_SOURCE`.
+        source: The directory on the shared store to cache, or an object store prefix
+            ("s3://bucket/prefix"). Overrides `source` of the config file and `$TIERSTORE_SOURCE`.
         tiers: Cache tiers, fastest first: "PATH:QUOTA" strings, (path, quota) pairs or
             {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB") or a number of bytes;
             leave it out to use half of the free space.
@@ -55,6 +55,9 @@ class Cache:
         revalidate: "always" (one `stat` of the source per open: never stale) or "never" (a read-only
             dataset: after the first epoch nothing at all is asked of the source).
         config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
+        s3: Settings of an S3 source, over the config file's `[s3]` table and the AWS environment:
+            "endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token",
+            "timeout", "connect_timeout", "retries", "range_size", "ranges_in_flight".
         start_agent: With `[cluster] sharing` on, start this node's agent if none runs (the default):
             the node's files must be served to its peers while the job reads. False for a cache that
             only inspects (`tierstore status`, `config show`).
@@ -74,6 +77,7 @@ class Cache:
         verify: str | None = None,
         revalidate: str | None = None,
         config: PathLike | None = None,
+        s3: Mapping[str, Any] | None = None,
         start_agent: bool = True,
     ) -> None:
         # Kept to rebuild the cache in a spawned worker (see __reduce__); a forked one inherits it.
@@ -87,6 +91,7 @@ class Cache:
                 "verify": verify,
                 "revalidate": revalidate,
                 "config": config,
+                "s3": None if s3 is None else dict(s3),
             },
         )
         self._core = _core.Cache(
@@ -98,6 +103,7 @@ class Cache:
             inline_max=inline_max,
             verify=verify,
             revalidate=revalidate,
+            s3=None if s3 is None else {k: str(v) for k, v in s3.items()},
         )
         _live.add(self)
         cluster = self._core.config().get("cluster")
@@ -114,7 +120,7 @@ class Cache:
 
     @property
     def source(self) -> str:
-        """The source directory."""
+        """The source: a directory, or an object store URL ("s3://bucket/prefix")."""
         return self._core.source
 
     def open(
@@ -123,7 +129,8 @@ class Cache:
         """Opens a file under the source for reading through the cache.
 
         Args:
-            path: A file under the source (absolute, or relative to the current directory).
+            path: A file under the source: a path (absolute, or relative to the current directory); for an
+                object store, "s3://bucket/prefix/key" or a key relative to the prefix.
             mode: "rb" for a binary file (`CachedFile`), "r" for text decoded with `encoding`.
             encoding: Text encoding for mode "r".
 
@@ -230,7 +237,8 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
     source, tiers, kwargs = args
     env = dict(os.environ)
     if source is not None:
-        env["TIERSTORE_SOURCE"] = os.path.abspath(os.fspath(source))
+        text = os.fsdecode(source)
+        env["TIERSTORE_SOURCE"] = text if "://" in text else os.path.abspath(text)
     if tiers is not None:
         specs = [_tier(t) for t in tiers]
         env["TIERSTORE_TIERS"] = ",".join(

@@ -311,6 +311,12 @@ def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    if "://" in cache.source:
+        raise click.ClickException(
+            f"the source {cache.source} is an object store, which programs cannot open as files: "
+            "`tierstore run` serves sources on a file system. Read objects with tierstore.open, "
+            "tierstore.torch.CachedDataset or fsspec (tierstore::s3://...) instead"
+        )
     # The source is checked and its symlinks resolved here, once for the whole job: every process the
     # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
     env.update(cache._core.resolved_env())

@@ -6,6 +6,13 @@ are served by the cache. Writes are refused: the cache serves reads only.
     import fsspec
     fs = fsspec.filesystem("tierstore", source="/lustre/data", tiers=["/dev/shm/ts:32G"])
     with fs.open("/lustre/data/train/0001.npy") as f: ...
+
+Objects of an S3 bucket are read through the cache by chaining, as fsspec users write it for its own
+caches (`simplecache::s3://...`); the `s3` options are s3fs's (key, secret, token, endpoint_url,
+client_kwargs) and the `tierstore` ones a `tierstore.Cache`'s:
+
+    with fsspec.open("tierstore::s3://bucket/train/0001.npy", s3={"endpoint_url": "http://..."},
+                     tierstore={"tiers": ["/dev/shm/ts:32G"]}) as f: ...
 """
 
 from __future__ import annotations
@@ -28,9 +35,27 @@ class TierstoreFileSystem(LocalFileSystem):
     protocol = "tierstore"
     root_marker = "/"
 
-    def __init__(self, cache: Cache | None = None, **cache_args: Any) -> None:
+    def __init__(
+        self,
+        cache: Cache | None = None,
+        target_protocol: str | None = None,
+        target_options: dict[str, Any] | None = None,
+        fo: str | None = None,
+        **cache_args: Any,
+    ) -> None:
         super().__init__()
-        if cache is None:
+        del fo  # the chained path; each open names its own
+        # Chained over s3:// (`tierstore::s3://bucket/key`): one cache per bucket, made on first use.
+        self.target = target_protocol
+        if target_protocol not in (None, "file", "local", "s3", "s3a"):
+            raise ValueError(
+                f"tierstore:: chains over s3:// only, not {target_protocol}://; for files on a mount use "
+                "tierstore:///path"
+            )
+        self.s3 = _s3_settings(target_options or {})
+        self.cache_args = cache_args
+        self.buckets: dict[str, Cache] = {}
+        if cache is None and self.target not in ("s3", "s3a"):
             cache = Cache(**cache_args) if cache_args else default_cache()
         self.cache = cache
 
@@ -39,11 +64,51 @@ class TierstoreFileSystem(LocalFileSystem):
         path = str(path)
         if path.startswith("tierstore://"):
             path = path[len("tierstore://") :]
+        if "://" in path:
+            return path
         return LocalFileSystem._strip_protocol(path)
+
+    def _cache_of(self, path: str) -> tuple[Cache, str]:
+        """The cache that serves `path`, and the name to open in it."""
+        if self.target not in ("s3", "s3a"):
+            assert self.cache is not None
+            return self.cache, path
+        url = path if "://" in path else f"s3://{path.lstrip('/')}"
+        url = "s3://" + url.split("://", 1)[1]
+        if self.cache is not None:
+            return self.cache, url
+        bucket = url[len("s3://") :].split("/", 1)[0]
+        if bucket not in self.buckets:
+            args = dict(self.cache_args)
+            args["s3"] = {**self.s3, **(args.get("s3") or {})}
+            self.buckets[bucket] = Cache(source=f"s3://{bucket}", **args)
+        return self.buckets[bucket], url
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             raise ValueError(
                 f"tierstore:// serves reads only (mode {mode!r} for {path}); write with the local path"
             )
-        return self.cache.open(self._strip_protocol(path))
+        cache, name = self._cache_of(self._strip_protocol(path))
+        return cache.open(name)
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        if self.target not in ("s3", "s3a") and "://" not in str(path):
+            return super().ls(path, detail=detail, **kwargs)
+        cache, name = self._cache_of(self._strip_protocol(path))
+        names = cache._core.list_files(name)
+        return [{"name": n, "type": "file"} for n in names] if detail else names
+
+
+def _s3_settings(options: dict[str, Any]) -> dict[str, str]:
+    """s3fs's options (key, secret, token, endpoint_url, client_kwargs) as `tierstore.Cache`'s `s3=`."""
+    client = options.get("client_kwargs") or {}
+    pairs = {
+        "access_key_id": options.get("key") or client.get("aws_access_key_id"),
+        "secret_access_key": options.get("secret") or client.get("aws_secret_access_key"),
+        "session_token": options.get("token") or client.get("aws_session_token"),
+        "endpoint": options.get("endpoint_url") or client.get("endpoint_url"),
+        "region": client.get("region_name"),
+        "profile": options.get("profile"),
+    }
+    return {k: str(v) for k, v in pairs.items() if v}

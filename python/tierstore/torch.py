@@ -8,6 +8,7 @@ and every worker process opens the same node-wide cache, so each file is still f
 from __future__ import annotations
 
 import builtins
+import fnmatch
 import glob
 import io
 import os
@@ -27,7 +28,8 @@ class CachedDataset(torch.utils.data.Dataset):
     """Files of a directory (or a list of files), each read through the cache and decoded.
 
     Args:
-        files: A directory (walked recursively, or matched with `pattern`) or a sequence of file paths.
+        files: A directory (walked recursively, or matched with `pattern`), an object store prefix
+            ("s3://bucket/prefix", every object under it), or a sequence of file paths or keys.
         decode: Called with the open binary file of a sample; returns the sample. Defaults to the bytes.
             `numpy.load`, `PIL.Image.open` (then `.convert(...)`), `torch.load` all fit.
         cache: The cache to read through; the default cache when None.
@@ -45,7 +47,16 @@ class CachedDataset(torch.utils.data.Dataset):
         transform: Callable[[Any], Any] | None = None,
     ) -> None:
         self.cache = cache if cache is not None else default_cache()
-        if isinstance(files, (str, bytes, os.PathLike)):
+        if isinstance(files, str) and "://" in files:
+            # An object store prefix: its objects, listed by the store (the pattern matches keys below it).
+            prefix = files.rstrip("/")
+            keys = self.cache._core.list_files(prefix)
+            everything = pattern in ("**/*", "**", "*")
+            paths = [p for p in keys if everything or fnmatch.fnmatch(p[len(prefix) + 1 :], pattern)]
+            if not paths:
+                raise FileNotFoundError(f"no object under {prefix} matches {pattern!r}")
+            self.paths = paths
+        elif isinstance(files, (str, bytes, os.PathLike)):
             root = os.fsdecode(files)
             if not os.path.isdir(root):
                 raise NotADirectoryError(f"{root} is not a directory; give a directory or a list of files")

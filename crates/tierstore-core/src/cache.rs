@@ -25,7 +25,7 @@ use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
 use crate::placement::plan;
 use crate::pool::Pool;
 use crate::reader::{Backing, Growing, Reader};
-use crate::source::PosixSource;
+use crate::source::{CopyFault, PosixSource, Source, SourceFile};
 use crate::tier::Tier;
 use crate::Error;
 
@@ -34,14 +34,11 @@ pub use peers::Served;
 mod prefetch;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 
-const COPY_CHUNK: usize = 4 << 20;
-
 /// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
 type CopyIncarnation = (u64, u64, i64, i64);
 
 /// How many copies' rewritten `stat`s a process remembers before it starts over.
 const COPY_STATS_KEPT: usize = 1 << 16;
-const FIRST_COPY_CHUNK: usize = 256 << 10;
 
 fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
@@ -124,6 +121,8 @@ pub struct SourceStats {
     pub served_files: u64,
     /// Bytes this node's agent served to peers.
     pub served_bytes: u64,
+    /// Listing requests sent to an object store.
+    pub lists: u64,
 }
 
 /// A snapshot of every counter of a cache.
@@ -137,7 +136,7 @@ pub struct Stats {
 
 struct Inner {
     config: Config,
-    source: Arc<PosixSource>,
+    source: Arc<dyn Source>,
     tiers: Vec<Arc<Tier>>,
     locks: Arc<FetchLocks>,
     flights: Flights,
@@ -194,12 +193,6 @@ pub enum Native {
     },
 }
 
-/// Where a step of a copy failed: reading the source, or writing the tier.
-enum CopyFault {
-    Source(io::Error),
-    Tier(io::Error),
-}
-
 /// What a fetch under the lock produced.
 enum Fetched {
     Reader(Reader),
@@ -243,8 +236,7 @@ impl Cache {
         std::fs::create_dir_all(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
         let source_counters =
             Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
-        let source =
-            Arc::new(PosixSource::new(&config.source, config.source_alias.as_deref(), Arc::new(source_counters)));
+        let source = open_source(&config, Arc::new(source_counters))?;
         let mut reg = registry();
         let mut tiers = Vec::new();
         for t in &config.tiers {
@@ -633,9 +625,14 @@ impl Cache {
                 }
             })?;
             let full = self.inner.source.path_of(&rel);
-            let m = self.inner.source.stat_path(&full).map_err(|e| Error::io(&full, e))?;
+            let Some(posix) = self.inner.posix() else {
+                // An object store has no directories: a prefix names every object under it.
+                walk.add_listing(rel);
+                continue;
+            };
+            let m = posix.stat_path(&full).map_err(|e| Error::io(&full, e))?;
             if m.is_dir() {
-                self.inner.source.counters().add(src_slot::OPENS, 1);
+                posix.counters().add(src_slot::OPENS, 1);
                 let dir = crate::source::open_dir(&full).map_err(|e| Error::io(&full, e))?;
                 walk.add_dir(dir, rel);
             } else {
@@ -645,6 +642,37 @@ impl Cache {
         let progress = walk.progress();
         walk.start(jobs)?;
         Ok(progress)
+    }
+
+    /// Every file under `path` (a directory of the source, an object store prefix, or the source itself),
+    /// by its full name, sorted. One listing per directory (POSIX) or per thousand keys (an object store).
+    pub fn list_files(&self, path: &Path) -> Result<Vec<PathBuf>, Error> {
+        let src = &self.inner.source;
+        let mut out = Vec::new();
+        let mut dirs = vec![src.relative_or_root(path)?];
+        while let Some(dir) = dirs.pop() {
+            let join = |name: &std::ffi::OsStr| {
+                if dir.is_empty() {
+                    name.to_string_lossy().into_owned()
+                } else {
+                    format!("{dir}/{}", name.to_string_lossy())
+                }
+            };
+            for e in src.list(&dir).map_err(|e| Error::io(&src.path_of(&dir), e))? {
+                let rel = join(&e.name);
+                let is_dir = match e.is_dir {
+                    Some(d) => d,
+                    None => src.path_of(&rel).is_dir(),
+                };
+                if is_dir {
+                    dirs.push(rel);
+                } else {
+                    out.push(src.path_of(&rel));
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
     }
 
     /// Blocks until every prefetch has finished and every queued copy is published (and access
@@ -681,6 +709,7 @@ impl Cache {
             peer_faults: c.get(src_slot::PEER_FAULTS),
             served_files: c.get(src_slot::SERVED_FILES),
             served_bytes: c.get(src_slot::SERVED_BYTES),
+            lists: c.get(src_slot::LISTS),
         };
         let tiers = self
             .inner
@@ -756,6 +785,25 @@ fn normalize_abs(p: &Path) -> PathBuf {
     }
 }
 
+/// The error of asking a descriptor of a source that has none (an object store).
+fn no_descriptor() -> io::Error {
+    io::Error::new(io::ErrorKind::Unsupported, "an object store has no file descriptors; read it through tierstore.open")
+}
+
+/// The source a configuration names: an object store (`s3://`), or a directory.
+fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Source>, Error> {
+    match &config.s3 {
+        None => Ok(Arc::new(PosixSource::new(&config.source, config.source_alias.as_deref(), counters))),
+        #[cfg(feature = "s3")]
+        Some(s3) => Ok(Arc::new(crate::source::ObjectSource::new(s3.clone(), counters).map_err(|e| Error::io(&config.source, e))?)),
+        #[cfg(not(feature = "s3"))]
+        Some(s3) => Err(Error::io(
+            &config.source,
+            io::Error::new(io::ErrorKind::Unsupported, format!("this build of tierstore cannot read {} (built without the s3 feature); use the Python package", s3.url)),
+        )),
+    }
+}
+
 /// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
 /// write into the copy (which changes its mtime) is detected on the next open.
 fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
@@ -770,6 +818,12 @@ fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
 }
 
 impl Inner {
+    /// The source as a POSIX directory, for what only a file system has (descriptors for programs,
+    /// directory walks, symlinks); `None` for an object store.
+    fn posix(&self) -> Option<&PosixSource> {
+        self.source.posix()
+    }
+
     fn pid_matches(&self) -> bool {
         self.pid == crate::pid()
     }
@@ -829,7 +883,7 @@ impl Inner {
 
     /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
     /// open fetched).
-    fn open_identified(&self, rel: &str) -> Result<(SourceId, File), Error> {
+    fn open_identified(&self, rel: &str) -> Result<(SourceId, SourceFile), Error> {
         let path = self.source.path_of(rel);
         let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
         let (sid, is_dir) = self.source.identify_opened(&f, rel).map_err(|e| Error::io(&path, e))?;
@@ -847,8 +901,11 @@ impl Inner {
         known: &mut Option<SourceId>,
         flight: Arc<Flight>,
         purpose: Purpose,
-        pre: &mut Option<File>,
+        pre: &mut Option<SourceFile>,
     ) -> Result<Fetched, Error> {
+        if known.is_none() && self.posix().is_none() {
+            return self.lead_object_flight(key, rel, known, flight, purpose, pre);
+        }
         let sid = match *known {
             Some(sid) => sid,
             None => match self.open_identified(rel) {
@@ -864,6 +921,49 @@ impl Inner {
             },
         };
         self.lead(key, rel, sid, flight, purpose, pre)
+    }
+
+    /// [`Inner::lead_flight`] for an object no tier holds. Opening an object fetches its first bytes (the
+    /// whole of a small one), so the node-wide lock is taken first: processes racing for the same cold
+    /// object then send one GET between them, and the ones that waited find it published.
+    fn lead_object_flight(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        known: &mut Option<SourceId>,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+        pre: &mut Option<SourceFile>,
+    ) -> Result<Fetched, Error> {
+        let guard = match self.locks.lock(key) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
+                None
+            }
+        };
+        let sid = match self.published(key, rel) {
+            // Another process fetched it while this one waited: serve its copy (checked as any hit).
+            Some(e) if self.config.revalidate == Revalidate::Never => e.source,
+            _ => match self.open_identified(rel) {
+                Ok((sid, f)) => {
+                    *pre = Some(f);
+                    sid
+                }
+                Err(e) => {
+                    self.flights.land(key, &flight);
+                    return Err(e);
+                }
+            },
+        };
+        *known = Some(sid);
+        match guard {
+            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre),
+            None => {
+                self.flights.land(key, &flight);
+                Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
+            }
+        }
     }
 
     /// The first published entry of `key` in tier order, with the tier's index.
@@ -968,7 +1068,7 @@ impl Inner {
     }
 
     /// A reader of the source itself (through `pre` when the source is already open).
-    fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<File>) -> Result<Reader, Error> {
+    fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<SourceFile>) -> Result<Reader, Error> {
         let f = match pre.take() {
             Some(f) => f,
             None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?,
@@ -1122,7 +1222,7 @@ impl Inner {
         sid: SourceId,
         flight: Arc<Flight>,
         purpose: Purpose,
-        pre: &mut Option<File>,
+        pre: &mut Option<SourceFile>,
     ) -> Result<Fetched, Error> {
         let guard = match self.locks.lock(key) {
             Ok(g) => g,
@@ -1146,7 +1246,7 @@ impl Inner {
         flight: Arc<Flight>,
         guard: FetchGuard,
         purpose: Purpose,
-        pre: &mut Option<File>,
+        pre: &mut Option<SourceFile>,
     ) -> Result<Fetched, Error> {
         let land = |f: Fetched| {
             self.flights.land(key, &flight);
@@ -1216,7 +1316,7 @@ impl Inner {
                 let mut src = pre.take();
                 let program = if purpose == Purpose::Native {
                     let opened = src.take().map_or_else(|| self.source.open(rel), Ok).and_then(|f| {
-                        let program = f.try_clone()?;
+                        let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
                         Ok((f, program))
                     });
                     match opened {
@@ -1254,7 +1354,7 @@ impl Inner {
                         return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
                     }
                 };
-                let growing = Arc::new(Growing::new(read_handle, sid.size));
+                let growing = Arc::new(Growing::new(read_handle, sid));
                 flight.deliver(Outcome::Growing(growing.clone()));
                 let fetched = match program {
                     Some(f) => Fetched::Streaming(f, growing.clone()),
@@ -1296,6 +1396,8 @@ impl Inner {
 
     /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
     fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
+        // A program can follow a growing copy only beside a descriptor of the source itself.
+        let stream = stream && self.posix().is_some();
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
@@ -1328,7 +1430,7 @@ impl Inner {
                 Role::Follower(flight) => {
                     if let Outcome::Growing(copy) = flight.wait() {
                         if stream {
-                            let source = self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+                            let source = self.source_descriptor(rel, None)?;
                             return Ok(Native::Copying { source, copy });
                         }
                     }
@@ -1338,10 +1440,24 @@ impl Inner {
                 known = self.known_identity(&key, rel)?;
             }
         }
-        match pre.take() {
-            Some(f) => Ok(Native::Whole(f)),
-            None => self.source.open(rel).map(Native::Whole).map_err(|e| Error::io(&self.source.path_of(rel), e)),
+        self.source_descriptor(rel, pre.take()).map(Native::Whole)
+    }
+
+    /// A descriptor holding a source file's bytes for a program: the file's own on a POSIX source (`pre`
+    /// when already open); for an object store, which has no descriptors, its bytes in a memory file.
+    fn source_descriptor(&self, rel: &str, pre: Option<SourceFile>) -> Result<File, Error> {
+        let path = self.source.path_of(rel);
+        if self.posix().is_some() {
+            return match pre {
+                Some(f) => f.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
+                None => self.source.open(rel).map_err(|e| Error::io(&path, e))?.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
+            };
         }
+        let (bytes, _) = self.source.read_whole(rel, 0, pre).map_err(|e| Error::io(&path, e))?;
+        let file = peers::memory_file(rel).map_err(|e| Error::io(&path, e))?;
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(&bytes, 0).map_err(|e| Error::io(&path, e))?;
+        Ok(file)
     }
 
     /// Reserves room for the entry by policy; returns the tier that took it.
@@ -1450,10 +1566,10 @@ impl Inner {
         rel: &str,
         sid: SourceId,
         started: Option<(PathBuf, File, Arc<Growing>)>,
-        source_file: Option<File>,
+        source_file: Option<SourceFile>,
     ) -> Result<bool, Error> {
         let tier = &self.tiers[t];
-        let (temp, mut file, growing) = match started {
+        let (temp, file, growing) = match started {
             Some((p, f, g)) => (p, f, Some(g)),
             None => match tier.create_temp(key) {
                 Ok((p, f)) => (p, f, None),
@@ -1485,63 +1601,24 @@ impl Inner {
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
         };
-        PosixSource::advise_sequential(&src);
         let mut hasher = self.record_checksums.then(blake3::Hasher::new);
-        let mut buf = vec![0u8; COPY_CHUNK.min(sid.size as usize + 1).max(1)];
-        // Readers of a growing copy wait for the first chunk: start small so that the first bytes come as
-        // soon as they would from the source, then double up to full-size chunks.
-        let mut want = FIRST_COPY_CHUNK.min(buf.len());
-        let mut copied = 0u64;
-        // Without a checksum to compute, the kernel copies from the source to the tier directly: one
-        // memory copy per byte instead of two, which is CPU a first epoch shares with the job.
-        let mut in_kernel = hasher.is_none();
-        loop {
-            let step = if in_kernel {
-                self.source.send_at(&src, &file, copied, want).map_err(|e| match e.raw_os_error() {
-                    Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => CopyFault::Tier(e),
-                    _ => CopyFault::Source(e),
-                })
-            } else {
-                self.source.read_at(&src, &mut buf[..want], copied).map_err(CopyFault::Source).and_then(|n| {
-                    file.write_all(&buf[..n]).map_err(CopyFault::Tier)?;
-                    if let Some(h) = hasher.as_mut() {
-                        h.update(&buf[..n]);
-                    }
-                    Ok(n)
-                })
-            };
-            let n = match step {
-                Ok(n) => n,
-                Err(CopyFault::Source(e))
-                    if in_kernel
-                        && matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) =>
-                {
-                    in_kernel = false; // a file system that cannot: copy through a buffer
-                    continue;
-                }
-                Err(CopyFault::Source(e)) => {
-                    fail(None);
-                    return Err(Error::io(&self.source.path_of(rel), e));
-                }
-                Err(CopyFault::Tier(e)) => {
-                    fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
-                    return Ok(false);
-                }
-            };
-            if n == 0 {
-                break;
-            }
-            copied += n as u64;
-            want = (want * 2).min(buf.len());
+        let mut progress = |copied: u64| {
             if let Some(g) = &growing {
-                g.advance(copied.min(sid.size));
+                g.advance(copied);
             }
-            if copied > sid.size {
-                break;
+        };
+        let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
+            Ok(x) => x,
+            Err(CopyFault::Source(e)) => {
+                fail(None);
+                return Err(Error::io(&self.source.path_of(rel), e));
             }
-        }
+            Err(CopyFault::Tier(e)) => {
+                fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
+                return Ok(false);
+            }
+        };
         // A file rewritten during the copy is never published.
-        let after = src.metadata().map(|m| SourceId::of(&m)).ok();
         if copied != sid.size || after != Some(sid) {
             fail(None);
             return Ok(false);
@@ -1558,7 +1635,13 @@ impl Inner {
 
     /// One file of a prefetch, opened and identified by the caller: copy it unless it is cached or being
     /// fetched by someone else.
-    fn prefetch_file(self: &Arc<Self>, key: &Key, rel: &str, sid: SourceId, file: File) -> Result<Fetched, Error> {
+    fn prefetch_file(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        file: SourceFile,
+    ) -> Result<Fetched, Error> {
         if self.hit(key, rel, &sid, false).is_some() {
             return Ok(Fetched::Skipped);
         }

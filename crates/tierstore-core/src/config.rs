@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::cluster::{ClusterConfig, Sharing, DEFAULT_PORT};
 use crate::placement::Policy;
+use crate::source::s3_config::{is_url, S3Config, S3_KEYS};
 
 /// Where a configuration value came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -133,6 +134,9 @@ pub struct Config {
     pub revalidate: Revalidate,
     /// How the nodes of a job share their caches, and who they are.
     pub cluster: ClusterConfig,
+    /// The object store, when the source is one (`source = "s3://bucket/prefix"`); `source` then holds
+    /// the URL.
+    pub s3: Option<S3Config>,
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
 }
@@ -156,6 +160,8 @@ pub struct Overrides {
     pub verify: Option<String>,
     /// Revalidation mode name.
     pub revalidate: Option<String>,
+    /// `[s3]` settings (key, value), over the file's.
+    pub s3: Vec<(String, String)>,
 }
 
 /// The environment variables tierstore reads; any other `TIERSTORE_*` name is a typo and an error.
@@ -243,6 +249,8 @@ struct Raw {
     resolved: Option<(String, String)>,
     /// `[cluster]` keys, each with where it was set.
     cluster: BTreeMap<&'static str, (toml::Value, Origin)>,
+    /// `[s3]` keys, each with where it was set.
+    s3: BTreeMap<&'static str, (toml::Value, Origin)>,
     /// Slurm's node list of the job, when the process runs under Slurm.
     slurm_nodes: Option<String>,
     /// Slurm's job id, which names the job in a registry by default.
@@ -255,7 +263,8 @@ struct RawTier {
     kind: Option<String>,
 }
 
-const TOP_KEYS: &[&str] = &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster"];
+const TOP_KEYS: &[&str] =
+    &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster", "s3"];
 const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
@@ -350,10 +359,81 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                     raw.cluster.insert(name, (cv.clone(), origin.clone()));
                 }
             }
+            "s3" => {
+                let fix = "write an [s3] table: endpoint = \"http://127.0.0.1:8333\", region = \"us-east-1\"";
+                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
+                for (sk, sv) in t {
+                    let Some(&name) = S3_KEYS.iter().find(|k| **k == sk.as_str()) else {
+                        return Err(unknown_key(&origin, &format!("s3.{sk}"), sv, S3_KEYS));
+                    };
+                    raw.s3.insert(name, (sv.clone(), origin.clone()));
+                }
+            }
             other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
         }
     }
     Ok(())
+}
+
+/// Validates the `[s3]` keys into `c` (the bucket and prefix parsed from the source).
+fn validate_s3(
+    mut c: S3Config,
+    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
+) -> Result<S3Config, ConfigError> {
+    for (&k, (v, o)) in keys {
+        let text = v.as_str().map_or_else(|| scalar(v), str::to_owned);
+        let key = format!("s3.{k}");
+        match k {
+            "timeout" | "connect_timeout" => {
+                let d = parse_duration(&text).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a duration", "use seconds (30) or a unit: \"500ms\", \"30s\", \"2m\"")
+                })?;
+                if k == "timeout" {
+                    c.timeout = d;
+                } else {
+                    c.connect_timeout = d;
+                }
+            }
+            "retries" => {
+                c.retries = text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
+                })?;
+            }
+            "range_size" => {
+                c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a range size of at least 64 KiB", "use a size like \"8M\"")
+                })?;
+            }
+            "ranges_in_flight" => {
+                c.ranges_in_flight = text.parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a number of ranges", "use a whole number from 1 to 256")
+                })?;
+            }
+            "endpoint" if !(text.starts_with("http://") || text.starts_with("https://")) => {
+                return Err(bad(o, &key, &text, "is not an http(s) URL", "write http://HOST:PORT or https://HOST"));
+            }
+            _ => {
+                c.settings.insert(k.to_string(), text);
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// A duration: seconds as a number, or with a unit (`ms`, `s`, `m`).
+fn parse_duration(text: &str) -> Option<std::time::Duration> {
+    let t = text.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (t, 1.0)
+    };
+    let secs: f64 = num.trim().parse().ok()?;
+    (secs.is_finite() && secs > 0.0).then(|| std::time::Duration::from_secs_f64(secs * scale))
 }
 
 /// Validates the `[cluster]` keys (see [`crate::cluster`]).
@@ -656,6 +736,13 @@ impl Config {
         if let Some(v) = &overrides.source {
             raw.source = Some((v.clone(), Origin::Argument));
         }
+        for (k, v) in &overrides.s3 {
+            let value = toml::Value::String(v.clone());
+            let Some(&name) = S3_KEYS.iter().find(|n| **n == k.as_str()) else {
+                return Err(unknown_key(&Origin::Argument, &format!("s3.{k}"), &value, S3_KEYS));
+            };
+            raw.s3.insert(name, (value, Origin::Argument));
+        }
         if let Some(t) = &overrides.tiers {
             let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
             raw.tiers = Some((tiers, Origin::Argument));
@@ -685,16 +772,37 @@ impl Config {
                 "set source = \"/path/to/dataset\" in tierstore.toml, TIERSTORE_SOURCE, or Cache(source=...)",
             )
         })?;
-        let given = expand_home(&source_text);
-        let given = crate::source::normalize(&std::path::absolute(&given).unwrap_or(given));
-        let source = match resolved_by_parent(&given, raw.resolved.as_ref()) {
-            Some(resolved) => resolved,
+        let s3 = if is_url(&source_text) {
+            let c = S3Config::parse(&source_text).map_err(|e| bad(&source_origin, "source", &source_text, &e.0, ""))?;
+            Some(validate_s3(c, &raw.s3)?)
+        } else {
+            if let Some((k, (v, o))) = raw.s3.iter().next() {
+                return Err(bad(
+                    o,
+                    &format!("s3.{k}"),
+                    scalar(v),
+                    "is set but the source is not an object store",
+                    "give source = \"s3://BUCKET/PREFIX\", or remove the [s3] table",
+                ));
+            }
+            None
+        };
+        let (source, source_alias) = match &s3 {
+            Some(c) => (PathBuf::from(&c.url), None),
             None => {
-                check_source_dir(&given, &source_origin, &source_text)?;
-                std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone())
+                let given = expand_home(&source_text);
+                let given = crate::source::normalize(&std::path::absolute(&given).unwrap_or(given));
+                let source = match resolved_by_parent(&given, raw.resolved.as_ref()) {
+                    Some(resolved) => resolved,
+                    None => {
+                        check_source_dir(&given, &source_origin, &source_text)?;
+                        std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone())
+                    }
+                };
+                let alias = (given != source).then_some(given);
+                (source, alias)
             }
         };
-        let source_alias = (given != source).then_some(given);
         origins.insert("source".to_string(), source_origin);
 
         let (raw_tiers, tiers_origin) = raw.tiers.unwrap_or_else(|| {
@@ -889,7 +997,7 @@ impl Config {
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
         }
-        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, cluster, origins })
+        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, cluster, s3, origins })
     }
 }
 

@@ -124,6 +124,8 @@ pub mod source {
     pub const SERVED_FILES: usize = 9;
     /// Bytes this node's agent served to peers.
     pub const SERVED_BYTES: usize = 10;
+    /// Listing requests sent to an object store (one per thousand keys).
+    pub const LISTS: usize = 11;
 }
 
 #[cfg(test)]

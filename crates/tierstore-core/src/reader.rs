@@ -7,7 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::counters::tier as tier_slot;
-use crate::source::PosixSource;
+use crate::index::SourceId;
+use crate::source::{Source, SourceFile};
 use crate::tier::Tier;
 
 /// A large file being copied into a tier. Readers read what is already copied and wait for the rest;
@@ -15,6 +16,8 @@ use crate::tier::Tier;
 pub struct Growing {
     file: File,
     size: u64,
+    /// The version of the source file being copied: a reader whose copy fails goes on with it.
+    version: SourceId,
     pid: u32,
     progress: Mutex<Progress>,
     advanced: Condvar,
@@ -39,11 +42,13 @@ pub enum CopyState {
 }
 
 impl Growing {
-    /// A copy of `size` bytes that `file` (a read handle on the copy being written) will follow.
-    pub fn new(file: File, size: u64) -> Growing {
+    /// A copy of the source file version `version` that `file` (a read handle on the copy being written)
+    /// will follow.
+    pub fn new(file: File, version: SourceId) -> Growing {
         Growing {
             file,
-            size,
+            size: version.size,
+            version,
             pid: crate::pid(),
             progress: Mutex::new(Progress { copied: 0, failed: false, finished: false }),
             advanced: Condvar::new(),
@@ -53,6 +58,11 @@ impl Growing {
     /// The size of the file being copied.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The version of the source file being copied.
+    pub fn version(&self) -> &SourceId {
+        &self.version
     }
 
     /// Records that the first `copied` bytes are written.
@@ -132,7 +142,7 @@ pub enum Backing {
     /// A copy being written, followed as it grows.
     Growing(Arc<Growing>),
     /// The source itself: no tier had room, or a cache fault.
-    Source(File),
+    Source(SourceFile),
     /// A file a peer served that no tier of this node keeps (partitioned sharing): private to this open.
     Private(File),
 }
@@ -143,21 +153,22 @@ pub struct Reader {
     size: u64,
     pos: u64,
     rel: String,
-    source: Arc<PosixSource>,
-    /// Source descriptor opened when a growing copy fails.
-    fallback: Option<File>,
+    source: Arc<dyn Source>,
+    /// The source file, opened when a growing copy fails.
+    fallback: Option<SourceFile>,
 }
 
 impl Reader {
     /// A reader of `size` bytes of the source file `rel` over `backing`.
-    pub fn new(backing: Backing, size: u64, rel: String, source: Arc<PosixSource>) -> Reader {
+    pub fn new(backing: Backing, size: u64, rel: String, source: Arc<dyn Source>) -> Reader {
         Reader { backing, size, pos: 0, rel, source, fallback: None }
     }
 
     /// The descriptor of the cached copy or source file this reader reads, if it reads one directly.
     pub fn into_file(self) -> Option<File> {
         match self.backing {
-            Backing::Copy(f, _) | Backing::Source(f) | Backing::Private(f) => Some(f),
+            Backing::Copy(f, _) | Backing::Private(f) => Some(f),
+            Backing::Source(f) => f.into_file(),
             Backing::Memory(_) | Backing::Growing(_) => None,
         }
     }
@@ -191,7 +202,8 @@ impl Reader {
     /// The descriptor of a real file holding exactly the file's bytes, if there is one.
     pub fn fd(&self) -> Option<RawFd> {
         match &self.backing {
-            Backing::Copy(f, _) | Backing::Source(f) | Backing::Private(f) => Some(f.as_raw_fd()),
+            Backing::Copy(f, _) | Backing::Private(f) => Some(f.as_raw_fd()),
+            Backing::Source(f) => f.as_file().map(|f| f.as_raw_fd()),
             Backing::Memory(_) | Backing::Growing(_) => None,
         }
     }
@@ -274,7 +286,7 @@ impl Reader {
                     }
                 }
                 if self.fallback.is_none() {
-                    self.fallback = Some(self.source.open(&self.rel)?);
+                    self.fallback = Some(self.source.reopen(&self.rel, g.version())?);
                 }
                 self.source.read_at(self.fallback.as_ref().expect("opened above"), buf, offset)
             }

@@ -86,8 +86,27 @@ pub fn io_to_py(err: std::io::Error, path: Option<&str>) -> PyErr {
             PyOSError::new_err((errno, text, p.to_string()))
         }
         (Some(errno), None) => PyOSError::new_err((errno, message)),
-        (None, _) => PyOSError::new_err(message),
+        // An error with a kind but no errno (an object store's): the errno of its kind, so that Python
+        // raises the matching subclass (FileNotFoundError, PermissionError, TimeoutError) with our message.
+        (None, _) => match errno_of_kind(err.kind()) {
+            Some(errno) => PyOSError::new_err((errno, message)),
+            None => PyOSError::new_err(message),
+        },
     }
+}
+
+fn errno_of_kind(kind: std::io::ErrorKind) -> Option<i32> {
+    use std::io::ErrorKind as K;
+    Some(match kind {
+        K::NotFound => libc::ENOENT,
+        K::PermissionDenied => libc::EACCES,
+        K::TimedOut => libc::ETIMEDOUT,
+        K::ConnectionRefused => libc::ECONNREFUSED,
+        K::ConnectionReset => libc::ECONNRESET,
+        K::Unsupported => libc::EOPNOTSUPP,
+        K::IsADirectory => libc::EISDIR,
+        _ => return None,
+    })
 }
 
 /// `IntegrityError(message, index, kind)`: which request failed, and how ("corrupt" or "truncated").

@@ -68,7 +68,7 @@ fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None))]
+    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None, s3=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,6 +80,7 @@ impl PyCache {
         inline_max: Option<Bound<'_, PyAny>>,
         verify: Option<String>,
         revalidate: Option<String>,
+        s3: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
         let tiers = match tiers {
             None => None,
@@ -100,6 +101,11 @@ impl PyCache {
             inline_max: inline_max.as_ref().map(size_text).transpose()?,
             verify,
             revalidate,
+            s3: s3
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| Ok((k, v.str()?.to_string())))
+                .collect::<PyResult<Vec<_>>>()?,
         };
         let config =
             py.allow_threads(|| Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)?;
@@ -122,6 +128,14 @@ impl PyCache {
         let engine = self.engine(py)?;
         let found = py.allow_threads(|| engine.lookup(&p, validate)).map_err(to_py)?;
         Ok(found.map(|p| p.to_string_lossy().into_owned()))
+    }
+
+    /// Every file under `path` (a directory, an object store prefix), by its full name, sorted.
+    fn list_files(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        let found = py.allow_threads(|| engine.list_files(&p)).map_err(to_py)?;
+        Ok(found.into_iter().map(|p| p.to_string_lossy().into_owned()).collect())
     }
 
     /// Starts warming the cache with files and directories, `jobs` files at a time (the core's default
@@ -164,6 +178,7 @@ impl PyCache {
         src.set_item("peer_faults", s.source.peer_faults)?;
         src.set_item("served_files", s.source.served_files)?;
         src.set_item("served_bytes", s.source.served_bytes)?;
+        src.set_item("lists", s.source.lists)?;
         src.set_item("path", self.config.source.to_string_lossy())?;
         out.set_item("source", src)?;
         let tiers = PyList::empty(py);

@@ -49,7 +49,11 @@ impl super::Cache {
             }
         }
         // Not cached (no tier had room): the descriptor is the source's own.
-        let (identity, _) = inner.source.identify_opened(&file, rel).map_err(|e| Error::io(&path, e))?;
+        let identity = match inner.posix() {
+            Some(posix) => posix.identify_file(&file, rel).map_err(|e| Error::io(&path, e))?.0,
+            // An object store's bytes in a memory file: its identity is the object's.
+            None => inner.source.identify(rel).map_err(|e| Error::io(&path, e))?,
+        };
         Ok(Served { file, identity, checksum: None })
     }
 
@@ -228,7 +232,7 @@ impl Inner {
 }
 
 /// An anonymous file in memory, read-only once written is up to its user (a program gets a descriptor).
-fn memory_file(rel: &str) -> io::Result<File> {
+pub(super) fn memory_file(rel: &str) -> io::Result<File> {
     use std::os::fd::FromRawFd;
     let name = std::ffi::CString::new(format!("tierstore:{}", rel.rsplit('/').next().unwrap_or(rel)))
         .unwrap_or_else(|_| c"tierstore".to_owned());

@@ -23,7 +23,7 @@ use super::{Fetched, Inner, Purpose};
 use crate::config::Revalidate;
 use crate::flight::Role;
 use crate::index::{key_of, SourceId};
-use crate::source::list_dir;
+use crate::source::{list_dir, SourceFile};
 use crate::Error;
 
 /// Files fetched at once when the caller does not say: enough to hide a store's round trip behind the
@@ -145,6 +145,9 @@ enum Job {
     Dir { parent: Arc<DirHandle>, name: OsString },
     /// A file, or an entry of unknown type; `parent` is None for a file named by the caller.
     Entry { parent: Option<Arc<DirHandle>>, name: OsString, rel: String },
+    /// Every object under a prefix of an object store (`""` for the source's own prefix); an object that
+    /// is named whole has nothing under it and is fetched itself.
+    Listing(String),
 }
 
 #[derive(Default)]
@@ -184,6 +187,11 @@ impl Walk {
     pub(super) fn add_dir(&self, file: File, rel: String) {
         let h = self.handle(file, rel);
         self.push(vec![Job::List(h)], Vec::new());
+    }
+
+    /// Queues every object under the prefix `rel` of an object store.
+    pub(super) fn add_listing(&self, rel: String) {
+        self.push(vec![Job::Listing(rel)], Vec::new());
     }
 
     /// Queues a file named by the caller.
@@ -284,9 +292,11 @@ impl Walk {
     fn run(&self, job: Job) {
         match job {
             Job::List(h) => self.list(h),
+            Job::Listing(rel) => self.list_objects(rel),
             Job::Dir { parent, name } => {
                 let rel = parent.child(&name);
-                match self.inner.source.open_in(&parent.file, &name) {
+                let Some(posix) = self.inner.posix() else { return };
+                match posix.open_in(&parent.file, &name) {
                     Ok(f) => self.list(self.handle(f, rel)),
                     Err(e) => self.fail_dir(format!(
                         "{}: cannot open the directory ({e}); its files were not prefetched",
@@ -304,6 +314,36 @@ impl Walk {
         self.progress.files_total.fetch_add(1, Ordering::AcqRel);
         self.progress.fail(message);
         self.progress.handled(0);
+    }
+
+    /// Lists an object store's prefix (paged by the store: one LIST request per thousand keys) and
+    /// queues each object under it; a name with nothing under it is an object of its own.
+    fn list_objects(&self, rel: String) {
+        let entries = match self.inner.source.list(&rel) {
+            Ok(entries) => entries,
+            Err(e) => {
+                self.fail_dir(format!(
+                    "{}: cannot list ({e}); nothing under it was prefetched",
+                    self.inner.source.path_of(&rel).display()
+                ));
+                return;
+            }
+        };
+        let files: Vec<Job> = if entries.is_empty() && !rel.is_empty() {
+            vec![Job::Entry { parent: None, name: OsString::new(), rel }]
+        } else {
+            let mut names: Vec<String> = entries.into_iter().map(|e| e.name.to_string_lossy().into_owned()).collect();
+            names.sort();
+            names
+                .into_iter()
+                .map(|name| {
+                    let rel = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+                    Job::Entry { parent: None, name: OsString::new(), rel }
+                })
+                .collect()
+        };
+        self.progress.files_total.fetch_add(files.len() as u64, Ordering::AcqRel);
+        self.push(Vec::new(), files);
     }
 
     fn list(&self, h: Arc<DirHandle>) {
@@ -343,12 +383,11 @@ impl Walk {
             let current = match inner.config.revalidate {
                 Revalidate::Never => Some(e.source),
                 Revalidate::Always => {
-                    let st = match &parent {
-                        Some(d) => inner
-                            .source
+                    let st = match (&parent, inner.posix()) {
+                        (Some(d), Some(posix)) => posix
                             .stat_in(&d.file, name)
                             .map(|st| (st.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| SourceId::of_stat(&st))),
-                        None => inner.source.identify(&rel).map(Some),
+                        _ => inner.source.identify(&rel).map(Some),
                     };
                     match st {
                         Ok(sid) => sid, // None: no longer a file, the open below says what it is
@@ -386,9 +425,9 @@ impl Walk {
                 }
             }
         }
-        let opened = match &parent {
-            Some(d) => inner.source.open_in(&d.file, name),
-            None => inner.source.open(&rel),
+        let opened = match (&parent, inner.posix()) {
+            (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
+            _ => inner.source.open(&rel),
         };
         let identified =
             opened.and_then(|f| inner.source.identify_opened(&f, &rel).map(|(sid, is_dir)| (f, sid, is_dir)));
@@ -404,8 +443,8 @@ impl Walk {
         if is_dir {
             p.not_a_file();
             // A directory the listing did not type is walked; a symlink to one is not (no loops).
-            if canonical && parent.is_some() {
-                self.list(self.handle(file, rel));
+            if let (true, Some(_), Some(dir)) = (canonical, &parent, file.into_file()) {
+                self.list(self.handle(dir, rel));
             }
             return;
         }

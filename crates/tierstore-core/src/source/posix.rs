@@ -1,6 +1,5 @@
-//! The source: a POSIX directory on the shared store. It is the truth and is never written by the read
-//! path. Every operation sent to it is counted, because keeping those operations off the shared store is
-//! what tierstore is for.
+//! A directory of a POSIX file system as the source (Lustre, GPFS, NFS, a local disk): files are read
+//! through descriptors, so a program under `tierstore run` can be handed one, and identified by `stat`.
 
 use std::fs::File;
 use std::io;
@@ -8,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use super::{CopyFault, ListedEntry, OutsideSource, Source, SourceFile};
 use crate::counters::{source as slot, Counters};
 use crate::index::SourceId;
 
@@ -23,18 +23,6 @@ pub struct PosixSource {
     /// served wholly from the cache never asks the store anything, not even to open its root.
     dir: OnceLock<File>,
     counters: Arc<Counters>,
-}
-
-/// A path that lies outside the source.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "{path} is outside the cached source {source_root}; open it directly, or configure its directory as the source"
-)]
-pub struct OutsideSource {
-    /// The path asked for.
-    pub path: PathBuf,
-    /// The source directory.
-    pub source_root: PathBuf,
 }
 
 /// Lexically normalizes an absolute path (`.` and `..` removed) without touching the file system.
@@ -86,7 +74,7 @@ impl PosixSource {
     /// a round trip to the store would make them, and the store is spared one metadata operation per
     /// miss. Whether `rel` is the file's own path (no symlink on the way) is read from the descriptor's
     /// name in /proc, which the kernel knows without asking the store.
-    pub fn identify_opened(&self, file: &File, rel: &str) -> io::Result<(SourceId, bool)> {
+    pub fn identify_file(&self, file: &File, rel: &str) -> io::Result<(SourceId, bool)> {
         use std::os::fd::AsRawFd;
         self.counters.add(slot::STATS, 1);
         let mut x = std::mem::MaybeUninit::<libc::statx>::zeroed();
@@ -182,7 +170,7 @@ impl PosixSource {
     }
 
     /// Opens a source file for reading (counted).
-    pub fn open(&self, rel: &str) -> io::Result<File> {
+    pub fn open_file(&self, rel: &str) -> io::Result<File> {
         self.counters.add(slot::OPENS, 1);
         open_at(self.dir()?, rel)
     }
@@ -198,11 +186,11 @@ impl PosixSource {
     /// the identity of the file as it was after the read; the caller publishes only if that identity is
     /// the one it reserved for (a file rewritten during the read is served but never cached).
     /// `pre` is the file when the caller already opened it.
-    pub fn read_whole(&self, rel: &str, expect: u64, pre: Option<File>) -> io::Result<(Vec<u8>, SourceId)> {
+    fn read_whole_file(&self, rel: &str, expect: u64, pre: Option<File>) -> io::Result<(Vec<u8>, SourceId)> {
         use std::os::fd::AsRawFd;
         let f = match pre {
             Some(f) => f,
-            None => self.open(rel)?,
+            None => self.open_file(rel)?,
         };
         // Room for one byte more than expected, to notice a file that grew. Reads go straight into the
         // spare capacity: zeroing the buffer first would cost a pass over every byte.
@@ -255,10 +243,144 @@ impl PosixSource {
     }
 
     /// Reads at `offset` from an open source descriptor (counted).
-    pub fn read_at(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    pub fn read_file_at(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let n = f.read_at(buf, offset)?;
         self.count_read(n);
         Ok(n)
+    }
+}
+
+/// A copy step of full size; the first is smaller (see [`FIRST_COPY_CHUNK`]).
+const COPY_CHUNK: usize = 4 << 20;
+/// The first step of a copy: readers of a growing copy wait for it, so it is as small as a read of the
+/// source would be; steps then double up to [`COPY_CHUNK`].
+const FIRST_COPY_CHUNK: usize = 256 << 10;
+
+fn posix_file(file: &SourceFile) -> io::Result<&File> {
+    file.as_file().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file of a POSIX source"))
+}
+
+impl Source for PosixSource {
+    fn root(&self) -> &Path {
+        PosixSource::root(self)
+    }
+
+    fn relative(&self, path: &Path) -> Result<String, OutsideSource> {
+        PosixSource::relative(self, path)
+    }
+
+    fn relative_or_root(&self, path: &Path) -> Result<String, OutsideSource> {
+        PosixSource::relative_or_root(self, path)
+    }
+
+    fn path_of(&self, rel: &str) -> PathBuf {
+        PosixSource::path_of(self, rel)
+    }
+
+    fn counters(&self) -> &Arc<Counters> {
+        PosixSource::counters(self)
+    }
+
+    fn identify(&self, rel: &str) -> io::Result<SourceId> {
+        PosixSource::identify(self, rel)
+    }
+
+    fn open(&self, rel: &str) -> io::Result<SourceFile> {
+        self.open_file(rel).map(SourceFile::Posix)
+    }
+
+    fn identify_opened(&self, file: &SourceFile, rel: &str) -> io::Result<(SourceId, bool)> {
+        self.identify_file(posix_file(file)?, rel)
+    }
+
+    fn read_at(&self, file: &SourceFile, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.read_file_at(posix_file(file)?, buf, offset)
+    }
+
+    fn read_whole(&self, rel: &str, expect: u64, pre: Option<SourceFile>) -> io::Result<(Vec<u8>, SourceId)> {
+        self.read_whole_file(rel, expect, pre.and_then(SourceFile::into_file))
+    }
+
+    fn copy(
+        &self,
+        from: &SourceFile,
+        to: &File,
+        size: u64,
+        mut hasher: Option<&mut blake3::Hasher>,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<(u64, Option<SourceId>), CopyFault> {
+        use std::io::Write;
+        let src = posix_file(from).map_err(CopyFault::Source)?;
+        PosixSource::advise_sequential(src);
+        let mut buf = Vec::new();
+        let full = COPY_CHUNK.min(size as usize + 1).max(1);
+        let mut want = FIRST_COPY_CHUNK.min(full);
+        let mut copied = 0u64;
+        // Without a checksum to compute, the kernel copies from the source to the tier directly: one
+        // memory copy per byte instead of two, which is CPU a first epoch shares with the job.
+        let mut in_kernel = hasher.is_none();
+        let mut out = to;
+        loop {
+            let step = if in_kernel {
+                self.send_at(src, to, copied, want).map_err(|e| match e.raw_os_error() {
+                    Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => CopyFault::Tier(e),
+                    _ => CopyFault::Source(e),
+                })
+            } else {
+                if buf.len() < full {
+                    buf.resize(full, 0);
+                }
+                self.read_file_at(src, &mut buf[..want], copied).map_err(CopyFault::Source).and_then(|n| {
+                    out.write_all(&buf[..n]).map_err(CopyFault::Tier)?;
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(&buf[..n]);
+                    }
+                    Ok(n)
+                })
+            };
+            let n = match step {
+                Ok(n) => n,
+                Err(CopyFault::Source(e))
+                    if in_kernel
+                        && matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) =>
+                {
+                    in_kernel = false; // a file system that cannot: copy through a buffer
+                    continue;
+                }
+                Err(fault) => return Err(fault),
+            };
+            if n == 0 {
+                break;
+            }
+            copied += n as u64;
+            want = (want * 2).min(full);
+            progress(copied.min(size));
+            if copied > size {
+                break;
+            }
+        }
+        // A file rewritten during the copy is never published: the caller compares this identity.
+        let after = src.metadata().map(|m| SourceId::of(&m)).ok();
+        Ok((copied, after))
+    }
+
+    fn list(&self, rel: &str) -> io::Result<Vec<ListedEntry>> {
+        let dir = if rel.is_empty() { open_dir(&self.root)? } else { open_dir(&self.path_of(rel))? };
+        Ok(list_dir(&dir)?
+            .into_iter()
+            .map(|(name, kind)| ListedEntry {
+                name,
+                is_dir: match kind {
+                    libc::DT_DIR => Some(true),
+                    libc::DT_UNKNOWN => None,
+                    _ => Some(false),
+                },
+            })
+            .collect())
+    }
+
+    fn posix(&self) -> Option<&PosixSource> {
+        Some(self)
     }
 }
 

@@ -1,0 +1,117 @@
+"""The training job of bench/bench_s3.py: epochs of a PyTorch DataLoader over objects of an S3 bucket.
+
+The same program in every mode; only how a sample's object is opened differs:
+
+- s3fs: `s3fs.S3FileSystem.open` (every epoch reads the store);
+- simplecache: fsspec's `simplecache::s3://` over s3fs, its cache directory shared by every process;
+- tierstore: `tierstore.Cache(source="s3://bucket").open(key)`;
+- local: plain `open()` of a local copy of every object (the baseline: what reading cached copies costs).
+
+Samples are `small/NNNNN.bin` objects read whole (shuffled, one per sample) and, with `--large`, the
+`large/NN.bin` objects read in 1 MiB records by the worker that owns them. Between epochs it prints a JSON
+line and waits for a line on stdin, so the benchmark can read the server's counters at epoch boundaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+RECORD = 1 << 20
+
+
+def opener(args: argparse.Namespace) -> Any:
+    settings = json.loads(os.environ["BENCH_S3"])
+    if args.mode == "local":
+        return lambda key: open(os.path.join(args.local, key), "rb")
+    if args.mode == "tierstore":
+        import tierstore
+
+        cache = tierstore.Cache(
+            source=f"s3://{args.bucket}", tiers=[args.tier], revalidate="never", s3=settings["tierstore"]
+        )
+        return cache.open
+    import fsspec
+
+    options = settings["s3fs"]
+    if args.mode == "s3fs":
+        fs = fsspec.filesystem("s3", **options)
+    else:
+        fs = fsspec.filesystem("simplecache", target_protocol="s3", target_options=options, cache_storage=args.tier)
+    return lambda key: fs.open(f"{args.bucket}/{key}", "rb")
+
+
+class Objects(Dataset):
+    """One sample per small object, read whole."""
+
+    def __init__(self, keys: list[str], args: argparse.Namespace) -> None:
+        self.keys, self.args, self._open = keys, args, None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._open is None:
+            self._open = opener(self.args)
+        with self._open(self.keys[i]) as f:
+            data = f.read()
+        return torch.tensor([len(data)], dtype=torch.int64)
+
+
+class Large(IterableDataset):
+    """Large objects read record by record, each worker through its own objects."""
+
+    def __init__(self, keys: list[str], args: argparse.Namespace) -> None:
+        self.keys, self.args = keys, args
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = self.keys[info.id :: info.num_workers] if info else self.keys
+        open_ = opener(self.args)
+        for k in mine:
+            with open_(k) as f:
+                total = 0
+                while chunk := f.read(RECORD):
+                    total += len(chunk)
+                yield torch.tensor([total], dtype=torch.int64)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["s3fs", "simplecache", "tierstore", "local"], required=True)
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--tier", default="")
+    p.add_argument("--local", default="")
+    p.add_argument("--small", type=int, required=True)
+    p.add_argument("--large", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--handshake", action="store_true")
+    args = p.parse_args()
+    small = Objects([f"small/{i:05d}.bin" for i in range(args.small)], args)
+    g = torch.Generator().manual_seed(0)
+    loaders = [DataLoader(small, batch_size=32, shuffle=True, generator=g, num_workers=args.workers,
+                          persistent_workers=True)]  # fmt: skip
+    if args.large:
+        large = Large([f"large/{i:02d}.bin" for i in range(args.large)], args)
+        loaders.append(DataLoader(large, batch_size=1, num_workers=args.workers, persistent_workers=True))
+    for epoch in range(args.epochs):
+        t0 = time.perf_counter()
+        total = 0
+        for loader in loaders:
+            for batch in loader:
+                total += int(batch.sum())
+        print(json.dumps({"epoch": epoch + 1, "seconds": time.perf_counter() - t0, "bytes": total}), flush=True)
+        if args.handshake:
+            sys.stdin.readline()
+
+
+if __name__ == "__main__":
+    main()

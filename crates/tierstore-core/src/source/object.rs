@@ -1,0 +1,556 @@
+//! An S3-compatible object store as the source, through the `object_store` crate.
+//!
+//! What each operation costs the store:
+//! - **open** of an object no tier holds: one `GET` of its first range ([`S3Config::range_size`]), which
+//!   also says its size and ETag. A small object arrives whole in that one request; a large one is fetched
+//!   as parallel ranged `GET`s of the rest ([`S3Config::ranges_in_flight`] at once), written to the tier
+//!   copy in order so that readers follow it.
+//! - **identify** (`revalidate = "always"`, or another process's fetch in flight): one `HEAD`.
+//! - **list** of a prefix: one `LIST` request per thousand keys.
+//!
+//! An object's identity is its size, last-modified time and ETag (hashed into the identity's `ino` and
+//! `dev`), and every response is checked against the version an open pinned: an object rewritten while it
+//! is read fails the read ("changed while being read") instead of mixing two versions, and is never cached.
+//!
+//! `object_store` is async; each process drives it with a small tokio runtime of its own, started on the
+//! first request (a process served wholly from the tiers never starts it). Requests have deadlines (the
+//! `[s3]` `timeout` per try, `connect_timeout`), and failures the store calls transient (5xx, resets,
+//! time-outs) are retried `retries` times with capped exponential back-off and jitter.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as Key;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig,
+};
+
+use super::s3_config::S3Config;
+use super::{CopyFault, ListedEntry, OutsideSource, Source, SourceFile};
+use crate::counters::{source as slot, Counters};
+use crate::index::SourceId;
+
+/// A bucket prefix of an S3-compatible store, with its counters.
+pub struct ObjectSource {
+    config: S3Config,
+    root: PathBuf,
+    counters: Arc<Counters>,
+    store: Arc<AmazonS3>,
+    /// Where requests go, for messages: the endpoint URL, or AWS in its region.
+    endpoint: String,
+    runtime: OnceLock<tokio::runtime::Runtime>,
+}
+
+/// One version of an object, opened for reading.
+pub struct ObjectFile {
+    key: Key,
+    rel: String,
+    sid: SourceId,
+    /// The first bytes, fetched by the open (the whole object when it is small).
+    head: bytes::Bytes,
+    /// The last range fetched by a read past `head`, so that small sequential reads of an uncached object
+    /// cost one request per range, not one per read.
+    window: Mutex<Option<(u64, bytes::Bytes)>>,
+}
+
+impl ObjectFile {
+    /// The version of the object this handle reads.
+    pub fn version(&self) -> &SourceId {
+        &self.sid
+    }
+}
+
+/// The identity of an object version from its metadata.
+fn identity(meta: &ObjectMeta) -> SourceId {
+    let tag = blake3::hash(meta.e_tag.as_deref().unwrap_or("").as_bytes());
+    let word = |i: usize| u64::from_le_bytes(tag.as_bytes()[i..i + 8].try_into().expect("8 bytes"));
+    let secs = meta.last_modified.timestamp();
+    let nanos = i64::from(meta.last_modified.timestamp_subsec_nanos());
+    SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000 + nanos, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
+}
+
+/// Reads an INI-style AWS file (`~/.aws/credentials`, `~/.aws/config`): section → key → value.
+fn read_aws_file(path: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let Ok(text) = std::fs::read_to_string(path) else { return out };
+    let mut section = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || line.starts_with(';') || line.is_empty() {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = name.trim().trim_start_matches("profile ").trim().to_string();
+            continue;
+        }
+        if let Some((k, v)) = line.split_once('=') {
+            out.entry(section.clone()).or_default().insert(k.trim().to_lowercase(), v.trim().to_string());
+        }
+    }
+    out
+}
+
+/// The settings of the AWS profile (`[s3] profile`, `AWS_PROFILE`, else `default`) from the shared files,
+/// as `object_store` configuration keys.
+fn profile_settings(profile: Option<&str>) -> BTreeMap<String, String> {
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let file = |var: &str, default: &str| std::env::var_os(var).map_or_else(|| home.join(default), PathBuf::from);
+    let name = profile.map(str::to_string).or_else(|| std::env::var("AWS_PROFILE").ok()).unwrap_or("default".into());
+    let mut out = BTreeMap::new();
+    for (path, keys) in [
+        (file("AWS_CONFIG_FILE", ".aws/config"), &["region", "endpoint_url"][..]),
+        (
+            file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials"),
+            &["aws_access_key_id", "aws_secret_access_key", "aws_session_token"][..],
+        ),
+    ] {
+        if let Some(section) = read_aws_file(&path).remove(&name) {
+            for k in keys {
+                if let Some(v) = section.get(*k) {
+                    out.insert(k.to_string(), v.clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+impl ObjectSource {
+    /// A source over `config`'s bucket and prefix, counting into `counters`. Nothing is sent to the store
+    /// until a file is asked for; a configuration that cannot work (no credentials for a custom endpoint)
+    /// is an error here, naming what to set.
+    pub fn new(config: S3Config, counters: Arc<Counters>) -> io::Result<ObjectSource> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let profile = profile_settings(config.settings.get("profile").map(String::as_str));
+        // Precedence: the [s3] table, then the environment (read by `from_env`), then the profile files.
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(&config.bucket);
+        let from_env = |keys: &[&str]| keys.iter().any(|k| env(k).is_some());
+        for (key, value) in &profile {
+            let shadowed = match key.as_str() {
+                "region" => from_env(&["AWS_REGION", "AWS_DEFAULT_REGION"]),
+                "endpoint_url" => from_env(&["AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ENDPOINT_URL_S3"]),
+                _ => from_env(&["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]),
+            };
+            if !shadowed {
+                builder = builder.with_config(key.parse().map_err(io::Error::other)?, value);
+            }
+        }
+        for (key, value) in &config.settings {
+            let k = match key.as_str() {
+                "endpoint" => AmazonS3ConfigKey::Endpoint,
+                "region" => AmazonS3ConfigKey::Region,
+                "access_key_id" => AmazonS3ConfigKey::AccessKeyId,
+                "secret_access_key" => AmazonS3ConfigKey::SecretAccessKey,
+                "session_token" => AmazonS3ConfigKey::Token,
+                _ => continue, // profile: read above
+            };
+            builder = builder.with_config(k, value);
+        }
+        let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+        let region = builder.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into());
+        let has_key = builder.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_some();
+        if endpoint.is_some() && !has_key {
+            // Without keys the client would ask the EC2 instance metadata service, which a store that is
+            // not AWS never answers.
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "no credentials for {} at {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in \
+                     ~/.aws/credentials (AWS_PROFILE), or [s3] access_key_id and secret_access_key",
+                    config.url,
+                    endpoint.as_deref().unwrap_or("")
+                ),
+            ));
+        }
+        let endpoint = endpoint.unwrap_or_else(|| format!("https://s3.{region}.amazonaws.com"));
+        let client = ClientOptions::new()
+            .with_timeout(config.timeout)
+            .with_connect_timeout(config.connect_timeout)
+            .with_allow_http(endpoint.starts_with("http://"))
+            .with_pool_max_idle_per_host(64);
+        let retry = RetryConfig {
+            backoff: BackoffConfig { init_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5), base: 2.0 },
+            max_retries: config.retries,
+            retry_timeout: (config.timeout + Duration::from_secs(5)) * (config.retries as u32 + 1),
+        };
+        let store = builder
+            .with_region(region)
+            .with_client_options(client)
+            .with_retry(retry)
+            .build()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {e}", config.url)))?;
+        Ok(ObjectSource {
+            root: PathBuf::from(&config.url),
+            config,
+            counters,
+            store: Arc::new(store),
+            endpoint,
+            runtime: OnceLock::new(),
+        })
+    }
+
+    fn runtime(&self) -> io::Result<&tokio::runtime::Runtime> {
+        if let Some(rt) = self.runtime.get() {
+            return Ok(rt);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("tierstore-s3")
+            .enable_all()
+            .build()?;
+        Ok(self.runtime.get_or_init(|| rt))
+    }
+
+    fn key(&self, rel: &str) -> Key {
+        Key::from(self.config.key_of(rel))
+    }
+
+    /// An `object_store` error as an I/O error of the same kind, naming the object, the endpoint and the
+    /// fix.
+    fn error(&self, rel: &str, e: object_store::Error) -> io::Error {
+        let url = self.config.url_of(rel);
+        let at = &self.endpoint;
+        let detail = e.to_string();
+        match e {
+            object_store::Error::NotFound { .. } if detail.contains("NoSuchBucket") || !self.bucket_exists() => io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
+                     (AWS_ENDPOINT_URL or [s3] endpoint)",
+                    self.config.bucket
+                ),
+            ),
+            object_store::Error::NotFound { .. } => {
+                io::Error::new(io::ErrorKind::NotFound, format!("{url}: no such object at {at}"))
+            }
+            object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{url}: access denied by {at}: check the credentials (AWS_ACCESS_KEY_ID and \
+                         AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or [s3] access_key_id and secret_access_key) and \
+                         that they may read the bucket ({detail})"
+                    ),
+                )
+            }
+            _ if detail.contains("InvalidAccessKeyId") || detail.contains("SignatureDoesNotMatch") => {
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{url}: {at} refused the credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+                         (or AWS_PROFILE, or [s3] access_key_id and secret_access_key)"
+                    ),
+                )
+            }
+            _ if detail.contains("NoSuchBucket") => io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
+                     (AWS_ENDPOINT_URL or [s3] endpoint)",
+                    self.config.bucket
+                ),
+            ),
+            _ if detail.contains("error sending request")
+                || detail.contains("onnect")
+                || detail.contains("timed out")
+                || detail.contains("imeout") =>
+            {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "{url}: cannot reach {at} within the deadline ({} per try, {} retries): check that the \
+                         server is up and the endpoint (AWS_ENDPOINT_URL or [s3] endpoint); {detail}",
+                        humantime(self.config.timeout),
+                        self.config.retries
+                    ),
+                )
+            }
+            _ => io::Error::other(format!("{url} at {at}: {detail}")),
+        }
+    }
+
+    /// Whether the bucket exists, asked only to explain a "not found" (one LIST request).
+    fn bucket_exists(&self) -> bool {
+        let store = self.store.clone();
+        let Ok(rt) = self.runtime() else { return true };
+        // The first key of a listing is one request, whatever the size of the bucket.
+        match rt.block_on(async move { store.list(None).next().await }) {
+            Some(Err(e)) => {
+                let text = e.to_string();
+                if std::env::var_os("TIERSTORE_DEBUG_S3").is_some() {
+                    eprintln!("tierstore: listing {} failed: {text}", self.config.bucket);
+                }
+                !(matches!(e, object_store::Error::NotFound { .. })
+                    || text.contains("NoSuchBucket")
+                    || text.contains("404"))
+            }
+            _ => true,
+        }
+    }
+
+    fn changed(&self, rel: &str) -> io::Error {
+        io::Error::other(format!(
+            "{}: the object changed while being read; open it again to read the new version",
+            self.config.url_of(rel)
+        ))
+    }
+
+    /// `GET` of `range` (all of it when `None`), counted; with `expect`, a response of another version is
+    /// an error. Returns the object's metadata and the bytes.
+    async fn get(
+        store: Arc<AmazonS3>,
+        counters: Arc<Counters>,
+        key: Key,
+        range: Option<Range<u64>>,
+    ) -> object_store::Result<(ObjectMeta, bytes::Bytes)> {
+        counters.add(slot::READS, 1);
+        let options = GetOptions { range: range.map(GetRange::Bounded), ..Default::default() };
+        let result = store.get_opts(&key, options).await?;
+        let meta = result.meta.clone();
+        let bytes = result.bytes().await?;
+        counters.add(slot::BYTES_READ, bytes.len() as u64);
+        Ok((meta, bytes))
+    }
+
+    /// Reads `range` of the version `sid` (the bytes, or an error if the object changed).
+    fn read_range(&self, rel: &str, key: &Key, sid: &SourceId, range: Range<u64>) -> io::Result<bytes::Bytes> {
+        let fut = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(range));
+        let (meta, bytes) = self.runtime()?.block_on(fut).map_err(|e| self.error(rel, e))?;
+        if identity(&meta) != *sid {
+            return Err(self.changed(rel));
+        }
+        Ok(bytes)
+    }
+
+    /// The ranges after the first `from` bytes of an object of `size` bytes.
+    fn ranges(&self, from: u64, size: u64) -> Vec<Range<u64>> {
+        let step = self.config.range_size.max(1);
+        (from..size).step_by(step as usize).map(|start| start..(start + step).min(size)).collect()
+    }
+
+    /// Fetches the ranges `from..size` of `file`'s version in parallel and hands each to `sink` in order.
+    fn fetch_rest(
+        &self,
+        file: &ObjectFile,
+        from: u64,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), CopyFault>,
+    ) -> Result<(), CopyFault> {
+        let rt = self.runtime().map_err(CopyFault::Source)?;
+        // Each range is its own task, so that every response streams in while this thread writes the
+        // earlier ones; `buffered` hands them back in order.
+        let tasks = self.ranges(from, file.sid.size).into_iter().map(|r| {
+            let fut = Self::get(self.store.clone(), self.counters.clone(), file.key.clone(), Some(r));
+            let handle = rt.spawn(fut);
+            async move { handle.await.map_err(|e| object_store::Error::JoinError { source: e })? }
+        });
+        let mut stream = futures::stream::iter(tasks).buffered(self.config.ranges_in_flight.max(1));
+        rt.block_on(async {
+            while let Some(got) = stream.next().await {
+                let (meta, bytes) = got.map_err(|e| CopyFault::Source(self.error(&file.rel, e)))?;
+                if identity(&meta) != file.sid {
+                    return Err(CopyFault::Source(self.changed(&file.rel)));
+                }
+                sink(&bytes)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn object_file<'a>(&self, file: &'a SourceFile) -> io::Result<&'a ObjectFile> {
+        match file {
+            SourceFile::Object(o) => Ok(o),
+            SourceFile::Posix(_) => Err(io::Error::new(io::ErrorKind::InvalidInput, "not an object")),
+        }
+    }
+}
+
+fn humantime(d: Duration) -> String {
+    if d.as_millis() % 1000 == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
+}
+
+impl Source for ObjectSource {
+    fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn relative(&self, path: &Path) -> Result<String, OutsideSource> {
+        match self.config.relative(&path.to_string_lossy()) {
+            Some(rel) if !rel.is_empty() => Ok(rel),
+            _ => Err(OutsideSource { path: path.to_path_buf(), source_root: self.root.clone() }),
+        }
+    }
+
+    fn relative_or_root(&self, path: &Path) -> Result<String, OutsideSource> {
+        self.config
+            .relative(&path.to_string_lossy())
+            .ok_or_else(|| OutsideSource { path: path.to_path_buf(), source_root: self.root.clone() })
+    }
+
+    fn path_of(&self, rel: &str) -> PathBuf {
+        PathBuf::from(self.config.url_of(rel))
+    }
+
+    fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
+
+    fn identify(&self, rel: &str) -> io::Result<SourceId> {
+        self.counters.add(slot::STATS, 1);
+        let key = self.key(rel);
+        let store = self.store.clone();
+        let meta = self.runtime()?.block_on(async move { store.head(&key).await }).map_err(|e| self.error(rel, e))?;
+        Ok(identity(&meta))
+    }
+
+    fn open(&self, rel: &str) -> io::Result<SourceFile> {
+        self.counters.add(slot::OPENS, 1);
+        let key = self.key(rel);
+        let rt = self.runtime()?;
+        let first = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(0..self.config.range_size));
+        let (meta, head) = match rt.block_on(first) {
+            Ok(x) => x,
+            // An empty object has no first byte to ask for: S3 answers a range with 416.
+            Err(e) if e.to_string().contains("416") || e.to_string().contains("InvalidRange") => rt
+                .block_on(Self::get(self.store.clone(), self.counters.clone(), key.clone(), None))
+                .map_err(|e| self.error(rel, e))?,
+            Err(e) => return Err(self.error(rel, e)),
+        };
+        Ok(SourceFile::Object(ObjectFile {
+            key,
+            rel: rel.to_string(),
+            sid: identity(&meta),
+            head,
+            window: Mutex::new(None),
+        }))
+    }
+
+    fn reopen(&self, rel: &str, sid: &SourceId) -> io::Result<SourceFile> {
+        // No request: the first read asks for its range and checks the version.
+        Ok(SourceFile::Object(ObjectFile {
+            key: self.key(rel),
+            rel: rel.to_string(),
+            sid: *sid,
+            head: bytes::Bytes::new(),
+            window: Mutex::new(None),
+        }))
+    }
+
+    fn identify_opened(&self, file: &SourceFile, _rel: &str) -> io::Result<(SourceId, bool)> {
+        Ok((self.object_file(file)?.sid, false))
+    }
+
+    fn read_at(&self, file: &SourceFile, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let f = self.object_file(file)?;
+        let size = f.sid.size;
+        if offset >= size || buf.is_empty() {
+            return Ok(0);
+        }
+        let copy_from = |bytes: &bytes::Bytes, start: u64, buf: &mut [u8]| {
+            let at = (offset - start) as usize;
+            let n = buf.len().min(bytes.len() - at);
+            buf[..n].copy_from_slice(&bytes[at..at + n]);
+            n
+        };
+        if offset < f.head.len() as u64 {
+            return Ok(copy_from(&f.head, 0, buf));
+        }
+        let mut window = f.window.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((start, bytes)) = window.as_ref() {
+            if offset >= *start && offset < start + bytes.len() as u64 {
+                return Ok(copy_from(bytes, *start, buf));
+            }
+        }
+        let want = (buf.len() as u64).max(self.config.range_size);
+        let bytes = self.read_range(&f.rel, &f.key, &f.sid, offset..(offset + want).min(size))?;
+        if bytes.is_empty() {
+            return Err(self.changed(&f.rel));
+        }
+        let n = copy_from(&bytes, offset, buf);
+        *window = Some((offset, bytes));
+        Ok(n)
+    }
+
+    fn read_whole(&self, rel: &str, _expect: u64, pre: Option<SourceFile>) -> io::Result<(Vec<u8>, SourceId)> {
+        let file = match pre {
+            Some(f) => f,
+            None => self.open(rel)?,
+        };
+        let f = self.object_file(&file)?;
+        let mut out = Vec::with_capacity(f.sid.size as usize);
+        out.extend_from_slice(&f.head);
+        if (out.len() as u64) < f.sid.size {
+            self.fetch_rest(f, out.len() as u64, &mut |b| {
+                out.extend_from_slice(b);
+                Ok(())
+            })
+            .map_err(|fault| match fault {
+                CopyFault::Source(e) | CopyFault::Tier(e) => e,
+            })?;
+        }
+        Ok((out, f.sid))
+    }
+
+    fn copy(
+        &self,
+        from: &SourceFile,
+        to: &File,
+        size: u64,
+        mut hasher: Option<&mut blake3::Hasher>,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<(u64, Option<SourceId>), CopyFault> {
+        use std::io::Write;
+        let f = self.object_file(from).map_err(CopyFault::Source)?;
+        let mut out = to;
+        let mut copied = 0u64;
+        let mut sink = |bytes: &[u8]| -> Result<(), CopyFault> {
+            out.write_all(bytes).map_err(CopyFault::Tier)?;
+            if let Some(h) = hasher.as_mut() {
+                h.update(bytes);
+            }
+            copied += bytes.len() as u64;
+            progress(copied.min(size));
+            Ok(())
+        };
+        let head = f.head.len() as u64;
+        if head > 0 {
+            sink(&f.head)?;
+        }
+        if head < f.sid.size {
+            self.fetch_rest(f, head, &mut sink)?;
+        }
+        Ok((copied, Some(f.sid)))
+    }
+
+    fn list(&self, rel: &str) -> io::Result<Vec<ListedEntry>> {
+        let prefix_key = self.config.key_of(rel);
+        let prefix = (!prefix_key.is_empty()).then(|| Key::from(prefix_key.as_str()));
+        let store = self.store.clone();
+        let metas: Vec<ObjectMeta> = self
+            .runtime()?
+            .block_on(async move { store.list(prefix.as_ref()).collect::<Vec<_>>().await })
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.error(rel, e))?;
+        // S3 answers a LIST with at most a thousand keys, so that is the number of requests it took.
+        self.counters.add(slot::LISTS, (metas.len() as u64).div_ceil(1000).max(1));
+        let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
+        Ok(metas
+            .into_iter()
+            .filter_map(|m| {
+                let name = m.location.as_ref().strip_prefix(base.as_str())?.to_string();
+                Some(ListedEntry { name: name.into(), is_dir: Some(false) })
+            })
+            .collect())
+    }
+}

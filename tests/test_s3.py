@@ -1,0 +1,334 @@
+"""An S3-compatible object store as the source, against a real SeaweedFS server on loopback.
+
+Every guarantee of the POSIX source holds: each object is fetched once per node whatever the number of
+processes, a changed object is never served stale (revalidate "always"), a half-fetched object is never
+served or cached, errors name the bucket, key and endpoint, and a dead server never hangs a reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tierstore
+from tierstore.s3server import S3Server
+
+
+def blob(i: int, size: int) -> bytes:
+    seed = hashlib.blake2b(f"object {i}".encode(), digest_size=64).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with S3Server(tmp_path_factory.mktemp("seaweedfs")) as s3:
+        yield s3
+
+
+@pytest.fixture
+def bucket(server: S3Server, request: pytest.FixtureRequest) -> str:
+    """A fresh bucket for each test."""
+    name = "t-" + hashlib.blake2b(request.node.nodeid.encode(), digest_size=6).hexdigest()
+    server.create_bucket(name)
+    return name
+
+
+def put(server: S3Server, bucket: str, objects: dict[str, bytes]) -> None:
+    c = server.client()
+    for key, body in objects.items():
+        c.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def cache_of(server: S3Server, url: str, tier: str, **kwargs: Any) -> tierstore.Cache:
+    s3 = server.settings(**kwargs.pop("s3", {}))
+    return tierstore.Cache(source=url, tiers=[f"{tier}:1G"], s3=s3, **kwargs)
+
+
+def gets(cache: tierstore.Cache) -> int:
+    return cache.stats()["source"]["reads"]
+
+
+def test_objects_read_whole_then_from_the_tier(server: S3Server, bucket: str, tier: str) -> None:
+    small = {f"train/{i:03d}.bin": blob(i, 1000 + 37 * i) for i in range(40)}
+    large = {"train/big.bin": blob(99, 5 * 1024 * 1024 + 123)}
+    put(server, bucket, {**small, **large, "other/x.bin": b"not under the prefix"})
+    cache = cache_of(server, f"s3://{bucket}/train", tier, revalidate="never", s3={"range_size": "1M"})
+    assert cache.source == f"s3://{bucket}/train"
+    for key, body in {**small, **large}.items():
+        name = key.removeprefix("train/")
+        # Both spellings: a full URL and a key relative to the prefix.
+        path = f"s3://{bucket}/{key}" if len(name) % 2 else name
+        with cache.open(path) as f:
+            assert f.read() == body, key
+    cache.wait()
+    s = cache.stats()
+    # One GET per small object; the large one is its first range plus 5 more ranges of 1 MiB.
+    assert s["source"]["reads"] == len(small) + 6
+    assert s["source"]["bytes_read"] == sum(map(len, small.values())) + len(large["train/big.bin"])
+    assert s["source"]["stats"] == 0
+    assert s["tiers"][0]["entries"] == len(small) + 1
+    cache.reset_counters()
+    for key, body in {**small, **large}.items():
+        with cache.open(key.removeprefix("train/")) as f:
+            assert f.read() == body
+    s = cache.stats()
+    assert (s["source"]["reads"], s["source"]["stats"], s["source"]["opens"]) == (0, 0, 0)
+    assert s["tiers"][0]["hits"] == len(small) + 1
+
+
+def test_outside_the_prefix_is_refused(server: S3Server, bucket: str, tier: str) -> None:
+    cache = cache_of(server, f"s3://{bucket}/train", tier)
+    for outside in (f"s3://{bucket}/other/x", "s3://another-bucket/train/x", "/etc/passwd", "a/../../b"):
+        with pytest.raises(tierstore.OutsideSourceError):
+            cache.open(outside)
+
+
+def test_a_changed_object_is_fetched_again(server: S3Server, bucket: str, tier: str) -> None:
+    put(server, bucket, {"d/a.bin": b"version one" * 100})
+    cache = cache_of(server, f"s3://{bucket}/d", tier, revalidate="always")
+    assert cache.open("a.bin").read() == b"version one" * 100
+    cache.wait()
+    cache.reset_counters()
+    assert cache.open("a.bin").read() == b"version one" * 100
+    # revalidate "always": one HEAD per open, no GET.
+    assert (cache.stats()["source"]["stats"], gets(cache)) == (1, 0)
+    put(server, bucket, {"d/a.bin": b"version two, a different size"})
+    assert cache.open("a.bin").read() == b"version two, a different size"
+    cache.wait()
+    # Same size, new ETag: still never stale.
+    put(server, bucket, {"d/a.bin": b"version 3!!, a different size"})
+    assert cache.open("a.bin").read() == b"version 3!!, a different size"
+
+
+def test_errors_name_the_object_endpoint_and_fix(server: S3Server, bucket: str, tier: str) -> None:
+    put(server, bucket, {"d/a.bin": b"x"})
+    cache = cache_of(server, f"s3://{bucket}/d", tier)
+    with pytest.raises(FileNotFoundError) as missing:
+        cache.open("nope.bin")
+    assert f"s3://{bucket}/d/nope.bin" in str(missing.value) and server.endpoint in str(missing.value)
+
+    no_bucket = cache_of(server, "s3://no-such-bucket-here/d", str(Path(tier).parent / "t2"))
+    with pytest.raises(FileNotFoundError, match="bucket no-such-bucket-here does not exist"):
+        no_bucket.open("a.bin")
+
+    wrong = cache_of(server, f"s3://{bucket}/d", str(Path(tier).parent / "t3"), s3={"secret_access_key": "wrong"})
+    with pytest.raises(PermissionError, match="AWS_SECRET_ACCESS_KEY"):
+        wrong.open("a.bin")
+
+    with pytest.raises(tierstore.ConfigError, match="s3.timeout"):
+        cache_of(server, f"s3://{bucket}/d", tier, s3={"timeout": "soon"})
+    with pytest.raises(tierstore.ConfigError, match="not a bucket name"):
+        cache_of(server, "s3://Bad_Bucket/d", tier)
+    with pytest.raises(tierstore.ConfigError, match="not supported"):
+        cache_of(server, "gs://bucket/d", tier)
+
+
+def test_an_unreachable_endpoint_fails_within_the_deadline(tier: str) -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    cache = tierstore.Cache(
+        source="s3://bucket/d",
+        tiers=[tier],
+        s3={
+            "endpoint": f"http://127.0.0.1:{port}",
+            "access_key_id": "k",
+            "secret_access_key": "s",
+            "timeout": "2s",
+            "retries": 1,
+        },
+    )
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=f"cannot reach http://127.0.0.1:{port}"):
+        cache.open("a.bin")
+    assert time.monotonic() - t0 < 15
+
+
+def test_credentials_from_the_environment_and_profile(
+    server: S3Server, bucket: str, tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put(server, bucket, {"d/a.bin": b"from env"})
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    cache = tierstore.Cache(source=f"s3://{bucket}/d", tiers=[tier])
+    assert cache.open("a.bin").read() == b"from env"
+
+    for k in server.env():
+        monkeypatch.delenv(k)
+    aws = tmp_path / "aws"
+    aws.mkdir()
+    (aws / "credentials").write_text(
+        f"[train]\naws_access_key_id = {server.settings()['access_key_id']}\n"
+        f"aws_secret_access_key = {server.settings()['secret_access_key']}\n"
+    )
+    (aws / "config").write_text(f"[profile train]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(aws / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(aws / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    other_tier = str(Path(tier).parent / "t-profile")
+    assert tierstore.Cache(source=f"s3://{bucket}/d", tiers=[other_tier]).open("a.bin").read() == b"from env"
+
+
+def _reader(url: str, tier: str, settings: dict[str, Any], keys: list[str], start: Any, out: Any) -> None:
+    cache = tierstore.Cache(source=url, tiers=[f"{tier}:1G"], s3=settings, revalidate="never")
+    start.wait()
+    digest = hashlib.sha256()
+    for k in keys:
+        with cache.open(k) as f:
+            digest.update(f.read())
+    cache.wait()
+    out.put(digest.hexdigest())
+
+
+def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, tier: str) -> None:
+    objects = {f"d/{i:03d}.bin": blob(i, 20_000 + i) for i in range(60)}
+    objects["d/large.bin"] = blob(1000, 3 * 1024 * 1024)
+    put(server, bucket, objects)
+    keys = [k.removeprefix("d/") for k in objects]
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    settings = server.settings(range_size="1M")
+    procs = [
+        ctx.Process(target=_reader, args=(f"s3://{bucket}/d", tier, settings, keys[i:] + keys[:i], start, out))
+        for i in range(8)
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    expected = hashlib.sha256()
+    for k in keys:
+        expected.update(objects["d/" + k])
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    cache = cache_of(server, f"s3://{bucket}/d", tier)
+    # Each process reads in its own rotated order, so digests differ; every byte matched its object.
+    assert len(set(results)) == 8
+    s = cache.stats()["source"]
+    assert s["bytes_read"] == sum(map(len, objects.values()))
+    assert s["reads"] == 60 + 3  # one GET per small object, three ranges of the large one
+
+
+def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:
+    size = 48 * 1024 * 1024
+    with S3Server(tmp_path / "weed") as s3:
+        s3.create_bucket("b")
+        put(s3, "b", {"d/big.bin": blob(7, size)})
+        cache = tierstore.Cache(
+            source="s3://b/d",
+            tiers=[tier],
+            s3=s3.settings(range_size="1M", ranges_in_flight=1, timeout="2s", retries=1),
+        )
+        f = cache.open("big.bin")
+        first = f.read(1024 * 1024)
+        assert first == blob(7, size)[: 1024 * 1024]
+        s3.kill()
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            while f.read(1024 * 1024):
+                pass
+        assert time.monotonic() - t0 < 30
+        cache.wait()
+        # Nothing partial was published; with the server back, the object is whole.
+        assert cache.lookup("s3://b/d/big.bin", validate=False) is None
+        s3.start()
+        assert hashlib.sha256(cache.open("big.bin").read()).digest() == hashlib.sha256(blob(7, size)).digest()
+
+
+def test_prefetch_of_a_prefix(server: S3Server, bucket: str, tier: str) -> None:
+    objects = {f"ds/sub{i % 3}/{i:04d}.bin": blob(i, 4096 + i) for i in range(150)}
+    put(server, bucket, objects)
+    cache = cache_of(server, f"s3://{bucket}/ds", tier, revalidate="never")
+    progress = cache.prefetch([f"s3://{bucket}/ds"], progress=False)
+    assert progress["files_done"] == progress["files_total"] == 150
+    assert progress["files_copied"] == 150 and progress["files_failed"] == 0
+    s = cache.stats()["source"]
+    assert (s["lists"], s["reads"]) == (1, 150)
+    cache.reset_counters()
+    for key, body in objects.items():
+        assert cache.open(key.removeprefix("ds/")).read() == body
+    assert gets(cache) == 0
+    # A prefix below the source, and a single object.
+    other = cache_of(server, f"s3://{bucket}/ds", str(Path(tier).parent / "t-sub"))
+    assert other.prefetch(["sub1"], progress=False)["files_copied"] == 50
+    assert other.prefetch(["sub2/0002.bin"], progress=False)["files_copied"] == 1
+
+
+def test_a_dataloader_over_a_prefix(server: S3Server, bucket: str, tier: str) -> None:
+    torch = pytest.importorskip("torch")
+    from tierstore.torch import CachedDataset
+
+    objects = {f"imgs/{i:03d}.bin": blob(i, 3000) for i in range(64)}
+    put(server, bucket, objects)
+    cache = cache_of(server, f"s3://{bucket}/imgs", tier, revalidate="never")
+    ds = CachedDataset(f"s3://{bucket}/imgs", cache=cache, decode=lambda f: len(f.read()))
+    assert len(ds) == 64 and ds.paths[0] == f"s3://{bucket}/imgs/000.bin"
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork")
+    for _epoch in range(2):
+        assert sum(int(b.sum()) for b in loader) == 64 * 3000
+    assert gets(cache) == 64  # the second epoch came from the tier
+
+
+def test_tierstore_run_refuses_an_object_store(server: S3Server, bucket: str, tier: str) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, **server.env(), "TIERSTORE_SOURCE": f"s3://{bucket}/d", "TIERSTORE_TIERS": tier}
+    p = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "run", "--", "true"], env=env, capture_output=True, text=True
+    )
+    assert p.returncode != 0
+    assert "object store" in p.stderr and "tierstore.open" in p.stderr
+
+
+def test_reads_while_a_large_object_streams_in(server: S3Server, bucket: str, tier: str) -> None:
+    body = blob(3, 12 * 1024 * 1024)
+    put(server, bucket, {"d/big.bin": body})
+    cache = cache_of(server, f"s3://{bucket}/d", tier, s3={"range_size": "1M", "ranges_in_flight": 4})
+    results: list[bytes] = []
+
+    def read() -> None:
+        with cache.open("big.bin") as f:
+            results.append(f.read())
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [body] * 4
+    assert gets(cache) == 12  # one flight for four readers
+
+
+def test_fsspec_chained_over_s3(server: S3Server, bucket: str, tier: str) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    objects = {f"d/{i}.bin": blob(i, 5000) for i in range(5)}
+    put(server, bucket, objects)
+    s3_options = {
+        "key": server.settings()["access_key_id"],
+        "secret": server.settings()["secret_access_key"],
+        "client_kwargs": {"endpoint_url": server.endpoint, "region_name": "us-east-1"},
+    }
+    opts = {"s3": s3_options, "tierstore": {"tiers": [tier], "revalidate": "never"}}
+    for key, body in objects.items():
+        with fsspec.open(f"tierstore::s3://{bucket}/{key}", "rb", **opts) as f:
+            assert f.read() == body
+    fs, _ = fsspec.core.url_to_fs(f"tierstore::s3://{bucket}/d", **opts)
+    assert sorted(fs.ls(f"{bucket}/d", detail=False)) == sorted(f"s3://{bucket}/{k}" for k in objects)
+    cache = tierstore.Cache(source=f"s3://{bucket}", tiers=[tier], s3=server.settings())
+    assert cache.stats()["tiers"][0]["entries"] == len(objects)
+    # And tierstore:// with a cache whose source is the bucket.
+    with fsspec.open(f"tierstore://s3://{bucket}/d/0.bin", "rb", cache=cache) as f:
+        assert f.read() == objects["d/0.bin"]
