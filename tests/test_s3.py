@@ -224,10 +224,10 @@ def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, t
 def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:
     size = 48 * 1024 * 1024
     with S3Server(tmp_path / "weed") as s3:
-        s3.create_bucket("b")
-        put(s3, "b", {"d/big.bin": blob(7, size)})
+        s3.create_bucket("bkt")
+        put(s3, "bkt", {"d/big.bin": blob(7, size)})
         cache = tierstore.Cache(
-            source="s3://b/d",
+            source="s3://bkt/d",
             tiers=[tier],
             s3=s3.settings(range_size="1M", ranges_in_flight=1, timeout="2s", retries=1),
         )
@@ -242,8 +242,18 @@ def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path:
         assert time.monotonic() - t0 < 30
         cache.wait()
         # Nothing partial was published; with the server back, the object is whole.
-        assert cache.lookup("s3://b/d/big.bin", validate=False) is None
+        assert cache.lookup("s3://bkt/d/big.bin", validate=False) is None
         s3.start()
+        # The gateway answers before its volume server has re-registered: wait until the object reads.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                s3.client().head_object(Bucket="bkt", Key="d/big.bin")
+                s3.client().get_object(Bucket="bkt", Key="d/big.bin", Range="bytes=0-0")["Body"].read()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, s3.log_tail()
+                time.sleep(0.2)
         assert hashlib.sha256(cache.open("big.bin").read()).digest() == hashlib.sha256(blob(7, size)).digest()
 
 

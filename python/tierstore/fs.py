@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from tierstore.cache import Cache, default_cache
 
 
-class TierstoreFileSystem(LocalFileSystem):
+class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
     """fsspec filesystem whose reads come from a tierstore cache.
 
     Args:
@@ -55,6 +56,9 @@ class TierstoreFileSystem(LocalFileSystem):
         self.s3 = _s3_settings(target_options or {})
         self.cache_args = cache_args
         self.buckets: dict[str, Cache] = {}
+        if self.target in ("s3", "s3a"):
+            # Paths are bucket/key, not local paths to make absolute.
+            self._strip_protocol = _strip_s3  # type: ignore[method-assign]
         if cache is None and self.target not in ("s3", "s3a"):
             cache = Cache(**cache_args) if cache_args else default_cache()
         self.cache = cache
@@ -64,7 +68,7 @@ class TierstoreFileSystem(LocalFileSystem):
         path = str(path)
         if path.startswith("tierstore://"):
             path = path[len("tierstore://") :]
-        if "://" in path:
+        if "://" in path or not path:
             return path
         return LocalFileSystem._strip_protocol(path)
 
@@ -98,6 +102,11 @@ class TierstoreFileSystem(LocalFileSystem):
         cache, name = self._cache_of(self._strip_protocol(path))
         names = cache._core.list_files(name)
         return [{"name": n, "type": "file"} for n in names] if detail else names
+
+
+def _strip_s3(path: Any) -> str:
+    path = str(path).removeprefix("tierstore://")
+    return path.split("://", 1)[1] if "://" in path else path.lstrip("/")
 
 
 def _s3_settings(options: dict[str, Any]) -> dict[str, str]:

@@ -617,13 +617,10 @@ impl Cache {
     pub fn prefetch_with(&self, paths: &[PathBuf], jobs: usize) -> Result<Arc<PrefetchProgress>, Error> {
         let walk = Arc::new(prefetch::Walk::new(self.inner.clone()));
         for p in paths {
-            let rel = self.inner.source.relative(p).or_else(|e| {
-                if normalize_abs(p) == self.inner.source.root() {
-                    Ok(String::new())
-                } else {
-                    Err(e)
-                }
-            })?;
+            // A relative path is relative to the current directory on a file system, to the prefix on
+            // an object store.
+            let named = if self.inner.posix().is_some() { normalize_abs(p) } else { p.clone() };
+            let rel = self.inner.source.relative_or_root(&named)?;
             let full = self.inner.source.path_of(&rel);
             let Some(posix) = self.inner.posix() else {
                 // An object store has no directories: a prefix names every object under it.

@@ -113,7 +113,10 @@ impl S3Config {
 
     /// The object key of a source-relative path.
     pub fn key_of(&self, rel: &str) -> String {
-        if self.prefix.is_empty() {
+        if self.prefix.is_empty() || rel.is_empty() {
+            if rel.is_empty() {
+                return self.prefix.clone();
+            }
             rel.to_string()
         } else {
             format!("{}/{rel}", self.prefix)
