@@ -32,6 +32,7 @@ use crate::Error;
 mod peers;
 pub use peers::Served;
 mod prefetch;
+mod xattrs;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 
 const COPY_CHUNK: usize = 4 << 20;
