@@ -563,11 +563,7 @@ impl Cache {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            let mut memo = self.inner.copy_stats.lock().expect("copy stats lock");
-            if memo.len() >= COPY_STATS_KEPT {
-                memo.clear();
-            }
-            memo.insert(incarnation, rewritten);
+            self.inner.remember_copy(incarnation, rewritten);
         }
         Some(rewritten)
     }
@@ -1063,6 +1059,11 @@ impl Inner {
         if mtime != e.source.mtime_ns {
             return Err("modified copy (its mtime changed)".into());
         }
+        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
+        // its answer from what was just read, rather than find the entry again through /proc then.
+        if let Some(st) = e.source.to_stat() {
+            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+        }
         if self.config.verify == Verify::Checksum {
             // A copy published without a checksum (while verification was by metadata) cannot be
             // vouched for: fetch it again, which records one. Not a fault.
@@ -1079,6 +1080,15 @@ impl Inner {
             return Ok(Some(Backing::Memory(Arc::new(bytes))));
         }
         Ok(Some(Backing::Copy(file, tier.clone())))
+    }
+
+    /// Remembers what `fstat` reports for a copy's incarnation (see [`Cache::copy_stat`]).
+    fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
+        let mut memo = self.copy_stats.lock().expect("copy stats lock");
+        if memo.len() >= COPY_STATS_KEPT {
+            memo.clear();
+        }
+        memo.insert(incarnation, st);
     }
 
     fn note_access(&self, tier: usize, key: &Key) {
