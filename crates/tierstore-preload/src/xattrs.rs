@@ -85,19 +85,11 @@ unsafe fn fd_target(fd: c_int) -> Target {
     }
 }
 
-/// The recorded answer to `query` about `path`: asked as it was, or without following a symlink there
-/// (recorded only for a path known to be none).
-fn recorded(cache: &Cache, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
-    cache.cached_xattr(path, query).or_else(|| {
-        let own = XattrQuery { follow: false, ..query.clone() };
-        query.follow.then(|| cache.cached_xattr(path, &own)).flatten()
-    })
-}
-
-/// Where a question that was not recorded is asked and recorded: a following call at a symlink reads
-/// what it leads to; at anything else, the path itself, asked without following. `None`: the store
-/// must answer the call as the program made it.
-unsafe fn resolve(cache: &Cache, path: PathBuf, follow: bool) -> Option<(PathBuf, bool)> {
+/// The path whose own attributes a call about `path` reads (`follow`: through a symlink there), when
+/// records may answer it: the path itself, known (from the cache's records, or else one `lstat` of the
+/// store, noted as a program's `lstat` would be) to be no symlink or asked without following, or what a
+/// recorded symlink leads to under the source. `None`: the store must answer the call as it was made.
+unsafe fn node(cache: &Cache, path: PathBuf, follow: bool) -> Option<PathBuf> {
     let st = match cache.cached_stat(&path, true).ok().flatten() {
         Some(st) => st,
         None => {
@@ -111,30 +103,25 @@ unsafe fn resolve(cache: &Cache, path: PathBuf, follow: bool) -> Option<(PathBuf
         }
     };
     if st.st_mode & libc::S_IFMT != libc::S_IFLNK || !follow {
-        return Some((path, false));
+        return Some(path);
     }
-    // A symlink (recorded by now): its target, if it leads somewhere under the source.
+    // A symlink, recorded by now with where it leads.
     let to = cache.cached_real_path(&path).ok().flatten()?;
-    to.starts_with(cache.source_root()).then_some((to, false))
+    to.starts_with(cache.source_root()).then_some(to)
 }
 
 type ListFn = unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> ssize_t;
 type GetFn = unsafe extern "C" fn(*const c_char, *const c_char, *mut c_void, size_t) -> ssize_t;
 
-/// Asks the store `query` about `path`, for the whole answer.
+/// Asks the store `query` about `path` itself (not following a symlink there), for the whole answer.
 unsafe fn ask(path: &CStr, query: &XattrQuery) -> XattrAnswer {
     let mut buf = vec![0u8; WHOLE];
     let out = buf.as_mut_ptr();
-    let n = match (&query.name, query.follow) {
-        (None, false) => real!("llistxattr", ListFn)(path.as_ptr(), out as *mut c_char, WHOLE),
-        (None, true) => real!("listxattr", ListFn)(path.as_ptr(), out as *mut c_char, WHOLE),
-        (Some(name), follow) => {
+    let n = match &query.name {
+        None => real!("llistxattr", ListFn)(path.as_ptr(), out as *mut c_char, WHOLE),
+        Some(name) => {
             let Ok(name) = CString::new(name.as_slice()) else { return XattrAnswer::Errno(libc::EINVAL) };
-            if follow {
-                real!("getxattr", GetFn)(path.as_ptr(), name.as_ptr(), out as *mut c_void, WHOLE)
-            } else {
-                real!("lgetxattr", GetFn)(path.as_ptr(), name.as_ptr(), out as *mut c_void, WHOLE)
-            }
+            real!("lgetxattr", GetFn)(path.as_ptr(), name.as_ptr(), out as *mut c_void, WHOLE)
         }
     };
     if n < 0 {
@@ -192,12 +179,9 @@ unsafe fn read_common(
         Target::Instead(path) => return instead(path.as_ptr()),
         Target::Real => return real(),
     };
-    let name = name.map(|n| CStr::from_ptr(n).to_bytes().to_vec());
-    if let Some(answer) = recorded(cache, &path, &XattrQuery { name: name.clone(), follow }) {
-        return give(&answer, out, size);
-    }
-    let Some((node, follow)) = resolve(cache, path, follow) else { return real() };
-    let query = XattrQuery { name, follow };
+    // Records are of a path's own attributes, asked without following a symlink there.
+    let Some(node) = node(cache, path, follow) else { return real() };
+    let query = XattrQuery { name: name.map(|n| CStr::from_ptr(n).to_bytes().to_vec()), follow: false };
     if let Some(answer) = cache.cached_xattr(&node, &query) {
         return give(&answer, out, size);
     }
