@@ -7,8 +7,11 @@ cold then warm with `revalidate = never` on a second (with every file of the tre
 the last pass, so that the cache holds what a walker only listed). A warm pass reads no byte from the
 store, except where a tool exits before a large file's copy is finished (`partial`): that file is copied
 again, never more than once. On the last pass a tool sends the store nothing at all, walkers included
-(find, cp -r, tar, copytree, opendir: directory listings are recorded once and replayed), except the
-`getattr` lookups named by a tool's `looks_up`; each case prints what it sent (`pytest -s`).
+(find, cp -r, tar, copytree, opendir: directory listings are recorded once and replayed) and tools that
+copy extended attributes and ACLs (cp -a, copytree: each path's answers are recorded once and replayed),
+except the path lookup of a directory a tool `chdir`s into (rsync: see `chdirs`); each case prints what it
+sent (`pytest -s`). Some paths of the store carry extended attributes, which the stand-in store serves
+(and counts), so a tool that copies them must copy the store's, not a tier copy's.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ FILES = {
 }
 SYMLINK = ("a/b/link.bin", "../mid.bin")
 REGULAR = sorted(FILES)
+# Extended attributes of paths of the store: a file's, a directory's (longer than the first buffer
+# Python's os.getxattr tries, so it meets ERANGE) and an empty value.
+XATTRS = {
+    "small.txt": {"user.origin": b"store"},
+    "a": {"user.note": b"n" * 300},
+    "a/b/c/deep.bin": {"user.empty": b""},
+}
 
 # realpath, lstat, stat, statx, fstatat and fstat (after open, and after reading) of each path; readlink;
 # and whether what describes the open descriptor matches what describes the path. `dir` mode lists each
@@ -60,6 +70,7 @@ PROBE_C = r"""
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 static void diff(const char *what, const struct stat *a, const struct stat *b) {
@@ -122,6 +133,50 @@ static int probe_file(const char *p) {
     return 0;
 }
 
+/* Each answer of the attribute calls as the program sees it: the size or errno, and the bytes. */
+static void show(const char *what, ssize_t n, const char *buf) {
+    if (n < 0) { printf(" %s:errno=%d", what, errno); return; }
+    printf(" %s=%zd", what, n);
+    if (buf) { putchar(':'); for (ssize_t i = 0; i < n; i++) putchar(buf[i] ? buf[i] : '|'); }
+}
+
+/* listxattr and getxattr of every name, by path (following a symlink and not) and by descriptor, with a
+   size query, a buffer too small and a whole one; a missing name and the ACL. */
+static int probe_xattr(const char *p) {
+    char list[4096], buf[4096], one[1];
+    printf("%s", p);
+    show("list_size", listxattr(p, NULL, 0), NULL);
+    show("list_short", listxattr(p, one, 1), NULL);
+    ssize_t n = listxattr(p, list, sizeof list);
+    show("list", n, list);
+    show("llist", llistxattr(p, buf, sizeof buf), buf);
+    for (ssize_t at = 0; n > 0 && at < n; at += strlen(list + at) + 1) {
+        const char *name = list + at;
+        printf(" [%s]", name);
+        show("size", getxattr(p, name, NULL, 0), NULL);
+        show("short", getxattr(p, name, one, 1), NULL);
+        show("get", getxattr(p, name, buf, sizeof buf), buf);
+        show("lget", lgetxattr(p, name, buf, sizeof buf), buf);
+    }
+    show("missing", getxattr(p, "user.missing", buf, sizeof buf), NULL);
+    show("lmissing", lgetxattr(p, "user.missing", buf, sizeof buf), NULL);
+    show("acl", getxattr(p, "system.posix_acl_access", buf, sizeof buf), NULL);
+    show("acl_default", getxattr(p, "system.posix_acl_default", buf, sizeof buf), NULL);
+    int fd = open(p, O_RDONLY);
+    if (fd < 0) { printf(" open:errno=%d\n", errno); return 1; }
+    show("flist_size", flistxattr(fd, NULL, 0), NULL);
+    show("flist", flistxattr(fd, buf, sizeof buf), buf);
+    for (ssize_t at = 0; n > 0 && at < n; at += strlen(list + at) + 1) {
+        show("fshort", fgetxattr(fd, list + at, one, 1), NULL);
+        show("fget", fgetxattr(fd, list + at, buf, sizeof buf), buf);
+    }
+    show("fmissing", fgetxattr(fd, "user.missing", buf, sizeof buf), NULL);
+    show("facl", fgetxattr(fd, "system.posix_acl_access", buf, sizeof buf), NULL);
+    close(fd);
+    printf("\n");
+    return 0;
+}
+
 static int cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 static int probe_dir(const char *p) {
@@ -151,7 +206,10 @@ static int probe_dir(const char *p) {
 
 int main(int argc, char **argv) {
     int rc = 0;
-    for (int i = 2; i < argc; i++) rc |= strcmp(argv[1], "dir") == 0 ? probe_dir(argv[i]) : probe_file(argv[i]);
+    for (int i = 2; i < argc; i++)
+        rc |= strcmp(argv[1], "dir") == 0     ? probe_dir(argv[i])
+              : strcmp(argv[1], "xattr") == 0 ? probe_xattr(argv[i])
+                                              : probe_file(argv[i]);
     return rc;
 }
 """
@@ -192,6 +250,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(content(i, size))
         (backing / "data" / SYMLINK[0]).symlink_to(SYMLINK[1])
+        for rel, attrs in XATTRS.items():
+            for name, value in attrs.items():
+                os.setxattr(backing / "data" / rel, name, value)
         yield Store(backing, mount, mount / "data", tmp / "out", probe, tmp)
 
 
@@ -200,9 +261,12 @@ class Tool:
     """A command (with `{data}`, `{out}`, `{probe}`, `{py}`, `{scratch}` filled in) and how to judge it."""
 
     argv: tuple[str, ...]
-    # Why a warm trusted pass still sends the store `getattr` (the kernel's path lookups for calls the
-    # shim does not answer from the cache); empty: it sends nothing at all.
-    looks_up: str = ""
+    # How many times the tool `chdir`s into a directory of the source. The kernel looks the directory up
+    # on the store to enter it (on the stand-in: a lookup and a permission check, two `getattr`), and the
+    # shim cannot enter it on the tool's behalf without the same lookup: a stand-in directory of the tier
+    # as the working directory would be seen empty by every call the shim does not interpose and by
+    # children it does not reach (static binaries, setuid programs, glibc's posix_spawn of system()).
+    chdirs: int = 0
     keep_mtimes: bool = False  # the tool preserves times: compare them in what it wrote
     # Reads part of a file larger than inline_max and exits while the shim's background copy of it is
     # still running: a process that exits before a large file's copy is finished leaves no copy (it is
@@ -214,8 +278,6 @@ class Tool:
 def d(*rel: str) -> tuple[str, ...]:
     return tuple(f"{{data}}/{r}" for r in rel)
 
-
-XATTRS = "extended attributes and ACLs of each path (listxattr, llistxattr, getxattr) are not recorded"
 
 TOOLS = {
     "cat": Tool(("cat", *d(*REGULAR, SYMLINK[0]))),
@@ -236,28 +298,28 @@ TOOLS = {
     "c-probe-files": Tool(("{probe}", "file", *d(*REGULAR))),
     "c-probe-symlink": Tool(("{probe}", "file", *d(SYMLINK[0]))),
     "c-probe-opendir": Tool(("{probe}", "dir", *d(".", "a", "a/b", "a/b/c", "d"))),
+    "c-probe-xattr": Tool(("{probe}", "xattr", *d(*REGULAR, SYMLINK[0], ".", "a", "a/b/c"))),
     "cp-r": Tool(("cp", "-r", "{data}", "{out}")),
-    "cp-a": Tool(("cp", "-a", "{data}", "{out}"), keep_mtimes=True, looks_up=XATTRS),
+    "cp-a": Tool(("cp", "-a", "{data}", "{out}"), keep_mtimes=True),
     "tar-c": Tool(("tar", "c", "--format=gnu", "--sort=name", "-f", "{out}", "-C", "{data}/..", "data")),
     "tar-c-stdout": Tool(("tar", "cv", "--format=gnu", "--sort=name", "-f", "-", "-C", "{data}", ".")),
     "rsync-a": Tool(
         ("rsync", "-a", "-i", "{data}/", "{out}/"),
         keep_mtimes=True,
-        looks_up="rsync chdir()s into the source by its path: the kernel looks the path up",
+        chdirs=1,  # its sender enters the source directory to walk it
     ),
     "find": Tool(
         ("find", "{data}", "-printf", "%P %y %Y %s %m %T@ %l\\n"),
     ),
     "find-type-f-size": Tool(("find", "{data}", "-type", "f", "-size", "+10k", "-newer", "{data}/empty.bin")),
     "find-exec-md5sum": Tool(("find", "{data}", "-type", "f", "-exec", "md5sum", "{{}}", "+")),
-    "shutil-copytree": Tool(
-        ("{py}", "{scratch}/copytree.py", "{data}", "{out}"), keep_mtimes=True, looks_up=XATTRS
-    ),
+    "shutil-copytree": Tool(("{py}", "{scratch}/copytree.py", "{data}", "{out}"), keep_mtimes=True),
 }
 
 
 def manifest(root: Path, keep_mtimes: bool) -> list[tuple]:
-    """What a tool wrote: every path under `root` with its kind, mode, size, digest or link target."""
+    """What a tool wrote: every path under `root` with its kind, mode, size, digest or link target, and
+    its extended attributes."""
     if not root.exists() and not Path(f"{root}-links").exists():
         return []
     out = []
@@ -268,6 +330,8 @@ def manifest(root: Path, keep_mtimes: bool) -> list[tuple]:
         for p in paths:
             st = p.lstat()
             rel = str(p.relative_to(top.parent))
+            names = sorted(os.listxattr(p, follow_symlinks=False))
+            out.append((rel, "xattrs", [(n, os.getxattr(p, n, follow_symlinks=False)) for n in names]))
             if stat.S_ISLNK(st.st_mode):
                 out.append((rel, "link", os.readlink(p)))
             elif stat.S_ISDIR(st.st_mode):
@@ -333,8 +397,8 @@ def sent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", list(TOOLS))
 def test_tool_under_tierstore_run(store: Store, tier: str, name: str) -> None:
-    """The same bytes, output and exit code as a direct run, cold and warm; a warm trusted cache sends
-    the store nothing but directory listings."""
+    """The same bytes, output, attributes and exit code as a direct run, cold and warm; a warm trusted
+    cache sends the store nothing (but the lookups of the directories a tool `chdir`s into)."""
     tool = TOOLS[name]
     if shutil.which(tool.argv[0]) is None and not tool.argv[0].startswith("{"):
         pytest.fail(f"{tool.argv[0]} is not installed: `make setup` installs it")
@@ -371,11 +435,13 @@ def test_tool_under_tierstore_run(store: Store, tier: str, name: str) -> None:
                 f"{label}: a file the first pass read came from the store again"
             )
     print(f"\n{name}: store operations on the warm pass with revalidate=never: {json.dumps(ops)}")
-    if not tool.looks_up:
+    if not tool.chdirs:
         assert ops == {}, f"a warm trusted cache sent the store: {ops}"
     else:
-        # No listing, no open, no read, no readlink: only the kernel's lookups of paths (see looks_up).
-        assert set(ops) <= {"getattr"}, f"a warm trusted cache sent the store more than lookups: {ops}"
+        # Nothing but the kernel's lookup of each directory entered (see `chdirs`), whatever the tree.
+        assert set(ops) == {"getattr"} and ops["getattr"] <= 2 * tool.chdirs, (
+            f"a warm trusted cache sent the store more than the lookups of chdir: {ops}"
+        )
 
 
 # What a trusted cache records besides files: a symlink met by `lstat` (its `lstat`, its target and where
@@ -525,4 +591,62 @@ def test_listing_recorded_and_forgotten_on_change(store: Store, tier: str, reval
         (back / "five").write_bytes(b"5")
         names, _ = listed()
         assert "five" in names
+    shutil.rmtree(back)
+
+
+XATTR_PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    out = []
+    for p in sys.argv[1:]:
+        out.append([(n, os.getxattr(p, n).hex()) for n in sorted(os.listxattr(p))])
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                out.append([(n, os.getxattr(f.fileno(), n).hex()) for n in sorted(os.listxattr(f.fileno()))])
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("revalidate", ["always", "never"])
+def test_xattrs_recorded_and_forgotten_on_change(store: Store, tier: str, revalidate: str) -> None:
+    """Extended attributes of a file (by path and by the descriptor of its tier copy) and of a directory
+    answer as on the store; a warm trusted cache asks the store nothing; a change through the shim, by
+    path or by descriptor, lands on the store and is seen at once."""
+    back = store.backing / "xattrs"
+    shutil.rmtree(back, ignore_errors=True)
+    (back / "sub").mkdir(parents=True)
+    (back / "f.bin").write_bytes(content(200, 4000))
+    os.setxattr(back / "f.bin", "user.a", b"1")
+    os.setxattr(back / "sub", "user.d", b"dir")
+    paths = [str(store.mount / "xattrs" / "f.bin"), str(store.mount / "xattrs" / "sub")]
+    f = paths[0]
+
+    def same_as_store() -> dict:
+        direct, _ = run_py(store, XATTR_PROBE, paths, None, revalidate)
+        got, ops = run_py(store, XATTR_PROBE, paths, tier, revalidate)
+        assert json.loads(got) == json.loads(direct)
+        return ops
+
+    same_as_store()
+    ops = same_as_store()
+    if revalidate == "never":
+        assert ops == {}, f"a warm trusted cache asked the store about attributes: {ops}"
+    else:
+        assert ops.get("listxattr", 0) >= 3, f"with always, the store is asked every time: {ops}"
+    changes = [
+        (f"import os; os.setxattr({f!r}, 'user.b', b'2')", {"user.a": b"1", "user.b": b"2"}),
+        # On the descriptor of the tier copy: made on the store's file.
+        (
+            f"import os\nwith open({f!r}, 'rb') as f: os.setxattr(f.fileno(), 'user.c', b'3')",
+            {"user.a": b"1", "user.b": b"2", "user.c": b"3"},
+        ),
+        (f"import os; os.removexattr({f!r}, 'user.a')", {"user.b": b"2", "user.c": b"3"}),
+    ]
+    for change, expected in changes:
+        run_py(store, change, [], tier, revalidate)
+        on_store = {n: os.getxattr(back / "f.bin", n) for n in os.listxattr(back / "f.bin")}
+        assert on_store == expected, f"after {change!r}"
+        ops = same_as_store()
+        assert ops.get("listxattr", 0) >= 1, "the attributes after a change did not come from the store"
     shutil.rmtree(back)

@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any
 
 STATS = "/.slowfs-stats"
-META_OPS = ("getattr", "readdir", "open", "access", "statfs", "readlink", "opendir")
+META_OPS = ("getattr", "readdir", "open", "access", "statfs", "readlink", "opendir", "listxattr", "getxattr")
 DATA_OPS = ("read",)
 WRITE_OPS = ("write", "create", "truncate", "unlink", "rename", "mkdir", "rmdir", "utimens", "chmod")
 
@@ -149,6 +149,31 @@ def make_operations(root: str, meta_latency: float, data_latency: float, bandwid
             keys = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_flag",
                     "f_frsize", "f_namemax")  # fmt: skip
             return {k: getattr(s, k) for k in keys}
+
+        # Extended attributes (and ACLs, which Linux stores as `system.posix_acl_*` attributes) are the
+        # backing file's own, asked of the file itself as the kernel names it: a store answers for the node
+        # the kernel's lookup reached, symlinks already followed or not.
+        def listxattr(self, path: str) -> list[str]:
+            if path == STATS:
+                return []
+            self._meta("listxattr")
+            return os.listxattr(self._full(path), follow_symlinks=False)
+
+        def getxattr(self, path: str, name: str, position: int = 0) -> bytes:
+            if path == STATS:
+                raise FuseOSError(errno.ENODATA)
+            self._meta("getxattr")
+            return os.getxattr(self._full(path), name, follow_symlinks=False)
+
+        def setxattr(self, path: str, name: str, value: bytes, options: int, position: int = 0) -> int:
+            count("setxattr")
+            os.setxattr(self._full(path), name, value, options, follow_symlinks=False)
+            return 0
+
+        def removexattr(self, path: str, name: str) -> int:
+            count("removexattr")
+            os.removexattr(self._full(path), name, follow_symlinks=False)
+            return 0
 
         def open(self, path: str, flags: int) -> int:
             if path == STATS:

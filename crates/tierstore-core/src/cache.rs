@@ -32,6 +32,7 @@ use crate::Error;
 mod peers;
 pub use peers::Served;
 mod prefetch;
+mod xattrs;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 
 /// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
@@ -554,11 +555,7 @@ impl Cache {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            let mut memo = self.inner.copy_stats.lock().expect("copy stats lock");
-            if memo.len() >= COPY_STATS_KEPT {
-                memo.clear();
-            }
-            memo.insert(incarnation, rewritten);
+            self.inner.remember_copy(incarnation, rewritten);
         }
         Some(rewritten)
     }
@@ -1159,6 +1156,11 @@ impl Inner {
         if mtime != e.source.mtime_ns {
             return Err("modified copy (its mtime changed)".into());
         }
+        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
+        // its answer from what was just read, rather than find the entry again through /proc then.
+        if let Some(st) = e.source.to_stat() {
+            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+        }
         if self.config.verify == Verify::Checksum {
             // A copy published without a checksum (while verification was by metadata) cannot be
             // vouched for: fetch it again, which records one. Not a fault.
@@ -1175,6 +1177,15 @@ impl Inner {
             return Ok(Some(Backing::Memory(Arc::new(bytes))));
         }
         Ok(Some(Backing::Copy(file, tier.clone())))
+    }
+
+    /// Remembers what `fstat` reports for a copy's incarnation (see [`Cache::copy_stat`]).
+    fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
+        let mut memo = self.copy_stats.lock().expect("copy stats lock");
+        if memo.len() >= COPY_STATS_KEPT {
+            memo.clear();
+        }
+        memo.insert(incarnation, st);
     }
 
     fn note_access(&self, tier: usize, key: &Key) {

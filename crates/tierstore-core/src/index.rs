@@ -8,6 +8,9 @@ use std::path::Path;
 use crate::lmdb::{Db, Env, LmdbError};
 use crate::placement::{AccessStats, Policy};
 
+mod xattrs;
+pub use xattrs::{XattrAnswer, XattrQuery};
+
 /// A 16-byte key: blake3 of the file's path relative to the source (LMDB keys are at most 511 bytes;
 /// paths are not).
 pub type Key = [u8; 16];
@@ -301,6 +304,8 @@ pub struct Index {
     links: Db,
     /// Listings of source directories under a trusted source (see [`Index::listing`]).
     listings: Db,
+    /// Extended attributes of paths under a trusted source, as the store answered (see [`Index::xattr`]).
+    xattrs: Db,
     policy: Policy,
 }
 
@@ -425,7 +430,7 @@ impl Index {
     /// Opens (creating if needed) the index in directory `dir`.
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
         // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
-        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links", "listings"])?;
+        let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links", "listings", "xattrs"])?;
         Ok(Index {
             entries: env.db(0),
             ranks: env.db(1),
@@ -433,6 +438,7 @@ impl Index {
             dirs: env.db(3),
             links: env.db(4),
             listings: env.db(5),
+            xattrs: env.db(6),
             env,
             policy,
         })
@@ -604,12 +610,13 @@ impl Index {
         Ok(())
     }
 
-    /// Forgets what was recorded of the directory or symlink of `key`, and the `statfs` record (a change
-    /// through tierstore changes the file system's free counts).
+    /// Forgets what was recorded of the directory or symlink of `key` and of its extended attributes, and
+    /// the `statfs` record (a change through tierstore changes the file system's free counts).
     pub fn forget_path(&self, key: &Key) -> Result<(), IndexError> {
         let mut txn = self.env.write()?;
         txn.del(self.dirs, key)?;
         txn.del(self.links, key)?;
+        txn.del(self.xattrs, key)?;
         txn.del(self.meta, STATFS)?;
         txn.commit()?;
         Ok(())
@@ -741,6 +748,7 @@ impl Index {
         txn.clear(self.dirs)?;
         txn.clear(self.links)?;
         txn.clear(self.listings)?;
+        txn.clear(self.xattrs)?;
         txn.del(self.meta, STATFS)?;
         txn.clear(self.entries)?;
         txn.clear(self.ranks)?;

@@ -50,7 +50,26 @@ fn check(op: &'static str, rc: i32) -> Result<(), LmdbError> {
 pub struct Env {
     raw: *mut ffi::MDB_env,
     dbs: Vec<ffi::MDB_dbi>,
+    /// Read transactions that ended, reset and kept with their reader slot: beginning a read transaction
+    /// takes a slot under a mutex shared by every process of the node (all the workers of a DataLoader
+    /// contend for it on every lookup), renewing a reset one does not (LMDB's `mdb_txn_reset` /
+    /// `mdb_txn_renew`).
+    spare: std::sync::Mutex<Vec<SpareTxn>>,
+    /// The process that opened the environment: only it may renew the spare transactions (a reset
+    /// transaction's reader slot belongs to its process; one inherited through `fork()` is never used).
+    pid: u32,
 }
+
+/// A reset read transaction (see [`Env::spare`]).
+struct SpareTxn(*mut ffi::MDB_txn);
+
+// SAFETY: with `MDB_NOTLS` a read transaction is not tied to a thread; a spare one is used by one
+// transaction at a time (it is popped from the list under its lock).
+unsafe impl Send for SpareTxn {}
+
+/// How many reset read transactions an environment keeps (each holds one of the node's reader slots,
+/// `maxreaders`, while its process lives): a process rarely reads with more threads at once.
+const SPARE_MAX: usize = 4;
 
 // SAFETY: an MDB_env is thread-safe; transactions are confined to their creating thread by `NOTLS`
 // read transactions and by LMDB's own writer mutex.
@@ -68,7 +87,7 @@ impl Env {
         // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
         unsafe {
             check("env_create", ffi::mdb_env_create(&mut raw))?;
-            let env = Env { raw, dbs: Vec::new() };
+            let env = Env { raw, dbs: Vec::new(), spare: std::sync::Mutex::new(Vec::new()), pid: crate::pid() };
             check("env_set_mapsize", ffi::mdb_env_set_mapsize(raw, map_size))?;
             check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
@@ -113,9 +132,24 @@ impl Env {
         Db(self.dbs[i])
     }
 
-    /// Starts a read-only transaction (no lock taken; a reader slot is used until it ends).
+    /// Starts a read-only transaction (no lock taken; a reader slot is used until it ends, and kept
+    /// for the next one).
     pub fn read(&self) -> Result<Txn<'_>, LmdbError> {
-        self.begin(ffi::MDB_RDONLY)
+        if crate::pid() != self.pid {
+            return self.begin(ffi::MDB_RDONLY); // LMDB forbids this anyway: leave the parent's slots alone
+        }
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        if let Some(SpareTxn(raw)) = spare {
+            // SAFETY: a transaction of this environment, reset by `Txn::drop` and owned by nobody else.
+            if unsafe { ffi::mdb_txn_renew(raw) } == 0 {
+                return Ok(Txn { raw, env: Some(self), _env: std::marker::PhantomData });
+            }
+            // SAFETY: as above; a handle that cannot be renewed is freed.
+            unsafe { ffi::mdb_txn_abort(raw) };
+        }
+        let mut txn = self.begin(ffi::MDB_RDONLY)?;
+        txn.env = Some(self);
+        Ok(txn)
     }
 
     /// Starts the write transaction; blocks while another thread or process holds it.
@@ -127,14 +161,22 @@ impl Env {
         let mut txn = ptr::null_mut();
         // SAFETY: the environment is open for the lifetime of `self`.
         check("txn_begin", unsafe { ffi::mdb_txn_begin(self.raw, ptr::null_mut(), flags, &mut txn) })?;
-        Ok(Txn { raw: txn, _env: std::marker::PhantomData })
+        Ok(Txn { raw: txn, env: None, _env: std::marker::PhantomData })
     }
 }
 
 impl Drop for Env {
     fn drop(&mut self) {
-        // SAFETY: no transaction outlives the environment (they borrow it).
-        unsafe { ffi::mdb_env_close(self.raw) };
+        // SAFETY: no transaction outlives the environment (they borrow it); the spare ones are freed first.
+        unsafe {
+            let spare = std::mem::take(self.spare.get_mut().unwrap_or_else(|p| p.into_inner()));
+            if crate::pid() == self.pid {
+                for SpareTxn(raw) in spare {
+                    ffi::mdb_txn_abort(raw);
+                }
+            }
+            ffi::mdb_env_close(self.raw)
+        };
     }
 }
 
@@ -142,9 +184,12 @@ impl Drop for Env {
 #[derive(Clone, Copy, Debug)]
 pub struct Db(ffi::MDB_dbi);
 
-/// A transaction; aborted on drop unless committed.
+/// A transaction; aborted on drop unless committed (a read transaction is reset and kept by its
+/// environment for the next one).
 pub struct Txn<'env> {
     raw: *mut ffi::MDB_txn,
+    /// The environment of a read transaction.
+    env: Option<&'env Env>,
     _env: std::marker::PhantomData<&'env Env>,
 }
 
@@ -249,7 +294,49 @@ impl<'env> Txn<'env> {
 
 impl Drop for Txn<'_> {
     fn drop(&mut self) {
+        if let Some(env) = self.env {
+            let mut spare = env.spare.lock().unwrap_or_else(|p| p.into_inner());
+            if spare.len() < SPARE_MAX {
+                // SAFETY: a live read transaction: reset releases its snapshot and keeps its reader slot.
+                unsafe { ffi::mdb_txn_reset(self.raw) };
+                spare.push(SpareTxn(self.raw));
+                return;
+            }
+        }
         // SAFETY: the handle was not committed (commit forgets `self`).
         unsafe { ffi::mdb_txn_abort(self.raw) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_renewed_read_transaction_sees_the_latest_commit_and_reuses_its_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = Env::open(dir.path(), 1 << 20, &["t"]).unwrap();
+        let db = env.db(0);
+        let put = |v: &[u8]| {
+            let mut w = env.write().unwrap();
+            w.put(db, b"k", v).unwrap();
+            w.commit().unwrap();
+        };
+        put(b"1");
+        let first = env.read().unwrap();
+        let raw = first.raw;
+        assert_eq!(first.get(db, b"k").unwrap(), Some(&b"1"[..]));
+        drop(first);
+        put(b"2");
+        let again = env.read().unwrap();
+        assert_eq!(again.raw, raw, "the reset transaction is renewed, not a new one begun");
+        assert_eq!(again.get(db, b"k").unwrap(), Some(&b"2"[..]), "a renewed snapshot is the latest");
+        // Two at once: the second is a new transaction, and both are kept, up to SPARE_MAX.
+        let other = env.read().unwrap();
+        assert_ne!(other.raw, raw);
+        drop((again, other));
+        let held: Vec<_> = (0..SPARE_MAX + 2).map(|_| env.read().unwrap()).collect();
+        drop(held);
+        assert_eq!(env.spare.lock().unwrap().len(), SPARE_MAX);
     }
 }

@@ -26,24 +26,33 @@ struct Shared {
 /// A fixed set of worker threads with an urgent and a background queue.
 pub struct Pool {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
+    size: usize,
+    /// Started with the first job: a process that only reads cached files (a DataLoader worker after
+    /// the first epoch, one per epoch when workers are not persistent) never needs them.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Pool {
-    /// Starts `threads` workers.
+    /// A pool of `threads` workers, started when the first job is queued.
     pub fn new(threads: usize) -> Pool {
         let shared =
             Arc::new(Shared { queues: Mutex::new(Queues::default()), work: Condvar::new(), idle: Condvar::new() });
-        let threads = (0..threads.max(1))
-            .map(|i| {
-                let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("tierstore-copy-{i}"))
-                    .spawn(move || worker(&s))
-                    .expect("spawn copy thread")
-            })
-            .collect();
-        Pool { shared, threads }
+        Pool { shared, size: threads.max(1), threads: Mutex::new(Vec::new()) }
+    }
+
+    fn start(&self) {
+        let mut threads = self.threads.lock().expect("pool threads lock");
+        if !threads.is_empty() {
+            return;
+        }
+        for i in 0..self.size {
+            let s = self.shared.clone();
+            let t = std::thread::Builder::new()
+                .name(format!("tierstore-copy-{i}"))
+                .spawn(move || worker(&s))
+                .expect("spawn copy thread");
+            threads.push(t);
+        }
     }
 
     /// Queues a job that a reader is waiting on.
@@ -57,6 +66,7 @@ impl Pool {
     }
 
     fn push(&self, job: Job, urgent: bool) {
+        self.start();
         let mut q = self.shared.queues.lock().expect("pool lock");
         if urgent {
             q.urgent.push_back(job);
@@ -112,7 +122,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.queues.lock().expect("pool lock").stopping = true;
         self.shared.work.notify_all();
-        for t in self.threads.drain(..) {
+        for t in self.threads.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
             let _ = t.join();
         }
     }

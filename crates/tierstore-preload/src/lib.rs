@@ -8,9 +8,10 @@
 //! source's file, so programs that compare them see one file), `access`, `realpath` and `readlink`
 //! (answered from the cache when the dataset is trusted, `revalidate = "never"`, for symlinks inside the
 //! source too), the statfs family (the source's file system, recorded once when trusted), directory
-//! listings when trusted (see `dirs`), the xattr calls that follow symlinks, and the calls that change
-//! files (writes, truncation, rename, unlink, mkdir, rmdir, symlink), which pass through and invalidate
-//! what they change.
+//! listings when trusted (see `dirs`), extended attributes (answered from records when trusted, and a
+//! copy's descriptor answering for its source file: see `xattrs`), and the calls that change files
+//! (writes, truncation, rename, unlink, mkdir, rmdir, symlink, setxattr, removexattr), which pass
+//! through and invalidate what they change.
 //! Every other path costs a prefix comparison; `fstat` of a file on another device than the tiers' costs
 //! a comparison of device numbers.
 //!
@@ -77,6 +78,7 @@ macro_rules! real {
 }
 
 mod dirs;
+mod xattrs;
 
 /// The engine of one process. The configuration is read on the first intercepted call; the cache itself
 /// is opened on the first path under the source, so processes that never touch the source (compilers,
@@ -908,43 +910,6 @@ pub unsafe extern "C" fn readlinkat(dirfd: c_int, path: *const c_char, buf: *mut
             dirfd, path, buf, size,
         )
     })
-}
-
-// Extended attributes of a path, following symlinks (`shutil.copystat` lists them for every file it
-// copies): a path that names a recorded symlink is handed to the real call as the path it resolves to,
-// so that the store is not asked to resolve the link again (the answer is the same: the call follows it).
-
-/// The resolved path to use in place of `path` when it names a symlink under a trusted source that was
-/// recorded; `None`: use `path`.
-unsafe fn through_link(path: *const c_char) -> Option<std::ffi::CString> {
-    let _busy = Busy::enter()?;
-    let s = shim()?;
-    let abs = s.source_path(libc::AT_FDCWD, path)?;
-    let cache = s.cache()?;
-    cache.cached_link(&abs).ok()??;
-    let real = cache.cached_real_path(&abs).ok()??;
-    std::ffi::CString::new(real.into_os_string().into_vec()).ok()
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn listxattr(path: *const c_char, list: *mut c_char, size: size_t) -> ssize_t {
-    let resolved = through_link(path);
-    let path = resolved.as_ref().map_or(path, |p| p.as_ptr());
-    real!("listxattr", unsafe extern "C" fn(*const c_char, *mut c_char, size_t) -> ssize_t)(path, list, size)
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn getxattr(
-    path: *const c_char,
-    name: *const c_char,
-    value: *mut c_void,
-    size: size_t,
-) -> ssize_t {
-    let resolved = through_link(path);
-    let path = resolved.as_ref().map_or(path, |p| p.as_ptr());
-    real!("getxattr", unsafe extern "C" fn(*const c_char, *const c_char, *mut c_void, size_t) -> ssize_t)(
-        path, name, value, size,
-    )
 }
 
 // The statfs family. Walkers ask it of the directories they open (GNU find's fts, to choose how to walk),
