@@ -148,6 +148,16 @@ class _MarkReads(torch.utils.data.Dataset):
         self.marker.mark(int(index) + 1, self.marker.get(0))
         return item
 
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        # The DataLoader calls this instead of __getitem__ when the dataset has it (Subset does): it must
+        # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded.
+        batched = getattr(self.dataset, "__getitems__", None)
+        items = batched(indices) if batched is not None else [self.dataset[i] for i in indices]
+        tag = self.marker.get(0)
+        for i in indices:
+            self.marker.mark(int(i) + 1, tag)
+        return list(items)
+
     def __getattr__(self, name: str) -> Any:
         if name in ("dataset", "marker"):
             raise AttributeError(name)
@@ -315,7 +325,9 @@ def prefetching(
     try:
         size = len(dataset)  # type: ignore[arg-type]
     except TypeError as e:
-        raise TypeError(f"prefetching needs a dataset with a length; {type(dataset).__name__} has none") from e
+        raise TypeError(
+            f"prefetching needs a dataset with a length; {type(dataset).__name__} has none"
+        ) from e
     marks_path = cache._core.create_read_marks(size + 1)
     marked = _MarkReads(dataset, marks_path)
     custom_batches = loader.batch_size is None and loader.batch_sampler is not None

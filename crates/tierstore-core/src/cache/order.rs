@@ -57,6 +57,9 @@ pub struct OrderProgress {
     pub files_cached: AtomicU64,
     /// Files a reader opened before the prefetch reached them.
     pub files_read_first: AtomicU64,
+    /// Files the prefetch had opened and then let go while the budget was full (a reader never waits on
+    /// the budget): a reader that comes for one meanwhile opens it again, the only second open there is.
+    pub files_let_go: AtomicU64,
     /// Files that could not be prefetched (each in `errors`).
     pub files_failed: AtomicU64,
     /// Bytes admitted ahead of the readers and not read yet, now.
@@ -313,6 +316,7 @@ impl Shared {
             if s.blocked {
                 if let Some(c) = claim.take() {
                     self.unclaim(key, c);
+                    self.progress.files_let_go.fetch_add(1, Ordering::Relaxed);
                 }
             }
             s = self.turn.wait_timeout(s, POLL).unwrap_or_else(|p| p.into_inner()).0;
