@@ -63,7 +63,12 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def mounted_store(
-    tmp_path: Path, *, data_latency: str = "0", bandwidth: str = "0"
+    tmp_path: Path,
+    *,
+    data_latency: str = "0",
+    bandwidth: str = "0",
+    meta_latency: str = "0",
+    access_log: Path | None = None,
 ) -> Iterator[tuple[Path, Path]]:
     """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount)."""
     import subprocess
@@ -83,11 +88,12 @@ def mounted_store(
             str(mount),
             "--foreground",
             "--meta-latency",
-            "0",
+            meta_latency,
             "--data-latency",
             data_latency,
             "--bandwidth",
             bandwidth,
+            *(["--access-log", str(access_log)] if access_log is not None else []),
         ],
         stderr=subprocess.PIPE,
     )

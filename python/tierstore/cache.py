@@ -12,10 +12,13 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierstore import _core
 from tierstore._file import CachedFile
+
+if TYPE_CHECKING:
+    from tierstore.order import OrderPrefetch
 
 PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 TierSpec = str | PathLike | tuple[PathLike, int | str | None] | Mapping[str, Any]
@@ -206,6 +209,40 @@ class Cache:
                 time.sleep(0.02)
         self._core.wait_idle()
         return handle.progress()
+
+    def prefetch_order(
+        self,
+        paths: Sequence[PathLike],
+        *,
+        budget: int | str = "2G",
+        jobs: int | None = None,
+    ) -> OrderPrefetch:
+        """Fetches files in the order they will be read, ahead of the readers, within a byte budget.
+
+        Up to `jobs` files are fetched at once, in the order given, while the bytes fetched and not yet
+        read stay within `budget` (a single file larger than the budget is fetched alone). Readers record
+        what they have read on the handle (`mark_read`, `advance`) or, from other processes, in its
+        read-marks file (`tierstore.order.ReadMarker`); a file read before the prefetch reached it is
+        skipped. Reads of a file being prefetched wait for that one fetch, never a second one.
+        `tierstore.torch.prefetching` wires this to a DataLoader's sampler.
+
+        Args:
+            paths: Files under the source, in reading order (a path may come more than once).
+            budget: Bytes fetched ahead of the readers at most: a size like "2G" or a number of bytes.
+            jobs: Files fetched at once, 1 to 1024; default 32.
+
+        Returns:
+            The running prefetch; it stops when the handle is stopped or dropped.
+
+        Raises:
+            ValueError: `budget` is not a size, or `jobs` is out of range.
+            OutsideSourceError: A path is not under the source (nothing is started).
+        """
+        from tierstore.order import OrderPrefetch, parse_budget
+
+        n = parse_budget(budget)
+        check_jobs(jobs)
+        return OrderPrefetch(self._core.prefetch_order(list(paths), n, jobs))
 
     def stats(self) -> dict[str, Any]:
         """Every counter, node-wide: `source` (opens, stats, reads, bytes_read, fallbacks, uncached) and

@@ -286,9 +286,23 @@ def preload_library() -> str:
     type=click.Choice(["always", "never"]),
     help="never: trust the cache for a read-only dataset (no source operation after epoch 1).",
 )
+@click.option(
+    "--order",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="TIERSTORE_ORDER",
+    help="A file listing the files the job will read, one per line, in order: prefetch them ahead of the "
+    "reads (also $TIERSTORE_ORDER).",
+)
+@click.option(
+    "--budget",
+    default="2G",
+    envvar="TIERSTORE_ORDER_BUDGET",
+    show_default=True,
+    help="With --order: bytes fetched ahead of the reads at most (also $TIERSTORE_ORDER_BUDGET).",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
+def run(make: Any, revalidate: str | None, order: Path | None, budget: str, command: tuple[str, ...]) -> None:
     """Run COMMAND with its reads of the source served from the cache, unchanged.
 
     \b
@@ -298,6 +312,7 @@ def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
 
     \b
       tierstore --source /lustre/data --tier /dev/shm/ts:64G run -- python train.py --epochs 90
+      tierstore run --order epoch1.txt --budget 4G -- python train.py   # prefetch in the job's order
     """
     env = dict(os.environ)
     env.update(make.env)
@@ -329,10 +344,62 @@ def run(make: Any, revalidate: str | None, command: tuple[str, ...]) -> None:
         except agent_mod.AgentError as e:
             raise click.ClickException(str(e)) from e
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
+    if order is not None:
+        sys.exit(_run_ordered(cache, order, budget, command, env))
     try:
         os.execvpe(command[0], list(command), env)
     except OSError as e:
         raise click.ClickException(f"cannot run {command[0]!r}: {e.strerror}") from e
+
+
+def _run_ordered(cache: Any, order: Path, budget: str, command: tuple[str, ...], env: dict[str, str]) -> int:
+    """Runs `command` as a child while this process prefetches the files of `order` ahead of its reads.
+
+    The child's opens (through the shim, in any of its processes) mark what they read in the prefetch's
+    read-marks file, named to them by $TIERSTORE_ORDER_MARKS; each read frees its bytes from the budget.
+    Returns the child's exit status.
+    """
+    import signal
+    import subprocess
+
+    from tierstore.order import parse_budget
+
+    try:
+        n = parse_budget(budget)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--budget") from e
+    try:
+        lines = order.read_text().splitlines()
+    except OSError as e:
+        raise click.BadParameter(
+            f"{order}: {e.strerror}; give a file listing the job's files one per line, in reading order",
+            param_hint="--order",
+        ) from e
+    paths = [os.path.abspath(line) for line in lines if line.strip()]
+    try:
+        handle = cache.prefetch_order(paths, budget=n)
+    except ValueError as e:  # OutsideSourceError names the path and the source
+        raise click.BadParameter(f"{order}: {e}", param_hint="--order") from e
+    env["TIERSTORE_ORDER_MARKS"] = handle.marks_path
+    try:
+        child = subprocess.Popen(list(command), env=env)
+    except OSError as e:
+        raise click.ClickException(f"cannot run {command[0]!r}: {e.strerror}") from e
+    # The job is the child: signals meant for it (Ctrl-C, a scheduler's SIGTERM) are passed on.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    rc = child.wait()
+    handle.stop()
+    p = handle.progress()
+    click.echo(
+        f"tierstore run: prefetched {p['files_fetched']} of {p['files_total']} files of the order "
+        f"({p['files_cached']} already cached, {p['files_read_first']} read before the prefetch reached "
+        f"them, {p['files_failed']} failed; at most {p['max_bytes_ahead']} bytes ahead, budget {n})",
+        err=True,
+    )
+    for message in p["errors"][:5]:
+        click.echo(f"tierstore run: {message}", err=True)
+    return rc if rc >= 0 else 128 - rc
 
 
 @main.group()

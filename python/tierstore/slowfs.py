@@ -76,12 +76,22 @@ class Throttle:
             time.sleep(wait)
 
 
-def make_operations(root: str, meta_latency: float, data_latency: float, bandwidth: float) -> Any:
+def make_operations(
+    root: str, meta_latency: float, data_latency: float, bandwidth: float, access_log: str | None = None
+) -> Any:
     from mfusepy import FuseOSError, Operations
 
     counts: Counter[str] = Counter()
     lock = threading.Lock()
     throttle = Throttle(bandwidth)
+    # One line per file opened, in the order the store saw them: how tests see which order files were
+    # fetched in (an ordered prefetch), which counts alone cannot show.
+    log = open(access_log, "a", buffering=1) if access_log else None  # noqa: SIM115 (open while mounted)
+
+    def note_open(path: str) -> None:
+        if log is not None:
+            with lock:
+                log.write(f"{time.monotonic_ns()} open {path}\n")
 
     def count(op: str, nbytes: int = 0) -> None:
         with lock:
@@ -179,6 +189,7 @@ def make_operations(root: str, meta_latency: float, data_latency: float, bandwid
             if path == STATS:
                 return 0
             self._meta("open")
+            note_open(path)
             return os.open(self._full(path), flags)
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
@@ -273,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="added to every read request; default 0.5ms")  # fmt: skip
     ap.add_argument("--bandwidth", type=parse_rate, default="500MiB/s",
                     help="read bandwidth cap shared by all readers; default 500MiB/s, 0 for none")  # fmt: skip
+    ap.add_argument("--access-log", metavar="FILE",
+                    help="append a line per file opened (monotonic ns, 'open', path) to FILE")  # fmt: skip
     ap.add_argument("--foreground", action="store_true", help="stay in the foreground")
     args = ap.parse_args(argv)
     try:
@@ -281,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the stand-in store needs mfusepy: pip install mfusepy (and fuse3 from your distribution)",
               file=sys.stderr)  # fmt: skip
         return 2
-    ops = make_operations(os.path.abspath(args.source), args.meta_latency, args.data_latency, args.bandwidth)
+    ops = make_operations(
+        os.path.abspath(args.source), args.meta_latency, args.data_latency, args.bandwidth, args.access_log
+    )
     # No kernel attribute or entry caching: every stat reaches the store, as on a PFS without client caching,
     # so the counters see every operation a job sends.
     FUSE(ops, args.mountpoint, foreground=args.foreground, nothreads=False, attr_timeout=0, entry_timeout=0,

@@ -31,6 +31,8 @@ use crate::Error;
 
 mod peers;
 pub use peers::Served;
+mod order;
+pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
 mod prefetch;
 mod xattrs;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
@@ -667,6 +669,56 @@ impl Cache {
         }
         out.sort();
         Ok(out)
+    }
+
+    /// Fetches `paths` (files under the source, in the order they will be read) ahead of their readers,
+    /// `jobs` at a time, keeping at most `budget` bytes fetched but not yet read (see `cache/order.rs`).
+    /// Reads are learnt from `log`; without one, a new marks file gets a slot per distinct path, and
+    /// readers record through the handle or that file. Every path is checked here: one outside the source
+    /// is an error before anything starts. Returns at once; not counted by [`Cache::wait_idle`], since it
+    /// waits on readers.
+    pub fn prefetch_order(
+        &self,
+        paths: &[PathBuf],
+        budget: u64,
+        jobs: usize,
+        log: Option<ReadLog>,
+    ) -> Result<OrderedPrefetch, Error> {
+        let rels = paths.iter().map(|p| self.inner.source.relative(p)).collect::<Result<Vec<_>, _>>()?;
+        let log = match log {
+            Some(log) => log,
+            None => {
+                let (slots, distinct) = crate::marks::slots_of(&rels);
+                let marks = self.read_marks(distinct)?;
+                // Readers that know paths, not positions (the LD_PRELOAD shim), find their slot by name.
+                let mut names = vec![""; distinct];
+                for (rel, &slot) in rels.iter().zip(&slots) {
+                    names[slot as usize] = rel;
+                }
+                marks.write_names(&names).map_err(|e| Error::io(&marks.names_path(), e))?;
+                ReadLog { marks: Arc::new(marks), slots, tag: 1 }
+            }
+        };
+        if log.slots.len() != rels.len() || log.slots.iter().any(|&s| s as usize >= log.marks.len()) || log.tag == 0 {
+            return Err(Error::Tier {
+                path: log.marks.path().to_path_buf(),
+                message: format!(
+                    "read log does not fit the order ({} positions, {} slots, {} marks, tag {}): give one slot per position, each below the number of marks, and a tag other than 0",
+                    rels.len(),
+                    log.slots.len(),
+                    log.marks.len(),
+                    log.tag
+                ),
+            });
+        }
+        OrderedPrefetch::start(self.inner.clone(), rels, log, budget, jobs)
+    }
+
+    /// A new read-marks file of `slots` slots next to the node's cache state, for the readers of an
+    /// ordered prefetch in other processes.
+    pub fn read_marks(&self, slots: usize) -> Result<crate::marks::ReadMarks, Error> {
+        let dir = self.inner.config.tiers[0].path.join(crate::tier::namespace(&self.inner.config.source)).join("order");
+        crate::marks::ReadMarks::create_in(&dir, slots).map_err(|e| Error::io(&dir, e))
     }
 
     /// Blocks until every prefetch has finished and every queued copy is published (and access

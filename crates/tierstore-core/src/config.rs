@@ -186,6 +186,10 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_TOKEN_FILE",
     "TIERSTORE_REGISTRY",
     "TIERSTORE_JOB",
+    // `tierstore run --order`: the job's order, its budget, and the read marks the launcher hands the shim.
+    "TIERSTORE_ORDER",
+    "TIERSTORE_ORDER_BUDGET",
+    "TIERSTORE_ORDER_MARKS",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";

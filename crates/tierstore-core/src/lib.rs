@@ -14,6 +14,7 @@ pub mod flight;
 pub mod index;
 pub mod lmdb;
 pub mod lock;
+pub mod marks;
 pub mod owners;
 pub mod pack;
 pub mod placement;

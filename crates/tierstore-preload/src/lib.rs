@@ -35,6 +35,7 @@ use std::sync::Mutex;
 use libc::{c_char, c_int, c_uint, c_void, mode_t, off_t, size_t, ssize_t, FILE};
 use tierstore_core::{Cache, Config, Native, Overrides};
 
+mod order;
 mod streams;
 
 thread_local! {
@@ -148,6 +149,11 @@ impl Shim {
                     .ok()
             })
             .as_ref()
+    }
+
+    /// The path of `b` (absolute, normalized) relative to the source, by either of its names.
+    fn relative<'a>(&self, b: &'a [u8]) -> Option<&'a [u8]> {
+        [&self.root, &self.alias].into_iter().filter(|d| !d.is_empty()).find_map(|d| b.strip_prefix(d.as_slice()))
     }
 
     /// Whether `b` (an absolute path) is the source directory or under it, by either of its names.
@@ -277,6 +283,9 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
             }
             if let Some(copy) = copy {
                 streams::register(fd, copy);
+            }
+            if let Some(rel) = s.relative(abs.as_os_str().as_bytes()) {
+                order::note_open(rel);
             }
             Some(fd)
         }

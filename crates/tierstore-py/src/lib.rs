@@ -12,6 +12,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
+use tierstore_core::cache::{OrderProgress, OrderedPrefetch, ReadLog};
 use tierstore_core::{Cache, Config, Overrides, PrefetchProgress, Reader};
 
 use crate::error::{io_to_py, to_py};
@@ -147,6 +148,50 @@ impl PyCache {
         let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
         let progress = py.allow_threads(|| engine.prefetch_with(&paths, jobs)).map_err(to_py)?;
         Ok(PyPrefetch { progress })
+    }
+
+    /// Starts fetching `paths` in order, `budget` bytes ahead of their reads, `jobs` files at a time. Reads
+    /// are recorded in the marks file `marks` (slot `slots[i]` for position `i`, value `tag`), or, without
+    /// it, in a new marks file with one slot per distinct path.
+    #[pyo3(signature = (paths, budget, jobs=None, marks=None, slots=None, tag=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn prefetch_order(
+        &self,
+        py: Python<'_>,
+        paths: Vec<Bound<'_, PyAny>>,
+        budget: u64,
+        jobs: Option<usize>,
+        marks: Option<Bound<'_, PyAny>>,
+        slots: Option<Vec<u32>>,
+        tag: u32,
+    ) -> PyResult<PyOrderPrefetch> {
+        let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
+        let marks = marks.as_ref().map(path_arg).transpose()?;
+        let engine = self.engine(py)?;
+        let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
+        let handle = py
+            .allow_threads(|| {
+                let log = match marks {
+                    None => None,
+                    Some(m) => {
+                        let opened =
+                            tierstore_core::marks::ReadMarks::open(&m).map_err(|e| tierstore_core::Error::io(&m, e))?;
+                        let slots = slots.unwrap_or_else(|| (0..paths.len() as u32).collect());
+                        Some(ReadLog { marks: Arc::new(opened), slots, tag })
+                    }
+                };
+                engine.prefetch_order(&paths, budget, jobs, log)
+            })
+            .map_err(to_py)?;
+        Ok(PyOrderPrefetch { progress: handle.progress(), handle })
+    }
+
+    /// Creates a read-marks file of `slots` slots next to the node's cache state; returns its path.
+    fn create_read_marks(&self, py: Python<'_>, slots: usize) -> PyResult<String> {
+        let engine = self.engine(py)?;
+        let marks = py.allow_threads(|| engine.read_marks(slots)).map_err(to_py)?;
+        // The caller removes it when its readers are done.
+        Ok(marks.keep().to_string_lossy().into_owned())
     }
 
     /// Blocks until queued copies are published.
@@ -419,6 +464,71 @@ impl PyPrefetch {
     }
 }
 
+/// A running ordered prefetch (see `tierstore.Cache.prefetch_order`).
+#[pyclass(name = "OrderPrefetch", module = "tierstore._core", frozen)]
+struct PyOrderPrefetch {
+    handle: OrderedPrefetch,
+    progress: Arc<OrderProgress>,
+}
+
+#[pymethods]
+impl PyOrderPrefetch {
+    /// Counts so far: files total, done, fetched, already cached, read first, failed; bytes fetched and
+    /// ahead of the readers (now and at most); the read position; every error.
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p = &self.progress;
+        let d = PyDict::new(py);
+        d.set_item("files_total", p.files_total.load(Relaxed))?;
+        d.set_item("files_done", p.files_done.load(Relaxed))?;
+        d.set_item("files_fetched", p.files_fetched.load(Relaxed))?;
+        d.set_item("bytes_fetched", p.bytes_fetched.load(Relaxed))?;
+        d.set_item("files_cached", p.files_cached.load(Relaxed))?;
+        d.set_item("files_read_first", p.files_read_first.load(Relaxed))?;
+        d.set_item("files_failed", p.files_failed.load(Relaxed))?;
+        d.set_item("files_let_go", p.files_let_go.load(Relaxed))?;
+        d.set_item("bytes_ahead", p.bytes_ahead.load(Relaxed))?;
+        d.set_item("max_bytes_ahead", p.max_bytes_ahead.load(Relaxed))?;
+        d.set_item("position", p.position.load(Relaxed))?;
+        d.set_item("errors", p.errors())?;
+        Ok(d)
+    }
+
+    /// True when every worker has left.
+    #[getter]
+    fn done(&self) -> bool {
+        self.progress.finished()
+    }
+
+    /// The marks file readers in other processes record their reads in.
+    #[getter]
+    fn marks_path(&self) -> String {
+        self.handle.marks_path().to_string_lossy().into_owned()
+    }
+
+    /// Records that the file at `position` was read.
+    fn mark_read(&self, position: usize) {
+        self.handle.mark_read(position);
+    }
+
+    /// Records that every file before `position` was read.
+    fn advance(&self, position: usize) {
+        self.handle.advance(position);
+    }
+
+    /// Stops taking new files.
+    fn stop(&self) {
+        self.handle.stop();
+    }
+
+    /// Waits until every worker has left (at most `timeout` seconds); returns whether they have.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
+        let t = timeout.map(|s| std::time::Duration::from_secs_f64(s.max(0.0)));
+        py.allow_threads(|| self.handle.wait(t))
+    }
+}
+
 /// Parses a size ("8G", "512MiB", "4096") into bytes; None if it is not one.
 /// The owner of each of `rels` among `members` (as `host:port`) not in `down`, by the agents' own
 /// rendezvous hashing (what the cluster simulator predicts with); `None` where every member is down.
@@ -443,6 +553,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;
+    m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(owners, m)?)?;
     m.add_class::<pack::PyPackWriter>()?;

@@ -1,0 +1,474 @@
+//! Ordered prefetch: fetches the files of an epoch in the order they will be read, ahead of the readers,
+//! keeping at most a byte budget fetched but not yet read (NoPFS's "clairvoyance").
+//!
+//! A DataLoader asks for one file at a time per worker, so on a latency-bound store epoch 1 costs a round
+//! trip per file. Its sampler knew the whole order before the epoch began: given that order, `jobs`
+//! threads of the prefetch's own fetch files in it, so their round trips overlap, and the readers find
+//! copies in the tier (or join a fetch in flight) instead of asking the store.
+//!
+//! Rules, and why:
+//! - **In order, within the budget.** A position is admitted (its bytes counted as ahead) only after every
+//!   earlier position, and only while the bytes admitted and not yet read, plus its own, fit the budget
+//!   (a file larger than the whole budget is admitted alone, or it would never be). So tier use ahead of
+//!   the readers stays inside the budget and what is fetched is what is read next.
+//! - **Reads are learnt from read marks** (see `marks.rs`): readers in any process mark the files they
+//!   open; a mark frees the file's bytes from the budget. A file read before the prefetch reached it is
+//!   skipped, and the prefetch jumps to the first position not read yet.
+//! - **Through the engine's fetch path, claimed before it is opened.** A worker leads the file's in-process
+//!   flight and takes its node-wide fetch lock (with `try_lock` only: a file another process is fetching is
+//!   left to it) before it opens the file, so a reader that comes while it is opened, or waits its turn,
+//!   waits for this one fetch instead of opening the file again. The claim is let go while the budget is
+//!   full (a reader never waits on the budget) and taken again once there is room; then the copy is the
+//!   engine's own (`Inner::fetch_locked`). A reader that waits on it waits for one copy, never a queue.
+//! - **Never ahead of a waiting reader.** The copies run on the prefetch's own threads, not on the copy
+//!   pool, so the pool's `urgent` queue (what readers wait on) never waits behind a warm-up.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::{Fetched, Inner, Purpose};
+use crate::flight::{Flight, Role};
+use crate::index::{key_of, Key};
+use crate::lock::FetchGuard;
+use crate::marks::ReadMarks;
+use crate::Error;
+
+/// How often a prefetch waiting for room looks at the read marks again: readers in other processes mark
+/// with a plain store (no wake-up), and a millisecond is below one round trip to a loaded store.
+const POLL: Duration = Duration::from_millis(1);
+/// Problems kept for the report; the rest are only counted.
+const MAX_ERRORS: usize = 1000;
+
+/// Progress of an ordered prefetch, updated by its workers.
+#[derive(Default)]
+pub struct OrderProgress {
+    /// Positions in the order.
+    pub files_total: AtomicU64,
+    /// Positions handled (fetched, already cached, read first, or failed).
+    pub files_done: AtomicU64,
+    /// Files this prefetch fetched from the source into a tier.
+    pub files_fetched: AtomicU64,
+    /// Bytes of the files this prefetch fetched.
+    pub bytes_fetched: AtomicU64,
+    /// Files already cached (or being fetched by another process) when the prefetch reached them.
+    pub files_cached: AtomicU64,
+    /// Files a reader opened before the prefetch reached them.
+    pub files_read_first: AtomicU64,
+    /// Files the prefetch had opened and then let go while the budget was full (a reader never waits on
+    /// the budget): a reader that comes for one meanwhile opens it again, the only second open there is.
+    pub files_let_go: AtomicU64,
+    /// Files that could not be prefetched (each in `errors`).
+    pub files_failed: AtomicU64,
+    /// Bytes admitted ahead of the readers and not read yet, now.
+    pub bytes_ahead: AtomicU64,
+    /// The most bytes ever ahead of the readers (at most the budget, or one file larger than it).
+    pub max_bytes_ahead: AtomicU64,
+    /// Positions before this one have all been read.
+    pub position: AtomicU64,
+    /// Every problem met (up to a thousand), each naming the file and what to do.
+    pub errors: Mutex<Vec<String>>,
+    running: AtomicUsize,
+}
+
+impl OrderProgress {
+    /// True when every worker has left (the order is done, or the prefetch was stopped).
+    pub fn finished(&self) -> bool {
+        self.running.load(Ordering::Acquire) == 0
+    }
+
+    /// A copy of the problems met so far.
+    pub fn errors(&self) -> Vec<String> {
+        self.errors.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn fail(&self, message: String) {
+        self.files_failed.fetch_add(1, Ordering::Relaxed);
+        let mut errors = self.errors.lock().unwrap_or_else(|p| p.into_inner());
+        if errors.len() < MAX_ERRORS {
+            errors.push(message);
+        }
+    }
+}
+
+/// Where an order's reads are recorded: the marks file, the slot of each position, and this epoch's tag.
+pub struct ReadLog {
+    /// The shared marks.
+    pub marks: Arc<ReadMarks>,
+    /// The slot of each position of the order.
+    pub slots: Vec<u32>,
+    /// The value a read of this epoch stores into its slot (never 0, which a new file holds).
+    pub tag: u32,
+}
+
+struct State {
+    /// The next position a worker takes.
+    next: usize,
+    /// Positions before this one have passed admission (in order).
+    admitted: usize,
+    /// Positions admitted and not known to be read: (slot, bytes).
+    held: VecDeque<(u32, u64)>,
+    /// Bytes of `held`.
+    ahead: u64,
+    /// Positions before this one are all read.
+    low: usize,
+    /// The position whose turn it is waits for room in the budget: every later one waits as long.
+    blocked: bool,
+    stopped: bool,
+}
+
+struct Shared {
+    inner: Arc<Inner>,
+    rels: Vec<String>,
+    log: ReadLog,
+    budget: u64,
+    state: Mutex<State>,
+    turn: Condvar,
+    progress: Arc<OrderProgress>,
+}
+
+/// A running ordered prefetch. Dropping the handle stops it (files under way finish).
+pub struct OrderedPrefetch {
+    shared: Arc<Shared>,
+}
+
+impl OrderedPrefetch {
+    /// Starts `jobs` threads fetching `rels` (source-relative paths) in order within `budget` bytes ahead
+    /// of the reads recorded in `log`.
+    pub(super) fn start(
+        inner: Arc<Inner>,
+        rels: Vec<String>,
+        log: ReadLog,
+        budget: u64,
+        jobs: usize,
+    ) -> Result<OrderedPrefetch, Error> {
+        let progress = Arc::new(OrderProgress::default());
+        progress.files_total.store(rels.len() as u64, Ordering::Relaxed);
+        let jobs = jobs.clamp(1, super::MAX_PREFETCH_JOBS).min(rels.len().max(1));
+        let shared = Arc::new(Shared {
+            inner,
+            rels,
+            log,
+            budget,
+            state: Mutex::new(State {
+                next: 0,
+                admitted: 0,
+                held: VecDeque::new(),
+                ahead: 0,
+                low: 0,
+                blocked: false,
+                stopped: false,
+            }),
+            turn: Condvar::new(),
+            progress,
+        });
+        shared.progress.running.store(jobs, Ordering::Release);
+        for i in 0..jobs {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new().name(format!("tierstore-order-{i}")).spawn(move || {
+                // A panic must not leave the prefetch running forever in the eyes of its handle.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.work()));
+                s.leave();
+            });
+            if let Err(e) = spawned {
+                // Workers that could not be started never leave: account for them here.
+                for _ in i..jobs {
+                    shared.leave();
+                }
+                if i == 0 {
+                    return Err(Error::Tier {
+                        path: shared.inner.config.tiers[0].path.clone(),
+                        message: format!("cannot start a prefetch thread: {e}"),
+                    });
+                }
+                break;
+            }
+        }
+        Ok(OrderedPrefetch { shared })
+    }
+
+    /// The progress counters.
+    pub fn progress(&self) -> Arc<OrderProgress> {
+        self.shared.progress.clone()
+    }
+
+    /// The marks file readers in other processes record their reads in.
+    pub fn marks_path(&self) -> &Path {
+        self.shared.log.marks.path()
+    }
+
+    /// Records that the file at `position` of the order was read (from this process).
+    pub fn mark_read(&self, position: usize) {
+        if let Some(&slot) = self.shared.log.slots.get(position) {
+            self.shared.log.marks.mark(slot as usize, self.shared.log.tag);
+            self.shared.turn.notify_all();
+        }
+    }
+
+    /// Records that every file before `position` was read (a reader that goes strictly in order).
+    pub fn advance(&self, position: usize) {
+        let log = &self.shared.log;
+        let start = self.shared.progress.position.load(Ordering::Acquire) as usize;
+        for &slot in log.slots.iter().take(position).skip(start) {
+            log.marks.mark(slot as usize, log.tag);
+        }
+        self.shared.turn.notify_all();
+    }
+
+    /// Stops taking new files; files under way finish.
+    pub fn stop(&self) {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
+        self.shared.turn.notify_all();
+    }
+
+    /// Blocks until every worker has left, or `timeout` passes; returns whether they all left.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut g = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        while !self.shared.progress.finished() {
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return false;
+            }
+            g = self.shared.turn.wait_timeout(g, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        true
+    }
+}
+
+impl Drop for OrderedPrefetch {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Shared {
+    fn read(&self, position: usize) -> bool {
+        self.log.marks.is_marked(self.log.slots[position] as usize, self.log.tag)
+    }
+
+    /// Frees the bytes of held files that have been read, and moves the read position (and the next
+    /// position to take, so that a prefetch the readers overtook goes on ahead of them).
+    fn refresh(&self, s: &mut State) {
+        let (marks, tag) = (&self.log.marks, self.log.tag);
+        let before = s.held.len();
+        if before > 0 {
+            let mut freed = 0;
+            s.held.retain(|&(slot, size)| {
+                let read = marks.is_marked(slot as usize, tag);
+                if read {
+                    freed += size;
+                }
+                !read
+            });
+            if s.held.len() != before {
+                s.ahead -= freed;
+                self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
+            }
+        }
+        while s.low < self.rels.len() && self.read(s.low) {
+            s.low += 1;
+        }
+        self.progress.position.store(s.low as u64, Ordering::Relaxed);
+        s.next = s.next.max(s.low);
+    }
+
+    /// Waits for `position`'s turn in order; with `size`, also for room in the budget, and admits it.
+    /// While the budget is full, `claim` is let go (see the module's rules). Returns false when the
+    /// position no longer needs fetching (read meanwhile, or the prefetch stopped).
+    fn admit(&self, position: usize, size: Option<u64>, key: &Key, claim: &mut Option<Claim>) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            self.refresh(&mut s);
+            if s.stopped {
+                return false;
+            }
+            // Positions the readers passed are never waited for.
+            s.admitted = s.admitted.max(s.low);
+            if s.admitted > position {
+                return false;
+            }
+            if s.admitted == position {
+                let Some(size) = size else {
+                    s.admitted += 1;
+                    self.turn.notify_all();
+                    return false;
+                };
+                if self.read(position) {
+                    s.admitted += 1;
+                    s.blocked = false;
+                    self.turn.notify_all();
+                    return false;
+                }
+                if s.ahead == 0 || s.ahead + size <= self.budget {
+                    s.admitted += 1;
+                    s.blocked = false;
+                    s.held.push_back((self.log.slots[position], size));
+                    s.ahead += size;
+                    self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
+                    self.progress.max_bytes_ahead.fetch_max(s.ahead, Ordering::Relaxed);
+                    self.turn.notify_all();
+                    return true;
+                }
+                s.blocked = true;
+            }
+            if s.blocked {
+                if let Some(c) = claim.take() {
+                    self.unclaim(key, c);
+                    self.progress.files_let_go.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            s = self.turn.wait_timeout(s, POLL).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Leads the in-process flight of `key` and holds its node-wide fetch lock; `None` when another
+    /// thread or process is fetching it.
+    fn claim(&self, key: &Key) -> Option<Claim> {
+        let Role::Leader(flight) = self.inner.flights.join(key) else { return None };
+        match self.inner.locks.try_lock(key) {
+            Ok(Some(guard)) => Some(Claim { flight, guard }),
+            _ => {
+                self.inner.flights.land(key, &flight);
+                None
+            }
+        }
+    }
+
+    fn unclaim(&self, key: &Key, claim: Claim) {
+        drop(claim.guard);
+        self.inner.flights.land(key, &claim.flight);
+    }
+
+    /// Gives back the budget of an admitted file that was not fetched (it failed).
+    fn release(&self, position: usize, size: u64) {
+        let slot = self.log.slots[position];
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = s.held.iter().position(|&(sl, sz)| sl == slot && sz == size) {
+            s.held.remove(i);
+            s.ahead -= size;
+            self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
+        }
+        self.turn.notify_all();
+    }
+
+    fn take(&self) -> Option<usize> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.refresh(&mut s);
+        if s.stopped || s.next >= self.rels.len() {
+            return None;
+        }
+        let p = s.next;
+        s.next += 1;
+        Some(p)
+    }
+
+    fn leave(&self) {
+        self.progress.running.fetch_sub(1, Ordering::AcqRel);
+        self.turn.notify_all();
+    }
+
+    fn work(&self) {
+        while let Some(position) = self.take() {
+            self.one(position);
+            self.progress.files_done.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Handles one position of the order.
+    fn one(&self, position: usize) {
+        let inner = &self.inner;
+        let p = &self.progress;
+        let rel = &self.rels[position];
+        let key = key_of(rel);
+        let skip = |counter: &AtomicU64| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            self.admit(position, None, &key, &mut None);
+        };
+        if self.read(position) {
+            return skip(&p.files_read_first);
+        }
+        // A file some tier holds costs the index lookup (and one `stat` when copies are revalidated),
+        // not a fetch, and no budget.
+        if inner.published(&key, rel).is_some() {
+            if let Ok(Some(sid)) = inner.known_identity(&key, rel) {
+                if inner.hit(&key, rel, &sid, false).is_some() {
+                    return skip(&p.files_cached);
+                }
+            }
+        }
+        let mut claim = self.claim(&key);
+        if claim.is_none() {
+            return skip(&p.files_cached); // being fetched by a reader or another process
+        }
+        // Identified from the open descriptor (one open), before admission: the budget needs the size.
+        let (sid, file) = match inner.open_identified(rel) {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some(c) = claim.take() {
+                    self.unclaim(&key, c);
+                }
+                p.fail(describe(&e));
+                self.admit(position, None, &key, &mut None);
+                return;
+            }
+        };
+        if !self.admit(position, Some(sid.size), &key, &mut claim) {
+            if let Some(c) = claim.take() {
+                self.unclaim(&key, c);
+            }
+            if self.read(position) {
+                p.files_read_first.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        let Some(Claim { flight, guard }) = claim.or_else(|| self.claim(&key)) else {
+            // A reader took it while the budget was full: it lands ahead all the same.
+            p.files_cached.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        match inner.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file)) {
+            Ok(Fetched::Cached) => {
+                p.files_fetched.fetch_add(1, Ordering::Relaxed);
+                p.bytes_fetched.fetch_add(sid.size, Ordering::Relaxed);
+            }
+            Ok(Fetched::Skipped | Fetched::Reader(_) | Fetched::Streaming(..)) => {
+                p.files_cached.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Fetched::NoRoom) => {
+                self.release(position, sid.size);
+                p.fail(format!(
+                    "{}: not prefetched, no tier has room (quota reached); raise a tier's quota or lower the budget",
+                    inner.source.path_of(rel).display()
+                ));
+            }
+            Ok(Fetched::Uncached) => {
+                self.release(position, sid.size);
+                p.fail(format!(
+                    "{}: not prefetched: it changed while it was copied, or a tier failed (see `tierstore status`)",
+                    inner.source.path_of(rel).display()
+                ));
+            }
+            Err(e) => {
+                self.release(position, sid.size);
+                p.fail(describe(&e));
+            }
+        }
+    }
+}
+
+/// A file claimed for fetching: its in-process flight (led) and its node-wide fetch lock (held).
+struct Claim {
+    flight: Arc<Flight>,
+    guard: FetchGuard,
+}
+
+fn describe(e: &Error) -> String {
+    match e {
+        Error::Io { path, source } if source.kind() == std::io::ErrorKind::NotFound => {
+            format!("{}: not found on the store; remove it from the order, or check the path", path.display())
+        }
+        other => format!("{other}; not prefetched (a read of it will fetch it)"),
+    }
+}

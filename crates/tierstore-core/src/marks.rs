@@ -1,0 +1,184 @@
+//! Read marks: where the readers of an ordered prefetch record what they have read, across processes.
+//!
+//! An ordered prefetch (see `cache/order.rs`) keeps a byte budget of files fetched but not yet read, so
+//! it must learn when a file is read. The readers are often other processes (DataLoader workers, the
+//! programs under `tierstore run`), so the record is a small shared memory-mapped file of `u32` slots:
+//! a reader stores the epoch's tag into the slot of the file it opened, with one atomic store and no
+//! system call, and the prefetch compares slots with its tag. A tag per epoch lets one file serve every
+//! epoch of a job without being cleared.
+//!
+//! Layout: `u32` slots, native endianness, nothing else (a Python worker writes them with `mmap` and
+//! `memoryview.cast("I")`).
+
+use std::fs::OpenOptions;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// A shared array of `u32` read marks.
+pub struct ReadMarks {
+    ptr: *mut AtomicU32,
+    len: usize,
+    path: PathBuf,
+    /// Made by this handle: removed (with its names file) when the handle goes.
+    owned: bool,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics.
+unsafe impl Send for ReadMarks {}
+unsafe impl Sync for ReadMarks {}
+
+impl ReadMarks {
+    /// Creates a new marks file of `slots` slots (all zero) in `dir`, with a name no other process uses.
+    pub fn create_in(dir: &Path, slots: usize) -> io::Result<ReadMarks> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        std::fs::create_dir_all(dir)?;
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let name = format!("{}-{}-{nanos}.marks", crate::pid(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let path = dir.join(name);
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        file.set_len((slots.max(1) * 4) as u64)?;
+        let mut marks = Self::map(&file, path)?;
+        marks.owned = true;
+        Ok(marks)
+    }
+
+    /// Leaves the file in place when this handle goes (another process will use it and remove it).
+    pub fn keep(mut self) -> PathBuf {
+        self.owned = false;
+        self.path.clone()
+    }
+
+    /// The file naming the path of each slot, one per line, for readers that know paths, not slots.
+    pub fn names_path(&self) -> PathBuf {
+        self.path.with_extension("names")
+    }
+
+    /// Writes the path of each slot (slot `i` on line `i`).
+    pub fn write_names<S: AsRef<str>>(&self, names: &[S]) -> io::Result<()> {
+        let mut text = String::with_capacity(names.iter().map(|n| n.as_ref().len() + 1).sum());
+        for n in names {
+            text.push_str(n.as_ref());
+            text.push('\n');
+        }
+        std::fs::write(self.names_path(), text)
+    }
+
+    /// Maps an existing marks file (made by [`ReadMarks::create_in`] in another process).
+    pub fn open(path: &Path) -> io::Result<ReadMarks> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        Self::map(&file, path.to_path_buf())
+    }
+
+    fn map(file: &std::fs::File, path: PathBuf) -> io::Result<ReadMarks> {
+        use std::os::fd::AsRawFd;
+        let bytes = file.metadata()?.len() as usize;
+        let len = bytes / 4;
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "empty read-marks file"));
+        }
+        // SAFETY: a shared mapping of a file of at least `len * 4` bytes; unmapped in Drop.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len * 4,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ReadMarks { ptr: ptr as *mut AtomicU32, len, path, owned: false })
+    }
+
+    /// The file, for readers in other processes to map.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no slots (never: a marks file has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn slot(&self, i: usize) -> Option<&AtomicU32> {
+        // SAFETY: `i` is within the mapping, which lives as long as `self`.
+        (i < self.len).then(|| unsafe { &*self.ptr.add(i) })
+    }
+
+    /// Records that the file of `slot` was read in the epoch tagged `tag` (a slot out of range is ignored:
+    /// a reader must never fail because of the prefetch).
+    pub fn mark(&self, slot: usize, tag: u32) {
+        if let Some(s) = self.slot(slot) {
+            s.store(tag, Ordering::Release);
+        }
+    }
+
+    /// Whether the file of `slot` was read in the epoch tagged `tag`.
+    pub fn is_marked(&self, slot: usize, tag: u32) -> bool {
+        self.slot(slot).is_some_and(|s| s.load(Ordering::Acquire) == tag)
+    }
+}
+
+impl Drop for ReadMarks {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len * 4) };
+        if self.owned {
+            let _ = std::fs::remove_file(&self.path);
+            let _ = std::fs::remove_file(self.names_path());
+        }
+    }
+}
+
+/// The slot of each position of an order: the first position of each distinct path gets the next slot,
+/// and a path that comes again gets its earlier slot (a reader that opens it cannot tell which of its
+/// positions it is reading, and after the first read it is cached anyway).
+pub fn slots_of<T: Eq + std::hash::Hash>(order: &[T]) -> (Vec<u32>, usize) {
+    let mut seen = std::collections::HashMap::with_capacity(order.len());
+    let slots = order
+        .iter()
+        .map(|p| {
+            let next = seen.len() as u32;
+            *seen.entry(p).or_insert(next)
+        })
+        .collect();
+    (slots, seen.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_are_shared_between_mappings() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = ReadMarks::create_in(dir.path(), 10).unwrap();
+        let b = ReadMarks::open(a.path()).unwrap();
+        assert!(!a.is_marked(3, 1));
+        b.mark(3, 1);
+        assert!(a.is_marked(3, 1));
+        assert!(!a.is_marked(3, 2));
+        b.mark(99, 1); // out of range: ignored
+        assert_eq!(a.len(), 10);
+        let path = a.path().to_path_buf();
+        drop(b);
+        drop(a);
+        assert!(!path.exists(), "the maker removes the file");
+    }
+
+    #[test]
+    fn repeated_paths_share_a_slot() {
+        let (slots, n) = slots_of(&["a", "b", "a", "c"]);
+        assert_eq!(slots, vec![0, 1, 0, 2]);
+        assert_eq!(n, 3);
+    }
+}

@@ -1,0 +1,154 @@
+"""Ordered prefetch: fetch an epoch's files in the order they will be read, a byte budget ahead of the readers.
+
+`Cache.prefetch_order` returns an `OrderPrefetch`; readers record what they have read (through the handle
+in this process, or in its read-marks file from any process, with `ReadMarker`), and each read frees
+its file's bytes from the budget. `tierstore.torch.prefetching` does all of this for a DataLoader.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from tierstore import _core
+
+
+def parse_budget(budget: int | str) -> int:
+    """The budget in bytes.
+
+    Args:
+        budget: A number of bytes, or a size such as "2G", "512MiB".
+
+    Raises:
+        ValueError: It is not a positive size; the message names the value and the fix.
+    """
+    n: int | None
+    if isinstance(budget, bool):
+        n = None
+    elif isinstance(budget, int):
+        n = budget
+    elif isinstance(budget, str):
+        n = _core.parse_size(budget)
+    else:
+        n = None
+    if n is None or n <= 0:
+        raise ValueError(
+            f"prefetch budget={budget!r}: not a size; give the bytes to fetch ahead of the readers as a size "
+            'like "2G", "512MiB" or a positive number of bytes'
+        )
+    return n
+
+
+class OrderPrefetch:
+    """A running ordered prefetch (see `Cache.prefetch_order`). A context manager: leaving it stops the
+    prefetch; so does dropping the last reference.
+
+    Readers record their reads with `mark_read` (any order) or `advance` (strictly in order) in this
+    process, or with `ReadMarker(handle.marks_path)` in other processes.
+    """
+
+    def __init__(self, core: _core.OrderPrefetch) -> None:
+        self._core = core
+
+    @property
+    def marks_path(self) -> str:
+        """The read-marks file: slot `i` of a path is the number of distinct paths before its first position."""
+        return self._core.marks_path
+
+    @property
+    def done(self) -> bool:
+        """True when every file of the order is handled (or the prefetch was stopped)."""
+        return self._core.done
+
+    def mark_read(self, position: int) -> None:
+        """Records that the file at `position` of the order has been read."""
+        self._core.mark_read(position)
+
+    def advance(self, position: int) -> None:
+        """Records that every file before `position` has been read."""
+        self._core.advance(position)
+
+    def progress(self) -> dict[str, Any]:
+        """Counts so far.
+
+        Returns:
+            files_total, files_done, files_fetched (copied from the store by this prefetch),
+            bytes_fetched, files_cached (found cached or being fetched by another process),
+            files_read_first (read before the prefetch reached them), files_failed, files_let_go (opened,
+            then let go while the budget was full: a reader that came for one opened it again), bytes_ahead
+            (fetched, not read yet), max_bytes_ahead, position (every file before it is read) and errors.
+        """
+        return self._core.progress()
+
+    def stop(self) -> None:
+        """Stops taking new files; files under way finish."""
+        self._core.stop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until every file is handled, at most `timeout` seconds; returns whether it is.
+
+        The prefetch waits for reads to free its budget, so only wait once the readers are done or
+        reading.
+        """
+        return self._core.wait(timeout)
+
+    def __enter__(self) -> OrderPrefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ReadMarker:
+    """Records reads into a read-marks file from any process of the node (a DataLoader worker, say).
+
+    One store into a shared mapping per read, no system call. The mapping is made on first use in each
+    process, so the marker can be pickled into spawned workers and inherited by forked ones.
+
+    Args:
+        path: The read-marks file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pid = 0
+        self._view: memoryview | None = None
+        self._map: mmap.mmap | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+
+    def _slots(self) -> memoryview | None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            try:
+                with open(self.path, "r+b") as f:
+                    self._map = mmap.mmap(f.fileno(), 0)
+                self._view = memoryview(self._map).cast("I")
+            except (OSError, ValueError):
+                self._view = None  # a reader never fails because of the prefetch
+        return self._view
+
+    def mark(self, slot: int, tag: int) -> None:
+        """Stores `tag` into `slot` (out of range: ignored)."""
+        view = self._slots()
+        if view is not None and 0 <= slot < len(view):
+            view[slot] = tag
+
+    def get(self, slot: int) -> int:
+        """The value in `slot` (0 when unreadable)."""
+        view = self._slots()
+        if view is None or not 0 <= slot < len(view):
+            return 0
+        return int(view[slot])
+
+    def count(self, tag: int, start: int = 0) -> int:
+        """How many slots from `start` on hold `tag`."""
+        view = self._slots()
+        if view is None:
+            return 0
+        return sum(1 for v in view[start:] if v == tag)

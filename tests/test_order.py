@@ -1,0 +1,354 @@
+"""Sampler-aware (ordered) prefetch on the stand-in store: files fetched in order and ahead of the reads,
+bytes fetched but not yet read within the budget (measured from the tier and the reads, not from the
+prefetch's own counters), every file read from the store once while reads race the prefetch, a
+DataLoader that yields exactly the same samples with and without it (fork and spawn workers),
+DistributedSampler ranks that prefetch only their shard, and clear errors."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+import tierstore
+from tests.conftest import mounted_store, store_stats
+from tierstore.order import ReadMarker
+from tierstore.torch import CachedDataset, prefetching
+
+SIZE = 32 << 10
+
+
+def write_files(backing: Path, n: int, size: int = SIZE) -> list[str]:
+    """`n` files of exactly `size` bytes under `backing/data`; their names relative to `backing`."""
+    names = []
+    for i in range(n):
+        p = backing / "data" / f"d{i // 100}" / f"{i:05d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(i.to_bytes(4, "little") * (size // 4))
+        names.append(str(p.relative_to(backing)))
+    return names
+
+
+def opened(log: Path, mount: Path) -> list[str]:
+    """The files the store opened, in order, relative to the mount."""
+    out = []
+    for line in log.read_text().splitlines():
+        _, _, path = line.split(" ", 2)
+        out.append(path.lstrip("/"))
+    return out
+
+
+def assert_in_order(seen: list[int], jobs: int, n: int) -> None:
+    """Each of `n` positions opened on the store once, each at most `jobs` positions before the furthest
+    one opened so far (up to `jobs` files are in flight at once, so their opens may interleave)."""
+    assert sorted(seen) == list(range(n))
+    furthest = -1
+    for pos in seen:
+        assert pos > furthest - jobs - 1, (pos, furthest)
+        furthest = max(furthest, pos)
+
+
+def tier_used(cache: tierstore.Cache) -> int:
+    return int(cache.stats()["tiers"][0]["bytes_used"])
+
+
+@pytest.fixture
+def logged_store(tmp_path: Path) -> Any:
+    """The stand-in store with 1 ms per metadata operation and an access log: (backing, mount, log)."""
+    log = tmp_path / "access.log"
+    with mounted_store(tmp_path, meta_latency="1ms", access_log=log) as (backing, mount):
+        yield backing, mount, log
+
+
+def test_order_is_followed_within_the_budget_and_ahead_of_the_reader(logged_store: Any, tier: str) -> None:
+    backing, mount, log = logged_store
+    names = write_files(backing, 200)
+    order = names[:]
+    random.Random(7).shuffle(order)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    budget = 10 * SIZE
+    log.write_text("")
+    jobs = 8
+    handle = cache.prefetch_order([mount / n for n in order], budget=budget, jobs=jobs)
+    worst = 0
+    for i, name in enumerate(order):
+        time.sleep(0.002)  # a little work per sample: the prefetch gets ahead
+        # Fetched but not read, measured: what the tier holds minus what was read (read first, then the
+        # tier, so the measure can only err high).
+        worst = max(worst, tier_used(cache) - i * SIZE)
+        with cache.open(mount / name) as f:
+            assert f.read(4) == int(name[-9:-4]).to_bytes(4, "little")
+        handle.mark_read(i)
+    assert handle.wait(30)
+    p = handle.progress()
+    assert p["files_total"] == p["files_done"] == len(order)
+    assert p["files_failed"] == 0, p["errors"]
+    assert worst <= budget, f"{worst} bytes fetched ahead of the reader, budget {budget}"
+    assert p["max_bytes_ahead"] <= budget
+    # Ahead of the reader: the prefetch fetched nearly everything, the reader little by itself.
+    assert p["files_fetched"] >= 0.9 * len(order), p
+    # In order: each file opened on the store comes at most `jobs` positions before the furthest opened.
+    positions = {n: i for i, n in enumerate(order)}
+    assert_in_order([positions[n] for n in opened(log, mount) if n in positions], jobs, len(order))
+
+
+def test_every_file_is_read_from_the_store_once_when_reads_race_the_prefetch(
+    logged_store: Any, tier: str
+) -> None:
+    backing, mount, _ = logged_store
+    names = write_files(backing, 300)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    before = store_stats(mount)
+    handle = cache.prefetch_order([mount / n for n in names], budget="64M", jobs=16)
+    # Eight readers start at once with the prefetch, each taking the next file: they race it for every file.
+    nxt = iter(range(len(names)))
+    lock = threading.Lock()
+
+    def reader() -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            with cache.open(mount / names[i]) as f:
+                assert len(f.read()) == SIZE
+            handle.mark_read(i)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert handle.wait(30)
+    cache.wait()
+    after = store_stats(mount)
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(names) * SIZE
+    assert after.get("open", 0) - before.get("open", 0) == len(names)
+    p = handle.progress()
+    assert p["files_fetched"] + p["files_cached"] + p["files_read_first"] == len(names), p
+
+
+class Indexed(CachedDataset):
+    """Samples as (index, first word of the file), so a test sees which file each sample came from."""
+
+    def __getitem__(self, index: int) -> Any:
+        data = super().__getitem__(index)
+        return index, int.from_bytes(data[:4], "little")
+
+
+def slow_collate(batch: list[Any]) -> Any:
+    time.sleep(0.002)  # a little work per batch
+    return torch.utils.data.default_collate(batch)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_yields_the_same_samples_and_prefetches_within_the_budget(
+    logged_store: Any, tier: str, context: str
+) -> None:
+    backing, mount, _ = logged_store
+    names = write_files(backing, 240)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    ds = Indexed([str(mount / n) for n in names], cache=cache)
+
+    def loader(wrapped: bool) -> Any:
+        g = torch.Generator().manual_seed(1234)
+        dl = DataLoader(
+            ds,
+            batch_size=8,
+            sampler=RandomSampler(ds, generator=g),
+            num_workers=2,
+            multiprocessing_context=context,
+            collate_fn=slow_collate,
+        )
+        return prefetching(dl, budget=16 * SIZE, jobs=8) if wrapped else dl
+
+    budget = 16 * SIZE
+    wrapped = loader(True)
+    sampler = wrapped.ordered_sampler
+    marker = ReadMarker(sampler.marks_path)
+    before = store_stats(mount)
+    worst = 0
+    seen = []
+    for idx, first in wrapped:
+        assert idx.tolist() == first.tolist()  # each sample is its own file
+        seen.extend(idx.tolist())
+        read = marker.count(sampler.epoch_tag, 1)
+        worst = max(worst, tier_used(cache) - read * SIZE)
+    sampler.prefetch.wait(30)
+    cache.wait()
+    after = store_stats(mount)
+    p = sampler.progress()
+    # Fetched but not yet read, measured in the tier: within the budget, plus the files the two workers
+    # and the batches the loader keeps in flight are reading at the moment of the measure.
+    in_flight = 2 * 2 * 8 + 2
+    assert worst <= budget + in_flight * SIZE, (worst, budget)
+    assert p["max_bytes_ahead"] <= budget
+    assert p["files_failed"] == 0, p["errors"]
+    # Each file read from the store once, by the prefetch or by a worker that got there first. The budget
+    # (16 files) is smaller than what the loader keeps in flight (2 workers x 2 batches x 8), so a worker
+    # can reach a file that the prefetch has opened but holds back for room: the prefetch lets it go (a
+    # reader never waits on the budget) and the worker opens it again; only those cost a second open.
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(names) * SIZE
+    assert len(names) <= after.get("open", 0) - before.get("open", 0) <= len(names) + p["files_let_go"]
+    assert p["files_fetched"] >= 0.5 * len(names), p
+    # The same samples in the same order as without the wrapper: the sampler's RNG is consumed alike.
+    plain = [i for idx, _ in loader(False) for i in idx.tolist()]
+    assert seen == plain
+    assert sorted(seen) == list(range(len(names)))
+
+
+def test_persistent_workers_get_each_epoch_in_its_own_order(logged_store: Any, tier: str) -> None:
+    backing, mount, _ = logged_store
+    names = write_files(backing, 120)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    ds = Indexed([str(mount / n) for n in names], cache=cache)
+    wrapped = prefetching(
+        DataLoader(
+            ds,
+            batch_size=8,
+            sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(9)),
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="fork",
+        ),
+        budget=16 * SIZE,
+        jobs=8,
+    )
+    plain = DataLoader(
+        ds, batch_size=8, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(9))
+    )
+    before = store_stats(mount)
+    orders = []
+    for epoch in range(2):
+        got = [i for idx, _ in wrapped for i in idx.tolist()]
+        assert got == [i for idx, _ in plain for i in idx.tolist()]
+        orders.append(got)
+        sampler = wrapped.ordered_sampler
+        assert sampler.prefetch.wait(30)
+        p = sampler.progress()
+        assert p["files_failed"] == 0, p["errors"]
+        if epoch == 0:
+            assert p["files_fetched"] >= 0.5 * len(names), p
+        else:  # every file cached in epoch 1: the prefetch fetches nothing and the reads free the budget
+            assert p["files_fetched"] == 0 and p["files_cached"] + p["files_read_first"] == len(names), p
+    assert orders[0] != orders[1]  # reshuffled, as without the wrapper
+    after = store_stats(mount)
+    assert after.get("open", 0) - before.get("open", 0) == len(names)
+
+
+def test_distributed_ranks_prefetch_only_their_shard(logged_store: Any, tier: str) -> None:
+    backing, mount, log = logged_store
+    names = write_files(backing, 100)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    ds = CachedDataset([str(mount / n) for n in names], cache=cache)
+    shards = []
+    for rank in (0, 1):
+        cache.clear()
+        log.write_text("")
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=5)
+        sampler.set_epoch(3)
+        expected = list(sampler)
+        dl = prefetching(DataLoader(ds, batch_size=10, sampler=sampler), budget="1G")
+        dl.sampler.set_epoch(3)
+        got = [len(b) for b in dl]
+        assert sum(got) == len(expected)
+        dl.ordered_sampler.prefetch.wait(30)
+        files = set(opened(log, mount))
+        assert files == {names[i] for i in expected}
+        shards.append(files)
+    assert not shards[0] & shards[1]
+
+
+def test_bad_input_says_what_and_how_to_fix(slow_store: tuple[Path, Path], tier: str, tmp_path: Path) -> None:
+    backing, mount = slow_store
+    names = write_files(backing, 3)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    paths = [mount / n for n in names]
+    with pytest.raises(ValueError, match=r"budget='2X'.*like \"2G\""):
+        cache.prefetch_order(paths, budget="2X")
+    with pytest.raises(ValueError, match=r"budget=0"):
+        cache.prefetch_order(paths, budget=0)
+    with pytest.raises(ValueError, match=r"jobs=0"):
+        cache.prefetch_order(paths, jobs=0)
+    outside = tmp_path / "elsewhere.bin"
+    with pytest.raises(tierstore.OutsideSourceError, match=str(outside)):
+        cache.prefetch_order([*paths, outside])
+    ds = CachedDataset([str(p) for p in paths], cache=cache)
+    with pytest.raises(ValueError, match=r"budget='4Q'"):
+        prefetching(DataLoader(ds), budget="4Q")
+
+    class NoPaths(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.raises(TypeError, match="give paths="):
+        prefetching(DataLoader(NoPaths()))
+    # A file missing from the store is reported by name, and the rest still lands.
+    handle = cache.prefetch_order([*paths[:1], mount / "data" / "missing.bin", *paths[1:]], budget="1M")
+    assert handle.wait(30)
+    p = handle.progress()
+    assert p["files_failed"] == 1 and "missing.bin" in p["errors"][0] and "not found" in p["errors"][0]
+    assert p["files_fetched"] == 3
+
+
+def test_tierstore_run_prefetches_the_order_file_and_learns_reads_from_the_shim(
+    logged_store: Any, tier: str, tmp_path: Path
+) -> None:
+    import os
+    import re
+    import subprocess
+    import sys
+
+    backing, mount, log = logged_store
+    names = write_files(backing, 60)
+    order = names[:]
+    random.Random(3).shuffle(order)
+    order_file = tmp_path / "order.txt"
+    order_file.write_text("".join(f"{mount / n}\n" for n in order))
+    # The job reads the files in order, a little work each, through the shim (plain open()).
+    job = "import sys, time\nfor p in open(sys.argv[1]).read().split():\n    open(p, 'rb').read(); time.sleep(0.01)\n"
+    budget = 5 * SIZE
+    log.write_text("")
+    before = store_stats(mount)
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "--source", str(mount), "--tier", f"{tier}:1G", "run",
+         "--order", str(order_file), "--budget", str(budget), "--", sys.executable, "-c", job, str(order_file)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TIERSTORE_LOG": "off"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = re.search(
+        r"prefetched (\d+) of (\d+) files .* (\d+) read before .* at most (\d+) bytes ahead", r.stderr
+    )
+    assert m, r.stderr
+    fetched, total, _, ahead = (int(g) for g in m.groups())
+    assert total == len(order)
+    # Only reads marked by the shim free the budget: without them the prefetch would stop after 5 files.
+    assert fetched >= 0.8 * len(order), r.stderr
+    assert ahead <= budget
+    after = store_stats(mount)
+    assert after.get("open", 0) - before.get("open", 0) == len(order)
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(order) * SIZE
+    positions = {n: i for i, n in enumerate(order)}
+    assert_in_order([positions[n] for n in opened(log, mount) if n in positions], 32, len(order))
+    # Exit status passes through, and a bad budget is refused before the job starts.
+    bad = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "--source", str(mount), "--tier", f"{tier}:1G", "run",
+         "--order", str(order_file), "--budget", "2X", "--", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "budget='2X'" in bad.stderr and '"2G"' in bad.stderr, bad.stderr
+    status = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "--source", str(mount), "--tier", f"{tier}:1G", "run",
+         "--order", str(order_file), "--", sys.executable, "-c", "raise SystemExit(3)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert status.returncode == 3, status.stderr
