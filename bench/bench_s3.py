@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
-from tierstore.s3server import S3Server  # noqa: E402
+from tierstore.s3server import S3Server
 
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "s3_job.py")
@@ -208,14 +208,19 @@ def main() -> int:
     try:
         with S3Server(disk / "weed") as s3:
             local = fresh_dir(base, "local")
-            print(f"populating {args.small} x {human(args.small_size)} + {args.large} x {human(args.large_size)}")
+            print(
+                f"populating {args.small} x {human(args.small_size)} + {args.large} x {human(args.large_size)}"
+            )
             populate(s3, args, local)
             objects = args.small + args.large
             jobs = {}
             for mode in ("local", "s3fs", "simplecache", "tierstore"):
                 jobs[mode] = run_job(s3, args, mode, fresh_dir(base, f"tier-{mode}"), local)
                 print(mode, [(round(e["seconds"], 2), e["gets"]) for e in jobs[mode]["epochs"]], flush=True)
-            together = {m: four_at_once(s3, args, m, fresh_dir(base, f"four-{m}")) for m in ("tierstore", "simplecache")}
+            together = {
+                m: four_at_once(s3, args, m, fresh_dir(base, f"four-{m}"))
+                for m in ("tierstore", "simplecache")
+            }
             print("4 at once", together, flush=True)
             large = large_object(s3, args, base)
             print("large", large, flush=True)
@@ -250,7 +255,7 @@ def main() -> int:
         f"({human(total)}).",
         "- The job (`bench/s3_job.py`): 3 epochs of a DataLoader with 2 persistent workers, small objects one per "
         "sample (shuffled), large ones in 1 MiB records. `local`: plain `open()` of a copy of every object on "
-        "/dev/shm (reading cached copies directly). tierstore: a RAM tier, revalidate \"never\". simplecache: its "
+        '/dev/shm (reading cached copies directly). tierstore: a RAM tier, revalidate "never". simplecache: its '
         "cache directory on /dev/shm.",
         "- 4 processes: four copies of the job at once, 1 epoch, 1 worker each, sharing the cache.",
         f"- Large object: one cold {human(args.large_size)} object read whole, tierstore (8 MiB ranges, 8 in "
@@ -279,7 +284,10 @@ def main() -> int:
         "",
         "| mode | seconds | GETs | GETs per object |",
         "|---|---:|---:|---:|",
-        *[f"| {m} | {t['seconds']:.2f} | {t['gets']} | {t['gets'] / objects:.2f} |" for m, t in together.items()],
+        *[
+            f"| {m} | {t['seconds']:.2f} | {t['gets']} | {t['gets'] / objects:.2f} |"
+            for m, t in together.items()
+        ],
         "",
         "## One cold large object",
         "",

@@ -44,7 +44,9 @@ def opener(args: argparse.Namespace) -> Any:
     if args.mode == "s3fs":
         fs = fsspec.filesystem("s3", **options)
     else:
-        fs = fsspec.filesystem("simplecache", target_protocol="s3", target_options=options, cache_storage=args.tier)
+        fs = fsspec.filesystem(
+            "simplecache", target_protocol="s3", target_options=options, cache_storage=args.tier
+        )
     return lambda key: fs.open(f"{args.bucket}/{key}", "rb")
 
 
@@ -108,7 +110,9 @@ def main() -> None:
         for loader in loaders:
             for batch in loader:
                 total += int(batch.sum())
-        print(json.dumps({"epoch": epoch + 1, "seconds": time.perf_counter() - t0, "bytes": total}), flush=True)
+        print(
+            json.dumps({"epoch": epoch + 1, "seconds": time.perf_counter() - t0, "bytes": total}), flush=True
+        )
         if args.handshake:
             sys.stdin.readline()
 

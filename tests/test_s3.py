@@ -119,11 +119,13 @@ def test_errors_name_the_object_endpoint_and_fix(server: S3Server, bucket: str, 
     with pytest.raises(FileNotFoundError, match="bucket no-such-bucket-here does not exist"):
         no_bucket.open("a.bin")
 
-    wrong = cache_of(server, f"s3://{bucket}/d", str(Path(tier).parent / "t3"), s3={"secret_access_key": "wrong"})
+    wrong = cache_of(
+        server, f"s3://{bucket}/d", str(Path(tier).parent / "t3"), s3={"secret_access_key": "wrong"}
+    )
     with pytest.raises(PermissionError, match="AWS_SECRET_ACCESS_KEY"):
         wrong.open("a.bin")
 
-    with pytest.raises(tierstore.ConfigError, match="s3.timeout"):
+    with pytest.raises(tierstore.ConfigError, match=r"s3\.timeout"):
         cache_of(server, f"s3://{bucket}/d", tier, s3={"timeout": "soon"})
     with pytest.raises(tierstore.ConfigError, match="not a bucket name"):
         cache_of(server, "s3://Bad_Bucket/d", tier)
@@ -200,7 +202,9 @@ def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, t
     start, out = ctx.Event(), ctx.Queue()
     settings = server.settings(range_size="1M")
     procs = [
-        ctx.Process(target=_reader, args=(f"s3://{bucket}/d", tier, settings, keys[i:] + keys[:i], start, out))
+        ctx.Process(
+            target=_reader, args=(f"s3://{bucket}/d", tier, settings, keys[i:] + keys[:i], start, out)
+        )
         for i in range(8)
     ]
     for p in procs:

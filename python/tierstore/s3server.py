@@ -98,7 +98,9 @@ class S3Server:
         # one at a time lets a test make many buckets.
         env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
         log = open(self.root / "weed.log", "ab")  # noqa: SIM115 (the server keeps it)
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while True:
@@ -108,7 +110,9 @@ class S3Server:
                 break
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"SeaweedFS did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}")
+                raise RuntimeError(
+                    f"SeaweedFS did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}"
+                )
             time.sleep(0.1)
 
     def _answers(self) -> bool:
@@ -145,7 +149,12 @@ class S3Server:
 
     def settings(self, **extra: Any) -> dict[str, Any]:
         """The `s3=` settings of a `tierstore.Cache` that reaches this server."""
-        return {"endpoint": self.endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, **extra}
+        return {
+            "endpoint": self.endpoint,
+            "access_key_id": ACCESS_KEY,
+            "secret_access_key": SECRET_KEY,
+            **extra,
+        }
 
     def env(self) -> dict[str, str]:
         """The standard AWS environment variables that reach this server."""

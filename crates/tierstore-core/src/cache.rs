@@ -833,7 +833,10 @@ fn normalize_abs(p: &Path) -> PathBuf {
 
 /// The error of asking a descriptor of a source that has none (an object store).
 fn no_descriptor() -> io::Error {
-    io::Error::new(io::ErrorKind::Unsupported, "an object store has no file descriptors; read it through tierstore.open")
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "an object store has no file descriptors; read it through tierstore.open",
+    )
 }
 
 /// The source a configuration names: an object store (`s3://`), or a directory.
@@ -841,11 +844,19 @@ fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Sourc
     match &config.s3 {
         None => Ok(Arc::new(PosixSource::new(&config.source, config.source_alias.as_deref(), counters))),
         #[cfg(feature = "s3")]
-        Some(s3) => Ok(Arc::new(crate::source::ObjectSource::new(s3.clone(), counters).map_err(|e| Error::io(&config.source, e))?)),
+        Some(s3) => Ok(Arc::new(
+            crate::source::ObjectSource::new(s3.clone(), counters).map_err(|e| Error::io(&config.source, e))?,
+        )),
         #[cfg(not(feature = "s3"))]
         Some(s3) => Err(Error::io(
             &config.source,
-            io::Error::new(io::ErrorKind::Unsupported, format!("this build of tierstore cannot read {} (built without the s3 feature); use the Python package", s3.url)),
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "this build of tierstore cannot read {} (built without the s3 feature); use the Python package",
+                    s3.url
+                ),
+            ),
         )),
     }
 }
@@ -1510,7 +1521,12 @@ impl Inner {
         if self.posix().is_some() {
             return match pre {
                 Some(f) => f.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
-                None => self.source.open(rel).map_err(|e| Error::io(&path, e))?.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
+                None => self
+                    .source
+                    .open(rel)
+                    .map_err(|e| Error::io(&path, e))?
+                    .into_file()
+                    .ok_or_else(|| Error::io(&path, no_descriptor())),
             };
         }
         let (bytes, _) = self.source.read_whole(rel, 0, pre).map_err(|e| Error::io(&path, e))?;

@@ -380,10 +380,7 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
 }
 
 /// Validates the `[s3]` keys into `c` (the bucket and prefix parsed from the source).
-fn validate_s3(
-    mut c: S3Config,
-    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
-) -> Result<S3Config, ConfigError> {
+fn validate_s3(mut c: S3Config, keys: &BTreeMap<&'static str, (toml::Value, Origin)>) -> Result<S3Config, ConfigError> {
     for (&k, (v, o)) in keys {
         let text = v.as_str().map_or_else(|| scalar(v), str::to_owned);
         let key = format!("s3.{k}");
@@ -399,9 +396,10 @@ fn validate_s3(
                 }
             }
             "retries" => {
-                c.retries = text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
-                    bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
-                })?;
+                c.retries =
+                    text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                        bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
+                    })?;
             }
             "range_size" => {
                 c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
@@ -1001,7 +999,19 @@ impl Config {
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
         }
-        Ok(Config { source, source_alias, tiers, policy, threads, inline_max, verify, revalidate, cluster, s3, origins })
+        Ok(Config {
+            source,
+            source_alias,
+            tiers,
+            policy,
+            threads,
+            inline_max,
+            verify,
+            revalidate,
+            cluster,
+            s3,
+            origins,
+        })
     }
 }
 

@@ -41,9 +41,9 @@ pub use posix::{list_dir, normalize, open_at, open_dir, PosixSource};
 pub enum SourceFile {
     /// A descriptor of a file of a POSIX source.
     Posix(File),
-    /// One version of an object.
+    /// One version of an object (boxed: it holds its first bytes and a read window).
     #[cfg(feature = "s3")]
-    Object(ObjectFile),
+    Object(Box<ObjectFile>),
 }
 
 impl SourceFile {

@@ -73,7 +73,14 @@ fn identity(meta: &ObjectMeta) -> SourceId {
     let word = |i: usize| u64::from_le_bytes(tag.as_bytes()[i..i + 8].try_into().expect("8 bytes"));
     let secs = meta.last_modified.timestamp();
     let nanos = i64::from(meta.last_modified.timestamp_subsec_nanos());
-    SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000 + nanos, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
+    SourceId {
+        size: meta.size,
+        mtime_ns: secs * 1_000_000_000 + nanos,
+        ctime_ns: 0,
+        ino: word(0),
+        dev: word(8),
+        attrs: None,
+    }
 }
 
 /// Reads an INI-style AWS file (`~/.aws/credentials`, `~/.aws/config`): section → key → value.
@@ -176,7 +183,11 @@ impl ObjectSource {
             .with_allow_http(endpoint.starts_with("http://"))
             .with_pool_max_idle_per_host(64);
         let retry = RetryConfig {
-            backoff: BackoffConfig { init_backoff: Duration::from_millis(100), max_backoff: Duration::from_secs(5), base: 2.0 },
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(100),
+                max_backoff: Duration::from_secs(5),
+                base: 2.0,
+            },
             max_retries: config.retries,
             retry_timeout: (config.timeout + Duration::from_secs(5)) * (config.retries as u32 + 1),
         };
@@ -219,14 +230,16 @@ impl ObjectSource {
         let at = &self.endpoint;
         let detail = e.to_string();
         match e {
-            object_store::Error::NotFound { .. } if detail.contains("NoSuchBucket") || !self.bucket_exists() => io::Error::new(
-                io::ErrorKind::NotFound,
-                format!(
-                    "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
+            object_store::Error::NotFound { .. } if detail.contains("NoSuchBucket") || !self.bucket_exists() => {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!(
+                        "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
                      (AWS_ENDPOINT_URL or [s3] endpoint)",
-                    self.config.bucket
-                ),
-            ),
+                        self.config.bucket
+                    ),
+                )
+            }
             object_store::Error::NotFound { .. } => {
                 io::Error::new(io::ErrorKind::NotFound, format!("{url}: no such object at {at}"))
             }
@@ -240,15 +253,13 @@ impl ObjectSource {
                     ),
                 )
             }
-            _ if detail.contains("InvalidAccessKeyId") || detail.contains("SignatureDoesNotMatch") => {
-                io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "{url}: {at} refused the credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+            _ if detail.contains("InvalidAccessKeyId") || detail.contains("SignatureDoesNotMatch") => io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{url}: {at} refused the credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
                          (or AWS_PROFILE, or [s3] access_key_id and secret_access_key)"
-                    ),
-                )
-            }
+                ),
+            ),
             _ if detail.contains("NoSuchBucket") => io::Error::new(
                 io::ErrorKind::NotFound,
                 format!(
@@ -365,14 +376,14 @@ impl ObjectSource {
 
     fn object_file<'a>(&self, file: &'a SourceFile) -> io::Result<&'a ObjectFile> {
         match file {
-            SourceFile::Object(o) => Ok(o),
+            SourceFile::Object(o) => Ok(o.as_ref()),
             SourceFile::Posix(_) => Err(io::Error::new(io::ErrorKind::InvalidInput, "not an object")),
         }
     }
 }
 
 fn humantime(d: Duration) -> String {
-    if d.as_millis() % 1000 == 0 {
+    if d.as_millis().is_multiple_of(1000) {
         format!("{} s", d.as_secs())
     } else {
         format!("{} ms", d.as_millis())
@@ -426,24 +437,24 @@ impl Source for ObjectSource {
                 .map_err(|e| self.error(rel, e))?,
             Err(e) => return Err(self.error(rel, e)),
         };
-        Ok(SourceFile::Object(ObjectFile {
+        Ok(SourceFile::Object(Box::new(ObjectFile {
             key,
             rel: rel.to_string(),
             sid: identity(&meta),
             head,
             window: Mutex::new(None),
-        }))
+        })))
     }
 
     fn reopen(&self, rel: &str, sid: &SourceId) -> io::Result<SourceFile> {
         // No request: the first read asks for its range and checks the version.
-        Ok(SourceFile::Object(ObjectFile {
+        Ok(SourceFile::Object(Box::new(ObjectFile {
             key: self.key(rel),
             rel: rel.to_string(),
             sid: *sid,
             head: bytes::Bytes::new(),
             window: Mutex::new(None),
-        }))
+        })))
     }
 
     fn identify_opened(&self, file: &SourceFile, _rel: &str) -> io::Result<(SourceId, bool)> {

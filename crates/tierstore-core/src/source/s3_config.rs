@@ -95,7 +95,9 @@ impl S3Config {
         }
         let prefix = prefix.trim_matches('/');
         if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
-            return Err(BadUrl(format!("the prefix {prefix:?} has empty, \".\" or \"..\" parts; write s3://{bucket}/a/b")));
+            return Err(BadUrl(format!(
+                "the prefix {prefix:?} has empty, \".\" or \"..\" parts; write s3://{bucket}/a/b"
+            )));
         }
         let url = if prefix.is_empty() { format!("s3://{bucket}") } else { format!("s3://{bucket}/{prefix}") };
         Ok(S3Config {
@@ -156,7 +158,10 @@ mod tests {
     #[test]
     fn urls_and_keys() {
         let c = S3Config::parse("s3://data-set/train/").unwrap();
-        assert_eq!((c.bucket.as_str(), c.prefix.as_str(), c.url.as_str()), ("data-set", "train", "s3://data-set/train"));
+        assert_eq!(
+            (c.bucket.as_str(), c.prefix.as_str(), c.url.as_str()),
+            ("data-set", "train", "s3://data-set/train")
+        );
         assert_eq!(c.key_of("a/b.bin"), "train/a/b.bin");
         assert_eq!(c.relative("s3://data-set/train/a/b.bin").as_deref(), Some("a/b.bin"));
         assert_eq!(c.relative("a/b.bin").as_deref(), Some("a/b.bin"));
