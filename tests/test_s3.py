@@ -346,3 +346,22 @@ def test_fsspec_chained_over_s3(server: S3Server, bucket: str, tier: str) -> Non
     # And tierstore:// with a cache whose source is the bucket.
     with fsspec.open(f"tierstore://s3://{bucket}/d/0.bin", "rb", cache=cache) as f:
         assert f.read() == objects["d/0.bin"]
+
+
+def _drop_in_child(holder: list[tierstore.Cache]) -> None:
+    import gc
+
+    holder.clear()  # the last reference to the parent's cache, and its S3 runtime, dies here
+    gc.collect()
+
+
+def test_a_forked_child_never_waits_for_the_parents_s3_threads(
+    server: S3Server, bucket: str, tier: str
+) -> None:
+    put(server, bucket, {"d/a.bin": b"parent"})
+    holder = [cache_of(server, f"s3://{bucket}/d", tier)]
+    assert holder[0].open("a.bin").read() == b"parent"  # the runtime's threads run in this process
+    child = multiprocessing.get_context("fork").Process(target=_drop_in_child, args=(holder,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0, "the child hung dropping an S3 source it inherited"

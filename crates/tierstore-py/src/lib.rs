@@ -44,6 +44,18 @@ impl PyCache {
     }
 }
 
+impl Drop for PyCache {
+    fn drop(&mut self) {
+        // A forked child (a DataLoader worker) that drops a cache it inherited must not drop the parent's
+        // engine: its copy threads and its S3 runtime live in the parent, and joining them here would wait
+        // forever or crash. Keep a reference so that it is never freed.
+        let g = self.engine.get_mut().unwrap_or_else(|p| p.into_inner());
+        if g.0 != tierstore_core::pid() {
+            std::mem::forget(g.1.clone());
+        }
+    }
+}
+
 /// A tier as the Python layer passes it: (path, quota or None).
 type TierArg<'py> = (Bound<'py, PyAny>, Option<Bound<'py, PyAny>>);
 

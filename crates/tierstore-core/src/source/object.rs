@@ -45,7 +45,26 @@ pub struct ObjectSource {
     store: Arc<AmazonS3>,
     /// Where requests go, for messages: the endpoint URL, or AWS in its region.
     endpoint: String,
-    runtime: OnceLock<tokio::runtime::Runtime>,
+    /// The runtime, with the process that started it: a forked child (a DataLoader worker) inherits
+    /// the memory but not the threads, and must never wait for them (see `Drop`).
+    runtime: OnceLock<(u32, tokio::runtime::Runtime)>,
+}
+
+impl Drop for ObjectSource {
+    fn drop(&mut self) {
+        if let Some((pid, rt)) = self.runtime.take() {
+            if pid == crate::pid() {
+                // Requests still in flight belong to readers that are gone: do not wait for them.
+                rt.shutdown_background();
+            } else {
+                // The runtime's threads live in the parent only; shutting it down here would wait for
+                // them forever, and the client's connection pool may hold locks those threads held at
+                // the fork. Leak both: the child is a worker that will exit.
+                std::mem::forget(rt);
+                std::mem::forget(self.store.clone());
+            }
+        }
+    }
 }
 
 /// One version of an object, opened for reading.
@@ -208,7 +227,12 @@ impl ObjectSource {
     }
 
     fn runtime(&self) -> io::Result<&tokio::runtime::Runtime> {
-        if let Some(rt) = self.runtime.get() {
+        if let Some((pid, rt)) = self.runtime.get() {
+            if *pid != crate::pid() {
+                return Err(io::Error::other(
+                    "an S3 source opened before a fork cannot be used in the child; open the cache in the child",
+                ));
+            }
             return Ok(rt);
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -216,7 +240,7 @@ impl ObjectSource {
             .thread_name("tierstore-s3")
             .enable_all()
             .build()?;
-        Ok(self.runtime.get_or_init(|| rt))
+        Ok(&self.runtime.get_or_init(|| (crate::pid(), rt)).1)
     }
 
     fn key(&self, rel: &str) -> Key {
