@@ -139,7 +139,13 @@ def four_at_once(s3: S3Server, args: argparse.Namespace, mode: str, tier: Path) 
     if any(codes):
         raise RuntimeError(f"a {mode} job failed: exit codes {codes}")
     now = s3.requests(BUCKET)
-    return {"mode": mode, "seconds": seconds, "gets": now.get("GET", 0) - before.get("GET", 0)}
+    by_type = {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "gets": now.get("GET", 0) - before.get("GET", 0),
+        "by_type": by_type,
+    }
 
 
 def large_object(s3: S3Server, args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
@@ -232,9 +238,11 @@ def main() -> int:
     ts_later_gets = sum(e["gets"] for e in jobs["tierstore"]["epochs"][1:])
     vs_local = later["local"] / later["tierstore"]
     large_ratio = statistics.median(large["boto3"]) / statistics.median(large["tierstore"])
+    # One process fetching every object once: a GET per small object, one per range of a large one.
+    once = jobs["tierstore"]["epochs"][0]["gets"]
     targets = [
-        ("4 processes: GETs per job = objects", f"= {objects}", f"{together['tierstore']['gets']} "
-         f"(simplecache: {together['simplecache']['gets']})", together["tierstore"]["gets"] == objects),
+        ("4 processes: GETs = one fetch of every object", f"= {once} ({objects} objects)", f"{together['tierstore']['gets']} "
+         f"(simplecache: {together['simplecache']['gets']})", together["tierstore"]["gets"] == once),
         ("epochs 2-3: GETs", "0", str(ts_later_gets), ts_later_gets == 0),
         ("epochs 2-3: throughput vs reading the cached copies directly", ">= 0.90x", f"{vs_local:.2f}x",
          vs_local >= 0.90),
@@ -282,10 +290,10 @@ def main() -> int:
         "",
         "## Four processes at once",
         "",
-        "| mode | seconds | GETs | GETs per object |",
-        "|---|---:|---:|---:|",
+        "| mode | seconds | GETs | GETs per object | requests by type |",
+        "|---|---:|---:|---:|---|",
         *[
-            f"| {m} | {t['seconds']:.2f} | {t['gets']} | {t['gets'] / objects:.2f} |"
+            f"| {m} | {t['seconds']:.2f} | {t['gets']} | {t['gets'] / objects:.2f} | {t['by_type']} |"
             for m, t in together.items()
         ],
         "",
