@@ -965,19 +965,31 @@ impl Inner {
         }
         let sid = match *known {
             Some(sid) => sid,
-            None => match self.open_identified(rel) {
-                Ok((sid, f)) => {
-                    *pre = Some(f);
-                    *known = Some(sid);
-                    sid
-                }
-                Err(e) => {
-                    self.flights.land(key, &flight);
-                    return Err(e);
-                }
-            },
+            None => self.open_for_flight(key, rel, &flight, pre)?,
         };
+        *known = Some(sid);
         self.lead(key, rel, sid, flight, purpose, pre)
+    }
+
+    /// Opens and identifies `rel` for the flight of `key` it leads, keeping the open file in `pre`; on
+    /// failure the flight lands, so that its followers stop waiting.
+    fn open_for_flight(
+        &self,
+        key: &Key,
+        rel: &str,
+        flight: &Arc<Flight>,
+        pre: &mut Option<SourceFile>,
+    ) -> Result<SourceId, Error> {
+        match self.open_identified(rel) {
+            Ok((sid, f)) => {
+                *pre = Some(f);
+                Ok(sid)
+            }
+            Err(e) => {
+                self.flights.land(key, flight);
+                Err(e)
+            }
+        }
     }
 
     /// [`Inner::lead_flight`] for an object no tier holds. Opening an object fetches its first bytes (the
@@ -1002,16 +1014,7 @@ impl Inner {
         let sid = match self.published(key, rel) {
             // Another process fetched it while this one waited: serve its copy (checked as any hit).
             Some(e) if self.config.revalidate == Revalidate::Never => e.source,
-            _ => match self.open_identified(rel) {
-                Ok((sid, f)) => {
-                    *pre = Some(f);
-                    sid
-                }
-                Err(e) => {
-                    self.flights.land(key, &flight);
-                    return Err(e);
-                }
-            },
+            _ => self.open_for_flight(key, rel, &flight, pre)?,
         };
         *known = Some(sid);
         match guard {

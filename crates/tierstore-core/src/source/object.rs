@@ -319,9 +319,6 @@ impl ObjectSource {
         match rt.block_on(async move { store.list(None).next().await }) {
             Some(Err(e)) => {
                 let text = e.to_string();
-                if std::env::var_os("TIERSTORE_DEBUG_S3").is_some() {
-                    eprintln!("tierstore: listing {} failed: {text}", self.config.bucket);
-                }
                 !(matches!(e, object_store::Error::NotFound { .. })
                     || text.contains("NoSuchBucket")
                     || text.contains("404"))
