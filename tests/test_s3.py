@@ -223,6 +223,12 @@ def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, t
     s = cache.stats()["source"]
     assert s["bytes_read"] == sum(map(len, objects.values()))
     assert s["reads"] == 60 + 3  # one GET per small object, three ranges of the large one
+    # A process that finds another's fetch in flight waits for it without asking the store anything (a
+    # HEAD costs a request as a GET does); the server's own counters agree with the cache's.
+    assert s["stats"] == 0
+    served = server.requests(bucket)
+    assert served.get("GET", 0) == 60 + 3, served
+    assert served.get("HEAD", 0) == 0, served
 
 
 def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:

@@ -930,8 +930,9 @@ impl Inner {
                 return Ok(Some(e.source));
             }
             // Another process is fetching it: a stat will do, the copy follows. (Opening a file while it is
-            // read makes some clients, FUSE among them, drop their cache of it.)
-            if !self.fetch_pending(key) {
+            // read makes some clients, FUSE among them, drop their cache of it.) An object store charges a
+            // HEAD as much as a GET, so there the lock is waited for instead (see `lead_object_flight`).
+            if !self.fetch_pending(key) || self.posix().is_none() {
                 return Ok(None);
             }
         }
@@ -1710,6 +1711,33 @@ impl Inner {
             g.finish();
         }
         Ok(true)
+    }
+
+    /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
+    /// prefetch racing another process's fetch of it sends no request. `None`: cached, or being fetched.
+    fn prefetch_object(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<(SourceId, Fetched)>, Error> {
+        let Role::Leader(flight) = self.flights.join(key) else { return Ok(None) };
+        let guard = match self.locks.try_lock(key) {
+            Ok(Some(guard)) => guard,
+            Ok(None) => {
+                self.flights.land(key, &flight);
+                return Ok(None);
+            }
+            Err(e) => {
+                self.flights.land(key, &flight);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+        };
+        if let Some(e) = self.published(key, rel) {
+            if self.config.revalidate == Revalidate::Never && self.hit(key, rel, &e.source, false).is_some() {
+                self.flights.land(key, &flight);
+                return Ok(None);
+            }
+        }
+        let mut pre = None;
+        let sid = self.open_for_flight(key, rel, &flight, &mut pre)?;
+        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre)?;
+        Ok(Some((sid, fetched)))
     }
 
     /// One file of a prefetch, opened and identified by the caller: copy it unless it is cached or being

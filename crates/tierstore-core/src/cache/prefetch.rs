@@ -425,6 +425,22 @@ impl Walk {
                 }
             }
         }
+        if inner.posix().is_none() {
+            // An object: claimed before it is opened, as opening one is a GET.
+            match inner.prefetch_object(&key, &rel) {
+                Ok(Some((sid, fetched))) => {
+                    p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
+                    self.record(&path, Ok(fetched));
+                    p.handled(sid.size);
+                }
+                Ok(None) => p.handled(0), // cached, or being fetched by another process
+                Err(e) => {
+                    self.record(&path, Err(e));
+                    p.handled(0);
+                }
+            }
+            return;
+        }
         let opened = match (&parent, inner.posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.source.open(&rel),
@@ -453,7 +469,14 @@ impl Walk {
             return;
         }
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-        match inner.prefetch_file(&key, &rel, sid, file) {
+        self.record(&path, inner.prefetch_file(&key, &rel, sid, file));
+        p.handled(sid.size);
+    }
+
+    /// Counts what the copy of one file came to, and names the file and the fix when it was not cached.
+    fn record(&self, path: &Path, fetched: Result<Fetched, Error>) {
+        let p = &self.progress;
+        match fetched {
             Ok(Fetched::Cached) => {
                 p.files_copied.fetch_add(1, Ordering::Relaxed);
             }
@@ -468,6 +491,5 @@ impl Walk {
             Ok(Fetched::Reader(_) | Fetched::Streaming(..) | Fetched::Skipped) => {}
             Err(e) => p.fail(describe_error(&e)),
         }
-        p.handled(sid.size);
     }
 }
