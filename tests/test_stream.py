@@ -1,0 +1,314 @@
+"""Model streaming on one node: a publisher and consumers in separate processes, through a real agent.
+
+Publishers are SIGKILLed mid-publish (consumers never see a partial version), consumers are SIGKILLed
+(their leases end with them), and a soak checks that no version is missed and no request mixes versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstore import agent, stream
+
+
+@pytest.fixture
+def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private agent keeping 2 versions per stream; its socket is every client's default."""
+    path = tmp_path / "run" / "agent.sock"
+    path.parent.mkdir()
+    proc = start_agent(path)
+    monkeypatch.setenv("TIERSTORE_AGENT_SOCKET", str(path))
+    yield path
+    stop_agent(proc)
+
+
+def start_agent(path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [*agent.run_args(path, node="n1"), *extra],
+        stdout=subprocess.PIPE,
+        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
+    return proc
+
+
+def stop_agent(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def child(code: str, sock: Path) -> subprocess.Popen[str]:
+    """A Python process running `code`, talking to the agent on `sock`."""
+    env = {**os.environ, "TIERSTORE_AGENT_SOCKET": str(sock)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(what: str, cond: object, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{what}: not within {timeout} s")
+
+
+def model(value: float, sizes: tuple[int, ...] = (1000, 30, 5000)) -> dict[str, np.ndarray]:
+    return {f"t{i}": np.full(n, value, dtype=np.float32) for i, n in enumerate(sizes)}
+
+
+def info(name: str) -> dict[str, object]:
+    for s in stream.streams()["streams"]:
+        if s["name"] == name:
+            return s  # type: ignore[no-any-return]
+    return {}
+
+
+def test_versions_reach_a_consumer_process_whole_and_only_changed_tensors_are_placed(sock: Path) -> None:
+    consumer = child(
+        """
+        import json, sys
+        from tierstore import stream
+        sub = stream.Subscriber("m")
+        print("ready", flush=True)
+        for want in (1, 2, 3):
+            v = sub.wait(timeout=30, after=want - 1)
+            sd = stream.StreamVersion.state_dict(v, "numpy")
+            print(json.dumps({"version": v.version, "step": v.step, "meta": v.metadata,
+                              "values": {k: [float(a.min()), float(a.max())] for k, a in sd.items()}}), flush=True)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "ready", consumer.stderr.read() if consumer.stderr else ""
+    m = model(1.0)
+    v1 = stream.publish("m", m, step=10, metadata={"lr": 0.1})
+    assert isinstance(v1, stream.StreamVersion)
+    assert (v1.version, v1.new_bytes, v1.nbytes) == (1, 4 * 6030, 4 * 6030)
+    # The consumer reads version 1 before version 2 is published: it must see every one.
+    seen = [json.loads(consumer.stdout.readline())]
+    m["t1"][:] = 2.0
+    v2 = stream.publish("m", m, step=11)
+    assert isinstance(v2, stream.StreamVersion)
+    assert (v2.version, v2.new_bytes) == (2, 4 * 30), "only the changed tensor is placed"
+    seen.append(json.loads(consumer.stdout.readline()))
+    m["t0"][:] = 3.0
+    stream.publish("m", m, step=12)
+    seen.append(json.loads(consumer.stdout.readline()))
+    assert consumer.wait(timeout=30) == 0, consumer.stderr.read() if consumer.stderr else ""
+    assert [s["version"] for s in seen] == [1, 2, 3]
+    assert seen[0]["meta"] == {"lr": 0.1} and seen[0]["step"] == 10
+    assert seen[1]["values"] == {"t0": [1.0, 1.0], "t1": [2.0, 2.0], "t2": [1.0, 1.0]}
+    assert seen[2]["values"] == {"t0": [3.0, 3.0], "t1": [2.0, 2.0], "t2": [1.0, 1.0]}
+    # Two versions kept: version 1 and the tensor only it held are freed.
+    wait_for("version 1 freed", lambda: [v["version"] for v in info("m")["versions"]] == [2, 3])  # type: ignore[attr-defined]
+    assert stream.streams()["tensor_files"] == 4
+
+
+def test_hot_model_loads_changed_tensors_into_the_idle_copy_and_swaps(sock: Path) -> None:
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    trainer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    hot = stream.HotModel(net, "policy")
+    try:
+        v1 = stream.publish("policy", trainer, step=1)
+        assert isinstance(v1, stream.StreamVersion)
+        hot.wait_version(1, timeout=20)
+        x = torch.randn(4, 64)
+        with hot.serving() as m, torch.no_grad():
+            assert torch.equal(m(x), trainer(x))
+        copied = hot.bytes_copied
+        assert copied == v1.nbytes
+        with torch.no_grad():
+            trainer[1].bias.add_(1.0)
+        # After a swap, the retired copy is brought to the served version off the critical path.
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 1)
+        assert hot.bytes_caught_up == v1.nbytes
+        stream.publish("policy", trainer, step=2)
+        hot.wait_version(2, timeout=20)
+        # An update copies only the tensors that changed: the 8 floats of one bias.
+        assert hot.bytes_copied - copied == 8 * 4
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 2)
+        with torch.no_grad():
+            trainer[1].bias.add_(1.0)
+        stream.publish("policy", trainer, step=3)
+        hot.wait_version(3, timeout=20)
+        assert hot.bytes_copied - copied == 2 * 8 * 4
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 3)
+        assert hot.bytes_caught_up == v1.nbytes + 2 * 8 * 4
+        with hot.serving() as m, torch.no_grad():
+            assert torch.equal(m(x), trainer(x))
+        assert hot.failures == 0 and hot.last_error is None
+    finally:
+        hot.close()
+
+
+def test_an_update_that_does_not_fit_leaves_the_served_version_and_says_why(sock: Path) -> None:
+    served = model(0.0)
+    hot = stream.HotModel(served, "m")
+    try:
+        stream.publish("m", model(1.0))
+        hot.wait_version(1, timeout=20)
+        stream.publish("m", model(2.0, sizes=(1000, 31, 5000)))
+        wait_for("the failed update reported", lambda: hot.failures == 1)
+        assert hot.version == 1
+        assert (
+            hot.last_error is not None
+            and "'t1'" in hot.last_error
+            and "still serving version 1" in hot.last_error
+        )
+        with hot.serving() as m:
+            assert all((a == 1.0).all() for a in m.values())
+        stream.publish("m", model(3.0))
+        hot.wait_version(3, timeout=20)
+        with hot.serving() as m:
+            assert all((a == 3.0).all() for a in m.values())
+    finally:
+        hot.close()
+
+
+def test_async_publish_snapshots_before_returning(sock: Path) -> None:
+    m = model(1.0)
+    fut = stream.publish("m", m, sync=False, step=1)
+    m["t0"][:] = 9.0  # training goes on at once
+    v = fut.result(timeout=20)  # type: ignore[union-attr]
+    assert v.version == 1
+    with stream.Subscriber("m") as sub:
+        got = sub.wait(timeout=20).state_dict("numpy")
+        assert (got["t0"] == 1.0).all()
+    with stream.Subscriber("m") as sub, pytest.raises(TimeoutError, match="no version of m newer than 1"):
+        sub.wait(timeout=0.2, after=1)
+
+
+def test_a_publisher_killed_mid_publish_leaves_no_version(sock: Path) -> None:
+    with stream.Subscriber("big") as sub:
+        seen: list[int] = []
+        sub.on_update(lambda v: seen.append(v.version))
+        publisher = child(
+            """
+            import numpy as np
+            from tierstore import stream
+            stream.publish("big", {"w": np.zeros(1 << 20, dtype=np.float32)})
+            print("published", flush=True)
+            rng = np.random.default_rng(0)
+            stream.publish("big", {"w": rng.random(1 << 20, dtype=np.float32)} |
+                           {f"x{i}": rng.random(1 << 22, dtype=np.float32) for i in range(40)})
+            print("should not get here", flush=True)
+            """,
+            sock,
+        )
+        assert publisher.stdout is not None
+        assert publisher.stdout.readline().strip() == "published"
+        tmp = Path(stream.streams()["dir"]) / "tmp"
+        # Killed while its tensors are being placed.
+        wait_for("the second publish placing tensors", lambda: any(p.iterdir() for p in tmp.iterdir()), 60)
+        os.kill(publisher.pid, signal.SIGKILL)
+        publisher.wait(timeout=20)
+        wait_for("the publish's directory removed", lambda: not any(tmp.iterdir()))
+        assert info("big")["latest"] == 1
+        assert seen == [1]
+        # The next publisher's version is whole and numbered next.
+        v = stream.publish("big", {"w": np.ones(1 << 20, dtype=np.float32)})
+        assert isinstance(v, stream.StreamVersion) and v.version == 2
+        got = sub.wait(timeout=20, after=1)
+        assert got.version == 2 and (got.state_dict("numpy")["w"] == 1.0).all()
+        assert seen == [1, 2]
+
+
+def test_a_killed_consumer_releases_its_lease(sock: Path) -> None:
+    stream.publish("m", model(1.0))
+    consumer = child(
+        """
+        import time
+        from tierstore import stream
+        sub = stream.Subscriber("m")
+        v = sub.wait(timeout=20)
+        assert sub.pin(v.version)
+        print(v.version, flush=True)
+        time.sleep(600)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "1"
+    for value in (2.0, 3.0, 4.0):
+        stream.publish("m", model(value))
+    held = [v["version"] for v in info("m")["versions"]]  # type: ignore[attr-defined]
+    assert held == [1, 3, 4], "version 1 is leased by the consumer"
+    os.kill(consumer.pid, signal.SIGKILL)
+    consumer.wait(timeout=20)
+    # Its lease ends with its connection; the next eviction frees version 1.
+    wait_for("version 1 freed", lambda: [v["version"] for v in info("m")["versions"]] == [3, 4])  # type: ignore[attr-defined]
+    assert stream.streams()["tensor_files"] == 6
+
+
+SOAK_UPDATES = 10_000
+
+
+def test_soak_no_version_missed_and_no_request_mixes_versions(sock: Path) -> None:
+    consumer = child(
+        f"""
+        import json, threading, time
+        import numpy as np
+        from tierstore import stream
+        model = {{f"t{{i}}": np.zeros(256, dtype=np.float32) for i in range(4)}}
+        hot = stream.HotModel(model, "soak")
+        order = []
+        hot.subscriber.on_update(lambda v: order.append(v.version))
+        print("ready", flush=True)
+        requests = mixed = 0
+        versions = set()
+        while True:
+            with hot.serving() as m:
+                values = {{float(a[0]) for a in m.values()}}
+                whole = all((a == a[0]).all() for a in m.values())
+            requests += 1
+            mixed += len(values) != 1 or not whole
+            versions |= values
+            if hot.version == {SOAK_UPDATES}:
+                break
+        time.sleep(0.2)
+        print(json.dumps({{"order_ok": order == list(range(1, {SOAK_UPDATES} + 1)), "received": len(order),
+                          "requests": requests, "mixed": mixed, "versions_served": len(versions),
+                          "skipped": hot.subscriber.skipped, "failures": hot.failures,
+                          "errors": hot.subscriber.errors[:3]}}), flush=True)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "ready", consumer.stderr.read() if consumer.stderr else ""
+    m = {f"t{i}": np.zeros(256, dtype=np.float32) for i in range(4)}
+    publisher = stream.Publisher("soak")
+    t0 = time.monotonic()
+    for n in range(1, SOAK_UPDATES + 1):
+        for a in m.values():
+            a[:] = n
+        v = publisher.publish(m, step=n)
+        assert isinstance(v, stream.StreamVersion) and v.version == n
+    took = time.monotonic() - t0
+    publisher.close()
+    out = consumer.stdout.readline()
+    assert consumer.wait(timeout=60) == 0, consumer.stderr.read() if consumer.stderr else ""
+    report = json.loads(out)
+    print(f"soak: {SOAK_UPDATES} updates in {took:.1f} s; consumer {report}")
+    assert report["order_ok"] and report["received"] == SOAK_UPDATES, report
+    assert report["mixed"] == 0 and report["skipped"] == 0 and report["failures"] == 0, report
+    assert report["versions_served"] > 1
