@@ -312,3 +312,135 @@ def test_soak_no_version_missed_and_no_request_mixes_versions(sock: Path) -> Non
     assert report["order_ok"] and report["received"] == SOAK_UPDATES, report
     assert report["mixed"] == 0 and report["skipped"] == 0 and report["failures"] == 0, report
     assert report["versions_served"] > 1
+
+
+def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_after_redis_restarts(
+    tmp_path: Path,
+) -> None:
+    """Two nodes (network namespaces), Redis on the first: two consumers on the second node are served by
+    one pull per version of the tensors their node lacks; Redis restarted, they catch up."""
+    from tierstore.netns import Nodes
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    with Nodes(2) as nodes:
+        n0, n1 = nodes.nodes
+        url = f"redis://{n0.address}:6390/"
+
+        def redis() -> subprocess.Popen[bytes]:
+            proc = subprocess.Popen(
+                n0.cmd(
+                    "redis-server",
+                    "--port",
+                    "6390",
+                    "--bind",
+                    n0.address,
+                    "--protected-mode",
+                    "no",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ),
+                stdout=subprocess.DEVNULL,
+            )
+            wait_for("redis-server up", lambda: subprocess.run(
+                n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"), capture_output=True, text=True
+            ).stdout.strip() == "PONG")  # fmt: skip
+            return proc
+
+        server = redis()
+        agents, socks = [], []
+        for i, n in enumerate((n0, n1)):
+            sock = tmp_path / f"node{i}" / "agent.sock"
+            sock.parent.mkdir()
+            args = ["--listen", f"{n.address}:7078", "--token-file", str(token), "--stream-redis", url]
+            agents.append(start_agent_in(n.cmd, sock, f"node{i}", *args))
+            socks.append(sock)
+        try:
+            consumers = [
+                child_in(
+                    n1.cmd,
+                    """
+                    import json, time
+                    from tierstore import stream
+                    sub = stream.Subscriber("xm")
+                    def seen(v):
+                        sd = v.state_dict("numpy")
+                        print(json.dumps({"version": v.version, "skipped": sub.skipped,
+                                          "values": {k: float(a[0]) for k, a in sd.items()},
+                                          "whole": all(bool((a == a[0]).all()) for a in sd.values())}), flush=True)
+                    sub.on_update(seen)
+                    print("ready", flush=True)
+                    time.sleep(600)
+                    """,
+                    socks[1],
+                )
+                for _ in range(2)
+            ]
+            for c in consumers:
+                assert c.stdout is not None and c.stdout.readline().strip() == "ready"
+            m = {f"t{i}": np.full(1 << 18, i + 1.0, dtype=np.float32) for i in range(4)}  # 4 x 1 MiB
+            pub = stream.Publisher("xm", socket=socks[0])
+
+            def next_seen() -> list[dict[str, object]]:
+                return [json.loads(c.stdout.readline()) for c in consumers if c.stdout is not None]
+
+            pub.publish(m)
+            for got in next_seen():
+                assert got["version"] == 1 and got["whole"], got
+                assert got["values"] == {"t0": 1.0, "t1": 2.0, "t2": 3.0, "t3": 4.0}, got
+            far = stream.streams(socks[1])["streams"][0]
+            assert far["pulled"] == 1 and far["pulled_bytes"] == 4 << 20, far
+            m["t2"][:] = 10.0
+            pub.publish(m)
+            for got in next_seen():
+                assert got["version"] == 2 and got["whole"] and got["values"]["t2"] == 10.0  # type: ignore[index]
+            far = stream.streams(socks[1])["streams"][0]
+            assert far["pulled"] == 2 and far["pulled_bytes"] == 5 << 20, (
+                "only the changed tensor crossed, once"
+            )
+            # Redis goes away: versions 3 and 4 are published meanwhile; the node catches up to 4 once it is back.
+            server.kill()
+            server.wait()
+            m["t0"][:] = 20.0
+            pub.publish(m)
+            m["t1"][:] = 30.0
+            pub.publish(m)
+            time.sleep(0.5)
+            server = redis()
+            for got in next_seen():
+                assert got["version"] == 4 and got["whole"], got
+                assert (
+                    got["values"] == {"t0": 20.0, "t1": 30.0, "t2": 10.0, "t3": 4.0} and got["skipped"] == 1
+                ), got
+            pub.close()
+            for c in consumers:
+                c.kill()
+                c.wait()
+        finally:
+            server.kill()
+            for a in agents:
+                stop_agent(a)
+
+
+def start_agent_in(cmd: object, path: Path, node: str, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        cmd(*agent.run_args(path, node=node), *extra),  # type: ignore[operator]
+        stdout=subprocess.PIPE,
+        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
+    return proc
+
+
+def child_in(cmd: object, code: str, sock: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "TIERSTORE_AGENT_SOCKET": str(sock)}
+    return subprocess.Popen(
+        cmd(sys.executable, "-c", textwrap.dedent(code)),  # type: ignore[operator]
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )

@@ -3,6 +3,7 @@
 //! ```text
 //! tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
 //!                        [--peers HOST:PORT,...] [--metrics ADDR:PORT] [--stream-dir DIR] [--stream-keep N]
+//!                        [--stream-redis redis://HOST:PORT]
 //! tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
 //! tierstore-agent stop   [--socket PATH]
 //! ```
@@ -26,6 +27,7 @@ use tierstore_core::Cache;
 const USAGE: &str = "usage:
   tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
                          [--peers HOST:PORT,...] [--metrics ADDR:PORT] [--stream-dir DIR] [--stream-keep N]
+                         [--stream-redis redis://HOST:PORT]
   tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
   tierstore-agent stop   [--socket PATH]";
 
@@ -112,6 +114,7 @@ fn parse_args() -> Result<Args, String> {
             "--peer" => a.peer = Some(value()?),
             "--metrics" => a.metrics = Some(value()?),
             "--stream-dir" => a.stream.dir = Some(PathBuf::from(value()?)),
+            "--stream-redis" => a.stream.redis = Some(value()?),
             "--stream-keep" => {
                 let v = value()?;
                 a.stream.keep =
@@ -182,6 +185,10 @@ async fn run(a: Args) -> Result<(), String> {
     }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
     options.stream = a.stream.clone();
+    // Model streams cross nodes through the job's Redis registry, unless another one is named.
+    if options.stream.redis.is_none() {
+        options.stream.redis = cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis"));
+    }
     // Every agent is given the whole list; it pings the others.
     let me = options.listen.map(|l| l.to_string());
     let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);

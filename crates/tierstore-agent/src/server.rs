@@ -276,6 +276,7 @@ impl Agent {
             Some(l) => Some(l.local_addr().map_err(io_err("cannot read the address of", "the listener"))?),
             None => None,
         };
+        streams.join_nodes(&options, listen);
         let (stop, _) = watch::channel(false);
         let members = Members::new(options.peers.clone());
         let options_members = options.job_members.clone();
@@ -670,6 +671,13 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
             }
             Frame::StreamRequest { json } if side == Side::Local => {
                 crate::stream::serve(&mut stream, json, shared.streams.clone(), stop.clone(), deadline).await;
+                return;
+            }
+            // Another node's agent pulling a version's tensors.
+            Frame::StreamRequest { json } => {
+                if let Err(e) = crate::stream::serve_peer(&mut stream, json, shared.streams.clone(), deadline).await {
+                    log::warn!("sending stream tensors to a peer failed: {e}");
+                }
                 return;
             }
             Frame::Stop if side == Side::Local => (Frame::Stopping, true),

@@ -19,10 +19,11 @@
 //! connection (a consumer killed frees what it held). The agent keeps the last `keep` versions of a stream,
 //! and older ones while leased; a tensor file is removed when no version kept holds it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -31,6 +32,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 
 use crate::protocol::{self, ErrorCode, Frame};
+
+mod follow;
+
+pub use follow::{serve_peer, Remote};
 
 /// Versions kept per stream when none is configured: the one consumers serve and the one before it.
 pub const DEFAULT_KEEP: usize = 2;
@@ -167,11 +172,14 @@ pub struct StreamOptions {
     pub dir: Option<PathBuf>,
     /// Versions kept per stream besides leased ones (at least 1).
     pub keep: usize,
+    /// The job's Redis (`redis://host:port`), where versions are announced to other nodes and followed
+    /// from them (none: streams stay on this node).
+    pub redis: Option<String>,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { dir: None, keep: DEFAULT_KEEP }
+        StreamOptions { dir: None, keep: DEFAULT_KEEP, redis: None }
     }
 }
 
@@ -236,6 +244,12 @@ struct Stream {
     latest: u64,
     subscribers: HashMap<u64, mpsc::UnboundedSender<Notice>>,
     published: u64,
+    /// Versions pulled from another node's agent, and their bytes that crossed the network.
+    pulled: u64,
+    pulled_bytes: u64,
+    /// Failures to follow or pull this stream, and the last one.
+    errors: u64,
+    last_error: Option<String>,
 }
 
 struct Pending {
@@ -257,6 +271,12 @@ pub struct Streams {
     dir: PathBuf,
     keep: usize,
     state: Mutex<State>,
+    /// Where versions go to and come from other nodes, and the announcer's queue.
+    remote: OnceLock<(Remote, std::sync::mpsc::Sender<(String, Value)>)>,
+    /// The streams followed in Redis (those with a subscriber here).
+    followed: Mutex<HashSet<String>>,
+    /// Tensor bytes sent to other nodes' agents.
+    served_bytes: AtomicU64,
 }
 
 impl Streams {
@@ -281,7 +301,98 @@ impl Streams {
             let d = dir.join(sub);
             std::fs::create_dir_all(&d).map_err(io_err("cannot create", &d))?;
         }
-        Ok(Streams { dir, keep: options.keep.max(1), state: Mutex::new(State::default()) })
+        Ok(Streams {
+            dir,
+            keep: options.keep.max(1),
+            state: Mutex::new(State::default()),
+            remote: OnceLock::new(),
+            followed: Mutex::new(HashSet::new()),
+            served_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Connects the streams to the other nodes, when the options name a Redis: versions published here
+    /// are announced with this agent's address (`me`, else the peer listener), which must be reachable.
+    pub fn join_nodes(&self, options: &crate::server::Options, listen: Option<std::net::SocketAddr>) {
+        let Some(redis) = options.stream.redis.clone() else { return };
+        let me =
+            if options.me.is_empty() { listen.map(|a| a.to_string()).unwrap_or_default() } else { options.me.clone() };
+        let job = if options.job.is_empty() { "tierstore".to_string() } else { options.job.clone() };
+        let remote = Remote {
+            redis,
+            job,
+            node: options.node.clone(),
+            me,
+            token: options.token.clone(),
+            deadline: options.deadline,
+        };
+        let tx = follow::announcer(remote.clone());
+        let _ = self.remote.set((remote, tx));
+    }
+
+    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream).
+    fn follow(self: &Arc<Self>, name: &str) {
+        let Some((remote, _)) = self.remote.get() else { return };
+        if !self.followed.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            follow::follow(self.clone(), remote.clone(), name.to_string(), rt);
+        }
+    }
+
+    fn latest(&self, name: &str) -> u64 {
+        self.lock().streams.get(name).map_or(0, |s| s.latest)
+    }
+
+    fn holds(&self, hash: &str) -> bool {
+        self.lock().blobs.contains_key(hash)
+    }
+
+    fn record_error(&self, name: &str, message: String) {
+        log::warn!("{message}");
+        let mut st = self.lock();
+        let s = st.streams.entry(name.to_string()).or_default();
+        s.errors += 1;
+        s.last_error = Some(message);
+    }
+
+    fn count_served(&self, n: u64) {
+        self.served_bytes.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn manifest_text(&self, name: &str, version: u64) -> Result<String, StreamError> {
+        let path = self
+            .lock()
+            .streams
+            .get(name)
+            .and_then(|s| s.versions.get(&version))
+            .map(|k| k.manifest.clone())
+            .ok_or(StreamError::Gone { name: name.to_string(), version, keep: self.keep })?;
+        std::fs::read_to_string(&path).map_err(io_err("cannot read", &path))
+    }
+
+    /// A directory for a version being pulled from another node.
+    fn begin_pull(&self) -> Result<(u64, PathBuf), StreamError> {
+        let id = {
+            let mut st = self.lock();
+            st.next_id += 1;
+            st.next_id
+        };
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
+        Ok((id, tmp))
+    }
+
+    fn drop_pull(&self, id: u64) {
+        let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(id.to_string()));
+    }
+
+    /// Registers a version pulled whole into its directory, under the publisher's number.
+    fn install_pulled(&self, id: u64, name: &str, version: u64, bytes: u64) -> Result<Value, StreamError> {
+        let r = self.install(id, name, Some(version), bytes);
+        self.drop_pull(id);
+        r
     }
 
     /// The stream directory.
@@ -346,14 +457,17 @@ impl Streams {
                 )));
             }
         };
-        let result = self.commit_pending(&p);
+        let result = self.install(p.id, &p.name, None, 0);
         self.abort_pending(conn, p);
         result
     }
 
-    fn commit_pending(&self, p: &Pending) -> Result<Value, StreamError> {
-        let tmp = self.dir.join("tmp").join(p.id.to_string());
-        let bad = |detail: String| StreamError::BadPublish { publish: p.id, name: p.name.clone(), detail };
+    /// Makes the version placed in directory `id` visible as `name`'s next version (or as `version`, for
+    /// one pulled from another node, `pulled` of its bytes having crossed the network), and notifies.
+    fn install(&self, id: u64, name: &str, version: Option<u64>, pulled: u64) -> Result<Value, StreamError> {
+        let version_given = version;
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        let bad = |detail: String| StreamError::BadPublish { publish: id, name: name.to_string(), detail };
         let text = std::fs::read(tmp.join("manifest.json")).map_err(|e| bad(format!("no manifest ({e})")))?;
         let mut m: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
         let mut st = self.lock();
@@ -389,12 +503,18 @@ impl Streams {
         for t in &m.tensors {
             *st.blobs.get_mut(&t.hash).expect("placed or held") += 1;
         }
-        let stream = st.streams.entry(p.name.clone()).or_default();
-        let version = stream.latest + 1;
-        m.name = p.name.clone();
+        let stream = st.streams.entry(name.to_string()).or_default();
+        let version = match version {
+            Some(v) if v <= stream.latest => {
+                return Err(bad(format!("version {v} is not newer than {}", stream.latest)))
+            }
+            Some(v) => v,
+            None => stream.latest + 1,
+        };
+        m.name = name.to_string();
         m.version = version;
         m.created = now();
-        let vdir = self.dir.join("versions").join(&p.name);
+        let vdir = self.dir.join("versions").join(name);
         std::fs::create_dir_all(&vdir).map_err(io_err("cannot create", &vdir))?;
         let manifest = vdir.join(format!("{version}.json"));
         let part = vdir.join(format!("{version}.json.part"));
@@ -405,7 +525,7 @@ impl Streams {
         let nbytes = m.tensors.iter().map(|t| t.nbytes).sum();
         let notice = json!({
             "event": "version",
-            "name": p.name,
+            "name": name,
             "version": version,
             "manifest": manifest,
             "step": m.step,
@@ -426,16 +546,27 @@ impl Streams {
             leases: 0,
         };
         stream.latest = version;
+        if version_given.is_some() {
+            stream.pulled += 1;
+        }
         stream.published += 1;
+        stream.pulled_bytes += pulled;
         // Each subscriber is leased the version with its notice, under the lock: it cannot be dropped
         // before the subscriber has seen it.
         stream.subscribers.retain(|_, tx| {
-            let sent = tx.send(Notice { name: p.name.clone(), version, json: text.clone() }).is_ok();
+            let sent = tx.send(Notice { name: name.to_string(), version, json: text.clone() }).is_ok();
             kept.leases += usize::from(sent);
             sent
         });
         stream.versions.insert(version, kept);
-        self.evict(&mut st, &p.name);
+        self.evict(&mut st, name);
+        drop(st);
+        if let (None, Some((remote, tx))) = (version_given, self.remote.get()) {
+            let _ = tx.send((
+                name.to_string(),
+                json!({"name": name, "version": version, "agent": remote.me, "nbytes": nbytes}),
+            ));
+        }
         Ok(json!({"version": version, "nbytes": nbytes, "new_bytes": new_bytes, "manifest": notice["manifest"]}))
     }
 
@@ -524,11 +655,14 @@ impl Streams {
                     })
                     .collect();
                 json!({"name": n, "latest": s.latest, "published": s.published,
-                       "subscribers": s.subscribers.len(), "versions": versions})
+                       "subscribers": s.subscribers.len(), "versions": versions, "pulled": s.pulled,
+                       "pulled_bytes": s.pulled_bytes, "errors": s.errors, "last_error": s.last_error})
             })
             .collect();
         let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
-        json!({"dir": self.dir, "keep": self.keep, "held_bytes": held, "tensor_files": st.blobs.len(), "streams": streams})
+        json!({"dir": self.dir, "keep": self.keep, "held_bytes": held, "tensor_files": st.blobs.len(), "streams": streams,
+               "served_bytes": self.served_bytes.load(Ordering::Relaxed),
+               "redis": self.remote.get().map(|(r, _)| r.redis.clone())})
     }
 
     /// Ends everything a connection held: its publish, its subscription (and the notices queued for it,
@@ -707,7 +841,13 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                         Err(StreamError::NotHeld(format!("publish {publish} is not in progress on this connection")))
                     }
                 },
-                Request::Subscribe { name, after } => streams.subscribe(&mut h.conn, &name, after),
+                Request::Subscribe { name, after } => {
+                    let r = streams.subscribe(&mut h.conn, &name, after);
+                    if r.is_ok() {
+                        streams.follow(&name);
+                    }
+                    r
+                }
                 Request::Release { name, version } => {
                     streams.release(&mut h.conn, &name, version);
                     continue;
@@ -757,7 +897,9 @@ mod tests {
     #[test]
     fn versions_beyond_keep_are_freed_once_no_lease_holds_them() {
         let dir = tempfile::tempdir().unwrap();
-        let s = Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 1 }, Path::new("/x")).unwrap();
+        let s =
+            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 1, redis: None }, Path::new("/x"))
+                .unwrap();
         let mut publisher = Conn::default();
         let mut consumer = Conn::default();
         s.subscribe(&mut consumer, "m", 0).unwrap();
@@ -780,7 +922,9 @@ mod tests {
     #[test]
     fn a_publish_whose_connection_ends_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let s = Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 2 }, Path::new("/x")).unwrap();
+        let s =
+            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 2, redis: None }, Path::new("/x"))
+                .unwrap();
         let mut c = Conn::default();
         let begun = s.begin(&mut c, "m").unwrap();
         let tmp = PathBuf::from(begun["dir"].as_str().unwrap());

@@ -165,7 +165,7 @@ mod tests {
         let paths = [dir.path().join(hex(&second[0].hash)), dir.path().join(hex(&second[1].hash))];
         read_into(&paths, &mut [&mut ra[..], &mut rb[..]]).unwrap();
         assert_eq!((ra, rb), (a, b2));
-        let mut short = vec![0u8; 10];
+        let mut short = [0u8; 10];
         let e = read_into(&paths[1..], &mut [&mut short[..]]).unwrap_err();
         assert!(e.to_string().contains("holds 100 bytes"), "{e}");
     }
@@ -175,7 +175,7 @@ mod tests {
         let src = [vec![1u8; PIECE + 3], vec![4u8; 8]];
         let mut d0 = vec![1u8; PIECE + 3];
         d0[PIECE + 1] = 0;
-        let mut d1 = vec![4u8; 8];
+        let mut d1 = [4u8; 8];
         let changed = copy_changed(&[&src[0], &src[1]], &mut [&mut d0[..], &mut d1[..]]).unwrap();
         assert_eq!(changed, vec![true, false]);
         assert_eq!(d0, src[0]);
