@@ -14,12 +14,13 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tierstore import agent, stream
+from tierstore import _core, agent, stream
 
 
 @pytest.fixture
@@ -444,3 +445,26 @@ def child_in(cmd: object, code: str, sock: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def test_async_publishes_reuse_the_hashes_of_tensors_unchanged_since_the_last_snapshot(sock: Path) -> None:
+    m = model(1.0)
+    publisher = stream.Publisher("m")
+    versions = []
+    for value in (1.0, 2.0, 3.0):
+        m["t2"][:] = value
+        fut = publisher.publish(m, sync=False)
+        assert isinstance(fut, Future)
+        versions.append(fut.result(timeout=20))
+    m["t0"][:] = 5.0
+    sync = publisher.publish(m)
+    assert isinstance(sync, stream.StreamVersion)
+    publisher.close()
+    assert [v.version for v in versions] == [1, 2, 3]
+    assert [v.new_bytes for v in versions[1:]] == [4 * 5000, 4 * 5000], "only t2 placed"
+    assert sync.new_bytes == 4 * 1000
+    with stream.Subscriber("m") as sub:
+        got = sub.wait(timeout=20).state_dict("numpy")
+        assert got["t0"][0] == 5.0 and got["t1"][0] == 1.0 and got["t2"][0] == 3.0
+        want = {k: _core.hash_buffers([a.reshape(-1).view(np.uint8)])[0].hex() for k, a in m.items()}
+        assert {t.name: t.hash for t in sub.latest().tensors} == want  # type: ignore[union-attr]

@@ -272,6 +272,9 @@ class Publisher:
         self._lock = threading.Lock()
         self._last: tuple[int, dict[str, tuple[str, int]]] | None = None
         self._staging: list[np.ndarray] = []
+        self._staging_names: list[str] = []
+        # The version the staging buffer's content was placed as (None: not placed as it is).
+        self._staged_version: int | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[StreamVersion] | None = None
         # When the last commit was sent (time.time()): where publish-to-notified is measured from.
@@ -305,14 +308,24 @@ class Publisher:
             self._wait_pending()
             return self._place(names, specs, views, step, meta)
         self._wait_pending()
-        if len(self._staging) != len(views) or any(
-            s.nbytes != v.nbytes for s, v in zip(self._staging, views, strict=True)
-        ):
+        same_layout = self._staging_names == names and all(
+            s.nbytes == v.nbytes for s, v in zip(self._staging, views, strict=True)
+        )
+        if not same_layout:
             self._staging = [np.empty(v.nbytes, dtype=np.uint8) for v in views]
-        _core.stream_copy(views, self._staging)
+            self._staging_names = names
+            self._staged_version = None
+        # The snapshot compares as it copies: a tensor equal to the snapshot before, which was placed as
+        # the version the agent still has as its latest, keeps its hash without being compared again.
+        changed = _core.stream_copy(views, self._staging)
+        unchanged = {n for n, c in zip(names, changed, strict=True) if not c} if same_layout else set()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-publish-{self.name}")
-        self._pending = self._pool.submit(self._place, names, specs, self._staging, step, meta)
+        # Until this snapshot is placed, the staging buffer holds no placed version.
+        since, self._staged_version = self._staged_version, None
+        self._pending = self._pool.submit(
+            self._place, names, specs, self._staging, step, meta, unchanged, since
+        )
         return self._pending
 
     def _wait_pending(self) -> None:
@@ -328,6 +341,8 @@ class Publisher:
         views: list[np.ndarray],
         step: int | None,
         metadata: dict[str, Any],
+        unchanged: set[str] | None = None,
+        unchanged_since: int | None = None,
     ) -> StreamVersion:
         with self._lock:
             begun = self._conn.call({"op": "begin", "name": self.name})
@@ -340,13 +355,22 @@ class Publisher:
                 else:
                     m = json.loads(Path(begun["base"]["manifest"]).read_text())
                     base = {t["name"]: (t["hash"], int(t["nbytes"])) for t in m["tensors"]}
+            known: dict[int, bytes] = {}
+            if unchanged and begun.get("base") and unchanged_since == int(begun["base"]["version"]):
+                known = {
+                    i: bytes.fromhex(base[n][0]) for i, n in enumerate(names) if n in unchanged and n in base
+                }
             bases: list[tuple[Path, bytes] | None] = []
-            for n, v in zip(names, views, strict=True):
-                b = base.get(n)
+            todo = [i for i in range(len(names)) if i not in known]
+            for i in todo:
+                b = base.get(names[i])
+                nbytes = views[i].nbytes
                 bases.append(
-                    (blobs / b[0], bytes.fromhex(b[0])) if b is not None and b[1] == v.nbytes else None
+                    (blobs / b[0], bytes.fromhex(b[0])) if b is not None and b[1] == nbytes else None
                 )
-            placed = _core.stream_place(views, bases, tmp)
+            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp)
+            placed_at = dict(zip(todo, placed_todo, strict=True))
+            placed = [placed_at[i] if i in placed_at else (known[i], False) for i in range(len(names))]
             tensors = [
                 StreamTensor(n, s.dtype, tuple(s.shape), h.hex(), int(v.nbytes))
                 for n, s, v, (h, _) in zip(names, specs, views, placed, strict=True)
@@ -361,6 +385,8 @@ class Publisher:
             reply = self._conn.call({"op": "commit", "publish": begun["publish"]})
             version = int(reply["version"])
             self._last = (version, {t.name: (t.hash, t.nbytes) for t in tensors})
+            if views is self._staging:
+                self._staged_version = version
             return StreamVersion(
                 name=self.name,
                 version=version,
