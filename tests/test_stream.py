@@ -468,3 +468,51 @@ def test_async_publishes_reuse_the_hashes_of_tensors_unchanged_since_the_last_sn
         assert got["t0"][0] == 5.0 and got["t1"][0] == 1.0 and got["t2"][0] == 3.0
         want = {k: _core.hash_buffers([a.reshape(-1).view(np.uint8)])[0].hex() for k, a in m.items()}
         assert {t.name: t.hash for t in sub.latest().tensors} == want  # type: ignore[union-attr]
+
+
+def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "stream", *args, "--socket", str(sock)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    m = model(1.0)
+    stream.publish("cli-model", m, step=7)
+    m["t1"][:] = 2.0
+    stream.publish("cli-model", m, step=8)
+    ls = cli("ls")
+    assert ls.returncode == 0, ls.stderr
+    row = next(line.split() for line in ls.stdout.splitlines() if line.startswith("cli-model"))
+    assert row[1:3] == ["2", "2"], ls.stdout  # latest 2, two versions kept
+    show = cli("show", "cli-model")
+    assert show.returncode == 0, show.stderr
+    rows = [line.split() for line in show.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "7"), ("2", "8")], show.stdout
+    missing = cli("show", "nope")
+    assert missing.returncode != 0 and "no stream 'nope'" in missing.stderr and "cli-model" in missing.stderr
+    watch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "stream",
+            "watch",
+            "cli-model",
+            "--count",
+            "2",
+            "--socket",
+            str(sock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert watch.stdout is not None
+    first = watch.stdout.readline()  # the latest, on subscribing
+    assert first.startswith("cli-model@2 step 8"), first
+    m["t0"][:] = 3.0
+    stream.publish("cli-model", m, step=9)
+    assert watch.stdout.readline().startswith("cli-model@3 step 9")
+    assert watch.wait(timeout=30) == 0

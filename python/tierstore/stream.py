@@ -447,6 +447,7 @@ class Subscriber:
         socket: str | os.PathLike[str] | None = None,
         deadline: float = DEFAULT_DEADLINE,
         after: int = 0,
+        on_update: Callable[[StreamVersion], None] | None = None,
     ) -> None:
         self.name = name
         self._socket = _socket_path(socket)
@@ -455,7 +456,8 @@ class Subscriber:
         self._latest: StreamVersion | None = None
         self._returned = after
         self._seen = after
-        self._callbacks: list[Callable[[StreamVersion], None]] = []
+        # A callback given here also sees the version that is latest when the subscription starts.
+        self._callbacks: list[Callable[[StreamVersion], None]] = [on_update] if on_update else []
         self._pins: dict[int, int] = {}
         self._held: set[int] = set()
         self._closed = False
