@@ -516,3 +516,27 @@ def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
     stream.publish("cli-model", m, step=9)
     assert watch.stdout.readline().startswith("cli-model@3 step 9")
     assert watch.wait(timeout=30) == 0
+
+
+def test_every_kth_version_is_flushed_to_the_repository_in_the_background(sock: Path, tmp_path: Path) -> None:
+    from tierstore.models import Repository
+
+    repo = Repository(tmp_path / "repo")
+    publisher = stream.Publisher("h", history=repo, history_every=2)
+    m = model(0.0)
+    for n in range(1, 6):
+        m["t1"][:] = n
+        publisher.publish(m, step=100 + n, metadata={"run": "a"})
+        if n == 2:
+            # Saved in the background; waited for here only so that version 4 cannot find it still due
+            # (a flush that falls behind skips to the newest version and counts it).
+            assert publisher.flush_history(timeout=60)
+    assert publisher.flush_history(timeout=60)
+    publisher.close()
+    assert publisher.flushed == [2, 4] and publisher.flush_skipped == 0, publisher.flush_errors
+    saved = repo.versions("h")
+    assert [v.metadata["stream_version"] for v in saved] == [2, 4]
+    assert saved[1].metadata["step"] == 104 and saved[1].metadata["run"] == "a"
+    assert saved[1].written_bytes == 4 * 30, "the history deduplicates: only the changed tensor is written"
+    last = repo.load("h", mmap=False)
+    assert (np.asarray(last["t1"]) == 4.0).all() and (np.asarray(last["t0"]) == 0.0).all()

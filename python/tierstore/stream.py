@@ -222,6 +222,14 @@ class StreamVersion:
         return out
 
 
+def _mapped_state(v: StreamVersion) -> dict[str, Any]:
+    """A version's tensors mapped from the agent's files: numpy where numpy has the dtype, else torch."""
+    try:
+        return v.state_dict("numpy")
+    except TypeError:
+        return v.state_dict("torch")
+
+
 def _version_of(event: Mapping[str, Any]) -> StreamVersion:
     path = Path(event["manifest"])
     m = json.loads(path.read_text())
@@ -262,13 +270,42 @@ def _flatten(model_or_state_dict: Any) -> tuple[list[str], list[TensorSpec], lis
 
 
 class Publisher:
-    """Publishes versions of one stream through the node's agent. `publish` is the usual way in."""
+    """Publishes versions of one stream through the node's agent. `publish` is the usual way in.
+
+    Args:
+        name: the stream.
+        history: a `tierstore.models.Repository` (or its path) where every `history_every`-th version is
+            saved in the background (deduplicated against the versions saved before), without holding up
+            the publisher. A flush that falls behind skips to the newest version due, and counts it.
+        history_every: which versions are saved: those whose number is a multiple of it.
+    """
 
     def __init__(
-        self, name: str, *, socket: str | os.PathLike[str] | None = None, deadline: float = DEFAULT_DEADLINE
+        self,
+        name: str,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+        history: Any = None,
+        history_every: int = 1,
     ) -> None:
         self.name = name
         self._conn = _connect(socket, deadline)
+        if history is not None and not hasattr(history, "save"):
+            from tierstore.models import Repository
+
+            history = Repository(history)
+        self._history = history
+        self._history_every = max(1, history_every)
+        self._flush_cond = threading.Condition()
+        self._flush_due: tuple[StreamVersion, dict[str, Any]] | None = None
+        self._flushing = False
+        self._flusher: threading.Thread | None = None
+        # Stream versions saved to the history, those skipped because the flush fell behind, and why any
+        # flush failed.
+        self.flushed: list[int] = []
+        self.flush_skipped = 0
+        self.flush_errors: list[str] = []
         self._lock = threading.Lock()
         self._last: tuple[int, dict[str, tuple[str, int]]] | None = None
         self._staging: list[np.ndarray] = []
@@ -387,7 +424,7 @@ class Publisher:
             self._last = (version, {t.name: (t.hash, t.nbytes) for t in tensors})
             if views is self._staging:
                 self._staged_version = version
-            return StreamVersion(
+            published = StreamVersion(
                 name=self.name,
                 version=version,
                 step=step,
@@ -398,13 +435,59 @@ class Publisher:
                 tensors=tuple(tensors),
                 metadata=metadata,
             )
+            if self._history is not None and version % self._history_every == 0:
+                # Mapped now, while the agent surely keeps the version: the mapping outlives its files.
+                self._flush_later(published, _mapped_state(published))
+            return published
+
+    def _flush_later(self, version: StreamVersion, state: dict[str, Any]) -> None:
+        with self._flush_cond:
+            if self._flush_due is not None:
+                self.flush_skipped += 1
+                self.flush_errors.append(f"history fell behind: {self._flush_due[0]} was not saved")
+            self._flush_due = (version, state)
+            self._flush_cond.notify_all()
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name=f"tierstore-history-{self.name}"
+                )
+                self._flusher.daemon = True
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._flush_cond:
+                self._flush_cond.wait_for(lambda: self._flush_due is not None)
+                assert self._flush_due is not None
+                version, state = self._flush_due
+                self._flush_due = None
+                self._flushing = True
+            try:
+                meta = {"stream": self.name, "stream_version": version.version, "step": version.step}
+                self._history.save(self.name, state, metadata={**version.metadata, **meta})
+                with self._flush_cond:
+                    self.flushed.append(version.version)
+            except Exception as e:
+                with self._flush_cond:
+                    self.flush_errors.append(f"saving {version} to the history failed: {e!r}")
+            finally:
+                with self._flush_cond:
+                    self._flushing = False
+                    self._flush_cond.notify_all()
+
+    def flush_history(self, timeout: float | None = None) -> bool:
+        """Waits until every version due has been saved to the history; False on timeout."""
+        with self._flush_cond:
+            return self._flush_cond.wait_for(lambda: self._flush_due is None and not self._flushing, timeout)
 
     def flush(self) -> None:
         """Waits for an asynchronous publish in progress."""
         self._wait_pending()
 
     def close(self) -> None:
+        """Waits for an asynchronous publish and the history flush, then disconnects."""
         self._wait_pending()
+        self.flush_history()
         if self._pool is not None:
             self._pool.shutdown()
         self._conn.close()
@@ -422,14 +505,19 @@ def publish(
     metadata: Mapping[str, Any] | None = None,
     sync: bool = True,
     socket: str | os.PathLike[str] | None = None,
+    history: Any = None,
+    history_every: int = 1,
 ) -> StreamVersion | Future[StreamVersion]:
     """Publishes a model's weights as the next version of stream `name` (see `Publisher.publish`). The
-    publisher of a stream is kept for the process: its connection and staging buffer are reused."""
+    publisher of a stream is kept for the process: its connection and staging buffer are reused, and the
+    `history` (see `Publisher`) given on its first publish."""
     key = (name, str(_socket_path(socket)))
     with _publishers_lock:
         p = _publishers.get(key)
         if p is None:
-            p = _publishers[key] = Publisher(name, socket=socket)
+            p = _publishers[key] = Publisher(
+                name, socket=socket, history=history, history_every=history_every
+            )
     return p.publish(model_or_state_dict, step=step, metadata=metadata, sync=sync)
 
 
