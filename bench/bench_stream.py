@@ -148,9 +148,13 @@ def poll_consumer_main(args: argparse.Namespace) -> None:
 
 
 class Consumer:
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], prefix: list[str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [PY, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [*(prefix or []), PY, __file__, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.events: list[dict[str, Any]] = []
         self.cond = threading.Condition()
@@ -343,6 +347,169 @@ def baseline_run(total: int, tmp: Path, updates: int = 3) -> list[float]:
         fs.wait(timeout=30)
 
 
+def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[str, Any]:
+    """Publisher on node 0, a HotModel consumer on node 1 (network namespaces, the link shaped to 1 Gbit/s
+    with tc tbf), Redis on node 0: publish -> served, and node 1's pull rate against iperf3 on the link."""
+    from tierstore import stream
+    from tierstore.netns import Nodes
+
+    work.mkdir(parents=True)
+    token = work / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    res: dict[str, Any] = {"full": [], "delta": [], "full_rate": [], "delta_pulled": [], "nbytes": 0}
+    with Nodes(2) as nodes:
+        n0, n1 = nodes.nodes
+        nodes.shape("1gbit")
+        procs: list[subprocess.Popen[Any]] = []
+        try:
+            procs.append(
+                subprocess.Popen(
+                    n0.cmd(
+                        "redis-server",
+                        "--port",
+                        "6390",
+                        "--bind",
+                        n0.address,
+                        "--protected-mode",
+                        "no",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ),
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            end = time.monotonic() + 20
+            while (
+                subprocess.run(
+                    n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"),
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip()
+                != "PONG"
+            ):
+                if time.monotonic() > end:
+                    raise RuntimeError("redis-server did not start in node 0")
+                time.sleep(0.05)
+            socks = []
+            from tierstore import agent as agent_mod
+
+            for i, n in enumerate((n0, n1)):
+                sock = work / f"node{i}" / "tierstore" / "agent.sock"
+                sock.parent.mkdir(parents=True)
+                args = [*agent_mod.run_args(sock, node=f"node{i}"), "--listen", f"{n.address}:7078",
+                        "--token-file", str(token), "--stream-redis", f"redis://{n0.address}:6390/"]  # fmt: skip
+                log = work / f"node{i}" / "agent.log"
+                a = subprocess.Popen(n.cmd(*args), stdout=subprocess.PIPE, stderr=open(log, "wb"))  # noqa: SIM115
+                assert a.stdout is not None
+                if not a.stdout.readline().startswith(b"ready"):
+                    raise RuntimeError(f"the agent of node {i} did not start: {log.read_text()[-2000:]}")
+                procs.append(a)
+                socks.append(sock)
+            # iperf3 in the direction tensors go: node 0 sends (-R), node 1 receives.
+            srv = subprocess.Popen(n0.cmd("iperf3", "-s", "-1", "-B", n0.address), stdout=subprocess.DEVNULL)
+            time.sleep(0.5)
+            out = subprocess.run(
+                n1.cmd("iperf3", "-c", n0.address, "-R", "-t", "4", "-J"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            srv.wait(timeout=20)
+            res["iperf_bps"] = float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"])
+            counts = shapes(total)
+            rng = np.random.default_rng(0)
+            model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+            res["nbytes"] = sum(a.nbytes for a in model.values())
+            env = {**os.environ, "XDG_RUNTIME_DIR": str(socks[1].parent.parent)}
+            c = Consumer(["--consumer", "--name", "x", "--shapes", ",".join(map(str, counts))], env, n1.cmd())
+            pub = stream.Publisher("x", socket=socks[0])
+
+            def pulled() -> int:
+                s = stream.streams(socks[1])["streams"]
+                return int(s[0]["pulled_bytes"]) if s else 0
+
+            def one(changed: int, key: str) -> None:
+                for i in range(changed):
+                    model[f"t{(i + 7 * len(res[key])) % TENSORS:03d}"] += 1.0
+                before = pulled()
+                t0 = time.time()
+                v = pub.publish(model)
+                assert isinstance(v, stream.StreamVersion)
+                committed = pub.last_commit_sent or t0
+                served = c.wait(lambda e: e["event"] == "served" and e["version"] == v.version, 600)
+                moved = pulled() - before
+                res[key].append(served["t"] - t0)
+                if key == "full":
+                    res["full_rate"].append(moved * 8 / (served["t"] - committed))
+                else:
+                    res["delta_pulled"].append(moved)
+                time.sleep(0.5)
+
+            for _ in range(fulls):
+                one(TENSORS, "full")
+            for _ in range(deltas):
+                one(3, "delta")
+            res["changed_bytes"] = 3 * counts[0] * 4
+            c.close()
+            pub.close()
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            nodes.unshape()
+    return res
+
+
+def trainer_run(total: int, work: Path, steps: int = 30) -> dict[str, Any]:
+    """A trainer's step time (a fixed amount of compute, then every parameter changed) without publishing,
+    and with `publish(sync=False)` every step plus every 10th version saved to a Repository."""
+    import torch
+
+    from tierstore import stream
+    from tierstore.models import Repository
+
+    torch.set_num_threads(1)
+    counts = shapes(total)
+    params = [torch.rand(n) for n in counts]
+    a, b = torch.rand(384, 384), torch.rand(384, 384)
+
+    def step() -> None:
+        for _ in range(40):
+            a.copy_(torch.tanh(a @ b))
+        for p in params:
+            p.add_(1e-3)
+
+    def run(publisher: Any) -> list[float]:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            if publisher is not None:
+                publisher.publish({f"t{i:03d}": p for i, p in enumerate(params)}, sync=False)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    plain = run(None)
+    pub = stream.Publisher("trainer", history=Repository(work / "history"), history_every=10)
+    with_publish = run(pub)
+    pub.close()
+    plain2 = run(None)
+    return {
+        "plain": plain + plain2,
+        "publish": with_publish,
+        "flushed": len(pub.flushed),
+        "flush_skipped": pub.flush_skipped,
+        "steps": steps,
+        "nbytes": sum(p.numel() * 4 for p in params),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--consumer", action="store_true")
@@ -353,6 +520,8 @@ def main() -> None:
     ap.add_argument("--requests", action="store_true")
     ap.add_argument("--sizes", default="100MB,1GB")
     ap.add_argument("--baseline-updates", type=int, default=3)
+    ap.add_argument("--cross-sizes", default="100MB,1GB", help="model sizes across nodes (needs root)")
+    ap.add_argument("--trainer-size", default="100MB")
     ap.add_argument("--out", default="BENCHMARKS-stream.md")
     ap.add_argument("--plot", default="bench/stream.png")
     args = ap.parse_args()
@@ -365,11 +534,12 @@ def main() -> None:
     command = "python bench/bench_stream.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         tmp = Path(d)
-        sock = tmp / "run" / "agent.sock"
-        sock.parent.mkdir()
+        sock = tmp / "run" / "tierstore" / "agent.sock"
+        sock.parent.mkdir(parents=True)
         agent = start_agent(sock)
-        env = {**os.environ, "TIERSTORE_AGENT_SOCKET": str(sock)}
-        os.environ["TIERSTORE_AGENT_SOCKET"] = str(sock)
+        # Every client's default socket is $XDG_RUNTIME_DIR/tierstore/agent.sock.
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
         try:
             notify = notify_run(env)
             print(f"notify p50 {ms(pct(notify, 0.5))} p99 {ms(pct(notify, 0.99))}", flush=True)
@@ -385,14 +555,28 @@ def main() -> None:
                     f"baseline {ms(statistics.median(r['baseline']))}",
                     flush=True,
                 )
+            trainer = trainer_run(parse_size(args.trainer_size), tmp / "trainer")
+            print(f"trainer step p50 {ms(statistics.median(trainer['plain']))} without, "
+                  f"{ms(statistics.median(trainer['publish']))} with publish", flush=True)  # fmt: skip
         finally:
             agent.terminate()
             agent.wait(timeout=30)
-    write_report(args, command, notify, results)
+        cross: dict[str, Any] = {}
+        if os.geteuid() == 0 and args.cross_sizes:
+            for size in args.cross_sizes.split(","):
+                total = parse_size(size)
+                cross[size] = cross_node_run(total, tmp / f"x{total}", fulls=2 if total < 5e8 else 1)
+                print(f"{size} across nodes: {cross[size]}"[:300], flush=True)
+    write_report(args, command, notify, results, cross, trainer)
 
 
 def write_report(
-    args: argparse.Namespace, command: str, notify: list[float], results: dict[str, Any]
+    args: argparse.Namespace,
+    command: str,
+    notify: list[float],
+    results: dict[str, Any],
+    cross: dict[str, Any],
+    trainer: dict[str, Any],
 ) -> None:
     lines = [
         "# Model streaming: same-node updates against memcpy and against file-and-poll",
@@ -473,7 +657,47 @@ def write_report(
             f"{pct(d, 0.99) * 1e6:.0f} us | {pct(d, 0.99) / pct(s, 0.99):.2f}x | {len(s)} / {len(d)} | "
             f"{max(r['swap']) * 1e6:.1f} us |"
         )
-    lines += ["", f"Plot: `{args.plot}`.", ""]
+    lines += [
+        "",
+        "## Across nodes",
+        "",
+        "Two network namespaces joined by veth pairs and a bridge, each node's link shaped to 1 Gbit/s "
+        "(`tc tbf`); Redis and the publisher's agent on node 0, a `HotModel` consumer on node 1 whose agent "
+        "follows the stream in Redis and pulls from node 0's agent. iperf3 (one stream, 4 s, node 0 sending) "
+        "on the same link in the same run. Rate: the bytes node 1 pulled over the time from the commit to "
+        "the consumer serving.",
+        "",
+        "| model | full update publish->served | pull rate | iperf3 | rate / iperf3 | 3% update publish->served | "
+        "3% update bytes pulled |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if not cross:
+        lines.append("| (not run: network namespaces need root) | | | | | | |")
+    for size, r in cross.items():
+        rate = statistics.median(r["full_rate"])
+        lines.append(
+            f"| {size} | {ms(statistics.median(r['full']))} | {rate / 1e9:.2f} Gbit/s | "
+            f"{r['iperf_bps'] / 1e9:.2f} Gbit/s | {rate / r['iperf_bps']:.2f}x | "
+            f"{ms(statistics.median(r['delta']))} | {human(statistics.median(r['delta_pulled']))} "
+            f"({statistics.median(r['delta_pulled']) / r['nbytes']:.1%}) |"
+        )
+    if cross:
+        lines += ["", "Runs per size: " + ", ".join(
+            f"{s}: {len(r['full'])} full, {len(r['delta'])} of 3%" for s, r in cross.items()) + "."]  # fmt: skip
+    plain, pub = statistics.median(trainer["plain"]), statistics.median(trainer["publish"])
+    lines += [
+        "",
+        "## The trainer's step with asynchronous publishing and history",
+        "",
+        f"A {human(trainer['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: 40 384x384 "
+        "matmuls, then every parameter changed. Without publishing, then `publish(sync=False)` after every "
+        "step with every 10th version saved to a `Repository` on local disk in the background "
+        f"({trainer['flushed']} saved, {trainer['flush_skipped']} skipped), {trainer['steps']} steps each: "
+        f"step p50 {ms(plain)} without, {ms(pub)} with: **{pub / plain - 1:+.1%}**.",
+        "",
+        f"Plot: `{args.plot}`.",
+        "",
+    ]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
     plot(args.plot, results)

@@ -25,11 +25,12 @@ from tierstore import _core, agent, stream
 
 @pytest.fixture
 def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private agent keeping 2 versions per stream; its socket is every client's default."""
-    path = tmp_path / "run" / "agent.sock"
-    path.parent.mkdir()
+    """A private agent keeping 2 versions per stream; its socket is every client's default (the agent's
+    socket is $XDG_RUNTIME_DIR/tierstore/agent.sock)."""
+    path = tmp_path / "run" / "tierstore" / "agent.sock"
+    path.parent.mkdir(parents=True)
     proc = start_agent(path)
-    monkeypatch.setenv("TIERSTORE_AGENT_SOCKET", str(path))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
     yield path
     stop_agent(proc)
 
@@ -52,8 +53,8 @@ def stop_agent(proc: subprocess.Popen[bytes]) -> None:
 
 
 def child(code: str, sock: Path) -> subprocess.Popen[str]:
-    """A Python process running `code`, talking to the agent on `sock`."""
-    env = {**os.environ, "TIERSTORE_AGENT_SOCKET": str(sock)}
+    """A Python process running `code`, talking to the agent on `sock` (…/tierstore/agent.sock)."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -353,8 +354,8 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
         server = redis()
         agents, socks = [], []
         for i, n in enumerate((n0, n1)):
-            sock = tmp_path / f"node{i}" / "agent.sock"
-            sock.parent.mkdir()
+            sock = tmp_path / f"node{i}" / "tierstore" / "agent.sock"
+            sock.parent.mkdir(parents=True)
             args = ["--listen", f"{n.address}:7078", "--token-file", str(token), "--stream-redis", url]
             agents.append(start_agent_in(n.cmd, sock, f"node{i}", *args))
             socks.append(sock)
@@ -438,7 +439,7 @@ def start_agent_in(cmd: object, path: Path, node: str, *extra: str) -> subproces
 
 
 def child_in(cmd: object, code: str, sock: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "TIERSTORE_AGENT_SOCKET": str(sock)}
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
     return subprocess.Popen(
         cmd(sys.executable, "-c", textwrap.dedent(code)),  # type: ignore[operator]
         env=env,

@@ -58,10 +58,8 @@ class StreamError(_core.TierstoreError):
 
 
 def _socket_path(socket: str | os.PathLike[str] | None) -> Path:
-    if socket is not None:
-        return Path(socket)
-    env = os.environ.get("TIERSTORE_AGENT_SOCKET")
-    return Path(env) if env else _agent.default_socket()
+    """The agent's socket: the one given, else this user's (`$XDG_RUNTIME_DIR/tierstore/agent.sock`)."""
+    return Path(socket) if socket is not None else _agent.default_socket()
 
 
 class _Connection:
