@@ -257,6 +257,7 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
         for i in range(changed):
             k = f"t{(i + 7 * len(res[key])) % TENSORS:03d}"
             model[k] += 1.0
+        before = next((e["copied"] for e in reversed(c.events) if e["event"] == "served"), 0)
         t0 = time.time()
         if key == "async":
             fut = pub.publish(model, sync=False)
@@ -266,7 +267,6 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
             v = pub.publish(model)
         t1 = time.time()
         assert isinstance(v, stream.StreamVersion)
-        before = next((e["copied"] for e in reversed(c.events) if e["event"] == "served"), 0)
         served = c.wait(lambda e: e["event"] == "served" and e["version"] == v.version, 300)
         notified = c.wait(lambda e: e["event"] == "notified" and e["version"] == v.version, 10)
         res[key].append(served["t"] - t0)
@@ -466,7 +466,7 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
     return res
 
 
-def trainer_run(total: int, work: Path, steps: int = 30) -> dict[str, Any]:
+def trainer_run(total: int, work: Path, matmuls: int, steps: int = 20) -> dict[str, Any]:
     """A trainer's step time (a fixed amount of compute, then every parameter changed) without publishing,
     and with `publish(sync=False)` every step plus every 10th version saved to a Repository."""
     import torch
@@ -480,7 +480,7 @@ def trainer_run(total: int, work: Path, steps: int = 30) -> dict[str, Any]:
     a, b = torch.rand(384, 384), torch.rand(384, 384)
 
     def step() -> None:
-        for _ in range(40):
+        for _ in range(matmuls):
             a.copy_(torch.tanh(a @ b))
         for p in params:
             p.add_(1e-3)
@@ -496,7 +496,7 @@ def trainer_run(total: int, work: Path, steps: int = 30) -> dict[str, Any]:
         return times
 
     plain = run(None)
-    pub = stream.Publisher("trainer", history=Repository(work / "history"), history_every=10)
+    pub = stream.Publisher(f"trainer{matmuls}", history=Repository(work / "history"), history_every=10)
     with_publish = run(pub)
     pub.close()
     plain2 = run(None)
@@ -506,6 +506,7 @@ def trainer_run(total: int, work: Path, steps: int = 30) -> dict[str, Any]:
         "flushed": len(pub.flushed),
         "flush_skipped": pub.flush_skipped,
         "steps": steps,
+        "matmuls": matmuls,
         "nbytes": sum(p.numel() * 4 for p in params),
     }
 
@@ -555,9 +556,10 @@ def main() -> None:
                     f"baseline {ms(statistics.median(r['baseline']))}",
                     flush=True,
                 )
-            trainer = trainer_run(parse_size(args.trainer_size), tmp / "trainer")
-            print(f"trainer step p50 {ms(statistics.median(trainer['plain']))} without, "
-                  f"{ms(statistics.median(trainer['publish']))} with publish", flush=True)  # fmt: skip
+            trainer = [trainer_run(parse_size(args.trainer_size), tmp / f"trainer{k}", k) for k in (40, 400)]
+            for t in trainer:
+                print(f"trainer step p50 {ms(statistics.median(t['plain']))} without, "
+                      f"{ms(statistics.median(t['publish']))} with publish", flush=True)  # fmt: skip
         finally:
             agent.terminate()
             agent.wait(timeout=30)
@@ -576,7 +578,7 @@ def write_report(
     notify: list[float],
     results: dict[str, Any],
     cross: dict[str, Any],
-    trainer: dict[str, Any],
+    trainer: list[dict[str, Any]],
 ) -> None:
     lines = [
         "# Model streaming: same-node updates against memcpy and against file-and-poll",
@@ -584,7 +586,7 @@ def write_report(
         f"Command: `{command}` (run by `make bench`).",
         "",
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
-        f"{platform.python_version()}. Publisher in the benchmark's process, consumer (`HotModel`, requests on "
+        f"{platform.python_version()}; load average at the end {os.getloadavg()[0]:.1f} (the machine is shared). Publisher in the benchmark's process, consumer (`HotModel`, requests on "
         f"one thread, torch with 1 thread) in another, one agent; models of {TENSORS} float32 tensors. "
         "Every figure below was measured in this one run; ratios are against baselines of the same run.",
         "",
@@ -684,16 +686,29 @@ def write_report(
     if cross:
         lines += ["", "Runs per size: " + ", ".join(
             f"{s}: {len(r['full'])} full, {len(r['delta'])} of 3%" for s, r in cross.items()) + "."]  # fmt: skip
-    plain, pub = statistics.median(trainer["plain"]), statistics.median(trainer["publish"])
+    t0 = trainer[0]
     lines += [
         "",
         "## The trainer's step with asynchronous publishing and history",
         "",
-        f"A {human(trainer['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: 40 384x384 "
-        "matmuls, then every parameter changed. Without publishing, then `publish(sync=False)` after every "
-        "step with every 10th version saved to a `Repository` on local disk in the background "
-        f"({trainer['flushed']} saved, {trainer['flush_skipped']} skipped), {trainer['steps']} steps each: "
-        f"step p50 {ms(plain)} without, {ms(pub)} with: **{pub / plain - 1:+.1%}**.",
+        f"A {human(t0['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: N 384x384 matmuls, "
+        "then every parameter changed (so every publish places the whole model). Without publishing, then "
+        "`publish(sync=False)` after every step with every 10th version saved to a `Repository` on local "
+        f"disk in the background, {t0['steps']} steps each (the runs without are before and after).",
+        "",
+        "| step | step p50 without | step p50 with publish + history | overhead | versions saved to the history |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for t in trainer:
+        plain, pub = statistics.median(t["plain"]), statistics.median(t["publish"])
+        lines.append(
+            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {pub / plain - 1:+.1%} | "
+            f"{t['flushed']} ({t['flush_skipped']} skipped) |"
+        )
+    lines += [
+        "",
+        "A `sync=False` publish waits for the one before it: when placing the whole model (hash and write, on "
+        "the publisher's background thread) takes longer than a step, the trainer waits for it.",
         "",
         f"Plot: `{args.plot}`.",
         "",

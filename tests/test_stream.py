@@ -541,3 +541,17 @@ def test_every_kth_version_is_flushed_to_the_repository_in_the_background(sock: 
     assert saved[1].written_bytes == 4 * 30, "the history deduplicates: only the changed tensor is written"
     last = repo.load("h", mmap=False)
     assert (np.asarray(last["t1"]) == 4.0).all() and (np.asarray(last["t0"]) == 0.0).all()
+
+
+def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: Path) -> None:
+    path = tmp_path / "tierstore" / "agent.sock"
+    path.parent.mkdir()
+    proc = start_agent(path)
+    try:
+        stream.publish("gone", model(1.0), socket=path)
+        held = Path(stream.streams(path)["dir"])
+        assert len(list((held / "blobs").iterdir())) == 3
+    finally:
+        stop_agent(proc)
+    assert proc.returncode == 0
+    assert not held.exists(), f"{held} left behind"

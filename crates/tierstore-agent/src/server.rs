@@ -361,6 +361,7 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let _ = std::fs::remove_file(&shared.options.socket);
+        shared.streams.remove();
     }
 }
 

@@ -400,6 +400,15 @@ impl Streams {
         &self.dir
     }
 
+    /// Frees the shared memory of every version (an agent that stops): consumers keep the tensors they
+    /// mapped or copied; nothing new can be opened.
+    pub fn remove(&self) {
+        for sub in ["blobs", "versions", "tmp"] {
+            let _ = std::fs::remove_dir_all(self.dir.join(sub));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
