@@ -122,8 +122,17 @@ def consumer_main(args: argparse.Namespace) -> None:
 
 
 def poll_consumer_main(args: argparse.Namespace) -> None:
-    """The baseline's consumer: polls a file's mtime every second; torch.load when it changes."""
+    """The baselines' consumer: polls a file's mtime every second; torch.load (or h5py) when it changes."""
     import torch
+
+    def load(path: Path) -> dict[str, Any]:
+        if args.format == "h5py":
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                return {k: torch.from_numpy(np.asarray(f[k][()])) for k in f}
+        out: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return out
 
     path = Path(args.path)
     seen = 0.0
@@ -135,7 +144,7 @@ def poll_consumer_main(args: argparse.Namespace) -> None:
             st = None
         if st is not None and st.st_mtime != seen:
             seen = st.st_mtime
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            sd = load(path)
             print(
                 json.dumps({"event": "loaded", "step": int(sd["step"].item()), "t": time.time()}), flush=True
             )
@@ -309,9 +318,20 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
     return res
 
 
-def baseline_run(total: int, tmp: Path, updates: int = 3) -> list[float]:
-    """torch.save to the stand-in store, poll every second, torch.load: publish start -> loaded."""
+def baseline_run(total: int, tmp: Path, updates: int = 3, fmt: str = "torch") -> list[float]:
+    """torch.save (or h5py, one dataset per tensor) to the stand-in store, poll every second, load:
+    from the start of the save to the end of the load."""
     import torch
+
+    def save(sd: dict[str, Any], path: Path) -> None:
+        if fmt == "h5py":
+            import h5py
+
+            with h5py.File(path, "w") as f:
+                for k, v in sd.items():
+                    f.create_dataset(k, data=v.numpy())
+        else:
+            torch.save(sd, path)
 
     backing, mnt = tmp / "pfs-backing", tmp / "pfs"
     backing.mkdir(parents=True)
@@ -324,7 +344,7 @@ def baseline_run(total: int, tmp: Path, updates: int = 3) -> list[float]:
                 raise RuntimeError("the stand-in store did not mount")
             time.sleep(0.05)
         path = mnt / "model.pt"
-        c = Consumer(["--poll-consumer", "--path", str(path)], dict(os.environ))
+        c = Consumer(["--poll-consumer", "--path", str(path), "--format", fmt], dict(os.environ))
         counts = shapes(total)
         rng = np.random.default_rng(0)
         sd = {f"t{i:03d}": torch.from_numpy(rng.random(n, dtype=np.float32)) for i, n in enumerate(counts)}
@@ -332,13 +352,13 @@ def baseline_run(total: int, tmp: Path, updates: int = 3) -> list[float]:
         for step in range(1, updates + 1):
             sd["step"] = torch.tensor(step)
             t0 = time.time()
-            torch.save(sd, mnt / "model.pt.tmp")
+            save(sd, mnt / "model.pt.tmp")
             os.replace(mnt / "model.pt.tmp", path)
             e = c.wait(lambda e, s=step: e["event"] == "loaded" and e["step"] == s, 600)
             out.append(e["t"] - t0)
             time.sleep(1.3)
         sd = {"step": torch.tensor(-1)}
-        torch.save(sd, mnt / "model.pt.tmp")
+        save(sd, mnt / "model.pt.tmp")
         os.replace(mnt / "model.pt.tmp", path)
         c.proc.wait(timeout=60)
         return out
@@ -518,6 +538,7 @@ def main() -> None:
     ap.add_argument("--name", default="m")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--path", default="")
+    ap.add_argument("--format", default="torch")
     ap.add_argument("--requests", action="store_true")
     ap.add_argument("--sizes", default="100MB,1GB")
     ap.add_argument("--baseline-updates", type=int, default=3)
@@ -549,6 +570,7 @@ def main() -> None:
                 total = parse_size(size)
                 r = update_run(total, env)
                 r["baseline"] = baseline_run(total, tmp / f"b{total}", args.baseline_updates)
+                r["baseline_h5"] = baseline_run(total, tmp / f"h{total}", args.baseline_updates, "h5py")
                 results[size] = r
                 print(
                     f"{size}: delta update p50 {ms(statistics.median(r['delta']))} "
@@ -601,14 +623,16 @@ def write_report(
         "From `publish()` to the consumer serving the version (its swap). `place` is the publisher's part "
         "(compare with the version before, hash and write what changed, commit); `notified->served` is the "
         "consumer's (read the changed tensors into its idle copy, swap). memcpy: one copy of the changed "
-        "bytes in this process. Baseline: torch.save to the stand-in store + poll every 1 s + torch.load.",
+        "bytes in this process. Baselines, through the stand-in store (`tierstore.slowfs`, its defaults): torch.save + poll every 1 s + torch.load (how Triton and TF-Serving pick up versions), and h5py (one dataset per tensor) + poll + h5py read (Viper's baseline).",
         "",
         "| model | change | publish->served p50 | place p50 | notified->served p50 | memcpy of changed bytes | "
-        "notified->served / memcpy | publish->served / memcpy | baseline p50 | baseline / tierstore |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "notified->served / memcpy | publish->served / memcpy | torch.save+poll+load p50 | / tierstore | "
+        "h5py+poll+load p50 | / tierstore |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for size, r in results.items():
         base = statistics.median(r["baseline"])
+        h5 = statistics.median(r["baseline_h5"])
         for key, label, mc in (
             ("delta", "3% (3 of 100 tensors)", "memcpy_delta"),
             ("async", "3%, `sync=False`", "memcpy_delta"),
@@ -617,7 +641,7 @@ def write_report(
             e2e, place, load = (statistics.median(r[k]) for k in (key, "place_" + key, "load_" + key))
             lines.append(
                 f"| {size} | {label} | {ms(e2e)} | {ms(place)} | {ms(load)} | {ms(r[mc])} | {load / r[mc]:.1f}x | "
-                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.0f}x |"
+                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.0f}x | {ms(h5)} | {h5 / e2e:.0f}x |"
             )
     lines += [
         "",
@@ -725,11 +749,12 @@ def plot(path: str, results: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = ["memcpy of changed", "tierstore 3%", "tierstore 100%", "torch.save+poll+load"]
+    labels = ["memcpy of changed", "tierstore 3%", "tierstore 100%", "torch.save+poll+load", "h5py+poll+load"]
     width = 0.8 / len(results)
     for i, (size, r) in enumerate(results.items()):
         vals = [r["memcpy_delta"], statistics.median(r["delta"]), statistics.median(r["full"])]
         vals.append(statistics.median(r["baseline"]))
+        vals.append(statistics.median(r["baseline_h5"]))
         xs = [j + i * width for j in range(len(labels))]
         ax.bar(xs, [v * 1e3 for v in vals], width, label=size)
     ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(labels))], labels, fontsize=8)
