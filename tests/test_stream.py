@@ -352,13 +352,14 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
             return proc
 
         server = redis()
-        agents, socks = [], []
+        agents, socks, args_of = [], [], []
         for i, n in enumerate((n0, n1)):
             sock = tmp_path / f"node{i}" / "tierstore" / "agent.sock"
             sock.parent.mkdir(parents=True)
             args = ["--listen", f"{n.address}:7078", "--token-file", str(token), "--stream-redis", url]
             agents.append(start_agent_in(n.cmd, sock, f"node{i}", *args))
             socks.append(sock)
+            args_of.append(args)
         try:
             consumers = [
                 child_in(
@@ -417,6 +418,15 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
                     got["values"] == {"t0": 20.0, "t1": 30.0, "t2": 10.0, "t3": 4.0} and got["skipped"] == 1
                 ), got
             pub.close()
+            # The publisher's agent restarts (its versions are gone): it numbers on from Redis's latest,
+            # so the other node takes its next version as new.
+            stop_agent(agents[0])
+            agents[0] = start_agent_in(n0.cmd, socks[0], "node0", *args_of[0])
+            m["t3"][:] = 40.0
+            again = stream.publish("xm", m, socket=socks[0])
+            assert isinstance(again, stream.StreamVersion) and again.version == 5
+            for got in next_seen():
+                assert got["version"] == 5 and got["values"]["t3"] == 40.0 and got["skipped"] == 1, got
             for c in consumers:
                 c.kill()
                 c.wait()

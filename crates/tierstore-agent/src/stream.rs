@@ -275,6 +275,8 @@ pub struct Streams {
     remote: OnceLock<(Remote, std::sync::mpsc::Sender<(String, Value)>)>,
     /// The streams followed in Redis (those with a subscriber here).
     followed: Mutex<HashSet<String>>,
+    /// The streams whose numbering was read from Redis at their first publish here.
+    numbered: Mutex<HashSet<String>>,
     /// Tensor bytes sent to other nodes' agents.
     served_bytes: AtomicU64,
 }
@@ -307,6 +309,7 @@ impl Streams {
             state: Mutex::new(State::default()),
             remote: OnceLock::new(),
             followed: Mutex::new(HashSet::new()),
+            numbered: Mutex::new(HashSet::new()),
             served_bytes: AtomicU64::new(0),
         })
     }
@@ -421,6 +424,17 @@ impl Streams {
         check_name(name)?;
         if let Some(p) = conn.pending.take() {
             self.abort_pending(conn, p);
+        }
+        // The first publish of a stream this agent has no version of continues the job's numbering.
+        if let Some((remote, _)) = self.remote.get() {
+            let fresh = !matches!(self.lock().streams.get(name), Some(s) if s.latest > 0);
+            if fresh && self.numbered.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
+                if let Some(v) = follow::announced_latest(remote, name) {
+                    let mut st = self.lock();
+                    let s = st.streams.entry(name.to_string()).or_default();
+                    s.latest = s.latest.max(v);
+                }
+            }
         }
         let (id, base) = {
             let mut st = self.lock();
@@ -824,7 +838,19 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                 }
             };
             let answer = match request {
-                Request::Begin { name } => streams.begin(&mut h.conn, &name),
+                Request::Begin { name } => {
+                    // May ask Redis (under its deadline) for the stream's numbering: off the runtime.
+                    let s = streams.clone();
+                    let mut conn = std::mem::take(&mut h.conn);
+                    let (r, c) = tokio::task::spawn_blocking(move || {
+                        let r = s.begin(&mut conn, &name);
+                        (r, conn)
+                    })
+                    .await
+                    .unwrap_or_else(|e| (Err(StreamError::NotHeld(format!("the begin failed: {e}"))), Conn::default()));
+                    h.conn = c;
+                    r
+                }
                 Request::Commit { publish } => {
                     // Renames and a manifest write on /dev/shm: quick, but blocking.
                     let s = streams.clone();

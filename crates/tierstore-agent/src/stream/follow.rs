@@ -57,6 +57,21 @@ impl Remote {
     }
 }
 
+/// The version of `name` last announced in Redis, if it answers within the deadline: a publisher's agent
+/// that restarts numbers its versions after it, so that the other nodes take them as new.
+pub(super) fn announced_latest(remote: &Remote, name: &str) -> Option<u64> {
+    let client = redis::Client::open(remote.redis.as_str()).ok()?;
+    let mut con = match remote.connect(&client) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("{}: {e}; {name} is numbered from this agent's own versions", remote.redis);
+            return None;
+        }
+    };
+    let v: Option<Vec<u8>> = redis::cmd("GET").arg(remote.latest_key(name)).query(&mut con).ok()?;
+    serde_json::from_slice::<Value>(&v?).ok()?["version"].as_u64()
+}
+
 /// Chunks a puller lets the other agent send ahead of what it has written.
 const WINDOW: u32 = 8;
 
