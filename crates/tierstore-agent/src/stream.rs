@@ -838,6 +838,7 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                 }
             };
             let answer = match request {
+                Request::Begin { name } if streams.remote.get().is_none() => streams.begin(&mut h.conn, &name),
                 Request::Begin { name } => {
                     // May ask Redis (under its deadline) for the stream's numbering: off the runtime.
                     let s = streams.clone();
