@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -716,6 +718,103 @@ def models_gc(repo: Any) -> None:
         f"removed {r['packs_removed']} packs, freed {_human(r['bytes_freed'])}; "
         f"{_human(r['bytes_unused_in_live_packs'])} of deleted versions stay in packs still in use"
     )
+
+
+@main.group()
+def stream() -> None:
+    """Model streams held by this node's agent (see `tierstore.stream`).
+
+    \b
+      tierstore stream ls
+      tierstore stream show policy
+      tierstore stream watch policy          # one line per new version, until Ctrl-C
+    """
+
+
+def _streams(socket: Path | None) -> dict[str, Any]:
+    from tierstore import stream as stream_mod
+
+    try:
+        return stream_mod.streams(socket)
+    except (stream_mod.StreamError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+@stream.command("ls")
+@_socket_option
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def stream_ls(socket: Path | None, as_json: bool) -> None:
+    """List the streams: latest version, versions kept, subscribers on this node."""
+    report = _streams(socket)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"{'stream':<24} {'latest':>7} {'kept':>5} {'size':>10} {'subscribers':>11} {'pulled':>7}")
+    for s in report["streams"]:
+        size = s["versions"][-1]["nbytes"] if s["versions"] else 0
+        click.echo(
+            f"{s['name']:<24} {s['latest']:>7} {len(s['versions']):>5} {_human(size):>10} "
+            f"{s['subscribers']:>11} {s['pulled']:>7}"
+        )
+    click.echo(f"shared memory held: {_human(report['held_bytes'])} in {report['tensor_files']} tensor files")
+
+
+@stream.command("show")
+@_socket_option
+@click.argument("name")
+def stream_show(socket: Path | None, name: str) -> None:
+    """Show a stream's kept versions: size, bytes new in each, leases (consumers still using it)."""
+    report = _streams(socket)
+    found = [s for s in report["streams"] if s["name"] == name]
+    if not found:
+        names = ", ".join(s["name"] for s in report["streams"]) or "none"
+        raise click.ClickException(f"no stream {name!r} on this node (streams: {names})")
+    s = found[0]
+    click.echo(
+        f"{name}: latest {s['latest']}, {s['subscribers']} subscribers, {s['pulled']} versions pulled "
+        f"({_human(s['pulled_bytes'])}), {s['errors']} errors"
+        + (f"; last: {s['last_error']}" if s["last_error"] else "")
+    )
+    click.echo(f"{'version':>8} {'step':>8} {'size':>10} {'new':>10} {'tensors':>8} {'leases':>7} {'age':>8}")
+    now = time.time()
+    for v in s["versions"]:
+        step = "-" if v["step"] is None else v["step"]
+        click.echo(
+            f"{v['version']:>8} {step:>8} {_human(v['nbytes']):>10} {_human(v['new_bytes']):>10} "
+            f"{v['tensors']:>8} {v['leases']:>7} {now - v['created']:>7.1f}s"
+        )
+
+
+@stream.command("watch")
+@_socket_option
+@click.argument("name")
+@click.option("--count", type=int, default=0, help="Exit after this many versions (0: until Ctrl-C).")
+def stream_watch(socket: Path | None, name: str, count: int) -> None:
+    """Print each new version of a stream as the agent announces it."""
+    from tierstore import stream as stream_mod
+
+    arrived: queue.Queue[Any] = queue.Queue()
+    try:
+        sub = stream_mod.Subscriber(name, socket=socket, on_update=arrived.put)
+    except (stream_mod.StreamError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    seen = 0
+    try:
+        while not count or seen < count:
+            try:
+                v = arrived.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen += 1
+            click.echo(
+                f"{v} step {v.step} {_human(v.nbytes)} ({_human(v.new_bytes)} new), "
+                f"{(time.time() - v.created) * 1e3:.1f} ms after its commit"
+                + (f"; {sub.skipped} skipped so far" if sub.skipped else "")
+            )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
 
 
 if __name__ == "__main__":

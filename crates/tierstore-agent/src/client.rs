@@ -139,6 +139,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         }
     }
 
+    /// The next frame the agent sends (a chunk of a transfer in progress), within the deadline.
+    pub async fn receive_frame(&mut self) -> Result<Frame, ClientError> {
+        self.receive().await
+    }
+
+    /// Sends a frame that gets no answer (credit for a transfer), within the deadline.
+    pub async fn send_frame(&mut self, frame: &Frame) -> Result<(), ClientError> {
+        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, frame)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ClientError::Broken { at: self.at.clone(), source }),
+            Err(_) => Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
+        }
+    }
+
     /// The agent's status as JSON text.
     pub async fn status(&mut self) -> Result<String, ClientError> {
         match self.call(&Frame::Status).await? {

@@ -13,4 +13,5 @@ pub mod metrics;
 pub mod protocol;
 pub mod registry;
 pub mod server;
+pub mod stream;
 pub mod transfer;

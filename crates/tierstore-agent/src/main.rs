@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
-//!                        [--peers HOST:PORT,...] [--metrics ADDR:PORT]
+//!                        [--peers HOST:PORT,...] [--metrics ADDR:PORT] [--stream-dir DIR] [--stream-keep N]
+//!                        [--stream-redis redis://HOST:PORT]
 //! tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
 //! tierstore-agent stop   [--socket PATH]
 //! ```
@@ -25,7 +26,8 @@ use tierstore_core::Cache;
 
 const USAGE: &str = "usage:
   tierstore-agent run    [--socket PATH] [--node NAME] [--listen ADDR:PORT] [--token-file FILE] [--idle-exit SECS]
-                         [--peers HOST:PORT,...] [--metrics ADDR:PORT]
+                         [--peers HOST:PORT,...] [--metrics ADDR:PORT] [--stream-dir DIR] [--stream-keep N]
+                         [--stream-redis redis://HOST:PORT]
   tierstore-agent status [--socket PATH] [--json] [--peer HOST:PORT [--token-file FILE]]
   tierstore-agent stop   [--socket PATH]";
 
@@ -71,6 +73,8 @@ struct Args {
     /// `status` of another node's agent, over TCP.
     peer: Option<String>,
     metrics: Option<String>,
+    /// Model streams: where versions are kept, and how many per stream.
+    stream: tierstore_agent::stream::StreamOptions,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -87,6 +91,7 @@ fn parse_args() -> Result<Args, String> {
         json: false,
         peer: None,
         metrics: None,
+        stream: Default::default(),
     };
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -108,6 +113,13 @@ fn parse_args() -> Result<Args, String> {
             "--json" => a.json = true,
             "--peer" => a.peer = Some(value()?),
             "--metrics" => a.metrics = Some(value()?),
+            "--stream-dir" => a.stream.dir = Some(PathBuf::from(value()?)),
+            "--stream-redis" => a.stream.redis = Some(value()?),
+            "--stream-keep" => {
+                let v = value()?;
+                a.stream.keep =
+                    v.parse().ok().filter(|k| *k > 0).ok_or(format!("--stream-keep {v:?}: give a count, e.g. 2"))?;
+            }
             other => return Err(format!("unknown option {other:?}")),
         }
     }
@@ -172,6 +184,11 @@ async fn run(a: Args) -> Result<(), String> {
         options.cache = Some(std::sync::Arc::new(cache));
     }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
+    options.stream = a.stream.clone();
+    // Model streams cross nodes through the job's Redis registry, unless another one is named.
+    if options.stream.redis.is_none() {
+        options.stream.redis = cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis"));
+    }
     // Every agent is given the whole list; it pings the others.
     let me = options.listen.map(|l| l.to_string());
     let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);

@@ -65,6 +65,8 @@ pub struct Options {
     pub registry: Option<Arc<dyn crate::registry::Registry>>,
     /// The job's name in the registry.
     pub job: String,
+    /// Where model streams keep their versions (see [`crate::stream`]).
+    pub stream: crate::stream::StreamOptions,
 }
 
 impl Options {
@@ -87,6 +89,7 @@ impl Options {
             job_members: Vec::new(),
             registry: None,
             job: String::new(),
+            stream: crate::stream::StreamOptions::default(),
         }
     }
 }
@@ -113,6 +116,9 @@ pub enum AgentError {
         /// The error.
         source: io::Error,
     },
+    /// The model streams' directory could not be set up.
+    #[error(transparent)]
+    Stream(#[from] crate::stream::StreamError),
 }
 
 /// The agent's report of itself (`tierstore agent status`).
@@ -205,6 +211,8 @@ struct Shared {
     job_members: Mutex<Vec<String>>,
     /// Registry calls that failed.
     registry_errors: AtomicU64,
+    /// The node's model streams.
+    streams: Arc<crate::stream::Streams>,
 }
 
 impl Shared {
@@ -255,6 +263,7 @@ impl Agent {
             }
         }
         let unix = bind_unix(&options.socket).await?;
+        let streams = crate::stream::Streams::open(&options.stream, &options.socket)?;
         let tcp = match options.listen {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(io_err("cannot listen on", addr))?),
             None => None,
@@ -267,6 +276,7 @@ impl Agent {
             Some(l) => Some(l.local_addr().map_err(io_err("cannot read the address of", "the listener"))?),
             None => None,
         };
+        streams.join_nodes(&options, listen);
         let (stop, _) = watch::channel(false);
         let members = Members::new(options.peers.clone());
         let options_members = options.job_members.clone();
@@ -283,6 +293,7 @@ impl Agent {
             stop,
             job_members: Mutex::new(options_members),
             registry_errors: AtomicU64::new(0),
+            streams: Arc::new(streams),
         });
         Ok(Agent { shared, unix, tcp, metrics })
     }
@@ -350,6 +361,7 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let _ = std::fs::remove_file(&shared.options.socket);
+        shared.streams.remove();
     }
 }
 
@@ -657,6 +669,17 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
             Frame::Credit { .. } => continue,
             Frame::Members => {
                 (Frame::MemberList { members: shared.job_members.lock().expect("members lock").clone() }, false)
+            }
+            Frame::StreamRequest { json } if side == Side::Local => {
+                crate::stream::serve(&mut stream, json, shared.streams.clone(), stop.clone(), deadline).await;
+                return;
+            }
+            // Another node's agent pulling a version's tensors.
+            Frame::StreamRequest { json } => {
+                if let Err(e) = crate::stream::serve_peer(&mut stream, json, shared.streams.clone(), deadline).await {
+                    log::warn!("sending stream tensors to a peer failed: {e}");
+                }
+                return;
             }
             Frame::Stop if side == Side::Local => (Frame::Stopping, true),
             Frame::Stop => (

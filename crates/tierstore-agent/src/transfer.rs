@@ -57,7 +57,36 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
         // Asked only to hold the file.
         return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
     }
-    let file = Arc::new(served.file);
+    let hash = match send_chunks(stream, Arc::new(served.file), size, id, credit, deadline).await? {
+        Ok(hash) => hash,
+        Err(e) => {
+            let f = refuse(ErrorCode::Failed, format!("reading the copy of {rel} failed: {e}"));
+            return write(stream, &f, deadline).await;
+        }
+    };
+    if served.checksum.is_some_and(|recorded| recorded != hash) {
+        let c = cache.clone();
+        let wanted = rel.to_string();
+        let _ = tokio::task::spawn_blocking(move || c.drop_damaged(&wanted)).await;
+        let f = refuse(ErrorCode::Failed, format!("the copy of {rel} on this node is damaged; it was removed"));
+        return write(stream, &f, deadline).await;
+    }
+    write(stream, &Frame::Done { id, hash }, deadline).await?;
+    cache.count_served(size);
+    Ok(())
+}
+
+/// Sends `size` bytes of `file` as chunks of transfer `id`, never more than the reader's credit ahead
+/// (starting with `credit`, then as it grants more); returns their blake3. `Err`: the connection failed;
+/// `Ok(Err)`: the file could not be read (nothing more was sent; the caller answers with an error).
+pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    file: Arc<std::fs::File>,
+    size: u64,
+    id: u32,
+    credit: u32,
+    deadline: Duration,
+) -> io::Result<Result<[u8; 32], io::Error>> {
     let mut credit = credit;
     let mut offset = 0u64;
     let mut hasher = blake3::Hasher::new();
@@ -85,27 +114,14 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
         .map_err(io::Error::other)?;
         let data = match data {
             Ok(d) => d,
-            Err(e) => {
-                let f = refuse(ErrorCode::Failed, format!("reading the copy of {rel} failed: {e}"));
-                return write(stream, &f, deadline).await;
-            }
+            Err(e) => return Ok(Err(e)),
         };
         hasher.update(&data);
         write(stream, &Frame::Chunk { id, offset, data }, deadline).await?;
         offset += n as u64;
         credit -= 1;
     }
-    let hash = *hasher.finalize().as_bytes();
-    if served.checksum.is_some_and(|recorded| recorded != hash) {
-        let c = cache.clone();
-        let wanted = rel.to_string();
-        let _ = tokio::task::spawn_blocking(move || c.drop_damaged(&wanted)).await;
-        let f = refuse(ErrorCode::Failed, format!("the copy of {rel} on this node is damaged; it was removed"));
-        return write(stream, &f, deadline).await;
-    }
-    write(stream, &Frame::Done { id, hash }, deadline).await?;
-    cache.count_served(size);
-    Ok(())
+    Ok(Ok(*hasher.finalize().as_bytes()))
 }
 
 async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {

@@ -22,6 +22,7 @@ pub mod pool;
 pub mod reader;
 pub mod remote;
 pub mod source;
+pub mod stream;
 pub mod tier;
 pub mod wire;
 

@@ -210,6 +210,19 @@ pub enum Frame {
         /// What went wrong and what to do, for a person.
         message: String,
     },
+    /// A request of model streaming (`tierstore.stream`), as a JSON object whose `op` names it (the
+    /// requests and their fields are `tierstore_agent::stream::Request`). A connection that sends one is
+    /// a stream connection from then on: the leases and the publish it holds end with it.
+    StreamRequest {
+        /// The JSON text.
+        json: String,
+    },
+    /// An answer to a [`Frame::StreamRequest`], or a notice the agent pushes to a subscriber (a new
+    /// version), as a JSON object.
+    StreamEvent {
+        /// The JSON text.
+        json: String,
+    },
 }
 
 mod kind {
@@ -230,6 +243,9 @@ mod kind {
     pub const DONE: u8 = 15;
     pub const MEMBERS: u8 = 16;
     pub const MEMBER_LIST: u8 = 17;
+    // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
+    pub const STREAM_REQUEST: u8 = 40;
+    pub const STREAM_EVENT: u8 = 41;
 }
 
 /// Checks a source-relative path from the network: not empty, not absolute, no `.` or `..` part, no NUL
@@ -367,6 +383,17 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.push(kind::ERROR);
             out.extend_from_slice(&(*code as u16).to_be_bytes());
             text(out, message);
+        }
+        Frame::StreamRequest { json } | Frame::StreamEvent { json } => {
+            out.push(if matches!(frame, Frame::StreamRequest { .. }) {
+                kind::STREAM_REQUEST
+            } else {
+                kind::STREAM_EVENT
+            });
+            // Longer than a text field: a u32 length, as a status report.
+            let b = &json.as_bytes()[..json.len().min(MAX_FRAME - 5)];
+            out.extend_from_slice(&(b.len() as u32).to_be_bytes());
+            out.extend_from_slice(b);
         }
     }
     let len = (out.len() - start - 4) as u32;
@@ -510,6 +537,14 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             }
             Frame::MemberList { members }
         }
+        kind::STREAM_REQUEST => {
+            let n = r.u32("json")? as usize;
+            Frame::StreamRequest { json: r.text_of(n, "json")? }
+        }
+        kind::STREAM_EVENT => {
+            let n = r.u32("json")? as usize;
+            Frame::StreamEvent { json: r.text_of(n, "json")? }
+        }
         other => return Err(FrameError::UnknownKind(other)),
     };
     r.end()?;
@@ -580,6 +615,8 @@ mod tests {
             (any::<u32>(), any::<[u8; 32]>()).prop_map(|(id, hash)| Frame::Done { id, hash }),
             Just(Frame::Members),
             proptest::collection::vec(text, 0..20).prop_map(|members| Frame::MemberList { members }),
+            "[ -~]{0,300}".prop_map(|json| Frame::StreamRequest { json }),
+            "[ -~]{0,300}".prop_map(|json| Frame::StreamEvent { json }),
         ]
     }
 

@@ -15,14 +15,14 @@ use tierstore_core::pack::{self, PackWriter, ReadError, ReadInto};
 use crate::error::io_to_py;
 
 /// A contiguous byte view of a Python buffer, kept alive by the `PyBuffer` it came from.
-struct View {
+pub(crate) struct View {
     _buffer: PyBuffer<u8>,
     ptr: usize,
     len: usize,
 }
 
 impl View {
-    fn of(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<View> {
+    pub(crate) fn of(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<View> {
         let buffer = PyBuffer::<u8>::get(obj).map_err(|_| {
             PyTypeError::new_err("expected a contiguous buffer of bytes (a uint8 numpy array or bytes)")
         })?;
@@ -38,14 +38,14 @@ impl View {
 
     /// # Safety
     /// The buffer must stay exported (it is, while `self` lives) and not be used elsewhere meanwhile.
-    unsafe fn bytes(&self) -> &[u8] {
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
         std::slice::from_raw_parts(self.ptr as *const u8, self.len)
     }
 
     /// # Safety
     /// As [`View::bytes`], and the buffer must be writable and not aliased.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn bytes_mut(&self) -> &mut [u8] {
+    pub(crate) unsafe fn bytes_mut(&self) -> &mut [u8] {
         std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len)
     }
 }

@@ -1,0 +1,770 @@
+"""Benchmark of model streaming (`tierstore.stream`) on one node, against the file-and-poll baseline.
+
+A private agent; the publisher runs in this process, the consumer (a `HotModel` serving requests on one
+thread) in another. Models: float32 tensors, 100 of them, totalling 100 MB and 1 GB (seeded random values).
+
+Measured:
+  notify      publish-to-notified: from the publisher sending its commit to the consumer's `on_update`
+              callback (a 4 KiB model, 300 versions, 5 ms apart).
+  update      same node, 3% of the bytes changed (3 of 100 tensors) and 100% changed: from `publish()` to the
+              consumer serving the version (its swap), with the parts: placing (publisher), notified->served
+              (consumer load + swap). Against a memcpy of the changed bytes, measured in this run.
+  bytes       of a 3%-changed update: the bytes the publisher placed and the bytes the consumer copied before
+              its swap, as a share of the model.
+  baseline    torch.save to the stand-in store (`tierstore.slowfs`, its defaults: 1 ms per metadata operation,
+              0.5 ms per read request, 500 MiB/s) under a temporary name, renamed; the consumer polls the
+              file's mtime every second and torch.loads it: from the start of the save to the load's end.
+  requests    request latency (a 256x256 matmul over one of the model's tensors) while 3%-changed updates
+              arrive continuously, against steady state, in the consumer.
+
+Usage: .venv/bin/python bench/bench_stream.py [--sizes 100MB,1GB] [--out BENCHMARKS-stream.md] [--plot bench/stream.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PY = sys.executable
+TENSORS = 100
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 0.1 else f"{x * 1e3:.0f} ms"
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def parse_size(text: str) -> int:
+    t = text.upper().removesuffix("B")
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}
+    return int(float(t[:-1]) * scale[t[-1]]) if t[-1] in scale else int(t)
+
+
+def shapes(total: int) -> list[int]:
+    """Element counts of TENSORS float32 tensors summing to about `total` bytes."""
+    return [total // 4 // TENSORS] * TENSORS
+
+
+# ---------------------------------------------------------------------------------------------- consumer
+
+
+def consumer_main(args: argparse.Namespace) -> None:
+    """Runs in its own process: a HotModel over `args.name`, requests on a thread, events on stdout."""
+    import torch
+
+    from tierstore import stream
+
+    torch.set_num_threads(1)
+    out_lock = threading.Lock()
+
+    def emit(obj: dict[str, Any]) -> None:
+        with out_lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    counts = [int(x) for x in args.shapes.split(",")] if args.shapes else []
+    model = {f"t{i:03d}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate(counts)}
+    hot = stream.HotModel(model, args.name)
+    hot.subscriber.on_update(lambda v: emit({"event": "notified", "version": v.version, "t": time.time()}))
+    hot.on_swap(
+        lambda v, t: emit(
+            {"event": "served", "version": v, "t": t, "copied": hot.bytes_copied, "swap": hot.last_swap_s}
+        )
+    )
+    stop = threading.Event()
+    lat: list[tuple[float, float]] = []
+
+    def requests() -> None:
+        side = int(min(counts[0], 256 * 256) ** 0.5)
+        x = torch.randn(side)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            with hot.serving() as m:
+                w = m["t000"][: side * side].view(side, side)
+                (w @ x).sum()
+            lat.append((time.time(), time.perf_counter() - t0))
+
+    if args.requests:
+        threading.Thread(target=requests, daemon=True).start()
+    emit({"event": "ready"})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "latencies":
+            emit({"event": "latencies", "lat": [(t, d) for t, d in lat if cmd["start"] <= t <= cmd["end"]]})
+        elif cmd["cmd"] == "stop":
+            break
+    stop.set()
+    hot.close()
+
+
+def poll_consumer_main(args: argparse.Namespace) -> None:
+    """The baselines' consumer: polls a file's mtime every second; torch.load (or h5py) when it changes."""
+    import torch
+
+    def load(path: Path) -> dict[str, Any]:
+        if args.format == "h5py":
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                return {k: torch.from_numpy(np.asarray(f[k][()])) for k in f}
+        out: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return out
+
+    path = Path(args.path)
+    seen = 0.0
+    print(json.dumps({"event": "ready"}), flush=True)
+    while True:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            st = None
+        if st is not None and st.st_mtime != seen:
+            seen = st.st_mtime
+            sd = load(path)
+            print(
+                json.dumps({"event": "loaded", "step": int(sd["step"].item()), "t": time.time()}), flush=True
+            )
+            if int(sd["step"].item()) < 0:
+                return
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+class Consumer:
+    def __init__(self, argv: list[str], env: dict[str, str], prefix: list[str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*(prefix or []), PY, __file__, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.wait(lambda e: e["event"] == "ready", 120)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self.cond:
+                self.events.append(json.loads(line))
+                self.cond.notify_all()
+
+    def wait(self, pred: Any, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for e in self.events:
+                    if pred(e):
+                        return e
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the consumer did not report in time")
+                self.cond.wait(left)
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            self.send({"cmd": "stop"})
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def start_agent(sock: Path) -> subprocess.Popen[bytes]:
+    from tierstore import agent
+
+    proc = subprocess.Popen(
+        [*agent.run_args(sock, node="bench")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+    return proc
+
+
+def memcpy_time(nbytes: int, reps: int = 5) -> float:
+    src = np.random.default_rng(1).random(nbytes // 8)
+    dst = np.empty_like(src)
+    best = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best.append(time.perf_counter() - t0)
+    return statistics.median(best)
+
+
+def notify_run(env: dict[str, str], n: int = 300) -> list[float]:
+    from tierstore import stream
+
+    c = Consumer(["--consumer", "--name", "tiny", "--shapes", "1024"], env)
+    pub = stream.Publisher("tiny")
+    a = {"t000": np.zeros(1024, dtype=np.float32)}
+    sent: dict[int, float] = {}
+    for i in range(1, n + 1):
+        a["t000"][:] = i
+        t_before = time.time()
+        v = pub.publish(a)
+        assert isinstance(v, stream.StreamVersion)
+        sent[v.version] = pub.last_commit_sent or t_before
+        time.sleep(0.005)
+    c.wait(lambda e: e["event"] == "served" and e["version"] == n, 60)
+    got = {e["version"]: e["t"] for e in c.events if e["event"] == "notified"}
+    c.close()
+    pub.close()
+    return [got[v] - sent[v] for v in sent if v in got]
+
+
+def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, Any]:
+    from tierstore import stream
+
+    counts = shapes(total)
+    rng = np.random.default_rng(0)
+    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    nbytes = sum(a.nbytes for a in model.values())
+    c = Consumer(["--consumer", "--name", "m", "--shapes", ",".join(map(str, counts)), "--requests"], env)
+    pub = stream.Publisher("m")
+    res: dict[str, Any] = {"nbytes": nbytes, "full": [], "delta": [], "place_full": [], "place_delta": []}
+    res["load_delta"], res["load_full"], res["placed_delta"], res["copied_delta"], res["swap"] = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
+
+    def one(changed: int, key: str) -> None:
+        for i in range(changed):
+            k = f"t{(i + 7 * len(res[key])) % TENSORS:03d}"
+            model[k] += 1.0
+        before = next((e["copied"] for e in reversed(c.events) if e["event"] == "served"), 0)
+        t0 = time.time()
+        if key == "async":
+            fut = pub.publish(model, sync=False)
+            res["async_block"].append(time.time() - t0)
+            v = fut.result(timeout=300)  # type: ignore[union-attr]
+        else:
+            v = pub.publish(model)
+        t1 = time.time()
+        assert isinstance(v, stream.StreamVersion)
+        served = c.wait(lambda e: e["event"] == "served" and e["version"] == v.version, 300)
+        notified = c.wait(lambda e: e["event"] == "notified" and e["version"] == v.version, 10)
+        res[key].append(served["t"] - t0)
+        res["place_" + key].append(t1 - t0)
+        res["load_" + key].append(served["t"] - notified["t"])
+        res["swap"].append(served["swap"])
+        if key == "delta":
+            res["placed_delta"].append(v.new_bytes)
+            res["copied_delta"].append(served["copied"] - before)
+        # Let the consumer bring its retired copy up to date, as between real updates.
+        time.sleep(max(0.2, 3 * (served["t"] - notified["t"])))
+
+    one(TENSORS, "full")  # first version: everything
+    one(TENSORS, "full")  # the other copy takes everything once
+    steady_start = time.time()
+    time.sleep(3.0)
+    steady_end = time.time()
+    upd_start = time.time()
+    for _ in range(updates):
+        one(3, "delta")
+    upd_end = time.time()
+    res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
+    one(3, "async")  # the first asynchronous publish fills the staging buffer
+    res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
+    for _ in range(updates):
+        one(3, "async")
+    for _ in range(2):
+        one(TENSORS, "full")
+    changed = 3 * counts[0] * 4
+    res["memcpy_delta"] = memcpy_time(changed)
+    res["memcpy_full"] = memcpy_time(nbytes)
+    res["changed_bytes"] = changed
+    c.send({"cmd": "latencies", "start": steady_start, "end": steady_end})
+    res["steady"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
+    c.events = [e for e in c.events if e["event"] != "latencies"]
+    c.send({"cmd": "latencies", "start": upd_start, "end": upd_end})
+    res["during"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
+    c.close()
+    pub.close()
+    return res
+
+
+def baseline_run(total: int, tmp: Path, updates: int = 3, fmt: str = "torch") -> list[float]:
+    """torch.save (or h5py, one dataset per tensor) to the stand-in store, poll every second, load:
+    from the start of the save to the end of the load."""
+    import torch
+
+    def save(sd: dict[str, Any], path: Path) -> None:
+        if fmt == "h5py":
+            import h5py
+
+            with h5py.File(path, "w") as f:
+                for k, v in sd.items():
+                    f.create_dataset(k, data=v.numpy())
+        else:
+            torch.save(sd, path)
+
+    backing, mnt = tmp / "pfs-backing", tmp / "pfs"
+    backing.mkdir(parents=True)
+    mnt.mkdir()
+    fs = subprocess.Popen([PY, "-m", "tierstore.slowfs", str(backing), str(mnt), "--foreground"])
+    try:
+        end = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if time.monotonic() > end:
+                raise RuntimeError("the stand-in store did not mount")
+            time.sleep(0.05)
+        path = mnt / "model.pt"
+        c = Consumer(["--poll-consumer", "--path", str(path), "--format", fmt], dict(os.environ))
+        counts = shapes(total)
+        rng = np.random.default_rng(0)
+        sd = {f"t{i:03d}": torch.from_numpy(rng.random(n, dtype=np.float32)) for i, n in enumerate(counts)}
+        out = []
+        for step in range(1, updates + 1):
+            sd["step"] = torch.tensor(step)
+            t0 = time.time()
+            save(sd, mnt / "model.pt.tmp")
+            os.replace(mnt / "model.pt.tmp", path)
+            e = c.wait(lambda e, s=step: e["event"] == "loaded" and e["step"] == s, 600)
+            out.append(e["t"] - t0)
+            time.sleep(1.3)
+        sd = {"step": torch.tensor(-1)}
+        save(sd, mnt / "model.pt.tmp")
+        os.replace(mnt / "model.pt.tmp", path)
+        c.proc.wait(timeout=60)
+        return out
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+        fs.wait(timeout=30)
+
+
+def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[str, Any]:
+    """Publisher on node 0, a HotModel consumer on node 1 (network namespaces, the link shaped to 1 Gbit/s
+    with tc tbf), Redis on node 0: publish -> served, and node 1's pull rate against iperf3 on the link."""
+    from tierstore import stream
+    from tierstore.netns import Nodes
+
+    work.mkdir(parents=True)
+    token = work / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    res: dict[str, Any] = {"full": [], "delta": [], "full_rate": [], "delta_pulled": [], "nbytes": 0}
+    with Nodes(2) as nodes:
+        n0, n1 = nodes.nodes
+        nodes.shape("1gbit")
+        procs: list[subprocess.Popen[Any]] = []
+        try:
+            procs.append(
+                subprocess.Popen(
+                    n0.cmd(
+                        "redis-server",
+                        "--port",
+                        "6390",
+                        "--bind",
+                        n0.address,
+                        "--protected-mode",
+                        "no",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ),
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            end = time.monotonic() + 20
+            while (
+                subprocess.run(
+                    n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"),
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip()
+                != "PONG"
+            ):
+                if time.monotonic() > end:
+                    raise RuntimeError("redis-server did not start in node 0")
+                time.sleep(0.05)
+            socks = []
+            from tierstore import agent as agent_mod
+
+            for i, n in enumerate((n0, n1)):
+                sock = work / f"node{i}" / "tierstore" / "agent.sock"
+                sock.parent.mkdir(parents=True)
+                args = [*agent_mod.run_args(sock, node=f"node{i}"), "--listen", f"{n.address}:7078",
+                        "--token-file", str(token), "--stream-redis", f"redis://{n0.address}:6390/"]  # fmt: skip
+                log = work / f"node{i}" / "agent.log"
+                a = subprocess.Popen(n.cmd(*args), stdout=subprocess.PIPE, stderr=open(log, "wb"))  # noqa: SIM115
+                assert a.stdout is not None
+                if not a.stdout.readline().startswith(b"ready"):
+                    raise RuntimeError(f"the agent of node {i} did not start: {log.read_text()[-2000:]}")
+                procs.append(a)
+                socks.append(sock)
+            # iperf3 in the direction tensors go: node 0 sends (-R), node 1 receives.
+            srv = subprocess.Popen(n0.cmd("iperf3", "-s", "-1", "-B", n0.address), stdout=subprocess.DEVNULL)
+            time.sleep(0.5)
+            out = subprocess.run(
+                n1.cmd("iperf3", "-c", n0.address, "-R", "-t", "4", "-J"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            srv.wait(timeout=20)
+            res["iperf_bps"] = float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"])
+            counts = shapes(total)
+            rng = np.random.default_rng(0)
+            model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+            res["nbytes"] = sum(a.nbytes for a in model.values())
+            env = {**os.environ, "XDG_RUNTIME_DIR": str(socks[1].parent.parent)}
+            c = Consumer(["--consumer", "--name", "x", "--shapes", ",".join(map(str, counts))], env, n1.cmd())
+            pub = stream.Publisher("x", socket=socks[0])
+
+            def pulled() -> int:
+                s = stream.streams(socks[1])["streams"]
+                return int(s[0]["pulled_bytes"]) if s else 0
+
+            def one(changed: int, key: str) -> None:
+                for i in range(changed):
+                    model[f"t{(i + 7 * len(res[key])) % TENSORS:03d}"] += 1.0
+                before = pulled()
+                t0 = time.time()
+                v = pub.publish(model)
+                assert isinstance(v, stream.StreamVersion)
+                committed = pub.last_commit_sent or t0
+                served = c.wait(lambda e: e["event"] == "served" and e["version"] == v.version, 600)
+                moved = pulled() - before
+                res[key].append(served["t"] - t0)
+                if key == "full":
+                    res["full_rate"].append(moved * 8 / (served["t"] - committed))
+                else:
+                    res["delta_pulled"].append(moved)
+                time.sleep(0.5)
+
+            for _ in range(fulls):
+                one(TENSORS, "full")
+            for _ in range(deltas):
+                one(3, "delta")
+            res["changed_bytes"] = 3 * counts[0] * 4
+            c.close()
+            pub.close()
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            nodes.unshape()
+    return res
+
+
+def trainer_run(total: int, work: Path, matmuls: int, steps: int = 20) -> dict[str, Any]:
+    """A trainer's step time (a fixed amount of compute, then every parameter changed) without publishing,
+    and with `publish(sync=False)` every step plus every 10th version saved to a Repository."""
+    import torch
+
+    from tierstore import stream
+    from tierstore.models import Repository
+
+    torch.set_num_threads(1)
+    counts = shapes(total)
+    params = [torch.rand(n) for n in counts]
+    a, b = torch.rand(384, 384), torch.rand(384, 384)
+
+    def step() -> None:
+        for _ in range(matmuls):
+            a.copy_(torch.tanh(a @ b))
+        for p in params:
+            p.add_(1e-3)
+
+    def run(publisher: Any) -> list[float]:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            if publisher is not None:
+                publisher.publish({f"t{i:03d}": p for i, p in enumerate(params)}, sync=False)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    plain = run(None)
+    pub = stream.Publisher(f"trainer{matmuls}", history=Repository(work / "history"), history_every=10)
+    with_publish = run(pub)
+    pub.close()
+    plain2 = run(None)
+    return {
+        "plain": plain + plain2,
+        "publish": with_publish,
+        "flushed": len(pub.flushed),
+        "flush_skipped": pub.flush_skipped,
+        "steps": steps,
+        "matmuls": matmuls,
+        "nbytes": sum(p.numel() * 4 for p in params),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--consumer", action="store_true")
+    ap.add_argument("--poll-consumer", action="store_true")
+    ap.add_argument("--name", default="m")
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--path", default="")
+    ap.add_argument("--format", default="torch")
+    ap.add_argument("--requests", action="store_true")
+    ap.add_argument("--sizes", default="100MB,1GB")
+    ap.add_argument("--baseline-updates", type=int, default=3)
+    ap.add_argument("--cross-sizes", default="100MB,1GB", help="model sizes across nodes (needs root)")
+    ap.add_argument("--trainer-size", default="100MB")
+    ap.add_argument("--out", default="BENCHMARKS-stream.md")
+    ap.add_argument("--plot", default="bench/stream.png")
+    args = ap.parse_args()
+    if args.consumer:
+        consumer_main(args)
+        return
+    if args.poll_consumer:
+        poll_consumer_main(args)
+        return
+    command = "python bench/bench_stream.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
+        tmp = Path(d)
+        sock = tmp / "run" / "tierstore" / "agent.sock"
+        sock.parent.mkdir(parents=True)
+        agent = start_agent(sock)
+        # Every client's default socket is $XDG_RUNTIME_DIR/tierstore/agent.sock.
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
+        try:
+            notify = notify_run(env)
+            print(f"notify p50 {ms(pct(notify, 0.5))} p99 {ms(pct(notify, 0.99))}", flush=True)
+            results = {}
+            for size in args.sizes.split(","):
+                total = parse_size(size)
+                r = update_run(total, env)
+                r["baseline"] = baseline_run(total, tmp / f"b{total}", args.baseline_updates)
+                r["baseline_h5"] = baseline_run(total, tmp / f"h{total}", args.baseline_updates, "h5py")
+                results[size] = r
+                print(
+                    f"{size}: delta update p50 {ms(statistics.median(r['delta']))} "
+                    f"(memcpy of the changed bytes {ms(r['memcpy_delta'])}), full {ms(statistics.median(r['full']))}, "
+                    f"baseline {ms(statistics.median(r['baseline']))}",
+                    flush=True,
+                )
+            trainer = [trainer_run(parse_size(args.trainer_size), tmp / f"trainer{k}", k) for k in (40, 400)]
+            for t in trainer:
+                print(f"trainer step p50 {ms(statistics.median(t['plain']))} without, "
+                      f"{ms(statistics.median(t['publish']))} with publish", flush=True)  # fmt: skip
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
+        cross: dict[str, Any] = {}
+        if os.geteuid() == 0 and args.cross_sizes:
+            for size in args.cross_sizes.split(","):
+                total = parse_size(size)
+                cross[size] = cross_node_run(total, tmp / f"x{total}", fulls=2 if total < 5e8 else 1)
+                print(f"{size} across nodes: {cross[size]}"[:300], flush=True)
+    write_report(args, command, notify, results, cross, trainer)
+
+
+def write_report(
+    args: argparse.Namespace,
+    command: str,
+    notify: list[float],
+    results: dict[str, Any],
+    cross: dict[str, Any],
+    trainer: list[dict[str, Any]],
+) -> None:
+    lines = [
+        "# Model streaming: same-node updates against memcpy and against file-and-poll",
+        "",
+        f"Command: `{command}` (run by `make bench`).",
+        "",
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
+        f"{platform.python_version()}; load average at the end {os.getloadavg()[0]:.1f} (the machine is shared). Publisher in the benchmark's process, consumer (`HotModel`, requests on "
+        f"one thread, torch with 1 thread) in another, one agent; models of {TENSORS} float32 tensors. "
+        "Every figure below was measured in this one run; ratios are against baselines of the same run.",
+        "",
+        "## Publish to notified",
+        "",
+        f"From the publisher sending its commit to the consumer's `on_update` callback, {len(notify)} versions of a "
+        f"4 KiB model 5 ms apart: p50 **{ms(pct(notify, 0.5))}**, p99 **{ms(pct(notify, 0.99))}**, "
+        f"max {ms(max(notify))}.",
+        "",
+        "## Update latency, same node",
+        "",
+        "From `publish()` to the consumer serving the version (its swap). `place` is the publisher's part "
+        "(compare with the version before, hash and write what changed, commit); `notified->served` is the "
+        "consumer's (read the changed tensors into its idle copy, swap). memcpy: one copy of the changed "
+        "bytes in this process. Baselines, through the stand-in store (`tierstore.slowfs`, its defaults): torch.save + poll every 1 s + torch.load (how Triton and TF-Serving pick up versions), and h5py (one dataset per tensor) + poll + h5py read (Viper's baseline).",
+        "",
+        "| model | change | publish->served p50 | place p50 | notified->served p50 | memcpy of changed bytes | "
+        "notified->served / memcpy | publish->served / memcpy | torch.save+poll+load p50 | / tierstore | "
+        "h5py+poll+load p50 | / tierstore |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size, r in results.items():
+        base = statistics.median(r["baseline"])
+        h5 = statistics.median(r["baseline_h5"])
+        for key, label, mc in (
+            ("delta", "3% (3 of 100 tensors)", "memcpy_delta"),
+            ("async", "3%, `sync=False`", "memcpy_delta"),
+            ("full", "100%", "memcpy_full"),
+        ):
+            e2e, place, load = (statistics.median(r[k]) for k in (key, "place_" + key, "load_" + key))
+            lines.append(
+                f"| {size} | {label} | {ms(e2e)} | {ms(place)} | {ms(load)} | {ms(r[mc])} | {load / r[mc]:.1f}x | "
+                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.0f}x | {ms(h5)} | {h5 / e2e:.0f}x |"
+            )
+    lines += [
+        "",
+        "Baseline runs per size: "
+        + ", ".join(f"{s}: {len(r['baseline'])}" for s, r in results.items())
+        + "; "
+        "tierstore: 6 updates of 3% (sync), 6 of 3% (`sync=False`), 4 of 100% per size. In a `sync=False` "
+        "publish the trainer waits only for the snapshot into the staging buffer (compared as it copies): "
+        + ", ".join(f"{s}: {ms(statistics.median(r['async_block']))}" for s, r in results.items())
+        + "; `place` is then the background part.",
+        "",
+        "## Bytes moved by a 3%-changed update",
+        "",
+        "| model | changed | placed by the publisher | copied by the consumer before its swap |",
+        "| --- | --- | --- | --- |",
+    ]
+    for size, r in results.items():
+        n = r["nbytes"]
+        placed, copied = statistics.median(r["placed_delta"]), statistics.median(r["copied_delta"])
+        lines.append(
+            f"| {size} | {human(r['changed_bytes'])} ({r['changed_bytes'] / n:.1%}) | {human(placed)} "
+            f"({placed / n:.1%}) | {human(copied)} ({copied / n:.1%}) |"
+        )
+    lines += [
+        "",
+        "## Requests while updates arrive",
+        "",
+        "A request: one 256x256 float32 matmul over a model tensor inside `with hot.serving()`. Steady state: 3 s "
+        "with no update; during: the 3%-changed updates above (each followed by the consumer's catch-up copy). "
+        "Swap: the time the active copy's switch takes under the lock.",
+        "",
+        "| model | steady p50 | steady p99 | during p50 | during p99 | p99 during / steady | requests | swap max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for size, r in results.items():
+        s, d = r["steady"], r["during"]
+        lines.append(
+            f"| {size} | {pct(s, 0.5) * 1e6:.0f} us | {pct(s, 0.99) * 1e6:.0f} us | {pct(d, 0.5) * 1e6:.0f} us | "
+            f"{pct(d, 0.99) * 1e6:.0f} us | {pct(d, 0.99) / pct(s, 0.99):.2f}x | {len(s)} / {len(d)} | "
+            f"{max(r['swap']) * 1e6:.1f} us |"
+        )
+    lines += [
+        "",
+        "## Across nodes",
+        "",
+        "Two network namespaces joined by veth pairs and a bridge, each node's link shaped to 1 Gbit/s "
+        "(`tc tbf`); Redis and the publisher's agent on node 0, a `HotModel` consumer on node 1 whose agent "
+        "follows the stream in Redis and pulls from node 0's agent. iperf3 (one stream, 4 s, node 0 sending) "
+        "on the same link in the same run. Rate: the bytes node 1 pulled over the time from the commit to "
+        "the consumer serving.",
+        "",
+        "| model | full update publish->served | pull rate | iperf3 | rate / iperf3 | 3% update publish->served | "
+        "3% update bytes pulled |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if not cross:
+        lines.append("| (not run: network namespaces need root) | | | | | | |")
+    for size, r in cross.items():
+        rate = statistics.median(r["full_rate"])
+        lines.append(
+            f"| {size} | {ms(statistics.median(r['full']))} | {rate / 1e9:.2f} Gbit/s | "
+            f"{r['iperf_bps'] / 1e9:.2f} Gbit/s | {rate / r['iperf_bps']:.2f}x | "
+            f"{ms(statistics.median(r['delta']))} | {human(statistics.median(r['delta_pulled']))} "
+            f"({statistics.median(r['delta_pulled']) / r['nbytes']:.1%}) |"
+        )
+    if cross:
+        lines += ["", "Runs per size: " + ", ".join(
+            f"{s}: {len(r['full'])} full, {len(r['delta'])} of 3%" for s, r in cross.items()) + "."]  # fmt: skip
+    t0 = trainer[0]
+    lines += [
+        "",
+        "## The trainer's step with asynchronous publishing and history",
+        "",
+        f"A {human(t0['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: N 384x384 matmuls, "
+        "then every parameter changed (so every publish places the whole model). Without publishing, then "
+        "`publish(sync=False)` after every step with every 10th version saved to a `Repository` on local "
+        f"disk in the background, {t0['steps']} steps each (the runs without are before and after).",
+        "",
+        "| step | step p50 without | step p50 with publish + history | overhead | versions saved to the history |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for t in trainer:
+        plain, pub = statistics.median(t["plain"]), statistics.median(t["publish"])
+        lines.append(
+            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {pub / plain - 1:+.1%} | "
+            f"{t['flushed']} ({t['flush_skipped']} skipped) |"
+        )
+    lines += [
+        "",
+        "A `sync=False` publish waits for the one before it: when placing the whole model (hash and write, on "
+        "the publisher's background thread) takes longer than a step, the trainer waits for it.",
+        "",
+        f"Plot: `{args.plot}`.",
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+    plot(args.plot, results)
+
+
+def plot(path: str, results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = ["memcpy of changed", "tierstore 3%", "tierstore 100%", "torch.save+poll+load", "h5py+poll+load"]
+    width = 0.8 / len(results)
+    for i, (size, r) in enumerate(results.items()):
+        vals = [r["memcpy_delta"], statistics.median(r["delta"]), statistics.median(r["full"])]
+        vals.append(statistics.median(r["baseline"]))
+        vals.append(statistics.median(r["baseline_h5"]))
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [v * 1e3 for v in vals], width, label=size)
+    ax.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(labels))], labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("publish -> consumer serving (ms, log)")
+    ax.set_title("Model update latency, same node")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

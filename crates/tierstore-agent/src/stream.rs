@@ -1,0 +1,982 @@
+//! Model streaming in the agent (ARCHITECTURE.md, "Model streaming"; Viper's memory-first path): the
+//! versions of the node's model streams, held in shared memory the agent owns, and their subscribers.
+//!
+//! Layout of the agent's stream directory (on /dev/shm):
+//!
+//! ```text
+//! blobs/<blake3 hex>            one tensor's bytes, shared by every version holding that content
+//! versions/<name>/<n>.json      a version's manifest: its tensors (name, dtype, shape, hash, nbytes)
+//! tmp/<publish>/                a publish in progress: its new tensors and its manifest
+//! ```
+//!
+//! A publisher `begin`s (and is leased the latest version, the base it compares against), writes the
+//! tensors that changed into its `tmp` directory, writes the manifest, and `commit`s: the agent moves the
+//! new tensors into `blobs` (renames, nothing copied), numbers the version, writes its manifest and pushes
+//! a notice to every subscriber. Until that commit nothing of the version is visible; a publisher whose
+//! connection ends first (killed mid-publish) leaves nothing but its `tmp` directory, removed at once.
+//!
+//! Each notice pushed to a subscriber leases it that version; leases end with a `release` or with the
+//! connection (a consumer killed frees what it held). The agent keeps the last `keep` versions of a stream,
+//! and older ones while leased; a tensor file is removed when no version kept holds it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, watch};
+
+use crate::protocol::{self, ErrorCode, Frame};
+
+mod follow;
+
+pub use follow::{serve_peer, Remote};
+
+/// Versions kept per stream when none is configured: the one consumers serve and the one before it.
+pub const DEFAULT_KEEP: usize = 2;
+
+/// Why a stream request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// A request that is not JSON of a known shape.
+    #[error("not a stream request ({0}); use the tierstore.stream of the same tierstore as the agent")]
+    BadRequest(String),
+    /// A stream name that cannot be a directory name.
+    #[error("stream name {0:?}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")]
+    BadName(String),
+    /// A commit, abort or release of something this connection does not hold.
+    #[error("{0}")]
+    NotHeld(String),
+    /// The publisher's manifest is missing or wrong.
+    #[error("publish {publish} of {name}: {detail}; publish the version again")]
+    BadPublish {
+        /// The publish.
+        publish: u64,
+        /// The stream.
+        name: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A version that is not (or no longer) kept.
+    #[error("{name} version {version} is not held by this agent (it keeps the last {keep} and leased ones)")]
+    Gone {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
+        /// Versions kept.
+        keep: usize,
+    },
+    /// The shared memory could not be written.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StreamError {
+    let path = path.display().to_string();
+    move |source| StreamError::Io { what, path, source }
+}
+
+/// A request of a stream connection (the JSON of a `StreamRequest` frame, tagged by `op`).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Starts publishing a version of `name`: answers the publish's number, its directory and the base.
+    Begin {
+        /// The stream.
+        name: String,
+    },
+    /// Makes the version written under the publish's directory visible, and notifies.
+    Commit {
+        /// The publish.
+        publish: u64,
+    },
+    /// Drops a publish in progress.
+    Abort {
+        /// The publish.
+        publish: u64,
+    },
+    /// Pushes a notice of every version of `name` newer than `after` to this connection, from now on
+    /// (starting with the latest, if it is newer).
+    Subscribe {
+        /// The stream.
+        name: String,
+        /// The newest version the subscriber already has (0: none).
+        #[serde(default)]
+        after: u64,
+    },
+    /// Ends one lease of this connection on a version (no answer).
+    Release {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
+    },
+    /// The streams of this agent, their versions, leases and subscribers.
+    List,
+}
+
+/// One tensor of a manifest.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Tensor {
+    /// The state-dict key.
+    pub name: String,
+    /// The dtype's name (torch's or numpy's).
+    pub dtype: String,
+    /// The shape.
+    pub shape: Vec<u64>,
+    /// blake3 of the bytes, lowercase hex: the name of its file in `blobs`.
+    pub hash: String,
+    /// The size in bytes.
+    pub nbytes: u64,
+}
+
+/// A version's manifest: what the publisher writes, completed by the agent at commit.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The stream (set by the agent).
+    #[serde(default)]
+    pub name: String,
+    /// The version number (set by the agent).
+    #[serde(default)]
+    pub version: u64,
+    /// Seconds since the epoch at commit (set by the agent).
+    #[serde(default)]
+    pub created: f64,
+    /// The trainer's step, if it gave one.
+    #[serde(default)]
+    pub step: Option<i64>,
+    /// The publisher's metadata.
+    #[serde(default)]
+    pub metadata: Value,
+    /// The tensors, in the publisher's order.
+    pub tensors: Vec<Tensor>,
+}
+
+/// Where streams keep their versions, and how many.
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    /// The stream directory (none: on /dev/shm, named after the agent's socket).
+    pub dir: Option<PathBuf>,
+    /// Versions kept per stream besides leased ones (at least 1).
+    pub keep: usize,
+    /// The job's Redis (`redis://host:port`), where versions are announced to other nodes and followed
+    /// from them (none: streams stay on this node).
+    pub redis: Option<String>,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions { dir: None, keep: DEFAULT_KEEP, redis: None }
+    }
+}
+
+/// The stream directory of the agent on `socket`: on /dev/shm (memory) when there is one, private to the
+/// user, one per socket (agents of several nodes may share a machine in tests).
+pub fn default_dir(socket: &Path) -> PathBuf {
+    let tag = &crate::stream::hex8(socket.as_os_str().as_encoded_bytes());
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let shm = Path::new("/dev/shm");
+    let base =
+        if shm.is_dir() { shm.to_path_buf() } else { socket.parent().unwrap_or(Path::new("/tmp")).to_path_buf() };
+    base.join(format!("tierstore-{uid}-stream-{tag}"))
+}
+
+fn hex8(bytes: &[u8]) -> String {
+    blake3::hash(bytes).as_bytes()[..4].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn check_name(name: &str) -> Result<(), StreamError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(StreamError::BadName(name.chars().take(200).collect()))
+    }
+}
+
+fn check_hash(h: &str) -> bool {
+    h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
+}
+
+/// A notice pushed to subscribers.
+#[derive(Clone, Debug)]
+struct Notice {
+    name: String,
+    version: u64,
+    json: Arc<String>,
+}
+
+struct Kept {
+    manifest: PathBuf,
+    hashes: Vec<String>,
+    nbytes: u64,
+    new_bytes: u64,
+    tensors: usize,
+    step: Option<i64>,
+    created: f64,
+    leases: usize,
+}
+
+#[derive(Default)]
+struct Stream {
+    versions: BTreeMap<u64, Kept>,
+    latest: u64,
+    subscribers: HashMap<u64, mpsc::UnboundedSender<Notice>>,
+    published: u64,
+    /// Versions pulled from another node's agent, and their bytes that crossed the network.
+    pulled: u64,
+    pulled_bytes: u64,
+    /// Failures to follow or pull this stream, and the last one.
+    errors: u64,
+    last_error: Option<String>,
+}
+
+struct Pending {
+    id: u64,
+    name: String,
+    base: Option<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    streams: HashMap<String, Stream>,
+    /// Tensor files and how many kept versions hold each (a version holding a content twice counts twice).
+    blobs: HashMap<String, usize>,
+    next_id: u64,
+}
+
+/// The streams of one agent.
+pub struct Streams {
+    dir: PathBuf,
+    keep: usize,
+    state: Mutex<State>,
+    /// Where versions go to and come from other nodes, and the announcer's queue.
+    remote: OnceLock<(Remote, std::sync::mpsc::Sender<(String, Value)>)>,
+    /// The streams followed in Redis (those with a subscriber here).
+    followed: Mutex<HashSet<String>>,
+    /// The streams whose numbering was read from Redis at their first publish here.
+    numbered: Mutex<HashSet<String>>,
+    /// Tensor bytes sent to other nodes' agents.
+    served_bytes: AtomicU64,
+}
+
+impl Streams {
+    /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
+    pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
+        let dir = options.dir.clone().unwrap_or_else(|| default_dir(socket));
+        for sub in ["blobs", "versions", "tmp"] {
+            let d = dir.join(sub);
+            if d.exists() {
+                std::fs::remove_dir_all(&d).map_err(io_err("cannot empty the stream directory", &d))?;
+            }
+        }
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)
+                .map_err(io_err("cannot create the stream directory", &dir))?;
+        }
+        for sub in ["blobs", "versions", "tmp"] {
+            let d = dir.join(sub);
+            std::fs::create_dir_all(&d).map_err(io_err("cannot create", &d))?;
+        }
+        Ok(Streams {
+            dir,
+            keep: options.keep.max(1),
+            state: Mutex::new(State::default()),
+            remote: OnceLock::new(),
+            followed: Mutex::new(HashSet::new()),
+            numbered: Mutex::new(HashSet::new()),
+            served_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Connects the streams to the other nodes, when the options name a Redis: versions published here
+    /// are announced with this agent's address (`me`, else the peer listener), which must be reachable.
+    pub fn join_nodes(&self, options: &crate::server::Options, listen: Option<std::net::SocketAddr>) {
+        let Some(redis) = options.stream.redis.clone() else { return };
+        let me =
+            if options.me.is_empty() { listen.map(|a| a.to_string()).unwrap_or_default() } else { options.me.clone() };
+        let job = if options.job.is_empty() { "tierstore".to_string() } else { options.job.clone() };
+        let remote = Remote {
+            redis,
+            job,
+            node: options.node.clone(),
+            me,
+            token: options.token.clone(),
+            deadline: options.deadline,
+        };
+        let tx = follow::announcer(remote.clone());
+        let _ = self.remote.set((remote, tx));
+    }
+
+    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream).
+    fn follow(self: &Arc<Self>, name: &str) {
+        let Some((remote, _)) = self.remote.get() else { return };
+        if !self.followed.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            follow::follow(self.clone(), remote.clone(), name.to_string(), rt);
+        }
+    }
+
+    fn latest(&self, name: &str) -> u64 {
+        self.lock().streams.get(name).map_or(0, |s| s.latest)
+    }
+
+    fn holds(&self, hash: &str) -> bool {
+        self.lock().blobs.contains_key(hash)
+    }
+
+    fn record_error(&self, name: &str, message: String) {
+        log::warn!("{message}");
+        let mut st = self.lock();
+        let s = st.streams.entry(name.to_string()).or_default();
+        s.errors += 1;
+        s.last_error = Some(message);
+    }
+
+    fn count_served(&self, n: u64) {
+        self.served_bytes.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn manifest_text(&self, name: &str, version: u64) -> Result<String, StreamError> {
+        let path = self
+            .lock()
+            .streams
+            .get(name)
+            .and_then(|s| s.versions.get(&version))
+            .map(|k| k.manifest.clone())
+            .ok_or(StreamError::Gone { name: name.to_string(), version, keep: self.keep })?;
+        std::fs::read_to_string(&path).map_err(io_err("cannot read", &path))
+    }
+
+    /// A directory for a version being pulled from another node.
+    fn begin_pull(&self) -> Result<(u64, PathBuf), StreamError> {
+        let id = {
+            let mut st = self.lock();
+            st.next_id += 1;
+            st.next_id
+        };
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
+        Ok((id, tmp))
+    }
+
+    fn drop_pull(&self, id: u64) {
+        let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(id.to_string()));
+    }
+
+    /// Registers a version pulled whole into its directory, under the publisher's number.
+    fn install_pulled(&self, id: u64, name: &str, version: u64, bytes: u64) -> Result<Value, StreamError> {
+        let r = self.install(id, name, Some(version), bytes);
+        self.drop_pull(id);
+        r
+    }
+
+    /// The stream directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Frees the shared memory of every version (an agent that stops): consumers keep the tensors they
+    /// mapped or copied; nothing new can be opened.
+    pub fn remove(&self) {
+        for sub in ["blobs", "versions", "tmp"] {
+            let _ = std::fs::remove_dir_all(self.dir.join(sub));
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn blob(&self, hash: &str) -> PathBuf {
+        self.dir.join("blobs").join(hash)
+    }
+
+    fn begin(&self, conn: &mut Conn, name: &str) -> Result<Value, StreamError> {
+        check_name(name)?;
+        if let Some(p) = conn.pending.take() {
+            self.abort_pending(conn, p);
+        }
+        // The first publish of a stream this agent has no version of continues the job's numbering.
+        if let Some((remote, _)) = self.remote.get() {
+            let fresh = !matches!(self.lock().streams.get(name), Some(s) if s.latest > 0);
+            if fresh && self.numbered.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
+                if let Some(v) = follow::announced_latest(remote, name) {
+                    let mut st = self.lock();
+                    let s = st.streams.entry(name.to_string()).or_default();
+                    s.latest = s.latest.max(v);
+                }
+            }
+        }
+        let (id, base) = {
+            let mut st = self.lock();
+            st.next_id += 1;
+            let id = st.next_id;
+            let base = st.streams.get_mut(name).and_then(|s| {
+                let latest = s.latest;
+                s.versions.get_mut(&latest).map(|k| {
+                    k.leases += 1;
+                    (latest, k.manifest.clone())
+                })
+            });
+            (id, base)
+        };
+        if let Some((v, _)) = &base {
+            *conn.leases.entry((name.to_string(), *v)).or_default() += 1;
+        }
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        conn.pending = Some(Pending { id, name: name.to_string(), base: base.as_ref().map(|b| b.0) });
+        std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
+        Ok(json!({
+            "publish": id,
+            "dir": tmp,
+            "blobs": self.dir.join("blobs"),
+            "base": base.map(|(v, m)| json!({"version": v, "manifest": m})),
+        }))
+    }
+
+    fn abort_pending(&self, conn: &mut Conn, p: Pending) {
+        let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(p.id.to_string()));
+        if let Some(v) = p.base {
+            self.release(conn, &p.name, v);
+        }
+    }
+
+    fn commit(&self, conn: &mut Conn, publish: u64) -> Result<Value, StreamError> {
+        let p = match conn.pending.take() {
+            Some(p) if p.id == publish => p,
+            other => {
+                conn.pending = other;
+                return Err(StreamError::NotHeld(format!(
+                    "publish {publish} is not in progress on this connection; begin a publish first"
+                )));
+            }
+        };
+        let result = self.install(p.id, &p.name, None, 0);
+        self.abort_pending(conn, p);
+        result
+    }
+
+    /// Makes the version placed in directory `id` visible as `name`'s next version (or as `version`, for
+    /// one pulled from another node, `pulled` of its bytes having crossed the network), and notifies.
+    fn install(&self, id: u64, name: &str, version: Option<u64>, pulled: u64) -> Result<Value, StreamError> {
+        let version_given = version;
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        let bad = |detail: String| StreamError::BadPublish { publish: id, name: name.to_string(), detail };
+        let text = std::fs::read(tmp.join("manifest.json")).map_err(|e| bad(format!("no manifest ({e})")))?;
+        let mut m: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
+        let mut st = self.lock();
+        // Every tensor is either held already or was placed by this publish, whole.
+        let mut new: Vec<(&str, u64)> = Vec::new();
+        for t in &m.tensors {
+            if !check_hash(&t.hash) {
+                return Err(bad(format!("tensor {:?} has no blake3 hex hash", t.name)));
+            }
+            if st.blobs.contains_key(&t.hash) || new.iter().any(|(h, _)| *h == t.hash) {
+                continue;
+            }
+            let placed = tmp.join(&t.hash);
+            match std::fs::metadata(&placed) {
+                Ok(md) if md.len() == t.nbytes => new.push((&t.hash, t.nbytes)),
+                Ok(md) => {
+                    return Err(bad(format!(
+                        "tensor {:?} was placed with {} bytes, not {}",
+                        t.name,
+                        md.len(),
+                        t.nbytes
+                    )))
+                }
+                Err(_) => return Err(bad(format!("tensor {:?} ({}) was neither placed nor held", t.name, t.hash))),
+            }
+        }
+        for (h, _) in &new {
+            let to = self.blob(h);
+            std::fs::rename(tmp.join(h), &to).map_err(io_err("cannot place", &to))?;
+            st.blobs.insert(h.to_string(), 0);
+        }
+        let new_bytes = new.iter().map(|(_, n)| n).sum();
+        for t in &m.tensors {
+            *st.blobs.get_mut(&t.hash).expect("placed or held") += 1;
+        }
+        let stream = st.streams.entry(name.to_string()).or_default();
+        let version = match version {
+            Some(v) if v <= stream.latest => {
+                return Err(bad(format!("version {v} is not newer than {}", stream.latest)))
+            }
+            Some(v) => v,
+            None => stream.latest + 1,
+        };
+        m.name = name.to_string();
+        m.version = version;
+        m.created = now();
+        let vdir = self.dir.join("versions").join(name);
+        std::fs::create_dir_all(&vdir).map_err(io_err("cannot create", &vdir))?;
+        let manifest = vdir.join(format!("{version}.json"));
+        let part = vdir.join(format!("{version}.json.part"));
+        let body = serde_json::to_vec(&m).map_err(|e| bad(e.to_string()))?;
+        std::fs::write(&part, body)
+            .and_then(|()| std::fs::rename(&part, &manifest))
+            .map_err(io_err("cannot write", &manifest))?;
+        let nbytes = m.tensors.iter().map(|t| t.nbytes).sum();
+        let notice = json!({
+            "event": "version",
+            "name": name,
+            "version": version,
+            "manifest": manifest,
+            "step": m.step,
+            "nbytes": nbytes,
+            "new_bytes": new_bytes,
+            "tensors": m.tensors.len(),
+            "created": m.created,
+        });
+        let text = Arc::new(notice.to_string());
+        let mut kept = Kept {
+            manifest,
+            hashes: m.tensors.iter().map(|t| t.hash.clone()).collect(),
+            nbytes,
+            new_bytes,
+            tensors: m.tensors.len(),
+            step: m.step,
+            created: m.created,
+            leases: 0,
+        };
+        stream.latest = version;
+        if version_given.is_some() {
+            stream.pulled += 1;
+        }
+        stream.published += 1;
+        stream.pulled_bytes += pulled;
+        // Each subscriber is leased the version with its notice, under the lock: it cannot be dropped
+        // before the subscriber has seen it.
+        stream.subscribers.retain(|_, tx| {
+            let sent = tx.send(Notice { name: name.to_string(), version, json: text.clone() }).is_ok();
+            kept.leases += usize::from(sent);
+            sent
+        });
+        stream.versions.insert(version, kept);
+        self.evict(&mut st, name);
+        drop(st);
+        if let (None, Some((remote, tx))) = (version_given, self.remote.get()) {
+            let _ = tx.send((
+                name.to_string(),
+                json!({"name": name, "version": version, "agent": remote.me, "nbytes": nbytes}),
+            ));
+        }
+        Ok(json!({"version": version, "nbytes": nbytes, "new_bytes": new_bytes, "manifest": notice["manifest"]}))
+    }
+
+    /// Drops the versions of `name` beyond the last `keep` that nobody leases, and the files only they held.
+    fn evict(&self, st: &mut State, name: &str) {
+        let Some(stream) = st.streams.get_mut(name) else { return };
+        let newest: Vec<u64> = stream.versions.keys().rev().take(self.keep).copied().collect();
+        let doomed: Vec<u64> =
+            stream.versions.iter().filter(|(v, k)| k.leases == 0 && !newest.contains(v)).map(|(v, _)| *v).collect();
+        let mut freed = Vec::new();
+        for v in doomed {
+            if let Some(k) = stream.versions.remove(&v) {
+                let _ = std::fs::remove_file(&k.manifest);
+                freed.extend(k.hashes);
+            }
+        }
+        for h in freed {
+            if let Some(n) = st.blobs.get_mut(&h) {
+                *n -= 1;
+                if *n == 0 {
+                    st.blobs.remove(&h);
+                    let _ = std::fs::remove_file(self.blob(&h));
+                }
+            }
+        }
+    }
+
+    fn release(&self, conn: &mut Conn, name: &str, version: u64) -> bool {
+        let key = (name.to_string(), version);
+        match conn.leases.get_mut(&key) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                conn.leases.remove(&key);
+            }
+            None => return false,
+        }
+        let mut st = self.lock();
+        if let Some(k) = st.streams.get_mut(name).and_then(|s| s.versions.get_mut(&version)) {
+            k.leases = k.leases.saturating_sub(1);
+        }
+        self.evict(&mut st, name);
+        true
+    }
+
+    fn subscribe(&self, conn: &mut Conn, name: &str, after: u64) -> Result<Value, StreamError> {
+        check_name(name)?;
+        if conn.subscription.is_some() {
+            return Err(StreamError::NotHeld("this connection already subscribes; open one per stream".into()));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = self.lock();
+        st.next_id += 1;
+        let id = st.next_id;
+        let stream = st.streams.entry(name.to_string()).or_default();
+        let latest = stream.latest;
+        if latest > after {
+            if let Some(k) = stream.versions.get_mut(&latest) {
+                k.leases += 1;
+                let notice = json!({
+                    "event": "version", "name": name, "version": latest, "manifest": k.manifest,
+                    "step": k.step, "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors,
+                    "created": k.created,
+                });
+                let _ = tx.send(Notice { name: name.to_string(), version: latest, json: Arc::new(notice.to_string()) });
+            }
+        }
+        stream.subscribers.insert(id, tx);
+        conn.subscription = Some((name.to_string(), id, rx));
+        Ok(json!({"subscribed": name, "latest": latest, "blobs": self.dir.join("blobs")}))
+    }
+
+    fn list(&self) -> Value {
+        let st = self.lock();
+        let mut names: Vec<&String> = st.streams.keys().collect();
+        names.sort();
+        let streams: Vec<Value> = names
+            .into_iter()
+            .map(|n| {
+                let s = &st.streams[n];
+                let versions: Vec<Value> = s
+                    .versions
+                    .iter()
+                    .map(|(v, k)| {
+                        json!({"version": v, "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors,
+                               "step": k.step, "created": k.created, "leases": k.leases})
+                    })
+                    .collect();
+                json!({"name": n, "latest": s.latest, "published": s.published,
+                       "subscribers": s.subscribers.len(), "versions": versions, "pulled": s.pulled,
+                       "pulled_bytes": s.pulled_bytes, "errors": s.errors, "last_error": s.last_error})
+            })
+            .collect();
+        let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
+        json!({"dir": self.dir, "keep": self.keep, "held_bytes": held, "tensor_files": st.blobs.len(), "streams": streams,
+               "served_bytes": self.served_bytes.load(Ordering::Relaxed),
+               "redis": self.remote.get().map(|(r, _)| r.redis.clone())})
+    }
+
+    /// Ends everything a connection held: its publish, its subscription (and the notices queued for it,
+    /// each a lease), its leases.
+    fn close(&self, conn: &mut Conn) {
+        if let Some(p) = conn.pending.take() {
+            self.abort_pending(conn, p);
+        }
+        if let Some((name, id, mut rx)) = conn.subscription.take() {
+            if let Some(s) = self.lock().streams.get_mut(&name) {
+                s.subscribers.remove(&id);
+            }
+            rx.close();
+            while let Ok(n) = rx.try_recv() {
+                *conn.leases.entry((n.name, n.version)).or_default() += 1;
+            }
+        }
+        let leases: Vec<((String, u64), usize)> = conn.leases.drain().collect();
+        let mut st = self.lock();
+        let mut names = Vec::new();
+        for ((name, v), n) in leases {
+            if let Some(k) = st.streams.get_mut(&name).and_then(|s| s.versions.get_mut(&v)) {
+                k.leases = k.leases.saturating_sub(n);
+            }
+            names.push(name);
+        }
+        for name in names {
+            self.evict(&mut st, &name);
+        }
+    }
+}
+
+/// What one stream connection holds.
+#[derive(Default)]
+struct Conn {
+    leases: HashMap<(String, u64), usize>,
+    pending: Option<Pending>,
+    subscription: Option<(String, u64, mpsc::UnboundedReceiver<Notice>)>,
+}
+
+/// Ends a connection's holdings however its task ends (a closed socket, an error, the agent stopping).
+struct Holdings {
+    streams: Arc<Streams>,
+    conn: Conn,
+}
+
+impl Drop for Holdings {
+    fn drop(&mut self) {
+        self.streams.close(&mut self.conn);
+    }
+}
+
+async fn next_notice(sub: &mut Option<(String, u64, mpsc::UnboundedReceiver<Notice>)>) -> Option<Notice> {
+    match sub {
+        Some((_, _, rx)) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, json: String, deadline: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(deadline, protocol::write_frame(stream, &Frame::StreamEvent { json })).await,
+        Ok(Ok(()))
+    )
+}
+
+/// What a stream connection does next.
+enum Next {
+    Frame(io::Result<Option<Frame>>),
+    Notice(Option<Notice>),
+    Stop,
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await.map(|_| ());
+}
+
+/// Serves a stream connection from its first stream request until it closes (or the agent stops). A
+/// subscriber that does not take a notice within `deadline` is disconnected (its leases end).
+pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    first: String,
+    streams: Arc<Streams>,
+    mut stop: watch::Receiver<bool>,
+    deadline: Duration,
+) {
+    // Frames are read by a loop of their own: a read cut short by a notice would lose its bytes. It never
+    // stops reading (its queue is unbounded): a subscriber blocked sending releases while the agent waits
+    // for it to take a notice would be a deadlock.
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (tx, mut rx) = mpsc::unbounded_channel::<io::Result<Option<Frame>>>();
+    let reader = async move {
+        loop {
+            let r = protocol::read_frame(&mut rd).await;
+            let end = !matches!(r, Ok(Some(_)));
+            if tx.send(r).is_err() || end {
+                break;
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    let main = async {
+        let mut h = Holdings { streams: streams.clone(), conn: Conn::default() };
+        let mut next = Some(first);
+        loop {
+            let json = match next.take() {
+                Some(j) => j,
+                None => {
+                    let event = tokio::select! {
+                        r = rx.recv() => Next::Frame(r.unwrap_or(Ok(None))),
+                        n = next_notice(&mut h.conn.subscription) => Next::Notice(n),
+                        _ = stopped(&mut stop) => Next::Stop,
+                    };
+                    match event {
+                        Next::Frame(Ok(Some(Frame::StreamRequest { json }))) => json,
+                        Next::Frame(Ok(Some(Frame::Ping { nonce }))) => {
+                            let pong = Frame::Pong { nonce };
+                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &pong)).await;
+                            continue;
+                        }
+                        Next::Frame(Ok(Some(other))) => {
+                            let message = format!("a stream connection takes stream requests, not {other:?}");
+                            let error = Frame::Error { code: ErrorCode::BadRequest, message };
+                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &error)).await;
+                            return;
+                        }
+                        Next::Frame(_) | Next::Stop => return,
+                        Next::Notice(None) => return,
+                        Next::Notice(Some(n)) => {
+                            *h.conn.leases.entry((n.name.clone(), n.version)).or_default() += 1;
+                            if !send(&mut wr, n.json.as_ref().clone(), deadline).await {
+                                log::warn!(
+                                    "a subscriber of {} took no notice within {deadline:?}: disconnected",
+                                    n.name
+                                );
+                                return;
+                            }
+                            continue;
+                        }
+                    }
+                }
+            };
+            let request: Request = match serde_json::from_str(&json) {
+                Ok(r) => r,
+                Err(e) => {
+                    let message = StreamError::BadRequest(e.to_string()).to_string();
+                    let _ =
+                        protocol::write_frame(&mut wr, &Frame::Error { code: ErrorCode::BadRequest, message }).await;
+                    continue;
+                }
+            };
+            let answer = match request {
+                Request::Begin { name } if streams.remote.get().is_none() => streams.begin(&mut h.conn, &name),
+                Request::Begin { name } => {
+                    // May ask Redis (under its deadline) for the stream's numbering: off the runtime.
+                    let s = streams.clone();
+                    let mut conn = std::mem::take(&mut h.conn);
+                    let (r, c) = tokio::task::spawn_blocking(move || {
+                        let r = s.begin(&mut conn, &name);
+                        (r, conn)
+                    })
+                    .await
+                    .unwrap_or_else(|e| (Err(StreamError::NotHeld(format!("the begin failed: {e}"))), Conn::default()));
+                    h.conn = c;
+                    r
+                }
+                Request::Commit { publish } => {
+                    // Renames and a manifest write on /dev/shm: quick, but blocking.
+                    let s = streams.clone();
+                    let mut conn = std::mem::take(&mut h.conn);
+                    let (r, c) = tokio::task::spawn_blocking(move || {
+                        let r = s.commit(&mut conn, publish);
+                        (r, conn)
+                    })
+                    .await
+                    .unwrap_or_else(|e| {
+                        (Err(StreamError::NotHeld(format!("the commit failed: {e}"))), Conn::default())
+                    });
+                    h.conn = c;
+                    r
+                }
+                Request::Abort { publish } => match h.conn.pending.take() {
+                    Some(p) if p.id == publish => {
+                        streams.abort_pending(&mut h.conn, p);
+                        Ok(json!({"aborted": publish}))
+                    }
+                    other => {
+                        h.conn.pending = other;
+                        Err(StreamError::NotHeld(format!("publish {publish} is not in progress on this connection")))
+                    }
+                },
+                Request::Subscribe { name, after } => {
+                    let r = streams.subscribe(&mut h.conn, &name, after);
+                    if r.is_ok() {
+                        streams.follow(&name);
+                    }
+                    r
+                }
+                Request::Release { name, version } => {
+                    streams.release(&mut h.conn, &name, version);
+                    continue;
+                }
+                Request::List => Ok(streams.list()),
+            };
+            let frame = match answer {
+                Ok(v) => Frame::StreamEvent { json: v.to_string() },
+                Err(e) => {
+                    let code =
+                        if matches!(e, StreamError::Io { .. }) { ErrorCode::Failed } else { ErrorCode::BadRequest };
+                    Frame::Error { code, message: e.to_string() }
+                }
+            };
+            if !matches!(tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &frame)).await, Ok(Ok(()))) {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = main => {}
+        _ = reader => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish(s: &Streams, conn: &mut Conn, name: &str, tensors: &[(&str, &[u8])]) -> u64 {
+        let begun = s.begin(conn, name).unwrap();
+        let dir = PathBuf::from(begun["dir"].as_str().unwrap());
+        let mut entries = Vec::new();
+        for (n, bytes) in tensors {
+            let h = tierstore_core::stream::hex(&tierstore_core::pack::hash(bytes));
+            if !s.blob(&h).exists() {
+                std::fs::write(dir.join(&h), bytes).unwrap();
+            }
+            entries
+                .push(json!({"name": n, "dtype": "uint8", "shape": [bytes.len()], "hash": h, "nbytes": bytes.len()}));
+        }
+        std::fs::write(dir.join("manifest.json"), json!({"tensors": entries}).to_string()).unwrap();
+        let id = begun["publish"].as_u64().unwrap();
+        s.commit(conn, id).unwrap()["version"].as_u64().unwrap()
+    }
+
+    #[test]
+    fn versions_beyond_keep_are_freed_once_no_lease_holds_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let s =
+            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 1, redis: None }, Path::new("/x"))
+                .unwrap();
+        let mut publisher = Conn::default();
+        let mut consumer = Conn::default();
+        s.subscribe(&mut consumer, "m", 0).unwrap();
+        assert_eq!(publish(&s, &mut publisher, "m", &[("a", b"one"), ("b", b"same")]), 1);
+        // The consumer takes its notice: a lease on version 1.
+        let n = consumer.subscription.as_mut().unwrap().2.try_recv().unwrap();
+        *consumer.leases.entry((n.name, n.version)).or_default() += 1;
+        assert_eq!(publish(&s, &mut publisher, "m", &[("a", b"two"), ("b", b"same")]), 2);
+        let blobs = || std::fs::read_dir(dir.path().join("s/blobs")).unwrap().count();
+        assert_eq!(blobs(), 3, "version 1 is leased: one, two and same are held");
+        assert!(s.release(&mut consumer, "m", 1));
+        assert_eq!(blobs(), 2, "version 1 freed, its unchanged tensor kept for version 2");
+        // The notice of version 2 still queued is a lease too; closing the connection ends it.
+        s.close(&mut consumer);
+        assert_eq!(publish(&s, &mut publisher, "m", &[("a", b"three"), ("b", b"same")]), 3);
+        assert_eq!(blobs(), 2);
+        assert_eq!(s.list()["streams"][0]["versions"].as_array().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_publish_whose_connection_ends_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s =
+            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 2, redis: None }, Path::new("/x"))
+                .unwrap();
+        let mut c = Conn::default();
+        let begun = s.begin(&mut c, "m").unwrap();
+        let tmp = PathBuf::from(begun["dir"].as_str().unwrap());
+        std::fs::write(tmp.join("0".repeat(64)), b"partial").unwrap();
+        s.close(&mut c);
+        assert!(!tmp.exists());
+        assert_eq!(s.list()["streams"].as_array().unwrap().len(), 0);
+        let mut c = Conn::default();
+        let begun = s.begin(&mut c, "m").unwrap();
+        let id = begun["publish"].as_u64().unwrap();
+        let missing =
+            json!({"tensors": [{"name": "w", "dtype": "uint8", "shape": [1], "hash": "ab".repeat(32), "nbytes": 1}]});
+        std::fs::write(PathBuf::from(begun["dir"].as_str().unwrap()).join("manifest.json"), missing.to_string())
+            .unwrap();
+        let e = s.commit(&mut c, id).unwrap_err().to_string();
+        assert!(e.contains("neither placed nor held") && e.contains("publish the version again"), "{e}");
+        assert!(matches!(s.begin(&mut c, "../x"), Err(StreamError::BadName(_))));
+    }
+}

@@ -1,0 +1,392 @@
+//! Model streams across nodes (Viper's notification path): the publisher's agent announces each version in
+//! Redis (a `latest` key per stream, and a pub/sub message), and the agent of every node with a local
+//! subscriber follows the stream there and pulls each version from the publisher's agent, over the agent
+//! protocol, into its own shared memory. Only the tensors it does not hold cross the network (the others
+//! are already in its `blobs`), each checked against its blake3; a version is registered, and its local
+//! subscribers notified, once every tensor is in. N consumers on a node cost one transfer.
+//!
+//! Redis going away stops nothing: the announcer keeps the latest version of each stream and sets it again
+//! once Redis answers (and every few seconds: a restarted Redis has lost its keys); a follower reconnects
+//! with back-off and reads the `latest` key, so a node that was away catches up to the newest version, and
+//! its subscribers are told how many versions they skipped.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::{Manifest, Streams};
+use crate::client::Client;
+use crate::protocol::Frame;
+
+/// How a node's streams reach the other nodes.
+#[derive(Clone, Debug)]
+pub struct Remote {
+    /// The Redis server of the job (`redis://host:port`).
+    pub redis: String,
+    /// The job's name: keys live under `tierstore:{job}:stream:`.
+    pub job: String,
+    /// This node's name, in hellos to other agents.
+    pub node: String,
+    /// This agent's address as other agents reach it (`host:port`), announced with each version.
+    pub me: String,
+    /// The job's token, proven to other agents.
+    pub token: Option<Vec<u8>>,
+    /// The deadline of every request to Redis and of every frame to another agent.
+    pub deadline: Duration,
+}
+
+impl Remote {
+    fn latest_key(&self, name: &str) -> String {
+        format!("tierstore:{}:stream:{name}:latest", self.job)
+    }
+
+    fn channel(&self, name: &str) -> String {
+        format!("tierstore:{}:stream:{name}", self.job)
+    }
+
+    fn connect(&self, client: &redis::Client) -> redis::RedisResult<redis::Connection> {
+        let c = client.get_connection_with_timeout(self.deadline)?;
+        c.set_read_timeout(Some(self.deadline))?;
+        c.set_write_timeout(Some(self.deadline))?;
+        Ok(c)
+    }
+}
+
+/// The version of `name` last announced in Redis, if it answers within the deadline: a publisher's agent
+/// that restarts numbers its versions after it, so that the other nodes take them as new.
+pub(super) fn announced_latest(remote: &Remote, name: &str) -> Option<u64> {
+    let client = redis::Client::open(remote.redis.as_str()).ok()?;
+    let mut con = match remote.connect(&client) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("{}: {e}; {name} is numbered from this agent's own versions", remote.redis);
+            return None;
+        }
+    };
+    let v: Option<Vec<u8>> = redis::cmd("GET").arg(remote.latest_key(name)).query(&mut con).ok()?;
+    serde_json::from_slice::<Value>(&v?).ok()?["version"].as_u64()
+}
+
+/// Chunks a puller lets the other agent send ahead of what it has written.
+const WINDOW: u32 = 8;
+
+/// How often an announcer sets every stream's `latest` again, and a follower reads it (a lost message or a
+/// restarted Redis costs at most this).
+const REFRESH: Duration = Duration::from_secs(2);
+
+/// Starts the thread that announces this node's versions; returns where to send (stream, announcement).
+pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
+    let (tx, rx) = mpsc::channel::<(String, Value)>();
+    std::thread::Builder::new()
+        .name("tierstore-stream-announce".into())
+        .spawn(move || {
+            let client = match redis::Client::open(remote.redis.as_str()) {
+                Ok(c) => c,
+                Err(e) => {
+                    log::warn!(
+                        "stream announcements: {} is not a Redis URL ({e}); versions stay on this node",
+                        remote.redis
+                    );
+                    return;
+                }
+            };
+            let mut latest: HashMap<String, Value> = HashMap::new();
+            let mut unsent: HashMap<String, Value> = HashMap::new();
+            let mut con: Option<redis::Connection> = None;
+            let mut failing = false;
+            let mut refreshed = Instant::now();
+            loop {
+                match rx.recv_timeout(if unsent.is_empty() { REFRESH } else { Duration::from_millis(200) }) {
+                    Ok((name, v)) => {
+                        latest.insert(name.clone(), v.clone());
+                        unsent.insert(name, v);
+                        while let Ok((name, v)) = rx.try_recv() {
+                            latest.insert(name.clone(), v.clone());
+                            unsent.insert(name, v);
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                let refresh = refreshed.elapsed() >= REFRESH;
+                if unsent.is_empty() && !refresh {
+                    continue;
+                }
+                let result = (|| -> redis::RedisResult<()> {
+                    if con.is_none() {
+                        con = Some(remote.connect(&client)?);
+                    }
+                    let c = con.as_mut().expect("connected");
+                    for (name, v) in &unsent {
+                        let text = v.to_string();
+                        redis::pipe()
+                            .cmd("SET")
+                            .arg(remote.latest_key(name))
+                            .arg(&text)
+                            .ignore()
+                            .cmd("PUBLISH")
+                            .arg(remote.channel(name))
+                            .arg(&text)
+                            .ignore()
+                            .query::<()>(c)?;
+                    }
+                    if refresh {
+                        for (name, v) in &latest {
+                            redis::cmd("SET").arg(remote.latest_key(name)).arg(v.to_string()).query::<()>(c)?;
+                        }
+                    }
+                    Ok(())
+                })();
+                match result {
+                    Ok(()) => {
+                        unsent.clear();
+                        if refresh {
+                            refreshed = Instant::now();
+                        }
+                        if failing {
+                            log::info!("stream announcements: {} answers again", remote.redis);
+                            failing = false;
+                        }
+                    }
+                    Err(e) => {
+                        con = None;
+                        if !failing {
+                            log::warn!("stream announcements: {} failed ({e}); retrying", remote.redis);
+                            failing = true;
+                        }
+                    }
+                }
+            }
+        })
+        .expect("spawn the announcer");
+    tx
+}
+
+/// Starts following stream `name` in Redis: every version announced by another node's agent is pulled
+/// here. Runs until the agent exits.
+pub(super) fn follow(streams: Arc<Streams>, remote: Remote, name: String, rt: tokio::runtime::Handle) {
+    let spawned = std::thread::Builder::new().name(format!("tierstore-stream-follow-{name}")).spawn(move || {
+        let client = match redis::Client::open(remote.redis.as_str()) {
+            Ok(c) => c,
+            Err(e) => {
+                streams.record_error(&name, format!("{} is not a Redis URL ({e})", remote.redis));
+                return;
+            }
+        };
+        let mut backoff = Duration::from_millis(50);
+        let mut failing = false;
+        loop {
+            let mut con = match remote.connect(&client) {
+                Ok(c) => c,
+                Err(e) => {
+                    if !failing {
+                        streams
+                            .record_error(&name, format!("cannot follow {name} in {} ({e}); retrying", remote.redis));
+                        failing = true;
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            };
+            let mut reader = match remote.connect(&client) {
+                Ok(c) => c,
+                Err(_) => continue,
+            };
+            let _ = con.set_read_timeout(Some(Duration::from_millis(250)));
+            let mut ps = con.as_pubsub();
+            if ps.subscribe(remote.channel(&name)).is_err() {
+                continue;
+            }
+            if failing {
+                log::info!("following {name} in {} again", remote.redis);
+                failing = false;
+            }
+            backoff = Duration::from_millis(50);
+            let mut checked = Instant::now() - REFRESH;
+            loop {
+                if checked.elapsed() >= REFRESH {
+                    checked = Instant::now();
+                    match redis::cmd("GET").arg(remote.latest_key(&name)).query::<Option<Vec<u8>>>(&mut reader) {
+                        Ok(Some(v)) => arrived(&streams, &remote, &name, &v, &rt),
+                        Ok(None) => {}
+                        Err(_) => break,
+                    }
+                }
+                match ps.get_message() {
+                    Ok(msg) => arrived(&streams, &remote, &name, msg.get_payload_bytes(), &rt),
+                    Err(e) if e.is_timeout() => {}
+                    Err(e) => {
+                        streams.record_error(&name, format!("lost {} ({e}); reconnecting", remote.redis));
+                        failing = true;
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        log::warn!("cannot follow a stream: {e}");
+    }
+}
+
+fn arrived(streams: &Arc<Streams>, remote: &Remote, name: &str, payload: &[u8], rt: &tokio::runtime::Handle) {
+    let Ok(v) = serde_json::from_slice::<Value>(payload) else { return };
+    let (Some(version), Some(agent)) = (v["version"].as_u64(), v["agent"].as_str()) else { return };
+    if agent == remote.me || version <= streams.latest(name) {
+        return;
+    }
+    let started = Instant::now();
+    let pulled = rt.block_on(pull(streams, remote, agent, name, version));
+    match pulled {
+        Ok(bytes) => {
+            log::info!("pulled {name} version {version} from {agent}: {bytes} bytes in {:?}", started.elapsed())
+        }
+        Err(e) => streams.record_error(name, format!("pulling {name} version {version} from {agent}: {e}")),
+    }
+}
+
+async fn pull(streams: &Arc<Streams>, remote: &Remote, agent: &str, name: &str, version: u64) -> Result<u64, String> {
+    let mut c =
+        Client::peer(agent, &remote.node, remote.token.as_deref(), remote.deadline).await.map_err(|e| e.to_string())?;
+    let ask = json!({"op": "manifest", "name": name, "version": version}).to_string();
+    let m: Manifest = match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
+        Frame::StreamEvent { json } => serde_json::from_str(&json).map_err(|e| format!("its manifest: {e}"))?,
+        other => return Err(format!("unexpected answer {other:?}")),
+    };
+    let (id, tmp) = streams.begin_pull().map_err(|e| e.to_string())?;
+    let result = async {
+        let mut bytes = 0u64;
+        let mut fetched: Vec<&str> = Vec::new();
+        for t in &m.tensors {
+            if streams.holds(&t.hash) || fetched.contains(&t.hash.as_str()) {
+                continue;
+            }
+            if !super::check_hash(&t.hash) {
+                return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
+            }
+            let ask = json!({"op": "blob", "hash": t.hash, "credit": WINDOW}).to_string();
+            match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
+                Frame::StreamEvent { json } => {
+                    let v: Value = serde_json::from_str(&json).map_err(|e| e.to_string())?;
+                    if v["size"].as_u64() != Some(t.nbytes) {
+                        return Err(format!("tensor {:?}: {} bytes offered, {} expected", t.name, v["size"], t.nbytes));
+                    }
+                }
+                other => return Err(format!("unexpected answer {other:?}")),
+            }
+            let path = tmp.join(&t.hash);
+            let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut hasher = blake3::Hasher::new();
+            let mut offset = 0u64;
+            loop {
+                match c.receive_frame().await.map_err(|e| e.to_string())? {
+                    Frame::Chunk { offset: at, data, .. } if at == offset => {
+                        hasher.update(&data);
+                        file.write_all_at(&data, offset).map_err(|e| format!("{}: {e}", path.display()))?;
+                        offset += data.len() as u64;
+                        c.send_frame(&Frame::Credit { id: 0, more: 1 }).await.map_err(|e| e.to_string())?;
+                    }
+                    Frame::Done { .. } => break,
+                    Frame::Error { message, .. } => return Err(message),
+                    other => return Err(format!("unexpected frame {other:?} at byte {offset} of {:?}", t.name)),
+                }
+            }
+            let got = tierstore_core::stream::hex(hasher.finalize().as_bytes());
+            if offset != t.nbytes || got != t.hash {
+                return Err(format!("tensor {:?} arrived damaged ({offset} bytes, blake3 {got}); not used", t.name));
+            }
+            bytes += offset;
+            fetched.push(&t.hash);
+        }
+        let body = serde_json::to_vec(&m).map_err(|e| e.to_string())?;
+        std::fs::write(tmp.join("manifest.json"), body).map_err(|e| e.to_string())?;
+        Ok(bytes)
+    }
+    .await;
+    match result {
+        Ok(bytes) => {
+            let s = streams.clone();
+            let name = name.to_string();
+            tokio::task::spawn_blocking(move || s.install_pulled(id, &name, version, bytes))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            Ok(bytes)
+        }
+        Err(e) => {
+            streams.drop_pull(id);
+            Err(e)
+        }
+    }
+}
+
+/// Answers another agent's stream requests on a peer connection: a version's manifest, a tensor's bytes.
+pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    first: String,
+    streams: Arc<Streams>,
+    deadline: Duration,
+) -> io::Result<()> {
+    let mut next = Some(first);
+    loop {
+        let json = match next.take() {
+            Some(j) => j,
+            None => match tokio::time::timeout(Duration::from_secs(300), crate::protocol::read_frame(stream)).await {
+                Ok(Ok(Some(Frame::StreamRequest { json }))) => json,
+                // Credit the last transfer did not need.
+                Ok(Ok(Some(Frame::Credit { .. }))) => continue,
+                _ => return Ok(()),
+            },
+        };
+        let v: Value = serde_json::from_str(&json).unwrap_or(Value::Null);
+        let refuse = |message: String| Frame::Error { code: crate::protocol::ErrorCode::NotFound, message };
+        match v["op"].as_str() {
+            Some("manifest") => {
+                let (name, version) = (v["name"].as_str().unwrap_or(""), v["version"].as_u64().unwrap_or(0));
+                let answer = match streams.manifest_text(name, version) {
+                    Ok(text) => Frame::StreamEvent { json: text },
+                    Err(e) => refuse(e.to_string()),
+                };
+                write(stream, &answer, deadline).await?;
+            }
+            Some("blob") => {
+                let hash = v["hash"].as_str().unwrap_or("");
+                let credit = v["credit"].as_u64().unwrap_or(1).clamp(1, 64) as u32;
+                let file = if super::check_hash(hash) { std::fs::File::open(streams.blob(hash)).ok() } else { None };
+                let Some(file) = file else {
+                    write(stream, &refuse(format!("no tensor {hash} here (its version was freed)")), deadline).await?;
+                    continue;
+                };
+                let size = file.metadata()?.len();
+                write(stream, &Frame::StreamEvent { json: json!({"size": size}).to_string() }, deadline).await?;
+                match crate::transfer::send_chunks(stream, Arc::new(file), size, 0, credit, deadline).await? {
+                    Ok(hash) => {
+                        write(stream, &Frame::Done { id: 0, hash }, deadline).await?;
+                        streams.count_served(size);
+                    }
+                    Err(e) => write(stream, &refuse(format!("reading tensor {hash}: {e}")), deadline).await?,
+                }
+            }
+            _ => {
+                let f = Frame::Error {
+                    code: crate::protocol::ErrorCode::BadRequest,
+                    message: "another agent may ask for a version's manifest or a tensor only".into(),
+                };
+                write(stream, &f, deadline).await?;
+            }
+        }
+    }
+}
+
+async fn write<S: tokio::io::AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {
+    match tokio::time::timeout(deadline, crate::protocol::write_frame(stream, frame)).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the other agent took nothing in time")),
+    }
+}

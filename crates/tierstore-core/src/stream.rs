@@ -1,0 +1,183 @@
+//! The bytes of model streaming, on the side of the processes that publish and consume versions (the
+//! agent keeps the versions; see `tierstore_agent::stream`).
+//!
+//! A version's tensors live in the agent's shared memory as one file per distinct tensor content, named
+//! by its blake3 (the repository's hash, [`crate::pack::hash`]). A publisher compares each tensor with the
+//! same tensor of the version before (a memcmp, several times faster than hashing), hashes only those that
+//! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
+//! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::pack::{self, Hash};
+
+/// Large buffers are compared, copied and read in pieces of this size, spread over the cores.
+const PIECE: usize = 8 << 20;
+
+/// The lowercase hex of a hash: the name of a tensor's file.
+pub fn hex(h: &Hash) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What [`place`] did with one tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// The tensor's blake3.
+    pub hash: Hash,
+    /// Whether its bytes were written (false: they equal the base's, whose file is reused).
+    pub written: bool,
+}
+
+/// Places tensors for a new version: `bases[i]` is the file and hash of tensor `i` in the version before
+/// (if it had one of the same size); a tensor equal to it keeps that hash, any other is hashed and written
+/// to `dir/<hex hash>` (created new; a file already there with that name holds the same bytes).
+pub fn place(tensors: &[&[u8]], bases: &[Option<(PathBuf, Hash)>], dir: &Path) -> io::Result<Vec<Placed>> {
+    if tensors.len() != bases.len() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "one base (or none) per tensor"));
+    }
+    tensors
+        .par_iter()
+        .zip(bases.par_iter())
+        .map(|(bytes, base)| {
+            if let Some((path, h)) = base {
+                if same_bytes(path, bytes)? {
+                    return Ok(Placed { hash: *h, written: false });
+                }
+            }
+            let hash = pack::hash(bytes);
+            write_new(&dir.join(hex(&hash)), bytes)?;
+            Ok(Placed { hash, written: true })
+        })
+        .collect()
+}
+
+/// Whether the file at `path` holds exactly `bytes` (a missing file holds nothing).
+fn same_bytes(path: &Path, bytes: &[u8]) -> io::Result<bool> {
+    let f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    if f.metadata()?.len() != bytes.len() as u64 {
+        return Ok(false);
+    }
+    if bytes.is_empty() {
+        return Ok(true);
+    }
+    // SAFETY: the agent never changes a placed file (it is only ever unlinked, which keeps the mapping's
+    // pages); populate maps every page at once instead of faulting them in one by one.
+    let map = unsafe { memmap2::MmapOptions::new().populate().map(&f)? };
+    Ok(map.par_chunks(PIECE).zip(bytes.par_chunks(PIECE)).all(|(a, b)| a == b))
+}
+
+fn write_new(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    match File::create_new(path) {
+        Ok(mut f) => f.write_all(bytes),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+    }
+}
+
+/// Reads each file of `paths` whole into the destination of the same index, in parallel; a file whose size
+/// is not its destination's is an error naming it (nothing partial is ever taken for a tensor).
+pub fn read_into(paths: &[PathBuf], dests: &mut [&mut [u8]]) -> io::Result<()> {
+    if paths.len() != dests.len() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "one destination per file"));
+    }
+    let files = paths
+        .iter()
+        .zip(dests.iter())
+        .map(|(p, d)| {
+            let f = File::open(p).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+            let len = f.metadata()?.len();
+            if len != d.len() as u64 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} holds {len} bytes, the tensor {}", p.display(), d.len()),
+                ));
+            }
+            Ok(f)
+        })
+        .collect::<io::Result<Vec<_>>>()?;
+    let jobs: Vec<(&File, u64, &mut [u8])> = files
+        .iter()
+        .zip(dests.iter_mut())
+        .flat_map(|(f, d)| d.chunks_mut(PIECE).enumerate().map(move |(i, c)| (f, (i * PIECE) as u64, c)))
+        .collect();
+    jobs.into_par_iter().try_for_each(|(f, offset, dest)| f.read_exact_at(dest, offset))
+}
+
+/// Copies each source into the destination of the same index, in parallel (a publisher's snapshot into its
+/// staging buffer); returns, per pair, whether any byte differed before the copy.
+pub fn copy_changed(sources: &[&[u8]], dests: &mut [&mut [u8]]) -> io::Result<Vec<bool>> {
+    if sources.len() != dests.len() || sources.iter().zip(dests.iter()).any(|(s, d)| s.len() != d.len()) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "one destination of the same size per source"));
+    }
+    let jobs: Vec<(usize, &[u8], &mut [u8])> = sources
+        .iter()
+        .zip(dests.iter_mut())
+        .enumerate()
+        .flat_map(|(i, (s, d))| s.chunks(PIECE).zip(d.chunks_mut(PIECE)).map(move |(s, d)| (i, s, d)))
+        .collect();
+    let changed: Vec<usize> = jobs
+        .into_par_iter()
+        .filter_map(|(i, s, d)| {
+            if s == d {
+                None
+            } else {
+                d.copy_from_slice(s);
+                Some(i)
+            }
+        })
+        .collect();
+    let mut out = vec![false; sources.len()];
+    for i in changed {
+        out[i] = true;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_changed_tensors_are_written_and_read_back_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = vec![1u8; 3 * PIECE + 5];
+        let b = vec![2u8; 100];
+        let first = place(&[&a, &b], &[None, None], dir.path()).unwrap();
+        assert!(first.iter().all(|p| p.written));
+        assert_eq!(first[0].hash, pack::hash(&a));
+        let base = |i: usize| Some((dir.path().join(hex(&first[i].hash)), first[i].hash));
+        let mut b2 = b.clone();
+        b2[7] = 9;
+        let second = place(&[&a, &b2], &[base(0), base(1)], dir.path()).unwrap();
+        assert_eq!(second[0], Placed { hash: first[0].hash, written: false });
+        assert!(second[1].written && second[1].hash == pack::hash(&b2));
+        let mut ra = vec![0u8; a.len()];
+        let mut rb = vec![0u8; b2.len()];
+        let paths = [dir.path().join(hex(&second[0].hash)), dir.path().join(hex(&second[1].hash))];
+        read_into(&paths, &mut [&mut ra[..], &mut rb[..]]).unwrap();
+        assert_eq!((ra, rb), (a, b2));
+        let mut short = [0u8; 10];
+        let e = read_into(&paths[1..], &mut [&mut short[..]]).unwrap_err();
+        assert!(e.to_string().contains("holds 100 bytes"), "{e}");
+    }
+
+    #[test]
+    fn copy_changed_reports_what_differed() {
+        let src = [vec![1u8; PIECE + 3], vec![4u8; 8]];
+        let mut d0 = vec![1u8; PIECE + 3];
+        d0[PIECE + 1] = 0;
+        let mut d1 = [4u8; 8];
+        let changed = copy_changed(&[&src[0], &src[1]], &mut [&mut d0[..], &mut d1[..]]).unwrap();
+        assert_eq!(changed, vec![true, false]);
+        assert_eq!(d0, src[0]);
+    }
+}

@@ -1,0 +1,71 @@
+//! Bindings of model streaming's byte work (`tierstore_core::stream`): placing a version's tensors,
+//! reading them into a consumer's buffers, snapshotting into a staging buffer. Over the buffer protocol,
+//! without the GIL.
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tierstore_core::stream;
+
+use crate::error::io_to_py;
+use crate::pack::View;
+
+/// Places tensors into the directory of a publish: `bases[i]` is `(file, hash)` of tensor `i` in the
+/// version before, or None. Returns `(hash, written)` per tensor.
+#[pyfunction]
+pub fn stream_place<'py>(
+    py: Python<'py>,
+    buffers: Vec<Bound<'py, PyAny>>,
+    bases: Vec<Option<(PathBuf, Vec<u8>)>>,
+    dir: PathBuf,
+) -> PyResult<Vec<(Bound<'py, PyBytes>, bool)>> {
+    let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
+    let bases = bases
+        .into_iter()
+        .map(|b| {
+            b.map(|(p, h)| Ok((p, <[u8; 32]>::try_from(h).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))?)))
+                .transpose()
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let placed = py
+        .allow_threads(|| {
+            // SAFETY: the views hold their buffers exported for this call.
+            let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
+            stream::place(&slices, &bases, &dir)
+        })
+        .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;
+    Ok(placed.iter().map(|p| (PyBytes::new(py, &p.hash), p.written)).collect())
+}
+
+/// Reads each file whole into the writable buffer of the same index, in parallel.
+#[pyfunction]
+pub fn stream_read(py: Python<'_>, paths: Vec<PathBuf>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+    let views = buffers.iter().map(|b| View::of(b, true)).collect::<PyResult<Vec<_>>>()?;
+    py.allow_threads(|| {
+        // SAFETY: every view holds its writable buffer exported for this call; each is passed once.
+        let mut dests: Vec<&mut [u8]> = views.iter().map(|v| unsafe { v.bytes_mut() }).collect();
+        stream::read_into(&paths, &mut dests)
+    })
+    .map_err(|e| io_to_py(e, None))
+}
+
+/// Copies each source buffer into the writable buffer of the same index, in parallel; returns whether
+/// each differed before.
+#[pyfunction]
+pub fn stream_copy(
+    py: Python<'_>,
+    sources: Vec<Bound<'_, PyAny>>,
+    dests: Vec<Bound<'_, PyAny>>,
+) -> PyResult<Vec<bool>> {
+    let src = sources.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
+    let dst = dests.iter().map(|b| View::of(b, true)).collect::<PyResult<Vec<_>>>()?;
+    py.allow_threads(|| {
+        // SAFETY: the views hold their buffers exported for this call; destinations are distinct.
+        let s: Vec<&[u8]> = src.iter().map(|v| unsafe { v.bytes() }).collect();
+        let mut d: Vec<&mut [u8]> = dst.iter().map(|v| unsafe { v.bytes_mut() }).collect();
+        stream::copy_changed(&s, &mut d)
+    })
+    .map_err(|e| io_to_py(e, None))
+}

@@ -1,0 +1,941 @@
+"""Model streaming: a trainer publishes weights; consumers are notified and hot-swap them between requests.
+
+    # trainer
+    from tierstore import stream
+    stream.publish("policy", model, step=step)               # or sync=False: returns once snapshotted
+
+    # inference server, any process of the node
+    hot = stream.HotModel(model, "policy")
+    with hot.serving() as m:                                  # one version for the whole request
+        out = m(batch)
+
+A version's tensors are placed once in shared memory held by the node's agent (`tierstore agent`), one
+file per distinct tensor content named by its blake3; a publish writes only the tensors that differ from
+the version before (compared byte for byte, then hashed). The agent numbers the version and pushes a notice
+to every subscriber over its Unix socket: no polling. A consumer's `HotModel` keeps two copies of the model,
+loads a new version into the one no request uses (only the tensors whose hash differs from what that copy
+holds), and swaps between requests: no request waits for an update and none sees two versions. A version
+is never visible before every tensor of it is placed: a publisher killed mid-publish leaves nothing.
+
+Every notice leases its version to the subscriber's connection; the agent keeps the last `--stream-keep`
+versions (2) and any leased one, and a consumer that dies releases its leases with its connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import socket as so
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierstore import _core
+from tierstore import agent as _agent
+from tierstore.models.tensors import TensorSpec, mapped, spec_and_bytes, writable_bytes
+
+# How long any request to the agent may take before it is given up, in seconds.
+DEFAULT_DEADLINE = 10.0
+
+# The wire protocol of crates/tierstore-core/src/wire.rs (the one definition of it): the frames a stream
+# client sends and receives. A frame is a u32 big-endian body length, a kind byte, then the kind's fields.
+_PROTOCOL = 1
+_CHALLENGE, _HELLO, _WELCOME, _PING, _PONG, _ERROR = 1, 2, 3, 4, 5, 10
+_STREAM_REQUEST, _STREAM_EVENT = 40, 41
+
+
+class StreamError(_core.TierstoreError):
+    """A stream request failed; the message names the stream, the version and what to do."""
+
+
+def _socket_path(socket: str | os.PathLike[str] | None) -> Path:
+    """The agent's socket: the one given, else this user's (`$XDG_RUNTIME_DIR/tierstore/agent.sock`)."""
+    return Path(socket) if socket is not None else _agent.default_socket()
+
+
+class _Connection:
+    """One connection to the node's agent, past its hello. Calls are serialized; each has a deadline."""
+
+    def __init__(self, path: Path, deadline: float) -> None:
+        self.path = path
+        self.deadline = deadline
+        self._send_lock = threading.Lock()
+        self._sock = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+        self._sock.settimeout(deadline)
+        try:
+            self._sock.connect(str(path))
+        except OSError as e:
+            self._sock.close()
+            raise StreamError(
+                f"no agent answers on {path} ({e}); start one with `tierstore agent start` "
+                "(or pass socket= the agent's socket)"
+            ) from e
+        try:
+            kind, body = self._recv(deadline)
+            if kind != _CHALLENGE or body[0] != _PROTOCOL:
+                raise StreamError(
+                    f"the agent on {path} speaks protocol {body[0] if body else '?'}, this tierstore "
+                    f"{_PROTOCOL}: run the same tierstore for the agent and its clients"
+                )
+            node = b"local"
+            self._send(_HELLO, bytes([_PROTOCOL]) + struct.pack(">H", len(node)) + node + bytes(32))
+            kind, body = self._recv(deadline)
+            if kind != _WELCOME:
+                raise StreamError(f"the agent on {path} refused the connection: {self._message(kind, body)}")
+        except BaseException:
+            self._sock.close()
+            raise
+
+    @staticmethod
+    def _message(kind: int, body: bytes) -> str:
+        if kind == _ERROR and len(body) >= 4:
+            (n,) = struct.unpack(">H", body[2:4])
+            return body[4 : 4 + n].decode(errors="replace")
+        return f"unexpected frame kind {kind}"
+
+    def _send(self, kind: int, body: bytes) -> None:
+        with self._send_lock:
+            self._sock.sendall(struct.pack(">I", len(body) + 1) + bytes([kind]) + body)
+
+    def _recv_exact(self, n: int, end: float | None) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"the agent on {self.path} did not answer within {self.deadline:.1f} s"
+                    )
+                self._sock.settimeout(left)
+            else:
+                self._sock.settimeout(None)
+            try:
+                r = self._sock.recv_into(view[got:])
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"the agent on {self.path} did not answer within {self.deadline:.1f} s"
+                ) from e
+            if r == 0:
+                raise ConnectionError(f"the agent on {self.path} closed the connection")
+            got += r
+        return bytes(buf)
+
+    def _recv(self, timeout: float | None) -> tuple[int, bytes]:
+        end = None if timeout is None else time.monotonic() + timeout
+        (n,) = struct.unpack(">I", self._recv_exact(4, end))
+        body = self._recv_exact(n, end)
+        return body[0], body[1:]
+
+    def send(self, request: dict[str, Any]) -> None:
+        data = json.dumps(request).encode()
+        self._send(_STREAM_REQUEST, struct.pack(">I", len(data)) + data)
+
+    def recv(self, timeout: float | None) -> dict[str, Any]:
+        """The next stream event (an answer or a notice)."""
+        while True:
+            kind, body = self._recv(timeout)
+            if kind == _STREAM_EVENT:
+                (n,) = struct.unpack(">I", body[:4])
+                event: dict[str, Any] = json.loads(body[4 : 4 + n])
+                return event
+            if kind == _PONG:
+                continue
+            raise StreamError(f"the agent on {self.path}: {self._message(kind, body)}")
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        self.send(request)
+        return self.recv(self.deadline)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(so.SHUT_RDWR)
+        self._sock.close()
+
+
+def _connect(socket: str | os.PathLike[str] | None, deadline: float) -> _Connection:
+    """A connection to the node's agent; the default agent is started on demand (it exits when idle)."""
+    path = _socket_path(socket)
+    if path == _agent.default_socket() and not _agent.answers(path):
+        with contextlib.suppress(_agent.AgentError):
+            _agent.start(path, idle_exit=_agent.ON_DEMAND_IDLE_EXIT)
+    return _Connection(path, deadline)
+
+
+@dataclass(frozen=True)
+class StreamTensor:
+    """One tensor of a version, as its manifest records it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StreamVersion:
+    """One version of a model stream, as the agent numbered it."""
+
+    name: str
+    version: int
+    step: int | None
+    nbytes: int
+    new_bytes: int
+    created: float
+    manifest: Path
+    tensors: tuple[StreamTensor, ...] = ()
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def state_dict(self, framework: str = "torch") -> dict[str, Any]:
+        """The tensors, read-only and without a copy (mapped from the agent's shared memory; the mapping
+        stays valid after the agent frees the version). Take it while the version is held: right after
+        `latest()`/`wait()` or inside `on_update`."""
+        blobs = self.manifest.parent.parent.parent / "blobs"
+        out: dict[str, Any] = {}
+        for t in self.tensors:
+            spec = TensorSpec(t.dtype, t.shape)
+            if t.nbytes == 0:
+                out[t.name] = mapped(b"", 0, spec, framework)
+                continue
+            buf = np.memmap(blobs / t.hash, dtype=np.uint8, mode="r")
+            if framework == "numpy":
+                out[t.name] = mapped(buf, 0, spec, "numpy")
+            else:
+                # torch.frombuffer wants a writable buffer; a private copy-on-write mapping never writes back.
+                out[t.name] = mapped(np.memmap(blobs / t.hash, dtype=np.uint8, mode="c"), 0, spec, framework)
+        return out
+
+
+def _mapped_state(v: StreamVersion) -> dict[str, Any]:
+    """A version's tensors mapped from the agent's files: numpy where numpy has the dtype, else torch."""
+    try:
+        return v.state_dict("numpy")
+    except TypeError:
+        return v.state_dict("torch")
+
+
+def _version_of(event: Mapping[str, Any]) -> StreamVersion:
+    path = Path(event["manifest"])
+    m = json.loads(path.read_text())
+    tensors = tuple(
+        StreamTensor(t["name"], t["dtype"], tuple(t["shape"]), t["hash"], int(t["nbytes"]))
+        for t in m["tensors"]
+    )
+    return StreamVersion(
+        name=m["name"],
+        version=int(m["version"]),
+        step=m.get("step"),
+        nbytes=int(event.get("nbytes", sum(t.nbytes for t in tensors))),
+        new_bytes=int(event.get("new_bytes", 0)),
+        created=float(m.get("created", 0.0)),
+        manifest=path,
+        tensors=tensors,
+        metadata=m.get("metadata") or {},
+    )
+
+
+def _flatten(model_or_state_dict: Any) -> tuple[list[str], list[TensorSpec], list[np.ndarray]]:
+    state = (
+        model_or_state_dict.state_dict()
+        if hasattr(model_or_state_dict, "state_dict")
+        else model_or_state_dict
+    )
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"publish takes an nn.Module, a state_dict or a dict of numpy arrays, not {type(state).__name__}"
+        )
+    names, specs, views = [], [], []
+    for key, value in state.items():
+        spec, view, _ = spec_and_bytes(value, str(key))
+        names.append(str(key))
+        specs.append(spec)
+        views.append(view)
+    return names, specs, views
+
+
+class Publisher:
+    """Publishes versions of one stream through the node's agent. `publish` is the usual way in.
+
+    Args:
+        name: the stream.
+        history: a `tierstore.models.Repository` (or its path) where every `history_every`-th version is
+            saved in the background (deduplicated against the versions saved before), without holding up
+            the publisher. A flush that falls behind skips to the newest version due, and counts it.
+        history_every: which versions are saved: those whose number is a multiple of it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+        history: Any = None,
+        history_every: int = 1,
+    ) -> None:
+        self.name = name
+        self._conn = _connect(socket, deadline)
+        if history is not None and not hasattr(history, "save"):
+            from tierstore.models import Repository
+
+            history = Repository(history)
+        self._history = history
+        self._history_every = max(1, history_every)
+        self._flush_cond = threading.Condition()
+        self._flush_due: tuple[StreamVersion, dict[str, Any]] | None = None
+        self._flushing = False
+        self._flusher: threading.Thread | None = None
+        # Stream versions saved to the history, those skipped because the flush fell behind, and why any
+        # flush failed.
+        self.flushed: list[int] = []
+        self.flush_skipped = 0
+        self.flush_errors: list[str] = []
+        self._lock = threading.Lock()
+        self._last: tuple[int, dict[str, tuple[str, int]]] | None = None
+        self._staging: list[np.ndarray] = []
+        self._staging_names: list[str] = []
+        # The version the staging buffer's content was placed as (None: not placed as it is).
+        self._staged_version: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[StreamVersion] | None = None
+        # When the last commit was sent (time.time()): where publish-to-notified is measured from.
+        self.last_commit_sent: float | None = None
+
+    def publish(
+        self,
+        model_or_state_dict: Any,
+        *,
+        step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        sync: bool = True,
+    ) -> StreamVersion | Future[StreamVersion]:
+        """Publishes the tensors as the stream's next version.
+
+        Args:
+            model_or_state_dict: an nn.Module, a state_dict, or a dict of numpy arrays.
+            step: the trainer's step, recorded with the version.
+            metadata: JSON-serializable facts recorded with the version.
+            sync: True: returns the version once it is placed and announced. False: returns a Future as
+                soon as the tensors are copied into a staging buffer (reused from one publish to the
+                next); training may change them at once. A publish waits for the one before to finish.
+
+        Raises:
+            StreamError: the agent refused the version (the message says why) or cannot be reached.
+            TimeoutError: the agent did not answer within the deadline.
+        """
+        names, specs, views = _flatten(model_or_state_dict)
+        meta = dict(metadata or {})
+        if sync:
+            self._wait_pending()
+            return self._place(names, specs, views, step, meta)
+        self._wait_pending()
+        same_layout = self._staging_names == names and all(
+            s.nbytes == v.nbytes for s, v in zip(self._staging, views, strict=True)
+        )
+        if not same_layout:
+            self._staging = [np.empty(v.nbytes, dtype=np.uint8) for v in views]
+            self._staging_names = names
+            self._staged_version = None
+        # The snapshot compares as it copies: a tensor equal to the snapshot before, which was placed as
+        # the version the agent still has as its latest, keeps its hash without being compared again.
+        changed = _core.stream_copy(views, self._staging)
+        unchanged = {n for n, c in zip(names, changed, strict=True) if not c} if same_layout else set()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-publish-{self.name}")
+        # Until this snapshot is placed, the staging buffer holds no placed version.
+        since, self._staged_version = self._staged_version, None
+        self._pending = self._pool.submit(
+            self._place, names, specs, self._staging, step, meta, unchanged, since
+        )
+        return self._pending
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):  # its error went to its Future
+                self._pending.result()
+            self._pending = None
+
+    def _place(
+        self,
+        names: list[str],
+        specs: list[TensorSpec],
+        views: list[np.ndarray],
+        step: int | None,
+        metadata: dict[str, Any],
+        unchanged: set[str] | None = None,
+        unchanged_since: int | None = None,
+    ) -> StreamVersion:
+        with self._lock:
+            begun = self._conn.call({"op": "begin", "name": self.name})
+            tmp, blobs = Path(begun["dir"]), Path(begun["blobs"])
+            base: dict[str, tuple[str, int]] = {}
+            if begun.get("base"):
+                bv = int(begun["base"]["version"])
+                if self._last is not None and self._last[0] == bv:
+                    base = self._last[1]
+                else:
+                    m = json.loads(Path(begun["base"]["manifest"]).read_text())
+                    base = {t["name"]: (t["hash"], int(t["nbytes"])) for t in m["tensors"]}
+            known: dict[int, bytes] = {}
+            if unchanged and begun.get("base") and unchanged_since == int(begun["base"]["version"]):
+                known = {
+                    i: bytes.fromhex(base[n][0]) for i, n in enumerate(names) if n in unchanged and n in base
+                }
+            bases: list[tuple[Path, bytes] | None] = []
+            todo = [i for i in range(len(names)) if i not in known]
+            for i in todo:
+                b = base.get(names[i])
+                nbytes = views[i].nbytes
+                bases.append(
+                    (blobs / b[0], bytes.fromhex(b[0])) if b is not None and b[1] == nbytes else None
+                )
+            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp)
+            placed_at = dict(zip(todo, placed_todo, strict=True))
+            placed = [placed_at[i] if i in placed_at else (known[i], False) for i in range(len(names))]
+            tensors = [
+                StreamTensor(n, s.dtype, tuple(s.shape), h.hex(), int(v.nbytes))
+                for n, s, v, (h, _) in zip(names, specs, views, placed, strict=True)
+            ]
+            entries = [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "hash": t.hash, "nbytes": t.nbytes}
+                for t in tensors
+            ]
+            body = {"step": step, "metadata": metadata, "tensors": entries}
+            (tmp / "manifest.json").write_text(json.dumps(body))
+            self.last_commit_sent = time.time()
+            reply = self._conn.call({"op": "commit", "publish": begun["publish"]})
+            version = int(reply["version"])
+            self._last = (version, {t.name: (t.hash, t.nbytes) for t in tensors})
+            if views is self._staging:
+                self._staged_version = version
+            published = StreamVersion(
+                name=self.name,
+                version=version,
+                step=step,
+                nbytes=int(reply["nbytes"]),
+                new_bytes=int(reply["new_bytes"]),
+                created=time.time(),
+                manifest=Path(reply["manifest"]),
+                tensors=tuple(tensors),
+                metadata=metadata,
+            )
+            if self._history is not None and version % self._history_every == 0:
+                # Mapped now, while the agent surely keeps the version: the mapping outlives its files.
+                self._flush_later(published, _mapped_state(published))
+            return published
+
+    def _flush_later(self, version: StreamVersion, state: dict[str, Any]) -> None:
+        with self._flush_cond:
+            if self._flush_due is not None:
+                self.flush_skipped += 1
+                self.flush_errors.append(f"history fell behind: {self._flush_due[0]} was not saved")
+            self._flush_due = (version, state)
+            self._flush_cond.notify_all()
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name=f"tierstore-history-{self.name}"
+                )
+                self._flusher.daemon = True
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._flush_cond:
+                self._flush_cond.wait_for(lambda: self._flush_due is not None)
+                assert self._flush_due is not None
+                version, state = self._flush_due
+                self._flush_due = None
+                self._flushing = True
+            try:
+                meta = {"stream": self.name, "stream_version": version.version, "step": version.step}
+                self._history.save(self.name, state, metadata={**version.metadata, **meta})
+                with self._flush_cond:
+                    self.flushed.append(version.version)
+            except Exception as e:
+                with self._flush_cond:
+                    self.flush_errors.append(f"saving {version} to the history failed: {e!r}")
+            finally:
+                with self._flush_cond:
+                    self._flushing = False
+                    self._flush_cond.notify_all()
+
+    def flush_history(self, timeout: float | None = None) -> bool:
+        """Waits until every version due has been saved to the history; False on timeout."""
+        with self._flush_cond:
+            return self._flush_cond.wait_for(lambda: self._flush_due is None and not self._flushing, timeout)
+
+    def flush(self) -> None:
+        """Waits for an asynchronous publish in progress."""
+        self._wait_pending()
+
+    def close(self) -> None:
+        """Waits for an asynchronous publish and the history flush, then disconnects."""
+        self._wait_pending()
+        self.flush_history()
+        if self._pool is not None:
+            self._pool.shutdown()
+        self._conn.close()
+
+
+_publishers: dict[tuple[str, str], Publisher] = {}
+_publishers_lock = threading.Lock()
+
+
+def publish(
+    name: str,
+    model_or_state_dict: Any,
+    *,
+    step: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    sync: bool = True,
+    socket: str | os.PathLike[str] | None = None,
+    history: Any = None,
+    history_every: int = 1,
+) -> StreamVersion | Future[StreamVersion]:
+    """Publishes a model's weights as the next version of stream `name` (see `Publisher.publish`). The
+    publisher of a stream is kept for the process: its connection and staging buffer are reused, and the
+    `history` (see `Publisher`) given on its first publish."""
+    key = (name, str(_socket_path(socket)))
+    with _publishers_lock:
+        p = _publishers.get(key)
+        if p is None:
+            p = _publishers[key] = Publisher(
+                name, socket=socket, history=history, history_every=history_every
+            )
+    return p.publish(model_or_state_dict, step=step, metadata=metadata, sync=sync)
+
+
+class Subscriber:
+    """Follows the versions of stream `name` on this node, pushed by the agent as they are committed.
+
+    Every version is seen in order, by `on_update` callbacks; `latest()` and `wait()` give the newest.
+    Versions published while this subscriber was not connected are reported in `skipped`, never silently.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        deadline: float = DEFAULT_DEADLINE,
+        after: int = 0,
+        on_update: Callable[[StreamVersion], None] | None = None,
+    ) -> None:
+        self.name = name
+        self._socket = _socket_path(socket)
+        self._deadline = deadline
+        self._cond = threading.Condition()
+        self._latest: StreamVersion | None = None
+        self._returned = after
+        self._seen = after
+        # A callback given here also sees the version that is latest when the subscription starts.
+        self._callbacks: list[Callable[[StreamVersion], None]] = [on_update] if on_update else []
+        self._pins: dict[int, int] = {}
+        self._held: set[int] = set()
+        self._closed = False
+        self.received = 0
+        self.skipped = 0
+        self.errors: list[str] = []
+        self._conn = self._subscribe()
+        self._thread = threading.Thread(target=self._run, name=f"tierstore-subscriber-{name}", daemon=True)
+        self._thread.start()
+
+    def _subscribe(self, first: bool = True) -> _Connection:
+        # Only the first connection may start an agent on demand: one stopped later stays stopped.
+        conn = _connect(self._socket, self._deadline) if first else _Connection(self._socket, self._deadline)
+        try:
+            conn.call({"op": "subscribe", "name": self.name, "after": self._seen})
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                event = self._conn.recv(None)
+            except (OSError, StreamError, ValueError) as e:
+                if self._closed:
+                    return
+                self._record(f"lost the agent on {self._conn.path} ({e}); reconnecting")
+                self._reconnect()
+                continue
+            if event.get("event") == "version":
+                self._arrived(event)
+
+    def _reconnect(self) -> None:
+        with self._cond:
+            self._held.clear()  # the old connection's leases ended with it
+        delay = 0.05
+        while not self._closed:
+            try:
+                self._conn = self._subscribe(first=False)
+                return
+            except (OSError, StreamError) as e:
+                self._record(f"cannot resubscribe to {self.name} ({e}); retrying in {delay:.2f} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _record(self, message: str) -> None:
+        with self._cond:
+            self.errors.append(message)
+            del self.errors[:-100]
+
+    def _arrived(self, event: Mapping[str, Any]) -> None:
+        number = int(event["version"])
+        try:
+            version = _version_of(event)
+        except (OSError, ValueError, KeyError) as e:
+            self._record(f"{self.name} version {number}: unreadable manifest ({e})")
+            self._release(number)
+            return
+        with self._cond:
+            if self._seen and number > self._seen + 1:
+                self.skipped += number - self._seen - 1
+                self.errors.append(
+                    f"{self.name}: versions {self._seen + 1}..{number - 1} were published while away"
+                )
+            previous = self._latest
+            self._seen = max(self._seen, number)
+            self._latest = version
+            self._held.add(number)
+            self._pins[number] = self._pins.get(number, 0) + 1  # held through the callbacks
+            self.received += 1
+            callbacks = list(self._callbacks)
+            self._cond.notify_all()
+        for cb in callbacks:
+            try:
+                cb(version)
+            except Exception as e:
+                self._record(f"on_update callback {getattr(cb, '__name__', cb)!r} failed on {version}: {e!r}")
+        self.unpin(number)
+        if previous is not None:
+            self._maybe_release(previous.version)
+
+    def _maybe_release(self, number: int) -> None:
+        with self._cond:
+            if (
+                self._pins.get(number, 0) > 0
+                or number not in self._held
+                or (self._latest is not None and self._latest.version == number)
+            ):
+                return
+            self._held.discard(number)
+        self._release(number)
+
+    def _release(self, number: int) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send({"op": "release", "name": self.name, "version": number})
+
+    def pin(self, number: int) -> bool:
+        """Keeps version `number` held by the agent until `unpin`; False if it is no longer held."""
+        with self._cond:
+            if number not in self._held:
+                return False
+            self._pins[number] = self._pins.get(number, 0) + 1
+            return True
+
+    def unpin(self, number: int) -> None:
+        with self._cond:
+            n = self._pins.get(number, 0) - 1
+            if n > 0:
+                self._pins[number] = n
+                return
+            self._pins.pop(number, None)
+        self._maybe_release(number)
+
+    def latest(self) -> StreamVersion | None:
+        """The newest version this subscriber was told of (None before the first)."""
+        with self._cond:
+            if self._latest is not None:
+                self._returned = self._latest.version
+            return self._latest
+
+    def wait(self, timeout: float | None = None, after: int | None = None) -> StreamVersion:
+        """The newest version once one newer than `after` (default: the one `latest`/`wait` last returned)
+        arrives.
+
+        Raises:
+            TimeoutError: none arrived within `timeout` seconds.
+        """
+        threshold = self._returned if after is None else after
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._closed or (self._latest is not None and self._latest.version > threshold),
+                timeout,
+            )
+            if not ok or self._latest is None or self._latest.version <= threshold:
+                raise TimeoutError(
+                    f"no version of {self.name} newer than {threshold} within {timeout} s"
+                    + (f" (last error: {self.errors[-1]})" if self.errors else "")
+                )
+            self._returned = self._latest.version
+            return self._latest
+
+    def _newest_pinned(self, after: int, timeout: float) -> StreamVersion | None:
+        """The newest version once it is newer than `after`, pinned (the latest is always held)."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._closed or (self._latest is not None and self._latest.version > after), timeout
+            )
+            if not ok or self._closed or self._latest is None or self._latest.version not in self._held:
+                return None
+            v = self._latest
+            self._pins[v.version] = self._pins.get(v.version, 0) + 1
+            return v
+
+    def on_update(self, callback: Callable[[StreamVersion], None]) -> None:
+        """Calls `callback(version)` for every version from now on, in order, on the subscriber's thread
+        (the version is held while it runs)."""
+        with self._cond:
+            self._callbacks.append(callback)
+
+    def close(self) -> None:
+        """Ends the subscription; the agent releases what it held for it."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._conn.close()
+        self._thread.join(timeout=self._deadline)
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HotModel:
+    """A model kept up to date with stream `name`, swapped between requests.
+
+    Two copies of the model: requests run on the active one; a new version is loaded into the other (only
+    the tensors whose hash differs from what that copy holds), then the two are swapped. A request enters
+    with `with hot.serving() as m:` and sees exactly one version; it never waits for an update. An update
+    that fails (a version whose tensors do not fit the model, a deadline missed) leaves the served version
+    in place; `last_error` says why.
+
+    Args:
+        model: an nn.Module (or dict of numpy arrays) whose tensors are on the CPU and contiguous.
+        name: the stream.
+        spare: the second copy; default `copy.deepcopy(model)`.
+        deadline: how long an update may wait for the requests still using the idle copy.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        name: str,
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        spare: Any = None,
+        deadline: float = DEFAULT_DEADLINE,
+    ) -> None:
+        self.name = name
+        self.deadline = deadline
+        self._buffers = [model, spare if spare is not None else copy.deepcopy(model)]
+        self._views = [self._writable(m) for m in self._buffers]
+        self._hashes: list[dict[str, str]] = [{}, {}]
+        self._versions: list[int | None] = [None, None]
+        self._inflight = [0, 0]
+        self._active = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.updates = 0
+        self.failures = 0
+        self.bytes_copied = 0
+        self.bytes_caught_up = 0
+        self.swapped_at = 0.0
+        self._swap_callbacks: list[Callable[[int, float], None]] = []
+        self.last_error: str | None = None
+        self.last_swap_s = 0.0
+        self._sub = Subscriber(name, socket=socket, deadline=deadline)
+        self._thread = threading.Thread(target=self._run, name=f"tierstore-hot-{name}", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _writable(model: Any) -> dict[str, np.ndarray]:
+        state = model.state_dict() if hasattr(model, "state_dict") else model
+        out = {}
+        for k, v in state.items():
+            w = writable_bytes(v)
+            if w is None:
+                raise TypeError(
+                    f"HotModel: tensor {k!r} is not a contiguous CPU tensor; move the model to the CPU "
+                    "(GPU models are not streamed yet)"
+                )
+            out[str(k)] = w
+        return out
+
+    @property
+    def version(self) -> int | None:
+        """The version new requests are served (None before the first one is loaded)."""
+        with self._cond:
+            return self._versions[self._active]
+
+    @property
+    def subscriber(self) -> Subscriber:
+        return self._sub
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[Any]:
+        """Pins the active copy for one request: it is not written until the request ends."""
+        with self._cond:
+            i = self._active
+            self._inflight[i] += 1
+        try:
+            yield self._buffers[i]
+        finally:
+            with self._cond:
+                self._inflight[i] -= 1
+                if self._inflight[i] == 0:
+                    self._cond.notify_all()
+
+    def wait_version(self, version: int, timeout: float) -> None:
+        """Waits until version `version` (or a newer one) is served.
+
+        Raises:
+            TimeoutError: it was not within `timeout` seconds; the message carries the last error.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: (self._versions[self._active] or 0) >= version, timeout)
+            if not ok:
+                raise TimeoutError(
+                    f"{self.name}: version {version} not served within {timeout} s (serving "
+                    f"{self._versions[self._active]}; last error: {self.last_error})"
+                )
+
+    def _run(self) -> None:
+        done = 0
+        while not self._closed:
+            v = self._sub._newest_pinned(done, 0.5)
+            if v is None:
+                continue
+            done = v.version
+            try:
+                self._load(v)
+            except Exception as e:
+                with self._cond:
+                    self.failures += 1
+                    self.last_error = f"{v}: {e}; still serving version {self._versions[self._active]}"
+
+    def _fill(self, i: int, v: StreamVersion) -> int:
+        """Reads into copy `i` (which no request uses) the tensors of `v` it does not hold; the bytes read."""
+        views, hashes = self._views[i], self._hashes[i]
+        blobs = v.manifest.parent.parent.parent / "blobs"
+        names = {t.name for t in v.tensors}
+        missing = [k for k in views if k not in names]
+        if missing:
+            raise StreamError(
+                f"the version has no tensor {missing[0]!r} of the model; publish the whole model"
+            )
+        paths, dests, todo = [], [], 0
+        for t in v.tensors:
+            dest = views.get(t.name)
+            if dest is None:
+                raise StreamError(f"tensor {t.name!r} is not in the model; is it the same architecture?")
+            if dest.nbytes != t.nbytes:
+                raise StreamError(f"tensor {t.name!r} has {t.nbytes} bytes, the model's {dest.nbytes}")
+            if hashes.get(t.name) != t.hash:
+                paths.append(blobs / t.hash)
+                dests.append(dest)
+                todo += t.nbytes
+        with self._cond:
+            self._versions[i] = None
+        hashes.clear()  # what the copy holds is unknown until the read completes
+        _core.stream_read(paths, dests)
+        hashes.update({t.name: t.hash for t in v.tensors})
+        with self._cond:
+            self._versions[i] = v.version
+        return todo
+
+    def _load(self, v: StreamVersion) -> None:
+        try:
+            with self._cond:
+                idle = 1 - self._active
+                if not self._cond.wait_for(lambda: self._inflight[idle] == 0, self.deadline):
+                    raise TimeoutError(
+                        f"requests held the idle copy for more than {self.deadline} s; it was not updated"
+                    )
+            copied = self._fill(idle, v)
+            with self._cond:
+                t0 = time.perf_counter()
+                self._active = idle
+                self.last_swap_s = time.perf_counter() - t0
+                self.swapped_at = time.time()
+                self.updates += 1
+                self.bytes_copied += copied
+                self.last_error = None
+                callbacks = list(self._swap_callbacks)
+                self._cond.notify_all()
+            for cb in callbacks:
+                with contextlib.suppress(Exception):
+                    cb(v.version, self.swapped_at)
+            # Off the critical path: bring the copy just retired to this version too, once its requests end,
+            # so that the next update copies only its own changes (unless a newer version already waits).
+            old = 1 - idle
+            with self._cond:
+                drained = self._cond.wait_for(lambda: self._inflight[old] == 0, self.deadline)
+            newer = self._sub._latest
+            if drained and not self._closed and (newer is None or newer.version == v.version):
+                self.bytes_caught_up += self._fill(old, v)
+        finally:
+            self._sub.unpin(v.version)
+
+    @property
+    def idle_version(self) -> int | None:
+        """The version the copy no request is served from holds (None while it is being written)."""
+        with self._cond:
+            return self._versions[1 - self._active]
+
+    def on_swap(self, callback: Callable[[int, float], None]) -> None:
+        """Calls `callback(version, time.time())` right after each swap, on the loader's thread."""
+        with self._cond:
+            self._swap_callbacks.append(callback)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sub.close()
+        self._thread.join(timeout=self.deadline)
+
+    def __enter__(self) -> HotModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def streams(
+    socket: str | os.PathLike[str] | None = None, deadline: float = DEFAULT_DEADLINE
+) -> dict[str, Any]:
+    """The agent's streams: their versions (sizes, leases), subscribers, and the shared memory held."""
+    conn = _Connection(_socket_path(socket), deadline)
+    try:
+        return conn.call({"op": "list"})
+    finally:
+        conn.close()
+
+
+__all__ = [
+    "HotModel",
+    "Publisher",
+    "StreamError",
+    "StreamTensor",
+    "StreamVersion",
+    "Subscriber",
+    "publish",
+    "streams",
+]

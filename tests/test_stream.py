@@ -1,0 +1,567 @@
+"""Model streaming on one node: a publisher and consumers in separate processes, through a real agent.
+
+Publishers are SIGKILLed mid-publish (consumers never see a partial version), consumers are SIGKILLed
+(their leases end with them), and a soak checks that no version is missed and no request mixes versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstore import _core, agent, stream
+
+
+@pytest.fixture
+def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private agent keeping 2 versions per stream; its socket is every client's default (the agent's
+    socket is $XDG_RUNTIME_DIR/tierstore/agent.sock)."""
+    path = tmp_path / "run" / "tierstore" / "agent.sock"
+    path.parent.mkdir(parents=True)
+    proc = start_agent(path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
+    yield path
+    stop_agent(proc)
+
+
+def start_agent(path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [*agent.run_args(path, node="n1"), *extra],
+        stdout=subprocess.PIPE,
+        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
+    return proc
+
+
+def stop_agent(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def child(code: str, sock: Path) -> subprocess.Popen[str]:
+    """A Python process running `code`, talking to the agent on `sock` (…/tierstore/agent.sock)."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(what: str, cond: object, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{what}: not within {timeout} s")
+
+
+def model(value: float, sizes: tuple[int, ...] = (1000, 30, 5000)) -> dict[str, np.ndarray]:
+    return {f"t{i}": np.full(n, value, dtype=np.float32) for i, n in enumerate(sizes)}
+
+
+def info(name: str) -> dict[str, object]:
+    for s in stream.streams()["streams"]:
+        if s["name"] == name:
+            return s  # type: ignore[no-any-return]
+    return {}
+
+
+def test_versions_reach_a_consumer_process_whole_and_only_changed_tensors_are_placed(sock: Path) -> None:
+    consumer = child(
+        """
+        import json, sys
+        from tierstore import stream
+        sub = stream.Subscriber("m")
+        print("ready", flush=True)
+        for want in (1, 2, 3):
+            v = sub.wait(timeout=30, after=want - 1)
+            sd = stream.StreamVersion.state_dict(v, "numpy")
+            print(json.dumps({"version": v.version, "step": v.step, "meta": v.metadata,
+                              "values": {k: [float(a.min()), float(a.max())] for k, a in sd.items()}}), flush=True)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "ready", consumer.stderr.read() if consumer.stderr else ""
+    m = model(1.0)
+    v1 = stream.publish("m", m, step=10, metadata={"lr": 0.1})
+    assert isinstance(v1, stream.StreamVersion)
+    assert (v1.version, v1.new_bytes, v1.nbytes) == (1, 4 * 6030, 4 * 6030)
+    # The consumer reads version 1 before version 2 is published: it must see every one.
+    seen = [json.loads(consumer.stdout.readline())]
+    m["t1"][:] = 2.0
+    v2 = stream.publish("m", m, step=11)
+    assert isinstance(v2, stream.StreamVersion)
+    assert (v2.version, v2.new_bytes) == (2, 4 * 30), "only the changed tensor is placed"
+    seen.append(json.loads(consumer.stdout.readline()))
+    m["t0"][:] = 3.0
+    stream.publish("m", m, step=12)
+    seen.append(json.loads(consumer.stdout.readline()))
+    assert consumer.wait(timeout=30) == 0, consumer.stderr.read() if consumer.stderr else ""
+    assert [s["version"] for s in seen] == [1, 2, 3]
+    assert seen[0]["meta"] == {"lr": 0.1} and seen[0]["step"] == 10
+    assert seen[1]["values"] == {"t0": [1.0, 1.0], "t1": [2.0, 2.0], "t2": [1.0, 1.0]}
+    assert seen[2]["values"] == {"t0": [3.0, 3.0], "t1": [2.0, 2.0], "t2": [1.0, 1.0]}
+    # Two versions kept: version 1 and the tensor only it held are freed.
+    wait_for("version 1 freed", lambda: [v["version"] for v in info("m")["versions"]] == [2, 3])  # type: ignore[attr-defined]
+    assert stream.streams()["tensor_files"] == 4
+
+
+def test_hot_model_loads_changed_tensors_into_the_idle_copy_and_swaps(sock: Path) -> None:
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    trainer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    hot = stream.HotModel(net, "policy")
+    try:
+        v1 = stream.publish("policy", trainer, step=1)
+        assert isinstance(v1, stream.StreamVersion)
+        hot.wait_version(1, timeout=20)
+        x = torch.randn(4, 64)
+        with hot.serving() as m, torch.no_grad():
+            assert torch.equal(m(x), trainer(x))
+        copied = hot.bytes_copied
+        assert copied == v1.nbytes
+        with torch.no_grad():
+            trainer[1].bias.add_(1.0)
+        # After a swap, the retired copy is brought to the served version off the critical path.
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 1)
+        assert hot.bytes_caught_up == v1.nbytes
+        stream.publish("policy", trainer, step=2)
+        hot.wait_version(2, timeout=20)
+        # An update copies only the tensors that changed: the 8 floats of one bias.
+        assert hot.bytes_copied - copied == 8 * 4
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 2)
+        with torch.no_grad():
+            trainer[1].bias.add_(1.0)
+        stream.publish("policy", trainer, step=3)
+        hot.wait_version(3, timeout=20)
+        assert hot.bytes_copied - copied == 2 * 8 * 4
+        wait_for("the idle copy caught up", lambda: hot.idle_version == 3)
+        assert hot.bytes_caught_up == v1.nbytes + 2 * 8 * 4
+        with hot.serving() as m, torch.no_grad():
+            assert torch.equal(m(x), trainer(x))
+        assert hot.failures == 0 and hot.last_error is None
+    finally:
+        hot.close()
+
+
+def test_an_update_that_does_not_fit_leaves_the_served_version_and_says_why(sock: Path) -> None:
+    served = model(0.0)
+    hot = stream.HotModel(served, "m")
+    try:
+        stream.publish("m", model(1.0))
+        hot.wait_version(1, timeout=20)
+        stream.publish("m", model(2.0, sizes=(1000, 31, 5000)))
+        wait_for("the failed update reported", lambda: hot.failures == 1)
+        assert hot.version == 1
+        assert (
+            hot.last_error is not None
+            and "'t1'" in hot.last_error
+            and "still serving version 1" in hot.last_error
+        )
+        with hot.serving() as m:
+            assert all((a == 1.0).all() for a in m.values())
+        stream.publish("m", model(3.0))
+        hot.wait_version(3, timeout=20)
+        with hot.serving() as m:
+            assert all((a == 3.0).all() for a in m.values())
+    finally:
+        hot.close()
+
+
+def test_async_publish_snapshots_before_returning(sock: Path) -> None:
+    m = model(1.0)
+    fut = stream.publish("m", m, sync=False, step=1)
+    m["t0"][:] = 9.0  # training goes on at once
+    v = fut.result(timeout=20)  # type: ignore[union-attr]
+    assert v.version == 1
+    with stream.Subscriber("m") as sub:
+        got = sub.wait(timeout=20).state_dict("numpy")
+        assert (got["t0"] == 1.0).all()
+    with stream.Subscriber("m") as sub, pytest.raises(TimeoutError, match="no version of m newer than 1"):
+        sub.wait(timeout=0.2, after=1)
+
+
+def test_a_publisher_killed_mid_publish_leaves_no_version(sock: Path) -> None:
+    with stream.Subscriber("big") as sub:
+        seen: list[int] = []
+        sub.on_update(lambda v: seen.append(v.version))
+        publisher = child(
+            """
+            import numpy as np
+            from tierstore import stream
+            stream.publish("big", {"w": np.zeros(1 << 20, dtype=np.float32)})
+            print("published", flush=True)
+            rng = np.random.default_rng(0)
+            stream.publish("big", {"w": rng.random(1 << 20, dtype=np.float32)} |
+                           {f"x{i}": rng.random(1 << 22, dtype=np.float32) for i in range(40)})
+            print("should not get here", flush=True)
+            """,
+            sock,
+        )
+        assert publisher.stdout is not None
+        assert publisher.stdout.readline().strip() == "published"
+        tmp = Path(stream.streams()["dir"]) / "tmp"
+        # Killed while its tensors are being placed.
+        wait_for("the second publish placing tensors", lambda: any(p.iterdir() for p in tmp.iterdir()), 60)
+        os.kill(publisher.pid, signal.SIGKILL)
+        publisher.wait(timeout=20)
+        wait_for("the publish's directory removed", lambda: not any(tmp.iterdir()))
+        assert info("big")["latest"] == 1
+        assert seen == [1]
+        # The next publisher's version is whole and numbered next.
+        v = stream.publish("big", {"w": np.ones(1 << 20, dtype=np.float32)})
+        assert isinstance(v, stream.StreamVersion) and v.version == 2
+        got = sub.wait(timeout=20, after=1)
+        assert got.version == 2 and (got.state_dict("numpy")["w"] == 1.0).all()
+        assert seen == [1, 2]
+
+
+def test_a_killed_consumer_releases_its_lease(sock: Path) -> None:
+    stream.publish("m", model(1.0))
+    consumer = child(
+        """
+        import time
+        from tierstore import stream
+        sub = stream.Subscriber("m")
+        v = sub.wait(timeout=20)
+        assert sub.pin(v.version)
+        print(v.version, flush=True)
+        time.sleep(600)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "1"
+    for value in (2.0, 3.0, 4.0):
+        stream.publish("m", model(value))
+    held = [v["version"] for v in info("m")["versions"]]  # type: ignore[attr-defined]
+    assert held == [1, 3, 4], "version 1 is leased by the consumer"
+    os.kill(consumer.pid, signal.SIGKILL)
+    consumer.wait(timeout=20)
+    # Its lease ends with its connection; the next eviction frees version 1.
+    wait_for("version 1 freed", lambda: [v["version"] for v in info("m")["versions"]] == [3, 4])  # type: ignore[attr-defined]
+    assert stream.streams()["tensor_files"] == 6
+
+
+SOAK_UPDATES = 10_000
+
+
+def test_soak_no_version_missed_and_no_request_mixes_versions(sock: Path) -> None:
+    consumer = child(
+        f"""
+        import json, threading, time
+        import numpy as np
+        from tierstore import stream
+        model = {{f"t{{i}}": np.zeros(256, dtype=np.float32) for i in range(4)}}
+        hot = stream.HotModel(model, "soak")
+        order = []
+        hot.subscriber.on_update(lambda v: order.append(v.version))
+        print("ready", flush=True)
+        requests = mixed = 0
+        versions = set()
+        while True:
+            with hot.serving() as m:
+                values = {{float(a[0]) for a in m.values()}}
+                whole = all((a == a[0]).all() for a in m.values())
+            requests += 1
+            mixed += len(values) != 1 or not whole
+            versions |= values
+            if hot.version == {SOAK_UPDATES}:
+                break
+        time.sleep(0.2)
+        print(json.dumps({{"order_ok": order == list(range(1, {SOAK_UPDATES} + 1)), "received": len(order),
+                          "requests": requests, "mixed": mixed, "versions_served": len(versions),
+                          "skipped": hot.subscriber.skipped, "failures": hot.failures,
+                          "errors": hot.subscriber.errors[:3]}}), flush=True)
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "ready", consumer.stderr.read() if consumer.stderr else ""
+    m = {f"t{i}": np.zeros(256, dtype=np.float32) for i in range(4)}
+    publisher = stream.Publisher("soak")
+    t0 = time.monotonic()
+    for n in range(1, SOAK_UPDATES + 1):
+        for a in m.values():
+            a[:] = n
+        v = publisher.publish(m, step=n)
+        assert isinstance(v, stream.StreamVersion) and v.version == n
+    took = time.monotonic() - t0
+    publisher.close()
+    out = consumer.stdout.readline()
+    assert consumer.wait(timeout=60) == 0, consumer.stderr.read() if consumer.stderr else ""
+    report = json.loads(out)
+    print(f"soak: {SOAK_UPDATES} updates in {took:.1f} s; consumer {report}")
+    assert report["order_ok"] and report["received"] == SOAK_UPDATES, report
+    assert report["mixed"] == 0 and report["skipped"] == 0 and report["failures"] == 0, report
+    assert report["versions_served"] > 1
+
+
+def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_after_redis_restarts(
+    tmp_path: Path,
+) -> None:
+    """Two nodes (network namespaces), Redis on the first: two consumers on the second node are served by
+    one pull per version of the tensors their node lacks; Redis restarted, they catch up."""
+    from tierstore.netns import Nodes
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    with Nodes(2) as nodes:
+        n0, n1 = nodes.nodes
+        url = f"redis://{n0.address}:6390/"
+
+        def redis() -> subprocess.Popen[bytes]:
+            proc = subprocess.Popen(
+                n0.cmd(
+                    "redis-server",
+                    "--port",
+                    "6390",
+                    "--bind",
+                    n0.address,
+                    "--protected-mode",
+                    "no",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ),
+                stdout=subprocess.DEVNULL,
+            )
+            wait_for("redis-server up", lambda: subprocess.run(
+                n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"), capture_output=True, text=True
+            ).stdout.strip() == "PONG")  # fmt: skip
+            return proc
+
+        server = redis()
+        agents, socks, args_of = [], [], []
+        for i, n in enumerate((n0, n1)):
+            sock = tmp_path / f"node{i}" / "tierstore" / "agent.sock"
+            sock.parent.mkdir(parents=True)
+            args = ["--listen", f"{n.address}:7078", "--token-file", str(token), "--stream-redis", url]
+            agents.append(start_agent_in(n.cmd, sock, f"node{i}", *args))
+            socks.append(sock)
+            args_of.append(args)
+        try:
+            consumers = [
+                child_in(
+                    n1.cmd,
+                    """
+                    import json, time
+                    from tierstore import stream
+                    sub = stream.Subscriber("xm")
+                    def seen(v):
+                        sd = v.state_dict("numpy")
+                        print(json.dumps({"version": v.version, "skipped": sub.skipped,
+                                          "values": {k: float(a[0]) for k, a in sd.items()},
+                                          "whole": all(bool((a == a[0]).all()) for a in sd.values())}), flush=True)
+                    sub.on_update(seen)
+                    print("ready", flush=True)
+                    time.sleep(600)
+                    """,
+                    socks[1],
+                )
+                for _ in range(2)
+            ]
+            for c in consumers:
+                assert c.stdout is not None and c.stdout.readline().strip() == "ready"
+            m = {f"t{i}": np.full(1 << 18, i + 1.0, dtype=np.float32) for i in range(4)}  # 4 x 1 MiB
+            pub = stream.Publisher("xm", socket=socks[0])
+
+            def next_seen() -> list[dict[str, object]]:
+                return [json.loads(c.stdout.readline()) for c in consumers if c.stdout is not None]
+
+            pub.publish(m)
+            for got in next_seen():
+                assert got["version"] == 1 and got["whole"], got
+                assert got["values"] == {"t0": 1.0, "t1": 2.0, "t2": 3.0, "t3": 4.0}, got
+            far = stream.streams(socks[1])["streams"][0]
+            assert far["pulled"] == 1 and far["pulled_bytes"] == 4 << 20, far
+            m["t2"][:] = 10.0
+            pub.publish(m)
+            for got in next_seen():
+                assert got["version"] == 2 and got["whole"] and got["values"]["t2"] == 10.0  # type: ignore[index]
+            far = stream.streams(socks[1])["streams"][0]
+            assert far["pulled"] == 2 and far["pulled_bytes"] == 5 << 20, (
+                "only the changed tensor crossed, once"
+            )
+            # Redis goes away: versions 3 and 4 are published meanwhile; the node catches up to 4 once it is back.
+            server.kill()
+            server.wait()
+            m["t0"][:] = 20.0
+            pub.publish(m)
+            m["t1"][:] = 30.0
+            pub.publish(m)
+            time.sleep(0.5)
+            server = redis()
+            for got in next_seen():
+                assert got["version"] == 4 and got["whole"], got
+                assert (
+                    got["values"] == {"t0": 20.0, "t1": 30.0, "t2": 10.0, "t3": 4.0} and got["skipped"] == 1
+                ), got
+            pub.close()
+            # The publisher's agent restarts (its versions are gone): it numbers on from Redis's latest,
+            # so the other node takes its next version as new.
+            stop_agent(agents[0])
+            agents[0] = start_agent_in(n0.cmd, socks[0], "node0", *args_of[0])
+            m["t3"][:] = 40.0
+            again = stream.publish("xm", m, socket=socks[0])
+            assert isinstance(again, stream.StreamVersion) and again.version == 5
+            for got in next_seen():
+                assert got["version"] == 5 and got["values"]["t3"] == 40.0 and got["skipped"] == 1, got
+            for c in consumers:
+                c.kill()
+                c.wait()
+        finally:
+            server.kill()
+            for a in agents:
+                stop_agent(a)
+
+
+def start_agent_in(cmd: object, path: Path, node: str, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        cmd(*agent.run_args(path, node=node), *extra),  # type: ignore[operator]
+        stdout=subprocess.PIPE,
+        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
+    return proc
+
+
+def child_in(cmd: object, code: str, sock: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+    return subprocess.Popen(
+        cmd(sys.executable, "-c", textwrap.dedent(code)),  # type: ignore[operator]
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_async_publishes_reuse_the_hashes_of_tensors_unchanged_since_the_last_snapshot(sock: Path) -> None:
+    m = model(1.0)
+    publisher = stream.Publisher("m")
+    versions = []
+    for value in (1.0, 2.0, 3.0):
+        m["t2"][:] = value
+        fut = publisher.publish(m, sync=False)
+        assert isinstance(fut, Future)
+        versions.append(fut.result(timeout=20))
+    m["t0"][:] = 5.0
+    sync = publisher.publish(m)
+    assert isinstance(sync, stream.StreamVersion)
+    publisher.close()
+    assert [v.version for v in versions] == [1, 2, 3]
+    assert [v.new_bytes for v in versions[1:]] == [4 * 5000, 4 * 5000], "only t2 placed"
+    assert sync.new_bytes == 4 * 1000
+    with stream.Subscriber("m") as sub:
+        got = sub.wait(timeout=20).state_dict("numpy")
+        assert got["t0"][0] == 5.0 and got["t1"][0] == 1.0 and got["t2"][0] == 3.0
+        want = {k: _core.hash_buffers([a.reshape(-1).view(np.uint8)])[0].hex() for k, a in m.items()}
+        assert {t.name: t.hash for t in sub.latest().tensors} == want  # type: ignore[union-attr]
+
+
+def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "stream", *args, "--socket", str(sock)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    m = model(1.0)
+    stream.publish("cli-model", m, step=7)
+    m["t1"][:] = 2.0
+    stream.publish("cli-model", m, step=8)
+    ls = cli("ls")
+    assert ls.returncode == 0, ls.stderr
+    row = next(line.split() for line in ls.stdout.splitlines() if line.startswith("cli-model"))
+    assert row[1:3] == ["2", "2"], ls.stdout  # latest 2, two versions kept
+    show = cli("show", "cli-model")
+    assert show.returncode == 0, show.stderr
+    rows = [line.split() for line in show.stdout.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "7"), ("2", "8")], show.stdout
+    missing = cli("show", "nope")
+    assert missing.returncode != 0 and "no stream 'nope'" in missing.stderr and "cli-model" in missing.stderr
+    watch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "stream",
+            "watch",
+            "cli-model",
+            "--count",
+            "2",
+            "--socket",
+            str(sock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert watch.stdout is not None
+    first = watch.stdout.readline()  # the latest, on subscribing
+    assert first.startswith("cli-model@2 step 8"), first
+    m["t0"][:] = 3.0
+    stream.publish("cli-model", m, step=9)
+    assert watch.stdout.readline().startswith("cli-model@3 step 9")
+    assert watch.wait(timeout=30) == 0
+
+
+def test_every_kth_version_is_flushed_to_the_repository_in_the_background(sock: Path, tmp_path: Path) -> None:
+    from tierstore.models import Repository
+
+    repo = Repository(tmp_path / "repo")
+    publisher = stream.Publisher("h", history=repo, history_every=2)
+    m = model(0.0)
+    for n in range(1, 6):
+        m["t1"][:] = n
+        publisher.publish(m, step=100 + n, metadata={"run": "a"})
+        if n == 2:
+            # Saved in the background; waited for here only so that version 4 cannot find it still due
+            # (a flush that falls behind skips to the newest version and counts it).
+            assert publisher.flush_history(timeout=60)
+    assert publisher.flush_history(timeout=60)
+    publisher.close()
+    assert publisher.flushed == [2, 4] and publisher.flush_skipped == 0, publisher.flush_errors
+    saved = repo.versions("h")
+    assert [v.metadata["stream_version"] for v in saved] == [2, 4]
+    assert saved[1].metadata["step"] == 104 and saved[1].metadata["run"] == "a"
+    assert saved[1].written_bytes == 4 * 30, "the history deduplicates: only the changed tensor is written"
+    last = repo.load("h", mmap=False)
+    assert (np.asarray(last["t1"]) == 4.0).all() and (np.asarray(last["t0"]) == 0.0).all()
+
+
+def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: Path) -> None:
+    path = tmp_path / "tierstore" / "agent.sock"
+    path.parent.mkdir()
+    proc = start_agent(path)
+    try:
+        stream.publish("gone", model(1.0), socket=path)
+        held = Path(stream.streams(path)["dir"])
+        assert len(list((held / "blobs").iterdir())) == 3
+    finally:
+        stop_agent(proc)
+    assert proc.returncode == 0
+    assert not held.exists(), f"{held} left behind"
