@@ -24,6 +24,7 @@ pub mod remote;
 pub mod source;
 pub mod tier;
 pub mod wire;
+pub mod writeback;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
