@@ -14,3 +14,4 @@ pub mod protocol;
 pub mod registry;
 pub mod server;
 pub mod transfer;
+pub mod writeback;

@@ -65,6 +65,9 @@ pub struct Options {
     pub registry: Option<Arc<dyn crate::registry::Registry>>,
     /// The job's name in the registry.
     pub job: String,
+    /// Work that keeps an agent started on demand from exiting when idle (files staged for write-back
+    /// and not yet on the store).
+    pub busy: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl Options {
@@ -87,6 +90,7 @@ impl Options {
             job_members: Vec::new(),
             registry: None,
             job: String::new(),
+            busy: None,
         }
     }
 }
@@ -525,7 +529,8 @@ async fn watch_idleness(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(Duration::from_millis(100).min(idle)).await;
         let quiet = shared.last_activity.lock().expect("activity lock").elapsed();
-        if shared.open.load(Ordering::Acquire) == 0 && quiet >= idle {
+        let busy = shared.options.busy.as_ref().is_some_and(|b| b());
+        if shared.open.load(Ordering::Acquire) == 0 && quiet >= idle && !busy {
             return;
         }
     }

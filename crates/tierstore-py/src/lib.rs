@@ -3,6 +3,7 @@
 
 mod error;
 mod pack;
+mod writeback;
 
 use std::io::SeekFrom;
 use std::path::PathBuf;
@@ -574,6 +575,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::map_pack, m)?)?;
     m.add_function(wrap_pyfunction!(pack::verify_pack, m)?)?;
     m.add_class::<pack::PyPackMap>()?;
+    m.add_class::<writeback::PyWriteback>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;
