@@ -412,9 +412,9 @@ def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> An
     from tierstore import writeback
 
     if any(c in mode for c in "wxa+"):
-        return writeback.open(path, mode, encoding=encoding)
-    if writeback.configured() and writeback.destination(path) is not None:
-        return writeback.open_read(path, mode, encoding=encoding)
+        return writeback.open(os.fsdecode(path), mode, encoding=encoding)
+    if writeback.configured() and writeback.destination(os.fsdecode(path)) is not None:
+        return writeback.open_read(os.fsdecode(path), mode, encoding=encoding)
     return default_cache().open(path, mode, encoding=encoding)
 
 

@@ -301,7 +301,9 @@ def _print_writeback(rows: list[dict[str, Any]], as_json: bool) -> None:
 
 @main.command()
 @click.argument("path", required=False, type=click.Path())
-@click.option("--timeout", type=float, metavar="S", help="Seconds to wait at most (default: the destination's).")
+@click.option(
+    "--timeout", type=float, metavar="S", help="Seconds to wait at most (default: the destination's)."
+)
 @click.pass_obj
 def sync(make: Any, path: str | None, timeout: float | None) -> None:
     """Wait until every file written so far under PATH (every write-back destination when omitted) is

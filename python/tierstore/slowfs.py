@@ -99,6 +99,7 @@ def make_operations(
         if fail_file is not None and os.path.exists(fail_file):
             count("injected_errors")
             raise FuseOSError(errno.EIO)
+
     # One line per file opened, in the order the store saw them: how tests see which order files were
     # fetched in (an ordered prefetch), which counts alone cannot show.
     log = open(access_log, "a", buffering=1) if access_log else None  # noqa: SIM115 (open while mounted)

@@ -94,7 +94,7 @@ class _StagedRaw(io.FileIO):
         return self._dest
 
 
-def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO[Any]:  # noqa: A001
+def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO[Any]:
     """Opens `path` (under a write-back destination) for writing through the stage.
 
     Args:
@@ -195,3 +195,29 @@ def pending(path: PathLike | None = None) -> list[dict[str, Any]]:
     """What waits for migration, per destination: path, stage, files, bytes, oldest_ns (when the oldest
     pending file was closed, ns since the epoch), errors [(file, attempts, last error)]."""
     return _writeback().pending(None if path is None else os.fspath(path))
+
+
+def rename(src: PathLike, dst: PathLike) -> None:
+    """`os.replace` for files written through `open`: a file not yet on the store moves in the journal
+    (and reaches the store under its new name, after everything closed before the rename); any other file
+    is renamed on the store once what was closed before in its directory is there, so a checkpoint's
+    commit-by-rename never shows before the files it publishes."""
+    wb = _writeback()
+    s, d = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if wb.destination(s) is not None and wb.destination(d) is not None and wb.rename(s, d):
+        return
+    if wb.destination(d) is not None:
+        wb.wait(s if os.path.isdir(s) else os.path.dirname(d), None)
+    os.replace(s, d)
+
+
+def remove(path: PathLike) -> None:
+    """`os.remove` for files written through `open`: a pending file leaves the stage and the journal, and
+    the store's copy (if any) goes too."""
+    p = os.path.abspath(os.fspath(path))
+    pending_removed = _writeback().remove(p) if _writeback().destination(p) is not None else False
+    try:
+        os.remove(p)
+    except FileNotFoundError:
+        if not pending_removed:
+            raise

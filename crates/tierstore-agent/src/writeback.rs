@@ -84,7 +84,9 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                     Ok(journal) => {
                         match journal.sweep_orphans() {
                             Ok(0) => {}
-                            Ok(n) => log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display()),
+                            Ok(n) => {
+                                log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display())
+                            }
                             Err(e) => log::warn!("stage {}: {e}", dir.display()),
                         }
                         let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
@@ -127,7 +129,10 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                     let wait = backoff(s.failures);
                     s.retry_at = Some(Instant::now() + wait);
                     if !s.logged {
-                        log::warn!("stage {}: {msg}; retrying with back-off (at most {BACKOFF_CAP:?} apart)", dir.display());
+                        log::warn!(
+                            "stage {}: {msg}; retrying with back-off (at most {BACKOFF_CAP:?} apart)",
+                            dir.display()
+                        );
                         s.logged = true;
                     }
                 }

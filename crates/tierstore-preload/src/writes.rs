@@ -70,6 +70,8 @@ struct Open {
     dest: PathBuf,
     name: String,
     pid: u32,
+    /// Unlinked while open (a temporary file a saver dropped): its staged copy goes at close.
+    deleted: bool,
 }
 
 static OPEN: Mutex<Option<HashMap<c_int, Open>>> = Mutex::new(None);
@@ -178,7 +180,7 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     if fd < 0 {
         return Some(-1);
     }
-    OPEN.lock().get_or_insert_with(HashMap::new).insert(fd, Open { dest: abs, name, pid: tierstore_core::pid() });
+    OPEN.lock().get_or_insert_with(HashMap::new).insert(fd, Open { dest: abs, name, pid: tierstore_core::pid(), deleted: false });
     OPEN_COUNT.fetch_add(1, Ordering::Relaxed);
     Some(fd)
 }
@@ -232,6 +234,14 @@ fn commit(o: Open) -> bool {
         return true; // a forked child closing what it inherited: the parent journals the file
     }
     let Some(wb) = writes() else { return true };
+    if o.deleted {
+        if let Some(d) = wb.destination(&o.dest) {
+            if let Ok(j) = wb.journal(d) {
+                let _ = std::fs::remove_file(j.staged_path(&o.name));
+            }
+        }
+        return true;
+    }
     match wb.commit(&o.dest, &o.name) {
         Ok(()) => true,
         Err(e) => {
@@ -308,7 +318,13 @@ pub unsafe fn staged_stat(dirfd: c_int, path: *const c_char) -> Option<libc::sta
 }
 
 /// `rename` of or into a destination: `Some(rc)` when handled here.
-pub unsafe fn rename(olddir: c_int, old: *const c_char, newdir: c_int, new: *const c_char, flags: c_uint) -> Option<c_int> {
+pub unsafe fn rename(
+    olddir: c_int,
+    old: *const c_char,
+    newdir: c_int,
+    new: *const c_char,
+    flags: c_uint,
+) -> Option<c_int> {
     let _busy = Busy::enter()?;
     let wb = writes()?;
     let from = dest_path(wb, olddir, old);
@@ -320,6 +336,19 @@ pub unsafe fn rename(olddir: c_int, old: *const c_char, newdir: c_int, new: *con
     if flags != 0 {
         // RENAME_NOREPLACE / RENAME_EXCHANGE of a pending file are not followed: only the store's files.
         return None;
+    }
+    // A file this process still has open (a temporary file persisted before it is closed, as the
+    // `tempfile` crate does): it is journaled under its new name at close.
+    if let Some(open) = OPEN.lock().as_mut() {
+        let me = tierstore_core::pid();
+        if let Some(o) = open.values_mut().find(|o| o.dest == from && o.pid == me && !o.deleted) {
+            o.dest = to.clone();
+            if let Err(e) = wb.remove(&to) {
+                set_errno(e.errno());
+                return Some(-1);
+            }
+            return Some(0);
+        }
     }
     match wb.rename(&from, &to) {
         Ok(true) => return Some(0),
@@ -347,6 +376,13 @@ pub unsafe fn unlink(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> c
     let _busy = Busy::enter()?;
     let wb = writes()?;
     let abs = dest_path(wb, dirfd, path)?;
+    if let Some(open) = OPEN.lock().as_mut() {
+        let me = tierstore_core::pid();
+        if let Some(o) = open.values_mut().find(|o| o.dest == abs && o.pid == me && !o.deleted) {
+            o.deleted = true;
+            return Some(0);
+        }
+    }
     match wb.remove(&abs) {
         Ok(true) => {
             let rc = real();

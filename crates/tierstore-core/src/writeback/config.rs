@@ -143,7 +143,8 @@ fn parse_timeout(t: &str) -> Option<Duration> {
 /// here, so a stage that cannot exist fails at start.
 pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>, ConfigError> {
     let Some((value, origin)) = raw else { return Ok(Vec::new()) };
-    let list = value.as_array().ok_or_else(|| bad(origin, "writeback", text(value), "must be a list of tables", FIX))?;
+    let list =
+        value.as_array().ok_or_else(|| bad(origin, "writeback", text(value), "must be a list of tables", FIX))?;
     let mut out: Vec<Destination> = Vec::new();
     for (i, item) in list.iter().enumerate() {
         let k = format!("writeback[{i}]");
@@ -160,16 +161,28 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
             }
         }
         let get = |key: &str| t.get(key).map(text);
-        let path_text =
-            get("path").ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
+        let path_text = get("path")
+            .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
         let path = absolute(&path_text);
         if path == Path::new("/") {
-            return Err(bad(origin, &format!("{k}.path"), &path_text, "is the root directory", "name the directory checkpoints go to"));
+            return Err(bad(
+                origin,
+                &format!("{k}.path"),
+                &path_text,
+                "is the root directory",
+                "name the directory checkpoints go to",
+            ));
         }
         match std::fs::metadata(&path) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => {
-                return Err(bad(origin, &format!("{k}.path"), &path_text, "is not a directory", "give a directory on the shared store"))
+                return Err(bad(
+                    origin,
+                    &format!("{k}.path"),
+                    &path_text,
+                    "is not a directory",
+                    "give a directory on the shared store",
+                ))
             }
             Err(e) => {
                 return Err(bad(
@@ -195,33 +208,50 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
             ));
         }
         std::fs::create_dir_all(&stage).map_err(|e| {
-            bad(origin, &format!("{k}.stage"), &stage_text, &format!("cannot be created ({e})"), "give a writable local directory")
+            bad(
+                origin,
+                &format!("{k}.stage"),
+                &stage_text,
+                &format!("cannot be created ({e})"),
+                "give a writable local directory",
+            )
         })?;
         let quota = match get("quota") {
             Some(q) => parse_size(&q).filter(|n| *n > 0).ok_or_else(|| {
-                bad(origin, &format!("{k}.quota"), format!("\"{q}\""), "is not a size", "use a size like \"100G\" or \"512MiB\"")
+                bad(
+                    origin,
+                    &format!("{k}.quota"),
+                    format!("\"{q}\""),
+                    "is not a size",
+                    "use a size like \"100G\" or \"512MiB\"",
+                )
             })?,
             // The stage's free space when the job starts, less a tenth for everything else on the disk.
             None => crate::config::fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
         };
-        let durability = match get("durability").as_deref() {
-            None | Some("local") => Durability::Local,
-            Some("remote") => Durability::Remote,
-            Some(other) => {
-                return Err(bad(
+        let durability =
+            match get("durability").as_deref() {
+                None | Some("local") => Durability::Local,
+                Some("remote") => Durability::Remote,
+                Some(other) => return Err(bad(
                     origin,
                     &format!("{k}.durability"),
                     format!("\"{other}\""),
                     "unknown durability",
                     "use \"local\" (close returns once the bytes are fsynced on the node) or \"remote\" (once they \
                      are fsynced and checked on the shared store)",
-                ))
-            }
-        };
+                )),
+            };
         let timeout = match get("timeout") {
             None => DEFAULT_TIMEOUT,
             Some(v) => parse_timeout(&v).ok_or_else(|| {
-                bad(origin, &format!("{k}.timeout"), format!("\"{v}\""), "is not a duration", "use seconds or \"90s\", \"10m\", \"1h\"")
+                bad(
+                    origin,
+                    &format!("{k}.timeout"),
+                    format!("\"{v}\""),
+                    "is not a duration",
+                    "use seconds or \"90s\", \"10m\", \"1h\"",
+                )
             })?,
         };
         if let Some(other) = out.iter().find(|d| d.path.starts_with(&path) || path.starts_with(&d.path)) {

@@ -207,7 +207,9 @@ impl Journal {
         let Some(seq) = t.get(self.paths, dest.as_os_str().as_bytes()).map_err(self.lmdb())? else { return Ok(None) };
         let seq: [u8; 8] = seq.try_into().map_err(|_| JournalError::Corrupt(self.dir.clone()))?;
         match t.get(self.entries, &seq).map_err(self.lmdb())? {
-            Some(v) => Ok(Some(Entry::decode(u64::from_be_bytes(seq), v).ok_or_else(|| JournalError::Corrupt(self.dir.clone()))?)),
+            Some(v) => Ok(Some(
+                Entry::decode(u64::from_be_bytes(seq), v).ok_or_else(|| JournalError::Corrupt(self.dir.clone()))?,
+            )),
             None => Ok(None),
         }
     }
@@ -378,7 +380,11 @@ impl Journal {
     /// checked copy into place on the store and fsyncs its directory) and removes the entry, then its
     /// staged copy. The journal's write lock is held throughout, so the program cannot rename or rewrite
     /// the file between the check and the publication.
-    pub fn finish(&self, entry: &Entry, publish: impl FnOnce() -> io::Result<()>) -> Result<Result<Finish, io::Error>, JournalError> {
+    pub fn finish(
+        &self,
+        entry: &Entry,
+        publish: impl FnOnce() -> io::Result<()>,
+    ) -> Result<Result<Finish, io::Error>, JournalError> {
         let mut t = self.env.write().map_err(self.lmdb())?;
         let key = entry.seq.to_be_bytes();
         let current = t.get(self.entries, &key).map_err(self.lmdb())?.and_then(|v| Entry::decode(entry.seq, v));
@@ -397,26 +403,24 @@ impl Journal {
     /// Deletes staged files that no entry names and whose writer is gone (a program killed before its
     /// close, or an agent killed between removing an entry and its file). Returns how many.
     pub fn sweep_orphans(&self) -> Result<usize, JournalError> {
+        // Files of dead writers first, the journal after: a writer dead when its file was listed either
+        // journaled it before it died (and the journal, read later, names it) or never will.
+        let dead: Vec<(String, PathBuf)> = std::fs::read_dir(&self.data)
+            .map_err(|source| JournalError::Io { what: "cannot list", path: self.data.clone(), source })?
+            .flatten()
+            .map(|f| (f.file_name().to_string_lossy().into_owned(), f.path()))
+            .filter(|(name, _)| {
+                let pid: Option<i32> = name.split('.').next().and_then(|p| p.parse().ok());
+                // SAFETY: kill with signal 0 only checks that the process exists.
+                let alive = pid.is_some_and(|p| {
+                    (unsafe { libc::kill(p, 0) }) == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+                });
+                !alive
+            })
+            .collect();
         let named: std::collections::HashSet<String> = self.entries()?.into_iter().map(|e| e.staged).collect();
-        let list = std::fs::read_dir(&self.data).map_err(|source| JournalError::Io {
-            what: "cannot list",
-            path: self.data.clone(),
-            source,
-        })?;
-        let mut n = 0;
-        for f in list.flatten() {
-            let name = f.file_name().to_string_lossy().into_owned();
-            if named.contains(&name) {
-                continue;
-            }
-            let pid: Option<i32> = name.split('.').next().and_then(|p| p.parse().ok());
-            // SAFETY: kill with signal 0 only checks that the process exists.
-            let alive = pid.is_some_and(|p| unsafe { libc::kill(p, 0) } == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
-            if !alive && std::fs::remove_file(f.path()).is_ok() {
-                n += 1;
-            }
-        }
-        Ok(n)
+        let gone = dead.into_iter().filter(|(name, path)| !named.contains(name) && std::fs::remove_file(path).is_ok());
+        Ok(gone.count())
     }
 }
 

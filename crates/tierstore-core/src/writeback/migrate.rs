@@ -83,9 +83,11 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
     if !staged.exists() {
         // Renamed or rewritten since it was read from the journal (its staged copy went with it)?
         return match j.lookup(&e.dest) {
-            Ok(Some(now)) if now.seq == e.seq => {
-                Err(format!("the staged copy {} of {} is missing: the stage was altered", staged.display(), e.dest.display()))
-            }
+            Ok(Some(now)) if now.seq == e.seq => Err(format!(
+                "the staged copy {} of {} is missing: the stage was altered",
+                staged.display(),
+                e.dest.display()
+            )),
             _ => Ok(None),
         };
     }

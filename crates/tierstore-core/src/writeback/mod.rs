@@ -209,11 +209,13 @@ impl Writeback {
         if self.full(d, &j)? {
             let dir = dest.parent().unwrap_or(&d.path);
             if let Err(e) = self.wait(Some(dir), d.timeout) {
-                log::warn!("the stage {} is full and {e}; writing {} through anyway", d.stage.display(), dest.display());
+                log::warn!(
+                    "the stage {} is full and {e}; writing {} through anyway",
+                    d.stage.display(),
+                    dest.display()
+                );
             }
-            if self.full(d, &j)? {
-                return Ok(Begin::WriteThrough);
-            }
+            return Ok(Begin::WriteThrough);
         }
         let name = journal::new_staged_name();
         let path = j.staged_path(&name);
@@ -240,8 +242,14 @@ impl Writeback {
             let path = path.clone();
             move |source| WritebackError::Io { what, path, source }
         };
-        std::fs::File::open(&path).and_then(|f| f.sync_all()).map_err(io("cannot fsync the staged file"))?;
-        let (size, hash) = journal::hash_file(&path).map_err(io("cannot read the staged file"))?;
+        // The fsync waits for the disk and the hash for the CPU: both at once, the close costs the longer.
+        let (synced, hashed) = std::thread::scope(|s| {
+            let sync = s.spawn(|| std::fs::File::open(&path).and_then(|f| f.sync_all()));
+            let hashed = journal::hash_file(&path);
+            (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
+        });
+        synced.map_err(io("cannot fsync the staged file"))?;
+        let (size, hash) = hashed.map_err(io("cannot read the staged file"))?;
         j.commit(dest, name, size, hash)?;
         if d.durability == Durability::Remote {
             self.wait(Some(dest), d.timeout)?;
@@ -325,8 +333,15 @@ impl Writeback {
                     .take(3)
                     .map(|(dest, n, e)| format!("{} ({n} attempts): {e}", dest.display()))
                     .collect();
-                let errors = if errors.is_empty() { String::new() } else { format!("; last errors: {}", errors.join("; ")) };
-                return Err(WritebackError::Timeout { path, files, bytes, waited: start.elapsed().as_secs_f64(), errors });
+                let errors =
+                    if errors.is_empty() { String::new() } else { format!("; last errors: {}", errors.join("; ")) };
+                return Err(WritebackError::Timeout {
+                    path,
+                    files,
+                    bytes,
+                    waited: start.elapsed().as_secs_f64(),
+                    errors,
+                });
             }
             std::thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())).max(Duration::from_millis(1)));
             pause = (pause * 2).min(Duration::from_millis(50));
