@@ -24,6 +24,8 @@ pub const BACKOFF_CAP: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(20);
 /// How often the list of stages is read again.
 const RESCAN: Duration = Duration::from_secs(1);
+/// How often the staged files of writers killed before their close are removed (also at start).
+const SWEEP: Duration = Duration::from_secs(30);
 
 /// What the migration loop has done, for the agent's status and its idle exit.
 #[derive(Default)]
@@ -52,6 +54,7 @@ pub fn backoff(failures: u32) -> Duration {
 
 struct Stage {
     journal: Journal,
+    swept: Instant,
     failures: u32,
     retry_at: Option<Instant>,
     /// Whether the current failure streak was logged.
@@ -74,7 +77,7 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
     let mut scanned: Option<Instant> = None;
     let mut failed_open: std::collections::BTreeSet<PathBuf> = Default::default();
     loop {
-        if scanned.map_or(true, |t| t.elapsed() >= RESCAN) {
+        if scanned.is_none_or(|t| t.elapsed() >= RESCAN) {
             scanned = Some(Instant::now());
             for dir in configured.iter().cloned().chain(listed_stages()) {
                 if stages.contains_key(&dir) || !dir.join("journal").exists() && !configured.contains(&dir) {
@@ -92,7 +95,10 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                         let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
                         log::info!("migrating the stage {} ({pending} file(s) pending)", dir.display());
                         failed_open.remove(&dir);
-                        stages.insert(dir, Stage { journal, failures: 0, retry_at: None, logged: false });
+                        stages.insert(
+                            dir,
+                            Stage { journal, swept: Instant::now(), failures: 0, retry_at: None, logged: false },
+                        );
                     }
                     Err(e) => {
                         if failed_open.insert(dir.clone()) {
@@ -105,6 +111,12 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
         let mut worked = false;
         let mut pending = false;
         for (dir, s) in stages.iter_mut() {
+            if s.swept.elapsed() >= SWEEP {
+                s.swept = Instant::now();
+                if let Ok(n @ 1..) = s.journal.sweep_orphans() {
+                    log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display());
+                }
+            }
             if s.retry_at.is_some_and(|t| Instant::now() < t) {
                 pending = true;
                 continue;

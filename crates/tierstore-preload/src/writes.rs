@@ -11,6 +11,8 @@
 //! - `open` (read-only), the `stat` family and `access` of a pending file see the staged copy.
 //!
 //! Not captured, and passed to the store as they are: `O_DIRECT` and `O_PATH` opens (warned once),
+//! exclusive creates of `.tmp*` files (the `tempfile` crate's, renamed with raw system calls; warned once,
+//! and written only once the files closed before them in their directory are on the store),
 //! `creat`, `io_uring`, static binaries (no LD_PRELOAD at all), and writes through a descriptor inherited
 //! from another process or duplicated and used after the original was closed. Listings of a destination
 //! show only what is on the store. A file's permission bits on the store are the agent's defaults.
@@ -113,6 +115,22 @@ unsafe fn dest_path(wb: &Writeback, dirfd: c_int, path: *const c_char) -> Option
     wb.destination(&norm).is_some().then_some(norm)
 }
 
+/// The staged copy of `abs`: one this process is still writing, else a pending one.
+fn staged_copy(wb: &Writeback, abs: &Path) -> Option<PathBuf> {
+    if OPEN_COUNT.load(Ordering::Relaxed) > 0 {
+        let me = tierstore_core::pid();
+        let name = OPEN
+            .lock()
+            .as_ref()
+            .and_then(|t| t.values().find(|o| o.dest == abs && o.pid == me && !o.deleted).map(|o| o.name.clone()));
+        if let Some(name) = name {
+            let d = wb.destination(abs)?;
+            return Some(wb.journal(d).ok()?.staged_path(&name));
+        }
+    }
+    wb.lookup(abs).map(|(p, _)| p)
+}
+
 fn real_exists(p: &Path) -> Option<std::fs::Metadata> {
     std::fs::symlink_metadata(p).ok()
 }
@@ -128,7 +146,7 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     if !writing {
         // Read-your-writes: a pending file reads from the stage.
-        let (staged, _) = wb.lookup(&abs)?;
+        let staged = staged_copy(wb, &abs)?;
         let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
         let fd = libc::open(c.as_ptr(), flags);
         return (fd >= 0).then_some(fd); // gone meanwhile: migrated, the store has it
@@ -140,13 +158,32 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
         });
         return None;
     }
+    let excl = flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL;
+    if excl && abs.file_name().is_some_and(|n| n.as_bytes().starts_with(b".tmp")) {
+        // The temporary file of Rust's `tempfile` crate (safetensors' `save_file`, Hugging Face tools): it
+        // is renamed into place by a raw system call (rustix), which no LD_PRELOAD shim sees, so it goes
+        // to the store itself, once the files closed before it in its directory are there (order holds).
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        warn_once(&WARNED, || {
+            format!(
+                "{} looks like a `tempfile` crate temporary (renamed by raw system calls the shim cannot \
+                 follow): such files are written straight to the store",
+                abs.display()
+            )
+        });
+        let timeout = wb.destination(&abs).map(|d| d.timeout)?;
+        if let Err(e) = wb.wait(abs.parent(), timeout) {
+            eprintln!("tierstore run: {e}");
+        }
+        return None;
+    }
     let pending = wb.lookup(&abs);
     let on_store = if pending.is_none() { real_exists(&abs) } else { None };
     let exists = pending.is_some() || on_store.is_some();
     if on_store.as_ref().is_some_and(|m| m.is_dir()) {
         return None; // EISDIR from the store itself
     }
-    if flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL && exists {
+    if excl && exists {
         set_errno(libc::EEXIST);
         return Some(-1);
     }
@@ -180,7 +217,9 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     if fd < 0 {
         return Some(-1);
     }
-    OPEN.lock().get_or_insert_with(HashMap::new).insert(fd, Open { dest: abs, name, pid: tierstore_core::pid(), deleted: false });
+    OPEN.lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(fd, Open { dest: abs, name, pid: tierstore_core::pid(), deleted: false });
     OPEN_COUNT.fetch_add(1, Ordering::Relaxed);
     Some(fd)
 }
@@ -311,7 +350,7 @@ static AT_EXIT: extern "C" fn() = at_exit;
 pub unsafe fn staged_stat(dirfd: c_int, path: *const c_char) -> Option<libc::stat> {
     let wb = writes()?;
     let abs = dest_path(wb, dirfd, path)?;
-    let (staged, _) = wb.lookup(&abs)?;
+    let staged = staged_copy(wb, &abs)?;
     let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
     let mut st: libc::stat = std::mem::zeroed();
     (libc::stat(c.as_ptr(), &mut st) == 0).then_some(st)

@@ -156,6 +156,8 @@ impl Writeback {
 
     /// Write-back as the configuration (`tierstore.toml`, `$TIERSTORE_CONFIG`, `$TIERSTORE_WRITEBACK`)
     /// describes it; no source is needed.
+    // Configuration errors are rare and carry everything the user needs to fix them (as in `config`).
+    #[allow(clippy::result_large_err)]
     pub fn load() -> Result<Writeback, ConfigError> {
         Ok(Self::new(crate::config::load_writeback(&crate::config::Overrides::default())?))
     }
@@ -317,7 +319,7 @@ impl Writeback {
             if files == 0 {
                 return Ok(());
             }
-            if last_probe.map_or(true, |t| t.elapsed() >= Duration::from_millis(500)) {
+            if last_probe.is_none_or(|t| t.elapsed() >= Duration::from_millis(500)) {
                 last_probe = Some(Instant::now());
                 if agent_answers() {
                     no_agent_since = None;
