@@ -25,6 +25,8 @@ from tierstore import _core
 PathLike = str | os.PathLike[str]
 
 _lock = threading.Lock()
+# Directories of the store seen to exist (a checkpoint directory is checked once, not once per file).
+_dirs_seen: set[str] = set()
 _state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False}
 
 
@@ -125,14 +127,17 @@ def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO
         raise ValueError(f"tierstore.open({dest!r}, {mode!r}): a write mode is needed (w, x, a, r+)")
     binary = "b" in mode
     staged_now = wb.lookup(dest)
-    exists = staged_now is not None or os.path.exists(dest)
+    # "w" needs no look at the store (each costs a round trip to its metadata server); the others do.
+    exists = staged_now is not None or (kind != "w" and os.path.exists(dest))
     if kind == "x" and exists:
         raise FileExistsError(17, "File exists", dest)
     if kind == "r" and not exists:
         raise FileNotFoundError(2, "No such file or directory", dest)
     parent = os.path.dirname(dest)
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(2, "No such file or directory (create the directory first)", parent)
+    if parent not in _dirs_seen:
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(2, "No such file or directory (create the directory first)", parent)
+        _dirs_seen.add(parent)
     _ensure_agent()
     begun = wb.begin(dest)
     if begun is None:  # the stage is full: the store itself

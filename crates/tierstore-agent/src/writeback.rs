@@ -24,6 +24,12 @@ pub const BACKOFF_CAP: Duration = Duration::from_secs(2);
 const POLL: Duration = Duration::from_millis(20);
 /// How often the list of stages is read again.
 const RESCAN: Duration = Duration::from_secs(1);
+/// Migration waits until the program has closed no file for this long (a checkpoint's files are written
+/// in a burst: copying them meanwhile would take the CPU and the store's attention from the burst)...
+pub const QUIET: Duration = Duration::from_millis(150);
+/// ...or until the oldest pending file is this old (a program that never pauses still gets its files
+/// migrated).
+pub const MAX_HOLD: Duration = Duration::from_secs(2);
 /// How often the staged files of writers killed before their close are removed (also at start).
 const SWEEP: Duration = Duration::from_secs(30);
 
@@ -121,6 +127,10 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                 pending = true;
                 continue;
             }
+            if held(&s.journal) {
+                pending = true;
+                continue;
+            }
             match migrate::step(&s.journal) {
                 Ok(migrate::Step::Idle) => {}
                 Ok(migrate::Step::Migrated(e)) => {
@@ -165,6 +175,14 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
             std::thread::sleep(POLL);
         }
     }
+}
+
+/// Whether the oldest pending file waits for the program to pause (see [`QUIET`], [`MAX_HOLD`]).
+fn held(j: &Journal) -> bool {
+    let now = tierstore_core::writeback::journal::now_ns();
+    let since = |ns: u64| Duration::from_nanos(now.saturating_sub(ns));
+    let busy = j.last_change_ns().map(|t| since(t) < QUIET).unwrap_or(false);
+    busy && j.first().ok().flatten().is_some_and(|e| since(e.created_ns) < MAX_HOLD)
 }
 
 #[cfg(test)]

@@ -153,6 +153,7 @@ pub struct Journal {
 
 const NEXT_SEQ: &[u8] = b"next_seq";
 const BYTES: &[u8] = b"bytes";
+const LAST_CHANGE: &[u8] = b"last_change_ns";
 
 fn get_u64(t: &crate::lmdb::Txn<'_>, db: Db, k: &[u8]) -> Result<u64, LmdbError> {
     Ok(t.get(db, k)?.and_then(|v| v.try_into().ok()).map(u64::from_be_bytes).unwrap_or(0))
@@ -199,6 +200,12 @@ impl Journal {
     pub fn staged_bytes(&self) -> Result<u64, JournalError> {
         let t = self.env.read().map_err(self.lmdb())?;
         get_u64(&t, self.meta, BYTES).map_err(self.lmdb())
+    }
+
+    /// When a file was last closed, renamed or truncated (ns since the epoch; 0 if never).
+    pub fn last_change_ns(&self) -> Result<u64, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        get_u64(&t, self.meta, LAST_CHANGE).map_err(self.lmdb())
     }
 
     /// The pending entry for `dest`, if any.
@@ -284,6 +291,7 @@ impl Journal {
         t.put(self.paths, e.dest.as_os_str().as_bytes(), &seq.to_be_bytes())?;
         let bytes = get_u64(t, self.meta, BYTES)? + e.size;
         t.put(self.meta, BYTES, &bytes.to_be_bytes())?;
+        t.put(self.meta, LAST_CHANGE, &now_ns().to_be_bytes())?;
         Ok(seq)
     }
 
