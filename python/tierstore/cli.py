@@ -268,11 +268,17 @@ def _writeback_status(make: Any) -> list[dict[str, Any]]:
     """What waits for migration per write-back destination ([] when none is configured)."""
     import time
 
-    os.environ.update(make.env)
+    saved = dict(os.environ)
+    # Only the configuration file matters here; the cache's own options stay arguments.
+    if "TIERSTORE_CONFIG" in make.env:
+        os.environ["TIERSTORE_CONFIG"] = make.env["TIERSTORE_CONFIG"]
     try:
         rows = _core.Writeback().pending()
     except _core.ConfigError as e:
         raise click.ClickException(str(e)) from e
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     now = time.time_ns()
     for r in rows:
         r["oldest_age_s"] = None if r["oldest_ns"] is None else round((now - r["oldest_ns"]) / 1e9, 3)
@@ -310,7 +316,8 @@ def sync(make: Any, path: str | None, timeout: float | None) -> None:
     fsynced and checked on the shared store; exit 1, saying what is left and why, if it cannot be."""
     from tierstore import writeback
 
-    os.environ.update(make.env)
+    if "TIERSTORE_CONFIG" in make.env:
+        os.environ["TIERSTORE_CONFIG"] = make.env["TIERSTORE_CONFIG"]
     try:
         writeback.sync(path, timeout)
         dests = [d["path"] for d in _core.Writeback().destinations()]
