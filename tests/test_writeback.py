@@ -275,7 +275,7 @@ while True:
     time.sleep(0.03)  # the training steps between checkpoints
 """
 
-KILLS = int(os.environ.get("TIERSTORE_WB_KILLS", "100"))
+KILLS = int(os.environ.get("WB_TEST_KILLS", "100"))
 
 
 def sizes_of(name: str) -> int:
@@ -393,7 +393,7 @@ def test_a_store_outage_holds_the_data_and_resumes_by_itself(
     import tierstore
     from tierstore import writeback
 
-    outage = float(os.environ.get("TIERSTORE_WB_OUTAGE", "6"))
+    outage = float(os.environ.get("WB_TEST_OUTAGE_S", "6"))
     with setup(tmp_path, monkeypatch) as s:
         s.start_agent()
         s.fail_file.touch()
