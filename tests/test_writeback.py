@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -513,6 +514,11 @@ for d in (out, ref):
         f.write("epoch 1\n")
     fd = os.open(os.path.join(d, "unclosed.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.write(fd, b"left open at exit")  # never closed: journaled by the shim at exit
+import warnings
+import torch.distributed.checkpoint as dcp
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # a single process, no process group: dcp says so
+    dcp.save(state, checkpoint_id=os.path.join(out, "dcp"))
 names = ["model.pt", "arr.npy", "w.safetensors", "data.h5", "last.ckpt", "log.txt", "unclosed.bin"]
 seen = {}
 for n in names:
@@ -551,3 +557,11 @@ def test_framework_savers_under_run_give_identical_files_on_the_store(
 
         state = torch.load(s.stored("run1/last.ckpt"))
         assert torch.equal(state["b"], torch.arange(10))
+        # torch.distributed.checkpoint's FileSystemWriter (`dcp.save`): loads back from the store.
+        import torch.distributed.checkpoint as dcp
+
+        into = {"w": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.long)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(into, checkpoint_id=str(s.stored("run1/dcp")))
+        assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
