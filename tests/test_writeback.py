@@ -519,6 +519,12 @@ for d in (out, ref):
     os.replace(tmp, os.path.join(d, "last.ckpt"))
     with open(os.path.join(d, "log.txt"), "a") as f:  # stdio append
         f.write("epoch 1\n")
+    if d == out:  # creat(2) through libc, as C programs call it
+        import ctypes
+        fd = ctypes.CDLL(None, use_errno=True).creat(os.path.join(d, "creat.bin").encode(), 0o644)
+        assert fd >= 0, ctypes.get_errno()
+        os.write(fd, b"made by creat")
+        os.close(fd)
     fd = os.open(os.path.join(d, "unclosed.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.write(fd, b"left open at exit")  # never closed: journaled by the shim at exit
 import warnings
@@ -526,7 +532,7 @@ import torch.distributed.checkpoint as dcp
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # a single process, no process group: dcp says so
     dcp.save(state, checkpoint_id=os.path.join(out, "dcp"))
-names = ["model.pt", "arr.npy", "w.safetensors", "data.h5", "last.ckpt", "log.txt", "unclosed.bin"]
+names = ["model.pt", "arr.npy", "w.safetensors", "data.h5", "last.ckpt", "log.txt", "unclosed.bin", "creat.bin"]
 seen = {}
 for n in names:
     p = os.path.join(out, n)
@@ -552,9 +558,8 @@ def test_framework_savers_under_run_give_identical_files_on_the_store(
         for name, (size, digest) in seen.items():
             stored = s.stored(f"run1/{name}").read_bytes()
             assert (len(stored), hashlib.sha256(stored).hexdigest()) == (size, digest), name
-            if (
-                name != "data.h5"
-            ):  # HDF5 files carry no timestamps here, but keep the check to formats that promise it
+            # HDF5 files carry no timestamps here, but the check is kept to formats that promise it.
+            if name not in ("data.h5", "creat.bin"):
                 assert stored == (ref / name).read_bytes(), (
                     f"{name} differs from the same save to a local disk"
                 )

@@ -12,8 +12,7 @@
 //!
 //! Not captured, and passed to the store as they are: `O_DIRECT` and `O_PATH` opens (warned once),
 //! exclusive creates of `.tmp*` files (the `tempfile` crate's, renamed with raw system calls; warned once,
-//! and written only once the files closed before them in their directory are on the store),
-//! `creat`, `io_uring`, static binaries (no LD_PRELOAD at all), and writes through a descriptor inherited
+//! and written only once the files closed before them in their directory are on the store), `io_uring`, static binaries (no LD_PRELOAD at all), and writes through a descriptor inherited
 //! from another process or duplicated and used after the original was closed. Listings of a destination
 //! show only what is on the store. A file's permission bits on the store are the agent's defaults.
 
@@ -242,6 +241,19 @@ unsafe fn fopen_flags(mode: *const c_char) -> c_int {
         flags |= libc::O_CLOEXEC;
     }
     flags
+}
+
+/// `creat` is `open` with `O_CREAT | O_WRONLY | O_TRUNC`: the same capture (and, through the shim's `open`,
+/// the same invalidation of the read cache).
+#[no_mangle]
+pub unsafe extern "C" fn creat(path: *const c_char, mode: libc::mode_t) -> c_int {
+    crate::open(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
+}
+
+/// See [`creat`].
+#[no_mangle]
+pub unsafe extern "C" fn creat64(path: *const c_char, mode: libc::mode_t) -> c_int {
+    crate::open64(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
 }
 
 /// `fopen` of a file under a destination: `Some(stream)` (null with errno set on failure) when handled.
