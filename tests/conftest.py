@@ -69,6 +69,8 @@ def mounted_store(
     bandwidth: str = "0",
     meta_latency: str = "0",
     access_log: Path | None = None,
+    write_bandwidth: str = "0",
+    fail_file: Path | None = None,
 ) -> Iterator[tuple[Path, Path]]:
     """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount)."""
     import subprocess
@@ -94,6 +96,9 @@ def mounted_store(
             "--bandwidth",
             bandwidth,
             *(["--access-log", str(access_log)] if access_log is not None else []),
+            "--write-bandwidth",
+            write_bandwidth,
+            *(["--fail-file", str(fail_file)] if fail_file is not None else []),
         ],
         stderr=subprocess.PIPE,
     )

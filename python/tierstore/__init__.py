@@ -12,6 +12,7 @@ local disks), fetched from the store at most once per node, and never served sta
 from tierstore._core import ConfigError, OutsideSourceError, TierstoreError, __version__, parse_size
 from tierstore._file import CachedFile
 from tierstore.cache import Cache, configure, default_cache, open, prefetch, stats
+from tierstore.writeback import sync
 
 __all__ = [
     "Cache",
@@ -26,4 +27,5 @@ __all__ = [
     "parse_size",
     "prefetch",
     "stats",
+    "sync",
 ]

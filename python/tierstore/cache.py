@@ -405,8 +405,16 @@ def configure(
     return cache
 
 
-def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> CachedFile | io.TextIOWrapper:
-    """Opens a file through the default cache (see `Cache.open`)."""
+def open(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> Any:
+    """Opens a file through the default cache (see `Cache.open`). Under a `[[writeback]]` destination, a
+    write goes to the node's stage and reaches the store in the background, and a read of a file written
+    there and not yet on the store reads the staged copy (see `tierstore.writeback`)."""
+    from tierstore import writeback
+
+    if any(c in mode for c in "wxa+"):
+        return writeback.open(os.fsdecode(path), mode, encoding=encoding)
+    if writeback.configured() and writeback.destination(os.fsdecode(path)) is not None:
+        return writeback.open_read(os.fsdecode(path), mode, encoding=encoding)
     return default_cache().open(path, mode, encoding=encoding)
 
 

@@ -150,8 +150,16 @@ _SHOWN_ERRORS = 20
 @click.pass_obj
 def status(make: Any, as_json: bool) -> None:
     """Show what the cache holds and did: per tier and for the source, node-wide; with sharing on, every
-    member of the job too (up or down, what it holds, read from the store, served and received)."""
-    cache = make()
+    member of the job too (up or down, what it holds, read from the store, served and received); with
+    write-back destinations, the files waiting for the store (files, bytes, oldest age, errors)."""
+    writeback = _writeback_status(make)
+    try:
+        cache = make()
+    except click.ClickException:
+        if not writeback:  # a job that only writes back has no source
+            raise
+        _print_writeback(writeback, as_json)
+        return
     stats = cache.stats()
     cluster = cache.config().get("cluster")
     if cluster is not None and cluster[0].get("sharing", "off") != "off":
@@ -169,6 +177,8 @@ def status(make: Any, as_json: bool) -> None:
             "registry": cluster[0].get("registry"),
             "members": agent_mod.cluster_status(members, env),
         }
+    if writeback:
+        stats["writeback"] = writeback
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -252,6 +262,70 @@ def status(make: Any, as_json: bool) -> None:
                 str(view.get("peer_faults", 0)),
             )
         console.print(table)
+    if writeback:
+        _print_writeback(writeback, False)
+
+
+def _writeback_status(make: Any) -> list[dict[str, Any]]:
+    """What waits for migration per write-back destination ([] when none is configured)."""
+    import time
+
+    saved = dict(os.environ)
+    # Only the configuration file matters here; the cache's own options stay arguments.
+    if "TIERSTORE_CONFIG" in make.env:
+        os.environ["TIERSTORE_CONFIG"] = make.env["TIERSTORE_CONFIG"]
+    try:
+        rows = _core.Writeback().pending()
+    except _core.ConfigError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    now = time.time_ns()
+    for r in rows:
+        r["oldest_age_s"] = None if r["oldest_ns"] is None else round((now - r["oldest_ns"]) / 1e9, 3)
+    return rows
+
+
+def _print_writeback(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"writeback": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    table = Table(title="write-back (files not yet on the shared store)", title_justify="left")
+    for col in ("destination", "stage", "pending files", "pending bytes", "oldest", "errors"):
+        table.add_column(col, justify="left" if col in ("destination", "stage") else "right")
+    for r in rows:
+        age = "-" if r["oldest_age_s"] is None else f"{r['oldest_age_s']:.1f} s"
+        table.add_row(r["path"], r["stage"], str(r["files"]), _human(r["bytes"]), age, str(len(r["errors"])))
+    console.print(table)
+    for r in rows:
+        for path, attempts, error in r["errors"][:5]:
+            console.print(f"[yellow]{path}: {attempts} failed attempt(s): {error}[/]")
+
+
+@main.command()
+@click.argument("path", required=False, type=click.Path())
+@click.option(
+    "--timeout", type=float, metavar="S", help="Seconds to wait at most (default: the destination's)."
+)
+@click.pass_obj
+def sync(make: Any, path: str | None, timeout: float | None) -> None:
+    """Wait until every file written so far under PATH (every write-back destination when omitted) is
+    fsynced and checked on the shared store; exit 1, saying what is left and why, if it cannot be."""
+    from tierstore import writeback
+
+    if "TIERSTORE_CONFIG" in make.env:
+        os.environ["TIERSTORE_CONFIG"] = make.env["TIERSTORE_CONFIG"]
+    try:
+        writeback.sync(path, timeout)
+        dests = [d["path"] for d in _core.Writeback().destinations()]
+    except (TimeoutError, _core.TierstoreError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"on the shared store: {path or ', '.join(dests) or 'nothing to sync'}")
 
 
 @main.command()
@@ -325,6 +399,9 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
     os.environ.update(env)
     try:
         cache = make()
+        writeback_dests = _core.Writeback().destinations()
+    except _core.ConfigError as e:
+        raise click.ClickException(str(e)) from e
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -345,6 +422,17 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
             agent_mod.ensure(cluster[0], env=env)
         except agent_mod.AgentError as e:
             raise click.ClickException(str(e)) from e
+    if writeback_dests:
+        # Files the job writes under a destination are migrated by the node's agent, also after it exits.
+        from tierstore import agent as agent_mod
+
+        socket = agent_mod.default_socket()
+        if not agent_mod.answers(socket):
+            try:
+                agent_mod.start(socket, env=env, idle_exit=agent_mod.ON_DEMAND_IDLE_EXIT)
+            except agent_mod.AgentError as e:
+                if not agent_mod.answers(socket):
+                    raise click.ClickException(str(e)) from e
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
     if order is not None:
         sys.exit(_run_ordered(cache, order, budget, command, env))

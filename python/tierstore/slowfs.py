@@ -77,13 +77,29 @@ class Throttle:
 
 
 def make_operations(
-    root: str, meta_latency: float, data_latency: float, bandwidth: float, access_log: str | None = None
+    root: str,
+    meta_latency: float,
+    data_latency: float,
+    bandwidth: float,
+    access_log: str | None = None,
+    write_bandwidth: float = 0.0,
+    fail_file: str | None = None,
 ) -> Any:
     from mfusepy import FuseOSError, Operations
 
     counts: Counter[str] = Counter()
     lock = threading.Lock()
     throttle = Throttle(bandwidth)
+    # Writes have their own cap: a store shared with other jobs takes writes at a fraction of a local disk.
+    write_throttle = Throttle(write_bandwidth)
+
+    def failing(op: str) -> None:
+        """The error-injection switch: while `fail_file` exists, every operation that changes the store
+        fails with EIO (counted), as a store in an outage does; removing the file ends the outage."""
+        if fail_file is not None and os.path.exists(fail_file):
+            count("injected_errors")
+            raise FuseOSError(errno.EIO)
+
     # One line per file opened, in the order the store saw them: how tests see which order files were
     # fetched in (an ordered prefetch), which counts alone cannot show.
     log = open(access_log, "a", buffering=1) if access_log else None  # noqa: SIM115 (open while mounted)
@@ -189,10 +205,13 @@ def make_operations(
             if path == STATS:
                 return 0
             self._meta("open")
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+                failing("open")
             note_open(path)
             return os.open(self._full(path), flags)
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
+            failing("create")
             count("create")
             return os.open(self._full(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
@@ -207,10 +226,13 @@ def make_operations(
             return data
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            failing("write")
+            write_throttle.take(len(data))
             count("write", len(data))
             return os.pwrite(fh, data, offset)
 
         def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+            failing("truncate")
             count("truncate")
             os.truncate(self._full(path), length)
             return 0
@@ -225,21 +247,25 @@ def make_operations(
             return 0
 
         def fsync(self, path: str, datasync: int, fh: int) -> int:
+            failing("fsync")
             count("fsync")
             os.fsync(fh)
             return 0
 
         def unlink(self, path: str) -> int:
+            failing("unlink")
             count("unlink")
             os.unlink(self._full(path))
             return 0
 
         def rename(self, old: str, new: str) -> int:
+            failing("rename")
             count("rename")
             os.rename(self._full(old), self._full(new))
             return 0
 
         def mkdir(self, path: str, mode: int) -> int:
+            failing("mkdir")
             count("mkdir")
             os.mkdir(self._full(path), mode)
             return 0
@@ -284,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="added to every read request; default 0.5ms")  # fmt: skip
     ap.add_argument("--bandwidth", type=parse_rate, default="500MiB/s",
                     help="read bandwidth cap shared by all readers; default 500MiB/s, 0 for none")  # fmt: skip
+    ap.add_argument("--write-bandwidth", type=parse_rate, default="0",
+                    help="write bandwidth cap shared by all writers; default 0 (none)")  # fmt: skip
+    ap.add_argument("--fail-file", metavar="FILE",
+                    help="while FILE exists, every write, create, rename, fsync, mkdir, unlink fails with EIO "
+                         "(an outage of the store: create FILE to start it, remove it to end it)")  # fmt: skip
     ap.add_argument("--access-log", metavar="FILE",
                     help="append a line per file opened (monotonic ns, 'open', path) to FILE")  # fmt: skip
     ap.add_argument("--foreground", action="store_true", help="stay in the foreground")
@@ -295,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     ops = make_operations(
-        os.path.abspath(args.source), args.meta_latency, args.data_latency, args.bandwidth, args.access_log
+        os.path.abspath(args.source),
+        args.meta_latency,
+        args.data_latency,
+        args.bandwidth,
+        args.access_log,
+        args.write_bandwidth,
+        args.fail_file and os.path.abspath(args.fail_file),
     )
     # No kernel attribute or entry caching: every stat reaches the store, as on a PFS without client caching,
     # so the counters see every operation a job sends.

@@ -15,3 +15,4 @@ pub mod registry;
 pub mod server;
 pub mod stream;
 pub mod transfer;
+pub mod writeback;

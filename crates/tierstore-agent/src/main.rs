@@ -189,6 +189,16 @@ async fn run(a: Args) -> Result<(), String> {
     if options.stream.redis.is_none() {
         options.stream.redis = cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis"));
     }
+    // Write-back: the stages of the configuration's destinations, and those writers list.
+    let stages = match tierstore_core::config::load_writeback(&Overrides::default()) {
+        Ok(dests) => dests.into_iter().map(|d| d.stage).collect(),
+        Err(e) => {
+            log::warn!("write-back configuration: {e}; migrating only the stages writers list");
+            Vec::new()
+        }
+    };
+    let migrations = tierstore_agent::writeback::start(stages);
+    options.busy = Some(std::sync::Arc::new(move || migrations.pending.load(std::sync::atomic::Ordering::Acquire)));
     // Every agent is given the whole list; it pings the others.
     let me = options.listen.map(|l| l.to_string());
     let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);

@@ -67,6 +67,9 @@ pub struct Options {
     pub job: String,
     /// Where model streams keep their versions (see [`crate::stream`]).
     pub stream: crate::stream::StreamOptions,
+    /// Work that keeps an agent started on demand from exiting when idle (files staged for write-back
+    /// and not yet on the store).
+    pub busy: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl Options {
@@ -90,6 +93,7 @@ impl Options {
             registry: None,
             job: String::new(),
             stream: crate::stream::StreamOptions::default(),
+            busy: None,
         }
     }
 }
@@ -537,7 +541,8 @@ async fn watch_idleness(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(Duration::from_millis(100).min(idle)).await;
         let quiet = shared.last_activity.lock().expect("activity lock").elapsed();
-        if shared.open.load(Ordering::Acquire) == 0 && quiet >= idle {
+        let busy = shared.options.busy.as_ref().is_some_and(|b| b());
+        if shared.open.load(Ordering::Acquire) == 0 && quiet >= idle && !busy {
             return;
         }
     }

@@ -139,6 +139,8 @@ pub struct Config {
     pub s3: Option<S3Config>,
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
+    /// Write-back destinations (`[[writeback]]`): writes under them are staged on the node first.
+    pub writeback: Vec<crate::writeback::Destination>,
 }
 
 /// Values given by the API or CLI; `None` leaves the file or environment value in place.
@@ -190,6 +192,8 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_ORDER",
     "TIERSTORE_ORDER_BUDGET",
     "TIERSTORE_ORDER_MARKS",
+    // Write-back destinations, `DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated (over the file's list).
+    "TIERSTORE_WRITEBACK",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
@@ -259,6 +263,8 @@ struct Raw {
     slurm_nodes: Option<String>,
     /// Slurm's job id, which names the job in a registry by default.
     slurm_job: Option<String>,
+    /// `[[writeback]]` tables, or `$TIERSTORE_WRITEBACK` in their form (see `crate::writeback::config`).
+    writeback: Option<(toml::Value, Origin)>,
 }
 
 struct RawTier {
@@ -268,7 +274,7 @@ struct RawTier {
 }
 
 const TOP_KEYS: &[&str] =
-    &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster", "s3"];
+    &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster", "s3", "writeback"];
 const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
@@ -373,6 +379,7 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                     raw.s3.insert(name, (sv.clone(), origin.clone()));
                 }
             }
+            "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
             other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
         }
     }
@@ -669,6 +676,11 @@ impl Config {
 
     /// [`Config::load`] with an explicit environment (tests).
     pub fn load_with_env(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+        Self::validate(Self::layers(overrides, env)?)
+    }
+
+    /// The file, the environment and `overrides`, read and layered but not validated.
+    fn layers(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Raw, ConfigError> {
         for (name, value) in env {
             let private = [RESOLVED_FROM_ENV, RESOLVED_ENV].contains(&name.as_str());
             if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) && !private {
@@ -760,7 +772,11 @@ impl Config {
                 *slot = Some((v.clone(), Origin::Argument));
             }
         }
-        Self::validate(raw)
+        if let Some(v) = env.get("TIERSTORE_WRITEBACK") {
+            let o = env_origin("TIERSTORE_WRITEBACK");
+            raw.writeback = Some((crate::writeback::config::from_env(v, &o)?, o));
+        }
+        Ok(raw)
     }
 
     fn validate(raw: Raw) -> Result<Config, ConfigError> {
@@ -996,6 +1012,7 @@ impl Config {
         )?;
 
         let cluster = validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())?;
+        let writeback = crate::writeback::config::validate(raw.writeback.as_ref())?;
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
         }
@@ -1011,8 +1028,17 @@ impl Config {
             cluster,
             s3,
             origins,
+            writeback,
         })
     }
+}
+
+/// Only the `[[writeback]]` destinations of the configuration (the file, then `$TIERSTORE_WRITEBACK`):
+/// what writers and the agent need, with no source required.
+pub fn load_writeback(overrides: &Overrides) -> Result<Vec<crate::writeback::Destination>, ConfigError> {
+    let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
+    let raw = Config::layers(overrides, &env)?;
+    crate::writeback::config::validate(raw.writeback.as_ref())
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ pub mod source;
 pub mod stream;
 pub mod tier;
 pub mod wire;
+pub mod writeback;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};

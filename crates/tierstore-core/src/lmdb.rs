@@ -83,6 +83,16 @@ impl Env {
     /// entries are validated against the source and their own size on every open); a process crash loses
     /// nothing because LMDB writes land in the page cache.
     pub fn open(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
+        Self::open_flags(dir, map_size, names, ffi::MDB_NOSYNC)
+    }
+
+    /// Like [`Env::open`], but every commit is fsynced before it returns: for records that must survive
+    /// a power cut (the write-back journal, whose entries stand for bytes the program was told are safe).
+    pub fn open_durable(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
+        Self::open_flags(dir, map_size, names, 0)
+    }
+
+    fn open_flags(dir: &Path, map_size: usize, names: &[&str], sync: u32) -> Result<Env, LmdbError> {
         let mut raw = ptr::null_mut();
         // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
         unsafe {
@@ -92,7 +102,7 @@ impl Env {
             check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
             let c_path = CString::new(dir.as_os_str().as_bytes()).expect("path without NUL bytes");
-            let flags = ffi::MDB_NOSYNC | ffi::MDB_NOTLS;
+            let flags = sync | ffi::MDB_NOTLS;
             check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o644))?;
             let mut env = env;
             let mut rc = 0;

@@ -79,6 +79,7 @@ macro_rules! real {
 }
 
 mod dirs;
+mod writes;
 mod xattrs;
 
 /// The engine of one process. The configuration is read on the first intercepted call; the cache itself
@@ -314,6 +315,9 @@ unsafe fn invalidate(dirfd: c_int, path: *const c_char) {
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
+    if let Some(fd) = writes::open(dirfd, path, flags) {
+        return fd;
+    }
     if let Some(fd) = cached_open(dirfd, path, flags, true) {
         return fd;
     }
@@ -406,6 +410,9 @@ unsafe fn fopen_flags(mode: *const c_char) -> c_int {
 
 unsafe fn fopen_common(path: *const c_char, mode: *const c_char, real: impl FnOnce() -> *mut FILE) -> *mut FILE {
     let Some(_busy) = Busy::enter() else { return real() };
+    if let Some(f) = writes::fopen(path, mode) {
+        return f;
+    }
     let flags = fopen_flags(mode);
     match cached_open(libc::AT_FDCWD, path, flags, false) {
         Some(-1) => std::ptr::null_mut(),
@@ -515,6 +522,10 @@ unsafe fn stat_path<T>(
     real: impl FnOnce() -> c_int,
 ) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
+    if let Some(st) = writes::staged_stat(dirfd, path) {
+        *buf = answer(&st);
+        return 0;
+    }
     let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
     let Some(cache) = s.cache() else { return real() };
     if let Ok(Some(st)) = cache.cached_stat(&abs, nofollow) {
@@ -1111,6 +1122,9 @@ pub unsafe extern "C" fn fstatvfs64(fd: c_int, buf: *mut libc::statvfs) -> c_int
 
 unsafe fn access_common(dirfd: c_int, path: *const c_char, mode: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
+    if writes::staged_stat(dirfd, path).is_some() {
+        return 0;
+    }
     if mode & (libc::W_OK | libc::X_OK) == 0 && cached_stat(dirfd, path, false).is_some() {
         return 0;
     }
@@ -1148,6 +1162,11 @@ unsafe fn changed(rc: c_int, targets: &[(c_int, *const c_char)]) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
+    if let Some(rc) =
+        writes::unlink(libc::AT_FDCWD, path, || real!("unlink", unsafe extern "C" fn(*const c_char) -> c_int)(path))
+    {
+        return rc;
+    }
     let rc = real!("unlink", unsafe extern "C" fn(*const c_char) -> c_int)(path);
     changed(rc, &[(libc::AT_FDCWD, path)])
 }
@@ -1156,6 +1175,12 @@ pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
 pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
     let u = unshadow(dirfd, path);
     let (dirfd, path) = at(&u, dirfd, path);
+    if flags & libc::AT_REMOVEDIR == 0 {
+        let real = || real!("unlinkat", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags);
+        if let Some(rc) = writes::unlink(dirfd, path, real) {
+            return rc;
+        }
+    }
     let rc = real!("unlinkat", unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int)(dirfd, path, flags);
     changed(rc, &[(dirfd, path)])
 }
@@ -1213,6 +1238,9 @@ pub unsafe extern "C" fn symlinkat(target: *const c_char, dirfd: c_int, path: *c
 
 #[no_mangle]
 pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int {
+    if let Some(rc) = writes::rename(libc::AT_FDCWD, old, libc::AT_FDCWD, new, 0) {
+        return rc;
+    }
     let rc = real!("rename", unsafe extern "C" fn(*const c_char, *const c_char) -> c_int)(old, new);
     changed(rc, &[(libc::AT_FDCWD, old), (libc::AT_FDCWD, new)])
 }
@@ -1221,6 +1249,9 @@ pub unsafe extern "C" fn rename(old: *const c_char, new: *const c_char) -> c_int
 pub unsafe extern "C" fn renameat(olddir: c_int, old: *const c_char, newdir: c_int, new: *const c_char) -> c_int {
     let (uo, un) = (unshadow(olddir, old), unshadow(newdir, new));
     let ((olddir, old), (newdir, new)) = (at(&uo, olddir, old), at(&un, newdir, new));
+    if let Some(rc) = writes::rename(olddir, old, newdir, new, 0) {
+        return rc;
+    }
     let rc = real!("renameat", unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char) -> c_int)(
         olddir, old, newdir, new,
     );
@@ -1237,6 +1268,9 @@ pub unsafe extern "C" fn renameat2(
 ) -> c_int {
     let (uo, un) = (unshadow(olddir, old), unshadow(newdir, new));
     let ((olddir, old), (newdir, new)) = (at(&uo, olddir, old), at(&un, newdir, new));
+    if let Some(rc) = writes::rename(olddir, old, newdir, new, flags) {
+        return rc;
+    }
     let rc = real!("renameat2", unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char, c_uint) -> c_int)(
         olddir, old, newdir, new, flags,
     );
@@ -1245,12 +1279,18 @@ pub unsafe extern "C" fn renameat2(
 
 #[no_mangle]
 pub unsafe extern "C" fn truncate(path: *const c_char, len: libc::off_t) -> c_int {
+    if let Some(rc) = writes::truncate(path, len) {
+        return rc;
+    }
     let rc = real!("truncate", unsafe extern "C" fn(*const c_char, libc::off_t) -> c_int)(path, len);
     changed(rc, &[(libc::AT_FDCWD, path)])
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn truncate64(path: *const c_char, len: libc::off_t) -> c_int {
+    if let Some(rc) = writes::truncate(path, len) {
+        return rc;
+    }
     let rc = real!("truncate64", unsafe extern "C" fn(*const c_char, libc::off_t) -> c_int)(path, len);
     changed(rc, &[(libc::AT_FDCWD, path)])
 }
@@ -1287,7 +1327,7 @@ pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, count: size_t, off
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     streams::forget(fd);
-    real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd)
+    writes::close(fd, || real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd))
 }
 
 #[no_mangle]

@@ -116,3 +116,18 @@ pub fn integrity_error(py: Python<'_>, message: String, index: Option<usize>, ki
         None => PyException::new_err(message),
     }
 }
+
+/// Converts a write-back error: a store that did not take the files in time is a `TimeoutError`, a file
+/// error keeps its errno, the configuration's is a `ConfigError`, the rest a `TierstoreError`.
+pub fn writeback_to_py(err: tierstore_core::writeback::WritebackError) -> PyErr {
+    use tierstore_core::writeback::WritebackError as W;
+    Python::with_gil(|py| match err {
+        W::Config(e) => raise(py, &CONFIG_ERROR, e.to_string()),
+        W::Timeout { .. } => pyo3::exceptions::PyTimeoutError::new_err(err.to_string()),
+        W::Io { ref path, ref source, .. } if source.raw_os_error().is_some() => {
+            let errno = source.raw_os_error().unwrap_or(libc::EIO);
+            PyOSError::new_err((errno, err.to_string(), path.to_string_lossy().into_owned()))
+        }
+        other => raise(py, &TIERSTORE_ERROR, other.to_string()),
+    })
+}

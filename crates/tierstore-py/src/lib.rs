@@ -4,6 +4,7 @@
 mod error;
 mod pack;
 mod stream;
+mod writeback;
 
 use std::io::SeekFrom;
 use std::path::PathBuf;
@@ -578,6 +579,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream::stream_place, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_copy, m)?)?;
+    m.add_class::<writeback::PyWriteback>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;

@@ -1,0 +1,345 @@
+"""Benchmark of write-back staging: Cache VOL's checkpointing experiment on the stand-in store.
+
+A job loops: compute (a fixed sleep, standing in for GPU work: it takes no host CPU), then a checkpoint of
+S bytes (4 shard files and a small commit file written last, each written, flushed and fsynced) under a
+destination on the stand-in store (`tierstore.slowfs`, FUSE) whose write bandwidth is capped well below
+the local disk's. The compute time of a step is `ratio` times the time one checkpoint takes written
+straight to the store (measured first), for ratios 0.5, 1 and 2. In one run:
+
+  local disk    the same job writing to a directory of the local disk, no tierstore: the target;
+  store         the same job writing straight to the stand-in store, no tierstore: the baseline;
+  tierstore     the job writing through `tierstore.open(path, "wb")` (durability "local": each close
+                returns once the bytes and their journal entry are fsynced on the node's stage), the
+                node's agent migrating to the store in the background; then `tierstore.sync()`.
+
+The local device's raw write+fsync bandwidth is measured in the same run (the same files, written and
+fsynced to the stage's disk). Reported: the observed write bandwidth of the tierstore job (bytes over the
+time spent in its writes and closes, Cache VOL's measure) against that raw bandwidth, and each job's total
+time (to its last close; for tierstore also to the end of the final sync) against the local-disk job's.
+
+    .venv/bin/python bench/bench_writeback.py --out BENCHMARKS-writeback.md --plot bench/writeback.png
+
+The exit status is 1 when a target (for ratios >= 1: observed bandwidth >= 0.95x the device's, job time
+<= 1.05x the local-disk job's) is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+RATIOS = (0.5, 1.0, 2.0)
+BW_TARGET = 0.95
+TIME_TARGET = 1.05
+
+
+@dataclass
+class Spec:
+    shards: int = 4
+    shard_size: int = 16 << 20
+    steps: int = 6
+    store_write_bw: str = "100MiB/s"
+
+    @property
+    def size(self) -> int:
+        return self.shards * self.shard_size + 4096
+
+
+def payload(spec: Spec) -> list[tuple[str, bytes]]:
+    """The files of one checkpoint: shards, then the commit file (written last)."""
+    rnd = os.urandom(1 << 20)
+    shards = [(f"shard{i}.bin", rnd * (spec.shard_size >> 20)) for i in range(spec.shards)]
+    return [*shards, ("commit.json", b"{}".ljust(4096))]
+
+
+def write_plain(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_staged(path: str, data: bytes) -> None:
+    import tierstore
+
+    f: IO[Any] = tierstore.open(path, "wb")
+    with f:
+        f.write(data)
+        f.flush()
+
+
+def checkpoint(
+    root: Path, step: int, files: list[tuple[str, bytes]], write: Callable[[str, bytes], None]
+) -> float:
+    """Writes one checkpoint; returns the seconds spent in writes and closes."""
+    t0 = time.perf_counter()  # from creating the checkpoint's directory to the last close (Cache VOL's)
+    d = root / f"step{step:03d}"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in files:
+        write(str(d / name), data)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Job:
+    io: float  # seconds in writes and closes
+    total: float  # seconds to the last close
+    durable: float  # seconds until on the store (tierstore: after the final sync)
+
+
+def job(
+    root: Path,
+    spec: Spec,
+    files: list[tuple[str, bytes]],
+    compute: float,
+    write: Callable[[str, bytes], None],
+    sync: Callable[[], None] | None = None,
+) -> Job:
+    io = 0.0
+    start = time.perf_counter()
+    for step in range(spec.steps):
+        time.sleep(compute)
+        io += checkpoint(root, step, files, write)
+    total = time.perf_counter() - start
+    if sync is not None:
+        sync()
+    return Job(io, total, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def store(root: Path, backing: Path, write_bw: str) -> Iterator[tuple[Path, Path]]:
+    mount = root / "store"
+    shutil.rmtree(backing, ignore_errors=True)
+    backing.mkdir(parents=True)
+    mount.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.slowfs", str(backing), str(mount), "--foreground", "--meta-latency", "1ms",
+         "--data-latency", "0", "--bandwidth", "0", "--write-bandwidth", write_bw],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not os.path.ismount(mount):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the stand-in store did not mount: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.05)
+    try:
+        yield backing, mount
+    finally:
+        for _ in range(50):
+            if subprocess.run(["fusermount3", "-u", str(mount)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        proc.wait(30)
+        shutil.rmtree(backing, ignore_errors=True)
+
+
+def drop_tree(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True)
+    os.sync()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    spec = Spec(steps=args.steps, shard_size=args.shard_mib << 20, store_write_bw=args.store_bw)
+    root: Path = args.root
+    drop_tree(root)
+    root.mkdir(parents=True)
+    files = payload(spec)
+    local = root / "local"
+    stage = root / "stage"
+    results: dict[str, Any] = {"spec": spec, "device": [], "ratios": {}}
+    with store(root, args.store_backing, spec.store_write_bw) as (backing, mount):
+        dest = mount / "ckpt"
+        dest.mkdir()
+        os.environ["XDG_RUNTIME_DIR"] = str(root / "run")
+        (root / "run").mkdir()
+        os.environ["TIERSTORE_WRITEBACK"] = f"{dest}:{stage}:{4 * spec.size * spec.steps}:local"
+        import tierstore
+        from tierstore import agent, writeback
+
+        writeback.reload()
+        pid, _ = agent.start(agent.default_socket(), env=dict(os.environ), idle_exit=600)
+        try:
+            # The device: the checkpoint's files written and fsynced on the stage's disk (again before every
+            # round below: this VM's disk varies from minute to minute).
+            def device() -> None:
+                t = checkpoint(stage.parent / "raw", 0, files, write_plain)
+                results["device"].append(spec.size / t)
+                drop_tree(stage.parent / "raw")
+
+            # The store: one checkpoint written straight to it gives the I/O time the ratios scale.
+            direct = [checkpoint(mount / "probe", i, files, write_plain) for i in range(2)]
+            t_store = statistics.median(direct)
+            results["t_store"] = t_store
+            for ratio in RATIOS:
+                compute = ratio * t_store
+                rows: dict[str, list[Job]] = {"local disk": [], "store": [], "tierstore": []}
+                for _ in range(args.repeats):
+                    device()
+                    rows["local disk"].append(job(local, spec, files, compute, write_plain))
+                    drop_tree(local)
+                    rows["store"].append(job(mount / "direct", spec, files, compute, write_plain))
+                    shutil.rmtree(mount / "direct", ignore_errors=True)
+                    os.sync()
+                    rows["tierstore"].append(
+                        job(
+                            dest / f"r{ratio}",
+                            spec,
+                            files,
+                            compute,
+                            write_staged,
+                            lambda: tierstore.sync(timeout=600),
+                        )
+                    )
+                    assert not any(p["files"] for p in writeback.pending()), (
+                        "sync returned with files pending"
+                    )
+                    shutil.rmtree(dest / f"r{ratio}", ignore_errors=True)
+                    os.sync()
+                results["ratios"][ratio] = {"compute": compute, **rows}
+                print(f"ratio {ratio}: done", file=sys.stderr)
+            # Byte-exact on the store: one more checkpoint, synced and compared.
+            job(dest / "check", Spec(steps=1, shards=spec.shards, shard_size=spec.shard_size), files, 0, write_staged,
+                lambda: tierstore.sync(timeout=600))  # fmt: skip
+            for name, data in files:
+                assert (backing / "ckpt" / "check" / "step000" / name).read_bytes() == data, name
+        finally:
+            agent.stop(agent.default_socket())
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+    return results
+
+
+def report(r: dict[str, Any], command: str) -> tuple[list[str], bool]:
+    spec: Spec = r["spec"]
+    dev = statistics.median(r["device"])
+    mib = 1 << 20
+    ok = True
+    lines = [
+        "# Write-back staging: Cache VOL's checkpointing experiment",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Checkpoint: {spec.shards} shards of {spec.shard_size // mib} MiB and a 4 KiB commit file written last "
+        f"({spec.size / mib:.1f} MiB), {spec.steps} steps per job; every file written, flushed and fsynced "
+        "(tierstore: closed, which fsyncs and journals it). The store: `tierstore.slowfs` with writes capped at "
+        f"{spec.store_write_bw}, 1 ms per metadata operation, its files kept in RAM (another device than the "
+        "stage's disk, as a parallel file system is). One checkpoint straight to the store took "
+        f"{r['t_store']:.2f} s; a step's compute is ratio x that. Medians of the rounds.",
+        "",
+        f"Local device, raw write+fsync of one checkpoint's files on the stage's disk, before every round: "
+        f"**{dev / mib:.0f} MiB/s** median (rounds: {', '.join(f'{x / mib:.0f}' for x in r['device'])}). The "
+        "local-disk job's own observed bandwidth (the same writes inside the loop) is the second reference. "
+        f"The device's rounds ranged from {min(r['device']) / mib:.0f} to {max(r['device']) / mib:.0f} MiB/s.",
+        "",
+        "| compute/IO | observed write bandwidth: tierstore | local-disk job | tierstore vs the device | "
+        "vs the local-disk job | job time: local disk | store | tierstore | tierstore vs local disk | "
+        "tierstore, synced at the end | store vs local disk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ratio, row in r["ratios"].items():
+        med = {k: statistics.median(j.total for j in v) for k, v in row.items() if k != "compute"}
+        ts = row["tierstore"]
+        bw = statistics.median(spec.size * spec.steps / j.io for j in ts)
+        local_bw = statistics.median(spec.size * spec.steps / j.io for j in row["local disk"])
+        durable = statistics.median(j.durable for j in ts)
+        bw_ratio, t_ratio = bw / dev, med["tierstore"] / med["local disk"]
+        if ratio >= 1 and (bw_ratio < BW_TARGET or t_ratio > TIME_TARGET):
+            ok = False
+        lines.append(
+            f"| {ratio:g} | {bw / mib:.0f} MiB/s | {local_bw / mib:.0f} MiB/s | {bw_ratio:.2f}x | {bw / local_bw:.2f}x | "
+            f"{med['local disk']:.2f} s | {med['store']:.2f} s | "
+            f"{med['tierstore']:.2f} s | {t_ratio:.3f}x | {durable:.2f} s | {med['store'] / med['local disk']:.2f}x |"
+        )
+    lines += [
+        "",
+        f"Targets for compute/IO >= 1: observed bandwidth >= {BW_TARGET}x the device's, job time <= {TIME_TARGET}x "
+        f"the local-disk job's: **{'met' if ok else 'missed'}**.",
+        "",
+        '"tierstore, synced at the end" adds the final `tierstore.sync()`: the time until every checkpoint is fsynced '
+        "and checked on the store. At ratio 0.5 the store cannot keep up with the job, so the stage grows and the "
+        "final sync waits for the backlog.",
+    ]
+    return lines, ok
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec: Spec = r["spec"]
+    dev = statistics.median(r["device"])
+    ratios = list(r["ratios"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    bws = [
+        statistics.median(spec.size * spec.steps / j.io for j in r["ratios"][x]["tierstore"]) / (1 << 20)
+        for x in ratios
+    ]
+    a.bar([str(x) for x in ratios], bws, color="tab:green", label="tierstore (observed)")
+    a.axhline(dev / (1 << 20), color="k", linestyle="--", label="device write+fsync")
+    a.set_xlabel("compute / IO")
+    a.set_ylabel("MiB/s")
+    a.set_title("observed write bandwidth")
+    a.legend()
+    width = 0.25
+    for i, k in enumerate(("local disk", "store", "tierstore")):
+        ys = [statistics.median(j.total for j in r["ratios"][x][k]) for x in ratios]
+        b.bar([j + (i - 1) * width for j in range(len(ratios))], ys, width, label=k)
+    b.set_xticks(range(len(ratios)), [str(x) for x in ratios])
+    b.set_xlabel("compute / IO")
+    b.set_ylabel("job time (s)")
+    b.set_title("job time")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="write the results as Markdown here")
+    ap.add_argument("--plot", type=Path, help="write a chart (PNG) here")
+    ap.add_argument("--root", type=Path, default=Path("/var/tmp/tierstore-bench-writeback"))
+    ap.add_argument(
+        "--store-backing",
+        type=Path,
+        default=Path("/dev/shm/tierstore-bench-writeback-store"),
+        help="the stand-in store's backing directory: another device than --root's (default: RAM), so that "
+        "the store's writes do not compete with the stage's for the local disk, as a parallel file system's "
+        "do not",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every job; tables give medians")
+    ap.add_argument("--steps", type=int, default=Spec.steps)
+    ap.add_argument("--shard-mib", type=int, default=Spec.shard_size >> 20)
+    ap.add_argument(
+        "--store-bw", default=Spec.store_write_bw, help="the store's write cap (default %(default)s)"
+    )
+    args = ap.parse_args(argv)
+    command = " ".join(
+        [".venv/bin/python", "bench/bench_writeback.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    r = run(args)
+    lines, ok = report(r, command)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    if args.plot:
+        plot(r, args.plot)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+//! `[[writeback]]`: the destinations on the shared store whose writes are staged on the node.
+//!
+//! ```toml
+//! [[writeback]]
+//! path = "/lustre/ckpt"          # the destination on the shared store (a directory that exists)
+//! stage = "/nvme/tierstore-stage" # node-local directory the writes land in first
+//! quota = "200G"                 # bytes staged at most; past it, writes go straight to the store
+//! durability = "local"           # close() returns once durable on the node ("remote": on the store)
+//! timeout = "10m"                # the longest close (remote) or `tierstore sync` waits for the store
+//! ```
+//!
+//! `$TIERSTORE_WRITEBACK` replaces the file's list: `DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated.
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::config::{parse_size, ConfigError, Origin};
+
+/// When `close()` (and `fsync`) of a staged file returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Once the bytes and their journal entry are fsynced on the node's stage.
+    Local,
+    /// Once the file is fsynced and checked on the shared store.
+    Remote,
+}
+
+impl Durability {
+    /// The name used in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Durability::Local => "local",
+            Durability::Remote => "remote",
+        }
+    }
+}
+
+/// One `[[writeback]]` entry, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    /// The directory on the shared store (absolute, normalized) whose writes are staged.
+    pub path: PathBuf,
+    /// The node-local stage directory (created if missing): the journal and the staged bytes.
+    pub stage: PathBuf,
+    /// Bytes staged at most (files waiting for migration); a file opened past it is written through.
+    pub quota: u64,
+    /// What close() promises.
+    pub durability: Durability,
+    /// The longest a remote close or a sync waits for the store before failing.
+    pub timeout: Duration,
+}
+
+impl Destination {
+    /// Whether `abs` (absolute, normalized) is a file strictly under this destination.
+    pub fn holds(&self, abs: &Path) -> bool {
+        abs != self.path && abs.starts_with(&self.path)
+    }
+}
+
+/// The keys of a `[[writeback]]` table.
+pub const KEYS: &[&str] = &["path", "stage", "quota", "durability", "timeout"];
+
+/// The longest a remote close or a sync waits by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+fn bad(origin: &Origin, key: &str, value: impl std::fmt::Display, problem: &str, fix: &str) -> ConfigError {
+    ConfigError {
+        origin: origin.clone(),
+        key: key.to_string(),
+        value: value.to_string(),
+        problem: problem.to_string(),
+        fix: fix.to_string(),
+    }
+}
+
+const FIX: &str = "write [[writeback]] tables: path = \"/lustre/ckpt\", stage = \"/nvme/stage\", quota = \"100G\", \
+                   durability = \"local\"";
+
+/// Turns `$TIERSTORE_WRITEBACK` (`DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated) into the TOML list the
+/// file would hold.
+pub fn from_env(text: &str, origin: &Origin) -> Result<toml::Value, ConfigError> {
+    let mut list = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let parts: Vec<&str> = item.split(':').collect();
+        if parts.len() < 2 || parts.len() > 4 || parts[0].is_empty() || parts[1].is_empty() {
+            return Err(bad(
+                origin,
+                "writeback",
+                item,
+                "is not DEST:STAGE[:QUOTA[:DURABILITY]]",
+                "write TIERSTORE_WRITEBACK=\"/lustre/ckpt:/nvme/stage:100G:local\"",
+            ));
+        }
+        let mut t = toml::Table::new();
+        t.insert("path".into(), toml::Value::String(parts[0].into()));
+        t.insert("stage".into(), toml::Value::String(parts[1].into()));
+        if let Some(q) = parts.get(2).filter(|q| !q.is_empty()) {
+            t.insert("quota".into(), toml::Value::String((*q).into()));
+        }
+        if let Some(d) = parts.get(3) {
+            t.insert("durability".into(), toml::Value::String((*d).into()));
+        }
+        list.push(toml::Value::Table(t));
+    }
+    Ok(toml::Value::Array(list))
+}
+
+fn text(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn absolute(p: &str) -> PathBuf {
+    let p = match p.strip_prefix("~/") {
+        Some(rest) => std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/tmp".into()).join(rest),
+        None => PathBuf::from(p),
+    };
+    crate::source::normalize(&std::path::absolute(&p).unwrap_or(p))
+}
+
+fn parse_timeout(t: &str) -> Option<Duration> {
+    let t = t.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t, 1.0)
+    };
+    let secs: f64 = num.trim().parse().ok()?;
+    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs * scale))
+}
+
+/// Validates the `writeback` value (from the file or the environment). Stage directories are created
+/// here, so a stage that cannot exist fails at start.
+pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>, ConfigError> {
+    let Some((value, origin)) = raw else { return Ok(Vec::new()) };
+    let list =
+        value.as_array().ok_or_else(|| bad(origin, "writeback", text(value), "must be a list of tables", FIX))?;
+    let mut out: Vec<Destination> = Vec::new();
+    for (i, item) in list.iter().enumerate() {
+        let k = format!("writeback[{i}]");
+        let t = item.as_table().ok_or_else(|| bad(origin, &k, text(item), "must be a table", FIX))?;
+        for (key, v) in t {
+            if !KEYS.contains(&key.as_str()) {
+                return Err(bad(
+                    origin,
+                    &format!("{k}.{key}"),
+                    text(v),
+                    "unknown key",
+                    &format!("known keys: {}", KEYS.join(", ")),
+                ));
+            }
+        }
+        let get = |key: &str| t.get(key).map(text);
+        let path_text = get("path")
+            .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
+        let path = absolute(&path_text);
+        if path == Path::new("/") {
+            return Err(bad(
+                origin,
+                &format!("{k}.path"),
+                &path_text,
+                "is the root directory",
+                "name the directory checkpoints go to",
+            ));
+        }
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(bad(
+                    origin,
+                    &format!("{k}.path"),
+                    &path_text,
+                    "is not a directory",
+                    "give a directory on the shared store",
+                ))
+            }
+            Err(e) => {
+                return Err(bad(
+                    origin,
+                    &format!("{k}.path"),
+                    &path_text,
+                    &format!("cannot be read ({e})"),
+                    "create the destination directory on the shared store first (mkdir -p), or fix the path",
+                ))
+            }
+        }
+        let stage_text = get("stage").ok_or_else(|| {
+            bad(origin, &format!("{k}.stage"), "(missing)", "every destination needs a node-local stage directory", FIX)
+        })?;
+        let stage = absolute(&stage_text);
+        if stage.starts_with(&path) || path.starts_with(&stage) {
+            return Err(bad(
+                origin,
+                &format!("{k}.stage"),
+                &stage_text,
+                &format!("overlaps the destination {}", path.display()),
+                "put the stage on node-local storage (an NVMe or SSD directory), outside the destination",
+            ));
+        }
+        std::fs::create_dir_all(&stage).map_err(|e| {
+            bad(
+                origin,
+                &format!("{k}.stage"),
+                &stage_text,
+                &format!("cannot be created ({e})"),
+                "give a writable local directory",
+            )
+        })?;
+        let quota = match get("quota") {
+            Some(q) => parse_size(&q).filter(|n| *n > 0).ok_or_else(|| {
+                bad(
+                    origin,
+                    &format!("{k}.quota"),
+                    format!("\"{q}\""),
+                    "is not a size",
+                    "use a size like \"100G\" or \"512MiB\"",
+                )
+            })?,
+            // The stage's free space when the job starts, less a tenth for everything else on the disk.
+            None => crate::config::fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
+        };
+        let durability =
+            match get("durability").as_deref() {
+                None | Some("local") => Durability::Local,
+                Some("remote") => Durability::Remote,
+                Some(other) => return Err(bad(
+                    origin,
+                    &format!("{k}.durability"),
+                    format!("\"{other}\""),
+                    "unknown durability",
+                    "use \"local\" (close returns once the bytes are fsynced on the node) or \"remote\" (once they \
+                     are fsynced and checked on the shared store)",
+                )),
+            };
+        let timeout = match get("timeout") {
+            None => DEFAULT_TIMEOUT,
+            Some(v) => parse_timeout(&v).ok_or_else(|| {
+                bad(
+                    origin,
+                    &format!("{k}.timeout"),
+                    format!("\"{v}\""),
+                    "is not a duration",
+                    "use seconds or \"90s\", \"10m\", \"1h\"",
+                )
+            })?,
+        };
+        if let Some(other) = out.iter().find(|d| d.path.starts_with(&path) || path.starts_with(&d.path)) {
+            return Err(bad(
+                origin,
+                &format!("{k}.path"),
+                &path_text,
+                &format!("overlaps the destination {}", other.path.display()),
+                "give each destination its own directory, none inside another",
+            ));
+        }
+        out.push(Destination { path, stage, quota, durability, timeout });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(dest: &Path, stage: &Path, extra: &str) -> toml::Value {
+        let text = format!("[[writeback]]\npath = {:?}\nstage = {:?}\n{extra}", dest.display(), stage.display());
+        let t: toml::Table = text.parse().unwrap();
+        t["writeback"].clone()
+    }
+
+    #[test]
+    fn a_valid_destination_and_its_defaults() {
+        let d = tempfile::tempdir().unwrap();
+        let (dest, stage) = (d.path().join("store"), d.path().join("stage"));
+        std::fs::create_dir(&dest).unwrap();
+        let v = table(&dest, &stage, "quota = \"1M\"\ndurability = \"remote\"\ntimeout = \"90s\"");
+        let out = validate(Some(&(v, Origin::Default))).unwrap();
+        assert_eq!(out[0].quota, 1 << 20);
+        assert_eq!(out[0].durability, Durability::Remote);
+        assert_eq!(out[0].timeout, Duration::from_secs(90));
+        assert!(stage.is_dir(), "the stage is created at start");
+        assert!(out[0].holds(&dest.join("a/b")) && !out[0].holds(&dest) && !out[0].holds(&d.path().join("storex")));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_fix() {
+        let d = tempfile::tempdir().unwrap();
+        let (dest, stage) = (d.path().join("store"), d.path().join("stage"));
+        let e = validate(Some(&(table(&dest, &stage, ""), Origin::Default))).unwrap_err();
+        assert_eq!(e.key, "writeback[0].path");
+        assert!(e.fix.contains("mkdir"), "{e}");
+        std::fs::create_dir(&dest).unwrap();
+        let e = validate(Some(&(table(&dest, &stage, "durability = \"eventual\""), Origin::Default))).unwrap_err();
+        assert_eq!(e.key, "writeback[0].durability");
+        assert!(e.to_string().contains("\"remote\""), "{e}");
+        let e = validate(Some(&(table(&dest, &stage, "quota = \"lots\""), Origin::Default))).unwrap_err();
+        assert_eq!(e.key, "writeback[0].quota");
+        let e = validate(Some(&(table(&dest, &dest.join("s"), ""), Origin::Default))).unwrap_err();
+        assert!(e.problem.contains("overlaps"), "{e}");
+        let e = validate(Some(&(table(&dest, &stage, "qouta = 1"), Origin::Default))).unwrap_err();
+        assert_eq!(e.key, "writeback[0].qouta");
+    }
+
+    #[test]
+    fn the_environment_form() {
+        let o = Origin::Env("TIERSTORE_WRITEBACK".into());
+        let v = from_env("/a:/b:1G:remote,/c:/d", &o).unwrap();
+        let list = v.as_array().unwrap();
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[0]["durability"].as_str(), Some("remote"));
+        assert!(from_env("/a", &o).is_err());
+    }
+}

@@ -1,0 +1,524 @@
+//! The stage's journal: an fsynced LMDB environment beside the staged bytes, shared by every process of
+//! the node (the writers record, the agent migrates and removes).
+//!
+//! One entry per staged file, keyed by a sequence number taken when the program closed (or renamed,
+//! or truncated) the file: the agent migrates in key order, so a file closed after another reaches the
+//! store after it (a checkpoint's metadata file, written last, appears last). Any change to a pending
+//! file re-keys it with a new number, which also tells a migration in flight that its copy is stale.
+//! Each commit is synchronous (no `MDB_NOSYNC`, unlike the read cache's index): an entry exists on disk
+//! before the close that made it returns.
+
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::lmdb::{Db, Env, LmdbError};
+
+/// Why a journal operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// LMDB failed.
+    #[error("the write-back journal in {dir}: {source}")]
+    Lmdb {
+        /// The journal's directory.
+        dir: PathBuf,
+        /// The error.
+        source: LmdbError,
+    },
+    /// A file of the stage could not be read or written.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// An entry that does not decode (written by another version, or damaged).
+    #[error("the write-back journal in {0} holds an entry this version cannot read; finish it with the tierstore that wrote it")]
+    Corrupt(PathBuf),
+}
+
+impl JournalError {
+    /// The `errno` to report to a program whose call failed for this reason.
+    pub fn errno(&self) -> i32 {
+        match self {
+            JournalError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            _ => libc::EIO,
+        }
+    }
+}
+
+/// A staged file waiting for migration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Its place in the migration order.
+    pub seq: u64,
+    /// Where it goes on the shared store.
+    pub dest: PathBuf,
+    /// Its file in the stage's `data/` directory.
+    pub staged: String,
+    /// Its size.
+    pub size: u64,
+    /// blake3 of its bytes.
+    pub hash: [u8; 32],
+    /// When it was first closed (ns since the epoch): the age `tierstore status` shows.
+    pub created_ns: u64,
+    /// Failed migration attempts.
+    pub attempts: u32,
+    /// The last migration error, if any.
+    pub error: String,
+}
+
+const ENTRY_VERSION: u8 = 1;
+
+impl Entry {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = vec![ENTRY_VERSION];
+        out.extend_from_slice(&self.size.to_be_bytes());
+        out.extend_from_slice(&self.hash);
+        out.extend_from_slice(&self.created_ns.to_be_bytes());
+        out.extend_from_slice(&self.attempts.to_be_bytes());
+        for b in [self.dest.as_os_str().as_bytes(), self.staged.as_bytes(), self.error.as_bytes()] {
+            out.extend_from_slice(&(b.len() as u32).to_be_bytes());
+            out.extend_from_slice(b);
+        }
+        out
+    }
+
+    fn decode(seq: u64, b: &[u8]) -> Option<Entry> {
+        let mut r = b;
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let (head, rest) = (r.get(..n)?, r.get(n..)?);
+            r = rest;
+            Some(head)
+        };
+        if take(1)? != [ENTRY_VERSION] {
+            return None;
+        }
+        let size = u64::from_be_bytes(take(8)?.try_into().ok()?);
+        let hash: [u8; 32] = take(32)?.try_into().ok()?;
+        let created_ns = u64::from_be_bytes(take(8)?.try_into().ok()?);
+        let attempts = u32::from_be_bytes(take(4)?.try_into().ok()?);
+        let mut text = || -> Option<Vec<u8>> {
+            let n = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
+            Some(take(n)?.to_vec())
+        };
+        let dest = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(text()?));
+        let staged = String::from_utf8(text()?).ok()?;
+        let error = String::from_utf8(text()?).ok()?;
+        Some(Entry { seq, dest, staged, size, hash, created_ns, attempts, error })
+    }
+}
+
+/// What is pending under a path (`tierstore status`, `tierstore sync`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    /// Files not yet on the store.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// When the oldest was first closed (ns since the epoch), if any.
+    pub oldest_ns: Option<u64>,
+    /// Files whose last migration attempt failed: (destination, attempts, error).
+    pub errors: Vec<(PathBuf, u32, String)>,
+}
+
+/// How a migration's final step ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The file is on the store; its entry and staged copy are gone.
+    Done,
+    /// The program changed the file meanwhile (renamed, rewrote, truncated or deleted it): the copy
+    /// made is not what it wants, and the newer entry (if any) is migrated in its turn.
+    Superseded,
+}
+
+/// Nanoseconds since the epoch.
+pub fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+/// The journal of one stage directory.
+pub struct Journal {
+    dir: PathBuf,
+    data: PathBuf,
+    env: Env,
+    entries: Db,
+    paths: Db,
+    meta: Db,
+}
+
+const NEXT_SEQ: &[u8] = b"next_seq";
+const BYTES: &[u8] = b"bytes";
+const LAST_CHANGE: &[u8] = b"last_change_ns";
+
+fn get_u64(t: &crate::lmdb::Txn<'_>, db: Db, k: &[u8]) -> Result<u64, LmdbError> {
+    Ok(t.get(db, k)?.and_then(|v| v.try_into().ok()).map(u64::from_be_bytes).unwrap_or(0))
+}
+
+impl Journal {
+    /// Opens (creating) the journal of the stage directory `stage`: `stage/journal` (LMDB) and
+    /// `stage/data` (the staged files).
+    pub fn open(stage: &Path) -> Result<Journal, JournalError> {
+        let dir = stage.join("journal");
+        let data = stage.join("data");
+        for d in [&dir, &data] {
+            std::fs::create_dir_all(d).map_err(|source| JournalError::Io {
+                what: "cannot create the stage directory",
+                path: d.clone(),
+                source,
+            })?;
+        }
+        let env = Env::open_durable(&dir, 1 << 30, &["entries", "paths", "meta"])
+            .map_err(|source| JournalError::Lmdb { dir: dir.clone(), source })?;
+        Ok(Journal { entries: env.db(0), paths: env.db(1), meta: env.db(2), env, dir, data })
+    }
+
+    fn lmdb(&self) -> impl Fn(LmdbError) -> JournalError + '_ {
+        move |source| JournalError::Lmdb { dir: self.dir.clone(), source }
+    }
+
+    /// The stage's directory of staged files.
+    pub fn data_dir(&self) -> &Path {
+        &self.data
+    }
+
+    /// Leaks this handle: what a forked child must do with one it inherited (see `Env::forget`).
+    pub fn forget(self) {
+        self.env.forget();
+    }
+
+    /// The path of staged file `name`.
+    pub fn staged_path(&self, name: &str) -> PathBuf {
+        self.data.join(name)
+    }
+
+    /// Bytes of the files waiting for migration.
+    pub fn staged_bytes(&self) -> Result<u64, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        get_u64(&t, self.meta, BYTES).map_err(self.lmdb())
+    }
+
+    /// When a file was last closed, renamed or truncated (ns since the epoch; 0 if never).
+    pub fn last_change_ns(&self) -> Result<u64, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        get_u64(&t, self.meta, LAST_CHANGE).map_err(self.lmdb())
+    }
+
+    /// The pending entry for `dest`, if any.
+    pub fn lookup(&self, dest: &Path) -> Result<Option<Entry>, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        let Some(seq) = t.get(self.paths, dest.as_os_str().as_bytes()).map_err(self.lmdb())? else { return Ok(None) };
+        let seq: [u8; 8] = seq.try_into().map_err(|_| JournalError::Corrupt(self.dir.clone()))?;
+        match t.get(self.entries, &seq).map_err(self.lmdb())? {
+            Some(v) => Ok(Some(
+                Entry::decode(u64::from_be_bytes(seq), v).ok_or_else(|| JournalError::Corrupt(self.dir.clone()))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// The entry migrated next (the lowest sequence number), if any.
+    pub fn first(&self) -> Result<Option<Entry>, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        let mut found = None;
+        t.scan(self.entries, &[], |k, v| {
+            found = Some(k.try_into().ok().map(u64::from_be_bytes).and_then(|seq| Entry::decode(seq, v)));
+            false
+        })
+        .map_err(self.lmdb())?;
+        match found {
+            None => Ok(None),
+            Some(e) => e.map(Some).ok_or_else(|| JournalError::Corrupt(self.dir.clone())),
+        }
+    }
+
+    /// Every pending entry, in migration order.
+    pub fn entries(&self) -> Result<Vec<Entry>, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        let mut out = Vec::new();
+        let mut bad = false;
+        t.scan(self.entries, &[], |k, v| {
+            match k.try_into().ok().map(u64::from_be_bytes).and_then(|seq| Entry::decode(seq, v)) {
+                Some(e) => out.push(e),
+                None => bad = true,
+            }
+            true
+        })
+        .map_err(self.lmdb())?;
+        if bad {
+            return Err(JournalError::Corrupt(self.dir.clone()));
+        }
+        Ok(out)
+    }
+
+    /// What is pending at or under `under`.
+    pub fn pending(&self, under: &Path) -> Result<Pending, JournalError> {
+        let mut p = Pending::default();
+        for e in self.entries()?.into_iter().filter(|e| e.dest.starts_with(under)) {
+            p.files += 1;
+            p.bytes += e.size;
+            p.oldest_ns = Some(p.oldest_ns.map_or(e.created_ns, |o| o.min(e.created_ns)));
+            if !e.error.is_empty() {
+                p.errors.push((e.dest.clone(), e.attempts, e.error.clone()));
+            }
+        }
+        Ok(p)
+    }
+
+    /// Removes the pending entry of `dest` inside `t`, returning its staged file to delete after commit.
+    fn drop_path(&self, t: &mut crate::lmdb::Txn<'_>, dest: &Path) -> Result<Option<Entry>, LmdbError> {
+        let key = dest.as_os_str().as_bytes();
+        let Some(seq) = t.get(self.paths, key)?.and_then(|v| <[u8; 8]>::try_from(v).ok()) else { return Ok(None) };
+        let old = t.get(self.entries, &seq)?.and_then(|v| Entry::decode(u64::from_be_bytes(seq), v));
+        t.del(self.entries, &seq)?;
+        t.del(self.paths, key)?;
+        if let Some(e) = &old {
+            let bytes = get_u64(t, self.meta, BYTES)?.saturating_sub(e.size);
+            t.put(self.meta, BYTES, &bytes.to_be_bytes())?;
+        }
+        Ok(old)
+    }
+
+    fn insert(&self, t: &mut crate::lmdb::Txn<'_>, mut e: Entry) -> Result<u64, LmdbError> {
+        let seq = get_u64(t, self.meta, NEXT_SEQ)?.max(1);
+        t.put(self.meta, NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+        e.seq = seq;
+        t.put(self.entries, &seq.to_be_bytes(), &e.encode())?;
+        t.put(self.paths, e.dest.as_os_str().as_bytes(), &seq.to_be_bytes())?;
+        let bytes = get_u64(t, self.meta, BYTES)? + e.size;
+        t.put(self.meta, BYTES, &bytes.to_be_bytes())?;
+        t.put(self.meta, LAST_CHANGE, &now_ns().to_be_bytes())?;
+        Ok(seq)
+    }
+
+    fn remove_staged(&self, gone: impl IntoIterator<Item = Entry>) {
+        for e in gone {
+            let _ = std::fs::remove_file(self.staged_path(&e.staged));
+        }
+    }
+
+    /// Records a closed staged file (already fsynced) as the next to migrate to `dest`; an entry still
+    /// pending for `dest` is superseded (its staged copy deleted). Returns the new sequence number once
+    /// the entry is durable.
+    pub fn commit(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<u64, JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
+        let created_ns = now_ns();
+        let e = Entry {
+            seq: 0,
+            dest: dest.to_path_buf(),
+            staged: staged.to_string(),
+            size,
+            hash,
+            created_ns,
+            attempts: 0,
+            error: String::new(),
+        };
+        let seq = self.insert(&mut t, e).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        self.remove_staged(old.filter(|o| o.staged != staged));
+        Ok(seq)
+    }
+
+    /// The program renamed `from` to `to`: when `from` is pending, its entry moves to `to` (with a new
+    /// place in the order, after everything closed before the rename) and `to`'s pending entry, if any,
+    /// is superseded. Returns whether `from` was pending.
+    pub fn rename(&self, from: &Path, to: &Path) -> Result<bool, JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let Some(mut e) = self.drop_path(&mut t, from).map_err(self.lmdb())? else { return Ok(false) };
+        let replaced = self.drop_path(&mut t, to).map_err(self.lmdb())?;
+        e.dest = to.to_path_buf();
+        e.attempts = 0;
+        e.error.clear();
+        self.insert(&mut t, e).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        self.remove_staged(replaced);
+        Ok(true)
+    }
+
+    /// The program deleted `dest`: its pending entry and staged copy go. Returns whether it was pending.
+    pub fn remove(&self, dest: &Path) -> Result<bool, JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        let was = old.is_some();
+        self.remove_staged(old);
+        Ok(was)
+    }
+
+    /// The program truncated the pending file `dest` to `len`: its staged copy is cut, fsynced and
+    /// re-hashed, and it takes a new place in the order. Returns whether it was pending.
+    pub fn truncate(&self, dest: &Path, len: u64) -> Result<bool, JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let Some(mut e) = self.drop_path(&mut t, dest).map_err(self.lmdb())? else { return Ok(false) };
+        let path = self.staged_path(&e.staged);
+        let io = |what: &'static str| {
+            let path = path.clone();
+            move |source| JournalError::Io { what, path, source }
+        };
+        let f = std::fs::OpenOptions::new().write(true).open(self.staged_path(&e.staged)).map_err(io("cannot open"))?;
+        f.set_len(len).map_err(io("cannot truncate"))?;
+        f.sync_all().map_err(io("cannot fsync"))?;
+        let (size, hash) = hash_file(&self.staged_path(&e.staged)).map_err(io("cannot read"))?;
+        e.size = size;
+        e.hash = hash;
+        self.insert(&mut t, e).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        Ok(true)
+    }
+
+    /// Records a failed migration attempt of entry `seq` (shown by `tierstore status`).
+    pub fn note_error(&self, seq: u64, error: &str) -> Result<(), JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let key = seq.to_be_bytes();
+        let Some(mut e) = t.get(self.entries, &key).map_err(self.lmdb())?.and_then(|v| Entry::decode(seq, v)) else {
+            return Ok(());
+        };
+        e.attempts += 1;
+        e.error = error.chars().take(1000).collect();
+        t.put(self.entries, &key, &e.encode()).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())
+    }
+
+    /// The last step of a migration: if `entry` is still current, runs `publish` (which renames the
+    /// checked copy into place on the store and fsyncs its directory) and removes the entry, then its
+    /// staged copy. The journal's write lock is held throughout, so the program cannot rename or rewrite
+    /// the file between the check and the publication.
+    pub fn finish(
+        &self,
+        entry: &Entry,
+        publish: impl FnOnce() -> io::Result<()>,
+    ) -> Result<Result<Finish, io::Error>, JournalError> {
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let key = entry.seq.to_be_bytes();
+        let current = t.get(self.entries, &key).map_err(self.lmdb())?.and_then(|v| Entry::decode(entry.seq, v));
+        if current.as_ref().map(|c| (&c.dest, &c.staged)) != Some((&entry.dest, &entry.staged)) {
+            return Ok(Ok(Finish::Superseded));
+        }
+        if let Err(e) = publish() {
+            return Ok(Err(e));
+        }
+        self.drop_path(&mut t, &entry.dest).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        let _ = std::fs::remove_file(self.staged_path(&entry.staged));
+        Ok(Ok(Finish::Done))
+    }
+
+    /// Deletes staged files that no entry names and whose writer is gone (a program killed before its
+    /// close, or an agent killed between removing an entry and its file). Returns how many.
+    pub fn sweep_orphans(&self) -> Result<usize, JournalError> {
+        // Files of dead writers first, the journal after: a writer dead when its file was listed either
+        // journaled it before it died (and the journal, read later, names it) or never will.
+        let dead: Vec<(String, PathBuf)> = std::fs::read_dir(&self.data)
+            .map_err(|source| JournalError::Io { what: "cannot list", path: self.data.clone(), source })?
+            .flatten()
+            .map(|f| (f.file_name().to_string_lossy().into_owned(), f.path()))
+            .filter(|(name, _)| {
+                let pid: Option<i32> = name.split('.').next().and_then(|p| p.parse().ok());
+                // SAFETY: kill with signal 0 only checks that the process exists.
+                let alive = pid.is_some_and(|p| {
+                    (unsafe { libc::kill(p, 0) }) == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+                });
+                !alive
+            })
+            .collect();
+        let named: std::collections::HashSet<String> = self.entries()?.into_iter().map(|e| e.staged).collect();
+        let gone = dead.into_iter().filter(|(name, path)| !named.contains(name) && std::fs::remove_file(path).is_ok());
+        Ok(gone.count())
+    }
+}
+
+/// A new staged file's name: the writer's pid (so that a sweep knows when its writer is gone), then a
+/// number unique within the process and the time.
+pub fn new_staged_name() -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}.{n}.{}", crate::pid(), now_ns())
+}
+
+/// The size and blake3 of a file.
+pub fn hash_file(path: &Path) -> io::Result<(u64, [u8; 32])> {
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    let mut h = blake3::Hasher::new();
+    if size > 0 {
+        // SAFETY: the stage file is private to tierstore; a concurrent truncation would raise SIGBUS, which
+        // only the journal's own writers could cause, and they hold the journal's lock meanwhile.
+        let map = unsafe { memmap2::Mmap::map(&f)? };
+        h.update(&map);
+    }
+    Ok((size, *h.finalize().as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn staged(j: &Journal, bytes: &[u8]) -> String {
+        let name = new_staged_name();
+        std::fs::write(j.staged_path(&name), bytes).unwrap();
+        name
+    }
+
+    #[test]
+    fn entries_come_in_close_order_and_renames_move_to_the_end() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let dest = Path::new("/store/ckpt");
+        for (i, name) in ["a", "b", "tmp"].iter().enumerate() {
+            let s = staged(&j, &[i as u8; 10]);
+            j.commit(&dest.join(name), &s, 10, [0; 32]).unwrap();
+        }
+        assert!(j.rename(&dest.join("tmp"), &dest.join("meta")).unwrap());
+        assert!(!j.rename(&dest.join("nothing"), &dest.join("x")).unwrap());
+        let order: Vec<_> = j.entries().unwrap().iter().map(|e| e.dest.file_name().unwrap().to_owned()).collect();
+        assert_eq!(order, ["a", "b", "meta"]);
+        assert_eq!(j.staged_bytes().unwrap(), 30);
+        assert_eq!(j.pending(dest).unwrap().files, 3);
+        assert_eq!(j.pending(&dest.join("a")).unwrap().bytes, 10);
+        // Rewriting "a" supersedes its entry and deletes its staged copy; the new one goes last.
+        let old = j.lookup(&dest.join("a")).unwrap().unwrap();
+        let s = staged(&j, b"new");
+        j.commit(&dest.join("a"), &s, 3, [1; 32]).unwrap();
+        assert!(!j.staged_path(&old.staged).exists());
+        assert_eq!(j.entries().unwrap().last().unwrap().dest, dest.join("a"));
+        assert_eq!(j.staged_bytes().unwrap(), 23);
+        assert!(j.remove(&dest.join("b")).unwrap());
+        assert_eq!(j.entries().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn finish_refuses_a_superseded_entry_and_removes_a_current_one() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let s = staged(&j, b"abc");
+        j.commit(Path::new("/s/x"), &s, 3, [0; 32]).unwrap();
+        let e = j.first().unwrap().unwrap();
+        j.rename(Path::new("/s/x"), Path::new("/s/y")).unwrap();
+        assert_eq!(j.finish(&e, || Ok(())).unwrap().unwrap(), Finish::Superseded);
+        let e = j.first().unwrap().unwrap();
+        let failed = j.finish(&e, || Err(io::Error::other("store down"))).unwrap();
+        assert!(failed.is_err());
+        assert!(j.lookup(Path::new("/s/y")).unwrap().is_some(), "a failed publication keeps the entry");
+        assert_eq!(j.finish(&e, || Ok(())).unwrap().unwrap(), Finish::Done);
+        assert!(j.first().unwrap().is_none());
+        assert!(!j.staged_path(&e.staged).exists());
+        assert_eq!(j.staged_bytes().unwrap(), 0);
+    }
+
+    #[test]
+    fn orphans_of_dead_writers_are_swept_and_named_files_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let kept = staged(&j, b"1");
+        j.commit(Path::new("/s/k"), &kept, 1, [0; 32]).unwrap();
+        let mine = staged(&j, b"open"); // this process lives: its file is being written
+        std::fs::write(j.staged_path("999999999.0.0"), b"dead").unwrap();
+        assert_eq!(j.sweep_orphans().unwrap(), 1);
+        assert!(j.staged_path(&kept).exists() && j.staged_path(&mine).exists());
+    }
+}

@@ -1,0 +1,463 @@
+//! Write-back capture: under `tierstore run`, files written under a `[[writeback]]` destination go to the
+//! node's stage and are journaled at close (see `tierstore_core::writeback`).
+//!
+//! - An open that writes (`O_WRONLY`/`O_RDWR`, `O_CREAT`, `O_TRUNC`, `O_APPEND`; stdio `w`, `a`, `r+`)
+//!   gets a descriptor of a new staged file, filled first with the file's current bytes unless truncated.
+//!   `write`, `pwrite`, `ftruncate`, `fsync` and `mmap` then work natively on it.
+//! - `close` and `fclose` fsync, hash and journal it; with durability "remote" they return once the agent
+//!   put it on the store. A descriptor still open at exit is journaled by the exit handler.
+//! - `rename`/`renameat`/`renameat2` of a pending file move its journal entry (the bytes stay staged);
+//!   `unlink` and `truncate` of a pending file change the journal; of any other file, the store.
+//! - `open` (read-only), the `stat` family and `access` of a pending file see the staged copy.
+//!
+//! Not captured, and passed to the store as they are: `O_DIRECT` and `O_PATH` opens (warned once),
+//! exclusive creates of `.tmp*` files (the `tempfile` crate's, renamed with raw system calls; warned once,
+//! and written only once the files closed before them in their directory are on the store), `io_uring`, static binaries (no LD_PRELOAD at all), and writes through a descriptor inherited
+//! from another process or duplicated and used after the original was closed. Listings of a destination
+//! show only what is on the store. A file's permission bits on the store are the agent's defaults.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+
+use libc::{c_char, c_int, c_uint, FILE};
+use parking_lot::Mutex;
+use tierstore_core::writeback::{Begin, Writeback};
+
+use crate::{set_errno, Busy};
+
+/// The write-back of one process: `None` when no destination is configured (the common case, which
+/// then costs one atomic load per call).
+struct Writes {
+    pid: u32,
+    wb: Option<Writeback>,
+}
+
+static WRITES: AtomicPtr<Writes> = AtomicPtr::new(std::ptr::null_mut());
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn writes() -> Option<&'static Writeback> {
+    let pid = tierstore_core::pid();
+    // SAFETY: these are leaked, never freed.
+    if let Some(w) = unsafe { WRITES.load(Ordering::Acquire).as_ref() } {
+        if w.pid == pid {
+            return w.wb.as_ref();
+        }
+    }
+    let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(w) = unsafe { WRITES.load(Ordering::Acquire).as_ref() } {
+        if w.pid == pid {
+            return w.wb.as_ref();
+        }
+    }
+    let wb = match Writeback::load() {
+        Ok(wb) if !wb.destinations().is_empty() => Some(wb),
+        Ok(_) => None,
+        Err(e) => {
+            eprintln!("tierstore run: {e}; writes go straight to the store");
+            None
+        }
+    };
+    // A forked child leaks its parent's (its journal handles must not be used or closed here).
+    let w: &'static Writes = Box::leak(Box::new(Writes { pid, wb }));
+    WRITES.store(w as *const Writes as *mut Writes, Ordering::Release);
+    w.wb.as_ref()
+}
+
+/// A descriptor of a staged file this process opened.
+struct Open {
+    dest: PathBuf,
+    name: String,
+    pid: u32,
+    /// Unlinked while open (a temporary file a saver dropped): its staged copy goes at close.
+    deleted: bool,
+}
+
+static OPEN: Mutex<Option<HashMap<c_int, Open>>> = Mutex::new(None);
+/// Staged descriptors open: `close` of any other descriptor costs one load.
+static OPEN_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn warn_once(flag: &AtomicBool, message: impl FnOnce() -> String) {
+    if !flag.swap(true, Ordering::Relaxed) {
+        eprintln!("tierstore run: {}", message());
+    }
+}
+
+/// The absolute, normalized path `path` (relative to `dirfd`) names, if it is under a destination.
+unsafe fn dest_path(wb: &Writeback, dirfd: c_int, path: *const c_char) -> Option<PathBuf> {
+    if path.is_null() {
+        return None;
+    }
+    let bytes = CStr::from_ptr(path).to_bytes();
+    if bytes.is_empty() {
+        return None;
+    }
+    if bytes[0] == b'/' && !bytes.windows(3).any(|w| w == b"/..") {
+        let under = wb.destinations().iter().any(|d| bytes.starts_with(d.path.as_os_str().as_bytes()));
+        if !under {
+            return None; // the common case: no allocation, no system call
+        }
+    }
+    let joined = if bytes[0] == b'/' {
+        PathBuf::from(OsStr::from_bytes(bytes))
+    } else {
+        let base = if dirfd == libc::AT_FDCWD {
+            std::env::current_dir().ok()?
+        } else {
+            std::fs::read_link(format!("/proc/self/fd/{dirfd}")).ok()?
+        };
+        base.join(OsStr::from_bytes(bytes))
+    };
+    let norm = tierstore_core::source::normalize(&joined);
+    wb.destination(&norm).is_some().then_some(norm)
+}
+
+/// The staged copy of `abs`: one this process is still writing, else a pending one.
+fn staged_copy(wb: &Writeback, abs: &Path) -> Option<PathBuf> {
+    if OPEN_COUNT.load(Ordering::Relaxed) > 0 {
+        let me = tierstore_core::pid();
+        let name = OPEN
+            .lock()
+            .as_ref()
+            .and_then(|t| t.values().find(|o| o.dest == abs && o.pid == me && !o.deleted).map(|o| o.name.clone()));
+        if let Some(name) = name {
+            let d = wb.destination(abs)?;
+            return Some(wb.journal(d).ok()?.staged_path(&name));
+        }
+    }
+    wb.lookup(abs).map(|(p, _)| p)
+}
+
+fn real_exists(p: &Path) -> Option<std::fs::Metadata> {
+    std::fs::symlink_metadata(p).ok()
+}
+
+/// The open family: `Some(fd)` (or `Some(-1)` with errno set) when the open was for a file under a
+/// destination and was handled here; `None` leaves it to the real function.
+pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
+    let wb = writes()?;
+    let abs = dest_path(wb, dirfd, path)?;
+    let writing = crate::writes(flags);
+    if flags & (libc::O_DIRECTORY | libc::O_PATH) != 0 {
+        return None;
+    }
+    if !writing {
+        // Read-your-writes: a pending file reads from the stage.
+        let staged = staged_copy(wb, &abs)?;
+        let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+        let fd = libc::open(c.as_ptr(), flags);
+        return (fd >= 0).then_some(fd); // gone meanwhile: migrated, the store has it
+    }
+    if flags & libc::O_DIRECT != 0 {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        warn_once(&WARNED, || {
+            format!("O_DIRECT writes are not staged: {} (and others) go straight to the store", abs.display())
+        });
+        return None;
+    }
+    let excl = flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL;
+    if excl && abs.file_name().is_some_and(|n| n.as_bytes().starts_with(b".tmp")) {
+        // The temporary file of Rust's `tempfile` crate (safetensors' `save_file`, Hugging Face tools): it
+        // is renamed into place by a raw system call (rustix), which no LD_PRELOAD shim sees, so it goes
+        // to the store itself, once the files closed before it in its directory are there (order holds).
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        warn_once(&WARNED, || {
+            format!(
+                "{} looks like a `tempfile` crate temporary (renamed by raw system calls the shim cannot \
+                 follow): such files are written straight to the store",
+                abs.display()
+            )
+        });
+        let timeout = wb.destination(&abs).map(|d| d.timeout)?;
+        if let Err(e) = wb.wait(abs.parent(), timeout) {
+            eprintln!("tierstore run: {e}");
+        }
+        return None;
+    }
+    let pending = wb.lookup(&abs);
+    let on_store = if pending.is_none() { real_exists(&abs) } else { None };
+    let exists = pending.is_some() || on_store.is_some();
+    if on_store.as_ref().is_some_and(|m| m.is_dir()) {
+        return None; // EISDIR from the store itself
+    }
+    if excl && exists {
+        set_errno(libc::EEXIST);
+        return Some(-1);
+    }
+    if flags & libc::O_CREAT == 0 && !exists {
+        set_errno(libc::ENOENT);
+        return Some(-1);
+    }
+    if !abs.parent().is_some_and(|p| p.is_dir()) {
+        set_errno(libc::ENOENT);
+        return Some(-1);
+    }
+    let (name, staged) = match wb.begin(&abs) {
+        Ok(Begin::Staged { name, path }) => (name, path),
+        Ok(Begin::WriteThrough) => return None,
+        Err(e) => {
+            eprintln!("tierstore run: cannot stage {} ({e}); writing it straight to the store", abs.display());
+            return None;
+        }
+    };
+    if flags & libc::O_TRUNC == 0 && exists {
+        // The file's current bytes come first (an append, or an update in place).
+        let from = pending.as_ref().map(|(p, _)| p.clone()).unwrap_or_else(|| abs.clone());
+        if let Err(e) = std::fs::copy(&from, &staged) {
+            let _ = std::fs::remove_file(&staged);
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return Some(-1);
+        }
+    }
+    let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+    let fd = libc::open(c.as_ptr(), flags & !(libc::O_CREAT | libc::O_EXCL | libc::O_TRUNC));
+    if fd < 0 {
+        return Some(-1);
+    }
+    OPEN.lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(fd, Open { dest: abs, name, pid: tierstore_core::pid(), deleted: false });
+    OPEN_COUNT.fetch_add(1, Ordering::Relaxed);
+    Some(fd)
+}
+
+/// The `open` flags of a stdio mode.
+unsafe fn fopen_flags(mode: *const c_char) -> c_int {
+    let m = CStr::from_ptr(mode).to_bytes();
+    let plus = m.contains(&b'+');
+    let mut flags = match (m.first(), plus) {
+        (Some(b'r'), false) => libc::O_RDONLY,
+        (Some(b'r'), true) => libc::O_RDWR,
+        (Some(b'w'), p) => (if p { libc::O_RDWR } else { libc::O_WRONLY }) | libc::O_CREAT | libc::O_TRUNC,
+        (Some(b'a'), p) => (if p { libc::O_RDWR } else { libc::O_WRONLY }) | libc::O_CREAT | libc::O_APPEND,
+        _ => libc::O_RDONLY,
+    };
+    if m.contains(&b'x') {
+        flags |= libc::O_EXCL;
+    }
+    if m.contains(&b'e') {
+        flags |= libc::O_CLOEXEC;
+    }
+    flags
+}
+
+/// `creat` is `open` with `O_CREAT | O_WRONLY | O_TRUNC`: the same capture (and, through the shim's `open`,
+/// the same invalidation of the read cache).
+#[no_mangle]
+pub unsafe extern "C" fn creat(path: *const c_char, mode: libc::mode_t) -> c_int {
+    crate::open(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
+}
+
+/// See [`creat`].
+#[no_mangle]
+pub unsafe extern "C" fn creat64(path: *const c_char, mode: libc::mode_t) -> c_int {
+    crate::open64(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
+}
+
+/// `fopen` of a file under a destination: `Some(stream)` (null with errno set on failure) when handled.
+pub unsafe fn fopen(path: *const c_char, mode: *const c_char) -> Option<*mut FILE> {
+    writes()?;
+    let fd = open(libc::AT_FDCWD, path, fopen_flags(mode))?;
+    if fd < 0 {
+        return Some(std::ptr::null_mut());
+    }
+    let f = libc::fdopen(fd, mode);
+    if f.is_null() {
+        forget(fd);
+        libc::close(fd);
+    }
+    Some(f)
+}
+
+fn forget(fd: c_int) -> Option<Open> {
+    let taken = OPEN.lock().as_mut().and_then(|t| t.remove(&fd));
+    if taken.is_some() {
+        OPEN_COUNT.fetch_sub(1, Ordering::Relaxed);
+    }
+    taken
+}
+
+/// Journals a staged file after its descriptor was closed; false (errno set) when it could not be.
+fn commit(o: Open) -> bool {
+    if o.pid != tierstore_core::pid() {
+        return true; // a forked child closing what it inherited: the parent journals the file
+    }
+    let Some(wb) = writes() else { return true };
+    if o.deleted {
+        if let Some(d) = wb.destination(&o.dest) {
+            if let Ok(j) = wb.journal(d) {
+                let _ = std::fs::remove_file(j.staged_path(&o.name));
+            }
+        }
+        return true;
+    }
+    match wb.commit(&o.dest, &o.name) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("tierstore run: closing {}: {e}", o.dest.display());
+            set_errno(e.errno());
+            false
+        }
+    }
+}
+
+/// `close(fd)`: the real close, then the journal for a staged descriptor.
+pub unsafe fn close(fd: c_int, real: impl FnOnce() -> c_int) -> c_int {
+    if OPEN_COUNT.load(Ordering::Relaxed) == 0 {
+        return real();
+    }
+    let Some(_busy) = Busy::enter() else { return real() };
+    let Some(o) = forget(fd) else { return real() };
+    let rc = real();
+    if rc != 0 {
+        return rc;
+    }
+    if commit(o) {
+        0
+    } else {
+        -1
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
+    let real = || real!("fclose", unsafe extern "C" fn(*mut FILE) -> c_int)(f);
+    if OPEN_COUNT.load(Ordering::Relaxed) == 0 || f.is_null() {
+        return real();
+    }
+    let Some(_busy) = Busy::enter() else { return real() };
+    let Some(o) = forget(libc::fileno(f)) else { return real() };
+    let rc = real();
+    if rc != 0 {
+        return rc;
+    }
+    if commit(o) {
+        0
+    } else {
+        libc::EOF
+    }
+}
+
+/// At exit: files still open (a program that relies on exit to close them) are flushed and journaled.
+extern "C" fn at_exit() {
+    if OPEN_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let Some(_busy) = Busy::enter() else { return };
+    // SAFETY: flushes every stdio stream; a null argument is documented to mean all of them.
+    unsafe { libc::fflush(std::ptr::null_mut()) };
+    let open: Vec<Open> = OPEN.lock().as_mut().map(|t| t.drain().map(|(_, o)| o).collect()).unwrap_or_default();
+    for o in open {
+        commit(o);
+    }
+}
+
+#[used]
+#[link_section = ".fini_array"]
+static AT_EXIT: extern "C" fn() = at_exit;
+
+/// The stat family of a pending file: the staged copy's `stat`.
+pub unsafe fn staged_stat(dirfd: c_int, path: *const c_char) -> Option<libc::stat> {
+    let wb = writes()?;
+    let abs = dest_path(wb, dirfd, path)?;
+    let staged = staged_copy(wb, &abs)?;
+    let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::stat = std::mem::zeroed();
+    (libc::stat(c.as_ptr(), &mut st) == 0).then_some(st)
+}
+
+/// `rename` of or into a destination: `Some(rc)` when handled here.
+pub unsafe fn rename(
+    olddir: c_int,
+    old: *const c_char,
+    newdir: c_int,
+    new: *const c_char,
+    flags: c_uint,
+) -> Option<c_int> {
+    let _busy = Busy::enter()?;
+    let wb = writes()?;
+    let from = dest_path(wb, olddir, old);
+    let to = dest_path(wb, newdir, new)?;
+    let Some(from) = from else {
+        // Into a destination from elsewhere: the store's business (EXDEV from a local disk).
+        return None;
+    };
+    if flags != 0 {
+        // RENAME_NOREPLACE / RENAME_EXCHANGE of a pending file are not followed: only the store's files.
+        return None;
+    }
+    // A file this process still has open (a temporary file persisted before it is closed, as the
+    // `tempfile` crate does): it is journaled under its new name at close.
+    if let Some(open) = OPEN.lock().as_mut() {
+        let me = tierstore_core::pid();
+        if let Some(o) = open.values_mut().find(|o| o.dest == from && o.pid == me && !o.deleted) {
+            o.dest = to.clone();
+            if let Err(e) = wb.remove(&to) {
+                set_errno(e.errno());
+                return Some(-1);
+            }
+            return Some(0);
+        }
+    }
+    match wb.rename(&from, &to) {
+        Ok(true) => return Some(0),
+        Ok(false) => {}
+        Err(e) => {
+            eprintln!("tierstore run: renaming {} to {}: {e}", from.display(), to.display());
+            set_errno(e.errno());
+            return Some(-1);
+        }
+    }
+    // A file or directory of the store: what was closed before this rename reaches the store first, so
+    // the rename (a checkpoint's commit) never shows before the files it publishes.
+    let scope = if real_exists(&from).is_some_and(|m| m.is_dir()) { from.clone() } else { to.parent()?.to_path_buf() };
+    let timeout = wb.destination(&to).map(|d| d.timeout)?;
+    if let Err(e) = wb.wait(Some(&scope), timeout) {
+        eprintln!("tierstore run: renaming {} to {}: {e}", from.display(), to.display());
+        set_errno(libc::EIO);
+        return Some(-1);
+    }
+    None
+}
+
+/// `unlink` under a destination: a pending file leaves the journal, then the store's copy (if any) goes.
+pub unsafe fn unlink(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> c_int) -> Option<c_int> {
+    let _busy = Busy::enter()?;
+    let wb = writes()?;
+    let abs = dest_path(wb, dirfd, path)?;
+    if let Some(open) = OPEN.lock().as_mut() {
+        let me = tierstore_core::pid();
+        if let Some(o) = open.values_mut().find(|o| o.dest == abs && o.pid == me && !o.deleted) {
+            o.deleted = true;
+            return Some(0);
+        }
+    }
+    match wb.remove(&abs) {
+        Ok(true) => {
+            let rc = real();
+            Some(if rc != 0 && *libc::__errno_location() == libc::ENOENT { 0 } else { rc })
+        }
+        Ok(false) => None,
+        Err(e) => {
+            set_errno(e.errno());
+            Some(-1)
+        }
+    }
+}
+
+/// `truncate` of a pending file: its staged copy is cut.
+pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
+    let _busy = Busy::enter()?;
+    let wb = writes()?;
+    let abs = dest_path(wb, libc::AT_FDCWD, path)?;
+    match wb.truncate(&abs, len.max(0) as u64) {
+        Ok(true) => Some(0),
+        Ok(false) => None,
+        Err(e) => {
+            set_errno(e.errno());
+            Some(-1)
+        }
+    }
+}

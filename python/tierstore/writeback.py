@@ -1,0 +1,228 @@
+"""Write-back staging: files written under a `[[writeback]]` destination land on the node's stage at
+local-disk speed and reach the shared store in the background, in the order they were closed, never
+half-written (see ARCHITECTURE.md, "Write-back staging").
+
+    import tierstore
+    with tierstore.open("/lustre/ckpt/step_1000/model.pt", "wb") as f:   # staged, journaled at close
+        torch.save(state, f)
+    tierstore.sync("/lustre/ckpt/step_1000")                             # on the store, checked
+
+With `durability = "local"`, `close()` returns once the bytes and their journal entry are fsynced on the
+node; with `"remote"`, once the file is fsynced and checked on the shared store. The node's agent
+migrates (it is started on demand); `sync()` waits for it and raises if the files cannot reach the store.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import threading
+from typing import IO, Any
+
+from tierstore import _core
+
+PathLike = str | os.PathLike[str]
+
+_lock = threading.Lock()
+# Directories of the store seen to exist (a checkpoint directory is checked once, not once per file).
+_dirs_seen: set[str] = set()
+_state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False}
+
+
+def _writeback() -> _core.Writeback:
+    """This process's write-back (configuration read once per process)."""
+    with _lock:
+        if _state["wb"] is None or _state["pid"] != os.getpid():
+            _state["wb"] = _core.Writeback()
+            _state["pid"] = os.getpid()
+            _state["agent"] = False
+        wb: _core.Writeback = _state["wb"]
+        return wb
+
+
+def reload() -> None:
+    """Reads the configuration again on next use (after changing `TIERSTORE_WRITEBACK` or the file)."""
+    with _lock:
+        _state["wb"] = None
+
+
+def _ensure_agent() -> None:
+    """Starts this node's agent once per process if none answers: it migrates the staged files."""
+    if _state["agent"]:
+        return
+    from tierstore import agent
+
+    socket = agent.default_socket()
+    if not agent.answers(socket):
+        try:
+            agent.start(socket, env=dict(os.environ), idle_exit=agent.ON_DEMAND_IDLE_EXIT)
+        except agent.AgentError:
+            if not agent.answers(socket):  # another process may have started it meanwhile
+                raise
+    _state["agent"] = True
+
+
+def configured() -> bool:
+    """Whether any write-back destination is configured."""
+    return bool(_writeback().destinations())
+
+
+def destination(path: PathLike) -> str | None:
+    """The write-back destination holding `path`, or None if writes to it go straight to the store."""
+    return _writeback().destination(os.fspath(path))
+
+
+class _StagedRaw(io.FileIO):
+    """The staged file of one write: closing it journals it (and, with remote durability, waits)."""
+
+    def __init__(self, staged: str, mode: str, dest: str, name: str) -> None:
+        super().__init__(staged, mode)
+        self._dest = dest
+        self._journal_name = name
+        self._committed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        if not self._committed:
+            self._committed = True
+            _writeback().commit(self._dest, self._journal_name)
+
+    @property
+    def destination(self) -> str:
+        """The path this file goes to on the shared store."""
+        return self._dest
+
+
+def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO[Any]:
+    """Opens `path` (under a write-back destination) for writing through the stage.
+
+    Args:
+        path: A file under a `[[writeback]]` destination.
+        mode: "wb", "xb", "ab" or "r+b" (binary), or "w", "x", "a" (text); "+" reads back what was written.
+        encoding: The text encoding for text modes.
+
+    Returns:
+        A file object; its `close()` journals the file (durability "local") or waits until it is on the store
+        (durability "remote"). A full stage gives a file of the store itself (written through).
+
+    Raises:
+        ValueError: `path` is not under a destination, or `mode` does not write.
+        FileExistsError: mode "x" and the file exists (staged or on the store).
+        TimeoutError: durability "remote" and the store did not take the file within the destination's
+            timeout (the file stays staged and migrates later).
+    """
+    wb = _writeback()
+    dest = os.path.abspath(os.fspath(path))
+    if wb.destination(dest) is None:
+        raise ValueError(
+            f"tierstore.open({dest!r}, {mode!r}): not under a [[writeback]] destination "
+            f"({', '.join(d['path'] for d in wb.destinations()) or 'none configured'}); configure one, "
+            "or write with the built-in open()"
+        )
+    kind = mode.replace("b", "").replace("t", "").replace("+", "")
+    if kind not in ("w", "x", "a", "r") or (kind == "r" and "+" not in mode):
+        raise ValueError(f"tierstore.open({dest!r}, {mode!r}): a write mode is needed (w, x, a, r+)")
+    binary = "b" in mode
+    staged_now = wb.lookup(dest)
+    # "w" needs no look at the store (each costs a round trip to its metadata server); the others do.
+    exists = staged_now is not None or (kind != "w" and os.path.exists(dest))
+    if kind == "x" and exists:
+        raise FileExistsError(17, "File exists", dest)
+    if kind == "r" and not exists:
+        raise FileNotFoundError(2, "No such file or directory", dest)
+    parent = os.path.dirname(dest)
+    if parent not in _dirs_seen:
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(2, "No such file or directory (create the directory first)", parent)
+        _dirs_seen.add(parent)
+    _ensure_agent()
+    begun = wb.begin(dest)
+    if begun is None:  # the stage is full: the store itself
+        return _builtin_open(dest, mode, encoding)
+    name, staged = begun
+    if kind in ("a", "r"):
+        # The file's current bytes come first: the staged copy if there is one, else the store's.
+        src = staged_now if staged_now is not None else dest
+        if os.path.exists(src):
+            shutil.copyfile(src, staged)
+    raw_mode = {"w": "w", "x": "w", "a": "a", "r": "r+"}[kind] + ("+" if "+" in mode and kind != "r" else "")
+    raw = _StagedRaw(staged, raw_mode, dest, name)
+    buffered: io.BufferedRandom | io.BufferedWriter
+    buffered = io.BufferedRandom(raw) if "+" in mode else io.BufferedWriter(raw)
+    if binary:
+        return buffered
+    return io.TextIOWrapper(buffered, encoding=encoding)
+
+
+def _builtin_open(path: str, mode: str, encoding: str | None) -> IO[Any]:
+    import builtins
+
+    return builtins.open(path, mode, encoding=encoding)
+
+
+def open_read(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:
+    """Opens `path` for reading: its staged copy while it is not on the store yet, else the store's."""
+    import builtins
+
+    dest = os.path.abspath(os.fspath(path))
+    staged = _writeback().lookup(dest)
+    if staged is not None:
+        try:
+            return builtins.open(staged, mode, encoding=encoding)
+        except FileNotFoundError:
+            pass  # migrated meanwhile: the store has it
+    return builtins.open(dest, mode, encoding=encoding)
+
+
+def sync(path: PathLike | None = None, timeout: float | None = None) -> None:
+    """Waits until every file closed so far under `path` (every destination when None) is fsynced and
+    checked on the shared store.
+
+    Args:
+        path: A file or directory under a destination, or None for all of them.
+        timeout: Seconds to wait at most (default: the destinations' `timeout`).
+
+    Raises:
+        TimeoutError: Files are still pending after `timeout`; the message says how many and the last
+            store errors.
+        TierstoreError: Files are pending and no agent runs to migrate them.
+    """
+    wb = _writeback()
+    if any(p["files"] for p in wb.pending(None if path is None else os.fspath(path))):
+        _ensure_agent()
+    wb.wait(None if path is None else os.fspath(path), timeout)
+
+
+def pending(path: PathLike | None = None) -> list[dict[str, Any]]:
+    """What waits for migration, per destination: path, stage, files, bytes, oldest_ns (when the oldest
+    pending file was closed, ns since the epoch), errors [(file, attempts, last error)]."""
+    return _writeback().pending(None if path is None else os.fspath(path))
+
+
+def rename(src: PathLike, dst: PathLike) -> None:
+    """`os.replace` for files written through `open`: a file not yet on the store moves in the journal
+    (and reaches the store under its new name, after everything closed before the rename); any other file
+    is renamed on the store once what was closed before in its directory is there, so a checkpoint's
+    commit-by-rename never shows before the files it publishes."""
+    wb = _writeback()
+    s, d = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if wb.destination(s) is not None and wb.destination(d) is not None and wb.rename(s, d):
+        return
+    if wb.destination(d) is not None:
+        wb.wait(s if os.path.isdir(s) else os.path.dirname(d), None)
+    os.replace(s, d)
+
+
+def remove(path: PathLike) -> None:
+    """`os.remove` for files written through `open`: a pending file leaves the stage and the journal, and
+    the store's copy (if any) goes too."""
+    p = os.path.abspath(os.fspath(path))
+    pending_removed = _writeback().remove(p) if _writeback().destination(p) is not None else False
+    try:
+        os.remove(p)
+    except FileNotFoundError:
+        if not pending_removed:
+            raise
