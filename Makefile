@@ -55,6 +55,7 @@ bench: setup
 	$(PY) bench/bench_prefetch.py --out BENCHMARKS-prefetch.md
 	$(PY) bench/bench_s3.py --out BENCHMARKS-s3.md --plot bench/s3.png
 	$(PY) bench/bench_order.py --out BENCHMARKS-order.md --plot bench/order.png
+	$(PY) bench/bench_order.py --step-ms 80 --out BENCHMARKS-order-step80.md
 	$(PY) bench/bench_stream.py --out BENCHMARKS-stream.md --plot bench/stream.png
 	$(PY) bench/bench_writeback.py --out BENCHMARKS-writeback.md --plot bench/writeback.png
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out BENCHMARKS-cluster.md --plot bench/cluster.png; \

@@ -286,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every setup; tables give medians")
     ap.add_argument("--budget", default=Spec.budget, help="the prefetch budget (default %(default)s)")
     ap.add_argument("--small", action="store_true", help="a quick run on 400 files")
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=Spec.step_ms,
+        help="the sleep per batch standing in for a GPU step (default %(default)s ms)",
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 workers on 2 cores: meant
-    spec = Spec(files=400 if args.small else Spec.files, budget=args.budget)
+    spec = Spec(files=400 if args.small else Spec.files, budget=args.budget, step_ms=args.step_ms)
     t_start = time.perf_counter()
     backing, local = generate(args.root, spec)
     local_names = sorted(str(p) for p in (local / "tree").rglob("*.bin"))
@@ -330,12 +336,13 @@ def write(args: Any, spec: Spec, runs: dict[str, Runs], same: bool, ok: bool, el
     cmd = f"`.venv/bin/python bench/bench_order.py --out {args.out}" + (
         f" --plot {args.plot}`" if args.plot else "`"
     )
-    if args.small or args.repeats != 3 or args.budget != Spec.budget:
+    if args.small or args.repeats != 3 or args.budget != Spec.budget or args.step_ms != Spec.step_ms:
         cmd = (
             cmd[:-1]
             + (" --small" if args.small else "")
             + (f" --repeats {args.repeats}" if args.repeats != 3 else "")
             + (f" --budget {args.budget}" if args.budget != Spec.budget else "")
+            + (f" --step-ms {args.step_ms:g}" if args.step_ms != Spec.step_ms else "")
             + "`"
         )
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
