@@ -371,3 +371,49 @@ def test_a_forked_child_never_waits_for_the_parents_s3_threads(
     child.start()
     child.join(30)
     assert child.exitcode == 0, "the child hung dropping an S3 source it inherited"
+
+
+def test_the_prefetch_command_over_a_prefix(server: S3Server, bucket: str, tier: str) -> None:
+    """`tierstore prefetch s3://...` with the endpoint and keys from the standard AWS variables."""
+    import subprocess
+    import sys
+
+    objects = {f"cli/{i:03d}.bin": blob(i, 10_000 + i) for i in range(40)}
+    put(server, bucket, objects)
+    s = server.settings()
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s["endpoint"],
+        "AWS_ACCESS_KEY_ID": s["access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": s["secret_access_key"],
+        "AWS_REGION": "us-east-1",
+    }
+    cli_tier = str(Path(tier).parent / "t-cli")
+    args = [
+        sys.executable,
+        "-m",
+        "tierstore.cli",
+        "--source",
+        f"s3://{bucket}/cli",
+        "--tier",
+        f"{cli_tier}:1G",
+    ]
+    p = subprocess.run(
+        [*args, "prefetch", f"s3://{bucket}/cli"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert "prefetched 40 files" in p.stdout and "40 copied" in p.stdout, p.stdout
+    again = subprocess.run(
+        [*args, "prefetch", f"s3://{bucket}/cli"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0 and "0 copied, 40 already cached" in again.stdout, (
+        again.stdout + again.stderr
+    )
+    missing = subprocess.run(
+        [*args, "prefetch", f"s3://{bucket}/cli/nope.bin"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1 and "nope.bin" in missing.stderr, missing.stdout + missing.stderr
