@@ -429,8 +429,8 @@ fn validate_s3(mut c: S3Config, keys: &BTreeMap<&'static str, (toml::Value, Orig
     Ok(c)
 }
 
-/// A duration: seconds as a number, or with a unit (`ms`, `s`, `m`).
-fn parse_duration(text: &str) -> Option<std::time::Duration> {
+/// A duration: seconds as a number, or with a unit (`ms`, `s`, `m`, `h`).
+pub(crate) fn parse_duration(text: &str) -> Option<std::time::Duration> {
     let t = text.trim();
     let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
         (n, 0.001)
@@ -438,6 +438,8 @@ fn parse_duration(text: &str) -> Option<std::time::Duration> {
         (n, 1.0)
     } else if let Some(n) = t.strip_suffix('m') {
         (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
     } else {
         (t, 1.0)
     };

@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::{parse_size, ConfigError, Origin};
+use crate::config::{parse_duration, parse_size, ConfigError, Origin};
 
 /// When `close()` (and `fsync`) of a staged file returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,23 +120,6 @@ fn absolute(p: &str) -> PathBuf {
         None => PathBuf::from(p),
     };
     crate::source::normalize(&std::path::absolute(&p).unwrap_or(p))
-}
-
-fn parse_timeout(t: &str) -> Option<Duration> {
-    let t = t.trim();
-    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = t.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = t.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = t.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (t, 1.0)
-    };
-    let secs: f64 = num.trim().parse().ok()?;
-    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs * scale))
 }
 
 /// Validates the `writeback` value (from the file or the environment). Stage directories are created
@@ -244,7 +227,7 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
             };
         let timeout = match get("timeout") {
             None => DEFAULT_TIMEOUT,
-            Some(v) => parse_timeout(&v).ok_or_else(|| {
+            Some(v) => parse_duration(&v).ok_or_else(|| {
                 bad(
                     origin,
                     &format!("{k}.timeout"),
