@@ -175,17 +175,7 @@ impl Shim {
         if bytes[0] == b'/' && !self.under(bytes) && !contains_dotdot(bytes) {
             return None; // the common case outside the source: no allocation, no system call
         }
-        let joined = if bytes[0] == b'/' {
-            PathBuf::from(OsStr::from_bytes(bytes))
-        } else {
-            let base = if dirfd == libc::AT_FDCWD {
-                std::env::current_dir().ok()?
-            } else {
-                std::fs::read_link(format!("/proc/self/fd/{dirfd}")).ok()?
-            };
-            base.join(OsStr::from_bytes(bytes))
-        };
-        let norm = tierstore_core::source::normalize(&joined);
+        let norm = absolute_at(dirfd, bytes)?;
         self.under(norm.as_os_str().as_bytes()).then_some(norm)
     }
 
@@ -206,6 +196,22 @@ impl Shim {
         let real = std::fs::canonicalize(dir).ok()?.join(name);
         self.under(real.as_os_str().as_bytes()).then_some(real)
     }
+}
+
+/// The absolute, normalized path that `bytes` names (not empty: a path relative to `dirfd`, or absolute);
+/// `None` when the working directory or `dirfd` cannot be resolved.
+pub(crate) fn absolute_at(dirfd: c_int, bytes: &[u8]) -> Option<PathBuf> {
+    let joined = if bytes[0] == b'/' {
+        PathBuf::from(OsStr::from_bytes(bytes))
+    } else {
+        let base = if dirfd == libc::AT_FDCWD {
+            std::env::current_dir().ok()?
+        } else {
+            std::fs::read_link(format!("/proc/self/fd/{dirfd}")).ok()?
+        };
+        base.join(OsStr::from_bytes(bytes))
+    };
+    Some(tierstore_core::source::normalize(&joined))
 }
 
 fn contains_dotdot(b: &[u8]) -> bool {

@@ -17,7 +17,7 @@
 //! show only what is on the store. A file's permission bits on the store are the agent's defaults.
 
 use std::collections::HashMap;
-use std::ffi::{CStr, OsStr};
+use std::ffi::CStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
@@ -100,17 +100,7 @@ unsafe fn dest_path(wb: &Writeback, dirfd: c_int, path: *const c_char) -> Option
             return None; // the common case: no allocation, no system call
         }
     }
-    let joined = if bytes[0] == b'/' {
-        PathBuf::from(OsStr::from_bytes(bytes))
-    } else {
-        let base = if dirfd == libc::AT_FDCWD {
-            std::env::current_dir().ok()?
-        } else {
-            std::fs::read_link(format!("/proc/self/fd/{dirfd}")).ok()?
-        };
-        base.join(OsStr::from_bytes(bytes))
-    };
-    let norm = tierstore_core::source::normalize(&joined);
+    let norm = crate::absolute_at(dirfd, bytes)?;
     wb.destination(&norm).is_some().then_some(norm)
 }
 
