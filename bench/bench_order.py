@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tierstore.slowfs import mounted, read_stats
 
 PY = sys.executable
 OPS = ("getattr", "open", "read", "readdir", "release")
@@ -107,39 +107,6 @@ def warm(tree: Path) -> None:
         p.read_bytes()
 
 
-def mount(backing: Path, mnt: Path, spec: Spec) -> subprocess.Popen[bytes]:
-    mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    cmd = [PY, "-m", "tierstore.slowfs", str(backing), str(mnt), "--foreground",
-           "--meta-latency", spec.meta_latency, "--data-latency", spec.data_latency, "--bandwidth", "0"]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mnt):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the stand-in store did not mount")
-        time.sleep(0.05)
-    return proc
-
-
-def unmount(mnt: Path, proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(50):
-        if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
-    else:
-        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(30)
-
-
-def store_stats(mnt: Path) -> dict[str, int]:
-    with open(mnt / ".slowfs-stats") as f:
-        return json.loads(f.read())
-
-
 class LocalFiles:
     """The baseline's dataset: plain `open()` of a local copy, no tierstore. Picklable (top level)."""
 
@@ -202,38 +169,38 @@ def run_store(
     import tierstore
     from tierstore.torch import CachedDataset
 
-    mnt = root / "mnt"
     drop_cache(backing / "tree")
-    proc = mount(backing, mnt, spec)
-    tier = Path("/dev/shm") / f"tierstore-bench-order-{os.getpid()}"
-    shutil.rmtree(tier, ignore_errors=True)
-    try:
-        cache = tierstore.Cache(mnt, [f"{tier}:4G"], revalidate=revalidate)
-        names = sorted(str(p) for p in (backing / "tree").rglob("*.bin"))
-        names = [str(mnt / Path(n).relative_to(backing)) for n in names]
-        ds = CachedDataset(names, cache=cache)
-        before = store_stats(mnt)
-        if alone:
-            seconds, progress = prefetch_alone(cache, names, spec)
-            seen, loader = [], None
-        else:
-            seconds, seen, loader = epoch(ds, spec, budget)
-            progress = None
-        if budget is not None and not alone:
-            sampler = loader.ordered_sampler
-            sampler.prefetch.wait(60)
-            progress = sampler.progress()
-            sampler.stop()
-        cache.wait()
-        after = store_stats(mnt)
-        ops = {k: after.get(k, 0) - before.get(k, 0) for k in (*OPS, "bytes_read")}
-        # The cache holds a descriptor of the store's root: let it go before the store is unmounted.
-        del loader, ds, cache
-        gc.collect()
-        return seconds, ops, seen, progress
-    finally:
-        unmount(mnt, proc)
+    with mounted(
+        backing, root / "mnt", meta_latency=spec.meta_latency, data_latency=spec.data_latency, bandwidth="0"
+    ) as mnt:
+        tier = Path("/dev/shm") / f"tierstore-bench-order-{os.getpid()}"
         shutil.rmtree(tier, ignore_errors=True)
+        try:
+            cache = tierstore.Cache(mnt, [f"{tier}:4G"], revalidate=revalidate)
+            names = sorted(str(p) for p in (backing / "tree").rglob("*.bin"))
+            names = [str(mnt / Path(n).relative_to(backing)) for n in names]
+            ds = CachedDataset(names, cache=cache)
+            before = read_stats(mnt)
+            if alone:
+                seconds, progress = prefetch_alone(cache, names, spec)
+                seen, loader = [], None
+            else:
+                seconds, seen, loader = epoch(ds, spec, budget)
+                progress = None
+            if budget is not None and not alone:
+                sampler = loader.ordered_sampler
+                sampler.prefetch.wait(60)
+                progress = sampler.progress()
+                sampler.stop()
+            cache.wait()
+            after = read_stats(mnt)
+            ops = {k: after.get(k, 0) - before.get(k, 0) for k in (*OPS, "bytes_read")}
+            # The cache holds a descriptor of the store's root: let it go before the store is unmounted.
+            del loader, ds, cache
+            gc.collect()
+            return seconds, ops, seen, progress
+        finally:
+            shutil.rmtree(tier, ignore_errors=True)
 
 
 def ops_text(ops: dict[str, int]) -> str:

@@ -22,7 +22,6 @@ The exit status is 1 when a target is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tierstore.slowfs import mounted, read_stats
 
 PY = sys.executable
 OPS = ("getattr", "open", "read", "readdir", "release", "access", "readlink", "statfs")
@@ -89,40 +90,13 @@ def drop_cache(tree: Path) -> bool:
     return ok
 
 
-def mount(backing: Path, mnt: Path) -> subprocess.Popen[bytes]:
-    mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    proc = subprocess.Popen([PY, "-m", "tierstore.slowfs", str(backing), str(mnt), "--foreground"])
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mnt):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the stand-in store did not mount")
-        time.sleep(0.05)
-    return proc
-
-
-def unmount(mnt: Path, proc: subprocess.Popen[bytes]) -> None:
-    for _ in range(50):
-        if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
-    else:
-        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    proc.wait(30)
-
-
-def store_stats(mnt: Path) -> dict[str, int]:
-    with open(mnt / ".slowfs-stats") as f:
-        return json.loads(f.read())
-
-
 def timed(cmd: list[str], mnt: Path, env: dict[str, str] | None = None) -> tuple[float, dict[str, int], str]:
     """Runs `cmd`; returns its wall time, the store operations it caused and its output."""
-    before = store_stats(mnt)
+    before = read_stats(mnt)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t0
-    after = store_stats(mnt)
+    after = read_stats(mnt)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stdout}{r.stderr}")
     ops = {k: after.get(k, 0) - before.get(k, 0) for k in OPS}
@@ -194,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             cold_runs = [("xargs", xargs), ("prefetch", cold)]
             for which, runs in cold_runs[r % 2 :] + cold_runs[: r % 2]:
                 dropped &= drop_cache(backing / "tree")
-                proc = mount(backing, mnt)
-                try:
+                with mounted(backing, mnt):
                     if which == "xargs":
                         s, ops, _ = timed(["bash", "-c", xargs_cmd], mnt)
                         runs.seconds.append(s)
@@ -214,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
                             raise RuntimeError(f"the warm prefetch found files missing: {out}")
                         warm.seconds.append(s)
                         warm.ops.append(ops)
-                finally:
-                    unmount(mnt, proc)
     finally:
         shutil.rmtree(tier, ignore_errors=True)
     seconds = time.perf_counter() - t_start

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierstore.slowfs import mounted, read_stats
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 OPS = ("open", "getattr", "readdir", "access", "statfs", "readlink", "read")
@@ -109,33 +111,6 @@ def generate(root: Path, spec: Spec) -> dict[str, Path]:
     return out
 
 
-def mount(backing: Path, mnt: Path) -> subprocess.Popen:
-    mnt.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    proc = subprocess.Popen([PY, "-m", "tierstore.slowfs", str(backing), str(mnt), "--foreground"])
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mnt):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the stand-in store did not mount")
-        time.sleep(0.05)
-    return proc
-
-
-def unmount(mnt: Path, proc: subprocess.Popen) -> None:
-    for _ in range(50):
-        if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
-    else:
-        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-    proc.wait(30)
-
-
-def store_stats(mnt: Path) -> dict[str, int]:
-    with open(mnt / ".slowfs-stats") as f:
-        return json.loads(f.read())
-
-
 def run_job(
     name: str, kind: str, root: Path, mnt: Path | None, spec: Spec, mode: str, preload: bool, tier: str | None
 ) -> Run:
@@ -159,13 +134,13 @@ def run_job(
     proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     run = Run(name, kind)
-    before = store_stats(mnt) if mnt else {}
+    before = read_stats(mnt) if mnt else {}
     for _ in range(spec.epochs):
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{name} ({kind}) failed")
         run.seconds.append(json.loads(line)["seconds"])
-        after = store_stats(mnt) if mnt else {}
+        after = read_stats(mnt) if mnt else {}
         run.ops.append({k: after.get(k, 0) - before.get(k, 0) for k in (*OPS, "bytes_read")})
         before = after
         proc.stdin.write("\n")
@@ -347,7 +322,7 @@ def run_per_sample_job(
     proc = subprocess.Popen(cmd, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdin is not None
     run = Run(name, reader)
-    before = store_stats(mnt) if mnt else {}
+    before = read_stats(mnt) if mnt else {}
     for _ in range(spec.epochs):
         line = proc.stdout.readline()
         if not line:
@@ -356,7 +331,7 @@ def run_per_sample_job(
         if result["samples"] != spec.samples:
             raise RuntimeError(f"{name} ({reader}): {result['samples']} samples, not {spec.samples}")
         run.seconds.append(result["seconds"])
-        after = store_stats(mnt) if mnt else {}
+        after = read_stats(mnt) if mnt else {}
         skip = ("metadata_ops", "data_ops")
         run.ops.append(
             {k: v - before.get(k, 0) for k, v in after.items() if k not in skip and v != before.get(k, 0)}
@@ -398,9 +373,8 @@ def per_sample_section(
     ]
     for reader, backing in data.items():
         mnt = root / f"mnt-per-sample-{reader}"
-        proc = mount(backing, mnt)
         runs: list[Run] = []
-        try:
+        with mounted(backing, mnt):
             for label, persistent, context in PER_SAMPLE_LOADERS:
                 rounds: dict[str, list[Run]] = {"local copy": [], "tierstore run": []}
                 for r in range(repeats):
@@ -444,8 +418,6 @@ def per_sample_section(
                 targets.append((f"per-sample {reader}, {label}: store operations in epochs 2-3", "0",
                                 f"{sum(later)} ({sum(later) / (2 * spec.samples):.2f} per sample)",
                                 sum(later) == 0))  # fmt: skip
-        finally:
-            unmount(mnt, proc)
         results[f"per-sample {reader}"] = runs
     lines.append("")
     return results, targets, lines
@@ -478,8 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             size = sum(p.stat().st_size for p in backing.rglob("*.bin"))
             mnt = args.root / f"mnt-{kind}"
-            proc = mount(backing, mnt)
-            try:
+            with mounted(backing, mnt):
                 # (name, root, mount to count, mode, preload, tier); every round runs them all, in an order
                 # rotated by one each round, so that no job always follows the same one.
                 jobs: list[tuple[str, Path, Path | None, str, bool, str | None]] = [
@@ -514,8 +485,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"direct, {s * 1000:.0f} ms under tierstore run (a miss on a large file returns at once and "
                         "reads follow the growing copy, then the descriptor moves to the finished copy)."
                     )
-            finally:
-                unmount(mnt, proc)
             results[kind] = runs
             by = {r.name: r for r in runs}
             local, direct = by["local copy"], by["direct"]

@@ -24,17 +24,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tierstore import slowfs
+
 PY = sys.executable
 TOTALS = ("metadata_ops", "data_ops")
-
-
-def store_stats(mnt: Path) -> dict[str, int]:
-    with open(mnt / ".slowfs-stats") as f:
-        return json.loads(f.read())
 
 
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -47,44 +43,15 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def mounted(backing: Path, meta_latency: str, data_latency: str) -> Iterator[Path]:
+def fresh_mount(backing: Path, meta_latency: str, data_latency: str) -> Iterator[Path]:
     """The stand-in store over `backing`, on a fresh mount point, for the duration."""
     mnt = Path(tempfile.mkdtemp(prefix="tierstore-trace-mnt-"))
-    proc = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "tierstore.slowfs",
-            str(backing),
-            str(mnt),
-            "--foreground",
-            "--meta-latency",
-            meta_latency,
-            "--data-latency",
-            data_latency,
-            "--bandwidth",
-            "0",
-        ],
-        stderr=subprocess.PIPE,
-    )
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(mnt):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
-                raise RuntimeError(
-                    f"the stand-in store did not mount (needs fuse3 and mfusepy): {err[-2000:]}"
-                )
-            time.sleep(0.05)
-        yield mnt
+        with slowfs.mounted(
+            backing, mnt, meta_latency=meta_latency, data_latency=data_latency, bandwidth="0"
+        ):
+            yield mnt
     finally:
-        for _ in range(50):
-            if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
-        proc.wait(30)
         with contextlib.suppress(OSError):
             mnt.rmdir()
 
@@ -100,9 +67,9 @@ def run_pass(
                "-e", "trace=%file,%stat,%desc,getdents64,readlink,readlinkat,clone,clone3,fork,vfork", *command]  # fmt: skip
     argv = [PY, "-m", "tierstore.cli", "--source", str(mnt), "--tier", tier, "run", "--revalidate", revalidate,
             "--", *cmd]  # fmt: skip
-    before = store_stats(mnt)
+    before = slowfs.read_stats(mnt)
     rc = subprocess.run(argv, stdout=subprocess.DEVNULL).returncode
-    return rc, delta(before, store_stats(mnt))
+    return rc, delta(before, slowfs.read_stats(mnt))
 
 
 # `PID call(args) = result`, as strace -f writes it once the halves of an interrupted call are joined.
@@ -224,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     tier = args.tier or f"{tier_dir}/tier:4G"
     stack = contextlib.ExitStack()
     try:
-        mnt = args.mount or stack.enter_context(mounted(args.backing, args.meta_latency, args.data_latency))
+        mnt = args.mount or stack.enter_context(
+            fresh_mount(args.backing, args.meta_latency, args.data_latency)
+        )
         cmd = [a.replace("{mnt}", str(mnt)) for a in command]
         passes = []
         if args.fill:

@@ -72,55 +72,23 @@ def mounted_store(
     write_bandwidth: str = "0",
     fail_file: Path | None = None,
 ) -> Iterator[tuple[Path, Path]]:
-    """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount)."""
-    import subprocess
-    import sys
-    import time
+    """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount).
+    No latency and no bandwidth cap unless asked: the tests count operations, they do not time them."""
+    from tierstore.slowfs import mounted
 
     backing = tmp_path / "pfs-backing"
-    mount = tmp_path / "pfs"
     backing.mkdir()
-    mount.mkdir()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierstore.slowfs",
-            str(backing),
-            str(mount),
-            "--foreground",
-            "--meta-latency",
-            meta_latency,
-            "--data-latency",
-            data_latency,
-            "--bandwidth",
-            bandwidth,
-            *(["--access-log", str(access_log)] if access_log is not None else []),
-            "--write-bandwidth",
-            write_bandwidth,
-            *(["--fail-file", str(fail_file)] if fail_file is not None else []),
-        ],
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 30
-    while not os.path.ismount(mount):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the stand-in store did not mount: {proc.stderr.read().decode()[-2000:]}")
-        time.sleep(0.05)
-    try:
+    with mounted(
+        backing,
+        tmp_path / "pfs",
+        meta_latency=meta_latency,
+        data_latency=data_latency,
+        bandwidth=bandwidth,
+        write_bandwidth=write_bandwidth,
+        fail_file=fail_file,
+        access_log=access_log,
+    ) as mount:
         yield backing, mount
-    finally:
-        # Processes of the job that just ended may still be closing their files: retry, then detach.
-        for _ in range(50):
-            if subprocess.run(["fusermount3", "-u", str(mount)], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            subprocess.run(["fusermount3", "-uz", str(mount)], check=False)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture

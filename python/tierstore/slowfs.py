@@ -19,13 +19,18 @@ before its bytes flow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 STATS = "/.slowfs-stats"
@@ -291,10 +296,77 @@ def make_operations(
     return SlowFS()
 
 
-def read_stats(mountpoint: str) -> dict[str, int]:
+def read_stats(mountpoint: str | os.PathLike[str]) -> dict[str, int]:
     """The counters of a mounted stand-in store."""
     with open(os.path.join(mountpoint, STATS.lstrip("/"))) as f:
         return json.loads(f.read())
+
+
+@contextlib.contextmanager
+def mounted(
+    source: str | os.PathLike[str],
+    mountpoint: str | os.PathLike[str],
+    *,
+    meta_latency: str | None = None,
+    data_latency: str | None = None,
+    bandwidth: str | None = None,
+    write_bandwidth: str | None = None,
+    fail_file: str | os.PathLike[str] | None = None,
+    access_log: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+) -> Iterator[Path]:
+    """The stand-in store over `source`, mounted at `mountpoint` by a child process for the duration.
+
+    Options left as None keep the command's defaults (`python -m tierstore.slowfs --help`). A mount left
+    behind at `mountpoint` by a killed run is detached first. On the way out the unmount is retried for
+    five seconds, because processes of a job that just ended may still be closing files there, then the
+    mount is detached.
+
+    Raises:
+        RuntimeError: the store did not mount within `timeout` seconds; the message holds its stderr.
+    """
+    mnt = Path(mountpoint)
+    mnt.mkdir(parents=True, exist_ok=True)
+    if os.path.ismount(mnt):
+        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+    options = {
+        "--meta-latency": meta_latency,
+        "--data-latency": data_latency,
+        "--bandwidth": bandwidth,
+        "--write-bandwidth": write_bandwidth,
+        "--fail-file": fail_file,
+        "--access-log": access_log,
+    }
+    cmd = [sys.executable, "-m", "tierstore.slowfs", str(source), str(mnt), "--foreground"]
+    cmd += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
+    # stderr to a file, not a pipe nobody reads while the store runs: a full pipe would stall the store.
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stderr=err)
+        deadline = time.monotonic() + timeout
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                err.seek(0)
+                raise RuntimeError(
+                    f"the stand-in store did not mount at {mnt} (it needs fuse3 and mfusepy): "
+                    f"{err.read().decode(errors='replace')[-2000:]}"
+                )
+            time.sleep(0.05)
+        try:
+            yield mnt
+        finally:
+            for _ in range(50):
+                if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.1)
+            else:
+                subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
