@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from tierstore import slowfs
+
 PY = sys.executable
 TENSORS = 100
 
@@ -333,16 +335,9 @@ def baseline_run(total: int, tmp: Path, updates: int = 3, fmt: str = "torch") ->
         else:
             torch.save(sd, path)
 
-    backing, mnt = tmp / "pfs-backing", tmp / "pfs"
+    backing = tmp / "pfs-backing"
     backing.mkdir(parents=True)
-    mnt.mkdir()
-    fs = subprocess.Popen([PY, "-m", "tierstore.slowfs", str(backing), str(mnt), "--foreground"])
-    try:
-        end = time.monotonic() + 30
-        while not os.path.ismount(mnt):
-            if time.monotonic() > end:
-                raise RuntimeError("the stand-in store did not mount")
-            time.sleep(0.05)
+    with slowfs.mounted(backing, tmp / "pfs") as mnt:
         path = mnt / "model.pt"
         c = Consumer(["--poll-consumer", "--path", str(path), "--format", fmt], dict(os.environ))
         counts = shapes(total)
@@ -362,16 +357,13 @@ def baseline_run(total: int, tmp: Path, updates: int = 3, fmt: str = "torch") ->
         os.replace(mnt / "model.pt.tmp", path)
         c.proc.wait(timeout=60)
         return out
-    finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
-        fs.wait(timeout=30)
 
 
 def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[str, Any]:
     """Publisher on node 0, a HotModel consumer on node 1 (network namespaces, the link shaped to 1 Gbit/s
     with tc tbf), Redis on node 0: publish -> served, and node 1's pull rate against iperf3 on the link."""
     from tierstore import stream
-    from tierstore.netns import Nodes
+    from tierstore.netns import Nodes, start_redis
 
     work.mkdir(parents=True)
     token = work / "token"
@@ -382,36 +374,7 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
         nodes.shape("1gbit")
         procs: list[subprocess.Popen[Any]] = []
         try:
-            procs.append(
-                subprocess.Popen(
-                    n0.cmd(
-                        "redis-server",
-                        "--port",
-                        "6390",
-                        "--bind",
-                        n0.address,
-                        "--protected-mode",
-                        "no",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ),
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-            end = time.monotonic() + 20
-            while (
-                subprocess.run(
-                    n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"),
-                    capture_output=True,
-                    text=True,
-                ).stdout.strip()
-                != "PONG"
-            ):
-                if time.monotonic() > end:
-                    raise RuntimeError("redis-server did not start in node 0")
-                time.sleep(0.05)
+            procs.append(start_redis(n0.address, 6390, node=n0))
             socks = []
             from tierstore import agent as agent_mod
 

@@ -441,34 +441,10 @@ def test_the_agent_serves_prometheus_metrics_when_asked(
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of this test's own on a free loopback port."""
-    import shutil
+    from tierstore.netns import start_redis
 
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed: `make setup` installs it")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert time.monotonic() < deadline, "redis-server did not start"
-        time.sleep(0.02)
+    proc = start_redis("127.0.0.1", port)
     try:
         yield f"redis://127.0.0.1:{port}/"
     finally:

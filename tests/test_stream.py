@@ -321,7 +321,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
 ) -> None:
     """Two nodes (network namespaces), Redis on the first: two consumers on the second node are served by
     one pull per version of the tensors their node lacks; Redis restarted, they catch up."""
-    from tierstore.netns import Nodes
+    from tierstore.netns import Nodes, start_redis
 
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
@@ -330,26 +330,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
         url = f"redis://{n0.address}:6390/"
 
         def redis() -> subprocess.Popen[bytes]:
-            proc = subprocess.Popen(
-                n0.cmd(
-                    "redis-server",
-                    "--port",
-                    "6390",
-                    "--bind",
-                    n0.address,
-                    "--protected-mode",
-                    "no",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ),
-                stdout=subprocess.DEVNULL,
-            )
-            wait_for("redis-server up", lambda: subprocess.run(
-                n1.cmd("redis-cli", "-h", n0.address, "-p", "6390", "ping"), capture_output=True, text=True
-            ).stdout.strip() == "PONG")  # fmt: skip
-            return proc
+            return start_redis(n0.address, 6390, node=n0)
 
         server = redis()
         agents, socks, args_of = [], [], []

@@ -8,7 +8,9 @@ mounted once is seen by every node as a shared file system is. Needs root.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -105,3 +107,33 @@ class Nodes:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_redis(
+    address: str, port: int, *, node: Node | None = None, timeout: float = 20.0
+) -> subprocess.Popen[bytes]:
+    """A redis-server of a test's or benchmark's own, without persistence, listening on `address:port`
+    (inside `node` when given); returns once it answers a PING. Stop it with `kill()`.
+
+    Raises:
+        NetnsError: redis-server is missing or did not answer within `timeout` seconds.
+    """
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        raise NetnsError(
+            "redis-server is not installed: `make setup` installs it (apt-get install redis-server)"
+        )
+    inside = node.cmd if node is not None else (lambda *argv: list(argv))
+    argv = ["redis-server", "--port", str(port), "--bind", address, "--protected-mode", "no",
+            "--save", "", "--appendonly", "no"]  # fmt: skip
+    proc = subprocess.Popen(inside(*argv), stdout=subprocess.DEVNULL, cwd="/tmp")
+    ping = inside("redis-cli", "-h", address, "-p", str(port), "ping")
+    deadline = time.monotonic() + timeout
+    while subprocess.run(ping, capture_output=True, text=True).stdout.strip() != "PONG":
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise NetnsError(
+                f"redis-server on {address}:{port} did not start (exit status {proc.returncode})"
+            )
+        time.sleep(0.02)
+    return proc
