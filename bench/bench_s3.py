@@ -205,6 +205,10 @@ def main() -> int:
     p.add_argument("--large", type=int, default=16)
     p.add_argument("--large-size", type=size, default="64M")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--rounds", type=int, default=5,
+        help="local and tierstore jobs alternated this many times; epochs 2-3 compared round by round",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -220,9 +224,26 @@ def main() -> int:
             populate(s3, args, local)
             objects = args.small + args.large
             jobs = {}
-            for mode in ("local", "s3fs", "simplecache", "tierstore"):
+            for mode in ("s3fs", "simplecache"):
                 jobs[mode] = run_job(s3, args, mode, fresh_dir(base, f"tier-{mode}"), local)
                 print(mode, [(round(e["seconds"], 2), e["gets"]) for e in jobs[mode]["epochs"]], flush=True)
+            # Epochs 2-3 last a fraction of a second on this shared machine: one pair of jobs can land
+            # anywhere between 0.8x and 1.1x. The local and tierstore jobs alternate, each round with a
+            # cold tier, and the ratio is the median of the rounds' ratios.
+            rounds: list[dict[str, dict[str, Any]]] = []
+            for r in range(args.rounds):
+                pair = {
+                    m: run_job(s3, args, m, fresh_dir(base, f"tier-{m}"), local)
+                    for m in ("local", "tierstore")
+                }
+                rounds.append(pair)
+                print(f"round {r + 1}", {m: [round(e["seconds"], 3) for e in j["epochs"]] for m, j in pair.items()},
+                      flush=True)  # fmt: skip
+            round_ratios = [
+                epoch_rate(p["local"], [2, 3]) / epoch_rate(p["tierstore"], [2, 3]) for p in rounds
+            ]
+            middle = sorted(range(len(rounds)), key=lambda i: round_ratios[i])[len(rounds) // 2]
+            jobs = {"local": rounds[middle]["local"], **jobs, "tierstore": rounds[middle]["tierstore"]}
             together = {
                 m: four_at_once(s3, args, m, fresh_dir(base, f"four-{m}"))
                 for m in ("tierstore", "simplecache")
@@ -235,17 +256,17 @@ def main() -> int:
         shutil.rmtree(disk, ignore_errors=True)
 
     later = {m: epoch_rate(j, [2, 3]) for m, j in jobs.items()}
-    ts_later_gets = sum(e["gets"] for e in jobs["tierstore"]["epochs"][1:])
-    vs_local = later["local"] / later["tierstore"]
+    ts_later_gets = sum(e["gets"] for p in rounds for e in p["tierstore"]["epochs"][1:])
+    vs_local = statistics.median(round_ratios)
     large_ratio = statistics.median(large["boto3"]) / statistics.median(large["tierstore"])
     # One process fetching every object once: a GET per small object, one per range of a large one.
     once = jobs["tierstore"]["epochs"][0]["gets"]
     targets = [
         ("4 processes: GETs = one fetch of every object", f"= {once} ({objects} objects)", f"{together['tierstore']['gets']} "
          f"(simplecache: {together['simplecache']['gets']})", together["tierstore"]["gets"] == once),
-        ("epochs 2-3: GETs", "0", str(ts_later_gets), ts_later_gets == 0),
-        ("epochs 2-3: throughput vs reading the cached copies directly", ">= 0.90x", f"{vs_local:.2f}x",
-         vs_local >= 0.90),
+        (f"epochs 2-3: GETs ({args.rounds} jobs)", "0", str(ts_later_gets), ts_later_gets == 0),
+        ("epochs 2-3: throughput vs reading the cached copies directly (median of the rounds)", ">= 0.90x",
+         f"{vs_local:.2f}x", vs_local >= 0.90),
         ("a cold large object vs boto3's managed transfer", ">= 0.90x", f"{large_ratio:.2f}x", large_ratio >= 0.90),
     ]  # fmt: skip
     total = args.small * args.small_size + args.large * args.large_size
@@ -265,6 +286,11 @@ def main() -> int:
         "sample (shuffled), large ones in 1 MiB records. `local`: plain `open()` of a copy of every object on "
         '/dev/shm (reading cached copies directly). tierstore: a RAM tier, revalidate "never". simplecache: its '
         "cache directory on /dev/shm.",
+        f"- local and tierstore: {args.rounds} rounds, the two jobs alternated, each tierstore job on an empty "
+        "tier; epochs 2-3 compared within each round, the target on the median round (its jobs are the rows "
+        "below). Ratios of the rounds, local over tierstore: "
+        + ", ".join(f"{r:.2f}x" for r in round_ratios)
+        + ".",
         "- 4 processes: four copies of the job at once, 1 epoch, 1 worker each, sharing the cache.",
         f"- Large object: one cold {human(args.large_size)} object read whole, tierstore (8 MiB ranges, 8 in "
         f"flight) against boto3 `download_fileobj`, alternated {args.repeats} times; medians.",

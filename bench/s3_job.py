@@ -71,14 +71,16 @@ class Large(IterableDataset):
     """Large objects read record by record, each worker through its own objects."""
 
     def __init__(self, keys: list[str], args: argparse.Namespace) -> None:
-        self.keys, self.args = keys, args
+        self.keys, self.args, self._open = keys, args, None
 
     def __iter__(self):
         info = get_worker_info()
         mine = self.keys[info.id :: info.num_workers] if info else self.keys
-        open_ = opener(self.args)
+        # Made once per worker, as for the small objects: persistent workers keep it between epochs.
+        if self._open is None:
+            self._open = opener(self.args)
         for k in mine:
-            with open_(k) as f:
+            with self._open(k) as f:
                 total = 0
                 while chunk := f.read(RECORD):
                     total += len(chunk)
