@@ -276,6 +276,9 @@ class Publisher:
             saved in the background (deduplicated against the versions saved before), without holding up
             the publisher. A flush that falls behind skips to the newest version due, and counts it.
         history_every: which versions are saved: those whose number is a multiple of it.
+        background_threads: the threads a `sync=False` publish places with while training goes on
+            (default: half the cores, at least one), so that it does not take the trainer's cores. A
+            synchronous publish uses every core: the trainer is waiting for it.
     """
 
     def __init__(
@@ -286,8 +289,10 @@ class Publisher:
         deadline: float = DEFAULT_DEADLINE,
         history: Any = None,
         history_every: int = 1,
+        background_threads: int | None = None,
     ) -> None:
         self.name = name
+        self._background_threads = background_threads or max(1, (os.cpu_count() or 2) // 2)
         self._conn = _connect(socket, deadline)
         if history is not None and not hasattr(history, "save"):
             from tierstore.models import Repository
@@ -359,7 +364,7 @@ class Publisher:
         # Until this snapshot is placed, the staging buffer holds no placed version.
         since, self._staged_version = self._staged_version, None
         self._pending = self._pool.submit(
-            self._place, names, specs, self._staging, step, meta, unchanged, since
+            self._place, names, specs, self._staging, step, meta, unchanged, since, self._background_threads
         )
         return self._pending
 
@@ -378,6 +383,7 @@ class Publisher:
         metadata: dict[str, Any],
         unchanged: set[str] | None = None,
         unchanged_since: int | None = None,
+        threads: int | None = None,
     ) -> StreamVersion:
         with self._lock:
             begun = self._conn.call({"op": "begin", "name": self.name})
@@ -403,7 +409,7 @@ class Publisher:
                 bases.append(
                     (blobs / b[0], bytes.fromhex(b[0])) if b is not None and b[1] == nbytes else None
                 )
-            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp)
+            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp, threads)
             placed_at = dict(zip(todo, placed_todo, strict=True))
             placed = [placed_at[i] if i in placed_at else (known[i], False) for i in range(len(names))]
             tensors = [

@@ -56,6 +56,22 @@ pub fn place(tensors: &[&[u8]], bases: &[Option<(PathBuf, Hash)>], dir: &Path) -
         .collect()
 }
 
+/// [`place`] on at most `threads` threads of a pool of its own. An asynchronous publish places while the
+/// trainer goes on computing: on all cores it would take the trainer's, and slow every step it overlaps.
+pub fn place_on(
+    threads: usize,
+    tensors: &[&[u8]],
+    bases: &[Option<(PathBuf, Hash)>],
+    dir: &Path,
+) -> io::Result<Vec<Placed>> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("tierstore-place-{i}"))
+        .build()
+        .map_err(io::Error::other)?;
+    pool.install(|| place(tensors, bases, dir))
+}
+
 /// Whether the file at `path` holds exactly `bytes` (a missing file holds nothing).
 fn same_bytes(path: &Path, bytes: &[u8]) -> io::Result<bool> {
     let f = match File::open(path) {

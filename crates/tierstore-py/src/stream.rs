@@ -13,13 +13,16 @@ use crate::error::io_to_py;
 use crate::pack::View;
 
 /// Places tensors into the directory of a publish: `bases[i]` is `(file, hash)` of tensor `i` in the
-/// version before, or None. Returns `(hash, written)` per tensor.
+/// version before, or None. Returns `(hash, written)` per tensor. `threads`: at most this many threads
+/// (None: every core).
 #[pyfunction]
+#[pyo3(signature = (buffers, bases, dir, threads=None))]
 pub fn stream_place<'py>(
     py: Python<'py>,
     buffers: Vec<Bound<'py, PyAny>>,
     bases: Vec<Option<(PathBuf, Vec<u8>)>>,
     dir: PathBuf,
+    threads: Option<usize>,
 ) -> PyResult<Vec<(Bound<'py, PyBytes>, bool)>> {
     let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
     let bases = bases
@@ -33,7 +36,10 @@ pub fn stream_place<'py>(
         .allow_threads(|| {
             // SAFETY: the views hold their buffers exported for this call.
             let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
-            stream::place(&slices, &bases, &dir)
+            match threads {
+                Some(n) => stream::place_on(n, &slices, &bases, &dir),
+                None => stream::place(&slices, &bases, &dir),
+            }
         })
         .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;
     Ok(placed.iter().map(|p| (PyBytes::new(py, &p.hash), p.written)).collect())
