@@ -546,3 +546,84 @@ def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: P
         stop_agent(proc)
     assert proc.returncode == 0
     assert not held.exists(), f"{held} left behind"
+
+
+IN_PLACE_UPDATES = 200
+
+
+def test_in_place_mode_keeps_one_copy_pauses_requests_briefly_and_never_mixes_versions(sock: Path) -> None:
+    """A consumer process serves requests without a break while versions arrive; its HotModel writes them
+    into the one copy of the model it has, holding requests back for the pause each update reports."""
+    consumer = child(
+        f"""
+        import json, tracemalloc
+        import numpy as np
+        from tierstore import stream
+        model = {{f"t{{i}}": np.zeros(1 << 18, dtype=np.float32) for i in range(4)}}  # 4 MiB
+        tracemalloc.start()
+        hot = stream.HotModel(model, "inplace", mode="in-place")
+        pauses = []
+        hot.on_pause(lambda version, seconds: pauses.append(seconds))
+        print("ready", flush=True)
+        requests = mixed = 0
+        versions = set()
+        while hot.version != {IN_PLACE_UPDATES}:
+            with hot.serving() as m:
+                assert m is model
+                first = float(m["t0"][0])
+                whole = all(bool((a == first).all()) for a in m.values())
+            requests += 1
+            mixed += not whole
+            versions.add(first)
+        _, peak = tracemalloc.get_traced_memory()
+        print(json.dumps({{"requests": requests, "mixed": mixed, "versions_served": len(versions),
+                          "updates": hot.updates, "pauses": hot.pauses, "reported": len(pauses),
+                          "max_pause_s": hot.max_pause_s, "sum_pause_s": sum(pauses), "copies": hot.copies,
+                          "peak": peak, "model": sum(a.nbytes for a in model.values()),
+                          "failures": hot.failures, "error": hot.last_error}}), flush=True)
+        hot.close()
+        """,
+        sock,
+    )
+    assert consumer.stdout is not None
+    assert consumer.stdout.readline().strip() == "ready", consumer.stderr.read() if consumer.stderr else ""
+    m = {f"t{i}": np.zeros(1 << 18, dtype=np.float32) for i in range(4)}
+    publisher = stream.Publisher("inplace")
+    for n in range(1, IN_PLACE_UPDATES + 1):
+        for a in m.values():
+            a[:] = n
+        publisher.publish(m)
+    publisher.close()
+    out = consumer.stdout.readline()
+    assert consumer.wait(timeout=60) == 0, consumer.stderr.read() if consumer.stderr else ""
+    report = json.loads(out)
+    print(f"in place: {report}")
+    assert report["mixed"] == 0 and report["failures"] == 0, report
+    assert report["versions_served"] > 1, report
+    # Each update paused requests once, and said for how long.
+    assert report["pauses"] == report["updates"] == report["reported"] > 0, report
+    assert 0 < report["max_pause_s"] < 1.0, report
+    # One copy: nothing model-sized was allocated besides the model itself.
+    assert report["copies"] == 1 and report["peak"] < report["model"] // 4, report
+
+
+def test_double_mode_allocates_a_second_copy_which_in_place_does_not(sock: Path) -> None:
+    """The measure the in-place test relies on: a second copy of a numpy model shows in tracemalloc."""
+    import tracemalloc
+
+    m = model(0.0, sizes=(1 << 18, 1 << 18))  # 2 MiB
+    nbytes = sum(a.nbytes for a in m.values())
+    update = model(1.0, sizes=(1 << 18, 1 << 18))
+    for mode, copies in (("double", 2), ("in-place", 1)):
+        tracemalloc.start()
+        try:
+            with stream.HotModel(m, f"mem-{mode}", mode=mode) as hot:
+                stream.publish(f"mem-{mode}", update)
+                hot.wait_version(1, timeout=20)
+                _, peak = tracemalloc.get_traced_memory()
+                assert hot.copies == copies
+        finally:
+            tracemalloc.stop()
+        assert (peak >= nbytes) if copies == 2 else (peak < nbytes // 4), (mode, peak, nbytes)
+    with pytest.raises(ValueError, match='use "double"'):
+        stream.HotModel(m, "x", mode="twice")
