@@ -629,7 +629,8 @@ class DistributedPublisher(Publisher):
             sent = _group.send(views, self._bucket, self.group, self.src)
         except Exception as e:
             self.group_error = (
-                f"{v}: sending {len(idx)} changed tensors to the process group failed after "
+                f"{v}: sending the changed tensors ({len(idx)}, {sum(int(x.numel()) for x in views)} "
+                f"bytes) to the process group failed after "
                 f"{time.monotonic() - t0:.1f} s ({e}); the version is announced through the agent, and "
                 "later versions go through the agent only"
             )
@@ -1112,7 +1113,8 @@ class HotModel:
             )
         except Exception as e:
             self.group_error = (
-                f"receiving {len(tensors)} changed tensors from rank {self.src} failed after "
+                f"receiving the changed tensors ({len(tensors)}, {sum(t.nbytes for t in tensors)} bytes) "
+                f"from rank {self.src} failed after "
                 f"{time.monotonic() - t0:.1f} s ({e}); later versions are read from the agent's shared memory"
             )
             raise StreamError(self.group_error) from e
