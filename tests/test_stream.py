@@ -609,6 +609,37 @@ def test_in_place_mode_keeps_one_copy_pauses_requests_briefly_and_never_mixes_ve
     assert report["copies"] == 1 and report["peak"] < report["model"] // 4, report
 
 
+def test_an_in_place_update_torn_midway_stops_requests_until_the_next_one(sock: Path) -> None:
+    served = model(0.0)
+    hot = stream.HotModel(served, "torn", mode="in-place")
+    try:
+        stream.publish("torn", model(1.0))
+        hot.wait_version(1, timeout=20)
+
+        def fails(paths: list[Path], dests: list[np.ndarray]) -> None:
+            dests[0][:] = 0xFF  # part of the model written, then the read fails
+            raise OSError("the read failed")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(stream._core, "stream_read", fails)
+            stream.publish("torn", model(2.0))
+            wait_for("the torn update reported", lambda: hot.failures == 1)
+        assert hot.last_error is not None and "the read failed" in hot.last_error
+        assert "requests raise until an update" in hot.last_error and hot.pauses == 2
+        with pytest.raises(stream.StreamError, match="failed midway; no whole version"), hot.serving():
+            pass
+        # Version 3 changes only t1 from version 2; what the torn update left is rewritten as well.
+        m3 = model(2.0)
+        m3["t1"][:] = 3.0
+        stream.publish("torn", m3)
+        hot.wait_version(3, timeout=20)
+        with hot.serving() as m:
+            assert {k: float(a.min()) for k, a in m.items()} == {"t0": 2.0, "t1": 3.0, "t2": 2.0}
+            assert {k: float(a.max()) for k, a in m.items()} == {"t0": 2.0, "t1": 3.0, "t2": 2.0}
+    finally:
+        hot.close()
+
+
 def test_double_mode_allocates_a_second_copy_which_in_place_does_not(sock: Path) -> None:
     """The measure the in-place test relies on: a second copy of a numpy model shows in tracemalloc."""
     import tracemalloc
@@ -669,7 +700,7 @@ def change(m, n):
 
 CONSUMER = """
 model = weights(zero=True)
-hot = stream.HotModel(model, "g", group=group, src=0, bucket_bytes=64 << 10)
+hot = stream.HotModel(model, "g", group=group, src=0, bucket_bytes=64 << 10, mode=mode)
 seen = {}
 def swapped(version, _):
     with hot.serving() as m:
@@ -701,10 +732,10 @@ def group_store() -> Iterator[Any]:
 
 
 def rank(
-    sock: Path, store: Any, n: int, code: str, timeout: float = 5.0, world: int = 3
+    sock: Path, store: Any, n: int, code: str, timeout: float = 5.0, world: int = 3, mode: str = "double"
 ) -> subprocess.Popen[str]:
     prelude = textwrap.dedent(RANK).format(port=store.port, rank=n, timeout=timeout, world=world)
-    return child(prelude + f"rank = {n}\n" + textwrap.dedent(code), sock)
+    return child(prelude + f"rank = {n}\nmode = {mode!r}\n" + textwrap.dedent(code), sock)
 
 
 def line(proc: subprocess.Popen[str]) -> str:
@@ -722,8 +753,8 @@ GROUP_TIMEOUT = 5.0
 def test_a_process_group_moves_only_changed_tensors_and_a_dead_consumer_fails_the_publish_in_time(
     sock: Path, group_store: Any
 ) -> None:
-    """A publisher rank and 2 consumer ranks (gloo): 4 versions with partial changes are served byte for
-    byte; then a consumer rank is SIGKILLed: the next publish raises within the group's timeout, the version
+    """A publisher rank and 2 consumer ranks (gloo; one keeps two copies, one updates in place): 4 versions
+    with partial changes are served byte for byte; then a consumer rank is SIGKILLed: the next publish raises within the group's timeout, the version
     is announced all the same, and the one after reaches the live consumer through shared memory."""
     consumers = [
         rank(
@@ -733,6 +764,7 @@ def test_a_process_group_moves_only_changed_tensors_and_a_dead_consumer_fails_th
             CONSUMER
             + "wait_seen(4)\nreport()\n"
             + ("time.sleep(600)\n" if n == 2 else "wait_seen(6)\nreport()\n"),
+            mode="in-place" if n == 2 else "double",
         )
         for n in (1, 2)
     ]

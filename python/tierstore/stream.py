@@ -934,6 +934,8 @@ class HotModel:
         self.max_pause_s = 0.0
         self.pauses = 0
         self._thread: threading.Thread | None = None
+        # Why the process group was given up (None while it works, and without one).
+        self.group_error: str | None = None
         if not self._grouped:
             self._sub = Subscriber(name, socket=socket, deadline=deadline)
             self._thread = threading.Thread(target=self._run, name=f"tierstore-hot-{name}", daemon=True)
@@ -943,7 +945,6 @@ class HotModel:
 
         self.group = group
         self.src = 0 if src is None else src
-        self.group_error: str | None = None
         self._device = self._views[0][next(iter(self._views[0]))].device if self._views[0] else None
         self._bucket = _group.Bucket(bucket_bytes)
         # The version last received through the group and its hashes: the next one sends what differs.
@@ -1058,7 +1059,12 @@ class HotModel:
         except Exception as e:
             with self._cond:
                 self.failures += 1
-                self.last_error = f"{v}: {e}; still serving version {self._versions[self._active]}"
+                if self._torn is None:
+                    self.last_error = f"{v}: {e}; still serving version {self._versions[self._active]}"
+                else:
+                    self.last_error = (
+                        f"{v}: {e}; the model was written in part: requests raise until an update"
+                    )
 
     def _check(self, v: StreamVersion) -> None:
         """Raises unless `v`'s tensors are the model's, byte for byte in size."""
