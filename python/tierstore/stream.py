@@ -17,6 +17,10 @@ loads a new version into the one no request uses (only the tensors whose hash di
 holds), and swaps between requests: no request waits for an update and none sees two versions. A version
 is never visible before every tensor of it is placed: a publisher killed mid-publish leaves nothing.
 
+`HotModel(model, name, mode="in-place")` keeps one copy and pauses requests for the length of each update
+(reported). `DistributedPublisher` with `HotModel(..., group=, src=)` moves the changed tensors inside a
+torch.distributed process group (NCCL GPU to GPU, gloo on CPUs), the agent still announcing every version.
+
 Every notice leases its version to the subscriber's connection; the agent keeps the last `--stream-keep`
 versions (2) and any leased one, and a consumer that dies releases its leases with its connection.
 """
@@ -591,28 +595,39 @@ class DistributedPublisher(Publisher):
         self.bytes_sent = 0
         self.last_sent_bytes = 0
 
-    def publish(  # type: ignore[override]
+    def publish(
         self,
         model_or_state_dict: Any,
         *,
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        sync: bool = True,
     ) -> StreamVersion:
         """Publishes the tensors as the stream's next version and sends what changed to the group.
 
         Synchronous only: the collective reads the model's own tensors (on their device).
 
         Raises:
+            ValueError: `sync=False` (use a `Publisher` for that).
             StreamError: the agent refused the version, or the group's collectives failed (the version is
                 announced through the agent all the same; the message says so).
             TimeoutError: the agent did not answer within the deadline.
         """
         from tierstore import _group
 
+        if not sync:
+            raise ValueError(
+                "DistributedPublisher.publish is synchronous (the group's collectives read the model's own "
+                "tensors); publish with a Publisher for sync=False"
+            )
         state = (
             model_or_state_dict.state_dict()
             if hasattr(model_or_state_dict, "state_dict")
             else model_or_state_dict
+        )
+        # Checked before the version is announced: every tensor can be sent as it is.
+        byte_views = (
+            {str(k): _group.byte_view(t) for k, t in state.items()} if self.group_error is None else {}
         )
         meta = dict(metadata or {})
         sending = self.group_error is None
@@ -623,7 +638,7 @@ class DistributedPublisher(Publisher):
         if not sending:
             return v
         idx = _group.changed(v.tensors, self._sent[1])
-        views = [_group.byte_view(state[v.tensors[i].name]) for i in idx]
+        views = [byte_views[v.tensors[i].name] for i in idx]
         t0 = time.monotonic()
         try:
             sent = _group.send(views, self._bucket, self.group, self.src)
