@@ -559,6 +559,8 @@ class DistributedPublisher(Publisher):
         group: the process group (None: the default one).
         src: this rank (the global rank, as torch.distributed's `src`); default: this process's rank.
         bucket_bytes: the most bytes one collective moves; tensors smaller than it are packed together.
+        device: where the constructor's handshake tensor lives (default: the current GPU with NCCL, else
+            the CPU); the tensors are sent from their own device.
         Others as `Publisher`.
     """
 
