@@ -895,3 +895,18 @@ def test_a_publisher_rank_that_hangs_mid_transfer_fails_the_consumer_at_the_dead
     got = json.loads(line(consumer))
     assert consumer.wait(timeout=30) == 0, consumer.stderr.read() if consumer.stderr else ""
     assert got["seen"]["3"] == {t.name: t.hash for t in v3.tensors} and got["error"] is None, got
+
+
+def test_the_group_packs_small_tensors_into_few_buckets_and_cuts_large_ones() -> None:
+    from tierstore import _group
+
+    # 1,000 tensors of 100 bytes: 2 collectives of at most 64 KiB, not 1,000.
+    small = _group.buckets([100] * 1000, 64 << 10)
+    assert [sum(p[3] for p in b) for b in small] == [65536, 100_000 - 65536]
+    # A large tensor is cut across buckets, its neighbours packed around it; every byte once, in order.
+    sizes = [10, 150_000, 0, 7]
+    cut = _group.buckets(sizes, 65536)
+    assert [sum(p[3] for p in b) for b in cut] == [65536, 65536, 150_017 - 2 * 65536]
+    covered = [(i, off, n) for b in cut for i, off, _, n in b]
+    assert covered == [(0, 0, 10), (1, 0, 65526), (1, 65526, 65536), (1, 131062, 18938), (3, 0, 7)]
+    assert all(at == sum(p[3] for p in b[:k]) for b in cut for k, (_, _, at, _) in enumerate(b))
