@@ -17,7 +17,11 @@ Measured:
   requests    request latency (a 256x256 matmul over one of the model's tensors) while 3%-changed updates
               arrive continuously, against steady state, in the consumer.
 
-Usage: .venv/bin/python bench/bench_stream.py [--sizes 100MB,1GB] [--out BENCHMARKS-stream.md] [--plot bench/stream.png]
+  --group     only this, printed (not in the report): 3%-changed updates, publish() to served, through a
+              gloo process group of 2 against shared memory (two copies) and shared memory in place, in
+              turn on the same versions; and the in-place mode's pause per update.
+
+Usage: .venv/bin/python bench/bench_stream.py [--group 100MB] [--sizes 100MB,1GB] [--out BENCHMARKS-stream.md] [--plot bench/stream.png]
 """
 
 from __future__ import annotations
@@ -90,11 +94,31 @@ def consumer_main(args: argparse.Namespace) -> None:
 
     counts = [int(x) for x in args.shapes.split(",")] if args.shapes else []
     model = {f"t{i:03d}": torch.zeros(n, dtype=torch.float32) for i, n in enumerate(counts)}
-    hot = stream.HotModel(model, args.name)
+    group: dict[str, Any] = {}
+    if args.group_port:
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", args.group_port, is_master=False)
+        dist.init_process_group(
+            "gloo", store=store, rank=1, world_size=2, timeout=datetime.timedelta(seconds=60)
+        )
+        group = {"group": dist.group.WORLD, "src": 0}
+    hot = stream.HotModel(model, args.name, mode=args.mode, **group)
     hot.subscriber.on_update(lambda v: emit({"event": "notified", "version": v.version, "t": time.time()}))
     hot.on_swap(
         lambda v, t: emit(
-            {"event": "served", "version": v, "t": t, "copied": hot.bytes_copied, "swap": hot.last_swap_s}
+            {
+                "event": "served",
+                "version": v,
+                "t": t,
+                "copied": hot.bytes_copied,
+                "swap": hot.last_swap_s,
+                "pause": hot.last_pause_s,
+                "received": hot.bytes_received,
+                "shared": hot.bytes_shared,
+            }
         )
     )
     stop = threading.Event()
@@ -159,7 +183,9 @@ def poll_consumer_main(args: argparse.Namespace) -> None:
 
 
 class Consumer:
-    def __init__(self, argv: list[str], env: dict[str, str], prefix: list[str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], prefix: list[str] | None = None, ready: bool = True
+    ) -> None:
         self.proc = subprocess.Popen(
             [*(prefix or []), PY, __file__, *argv],
             stdin=subprocess.PIPE,
@@ -170,7 +196,8 @@ class Consumer:
         self.events: list[dict[str, Any]] = []
         self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
-        self.wait(lambda e: e["event"] == "ready", 120)
+        if ready:
+            self.wait(lambda e: e["event"] == "ready", 120)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -317,6 +344,62 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
     res["during"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
     c.close()
     pub.close()
+    return res
+
+
+def group_run(total: int, env: dict[str, str], updates: int = 5) -> dict[str, Any]:
+    """3%-changed updates, publish() to served, three ways in turn on the same versions: through a gloo
+    process group of 2 (DistributedPublisher, HotModel(group=)), through shared memory (two copies), and
+    through shared memory in place (one copy; its pause per update)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tierstore import stream
+
+    counts = shapes(total)
+    arg = ",".join(map(str, counts))
+    store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False)
+    g = Consumer(
+        ["--consumer", "--name", "grp", "--shapes", arg, "--group-port", str(store.port)], env, ready=False
+    )
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=60))
+    gpub = stream.DistributedPublisher("grp")  # collective with the consumer's HotModel
+    g.wait(lambda e: e["event"] == "ready", 120)
+    ways = {
+        "group": (gpub, g),
+        "shm": (stream.Publisher("shm"), Consumer(["--consumer", "--name", "shm", "--shapes", arg], env)),
+        "in-place": (
+            stream.Publisher("inp"),
+            Consumer(["--consumer", "--name", "inp", "--shapes", arg, "--mode", "in-place"], env),
+        ),
+    }
+    rng = np.random.default_rng(0)
+    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    res: dict[str, Any] = {"nbytes": sum(a.nbytes for a in model.values()), "pause": [], "received": []}
+    res |= {k: [] for k in ways}
+    for u in range(updates + 2):  # the first two versions fill both copies
+        if u >= 2:
+            for i in range(3):
+                model[f"t{(i + 7 * u) % TENSORS:03d}"] += 1.0
+        for key, (pub, c) in ways.items():
+            t0 = time.time()
+            v = pub.publish(model)
+            assert isinstance(v, stream.StreamVersion)
+            served = c.wait(lambda e, n=v.version: e["event"] == "served" and e["version"] == n, 300)
+            if u >= 2:
+                res[key].append(served["t"] - t0)
+                if key == "in-place":
+                    res["pause"].append(served["pause"])
+                if key == "group":
+                    res["received"].append(served["received"])
+            time.sleep(0.2)
+    res["changed_bytes"] = 3 * counts[0] * 4
+    res["memcpy_delta"] = memcpy_time(res["changed_bytes"])
+    for pub, c in ways.values():
+        c.close()
+        pub.close()
+    dist.destroy_process_group()
     return res
 
 
@@ -509,6 +592,11 @@ def main() -> None:
     ap.add_argument("--trainer-size", default="100MB")
     ap.add_argument("--out", default="BENCHMARKS-stream.md")
     ap.add_argument("--plot", default="bench/stream.png")
+    ap.add_argument("--mode", default="double", help="a consumer's HotModel mode")
+    ap.add_argument("--group-port", type=int, default=0, help="a consumer: the gloo group's TCP store")
+    ap.add_argument(
+        "--group", default="", help="only the process-group and in-place comparison, at these sizes"
+    )
     args = ap.parse_args()
     if args.consumer:
         consumer_main(args)
@@ -517,6 +605,9 @@ def main() -> None:
         poll_consumer_main(args)
         return
     command = "python bench/bench_stream.py " + " ".join(sys.argv[1:])
+    if args.group:
+        group_main(args.group)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         tmp = Path(d)
         sock = tmp / "run" / "tierstore" / "agent.sock"
@@ -555,6 +646,30 @@ def main() -> None:
                 cross[size] = cross_node_run(total, tmp / f"x{total}", fulls=2 if total < 5e8 else 1)
                 print(f"{size} across nodes: {cross[size]}"[:300], flush=True)
     write_report(args, command, notify, results, cross, trainer)
+
+
+def group_main(sizes: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
+        sock = Path(d) / "run" / "tierstore" / "agent.sock"
+        sock.parent.mkdir(parents=True)
+        agent = start_agent(sock)
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
+        try:
+            for size in sizes.split(","):
+                r = group_run(parse_size(size), env)
+                grp, shm, inp = (statistics.median(r[k]) for k in ("group", "shm", "in-place"))
+                print(
+                    f"{size} ({human(r['nbytes'])}), 3% changed ({human(r['changed_bytes'])}; memcpy "
+                    f"{ms(r['memcpy_delta'])}), publish() to served, median of {len(r['group'])}: "
+                    f"gloo group {ms(grp)} ({grp / shm:.2f}x shared memory), shared memory {ms(shm)}, "
+                    f"in place {ms(inp)} ({inp / shm:.2f}x), in-place pause p50 "
+                    f"{ms(statistics.median(r['pause']))} max {ms(max(r['pause']))}",
+                    flush=True,
+                )
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
 
 
 def write_report(
