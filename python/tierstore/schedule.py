@@ -104,7 +104,9 @@ class CurveFit:
         return bool(hi < lo)
 
 
-def _clean(steps: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _clean(
+    steps: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(steps, dtype=np.float64).ravel()
     y = np.asarray(losses, dtype=np.float64).ravel()
     if x.shape != y.shape:
@@ -119,13 +121,18 @@ def _clean(steps: Sequence[float] | np.ndarray, losses: Sequence[float] | np.nda
     return x, y
 
 
-def _exp_sums(b: np.ndarray, xs: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, ...]:
+_Sums = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _exp_sums(b: np.ndarray, xs: np.ndarray, y: np.ndarray) -> _Sums:
     """For each rate in `b`, the sums the closed-form least squares over `e^{-b x}` needs."""
     e = np.exp(-np.outer(b, xs))
     return e.sum(axis=1), np.einsum("ij,ij->i", e, e), e @ y
 
 
-def _exp2_sse(s_e: np.ndarray, s_ee: np.ndarray, s_ey: np.ndarray, s_yy: float) -> tuple[np.ndarray, np.ndarray]:
+def _exp2_sse(
+    s_e: np.ndarray, s_ee: np.ndarray, s_ey: np.ndarray, s_yy: float
+) -> tuple[np.ndarray, np.ndarray]:
     a = s_ey / np.maximum(s_ee, 1e-300)
     return np.maximum(s_yy - a * s_ey, 0.0), a
 
@@ -147,11 +154,11 @@ def _exp3_sse(
 
 
 def _min_rate(
-    sse_of: Callable[[tuple[np.ndarray, ...]], np.ndarray],
+    sse_of: Callable[[_Sums], np.ndarray],
     xs: np.ndarray,
     y: np.ndarray,
-    grid_sums: tuple[np.ndarray, ...],
-) -> tuple[float, tuple[np.ndarray, ...]]:
+    grid_sums: _Sums,
+) -> tuple[float, _Sums]:
     """The rate with the least squared error: the coarse grid's best, then three finer grids, each across
     the two cells around the best point of the one before (to 0.05 % of `b`). Each grid is one vectorised
     pass over the points, which is what keeps a fit of 1,000 points within a few milliseconds.
@@ -165,12 +172,11 @@ def _min_rate(
         b = np.geomspace(b[max(i - 1, 0)], b[min(i + 1, b.size - 1)], 15)
         sums = _exp_sums(b, xs, y)
     i = int(np.argmin(sse_of(sums)))
-    return float(b[i]), tuple(s[i : i + 1] for s in sums)
+    e, ee, ey = (s[i : i + 1] for s in sums)
+    return float(b[i]), (e, ee, ey)
 
 
-def fit_curves(
-    steps: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray
-) -> list[CurveFit]:
+def fit_curves(steps: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray) -> list[CurveFit]:
     """Fits Viper's four curves to `(steps, losses)`, lowest MSE first.
 
     Each exponential is fitted by a search over its rate `b` (a coarse grid, then finer ones), with the
@@ -196,12 +202,12 @@ def fit_curves(
     grid = _exp_sums(_B_GRID, xs, y)
     fits: list[CurveFit] = []
 
-    b2, (e, ee, ey) = _min_rate(lambda s: _exp2_sse(*s, s_yy)[0], xs, y, grid)
+    b2, (e, ee, ey) = _min_rate(lambda s: _exp2_sse(s[0], s[1], s[2], s_yy)[0], xs, y, grid)
     sse, a = _exp2_sse(e, ee, ey, s_yy)
     fits.append(CurveFit("exp2", {"a": float(a[0]), "b": b2 / scale}, float(sse[0]) / n))
 
     def exp3(sign: float) -> tuple[float, float, float, float]:
-        b3, (e, ee, ey) = _min_rate(lambda s: _exp3_sse(*s, n, s_y, s_yy, sign)[0], xs, y, grid)
+        b3, (e, ee, ey) = _min_rate(lambda s: _exp3_sse(s[0], s[1], s[2], n, s_y, s_yy, sign)[0], xs, y, grid)
         sse, amp, off = _exp3_sse(e, ee, ey, n, s_y, s_yy, sign)
         return b3, float(sse[0]), float(amp[0]), float(off[0])
 
@@ -650,7 +656,9 @@ class Schedule:
         """What the schedule decided and why, for logs."""
         return {
             "policy": self.policy,
-            "fit": None if self.fit is None else {"family": self.fit.family, **self.fit.params, "mse": self.fit.mse},
+            "fit": None
+            if self.fit is None
+            else {"family": self.fit.family, **self.fit.params, "mse": self.fit.mse},
             "interval": self.interval,
             "threshold": self.threshold,
             "published": list(self.published),
