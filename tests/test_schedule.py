@@ -59,7 +59,7 @@ def test_non_finite_points_are_dropped_and_too_few_points_is_an_error() -> None:
     y = f(STEPS).copy()
     y[::10] = np.nan
     y[5] = np.inf
-    assert schedule.fit_curve("exp3", STEPS, y).params["b"] == pytest.approx(0.01, rel=1e-3)
+    assert schedule.fit_curve("exp3", STEPS, y).params["b"] == pytest.approx(0.01, rel=5e-3)
     with pytest.raises(ValueError, match="at least 3"):
         schedule.fit_curves([0, 1, 2], [1.0, math.nan, 0.5])
 
