@@ -220,7 +220,7 @@ def smooth(x: np.ndarray, w: int) -> np.ndarray:
 
 
 def predictor_error(losses: list[float], warmup: int, per_epoch: int) -> dict[str, Any]:
-    from tierstore.schedule import fit_curves
+    from tierstore.schedule import fit_curves, plausible
 
     y = np.asarray(losses)
     steps = np.arange(y.size, dtype=np.float64)
@@ -241,7 +241,14 @@ def predictor_error(losses: list[float], warmup: int, per_epoch: int) -> dict[st
                 "end_pred": float(pred[-1]),
             }
         )
-    return {"rows": rows, "noise": noise, "end_true": float(truth[-1]), "start_true": float(truth[0])}
+    used = next((f.family for f in fits if plausible(f, y.size)), None)
+    return {
+        "used": used,
+        "rows": rows,
+        "noise": noise,
+        "end_true": float(truth[-1]),
+        "start_true": float(truth[0]),
+    }
 
 
 def fit_time(losses: list[float]) -> dict[str, float]:
@@ -427,13 +434,16 @@ def write_report(
         "| --- | --- | --- | --- | --- |",
     ]
     for row in pred["rows"]:
+        mark = " **(the schedules' choice)**" if row["family"] == pred["used"] else ""
         lines.append(
-            f"| {row['family']} ({', '.join(f'{k}={v:.3g}' for k, v in row['params'].items())}) | {row['mse']:.4f} | "
+            f"| {row['family']}{mark} ({', '.join(f'{k}={v:.3g}' for k, v in row['params'].items())}) | {row['mse']:.4f} | "
             f"{row['mae']:.3f} | {row['rel'] * 100:.0f}% | {row['end_pred']:.3f} |"
         )
     lines += [
         "",
-        "The schedules do not rely on the warm-up fit alone: they refit on all losses so far every "
+        "The schedules take the lowest-MSE curve that stays non-negative to the end of training (Viper takes "
+        "the lowest MSE; a line through a steadily falling warm-up plans for negative losses). They do not "
+        "rely on the warm-up fit alone: they refit on all losses so far every "
         f"{base['warmup'] - 1} steps and re-plan the rest of the run.",
         "",
         "## Fit time",
@@ -464,7 +474,7 @@ def plot(path: str, runs: dict[str, dict[str, Any]], pred: dict[str, Any]) -> No
     y = np.asarray(base["losses"])
     ax1.plot(y, color="0.8", lw=0.6, label="per-batch loss")
     ax1.plot(smooth(y, base["per_epoch"]), color="k", lw=1.2, label="smoothed (1 epoch)")
-    best = pred["rows"][0]
+    best = next(r for r in pred["rows"] if r["family"] == pred["used"]) if pred["used"] else pred["rows"][0]
     curve = CurveFit(best["family"], best["params"], best["mse"])
     xs = np.arange(y.size)
     ax1.plot(xs, curve.predict(xs), "--", color="tab:red", label=f"warm-up fit ({best['family']})")

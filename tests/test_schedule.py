@@ -193,3 +193,15 @@ def test_costs_are_running_means_of_what_was_measured() -> None:
     for step in range(5):
         s.should_publish(step, 1.0)
     assert 0 < s.costs.train_s < 1.0
+
+
+def test_a_line_heading_below_zero_is_passed_over_for_the_next_best_curve() -> None:
+    # A warm-up that falls in a straight line: the line fits it best but reaches zero by step 115.
+    rng = np.random.default_rng(5)
+    warm = [2.3 - 0.02 * k + float(rng.normal(0.0, 0.03)) for k in range(89)]
+    assert schedule.fit_curves(np.arange(89), warm)[0].family == "lin2"
+    s = Schedule("greedy", total_steps=500, warmup_steps=88, max_publishes=5, costs=Costs(train_s=0.01))
+    for step, loss in enumerate(warm):
+        s.should_publish(step, loss)
+    assert s.published == [88] and s.fallback is None
+    assert s.fit is not None and s.fit.family != "lin2" and schedule.plausible(s.fit, 500)

@@ -51,6 +51,7 @@ __all__ = [
     "fit_curves",
     "greedy_plan",
     "greedy_threshold",
+    "plausible",
     "predicted_cil",
 ]
 
@@ -102,6 +103,12 @@ class CurveFit:
         """Whether the curve predicts a lower loss at `end` than at `start` (a run that is learning)."""
         lo, hi = self.predict([start, end])
         return bool(hi < lo)
+
+
+def plausible(fit: CurveFit, end: float) -> bool:
+    """Whether `fit` predicts a non-negative loss up to step `end` (the four curves are monotonic, so the
+    end decides)."""
+    return bool(fit.predict(end) >= 0)
 
 
 def _clean(
@@ -568,7 +575,17 @@ class Schedule:
             self._fall_back(f"the learning curve could not be fitted at step {step} ({e})")
             return
         self.fit_seconds.append(time.perf_counter() - t0)
-        fit = fits[0]
+        # Viper keeps the lowest MSE; a curve that goes below zero before training ends (a line fitted to a
+        # warm-up that is still falling steadily) would plan for losses that cannot happen, so it is passed
+        # over for the next best.
+        usable = [f for f in fits if plausible(f, self.total_steps)]
+        if not usable:
+            self._fall_back(
+                f"every learning curve fitted at step {step} predicts a negative loss by step "
+                f"{self.total_steps} (best fit {fits[0].family} {_fmt(fits[0].params)})"
+            )
+            return
+        fit = usable[0]
         first = float(np.mean(self._losses[: max(1, n // 5)]))
         recent = float(np.mean(self._losses[-max(1, n // 5) :]))
         if not fit.decreasing(self._steps[0], self.total_steps) or recent > first:
