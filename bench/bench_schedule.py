@@ -327,6 +327,12 @@ def main() -> None:
     write_report(args, command, epochs, runs, pred, ft)
 
 
+def last_share(run: dict[str, Any]) -> float:
+    """The share of the run's requests that the last published version answered."""
+    versions = [r[2] for r in run["requests"]]
+    return versions.count(max(versions)) / len(versions)
+
+
 def cil(run: dict[str, Any]) -> float:
     return float(sum(r[1] for r in run["requests"]))
 
@@ -416,10 +422,17 @@ def write_report(
         + ", ".join(f"{n} {'met' if ok else 'NOT met'}" for n, ok in met.items())
         + ".",
         "",
-        "Why the schedules win here: every-epoch spends its last publish on the last step, which serves no "
-        "request before training ends, and spaces the others evenly in time; the fixed schedule spreads the "
-        "same number over the steps that can still serve requests, and the greedy one puts them where the "
-        "predicted loss falls fastest (early).",
+        "How they differ: every-epoch spaces its publishes evenly, the last at the last step (it serves only "
+        "the requests answered after training ends); the fixed schedule plans for a window that ends with "
+        "training and spreads the same number over the steps before its end; the greedy one puts them where "
+        "the predicted loss falls fastest, so how well it does rests on the predictor's tail. Share of the requests answered by each "
+        "run's last version (median over runs): "
+        + ", ".join(
+            f"{name} {statistics.median(last_share(r) for r in rs) * 100:.0f}% (last publish at step "
+            f"{rs[0]['published'][-1]} of {rs[0]['total']})"
+            for name, rs in runs.items()
+        )
+        + ".",
         "",
         "## Predictor error on the rest of the curve",
         "",
