@@ -251,6 +251,36 @@ def predictor_error(losses: list[float], warmup: int, per_epoch: int) -> dict[st
     }
 
 
+class Observed:
+    """The observed training loss (smoothed over an epoch) in the place of a fitted curve: what the CIL
+    model and the greedy plan give with a perfect predictor."""
+
+    def __init__(self, losses: list[float], per_epoch: int) -> None:
+        self.y = smooth(np.asarray(losses), per_epoch)
+
+    def predict(self, steps: Any) -> np.ndarray:
+        return np.interp(np.asarray(steps, dtype=np.float64), np.arange(self.y.size), self.y)
+
+
+def oracle(runs: dict[str, list[dict[str, Any]]], train_s: float) -> dict[str, Any]:
+    """The CIL model (`predicted_cil`) evaluated on the observed curve for each schedule's publish steps
+    (first runs), and the greedy plan made on the observed curve with the same budget: separates what the
+    greedy rule does from what the predictor's error does."""
+    from tierstore.schedule import Costs, greedy_plan, greedy_threshold, predicted_cil
+
+    base = runs["every-epoch"][0]
+    obs = Observed(base["losses"], base["per_epoch"])
+    sm = runs["fixed"][0]["schedule"]["costs"]
+    costs = Costs(train_s=train_s, publish_s=sm["publish_s"], load_s=sm["load_s"], infer_s=1.0)
+    start, end = base["warmup"] - 1, base["total"]
+    horizon = (end - start) * train_s
+    out = {name: predicted_cil(obs, rs[0]["published"], costs, horizon) for name, rs in runs.items()}  # type: ignore[arg-type]
+    th = greedy_threshold(obs, np.arange(start + 1))  # type: ignore[arg-type]
+    plan, _ = greedy_plan(obs, start, end, th, max_publishes=base["budget"])  # type: ignore[arg-type]
+    out["greedy on the observed curve"] = predicted_cil(obs, plan, costs, horizon)  # type: ignore[arg-type]
+    return {"cil": out, "plan": plan, "costs": costs}
+
+
 def fit_time(losses: list[float]) -> dict[str, float]:
     from tierstore.schedule import fit_curves
 
@@ -323,6 +353,7 @@ def main() -> None:
             agent.wait(timeout=30)
     base = runs["every-epoch"][0]
     pred = predictor_error(base["losses"], base["warmup"], base["per_epoch"])
+    pred["oracle"] = oracle(runs, args.step_ms / 1e3)
     ft = fit_time(base["losses"])
     write_report(args, command, epochs, runs, pred, ft)
 
@@ -452,6 +483,20 @@ def write_report(
             f"| {row['family']}{mark} ({', '.join(f'{k}={v:.3g}' for k, v in row['params'].items())}) | {row['mse']:.4f} | "
             f"{row['mae']:.3f} | {row['rel'] * 100:.0f}% | {row['end_pred']:.3f} |"
         )
+    o = pred["oracle"]
+    lines += [
+        "",
+        "With a perfect predictor: the CIL model (`predicted_cil`: loss-seconds of requests over the window "
+        "that ends with training, with the measured stall and publish-to-servable times) evaluated on the "
+        "observed curve (smoothed) for each schedule's publish steps (first runs), and the greedy plan made "
+        "on the observed curve with the same budget"
+        f" (steps {o['plan']}):",
+        "",
+        "| publish steps | CIL model on the observed curve | / every-epoch |",
+        "| --- | --- | --- |",
+    ]
+    for name, v in o["cil"].items():
+        lines.append(f"| {name} | {v:.2f} | {v / o['cil']['every-epoch']:.3f}x |")
     lines += [
         "",
         "The schedules take the lowest-MSE curve that stays non-negative to the end of training (Viper takes "
