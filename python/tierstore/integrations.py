@@ -1,0 +1,292 @@
+"""Publish on a schedule from the training loops people already have: Lightning, Hugging Face, plain loops.
+
+    from tierstore.schedule import Schedule
+    from tierstore.integrations import LightningCallback, TransformersCallback, ScheduledPublisher
+
+    sched = Schedule("greedy", total_steps=5000, warmup_steps=500, max_publishes=20)
+    trainer = lightning.Trainer(callbacks=[LightningCallback("policy", sched)])     # Lightning
+    trainer = transformers.Trainer(..., callbacks=[TransformersCallback("policy", sched)])  # Hugging Face
+
+    pub = ScheduledPublisher(model, "policy", sched)                                 # a plain loop
+    for step, batch in enumerate(loader):
+        pub.step(step, train_step(batch))
+    pub.close()
+
+Each reports every step's training loss to the `Schedule` and, when it says so, publishes the model
+through `tierstore.stream` asynchronously: training waits only for the snapshot of the weights. The
+publish's cost is measured as it happens and fed back to the schedule (the trainer's stall, and the time
+until the version can be served: placing it, announcing it and reading its tensors back), so the plan is
+made from this machine's numbers. With `repository=`, published versions are also saved to a
+`tierstore.models.Repository` in the background (one that falls behind skips to the newest version due,
+as `stream.Publisher`'s history does).
+
+Lightning and transformers are optional: they are imported only when their callback is first used, and
+`pip install 'tierstore[integrations]'` installs both.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from tierstore import stream
+from tierstore.schedule import Schedule
+
+# LightningCallback and TransformersCallback are public too, built on first access (see __getattr__).
+__all__ = ["ScheduledPublisher"]
+
+
+def _require(module: str, what: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs the {module.split('.')[0]} package, which is not installed: "
+            "pip install 'tierstore[integrations]'"
+        ) from e
+
+
+class ScheduledPublisher:
+    """Publishes `model` to stream `name` at the steps `schedule` chooses; the plain-loop way in, and the
+    engine of the framework callbacks.
+
+    Args:
+        model: the nn.Module (or state dict) to publish; it is snapshotted at each publish.
+        name: the stream.
+        schedule: decides when (see `tierstore.schedule.Schedule`).
+        repository: a `tierstore.models.Repository` or its path: published versions are also saved there
+            in the background (see `stream.Publisher`'s `history`).
+        socket: the agent's socket (default: this user's).
+        metadata: recorded with every version (the step and the loss are added).
+        measure_load: read the first published version's tensors back from shared memory and count that
+            in the schedule's load time (a consumer's load does the same reading).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        name: str,
+        schedule: Schedule,
+        *,
+        repository: Any = None,
+        socket: str | os.PathLike[str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        measure_load: bool = True,
+    ) -> None:
+        self.model = model
+        self.name = name
+        self.schedule = schedule
+        self.metadata = dict(metadata or {})
+        self._publisher = stream.Publisher(name, socket=socket, history=repository)
+        self._measure_load = measure_load
+        self._lock = threading.Lock()
+        # (step, the publish's Future) for every publish, in order.
+        self.publishes: list[tuple[int, Future[stream.StreamVersion]]] = []
+        self.errors: list[str] = []
+        self.last_step: int | None = None
+
+    def step(self, step: int, loss: Any, model: Any = None) -> Future[stream.StreamVersion] | None:
+        """Reports this step's loss; publishes (asynchronously) if the schedule says so.
+
+        Args:
+            step: the training step.
+            loss: the training loss (a float or a 0-d tensor).
+            model: what to publish, if not the model given to the constructor.
+
+        Returns:
+            The publish's Future when this step was published, else None.
+        """
+        self.last_step = step
+        value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+        if not self.schedule.should_publish(step, value):
+            return None
+        return self.publish(step, value, model)
+
+    def publish(
+        self, step: int, loss: float | None = None, model: Any = None, *, final: bool = False
+    ) -> Future[stream.StreamVersion]:
+        """Publishes now, whatever the schedule says (the callbacks use it for the final model)."""
+        meta = {**self.metadata, "step": step, **({"loss": loss} if loss is not None else {})}
+        if final:
+            meta["final"] = True
+        t0 = time.perf_counter()
+        fut = self._publisher.publish(
+            self.model if model is None else model, step=step, metadata=meta, sync=False
+        )
+        stalled = time.perf_counter() - t0
+        assert isinstance(fut, Future)
+        self.schedule.observe(publish_s=stalled)
+        first = not self.publishes
+        self.publishes.append((step, fut))
+        fut.add_done_callback(lambda f: self._done(f, t0 + stalled, first))
+        return fut
+
+    def _done(self, fut: Future[stream.StreamVersion], snapshotted: float, first: bool) -> None:
+        if fut.exception() is not None:
+            with self._lock:
+                self.errors.append(f"publish of {self.name}: {fut.exception()}")
+            return
+        load = time.perf_counter() - snapshotted
+        if first and self._measure_load:
+            t0 = time.perf_counter()
+            v = fut.result()
+            try:
+                for t in v.state_dict("numpy").values():
+                    t.copy()
+            except TypeError:  # a dtype numpy lacks (bfloat16): read it as torch does
+                for t in v.state_dict("torch").values():
+                    t.clone()
+            load += time.perf_counter() - t0
+        self.schedule.observe(load_s=load)
+
+    @property
+    def published_steps(self) -> list[int]:
+        return [s for s, _ in self.publishes]
+
+    def versions(self, timeout: float | None = None) -> list[stream.StreamVersion]:
+        """The versions published so far (waits for those still in flight)."""
+        return [f.result(timeout) for _, f in self.publishes]
+
+    def close(self, *, final: bool = False) -> None:
+        """Waits for the publishes in flight and the repository saves, then disconnects.
+
+        Args:
+            final: publish the model as it is now first, unless its last step was just published (the
+                schedule plans no publish at the last step; consumers that outlive training want it).
+        """
+        if final and self.last_step is not None and self.last_step not in self.published_steps:
+            self.publish(self.last_step, final=True)
+        self._publisher.close()
+
+    def __enter__(self) -> ScheduledPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _lightning_callback_class() -> type:
+    pl = _require("lightning.pytorch", "tierstore.integrations.LightningCallback")
+
+    class LightningCallback(pl.Callback):  # type: ignore[misc, name-defined]
+        """A Lightning callback that publishes the LightningModule on `schedule`.
+
+        The loss is what `training_step` returns (a tensor, or a dict's `"loss"`), reported after every
+        batch at `trainer.global_step`; only the global rank 0 process publishes.
+
+        Args:
+            name: the stream.
+            schedule: decides when.
+            select: what to publish from the LightningModule (default: all of it); e.g.
+                `lambda m: m.net` to publish the network a consumer loads without the wrapper's prefix.
+            final: at the end of training, publish the model if its last step was not published.
+            repository, socket, metadata: as for `ScheduledPublisher`.
+        """
+
+        def __init__(
+            self,
+            name: str,
+            schedule: Schedule,
+            *,
+            select: Callable[[Any], Any] | None = None,
+            final: bool = True,
+            repository: Any = None,
+            socket: str | os.PathLike[str] | None = None,
+            metadata: Mapping[str, Any] | None = None,
+        ) -> None:
+            super().__init__()
+            self.name, self.schedule, self.select, self.final = name, schedule, select, final
+            self._kw = {"repository": repository, "socket": socket, "metadata": metadata}
+            self.publisher: ScheduledPublisher | None = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.is_global_zero and self.publisher is None:
+                target = self.select(pl_module) if self.select else pl_module
+                self.publisher = ScheduledPublisher(target, self.name, self.schedule, **self._kw)
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if self.publisher is None or outputs is None:
+                return
+            loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+            self.publisher.step(int(trainer.global_step), loss)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            if self.publisher is not None:
+                self.publisher.close(final=self.final)
+
+    return LightningCallback
+
+
+def _transformers_callback_class() -> type:
+    tf = _require("transformers", "tierstore.integrations.TransformersCallback")
+
+    class TransformersCallback(tf.TrainerCallback):  # type: ignore[misc, name-defined]
+        """A Hugging Face `TrainerCallback` that publishes the model on `schedule`.
+
+        The Trainer hands callbacks the training loss only when it logs it: the schedule sees the loss
+        every `logging_steps` steps (set `logging_steps=1` for a schedule that can pick any step), at
+        `state.global_step`. Only the main process publishes.
+
+        Args:
+            name: the stream.
+            schedule: decides when.
+            final: at the end of training, publish the model if its last step was not published.
+            repository, socket, metadata: as for `ScheduledPublisher`.
+        """
+
+        def __init__(
+            self,
+            name: str,
+            schedule: Schedule,
+            *,
+            final: bool = True,
+            repository: Any = None,
+            socket: str | os.PathLike[str] | None = None,
+            metadata: Mapping[str, Any] | None = None,
+        ) -> None:
+            self.name, self.schedule, self.final = name, schedule, final
+            self._kw = {"repository": repository, "socket": socket, "metadata": metadata}
+            self.publisher: ScheduledPublisher | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.is_world_process_zero and self.publisher is None and model is not None:
+                self.publisher = ScheduledPublisher(model, self.name, self.schedule, **self._kw)
+
+        def on_log(
+            self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kw: Any
+        ) -> None:
+            if self.publisher is None or not logs or "loss" not in logs:
+                return
+            self.publisher.step(int(state.global_step), logs["loss"])
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.publisher is not None:
+                self.publisher.last_step = int(state.global_step)
+                self.publisher.close(final=self.final)
+
+    return TransformersCallback
+
+
+_LAZY: dict[str, Callable[[], type]] = {
+    "LightningCallback": _lightning_callback_class,
+    "TransformersCallback": _transformers_callback_class,
+}
+_built: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    # The framework callbacks subclass the frameworks' base classes, so they are built on first access:
+    # importing tierstore.integrations never imports Lightning or transformers.
+    if name in _LAZY:
+        if name not in _built:
+            _built[name] = _LAZY[name]()
+        return _built[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
