@@ -6,13 +6,17 @@ import contextlib
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tierstore
+from tierstore import agent
 
 
 def content(i: int, size: int) -> bytes:
@@ -109,3 +113,44 @@ def store_stats(mount: Path) -> dict[str, int]:
     from tierstore.slowfs import read_stats
 
     return read_stats(str(mount))
+
+
+@pytest.fixture
+def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private node agent (it keeps 2 versions per stream); its socket is every client's default (the agent's
+    socket is $XDG_RUNTIME_DIR/tierstore/agent.sock)."""
+    path = tmp_path / "run" / "tierstore" / "agent.sock"
+    path.parent.mkdir(parents=True)
+    proc = start_agent(path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
+    yield path
+    stop_agent(proc)
+
+
+def start_agent(path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [*agent.run_args(path, node="n1"), *extra],
+        stdout=subprocess.PIPE,
+        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
+    return proc
+
+
+def stop_agent(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def child(code: str, sock: Path) -> subprocess.Popen[str]:
+    """A Python process running `code`, talking to the agent on `sock` (…/tierstore/agent.sock)."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -15,7 +15,7 @@ import torch
 import transformers
 from sklearn.datasets import load_digits
 
-from tests.test_stream import child, sock  # noqa: F401  (sock: a private agent, every client's default)
+from tests.conftest import child
 from tierstore import integrations
 from tierstore.models import Repository
 from tierstore.schedule import Schedule
@@ -92,7 +92,7 @@ class DigitsModel(transformers.PreTrainedModel):
         return transformers.modeling_outputs.SequenceClassifierOutput(loss=loss, logits=logits)
 
 
-def start_consumer(make_model: str, sock: Path) -> subprocess.Popen[str]:  # noqa: F811
+def start_consumer(make_model: str, sock: Path) -> subprocess.Popen[str]:
     proc = child(CONSUMER.format(make_model=make_model), sock)
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
@@ -137,7 +137,7 @@ class Digits(pl.LightningModule):
 
 
 def test_lightning_callback_publishes_on_schedule_to_a_consumer_process(
-    sock: Path,  # noqa: F811
+    sock: Path,
     tmp_path: Path,
 ) -> None:
     x, y = load_digits(return_X_y=True)
@@ -167,7 +167,7 @@ def test_lightning_callback_publishes_on_schedule_to_a_consumer_process(
 
 
 def test_transformers_callback_publishes_on_schedule_to_a_consumer_process(
-    sock: Path,  # noqa: F811
+    sock: Path,
     tmp_path: Path,
 ) -> None:
     x, y = load_digits(return_X_y=True)
@@ -206,7 +206,7 @@ def test_transformers_callback_publishes_on_schedule_to_a_consumer_process(
     assert isinstance(result["acc"], float) and result["acc"] > 0.7, result
 
 
-def test_a_plain_loop_publishes_through_the_helper(sock: Path) -> None:  # noqa: F811
+def test_a_plain_loop_publishes_through_the_helper(sock: Path) -> None:
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 1)
     sched = Schedule("greedy", total_steps=200, warmup_steps=30, max_publishes=6)
