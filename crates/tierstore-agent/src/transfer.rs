@@ -130,3 +130,55 @@ async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: D
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the reader took nothing in time")),
     }
 }
+
+/// Serves one `StagedFetch`: the staged copy of `path` (a file this node wrote under a write-back
+/// destination and has not yet put on the store), as `serve_fetch` serves a cached file. Its `Found`
+/// carries the size and the time the program closed it; its `Done` the blake3 the journal recorded at
+/// close, sent only when the bytes sent hash to it (a copy changed since is refused, never vouched for).
+pub async fn serve_staged<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    writeback: Option<Arc<crate::writeback::Migrations>>,
+    deadline: Duration,
+    id: u32,
+    path: &str,
+    credit: u32,
+) -> io::Result<()> {
+    let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
+    let not_here = || refuse(ErrorCode::NotFound, format!("{path} is not staged on this node"));
+    let Some(wb) = writeback else { return write(stream, &not_here(), deadline).await };
+    let wanted = std::path::PathBuf::from(path);
+    let staged = match tokio::task::spawn_blocking(move || wb.staged(&wanted)).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return write(stream, &not_here(), deadline).await,
+        Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("the lookup failed: {e}")), deadline).await,
+    };
+    let (entry, file) = staged;
+    let closed = entry.created_ns as i64;
+    let identity = tierstore_core::index::SourceId {
+        size: entry.size,
+        mtime_ns: closed,
+        ctime_ns: closed,
+        ino: 0,
+        dev: 0,
+        attrs: None,
+    };
+    write(stream, &Frame::Found { id, identity }, deadline).await?;
+    if credit == 0 {
+        return write(stream, &Frame::Done { id, hash: entry.hash }, deadline).await;
+    }
+    let hash = match send_chunks(stream, Arc::new(file), entry.size, id, credit, deadline).await? {
+        Ok(hash) => hash,
+        Err(e) => {
+            let f = refuse(ErrorCode::Failed, format!("reading the staged copy of {path} failed: {e}"));
+            return write(stream, &f, deadline).await;
+        }
+    };
+    if hash != entry.hash {
+        let f = refuse(
+            ErrorCode::Failed,
+            format!("the staged copy of {path} no longer matches what its program closed (changed since)"),
+        );
+        return write(stream, &f, deadline).await;
+    }
+    write(stream, &Frame::Done { id, hash }, deadline).await
+}

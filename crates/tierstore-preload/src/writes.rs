@@ -135,10 +135,28 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     if !writing {
         // Read-your-writes: a pending file reads from the stage.
-        let staged = staged_copy(wb, &abs)?;
-        let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
-        let fd = libc::open(c.as_ptr(), flags);
-        return (fd >= 0).then_some(fd); // gone meanwhile: migrated, the store has it
+        if let Some(staged) = staged_copy(wb, &abs) {
+            let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+            let fd = libc::open(c.as_ptr(), flags);
+            if fd >= 0 {
+                return Some(fd);
+            } // gone meanwhile: migrated, the store has it
+        }
+        // A file another node staged and has not yet put on the store: received whole from its agent.
+        return match wb.peer_copy(&abs) {
+            Ok(Some(copy)) => {
+                let c = std::ffi::CString::new(copy.as_os_str().as_bytes()).ok()?;
+                let fd = libc::open(c.as_ptr(), flags);
+                let _ = std::fs::remove_file(&copy); // the open descriptor keeps the bytes
+                Some(fd)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                eprintln!("tierstore run: {e}");
+                set_errno(e.errno());
+                Some(-1)
+            }
+        };
     }
     if flags & libc::O_DIRECT != 0 {
         static WARNED: AtomicBool = AtomicBool::new(false);
