@@ -230,7 +230,7 @@ impl Remote {
         let down = self.down.lock().expect("down lock");
         let names = view.owners.members();
         (0..names.len())
-            .filter(|m| Some(*m) != view.me && !down.get(&names[*m]).is_some_and(|(until, _)| *until > now))
+            .filter(|m| Some(*m) != view.me && down.get(&names[*m]).is_none_or(|(until, _)| *until <= now))
             .map(|m| names[m].clone())
             .collect()
     }
