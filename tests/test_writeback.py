@@ -674,3 +674,37 @@ def test_dcp_async_save_gives_identical_files_on_the_store(
             dcp.load(into, checkpoint_id=str(s.stored(f"async-{how}")))
         torch.manual_seed(0)
         assert torch.equal(into["w"], torch.randn(512, 512)) and int(into["step"]) == 7
+
+
+LISTING = r"""
+import json, os, sys
+d = sys.argv[1]
+for n in ("a.bin", "b.bin", "sub/c.bin"):
+    with open(os.path.join(d, n), "wb") as f:
+        f.write(n.encode())
+files = sorted((e.name, e.stat().st_size) for e in os.scandir(d) if e.is_file())
+print(json.dumps({"top": sorted(os.listdir(d)), "sub": sorted(os.listdir(os.path.join(d, "sub"))), "files": files}))
+"""
+
+
+def test_listings_under_run_show_staged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `tierstore run`, a listing of a destination's directory shows the files staged there and not
+    yet on the store (once each, also when an older copy is on the store), with their staged sizes."""
+    with setup(tmp_path, monkeypatch) as s:
+        s.start_agent()
+        s.stored("l/sub").mkdir(parents=True)
+        s.stored("l/old.bin").write_bytes(b"on the store")
+        s.stored("l/a.bin").write_bytes(b"an older a")
+        s.fail_file.touch()  # the store takes no write: everything written stays staged
+        p = s.python(LISTING, str(s.dest / "l"), run=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out["top"] == ["a.bin", "b.bin", "old.bin", "sub"]
+        assert out["sub"] == ["c.bin"]
+        assert out["files"] == [["a.bin", 5], ["b.bin", 5], ["old.bin", 12]]
+        assert not s.stored("l/b.bin").exists() and s.stored("l/a.bin").read_bytes() == b"an older a"
+        s.fail_file.unlink()
+        p = s.cli("sync", str(s.dest), "--timeout", "60")
+        assert p.returncode == 0, p.stderr
+        assert sorted(os.listdir(s.stored("l"))) == out["top"]
+        assert s.stored("l/a.bin").read_bytes() == b"a.bin"

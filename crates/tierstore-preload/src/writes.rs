@@ -469,3 +469,40 @@ pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
         }
     }
 }
+
+/// The listing of the directory `path` names when it is a destination (or under one) and files are
+/// staged in it: the store's entries, then each staged file the store does not list yet (a regular file,
+/// with its staged copy's inode number). `None` when nothing is staged there: the real listing is right.
+pub unsafe fn staged_listing(path: *const c_char) -> Option<Vec<tierstore_core::index::Listed>> {
+    let wb = writes()?;
+    if path.is_null() {
+        return None;
+    }
+    let bytes = CStr::from_ptr(path).to_bytes();
+    if bytes.first() == Some(&b'/') && !bytes.windows(3).any(|w| w == b"/..") {
+        let under = wb.destinations().iter().any(|d| bytes.starts_with(d.path.as_os_str().as_bytes()));
+        if !under {
+            return None; // the common case: no allocation, no system call
+        }
+    }
+    let dir = crate::absolute_at(libc::AT_FDCWD, bytes)?;
+    let staged = wb.pending_in(&dir);
+    if staged.is_empty() {
+        return None;
+    }
+    let mut entries = crate::dirs::read_listing(&dir)?;
+    let listed: std::collections::HashSet<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
+    for (name, copy) in staged {
+        let name = name.as_bytes().to_vec();
+        if listed.contains(&name) {
+            continue; // an older copy is on the store: listed once
+        }
+        let Ok(meta) = std::fs::metadata(&copy) else { continue }; // migrated meanwhile: listed by the store
+        entries.push(tierstore_core::index::Listed {
+            ino: std::os::unix::fs::MetadataExt::ino(&meta),
+            kind: libc::DT_REG,
+            name,
+        });
+    }
+    Some(entries)
+}

@@ -306,6 +306,20 @@ impl Writeback {
         }
     }
 
+    /// The files pending (journaled, not yet on the store) directly in the directory `dir` (absolute,
+    /// normalized; a destination or a directory under one), with their staged copies: what a listing of
+    /// `dir` adds to the store's.
+    pub fn pending_in(&self, dir: &Path) -> Vec<(std::ffi::OsString, PathBuf)> {
+        let Some(d) = self.dests.iter().find(|d| dir.starts_with(&d.path)) else { return Vec::new() };
+        let Ok(j) = self.journal(d) else { return Vec::new() };
+        let Ok(entries) = j.entries() else { return Vec::new() };
+        entries
+            .into_iter()
+            .filter(|e| e.dest.parent() == Some(dir))
+            .filter_map(|e| Some((e.dest.file_name()?.to_os_string(), j.staged_path(&e.staged))))
+            .collect()
+    }
+
     /// The program renamed `from` to `to`: a pending `from` moves in the journal (its bytes need not
     /// move). Returns whether it was pending; when it was not, the rename is the store's to do.
     pub fn rename(&self, from: &Path, to: &Path) -> Result<bool, WritebackError> {
