@@ -50,6 +50,12 @@ pub struct Migrations {
 }
 
 impl Migrations {
+    /// Migrations that serve these journals (and migrate nothing): for tests of the serving side.
+    #[cfg(test)]
+    pub(crate) fn serving(journals: Vec<Arc<Journal>>) -> Migrations {
+        Migrations { journals: Mutex::new(journals), ..Default::default() }
+    }
+
     /// The pending entry for `path` in any stage this agent migrates, with its staged copy opened. The
     /// copy is opened after the entry was read: a file migrated or rewritten in between is gone from the
     /// stage (looked up again, a few times), and an open copy keeps its bytes even when its entry goes
