@@ -292,7 +292,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             direct = [checkpoint(mount / "probe", i, files, write_plain) for i in range(2)]
             t_store = statistics.median(direct)
             results["t_store"] = t_store
-            for ratio in RATIOS:
+            if args.dcp_only:
+                device()
+            for ratio in () if args.dcp_only else RATIOS:
                 compute = ratio * t_store
                 rows: dict[str, list[Job]] = {"local disk": [], "store": [], "tierstore": []}
                 for _ in range(args.repeats):
@@ -334,6 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any], command: str) -> tuple[list[str], bool]:
+    if not r["ratios"]:  # --dcp-only
+        return ["# Write-back staging: async_save", "", "```", command, "```", *report_dcp(r["dcp"])], True
     spec: Spec = r["spec"]
     dev = statistics.median(r["device"])
     mib = 1 << 20
@@ -446,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dcp-mib", type=int, default=64, help="the async_save state's size (default %(default)s)"
     )
     ap.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip the async_save measurement")
+    ap.add_argument("--dcp-only", action="store_true", help="only the async_save measurement")
     args = ap.parse_args(argv)
     command = " ".join(
         [".venv/bin/python", "bench/bench_writeback.py", *(argv if argv is not None else sys.argv[1:])]
