@@ -473,6 +473,7 @@ pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
 /// The listing of the directory `path` names when it is a destination (or under one) and files are
 /// staged in it: the store's entries, then each staged file the store does not list yet (a regular file,
 /// with its staged copy's inode number). `None` when nothing is staged there: the real listing is right.
+/// The journal is read before the store, so a file migrated in between is listed once, by either.
 pub unsafe fn staged_listing(path: *const c_char) -> Option<Vec<tierstore_core::index::Listed>> {
     let wb = writes()?;
     if path.is_null() {
@@ -497,12 +498,10 @@ pub unsafe fn staged_listing(path: *const c_char) -> Option<Vec<tierstore_core::
         if listed.contains(&name) {
             continue; // an older copy is on the store: listed once
         }
-        let Ok(meta) = std::fs::metadata(&copy) else { continue }; // migrated meanwhile: listed by the store
-        entries.push(tierstore_core::index::Listed {
-            ino: std::os::unix::fs::MetadataExt::ino(&meta),
-            kind: libc::DT_REG,
-            name,
-        });
+        // Pending when the store was listed after: listed even if it was migrated since (its staged copy
+        // gone), as the store listed too late would not show it.
+        let ino = std::fs::metadata(&copy).map_or(1, |m| std::os::unix::fs::MetadataExt::ino(&m));
+        entries.push(tierstore_core::index::Listed { ino, kind: libc::DT_REG, name });
     }
     Some(entries)
 }

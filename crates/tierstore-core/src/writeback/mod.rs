@@ -4,7 +4,8 @@
 //!
 //! This module is the writers' side (the Python API and the LD_PRELOAD shim): [`Writeback::begin`] gives
 //! a staged file to write, [`Writeback::commit`] journals it at close, [`Writeback::lookup`] answers
-//! reads of a file not yet migrated, [`Writeback::wait`] waits until files are on the store. The agent
+//! reads of a file not yet migrated (and [`Writeback::peer_copy`] reads of one another node staged, see
+//! [`peers`]), [`Writeback::wait`] waits until files are on the store. The agent
 //! migrates ([`migrate::step`]); the journal ([`journal`]) is the only thing the two share, so a writer
 //! never waits for the agent unless it asked for remote durability, and either can be killed at any time.
 
