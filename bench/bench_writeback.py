@@ -19,6 +19,11 @@ time (to its last close; for tierstore also to the end of the final sync) agains
 
     .venv/bin/python bench/bench_writeback.py --out BENCHMARKS-writeback.md --plot bench/writeback.png
 
+Then `torch.distributed.checkpoint.async_save` (one gloo process, a state of `--dcp-mib` MiB): a loop of
+compute and an asynchronous save per step (each save waits for the one before, as a trainer's does),
+compute = ratio x one save straight to the store; the job's time with the checkpoint going to the local
+disk, straight to the store, and to the store under `tierstore run` (its files staged). `--no-dcp` skips it.
+
 The exit status is 1 when a target (for ratios >= 1: observed bandwidth >= 0.95x the device's, job time
 <= 1.05x the local-disk job's) is missed.
 """
@@ -143,6 +148,113 @@ def store(root: Path, backing: Path, write_bw: str) -> Iterator[tuple[Path, Path
         shutil.rmtree(backing, ignore_errors=True)
 
 
+DCP_JOB = r"""
+import json, os, sys, time, warnings
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+out, compute, steps, mib, pg = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{pg}")
+state = {"w": torch.randn(mib << 18), "step": torch.tensor(0)}
+warnings.simplefilter("ignore")
+start = time.perf_counter()
+waited = 0.0
+future = None
+for step in range(steps):
+    time.sleep(compute)  # the step's GPU work
+    t = time.perf_counter()
+    if future is not None:
+        future.result()  # a trainer saves again only once the last save is done
+    state["step"] += 1
+    future = dcp.async_save(state, checkpoint_id=os.path.join(out, f"step{step:03d}"))
+    waited += time.perf_counter() - t
+t = time.perf_counter()
+future.result()
+waited += time.perf_counter() - t
+total = time.perf_counter() - start
+dist.destroy_process_group()
+print(json.dumps({"total": total, "waited": waited}))
+"""
+
+
+def dcp_job(
+    out: Path, compute: float, steps: int, mib: int, pg: Path, run: bool, env: dict[str, str]
+) -> dict[str, float]:
+    """One async_save job in its own process (torch's import is not timed); under `tierstore run` if `run`."""
+    import json
+
+    cmd = [sys.executable, "-c", DCP_JOB, str(out), str(compute), str(steps), str(mib), str(pg)]
+    if run:
+        cmd = [sys.executable, "-m", "tierstore.cli", "run", "--", *cmd]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"the async_save job failed: {p.stderr[-3000:]}")
+    with contextlib.suppress(FileNotFoundError):
+        pg.unlink()
+    result: dict[str, float] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run_dcp(args: argparse.Namespace, root: Path, mount: Path, dest: Path, results: dict[str, Any]) -> None:
+    """`torch.distributed.checkpoint.async_save` with and without tierstore (see the module's description)."""
+    import tierstore
+
+    env = {**os.environ, "TIERSTORE_SOURCE": str(root / "data"), "TIERSTORE_TIERS": f"{root / 'tier'}:64M"}
+    (root / "data").mkdir(exist_ok=True)
+    pg = root / "pg"
+    steps, mib = args.steps, args.dcp_mib
+    probe = dcp_job(mount / "dcp-probe", 0.0, 2, mib, pg, False, env)
+    t_save = probe["total"] / 2
+    shutil.rmtree(mount / "dcp-probe", ignore_errors=True)
+    results["dcp"] = {"t_save": t_save, "mib": mib, "steps": steps, "ratios": {}}
+    for ratio in RATIOS:
+        compute = ratio * t_save
+        rows: dict[str, list[dict[str, float]]] = {"local disk": [], "store": [], "tierstore run": []}
+        for _ in range(args.repeats):
+            rows["local disk"].append(dcp_job(root / "dcp-local", compute, steps, mib, pg, False, env))
+            drop_tree(root / "dcp-local")
+            rows["store"].append(dcp_job(mount / "dcp-direct", compute, steps, mib, pg, False, env))
+            shutil.rmtree(mount / "dcp-direct", ignore_errors=True)
+            row = dcp_job(dest / "dcp", compute, steps, mib, pg, True, env)
+            t = time.perf_counter()
+            tierstore.sync(timeout=600)
+            row["durable"] = row["total"] + time.perf_counter() - t  # the job, then the final sync
+            rows["tierstore run"].append(row)
+            shutil.rmtree(dest / "dcp", ignore_errors=True)
+            os.sync()
+        results["dcp"]["ratios"][ratio] = {"compute": compute, **rows}
+        print(f"async_save ratio {ratio}: done", file=sys.stderr)
+
+
+def report_dcp(d: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "## torch.distributed.checkpoint.async_save, with and without tierstore",
+        "",
+        f"One gloo process saves a {d['mib']} MiB state with `dcp.async_save` every step, {d['steps']} steps per "
+        "job; each save waits for the one before (`future.result()`), and the job ends when the last is done. "
+        f"One save straight to the store took {d['t_save']:.2f} s; a step's compute is ratio x that. "
+        "`tierstore run`: the same program, its checkpoint directory under the write-back destination on the "
+        "store (staged, migrated in the background). Job time excludes torch's import and the process group's "
+        "start (the same in every column). Medians of the rounds.",
+        "",
+        "| compute/save | job time: local disk | store | tierstore run | tierstore vs store | tierstore vs local "
+        "disk | waiting for saves: store | tierstore run | tierstore run, synced at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ratio, row in d["ratios"].items():
+        med = {k: statistics.median(j["total"] for j in v) for k, v in row.items() if k != "compute"}
+        wait = {k: statistics.median(j["waited"] for j in v) for k, v in row.items() if k != "compute"}
+        durable = statistics.median(j["durable"] for j in row["tierstore run"])
+        lines.append(
+            f"| {ratio:g} | {med['local disk']:.2f} s | {med['store']:.2f} s | {med['tierstore run']:.2f} s | "
+            f"{med['tierstore run'] / med['store']:.2f}x | {med['tierstore run'] / med['local disk']:.2f}x | "
+            f"{wait['store']:.2f} s | {wait['tierstore run']:.2f} s | {durable:.2f} s |"
+        )
+    return lines
+
+
 def drop_tree(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True)
     os.sync()
@@ -180,7 +292,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             direct = [checkpoint(mount / "probe", i, files, write_plain) for i in range(2)]
             t_store = statistics.median(direct)
             results["t_store"] = t_store
-            for ratio in RATIOS:
+            if args.dcp_only:
+                device()
+            for ratio in () if args.dcp_only else RATIOS:
                 compute = ratio * t_store
                 rows: dict[str, list[Job]] = {"local disk": [], "store": [], "tierstore": []}
                 for _ in range(args.repeats):
@@ -207,6 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     os.sync()
                 results["ratios"][ratio] = {"compute": compute, **rows}
                 print(f"ratio {ratio}: done", file=sys.stderr)
+            if args.dcp:
+                run_dcp(args, root, mount, dest, results)
             # Byte-exact on the store: one more checkpoint, synced and compared.
             job(dest / "check", Spec(steps=1, shards=spec.shards, shard_size=spec.shard_size), files, 0, write_staged,
                 lambda: tierstore.sync(timeout=600))  # fmt: skip
@@ -220,6 +336,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any], command: str) -> tuple[list[str], bool]:
+    if not r["ratios"]:  # --dcp-only
+        return ["# Write-back staging: async_save", "", "```", command, "```", *report_dcp(r["dcp"])], True
     spec: Spec = r["spec"]
     dev = statistics.median(r["device"])
     mib = 1 << 20
@@ -271,6 +389,8 @@ def report(r: dict[str, Any], command: str) -> tuple[list[str], bool]:
         "and checked on the store. At ratio 0.5 the store cannot keep up with the job, so the stage grows and the "
         "final sync waits for the backlog.",
     ]
+    if "dcp" in r:
+        lines += report_dcp(r["dcp"])
     return lines, ok
 
 
@@ -326,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--store-bw", default=Spec.store_write_bw, help="the store's write cap (default %(default)s)"
     )
+    ap.add_argument(
+        "--dcp-mib", type=int, default=64, help="the async_save state's size (default %(default)s)"
+    )
+    ap.add_argument("--no-dcp", dest="dcp", action="store_false", help="skip the async_save measurement")
+    ap.add_argument("--dcp-only", action="store_true", help="only the async_save measurement")
     args = ap.parse_args(argv)
     command = " ".join(
         [".venv/bin/python", "bench/bench_writeback.py", *(argv if argv is not None else sys.argv[1:])]

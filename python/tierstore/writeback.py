@@ -164,16 +164,30 @@ def _builtin_open(path: str, mode: str, encoding: str | None) -> IO[Any]:
 
 
 def open_read(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:
-    """Opens `path` for reading: its staged copy while it is not on the store yet, else the store's."""
+    """Opens `path` for reading: its staged copy while it is not on the store yet (this node's, else the
+    one another node of the job's `[cluster]` staged, received whole from that node's agent), else the
+    store's.
+
+    Raises:
+        TierstoreError: Another node holds the file staged but it could not be read from there (the store's
+            copy, if any, is older, so it is not read instead).
+    """
     import builtins
 
     dest = os.path.abspath(os.fspath(path))
-    staged = _writeback().lookup(dest)
+    wb = _writeback()
+    staged = wb.lookup(dest)
     if staged is not None:
         try:
             return builtins.open(staged, mode, encoding=encoding)
         except FileNotFoundError:
             pass  # migrated meanwhile: the store has it
+    received = wb.fetch_staged(dest)
+    if received is not None:
+        try:
+            return builtins.open(received, mode, encoding=encoding)
+        finally:
+            os.unlink(received)  # the open file keeps its bytes
     return builtins.open(dest, mode, encoding=encoding)
 
 

@@ -198,6 +198,7 @@ async fn run(a: Args) -> Result<(), String> {
         }
     };
     let migrations = tierstore_agent::writeback::start(stages);
+    options.writeback = Some(migrations.clone());
     options.busy = Some(std::sync::Arc::new(move || migrations.pending.load(std::sync::atomic::Ordering::Acquire)));
     // Every agent is given the whole list; it pings the others.
     let me = options.listen.map(|l| l.to_string());

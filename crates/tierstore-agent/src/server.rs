@@ -70,6 +70,9 @@ pub struct Options {
     /// Work that keeps an agent started on demand from exiting when idle (files staged for write-back
     /// and not yet on the store).
     pub busy: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    /// The write-back migration of this node, whose staged files other nodes may read until they are
+    /// on the store (none: no staged file is served).
+    pub writeback: Option<Arc<crate::writeback::Migrations>>,
 }
 
 impl Options {
@@ -94,6 +97,7 @@ impl Options {
             job: String::new(),
             stream: crate::stream::StreamOptions::default(),
             busy: None,
+            writeback: None,
         }
     }
 }
@@ -666,6 +670,16 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
                     Ok(()) => continue,
                     Err(e) => {
                         log::warn!("sending {rel} to a {side:?} client failed: {e}");
+                        return;
+                    }
+                }
+            }
+            Frame::StagedFetch { id, path, credit } => {
+                let wb = shared.options.writeback.clone();
+                match crate::transfer::serve_staged(&mut stream, wb, deadline, id, &path, credit).await {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        log::warn!("sending the staged {path} to a {side:?} client failed: {e}");
                         return;
                     }
                 }

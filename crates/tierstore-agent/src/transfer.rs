@@ -130,3 +130,124 @@ async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: D
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the reader took nothing in time")),
     }
 }
+
+/// Serves one `StagedFetch`: the staged copy of `path` (a file this node wrote under a write-back
+/// destination and has not yet put on the store), as `serve_fetch` serves a cached file. Its `Found`
+/// carries the size and the time the program closed it; its `Done` the blake3 the journal recorded at
+/// close, sent only when the bytes sent hash to it (a copy changed since is refused, never vouched for).
+pub async fn serve_staged<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    writeback: Option<Arc<crate::writeback::Migrations>>,
+    deadline: Duration,
+    id: u32,
+    path: &str,
+    credit: u32,
+) -> io::Result<()> {
+    let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
+    let not_here = || refuse(ErrorCode::NotFound, format!("{path} is not staged on this node"));
+    let Some(wb) = writeback else { return write(stream, &not_here(), deadline).await };
+    let wanted = std::path::PathBuf::from(path);
+    let staged = match tokio::task::spawn_blocking(move || wb.staged(&wanted)).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return write(stream, &not_here(), deadline).await,
+        Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("the lookup failed: {e}")), deadline).await,
+    };
+    let (entry, file) = staged;
+    let closed = entry.created_ns as i64;
+    let identity = tierstore_core::index::SourceId {
+        size: entry.size,
+        mtime_ns: closed,
+        ctime_ns: closed,
+        ino: 0,
+        dev: 0,
+        attrs: None,
+    };
+    write(stream, &Frame::Found { id, identity }, deadline).await?;
+    if credit == 0 {
+        return write(stream, &Frame::Done { id, hash: entry.hash }, deadline).await;
+    }
+    let hash = match send_chunks(stream, Arc::new(file), entry.size, id, credit, deadline).await? {
+        Ok(hash) => hash,
+        Err(e) => {
+            let f = refuse(ErrorCode::Failed, format!("reading the staged copy of {path} failed: {e}"));
+            return write(stream, &f, deadline).await;
+        }
+    };
+    if hash != entry.hash {
+        let f = refuse(
+            ErrorCode::Failed,
+            format!("the staged copy of {path} no longer matches what its program closed (changed since)"),
+        );
+        return write(stream, &f, deadline).await;
+    }
+    write(stream, &Frame::Done { id, hash }, deadline).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use tierstore_core::writeback::journal::{hash_file, new_staged_name, Journal};
+
+    use super::*;
+    use crate::writeback::Migrations;
+
+    /// The frames a `StagedFetch` of `path` is answered with, up to its `Done` or `Error`.
+    async fn staged_fetch(m: Arc<Migrations>, path: &str, credit: u32) -> Vec<Frame> {
+        let (mut server_end, mut client_end) = tokio::io::duplex(4 << 20);
+        let path = path.to_string();
+        let server = tokio::spawn(async move {
+            serve_staged(&mut server_end, Some(m), Duration::from_secs(5), 1, &path, credit).await.unwrap();
+        });
+        let mut frames = Vec::new();
+        loop {
+            let f = protocol::read_frame(&mut client_end).await.unwrap().unwrap();
+            let end = matches!(f, Frame::Done { .. } | Frame::Error { .. });
+            frames.push(f);
+            if end {
+                break;
+            }
+        }
+        server.await.unwrap();
+        frames
+    }
+
+    #[test]
+    fn a_staged_file_is_sent_whole_and_a_changed_one_is_never_vouched_for() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Arc::new(Journal::open(d.path()).unwrap());
+        let name = new_staged_name();
+        let data: Vec<u8> = (0..CHUNK + 10).map(|i| (i % 251) as u8).collect();
+        std::fs::write(j.staged_path(&name), &data).unwrap();
+        let (size, hash) = hash_file(&j.staged_path(&name)).unwrap();
+        j.commit(Path::new("/store/ckpt/a"), &name, size, hash).unwrap();
+        let m = Arc::new(Migrations::serving(vec![j.clone()]));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let frames = staged_fetch(m.clone(), "/store/ckpt/a", 8).await;
+            let Frame::Found { identity, .. } = &frames[0] else { panic!("{:?}", frames[0]) };
+            assert_eq!(identity.size, size);
+            let sent: Vec<u8> = frames
+                .iter()
+                .filter_map(|f| match f {
+                    Frame::Chunk { data, .. } => Some(data.clone()),
+                    _ => None,
+                })
+                .flatten()
+                .collect();
+            assert_eq!(sent, data);
+            assert_eq!(frames.last(), Some(&Frame::Done { id: 1, hash }));
+            // Asked only whether it is staged: its identity and the journal's hash, no chunk.
+            let frames = staged_fetch(m.clone(), "/store/ckpt/a", 0).await;
+            assert_eq!(frames.len(), 2);
+            let frames = staged_fetch(m.clone(), "/store/ckpt/other", 8).await;
+            assert!(matches!(&frames[0], Frame::Error { code: ErrorCode::NotFound, .. }), "{frames:?}");
+            // The staged copy changed after its close: its bytes go out, but never a Done for them.
+            let mut changed = data.clone();
+            changed[7] ^= 1;
+            std::fs::write(j.staged_path(&name), &changed).unwrap();
+            let frames = staged_fetch(m, "/store/ckpt/a", 8).await;
+            assert!(matches!(frames.last(), Some(Frame::Error { code: ErrorCode::Failed, .. })), "{frames:?}");
+        });
+    }
+}

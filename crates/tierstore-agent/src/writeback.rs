@@ -11,10 +11,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tierstore_core::writeback::{journal::Journal, listed_stages, migrate};
+use tierstore_core::writeback::{journal::Journal, listed_stages, migrate, Entry};
 
 /// The first retry comes this long after a failure; each further failure doubles it.
 pub const BACKOFF_FIRST: Duration = Duration::from_millis(100);
@@ -44,6 +44,39 @@ pub struct Migrations {
     pub bytes: AtomicU64,
     /// Failed attempts since start.
     pub failures: AtomicU64,
+    /// The journals being migrated: the agent also serves their pending files to other nodes (LMDB
+    /// allows one handle per environment and process, so the server shares the loop's).
+    journals: Mutex<Vec<Arc<Journal>>>,
+}
+
+impl Migrations {
+    /// Migrations that serve these journals (and migrate nothing): for tests of the serving side.
+    #[cfg(test)]
+    pub(crate) fn serving(journals: Vec<Arc<Journal>>) -> Migrations {
+        Migrations { journals: Mutex::new(journals), ..Default::default() }
+    }
+
+    /// The pending entry for `path` in any stage this agent migrates, with its staged copy opened. The
+    /// copy is opened after the entry was read: a file migrated or rewritten in between is gone from the
+    /// stage (looked up again, a few times), and an open copy keeps its bytes even when its entry goes
+    /// meanwhile (the sender checks them against the entry's blake3 before vouching for them).
+    pub fn staged(&self, path: &std::path::Path) -> Option<(Entry, std::fs::File)> {
+        let journals = self.journals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for j in journals {
+            for _ in 0..3 {
+                let Ok(Some(e)) = j.lookup(path) else { break };
+                match std::fs::File::open(j.staged_path(&e.staged)) {
+                    Ok(f) => return Some((e, f)),
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(err) => {
+                        log::warn!("cannot open the staged copy of {}: {err}", path.display());
+                        break;
+                    }
+                }
+            }
+        }
+        None
+    }
 }
 
 /// The delay before retry number `failures` (1 for the first): doubled per failure from
@@ -59,7 +92,7 @@ pub fn backoff(failures: u32) -> Duration {
 }
 
 struct Stage {
-    journal: Journal,
+    journal: Arc<Journal>,
     swept: Instant,
     failures: u32,
     retry_at: Option<Instant>,
@@ -101,6 +134,8 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                         let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
                         log::info!("migrating the stage {} ({pending} file(s) pending)", dir.display());
                         failed_open.remove(&dir);
+                        let journal = Arc::new(journal);
+                        m.journals.lock().unwrap_or_else(|p| p.into_inner()).push(journal.clone());
                         stages.insert(
                             dir,
                             Stage { journal, swept: Instant::now(), failures: 0, retry_at: None, logged: false },

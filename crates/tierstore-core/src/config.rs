@@ -1043,6 +1043,14 @@ pub fn load_writeback(overrides: &Overrides) -> Result<Vec<crate::writeback::Des
     crate::writeback::config::validate(raw.writeback.as_ref())
 }
 
+/// Only the `[cluster]` settings of the configuration (the file, then `TIERSTORE_*`), with no source
+/// required: what a write-back reader needs to ask the other nodes for files staged there.
+pub fn load_cluster(overrides: &Overrides) -> Result<ClusterConfig, ConfigError> {
+    let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
+    let raw = Config::layers(overrides, &env)?;
+    validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -211,6 +211,33 @@ impl Remote {
     /// Asks member `who` for `rel`; returns once the owner has said which version it sends. A `credit` of
     /// 0 only asks the owner to cache the file.
     pub fn open(&self, who: &str, rel: &str, credit: u32) -> Result<Transfer, RemoteError> {
+        let fetch = Frame::Fetch { id: 1, source: self.source.clone(), rel: rel.to_string(), credit };
+        self.request(who, &fetch)
+    }
+
+    /// Asks member `who` for the staged copy of `path` (a file its node wrote under a write-back
+    /// destination and has not yet put on the store); returns once it said which version it sends. A
+    /// `credit` of 0 only asks whether it has one. `Refused` with [`ErrorCode::NotFound`]: it has none.
+    pub fn open_staged(&self, who: &str, path: &str, credit: u32) -> Result<Transfer, RemoteError> {
+        self.request(who, &Frame::StagedFetch { id: 1, path: path.to_string(), credit })
+    }
+
+    /// The members other than this node, leaving out those marked down.
+    pub fn others(&self) -> Vec<String> {
+        self.refresh();
+        let view = self.view.read().expect("view lock").clone();
+        let now = Instant::now();
+        let down = self.down.lock().expect("down lock");
+        let names = view.owners.members();
+        (0..names.len())
+            .filter(|m| Some(*m) != view.me && down.get(&names[*m]).is_none_or(|(until, _)| *until <= now))
+            .map(|m| names[m].clone())
+            .collect()
+    }
+
+    /// Connects to `who`, says hello and sends `request` (a transfer of id 1); returns once the file's
+    /// identity came back.
+    fn request(&self, who: &str, request: &Frame) -> Result<Transfer, RemoteError> {
         let at = who.to_string();
         let mut stream = self.connect(&at)?;
         let io_err = |at: &str, e: io::Error| match e.kind() {
@@ -240,8 +267,7 @@ impl Remote {
             Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
             other => return Err(RemoteError::Broken { at, detail: format!("expected a welcome, got {other:?}") }),
         }
-        let fetch = Frame::Fetch { id: 1, source: self.source.clone(), rel: rel.to_string(), credit };
-        wire::write_frame(&mut stream, &fetch).map_err(|e| io_err(&at, e))?;
+        wire::write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
         let found = match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
             Some(Frame::Found { id: 1, identity }) => identity,
             Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),

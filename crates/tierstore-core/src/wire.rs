@@ -223,6 +223,20 @@ pub enum Frame {
         /// The JSON text.
         json: String,
     },
+    /// Asks for a file written on the agent's node under a write-back destination and not yet on the
+    /// shared store (its staged, journaled copy). Answered as a [`Frame::Fetch`] is: [`Frame::Found`]
+    /// (size, and the time the program closed it as mtime), the chunks, [`Frame::Done`] with the blake3
+    /// the journal recorded at close; or [`ErrorCode::NotFound`] when nothing is staged for `path` there
+    /// (it is on the store, or was never written on that node). A `credit` of 0 asks only whether it is
+    /// staged: `Found` then `Done`, no chunk.
+    StagedFetch {
+        /// The transfer's number, chosen by the asker.
+        id: u32,
+        /// The file's absolute path on the shared store (checked by [`check_abs_path`]).
+        path: String,
+        /// How many chunks may be sent before the asker grants more.
+        credit: u32,
+    },
 }
 
 mod kind {
@@ -246,6 +260,8 @@ mod kind {
     // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
     pub const STREAM_REQUEST: u8 = 40;
     pub const STREAM_EVENT: u8 = 41;
+    // Write-back staging's frames are numbered from 30.
+    pub const STAGED_FETCH: u8 = 30;
 }
 
 /// Checks a source-relative path from the network: not empty, not absolute, no `.` or `..` part, no NUL
@@ -259,6 +275,14 @@ pub fn check_path(rel: &str) -> Result<(), FrameError> {
         return Err(bad());
     }
     Ok(())
+}
+
+/// Checks an absolute path from the network (a staged file's place on the shared store): absolute, no
+/// `.` or `..` part, no NUL and no empty part, at most [`MAX_PATH`] bytes.
+pub fn check_abs_path(path: &str) -> Result<(), FrameError> {
+    let bad = || FrameError::BadPath(path.chars().take(200).collect());
+    let rel = path.strip_prefix('/').ok_or_else(bad)?;
+    check_path(rel).map_err(|_| bad())
 }
 
 /// The proof that a client holds `token`, for a challenge's `nonce`: a blake3 keyed by the token's own
@@ -383,6 +407,12 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.push(kind::ERROR);
             out.extend_from_slice(&(*code as u16).to_be_bytes());
             text(out, message);
+        }
+        Frame::StagedFetch { id, path, credit } => {
+            out.push(kind::STAGED_FETCH);
+            out.extend_from_slice(&id.to_be_bytes());
+            text(out, path);
+            out.extend_from_slice(&credit.to_be_bytes());
         }
         Frame::StreamRequest { json } | Frame::StreamEvent { json } => {
             out.push(if matches!(frame, Frame::StreamRequest { .. }) {
@@ -537,6 +567,11 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             }
             Frame::MemberList { members }
         }
+        kind::STAGED_FETCH => {
+            let (id, path) = (r.u32("id")?, r.text("path")?);
+            check_abs_path(&path)?;
+            Frame::StagedFetch { id, path, credit: r.u32("credit")? }
+        }
         kind::STREAM_REQUEST => {
             let n = r.u32("json")? as usize;
             Frame::StreamRequest { json: r.text_of(n, "json")? }
@@ -617,6 +652,8 @@ mod tests {
             proptest::collection::vec(text, 0..20).prop_map(|members| Frame::MemberList { members }),
             "[ -~]{0,300}".prop_map(|json| Frame::StreamRequest { json }),
             "[ -~]{0,300}".prop_map(|json| Frame::StreamEvent { json }),
+            (any::<u32>(), "(/[a-z0-9_-][a-z0-9._-]{0,7}){1,4}", any::<u32>())
+                .prop_map(|(id, path, credit)| Frame::StagedFetch { id, path, credit }),
         ]
     }
 
@@ -679,6 +716,17 @@ mod tests {
         for good in ["a", "train/n0144/0001.JPEG", "a..b/c.d", ".hidden/x"] {
             assert_eq!(check_path(good), Ok(()), "{good:?}");
         }
+    }
+
+    #[test]
+    fn a_staged_fetch_names_an_absolute_path_and_nothing_that_climbs() {
+        for bad in ["", "rel/x", "/", "/a/../x", "/a//b", "/a/./b", "/a\0b"] {
+            assert!(check_abs_path(bad).is_err(), "{bad:?} was accepted");
+            let mut wire = Vec::new();
+            encode(&Frame::StagedFetch { id: 1, path: bad.into(), credit: 4 }, &mut wire);
+            assert!(parse(&wire[4..]).is_err(), "a StagedFetch of {bad:?} parsed");
+        }
+        assert_eq!(check_abs_path("/lustre/ckpt/step_1/model.pt"), Ok(()));
     }
 
     #[test]

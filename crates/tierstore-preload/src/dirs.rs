@@ -122,6 +122,13 @@ unsafe fn listing(cache: &Cache, abs: &Path) -> Option<Vec<Listed>> {
     if let Some(entries) = cache.cached_listing(abs) {
         return Some(entries);
     }
+    let entries = read_listing(abs)?;
+    cache.note_listing(abs, &entries);
+    Some(entries)
+}
+
+/// The entries of the directory `abs` as the store lists them, `.` and `..` included, in its order.
+pub(crate) unsafe fn read_listing(abs: &Path) -> Option<Vec<Listed>> {
     let c = CString::new(abs.as_os_str().as_bytes()).ok()?;
     let dirp = real!("opendir", unsafe extern "C" fn(*const c_char) -> *mut DIR)(c.as_ptr());
     if dirp.is_null() {
@@ -141,7 +148,6 @@ unsafe fn listing(cache: &Cache, abs: &Path) -> Option<Vec<Listed>> {
     if failed {
         return None;
     }
-    cache.note_listing(abs, &entries);
     Some(entries)
 }
 
@@ -183,6 +189,15 @@ pub(crate) unsafe fn shadow_stat(fd: c_int) -> Option<libc::stat> {
 pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut DIR {
     let real = || real!("opendir", unsafe extern "C" fn(*const c_char) -> *mut DIR)(path);
     let Some(_busy) = Busy::enter() else { return real() };
+    if let Some(entries) = crate::writes::staged_listing(path) {
+        // A write-back destination's directory with files staged in it: the store's stream, with the
+        // staged files added to what it lists.
+        let dirp = real();
+        if !dirp.is_null() {
+            register(dirp, entries);
+        }
+        return dirp;
+    }
     let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(libc::AT_FDCWD, path)?))) else {
         return real();
     };

@@ -135,10 +135,28 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     if !writing {
         // Read-your-writes: a pending file reads from the stage.
-        let staged = staged_copy(wb, &abs)?;
-        let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
-        let fd = libc::open(c.as_ptr(), flags);
-        return (fd >= 0).then_some(fd); // gone meanwhile: migrated, the store has it
+        if let Some(staged) = staged_copy(wb, &abs) {
+            let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+            let fd = libc::open(c.as_ptr(), flags);
+            if fd >= 0 {
+                return Some(fd);
+            } // gone meanwhile: migrated, the store has it
+        }
+        // A file another node staged and has not yet put on the store: received whole from its agent.
+        return match wb.peer_copy(&abs) {
+            Ok(Some(copy)) => {
+                let c = std::ffi::CString::new(copy.as_os_str().as_bytes()).ok()?;
+                let fd = libc::open(c.as_ptr(), flags);
+                let _ = std::fs::remove_file(&copy); // the open descriptor keeps the bytes
+                Some(fd)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                eprintln!("tierstore run: {e}");
+                set_errno(e.errno());
+                Some(-1)
+            }
+        };
     }
     if flags & libc::O_DIRECT != 0 {
         static WARNED: AtomicBool = AtomicBool::new(false);
@@ -450,4 +468,40 @@ pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
             Some(-1)
         }
     }
+}
+
+/// The listing of the directory `path` names when it is a destination (or under one) and files are
+/// staged in it: the store's entries, then each staged file the store does not list yet (a regular file,
+/// with its staged copy's inode number). `None` when nothing is staged there: the real listing is right.
+/// The journal is read before the store, so a file migrated in between is listed once, by either.
+pub unsafe fn staged_listing(path: *const c_char) -> Option<Vec<tierstore_core::index::Listed>> {
+    let wb = writes()?;
+    if path.is_null() {
+        return None;
+    }
+    let bytes = CStr::from_ptr(path).to_bytes();
+    if bytes.first() == Some(&b'/') && !bytes.windows(3).any(|w| w == b"/..") {
+        let under = wb.destinations().iter().any(|d| bytes.starts_with(d.path.as_os_str().as_bytes()));
+        if !under {
+            return None; // the common case: no allocation, no system call
+        }
+    }
+    let dir = crate::absolute_at(libc::AT_FDCWD, bytes)?;
+    let staged = wb.pending_in(&dir);
+    if staged.is_empty() {
+        return None;
+    }
+    let mut entries = crate::dirs::read_listing(&dir)?;
+    let listed: std::collections::HashSet<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
+    for (name, copy) in staged {
+        let name = name.as_bytes().to_vec();
+        if listed.contains(&name) {
+            continue; // an older copy is on the store: listed once
+        }
+        // Pending when the store was listed after: listed even if it was migrated since (its staged copy
+        // gone), as the store listed too late would not show it.
+        let ino = std::fs::metadata(&copy).map_or(1, |m| std::os::unix::fs::MetadataExt::ino(&m));
+        entries.push(tierstore_core::index::Listed { ino, kind: libc::DT_REG, name });
+    }
+    Some(entries)
 }

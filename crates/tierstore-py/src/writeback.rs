@@ -90,6 +90,15 @@ impl PyWriteback {
         self.get().lookup(&abs(path)).map(|(p, _)| p.to_string_lossy().into_owned())
     }
 
+    /// A copy of `path` staged on another node (not yet on the store), received whole and checked into a
+    /// new file of this node's stage (the caller opens, then deletes it); None when no node holds it.
+    fn fetch_staged(&self, py: Python<'_>, path: &str) -> PyResult<Option<String>> {
+        let wb = self.get();
+        let p = abs(path);
+        let got = py.allow_threads(|| wb.peer_copy(&p)).map_err(writeback_to_py)?;
+        Ok(got.map(|f| f.to_string_lossy().into_owned()))
+    }
+
     /// Moves a pending file in the journal; False when `src` is not pending (rename it on the store).
     fn rename(&self, src: &str, dst: &str) -> PyResult<bool> {
         self.get().rename(&abs(src), &abs(dst)).map_err(writeback_to_py)

@@ -4,16 +4,18 @@
 //!
 //! This module is the writers' side (the Python API and the LD_PRELOAD shim): [`Writeback::begin`] gives
 //! a staged file to write, [`Writeback::commit`] journals it at close, [`Writeback::lookup`] answers
-//! reads of a file not yet migrated, [`Writeback::wait`] waits until files are on the store. The agent
+//! reads of a file not yet migrated (and [`Writeback::peer_copy`] reads of one another node staged, see
+//! [`peers`]), [`Writeback::wait`] waits until files are on the store. The agent
 //! migrates ([`migrate::step`]); the journal ([`journal`]) is the only thing the two share, so a writer
 //! never waits for the agent unless it asked for remote durability, and either can be killed at any time.
 
 pub mod config;
 pub mod journal;
 pub mod migrate;
+pub mod peers;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub use config::{Destination, Durability};
@@ -57,6 +59,19 @@ pub enum WritebackError {
         waited: f64,
         /// The last migration errors, formatted.
         errors: String,
+    },
+    /// Another node holds the file staged (newer than the store's copy, if any) but its bytes could not
+    /// be had; the store is not read instead, as it would give an older file or none.
+    #[error(
+        "{} is staged on another node and not yet on the shared store, and reading it from there failed: \
+         {source}; retry, or wait until that node has migrated it (`tierstore sync` there)",
+        path.display()
+    )]
+    Peer {
+        /// The file.
+        path: PathBuf,
+        /// Why the transfer failed.
+        source: crate::remote::RemoteError,
     },
     /// Files are pending but no agent runs to migrate them.
     #[error(
@@ -146,12 +161,14 @@ pub fn agent_answers() -> bool {
 pub struct Writeback {
     dests: Vec<Destination>,
     journals: Mutex<Vec<(PathBuf, Arc<Journal>)>>,
+    /// The other nodes' agents, for files they staged (read from the configuration on first need).
+    peers: OnceLock<Option<peers::PeerReads>>,
 }
 
 impl Writeback {
     /// Write-back for these destinations.
     pub fn new(dests: Vec<Destination>) -> Writeback {
-        Writeback { dests, journals: Mutex::new(Vec::new()) }
+        Writeback { dests, journals: Mutex::new(Vec::new()), peers: OnceLock::new() }
     }
 
     /// Write-back as the configuration (`tierstore.toml`, `$TIERSTORE_CONFIG`, `$TIERSTORE_WRITEBACK`)
@@ -265,6 +282,43 @@ impl Writeback {
         let j = self.journal(d).ok()?;
         let e = j.lookup(abs).ok()??;
         Some((j.staged_path(&e.staged), e))
+    }
+
+    /// The staged copy of `abs` that another node holds (written there, not yet on the store), received
+    /// whole and checked into a new file of this node's stage: the caller opens it, then deletes it.
+    /// `Ok(None)` when no other node holds it staged (or no `[cluster]` is configured): read the store.
+    pub fn peer_copy(&self, abs: &Path) -> Result<Option<PathBuf>, WritebackError> {
+        let Some(d) = self.destination(abs) else { return Ok(None) };
+        let Some(peers) = self.peers.get_or_init(peers::PeerReads::load) else { return Ok(None) };
+        let into = peers::received_path(self.journal(d)?.data_dir());
+        match peers.fetch(abs, &into) {
+            Ok(Some(r)) => {
+                log::debug!("{} ({} bytes) read from the stage of {}", abs.display(), r.size, r.from);
+                Ok(Some(into))
+            }
+            Ok(None) => {
+                let _ = std::fs::remove_file(&into);
+                Ok(None)
+            }
+            Err(source) => {
+                let _ = std::fs::remove_file(&into);
+                Err(WritebackError::Peer { path: abs.to_path_buf(), source })
+            }
+        }
+    }
+
+    /// The files pending (journaled, not yet on the store) directly in the directory `dir` (absolute,
+    /// normalized; a destination or a directory under one), with their staged copies: what a listing of
+    /// `dir` adds to the store's.
+    pub fn pending_in(&self, dir: &Path) -> Vec<(std::ffi::OsString, PathBuf)> {
+        let Some(d) = self.dests.iter().find(|d| dir.starts_with(&d.path)) else { return Vec::new() };
+        let Ok(j) = self.journal(d) else { return Vec::new() };
+        let Ok(entries) = j.entries() else { return Vec::new() };
+        entries
+            .into_iter()
+            .filter(|e| e.dest.parent() == Some(dir))
+            .filter_map(|e| Some((e.dest.file_name()?.to_os_string(), j.staged_path(&e.staged))))
+            .collect()
     }
 
     /// The program renamed `from` to `to`: a pending `from` moves in the journal (its bytes need not

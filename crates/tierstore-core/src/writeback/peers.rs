@@ -1,0 +1,127 @@
+//! Reading a file another node staged: until a staged file is on the shared store, a reader on another
+//! node gets it from the agent of the node that wrote it (ARCHITECTURE.md, "Write-back staging").
+//!
+//! No registry is consulted: the reader asks every other member's agent at once whether it holds `path`
+//! staged (a small request, answered from the agent's journal), each under the job's deadlines, and takes
+//! the bytes from the one whose copy was closed last. A staged copy is a closed, journaled file: the agent
+//! sends it only when its bytes still hash to what the journal recorded at close, and the reader checks
+//! that hash before a byte is used, so a partial or changed file is never served. A member that does not
+//! answer in time is left out (and marked down, as the cluster cache does) and the reader goes on to the
+//! store: a dead node never hangs a reader, though its staged files cannot be read until it is back and
+//! has migrated them.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::cluster::{ClusterConfig, Sharing};
+use crate::remote::{Remote, RemoteError, WINDOW};
+use crate::wire::ErrorCode;
+
+/// The other nodes' agents, asked for files they staged.
+pub struct PeerReads {
+    remote: Remote,
+}
+
+/// A staged file of another node, received whole and checked.
+#[derive(Debug)]
+pub struct Received {
+    /// The member that sent it.
+    pub from: String,
+    /// Its size.
+    pub size: u64,
+    /// When the program that wrote it closed it (ns since the epoch).
+    pub closed_ns: i64,
+}
+
+impl PeerReads {
+    /// The members of `cluster` (none when sharing is off: the nodes then know nothing of each other).
+    pub fn new(cluster: &ClusterConfig) -> Option<PeerReads> {
+        if cluster.sharing == Sharing::Off {
+            return None;
+        }
+        let token = match &cluster.token_file {
+            Some(f) => match std::fs::read(f) {
+                Ok(t) => Some(t.trim_ascii().to_vec()),
+                Err(e) => {
+                    log::warn!("the token file {}: {e}; staged files of other nodes are not read", f.display());
+                    return None;
+                }
+            },
+            None => None,
+        };
+        Some(PeerReads { remote: Remote::new(cluster, "", token) })
+    }
+
+    /// The members from the configuration (`[cluster]`, `TIERSTORE_PEERS`, ...), if sharing is on.
+    pub fn load() -> Option<PeerReads> {
+        match crate::config::load_cluster(&crate::config::Overrides::default()) {
+            Ok(c) => PeerReads::new(&c),
+            Err(e) => {
+                log::warn!("{e}; staged files of other nodes are not read");
+                None
+            }
+        }
+    }
+
+    /// Writes the staged copy of `path` held by another node into `into` (created, or truncated), if one
+    /// holds it. `Ok(None)`: no member that answered holds it staged (read the store). `into` holds
+    /// the whole file, checked, only when `Ok(Some)` is returned.
+    pub fn fetch(&self, path: &Path, into: &Path) -> Result<Option<Received>, RemoteError> {
+        let Some(text) = path.to_str() else { return Ok(None) };
+        let others = self.remote.others();
+        if others.is_empty() {
+            return Ok(None);
+        }
+        // Who holds it, all asked at once: the reader waits for the slowest answer, never for the sum.
+        let found: Vec<(String, i64)> = std::thread::scope(|s| {
+            let asks: Vec<_> = others
+                .iter()
+                .map(|who| {
+                    let who = who.clone();
+                    s.spawn(move || {
+                        let r = self.remote.open_staged(&who, text, 0).and_then(|t| {
+                            let closed = t.found.mtime_ns;
+                            t.confirmed().map(|()| closed)
+                        });
+                        (who, r)
+                    })
+                })
+                .collect();
+            asks.into_iter()
+                .filter_map(|h| h.join().ok())
+                .filter_map(|(who, r)| match r {
+                    Ok(closed) => {
+                        self.remote.mark_up(&who);
+                        Some((who, closed))
+                    }
+                    Err(RemoteError::Refused { code: ErrorCode::NotFound, .. }) => None,
+                    Err(e) => {
+                        if e.member_failed() {
+                            self.remote.mark_down(&who);
+                        }
+                        log::warn!("asking for the staged file {}: {e}; reading the store", path.display());
+                        None
+                    }
+                })
+                .collect()
+        });
+        // The copy closed last is the one the store will hold once every node has migrated.
+        let Some((who, _)) = found.into_iter().max_by_key(|(_, closed)| *closed) else { return Ok(None) };
+        let transfer = match self.remote.open_staged(&who, text, WINDOW) {
+            Ok(t) => t,
+            // Migrated between the two requests: the store has it now.
+            Err(RemoteError::Refused { code: ErrorCode::NotFound, .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let (size, closed_ns) = (transfer.found.size, transfer.found.mtime_ns);
+        let mut f = std::fs::File::create(into).map_err(RemoteError::Sink)?;
+        transfer.receive(|_, bytes| f.write_all(bytes))?;
+        Ok(Some(Received { from: who, size, closed_ns }))
+    }
+}
+
+/// A new file for bytes received from a peer, in the stage's data directory (named as staged files are,
+/// so that the stage's sweep removes it if this process dies before it is done with it).
+pub fn received_path(data_dir: &Path) -> PathBuf {
+    data_dir.join(format!("{}.peer", super::journal::new_staged_name()))
+}
