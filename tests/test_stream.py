@@ -496,6 +496,30 @@ def test_every_kth_version_is_flushed_to_the_repository_in_the_background(sock: 
     assert (np.asarray(last["t1"]) == 4.0).all() and (np.asarray(last["t0"]) == 0.0).all()
 
 
+def test_a_process_that_exits_right_after_an_async_publish_still_places_it_and_saves_its_history(
+    sock: Path, tmp_path: Path
+) -> None:
+    """`publish(sync=False)` returns before the version exists and the history is saved on a daemon
+    thread: leaving the program at once must not lose either."""
+    from tierstore.models import Repository
+
+    proc = child(
+        f"""
+        import numpy as np
+        from tierstore import stream
+        m = {{"w": np.full(1 << 20, 7.0, dtype=np.float32)}}
+        stream.publish("bye", m, step=9, sync=False, history={str(tmp_path / "repo")!r})
+        """,
+        sock,
+    )
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert info("bye")["latest"] == 1, "the asynchronous publish was lost at exit"
+    saved = Repository(tmp_path / "repo").versions("bye")
+    assert [v.metadata["step"] for v in saved] == [9], "the history was not saved before exit"
+    assert (np.asarray(Repository(tmp_path / "repo").load("bye", mmap=False)["w"]) == 7.0).all()
+
+
 def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: Path) -> None:
     path = tmp_path / "tierstore" / "agent.sock"
     path.parent.mkdir()

@@ -27,6 +27,7 @@ versions (2) and any leased one, and a consumer that dies releases its leases wi
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -523,10 +524,34 @@ def publish(
     with _publishers_lock:
         p = _publishers.get(key)
         if p is None:
+            if not _publishers:
+                _at_shutdown(_close_publishers)
             p = _publishers[key] = Publisher(
                 name, socket=socket, history=history, history_every=history_every
             )
     return p.publish(model_or_state_dict, step=step, metadata=metadata, sync=sync)
+
+
+def _at_shutdown(fn: Callable[[], None]) -> None:
+    """Runs `fn` when the interpreter begins to shut down, before thread pools refuse new work (the hook
+    concurrent.futures itself uses; its hooks run last-registered first). `atexit` would be too late: a
+    history save needs a thread pool."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn)
+    else:
+        register(fn)
+
+
+def _close_publishers() -> None:
+    """At exit: the last `sync=False` publish of each stream finishes and its history is saved (the saving
+    thread is a daemon, which the interpreter would otherwise stop mid-save)."""
+    with _publishers_lock:
+        publishers = list(_publishers.values())
+        _publishers.clear()
+    for p in publishers:
+        with contextlib.suppress(Exception):
+            p.close()
 
 
 def _default_group_device(group: Any) -> Any:
