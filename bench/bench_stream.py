@@ -134,8 +134,9 @@ def consumer_main(args: argparse.Namespace) -> None:
                 (w @ x).sum()
             lat.append((time.time(), time.perf_counter() - t0))
 
+    worker = threading.Thread(target=requests, daemon=True)
     if args.requests:
-        threading.Thread(target=requests, daemon=True).start()
+        worker.start()
     emit({"event": "ready"})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -144,6 +145,9 @@ def consumer_main(args: argparse.Namespace) -> None:
         elif cmd["cmd"] == "stop":
             break
     stop.set()
+    # A daemon thread still inside torch when the interpreter exits ends the process in C++'s terminate().
+    if worker.is_alive():
+        worker.join(timeout=10)
     hot.close()
 
 
@@ -719,7 +723,7 @@ def write_report(
             e2e, place, load = (statistics.median(r[k]) for k in (key, "place_" + key, "load_" + key))
             lines.append(
                 f"| {size} | {label} | {ms(e2e)} | {ms(place)} | {ms(load)} | {ms(r[mc])} | {load / r[mc]:.1f}x | "
-                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.0f}x | {ms(h5)} | {h5 / e2e:.0f}x |"
+                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.1f}x | {ms(h5)} | {h5 / e2e:.1f}x |"
             )
     lines += [
         "",
