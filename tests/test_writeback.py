@@ -144,6 +144,33 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
+def test_a_job_that_only_stages_its_checkpoints_needs_no_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-back alone is one variable: `tierstore run` with no source configured stages the writes, and
+    no process of the job warns about the missing source."""
+    with setup(tmp_path, monkeypatch) as s:
+        s.env.pop("TIERSTORE_SOURCE")
+        s.env.pop("TIERSTORE_TIERS")
+        code = (
+            "import sys, subprocess; open(sys.argv[1], 'wb').write(b'ckpt' * 1000); subprocess.run(['true'])"
+        )
+        s.fail_file.touch()  # the store refuses writes: what reaches it later was staged
+        p = s.python(code, str(s.dest / "a.bin"), run=True)
+        assert p.returncode == 0, p.stderr
+        assert "source" not in p.stderr, p.stderr
+        from tierstore import writeback
+
+        assert writeback.pending()[0]["files"] == 1, "the write was not staged"
+        assert not (s.backing / "ckpt" / "a.bin").exists()
+        s.fail_file.unlink()
+        synced = s.cli("sync", str(s.dest), "--timeout", "60")
+        assert synced.returncode == 0, synced.stderr
+        assert (s.backing / "ckpt" / "a.bin").read_bytes() == b"ckpt" * 1000
+        ordered = s.cli("run", "--order", str(tmp_path / "order.txt"), "--", "true")
+        assert ordered.returncode != 0 and "no source" in ordered.stderr, ordered.stderr
+
+
 def test_configuration_errors_name_the_key_and_the_fix(tmp_path: Path) -> None:
     env = {**os.environ, "TIERSTORE_WRITEBACK": f"{tmp_path}/nowhere:{tmp_path}/stage"}
     p = subprocess.run(

@@ -397,24 +397,35 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
     # Validate here, where the error can be reported well; the shim would only warn and run uncached.
     saved = dict(os.environ)
     os.environ.update(env)
+    cache: Cache | None
     try:
-        cache = make()
         writeback_dests = _core.Writeback().destinations()
+        try:
+            cache = make()
+        except click.ClickException as e:
+            # A job that only stages its checkpoints needs no source to read from.
+            if not writeback_dests or "no source" not in e.message:
+                raise
+            cache = None
+            env["TIERSTORE_WRITEBACK_ONLY"] = "1"  # the shim then stages writes and reads nothing through
     except _core.ConfigError as e:
         raise click.ClickException(str(e)) from e
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    if "://" in cache.source:
+    if cache is not None and "://" in cache.source:
         raise click.ClickException(
             f"the source {cache.source} is an object store, which programs cannot open as files: "
             "`tierstore run` serves sources on a file system. Read objects with tierstore.open, "
             "tierstore.torch.CachedDataset or fsspec (tierstore::s3://...) instead"
         )
-    # The source is checked and its symlinks resolved here, once for the whole job: every process the
-    # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
-    env.update(cache._core.resolved_env())
-    cluster = cache.config().get("cluster")
+    if cache is None and order is not None:
+        raise click.ClickException("--order prefetches from the source, and no source is configured")
+    if cache is not None:
+        # The source is checked and its symlinks resolved here, once for the whole job: every process the
+        # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
+        env.update(cache._core.resolved_env())
+    cluster = cache.config().get("cluster") if cache is not None else None
     if cluster is not None:
         from tierstore import agent as agent_mod
 
@@ -434,7 +445,7 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
                 if not agent_mod.answers(socket):
                     raise click.ClickException(str(e)) from e
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
-    if order is not None:
+    if cache is not None and order is not None:
         sys.exit(_run_ordered(cache, order, budget, command, env))
     try:
         os.execvpe(command[0], list(command), env)

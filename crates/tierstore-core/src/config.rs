@@ -194,6 +194,8 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_ORDER_MARKS",
     // Write-back destinations, `DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated (over the file's list).
     "TIERSTORE_WRITEBACK",
+    // Set by `tierstore run` for a job with write-back destinations and no source: the shim only stages.
+    "TIERSTORE_WRITEBACK_ONLY",
 ];
 
 const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";

@@ -96,6 +96,8 @@ struct Shim {
 }
 
 static SHIM: AtomicPtr<Shim> = AtomicPtr::new(std::ptr::null_mut());
+/// Set by `tierstore run` when write-back destinations are configured and no source is.
+const WRITEBACK_ONLY: &str = "TIERSTORE_WRITEBACK_ONLY";
 static INIT: Mutex<()> = Mutex::new(());
 
 fn shim() -> Option<&'static Shim> {
@@ -113,11 +115,17 @@ fn shim() -> Option<&'static Shim> {
             return s.config.as_ref().map(|_| s);
         }
     }
-    let config = match Config::load(&Overrides::default()) {
-        Ok(config) => Some(config),
-        Err(e) => {
-            eprintln!("tierstore run: {e}; running without the cache");
-            None
+    // `tierstore run` for a job that only stages what it writes has no source to read through: nothing
+    // to load, and nothing to warn every process of the job about.
+    let config = if std::env::var_os(WRITEBACK_ONLY).is_some() {
+        None
+    } else {
+        match Config::load(&Overrides::default()) {
+            Ok(config) => Some(config),
+            Err(e) => {
+                eprintln!("tierstore run: {e}; running without the cache");
+                None
+            }
         }
     };
     // The configuration resolved the source's symlinks (once per job: `tierstore run` hands the result to
