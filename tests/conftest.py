@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -127,9 +127,13 @@ def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     stop_agent(proc)
 
 
-def start_agent(path: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start_agent(
+    path: Path, *extra: str, node: str = "n1", inside: Callable[..., list[str]] | None = None
+) -> subprocess.Popen[bytes]:
+    """A node agent on socket `path` (inside a network namespace: `inside=Node.cmd`), once it is ready."""
+    argv = [*agent.run_args(path, node=node), *extra]
     proc = subprocess.Popen(
-        [*agent.run_args(path, node="n1"), *extra],
+        inside(*argv) if inside is not None else argv,
         stdout=subprocess.PIPE,
         stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
     )

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import child, start_agent, stop_agent
-from tierstore import _core, agent, stream
+from tierstore import _core, stream
 
 
 def wait_for(what: str, cond: object, timeout: float = 20.0) -> None:
@@ -300,7 +300,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
             sock = tmp_path / f"node{i}" / "tierstore" / "agent.sock"
             sock.parent.mkdir(parents=True)
             args = ["--listen", f"{n.address}:7078", "--token-file", str(token), "--stream-redis", url]
-            agents.append(start_agent_in(n.cmd, sock, f"node{i}", *args))
+            agents.append(start_agent(sock, *args, node=f"node{i}", inside=n.cmd))
             socks.append(sock)
             args_of.append(args)
         try:
@@ -364,7 +364,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
             # The publisher's agent restarts (its versions are gone): it numbers on from Redis's latest,
             # so the other node takes its next version as new.
             stop_agent(agents[0])
-            agents[0] = start_agent_in(n0.cmd, socks[0], "node0", *args_of[0])
+            agents[0] = start_agent(socks[0], *args_of[0], node="node0", inside=n0.cmd)
             m["t3"][:] = 40.0
             again = stream.publish("xm", m, socket=socks[0])
             assert isinstance(again, stream.StreamVersion) and again.version == 5
@@ -377,18 +377,6 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
             server.kill()
             for a in agents:
                 stop_agent(a)
-
-
-def start_agent_in(cmd: object, path: Path, node: str, *extra: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        cmd(*agent.run_args(path, node=node), *extra),  # type: ignore[operator]
-        stdout=subprocess.PIPE,
-        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
-    return proc
 
 
 def child_in(cmd: object, code: str, sock: Path) -> subprocess.Popen[str]:
