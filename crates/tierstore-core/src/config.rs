@@ -52,7 +52,7 @@ pub struct ConfigError {
     pub fix: String,
 }
 
-fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
+pub(crate) fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
     ConfigError {
         origin: origin.clone(),
         key: key.to_string(),

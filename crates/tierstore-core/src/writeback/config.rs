@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::{parse_duration, parse_size, ConfigError, Origin};
+use crate::config::{bad, parse_duration, parse_size, ConfigError, Origin};
 
 /// When `close()` (and `fsync`) of a staged file returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,16 +64,6 @@ pub const KEYS: &[&str] = &["path", "stage", "quota", "durability", "timeout"];
 
 /// The longest a remote close or a sync waits by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
-
-fn bad(origin: &Origin, key: &str, value: impl std::fmt::Display, problem: &str, fix: &str) -> ConfigError {
-    ConfigError {
-        origin: origin.clone(),
-        key: key.to_string(),
-        value: value.to_string(),
-        problem: problem.to_string(),
-        fix: fix.to_string(),
-    }
-}
 
 const FIX: &str = "write [[writeback]] tables: path = \"/lustre/ckpt\", stage = \"/nvme/stage\", quota = \"100G\", \
                    durability = \"local\"";

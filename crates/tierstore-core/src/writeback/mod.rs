@@ -189,6 +189,15 @@ impl Writeback {
         self.dests.iter().find(|d| d.holds(abs))
     }
 
+    /// The destination holding `dest`, or the error a write outside every destination is (EINVAL).
+    fn destination_of(&self, dest: &Path) -> Result<&Destination, WritebackError> {
+        self.destination(dest).ok_or_else(|| WritebackError::Io {
+            what: "not under a write-back destination:",
+            path: dest.to_path_buf(),
+            source: std::io::Error::from_raw_os_error(libc::EINVAL),
+        })
+    }
+
     /// The journal of `d`'s stage (opened once per process, and listed for the agent).
     pub fn journal(&self, d: &Destination) -> Result<Arc<Journal>, WritebackError> {
         let mut g = self.journals.lock().unwrap_or_else(|p| p.into_inner());
@@ -219,11 +228,7 @@ impl Writeback {
     /// Starts a write of `dest` (under a destination): a new staged file, or write-through when the stage
     /// is full (after the directory's earlier files reached the store, so that order holds).
     pub fn begin(&self, dest: &Path) -> Result<Begin, WritebackError> {
-        let d = self.destination(dest).ok_or_else(|| WritebackError::Io {
-            what: "not under a write-back destination:",
-            path: dest.to_path_buf(),
-            source: std::io::Error::from_raw_os_error(libc::EINVAL),
-        })?;
+        let d = self.destination_of(dest)?;
         let j = self.journal(d)?;
         if self.full(d, &j)? {
             let dir = dest.parent().unwrap_or(&d.path);
@@ -250,11 +255,7 @@ impl Writeback {
     /// fsynced, hashed and recorded (durable on the node); with remote durability, also waits until the
     /// agent put it on the store.
     pub fn commit(&self, dest: &Path, name: &str) -> Result<(), WritebackError> {
-        let d = self.destination(dest).ok_or_else(|| WritebackError::Io {
-            what: "not under a write-back destination:",
-            path: dest.to_path_buf(),
-            source: std::io::Error::from_raw_os_error(libc::EINVAL),
-        })?;
+        let d = self.destination_of(dest)?;
         let j = self.journal(d)?;
         let path = j.staged_path(name);
         let io = |what: &'static str| {
