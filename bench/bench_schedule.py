@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from bench_stream import private_agent
+
 PY = sys.executable
 BATCH = 32
 WARMUP_EPOCHS = 2
@@ -201,16 +203,6 @@ def train_run(
     }
 
 
-def start_agent(sock: Path) -> subprocess.Popen[bytes]:
-    from tierstore import agent
-
-    proc = subprocess.Popen(
-        [*agent.run_args(sock, node="bench")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
-    return proc
-
-
 def smooth(x: np.ndarray, w: int) -> np.ndarray:
     """Centred moving average over `w` points (shorter windows at the ends)."""
     c = np.cumsum(np.insert(x, 0, 0.0))
@@ -333,12 +325,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-schedule-") as d:
         tmp = Path(d)
-        sock = tmp / "run" / "tierstore" / "agent.sock"
-        sock.parent.mkdir(parents=True)
-        agent = start_agent(sock)
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
-        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
-        try:
+        with private_agent(tmp) as env:
             for rep in range(reps):
                 for policy in ("every-epoch", "fixed", "greedy"):
                     r = train_run(policy, f"{policy}-{rep}", epochs, env, tmp, requests, args.step_ms / 1e3)
@@ -348,9 +335,6 @@ def main() -> None:
                         f"{len(r['requests'])} requests",
                         flush=True,
                     )
-        finally:
-            agent.terminate()
-            agent.wait(timeout=30)
     base = runs["every-epoch"][0]
     pred = predictor_error(base["losses"], base["warmup"], base["per_epoch"])
     pred["oracle"] = oracle(runs, args.step_ms / 1e3)

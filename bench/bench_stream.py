@@ -27,6 +27,7 @@ Usage: .venv/bin/python bench/bench_stream.py [--group 100MB] [--sizes 100MB,1GB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,14 +237,19 @@ class Consumer:
             self.proc.kill()
 
 
-def start_agent(sock: Path) -> subprocess.Popen[bytes]:
+@contextlib.contextmanager
+def private_agent(base: Path) -> Iterator[dict[str, str]]:
+    """A node agent of the benchmark's own under `base`, made every client's default (a client's socket is
+    $XDG_RUNTIME_DIR/tierstore/agent.sock), stopped on the way out; yields the environment for children."""
     from tierstore import agent
 
-    proc = subprocess.Popen(
-        [*agent.run_args(sock, node="bench")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
-    return proc
+    sock = base / "run" / "tierstore" / "agent.sock"
+    agent.start(sock, node="bench")
+    os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
+    try:
+        yield dict(os.environ)
+    finally:
+        agent.stop(sock)
 
 
 def memcpy_time(nbytes: int, reps: int = 5) -> float:
@@ -614,13 +621,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         tmp = Path(d)
-        sock = tmp / "run" / "tierstore" / "agent.sock"
-        sock.parent.mkdir(parents=True)
-        agent = start_agent(sock)
-        # Every client's default socket is $XDG_RUNTIME_DIR/tierstore/agent.sock.
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
-        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
-        try:
+        with private_agent(tmp) as env:
             notify = notify_run(env)
             print(f"notify p50 {ms(pct(notify, 0.5))} p99 {ms(pct(notify, 0.99))}", flush=True)
             results = {}
@@ -640,9 +641,6 @@ def main() -> None:
             for t in trainer:
                 print(f"trainer step p50 {ms(statistics.median(t['plain']))} without, "
                       f"{ms(statistics.median(t['publish']))} with publish", flush=True)  # fmt: skip
-        finally:
-            agent.terminate()
-            agent.wait(timeout=30)
         cross: dict[str, Any] = {}
         if os.geteuid() == 0 and args.cross_sizes:
             for size in args.cross_sizes.split(","):
@@ -653,27 +651,18 @@ def main() -> None:
 
 
 def group_main(sizes: str) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
-        sock = Path(d) / "run" / "tierstore" / "agent.sock"
-        sock.parent.mkdir(parents=True)
-        agent = start_agent(sock)
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
-        os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
-        try:
-            for size in sizes.split(","):
-                r = group_run(parse_size(size), env)
-                grp, shm, inp = (statistics.median(r[k]) for k in ("group", "shm", "in-place"))
-                print(
-                    f"{size} ({human(r['nbytes'])}), 3% changed ({human(r['changed_bytes'])}; memcpy "
-                    f"{ms(r['memcpy_delta'])}), publish() to served, median of {len(r['group'])}: "
-                    f"gloo group {ms(grp)} ({grp / shm:.2f}x shared memory), shared memory {ms(shm)}, "
-                    f"in place {ms(inp)} ({inp / shm:.2f}x), in-place pause p50 "
-                    f"{ms(statistics.median(r['pause']))} max {ms(max(r['pause']))}",
-                    flush=True,
-                )
-        finally:
-            agent.terminate()
-            agent.wait(timeout=30)
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d, private_agent(Path(d)) as env:
+        for size in sizes.split(","):
+            r = group_run(parse_size(size), env)
+            grp, shm, inp = (statistics.median(r[k]) for k in ("group", "shm", "in-place"))
+            print(
+                f"{size} ({human(r['nbytes'])}), 3% changed ({human(r['changed_bytes'])}; memcpy "
+                f"{ms(r['memcpy_delta'])}), publish() to served, median of {len(r['group'])}: "
+                f"gloo group {ms(grp)} ({grp / shm:.2f}x shared memory), shared memory {ms(shm)}, "
+                f"in place {ms(inp)} ({inp / shm:.2f}x), in-place pause p50 "
+                f"{ms(statistics.median(r['pause']))} max {ms(max(r['pause']))}",
+                flush=True,
+            )
 
 
 def write_report(
