@@ -15,8 +15,8 @@ straight to the store (measured first), for ratios 0.5, 1 and 2. In one run:
 The local device's raw write+fsync bandwidth is the local-disk job's own observed bandwidth: the same
 files written and fsynced on the stage's disk inside the same loop (rounds alternate which job runs first,
 and each tierstore job is paired with the same round's local-disk job). A standalone write+fsync on the
-idle disk is measured before every round for context: this VM's disk is faster right after `os.sync()` than
-in any loop. Reported: the observed write bandwidth of the tierstore job (bytes over the time spent in its
+idle disk is measured before every round for context: this VM's disk is often faster right after
+`os.sync()` than inside a loop. Reported: the observed write bandwidth of the tierstore job (bytes over the time spent in its
 writes and closes, Cache VOL's measure) against the device's, and each job's total time (to its last close;
 for tierstore also to the end of the final sync) against the local-disk job's.
 
