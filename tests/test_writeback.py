@@ -643,6 +643,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.fsspec_filesystem import FsspecWriter
 
 out, ref, how, pg = sys.argv[1:5]
+os.environ["MASTER_ADDR"] = "127.0.0.1"  # the saving process's own group: on loopback
 dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{pg}")
 torch.manual_seed(0)
 state = {"w": torch.randn(512, 512), "b": torch.arange(1000), "step": torch.tensor(7)}
@@ -651,6 +652,9 @@ with warnings.catch_warnings():
     # The checkpoint is saved in the background while the program goes on; the future ends it.
     if how == "api":  # the Python API: fsspec's tierstore:// through torch's FsspecWriter
         future = dcp.async_save(state, storage_writer=FsspecWriter(f"tierstore://{out}"))
+    elif how == "process":  # under `tierstore run`, saved by a background process torch starts
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        future = dcp.async_save(state, checkpoint_id=out, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     else:  # an unmodified program under `tierstore run`: FileSystemWriter
         future = dcp.async_save(state, checkpoint_id=out)
     future.result()
@@ -665,12 +669,13 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.parametrize("how", ["run", "api"])
+@pytest.mark.parametrize("how", ["run", "process", "api"])
 def test_dcp_async_save_gives_identical_files_on_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """torch.distributed.checkpoint.async_save (one gloo process), under `tierstore run` and through
-    the Python API (fsspec's tierstore:// under torch's FsspecWriter): after sync, the store holds the
+    """torch.distributed.checkpoint.async_save (one gloo process), under `tierstore run` (saved by a
+    thread, or by the background process torch starts) and through the Python API (fsspec's
+    tierstore:// under torch's FsspecWriter): after sync, the store holds the
     bytes the program wrote and read back, the data file identical to the same save to a local disk,
     and the checkpoint loads from the store."""
     pytest.importorskip("torch")
@@ -680,7 +685,7 @@ def test_dcp_async_save_gives_identical_files_on_the_store(
         out = s.dest / f"async-{how}"
         if how == "api":
             out.mkdir()
-        p = s.python(ASYNC_SAVE, str(out), str(ref), how, str(tmp_path / "pg"), run=how == "run", timeout=300)
+        p = s.python(ASYNC_SAVE, str(out), str(ref), how, str(tmp_path / "pg"), run=how != "api", timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         seen = json.loads(p.stdout.strip().splitlines()[-1])
         p = s.cli("sync", str(s.dest), "--timeout", "60")
@@ -735,3 +740,56 @@ def test_listings_under_run_show_staged_files(tmp_path: Path, monkeypatch: pytes
         assert p.returncode == 0, p.stderr
         assert sorted(os.listdir(s.stored("l"))) == out["top"]
         assert s.stored("l/a.bin").read_bytes() == b"a.bin"
+
+
+MAPPED = r"""
+import ctypes, json, mmap, os, sys
+import numpy as np
+
+d = sys.argv[1]
+size = 1 << 20
+pattern = lambda n: (np.arange(size, dtype=np.uint64) * n % 251).astype(np.uint8)
+seen = {}
+# numpy's memmap closes its file at once and writes through the mapping afterwards.
+a = np.memmap(os.path.join(d, "np.bin"), dtype=np.uint8, mode="w+", shape=(size,))
+a[:] = pattern(3)
+a.flush()
+with open(os.path.join(d, "np.bin"), "rb") as f:  # read-your-writes while still mapped
+    seen["np.bin"] = f.read() == pattern(3).tobytes()
+del a
+# Python's mmap: the descriptor is closed first, the mapping written and closed later.
+with open(os.path.join(d, "py.bin"), "wb+") as f:
+    f.truncate(size)
+    m = mmap.mmap(f.fileno(), size)
+m[:] = pattern(5).tobytes()
+m.close()
+# A mapping never unmapped: the file is taken at exit.
+fd = os.open(os.path.join(d, "exit.bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+os.ftruncate(fd, size)
+kept = mmap.mmap(fd, size)
+os.close(fd)
+kept[:] = pattern(7).tobytes()
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # never freed: still mapped when the process exits
+print(json.dumps(seen))
+"""
+
+
+def test_writes_through_a_mapping_after_close_are_taken_at_munmap_or_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged file written through `mmap` after its descriptor was closed (numpy's memmap, Python's
+    mmap) is journaled when its last mapping goes, or at exit: the store gets the mapped writes."""
+    np = pytest.importorskip("numpy")
+    with setup(tmp_path, monkeypatch) as s:
+        s.start_agent()
+        (s.dest / "m").mkdir()
+        p = s.python(MAPPED, str(s.dest / "m"), run=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"np.bin": True}
+        p = s.cli("sync", str(s.dest), "--timeout", "60", timeout=120)
+        assert p.returncode == 0, p.stderr
+        size = 1 << 20
+        for name, n in (("np.bin", 3), ("py.bin", 5), ("exit.bin", 7)):
+            want = (np.arange(size, dtype=np.uint64) * n % 251).astype(np.uint8).tobytes()
+            assert s.stored(f"m/{name}").read_bytes() == want, f"{name}: the store lacks the mapped writes"
+        assert list((s.stage / "data").iterdir()) == []

@@ -6,17 +6,21 @@
 //!   `write`, `pwrite`, `ftruncate`, `fsync` and `mmap` then work natively on it.
 //! - `close` and `fclose` fsync, hash and journal it; with durability "remote" they return once the agent
 //!   put it on the store. A descriptor still open at exit is journaled by the exit handler.
+//! - A writable shared mapping made from the descriptor holds the journaling back until it is unmapped
+//!   (`munmap`) or the process exits: numpy's `memmap` and Python's `mmap` close the file first and write
+//!   through the mapping afterwards.
 //! - `rename`/`renameat`/`renameat2` of a pending file move its journal entry (the bytes stay staged);
 //!   `unlink` and `truncate` of a pending file change the journal; of any other file, the store.
-//! - `open` (read-only), the `stat` family and `access` of a pending file see the staged copy.
+//! - `open` (read-only), the `stat` family and `access` of a pending file see the staged copy; of a file
+//!   another node staged and has not yet put on the store, that node's copy (through its agent).
 //!
 //! Not captured, and passed to the store as they are: `O_DIRECT` and `O_PATH` opens (warned once),
 //! exclusive creates of `.tmp*` files (the `tempfile` crate's, renamed with raw system calls; warned once,
 //! and written only once the files closed before them in their directory are on the store), `io_uring`, static binaries (no LD_PRELOAD at all), and writes through a descriptor inherited
-//! from another process or duplicated and used after the original was closed. Listings of a destination
-//! show only what is on the store. A file's permission bits on the store are the agent's defaults.
+//! from another process or duplicated and used after the original was closed (and mappings made from such
+//! a descriptor). Listings on other nodes than the writer's show only what is on the store. A file's
+//! permission bits on the store are the agent's defaults.
 
-use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -66,18 +70,25 @@ fn writes() -> Option<&'static Writeback> {
     w.wb.as_ref()
 }
 
-/// A descriptor of a staged file this process opened.
+/// A staged file this process is writing: through the descriptor it opened, through writable shared
+/// mappings made from that descriptor, or both. It is journaled when the last of them goes.
 struct Open {
+    /// The descriptor; `None` once closed while a mapping still writes the file.
+    fd: Option<c_int>,
     dest: PathBuf,
     name: String,
     pid: u32,
     /// Unlinked while open (a temporary file a saver dropped): its staged copy goes at close.
     deleted: bool,
+    /// The address ranges `[start, end)` of its writable shared mappings still mapped.
+    maps: Vec<(usize, usize)>,
 }
 
-static OPEN: Mutex<Option<HashMap<c_int, Open>>> = Mutex::new(None);
-/// Staged descriptors open: `close` of any other descriptor costs one load.
+static OPEN: Mutex<Vec<Open>> = Mutex::new(Vec::new());
+/// Staged files being written: `close` of any other descriptor, and `mmap`, cost one load.
 static OPEN_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// Writable shared mappings of staged files: `munmap` of anything else costs one load.
+static MAPPED_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 fn warn_once(flag: &AtomicBool, message: impl FnOnce() -> String) {
     if !flag.swap(true, Ordering::Relaxed) {
@@ -108,10 +119,7 @@ unsafe fn dest_path(wb: &Writeback, dirfd: c_int, path: *const c_char) -> Option
 fn staged_copy(wb: &Writeback, abs: &Path) -> Option<PathBuf> {
     if OPEN_COUNT.load(Ordering::Relaxed) > 0 {
         let me = tierstore_core::pid();
-        let name = OPEN
-            .lock()
-            .as_ref()
-            .and_then(|t| t.values().find(|o| o.dest == abs && o.pid == me && !o.deleted).map(|o| o.name.clone()));
+        let name = OPEN.lock().iter().find(|o| o.dest == abs && o.pid == me && !o.deleted).map(|o| o.name.clone());
         if let Some(name) = name {
             let d = wb.destination(abs)?;
             return Some(wb.journal(d).ok()?.staged_path(&name));
@@ -224,10 +232,10 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     if fd < 0 {
         return Some(-1);
     }
-    OPEN.lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(fd, Open { dest: abs, name, pid: tierstore_core::pid(), deleted: false });
-    OPEN_COUNT.fetch_add(1, Ordering::Relaxed);
+    let mut open = OPEN.lock();
+    open.retain(|o| o.fd != Some(fd)); // closed behind the shim's back (a raw system call) and reused
+    open.push(Open { fd: Some(fd), dest: abs, name, pid: tierstore_core::pid(), deleted: false, maps: Vec::new() });
+    OPEN_COUNT.store(open.len(), Ordering::Relaxed);
     Some(fd)
 }
 
@@ -273,18 +281,35 @@ pub unsafe fn fopen(path: *const c_char, mode: *const c_char) -> Option<*mut FIL
     }
     let f = libc::fdopen(fd, mode);
     if f.is_null() {
-        forget(fd);
+        let mut open = OPEN.lock();
+        open.retain(|o| o.fd != Some(fd));
+        OPEN_COUNT.store(open.len(), Ordering::Relaxed);
+        drop(open);
         libc::close(fd);
     }
     Some(f)
 }
 
-fn forget(fd: c_int) -> Option<Open> {
-    let taken = OPEN.lock().as_mut().and_then(|t| t.remove(&fd));
-    if taken.is_some() {
-        OPEN_COUNT.fetch_sub(1, Ordering::Relaxed);
+/// What closing `fd` means for the staged file it writes.
+enum Closed {
+    /// Not a staged descriptor.
+    NotStaged,
+    /// A mapping still writes the file: it is journaled when the last mapping goes (`munmap`, or exit).
+    StillMapped,
+    /// The file is complete: journal it.
+    Complete(Open),
+}
+
+fn forget(fd: c_int) -> Closed {
+    let mut open = OPEN.lock();
+    let Some(i) = open.iter().position(|o| o.fd == Some(fd)) else { return Closed::NotStaged };
+    if !open[i].maps.is_empty() {
+        open[i].fd = None;
+        return Closed::StillMapped;
     }
-    taken
+    let o = open.swap_remove(i);
+    OPEN_COUNT.store(open.len(), Ordering::Relaxed);
+    Closed::Complete(o)
 }
 
 /// Journals a staged file after its descriptor was closed; false (errno set) when it could not be.
@@ -317,7 +342,7 @@ pub unsafe fn close(fd: c_int, real: impl FnOnce() -> c_int) -> c_int {
         return real();
     }
     let Some(_busy) = Busy::enter() else { return real() };
-    let Some(o) = forget(fd) else { return real() };
+    let Closed::Complete(o) = forget(fd) else { return real() };
     let rc = real();
     if rc != 0 {
         return rc;
@@ -336,7 +361,7 @@ pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
         return real();
     }
     let Some(_busy) = Busy::enter() else { return real() };
-    let Some(o) = forget(libc::fileno(f)) else { return real() };
+    let Closed::Complete(o) = forget(libc::fileno(f)) else { return real() };
     let rc = real();
     if rc != 0 {
         return rc;
@@ -348,6 +373,101 @@ pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
     }
 }
 
+/// `mmap`: a writable shared mapping of a staged descriptor is remembered, so that the file is journaled
+/// only once the mapping is gone too (a program may close the descriptor and go on writing through the
+/// mapping, as numpy's `memmap` and Python's `mmap` do). The system call itself is made directly: `mmap`
+/// is what `malloc` and the dynamic loader call, and looking up the next definition could recurse.
+#[no_mangle]
+pub unsafe extern "C" fn mmap(
+    addr: *mut libc::c_void,
+    len: libc::size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: libc::off_t,
+) -> *mut libc::c_void {
+    // syscall(2) reads every argument as a long: each is widened here (an int's upper half is undefined).
+    type L = libc::c_long;
+    let p = libc::syscall(libc::SYS_mmap, addr as L, len as L, prot as L, flags as L, fd as L, off as L)
+        as *mut libc::c_void;
+    let shared_write = flags & libc::MAP_SHARED != 0 && prot & libc::PROT_WRITE != 0;
+    if p == libc::MAP_FAILED || fd < 0 || !shared_write || OPEN_COUNT.load(Ordering::Relaxed) == 0 {
+        return p;
+    }
+    let Some(_busy) = Busy::enter() else { return p };
+    let mut open = OPEN.lock();
+    if let Some(o) = open.iter_mut().find(|o| o.fd == Some(fd)) {
+        o.maps.push((p as usize, p as usize + len));
+        MAPPED_COUNT.fetch_add(1, Ordering::Relaxed);
+    }
+    p
+}
+
+/// See [`mmap`] (the same function under its large-file name).
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut libc::c_void,
+    len: libc::size_t,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    off: libc::off_t,
+) -> *mut libc::c_void {
+    mmap(addr, len, prot, flags, fd, off)
+}
+
+/// Removes `[start, end)` from the ranges `maps`, keeping what lies outside it.
+fn unmap_range(maps: &mut Vec<(usize, usize)>, start: usize, end: usize) {
+    let mut kept = Vec::with_capacity(maps.len() + 1);
+    for &(s, e) in maps.iter() {
+        if e <= start || end <= s {
+            kept.push((s, e));
+            continue;
+        }
+        if s < start {
+            kept.push((s, start));
+        }
+        if end < e {
+            kept.push((end, e));
+        }
+    }
+    *maps = kept;
+}
+
+/// `munmap`: a staged file whose descriptor was closed is journaled when its last mapping goes.
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut libc::c_void, len: libc::size_t) -> c_int {
+    let rc = libc::syscall(libc::SYS_munmap, addr as libc::c_long, len as libc::c_long) as c_int;
+    if rc != 0 || MAPPED_COUNT.load(Ordering::Relaxed) == 0 {
+        return rc;
+    }
+    // Inside the shim (its own allocations free memory too) nothing of the program's is unmapped.
+    let Some(_busy) = Busy::enter() else { return rc };
+    let (start, end) = (addr as usize, (addr as usize).saturating_add(len));
+    let complete: Vec<Open> = {
+        let mut open = OPEN.lock();
+        let mut mapped = 0;
+        for o in open.iter_mut() {
+            if o.maps.iter().any(|&(s, e)| s < end && start < e) {
+                unmap_range(&mut o.maps, start, end);
+            }
+            mapped += o.maps.len();
+        }
+        MAPPED_COUNT.store(mapped, Ordering::Relaxed);
+        let (done, kept): (Vec<Open>, Vec<Open>) =
+            std::mem::take(&mut *open).into_iter().partition(|o| o.fd.is_none() && o.maps.is_empty());
+        *open = kept;
+        OPEN_COUNT.store(open.len(), Ordering::Relaxed);
+        done
+    };
+    // munmap has no way to report that the journal failed: the error is printed, and the file stays
+    // staged (unjournaled) as a crash would leave it.
+    for o in complete {
+        commit(o);
+    }
+    rc
+}
+
 /// At exit: files still open (a program that relies on exit to close them) are flushed and journaled.
 extern "C" fn at_exit() {
     if OPEN_COUNT.load(Ordering::Relaxed) == 0 {
@@ -356,7 +476,10 @@ extern "C" fn at_exit() {
     let Some(_busy) = Busy::enter() else { return };
     // SAFETY: flushes every stdio stream; a null argument is documented to mean all of them.
     unsafe { libc::fflush(std::ptr::null_mut()) };
-    let open: Vec<Open> = OPEN.lock().as_mut().map(|t| t.drain().map(|(_, o)| o).collect()).unwrap_or_default();
+    // A mapping still alive at exit has put its bytes in the file's pages: the commit's fsync takes them.
+    let open: Vec<Open> = std::mem::take(&mut *OPEN.lock());
+    OPEN_COUNT.store(0, Ordering::Relaxed);
+    MAPPED_COUNT.store(0, Ordering::Relaxed);
     for o in open {
         commit(o);
     }
@@ -366,14 +489,48 @@ extern "C" fn at_exit() {
 #[link_section = ".fini_array"]
 static AT_EXIT: extern "C" fn() = at_exit;
 
-/// The stat family of a pending file: the staged copy's `stat`.
+/// The stat family of a pending file: the staged copy's `stat`, this node's or another node's.
 pub unsafe fn staged_stat(dirfd: c_int, path: *const c_char) -> Option<libc::stat> {
     let wb = writes()?;
     let abs = dest_path(wb, dirfd, path)?;
-    let staged = staged_copy(wb, &abs)?;
-    let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
     let mut st: libc::stat = std::mem::zeroed();
-    (libc::stat(c.as_ptr(), &mut st) == 0).then_some(st)
+    if let Some(staged) = staged_copy(wb, &abs) {
+        let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+        return (libc::stat(c.as_ptr(), &mut st) == 0).then_some(st);
+    }
+    peer_stat(wb, &abs)
+}
+
+/// A file another node staged and has not yet put on the store, as `stat` shows it here: the size and
+/// close time of its staged copy, over the store's older copy if it has one (else over the directory's
+/// owner, with a regular file's mode), so that `stat` agrees with what `open` reads.
+unsafe fn peer_stat(wb: &Writeback, abs: &Path) -> Option<libc::stat> {
+    let held = wb.peer_stat(abs)?;
+    let mut st: libc::stat = std::mem::zeroed();
+    let c = std::ffi::CString::new(abs.as_os_str().as_bytes()).ok()?;
+    if libc::stat(c.as_ptr(), &mut st) != 0 {
+        let dir = std::ffi::CString::new(abs.parent()?.as_os_str().as_bytes()).ok()?;
+        if libc::stat(dir.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        st.st_mode = libc::S_IFREG | 0o644;
+        st.st_nlink = 1;
+        // An inode number of its own, stable for the path (a program may compare them).
+        st.st_ino = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            abs.hash(&mut h);
+            h.finish()
+        };
+    }
+    st.st_size = held.size as libc::off_t;
+    st.st_blocks = held.size.div_ceil(512) as libc::blkcnt_t;
+    let (secs, nanos) = (held.closed_ns.div_euclid(1_000_000_000), held.closed_ns.rem_euclid(1_000_000_000));
+    st.st_mtime = secs;
+    st.st_mtime_nsec = nanos;
+    st.st_ctime = secs;
+    st.st_ctime_nsec = nanos;
+    Some(st)
 }
 
 /// `rename` of or into a destination: `Some(rc)` when handled here.
@@ -398,9 +555,10 @@ pub unsafe fn rename(
     }
     // A file this process still has open (a temporary file persisted before it is closed, as the
     // `tempfile` crate does): it is journaled under its new name at close.
-    if let Some(open) = OPEN.lock().as_mut() {
+    {
+        let mut open = OPEN.lock();
         let me = tierstore_core::pid();
-        if let Some(o) = open.values_mut().find(|o| o.dest == from && o.pid == me && !o.deleted) {
+        if let Some(o) = open.iter_mut().find(|o| o.dest == from && o.pid == me && !o.deleted) {
             o.dest = to.clone();
             if let Err(e) = wb.remove(&to) {
                 set_errno(e.errno());
@@ -435,9 +593,10 @@ pub unsafe fn unlink(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> c
     let _busy = Busy::enter()?;
     let wb = writes()?;
     let abs = dest_path(wb, dirfd, path)?;
-    if let Some(open) = OPEN.lock().as_mut() {
+    {
+        let mut open = OPEN.lock();
         let me = tierstore_core::pid();
-        if let Some(o) = open.values_mut().find(|o| o.dest == abs && o.pid == me && !o.deleted) {
+        if let Some(o) = open.iter_mut().find(|o| o.dest == abs && o.pid == me && !o.deleted) {
             o.deleted = true;
             return Some(0);
         }
