@@ -46,6 +46,12 @@ for p in sys.argv[1:]:
     print(p, got, f"{time.monotonic() - t:.3f}")
 """
 
+# What `stat` and `os.path.exists` show under `tierstore run`: {name: size, or -1 when missing}.
+STAT = r"""
+import json, os, sys
+print(json.dumps({os.path.basename(p): os.stat(p).st_size if os.path.exists(p) else -1 for p in sys.argv[1:]}))
+"""
+
 WRITE = r"""
 import sys, tierstore
 for p, n, seed in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
@@ -115,6 +121,14 @@ class Job:
             got[os.path.basename(p)] = (h, float(t))
         return got
 
+    def stat(self, i: int, *names: str) -> dict[str, int]:
+        """The sizes `stat` gives on node `i` under `tierstore run` (-1: missing)."""
+        import json
+
+        paths = [str(self.dest / n) for n in names]
+        out = self.tierstore(i, "run", "--", sys.executable, "-c", STAT, *paths)
+        return json.loads(out.strip().splitlines()[-1])
+
     def write(self, i: int, files: list[tuple[str, int, int]]) -> None:
         args = [a for name, n, seed in files for a in (str(self.dest / name), str(n), str(seed))]
         self.run(i, sys.executable, "-c", WRITE, *args)
@@ -160,12 +174,16 @@ def test_a_file_staged_on_one_node_reads_on_another_until_it_is_on_the_store(
             f"under run: {plain}"
         )
     assert not (stored / "meta.json").exists(), "still staged: the bytes came from node 0's agent"
+    # `stat` on node 1 agrees with what it reads: node 0's sizes, not the store's older copy or its absence.
+    sizes = {"model.bin": 2 * mib + 7, "meta.json": 100, "empty": 0, "never-written": -1}
+    assert j.stat(1, *sizes) == sizes
 
     # A staging node whose agent is gone never hangs a reader: it goes to the store within the deadline.
     pid = j.agent_pid(0)
     os.kill(pid, signal.SIGKILL)
     got = j.read(1, "meta.json")
     assert got["meta.json"][0] == "missing" and got["meta.json"][1] < 3.0, got
+    assert j.stat(1, "meta.json", "model.bin") == {"meta.json": -1, "model.bin": 3 * mib + 5}
 
     # Node 0's agent again, the store back: the files migrate, and the store's copies are what node 1 reads,
     # also once node 0's agent is gone for good.

@@ -285,6 +285,14 @@ impl Writeback {
         Some((j.staged_path(&e.staged), e))
     }
 
+    /// The newest staged copy of `abs` another node holds (written there, not yet on the store): its size
+    /// and close time, which `stat` on this node reports. `None` when no other node holds it staged (or no
+    /// `[cluster]` is configured): the store's `stat` is right.
+    pub fn peer_stat(&self, abs: &Path) -> Option<peers::Held> {
+        self.destination(abs)?;
+        self.peers.get_or_init(peers::PeerReads::load).as_ref()?.stat(abs)
+    }
+
     /// The staged copy of `abs` that another node holds (written there, not yet on the store), received
     /// whole and checked into a new file of this node's stage: the caller opens it, then deletes it.
     /// `Ok(None)` when no other node holds it staged (or no `[cluster]` is configured): read the store.

@@ -22,6 +22,17 @@ pub struct PeerReads {
     remote: Remote,
 }
 
+/// A staged copy another node holds.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The member that holds it.
+    pub from: String,
+    /// Its size.
+    pub size: u64,
+    /// When the program that wrote it closed it (ns since the epoch).
+    pub closed_ns: i64,
+}
+
 /// A staged file of another node, received whole and checked.
 #[derive(Debug)]
 pub struct Received {
@@ -63,25 +74,49 @@ impl PeerReads {
         }
     }
 
+    /// The newest staged copy of `path` another node holds (its size and the time it was closed), if
+    /// any: what `stat` on this node shows until the file is on the store. One small request to each
+    /// member, all at once, each under the job's deadlines.
+    pub fn stat(&self, path: &Path) -> Option<Held> {
+        self.holders(path).into_iter().max_by_key(|h| h.closed_ns)
+    }
+
     /// Writes the staged copy of `path` held by another node into `into` (created, or truncated), if one
     /// holds it. `Ok(None)`: no member that answered holds it staged (read the store). `into` holds
     /// the whole file, checked, only when `Ok(Some)` is returned.
     pub fn fetch(&self, path: &Path, into: &Path) -> Result<Option<Received>, RemoteError> {
         let Some(text) = path.to_str() else { return Ok(None) };
+        // The copy closed last is the one the store will hold once every node has migrated.
+        let Some(Held { from: who, .. }) = self.stat(path) else { return Ok(None) };
+        let transfer = match self.remote.open_staged(&who, text, WINDOW) {
+            Ok(t) => t,
+            // Migrated between the two requests: the store has it now.
+            Err(RemoteError::Refused { code: ErrorCode::NotFound, .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let (size, closed_ns) = (transfer.found.size, transfer.found.mtime_ns);
+        let mut f = std::fs::File::create(into).map_err(RemoteError::Sink)?;
+        transfer.receive(|_, bytes| f.write_all(bytes))?;
+        Ok(Some(Received { from: who, size, closed_ns }))
+    }
+
+    /// Every other member that holds `path` staged, asked all at once: the caller waits for the slowest
+    /// answer, never for the sum. A member that does not answer in time is left out and marked down.
+    fn holders(&self, path: &Path) -> Vec<Held> {
+        let Some(text) = path.to_str() else { return Vec::new() };
         let others = self.remote.others();
         if others.is_empty() {
-            return Ok(None);
+            return Vec::new();
         }
-        // Who holds it, all asked at once: the reader waits for the slowest answer, never for the sum.
-        let found: Vec<(String, i64)> = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let asks: Vec<_> = others
                 .iter()
                 .map(|who| {
                     let who = who.clone();
                     s.spawn(move || {
                         let r = self.remote.open_staged(&who, text, 0).and_then(|t| {
-                            let closed = t.found.mtime_ns;
-                            t.confirmed().map(|()| closed)
+                            let (size, closed_ns) = (t.found.size, t.found.mtime_ns);
+                            t.confirmed().map(|()| (size, closed_ns))
                         });
                         (who, r)
                     })
@@ -90,9 +125,9 @@ impl PeerReads {
             asks.into_iter()
                 .filter_map(|h| h.join().ok())
                 .filter_map(|(who, r)| match r {
-                    Ok(closed) => {
+                    Ok((size, closed_ns)) => {
                         self.remote.mark_up(&who);
-                        Some((who, closed))
+                        Some(Held { from: who, size, closed_ns })
                     }
                     Err(RemoteError::Refused { code: ErrorCode::NotFound, .. }) => None,
                     Err(e) => {
@@ -104,19 +139,7 @@ impl PeerReads {
                     }
                 })
                 .collect()
-        });
-        // The copy closed last is the one the store will hold once every node has migrated.
-        let Some((who, _)) = found.into_iter().max_by_key(|(_, closed)| *closed) else { return Ok(None) };
-        let transfer = match self.remote.open_staged(&who, text, WINDOW) {
-            Ok(t) => t,
-            // Migrated between the two requests: the store has it now.
-            Err(RemoteError::Refused { code: ErrorCode::NotFound, .. }) => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let (size, closed_ns) = (transfer.found.size, transfer.found.mtime_ns);
-        let mut f = std::fs::File::create(into).map_err(RemoteError::Sink)?;
-        transfer.receive(|_, bytes| f.write_all(bytes))?;
-        Ok(Some(Received { from: who, size, closed_ns }))
+        })
     }
 }
 
