@@ -89,10 +89,13 @@ def test_config_file_errors(source: Path, tmp_path: Path) -> None:
         tierstore.Cache(source, config=bad)
     with pytest.raises(tierstore.ConfigError, match="no such file"):
         tierstore.Cache(source, config=tmp_path / "missing.toml")
-    with pytest.raises(tierstore.ConfigError, match="no source directory is configured"):
+    with pytest.raises(tierstore.ConfigError, match="no source directory is configured") as e:
         tierstore.Cache()
-    with pytest.raises(tierstore.ConfigError, match=r"source = .*cannot be read"):
+    # The parts of the error are attributes too: a caller tells the unset source from a bad one.
+    assert (e.value.key, e.value.value) == ("source", "(unset)") and "TIERSTORE_SOURCE" in e.value.fix
+    with pytest.raises(tierstore.ConfigError, match=r"source = .*cannot be read") as e:
         tierstore.Cache(tmp_path / "nope")
+    assert e.value.key == "source" and e.value.value.endswith("nope")
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -37,7 +37,13 @@ DEFAULT_PREFETCH_JOBS: int
 MAX_PREFETCH_JOBS: int
 
 class TierstoreError(Exception): ...
-class ConfigError(TierstoreError, ValueError): ...
+
+class ConfigError(TierstoreError, ValueError):
+    key: str  # as written in the TOML file ("tiers[1].quota")
+    value: str  # as given; "(unset)" for a required key nobody set
+    problem: str
+    fix: str
+
 class OutsideSourceError(TierstoreError, ValueError): ...
 class IntegrityError(TierstoreError): ...
 

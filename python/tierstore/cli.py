@@ -404,7 +404,12 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
             cache = make()
         except click.ClickException as e:
             # A job that only stages its checkpoints needs no source to read from.
-            if not writeback_dests or "no source" not in e.message:
+            cause = e.__cause__
+            no_source = isinstance(cause, _core.ConfigError) and (cause.key, cause.value) == (
+                "source",
+                "(unset)",
+            )
+            if not writeback_dests or not no_source:
                 raise
             cache = None
             env["TIERSTORE_WRITEBACK_ONLY"] = "1"  # the shim then stages writes and reads nothing through

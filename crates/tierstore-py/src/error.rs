@@ -65,10 +65,28 @@ fn raise(py: Python<'_>, cell: &GILOnceCell<Py<PyType>>, message: String) -> PyE
     }
 }
 
+/// `ConfigError(message)` with the parts of the error as attributes (`key`, `value`, `problem`, `fix`), so
+/// that a caller can tell which setting was wrong without reading the message.
+fn config_error(py: Python<'_>, e: &tierstore_core::config::ConfigError) -> PyErr {
+    let made = CONFIG_ERROR.get(py).map(|t| -> PyResult<PyErr> {
+        let err = t.bind(py).call1((e.to_string(),))?;
+        err.setattr("key", &e.key)?;
+        err.setattr("value", &e.value)?;
+        err.setattr("problem", &e.problem)?;
+        err.setattr("fix", &e.fix)?;
+        Ok(PyErr::from_value(err))
+    });
+    match made {
+        Some(Ok(err)) => err,
+        Some(Err(failed)) => failed,
+        None => PyException::new_err(e.to_string()),
+    }
+}
+
 /// Converts a core error into the matching Python exception.
 pub fn to_py(err: Error) -> PyErr {
     Python::with_gil(|py| match err {
-        Error::Config(e) => raise(py, &CONFIG_ERROR, e.to_string()),
+        Error::Config(e) => config_error(py, &e),
         Error::OutsideSource(e) => raise(py, &OUTSIDE_SOURCE_ERROR, e.to_string()),
         Error::Io { path, source } => io_to_py(source, Some(&path.to_string_lossy())),
         other => raise(py, &TIERSTORE_ERROR, other.to_string()),
@@ -122,7 +140,7 @@ pub fn integrity_error(py: Python<'_>, message: String, index: Option<usize>, ki
 pub fn writeback_to_py(err: tierstore_core::writeback::WritebackError) -> PyErr {
     use tierstore_core::writeback::WritebackError as W;
     Python::with_gil(|py| match err {
-        W::Config(e) => raise(py, &CONFIG_ERROR, e.to_string()),
+        W::Config(e) => config_error(py, &e),
         W::Timeout { .. } => pyo3::exceptions::PyTimeoutError::new_err(err.to_string()),
         W::Io { ref path, ref source, .. } if source.raw_os_error().is_some() => {
             let errno = source.raw_os_error().unwrap_or(libc::EIO);
