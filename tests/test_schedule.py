@@ -205,6 +205,17 @@ def test_a_schedule_publishes_at_the_end_of_warmup_then_on_plan_within_budget(po
         assert gaps[0] < gaps[-1], published
 
 
+def test_greedy_refits_and_replans_after_each_publish_with_the_budget_left() -> None:
+    rng = np.random.default_rng(8)
+    s = Schedule("greedy", total_steps=1000, warmup_steps=100, max_publishes=10, refit_every=10**6)
+    published = [step for step in range(1000) if s.should_publish(step, noisy(step, rng))]
+    assert len(published) == 10
+    # One fit ends the warm-up; one follows each later publish but the last, which leaves no budget.
+    assert len(s.fit_seconds) == 1 + 8
+    # The last re-plan (after the 9th publish) planned the one publish the budget had left.
+    assert s.plan == [] and s.published == published
+
+
 def test_refits_use_the_losses_since_the_warmup() -> None:
     rng = np.random.default_rng(4)
     s = Schedule("greedy", total_steps=1000, warmup_steps=50, refit_every=100, costs=Costs(train_s=0.01))

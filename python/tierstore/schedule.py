@@ -749,6 +749,9 @@ class Schedule:
             )
         if self.plan and step >= self.plan[0]:
             self.plan = [p for p in self.plan if p > step]
+            # Re-planned from this publish at the next step: a plan that pacing deferred was made for more
+            # publishes than it will make, and the budget it would leave goes to the rest of the run.
+            self._next_refit = step + 1
             return self._take(step)
         return False
 
