@@ -506,7 +506,7 @@ def write_report(
         "The schedules take the lowest-MSE curve that stays non-negative to the end of training (Viper takes "
         "the lowest MSE; a line through a steadily falling warm-up plans for negative losses). They do not "
         "rely on the warm-up fit alone: they refit on all losses so far every "
-        f"{base['warmup'] - 1} steps and re-plan the rest of the run.",
+        f"{base['warmup'] - 1} steps (greedy also after each publish) and re-plan the rest of the run.",
         "",
         "## Fit time",
         "",
