@@ -41,8 +41,8 @@ trusts the predicted tail entirely and a warm-up fit is most wrong there:
   of the budget for the rest. Replayed offline on recorded digits runs (three learning rates, two seeds,
   6 to 24 epochs), every exponent from 0.3 to 0.6 beat publishing every epoch on every run, and 0.5 did
   best on average. It is not only a guard against the predictor: planned on the benchmark's observed
-  curve (a perfect predictor), Viper's rule rates 0.978x publish-every-epoch's CIL in the CIL model and
-  the paced one 0.915x; publishing at equal drops in loss crowds the publishes into the start of the run
+  curve (a perfect predictor), Viper's rule rates 0.98x publish-every-epoch's CIL in the CIL model and
+  the paced one 0.91x; publishing at equal drops in loss crowds the publishes into the start of the run
   more than the CIL rewards.
 
 A power law (`a (x + x0)^-b + c`), the usual shape of a learning curve's tail, was tried as a fifth family
