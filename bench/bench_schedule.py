@@ -10,7 +10,7 @@ Three runs, one per schedule:
   every-epoch   publish at each epoch's end from the warm-up's end on (what Keras, Lightning and the HF
                 Trainer do): the baseline;
   fixed         `Schedule("fixed")`: the interval with the lowest predicted CIL;
-  greedy        `Schedule("greedy")`: Viper's irregular schedule;
+  greedy        `Schedule("greedy")`: Viper's irregular schedule, its budget paced (the default `pace`);
 both schedules with `max_publishes` = the baseline's number of publishes, and their costs (time per step,
 the trainer's stall per publish, publish-to-servable time) measured during the run by `ScheduledPublisher`.
 
@@ -258,7 +258,7 @@ def oracle(runs: dict[str, list[dict[str, Any]]], train_s: float) -> dict[str, A
     """The CIL model (`predicted_cil`) evaluated on the observed curve for each schedule's publish steps
     (first runs), and the greedy plan made on the observed curve with the same budget: separates what the
     greedy rule does from what the predictor's error does."""
-    from tierstore.schedule import Costs, greedy_plan, greedy_threshold, predicted_cil
+    from tierstore.schedule import Costs, greedy_plan, greedy_threshold, paced_steps, predicted_cil
 
     base = runs["every-epoch"][0]
     obs = Observed(base["losses"], base["per_epoch"])
@@ -269,8 +269,18 @@ def oracle(runs: dict[str, list[dict[str, Any]]], train_s: float) -> dict[str, A
     out = {name: predicted_cil(obs, rs[0]["published"], costs, horizon) for name, rs in runs.items()}  # type: ignore[arg-type]
     th = greedy_threshold(obs, np.arange(start + 1))  # type: ignore[arg-type]
     plan, _ = greedy_plan(obs, start, end, th, max_publishes=base["budget"])  # type: ignore[arg-type]
-    out["greedy on the observed curve"] = predicted_cil(obs, plan, costs, horizon)  # type: ignore[arg-type]
-    return {"cil": out, "plan": plan, "costs": costs}
+    out["greedy on the observed curve, unpaced"] = predicted_cil(obs, plan, costs, horizon)  # type: ignore[arg-type]
+    # Paced, re-planned from each publish with the budget left, as `Schedule` does.
+    waits = paced_steps(start, end, base["budget"])
+    paced = [start]
+    while len(paced) < base["budget"]:
+        left = base["budget"] - len(paced) + 1
+        nxt, _ = greedy_plan(obs, paced[-1], end, th, max_publishes=left, not_before=waits[len(paced) - 1 :])  # type: ignore[arg-type]
+        if len(nxt) < 2:
+            break
+        paced.append(nxt[1])
+    out["greedy on the observed curve, paced"] = predicted_cil(obs, paced, costs, horizon)  # type: ignore[arg-type]
+    return {"cil": out, "plan": plan, "paced": paced, "costs": costs}
 
 
 def fit_time(losses: list[float]) -> dict[str, float]:
@@ -420,6 +430,13 @@ def write_report(
             f"- {name} (first run): published at steps {r['published']}; {fit_s}; "
             + (f"interval {sm['interval']}; " if sm["interval"] else "")
             + (f"threshold {sm['threshold']:.4g}; " if sm["threshold"] else "")
+            + (
+                f"pacing: the k-th publish after the first not before step {sm['not_before']}, "
+                f"{sum(p in sm['not_before'] for p in r['published'])} of its "
+                f"{len(r['published']) - 1} later publishes fell on one (deferred there); "
+                if sm.get("not_before")
+                else ""
+            )
             + f"costs it measured: {costs['train_s'] * 1e3:.2f} ms per step, {costs['publish_s'] * 1e3:.2f} ms "
             f"stall per publish, {costs['load_s'] * 1e3:.2f} ms publish-to-servable."
         )
@@ -440,7 +457,9 @@ def write_report(
         "How they differ: every-epoch spaces its publishes evenly, the last at the last step (it serves only "
         "the requests answered after training ends); the fixed schedule plans for a window that ends with "
         "training and spreads the same number over the steps before its end; the greedy one puts them where "
-        "the predicted loss falls fastest, so how well it does rests on the predictor's tail. Share of the requests answered by each "
+        "the predicted loss falls fastest, with its threshold set to spend the budget, and paced: by a fraction "
+        "f of the run after the warm-up it has spent at most the share sqrt(f) of its budget, so a predictor "
+        "that sees the loss flattening too soon cannot spend it all early. Share of the requests answered by each "
         "run's last version (median over runs): "
         + ", ".join(
             f"{name} {statistics.median(last_share(r) for r in rs) * 100:.0f}% (last publish at step "
@@ -473,8 +492,9 @@ def write_report(
         "With a perfect predictor: the CIL model (`predicted_cil`: loss-seconds of requests over the window "
         "that ends with training, with the measured stall and publish-to-servable times) evaluated on the "
         "observed curve (smoothed) for each schedule's publish steps (first runs), and the greedy plan made "
-        "on the observed curve with the same budget"
-        f" (steps {o['plan']}):",
+        "on the observed curve with the same budget, without the pacing"
+        f" (steps {o['plan']}) and with it, re-planned at each publish as the schedule does"
+        f" (steps {o['paced']}):",
         "",
         "| publish steps | CIL model on the observed curve | / every-epoch |",
         "| --- | --- | --- |",
@@ -486,7 +506,7 @@ def write_report(
         "The schedules take the lowest-MSE curve that stays non-negative to the end of training (Viper takes "
         "the lowest MSE; a line through a steadily falling warm-up plans for negative losses). They do not "
         "rely on the warm-up fit alone: they refit on all losses so far every "
-        f"{base['warmup'] - 1} steps and re-plan the rest of the run.",
+        f"{base['warmup'] - 1} steps (greedy also after each publish) and re-plan the rest of the run.",
         "",
         "## Fit time",
         "",

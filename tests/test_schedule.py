@@ -105,6 +105,83 @@ def test_the_greedy_plan_publishes_often_early_and_keeps_to_its_budget() -> None
     assert np.all(np.diff(plan10)[:-1] <= np.diff(plan10)[1:]), plan10
 
 
+def test_with_a_budget_the_greedy_threshold_is_lowered_as_well_as_raised_to_spend_it() -> None:
+    # A warm-up that falls steeply, then a run that has little left to lose: Viper's threshold, taken from
+    # the warm-up's differences, is larger than the whole drop that remains.
+    curve = CurveFit("exp3", {"a": 2.0, "b": 0.05, "c": 0.1}, 0.0)
+    th = schedule.greedy_threshold(curve, np.arange(100))
+    assert float(curve.predict(100) - curve.predict(999)) < th
+    assert schedule.greedy_plan(curve, 100, 1000, th)[0] == [100]
+    plan, used = schedule.greedy_plan(curve, 100, 1000, th, max_publishes=10)
+    assert len(plan) == 10 and used < th, (plan, used)
+    assert np.all(-np.diff(curve.predict(plan)) > used)
+
+
+def test_paced_steps_release_the_budget_as_the_square_root_of_the_run() -> None:
+    waits = schedule.paced_steps(100, 1100, 11)
+    assert len(waits) == 10 and waits == sorted(waits) and waits[0] > 100 and waits[-1] < 1100
+    for f in np.linspace(0.0, 1.0, 101):
+        spent = 1 + sum(w <= 100 + f * 1000 for w in waits)  # the warm-up's publish counts
+        assert spent <= math.ceil(11 * math.sqrt(f)) + 1, (f, spent)
+    # A quarter of the way in, up to half the budget; pace 1 is an even spacing.
+    assert sum(w <= 350 for w in waits) + 1 == 6
+    even = np.diff([100, *schedule.paced_steps(100, 1100, 11, pace=1.0)])
+    assert even.max() - even.min() <= 1
+    with pytest.raises(ValueError, match=r"pace 0: use a number in \(0, 1\]"):
+        schedule.paced_steps(100, 1100, 11, pace=0)
+
+
+def test_a_paced_greedy_plan_defers_publishes_to_their_earliest_steps_and_keeps_its_threshold() -> None:
+    curve = CurveFit("exp3", {"a": 2.0, "b": 0.01, "c": 0.2}, 0.0)
+    th = schedule.greedy_threshold(curve, np.arange(100))
+    waits = schedule.paced_steps(100, 1000, 10)
+    free, used_free = schedule.greedy_plan(curve, 100, 1000, th, max_publishes=10)
+    paced, used = schedule.greedy_plan(curve, 100, 1000, th, max_publishes=10, not_before=waits)
+    assert used == used_free
+    assert len(paced) <= 10 and all(p >= w for p, w in zip(paced[1:], waits, strict=False)), paced
+    assert any(p == w for p, w in zip(paced[1:], waits, strict=False)), "this curve front-loads: pacing binds"
+    assert paced[-1] > free[-1]
+
+
+def two_speeds(x: np.ndarray | float) -> np.ndarray:
+    """A loss with a fast and a slow phase: a warm-up of 100 steps sees mostly the fast one."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.asarray(2.0 * np.exp(-x / 40) + 0.5 * np.exp(-x / 400))
+
+
+class TwoSpeeds:
+    def predict(self, steps: np.ndarray | float) -> np.ndarray:
+        return two_speeds(steps)
+
+
+def test_pacing_keeps_budget_for_a_tail_the_warmup_under_predicts() -> None:
+    ys = two_speeds(np.arange(1000)) + np.random.default_rng(6).normal(0.0, 0.03, 1000)
+    # The warm-up's best fit flattens out near 0.35; the loss goes on falling to 0.04.
+    warm = schedule.fit_best(np.arange(100), ys[:100])
+    assert warm.predict(999) > 5 * two_speeds(999), warm
+    costs = Costs(train_s=0.01, infer_s=0.01)
+    runs = {}
+    for pace in (None, 0.5):
+        s = Schedule("greedy", total_steps=1000, warmup_steps=100, max_publishes=11, pace=pace, costs=costs)
+        runs[pace] = ([step for step in range(1000) if s.should_publish(step, ys[step])], s)
+    unpaced, (paced, s) = runs[None][0], runs[0.5]
+    # Unpaced, the plan trusts the predicted tail: the budget is gone within a quarter of the run, and
+    # refits, which see the loss still falling, have nothing left to publish.
+    assert len(unpaced) == 11 and unpaced[-1] < 325, unpaced
+    # Paced, no publish comes before its earliest step, and the budget lasts into the last fifth.
+    assert len(paced) == 11 and all(p >= w for p, w in zip(paced[1:], s.not_before, strict=True)), paced
+    assert paced[-1] > 820, paced
+    # On the true curve, the paced publishes leave the consumer less loss than the unpaced ones and than
+    # an even spacing of the same budget.
+    even = list(range(100, 1000, 82))
+    assert len(even) == 11
+
+    def cil(steps: list[int]) -> float:
+        return schedule.predicted_cil(TwoSpeeds(), steps, costs, 9.0)
+
+    assert cil(paced) < cil(even) < cil(unpaced), (cil(paced), cil(even), cil(unpaced))
+
+
 def noisy(step: int, rng: np.random.Generator) -> float:
     return float(2.0 * math.exp(-step / 150) + 0.2 + rng.normal(0.0, 0.05))
 
@@ -126,6 +203,17 @@ def test_a_schedule_publishes_at_the_end_of_warmup_then_on_plan_within_budget(po
         assert set(gaps) == {s.interval} == {90}
     else:
         assert gaps[0] < gaps[-1], published
+
+
+def test_greedy_refits_and_replans_after_each_publish_with_the_budget_left() -> None:
+    rng = np.random.default_rng(8)
+    s = Schedule("greedy", total_steps=1000, warmup_steps=100, max_publishes=10, refit_every=10**6)
+    published = [step for step in range(1000) if s.should_publish(step, noisy(step, rng))]
+    assert len(published) == 10
+    # One fit ends the warm-up; one follows each later publish but the last, which leaves no budget.
+    assert len(s.fit_seconds) == 1 + 8
+    # The last re-plan (after the 9th publish) planned the one publish the budget had left.
+    assert s.plan == [] and s.published == published
 
 
 def test_refits_use_the_losses_since_the_warmup() -> None:
@@ -177,6 +265,8 @@ def test_bad_arguments_say_what_to_use() -> None:
         Schedule("every", total_steps=10, warmup_steps=2)
     with pytest.raises(ValueError, match="must end before training does"):
         Schedule("fixed", total_steps=10, warmup_steps=10)
+    with pytest.raises(ValueError, match=r"pace 1.5: use a number in \(0, 1\]"):
+        Schedule("greedy", total_steps=10, warmup_steps=2, pace=1.5)
     with pytest.raises(ValueError, match="use one of exp2, exp3, lin2, expd3"):
         schedule.fit_curve("exp4", STEPS, STEPS)
 
