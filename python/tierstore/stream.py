@@ -967,6 +967,8 @@ class HotModel:
         self.bytes_shared = 0
         self.bytes_received = 0
         self.swapped_at = 0.0
+        # The newest version whose swap's on_swap callbacks have all returned: what wait_version waits for.
+        self._swap_done = 0
         self._swap_callbacks: list[Callable[[int, float], None]] = []
         self._pause_callbacks: list[Callable[[int, float], None]] = []
         self.last_error: str | None = None
@@ -1064,18 +1066,33 @@ class HotModel:
                     self._cond.notify_all()
 
     def wait_version(self, version: int, timeout: float) -> None:
-        """Waits until version `version` (or a newer one) is served.
+        """Waits until version `version` (or a newer one) is served and the `on_swap` callbacks of its swap
+        have returned.
 
         Raises:
             TimeoutError: it was not within `timeout` seconds; the message carries the last error.
         """
         with self._cond:
-            ok = self._cond.wait_for(lambda: (self._versions[self._active] or 0) >= version, timeout)
+            ok = self._cond.wait_for(
+                lambda: self._swap_done >= version and (self._versions[self._active] or 0) >= version,
+                timeout,
+            )
             if not ok:
                 raise TimeoutError(
                     f"{self.name}: version {version} not served within {timeout} s (serving "
-                    f"{self._versions[self._active]}; last error: {self.last_error})"
+                    f"{self._versions[self._active]}, on_swap callbacks done through {self._swap_done}; "
+                    f"last error: {self.last_error})"
                 )
+
+    def _swapped(self, version: int, callbacks: list[Callable[[int, float], None]]) -> None:
+        """After a swap to `version`: runs the on_swap callbacks (outside the lock requests take), then lets
+        wait_version return."""
+        for cb in callbacks:
+            with contextlib.suppress(Exception):
+                cb(version, self.swapped_at)
+        with self._cond:
+            self._swap_done = max(self._swap_done, version)
+            self._cond.notify_all()
 
     def _run(self) -> None:
         done = 0
@@ -1242,9 +1259,7 @@ class HotModel:
             self.last_error = None
             callbacks = list(self._swap_callbacks)
             self._cond.notify_all()
-        for cb in callbacks:
-            with contextlib.suppress(Exception):
-                cb(v.version, self.swapped_at)
+        self._swapped(v.version, callbacks)
         if self._grouped:
             return  # the retired copy catches up at the next update, once that one's collectives are done
         # Off the critical path: bring the copy just retired to this version too, once its requests end,
@@ -1305,9 +1320,8 @@ class HotModel:
         for cb in paused:
             with contextlib.suppress(Exception):
                 cb(v.version, pause)
-        for cb in callbacks:
-            with contextlib.suppress(Exception):
-                cb(v.version, self.swapped_at)
+        if whole:
+            self._swapped(v.version, callbacks)
 
     @property
     def idle_version(self) -> int | None:
