@@ -460,7 +460,9 @@ def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
     assert row[1:3] == ["2", "2"], ls.stdout  # latest 2, two versions kept
     show = cli("show", "cli-model")
     assert show.returncode == 0, show.stderr
-    rows = [line.split() for line in show.stdout.splitlines()[2:]]
+    versions, consumers = show.stdout.split("\nconsumers: ")
+    rows = [line.split() for line in versions.splitlines()[2:]]
+    assert consumers.startswith("0, newest version 2"), show.stdout
     assert [(r[0], r[1]) for r in rows] == [("1", "7"), ("2", "8")], show.stdout
     missing = cli("show", "nope")
     assert missing.returncode != 0 and "no stream 'nope'" in missing.stderr and "cli-model" in missing.stderr

@@ -62,7 +62,7 @@ store.wait(["finished"], datetime.timedelta(seconds=120))
 """
 
 CONSUMER = """
-hot = stream.HotModel(weights(zero=True), "g", group=group, src=0, bucket_bytes=64 << 10)
+hot = stream.HotModel(weights(zero=True), "g", group=group, src=0, bucket_bytes=64 << 10, label="group rank 1")
 seen = {}
 def swapped(version, _):
     with hot.serving() as m:
@@ -155,6 +155,9 @@ def test_a_group_consumer_on_another_node_gets_the_tensors_once_through_the_grou
             assert far["relayed"] == 3 and far["newest"] == 3, far
             assert stream.streams(socks[0])["served_bytes"] == 0, "no tensor left the publisher's agent"
             assert near["latest"] == 3, near
+            [c] = far["consumers"]
+            assert c["label"] == "group rank 1" and c["notices_only"] and c["serving"] == 3, c
+            assert c["behind"] == 0, c
 
             # Outside the group (as after a group failure): the consumer fetches it, its agent pulls it once.
             m = {"big": np.full(100_000, 4, dtype=np.float32), "small0": np.full(100, 4, dtype=np.float32)}

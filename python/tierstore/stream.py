@@ -711,6 +711,7 @@ class Subscriber:
             subscriber of the stream on this node asks so, the agent relays the versions another node
             publishes without pulling their tensors (`StreamVersion.held` is False; `fetch` pulls one).
             Ignored by an agent that does not offer it (`notices_only` is then False).
+        label: what `tierstore stream show|watch` calls this consumer (default: "Subscriber").
     """
 
     def __init__(
@@ -722,11 +723,15 @@ class Subscriber:
         after: int = 0,
         on_update: Callable[[StreamVersion], None] | None = None,
         notices_only: bool = False,
+        label: str | None = None,
     ) -> None:
         self.name = name
         self._notices_only = notices_only
+        self._label = label or "Subscriber"
         # What the agent offers beyond the first protocol (stream::FEATURES), from its subscribe answer.
         self._features: frozenset[str] = frozenset()
+        # The version this consumer reported serving: told again to the agent after a reconnect.
+        self._serving: int | None = None
         self._socket = _socket_path(socket)
         self._deadline = deadline
         self._cond = threading.Condition()
@@ -755,9 +760,13 @@ class Subscriber:
                     "name": self.name,
                     "after": self._seen,
                     "notices_only": self._notices_only,
+                    "pid": os.getpid(),
+                    "label": self._label,
                 }
             )
             self._features = frozenset(answer.get("features", ()))
+            if self._serving is not None and "serving" in self._features:
+                conn.send({"op": "serving", "version": self._serving})
         except BaseException:
             conn.close()
             raise
@@ -767,6 +776,14 @@ class Subscriber:
     def notices_only(self) -> bool:
         """Whether the agent relays versions held elsewhere without pulling them (as asked, where offered)."""
         return self._notices_only and "notices_only" in self._features
+
+    def report_serving(self, version: int) -> None:
+        """Tells the agent that this consumer serves `version` from now on (one small frame, no answer), so
+        that `tierstore stream show|watch` list its lag. `HotModel` calls it at each swap."""
+        self._serving = version
+        if "serving" in self._features:
+            with contextlib.suppress(OSError):  # a lost agent is resubscribed, and told again
+                self._conn.send({"op": "serving", "version": version})
 
     @contextlib.contextmanager
     def fetch(self, version: int, timeout: float | None = None) -> Iterator[StreamVersion]:
@@ -971,6 +988,8 @@ class HotModel:
     consumer needs it from shared memory. The constructor is collective (see `DistributedPublisher`), and
     every version is loaded, in order: each is a collective.
 
+    Each swap is reported to the agent (`tierstore stream show|watch` list every consumer's lag).
+
     An update that fails (a version whose tensors do not fit the model, a deadline missed, a collective that
     failed) leaves the served version in place; `last_error` says why. In place, a failure after the model's
     first bytes were written leaves no whole version: requests raise `StreamError` until the next update.
@@ -986,6 +1005,7 @@ class HotModel:
         src: the publisher's rank in torch.distributed's numbering (global); default 0.
         bucket_bytes: the most bytes one collective moves; tensors smaller than it are packed together into
             a buffer of at most this size.
+        label: what `tierstore stream show|watch` call this consumer (default: "HotModel").
     """
 
     def __init__(
@@ -1000,6 +1020,7 @@ class HotModel:
         group: Any = None,
         src: int | None = None,
         bucket_bytes: int = 64 << 20,
+        label: str | None = None,
     ) -> None:
         if mode not in ("double", "in-place"):
             raise ValueError(
@@ -1049,7 +1070,7 @@ class HotModel:
         # Why the process group was given up (None while it works, and without one).
         self.group_error: str | None = None
         if not self._grouped:
-            self._sub = Subscriber(name, socket=socket, deadline=deadline)
+            self._sub = Subscriber(name, socket=socket, deadline=deadline, label=label or "HotModel")
             self._thread = threading.Thread(target=self._run, name=f"tierstore-hot-{name}", daemon=True)
             self._thread.start()
             return
@@ -1070,6 +1091,7 @@ class HotModel:
             deadline=deadline,
             on_update=self._arrived,
             notices_only=True,
+            label=label or "HotModel",
         )
         try:
             self._session = _group.handshake(group, self.src, _default_group_device(group))
@@ -1159,8 +1181,9 @@ class HotModel:
                 )
 
     def _swapped(self, version: int, callbacks: list[Callable[[int, float], None]]) -> None:
-        """After a swap to `version`: runs the on_swap callbacks (outside the lock requests take), then lets
-        wait_version return."""
+        """After a swap to `version`: tells the agent, runs the on_swap callbacks (outside the lock requests
+        take), then lets wait_version return."""
+        self._sub.report_serving(version)
         for cb in callbacks:
             with contextlib.suppress(Exception):
                 cb(version, self.swapped_at)
