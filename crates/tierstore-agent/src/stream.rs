@@ -1115,8 +1115,9 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     let r = streams.subscribe(&mut h.conn, &name, after, who);
                     if r.is_ok() {
                         if let Some(listening) = streams.follow(&name) {
-                            // Redis unreachable costs this subscriber one deadline; the follower retries.
-                            let _ = tokio::time::timeout(deadline, listening).await;
+                            // Redis unreachable costs this subscriber half a deadline (the other half is
+                            // the answer's); the follower keeps retrying meanwhile.
+                            let _ = tokio::time::timeout(deadline / 2, listening).await;
                         }
                     }
                     r
