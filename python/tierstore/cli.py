@@ -935,7 +935,11 @@ def stream_watch(socket: Path | None, name: str, count: int, interval: float) ->
     shown: dict[int, tuple[Any, Any]] = {}
 
     def consumers(every: bool) -> None:
-        now = {c["id"]: c for c in _consumers_of(socket, name) if c["pid"] != os.getpid()}
+        try:
+            listed = _consumers_of(socket, name)
+        except click.ClickException:
+            return  # the agent is away (restarting): the subscription reconnects, the next look lists them
+        now = {c["id"]: c for c in listed if c["pid"] != os.getpid()}
         for cid, c in now.items():
             state = (c["serving"], c["behind"])
             if every or shown.get(cid) != state:
