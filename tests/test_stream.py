@@ -125,6 +125,35 @@ def test_hot_model_loads_changed_tensors_into_the_idle_copy_and_swaps(sock: Path
         hot.close()
 
 
+@pytest.mark.parametrize("mode", ["double", "in-place"])
+def test_wait_version_returns_only_once_the_on_swap_callbacks_of_that_swap_have_run(
+    sock: Path, mode: str
+) -> None:
+    """The callbacks run after the swap, outside the lock requests take (a request is served meanwhile);
+    wait_version waits for them too."""
+    hot = stream.HotModel(model(0.0), "cb", mode=mode)
+    ran: list[int] = []
+    served_during_callback: list[int | None] = []
+
+    def slow(version: int, _: float) -> None:
+        with hot.serving():  # requests are not held back by a callback
+            served_during_callback.append(hot.version)
+        time.sleep(0.5)
+        ran.append(version)
+
+    hot.on_swap(slow)
+    try:
+        for n in (1, 2):
+            stream.publish("cb", model(float(n)))
+            hot.wait_version(n, timeout=20)
+            assert ran == list(range(1, n + 1)), f"wait_version({n}) returned before its on_swap callback"
+        assert served_during_callback == [1, 2]
+        with pytest.raises(TimeoutError, match="on_swap callbacks done through 2"):
+            hot.wait_version(3, timeout=0.1)
+    finally:
+        hot.close()
+
+
 def test_an_update_that_does_not_fit_leaves_the_served_version_and_says_why(sock: Path) -> None:
     served = model(0.0)
     hot = stream.HotModel(served, "m")
@@ -431,7 +460,9 @@ def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
     assert row[1:3] == ["2", "2"], ls.stdout  # latest 2, two versions kept
     show = cli("show", "cli-model")
     assert show.returncode == 0, show.stderr
-    rows = [line.split() for line in show.stdout.splitlines()[2:]]
+    versions, consumers = show.stdout.split("\nconsumers: ")
+    rows = [line.split() for line in versions.splitlines()[2:]]
+    assert consumers.startswith("0, newest version 2"), show.stdout
     assert [(r[0], r[1]) for r in rows] == [("1", "7"), ("2", "8")], show.stdout
     missing = cli("show", "nope")
     assert missing.returncode != 0 and "no stream 'nope'" in missing.stderr and "cli-model" in missing.stderr

@@ -201,6 +201,9 @@ class StreamVersion:
     manifest: Path
     tensors: tuple[StreamTensor, ...] = ()
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Whether this node's agent holds the tensors (False: a notice relayed to a notices-only subscriber
+    # from another node's agent; `Subscriber.fetch` pulls them).
+    held: bool = True
 
     def __str__(self) -> str:
         return f"{self.name}@{self.version}"
@@ -208,7 +211,17 @@ class StreamVersion:
     def state_dict(self, framework: str = "torch") -> dict[str, Any]:
         """The tensors, read-only and without a copy (mapped from the agent's shared memory; the mapping
         stays valid after the agent frees the version). Take it while the version is held: right after
-        `latest()`/`wait()` or inside `on_update`."""
+        `latest()`/`wait()` or inside `on_update`.
+
+        Raises:
+            StreamError: the version was relayed without its tensors (a notices-only subscriber); take it
+                with `Subscriber.fetch(version)`.
+        """
+        if not self.held:
+            raise StreamError(
+                f"{self} was relayed to this node without its tensors (notices only); "
+                "`with subscriber.fetch(version) as v:` has the agent pull them"
+            )
         blobs = self.manifest.parent.parent.parent / "blobs"
         out: dict[str, Any] = {}
         for t in self.tensors:
@@ -250,6 +263,7 @@ def _version_of(event: Mapping[str, Any]) -> StreamVersion:
         manifest=path,
         tensors=tensors,
         metadata=m.get("metadata") or {},
+        held=bool(event.get("held", True)),
     )
 
 
@@ -688,6 +702,16 @@ class Subscriber:
 
     Every version is seen in order, by `on_update` callbacks; `latest()` and `wait()` give the newest.
     Versions published while this subscriber was not connected are reported in `skipped`, never silently.
+
+    Args:
+        name: the stream.
+        after: the newest version already had: only newer ones are announced.
+        on_update: a callback for every version, the latest one at subscription included.
+        notices_only: this consumer takes the tensors by other means (a process group): while every
+            subscriber of the stream on this node asks so, the agent relays the versions another node
+            publishes without pulling their tensors (`StreamVersion.held` is False; `fetch` pulls one).
+            Ignored by an agent that does not offer it (`notices_only` is then False).
+        label: what `tierstore stream show|watch` calls this consumer (default: "Subscriber").
     """
 
     def __init__(
@@ -698,8 +722,16 @@ class Subscriber:
         deadline: float = DEFAULT_DEADLINE,
         after: int = 0,
         on_update: Callable[[StreamVersion], None] | None = None,
+        notices_only: bool = False,
+        label: str | None = None,
     ) -> None:
         self.name = name
+        self._notices_only = notices_only
+        self._label = label or "Subscriber"
+        # What the agent offers beyond the first protocol (stream::FEATURES), from its subscribe answer.
+        self._features: frozenset[str] = frozenset()
+        # The version this consumer reported serving: told again to the agent after a reconnect.
+        self._serving: int | None = None
         self._socket = _socket_path(socket)
         self._deadline = deadline
         self._cond = threading.Condition()
@@ -722,11 +754,62 @@ class Subscriber:
         # Only the first connection may start an agent on demand: one stopped later stays stopped.
         conn = _connect(self._socket, self._deadline) if first else _Connection(self._socket, self._deadline)
         try:
-            conn.call({"op": "subscribe", "name": self.name, "after": self._seen})
+            answer = conn.call(
+                {
+                    "op": "subscribe",
+                    "name": self.name,
+                    "after": self._seen,
+                    "notices_only": self._notices_only,
+                    "pid": os.getpid(),
+                    "label": self._label,
+                }
+            )
+            self._features = frozenset(answer.get("features", ()))
+            if self._serving is not None and "serving" in self._features:
+                conn.send({"op": "serving", "version": self._serving})
         except BaseException:
             conn.close()
             raise
         return conn
+
+    @property
+    def notices_only(self) -> bool:
+        """Whether the agent relays versions held elsewhere without pulling them (as asked, where offered)."""
+        return self._notices_only and "notices_only" in self._features
+
+    def report_serving(self, version: int) -> None:
+        """Tells the agent that this consumer serves `version` from now on (one small frame, no answer), so
+        that `tierstore stream show|watch` list its lag. `HotModel` calls it at each swap."""
+        self._serving = version
+        if "serving" in self._features:
+            with contextlib.suppress(OSError):  # a lost agent is resubscribed, and told again
+                self._conn.send({"op": "serving", "version": version})
+
+    @contextlib.contextmanager
+    def fetch(self, version: int, timeout: float | None = None) -> Iterator[StreamVersion]:
+        """Version `version`, held by this node's agent while the block runs: one it was only told of
+        (relayed, `held` False) is pulled from the node that holds it first.
+
+        Args:
+            version: the version.
+            timeout: how long the pull may take, in seconds (default: the deadline).
+
+        Raises:
+            StreamError: the agent no longer knows of the version, or pulling it failed (the message says
+                from where and why), or the agent does not offer `fetch`.
+            TimeoutError: the agent did not answer within `timeout`.
+        """
+        if "fetch" not in self._features:
+            raise StreamError(
+                f"the agent on {self._socket} cannot fetch a version; run the same tierstore for the agent "
+                "and its clients"
+            )
+        conn = _Connection(self._socket, self._deadline)
+        try:
+            conn.send({"op": "fetch", "name": self.name, "version": version})
+            yield _version_of(conn.recv(self._deadline if timeout is None else timeout))
+        finally:
+            conn.close()  # the lease ends with the connection
 
     def _run(self) -> None:
         while not self._closed:
@@ -899,9 +982,13 @@ class HotModel:
     With `group=` (and `src=` the publisher's rank), the changed tensors come from a `DistributedPublisher`
     through the torch.distributed process group, on the model's device (GPU to GPU with NCCL), instead of
     from the agent's shared memory; the agent still announces every version, and a version published
-    outside the group (before it, or after the group failed) is read from shared memory. The constructor is
-    then collective (see `DistributedPublisher`), and every version is loaded, in order: each is a
-    collective.
+    outside the group (before it, or after the group failed) is read from shared memory. The subscription
+    is then for notices only: on another node than the publisher's, the agent relays each version without
+    pulling its tensors (they cross the network once, through the group), and pulls one only when this
+    consumer needs it from shared memory. The constructor is collective (see `DistributedPublisher`), and
+    every version is loaded, in order: each is a collective.
+
+    Each swap is reported to the agent (`tierstore stream show|watch` list every consumer's lag).
 
     An update that fails (a version whose tensors do not fit the model, a deadline missed, a collective that
     failed) leaves the served version in place; `last_error` says why. In place, a failure after the model's
@@ -918,6 +1005,7 @@ class HotModel:
         src: the publisher's rank in torch.distributed's numbering (global); default 0.
         bucket_bytes: the most bytes one collective moves; tensors smaller than it are packed together into
             a buffer of at most this size.
+        label: what `tierstore stream show|watch` call this consumer (default: "HotModel").
     """
 
     def __init__(
@@ -932,6 +1020,7 @@ class HotModel:
         group: Any = None,
         src: int | None = None,
         bucket_bytes: int = 64 << 20,
+        label: str | None = None,
     ) -> None:
         if mode not in ("double", "in-place"):
             raise ValueError(
@@ -967,6 +1056,8 @@ class HotModel:
         self.bytes_shared = 0
         self.bytes_received = 0
         self.swapped_at = 0.0
+        # The newest version whose swap's on_swap callbacks have all returned: what wait_version waits for.
+        self._swap_done = 0
         self._swap_callbacks: list[Callable[[int, float], None]] = []
         self._pause_callbacks: list[Callable[[int, float], None]] = []
         self.last_error: str | None = None
@@ -979,7 +1070,7 @@ class HotModel:
         # Why the process group was given up (None while it works, and without one).
         self.group_error: str | None = None
         if not self._grouped:
-            self._sub = Subscriber(name, socket=socket, deadline=deadline)
+            self._sub = Subscriber(name, socket=socket, deadline=deadline, label=label or "HotModel")
             self._thread = threading.Thread(target=self._run, name=f"tierstore-hot-{name}", daemon=True)
             self._thread.start()
             return
@@ -994,7 +1085,14 @@ class HotModel:
         self._session = 0
         self._joined = threading.Event()
         # Subscribed before the handshake, so that no version sent to the group can be announced unseen.
-        self._sub = Subscriber(name, socket=socket, deadline=deadline, on_update=self._arrived)
+        self._sub = Subscriber(
+            name,
+            socket=socket,
+            deadline=deadline,
+            on_update=self._arrived,
+            notices_only=True,
+            label=label or "HotModel",
+        )
         try:
             self._session = _group.handshake(group, self.src, _default_group_device(group))
         except BaseException:
@@ -1064,18 +1162,34 @@ class HotModel:
                     self._cond.notify_all()
 
     def wait_version(self, version: int, timeout: float) -> None:
-        """Waits until version `version` (or a newer one) is served.
+        """Waits until version `version` (or a newer one) is served and the `on_swap` callbacks of its swap
+        have returned.
 
         Raises:
             TimeoutError: it was not within `timeout` seconds; the message carries the last error.
         """
         with self._cond:
-            ok = self._cond.wait_for(lambda: (self._versions[self._active] or 0) >= version, timeout)
+            ok = self._cond.wait_for(
+                lambda: self._swap_done >= version and (self._versions[self._active] or 0) >= version,
+                timeout,
+            )
             if not ok:
                 raise TimeoutError(
                     f"{self.name}: version {version} not served within {timeout} s (serving "
-                    f"{self._versions[self._active]}; last error: {self.last_error})"
+                    f"{self._versions[self._active]}, on_swap callbacks done through {self._swap_done}; "
+                    f"last error: {self.last_error})"
                 )
+
+    def _swapped(self, version: int, callbacks: list[Callable[[int, float], None]]) -> None:
+        """After a swap to `version`: tells the agent, runs the on_swap callbacks (outside the lock requests
+        take), then lets wait_version return."""
+        self._sub.report_serving(version)
+        for cb in callbacks:
+            with contextlib.suppress(Exception):
+                cb(version, self.swapped_at)
+        with self._cond:
+            self._swap_done = max(self._swap_done, version)
+            self._cond.notify_all()
 
     def _run(self) -> None:
         done = 0
@@ -1178,8 +1292,7 @@ class HotModel:
         todo = [t for t in v.tensors if hashes.get(t.name) != t.hash]
         for t in todo:
             hashes.pop(t.name, None)  # what the copy holds is unknown until the write completes
-        blobs = v.manifest.parent.parent.parent / "blobs"
-        paths, dests = [], []
+        hashes_read, dests = [], []
         for t in todo:
             j = next(
                 (j for j in range(len(self._views)) if j != i and self._hashes[j].get(t.name) == t.hash), None
@@ -1187,17 +1300,28 @@ class HotModel:
             if j is not None:
                 _copy_bytes(views[t.name], self._views[j][t.name])
             else:
-                paths.append(blobs / t.hash)
+                hashes_read.append(t.hash)
                 dests.append(views[t.name])
+        if hashes_read and not v.held:
+            # Relayed without its tensors (notices only): the agent pulls the version, held while read.
+            with self._sub.fetch(v.version, timeout=self.deadline) as held:
+                self._read(held, hashes_read, dests)
+        elif hashes_read:
+            self._read(v, hashes_read, dests)
+        self.bytes_shared += sum(int(d.nbytes) for d in dests)
+        hashes.update({t.name: t.hash for t in todo})
+        return sum(t.nbytes for t in todo)
+
+    def _read(self, v: StreamVersion, hashes: list[str], dests: list[Any]) -> None:
+        """Reads tensors of `v` (by hash) from the agent's shared memory into `dests`."""
+        blobs = v.manifest.parent.parent.parent / "blobs"
+        paths = [blobs / h for h in hashes]
         if self._grouped:
             for p, d in zip(paths, dests, strict=True):
                 if d.numel():
                     d.copy_(_torch_from_file(p))
         else:
             _core.stream_read(paths, dests)
-        self.bytes_shared += sum(int(d.nbytes) for d in dests)
-        hashes.update({t.name: t.hash for t in todo})
-        return sum(t.nbytes for t in todo)
 
     def _load(self, v: StreamVersion) -> None:
         try:
@@ -1242,9 +1366,7 @@ class HotModel:
             self.last_error = None
             callbacks = list(self._swap_callbacks)
             self._cond.notify_all()
-        for cb in callbacks:
-            with contextlib.suppress(Exception):
-                cb(v.version, self.swapped_at)
+        self._swapped(v.version, callbacks)
         if self._grouped:
             return  # the retired copy catches up at the next update, once that one's collectives are done
         # Off the critical path: bring the copy just retired to this version too, once its requests end,
@@ -1305,9 +1427,8 @@ class HotModel:
         for cb in paused:
             with contextlib.suppress(Exception):
                 cb(v.version, pause)
-        for cb in callbacks:
-            with contextlib.suppress(Exception):
-                cb(v.version, self.swapped_at)
+        if whole:
+            self._swapped(v.version, callbacks)
 
     @property
     def idle_version(self) -> int | None:

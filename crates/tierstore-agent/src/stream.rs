@@ -7,6 +7,7 @@
 //! blobs/<blake3 hex>            one tensor's bytes, shared by every version holding that content
 //! versions/<name>/<n>.json      a version's manifest: its tensors (name, dtype, shape, hash, nbytes)
 //! tmp/<publish>/                a publish in progress: its new tensors and its manifest
+//! notices/<name>/<n>.json       the manifest of a version another node holds, relayed without its tensors
 //! ```
 //!
 //! A publisher `begin`s (and is leased the latest version, the base it compares against), writes the
@@ -18,6 +19,15 @@
 //! Each notice pushed to a subscriber leases it that version; leases end with a `release` or with the
 //! connection (a consumer killed frees what it held). The agent keeps the last `keep` versions of a stream,
 //! and older ones while leased; a tensor file is removed when no version kept holds it.
+//!
+//! A subscriber may ask for notices only (`notices_only`): a consumer that receives the changed tensors by
+//! other means (a torch.distributed process group) needs to know of each version, not its bytes here.
+//! While every subscriber of a stream on this node asks so, the agent relays each version announced by
+//! another node as a notice of its manifest (`held: false`, the manifest under `notices/`) and pulls none
+//! of its tensors; a consumer that needs the bytes after all (a version sent outside its group) asks for
+//! that version with `fetch`, and the agent pulls it then. A subscriber that takes the tensors makes the
+//! agent pull every version, as before. Subscribers that report the version they serve (`serving`) are
+//! listed with their lag (see [`consumers`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
@@ -33,9 +43,19 @@ use tokio::sync::{mpsc, watch};
 
 use crate::protocol::{self, ErrorCode, Frame};
 
+mod consumers;
 mod follow;
 
+use consumers::{Consumer, Told, COMMITS_KEPT};
 pub use follow::{serve_peer, Remote};
+
+/// What this agent's stream requests offer beyond those of the first version of the protocol, answered to
+/// every `subscribe`: a client uses an option only where its agent lists it (an older agent ignores
+/// `notices_only` and pulls, and would refuse `serving` and `fetch`).
+pub const FEATURES: &[&str] = &["notices_only", "serving", "fetch"];
+
+/// Relayed manifests kept per stream: a subscriber reads one as its notice arrives.
+const RELAYED_KEPT: usize = 16;
 
 /// Versions kept per stream when none is configured: the one consumers serve and the one before it.
 pub const DEFAULT_KEEP: usize = 2;
@@ -71,6 +91,18 @@ pub enum StreamError {
         version: u64,
         /// Versions kept.
         keep: usize,
+    },
+    /// A version relayed here could not be pulled from the node that holds it.
+    #[error("pulling {name} version {version} from the agent at {agent}: {detail}; the consumer keeps the version it serves")]
+    Pull {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
+        /// The agent that announced it.
+        agent: String,
+        /// What failed.
+        detail: String,
     },
     /// The shared memory could not be written.
     #[error("{what} {path}: {source}")]
@@ -116,6 +148,28 @@ pub enum Request {
         /// The newest version the subscriber already has (0: none).
         #[serde(default)]
         after: u64,
+        /// Notices only: versions other nodes hold are relayed without pulling their tensors here.
+        #[serde(default)]
+        notices_only: bool,
+        /// The subscriber's process id, for `tierstore stream show|watch`.
+        #[serde(default)]
+        pid: Option<u32>,
+        /// What the subscriber calls itself, for `tierstore stream show|watch`.
+        #[serde(default)]
+        label: Option<String>,
+    },
+    /// The subscriber of this connection serves `version` from now on (no answer): its lag is listed.
+    Serving {
+        /// The version it swapped to.
+        version: u64,
+    },
+    /// Answers the notice of version `version` of `name` and leases it to this connection, pulling it from
+    /// the node that holds it when it was only relayed here.
+    Fetch {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
     },
     /// Ends one lease of this connection on a version (no answer).
     Release {
@@ -219,11 +273,37 @@ fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
 }
 
+/// The notice of a version held here.
+fn held_notice(name: &str, version: u64, k: &Kept) -> Value {
+    json!({
+        "event": "version", "name": name, "version": version, "manifest": k.manifest, "step": k.step,
+        "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors, "created": k.created, "held": true,
+    })
+}
+
+/// Records when `version` of a stream was committed (for the consumers' lag), forgetting the oldest.
+fn remember_commit(stream: &mut Stream, version: u64, created: f64) {
+    stream.committed.insert(version, created);
+    while stream.committed.len() > COMMITS_KEPT {
+        stream.committed.pop_first();
+    }
+}
+
+/// Who subscribes, as its `subscribe` request says.
+#[derive(Default)]
+struct Subscribing {
+    notices_only: bool,
+    pid: Option<u32>,
+    label: Option<String>,
+}
+
 /// A notice pushed to subscribers.
 #[derive(Clone, Debug)]
 struct Notice {
     name: String,
     version: u64,
+    /// The version is held here (its notice is a lease), not only relayed from another node.
+    held: bool,
     json: Arc<String>,
 }
 
@@ -242,8 +322,17 @@ struct Kept {
 struct Stream {
     versions: BTreeMap<u64, Kept>,
     latest: u64,
-    subscribers: HashMap<u64, mpsc::UnboundedSender<Notice>>,
+    /// The notice of the newest version relayed, for a notices-only subscriber that arrives later.
+    relayed_notice: Option<Arc<String>>,
+    subscribers: HashMap<u64, Consumer>,
     published: u64,
+    /// Commit times of the last versions known here (held or relayed), for the consumers' lag.
+    committed: BTreeMap<u64, f64>,
+    /// The newest version relayed without its tensors, how many were, and the agent holding each of the
+    /// last ones (where `fetch` pulls them from).
+    relayed: u64,
+    relays: u64,
+    relayed_from: BTreeMap<u64, String>,
     /// Versions pulled from another node's agent, and their bytes that crossed the network.
     pulled: u64,
     pulled_bytes: u64,
@@ -285,7 +374,7 @@ impl Streams {
     /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
     pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
         let dir = options.dir.clone().unwrap_or_else(|| default_dir(socket));
-        for sub in ["blobs", "versions", "tmp"] {
+        for sub in ["blobs", "versions", "tmp", "notices"] {
             let d = dir.join(sub);
             if d.exists() {
                 std::fs::remove_dir_all(&d).map_err(io_err("cannot empty the stream directory", &d))?;
@@ -299,7 +388,7 @@ impl Streams {
                 .create(&dir)
                 .map_err(io_err("cannot create the stream directory", &dir))?;
         }
-        for sub in ["blobs", "versions", "tmp"] {
+        for sub in ["blobs", "versions", "tmp", "notices"] {
             let d = dir.join(sub);
             std::fs::create_dir_all(&d).map_err(io_err("cannot create", &d))?;
         }
@@ -333,19 +422,36 @@ impl Streams {
         let _ = self.remote.set((remote, tx));
     }
 
-    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream).
-    fn follow(self: &Arc<Self>, name: &str) {
-        let Some((remote, _)) = self.remote.get() else { return };
+    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream); the answer
+    /// comes once the follower listens (or it gave up connecting for now): a version announced after the
+    /// first subscriber's `subscribe` was answered reaches this node.
+    fn follow(self: &Arc<Self>, name: &str) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let (remote, _) = self.remote.get()?;
         if !self.followed.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
-            return;
+            return None;
         }
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            follow::follow(self.clone(), remote.clone(), name.to_string(), rt);
-        }
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let (listening, rx) = tokio::sync::oneshot::channel();
+        follow::follow(self.clone(), remote.clone(), name.to_string(), rt, listening);
+        Some(rx)
     }
 
     fn latest(&self, name: &str) -> u64 {
         self.lock().streams.get(name).map_or(0, |s| s.latest)
+    }
+
+    /// The newest version of `name` known here, held or relayed.
+    fn newest(&self, name: &str) -> u64 {
+        self.lock().streams.get(name).map_or(0, |s| s.latest.max(s.relayed))
+    }
+
+    /// Whether versions of `name` announced by other nodes are relayed rather than pulled: while it has
+    /// subscribers here and every one asked for notices only.
+    fn relays_only(&self, name: &str) -> bool {
+        let st = self.lock();
+        st.streams
+            .get(name)
+            .is_some_and(|s| !s.subscribers.is_empty() && s.subscribers.values().all(|c| c.notices_only))
     }
 
     fn holds(&self, hash: &str) -> bool {
@@ -391,9 +497,17 @@ impl Streams {
         let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(id.to_string()));
     }
 
-    /// Registers a version pulled whole into its directory, under the publisher's number.
-    fn install_pulled(&self, id: u64, name: &str, version: u64, bytes: u64) -> Result<Value, StreamError> {
-        let r = self.install(id, name, Some(version), bytes);
+    /// Registers a version pulled whole into its directory, under the publisher's number (`leased`: with
+    /// one lease, taken before anything could free it, for the connection that asked for it).
+    fn install_pulled(
+        &self,
+        id: u64,
+        name: &str,
+        version: u64,
+        bytes: u64,
+        leased: bool,
+    ) -> Result<Value, StreamError> {
+        let r = self.install(id, name, Some(version), bytes, leased);
         self.drop_pull(id);
         r
     }
@@ -406,7 +520,7 @@ impl Streams {
     /// Frees the shared memory of every version (an agent that stops): consumers keep the tensors they
     /// mapped or copied; nothing new can be opened.
     pub fn remove(&self) {
-        for sub in ["blobs", "versions", "tmp"] {
+        for sub in ["blobs", "versions", "tmp", "notices"] {
             let _ = std::fs::remove_dir_all(self.dir.join(sub));
         }
         let _ = std::fs::remove_dir(&self.dir);
@@ -480,14 +594,22 @@ impl Streams {
                 )));
             }
         };
-        let result = self.install(p.id, &p.name, None, 0);
+        let result = self.install(p.id, &p.name, None, 0, false);
         self.abort_pending(conn, p);
         result
     }
 
     /// Makes the version placed in directory `id` visible as `name`'s next version (or as `version`, for
-    /// one pulled from another node, `pulled` of its bytes having crossed the network), and notifies.
-    fn install(&self, id: u64, name: &str, version: Option<u64>, pulled: u64) -> Result<Value, StreamError> {
+    /// one pulled from another node, `pulled` of its bytes having crossed the network), and notifies the
+    /// subscribers not yet told of it or a newer one (`leased`: one more lease, for a `fetch`).
+    fn install(
+        &self,
+        id: u64,
+        name: &str,
+        version: Option<u64>,
+        pulled: u64,
+        leased: bool,
+    ) -> Result<Value, StreamError> {
         let version_given = version;
         let tmp = self.dir.join("tmp").join(id.to_string());
         let bad = |detail: String| StreamError::BadPublish { publish: id, name: name.to_string(), detail };
@@ -527,10 +649,9 @@ impl Streams {
             *st.blobs.get_mut(&t.hash).expect("placed or held") += 1;
         }
         let stream = st.streams.entry(name.to_string()).or_default();
+        // A pulled version may be older than the latest (a `fetch` of one relayed earlier), never held twice.
         let version = match version {
-            Some(v) if v <= stream.latest => {
-                return Err(bad(format!("version {v} is not newer than {}", stream.latest)))
-            }
+            Some(v) if stream.versions.contains_key(&v) => return Err(bad(format!("version {v} is held already"))),
             Some(v) => v,
             None => stream.latest + 1,
         };
@@ -556,6 +677,7 @@ impl Streams {
             "new_bytes": new_bytes,
             "tensors": m.tensors.len(),
             "created": m.created,
+            "held": true,
         });
         let text = Arc::new(notice.to_string());
         let mut kept = Kept {
@@ -566,20 +688,25 @@ impl Streams {
             tensors: m.tensors.len(),
             step: m.step,
             created: m.created,
-            leases: 0,
+            leases: usize::from(leased),
         };
-        stream.latest = version;
+        stream.latest = stream.latest.max(version);
         if version_given.is_some() {
             stream.pulled += 1;
         }
         stream.published += 1;
         stream.pulled_bytes += pulled;
+        remember_commit(stream, version, m.created);
         // Each subscriber is leased the version with its notice, under the lock: it cannot be dropped
         // before the subscriber has seen it.
-        stream.subscribers.retain(|_, tx| {
-            let sent = tx.send(Notice { name: name.to_string(), version, json: text.clone() }).is_ok();
-            kept.leases += usize::from(sent);
-            sent
+        let queued = Notice { name: name.to_string(), version, held: true, json: text };
+        stream.subscribers.retain(|_, c| match c.tell(&queued) {
+            Told::Sent => {
+                kept.leases += 1;
+                true
+            }
+            Told::Skipped => true,
+            Told::Gone => false,
         });
         stream.versions.insert(version, kept);
         self.evict(&mut st, name);
@@ -634,7 +761,7 @@ impl Streams {
         true
     }
 
-    fn subscribe(&self, conn: &mut Conn, name: &str, after: u64) -> Result<Value, StreamError> {
+    fn subscribe(&self, conn: &mut Conn, name: &str, after: u64, who: Subscribing) -> Result<Value, StreamError> {
         check_name(name)?;
         if conn.subscription.is_some() {
             return Err(StreamError::NotHeld("this connection already subscribes; open one per stream".into()));
@@ -645,23 +772,119 @@ impl Streams {
         let id = st.next_id;
         let stream = st.streams.entry(name.to_string()).or_default();
         let latest = stream.latest;
-        if latest > after {
-            if let Some(k) = stream.versions.get_mut(&latest) {
+        let mut consumer = Consumer {
+            tx,
+            notices_only: who.notices_only,
+            pid: who.pid,
+            label: who.label.map(|l| l.chars().take(200).collect()),
+            noticed: after,
+            serving: None,
+        };
+        // The newest version known here, held or (to a notices-only subscriber) relayed.
+        let relayed = stream.relayed_notice.clone().filter(|_| who.notices_only && stream.relayed > latest);
+        if let Some(json) = relayed {
+            consumer.tell(&Notice { name: name.to_string(), version: stream.relayed, held: false, json });
+        } else if let Some(k) = stream.versions.get_mut(&latest) {
+            let json = Arc::new(held_notice(name, latest, k).to_string());
+            if let Told::Sent = consumer.tell(&Notice { name: name.to_string(), version: latest, held: true, json }) {
                 k.leases += 1;
-                let notice = json!({
-                    "event": "version", "name": name, "version": latest, "manifest": k.manifest,
-                    "step": k.step, "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors,
-                    "created": k.created,
-                });
-                let _ = tx.send(Notice { name: name.to_string(), version: latest, json: Arc::new(notice.to_string()) });
             }
         }
-        stream.subscribers.insert(id, tx);
+        stream.subscribers.insert(id, consumer);
         conn.subscription = Some((name.to_string(), id, rx));
-        Ok(json!({"subscribed": name, "latest": latest, "blobs": self.dir.join("blobs")}))
+        Ok(json!({"subscribed": name, "latest": latest, "blobs": self.dir.join("blobs"), "features": FEATURES}))
+    }
+
+    /// Records the version the subscriber of this connection serves from now on.
+    fn serving(&self, conn: &Conn, version: u64) {
+        let Some((name, id, _)) = &conn.subscription else { return };
+        if let Some(c) = self.lock().streams.get_mut(name).and_then(|s| s.subscribers.get_mut(id)) {
+            c.serving = Some((version, now()));
+        }
+    }
+
+    /// Tells this node's notices-only subscribers of `name` of the version `m` describes, which the agent at
+    /// `agent` holds: its manifest is kept under `notices/`, none of its tensors is pulled.
+    fn relay(&self, name: &str, m: &Manifest, agent: &str) -> Result<(), StreamError> {
+        let dir = self.dir.join("notices").join(name);
+        std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
+        let path = dir.join(format!("{}.json", m.version));
+        let part = dir.join(format!("{}.json.part", m.version));
+        let body = serde_json::to_vec(m).map_err(|e| StreamError::BadRequest(e.to_string()))?;
+        std::fs::write(&part, body)
+            .and_then(|()| std::fs::rename(&part, &path))
+            .map_err(io_err("cannot write", &path))?;
+        let nbytes: u64 = m.tensors.iter().map(|t| t.nbytes).sum();
+        let notice = json!({
+            "event": "version", "name": name, "version": m.version, "manifest": path, "step": m.step,
+            "nbytes": nbytes, "new_bytes": 0, "tensors": m.tensors.len(), "created": m.created,
+            "held": false, "agent": agent,
+        });
+        let json = Arc::new(notice.to_string());
+        let mut st = self.lock();
+        let stream = st.streams.entry(name.to_string()).or_default();
+        if m.version <= stream.relayed {
+            return Ok(());
+        }
+        stream.relayed = m.version;
+        stream.relays += 1;
+        stream.relayed_notice = Some(json.clone());
+        stream.relayed_from.insert(m.version, agent.to_string());
+        while stream.relayed_from.len() > RELAYED_KEPT {
+            if let Some((old, _)) = stream.relayed_from.pop_first() {
+                let _ = std::fs::remove_file(dir.join(format!("{old}.json")));
+            }
+        }
+        remember_commit(stream, m.version, m.created);
+        let notice = Notice { name: name.to_string(), version: m.version, held: false, json };
+        stream.subscribers.retain(|_, c| !matches!(c.tell(&notice), Told::Gone));
+        Ok(())
+    }
+
+    /// The notice of version `version` of `name` if it is held here, leased to `conn`.
+    fn lease_held(&self, conn: &mut Conn, name: &str, version: u64) -> Option<Value> {
+        let mut st = self.lock();
+        let k = st.streams.get_mut(name)?.versions.get_mut(&version)?;
+        k.leases += 1;
+        *conn.leases.entry((name.to_string(), version)).or_default() += 1;
+        Some(held_notice(name, version, k))
+    }
+
+    /// The notice of version `version` of `name`, leased to `conn`: held here already, or pulled now from
+    /// the agent that announced it (a version relayed to notices-only subscribers).
+    async fn fetch(self: &Arc<Self>, conn: &mut Conn, name: &str, version: u64) -> Result<Value, StreamError> {
+        check_name(name)?;
+        if let Some(v) = self.lease_held(conn, name, version) {
+            return Ok(v);
+        }
+        let from = self.lock().streams.get(name).and_then(|s| s.relayed_from.get(&version).cloned());
+        let (Some(agent), Some((remote, _))) = (from, self.remote.get()) else {
+            return Err(StreamError::Gone { name: name.to_string(), version, keep: self.keep });
+        };
+        match follow::pull(self, remote, &agent, name, version, true).await {
+            Ok(_) => {
+                // Installed with the lease this connection now holds.
+                *conn.leases.entry((name.to_string(), version)).or_default() += 1;
+                let st = self.lock();
+                let k = st.streams.get(name).and_then(|s| s.versions.get(&version));
+                k.map(|k| held_notice(name, version, k)).ok_or(StreamError::Gone {
+                    name: name.to_string(),
+                    version,
+                    keep: self.keep,
+                })
+            }
+            // Pulled meanwhile for a subscriber that takes the tensors.
+            Err(detail) => self.lease_held(conn, name, version).ok_or(StreamError::Pull {
+                name: name.to_string(),
+                version,
+                agent,
+                detail,
+            }),
+        }
     }
 
     fn list(&self) -> Value {
+        let at = now();
         let st = self.lock();
         let mut names: Vec<&String> = st.streams.keys().collect();
         names.sort();
@@ -677,9 +900,15 @@ impl Streams {
                                "step": k.step, "created": k.created, "leases": k.leases})
                     })
                     .collect();
-                json!({"name": n, "latest": s.latest, "published": s.published,
-                       "subscribers": s.subscribers.len(), "versions": versions, "pulled": s.pulled,
-                       "pulled_bytes": s.pulled_bytes, "errors": s.errors, "last_error": s.last_error})
+                let newest = s.latest.max(s.relayed);
+                let mut ids: Vec<&u64> = s.subscribers.keys().collect();
+                ids.sort();
+                let consumers: Vec<Value> =
+                    ids.into_iter().map(|id| s.subscribers[id].report(*id, newest, &s.committed, at)).collect();
+                json!({"name": n, "latest": s.latest, "newest": newest, "published": s.published,
+                       "subscribers": s.subscribers.len(), "consumers": consumers, "versions": versions,
+                       "pulled": s.pulled, "pulled_bytes": s.pulled_bytes, "relayed": s.relays,
+                       "errors": s.errors, "last_error": s.last_error})
             })
             .collect();
         let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
@@ -700,7 +929,9 @@ impl Streams {
             }
             rx.close();
             while let Ok(n) = rx.try_recv() {
-                *conn.leases.entry((n.name, n.version)).or_default() += 1;
+                if n.held {
+                    *conn.leases.entry((n.name, n.version)).or_default() += 1;
+                }
             }
         }
         let leases: Vec<((String, u64), usize)> = conn.leases.drain().collect();
@@ -815,7 +1046,9 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                         Next::Frame(_) | Next::Stop => return,
                         Next::Notice(None) => return,
                         Next::Notice(Some(n)) => {
-                            *h.conn.leases.entry((n.name.clone(), n.version)).or_default() += 1;
+                            if n.held {
+                                *h.conn.leases.entry((n.name.clone(), n.version)).or_default() += 1;
+                            }
                             if !send(&mut wr, n.json.as_ref().clone(), deadline).await {
                                 log::warn!(
                                     "a subscriber of {} took no notice within {deadline:?}: disconnected",
@@ -877,10 +1110,15 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                         Err(StreamError::NotHeld(format!("publish {publish} is not in progress on this connection")))
                     }
                 },
-                Request::Subscribe { name, after } => {
-                    let r = streams.subscribe(&mut h.conn, &name, after);
+                Request::Subscribe { name, after, notices_only, pid, label } => {
+                    let who = Subscribing { notices_only, pid, label };
+                    let r = streams.subscribe(&mut h.conn, &name, after, who);
                     if r.is_ok() {
-                        streams.follow(&name);
+                        if let Some(listening) = streams.follow(&name) {
+                            // Redis unreachable costs this subscriber half a deadline (the other half is
+                            // the answer's); the follower keeps retrying meanwhile.
+                            let _ = tokio::time::timeout(deadline / 2, listening).await;
+                        }
                     }
                     r
                 }
@@ -888,6 +1126,12 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                     streams.release(&mut h.conn, &name, version);
                     continue;
                 }
+                Request::Serving { version } => {
+                    streams.serving(&h.conn, version);
+                    continue;
+                }
+                // Each frame to the other agent has its deadline; the asker waits with its own.
+                Request::Fetch { name, version } => streams.fetch(&mut h.conn, &name, version).await,
                 Request::List => Ok(streams.list()),
             };
             let frame = match answer {
@@ -938,7 +1182,7 @@ mod tests {
                 .unwrap();
         let mut publisher = Conn::default();
         let mut consumer = Conn::default();
-        s.subscribe(&mut consumer, "m", 0).unwrap();
+        s.subscribe(&mut consumer, "m", 0, Subscribing::default()).unwrap();
         assert_eq!(publish(&s, &mut publisher, "m", &[("a", b"one"), ("b", b"same")]), 1);
         // The consumer takes its notice: a lease on version 1.
         let n = consumer.subscription.as_mut().unwrap().2.try_recv().unwrap();

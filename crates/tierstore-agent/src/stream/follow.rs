@@ -5,6 +5,11 @@
 //! are already in its `blobs`), each checked against its blake3; a version is registered, and its local
 //! subscribers notified, once every tensor is in. N consumers on a node cost one transfer.
 //!
+//! While every local subscriber of a stream asked for notices only, the agent pulls the version's manifest
+//! alone and relays it (see `Streams::relay`): its consumers receive the tensors through their process
+//! group, and the node's link carries them once, not twice. A version one of them needs after all is
+//! pulled when it asks (`fetch`).
+//!
 //! Redis going away stops nothing: the announcer keeps the latest version of each stream and sets it again
 //! once Redis answers (and every few seconds: a restarted Redis has lost its keys); a follower reconnects
 //! with back-off and reads the `latest` key, so a node that was away catches up to the newest version, and
@@ -19,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{Manifest, Streams};
+use super::{Manifest, Streams, RELAYED_KEPT};
 use crate::client::Client;
 use crate::protocol::Frame;
 
@@ -168,8 +173,16 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
 }
 
 /// Starts following stream `name` in Redis: every version announced by another node's agent is pulled
-/// here. Runs until the agent exits.
-pub(super) fn follow(streams: Arc<Streams>, remote: Remote, name: String, rt: tokio::runtime::Handle) {
+/// here (or relayed). `listening` is sent once the follower first listens to the stream's announcements.
+/// Runs until the agent exits.
+pub(super) fn follow(
+    streams: Arc<Streams>,
+    remote: Remote,
+    name: String,
+    rt: tokio::runtime::Handle,
+    listening: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut listening = Some(listening);
     let spawned = std::thread::Builder::new().name(format!("tierstore-stream-follow-{name}")).spawn(move || {
         let client = match redis::Client::open(remote.redis.as_str()) {
             Ok(c) => c,
@@ -202,6 +215,9 @@ pub(super) fn follow(streams: Arc<Streams>, remote: Remote, name: String, rt: to
             let mut ps = con.as_pubsub();
             if ps.subscribe(remote.channel(&name)).is_err() {
                 continue;
+            }
+            if let Some(tx) = listening.take() {
+                let _ = tx.send(());
             }
             if failing {
                 log::info!("following {name} in {} again", remote.redis);
@@ -238,11 +254,30 @@ pub(super) fn follow(streams: Arc<Streams>, remote: Remote, name: String, rt: to
 fn arrived(streams: &Arc<Streams>, remote: &Remote, name: &str, payload: &[u8], rt: &tokio::runtime::Handle) {
     let Ok(v) = serde_json::from_slice::<Value>(payload) else { return };
     let (Some(version), Some(agent)) = (v["version"].as_u64(), v["agent"].as_str()) else { return };
-    if agent == remote.me || version <= streams.latest(name) {
+    if agent == remote.me {
+        return;
+    }
+    if streams.relays_only(name) {
+        let newest = streams.newest(name);
+        if version <= newest {
+            return;
+        }
+        // Every version in order (a consumer of a process group takes part in each one's transfer): those
+        // an announcement overtook too, as many as are kept.
+        let first =
+            if newest == 0 { version } else { (newest + 1).max(version.saturating_sub(RELAYED_KEPT as u64 - 1)) };
+        for v in first..=version {
+            if let Err(e) = rt.block_on(relay(streams, remote, agent, name, v)) {
+                streams.record_error(name, format!("relaying {name} version {v} from {agent}: {e}"));
+            }
+        }
+        return;
+    }
+    if version <= streams.latest(name) {
         return;
     }
     let started = Instant::now();
-    let pulled = rt.block_on(pull(streams, remote, agent, name, version));
+    let pulled = rt.block_on(pull(streams, remote, agent, name, version, false));
     match pulled {
         Ok(bytes) => {
             log::info!("pulled {name} version {version} from {agent}: {bytes} bytes in {:?}", started.elapsed())
@@ -251,14 +286,43 @@ fn arrived(streams: &Arc<Streams>, remote: &Remote, name: &str, payload: &[u8], 
     }
 }
 
-async fn pull(streams: &Arc<Streams>, remote: &Remote, agent: &str, name: &str, version: u64) -> Result<u64, String> {
+/// Asks the agent at the other end of `c` for the manifest of version `version` of `name`.
+async fn manifest<S>(c: &mut Client<S>, name: &str, version: u64) -> Result<Manifest, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let ask = json!({"op": "manifest", "name": name, "version": version}).to_string();
+    match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
+        Frame::StreamEvent { json } => serde_json::from_str(&json).map_err(|e| format!("its manifest: {e}")),
+        other => Err(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// Relays version `version` of `name`, held by the agent at `agent`, to this node's notices-only
+/// subscribers: one manifest crosses the network, no tensor.
+async fn relay(streams: &Arc<Streams>, remote: &Remote, agent: &str, name: &str, version: u64) -> Result<(), String> {
     let mut c =
         Client::peer(agent, &remote.node, remote.token.as_deref(), remote.deadline).await.map_err(|e| e.to_string())?;
-    let ask = json!({"op": "manifest", "name": name, "version": version}).to_string();
-    let m: Manifest = match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
-        Frame::StreamEvent { json } => serde_json::from_str(&json).map_err(|e| format!("its manifest: {e}"))?,
-        other => return Err(format!("unexpected answer {other:?}")),
-    };
+    let m = manifest(&mut c, name, version).await?;
+    if m.version != version || m.name != name {
+        return Err(format!("asked for {name} version {version}, answered {} version {}", m.name, m.version));
+    }
+    streams.relay(name, &m, agent).map_err(|e| e.to_string())
+}
+
+/// Pulls version `version` of `name` from the agent at `agent`: the tensors this node lacks, then the
+/// version is installed (`leased`: with a lease for the connection that asked); the bytes that crossed.
+pub(super) async fn pull(
+    streams: &Arc<Streams>,
+    remote: &Remote,
+    agent: &str,
+    name: &str,
+    version: u64,
+    leased: bool,
+) -> Result<u64, String> {
+    let mut c =
+        Client::peer(agent, &remote.node, remote.token.as_deref(), remote.deadline).await.map_err(|e| e.to_string())?;
+    let m = manifest(&mut c, name, version).await?;
     let (id, tmp) = streams.begin_pull().map_err(|e| e.to_string())?;
     let result = async {
         let mut bytes = 0u64;
@@ -313,7 +377,7 @@ async fn pull(streams: &Arc<Streams>, remote: &Remote, agent: &str, name: &str, 
         Ok(bytes) => {
             let s = streams.clone();
             let name = name.to_string();
-            tokio::task::spawn_blocking(move || s.install_pulled(id, &name, version, bytes))
+            tokio::task::spawn_blocking(move || s.install_pulled(id, &name, version, bytes, leased))
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
