@@ -665,8 +665,7 @@ def test_double_mode_allocates_a_second_copy_which_in_place_does_not(sock: Path)
         stream.HotModel(m, "x", mode="twice")
 
 
-# A rank of a gloo process group of 3 on loopback (the test holds the TCP store), with a model of tensors of
-# several dtypes: one larger than the buckets the tests use (64 KiB), and small ones packed together.
+# A rank of a gloo process group of 3 on loopback (the test holds the TCP store); MODEL below follows it.
 RANK = """
 import datetime, json, os, signal, sys, time
 import torch, torch.distributed as dist
@@ -677,19 +676,6 @@ dist.init_process_group("gloo", store=store, rank={rank}, world_size={world},
 # The group the tests use, with a short deadline; made once every rank is up, as ranks start unevenly.
 group = dist.new_group(list(range({world})), timeout=datetime.timedelta(seconds={timeout}))
 
-def weights(zero=False):
-    g = torch.Generator().manual_seed(0)
-    m = {{"big": torch.randn(100_000, generator=g), "small0": torch.randn(100, generator=g),
-         "small1": torch.randint(0, 100, (50,), generator=g),
-         "half": torch.randn(3000, generator=g).to(torch.bfloat16), "flag": torch.zeros(7, dtype=torch.bool)}}
-    if zero:
-        for t in m.values():
-            t.zero_()
-    return m
-
-def hashes(m):
-    return {{k: _core.hash_buffers([v.reshape(-1).view(torch.uint8).numpy()])[0].hex() for k, v in m.items()}}
-
 def change(m, n):
     if n == 2:
         m["small1"] += 1
@@ -699,6 +685,23 @@ def change(m, n):
     if n == 4:
         m["half"] *= 2
         m["small0"] -= 1
+"""
+
+# The model the group tests publish (several dtypes: one tensor larger than the tests' 64 KiB buckets, and
+# small ones packed together), and its tensors' hashes; test_stream_group_nodes uses it too.
+MODEL = """
+def weights(zero=False):
+    g = torch.Generator().manual_seed(0)
+    m = {"big": torch.randn(100_000, generator=g), "small0": torch.randn(100, generator=g),
+         "small1": torch.randint(0, 100, (50,), generator=g),
+         "half": torch.randn(3000, generator=g).to(torch.bfloat16), "flag": torch.zeros(7, dtype=torch.bool)}
+    if zero:
+        for t in m.values():
+            t.zero_()
+    return m
+
+def hashes(m):
+    return {k: _core.hash_buffers([v.reshape(-1).view(torch.uint8).numpy()])[0].hex() for k, v in m.items()}
 """
 
 CONSUMER = """
@@ -737,7 +740,7 @@ def group_store() -> Iterator[Any]:
 def rank(
     sock: Path, store: Any, n: int, code: str, timeout: float = 5.0, world: int = 3, mode: str = "double"
 ) -> subprocess.Popen[str]:
-    prelude = textwrap.dedent(RANK).format(port=store.port, rank=n, timeout=timeout, world=world)
+    prelude = textwrap.dedent(RANK).format(port=store.port, rank=n, timeout=timeout, world=world) + MODEL
     return child(prelude + f"rank = {n}\nmode = {mode!r}\n" + textwrap.dedent(code), sock)
 
 

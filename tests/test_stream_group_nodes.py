@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import start_agent, stop_agent
+from tests.test_stream import MODEL
 from tierstore import stream
 
 # A rank of a gloo process group of 2 spanning the nodes: rank 0 holds the TCP store, on its node's address.
@@ -31,19 +32,6 @@ from tierstore import _core, stream
 store = dist.TCPStore({host!r}, {port}, is_master={master}, timeout=datetime.timedelta(seconds=60))
 dist.init_process_group("gloo", store=store, rank={rank}, world_size=2, timeout=datetime.timedelta(seconds=60))
 group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
-
-def weights(zero=False):
-    g = torch.Generator().manual_seed(0)
-    m = {{"big": torch.randn(100_000, generator=g), "small0": torch.randn(100, generator=g),
-         "small1": torch.randint(0, 100, (50,), generator=g),
-         "half": torch.randn(3000, generator=g).to(torch.bfloat16), "flag": torch.zeros(7, dtype=torch.bool)}}
-    if zero:
-        for t in m.values():
-            t.zero_()
-    return m
-
-def hashes(m):
-    return {{k: _core.hash_buffers([v.reshape(-1).view(torch.uint8).numpy()])[0].hex() for k, v in m.items()}}
 """
 
 PUBLISHER = """
@@ -85,7 +73,7 @@ store.set("finished", "1")
 
 def rank_in(node: Any, sock: Path, n: int, code: str, port: int, host: str) -> subprocess.Popen[str]:
     """Rank `n` inside `node`, its agent's socket `sock`; gloo talks over the node's link."""
-    prelude = textwrap.dedent(RANK).format(host=host, port=port, master=n == 0, rank=n)
+    prelude = textwrap.dedent(RANK).format(host=host, port=port, master=n == 0, rank=n) + MODEL
     env = {
         **os.environ,
         "XDG_RUNTIME_DIR": str(sock.parent.parent),
