@@ -284,7 +284,11 @@ def notify_run(env: dict[str, str], n: int = 300) -> list[float]:
     return [got[v] - sent[v] for v in sent if v in got]
 
 
-def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, Any]:
+def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = False) -> dict[str, Any]:
+    """Same-node updates of a `total`-byte model (see the module's description). `lean`: for a model that
+    fills memory, only the first full version and the 3%-changed ones, synchronous: no asynchronous
+    publish (its staging buffer is another copy) and no further full update (each is another version in
+    shared memory while the consumer still maps the one before)."""
     from tierstore import stream
 
     counts = shapes(total)
@@ -329,7 +333,8 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
         time.sleep(max(0.2, 3 * (served["t"] - notified["t"])))
 
     one(TENSORS, "full")  # first version: everything
-    one(TENSORS, "full")  # the other copy takes everything once
+    if not lean:
+        one(TENSORS, "full")  # the other copy takes everything once
     steady_start = time.time()
     time.sleep(3.0)
     steady_end = time.time()
@@ -337,16 +342,18 @@ def update_run(total: int, env: dict[str, str], updates: int = 6) -> dict[str, A
     for _ in range(updates):
         one(3, "delta")
     upd_end = time.time()
-    res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
-    one(3, "async")  # the first asynchronous publish fills the staging buffer
-    res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
-    for _ in range(updates):
-        one(3, "async")
-    for _ in range(2):
-        one(TENSORS, "full")
+    if not lean:
+        res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
+        one(3, "async")  # the first asynchronous publish fills the staging buffer
+        res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
+        for _ in range(updates):
+            one(3, "async")
+        for _ in range(2):
+            one(TENSORS, "full")
     changed = 3 * counts[0] * 4
     res["memcpy_delta"] = memcpy_time(changed)
-    res["memcpy_full"] = memcpy_time(nbytes)
+    if not lean:
+        res["memcpy_full"] = memcpy_time(nbytes)
     res["changed_bytes"] = changed
     c.send({"cmd": "latencies", "start": steady_start, "end": steady_end})
     res["steady"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
@@ -608,6 +615,12 @@ def main() -> None:
     ap.add_argument(
         "--group", default="", help="only the process-group and in-place comparison, at these sizes"
     )
+    ap.add_argument(
+        "--large",
+        default="",
+        help="only a model that fills memory (e.g. 4GB), lean (see update_run), with the torch.save and h5py "
+        "baselines; its report goes to --out",
+    )
     args = ap.parse_args()
     if args.consumer:
         consumer_main(args)
@@ -618,6 +631,9 @@ def main() -> None:
     command = "python bench/bench_stream.py " + " ".join(sys.argv[1:])
     if args.group:
         group_main(args.group)
+        return
+    if args.large:
+        large_main(args, command)
         return
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         tmp = Path(d)
@@ -648,6 +664,61 @@ def main() -> None:
                 cross[size] = cross_node_run(total, tmp / f"x{total}", fulls=2 if total < 5e8 else 1)
                 print(f"{size} across nodes: {cross[size]}"[:300], flush=True)
     write_report(args, command, notify, results, cross, trainer)
+
+
+def large_main(args: argparse.Namespace, command: str) -> None:
+    """A model of `args.large` bytes, same node: the lean update run, then the baselines (one after the
+    other, so that at most the publisher's model, one version in shared memory and the consumer's two
+    copies are in memory at once)."""
+    total = parse_size(args.large)
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
+        tmp = Path(d)
+        with private_agent(tmp) as env:
+            r = update_run(total, env, lean=True)
+        base = baseline_run(total, tmp / "b", args.baseline_updates)
+        h5 = baseline_run(total, tmp / "h", args.baseline_updates, "h5py")
+    n = r["nbytes"]
+    delta, place, load = (statistics.median(r[k]) for k in ("delta", "place_delta", "load_delta"))
+    first = r["full"][0]
+    placed, copied = statistics.median(r["placed_delta"]), statistics.median(r["copied_delta"])
+    steady, during = r["steady"], r["during"]
+    lines = [
+        f"# Model streaming: a {args.large} model on one node",
+        "",
+        f"Command: `{command}`.",
+        "",
+        f"Machine: {os.cpu_count()} cores, Linux {platform.release()}; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (the machine is shared). The same publisher, consumer (`HotModel`, double-"
+        f"buffered, requests on one thread) and baselines as BENCHMARKS-stream.md, with a model of {TENSORS} "
+        f"float32 tensors, {human(n)} in all. Lean, so that it fits this machine's 24 GiB beside its "
+        "baselines: the first version (everything new, into empty copies), then "
+        f"{len(r['delta'])} updates with 3% of the bytes changed, all synchronous; the baselines run after, "
+        "one at a time.",
+        "",
+        "| | publish->served | place | notified->served | against |",
+        "| --- | --- | --- | --- | --- |",
+        f"| first version | {ms(first)} | {ms(r['place_full'][0])} | {ms(r['load_full'][0])} | |",
+        f"| 3% changed, p50 | {ms(delta)} | {ms(place)} | {ms(load)} | memcpy of the changed bytes "
+        f"{ms(r['memcpy_delta'])}: publish->served {delta / r['memcpy_delta']:.1f}x, notified->served "
+        f"{load / r['memcpy_delta']:.1f}x |",
+        f"| torch.save + poll 1 s + torch.load, p50 of {len(base)} | {ms(statistics.median(base))} | | | "
+        f"{statistics.median(base) / delta:.1f}x the 3% update, {statistics.median(base) / first:.1f}x the first "
+        "version |",
+        f"| h5py + poll 1 s + h5py read, p50 of {len(h5)} | {ms(statistics.median(h5))} | | | "
+        f"{statistics.median(h5) / delta:.1f}x the 3% update, {statistics.median(h5) / first:.1f}x the first "
+        "version |",
+        "",
+        f"A 3%-changed update: the publisher placed {human(placed)} ({placed / n:.1%} of the model), the consumer "
+        f"copied {human(copied)} ({copied / n:.1%}) before its swap.",
+        "",
+        f"Requests (a 256x256 matmul over a model tensor): steady p50 {pct(steady, 0.5) * 1e6:.0f} us, p99 "
+        f"{pct(steady, 0.99) * 1e6:.0f} us ({len(steady)} requests); during the updates p50 "
+        f"{pct(during, 0.5) * 1e6:.0f} us, p99 {pct(during, 0.99) * 1e6:.0f} us ({len(during)}): p99 "
+        f"{pct(during, 0.99) / pct(steady, 0.99):.2f}x steady; swap at most {max(r['swap']) * 1e6:.1f} us.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).write_text(text)
 
 
 def group_main(sizes: str) -> None:
