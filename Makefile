@@ -57,7 +57,9 @@ bench: setup
 	$(PY) bench/bench_order.py --out BENCHMARKS-order.md --plot bench/order.png
 	$(PY) bench/bench_order.py --step-ms 80 --out BENCHMARKS-order-step80.md
 	$(PY) bench/bench_stream.py --out BENCHMARKS-stream.md --plot bench/stream.png
-	$(PY) bench/bench_writeback.py --out BENCHMARKS-writeback.md --plot bench/writeback.png
+	$(PY) bench/bench_stream.py --large 4GB --out BENCHMARKS-stream-4gb.md
+	$(PY) bench/bench_writeback.py --no-dcp --out BENCHMARKS-writeback.md --plot bench/writeback.png
+	$(PY) bench/bench_writeback.py --dcp-only --repeats 3 --out BENCHMARKS-writeback-dcp.md
 	$(PY) bench/bench_schedule.py --out BENCHMARKS-schedule.md --plot bench/schedule.png
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out BENCHMARKS-cluster.md --plot bench/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
