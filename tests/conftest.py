@@ -116,14 +116,16 @@ def store_stats(mount: Path) -> dict[str, int]:
 
 
 @pytest.fixture
-def sock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def sock(tmp_path: Path) -> Iterator[Path]:
     """A private node agent (it keeps 2 versions per stream); its socket is every client's default (the agent's
-    socket is $XDG_RUNTIME_DIR/tierstore/agent.sock)."""
+    socket is $XDG_RUNTIME_DIR/tierstore/agent.sock). The variable is set through a MonkeyPatch of the
+    fixture's own, so that a test undoing its `monkeypatch` does not fall back to the default agent."""
     path = tmp_path / "run" / "tierstore" / "agent.sock"
     path.parent.mkdir(parents=True)
     proc = start_agent(path)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
-    yield path
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
+        yield path
     stop_agent(proc)
 
 
