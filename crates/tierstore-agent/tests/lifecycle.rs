@@ -210,12 +210,16 @@ fn agents_see_each_other_and_a_killed_peer_is_marked_down_within_two_seconds() {
 
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agents[1].id() as i32, libc::SIGKILL) };
+    let killed = Instant::now();
     agents[1].wait().unwrap();
     let b = format!("127.0.0.1:{}", ports[1]);
     let b_down = |m: Vec<serde_json::Value>| m.iter().any(|p| p["address"] == b.as_str() && p["up"] == false);
     let took = wait_until("a marking b down", Duration::from_secs(2), || b_down(members_seen_by(dir.path(), "a")));
     eprintln!("a saw b down after {took:?}");
-    assert!(b_down(members_seen_by(dir.path(), "c")));
+    // c pings on its own clock: it may notice a moment after a, but within the same two seconds of the kill.
+    let left = Duration::from_secs(2).saturating_sub(killed.elapsed());
+    wait_until("c marking b down", left, || b_down(members_seen_by(dir.path(), "c")));
+    eprintln!("c saw b down after {:?}", killed.elapsed());
     let c_seen = members_seen_by(dir.path(), "a");
     assert!(c_seen.iter().any(|p| p["node"] == "c" && p["up"] == true), "a live peer was marked down: {c_seen:?}");
 
