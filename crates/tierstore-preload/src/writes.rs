@@ -281,10 +281,7 @@ pub unsafe fn fopen(path: *const c_char, mode: *const c_char) -> Option<*mut FIL
     }
     let f = libc::fdopen(fd, mode);
     if f.is_null() {
-        let mut open = OPEN.lock();
-        open.retain(|o| o.fd != Some(fd));
-        OPEN_COUNT.store(open.len(), Ordering::Relaxed);
-        drop(open);
+        forget(fd); // no mapping yet: the entry goes, and nothing is journaled
         libc::close(fd);
     }
     Some(f)
@@ -446,14 +443,17 @@ pub unsafe extern "C" fn munmap(addr: *mut libc::c_void, len: libc::size_t) -> c
     let (start, end) = (addr as usize, (addr as usize).saturating_add(len));
     let complete: Vec<Open> = {
         let mut open = OPEN.lock();
-        let mut mapped = 0;
+        let mut touched = false;
         for o in open.iter_mut() {
             if o.maps.iter().any(|&(s, e)| s < end && start < e) {
                 unmap_range(&mut o.maps, start, end);
+                touched = true;
             }
-            mapped += o.maps.len();
         }
-        MAPPED_COUNT.store(mapped, Ordering::Relaxed);
+        if !touched {
+            return rc; // memory of the program's own (malloc's): no staged file's mapping
+        }
+        MAPPED_COUNT.store(open.iter().map(|o| o.maps.len()).sum(), Ordering::Relaxed);
         let (done, kept): (Vec<Open>, Vec<Open>) =
             std::mem::take(&mut *open).into_iter().partition(|o| o.fd.is_none() && o.maps.is_empty());
         *open = kept;
