@@ -284,6 +284,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         writeback.reload()
         pid, _ = agent.start(agent.default_socket(), env=dict(os.environ), idle_exit=600)
         try:
+
+            def synced() -> None:
+                tierstore.sync(timeout=600)
+
             # The device: the checkpoint's files written and fsynced on the stage's disk (again before every
             # round below: this VM's disk varies from minute to minute).
             def device() -> None:
@@ -318,7 +322,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             shutil.rmtree(mount / "direct", ignore_errors=True)
                             os.sync()
                         else:
-                            synced = lambda: tierstore.sync(timeout=600)  # noqa: E731
                             rows[name].append(
                                 job(dest / f"r{ratio}", spec, files, compute, write_staged, synced)
                             )
@@ -333,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 run_dcp(args, root, mount, dest, results)
             # Byte-exact on the store: one more checkpoint, synced and compared.
             job(dest / "check", Spec(steps=1, shards=spec.shards, shard_size=spec.shard_size), files, 0, write_staged,
-                lambda: tierstore.sync(timeout=600))  # fmt: skip
+                synced)  # fmt: skip
             for name, data in files:
                 assert (backing / "ckpt" / "check" / "step000" / name).read_bytes() == data, name
         finally:
