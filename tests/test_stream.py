@@ -191,6 +191,95 @@ def test_async_publish_snapshots_before_returning(sock: Path) -> None:
         sub.wait(timeout=0.2, after=1)
 
 
+def blake3(a: Any) -> str:
+    return _core.hash_buffers([np.ascontiguousarray(a).reshape(-1).view(np.uint8)])[0].hex()
+
+
+def test_a_changed_hint_compares_the_other_tensors_at_their_head_only_and_reports_a_wrong_one(
+    sock: Path,
+) -> None:
+    # t2 is 160,000 bytes: past its first 64 KiB, a tensor said unchanged is not read.
+    m = model(1.0, sizes=(1000, 30, 40000))
+    pub = stream.Publisher("m")
+    v1 = pub.publish(m)
+    assert isinstance(v1, stream.StreamVersion)
+    old = {t.name: t.hash for t in v1.tensors}
+    m["t0"][:] = 2.0
+    m["t2"][30000] = 7.0  # past the head of a tensor the hint leaves out
+    v2 = pub.publish(m, changed=["t0"])
+    assert isinstance(v2, stream.StreamVersion)
+    got = {t.name: t.hash for t in v2.tensors}
+    assert got["t0"] == blake3(m["t0"]) != old["t0"]
+    assert got["t2"] == old["t2"], "a tensor said unchanged was read past its head"
+    assert v2.new_bytes == 4000 and pub.hint_misses == []
+    # A wrong hint whose heads differ is caught: the tensors are published and named.
+    m["t1"][:] = 3.0
+    m["t2"][0] = 8.0
+    with pytest.warns(RuntimeWarning, match=r"left out 2 tensor\(s\) whose bytes changed \('t1', 't2'\)"):
+        v3 = pub.publish(m, changed=["t0"])
+    assert isinstance(v3, stream.StreamVersion)
+    assert {t.name: t.hash for t in v3.tensors} == {k: blake3(a) for k, a in m.items()}
+    assert len(pub.hint_misses) == 1
+    # Another publisher's version came between: the hint is relative to a version the agent no longer has
+    # as its latest, and every tensor is compared whole.
+    other = stream.Publisher("m")
+    m2 = {k: a.copy() for k, a in m.items()}
+    m2["t2"][30000] = 1.0
+    other.publish(m2)
+    other.close()
+    v5 = pub.publish(m, changed=[])
+    assert isinstance(v5, stream.StreamVersion)
+    assert {t.name: t.hash for t in v5.tensors} == {k: blake3(a) for k, a in m.items()}
+    # Bad hints are refused before anything is placed.
+    with pytest.raises(ValueError, match=r"for one tensor, \['t0'\]"):
+        pub.publish(m, changed="t0")
+    with pytest.raises(ValueError, match=r"names 'nope' and 1 more, not a tensor of the model"):
+        pub.publish(m, changed=["t0", "nope", "nope2"])
+    with pytest.raises(TypeError, match=r"needs the nn\.Module"):
+        pub.publish(m, changed="trainable")
+    pub.close()
+    assert info("m")["latest"] == 5
+
+
+def test_a_changed_hint_spares_an_async_snapshot_the_copy_of_the_tensors_left_out(sock: Path) -> None:
+    m = model(1.0, sizes=(1000, 40000))
+    pub = stream.Publisher("m")
+    first = pub.publish(m, sync=False)
+    assert isinstance(first, Future)
+    old = {t.name: t.hash for t in first.result(timeout=20).tensors}
+    m["t0"][:] = 2.0
+    m["t1"][30000] = 7.0  # past the head: not copied into the staging buffer
+    v2 = pub.publish(m, sync=False, changed=["t0"]).result(timeout=20)  # type: ignore[union-attr]
+    assert {t.name: t.hash for t in v2.tensors} == {"t0": blake3(m["t0"]), "t1": old["t1"]}
+    m["t1"][0] = 9.0
+    with pytest.warns(RuntimeWarning, match="'t1'"):
+        fut = pub.publish(m, sync=False, changed=["t0"])
+    v3 = fut.result(timeout=20)  # type: ignore[union-attr]
+    assert {t.name: t.hash for t in v3.tensors} == {k: blake3(a) for k, a in m.items()}
+    pub.close()
+
+
+def test_changed_trainable_takes_frozen_parameters_as_unchanged(sock: Path) -> None:
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential(torch.nn.Linear(200, 200), torch.nn.Linear(200, 4))
+    for p in net[0].parameters():
+        p.requires_grad_(False)  # a frozen base, trained through the head only (as a LoRA's adapters)
+    pub = stream.Publisher("m")
+    v1 = pub.publish(net)
+    assert isinstance(v1, stream.StreamVersion)
+    old = {t.name: t.hash for t in v1.tensors}
+    with torch.no_grad():
+        net[1].weight.add_(1.0)
+        net[0].weight.view(-1)[30000] += 1.0  # a frozen tensor changed past its head: trusted unchanged
+    v2 = pub.publish(net, changed="trainable")
+    assert isinstance(v2, stream.StreamVersion)
+    got = {t.name: t.hash for t in v2.tensors}
+    assert got["1.weight"] == blake3(net[1].weight.detach().numpy()) != old["1.weight"]
+    assert got["0.weight"] == old["0.weight"] and got["0.bias"] == old["0.bias"]
+    assert v2.new_bytes == net[1].weight.numel() * 4
+    pub.close()
+
+
 def test_a_publisher_killed_mid_publish_leaves_no_version(sock: Path) -> None:
     with stream.Subscriber("big") as sub:
         seen: list[int] = []

@@ -36,6 +36,7 @@ import socket as so
 import struct
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -267,6 +268,37 @@ def _version_of(event: Mapping[str, Any]) -> StreamVersion:
     )
 
 
+def _said_unchanged(model_or_state_dict: Any, names: list[str], changed: Any) -> set[str]:
+    """The tensors `publish(changed=...)` says are unchanged since the publish before: none for None; those
+    not named for a list of names; the frozen parameters (`requires_grad=False`) for "trainable"."""
+    if changed is None:
+        return set()
+    if isinstance(changed, str):
+        if changed != "trainable":
+            raise ValueError(
+                f"publish(changed={changed!r}): pass a list of tensor names (for one tensor, [{changed!r}]) "
+                'or "trainable" (every tensor but the frozen parameters)'
+            )
+        if not hasattr(model_or_state_dict, "named_parameters"):
+            raise TypeError(
+                'publish(changed="trainable") needs the nn.Module (it reads requires_grad); with a state_dict, '
+                "pass the names of the tensors that may have changed"
+            )
+        frozen = {
+            n for n, p in model_or_state_dict.named_parameters(remove_duplicate=False) if not p.requires_grad
+        }
+        return {n for n in names if n in frozen}
+    named = {str(n) for n in changed}
+    unknown = sorted(named.difference(names))
+    if unknown:
+        raise ValueError(
+            f"publish(changed=...) names {unknown[0]!r}"
+            + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
+            + f", not a tensor of the model (its names are like {names[:3]}); name the state_dict's keys"
+        )
+    return set(names).difference(named)
+
+
 def _flatten(model_or_state_dict: Any) -> tuple[list[str], list[TensorSpec], list[np.ndarray]]:
     state = (
         model_or_state_dict.state_dict()
@@ -336,6 +368,13 @@ class Publisher:
         self._staged_version: int | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[StreamVersion] | None = None
+        # The version the last publish call placed (None while one is under way, or if it failed): what a
+        # `changed=` hint is relative to. And whether that call was a snapshot into the staging buffer.
+        self._hint_version: int | None = None
+        self._last_call_staged = False
+        # Tensors a `changed=` hint said unchanged whose first bytes differed (they were published all the
+        # same), each as a message.
+        self.hint_misses: list[str] = []
         # When the last commit was sent (time.time()): where publish-to-notified is measured from.
         self.last_commit_sent: float | None = None
 
@@ -346,6 +385,7 @@ class Publisher:
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         sync: bool = True,
+        changed: Any = None,
     ) -> StreamVersion | Future[StreamVersion]:
         """Publishes the tensors as the stream's next version.
 
@@ -356,17 +396,28 @@ class Publisher:
             sync: True: returns the version once it is placed and announced. False: returns a Future as
                 soon as the tensors are copied into a staging buffer (reused from one publish to the
                 next); training may change them at once. A publish waits for the one before to finish.
+            changed: which tensors may differ from this publisher's publish before: None (any: every
+                tensor is compared whole with the version before, which reads the whole model), a list
+                of names, or "trainable" (every tensor but the parameters with `requires_grad=False`,
+                say a LoRA's frozen base). Of the others only the first 64 KiB are compared: a tensor
+                said unchanged whose head differs is published all the same and reported
+                (`hint_misses`, a warning); one changed past its head is not seen, and the version
+                keeps its old bytes. The hint is ignored when the publish before failed or another
+                publisher's version came between.
 
         Raises:
             StreamError: the agent refused the version (the message says why) or cannot be reached.
             TimeoutError: the agent did not answer within the deadline.
+            ValueError, TypeError: `changed` names no tensor of the model, or is not one of the above.
         """
         names, specs, views = _flatten(model_or_state_dict)
+        said = _said_unchanged(model_or_state_dict, names, changed)
         meta = dict(metadata or {})
-        if sync:
-            self._wait_pending()
-            return self._place(names, specs, views, step, meta)
         self._wait_pending()
+        since, self._hint_version = self._hint_version, None
+        staged_before, self._last_call_staged = self._last_call_staged, not sync
+        if sync:
+            return self._place(names, specs, views, step, meta, said=said, said_since=since)
         same_layout = self._staging_names == names and all(
             s.nbytes == v.nbytes for s, v in zip(self._staging, views, strict=True)
         )
@@ -375,9 +426,13 @@ class Publisher:
             self._staging_names = names
             self._staged_version = None
         # The snapshot compares as it copies: a tensor equal to the snapshot before, which was placed as
-        # the version the agent still has as its latest, keeps its hash without being compared again.
-        changed = _core.stream_copy(views, self._staging)
-        unchanged = {n for n, c in zip(names, changed, strict=True) if not c} if same_layout else set()
+        # the version the agent still has as its latest, keeps its hash without being compared again. A
+        # tensor said unchanged is compared at its head only, if the snapshot before was the publish before.
+        heads_only = [n in said for n in names] if said and same_layout and staged_before else None
+        copied = _core.stream_copy(views, self._staging, heads_only)
+        if heads_only is not None:
+            self._note_misses([n for n, c, h in zip(names, copied, heads_only, strict=True) if c and h])
+        unchanged = {n for n, c in zip(names, copied, strict=True) if not c} if same_layout else set()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-publish-{self.name}")
         # Until this snapshot is placed, the staging buffer holds no placed version.
@@ -403,7 +458,12 @@ class Publisher:
         unchanged: set[str] | None = None,
         unchanged_since: int | None = None,
         threads: int | None = None,
+        said: set[str] | None = None,
+        said_since: int | None = None,
     ) -> StreamVersion:
+        """Places a version and commits it. `unchanged`: tensors known equal to version `unchanged_since`
+        (not compared); `said`: tensors said unchanged since version `said_since` (compared at their
+        head). Each holds only if that version is the agent's latest."""
         with self._lock:
             begun = self._conn.call({"op": "begin", "name": self.name})
             tmp, blobs = Path(begun["dir"]), Path(begun["blobs"])
@@ -428,7 +488,14 @@ class Publisher:
                 bases.append(
                     (blobs / b[0], bytes.fromhex(b[0])) if b is not None and b[1] == nbytes else None
                 )
-            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp, threads)
+            heads_only = None
+            if said and begun.get("base") and said_since == int(begun["base"]["version"]):
+                heads_only = [names[i] in said and b is not None for i, b in zip(todo, bases, strict=True)]
+            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp, threads, heads_only)
+            if heads_only is not None:
+                self._note_misses(
+                    [names[i] for i, h, (_, w) in zip(todo, heads_only, placed_todo, strict=True) if h and w]
+                )
             placed_at = dict(zip(todo, placed_todo, strict=True))
             placed = [placed_at[i] if i in placed_at else (known[i], False) for i in range(len(names))]
             tensors = [
@@ -445,6 +512,7 @@ class Publisher:
             reply = self._conn.call({"op": "commit", "publish": begun["publish"]})
             version = int(reply["version"])
             self._last = (version, {t.name: (t.hash, t.nbytes) for t in tensors})
+            self._hint_version = version
             if views is self._staging:
                 self._staged_version = version
             published = StreamVersion(
@@ -462,6 +530,18 @@ class Publisher:
                 # Mapped now, while the agent surely keeps the version: the mapping outlives its files.
                 self._flush_later(published, _mapped_state(published))
             return published
+
+    def _note_misses(self, names: list[str]) -> None:
+        """Reports tensors a `changed=` hint said unchanged whose first bytes differed."""
+        if not names:
+            return
+        msg = (
+            f"{self.name}: publish(changed=...) left out {len(names)} tensor(s) whose bytes changed "
+            f"({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''}); they were published, "
+            "but a change past a tensor's first 64 KiB is not seen: name every tensor that may change"
+        )
+        self.hint_misses.append(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def _flush_later(self, version: StreamVersion, state: dict[str, Any]) -> None:
         with self._flush_cond:
@@ -527,6 +607,7 @@ def publish(
     step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     sync: bool = True,
+    changed: Any = None,
     socket: str | os.PathLike[str] | None = None,
     history: Any = None,
     history_every: int = 1,
@@ -543,7 +624,7 @@ def publish(
             p = _publishers[key] = Publisher(
                 name, socket=socket, history=history, history_every=history_every
             )
-    return p.publish(model_or_state_dict, step=step, metadata=metadata, sync=sync)
+    return p.publish(model_or_state_dict, step=step, metadata=metadata, sync=sync, changed=changed)
 
 
 def _at_shutdown(fn: Callable[[], None]) -> None:
@@ -643,10 +724,12 @@ class DistributedPublisher(Publisher):
         step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         sync: bool = True,
+        changed: Any = None,
     ) -> StreamVersion:
         """Publishes the tensors as the stream's next version and sends what changed to the group.
 
-        Synchronous only: the collective reads the model's own tensors (on their device).
+        Synchronous only: the collective reads the model's own tensors (on their device). `changed` as
+        `Publisher.publish`.
 
         Raises:
             ValueError: `sync=False` (use a `Publisher` for that).
@@ -666,6 +749,10 @@ class DistributedPublisher(Publisher):
             if hasattr(model_or_state_dict, "state_dict")
             else model_or_state_dict
         )
+        if changed is not None:
+            # Resolved against the module ("trainable" reads requires_grad): the rest sees a state_dict.
+            said = _said_unchanged(model_or_state_dict, [str(k) for k in state], changed)
+            changed = [str(k) for k in state if str(k) not in said]
         # Checked before the version is announced: every tensor can be sent as it is.
         byte_views = (
             {str(k): _group.byte_view(t) for k, t in state.items()} if self.group_error is None else {}
@@ -674,7 +761,7 @@ class DistributedPublisher(Publisher):
         sending = self.group_error is None
         if sending:
             meta[_group.META_KEY] = {"session": self.session, "base": self._sent[0], "src": self.src}
-        v = super().publish(state, step=step, metadata=meta, sync=True)
+        v = super().publish(state, step=step, metadata=meta, sync=True, changed=changed)
         assert isinstance(v, StreamVersion)
         if not sending:
             return v

@@ -6,6 +6,10 @@
 //! same tensor of the version before (a memcmp, several times faster than hashing), hashes only those that
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
+//!
+//! Comparing is still reading the whole model. A publisher told which tensors may have changed
+//! (`publish(changed=…)`, say a LoRA's adapters over a frozen base) compares only the first bytes of the
+//! others ([`Check::Head`]): a guard against a wrong hint, not a proof.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -36,19 +40,51 @@ pub struct Placed {
     pub written: bool,
 }
 
+/// How much of a tensor is compared with its version before to tell whether it changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Check {
+    /// Every byte: it may have changed anywhere.
+    #[default]
+    Whole,
+    /// The first [`HEAD`] bytes: the publisher was told it did not change. A head that differs shows the
+    /// hint wrong, and the tensor is then taken as changed; a change past the head goes unseen.
+    Head,
+}
+
+/// The check of tensor `i`: `checks` is empty (every tensor compared whole) or has one per tensor.
+fn check_of(checks: &[Check], i: usize) -> Check {
+    checks.get(i).copied().unwrap_or_default()
+}
+
+fn one_check_per_tensor(checks: &[Check], n: usize) -> io::Result<()> {
+    if checks.is_empty() || checks.len() == n {
+        Ok(())
+    } else {
+        Err(io::Error::new(io::ErrorKind::InvalidInput, "one check per tensor (or none)"))
+    }
+}
+
 /// Places tensors for a new version: `bases[i]` is the file and hash of tensor `i` in the version before
-/// (if it had one of the same size); a tensor equal to it keeps that hash, any other is hashed and written
-/// to `dir/<hex hash>` (created new; a file already there with that name holds the same bytes).
-pub fn place(tensors: &[&[u8]], bases: &[Option<(PathBuf, Hash)>], dir: &Path) -> io::Result<Vec<Placed>> {
+/// (if it had one of the same size); a tensor equal to it (by `checks[i]`) keeps that hash, any other is
+/// hashed and written to `dir/<hex hash>` (created new; a file already there with that name holds the same
+/// bytes).
+pub fn place(
+    tensors: &[&[u8]],
+    bases: &[Option<(PathBuf, Hash)>],
+    checks: &[Check],
+    dir: &Path,
+) -> io::Result<Vec<Placed>> {
     if tensors.len() != bases.len() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "one base (or none) per tensor"));
     }
+    one_check_per_tensor(checks, tensors.len())?;
     tensors
         .par_iter()
         .zip(bases.par_iter())
-        .map(|(bytes, base)| {
+        .enumerate()
+        .map(|(i, (bytes, base))| {
             if let Some((path, h)) = base {
-                if same_bytes(path, bytes)? {
+                if same_bytes(path, bytes, check_of(checks, i))? {
                     return Ok(Placed { hash: *h, written: false });
                 }
             }
@@ -65,6 +101,7 @@ pub fn place_on(
     threads: usize,
     tensors: &[&[u8]],
     bases: &[Option<(PathBuf, Hash)>],
+    checks: &[Check],
     dir: &Path,
 ) -> io::Result<Vec<Placed>> {
     let pool = rayon::ThreadPoolBuilder::new()
@@ -72,11 +109,12 @@ pub fn place_on(
         .thread_name(|i| format!("tierstore-place-{i}"))
         .build()
         .map_err(io::Error::other)?;
-    pool.install(|| place(tensors, bases, dir))
+    pool.install(|| place(tensors, bases, checks, dir))
 }
 
-/// Whether the file at `path` holds exactly `bytes` (a missing file holds nothing).
-fn same_bytes(path: &Path, bytes: &[u8]) -> io::Result<bool> {
+/// Whether the file at `path` holds exactly `bytes` (a missing file holds nothing), or with
+/// [`Check::Head`], the same length and first bytes.
+fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
     let f = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
@@ -96,7 +134,7 @@ fn same_bytes(path: &Path, bytes: &[u8]) -> io::Result<bool> {
     if head[..] != bytes[..head_len] {
         return Ok(false);
     }
-    if head_len == bytes.len() {
+    if head_len == bytes.len() || check == Check::Head {
         return Ok(true);
     }
     // SAFETY: the agent never changes a placed file (it is only ever unlinked, which keeps the mapping's
@@ -143,15 +181,21 @@ pub fn read_into(paths: &[PathBuf], dests: &mut [&mut [u8]]) -> io::Result<()> {
 }
 
 /// Copies each source into the destination of the same index, in parallel (a publisher's snapshot into its
-/// staging buffer); returns, per pair, whether any byte differed before the copy.
-pub fn copy_changed(sources: &[&[u8]], dests: &mut [&mut [u8]]) -> io::Result<Vec<bool>> {
+/// staging buffer); returns, per pair, whether any byte differed before the copy. A pair whose check is
+/// [`Check::Head`] and whose first bytes are equal is taken as equal and not copied.
+pub fn copy_changed(sources: &[&[u8]], dests: &mut [&mut [u8]], checks: &[Check]) -> io::Result<Vec<bool>> {
     if sources.len() != dests.len() || sources.iter().zip(dests.iter()).any(|(s, d)| s.len() != d.len()) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "one destination of the same size per source"));
     }
+    one_check_per_tensor(checks, sources.len())?;
     let jobs: Vec<(usize, &[u8], &mut [u8])> = sources
         .iter()
         .zip(dests.iter_mut())
         .enumerate()
+        .filter(|(i, (s, d))| {
+            let head = s.len().min(HEAD);
+            check_of(checks, *i) == Check::Whole || s[..head] != d[..head]
+        })
         .flat_map(|(i, (s, d))| s.chunks(PIECE).zip(d.chunks_mut(PIECE)).map(move |(s, d)| (i, s, d)))
         .collect();
     let changed: Vec<usize> = jobs
@@ -181,20 +225,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![1u8; 3 * PIECE + 5];
         let b = vec![2u8; 100];
-        let first = place(&[&a, &b], &[None, None], dir.path()).unwrap();
+        let first = place(&[&a, &b], &[None, None], &[], dir.path()).unwrap();
         assert!(first.iter().all(|p| p.written));
         assert_eq!(first[0].hash, pack::hash(&a));
         let base = |i: usize| Some((dir.path().join(hex(&first[i].hash)), first[i].hash));
         let mut b2 = b.clone();
         b2[7] = 9;
-        let second = place(&[&a, &b2], &[base(0), base(1)], dir.path()).unwrap();
+        let second = place(&[&a, &b2], &[base(0), base(1)], &[], dir.path()).unwrap();
         assert_eq!(second[0], Placed { hash: first[0].hash, written: false });
         assert!(second[1].written && second[1].hash == pack::hash(&b2));
         // A change past the first bytes read, and one in them, are both seen.
         for at in [HEAD + PIECE + 1, 3] {
             let mut a2 = a.clone();
             a2[at] = 7;
-            let p = place(&[&a2], &[base(0)], dir.path()).unwrap();
+            let p = place(&[&a2], &[base(0)], &[], dir.path()).unwrap();
             assert!(p[0].written && p[0].hash == pack::hash(&a2), "a change at byte {at} was missed");
         }
         let mut ra = vec![0u8; a.len()];
@@ -213,8 +257,33 @@ mod tests {
         let mut d0 = vec![1u8; PIECE + 3];
         d0[PIECE + 1] = 0;
         let mut d1 = [4u8; 8];
-        let changed = copy_changed(&[&src[0], &src[1]], &mut [&mut d0[..], &mut d1[..]]).unwrap();
+        let changed = copy_changed(&[&src[0], &src[1]], &mut [&mut d0[..], &mut d1[..]], &[]).unwrap();
         assert_eq!(changed, vec![true, false]);
         assert_eq!(d0, src[0]);
+    }
+
+    #[test]
+    fn a_tensor_said_unchanged_is_compared_at_its_head_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = vec![1u8; HEAD + PIECE];
+        let first = place(&[&a], &[None], &[], dir.path()).unwrap();
+        let base = Some((dir.path().join(hex(&first[0].hash)), first[0].hash));
+        let mut tail = a.clone();
+        tail[HEAD + 1] = 2;
+        let mut head = a.clone();
+        head[1] = 2;
+        // The hint is trusted past the head: a change there keeps the base's hash (the documented cost of
+        // a wrong hint)...
+        let p = place(&[&tail], &[base.clone()], &[Check::Head], dir.path()).unwrap();
+        assert_eq!(p[0], Placed { hash: first[0].hash, written: false });
+        // ...and a change in the head is seen, hint or not.
+        let p = place(&[&head], &[base], &[Check::Head], dir.path()).unwrap();
+        assert!(p[0].written && p[0].hash == pack::hash(&head));
+        let mut staged = a.clone();
+        let changed = copy_changed(&[&tail], &mut [&mut staged[..]], &[Check::Head]).unwrap();
+        assert_eq!((changed, staged == a), (vec![false], true), "a tail change past a head check is not copied");
+        let changed = copy_changed(&[&head], &mut [&mut staged[..]], &[Check::Head]).unwrap();
+        assert_eq!((changed, staged == head), (vec![true], true));
+        assert!(place(&[&a], &[None], &[Check::Head, Check::Head], dir.path()).is_err());
     }
 }

@@ -12,18 +12,30 @@ use tierstore_core::stream;
 use crate::error::io_to_py;
 use crate::pack::View;
 
+/// `heads_only[i]`: tensor `i` was said unchanged, and only its first bytes are compared (None: every
+/// tensor compared whole).
+fn checks(heads_only: Option<Vec<bool>>) -> Vec<stream::Check> {
+    heads_only
+        .unwrap_or_default()
+        .into_iter()
+        .map(|h| if h { stream::Check::Head } else { stream::Check::Whole })
+        .collect()
+}
+
 /// Places tensors into the directory of a publish: `bases[i]` is `(file, hash)` of tensor `i` in the
 /// version before, or None. Returns `(hash, written)` per tensor. `threads`: at most this many threads
-/// (None: every core).
+/// (None: every core). `heads_only`: see [`checks`].
 #[pyfunction]
-#[pyo3(signature = (buffers, bases, dir, threads=None))]
+#[pyo3(signature = (buffers, bases, dir, threads=None, heads_only=None))]
 pub fn stream_place<'py>(
     py: Python<'py>,
     buffers: Vec<Bound<'py, PyAny>>,
     bases: Vec<Option<(PathBuf, Vec<u8>)>>,
     dir: PathBuf,
     threads: Option<usize>,
+    heads_only: Option<Vec<bool>>,
 ) -> PyResult<Vec<(Bound<'py, PyBytes>, bool)>> {
+    let checks = checks(heads_only);
     let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
     let bases = bases
         .into_iter()
@@ -37,8 +49,8 @@ pub fn stream_place<'py>(
             // SAFETY: the views hold their buffers exported for this call.
             let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
             match threads {
-                Some(n) => stream::place_on(n, &slices, &bases, &dir),
-                None => stream::place(&slices, &bases, &dir),
+                Some(n) => stream::place_on(n, &slices, &bases, &checks, &dir),
+                None => stream::place(&slices, &bases, &checks, &dir),
             }
         })
         .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;
@@ -58,20 +70,23 @@ pub fn stream_read(py: Python<'_>, paths: Vec<PathBuf>, buffers: Vec<Bound<'_, P
 }
 
 /// Copies each source buffer into the writable buffer of the same index, in parallel; returns whether
-/// each differed before.
+/// each differed before. `heads_only`: see [`checks`].
 #[pyfunction]
+#[pyo3(signature = (sources, dests, heads_only=None))]
 pub fn stream_copy(
     py: Python<'_>,
     sources: Vec<Bound<'_, PyAny>>,
     dests: Vec<Bound<'_, PyAny>>,
+    heads_only: Option<Vec<bool>>,
 ) -> PyResult<Vec<bool>> {
+    let checks = checks(heads_only);
     let src = sources.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
     let dst = dests.iter().map(|b| View::of(b, true)).collect::<PyResult<Vec<_>>>()?;
     py.allow_threads(|| {
         // SAFETY: the views hold their buffers exported for this call; destinations are distinct.
         let s: Vec<&[u8]> = src.iter().map(|v| unsafe { v.bytes() }).collect();
         let mut d: Vec<&mut [u8]> = dst.iter().map(|v| unsafe { v.bytes_mut() }).collect();
-        stream::copy_changed(&s, &mut d)
+        stream::copy_changed(&s, &mut d, &checks)
     })
     .map_err(|e| io_to_py(e, None))
 }
