@@ -8,7 +8,10 @@ Measured:
               callback (a 4 KiB model, 300 versions, 5 ms apart).
   update      same node, 3% of the bytes changed (3 of 100 tensors) and 100% changed: from `publish()` to the
               consumer serving the version (its swap), with the parts: placing (publisher), notified->served
-              (consumer load + swap). Against a memcpy of the changed bytes, measured in this run.
+              (consumer load + swap). Against a memcpy of the changed bytes, measured in this run. The
+              3% update again with `publish(changed=[the 3 names])`: the other 97 tensors are compared at
+              their head only. And the floor this machine sets: writing the changed bytes into new files
+              in /dev/shm (pages touched for the first time, as every new version's are) plus a memcpy.
   bytes       of a 3%-changed update: the bytes the publisher placed and the bytes the consumer copied before
               its swap, as a share of the model.
   baseline    torch.save to the stand-in store (`tierstore.slowfs`, its defaults: 1 ms per metadata operation,
@@ -263,6 +266,29 @@ def memcpy_time(nbytes: int, reps: int = 5) -> float:
     return statistics.median(best)
 
 
+def shm_floor_times(nbytes: int, reps: int = 5) -> tuple[float, float]:
+    """The two steps of an update through shared memory, alone: writing `nbytes` into a new file in
+    /dev/shm (a new version's pages are new: the one before is still served), and reading the file into a
+    buffer the process has written before (the consumer's idle copy), as the consumer reads. Medians."""
+    from tierstore import _core
+
+    src = np.random.default_rng(2).random(nbytes // 8)
+    dst = np.zeros_like(src)
+    writes, reads = [], []
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-stream-floor-") as d:
+        for i in range(reps):
+            path = Path(d) / str(i)
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(memoryview(src).cast("B"))
+            t1 = time.perf_counter()
+            _core.stream_read([path], [dst.view(np.uint8)])
+            reads.append(time.perf_counter() - t1)
+            writes.append(t1 - t0)
+            path.unlink()
+    return statistics.median(writes), statistics.median(reads)
+
+
 def notify_run(env: dict[str, str], n: int = 300) -> list[float]:
     from tierstore import stream
 
@@ -298,6 +324,7 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     c = Consumer(["--consumer", "--name", "m", "--shapes", ",".join(map(str, counts)), "--requests"], env)
     pub = stream.Publisher("m")
     res: dict[str, Any] = {"nbytes": nbytes, "full": [], "delta": [], "place_full": [], "place_delta": []}
+    res |= {"hinted": [], "place_hinted": [], "load_hinted": [], "placed_hinted": [], "copied_hinted": []}
     res["load_delta"], res["load_full"], res["placed_delta"], res["copied_delta"], res["swap"] = (
         [],
         [],
@@ -307,8 +334,8 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     )
 
     def one(changed: int, key: str) -> None:
-        for i in range(changed):
-            k = f"t{(i + 7 * len(res[key])) % TENSORS:03d}"
+        names = [f"t{(i + 7 * len(res[key])) % TENSORS:03d}" for i in range(changed)]
+        for k in names:
             model[k] += 1.0
         before = next((e["copied"] for e in reversed(c.events) if e["event"] == "served"), 0)
         t0 = time.time()
@@ -316,6 +343,8 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
             fut = pub.publish(model, sync=False)
             res["async_block"].append(time.time() - t0)
             v = fut.result(timeout=300)  # type: ignore[union-attr]
+        elif key == "hinted":
+            v = pub.publish(model, changed=names)
         else:
             v = pub.publish(model)
         t1 = time.time()
@@ -326,9 +355,9 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
         res["place_" + key].append(t1 - t0)
         res["load_" + key].append(served["t"] - notified["t"])
         res["swap"].append(served["swap"])
-        if key == "delta":
-            res["placed_delta"].append(v.new_bytes)
-            res["copied_delta"].append(served["copied"] - before)
+        if key in ("delta", "hinted"):
+            res["placed_" + key].append(v.new_bytes)
+            res["copied_" + key].append(served["copied"] - before)
         # Let the consumer bring its retired copy up to date, as between real updates.
         time.sleep(max(0.2, 3 * (served["t"] - notified["t"])))
 
@@ -342,6 +371,10 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     for _ in range(updates):
         one(3, "delta")
     upd_end = time.time()
+    hint_start = time.time()
+    for _ in range(updates):
+        one(3, "hinted")
+    hint_end = time.time()
     if not lean:
         res["async"], res["place_async"], res["load_async"], res["async_block"] = [], [], [], []
         one(3, "async")  # the first asynchronous publish fills the staging buffer
@@ -352,6 +385,7 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
             one(TENSORS, "full")
     changed = 3 * counts[0] * 4
     res["memcpy_delta"] = memcpy_time(changed)
+    res["shm_write_delta"], res["shm_read_delta"] = shm_floor_times(changed)
     if not lean:
         res["memcpy_full"] = memcpy_time(nbytes)
     res["changed_bytes"] = changed
@@ -360,6 +394,9 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     c.events = [e for e in c.events if e["event"] != "latencies"]
     c.send({"cmd": "latencies", "start": upd_start, "end": upd_end})
     res["during"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
+    c.events = [e for e in c.events if e["event"] != "latencies"]
+    c.send({"cmd": "latencies", "start": hint_start, "end": hint_end})
+    res["during_hinted"] = [d for _, d in c.wait(lambda e: e["event"] == "latencies", 30)["lat"]]
     c.close()
     pub.close()
     return res
@@ -679,6 +716,8 @@ def large_main(args: argparse.Namespace, command: str) -> None:
         h5 = baseline_run(total, tmp / "h", args.baseline_updates, "h5py")
     n = r["nbytes"]
     delta, place, load = (statistics.median(r[k]) for k in ("delta", "place_delta", "load_delta"))
+    hinted, hplace, hload = (statistics.median(r[k]) for k in ("hinted", "place_hinted", "load_hinted"))
+    floor = r["shm_write_delta"] + r["shm_read_delta"]
     first = r["full"][0]
     placed, copied = statistics.median(r["placed_delta"]), statistics.median(r["copied_delta"])
     steady, during = r["steady"], r["during"]
@@ -701,6 +740,10 @@ def large_main(args: argparse.Namespace, command: str) -> None:
         f"| 3% changed, p50 | {ms(delta)} | {ms(place)} | {ms(load)} | memcpy of the changed bytes "
         f"{ms(r['memcpy_delta'])}: publish->served {delta / r['memcpy_delta']:.1f}x, notified->served "
         f"{load / r['memcpy_delta']:.1f}x |",
+        f"| 3% changed, `changed=` hint, p50 | {ms(hinted)} | {ms(hplace)} | {ms(hload)} | memcpy: "
+        f"publish->served {hinted / r['memcpy_delta']:.1f}x; the floor (writing the changed bytes into new "
+        f"/dev/shm pages {ms(r['shm_write_delta'])}, reading them into a buffer {ms(r['shm_read_delta'])}): "
+        f"{hinted / floor:.2f}x |",
         f"| torch.save + poll 1 s + torch.load, p50 of {len(base)} | {ms(statistics.median(base))} | | | "
         f"{statistics.median(base) / delta:.1f}x the 3% update, {statistics.median(base) / first:.1f}x the first "
         "version |",
@@ -709,12 +752,16 @@ def large_main(args: argparse.Namespace, command: str) -> None:
         "version |",
         "",
         f"A 3%-changed update: the publisher placed {human(placed)} ({placed / n:.1%} of the model), the consumer "
-        f"copied {human(copied)} ({copied / n:.1%}) before its swap.",
+        f"copied {human(copied)} ({copied / n:.1%}) before its swap. With the hint: "
+        f"{human(statistics.median(r['placed_hinted']))} and {human(statistics.median(r['copied_hinted']))}.",
         "",
         f"Requests (a 256x256 matmul over a model tensor): steady p50 {pct(steady, 0.5) * 1e6:.0f} us, p99 "
         f"{pct(steady, 0.99) * 1e6:.0f} us ({len(steady)} requests); during the updates p50 "
         f"{pct(during, 0.5) * 1e6:.0f} us, p99 {pct(during, 0.99) * 1e6:.0f} us ({len(during)}): p99 "
-        f"{pct(during, 0.99) / pct(steady, 0.99):.2f}x steady; swap at most {max(r['swap']) * 1e6:.1f} us.",
+        f"{pct(during, 0.99) / pct(steady, 0.99):.2f}x steady; during the hinted updates p99 "
+        f"{pct(r['during_hinted'], 0.99) * 1e6:.0f} us ({len(r['during_hinted'])}): "
+        f"{pct(r['during_hinted'], 0.99) / pct(steady, 0.99):.2f}x steady; swap at most "
+        f"{max(r['swap']) * 1e6:.1f} us.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -777,6 +824,7 @@ def write_report(
         h5 = statistics.median(r["baseline_h5"])
         for key, label, mc in (
             ("delta", "3% (3 of 100 tensors)", "memcpy_delta"),
+            ("hinted", "3%, `changed=` the 3", "memcpy_delta"),
             ("async", "3%, `sync=False`", "memcpy_delta"),
             ("full", "100%", "memcpy_full"),
         ):
@@ -790,40 +838,53 @@ def write_report(
         "Baseline runs per size: "
         + ", ".join(f"{s}: {len(r['baseline'])}" for s, r in results.items())
         + "; "
-        "tierstore: 6 updates of 3% (sync), 6 of 3% (`sync=False`), 4 of 100% per size. In a `sync=False` "
+        "tierstore: 6 updates of 3% (sync), 6 of 3% with the hint, 6 of 3% (`sync=False`), 4 of 100% per size. In a `sync=False` "
         "publish the trainer waits only for the snapshot into the staging buffer (compared as it copies): "
         + ", ".join(f"{s}: {ms(statistics.median(r['async_block']))}" for s, r in results.items())
         + "; `place` is then the background part.",
         "",
+        "The floor this machine sets on a same-node update through shared memory: the publisher writes the "
+        "changed bytes into new pages of /dev/shm (the version before is still served from its own), and the "
+        "consumer reads them into its idle copy. Each step alone, in this process (write + read), and the "
+        "hinted update's publish->served against their sum: "
+        + ", ".join(
+            f"{s}: {ms(r['shm_write_delta'])} + {ms(r['shm_read_delta'])}, "
+            f"{statistics.median(r['hinted']) / (r['shm_write_delta'] + r['shm_read_delta']):.2f}x"
+            for s, r in results.items()
+        )
+        + ".",
+        "",
         "## Bytes moved by a 3%-changed update",
         "",
-        "| model | changed | placed by the publisher | copied by the consumer before its swap |",
-        "| --- | --- | --- | --- |",
+        "| model | changed | hint | placed by the publisher | copied by the consumer before its swap |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for size, r in results.items():
         n = r["nbytes"]
-        placed, copied = statistics.median(r["placed_delta"]), statistics.median(r["copied_delta"])
-        lines.append(
-            f"| {size} | {human(r['changed_bytes'])} ({r['changed_bytes'] / n:.1%}) | {human(placed)} "
-            f"({placed / n:.1%}) | {human(copied)} ({copied / n:.1%}) |"
-        )
+        for key, hint in (("delta", "none"), ("hinted", "`changed=`")):
+            placed, copied = statistics.median(r["placed_" + key]), statistics.median(r["copied_" + key])
+            lines.append(
+                f"| {size} | {human(r['changed_bytes'])} ({r['changed_bytes'] / n:.1%}) | {hint} | {human(placed)} "
+                f"({placed / n:.1%}) | {human(copied)} ({copied / n:.1%}) |"
+            )
     lines += [
         "",
         "## Requests while updates arrive",
         "",
         "A request: one 256x256 float32 matmul over a model tensor inside `with hot.serving()`. Steady state: 3 s "
-        "with no update; during: the 3%-changed updates above (each followed by the consumer's catch-up copy). "
-        "Swap: the time the active copy's switch takes under the lock.",
+        "with no update; during: the 3%-changed updates above (each followed by the consumer's catch-up copy), "
+        "without the hint and with it. Swap: the time the active copy's switch takes under the lock.",
         "",
-        "| model | steady p50 | steady p99 | during p50 | during p99 | p99 during / steady | requests | swap max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | steady p50 | steady p99 | during p50 | during p99 | p99 during / steady | hinted: during p99 "
+        "| / steady | requests | swap max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for size, r in results.items():
-        s, d = r["steady"], r["during"]
+        s, d, h = r["steady"], r["during"], r["during_hinted"]
         lines.append(
             f"| {size} | {pct(s, 0.5) * 1e6:.0f} us | {pct(s, 0.99) * 1e6:.0f} us | {pct(d, 0.5) * 1e6:.0f} us | "
-            f"{pct(d, 0.99) * 1e6:.0f} us | {pct(d, 0.99) / pct(s, 0.99):.2f}x | {len(s)} / {len(d)} | "
-            f"{max(r['swap']) * 1e6:.1f} us |"
+            f"{pct(d, 0.99) * 1e6:.0f} us | {pct(d, 0.99) / pct(s, 0.99):.2f}x | {pct(h, 0.99) * 1e6:.0f} us | "
+            f"{pct(h, 0.99) / pct(s, 0.99):.2f}x | {len(s)} / {len(d)} / {len(h)} | {max(r['swap']) * 1e6:.1f} us |"
         )
     lines += [
         "",
