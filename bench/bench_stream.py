@@ -587,9 +587,12 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
     return res
 
 
-def trainer_run(total: int, work: Path, matmuls: int, steps: int = 20) -> dict[str, Any]:
+def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 4, per_block: int = 10) -> dict[str, Any]:
     """A trainer's step time (a fixed amount of compute, then every parameter changed) without publishing,
-    and with `publish(sync=False)` every step plus every 10th version saved to a Repository."""
+    and with `publish(sync=False)` every step plus every 10th version saved to a Repository. Paired, as the
+    machine drifts: blocks of `per_block` steps alternate, without then with; a block with publishing
+    ends when its last version is placed and its history saved (that wait counts as the block's), so no
+    background work spills into the next block."""
     import torch
 
     from tierstore import stream
@@ -606,27 +609,39 @@ def trainer_run(total: int, work: Path, matmuls: int, steps: int = 20) -> dict[s
         for p in params:
             p.add_(1e-3)
 
-    def run(publisher: Any) -> list[float]:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            if publisher is not None:
-                publisher.publish({f"t{i:03d}": p for i, p in enumerate(params)}, sync=False)
-            times.append(time.perf_counter() - t0)
-        return times
-
-    plain = run(None)
     pub = stream.Publisher(f"trainer{matmuls}", history=Repository(work / "history"), history_every=10)
-    with_publish = run(pub)
+    plain: list[float] = []
+    with_publish: list[float] = []
+    blocked: list[float] = []
+    ratios: list[float] = []
+    for _ in range(pairs):
+        block_times = []
+        for publishing in (False, True):
+            b0 = time.perf_counter()
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                step()
+                if publishing:
+                    t1 = time.perf_counter()
+                    pub.publish({f"t{i:03d}": p for i, p in enumerate(params)}, sync=False)
+                    blocked.append(time.perf_counter() - t1)
+                (with_publish if publishing else plain).append(time.perf_counter() - t0)
+            if publishing:
+                pub.flush()
+                pub.flush_history()
+            block_times.append(time.perf_counter() - b0)
+        ratios.append(block_times[1] / block_times[0])
     pub.close()
-    plain2 = run(None)
     return {
-        "plain": plain + plain2,
+        "plain": plain,
         "publish": with_publish,
+        "blocked": blocked,
+        "ratios": ratios,
         "flushed": len(pub.flushed),
         "flush_skipped": pub.flush_skipped,
-        "steps": steps,
+        "steps": pairs * per_block,
+        "pairs": pairs,
+        "per_block": per_block,
         "matmuls": matmuls,
         "nbytes": sum(p.numel() * 4 for p in params),
     }
@@ -693,7 +708,8 @@ def main() -> None:
             trainer = [trainer_run(parse_size(args.trainer_size), tmp / f"trainer{k}", k) for k in (40, 400)]
             for t in trainer:
                 print(f"trainer step p50 {ms(statistics.median(t['plain']))} without, "
-                      f"{ms(statistics.median(t['publish']))} with publish", flush=True)  # fmt: skip
+                      f"{ms(statistics.median(t['publish']))} with publish, paired overhead "
+                      f"{[round(r - 1, 3) for r in t['ratios']]}", flush=True)  # fmt: skip
         cross: dict[str, Any] = {}
         if os.geteuid() == 0 and args.cross_sizes:
             for size in args.cross_sizes.split(","):
@@ -919,17 +935,22 @@ def write_report(
         "## The trainer's step with asynchronous publishing and history",
         "",
         f"A {human(t0['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: N 384x384 matmuls, "
-        "then every parameter changed (so every publish places the whole model). Without publishing, then "
-        "`publish(sync=False)` after every step with every 10th version saved to a `Repository` on local "
-        f"disk in the background, {t0['steps']} steps each (the runs without are before and after).",
+        "then every parameter changed (so every publish places the whole model). Without publishing, and "
+        "with `publish(sync=False)` after every step and every 10th version saved to a `Repository` on local "
+        f"disk in the background: {t0['pairs']} pairs of {t0['per_block']}-step blocks, alternating. A block "
+        "with publishing ends when its last version is placed and its history saved, and that wait counts "
+        "as its own. Overhead: the time of the block with publishing over the block without, median of the "
+        "pairs. Blocked: the time the trainer spent inside `publish()` (the snapshot).",
         "",
-        "| step | step p50 without | step p50 with publish + history | overhead | versions saved to the history |",
-        "| --- | --- | --- | --- | --- |",
+        "| step | step p50 without | step p50 with | overhead (paired blocks, median) | each pair | blocked in "
+        "publish() p50 | versions saved to the history |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in trainer:
         plain, pub = statistics.median(t["plain"]), statistics.median(t["publish"])
         lines.append(
-            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {pub / plain - 1:+.1%} | "
+            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {statistics.median(t['ratios']) - 1:+.1%} | "
+            f"{', '.join(f'{r - 1:+.1%}' for r in t['ratios'])} | {ms(statistics.median(t['blocked']))} | "
             f"{t['flushed']} ({t['flush_skipped']} skipped) |"
         )
     lines += [
