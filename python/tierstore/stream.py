@@ -11,7 +11,8 @@
 
 A version's tensors are placed once in shared memory held by the node's agent (`tierstore agent`), one
 file per distinct tensor content named by its blake3; a publish writes only the tensors that differ from
-the version before (compared byte for byte, then hashed). The agent numbers the version and pushes a notice
+the version before (compared byte for byte, then hashed; told which may have changed, `changed=`, it
+compares the others at their first 64 KiB only). The agent numbers the version and pushes a notice
 to every subscriber over its Unix socket: no polling. A consumer's `HotModel` keeps two copies of the model,
 loads a new version into the one no request uses (only the tensors whose hash differs from what that copy
 holds), and swaps between requests: no request waits for an update and none sees two versions. A version
@@ -415,7 +416,7 @@ class Publisher:
         meta = dict(metadata or {})
         self._wait_pending()
         since, self._hint_version = self._hint_version, None
-        staged_before, self._last_call_staged = self._last_call_staged, not sync
+        staged_before, self._last_call_staged = self._last_call_staged, False
         if sync:
             return self._place(names, specs, views, step, meta, said=said, said_since=since)
         same_layout = self._staging_names == names and all(
@@ -430,6 +431,7 @@ class Publisher:
         # tensor said unchanged is compared at its head only, if the snapshot before was the publish before.
         heads_only = [n in said for n in names] if said and same_layout and staged_before else None
         copied = _core.stream_copy(views, self._staging, heads_only)
+        self._last_call_staged = True
         if heads_only is not None:
             self._note_misses([n for n, c, h in zip(names, copied, heads_only, strict=True) if c and h])
         unchanged = {n for n, c in zip(names, copied, strict=True) if not c} if same_layout else set()
