@@ -274,7 +274,7 @@ mod tests {
         head[1] = 2;
         // The hint is trusted past the head: a change there keeps the base's hash (the documented cost of
         // a wrong hint)...
-        let p = place(&[&tail], &[base.clone()], &[Check::Head], dir.path()).unwrap();
+        let p = place(&[&tail], std::slice::from_ref(&base), &[Check::Head], dir.path()).unwrap();
         assert_eq!(p[0], Placed { hash: first[0].hash, written: false });
         // ...and a change in the head is seen, hint or not.
         let p = place(&[&head], &[base], &[Check::Head], dir.path()).unwrap();
