@@ -280,6 +280,28 @@ def test_changed_trainable_takes_frozen_parameters_as_unchanged(sock: Path) -> N
     pub.close()
 
 
+def test_a_distributed_publisher_takes_the_changed_hint_against_its_module(sock: Path) -> None:
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    # A group of one: the hint is resolved against the module before the group sees a state_dict.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(200, 200), torch.nn.Linear(200, 4))
+        net[0].requires_grad_(False)
+        pub = stream.DistributedPublisher("m")
+        v1 = pub.publish(net)
+        with torch.no_grad():
+            net[1].weight.add_(1.0)
+            net[0].weight.view(-1)[30000] += 1.0  # frozen, changed past its head: trusted unchanged
+        v2 = pub.publish(net, changed="trainable")
+        old, got = ({t.name: t.hash for t in v.tensors} for v in (v1, v2))
+        assert got["0.weight"] == old["0.weight"] and got["1.weight"] != old["1.weight"]
+        assert v2.new_bytes == net[1].weight.numel() * 4
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_publisher_killed_mid_publish_leaves_no_version(sock: Path) -> None:
     with stream.Subscriber("big") as sub:
         seen: list[int] = []
