@@ -855,12 +855,15 @@ def rank(
     return child(prelude + f"rank = {n}\nmode = {mode!r}\n" + textwrap.dedent(code), sock)
 
 
-def line(proc: subprocess.Popen[str]) -> str:
+def line(proc: subprocess.Popen[str], log: Path | None = None) -> str:
+    """The rank's next line of output; the test fails with its stderr (or `log`, where that went) if it
+    exited instead."""
     assert proc.stdout is not None
     out = proc.stdout.readline()
     if not out:
         proc.wait(timeout=20)
-        pytest.fail(f"rank exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        err = log.read_text() if log is not None else proc.stderr.read() if proc.stderr else ""
+        pytest.fail(f"rank exited {proc.returncode}: {err}")
     return out
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import start_agent, stop_agent
-from tests.test_stream import MODEL
+from tests.test_stream import MODEL, line
 from tierstore import stream
 
 # A rank of a gloo process group of 2 spanning the nodes: rank 0 holds the TCP store, on its node's address.
@@ -86,15 +86,6 @@ def rank_in(node: Any, sock: Path, n: int, code: str, port: int, host: str) -> s
         stderr=open(sock.parent / f"rank{n}.log", "w"),
         text=True,
     )
-
-
-def line(proc: subprocess.Popen[str], log: Path) -> str:
-    assert proc.stdout is not None
-    out = proc.stdout.readline()
-    if not out:
-        proc.wait(timeout=20)
-        pytest.fail(f"rank exited {proc.returncode}: {log.read_text()}")
-    return out
 
 
 def of(report: dict[str, Any], name: str) -> dict[str, Any]:

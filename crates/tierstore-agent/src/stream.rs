@@ -374,6 +374,10 @@ pub struct Streams {
     trashed: AtomicU64,
 }
 
+/// The directories under the stream directory: tensor files, manifests, publishes in progress, manifests
+/// of versions relayed without their tensors, and tensor files dropped but not yet freed.
+const SUBDIRS: [&str; 5] = ["blobs", "versions", "tmp", "notices", "trash"];
+
 /// Unlinks each file sent, until the sender is gone.
 fn reaper() -> std::sync::mpsc::Sender<PathBuf> {
     let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
@@ -392,7 +396,7 @@ impl Streams {
     /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
     pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
         let dir = options.dir.clone().unwrap_or_else(|| default_dir(socket));
-        for sub in ["blobs", "versions", "tmp", "notices", "trash"] {
+        for sub in SUBDIRS {
             let d = dir.join(sub);
             if d.exists() {
                 std::fs::remove_dir_all(&d).map_err(io_err("cannot empty the stream directory", &d))?;
@@ -406,7 +410,7 @@ impl Streams {
                 .create(&dir)
                 .map_err(io_err("cannot create the stream directory", &dir))?;
         }
-        for sub in ["blobs", "versions", "tmp", "notices", "trash"] {
+        for sub in SUBDIRS {
             let d = dir.join(sub);
             std::fs::create_dir_all(&d).map_err(io_err("cannot create", &d))?;
         }
@@ -540,7 +544,7 @@ impl Streams {
     /// Frees the shared memory of every version (an agent that stops): consumers keep the tensors they
     /// mapped or copied; nothing new can be opened.
     pub fn remove(&self) {
-        for sub in ["blobs", "versions", "tmp", "notices", "trash"] {
+        for sub in SUBDIRS {
             let _ = std::fs::remove_dir_all(self.dir.join(sub));
         }
         let _ = std::fs::remove_dir(&self.dir);
