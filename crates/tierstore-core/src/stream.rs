@@ -7,21 +7,32 @@
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
 //!
+//! A changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to shared
+//! memory while it is still in the core's cache from hashing it, instead of the tensor being read twice.
+//!
 //! Comparing is still reading the whole model. A publisher told which tensors may have changed
 //! (`publish(changed=…)`, say a LoRA's adapters over a frozen base) compares only the first bytes of the
 //! others ([`Check::Head`]): a guard against a wrong hint, not a proof.
 
 use std::fs::File;
-use std::io::{self, Write};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use blake3::hazmat::{self, ChainingValue, HasherExt, Mode};
 use rayon::prelude::*;
 
-use crate::pack::{self, Hash};
+use crate::pack::Hash;
 
 /// Large buffers are compared, copied and read in pieces of this size, spread over the cores.
 const PIECE: usize = 8 << 20;
+
+/// What one thread hashes and writes by itself in [`hash_and_write`]: larger inputs are split in two along
+/// blake3's tree, the halves done in parallel.
+const SUBTREE: usize = 4 << 20;
+
+/// The piece hashed then written at once: small enough to stay in a core's own cache between the two.
+const CACHED: usize = 128 << 10;
 
 /// How much of a tensor [`place`] reads first when comparing it with the version before.
 const HEAD: usize = 64 << 10;
@@ -88,8 +99,7 @@ pub fn place(
                     return Ok(Placed { hash: *h, written: false });
                 }
             }
-            let hash = pack::hash(bytes);
-            write_new(&dir.join(hex(&hash)), bytes)?;
+            let hash = hash_and_write(bytes, dir, i)?;
             Ok(Placed { hash, written: true })
         })
         .collect()
@@ -143,12 +153,61 @@ fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
     Ok(map.par_chunks(PIECE).zip(bytes[HEAD..].par_chunks(PIECE)).all(|(a, b)| a == b))
 }
 
-fn write_new(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    match File::create_new(path) {
-        Ok(mut f) => f.write_all(bytes),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+/// Writes `bytes` to `dir/<hex blake3>` (created new; a file already there with that name holds the same
+/// bytes) and returns the hash, reading the bytes once: each piece is hashed, then written while it is
+/// still in cache. The file takes its name only once written whole (`n` makes the name it is written
+/// under unique in `dir`), so a name in `dir` never holds part of its bytes.
+pub fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
+    let part = dir.join(format!(".part-{n}"));
+    let named = |e: io::Error, p: &Path| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
+    let f = File::create_new(&part).map_err(|e| named(e, &part))?;
+    let written = if bytes.len() <= SUBTREE {
+        let mut h = blake3::Hasher::new();
+        write_hashing(&f, bytes, 0, &mut h).map(|()| *h.finalize().as_bytes())
+    } else {
+        // The root of blake3's tree is finalized differently from every other node: split it here.
+        let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
+        let (l, r) = rayon::join(|| subtree(&f, &bytes[..left], 0), || subtree(&f, &bytes[left..], left as u64));
+        l.and_then(|l| Ok(hazmat::merge_subtrees_root(&l, &r?, Mode::Hash))).map(|root| *root.as_bytes())
+    };
+    let hash = match written {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = std::fs::remove_file(&part);
+            return Err(named(e, &part));
+        }
+    };
+    let to = dir.join(hex(&hash));
+    let linked = match std::fs::hard_link(&part, &to) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(named(e, &to)),
+        _ => Ok(()),
+    };
+    std::fs::remove_file(&part).map_err(|e| named(e, &part))?;
+    linked.map(|()| hash)
+}
+
+/// The chaining value of the non-root subtree `bytes`, which starts at `offset` of its tensor, written at
+/// that offset of `f`. Splits as blake3 does (the left part a power-of-two number of chunks), so each
+/// part is a valid subtree.
+fn subtree(f: &File, bytes: &[u8], offset: u64) -> io::Result<ChainingValue> {
+    if bytes.len() <= SUBTREE {
+        let mut h = blake3::Hasher::new();
+        h.set_input_offset(offset);
+        write_hashing(f, bytes, offset, &mut h)?;
+        return Ok(h.finalize_non_root());
     }
+    let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
+    let (l, r) =
+        rayon::join(|| subtree(f, &bytes[..left], offset), || subtree(f, &bytes[left..], offset + left as u64));
+    Ok(hazmat::merge_subtrees_non_root(&l?, &r?, Mode::Hash))
+}
+
+fn write_hashing(f: &File, bytes: &[u8], offset: u64, h: &mut blake3::Hasher) -> io::Result<()> {
+    for (i, piece) in bytes.chunks(CACHED).enumerate() {
+        h.update(piece);
+        f.write_all_at(piece, offset + (i * CACHED) as u64)?;
+    }
+    Ok(())
 }
 
 /// Reads each file of `paths` whole into the destination of the same index, in parallel; a file whose size
@@ -219,6 +278,38 @@ pub fn copy_changed(sources: &[&[u8]], dests: &mut [&mut [u8]], checks: &[Check]
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pack;
+
+    #[test]
+    fn hashing_while_writing_gives_blake3_and_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let sizes = [
+            0,
+            1,
+            1023,
+            1024,
+            1025,
+            CACHED + 1,
+            SUBTREE - 1,
+            SUBTREE,
+            SUBTREE + 1,
+            2 * SUBTREE,
+            3 * SUBTREE + 17,
+            9 * SUBTREE + 4096,
+        ];
+        for (n, len) in sizes.into_iter().enumerate() {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4099) as u8).collect();
+            let h = hash_and_write(&bytes, dir.path(), n).unwrap();
+            assert_eq!(h, pack::hash(&bytes), "hash of {len} bytes");
+            assert_eq!(std::fs::read(dir.path().join(hex(&h))).unwrap(), bytes, "file of {len} bytes");
+            // The same bytes again (another tensor of the version): the file there is kept.
+            assert_eq!(hash_and_write(&bytes, dir.path(), n).unwrap(), h);
+        }
+        let names: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert!(names.iter().all(|n| !n.starts_with(".part")), "{names:?}");
+        assert_eq!(names.len(), sizes.len());
+    }
 
     #[test]
     fn only_changed_tensors_are_written_and_read_back_whole() {
