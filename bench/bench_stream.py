@@ -587,12 +587,21 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
     return res
 
 
-def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 4, per_block: int = 10) -> dict[str, Any]:
+def thread_sched() -> tuple[float, float]:
+    """The calling thread's CPU time and its time waiting for a CPU (run queue), in seconds, from
+    /proc/thread-self/schedstat: what tells a slower step from one that was kept off its core."""
+    run, delay, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    return int(run) / 1e9, int(delay) / 1e9
+
+
+def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 5, per_block: int = 10) -> dict[str, Any]:
     """A trainer's step time (a fixed amount of compute, then every parameter changed) without publishing,
     and with `publish(sync=False)` every step plus every 10th version saved to a Repository. Paired, as the
-    machine drifts: blocks of `per_block` steps alternate, without then with; a block with publishing
-    ends when its last version is placed and its history saved (that wait counts as the block's), so no
-    background work spills into the next block."""
+    machine drifts: blocks of `per_block` steps alternate, without and with, each pair in the other order
+    from the pair before; a block with publishing ends when its last version is placed and its history
+    saved (that wait counts as the block's), so no background work spills into the block after. Per block
+    also the trainer thread's CPU time and its wait for a CPU, which split the overhead into the snapshot,
+    a slower step (caches and memory shared with the background work) and a step kept off its core."""
     import torch
 
     from tierstore import stream
@@ -615,28 +624,47 @@ def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 4, per_block:
     blocked: list[float] = []
     ratios: list[float] = []
     step_ratios: list[float] = []
-    for _ in range(pairs):
-        block_times, step_times = [], []
-        for publishing in (False, True):
+    # Per pair, as a share of the block without publishing: the time blocked in publish(), the trainer
+    # thread's extra CPU time outside it, and its extra wait for a CPU.
+    parts: dict[str, list[float]] = {"blocked": [], "cpu": [], "wait": []}
+    for k in range(pairs):
+        block: dict[bool, float] = {}
+        steps: dict[bool, float] = {}
+        cpu: dict[bool, float] = {}
+        wait: dict[bool, float] = {}
+        stalled = in_publish_cpu = in_publish_wait = 0.0
+        for publishing in (False, True) if k % 2 == 0 else (True, False):
             b0 = time.perf_counter()
-            steps = 0.0
+            c0, w0 = thread_sched()
+            took_steps = 0.0
             for _ in range(per_block):
                 t0 = time.perf_counter()
                 step()
                 if publishing:
-                    t1 = time.perf_counter()
+                    t1, (c2, w2) = time.perf_counter(), thread_sched()
                     pub.publish({f"t{i:03d}": p for i, p in enumerate(params)}, sync=False)
                     blocked.append(time.perf_counter() - t1)
+                    stalled += blocked[-1]
+                    c3, w3 = thread_sched()
+                    in_publish_cpu += c3 - c2
+                    in_publish_wait += w3 - w2
                 took = time.perf_counter() - t0
-                steps += took
+                took_steps += took
                 (with_publish if publishing else plain).append(took)
+            c1, w1 = thread_sched()
             if publishing:
                 pub.flush()
                 pub.flush_history()
-            block_times.append(time.perf_counter() - b0)
-            step_times.append(steps)
-        ratios.append(block_times[1] / block_times[0])
-        step_ratios.append(step_times[1] / step_times[0])
+            block[publishing] = time.perf_counter() - b0
+            steps[publishing], cpu[publishing], wait[publishing] = took_steps, c1 - c0, w1 - w0
+            if publishing:  # the steps' part alone: publish() is counted as blocked
+                cpu[True] -= in_publish_cpu
+                wait[True] -= in_publish_wait
+        ratios.append(block[True] / block[False])
+        step_ratios.append(steps[True] / steps[False])
+        parts["blocked"].append(stalled / steps[False])
+        parts["cpu"].append((cpu[True] - cpu[False]) / steps[False])
+        parts["wait"].append((wait[True] - wait[False]) / steps[False])
     pub.close()
     return {
         "plain": plain,
@@ -644,6 +672,7 @@ def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 4, per_block:
         "blocked": blocked,
         "ratios": ratios,
         "step_ratios": step_ratios,
+        "parts": parts,
         "flushed": len(pub.flushed),
         "flush_skipped": pub.flush_skipped,
         "steps": pairs * per_block,
@@ -652,6 +681,21 @@ def trainer_run(total: int, work: Path, matmuls: int, pairs: int = 4, per_block:
         "matmuls": matmuls,
         "nbytes": sum(p.numel() * 4 for p in params),
     }
+
+
+def median_pct(xs: list[float]) -> str:
+    return f"{statistics.median(xs):+.1%}"
+
+
+def trainer_line(t: dict[str, Any]) -> str:
+    parts = t["parts"]
+    return (
+        f"trainer, {t['matmuls']} matmuls: step p50 {ms(statistics.median(t['plain']))} without, "
+        f"{ms(statistics.median(t['publish']))} with publish; overhead, steps alone "
+        f"{median_pct([r - 1 for r in t['step_ratios']])} (blocks {median_pct([r - 1 for r in t['ratios']])}): "
+        f"blocked {median_pct(parts['blocked'])}, slower steps {median_pct(parts['cpu'])}, "
+        f"waiting for a CPU {median_pct(parts['wait'])}"
+    )
 
 
 def main() -> None:
@@ -667,6 +711,9 @@ def main() -> None:
     ap.add_argument("--baseline-updates", type=int, default=3)
     ap.add_argument("--cross-sizes", default="100MB,1GB", help="model sizes across nodes (needs root)")
     ap.add_argument("--trainer-size", default="100MB")
+    ap.add_argument(
+        "--trainer-only", action="store_true", help="only the trainer's step overhead, printed (no report)"
+    )
     ap.add_argument("--out", default="BENCHMARKS-stream.md")
     ap.add_argument("--plot", default="bench/stream.png")
     ap.add_argument("--mode", default="double", help="a consumer's HotModel mode")
@@ -694,6 +741,12 @@ def main() -> None:
     if args.large:
         large_main(args, command)
         return
+    if args.trainer_only:
+        with tempfile.TemporaryDirectory(prefix="bench-stream-") as d, private_agent(Path(d)) as env:
+            os.environ.update(env)
+            for k in (40, 400):
+                print(trainer_line(trainer_run(parse_size(args.trainer_size), Path(d) / f"trainer{k}", k)))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         tmp = Path(d)
         with private_agent(tmp) as env:
@@ -714,9 +767,7 @@ def main() -> None:
                 )
             trainer = [trainer_run(parse_size(args.trainer_size), tmp / f"trainer{k}", k) for k in (40, 400)]
             for t in trainer:
-                print(f"trainer step p50 {ms(statistics.median(t['plain']))} without, "
-                      f"{ms(statistics.median(t['publish']))} with publish, paired overhead "
-                      f"{[round(r - 1, 3) for r in t['ratios']]}", flush=True)  # fmt: skip
+                print(trainer_line(t), flush=True)
         cross: dict[str, Any] = {}
         if os.geteuid() == 0 and args.cross_sizes:
             for size in args.cross_sizes.split(","):
@@ -944,17 +995,21 @@ def write_report(
         f"A {human(t0['nbytes'])} model (100 float32 tensors, torch with 1 thread); a step: N 384x384 matmuls, "
         "then every parameter changed (so every publish places the whole model). Without publishing, and "
         "with `publish(sync=False)` after every step and every 10th version saved to a `Repository` on local "
-        f"disk in the background: {t0['pairs']} pairs of {t0['per_block']}-step blocks, alternating. A block "
-        "with publishing ends when its last version is placed and its history saved (the 10th version of "
-        "each block), so that no background work spills into the block after. Overhead, median of the pairs, "
-        "two ways: the block with publishing over the one without, that last wait included (an upper "
-        "bound: in a run that goes on, it overlaps the steps after), and the steps alone (a lower bound: the "
-        "last version's background work is not counted). Blocked: the time the trainer spent inside "
-        "`publish()` (the snapshot).",
+        f"disk in the background: {t0['pairs']} pairs of {t0['per_block']}-step blocks, each pair in the "
+        "other order from the one before. A block with publishing ends when its last version is placed and "
+        "its history saved (the 10th version of each block), so that no background work spills into the "
+        "block after. Overhead, median of the pairs, two ways: the steps alone (the last version's "
+        "background work not counted), and the block with publishing over the one without, that last wait "
+        "included (an upper bound: in a run that goes on, it overlaps the steps after). The steps' overhead "
+        "in parts, from the trainer thread's own accounting (/proc/thread-self/schedstat), each as a share "
+        "of the block without publishing: blocked (the time inside `publish()`, the snapshot), slower steps "
+        "(the trainer thread's extra CPU time for the same steps: caches and memory shared with the "
+        "background work) and waiting for a CPU (the thread ready but kept off the cores).",
         "",
-        "| step | step p50 without | step p50 with | overhead, blocks (each pair) | overhead, steps alone (each "
-        "pair) | blocked in publish() p50 | versions saved to the history |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| step | step p50 without | step p50 with | overhead, steps alone (each pair) | blocked | slower "
+        "steps | waiting for a CPU | overhead, blocks (each pair) | blocked in publish() p50 | versions "
+        "saved to the history |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def pairs(rs: list[float]) -> str:
@@ -962,9 +1017,11 @@ def write_report(
 
     for t in trainer:
         plain, pub = statistics.median(t["plain"]), statistics.median(t["publish"])
+        parts = t["parts"]
         lines.append(
-            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {pairs(t['ratios'])} | "
-            f"{pairs(t['step_ratios'])} | {ms(statistics.median(t['blocked']))} | "
+            f"| {t['matmuls']} matmuls | {ms(plain)} | {ms(pub)} | {pairs(t['step_ratios'])} | "
+            f"{median_pct(parts['blocked'])} | {median_pct(parts['cpu'])} | {median_pct(parts['wait'])} | "
+            f"{pairs(t['ratios'])} | {ms(statistics.median(t['blocked']))} | "
             f"{t['flushed']} ({t['flush_skipped']} skipped) |"
         )
     lines += [
