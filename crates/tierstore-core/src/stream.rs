@@ -7,7 +7,7 @@
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
 //!
-//! A changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to shared
+//! A large changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to shared
 //! memory while it is still in the core's cache from hashing it, instead of the tensor being read twice.
 //!
 //! Comparing is still reading the whole model. A publisher told which tensors may have changed
@@ -155,23 +155,28 @@ fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
 
 /// Writes `bytes` to `dir/<hex blake3>` (created new; a file already there with that name holds the same
 /// bytes) and returns the hash, reading the bytes once: each piece is hashed, then written while it is
-/// still in cache. The file takes its name only once written whole (`n` makes the name it is written
-/// under unique in `dir`), so a name in `dir` never holds part of its bytes.
+/// still in cache. A large tensor's file takes its name only once written whole (`n` makes the name it is
+/// written under unique in `dir`), so a name in `dir` never holds part of its bytes.
 pub fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
-    let part = dir.join(format!(".part-{n}"));
     let named = |e: io::Error, p: &Path| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
+    if bytes.len() <= SUBTREE {
+        // Small enough to stay in cache between hashing and writing, and a model may have tens of
+        // thousands of them: no rename.
+        let hash = *blake3::hash(bytes).as_bytes();
+        let to = dir.join(hex(&hash));
+        return match File::create_new(&to) {
+            Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| named(e, &to)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(hash),
+            Err(e) => Err(named(e, &to)),
+        };
+    }
+    let part = dir.join(format!(".part-{n}"));
     let f = File::create_new(&part).map_err(|e| named(e, &part))?;
-    let written = if bytes.len() <= SUBTREE {
-        let mut h = blake3::Hasher::new();
-        write_hashing(&f, bytes, 0, &mut h).map(|()| *h.finalize().as_bytes())
-    } else {
-        // The root of blake3's tree is finalized differently from every other node: split it here.
-        let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
-        let (l, r) = rayon::join(|| subtree(&f, &bytes[..left], 0), || subtree(&f, &bytes[left..], left as u64));
-        l.and_then(|l| Ok(hazmat::merge_subtrees_root(&l, &r?, Mode::Hash))).map(|root| *root.as_bytes())
-    };
-    let hash = match written {
-        Ok(h) => h,
+    // The root of blake3's tree is finalized differently from every other node: split it here.
+    let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
+    let (l, r) = rayon::join(|| subtree(&f, &bytes[..left], 0), || subtree(&f, &bytes[left..], left as u64));
+    let hash = match l.and_then(|l| Ok(hazmat::merge_subtrees_root(&l, &r?, Mode::Hash))) {
+        Ok(root) => *root.as_bytes(),
         Err(e) => {
             let _ = std::fs::remove_file(&part);
             return Err(named(e, &part));
