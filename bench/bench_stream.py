@@ -11,12 +11,15 @@ Measured:
               (consumer load + swap). Against a memcpy of the changed bytes, measured in this run. The
               3% update again with `publish(changed=[the 3 names])`: the other 97 tensors are compared at
               their head only. And the floor this machine sets: writing the changed bytes into new files
-              in /dev/shm (pages touched for the first time, as every new version's are) plus a memcpy.
+              in /dev/shm (pages touched for the first time, as every new version's are) plus a memcpy,
+              and the blake3 of the changed bytes alone (every new tensor's file is named by it).
   bytes       of a 3%-changed update: the bytes the publisher placed and the bytes the consumer copied before
               its swap, as a share of the model.
   baseline    torch.save to the stand-in store (`tierstore.slowfs`, its defaults: 1 ms per metadata operation,
               0.5 ms per read request, 500 MiB/s) under a temporary name, renamed; the consumer polls the
               file's mtime every second and torch.loads it: from the start of the save to the load's end.
+  trainer     a trainer's step time with `publish(sync=False)` after every step and history, in paired
+              blocks against without, split into the snapshot, slower steps and waiting for a CPU.
   requests    request latency (a 256x256 matmul over one of the model's tensors) while 3%-changed updates
               arrive continuously, against steady state, in the consumer.
 
@@ -266,6 +269,20 @@ def memcpy_time(nbytes: int, reps: int = 5) -> float:
     return statistics.median(best)
 
 
+def hash_time(nbytes: int, reps: int = 5) -> float:
+    """tierstore's blake3 (every core) of `nbytes`: what every changed tensor of a version costs before
+    anything is written (its file is named by it). Median."""
+    from tierstore import _core
+
+    src = np.random.default_rng(3).random(nbytes // 8)
+    took = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _core.hash_buffers([src.view(np.uint8)])
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
+
+
 def shm_floor_times(nbytes: int, reps: int = 5) -> tuple[float, float]:
     """The two steps of an update through shared memory, alone: writing `nbytes` into a new file in
     /dev/shm (a new version's pages are new: the one before is still served), and reading the file into a
@@ -386,6 +403,7 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     changed = 3 * counts[0] * 4
     res["memcpy_delta"] = memcpy_time(changed)
     res["shm_write_delta"], res["shm_read_delta"] = shm_floor_times(changed)
+    res["hash_delta"] = hash_time(changed)
     if not lean:
         res["memcpy_full"] = memcpy_time(nbytes)
     res["changed_bytes"] = changed
@@ -817,7 +835,8 @@ def large_main(args: argparse.Namespace, command: str) -> None:
         f"| 3% changed, `changed=` hint, p50 | {ms(hinted)} | {ms(hplace)} | {ms(hload)} | memcpy: "
         f"publish->served {hinted / r['memcpy_delta']:.1f}x; the floor (writing the changed bytes into new "
         f"/dev/shm pages {ms(r['shm_write_delta'])}, reading them into a buffer {ms(r['shm_read_delta'])}): "
-        f"{hinted / floor:.2f}x |",
+        f"{hinted / floor:.2f}x; blake3 of the changed bytes alone (every core) {ms(r['hash_delta'])}, "
+        f"{r['hash_delta'] / r['memcpy_delta']:.1f}x the memcpy |",
         f"| torch.save + poll 1 s + torch.load, p50 of {len(base)} | {ms(statistics.median(base))} | | | "
         f"{statistics.median(base) / delta:.1f}x the 3% update, {statistics.median(base) / first:.1f}x the first "
         "version |",
@@ -924,6 +943,12 @@ def write_report(
         + ", ".join(
             f"{s}: {ms(r['shm_write_delta'])} + {ms(r['shm_read_delta'])}, "
             f"{statistics.median(r['hinted']) / (r['shm_write_delta'] + r['shm_read_delta']):.2f}x"
+            for s, r in results.items()
+        )
+        + ". And the blake3 every changed tensor needs before it is written (its file is named by it), "
+        "alone, on every core, against the memcpy: "
+        + ", ".join(
+            f"{s}: {ms(r['hash_delta'])}, {r['hash_delta'] / r['memcpy_delta']:.1f}x"
             for s, r in results.items()
         )
         + ".",
