@@ -345,6 +345,9 @@ mod tests {
         let mut short = [0u8; 10];
         let e = read_into(&paths[1..], &mut [&mut short[..]]).unwrap_err();
         assert!(e.to_string().contains("holds 100 bytes"), "{e}");
+        // An empty tensor (a 0-element buffer) has an empty file, read as nothing.
+        let empty = place(&[&[]], &[None], &[], dir.path()).unwrap();
+        read_into(&[dir.path().join(hex(&empty[0].hash))], &mut [&mut [][..]]).unwrap();
     }
 
     #[test]
