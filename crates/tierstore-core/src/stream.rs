@@ -7,8 +7,8 @@
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
 //!
-//! A large changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to shared
-//! memory while it is still in the core's cache from hashing it, instead of the tensor being read twice.
+//! A large changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to
+//! shared memory while it is still in the core's cache from hashing it, instead of being read twice.
 //!
 //! Comparing is still reading the whole model. A publisher told which tensors may have changed
 //! (`publish(changed=…)`, say a LoRA's adapters over a frozen base) compares only the first bytes of the
@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use blake3::hazmat::{self, ChainingValue, HasherExt, Mode};
 use rayon::prelude::*;
 
-use crate::pack::Hash;
+use crate::pack::{self, Hash};
 
 /// Large buffers are compared, copied and read in pieces of this size, spread over the cores.
 const PIECE: usize = 8 << 20;
@@ -157,43 +157,39 @@ fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
 /// bytes) and returns the hash, reading the bytes once: each piece is hashed, then written while it is
 /// still in cache. A large tensor's file takes its name only once written whole (`n` makes the name it is
 /// written under unique in `dir`), so a name in `dir` never holds part of its bytes.
-pub fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
-    let named = |e: io::Error, p: &Path| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
+fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
     if bytes.len() <= SUBTREE {
         // Small enough to stay in cache between hashing and writing, and a model may have tens of
         // thousands of them: no rename.
-        let hash = *blake3::hash(bytes).as_bytes();
+        let hash = pack::hash(bytes);
         let to = dir.join(hex(&hash));
         return match File::create_new(&to) {
-            Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| named(e, &to)),
+            Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| at(&to, e)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(hash),
-            Err(e) => Err(named(e, &to)),
+            Err(e) => Err(at(&to, e)),
         };
     }
     let part = dir.join(format!(".part-{n}"));
-    let f = File::create_new(&part).map_err(|e| named(e, &part))?;
-    // The root of blake3's tree is finalized differently from every other node: split it here.
-    let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
-    let (l, r) = rayon::join(|| subtree(&f, &bytes[..left], 0), || subtree(&f, &bytes[left..], left as u64));
-    let hash = match l.and_then(|l| Ok(hazmat::merge_subtrees_root(&l, &r?, Mode::Hash))) {
-        Ok(root) => *root.as_bytes(),
+    let f = File::create_new(&part).map_err(|e| at(&part, e))?;
+    // The root of blake3's tree is finalized differently from every other node.
+    let hash = match halves(&f, bytes, 0) {
+        Ok((l, r)) => *hazmat::merge_subtrees_root(&l, &r, Mode::Hash).as_bytes(),
         Err(e) => {
             let _ = std::fs::remove_file(&part);
-            return Err(named(e, &part));
+            return Err(at(&part, e));
         }
     };
     let to = dir.join(hex(&hash));
     let linked = match std::fs::hard_link(&part, &to) {
-        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(named(e, &to)),
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(at(&to, e)),
         _ => Ok(()),
     };
-    std::fs::remove_file(&part).map_err(|e| named(e, &part))?;
+    std::fs::remove_file(&part).map_err(|e| at(&part, e))?;
     linked.map(|()| hash)
 }
 
 /// The chaining value of the non-root subtree `bytes`, which starts at `offset` of its tensor, written at
-/// that offset of `f`. Splits as blake3 does (the left part a power-of-two number of chunks), so each
-/// part is a valid subtree.
+/// that offset of `f`.
 fn subtree(f: &File, bytes: &[u8], offset: u64) -> io::Result<ChainingValue> {
     if bytes.len() <= SUBTREE {
         let mut h = blake3::Hasher::new();
@@ -201,10 +197,22 @@ fn subtree(f: &File, bytes: &[u8], offset: u64) -> io::Result<ChainingValue> {
         write_hashing(f, bytes, offset, &mut h)?;
         return Ok(h.finalize_non_root());
     }
+    let (l, r) = halves(f, bytes, offset)?;
+    Ok(hazmat::merge_subtrees_non_root(&l, &r, Mode::Hash))
+}
+
+/// The chaining values of the two halves of `bytes` (starting at `offset`), done in parallel. Split as
+/// blake3 splits (the left part a power-of-two number of chunks), so each half is a valid subtree.
+fn halves(f: &File, bytes: &[u8], offset: u64) -> io::Result<(ChainingValue, ChainingValue)> {
     let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
     let (l, r) =
         rayon::join(|| subtree(f, &bytes[..left], offset), || subtree(f, &bytes[left..], offset + left as u64));
-    Ok(hazmat::merge_subtrees_non_root(&l?, &r?, Mode::Hash))
+    Ok((l?, r?))
+}
+
+/// An I/O error that names the file it happened on.
+fn at(path: &Path, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
 fn write_hashing(f: &File, bytes: &[u8], offset: u64, h: &mut blake3::Hasher) -> io::Result<()> {
@@ -225,7 +233,7 @@ pub fn read_into(paths: &[PathBuf], dests: &mut [&mut [u8]]) -> io::Result<()> {
         .iter()
         .zip(dests.iter())
         .map(|(p, d)| {
-            let f = File::open(p).map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+            let f = File::open(p).map_err(|e| at(p, e))?;
             let len = f.metadata()?.len();
             if len != d.len() as u64 {
                 return Err(io::Error::new(
@@ -283,7 +291,6 @@ pub fn copy_changed(sources: &[&[u8]], dests: &mut [&mut [u8]], checks: &[Check]
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pack;
 
     #[test]
     fn hashing_while_writing_gives_blake3_and_the_bytes() {
