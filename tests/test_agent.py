@@ -97,3 +97,84 @@ def test_config_show_lists_the_cluster_members(tmp_path: Path) -> None:
         run, capture_output=True, text=True, env={**base, "TIERSTORE_SHARING": "on"}, timeout=60
     )
     assert bad.returncode != 0 and "cluster.sharing" in bad.stderr and '"partitioned"' in bad.stderr
+
+
+def test_config_show_says_where_members_and_node_came_from(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    cfg = tmp_path / "ts.toml"
+    cfg.write_text('[cluster]\nsharing = "inclusive"\n')
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TIERSTORE_", "SLURM_"))}
+    env = {**base, "TIERSTORE_CONFIG": str(cfg), "TIERSTORE_PEERS": "n[1-3]", "TIERSTORE_NODE": "n2"}
+    run = [sys.executable, "-m", "tierstore.cli", "--source", str(src), "config", "show"]
+    shown = subprocess.run(run, capture_output=True, text=True, env=env, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert f"sharing inclusive  (from {cfg})" in shown.stdout
+    assert "3 members: n1:7078, n2:7078, n3:7078  (from $TIERSTORE_PEERS)" in shown.stdout, shown.stdout
+    assert "this node: n2:7078  (from $TIERSTORE_NODE)" in shown.stdout, shown.stdout
+
+
+def test_a_missing_token_file_is_one_message_naming_the_key_the_path_and_the_fix(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    missing = tmp_path / "no" / "token"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TIERSTORE_", "SLURM_"))}
+    env = {
+        **base,
+        "TIERSTORE_SOURCE": str(src),
+        "TIERSTORE_TIERS": f"{tmp_path / 'tier'}:1G",
+        "TIERSTORE_SHARING": "inclusive",
+        "TIERSTORE_PEERS": "127.0.0.1:7700,127.0.0.2:7700",
+        "TIERSTORE_TOKEN_FILE": str(missing),
+    }
+    for argv in (["config", "show"], ["run", "--", "true"], ["status"]):
+        p = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert p.returncode != 0, argv
+        assert "Traceback" not in p.stderr, p.stderr
+        assert "$TIERSTORE_TOKEN_FILE: cluster.token_file" in p.stderr and str(missing) in p.stderr, p.stderr
+        assert "no such file" in p.stderr and "head -c 32 /dev/urandom" in p.stderr, p.stderr
+    code = (
+        "import tierstore\ntry:\n    tierstore.Cache()\nexcept tierstore.ConfigError as e:\n    print(e.key)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.stdout.strip() == "cluster.token_file", p.stdout + p.stderr
+    # The agent, with the token named in the configuration only, names the key (not a flag never given).
+    agent = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "agent", "run"],
+        capture_output=True,
+        text=True,
+        env={**env, "XDG_RUNTIME_DIR": str(tmp_path)},
+        timeout=60,
+    )
+    assert agent.returncode != 0 and "--token-file" not in agent.stderr, agent.stderr
+    assert "token_file" in agent.stderr and str(missing) in agent.stderr, agent.stderr
+
+
+def test_the_stream_settings_of_an_agent_from_flags_and_configuration(
+    runtime: dict[str, str], tmp_path: Path
+) -> None:
+    """`tierstore agent start` takes the stream flags the README names; `[stream]` and TIERSTORE_STREAM_*
+    set the same for agents started on demand; a bad value is one message naming the key."""
+    streams = tmp_path / "streams"
+    started = cli("start", "--stream-keep", "3", "--stream-dir", str(streams), env=runtime)
+    assert started.returncode == 0, started.stderr
+    report = json.loads(cli("status", "--json", env=runtime).stdout)
+    assert cli("stop", env=runtime).returncode == 0
+    assert report["stream_keep"] == 3 and report["stream_dir"] == str(streams), report
+    cfg = tmp_path / "ts.toml"
+    cfg.write_text(f'[stream]\nkeep = 4\ndir = "{tmp_path / "s2"}"\n')
+    env = {**runtime, "TIERSTORE_CONFIG": str(cfg)}
+    assert cli("start", env=env).returncode == 0
+    report = json.loads(cli("status", "--json", env=env).stdout)
+    assert cli("stop", env=env).returncode == 0
+    assert report["stream_keep"] == 4 and report["stream_dir"] == str(tmp_path / "s2"), report
+    bad = cli("start", env={**env, "TIERSTORE_STREAM_REDIS": "localhost:6379"})
+    assert bad.returncode != 0 and "stream.redis" in bad.stderr and "redis://HOST:6379" in bad.stderr
+    help_text = cli("run", "--help").stdout
+    assert "--stream-redis" in help_text and "--stream-keep" in help_text

@@ -452,25 +452,28 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         proc.wait()
 
 
-def registry_cluster(tmp_path: Path, mount: Path, n: int, url: str) -> Cluster:
-    """`n` nodes that find each other in the registry: no member list anywhere."""
+def registry_cluster(
+    tmp_path: Path, mount: Path, n: int, url: str, job: dict[str, str] | None = None, name: str = "r"
+) -> Cluster:
+    """`n` nodes that find each other in the registry: no member list anywhere. `job`: the variables that
+    name the job (default TIERSTORE_JOB=test-job)."""
     cluster = Cluster(mount)
     for i in range(n):
-        runtime = tmp_path / f"r{i}"
+        runtime = tmp_path / f"{name}{i}"
         runtime.mkdir()
         port = free_port()
         env = {
             **os.environ,
             "XDG_RUNTIME_DIR": str(runtime),
             "TIERSTORE_SOURCE": str(mount),
-            "TIERSTORE_TIERS": f"{tmp_path / f'rt{i}'}:64M",
+            "TIERSTORE_TIERS": f"{tmp_path / f'{name}t{i}'}:64M",
             "TIERSTORE_SHARING": "partitioned",
             "TIERSTORE_REGISTRY": url,
-            "TIERSTORE_JOB": "test-job",
             "TIERSTORE_NODE": f"127.0.0.1:{port}",
             "TIERSTORE_PEER_CONNECT_MS": "500",
+            **({"TIERSTORE_JOB": "test-job"} if job is None else job),
         }
-        node = Node(f"r{i}", env, tmp_path / f"rt{i}", runtime / "tierstore" / "agent.sock")
+        node = Node(f"{name}{i}", env, tmp_path / f"{name}t{i}", runtime / "tierstore" / "agent.sock")
         subprocess.run(
             [sys.executable, "-m", "tierstore.cli", "agent", "start"], env=env, check=True, timeout=60
         )
@@ -515,6 +518,36 @@ def test_members_found_in_redis_share_the_cache_and_a_stopped_redis_stops_nothin
         assert all(len(cluster.agent_status(x)["members"]) == 1 for x in cluster.nodes)
     finally:
         stop_cluster(cluster)
+
+
+def test_two_slurm_jobs_on_one_redis_never_see_each_other(
+    tmp_path: Path, store: tuple[Path, dict[str, str]], redis_url: str
+) -> None:
+    """The README's recipe twice on one Redis: the job's name in the registry comes from Slurm's job id
+    (no TIERSTORE_JOB), so two jobs' agents register apart and each sees only its own members."""
+    mount, _ = store
+    first = registry_cluster(tmp_path, mount, 2, redis_url, job={"SLURM_JOB_ID": "4101"}, name="a")
+    try:
+        second = registry_cluster(tmp_path, mount, 2, redis_url, job={"SLURM_JOB_ID": "4102"}, name="b")
+        try:
+            time.sleep(1.5)  # a heartbeat or two: time for a wrong member to show up
+            for cluster in (first, second):
+                own = {n.env["TIERSTORE_NODE"] for n in cluster.nodes}
+                for node in cluster.nodes:
+                    members = {m["address"] for m in cluster.agent_status(node)["members"]}
+                    assert members == own - {node.env["TIERSTORE_NODE"]}, members
+            config = subprocess.run(
+                [sys.executable, "-m", "tierstore.cli", "config", "show"],
+                env=first.nodes[0].env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert "slurm-4101" in config.stdout, config.stdout + config.stderr
+        finally:
+            stop_cluster(second)
+    finally:
+        stop_cluster(first)
 
 
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])

@@ -49,14 +49,20 @@ def run_args(
     token_file: str | None = None,
     idle_exit: float | None = None,
     metrics: str | None = None,
+    stream_redis: str | None = None,
+    stream_keep: int | None = None,
+    stream_dir: str | None = None,
 ) -> list[str]:
-    """The command line that runs an agent with these settings."""
+    """The command line that runs an agent with these settings (unset ones come from the configuration)."""
     args = [executable(), "run", "--socket", str(socket)]
     for flag, value in (
         ("--node", node),
         ("--listen", listen),
         ("--token-file", token_file),
         ("--metrics", metrics),
+        ("--stream-redis", stream_redis),
+        ("--stream-keep", None if stream_keep is None else str(stream_keep)),
+        ("--stream-dir", stream_dir),
     ):
         if value:
             args += [flag, value]

@@ -543,6 +543,24 @@ def _agent_settings(f: Any) -> Any:
             click.option(
                 "--metrics", metavar="ADDR:PORT", help="Serve Prometheus metrics over HTTP here (/metrics)."
             ),
+            click.option(
+                "--stream-redis",
+                metavar="URL",
+                help="Announce model stream versions in this Redis and follow other nodes' there "
+                "(redis://HOST:PORT; default: [stream] redis, TIERSTORE_STREAM_REDIS, else [cluster] registry).",
+            ),
+            click.option(
+                "--stream-keep",
+                type=click.IntRange(min=1),
+                metavar="N",
+                help="Model stream versions kept per stream besides those a consumer holds (default: "
+                "[stream] keep, TIERSTORE_STREAM_KEEP, else 2).",
+            ),
+            click.option(
+                "--stream-dir",
+                type=click.Path(file_okay=False),
+                help="Where stream versions are kept (default: [stream] dir, TIERSTORE_STREAM_DIR, else /dev/shm).",
+            ),
         ]
     ):
         f = option(f)
@@ -634,19 +652,29 @@ def config_show(make: Any, as_json: bool) -> None:
                 click.echo(f"  [{i}] {t['path']}  quota {_human(t['quota'])}  {t['kind']}")
         elif key == "cluster":
             click.echo(f"{key:<{width}}  sharing {value['sharing']}  (from {origin})")
+            came = value.get("origins", {})
+            node = f"  this node: {value['node']}  (from {_node_origin(came.get('node', 'default'))})"
             if value["sharing"] != "off" and value.get("registry") and not value["members"]:
-                click.echo(f"  members: whoever registers in {value['registry']} as job {value['job']!r}")
-                click.echo(f"  this node: {value['node']}")
+                click.echo(
+                    f"  members: whoever registers in {value['registry']} as job {value['job']!r}  "
+                    f"(registry from {came.get('registry')}, job from {came.get('job')})"
+                )
+                click.echo(node)
             elif value["sharing"] != "off":
                 members = value["members"]
                 shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
-                click.echo(f"  {len(members)} members: {shown}")
+                click.echo(f"  {len(members)} members: {shown}  (from {came.get('peers')})")
+                click.echo(node)
                 click.echo(
                     f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}"
                 )
         else:
             shown = _human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
+
+
+def _node_origin(origin: str) -> str:
+    return "default: the host name" if origin == "default" else origin
 
 
 @main.group()

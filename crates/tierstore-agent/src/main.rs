@@ -75,6 +75,20 @@ struct Args {
     metrics: Option<String>,
     /// Model streams: where versions are kept, and how many per stream.
     stream: tierstore_agent::stream::StreamOptions,
+    /// `--stream-keep` as given (the configuration's `[stream] keep` applies when it is not).
+    stream_keep: Option<usize>,
+}
+
+/// The token file to read and how the user named it (the flag, or the configuration key), for messages.
+fn token_source(
+    flag: Option<&std::path::Path>,
+    configured: Option<&std::path::Path>,
+) -> Option<(PathBuf, &'static str)> {
+    match (flag, configured) {
+        (Some(f), _) => Some((f.to_path_buf(), "--token-file")),
+        (None, Some(f)) => Some((f.to_path_buf(), "[cluster] token_file")),
+        (None, None) => None,
+    }
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -92,6 +106,7 @@ fn parse_args() -> Result<Args, String> {
         peer: None,
         metrics: None,
         stream: Default::default(),
+        stream_keep: None,
     };
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -119,6 +134,7 @@ fn parse_args() -> Result<Args, String> {
                 let v = value()?;
                 a.stream.keep =
                     v.parse().ok().filter(|k| *k > 0).ok_or(format!("--stream-keep {v:?}: give a count, e.g. 2"))?;
+                a.stream_keep = Some(a.stream.keep);
             }
             other => return Err(format!("unknown option {other:?}")),
         }
@@ -152,16 +168,10 @@ async fn run(a: Args) -> Result<(), String> {
         options.metrics =
             Some(m.parse().map_err(|_| format!("--metrics {m:?}: give ADDRESS:PORT, e.g. 127.0.0.1:9478"))?);
     }
-    let token_file = a.token_file.clone().or_else(|| cluster.as_ref().and_then(|c| c.token_file.clone()));
-    if let Some(f) = &token_file {
-        let token = std::fs::read(f).map_err(|e| format!("--token-file {}: {e}", f.display()))?;
-        let token = token.trim_ascii().to_vec();
-        if token.len() < 16 {
-            return Err(format!(
-                "--token-file {}: the token is shorter than 16 bytes; use a long random one",
-                f.display()
-            ));
-        }
+    let token_file = token_source(a.token_file.as_deref(), cluster.as_ref().and_then(|c| c.token_file.as_deref()));
+    if let Some((f, named)) = &token_file {
+        let token = tierstore_core::cluster::read_token(f)
+            .map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?;
         options.token = Some(token);
     }
     if let Some(c) = &cluster {
@@ -184,10 +194,20 @@ async fn run(a: Args) -> Result<(), String> {
         options.cache = Some(std::sync::Arc::new(cache));
     }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
+    // Model streams: the flags, then [stream] (TIERSTORE_STREAM_*), then the defaults; they cross nodes
+    // through the job's Redis registry, unless another one is named.
+    let configured = tierstore_core::config::load_stream(&Overrides::default()).map_err(|e| e.to_string())?;
     options.stream = a.stream.clone();
-    // Model streams cross nodes through the job's Redis registry, unless another one is named.
+    if options.stream.dir.is_none() {
+        options.stream.dir = configured.dir;
+    }
+    if a.stream_keep.is_none() {
+        options.stream.keep = configured.keep.unwrap_or(options.stream.keep);
+    }
     if options.stream.redis.is_none() {
-        options.stream.redis = cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis"));
+        options.stream.redis = configured
+            .redis
+            .or_else(|| cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis")));
     }
     // Write-back: the stages of the configuration's destinations, and those writers list.
     let stages = match tierstore_core::config::load_writeback(&Overrides::default()) {
@@ -239,13 +259,14 @@ async fn status(a: Args) -> Result<(), String> {
     let deadline = Duration::from_secs(3);
     let json = match &a.peer {
         Some(addr) => {
-            let token_file =
-                a.token_file.clone().or_else(|| job_config().ok().flatten().and_then(|c| c.cluster.token_file));
-            let token = match &token_file {
-                Some(f) => Some(std::fs::read(f).map_err(|e| format!("--token-file {}: {e}", f.display()))?),
+            let configured = job_config().ok().flatten().and_then(|c| c.cluster.token_file);
+            let token = match token_source(a.token_file.as_deref(), configured.as_deref()) {
+                Some((f, named)) => Some(
+                    tierstore_core::cluster::read_token(&f)
+                        .map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?,
+                ),
                 None => None,
             };
-            let token = token.map(|t| t.trim_ascii().to_vec());
             let mut c = Client::peer(addr, &hostname(), token.as_deref(), deadline).await.map_err(|e| e.to_string())?;
             c.status().await.map_err(|e| e.to_string())?
         }

@@ -162,6 +162,12 @@ pub struct Status {
     pub registry_job: Option<String>,
     /// Registry calls that failed.
     pub registry_errors: u64,
+    /// Where model stream versions are kept.
+    pub stream_dir: String,
+    /// Versions kept per stream besides the leased ones.
+    pub stream_keep: usize,
+    /// The Redis that stream versions are announced in, if any.
+    pub stream_redis: Option<String>,
 }
 
 /// A node's cache in the agent's status: what `tierstore status` shows for each member.
@@ -241,6 +247,12 @@ impl Shared {
             cache: self.options.cache.as_deref().map(CacheView::of),
             registry_job: self.options.registry.as_ref().map(|_| self.options.job.clone()),
             registry_errors: self.registry_errors.load(Ordering::Relaxed),
+            stream_dir: (self.options.stream.dir.clone())
+                .unwrap_or_else(|| crate::stream::default_dir(&self.options.socket))
+                .display()
+                .to_string(),
+            stream_keep: self.options.stream.keep,
+            stream_redis: self.options.stream.redis.clone(),
         }
     }
 

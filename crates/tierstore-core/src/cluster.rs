@@ -133,6 +133,28 @@ pub fn find_member(members: &[Member], node: &str, port: u16) -> Option<usize> {
     }
 }
 
+/// What to do about a token file that cannot be used.
+pub const TOKEN_FIX: &str = "create the job's token where every node reads it (head -c 32 /dev/urandom | base64 > \
+     ~/.tierstore/token && chmod 600 ~/.tierstore/token), or point [cluster] token_file or TIERSTORE_TOKEN_FILE \
+     at it";
+
+/// The shortest token accepted: a guessable secret would let any host on the network read the job's files.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// The job's shared secret from `path` (surrounding whitespace dropped); the error says what is wrong with
+/// the file in words that fit after its name.
+pub fn read_token(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    let token = match std::fs::read(path) {
+        Ok(t) => t.trim_ascii().to_vec(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err("no such file".into()),
+        Err(e) => return Err(format!("cannot be read ({e})")),
+    };
+    if token.len() < MIN_TOKEN_LEN {
+        return Err(format!("the token is shorter than {MIN_TOKEN_LEN} bytes; use a long random one"));
+    }
+    Ok(token)
+}
+
 /// This machine's host name.
 pub fn hostname() -> String {
     let mut buf = [0u8; 256];

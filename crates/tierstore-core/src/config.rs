@@ -104,11 +104,34 @@ pub enum Verify {
 /// When a cached copy is checked against the source's current version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Revalidate {
-    /// On every open, with one `stat` of the source: a changed file is never served stale.
+    /// On every open, with one `stat` (or `HEAD`) of the source: a changed file is never served stale.
     Always,
     /// Never: the dataset is read-only for the life of the cache (MONARCH's assumption). Later epochs send
     /// no operation at all to the source; writes made through tierstore still invalidate what they change.
     Never,
+    /// Bounded staleness, as NFS's attribute cache or JuiceFS's `--attr-cache`: a copy confirmed against
+    /// the source within this long is used without asking; an older one is confirmed together with the
+    /// rest of its directory (one listing, see `cache/confirm.rs`), so that a change on the source is
+    /// seen within the duration and a warm epoch costs a few requests per directory, not one per open.
+    Within(std::time::Duration),
+}
+
+impl Revalidate {
+    /// How the mode is written in the configuration (`"always"`, `"never"`, `"30s"`).
+    pub fn name(&self) -> String {
+        match self {
+            Revalidate::Always => "always".into(),
+            Revalidate::Never => "never".into(),
+            Revalidate::Within(d) => {
+                let ms = d.as_millis();
+                if ms % 1000 == 0 {
+                    format!("{}s", ms / 1000)
+                } else {
+                    format!("{ms}ms")
+                }
+            }
+        }
+    }
 }
 
 /// The effective configuration of a cache.
@@ -188,6 +211,10 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_TOKEN_FILE",
     "TIERSTORE_REGISTRY",
     "TIERSTORE_JOB",
+    // The node agent's model streams: the Redis versions are announced in, versions kept, where kept.
+    "TIERSTORE_STREAM_REDIS",
+    "TIERSTORE_STREAM_KEEP",
+    "TIERSTORE_STREAM_DIR",
     // `tierstore run --order`: the job's order, its budget, and the read marks the launcher hands the shim.
     "TIERSTORE_ORDER",
     "TIERSTORE_ORDER_BUDGET",
@@ -267,6 +294,8 @@ struct Raw {
     slurm_job: Option<String>,
     /// `[[writeback]]` tables, or `$TIERSTORE_WRITEBACK` in their form (see `crate::writeback::config`).
     writeback: Option<(toml::Value, Origin)>,
+    /// `[stream]` keys, each with where it was set.
+    stream: BTreeMap<&'static str, (toml::Value, Origin)>,
 }
 
 struct RawTier {
@@ -275,8 +304,21 @@ struct RawTier {
     kind: Option<String>,
 }
 
-const TOP_KEYS: &[&str] =
-    &["source", "tiers", "policy", "threads", "inline_max", "verify", "revalidate", "cluster", "s3", "writeback"];
+const TOP_KEYS: &[&str] = &[
+    "source",
+    "tiers",
+    "policy",
+    "threads",
+    "inline_max",
+    "verify",
+    "revalidate",
+    "cluster",
+    "s3",
+    "writeback",
+    "stream",
+];
+/// The keys of the `[stream]` table: the node agent's side of model streaming.
+pub const STREAM_KEYS: &[&str] = &["redis", "keep", "dir"];
 const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
 const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
 
@@ -382,6 +424,16 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                 }
             }
             "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
+            "stream" => {
+                let fix = "write a [stream] table: redis = \"redis://head-node:6379\", keep = 2";
+                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
+                for (sk, sv) in t {
+                    let Some(&name) = STREAM_KEYS.iter().find(|k| **k == sk.as_str()) else {
+                        return Err(unknown_key(&origin, &format!("stream.{sk}"), sv, STREAM_KEYS));
+                    };
+                    raw.stream.insert(name, (sv.clone(), origin.clone()));
+                }
+            }
             other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
         }
     }
@@ -479,9 +531,10 @@ fn validate_cluster(
         }
         c.listen = v;
     }
-    if let Some((v, _)) = text("token_file") {
+    let token_origin = text("token_file").map(|(v, o)| {
         c.token_file = Some(expand_home(&v));
-    }
+        (v, o.clone())
+    });
     if let Some((v, o)) = text("registry") {
         if !(v.starts_with("redis://") || v.starts_with("rediss://") || v.starts_with("redis+unix://")) {
             return Err(bad(o, "cluster.registry", &v, "is not a Redis URL", "write redis://HOST:6379"));
@@ -494,6 +547,13 @@ fn validate_cluster(
     };
     if c.sharing == Sharing::Off {
         return Ok(c);
+    }
+    if let (Some(path), Some((v, o))) = (&c.token_file, &token_origin) {
+        // Read now, so that a missing token is one message at start rather than a failure deep in the
+        // first read that crosses nodes.
+        if let Err(problem) = crate::cluster::read_token(path) {
+            return Err(bad(o, "cluster.token_file", v, &problem, crate::cluster::TOKEN_FIX));
+        }
     }
     if c.registry.is_some() && !keys.contains_key("peers") {
         // The members are whoever registered: the agent keeps the list, and every process asks it.
@@ -662,6 +722,10 @@ fn check_source_dir(source: &Path, origin: &Origin, text: &str) -> Result<(), Co
     }
 }
 
+/// What tierstore reads of Slurm's environment: the job's nodes (the members, unless listed) and its id
+/// (the job's name in a shared registry, unless `job` is set), so that two jobs on one Redis stay apart.
+const SLURM_VARS: &[&str] = &["SLURM_JOB_NODELIST", "SLURM_JOB_ID"];
+
 impl Config {
     /// The environment that lets child processes skip checking and resolving the source again (see
     /// [`RESOLVED_FROM_ENV`]).
@@ -673,9 +737,7 @@ impl Config {
     /// Builds the effective configuration from the file, the environment and `overrides`, and validates
     /// it. Tier directories are created here so that a tier that cannot exist fails at start.
     pub fn load(overrides: &Overrides) -> Result<Config, ConfigError> {
-        let env: BTreeMap<String, String> =
-            std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_") || k == "SLURM_JOB_NODELIST").collect();
-        Self::load_with_env(overrides, &env)
+        Self::load_with_env(overrides, &job_env())
     }
 
     /// [`Config::load`] with an explicit environment (tests).
@@ -728,6 +790,13 @@ impl Config {
         ] {
             if let Some(v) = env.get(name) {
                 raw.cluster.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
+            }
+        }
+        for (name, key) in
+            [("TIERSTORE_STREAM_REDIS", "redis"), ("TIERSTORE_STREAM_KEEP", "keep"), ("TIERSTORE_STREAM_DIR", "dir")]
+        {
+            if let Some(v) = env.get(name) {
+                raw.stream.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
             }
         }
         if let (Some(from), Some(to)) = (env.get(RESOLVED_FROM_ENV), env.get(RESOLVED_ENV)) {
@@ -1004,13 +1073,18 @@ impl Config {
             |text, origin| match text {
                 "always" => Ok(Revalidate::Always),
                 "never" => Ok(Revalidate::Never),
+                // A bare number would be ambiguous between seconds and a count: a duration needs its unit.
+                _ if text.trim().ends_with(|c: char| c.is_ascii_alphabetic()) && parse_duration(text).is_some() => {
+                    Ok(Revalidate::Within(parse_duration(text).expect("checked")))
+                }
                 _ => Err(bad(
                     origin,
                     "revalidate",
                     format!("\"{text}\""),
                     "unknown revalidation mode",
-                    "use \"always\" (stat the source on every open: never stale) or \"never\" (trust the \
-                     cache for a read-only dataset: no source operation at all after the first epoch)",
+                    "use \"always\" (ask the source on every open: never stale), a duration such as \"60s\" \
+                     (trust a copy confirmed within it; a change is seen within that long) or \"never\" (trust \
+                     the cache for a read-only dataset: no source operation at all after the first epoch)",
                 )),
             },
         )?;
@@ -1019,6 +1093,19 @@ impl Config {
         let writeback = crate::writeback::config::validate(raw.writeback.as_ref())?;
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
+        }
+        // Each part of [cluster] may come from elsewhere than `sharing` (TIERSTORE_PEERS, TIERSTORE_NODE,
+        // Slurm's variables): `config show` says where each came from.
+        for key in CLUSTER_KEYS {
+            if let Some((_, o)) = raw.cluster.get(key) {
+                origins.insert(format!("cluster.{key}"), o.clone());
+            }
+        }
+        if !raw.cluster.contains_key("peers") && raw.slurm_nodes.is_some() {
+            origins.insert("cluster.peers".into(), Origin::Env("SLURM_JOB_NODELIST".into()));
+        }
+        if !raw.cluster.contains_key("job") && raw.slurm_job.is_some() {
+            origins.insert("cluster.job".into(), Origin::Env("SLURM_JOB_ID".into()));
         }
         Ok(Config {
             source,
@@ -1037,20 +1124,61 @@ impl Config {
     }
 }
 
+/// The variables the configuration reads: tierstore's own and Slurm's.
+fn job_env() -> BTreeMap<String, String> {
+    std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_") || SLURM_VARS.contains(&k.as_str())).collect()
+}
+
 /// Only the `[[writeback]]` destinations of the configuration (the file, then `$TIERSTORE_WRITEBACK`):
 /// what writers and the agent need, with no source required.
 pub fn load_writeback(overrides: &Overrides) -> Result<Vec<crate::writeback::Destination>, ConfigError> {
-    let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
-    let raw = Config::layers(overrides, &env)?;
+    let raw = Config::layers(overrides, &job_env())?;
     crate::writeback::config::validate(raw.writeback.as_ref())
 }
 
-/// Only the `[cluster]` settings of the configuration (the file, then `TIERSTORE_*`), with no source
-/// required: what a write-back reader needs to ask the other nodes for files staged there.
+/// Only the `[cluster]` settings of the configuration (the file, then `TIERSTORE_*` and Slurm's), with no
+/// source required: what a write-back reader needs to ask the other nodes for files staged there.
 pub fn load_cluster(overrides: &Overrides) -> Result<ClusterConfig, ConfigError> {
-    let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with("TIERSTORE_")).collect();
-    let raw = Config::layers(overrides, &env)?;
+    let raw = Config::layers(overrides, &job_env())?;
     validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())
+}
+
+/// The node agent's side of model streaming (`[stream]`, `TIERSTORE_STREAM_*`); each unset key leaves the
+/// agent's default (versions announced in the `[cluster]` registry when there is one, 2 kept, on /dev/shm).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// The Redis that versions are announced in and followed from across nodes (`redis://HOST:PORT`).
+    pub redis: Option<String>,
+    /// Versions kept per stream besides those a consumer still holds.
+    pub keep: Option<usize>,
+    /// Where the versions' tensors are kept (memory: a directory on /dev/shm).
+    pub dir: Option<PathBuf>,
+}
+
+/// Only the `[stream]` settings of the configuration, with no source required (an agent that only
+/// streams models serves no dataset).
+pub fn load_stream(overrides: &Overrides) -> Result<StreamConfig, ConfigError> {
+    let raw = Config::layers(overrides, &job_env())?;
+    let mut c = StreamConfig::default();
+    for (&k, (v, o)) in &raw.stream {
+        let text = scalar(v);
+        match k {
+            "redis" => {
+                if !(text.starts_with("redis://") || text.starts_with("rediss://") || text.starts_with("redis+unix://"))
+                {
+                    return Err(bad(o, "stream.redis", &text, "is not a Redis URL", "write redis://HOST:6379"));
+                }
+                c.redis = Some(text);
+            }
+            "keep" => {
+                c.keep = Some(text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    bad(o, "stream.keep", &text, "is not a count of versions", "use a whole number from 1 up, e.g. 2")
+                })?);
+            }
+            _ => c.dir = Some(expand_home(&text)),
+        }
+    }
+    Ok(c)
 }
 
 #[cfg(test)]

@@ -298,11 +298,7 @@ impl PyCache {
             tierstore_core::Verify::Checksum => "checksum",
         };
         out.set_item("verify", (verify, origin("verify")))?;
-        let revalidate = match c.revalidate {
-            tierstore_core::Revalidate::Always => "always",
-            tierstore_core::Revalidate::Never => "never",
-        };
-        out.set_item("revalidate", (revalidate, origin("revalidate")))?;
+        out.set_item("revalidate", (c.revalidate.name(), origin("revalidate")))?;
         let cluster = PyDict::new(py);
         cluster.set_item("sharing", c.cluster.sharing.name())?;
         cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
@@ -312,6 +308,11 @@ impl PyCache {
         cluster.set_item("registry", c.cluster.registry.as_deref())?;
         cluster.set_item("job", &c.cluster.job)?;
         cluster.set_item("node", c.cluster.my_address())?;
+        let origins = PyDict::new(py);
+        for key in ["peers", "node", "registry", "job", "token_file", "port", "listen"] {
+            origins.set_item(key, origin(&format!("cluster.{key}")))?;
+        }
+        cluster.set_item("origins", origins)?;
         out.set_item("cluster", (cluster, origin("cluster")))?;
         Ok(out)
     }
