@@ -124,8 +124,9 @@ class S3Server:
             return False
 
     def requests(self, bucket: str) -> dict[str, int]:
-        """The S3 requests the server answered for `bucket` so far, by type (GET, HEAD, LIST, PUT...), from
-        its own Prometheus counters: the same count whichever client sent them."""
+        """The S3 requests the server answered for `bucket` so far, by type (GET, LIST, PUT...), from its own
+        Prometheus counters: the same count whichever client sent them. SeaweedFS counts a HEAD as a GET,
+        so "GET" is every request that asked about one object (a HEAD or a GET)."""
         import urllib.request
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
@@ -188,6 +189,16 @@ class S3Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
         self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOPs the server: it keeps its connections and answers nothing, as a hung store does."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONTs a paused server."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def __enter__(self) -> S3Server:
         return self

@@ -29,6 +29,7 @@ use crate::source::{CopyFault, PosixSource, Source, SourceFile};
 use crate::tier::Tier;
 use crate::Error;
 
+mod confirm;
 mod peers;
 pub use peers::Served;
 mod order;
@@ -227,7 +228,10 @@ impl Cache {
             (false, _) | (_, crate::cluster::Sharing::Off) => None,
             _ => {
                 let token = match &config.cluster.token_file {
-                    Some(f) => Some(std::fs::read(f).map_err(|e| Error::io(f, e))?.trim_ascii().to_vec()),
+                    Some(f) => Some(crate::cluster::read_token(f).map_err(|problem| Error::Tier {
+                        path: f.clone(),
+                        message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
+                    })?),
                     None => None,
                 };
                 Some(crate::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
@@ -919,24 +923,28 @@ impl Inner {
         }
     }
 
-    /// The version of the source file to serve, when it is known without opening the file: asked of the
-    /// source with a `stat` (`revalidate = "always"`), or taken from a published entry when the dataset is
-    /// trusted to be read-only (`"never"`). `None`: a trusted file no tier holds; the thread that leads its
-    /// fetch opens it and identifies it by `fstat`, so a miss costs the store one open, and threads that
-    /// wait for that fetch do not touch the store at all.
+    /// The version of the source file to serve, when a tier holds a copy of it to check: see
+    /// [`Inner::current_identity`]. `None` when no tier holds one: there is nothing to check, so the
+    /// thread that leads the fetch opens the file under the node's fetch lock and identifies it from the
+    /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
+    /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
     fn known_identity(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
-        if self.config.revalidate == Revalidate::Never {
-            if let Some(e) = self.published(key, rel) {
-                return Ok(Some(e.source));
-            }
-            // Another process is fetching it: a stat will do, the copy follows. (Opening a file while it is
-            // read makes some clients, FUSE among them, drop their cache of it.) An object store charges a
-            // HEAD as much as a GET, so there the lock is waited for instead (see `lead_object_flight`).
-            if !self.fetch_pending(key) || self.posix().is_none() {
-                return Ok(None);
-            }
+        match self.published(key, rel) {
+            Some(e) => self.current_identity(key, rel, &e).map(Some),
+            None => Ok(None),
         }
-        self.source.identify(rel).map(Some).map_err(|e| Error::io(&self.source.path_of(rel), e))
+    }
+
+    /// The version of `rel` to serve when a tier holds the copy `e`: the copy's own when the dataset is
+    /// trusted (`revalidate = "never"`) or the copy was confirmed recently enough (`"<duration>"`; else its
+    /// directory is confirmed now, see `cache/confirm.rs`), or the source's current one, asked with one
+    /// `stat` or `HEAD` (`"always"`).
+    fn current_identity(&self, key: &Key, rel: &str, e: &Entry) -> Result<SourceId, Error> {
+        match self.config.revalidate {
+            Revalidate::Never => Ok(e.source),
+            Revalidate::Within(d) => self.confirmed_identity(key, rel, e, d),
+            Revalidate::Always => self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err)),
+        }
     }
 
     /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
@@ -952,6 +960,10 @@ impl Inner {
     }
 
     /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
+    /// `seen`: a time at or before which the source showed the version `known` (or will show the one the
+    /// leader opens), which its copy records as confirmed.
+    // The arguments are one fetch's (what, which version, since when, its flight, why, the open source).
+    #[allow(clippy::too_many_arguments)]
     fn lead_flight(
         self: &Arc<Self>,
         key: &Key,
@@ -960,16 +972,12 @@ impl Inner {
         flight: Arc<Flight>,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
+        seen: u64,
     ) -> Result<Fetched, Error> {
-        if known.is_none() && self.posix().is_none() {
-            return self.lead_object_flight(key, rel, known, flight, purpose, pre);
+        match *known {
+            Some(sid) => self.lead(key, rel, sid, flight, purpose, pre, seen),
+            None => self.lead_unknown_flight(key, rel, known, flight, purpose, pre, seen),
         }
-        let sid = match *known {
-            Some(sid) => sid,
-            None => self.open_for_flight(key, rel, &flight, pre)?,
-        };
-        *known = Some(sid);
-        self.lead(key, rel, sid, flight, purpose, pre)
     }
 
     /// Opens and identifies `rel` for the flight of `key` it leads, keeping the open file in `pre`; on
@@ -987,16 +995,18 @@ impl Inner {
                 Ok(sid)
             }
             Err(e) => {
-                self.flights.land(key, flight);
+                self.fail_flight(key, flight, &e);
                 Err(e)
             }
         }
     }
 
-    /// [`Inner::lead_flight`] for an object no tier holds. Opening an object fetches its first bytes (the
-    /// whole of a small one), so the node-wide lock is taken first: processes racing for the same cold
-    /// object then send one GET between them, and the ones that waited find it published.
-    fn lead_object_flight(
+    /// [`Inner::lead_flight`] for a file no tier held when the open began. The node-wide fetch lock is
+    /// taken before the source is opened: processes racing for the same cold file then send the store one
+    /// open (one `GET`) between them, whatever the `revalidate` mode, and the ones that waited find it
+    /// published and check it as any copy.
+    #[allow(clippy::too_many_arguments)]
+    fn lead_unknown_flight(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
@@ -1004,6 +1014,7 @@ impl Inner {
         flight: Arc<Flight>,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
+        seen: u64,
     ) -> Result<Fetched, Error> {
         let guard = match self.locks.lock(key) {
             Ok(g) => Some(g),
@@ -1012,19 +1023,36 @@ impl Inner {
                 None
             }
         };
-        let sid = match self.published(key, rel) {
-            // Another process fetched it while this one waited: serve its copy (checked as any hit).
-            Some(e) if self.config.revalidate == Revalidate::Never => e.source,
-            _ => self.open_for_flight(key, rel, &flight, pre)?,
+        let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
+        let sid = match published {
+            Some(Ok(sid)) => sid,
+            Some(Err(e)) => {
+                self.fail_flight(key, &flight, &e);
+                return Err(e);
+            }
+            None => self.open_for_flight(key, rel, &flight, pre)?,
         };
         *known = Some(sid);
         match guard {
-            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre),
+            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen),
             None => {
                 self.flights.land(key, &flight);
                 Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
             }
         }
+    }
+
+    /// Lands a flight whose source request failed with `e`, handing the error to its waiters.
+    fn fail_flight(&self, key: &Key, flight: &Arc<Flight>, e: &Error) {
+        if let Error::Io { source, .. } = e {
+            flight.deliver(Outcome::failed(source));
+        }
+        self.flights.land(key, flight);
+    }
+
+    /// The waiter's side of [`Inner::fail_flight`].
+    fn flight_failed(&self, rel: &str, kind: io::ErrorKind, message: &str) -> Error {
+        Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
     }
 
     /// The first published entry of `key` in tier order, with the tier's index.
@@ -1056,16 +1084,12 @@ impl Inner {
         self.directories()?.link(&key_of(rel), rel).ok().flatten()
     }
 
-    /// Whether some process holds a reservation for `key` (a fetch in flight).
-    fn fetch_pending(&self, key: &Key) -> bool {
-        self.tiers.iter().any(|t| matches!(t.index.as_ref().map(|ix| ix.lookup(key)), Ok(Ok(Some(e))) if !e.ready))
-    }
-
     fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
         self.published_in(key, rel).map(|(_, e)| e)
     }
 
     fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
+        let seen = now_ns();
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
@@ -1083,7 +1107,7 @@ impl Inner {
                     if let Some(Fetched::Reader(r)) = self.from_peer(&key, rel, &mut known, &flight, Purpose::Read) {
                         return Ok(r);
                     }
-                    match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre)? {
+                    match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre, seen)? {
                         Fetched::Reader(r) => return Ok(r),
                         Fetched::Cached
                         | Fetched::Uncached
@@ -1102,6 +1126,7 @@ impl Inner {
                         return Ok(Reader::new(Backing::Growing(g), size, rel.into(), self.source.clone()));
                     }
                     Outcome::Retry => {}
+                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
                 },
             }
             if known.is_none() {
@@ -1290,6 +1315,7 @@ impl Inner {
     }
 
     /// Fetches `key` under the node-wide fetch lock (the caller leads the in-process flight).
+    #[allow(clippy::too_many_arguments)]
     fn lead(
         self: &Arc<Self>,
         key: &Key,
@@ -1298,6 +1324,7 @@ impl Inner {
         flight: Arc<Flight>,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
+        seen: u64,
     ) -> Result<Fetched, Error> {
         let guard = match self.locks.lock(key) {
             Ok(g) => g,
@@ -1307,13 +1334,14 @@ impl Inner {
                 return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
             }
         };
-        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre)
+        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen)
     }
 
-    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose and
-    // the source descriptor it may already have); bundling them would only rename them.
+    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose,
+    // the source descriptor it may already have, and when the source showed the version); bundling them
+    // would only rename them.
     #[allow(clippy::too_many_arguments)]
-    fn fetch_locked(
+    pub(super) fn fetch_locked(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
@@ -1322,6 +1350,7 @@ impl Inner {
         guard: FetchGuard,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
+        seen: u64,
     ) -> Result<Fetched, Error> {
         let land = |f: Fetched| {
             self.flights.land(key, &flight);
@@ -1336,7 +1365,7 @@ impl Inner {
         }
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
         self.remove_entries(key);
-        let Some(t) = self.place(key, rel, sid) else {
+        let Some(t) = self.place(key, rel, sid, seen) else {
             self.source.counters().add(src_slot::UNCACHED, 1);
             drop(guard);
             return land(match purpose {
@@ -1360,6 +1389,7 @@ impl Inner {
                     Err(e) => {
                         self.abort(t, key);
                         drop(guard);
+                        flight.deliver(Outcome::failed(&e));
                         self.flights.land(key, &flight);
                         return Err(Error::io(&self.source.path_of(rel), e));
                     }
@@ -1473,6 +1503,7 @@ impl Inner {
     fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
         // A program can follow a growing copy only beside a descriptor of the source itself.
         let stream = stream && self.posix().is_some();
+        let seen = now_ns();
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
@@ -1491,7 +1522,7 @@ impl Inner {
                 // caller gets a complete copy.
                 Role::Leader(flight) => match self
                     .from_peer(&key, rel, &mut known, &flight, Purpose::Native)
-                    .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre), Ok)?
+                    .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre, seen), Ok)?
                 {
                     Fetched::Uncached | Fetched::NoRoom => break,
                     Fetched::Reader(r) => {
@@ -1502,14 +1533,14 @@ impl Inner {
                     Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
                     Fetched::Cached | Fetched::Skipped => {}
                 },
-                Role::Follower(flight) => {
-                    if let Outcome::Growing(copy) = flight.wait() {
-                        if stream {
-                            let source = self.source_descriptor(rel, None)?;
-                            return Ok(Native::Copying { source, copy });
-                        }
+                Role::Follower(flight) => match flight.wait() {
+                    Outcome::Growing(copy) if stream => {
+                        let source = self.source_descriptor(rel, None)?;
+                        return Ok(Native::Copying { source, copy });
                     }
-                }
+                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
+                    Outcome::Growing(_) | Outcome::Bytes(_) | Outcome::Retry => {}
+                },
             }
             if known.is_none() {
                 known = self.known_identity(&key, rel)?;
@@ -1540,8 +1571,9 @@ impl Inner {
         Ok(file)
     }
 
-    /// Reserves room for the entry by policy; returns the tier that took it.
-    fn place(&self, key: &Key, rel: &str, sid: SourceId) -> Option<usize> {
+    /// Reserves room for the entry by policy; returns the tier that took it. `seen`: when the source showed
+    /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
+    fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
         let free: Vec<Option<u64>> = self
             .tiers
             .iter()
@@ -1565,7 +1597,7 @@ impl Inner {
                     Err(e) => e.kind() == io::ErrorKind::NotFound,
                 }
             };
-            match ix.reserve(key, rel, sid, tier.config.quota, evict, &mut try_remove) {
+            match ix.reserve(key, rel, sid, seen, tier.config.quota, evict, &mut try_remove) {
                 Ok(Reservation::Reserved { evicted }) => {
                     tier.counters.add(tier_slot::EVICTIONS, evicted);
                     return Some(i);
@@ -1677,6 +1709,9 @@ impl Inner {
         let src = match source_file.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
             Ok(f) => f,
             Err(e) => {
+                if let Some(g) = &growing {
+                    g.fail_source(&e);
+                }
                 fail(None);
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
@@ -1690,6 +1725,12 @@ impl Inner {
         let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
             Ok(x) => x,
             Err(CopyFault::Source(e)) => {
+                // The store failed (timed out, went away): its readers fail with it now, rather than ask
+                // the store again and wait as long a second time. A tier fault, below, sends them to the
+                // source instead.
+                if let Some(g) = &growing {
+                    g.fail_source(&e);
+                }
                 fail(None);
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
@@ -1716,6 +1757,7 @@ impl Inner {
     /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
     /// prefetch racing another process's fetch of it sends no request. `None`: cached, or being fetched.
     fn prefetch_object(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<(SourceId, Fetched)>, Error> {
+        let seen = now_ns();
         let Role::Leader(flight) = self.flights.join(key) else { return Ok(None) };
         let guard = match self.locks.try_lock(key) {
             Ok(Some(guard)) => guard,
@@ -1729,25 +1771,26 @@ impl Inner {
             }
         };
         if let Some(e) = self.published(key, rel) {
-            if self.config.revalidate == Revalidate::Never && self.hit(key, rel, &e.source, false).is_some() {
+            if self.trusted_now(&e) && self.hit(key, rel, &e.source, false).is_some() {
                 self.flights.land(key, &flight);
                 return Ok(None);
             }
         }
         let mut pre = None;
         let sid = self.open_for_flight(key, rel, &flight, &mut pre)?;
-        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre)?;
+        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre, seen)?;
         Ok(Some((sid, fetched)))
     }
 
-    /// One file of a prefetch, opened and identified by the caller: copy it unless it is cached or being
-    /// fetched by someone else.
+    /// One file of a prefetch, opened and identified by the caller (at `seen` or after): copy it unless
+    /// it is cached or being fetched by someone else.
     fn prefetch_file(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
         sid: SourceId,
         file: SourceFile,
+        seen: u64,
     ) -> Result<Fetched, Error> {
         if self.hit(key, rel, &sid, false).is_some() {
             return Ok(Fetched::Skipped);
@@ -1758,7 +1801,9 @@ impl Inner {
         // Never block a prefetch worker on another process's fetch: it is being done, which is all a
         // prefetch wants.
         match self.locks.try_lock(key) {
-            Ok(Some(guard)) => self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file)),
+            Ok(Some(guard)) => {
+                self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen)
+            }
             Ok(None) => {
                 self.flights.land(key, &flight);
                 Ok(Fetched::Skipped)

@@ -19,6 +19,16 @@ pub enum Outcome {
     Growing(Arc<Growing>),
     /// Nothing to share: look the file up again (it was published, or must be read from the source).
     Retry,
+    /// The source failed the leader's request (the file is missing, the store timed out): the waiters
+    /// fail with the same error rather than each send the store the request again and wait as long.
+    Failed(std::io::ErrorKind, Arc<str>),
+}
+
+impl Outcome {
+    /// The outcome of a source request that failed with `e`.
+    pub fn failed(e: &std::io::Error) -> Outcome {
+        Outcome::Failed(e.kind(), e.to_string().into())
+    }
 }
 
 /// One fetch in flight.

@@ -163,16 +163,23 @@ pub struct Entry {
     pub checksum: Option<[u8; 32]>,
     /// The source-relative path (for listings, and to check key collisions).
     pub rel: String,
+    /// When the source last showed this version (nanoseconds since the epoch; 0: not known): taken before
+    /// the request that identified it, so never later than the truth. `revalidate = "<duration>"` uses
+    /// the copy without asking the source while this is recent enough.
+    pub confirmed_ns: u64,
 }
 
 /// Layout of a record: a format byte (`FORMAT` | ready), the pid, seven u64s (size, mtime, inode, device,
 /// and the three access statistics), the checksum flag and checksum, then (format 2) ctime and the
-/// recorded attributes, then the path. Format-1 records (no format bits, no ctime) still decode: their
-/// ctime reads as 0, so with revalidation they no longer match the source and are fetched again.
+/// recorded attributes, then (format 3) the confirmation time, then the path. Older records still
+/// decode: format 1 (no format bits, no ctime) with a ctime of 0, so that with revalidation they no longer
+/// match the source and are fetched again; formats 1 and 2 with no confirmation time (0: confirm first).
 const HEADER_V1: usize = 1 + 4 + 8 * 7 + 1 + 32;
 const ATTRS: usize = 8 + 1 + 4 * 3 + 8 * 4 + 1;
-const HEADER: usize = HEADER_V1 + ATTRS;
-const FORMAT: u8 = 0x20;
+const HEADER_V2: usize = HEADER_V1 + ATTRS;
+const HEADER: usize = HEADER_V2 + 8;
+const FORMAT_V2: u8 = 0x20;
+const FORMAT: u8 = 0x30;
 
 impl Entry {
     fn encode(&self) -> Vec<u8> {
@@ -202,6 +209,7 @@ impl Entry {
             v.extend_from_slice(&x.to_le_bytes());
         }
         v.push(a.canonical as u8);
+        v.extend_from_slice(&self.confirmed_ns.to_le_bytes());
         v.extend_from_slice(self.rel.as_bytes());
         v
     }
@@ -212,8 +220,17 @@ impl Entry {
     }
 
     fn decode(b: &[u8]) -> Option<Entry> {
-        let v2 = b.first()? & 0xf0 == FORMAT;
-        if b.len() < if v2 { HEADER } else { HEADER_V1 } {
+        let format = b.first()? & 0xf0;
+        let (v2, v3) = (format == FORMAT_V2 || format == FORMAT, format == FORMAT);
+        if b.len()
+            < if v3 {
+                HEADER
+            } else if v2 {
+                HEADER_V2
+            } else {
+                HEADER_V1
+            }
+        {
             return None;
         }
         let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
@@ -233,10 +250,11 @@ impl Entry {
                 blocks: u(at + 45),
                 canonical: b[at + 53] == 1,
             });
-            (u(at) as i64, attrs, HEADER)
+            (u(at) as i64, attrs, if v3 { HEADER } else { HEADER_V2 })
         } else {
             (0, None, HEADER_V1)
         };
+        let confirmed_ns = if v3 { u(HEADER_V2) } else { 0 };
         Some(Entry {
             ready: b[0] & 1 == 1,
             pid: w(1),
@@ -251,6 +269,7 @@ impl Entry {
             stats: AccessStats { inserted_seq: field(4), last_access_ns: field(5), hits: field(6) },
             checksum: has_sum.then_some(sum),
             rel: String::from_utf8_lossy(&b[rel_at..]).into_owned(),
+            confirmed_ns,
         })
     }
 }
@@ -337,6 +356,7 @@ impl Link {
             stats: AccessStats::default(),
             checksum: None,
             rel: rel.into(),
+            confirmed_ns: 0,
         };
         let entry = e.encode();
         let mut v = Vec::with_capacity(8 + entry.len() + self.target.len());
@@ -416,6 +436,22 @@ fn get_u64(txn: &crate::lmdb::Txn<'_>, db: Db, key: &[u8]) -> Result<u64, LmdbEr
     Ok(txn.get(db, key)?.and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0))
 }
 
+/// The meta key of the version a listing found in place of a cached one (see [`Index::superseded`]).
+fn superseded_key(key: &Key) -> [u8; 27] {
+    let mut k = [0u8; 27];
+    k[..11].copy_from_slice(b"superseded:");
+    k[11..].copy_from_slice(key);
+    k
+}
+
+/// The meta key of a directory's last confirmation (see [`Index::confirm`]).
+fn confirmed_key(dir: &Key) -> [u8; 26] {
+    let mut k = [0u8; 26];
+    k[..10].copy_from_slice(b"confirmed:");
+    k[10..].copy_from_slice(dir);
+    k
+}
+
 fn rank_key(rank: &[u8; 16], key: &Key) -> [u8; 32] {
     let mut k = [0u8; 32];
     k[..16].copy_from_slice(rank);
@@ -476,14 +512,19 @@ impl Index {
         txn.put(self.meta, USED, &used.to_le_bytes())
     }
 
-    /// Reserves room for `rel` (a fetch of `source`) as a pending entry of this process, evicting by the
-    /// policy if `evict` is set and the tier is full. An existing entry of the key is replaced (the caller
-    /// holds the key's fetch lock, so it is stale or left by a dead fetcher).
+    /// Reserves room for `rel` (a fetch of `source`, which the source showed at `confirmed_ns`) as a
+    /// pending entry of this process, evicting by the policy if `evict` is set and the tier is full. An
+    /// existing entry of the key is replaced (the caller holds the key's fetch lock, so it is stale or
+    /// left by a dead fetcher).
+    // The arguments are one reservation's (what, which version, since when, where, how) and the eviction
+    // callback; bundling them would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub fn reserve(
         &self,
         key: &Key,
         rel: &str,
         source: SourceId,
+        confirmed_ns: u64,
         quota: u64,
         evict: bool,
         try_remove: TryRemove<'_>,
@@ -537,8 +578,10 @@ impl Index {
             stats: AccessStats::default(),
             checksum: None,
             rel: rel.to_string(),
+            confirmed_ns,
         };
         txn.put(self.entries, key, &entry.encode())?;
+        txn.del(self.meta, &superseded_key(key))?;
         txn.put(self.meta, USED, &(used + size).to_le_bytes())?;
         txn.commit()?;
         Ok(Reservation::Reserved { evicted })
@@ -580,7 +623,15 @@ impl Index {
 
     /// Records what `stat` (or with `attrs.canonical`, `lstat`) said of the source directory `rel`.
     pub fn record_directory(&self, key: &Key, rel: &str, source: SourceId) -> Result<(), IndexError> {
-        let e = Entry { ready: true, pid: 0, source, stats: AccessStats::default(), checksum: None, rel: rel.into() };
+        let e = Entry {
+            ready: true,
+            pid: 0,
+            source,
+            stats: AccessStats::default(),
+            checksum: None,
+            rel: rel.into(),
+            confirmed_ns: 0,
+        };
         let mut txn = self.env.write()?;
         txn.put(self.dirs, key, &e.encode())?;
         txn.commit()?;
@@ -675,6 +726,57 @@ impl Index {
         txn.put(self.meta, STATFS, raw)?;
         txn.commit()?;
         Ok(())
+    }
+
+    /// Records that the source showed each `(key, version)` at `at_ns`, in one listing of the directory
+    /// whose confirmation key is `dir`: every published entry of such a key whose version is that one is
+    /// confirmed then; an entry of another version, or of a file the listing did not show, is left as it
+    /// is, and the directory's own record says that it was not confirmed with the others (see
+    /// [`Index::directory_confirmed`]). One write for all of them. Returns how many entries were confirmed.
+    pub fn confirm(&self, dir: &Key, seen: &[(Key, SourceId)], at_ns: u64) -> Result<usize, IndexError> {
+        let mut txn = self.env.write()?;
+        if get_u64(&txn, self.meta, &confirmed_key(dir))? < at_ns {
+            txn.put(self.meta, &confirmed_key(dir), &at_ns.to_le_bytes())?;
+        }
+        let mut confirmed = 0;
+        for (key, sid) in seen {
+            let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { continue };
+            if !e.ready || e.confirmed_ns >= at_ns {
+                continue;
+            }
+            if e.source != *sid {
+                // Another version is on the source now: remembered, so that the open of this file does not
+                // ask the source again what the listing just said.
+                let listed =
+                    Entry { source: *sid, ready: false, pid: 0, checksum: None, stats: AccessStats::default(), ..e };
+                let mut v = at_ns.to_le_bytes().to_vec();
+                v.extend_from_slice(&listed.encode());
+                txn.put(self.meta, &superseded_key(key), &v)?;
+                continue;
+            }
+            e.confirmed_ns = at_ns;
+            txn.put(self.entries, key, &e.encode())?;
+            confirmed += 1;
+        }
+        txn.commit()?;
+        Ok(confirmed)
+    }
+
+    /// The version of `key`'s file that a listing found on the source in place of the cached one, and when
+    /// (see [`Index::confirm`]); forgotten once the file is fetched again.
+    pub fn superseded(&self, key: &Key) -> Result<Option<(u64, SourceId)>, IndexError> {
+        let txn = self.env.read()?;
+        let Some(b) = txn.get(self.meta, &superseded_key(key))? else { return Ok(None) };
+        let at = b.get(..8).and_then(|a| a.try_into().ok()).map(u64::from_le_bytes).ok_or(IndexError::Damaged)?;
+        let e = Entry::decode(&b[8..]).ok_or(IndexError::Damaged)?;
+        Ok(Some((at, e.source)))
+    }
+
+    /// When the directory whose confirmation key is `dir` was last listed to confirm its copies (0: never).
+    /// A copy older than that listing was not confirmed by it: its file changed or went.
+    pub fn directory_confirmed(&self, dir: &Key) -> Result<u64, IndexError> {
+        let txn = self.env.read()?;
+        Ok(get_u64(&txn, self.meta, &confirmed_key(dir))?)
     }
 
     /// Removes the entry of `key` if `matches` approves of it; returns the removed entry.
@@ -791,6 +893,7 @@ mod tests {
             stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
             checksum: Some([9; 32]),
             rel: "a/b.jpg".into(),
+            confirmed_ns: 1_700_000_000_000_000_000,
         };
         let back = Entry::decode(&e.encode()).unwrap();
         assert_eq!(back, e);
@@ -845,8 +948,10 @@ mod tests {
             stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
             checksum: None,
             rel: "a/b.jpg".into(),
+            confirmed_ns: 12,
         };
-        // A format-1 record: the format-2 one without its ctime and attributes, and no format bits.
+        // A format-1 record: the format-3 one without its ctime, attributes and confirmation, and no
+        // format bits.
         let mut old = e.encode();
         old.drain(HEADER_V1..HEADER);
         old[0] = 1;
@@ -857,13 +962,59 @@ mod tests {
     }
 
     #[test]
+    fn format_2_records_decode_as_never_confirmed() {
+        let e = Entry {
+            ready: true,
+            pid: 42,
+            source: sid(9),
+            stats: AccessStats { inserted_seq: 1, last_access_ns: 2, hits: 3 },
+            checksum: None,
+            rel: "a/b.jpg".into(),
+            confirmed_ns: 12,
+        };
+        let mut old = e.encode();
+        old.drain(HEADER_V2..HEADER);
+        old[0] = FORMAT_V2 | 1;
+        let back = Entry::decode(&old).unwrap();
+        assert_eq!(back, Entry { confirmed_ns: 0, ..e });
+    }
+
+    #[test]
+    fn confirming_a_listing_touches_only_published_entries_of_the_listed_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let idx = Index::open(dir.path(), Policy::Fill).unwrap();
+        let mut yes = |_: &Key, _: &Entry| true;
+        for (name, size) in [("d/same", 10), ("d/changed", 20), ("d/pending", 30)] {
+            idx.reserve(&key_of(name), name, sid(size), 5, 1000, false, &mut yes).unwrap();
+        }
+        idx.publish(&key_of("d/same"), None, 1).unwrap();
+        idx.publish(&key_of("d/changed"), None, 1).unwrap();
+        let seen = [
+            (key_of("d/same"), sid(10)),
+            (key_of("d/changed"), sid(21)),
+            (key_of("d/pending"), sid(30)),
+            (key_of("d/unknown"), sid(1)),
+        ];
+        let dir = key_of("\0d");
+        assert_eq!(idx.directory_confirmed(&dir).unwrap(), 0);
+        assert_eq!(idx.confirm(&dir, &seen, 100).unwrap(), 1);
+        let at = |name: &str| idx.lookup(&key_of(name)).unwrap().unwrap().confirmed_ns;
+        assert_eq!((at("d/same"), at("d/changed"), at("d/pending")), (100, 5, 5));
+        assert_eq!(idx.directory_confirmed(&dir).unwrap(), 100);
+        assert_eq!(idx.superseded(&key_of("d/changed")).unwrap(), Some((100, sid(21))));
+        assert_eq!(idx.superseded(&key_of("d/same")).unwrap(), None);
+        assert_eq!(idx.confirm(&dir, &seen, 50).unwrap(), 0, "an older confirmation never goes back in time");
+        assert_eq!((at("d/same"), idx.directory_confirmed(&dir).unwrap()), (100, 100));
+    }
+
+    #[test]
     fn quota_is_never_exceeded_and_eviction_follows_the_policy() {
         let dir = tempfile::tempdir().unwrap();
         let idx = Index::open(dir.path(), Policy::Fifo).unwrap();
         let mut keep_all = |_: &Key, _: &Entry| true;
         for i in 0..3 {
             let k = key_of(&format!("f{i}"));
-            let r = idx.reserve(&k, &format!("f{i}"), sid(40), 100, false, &mut keep_all).unwrap();
+            let r = idx.reserve(&k, &format!("f{i}"), sid(40), 0, 100, false, &mut keep_all).unwrap();
             if i < 2 {
                 assert_eq!(r, Reservation::Reserved { evicted: 0 });
                 assert!(idx.publish(&k, None, i).unwrap());
@@ -879,7 +1030,7 @@ mod tests {
         };
         let k = key_of("f2");
         assert_eq!(
-            idx.reserve(&k, "f2", sid(40), 100, true, &mut remove).unwrap(),
+            idx.reserve(&k, "f2", sid(40), 0, 100, true, &mut remove).unwrap(),
             Reservation::Reserved { evicted: 1 }
         );
         assert_eq!(removed, vec!["f0".to_string()]);
@@ -893,12 +1044,12 @@ mod tests {
         let mut yes = |_: &Key, _: &Entry| true;
         for i in 0..2 {
             let k = key_of(&format!("f{i}"));
-            idx.reserve(&k, &format!("f{i}"), sid(50), 100, false, &mut yes).unwrap();
+            idx.reserve(&k, &format!("f{i}"), sid(50), 0, 100, false, &mut yes).unwrap();
             idx.publish(&k, None, 10 + i).unwrap();
         }
         // f0 is older, but a reader holds it: f1 goes instead.
         let mut busy_f0 = |_: &Key, e: &Entry| e.rel != "f0";
-        let r = idx.reserve(&key_of("n"), "n", sid(50), 100, true, &mut busy_f0).unwrap();
+        let r = idx.reserve(&key_of("n"), "n", sid(50), 0, 100, true, &mut busy_f0).unwrap();
         assert_eq!(r, Reservation::Reserved { evicted: 1 });
         assert!(idx.lookup(&key_of("f0")).unwrap().is_some());
         assert!(idx.lookup(&key_of("f1")).unwrap().is_none());

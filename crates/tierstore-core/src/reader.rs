@@ -23,11 +23,13 @@ pub struct Growing {
     advanced: Condvar,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Progress {
     copied: u64,
     failed: bool,
     finished: bool,
+    /// Why the source failed the copy, when it did (rather than the tier): readers fail with it.
+    source_error: Option<(io::ErrorKind, Arc<str>)>,
 }
 
 /// Where a growing copy stands.
@@ -50,7 +52,7 @@ impl Growing {
             size: version.size,
             version,
             pid: crate::pid(),
-            progress: Mutex::new(Progress { copied: 0, failed: false, finished: false }),
+            progress: Mutex::new(Progress { copied: 0, failed: false, finished: false, source_error: None }),
             advanced: Condvar::new(),
         }
     }
@@ -77,6 +79,17 @@ impl Growing {
         self.advanced.notify_all();
     }
 
+    /// Records that the copy stopped because the source failed with `e`: its readers fail with the same
+    /// error. Asking the store again would make a reader wait out the store's deadline a second time
+    /// (and send it the same requests again) only to fail the same way.
+    pub fn fail_source(&self, e: &io::Error) {
+        let mut p = self.progress.lock().expect("progress lock");
+        p.failed = true;
+        p.source_error = Some((e.kind(), e.to_string().into()));
+        drop(p);
+        self.advanced.notify_all();
+    }
+
     /// Records that the copy is complete and checked against the source.
     pub fn finish(&self) {
         self.progress.lock().expect("progress lock").finished = true;
@@ -88,7 +101,7 @@ impl Growing {
         if self.pid != crate::pid() {
             return CopyState::Failed;
         }
-        let p = *self.progress.lock().expect("progress lock");
+        let p = self.progress.lock().expect("progress lock");
         match (p.failed, p.finished) {
             (true, _) => CopyState::Failed,
             (false, true) => CopyState::Finished,
@@ -102,31 +115,37 @@ impl Growing {
     }
 
     /// Reads at `offset` once the copy has those bytes (waiting for them); `None` if the copy failed
-    /// first, and the caller must read the source instead.
+    /// first for a reason of the tier's, and the caller must read the source instead; the source's error
+    /// if the source failed it.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Option<io::Result<usize>> {
         if offset >= self.size || buf.is_empty() {
             return Some(Ok(0));
         }
         let want = buf.len().min((self.size - offset) as usize);
-        if !self.wait_for(offset + want as u64) {
-            return None;
+        match self.wait_for(offset + want as u64) {
+            Ok(true) => Some(self.file.read_at(&mut buf[..want], offset)),
+            Ok(false) => None,
+            Err(e) => Some(Err(e)),
         }
-        Some(self.file.read_at(&mut buf[..want], offset))
     }
 
-    /// Waits until `end` bytes are copied; false if the copy failed (or belongs to a parent process whose
-    /// copy thread this forked child does not have).
-    fn wait_for(&self, end: u64) -> bool {
+    /// Waits until `end` bytes are copied; false if the copy failed for a reason of the tier's (or belongs
+    /// to a parent process whose copy thread this forked child does not have), the source's error if the
+    /// source failed it.
+    fn wait_for(&self, end: u64) -> io::Result<bool> {
         if self.pid != crate::pid() {
-            return false;
+            return Ok(false);
         }
         let mut p = self.progress.lock().expect("progress lock");
         loop {
+            if let Some((kind, message)) = &p.source_error {
+                return Err(io::Error::new(*kind, message.to_string()));
+            }
             if p.failed {
-                return false;
+                return Ok(false);
             }
             if p.copied >= end {
-                return true;
+                return Ok(true);
             }
             p = self.advanced.wait(p).expect("progress lock");
         }

@@ -165,11 +165,9 @@ pub(crate) unsafe fn serve(fd: c_int, buf: *mut c_void, count: size_t, at: Optio
     };
     match served {
         Some(Ok(n)) => Some(n as ssize_t),
-        Some(Err(e)) => {
-            crate::set_errno(e.raw_os_error().unwrap_or(libc::EIO));
-            Some(-1)
-        }
-        None => {
+        // The copy failed (the tier, or the store under the copy): the program's own descriptor of the
+        // source reads on natively, with whatever the store answers it.
+        Some(Err(_)) | None => {
             forget(fd);
             None
         }

@@ -122,6 +122,10 @@ struct State {
 struct Shared {
     inner: Arc<Inner>,
     rels: Vec<String>,
+    /// Positions whose file a tier held, trusted without asking the source, when the prefetch started:
+    /// never taken by a worker, and passed over by admission. A warm epoch so costs an index lookup per
+    /// file, once, instead of a walk of the whole order beside the readers.
+    cached: Vec<bool>,
     log: ReadLog,
     budget: u64,
     state: Mutex<State>,
@@ -146,10 +150,17 @@ impl OrderedPrefetch {
     ) -> Result<OrderedPrefetch, Error> {
         let progress = Arc::new(OrderProgress::default());
         progress.files_total.store(rels.len() as u64, Ordering::Relaxed);
-        let jobs = jobs.clamp(1, super::MAX_PREFETCH_JOBS).min(rels.len().max(1));
+        let cached: Vec<bool> =
+            rels.iter().map(|rel| inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e))).collect();
+        let warm = cached.iter().filter(|c| **c).count() as u64;
+        progress.files_cached.store(warm, Ordering::Relaxed);
+        progress.files_done.store(warm, Ordering::Relaxed);
+        let cold = rels.len() - warm as usize;
+        let jobs = jobs.clamp(1, super::MAX_PREFETCH_JOBS).min(cold.max(1));
         let shared = Arc::new(Shared {
             inner,
             rels,
+            cached,
             log,
             budget,
             state: Mutex::new(State {
@@ -284,8 +295,11 @@ impl Shared {
             if s.stopped {
                 return false;
             }
-            // Positions the readers passed are never waited for.
+            // Positions the readers passed, and those cached at the start, are never waited for.
             s.admitted = s.admitted.max(s.low);
+            while s.admitted < self.rels.len() && self.cached[s.admitted] {
+                s.admitted += 1;
+            }
             if s.admitted > position {
                 return false;
             }
@@ -356,6 +370,9 @@ impl Shared {
     fn take(&self) -> Option<usize> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.refresh(&mut s);
+        while s.next < self.rels.len() && self.cached[s.next] {
+            s.next += 1;
+        }
         if s.stopped || s.next >= self.rels.len() {
             return None;
         }
@@ -403,6 +420,7 @@ impl Shared {
             return skip(&p.files_cached); // being fetched by a reader or another process
         }
         // Identified from the open descriptor (one open), before admission: the budget needs the size.
+        let seen = super::now_ns();
         let (sid, file) = match inner.open_identified(rel) {
             Ok(x) => x,
             Err(e) => {
@@ -428,7 +446,7 @@ impl Shared {
             p.files_cached.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        match inner.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file)) {
+        match inner.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen) {
             Ok(Fetched::Cached) => {
                 p.files_fetched.fetch_add(1, Ordering::Relaxed);
                 p.bytes_fetched.fetch_add(sid.size, Ordering::Relaxed);

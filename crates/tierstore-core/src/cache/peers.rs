@@ -135,7 +135,9 @@ impl Inner {
             self.peer_failed(&who, rel, &stale);
             return None;
         }
-        let tier = if keep { self.place(key, rel, sid) } else { None };
+        // The owner vouches for the version, not for when the source last showed it: a copy kept here is
+        // confirmed against the source before `revalidate = "<duration>"` trusts it.
+        let tier = if keep { self.place(key, rel, sid, 0) } else { None };
         let result = match tier {
             Some(t) => self.receive_into_tier(t, key, rel, sid, transfer),
             None => self.receive_private(rel, sid, transfer, purpose),

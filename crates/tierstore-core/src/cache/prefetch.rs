@@ -382,6 +382,15 @@ impl Walk {
         if let Some(e) = inner.published(&key, &rel) {
             let current = match inner.config.revalidate {
                 Revalidate::Never => Some(e.source),
+                // One listing confirms the copies of the whole directory.
+                Revalidate::Within(d) => match inner.confirmed_identity(&key, &rel, &e, d) {
+                    Ok(sid) => Some(sid),
+                    Err(err) => {
+                        p.fail(describe_error(&err));
+                        p.handled(0);
+                        return;
+                    }
+                },
                 Revalidate::Always => {
                     let st = match (&parent, inner.posix()) {
                         (Some(d), Some(posix)) => posix
@@ -441,6 +450,7 @@ impl Walk {
             }
             return;
         }
+        let seen = super::now_ns();
         let opened = match (&parent, inner.posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.source.open(&rel),
@@ -469,7 +479,7 @@ impl Walk {
             return;
         }
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-        self.record(&path, inner.prefetch_file(&key, &rel, sid, file));
+        self.record(&path, inner.prefetch_file(&key, &rel, sid, file, seen));
         p.handled(sid.size);
     }
 

@@ -16,7 +16,8 @@
 //! - **Whole and ranged reads.** [`Source::read_at`] reads a range; [`Source::copy`] writes a whole file
 //!   into a tier copy in order, reporting progress so that readers can follow it.
 //! - **Listing.** [`Source::list`] names the files under a directory (POSIX: one level, with types; an
-//!   object store: every key under the prefix).
+//!   object store: every key under the prefix); [`Source::identities`] gives the identity of each file
+//!   directly in a directory, in as few requests as the store allows, equal to what `identify` says.
 //! - **Errors** keep their kind (`NotFound`, `PermissionDenied`, `TimedOut`…) and their message names the
 //!   file and what to do; no request waits past the source's deadline.
 
@@ -152,6 +153,12 @@ pub trait Source: Send + Sync {
 
     /// The entries of the directory `rel` (`""` for the root); see the contract.
     fn list(&self, rel: &str) -> io::Result<Vec<ListedEntry>>;
+
+    /// The identity of every file directly in the directory `dir` (`""` for the root), by name, as
+    /// [`Source::identify`] would give it: what confirms a directory's cached copies at once
+    /// (`revalidate = "<duration>"`). A POSIX store reads the directory and `stat`s its files in
+    /// parallel; an object store sends one `LIST` (with the `/` delimiter) per thousand keys.
+    fn identities(&self, dir: &str) -> io::Result<Vec<(String, SourceId)>>;
 
     /// The POSIX source behind this one, for what only a directory on a file system has (descriptors for
     /// programs, directory listings for the shim, symlinks).

@@ -86,20 +86,14 @@ impl ObjectFile {
     }
 }
 
-/// The identity of an object version from its metadata.
+/// The identity of an object version from its metadata. The last-modified time is kept to the second:
+/// a `HEAD` or `GET` says it in an HTTP date (seconds), a `LIST` in ISO 8601 with milliseconds, and the
+/// two must name one version alike (the ETag tells versions of the same second apart).
 fn identity(meta: &ObjectMeta) -> SourceId {
     let tag = blake3::hash(meta.e_tag.as_deref().unwrap_or("").as_bytes());
     let word = |i: usize| u64::from_le_bytes(tag.as_bytes()[i..i + 8].try_into().expect("8 bytes"));
     let secs = meta.last_modified.timestamp();
-    let nanos = i64::from(meta.last_modified.timestamp_subsec_nanos());
-    SourceId {
-        size: meta.size,
-        mtime_ns: secs * 1_000_000_000 + nanos,
-        ctime_ns: 0,
-        ino: word(0),
-        dev: word(8),
-        attrs: None,
-    }
+    SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
 }
 
 /// Reads an INI-style AWS file (`~/.aws/credentials`, `~/.aws/config`): section → key → value.
@@ -583,6 +577,24 @@ impl Source for ObjectSource {
                 let name = m.location.as_ref().strip_prefix(base.as_str())?.to_string();
                 Some(ListedEntry { name: name.into(), is_dir: Some(false) })
             })
+            .collect())
+    }
+
+    fn identities(&self, dir: &str) -> io::Result<Vec<(String, SourceId)>> {
+        let prefix_key = self.config.key_of(dir);
+        let prefix = (!prefix_key.is_empty()).then(|| Key::from(prefix_key.as_str()));
+        let store = self.store.clone();
+        let listed = self
+            .runtime()?
+            .block_on(async move { store.list_with_delimiter(prefix.as_ref()).await })
+            .map_err(|e| self.error(dir, e))?;
+        let keys = listed.objects.len() + listed.common_prefixes.len();
+        self.counters.add(slot::LISTS, (keys as u64).div_ceil(1000).max(1));
+        let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
+        Ok(listed
+            .objects
+            .iter()
+            .filter_map(|m| Some((m.location.as_ref().strip_prefix(base.as_str())?.to_string(), identity(m))))
             .collect())
     }
 }

@@ -289,6 +289,19 @@ impl Source for PosixSource {
         self.open_file(rel).map(SourceFile::Posix)
     }
 
+    fn reopen(&self, rel: &str, sid: &SourceId) -> io::Result<SourceFile> {
+        // A reader whose copy failed half way goes on from the same offset: only in the same version.
+        let f = self.open_file(rel)?;
+        let now = f.metadata().map(|m| SourceId::of(&m))?;
+        if now != *sid {
+            return Err(io::Error::other(format!(
+                "{}: the file changed while being read; open it again to read the new version",
+                self.path_of(rel).display()
+            )));
+        }
+        Ok(SourceFile::Posix(f))
+    }
+
     fn identify_opened(&self, file: &SourceFile, rel: &str) -> io::Result<(SourceId, bool)> {
         self.identify_file(posix_file(file)?, rel)
     }
@@ -379,10 +392,43 @@ impl Source for PosixSource {
             .collect())
     }
 
+    fn identities(&self, dir: &str) -> io::Result<Vec<(String, SourceId)>> {
+        let handle = if dir.is_empty() { open_dir(&self.root)? } else { open_dir(&self.path_of(dir))? };
+        self.counters.add(slot::LISTS, 1);
+        let names: Vec<String> = list_dir(&handle)?
+            .into_iter()
+            .filter(|(_, kind)| *kind != libc::DT_DIR)
+            .filter_map(|(name, _)| name.into_string().ok())
+            .collect();
+        self.counters.add(slot::STATS, names.len() as u64);
+        // A store answers each `stat` with a round trip: a few at once keep a directory of thousands from
+        // paying them one after another.
+        let per_thread = names.len().div_ceil(CONFIRM_THREADS).max(1);
+        let stat_all = |chunk: &[String]| -> Vec<(String, SourceId)> {
+            chunk
+                .iter()
+                .filter_map(|name| {
+                    // Gone since the listing, or unreadable: not confirmed, which sends its next open to the
+                    // store to say what it is.
+                    let st = stat_at(&handle, name).ok()?;
+                    (st.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| (name.clone(), SourceId::of_stat(&st)))
+                })
+                .collect()
+        };
+        let out = std::thread::scope(|scope| {
+            let workers: Vec<_> = names.chunks(per_thread).map(|chunk| scope.spawn(move || stat_all(chunk))).collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+        });
+        Ok(out)
+    }
+
     fn posix(&self) -> Option<&PosixSource> {
         Some(self)
     }
 }
+
+/// How many `stat`s of one directory's files are in flight at once when it is confirmed.
+const CONFIRM_THREADS: usize = 8;
 
 /// A source identity from `statx`'s answer.
 fn from_statx(x: &libc::statx) -> SourceId {

@@ -1,0 +1,162 @@
+//! Revalidation with bounded staleness (`revalidate = "<duration>"`), as NFS's attribute cache and
+//! JuiceFS's `--attr-cache` do it: a copy that the source showed to be current within the duration is
+//! used without asking the source; an older one is confirmed together with every other copy of its
+//! directory, from one listing with identities (an object store's `LIST`, a POSIX directory read and
+//! parallel `stat`s). A warm epoch then costs the store a few requests per directory per duration rather
+//! than one per open, and a change on the source is seen within the duration.
+//!
+//! The time of the last confirmation lives in each entry of the tier's index, so every process of the
+//! node shares it. One process of the node confirms a directory at a time (the fetch lock of the
+//! directory's own key), one thread of it (the in-process flight of that key); the others wait, then find
+//! their copies confirmed. A confirmation that finds another version of a file (or none) leaves its entry
+//! as it is: the open that asked fetches the version the listing showed, and the next open of another
+//! such file, finding its copy older than the directory's last listing, asks about that file alone.
+
+use std::time::Duration;
+
+use super::{now_ns, Inner};
+use crate::flight::Role;
+use crate::index::{key_of, Entry, Key, SourceId};
+use crate::Error;
+
+/// The directory of a source-relative path (`""` for a file at the root).
+fn parent(rel: &str) -> &str {
+    rel.rsplit_once('/').map_or("", |(dir, _)| dir)
+}
+
+/// The key that stands for the confirmation of directory `dir` in the fetch locks and in-process
+/// flights: never the key of a file, whose path cannot start with a NUL byte.
+fn directory_key(dir: &str) -> Key {
+    key_of(&format!("\0confirm\0{dir}"))
+}
+
+/// Whether an entry confirmed at `confirmed_ns` may still be used at `now` without asking the source.
+fn fresh(confirmed_ns: u64, within: Duration, now: u64) -> bool {
+    confirmed_ns.saturating_add(within.as_nanos() as u64) > now
+}
+
+impl Inner {
+    /// Whether the copy `e` may be served now without asking the source: the dataset is trusted
+    /// (`revalidate = "never"`), or the copy was confirmed within the duration.
+    pub(super) fn trusted_now(&self, e: &Entry) -> bool {
+        match self.config.revalidate {
+            crate::config::Revalidate::Never => true,
+            crate::config::Revalidate::Within(d) => fresh(e.confirmed_ns, d, now_ns()),
+            crate::config::Revalidate::Always => false,
+        }
+    }
+
+    /// The version of `rel` to serve when a tier holds the copy `e` of it and copies are trusted for
+    /// `within`: `e`'s own when it was confirmed within that long, or once its directory is confirmed
+    /// now; the version the source holds when that is another one (the caller then fetches it).
+    pub(super) fn confirmed_identity(
+        &self,
+        key: &Key,
+        rel: &str,
+        e: &Entry,
+        within: Duration,
+    ) -> Result<SourceId, Error> {
+        if fresh(e.confirmed_ns, within, now_ns()) {
+            return Ok(e.source);
+        }
+        let dir = parent(rel);
+        let dkey = directory_key(dir);
+        let index = self.directories();
+        let listed_at = index.and_then(|ix| ix.directory_confirmed(&dkey).ok()).unwrap_or(0);
+        if fresh(listed_at, within, now_ns()) && listed_at > e.confirmed_ns {
+            // The directory was listed since this copy was confirmed, and the listing did not confirm it:
+            // the file changed (the listing said to what) or went (asking about it alone says how).
+            if let Some((at, sid)) = index.and_then(|ix| ix.superseded(key).ok().flatten()) {
+                if at == listed_at {
+                    return Ok(sid);
+                }
+            }
+            return self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err));
+        }
+        let listed = match self.flights.join(&dkey) {
+            Role::Follower(flight) => {
+                // Another thread of this process confirmed (or failed to confirm) the directory.
+                flight.wait();
+                None
+            }
+            Role::Leader(flight) => {
+                let listed = self.confirm_directory(key, rel, dir, &dkey, within);
+                self.flights.land(&dkey, &flight);
+                listed
+            }
+        };
+        let name = rel.rsplit_once('/').map_or(rel, |(_, name)| name);
+        if let Some(Ok(found)) = &listed {
+            if let Some((_, sid)) = found.iter().find(|(n, _)| n == name) {
+                return Ok(*sid);
+            }
+        }
+        // Confirmed by another thread or process meanwhile, or the listing left the file out (created or
+        // replaced since, or not a file any more) or failed: ask about this file alone.
+        if let Some(now) = self.published(key, rel) {
+            if now.source == e.source && fresh(now.confirmed_ns, within, now_ns()) {
+                return Ok(now.source);
+            }
+        }
+        self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err))
+    }
+
+    /// Lists the identities of the files of `dir` and confirms every copy of the listed version, under the
+    /// node-wide lock of the directory. `None`: another process confirmed `rel` while this one waited for
+    /// the lock (or the lock failed); `Some(Err)`: the listing failed.
+    fn confirm_directory(
+        &self,
+        key: &Key,
+        rel: &str,
+        dir: &str,
+        dkey: &Key,
+        within: Duration,
+    ) -> Option<std::io::Result<Vec<(String, SourceId)>>> {
+        let _guard = match self.locks.lock(dkey) {
+            Ok(g) => g,
+            Err(e) => {
+                self.fault(None, "fetch-lock", &format!("confirmation lock failed: {e}"));
+                return None;
+            }
+        };
+        if self.published(key, rel).is_some_and(|e| fresh(e.confirmed_ns, within, now_ns())) {
+            return None;
+        }
+        // The time before the request: what it shows was true at least then.
+        let seen = now_ns();
+        let listed = match self.source.identities(dir) {
+            Ok(l) => l,
+            Err(e) => return Some(Err(e)),
+        };
+        let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
+        let keys: Vec<(Key, SourceId)> =
+            listed.iter().map(|(name, sid)| (key_of(&format!("{prefix}{name}")), *sid)).collect();
+        for (i, tier) in self.tiers.iter().enumerate() {
+            let Ok(ix) = &tier.index else { continue };
+            if let Err(e) = ix.confirm(dkey, &keys, seen) {
+                self.fault(
+                    Some(i),
+                    "index-write",
+                    &format!("index of {} not writable: {e}", tier.config.path.display()),
+                );
+            }
+        }
+        Some(Ok(listed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parents_and_freshness() {
+        assert_eq!(parent("a/b/c.bin"), "a/b");
+        assert_eq!(parent("c.bin"), "");
+        assert_ne!(directory_key("a"), key_of("a"));
+        let d = Duration::from_secs(30);
+        assert!(fresh(100, d, 100 + 29_000_000_000));
+        assert!(!fresh(100, d, 100 + 30_000_000_000));
+        assert!(!fresh(0, d, 31_000_000_000), "never confirmed: confirm first");
+    }
+}
