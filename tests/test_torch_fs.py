@@ -1,4 +1,4 @@
-"""tierstore.torch with real DataLoader workers (fork and spawn), and the fsspec filesystem."""
+"""tierstore.torch with real DataLoader workers (fork and spawn)."""
 
 from __future__ import annotations
 
@@ -96,26 +96,3 @@ def test_route_sends_an_existing_datasets_reads_through_the_cache(
         cache.wait()
     s = cache.stats()
     assert s["source"]["opens"] == len(paths) and s["tiers"][0]["hits"] == len(paths)
-
-
-def test_fsspec_filesystem(source: Path, tier: str) -> None:
-    fsspec = pytest.importorskip("fsspec")
-    (source / "d").mkdir()
-    (source / "d" / "a.bin").write_bytes(b"through fsspec")
-    cache = tierstore.Cache(source, [f"{tier}:1M"])
-    from tierstore.fs import TierstoreFileSystem
-
-    fs = TierstoreFileSystem(cache=cache)
-    assert fs.ls(str(source / "d"), detail=False) == [str(source / "d" / "a.bin")]
-    for _ in range(2):
-        with fs.open(f"tierstore://{source}/d/a.bin") as f:
-            assert f.read() == b"through fsspec"
-        cache.wait()
-    assert cache.stats()["tiers"][0]["hits"] == 1
-    with pytest.raises(ValueError, match="reads only"):
-        fs.open(str(source / "d" / "a.bin"), "wb")
-    # Registered as a protocol: fsspec finds it by URL.
-    fs2 = fsspec.filesystem("tierstore", cache=cache)
-    with fsspec.open(f"tierstore://{source}/d/a.bin", cache=cache) as f:
-        assert f.read() == b"through fsspec"
-    assert isinstance(fs2, TierstoreFileSystem)

@@ -51,6 +51,21 @@ class CachedFile(io.RawIOBase):
     def tell(self) -> int:
         return self._reader.tell()
 
+    def write(self, b: Any) -> int:
+        raise self._read_only("write")
+
+    def truncate(self, size: int | None = None) -> int:
+        raise self._read_only("truncate")
+
+    def _read_only(self, what: str) -> Exception:
+        """The error `open(path, "rb")` gives a write (`writelines` comes here through `write`)."""
+        if self.closed:
+            return ValueError("I/O operation on closed file.")
+        return io.UnsupportedOperation(
+            f"{what}: {self.name} is open for reading only (a cache serves it); write the file with "
+            "tierstore.open(path, 'wb') under a [[writeback]] destination, or with the built-in open()"
+        )
+
     def fileno(self) -> int:
         fd = self._reader.fileno()
         if fd is None:

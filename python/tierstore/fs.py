@@ -2,7 +2,9 @@
 
 Listing and metadata go to the local view of the source (a POSIX mount); reads of files under the source
 are served by the cache. Writes go through write-back staging under a `[[writeback]]` destination
-(`tierstore.writeback`), and are refused elsewhere: the cache serves reads only.
+(`tierstore.writeback`), and are refused elsewhere: the cache serves reads only. Under a destination,
+listings, metadata, reads and copies see the files staged on this node and not yet on the store, and
+`rm` removes them from the stage too, so that they do not reach the store afterwards.
 
     import fsspec
     fs = fsspec.filesystem("tierstore", source="/lustre/data", tiers=["/dev/shm/ts:32G"])
@@ -18,11 +20,16 @@ client_kwargs) and the `tierstore` ones a `tierstore.Cache`'s:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
 from typing import Any
 
+from fsspec.callbacks import DEFAULT_CALLBACK
 from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
 
 from tierstore.cache import Cache, default_cache
 
@@ -30,9 +37,14 @@ from tierstore.cache import Cache, default_cache
 class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
     """fsspec filesystem whose reads come from a tierstore cache.
 
+    Under a `[[writeback]]` destination it shows what a program of the node sees: a file written and not
+    yet on the store is listed, sized, read, copied and removed as the `file` filesystem does with files
+    on disk, and a file removed stays removed once the stage has drained.
+
     Args:
         cache: An existing cache; otherwise one is built from the other arguments (see `tierstore.Cache`),
             or the default cache is used when there are none.
+        auto_mkdir: Whether a write creates the directories it needs (as for fsspec's `file` filesystem).
     """
 
     protocol = "tierstore"
@@ -44,9 +56,10 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
         target_protocol: str | None = None,
         target_options: dict[str, Any] | None = None,
         fo: str | None = None,
+        auto_mkdir: bool = False,
         **cache_args: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(auto_mkdir=auto_mkdir)
         del fo  # the chained path; each open names its own
         # Chained over s3:// (`tierstore::s3://bucket/key`): one cache per bucket, made on first use.
         self.target = target_protocol
@@ -69,12 +82,36 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
-        path = str(path)
+        path = str(path.path if isinstance(path, os.DirEntry) else path)
         if path.startswith("tierstore://"):
             path = path[len("tierstore://") :]
         if "://" in path or not path:
             return path
         return LocalFileSystem._strip_protocol(path)
+
+    def _objects(self, path: str) -> bool:
+        """Whether `path` (protocol stripped) names objects of a store rather than files of a mount."""
+        return self.target in ("s3", "s3a") or "://" in path
+
+    def _staging(self, path: str) -> bool:
+        """Whether `path` (protocol stripped) is under a `[[writeback]]` destination: its files may be
+        staged on this node and not on the store yet."""
+        return not self._objects(path) and _writeback_destination(path)
+
+    def _staged_info(self, path: str) -> dict[str, Any] | None:
+        """`info` of the staged copy of `path` (protocol stripped, under a destination), named `path`;
+        None once the file is on the store, or when it was never staged."""
+        from tierstore import writeback
+
+        copy = writeback._writeback().lookup(path)
+        if copy is None:
+            return None
+        try:
+            out: dict[str, Any] = super().info(copy)
+        except FileNotFoundError:
+            return None  # migrated meanwhile: the store has it
+        out["name"] = path
+        return out
 
     def _cache_of(self, path: str) -> tuple[Cache, str]:
         """The cache that serves `path`, and the name to open in it."""
@@ -94,64 +131,235 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
         return self.buckets[bucket], url
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        local = self.target not in ("s3", "s3a") and "://" not in str(self._strip_protocol(path))
-        if local and _writeback_destination(self._strip_protocol(path)):
+        p = self._strip_protocol(path)
+        if self._staging(p):
             # Under a [[writeback]] destination: writes go through the node's stage, reads see staged
             # files (this node's, or another node's) until they are on the store.
             from tierstore import writeback
 
-            p = self._strip_protocol(path)
-            return writeback.open(p, mode) if mode != "rb" else writeback.open_read(p, mode)
+            if mode == "rb":
+                return writeback.open_read(p, mode)
+            if self.auto_mkdir:
+                self.makedirs(self._parent(p), exist_ok=True)
+            return writeback.open(p, mode)
         if mode != "rb":
             raise ValueError(
                 f"tierstore:// serves reads only outside a [[writeback]] destination (mode {mode!r} for "
                 f"{path}); configure one for it, or write with the local path"
             )
-        cache, name = self._cache_of(self._strip_protocol(path))
+        cache, name = self._cache_of(p)
         return cache.open(name)
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        # An entry of a listing is the store's: `ls` puts the staged files' details in itself, so that a
+        # listing of the source costs no look at the journal per entry.
+        if not isinstance(path, os.DirEntry):
+            p = self._strip_protocol(path)
+            staged = self._staged_info(p) if self._staging(p) else None
+            if staged is not None:
+                return staged
+        out: dict[str, Any] = super().info(path, **kwargs)
+        return out
+
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        p = self._strip_protocol(path)
+        if self._staging(p):
+            return self._staged_info(p) is not None or os.path.exists(p)
+        return bool(super().exists(path, **kwargs))
+
+    def lexists(self, path: Any, **kwargs: Any) -> bool:
+        p = self._strip_protocol(path)
+        if self._staging(p) and self._staged_info(p) is not None:
+            return True
+        return bool(super().lexists(p, **kwargs))
+
+    def isfile(self, path: Any) -> bool:
+        p = self._strip_protocol(path)
+        if self._staging(p) and self._staged_info(p) is not None:
+            return True
+        return bool(super().isfile(p))
+
+    def isdir(self, path: Any) -> bool:
+        p = self._strip_protocol(path)
+        if self._staging(p) and self._staged_info(p) is not None:
+            return False
+        return bool(super().isdir(p))
+
+    def ls(self, path: Any, detail: bool = True, **kwargs: Any) -> Any:
+        p = self._strip_protocol(path)
+        if self._objects(p):
+            cache, name = self._cache_of(p)
+            names = cache._core.list_files(name)
+            return [{"name": n, "type": "file"} for n in names] if detail else names
+        if not self._staging(p):
+            return super().ls(p, detail=detail, **kwargs)
+        from tierstore import writeback
+
+        # The journal before the store: a file migrated in between is then listed by the store.
+        staged = dict(writeback.staged_in(p)) if super().isdir(p) else {}
+        infos = []
+        for info in super().ls(p, detail=True, **kwargs):
+            name = info["name"].rsplit("/", 1)[-1]
+            if _migrating(name):
+                continue
+            if staged.pop(name, None) is not None:
+                # An older copy is on the store: listed once, with the staged copy's details.
+                info = self._staged_info(info["name"]) or info
+            infos.append(info)
+        for name in staged:
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                infos.append(self.info(f"{p.rstrip('/')}/{name}"))
+        return infos if detail else [i["name"] for i in infos]
+
+    def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        # Through `open`, so through the cache or the stage; `start` and `end` as in a slice of the bytes.
+        with self.open(path, "rb", **kwargs) as f:
+            size = f.seek(0, os.SEEK_END)
+            first, stop, _ = slice(start, end).indices(size)
+            f.seek(first)
+            out: bytes = f.read(max(0, stop - first))
+            return out
+
+    def get_file(self, rpath: Any, lpath: Any, callback: Any = DEFAULT_CALLBACK, **kwargs: Any) -> None:
+        # fsspec's: the bytes come through `open` (the cache, or the staged copy), where the `file`
+        # filesystem copies the path itself.
+        AbstractFileSystem.get_file(self, rpath, lpath, callback=callback, **kwargs)
+
+    def put_file(
+        self, lpath: Any, rpath: Any, callback: Any = DEFAULT_CALLBACK, mode: str = "overwrite", **kwargs: Any
+    ) -> None:
+        r = self._strip_protocol(rpath)
+        if not self._staging(r):
+            return super().put_file(lpath, rpath, callback=callback, mode=mode, **kwargs)
+        if os.path.isdir(lpath):
+            self.makedirs(r, exist_ok=True)
+            return None
+        if self.auto_mkdir:
+            self.makedirs(self._parent(r), exist_ok=True)
+        callback.set_size(os.path.getsize(lpath))
+        # Written through `open`, so staged; "xb" refuses a name taken, staged or on the store.
+        with open(lpath, "rb") as src, self.open(r, "xb" if mode == "create" else "wb") as dst:
+            while chunk := src.read(self.blocksize):
+                dst.write(chunk)
+                callback.relative_update(len(chunk))
+        return None
+
+    def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        """Copies `path1` to `path2`; under a destination, the copy is staged and the source read from its
+        staged copy while it has one.
+
+        Raises:
+            FileNotFoundError: `path1` is neither a file nor a directory (staged or on the store).
+            ValueError: `path1` is under a destination and `path2` is not: tierstore:// writes only under
+                a destination (copy out with `get`).
+        """
+        p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
+        if not self._staging(p1) and not self._staging(p2):
+            return super().cp_file(p1, p2, **kwargs)
+        if self.isfile(p1):
+            if self.auto_mkdir:
+                self.makedirs(self._parent(p2), exist_ok=True)
+            with self.open(p1, "rb") as src, self.open(p2, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        elif self.isdir(p1):
+            self.makedirs(p2, exist_ok=True)
+        else:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory (staged or on the store)", p1)
+        return None
+
+    def pipe_file(self, path: Any, value: bytes, mode: str = "overwrite", **kwargs: Any) -> None:
+        # "xb" rather than fsspec's look first: the stage refuses a name taken, staged or on the store,
+        # and the error names the file.
+        with self.open(path, "xb" if mode == "create" else "wb", **kwargs) as f:
+            f.write(value)
+
+    def touch(self, path: Any, truncate: bool = True, **kwargs: Any) -> None:
+        p = self._strip_protocol(path)
+        if not self._staging(p):
+            return super().touch(p, truncate=truncate, **kwargs)
+        if truncate or not self.exists(p):
+            with self.open(p, "wb"):
+                pass  # an empty file, staged as any other write
+            return None
+        from tierstore import writeback
+
+        # A staged file's times are its staged copy's (the journal checks bytes, not times).
+        copy = writeback._writeback().lookup(p)
+        try:
+            os.utime(copy or p)
+        except FileNotFoundError:
+            if copy is None:
+                raise
+            os.utime(p)  # on the store meanwhile
+        return None
 
     def mv(self, path1: Any, path2: Any, recursive: bool = True, **kwargs: Any) -> None:
         p1, p2 = self._strip_protocol(path1), self._strip_protocol(path2)
-        if _writeback_destination(p2):
+        if self._staging(p1) and not self._staging(p2):
+            from tierstore import writeback
+
+            # Out of the destination: what is staged under `path1` reaches the store first, so that the
+            # store's copy moves, not an older one, and nothing staged lands at `path1` afterwards.
+            writeback.sync(p1)
+        elif self._staging(p2):
             # A staged file moves in the journal; a commit-by-rename (torch.distributed.checkpoint's
             # `.metadata.tmp`) reaches the store after the files closed before it.
             from tierstore import writeback
 
+            if self.auto_mkdir:
+                self.makedirs(self._parent(p2), exist_ok=True)
             writeback.rename(p1, p2)
             return
         super().mv(path1, path2, recursive=recursive, **kwargs)
 
     def rm_file(self, path: Any) -> None:
         p = self._strip_protocol(path)
-        if _writeback_destination(p):
+        if self._staging(p):
             from tierstore import writeback
 
             writeback.remove(p)
             return
         super().rm_file(path)
 
-    def exists(self, path: Any, **kwargs: Any) -> bool:
+    def rmdir(self, path: Any) -> None:
         p = self._strip_protocol(path)
-        if _writeback_destination(p):
+        if self._staging(p):
             from tierstore import writeback
 
-            if writeback._writeback().lookup(os.path.abspath(p)) is not None:
-                return True
-        return bool(super().exists(path, **kwargs))
+            writeback.rmdir(p)
+            return
+        super().rmdir(p)
 
-    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
-        if self.target not in ("s3", "s3a") and "://" not in str(path):
-            return super().ls(path, detail=detail, **kwargs)
-        cache, name = self._cache_of(self._strip_protocol(path))
-        names = cache._core.list_files(name)
-        return [{"name": n, "type": "file"} for n in names] if detail else names
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for one in path if isinstance(path, list) else [path]:
+            p = self._strip_protocol(one)
+            if not self._staging(p):
+                super().rm(p, recursive=recursive, maxdepth=maxdepth)
+            elif super().isdir(p) and not self.islink(p):
+                if not recursive:
+                    raise ValueError(f"Cannot delete directory {p}: set recursive=True")
+                if os.path.abspath(p) == os.getcwd():
+                    raise ValueError(f"Cannot delete the current working directory {p}")
+                from tierstore import writeback
+
+                # The files staged under it go too: migrated afterwards, they would bring it back.
+                writeback.rmtree(p)
+            else:
+                self.rm_file(p)
 
 
 def _writeback_destination(path: str) -> bool:
-    """Whether `path` is under a configured `[[writeback]]` destination."""
+    """Whether `path` is under a configured `[[writeback]]` destination (asked for every entry a listing
+    stats: one call, no list of the destinations built)."""
     from tierstore import writeback
 
-    return writeback.configured() and writeback.destination(path) is not None
+    return writeback.destination(path) is not None
+
+
+def _migrating(name: str) -> bool:
+    """Whether the file `name` of the store is the copy of a file being migrated (`.NAME.tierstore-part`,
+    renamed to NAME once checked): the file is listed under its own name meanwhile, from the journal."""
+    return name.startswith(".") and name.endswith(".tierstore-part")
 
 
 def _strip_s3(path: Any) -> str:

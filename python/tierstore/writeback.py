@@ -14,6 +14,7 @@ migrates (it is started on demand); `sync()` waits for it and raises if the file
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -228,6 +229,80 @@ def rename(src: PathLike, dst: PathLike) -> None:
     if wb.destination(d) is not None:
         wb.wait(s if os.path.isdir(s) else os.path.dirname(d), None)
     os.replace(s, d)
+    _forget_dirs(s)
+
+
+def staged_in(directory: PathLike) -> list[tuple[str, str]]:
+    """The files written directly in `directory` (a destination or a directory under one) and not yet on
+    the store: what a listing of `directory` adds to the store's.
+
+    Returns:
+        (name, staged copy) pairs. A copy may be gone by the time it is read: the file reached the store
+        meanwhile, and the store's listing, read after this one, shows it.
+
+    Raises:
+        TimeoutError: Only with a `_core` that cannot name staged files (see below): files under
+            `directory` did not reach the store within the destination's timeout.
+    """
+    d = os.path.abspath(os.fspath(directory))
+    wb = _writeback()
+    listing = getattr(wb, "pending_in", None)
+    if listing is not None:
+        found: list[tuple[str, str]] = listing(d)
+        return found
+    # A `_core` without the binding of `Writeback::pending_in` cannot name them: this waits until they
+    # are on the store, whose listing names them (slower, never wrong).
+    if any(p["files"] for p in wb.pending(d)):
+        sync(d)
+    return []
+
+
+def rmdir(path: PathLike) -> None:
+    """`os.rmdir` for a directory under a destination: refused while files written in it are not on the
+    store yet (they would bring it back).
+
+    Raises:
+        OSError: ENOTEMPTY, files are staged in it (or on the store).
+    """
+    p = os.path.abspath(os.fspath(path))
+    staged = staged_in(p)
+    if staged:
+        raise OSError(
+            errno.ENOTEMPTY,
+            f"Directory not empty: {len(staged)} file(s) written in it are staged ({staged[0][0]}, ...); "
+            "remove them first, or remove the directory recursively",
+            p,
+        )
+    os.rmdir(p)
+    _forget_dirs(p)
+
+
+def rmtree(path: PathLike) -> None:
+    """`shutil.rmtree` for a directory under a destination: the files pending in it leave the journal and
+    the stage, then the store's tree goes. Nothing removed comes back: a pending file migrated after the
+    store's tree was gone would bring its directory back with it."""
+    top = os.path.abspath(os.fspath(path))
+    wb = _writeback()
+    for d, _, _ in os.walk(top, onerror=_raise):
+        for name, _ in staged_in(d):
+            wb.remove(os.path.join(d, name))
+    # Files pending in a directory the store does not have (removed behind tierstore's back), or closed
+    # while the tree was walked: on the store, they go with the rest.
+    if any(p["files"] for p in wb.pending(top)):
+        sync(top)
+    shutil.rmtree(top)
+    _forget_dirs(top)
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def _forget_dirs(path: str) -> None:
+    """Forgets that `path` and the directories under it exist on the store: a write there checks again."""
+    for d in list(_dirs_seen):  # a copy: writers of other threads add to it meanwhile
+        if d == path or d.startswith(path + os.sep):
+            _dirs_seen.discard(d)
 
 
 def remove(path: PathLike) -> None:

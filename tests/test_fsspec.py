@@ -1,0 +1,363 @@
+"""tierstore's fsspec filesystem (`tierstore://`): files read through the cache, and files written under a
+`[[writeback]]` destination, staged and not yet on the store, behave as fsspec's `file` filesystem shows
+files on disk; a file removed does not come back once the stage has drained. fsspec's own abstract suite
+runs against a destination."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+fsspec = pytest.importorskip("fsspec")
+
+from fsspec.implementations.local import LocalFileSystem  # noqa: E402
+from fsspec.tests.abstract import (  # noqa: E402
+    AbstractCopyTests,
+    AbstractFixtures,
+    AbstractGetTests,
+    AbstractOpenTests,
+    AbstractPipeTests,
+    AbstractPutTests,
+)
+
+import tierstore  # noqa: E402
+from tests.conftest import mounted_store  # noqa: E402
+from tierstore import _core, agent, writeback  # noqa: E402
+from tierstore.fs import TierstoreFileSystem  # noqa: E402
+
+# Whether `_core` names the files staged in a directory (`Writeback.pending_in`): without it, a listing
+# under a destination waits until they are on the store, so it is not taken while the store is down.
+LISTS_STAGED = hasattr(_core.Writeback, "pending_in")
+
+
+@dataclass
+class Destination:
+    """A `[[writeback]]` destination on the stand-in store (FUSE), with this test's own agent socket."""
+
+    dest: Path  # where programs write: the store's mount
+    backing: Path  # the same directory as the store holds it: what a reader of the store gets
+    stage: Path
+    outage: Path  # while this file exists, the store refuses every change (files stay staged)
+
+    def pending(self) -> int:
+        return sum(p["files"] for p in writeback.pending(self.dest))
+
+
+@contextlib.contextmanager
+def destination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **store: str) -> Iterator[Destination]:
+    outage = tmp_path / "store-outage"
+    with mounted_store(tmp_path, fail_file=outage, **store) as (backing, mount):  # type: ignore[arg-type]
+        dest = mount / "ckpt"
+        dest.mkdir()
+        run = tmp_path / "run"
+        run.mkdir()
+        stage = tmp_path / "stage"
+        # The agent that migrates is started on demand by the first write, on this test's socket.
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+        monkeypatch.setenv("TIERSTORE_WRITEBACK", f"{dest}:{stage}:1G:local")
+        writeback.reload()
+        try:
+            yield Destination(dest, backing / "ckpt", stage, outage)
+        finally:
+            outage.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                agent.stop(run / "tierstore" / "agent.sock")
+            writeback.reload()
+
+
+@pytest.fixture
+def wb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
+    with destination(tmp_path, monkeypatch) as d:
+        yield d
+
+
+@pytest.fixture
+def slow_wb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
+    """A store that takes writes at 1 MiB/s: a file of a few hundred KiB stays staged for a while."""
+    with destination(tmp_path, monkeypatch, write_bandwidth="1MiB/s") as d:
+        yield d
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under `root`, relative, directories with a trailing slash."""
+    return sorted(
+        str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*") if p != root
+    )
+
+
+def described(infos: list[dict[str, Any]], root: str) -> list[tuple[str, str, int | None]]:
+    """`ls` entries as (name relative to `root`, type, size of a file): what two listings share."""
+    return sorted(
+        (os.path.relpath(i["name"], root), i["type"], i["size"] if i["type"] == "file" else None)
+        for i in infos
+    )
+
+
+def test_a_removed_staged_file_does_not_come_back(wb: Destination) -> None:
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    f = str(wb.dest / "a.bin")
+    wb.outage.touch()  # the store takes nothing: the file stays staged
+    fs.pipe_file(f, b"staged bytes")
+    assert wb.pending() == 1 and not (wb.backing / "a.bin").exists()
+    fs.rm(f)
+    assert not fs.exists(f) and wb.pending() == 0
+    with pytest.raises(FileNotFoundError, match=r"a\.bin"):
+        fs.rm(f)
+    wb.outage.unlink()
+    tierstore.sync(timeout=30)
+    assert not (wb.backing / "a.bin").exists()
+    assert list((wb.stage / "data").iterdir()) == []
+
+
+def test_rm_recursive_removes_staged_and_stored_files_for_good(slow_wb: Destination) -> None:
+    wb = slow_wb
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    d = wb.dest / "step"
+    (wb.backing / "step" / "sub").mkdir(parents=True)
+    (wb.backing / "step" / "old.bin").write_bytes(b"on the store")
+    (wb.backing / "step" / "sub" / "stored.bin").write_bytes(b"on the store too")
+    (wb.backing / "keep.bin").write_bytes(b"beside it")
+    for rel in ("new.bin", "old.bin", "sub/new.bin"):  # old.bin: a newer copy staged over the store's
+        fs.pipe_file(str(d / rel), b"x" * (512 << 10))  # half a second each at the store's 1 MiB/s
+    assert wb.pending() >= 2, "the files reached the store before the test could remove them staged"
+    with pytest.raises(ValueError, match=f"{d}.*recursive=True"):
+        fs.rm(str(d))
+    fs.rm(f"tierstore://{d}", recursive=True)
+    assert not fs.exists(str(d)) and wb.pending() == 0
+    tierstore.sync(timeout=60)
+    assert tree(wb.backing) == ["keep.bin"], "a removed file came back"
+    # A write into the removed directory fails as it does on disk: the stage does not bring it back.
+    with pytest.raises(FileNotFoundError, match="step"):
+        fs.pipe_file(str(d / "late.bin"), b"late")
+
+
+def test_rmdir_refuses_a_directory_with_staged_files(wb: Destination) -> None:
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    fs.mkdir(str(wb.dest / "d"))
+    wb.outage.touch()
+    fs.pipe_file(str(wb.dest / "d" / "a.bin"), b"staged")
+    if LISTS_STAGED:
+        with pytest.raises(OSError, match=r"a\.bin"):
+            fs.rmdir(str(wb.dest / "d"))
+    wb.outage.unlink()
+    with pytest.raises(OSError, match="not empty"):
+        fs.rmdir(str(wb.dest / "d"))  # staged or, once listed, on the store: the directory is not empty
+    assert fs.cat_file(str(wb.dest / "d" / "a.bin")) == b"staged"
+
+
+def test_a_staged_file_moved_out_of_the_destination_moves_whole(wb: Destination, tmp_path: Path) -> None:
+    """`mv` to a path outside every destination moves the staged bytes (not the store's older copy) and
+    leaves nothing to land at the old name."""
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    (wb.backing / "a.bin").write_bytes(b"older")
+    fs.pipe_file(str(wb.dest / "a.bin"), b"the staged copy")
+    fs.pipe_file(str(wb.dest / "b.bin"), b"staged only")
+    for name in ("a.bin", "b.bin"):
+        fs.mv(str(wb.dest / name), str(tmp_path / name))
+        assert not fs.exists(str(wb.dest / name))
+    assert (tmp_path / "a.bin").read_bytes() == b"the staged copy"
+    assert (tmp_path / "b.bin").read_bytes() == b"staged only"
+    tierstore.sync(timeout=30)
+    assert tree(wb.backing) == []
+
+
+def test_staged_files_look_like_files_on_disk(wb: Destination, tmp_path: Path) -> None:
+    """A staged file's metadata, listing and bytes through `tierstore://` are those the `file` filesystem
+    gives for the same files on disk."""
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    local = LocalFileSystem()
+    d = wb.dest / "d"
+    (wb.backing / "d" / "sub").mkdir(parents=True)
+    (wb.backing / "d" / "stored.bin").write_bytes(b"on the store")
+    (wb.backing / "d" / "both.bin").write_bytes(b"an older copy")
+    ref = tmp_path / "ref"  # the same files, on disk
+    (ref / "sub").mkdir(parents=True)
+    (ref / "stored.bin").write_bytes(b"on the store")
+    wb.outage.touch()
+    for name, data in [("staged.bin", b"staged bytes"), ("both.bin", b"a newer, longer copy")]:
+        fs.pipe_file(str(d / name), data)
+        (ref / name).write_bytes(data)
+    assert wb.pending() == 2
+
+    staged, on_disk = str(d / "staged.bin"), str(ref / "staged.bin")
+    for path, same in [
+        (staged, on_disk),
+        (f"tierstore://{staged}", on_disk),
+        (str(d / "both.bin"), str(ref / "both.bin")),
+    ]:
+        assert fs.exists(path) and fs.lexists(path)
+        assert fs.isfile(path) and not fs.isdir(path)
+        info, want = fs.info(path), local.info(same)
+        assert (info["name"], info["type"], info["size"]) == (fs._strip_protocol(path), "file", want["size"])
+        assert abs(info["mtime"] - want["mtime"]) < 60
+        assert fs.size(path) == want["size"]
+        assert fs.cat_file(path) == local.cat_file(same)
+        assert fs.cat_file(path, start=2, end=-3) == local.cat_file(same, start=2, end=-3)
+        out = tmp_path / "got.bin"
+        fs.get_file(path, str(out))
+        assert out.read_bytes() == local.cat_file(same)
+        sink = io.BytesIO()
+        fs.get_file(path, sink)
+        assert sink.getvalue() == local.cat_file(same)
+    assert not fs.exists(str(d / "missing.bin")) and not fs.isfile(str(d / "missing.bin"))
+    with pytest.raises(FileNotFoundError):
+        fs.info(str(d / "missing.bin"))
+    if LISTS_STAGED:
+        # The listing does not wait for the store: staged files are listed besides the store's, once each.
+        assert described(fs.ls(str(d)), str(d)) == described(local.ls(str(ref), detail=True), str(ref))
+        assert sorted(fs.ls(str(d), detail=False)) == sorted(str(d / n) for n in os.listdir(ref))
+        assert fs.find(str(d)) == sorted(str(d / r) for r in ("both.bin", "staged.bin", "stored.bin"))
+        assert wb.pending() == 2
+    # Copies read the staged copy and are staged in turn.
+    fs.cp(staged, str(d / "copy.bin"))
+    assert fs.cat_file(str(d / "copy.bin")) == b"staged bytes"
+    fs.touch(str(d / "empty.bin"))
+    assert fs.info(str(d / "empty.bin"))["size"] == 0
+    wb.outage.unlink()
+    (ref / "copy.bin").write_bytes(b"staged bytes")
+    (ref / "empty.bin").touch()
+    assert described(fs.ls(str(d)), str(d)) == described(local.ls(str(ref), detail=True), str(ref))
+    tierstore.sync(timeout=30)
+    assert (wb.backing / "d" / "both.bin").read_bytes() == b"a newer, longer copy"
+    assert described(fs.ls(str(d)), str(d)) == described(local.ls(str(ref), detail=True), str(ref))
+
+
+def test_listing_shows_files_still_migrating_once(slow_wb: Destination, tmp_path: Path) -> None:
+    """A listing taken while files migrate shows each once, under its own name (not the store's partial
+    copy), with its full size."""
+    wb = slow_wb
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    d = wb.dest / "m"
+    fs.mkdir(str(d))
+    sizes = {f"{i}.bin": (256 << 10) + i for i in range(4)}  # a quarter of a second each on this store
+    for name, size in sizes.items():
+        fs.pipe_file(str(d / name), b"m" * size)
+    assert wb.pending() >= 2, "the files reached the store before the test could list them staged"
+    listed = fs.ls(str(d))
+    assert sorted((os.path.basename(i["name"]), i["size"]) for i in listed) == sorted(sizes.items())
+    tierstore.sync(timeout=60)
+    assert {p.name: p.stat().st_size for p in (wb.backing / "m").iterdir()} == sizes
+
+
+def test_ls_of_a_tierstore_url_is_ls_of_the_path(source: Path, tier: str) -> None:
+    """`ls("tierstore:///dir")` of a directory source lists the direct children, files and directories,
+    as `ls("/dir")` and the `file` filesystem do."""
+    (source / "d" / "sub" / "deeper").mkdir(parents=True)
+    (source / "d" / "a.bin").write_bytes(b"a" * 10)
+    (source / "d" / "sub" / "b.bin").write_bytes(b"b" * 20)
+    (source / "d" / "sub" / "deeper" / "c.bin").write_bytes(b"c")
+    fs = TierstoreFileSystem(cache=tierstore.Cache(source, [f"{tier}:1M"]), skip_instance_cache=True)
+    local = LocalFileSystem()
+    d = str(source / "d")
+    want = described(local.ls(d, detail=True), d)
+    assert want == [("a.bin", "file", 10), ("sub", "directory", None)]
+    assert described(fs.ls(f"tierstore://{d}"), d) == want
+    assert described(fs.ls(d), d) == want
+    assert sorted(fs.ls(f"tierstore://{d}", detail=False)) == sorted(local.ls(d, detail=False))
+    assert fs.find(f"tierstore://{d}") == local.find(d)
+    assert fs.info(f"tierstore://{d}/sub")["type"] == "directory"
+
+
+def test_source_files_are_read_through_the_cache(source: Path, tier: str, tmp_path: Path) -> None:
+    """`cat_file` and `get_file` of a source file read it through the cache: the store is read once."""
+    (source / "d").mkdir()
+    (source / "d" / "a.bin").write_bytes(b"through the cache")
+    cache = tierstore.Cache(source, [f"{tier}:1M"])
+    fs = TierstoreFileSystem(cache=cache, skip_instance_cache=True)
+    path = f"tierstore://{source}/d/a.bin"
+    assert fs.isfile(path) and not fs.isdir(path) and fs.info(path)["size"] == 17
+    for i in range(3):
+        fs.get_file(path, str(tmp_path / f"got{i}"))
+        assert (tmp_path / f"got{i}").read_bytes() == b"through the cache"
+        cache.wait()
+    sink = io.BytesIO()
+    fs.get_file(path, sink)
+    assert sink.getvalue() == b"through the cache"
+    assert fs.cat_file(path, start=8) == b"the cache"
+    s = cache.stats()
+    assert s["source"]["opens"] == 1 and s["tiers"][0]["hits"] == 4, s
+
+
+def test_fsspec_filesystem(source: Path, tier: str) -> None:
+    (source / "d").mkdir()
+    (source / "d" / "a.bin").write_bytes(b"through fsspec")
+    cache = tierstore.Cache(source, [f"{tier}:1M"])
+    fs = TierstoreFileSystem(cache=cache)
+    assert fs.ls(str(source / "d"), detail=False) == [str(source / "d" / "a.bin")]
+    for _ in range(2):
+        with fs.open(f"tierstore://{source}/d/a.bin") as f:
+            assert f.read() == b"through fsspec"
+        cache.wait()
+    assert cache.stats()["tiers"][0]["hits"] == 1
+    with pytest.raises(ValueError, match="reads only"):
+        fs.open(str(source / "d" / "a.bin"), "wb")
+    # Registered as a protocol: fsspec finds it by URL.
+    fs2 = fsspec.filesystem("tierstore", cache=cache)
+    with fsspec.open(f"tierstore://{source}/d/a.bin", cache=cache) as f:
+        assert f.read() == b"through fsspec"
+    assert isinstance(fs2, TierstoreFileSystem)
+
+
+def test_a_cached_file_refuses_writes_as_a_read_only_file_does(source: Path, tier: str) -> None:
+    (source / "a.bin").write_bytes(b"read only")
+    cache = tierstore.Cache(source, [f"{tier}:1M"])
+    with cache.open(source / "a.bin") as cached, open(source / "a.bin", "rb") as plain:
+        for f in (cached, plain):
+            assert not f.writable()
+            with pytest.raises(io.UnsupportedOperation):
+                f.write(b"x")
+            with pytest.raises(io.UnsupportedOperation):
+                f.writelines([b"x"])
+            with pytest.raises(io.UnsupportedOperation):
+                f.truncate(0)
+        with pytest.raises(io.UnsupportedOperation, match=r"a\.bin.*reading only"):
+            cached.write(b"x")
+    assert (source / "a.bin").read_bytes() == b"read only"
+    for f in (cached, plain):
+        with pytest.raises(ValueError):  # io.UnsupportedOperation is one too
+            f.write(b"x")
+
+
+class TestAbstractSuite(
+    AbstractFixtures,
+    AbstractCopyTests,
+    AbstractGetTests,
+    AbstractPutTests,
+    AbstractOpenTests,
+    AbstractPipeTests,
+):
+    """fsspec's own suite, on a destination of the stand-in store: every file it writes is staged, and
+    whatever it removed in its teardown is still gone once the stage has drained."""
+
+    @pytest.fixture
+    def fs(self, suite_dest: Destination) -> TierstoreFileSystem:
+        # auto_mkdir as fsspec runs the suite for its `file` filesystem.
+        return TierstoreFileSystem(auto_mkdir=True, skip_instance_cache=True)
+
+    @pytest.fixture
+    def fs_path(self, suite_dest: Destination) -> str:
+        return str(suite_dest.dest)
+
+    @pytest.fixture
+    def suite_dest(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
+        with destination(tmp_path, monkeypatch) as d:
+            yield d
+            # The suite's fixtures are torn down before this one: what they removed stays removed, what
+            # a test left (some leave their files) is on the store, as the filesystem showed it.
+            fs = TierstoreFileSystem(skip_instance_cache=True)
+            found = fs.find(str(d.dest), withdirs=True, detail=True)
+            shown = sorted(
+                os.path.relpath(name, d.dest) + ("/" if i["type"] == "directory" else "")
+                for name, i in found.items()
+                if name != str(d.dest)
+            )
+            tierstore.sync(timeout=60)
+            assert tree(d.backing) == shown, "the store holds other files than tierstore:// showed"
+            assert list((d.stage / "data").iterdir()) == []
