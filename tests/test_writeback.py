@@ -92,13 +92,14 @@ def setup(
     *,
     quota: str = "1G",
     durability: str = "local",
+    stage: Path | None = None,
     **store: str,
 ) -> Iterator[Setup]:
     fail_file = tmp_path / "store-outage"
     with mounted_store(tmp_path, fail_file=fail_file, **store) as (backing, mount):  # type: ignore[arg-type]
         dest = mount / "ckpt"
         dest.mkdir()
-        stage = tmp_path / "stage"
+        stage = stage or tmp_path / "stage"
         data = tmp_path / "data"
         data.mkdir()
         run = tmp_path / "run"
@@ -793,3 +794,121 @@ def test_writes_through_a_mapping_after_close_are_taken_at_munmap_or_exit(
             want = (np.arange(size, dtype=np.uint64) * n % 251).astype(np.uint8).tobytes()
             assert s.stored(f"m/{name}").read_bytes() == want, f"{name}: the store lacks the mapped writes"
         assert list((s.stage / "data").iterdir()) == []
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (root only: CI runs as root), for a stage that fills up."""
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def hidden_through(s: Setup, name: str) -> list[str]:
+    """The hidden names a file written through a full stage has on the store while it is written."""
+    return [
+        p.name for p in (s.backing / "ckpt").iterdir() if p.name.startswith(f".{name}.tierstore-through-")
+    ]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="mounts a small tmpfs for the stage: needs root (CI runs as root)"
+)
+def test_a_small_stage_stages_and_a_full_one_writes_through_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16 MiB stage keeps an eighth of itself free (not 64 MiB, which sent every file of a small stage to
+    the store); once it is full, a file goes to the store under a hidden name and appears under its own
+    only whole, through the Python API and under `tierstore run` alike."""
+    import tierstore
+
+    with (
+        small_disk(tmp_path / "small", "16m") as disk,
+        setup(tmp_path, monkeypatch, stage=disk / "stage") as s,
+    ):
+        s.start_agent()
+        with tierstore.open(s.dest / "staged.bin", "wb") as f:
+            f.write(blob("staged.bin", 4 << 20))
+        assert not s.stored("staged.bin").exists(), "a file that fits a small stage is staged"
+        tierstore.sync(timeout=30)
+        assert s.stored("staged.bin").read_bytes() == blob("staged.bin", 4 << 20)
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (15 << 20))  # leaves less than the stage's reserve free
+
+        body = blob("through.bin", 3 << 20)
+        with tierstore.open(s.dest / "through.bin", "wb") as f:
+            f.write(body[: len(body) // 2])
+            f.flush()
+            assert not s.stored("through.bin").exists(), "half a file is visible under its name"
+            assert len(hidden_through(s, "through.bin")) == 1
+            f.write(body[len(body) // 2 :])
+        assert s.stored("through.bin").read_bytes() == body
+        assert hidden_through(s, "through.bin") == []
+
+        code = (
+            "import sys\n"
+            "f = open(sys.argv[1], 'wb')\n"
+            "f.write(bytes(1 << 20)); f.flush()\n"
+            "print('half', flush=True); sys.stdin.readline()\n"
+            "f.write(b'x' * (1 << 20)); f.close()\n"
+        )
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tierstore.cli",
+                "run",
+                "--",
+                sys.executable,
+                "-c",
+                code,
+                str(s.dest / "run.bin"),
+            ],
+            env=s.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "half"
+        assert not s.stored("run.bin").exists(), "half a file is visible under its name"
+        assert len(hidden_through(s, "run.bin")) == 1
+        child.stdin.write("go\n")
+        child.stdin.close()
+        assert child.wait(60) == 0
+        assert s.stored("run.bin").read_bytes() == bytes(1 << 20) + b"x" * (1 << 20)
+        assert hidden_through(s, "run.bin") == []
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="mounts a small tmpfs for the stage: needs root (CI runs as root)"
+)
+def test_a_file_that_overflows_the_stage_frees_it_at_once_and_never_reaches_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierstore
+
+    with (
+        small_disk(tmp_path / "small", "16m") as disk,
+        setup(tmp_path, monkeypatch, stage=disk / "stage") as s,
+    ):
+        s.start_agent()
+        f = tierstore.open(s.dest / "big.bin", "wb")
+        with pytest.raises(OSError, match="No space left"):
+            for _ in range(24):
+                f.write(bytes(1 << 20))
+        with pytest.raises(OSError, match="nothing of it reaches the store") as failed:
+            f.close()
+        assert failed.value.errno == 28  # ENOSPC
+        data = s.stage / "data"
+        assert not data.exists() or list(data.iterdir()) == [], "the failed file still holds the stage"
+        # The next file is staged, not written through.
+        with tierstore.open(s.dest / "next.bin", "wb") as f:
+            f.write(b"next")
+        assert not s.stored("next.bin").exists()
+        tierstore.sync(timeout=30)
+        assert s.stored("next.bin").read_bytes() == b"next"
+        assert not s.stored("big.bin").exists()

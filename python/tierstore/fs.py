@@ -357,9 +357,11 @@ def _writeback_destination(path: str) -> bool:
 
 
 def _migrating(name: str) -> bool:
-    """Whether the file `name` of the store is the copy of a file being migrated (`.NAME.tierstore-part`,
-    renamed to NAME once checked): the file is listed under its own name meanwhile, from the journal."""
-    return name.startswith(".") and name.endswith(".tierstore-part")
+    """Whether the file `name` of the store is a file on its way there under a hidden name: the copy of a
+    file being migrated (`.NAME.tierstore-part`, renamed to NAME once checked; listed under its own name
+    meanwhile, from the journal), or one written through a full stage (`.NAME.tierstore-through-PID-N`,
+    renamed to NAME at its close)."""
+    return name.startswith(".") and (name.endswith(".tierstore-part") or ".tierstore-through-" in name)
 
 
 def _strip_s3(path: Any) -> str:

@@ -14,6 +14,7 @@ migrates (it is started on demand); `sync()` waits for it and raises if the file
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -75,21 +76,66 @@ def destination(path: PathLike) -> str | None:
 
 
 class _StagedRaw(io.FileIO):
-    """The staged file of one write: closing it journals it (and, with remote durability, waits)."""
+    """The staged file of one write: closing it journals it (and, with remote durability, waits). A file
+    one of whose writes failed (the stage's disk is full) is never journaled: its close removes it, so
+    that no part of it reaches the store and its space is free for the next file at once."""
 
     def __init__(self, staged: str, mode: str, dest: str, name: str) -> None:
         super().__init__(staged, mode)
+        self._staged = staged
         self._dest = dest
         self._journal_name = name
         self._committed = False
+        self._failed: OSError | None = None
+
+    def write(self, b: Any, /) -> int:
+        try:
+            return super().write(b)
+        except OSError as e:
+            self._failed = e
+            raise
 
     def close(self) -> None:
         if self.closed:
             return
         super().close()
-        if not self._committed:
-            self._committed = True
-            _writeback().commit(self._dest, self._journal_name)
+        if self._committed:
+            return
+        self._committed = True
+        if self._failed is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._staged)
+            raise OSError(
+                self._failed.errno,
+                f"{self._dest} was not written ({self._failed.strerror} in the stage); nothing of it "
+                "reaches the store: free space in the stage or raise its quota, then write it again",
+                self._dest,
+            )
+        _writeback().commit(self._dest, self._journal_name)
+
+    @property
+    def destination(self) -> str:
+        """The path this file goes to on the shared store."""
+        return self._dest
+
+
+class _ThroughRaw(io.FileIO):
+    """A file written straight to the store (the stage was full) under a hidden name beside its
+    destination: closing it fsyncs it and renames it into place, so no reader sees part of it."""
+
+    def __init__(self, temp: str, mode: str, dest: str) -> None:
+        super().__init__(temp, mode)
+        self._temp = temp
+        self._dest = dest
+        self._placed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        if not self._placed:
+            self._placed = True
+            _writeback().finish_through(self._temp, self._dest)
 
     @property
     def destination(self) -> str:
@@ -107,7 +153,8 @@ def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO
 
     Returns:
         A file object; its `close()` journals the file (durability "local") or waits until it is on the store
-        (durability "remote"). A full stage gives a file of the store itself (written through).
+        (durability "remote"). A full stage gives a file of the store itself (written through), under a
+        hidden name until its `close()` renames it into place.
 
     Raises:
         ValueError: `path` is not under a destination, or `mode` does not write.
@@ -140,28 +187,22 @@ def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO
             raise FileNotFoundError(2, "No such file or directory (create the directory first)", parent)
         _dirs_seen.add(parent)
     _ensure_agent()
-    begun = wb.begin(dest)
-    if begun is None:  # the stage is full: the store itself
-        return _builtin_open(dest, mode, encoding)
-    name, staged = begun
+    name, staged = wb.begin(dest)
     if kind in ("a", "r"):
         # The file's current bytes come first: the staged copy if there is one, else the store's.
         src = staged_now if staged_now is not None else dest
         if os.path.exists(src):
             shutil.copyfile(src, staged)
     raw_mode = {"w": "w", "x": "w", "a": "a", "r": "r+"}[kind] + ("+" if "+" in mode and kind != "r" else "")
-    raw = _StagedRaw(staged, raw_mode, dest, name)
+    # No journal name: the stage is full, and `staged` is a hidden file beside `dest` on the store.
+    raw: io.FileIO = (
+        _StagedRaw(staged, raw_mode, dest, name) if name is not None else _ThroughRaw(staged, raw_mode, dest)
+    )
     buffered: io.BufferedRandom | io.BufferedWriter
     buffered = io.BufferedRandom(raw) if "+" in mode else io.BufferedWriter(raw)
     if binary:
         return buffered
     return io.TextIOWrapper(buffered, encoding=encoding)
-
-
-def _builtin_open(path: str, mode: str, encoding: str | None) -> IO[Any]:
-    import builtins
-
-    return builtins.open(path, mode, encoding=encoding)
 
 
 def open_read(path: PathLike, mode: str = "rb", *, encoding: str | None = None) -> IO[Any]:
@@ -239,22 +280,8 @@ def staged_in(directory: PathLike) -> list[tuple[str, str]]:
     Returns:
         (name, staged copy) pairs. A copy may be gone by the time it is read: the file reached the store
         meanwhile, and the store's listing, read after this one, shows it.
-
-    Raises:
-        TimeoutError: Only with a `_core` that cannot name staged files (see below): files under
-            `directory` did not reach the store within the destination's timeout.
     """
-    d = os.path.abspath(os.fspath(directory))
-    wb = _writeback()
-    listing = getattr(wb, "pending_in", None)
-    if listing is not None:
-        found: list[tuple[str, str]] = listing(d)
-        return found
-    # A `_core` without the binding of `Writeback::pending_in` cannot name them: this waits until they
-    # are on the store, whose listing names them (slower, never wrong).
-    if any(p["files"] for p in wb.pending(d)):
-        sync(d)
-    return []
+    return _writeback().pending_in(os.path.abspath(os.fspath(directory)))
 
 
 def rmdir(path: PathLike) -> None:

@@ -76,7 +76,11 @@ struct Open {
     /// The descriptor; `None` once closed while a mapping still writes the file.
     fd: Option<c_int>,
     dest: PathBuf,
+    /// Its name in the journal (a staged file).
     name: String,
+    /// A file written through to the store (the stage was full): its hidden name there, renamed over
+    /// `dest` when the last writer goes.
+    through: Option<PathBuf>,
     pid: u32,
     /// Unlinked while open (a temporary file a saver dropped): its staged copy goes at close.
     deleted: bool,
@@ -119,10 +123,18 @@ unsafe fn dest_path(wb: &Writeback, dirfd: c_int, path: *const c_char) -> Option
 fn staged_copy(wb: &Writeback, abs: &Path) -> Option<PathBuf> {
     if OPEN_COUNT.load(Ordering::Relaxed) > 0 {
         let me = tierstore_core::pid();
-        let name = OPEN.lock().iter().find(|o| o.dest == abs && o.pid == me && !o.deleted).map(|o| o.name.clone());
-        if let Some(name) = name {
-            let d = wb.destination(abs)?;
-            return Some(wb.journal(d).ok()?.staged_path(&name));
+        let found = OPEN
+            .lock()
+            .iter()
+            .find(|o| o.dest == abs && o.pid == me && !o.deleted)
+            .map(|o| (o.name.clone(), o.through.clone()));
+        match found {
+            Some((_, Some(temp))) => return Some(temp),
+            Some((name, None)) => {
+                let d = wb.destination(abs)?;
+                return Some(wb.journal(d).ok()?.staged_path(&name));
+            }
+            None => {}
         }
     }
     wb.lookup(abs).map(|(p, _)| p)
@@ -210,9 +222,10 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
         set_errno(libc::ENOENT);
         return Some(-1);
     }
-    let (name, staged) = match wb.begin(&abs) {
-        Ok(Begin::Staged { name, path }) => (name, path),
-        Ok(Begin::WriteThrough) => return None,
+    let (name, staged, through) = match wb.begin(&abs) {
+        Ok(Begin::Staged { name, path }) => (name, path, None),
+        // The stage is full: the store, under a hidden name until the file is whole.
+        Ok(Begin::WriteThrough { temp }) => (String::new(), temp.clone(), Some(temp)),
         Err(e) => {
             eprintln!("tierstore run: cannot stage {} ({e}); writing it straight to the store", abs.display());
             return None;
@@ -234,7 +247,15 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     let mut open = OPEN.lock();
     open.retain(|o| o.fd != Some(fd)); // closed behind the shim's back (a raw system call) and reused
-    open.push(Open { fd: Some(fd), dest: abs, name, pid: tierstore_core::pid(), deleted: false, maps: Vec::new() });
+    open.push(Open {
+        fd: Some(fd),
+        dest: abs,
+        name,
+        through,
+        pid: tierstore_core::pid(),
+        deleted: false,
+        maps: Vec::new(),
+    });
     OPEN_COUNT.store(open.len(), Ordering::Relaxed);
     Some(fd)
 }
@@ -315,6 +336,20 @@ fn commit(o: Open) -> bool {
         return true; // a forked child closing what it inherited: the parent journals the file
     }
     let Some(wb) = writes() else { return true };
+    if let Some(temp) = &o.through {
+        if o.deleted {
+            let _ = std::fs::remove_file(temp);
+            return true;
+        }
+        return match wb.finish_through(temp, &o.dest) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("tierstore run: closing {}: {e}", o.dest.display());
+                set_errno(e.errno());
+                false
+            }
+        };
+    }
     if o.deleted {
         if let Some(d) = wb.destination(&o.dest) {
             if let Ok(j) = wb.journal(d) {

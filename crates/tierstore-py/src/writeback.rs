@@ -68,14 +68,22 @@ impl PyWriteback {
         self.get().destination(&abs(path)).map(|d| d.path.to_string_lossy().into_owned())
     }
 
-    /// Starts a write of `path`: (journal name, staged file path), or None to write through.
-    fn begin(&self, py: Python<'_>, path: &str) -> PyResult<Option<(String, String)>> {
+    /// Starts a write of `path`: (journal name, staged file path); or, when the stage is full, (None, the
+    /// hidden file beside `path` on the store to write, which `finish_through` puts into place).
+    fn begin(&self, py: Python<'_>, path: &str) -> PyResult<(Option<String>, String)> {
         let wb = self.get();
         let p = abs(path);
         match py.allow_threads(|| wb.begin(&p)).map_err(writeback_to_py)? {
-            Begin::Staged { name, path } => Ok(Some((name, path.to_string_lossy().into_owned()))),
-            Begin::WriteThrough => Ok(None),
+            Begin::Staged { name, path } => Ok((Some(name), path.to_string_lossy().into_owned())),
+            Begin::WriteThrough { temp } => Ok((None, temp.to_string_lossy().into_owned())),
         }
+    }
+
+    /// Puts the closed file `temp`, written through to the store, into place as `path` (fsync, rename).
+    fn finish_through(&self, py: Python<'_>, temp: &str, path: &str) -> PyResult<()> {
+        let wb = self.get();
+        let (t, p) = (abs(temp), abs(path));
+        py.allow_threads(|| wb.finish_through(&t, &p)).map_err(writeback_to_py)
     }
 
     /// Journals the closed staged file `name` of `path` (and waits for the store with remote durability).
@@ -83,6 +91,15 @@ impl PyWriteback {
         let wb = self.get();
         let p = abs(path);
         py.allow_threads(|| wb.commit(&p, name)).map_err(writeback_to_py)
+    }
+
+    /// The files pending directly in the directory `path` (not yet on the store): (name, staged copy).
+    fn pending_in(&self, path: &str) -> Vec<(String, String)> {
+        self.get()
+            .pending_in(&abs(path))
+            .into_iter()
+            .map(|(n, p)| (n.to_string_lossy().into_owned(), p.to_string_lossy().into_owned()))
+            .collect()
     }
 
     /// The staged copy of `path` while it is not on the store yet.

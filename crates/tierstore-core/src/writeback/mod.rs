@@ -118,12 +118,32 @@ pub enum Begin {
         path: PathBuf,
     },
     /// The stage is full: write to the store directly (every earlier file of the directory is on the
-    /// store already, so the order holds).
-    WriteThrough,
+    /// store already, so the order holds), under `temp`, a hidden name beside the destination, which
+    /// [`Writeback::finish_through`] renames into place at close: no reader of the store ever sees part
+    /// of the file under its name.
+    WriteThrough {
+        /// The temporary name (created, empty).
+        temp: PathBuf,
+    },
 }
 
-/// Bytes a stage keeps free on its file system at least, whatever its quota says.
+/// Bytes a stage keeps free on its file system at least, whatever its quota says: 64 MiB, or an eighth
+/// of the file system when that is smaller (a small tmpfs stage).
 pub const STAGE_RESERVE: u64 = 64 << 20;
+
+/// What a stage of `total` bytes keeps free (see [`STAGE_RESERVE`]).
+pub fn stage_reserve(total: u64) -> u64 {
+    STAGE_RESERVE.min(total / 8)
+}
+
+/// The hidden name a file written through to `dest` is written under until it is whole:
+/// `.NAME.tierstore-through-PID-N`, unique in the process.
+fn through_name(dest: &Path) -> PathBuf {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    dest.with_file_name(format!(".{name}.tierstore-through-{}-{n}", crate::pid()))
+}
 
 /// The file, beside the agent's socket, where writers list the stages they use: an agent migrates
 /// those too, also when it was started with another configuration.
@@ -221,8 +241,9 @@ impl Writeback {
 
     fn full(&self, d: &Destination, j: &Journal) -> Result<bool, WritebackError> {
         let staged = j.staged_bytes()?;
-        let free = crate::config::fs_info(&d.stage).map(|f| f.free).unwrap_or(u64::MAX);
-        Ok(staged >= d.quota || free < STAGE_RESERVE)
+        let (free, reserve) =
+            crate::config::fs_info(&d.stage).map(|f| (f.free, stage_reserve(f.total))).unwrap_or((u64::MAX, 0));
+        Ok(staged >= d.quota || free < reserve)
     }
 
     /// Starts a write of `dest` (under a destination): a new staged file, or write-through when the stage
@@ -239,7 +260,13 @@ impl Writeback {
                     dest.display()
                 );
             }
-            return Ok(Begin::WriteThrough);
+            let temp = through_name(dest);
+            std::fs::File::create(&temp).map_err(|source| WritebackError::Io {
+                what: "cannot create the file written through to the store",
+                path: temp.clone(),
+                source,
+            })?;
+            return Ok(Begin::WriteThrough { temp });
         }
         let name = journal::new_staged_name();
         let path = j.staged_path(&name);
@@ -251,9 +278,31 @@ impl Writeback {
         Ok(Begin::Staged { name, path })
     }
 
+    /// Puts a file written through (see [`Begin::WriteThrough`]) into place once the program closed it:
+    /// fsynced, then renamed over `dest`. On failure the temporary file is removed: the close fails, and
+    /// the store keeps what `dest` held before.
+    pub fn finish_through(&self, temp: &Path, dest: &Path) -> Result<(), WritebackError> {
+        let placed = std::fs::File::open(temp)
+            .and_then(|f| f.sync_all())
+            .map_err(|source| WritebackError::Io { what: "cannot fsync", path: temp.to_path_buf(), source })
+            .and_then(|()| {
+                std::fs::rename(temp, dest).map_err(|source| WritebackError::Io {
+                    what: "cannot rename into place",
+                    path: temp.to_path_buf(),
+                    source,
+                })
+            });
+        if placed.is_err() {
+            let _ = std::fs::remove_file(temp);
+        }
+        placed
+    }
+
     /// Journals the staged file `name`, written for `dest`, once the program closed it: its bytes are
     /// fsynced, hashed and recorded (durable on the node); with remote durability, also waits until the
-    /// agent put it on the store.
+    /// agent put it on the store. A file that cannot be journaled (the stage's disk filled up under the
+    /// fsync, say) is removed at once: its close fails, nothing was acknowledged, and its space is the
+    /// next file's.
     pub fn commit(&self, dest: &Path, name: &str) -> Result<(), WritebackError> {
         let d = self.destination_of(dest)?;
         let j = self.journal(d)?;
@@ -268,9 +317,14 @@ impl Writeback {
             let hashed = journal::hash_file(&path);
             (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
         });
-        synced.map_err(io("cannot fsync the staged file"))?;
-        let (size, hash) = hashed.map_err(io("cannot read the staged file"))?;
-        j.commit(dest, name, size, hash)?;
+        let journaled = synced
+            .map_err(io("cannot fsync the staged file"))
+            .and_then(|()| hashed.map_err(io("cannot read the staged file")))
+            .and_then(|(size, hash)| Ok(j.commit(dest, name, size, hash)?));
+        if let Err(e) = journaled {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
         if d.durability == Durability::Remote {
             self.wait(Some(dest), d.timeout)?;
         }
