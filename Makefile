@@ -54,6 +54,7 @@ bench: setup
 	$(PY) bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
 	$(PY) bench/bench_prefetch.py --out BENCHMARKS-prefetch.md
 	$(PY) bench/bench_s3.py --out BENCHMARKS-s3.md --plot bench/s3.png
+	$(PY) bench/bench_revalidate.py --out BENCHMARKS-revalidate.md
 	$(PY) bench/bench_order.py --out BENCHMARKS-order.md --plot bench/order.png
 	$(PY) bench/bench_order.py --step-ms 80 --out BENCHMARKS-order-step80.md
 	$(PY) bench/bench_stream.py --out BENCHMARKS-stream.md --plot bench/stream.png

@@ -35,7 +35,10 @@ def opener(args: argparse.Namespace) -> Any:
         import tierstore
 
         cache = tierstore.Cache(
-            source=f"s3://{args.bucket}", tiers=[args.tier], revalidate="never", s3=settings["tierstore"]
+            source=f"s3://{args.bucket}",
+            tiers=[args.tier],
+            revalidate=args.revalidate,
+            s3=settings["tierstore"],
         )
         return cache.open
     import fsspec
@@ -98,11 +101,30 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--handshake", action="store_true")
+    p.add_argument("--revalidate", default="never", help="tierstore mode: the cache's revalidate setting")
+    p.add_argument(
+        "--prefetch", default="", help="tierstore mode: wrap the loader in tierstore.torch.prefetching"
+    )
     args = p.parse_args()
-    small = Objects([f"small/{i:05d}.bin" for i in range(args.small)], args)
+    keys = [f"small/{i:05d}.bin" for i in range(args.small)]
+    small = Objects(keys, args)
     g = torch.Generator().manual_seed(0)
     loaders = [DataLoader(small, batch_size=32, shuffle=True, generator=g, num_workers=args.workers,
                           persistent_workers=True)]  # fmt: skip
+    if args.prefetch:
+        import tierstore
+        import tierstore.torch
+
+        settings = json.loads(os.environ["BENCH_S3"])
+        cache = tierstore.Cache(
+            source=f"s3://{args.bucket}",
+            tiers=[args.tier],
+            revalidate=args.revalidate,
+            s3=settings["tierstore"],
+        )
+        loaders[0] = tierstore.torch.prefetching(
+            loaders[0], budget=args.prefetch, cache=cache, paths=lambda i: f"s3://{args.bucket}/{keys[i]}"
+        )
     if args.large:
         large = Large([f"large/{i:02d}.bin" for i in range(args.large)], args)
         loaders.append(DataLoader(large, batch_size=1, num_workers=args.workers, persistent_workers=True))

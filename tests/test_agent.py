@@ -178,3 +178,48 @@ def test_the_stream_settings_of_an_agent_from_flags_and_configuration(
     assert bad.returncode != 0 and "stream.redis" in bad.stderr and "redis://HOST:6379" in bad.stderr
     help_text = cli("run", "--help").stdout
     assert "--stream-redis" in help_text and "--stream-keep" in help_text
+
+
+def test_status_names_this_node_as_configured_when_a_peer_refuses_it(
+    runtime: dict[str, str], tmp_path: Path
+) -> None:
+    """A peer that refuses this node (another token) is shown down with its whole reason, and the refusal
+    names this node as the job knows it (`TIERSTORE_NODE`), not by its host name."""
+    import socket
+
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    theirs.write_text("a" * 32)
+    mine.write_text("b" * 32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer_env = {**runtime, "XDG_RUNTIME_DIR": str(tmp_path / "peer-run")}
+    (tmp_path / "peer-run").mkdir()
+    assert (
+        cli("start", "--listen", f"127.0.0.1:{port}", "--token-file", str(theirs), env=peer_env).returncode
+        == 0
+    )
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        env = {
+            **runtime,
+            "TIERSTORE_SOURCE": str(src),
+            "TIERSTORE_TIERS": f"{tmp_path / 'tier'}:1G",
+            "TIERSTORE_SHARING": "inclusive",
+            "TIERSTORE_PEERS": f"127.0.0.1:{port},127.0.0.2:{port}",
+            "TIERSTORE_NODE": f"127.0.0.2:{port}",
+            "TIERSTORE_TOKEN_FILE": str(mine),
+        }
+        shown = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "status"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert f"127.0.0.1:{port} is down: " in shown.stdout, shown.stdout
+        assert f'node "127.0.0.2:{port}": wrong token' in shown.stdout, shown.stdout
+    finally:
+        cli("stop", env=peer_env)

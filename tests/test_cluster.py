@@ -403,7 +403,13 @@ def test_status_shows_every_member_and_a_dead_one_as_down(
         down = {m["address"]: m for m in status()["members"]}
         assert down[first.env["TIERSTORE_NODE"]]["up"]
         assert not down[second.env["TIERSTORE_NODE"]]["up"]
-        assert "no agent at" in down[second.env["TIERSTORE_NODE"]]["error"]
+        error = down[second.env["TIERSTORE_NODE"]]["error"]
+        assert "no agent at" in error
+        # The table names the dead member and its whole reason, errno included, on one line.
+        text = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "status"], env=first.env, capture_output=True, text=True
+        ).stdout
+        assert f"{second.env['TIERSTORE_NODE']} is down: {error}" in text, text
     finally:
         stop_cluster(cluster)
 

@@ -586,6 +586,25 @@ def test_every_safetensors_dtype_round_trips_through_export_and_import(
     assert set(back) == set(state) and all(same_bytes(back[k], t) for k, t in state.items())
 
 
+def test_gc_tells_alignment_padding_from_bytes_of_deleted_versions(repo: Repository) -> None:
+    """A repository where nothing was deleted holds no bytes "of deleted versions": the gaps that align
+    its tensors are padding. A version deleted while a pack it shares is still in use holds some."""
+    repo.save("p", {"a": torch.randn(10), "b": torch.randn(100_000), "c": torch.randn(3)})
+    r = repo.gc()
+    assert r["bytes_of_deleted_versions"] == 0 and r["alignment_padding"] > 0, r
+    assert r["bytes_unused_in_live_packs"] == r["alignment_padding"]
+    # v2 shares "b" with v1 (dedup) and adds "d" to a pack of its own; v3 keeps only "b".
+    repo.save("p", {"b": repo.load("p")["b"], "d": torch.randn(50_000)})
+    repo.save("p", {"b": repo.load("p")["b"]})
+    repo.delete("p", 1)
+    r = repo.gc()
+    # v1's pack still holds "b": its "a" and "c" are bytes of a deleted version now; v2's pack is whole.
+    assert r["packs_removed"] == 0 and r["bytes_of_deleted_versions"] >= 4 * 3, r
+    repo.delete("p", 2)
+    r = repo.gc()
+    assert r["packs_removed"] == 1 and r["bytes_of_deleted_versions"] >= 4 * 13, r
+
+
 def test_delete_and_gc(repo: Repository) -> None:
     repo.save("g", {"a": torch.randn(1000)})
     repo.save("g", {"a": torch.randn(1000)})

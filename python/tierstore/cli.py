@@ -161,7 +161,9 @@ def status(make: Any, as_json: bool) -> None:
         _print_writeback(writeback, as_json)
         return
     stats = cache.stats()
-    cluster = cache.config().get("cluster")
+    config = cache.config()
+    stats["revalidate"] = config["revalidate"][0]
+    cluster = config.get("cluster")
     if cluster is not None and cluster[0].get("sharing", "off") != "off":
         from tierstore import agent as agent_mod
 
@@ -216,6 +218,10 @@ def status(make: Any, as_json: bool) -> None:
             str(t["faults"]),
         )
     s = stats["source"]
+    checked = {
+        "always": "every open asks the store",
+        "never": "copies are trusted, the store is never asked",
+    }.get(stats["revalidate"], f"a copy confirmed within {stats['revalidate']} is trusted")
     source = Table(title=f"source {s['path']}", title_justify="left")
     for col in ("opens", "stats", "reads", "bytes read", "fallbacks", "uncached opens"):
         source.add_column(col, justify="right")
@@ -231,6 +237,7 @@ def status(make: Any, as_json: bool) -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(tiers)
     console.print(source)
+    console.print(f"revalidate {stats['revalidate']}: {checked}", soft_wrap=True)
     for t in stats["tiers"]:
         if t["error"]:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
@@ -250,7 +257,7 @@ def status(make: Any, as_json: bool) -> None:
         for m in c["members"]:
             view = m.get("report", {}).get("cache") or {}
             if not m["up"]:
-                table.add_row(m["address"], f"[red]down[/] ({m['error'][:60]})", "", "", "", "", "")
+                table.add_row(m["address"], "[red]down[/] (below)", "", "", "", "", "")
                 continue
             table.add_row(
                 m["address"],
@@ -262,6 +269,10 @@ def status(make: Any, as_json: bool) -> None:
                 str(view.get("peer_faults", 0)),
             )
         console.print(table)
+        for m in c["members"]:
+            if not m["up"]:
+                # Whole, on a line of its own: the reason (an errno, a refusal) must not be cut or wrapped.
+                console.print(f"[red]{m['address']} is down:[/] {m['error']}", soft_wrap=True)
     if writeback:
         _print_writeback(writeback, False)
 
@@ -846,9 +857,14 @@ def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_j
 def models_gc(repo: Any) -> None:
     """Remove packs no version uses and leftovers of crashed saves."""
     r = repo.gc()
+    kept = (
+        f"; {_human(r['bytes_of_deleted_versions'])} of deleted versions stay in packs still in use"
+        if r["bytes_of_deleted_versions"]
+        else ""
+    )
     click.echo(
-        f"removed {r['packs_removed']} packs, freed {_human(r['bytes_freed'])}; "
-        f"{_human(r['bytes_unused_in_live_packs'])} of deleted versions stay in packs still in use"
+        f"removed {r['packs_removed']} packs, freed {_human(r['bytes_freed'])}{kept}; "
+        f"alignment padding {_human(r['alignment_padding'])}"
     )
 
 

@@ -205,3 +205,107 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class LatencyProxy:
+    """An HTTP proxy in front of an S3 server on loopback that holds every request `latency` seconds
+    before forwarding it, as a store one round trip away does, and counts the requests by kind (GET, HEAD,
+    LIST, PUT...; SeaweedFS's own counters call a HEAD a GET). Clients reach the server through
+    `endpoint`; the Host header is forwarded as the client signed it.
+
+        with S3Server(tmp) as s3, LatencyProxy(s3.endpoint, latency=0.010) as proxy:
+            cache = tierstore.Cache(source="s3://data", tiers=[...], s3=s3.settings(endpoint=proxy.endpoint))
+            ...
+            proxy.counts()  # {"GET": 2000, "LIST": 2}
+
+    Args:
+        upstream: The server's endpoint, `http://127.0.0.1:PORT`.
+        latency: Seconds added before each request is forwarded.
+    """
+
+    def __init__(self, upstream: str, latency: float = 0.010) -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        host, port = target.hostname or "127.0.0.1", target.port
+        self.latency = latency
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                proxy._count(self.command, self.path)
+                time.sleep(proxy.latency)
+                # One connection to the server per client connection, kept across its requests.
+                upstream_conn: http.client.HTTPConnection | None = getattr(self, "_upstream", None)
+                if upstream_conn is None:
+                    upstream_conn = http.client.HTTPConnection(host, port, timeout=120)
+                    self._upstream: http.client.HTTPConnection | None = upstream_conn
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                try:
+                    upstream_conn.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream_conn.getresponse()
+                except (OSError, http.client.HTTPException):
+                    upstream_conn.close()
+                    self._upstream = None
+                    self.send_error(502)
+                    return
+                self.send_response_only(response.status, response.reason)
+                for k, v in response.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding"):
+                        self.send_header(k, v)
+                data = response.read()
+                if response.getheader("Content-Length") is None:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="latency-proxy", daemon=True)
+        self._thread.start()
+
+    def _count(self, method: str, path: str) -> None:
+        query = path.partition("?")[2]
+        kind = (
+            "LIST"
+            if method == "GET" and ("list-type" in query or "delimiter" in query or "prefix=" in query)
+            else method
+        )
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+
+    def counts(self) -> dict[str, int]:
+        """The requests forwarded so far, by kind."""
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        """Sets the counts back to zero."""
+        with self._lock:
+            self._counts.clear()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> LatencyProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

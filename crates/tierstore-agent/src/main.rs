@@ -259,7 +259,13 @@ async fn status(a: Args) -> Result<(), String> {
     let deadline = Duration::from_secs(3);
     let json = match &a.peer {
         Some(addr) => {
-            let configured = job_config().ok().flatten().and_then(|c| c.cluster.token_file);
+            let job = job_config().ok().flatten();
+            // This node introduces itself as the job knows it (`[cluster] node`), not by its host name, so
+            // that a refusal names the member the user configured.
+            let me = (a.node.clone())
+                .or_else(|| job.as_ref().map(|c| c.cluster.node.clone()).filter(|n| !n.is_empty()))
+                .unwrap_or_else(hostname);
+            let configured = job.and_then(|c| c.cluster.token_file);
             let token = match token_source(a.token_file.as_deref(), configured.as_deref()) {
                 Some((f, named)) => Some(
                     tierstore_core::cluster::read_token(&f)
@@ -267,7 +273,7 @@ async fn status(a: Args) -> Result<(), String> {
                 ),
                 None => None,
             };
-            let mut c = Client::peer(addr, &hostname(), token.as_deref(), deadline).await.map_err(|e| e.to_string())?;
+            let mut c = Client::peer(addr, &me, token.as_deref(), deadline).await.map_err(|e| e.to_string())?;
             c.status().await.map_err(|e| e.to_string())?
         }
         None => {

@@ -607,24 +607,24 @@ class Repository:
         """Removes packs no version uses, and leftovers of crashed saves.
 
         Returns:
-            packs_removed, bytes_freed, and bytes_unused_in_live_packs (tensors of deleted versions that share
-            a pack with tensors still in use; they are freed when the last user goes).
+            packs_removed, bytes_freed; bytes_of_deleted_versions (tensors of deleted versions that share a
+            pack with tensors still in use: freed when the last user goes) and alignment_padding (the gaps
+            that align each tensor in its pack), which add up to bytes_unused_in_live_packs.
         """
         with _flock(self.root / "repo.lock", exclusive=True):
-            used: dict[str, int] = defaultdict(int)
-            seen: set[tuple[str, int]] = set()
+            live: dict[str, set[tuple[int, int]]] = defaultdict(set)
             for p in (self.root / "models").glob("*/v*.json"):
                 for t in json.loads(p.read_text())["tensors"]:
                     # By location, not by hash: a tensor saved anew after its copy was quarantined (or by
                     # two concurrent saves) is stored twice, and each copy's pack is in use.
-                    if (t["pack"], t["offset"]) not in seen:
-                        seen.add((t["pack"], t["offset"]))
-                        used[t["pack"]] += t["nbytes"]
-            removed = freed = unused = 0
+                    live[t["pack"]].add((t["offset"], t["nbytes"]))
+            removed = freed = dead = padding = 0
             for p in (self.root / "packs").iterdir():
                 size = p.stat().st_size
-                if p.name in used:
-                    unused += max(0, size - used[p.name])
+                if p.name in live:
+                    d, pad = _unused_in_pack(sorted(live[p.name]), size)
+                    dead += d
+                    padding += pad
                     continue
                 p.unlink()  # unused pack, or a temporary left by a crashed save (no save runs now)
                 removed += 1
@@ -632,11 +632,17 @@ class Repository:
             for p in (self.root / "models").glob("*/.v*.tmp"):
                 p.unlink()
             for key in integrity.quarantined(self.root):
-                if key[0] not in used:  # its pack is gone with the last version that referred to it
+                if key[0] not in live:  # its pack is gone with the last version that referred to it
                     (self.root / integrity.QUARANTINE / integrity.entry_name(key)).unlink()
             self._blobs.clear()
             self._seen.clear()
-        return {"packs_removed": removed, "bytes_freed": freed, "bytes_unused_in_live_packs": unused}
+        return {
+            "packs_removed": removed,
+            "bytes_freed": freed,
+            "bytes_unused_in_live_packs": dead + padding,
+            "bytes_of_deleted_versions": dead,
+            "alignment_padding": padding,
+        }
 
     def stats(self) -> dict[str, int]:
         """Bytes on disk against bytes the versions hold: what dedup saves."""
@@ -771,3 +777,27 @@ def _no_grad() -> Iterator[None]:
 
     with torch.no_grad():
         yield
+
+
+def _alignment_for(nbytes: int) -> int:
+    """The alignment a pack gives a tensor of `nbytes` (the Rust writer's `pack::alignment_for`)."""
+    return 4096 if nbytes >= 64 << 10 else 64
+
+
+def _unused_in_pack(tensors: list[tuple[int, int]], size: int) -> tuple[int, int]:
+    """The bytes of a pack of `size` bytes that no live tensor (offset, nbytes, sorted) holds, as
+    (bytes of tensors no version uses any more, alignment padding): a gap before a tensor narrower than
+    that tensor's alignment is padding; a wider one held tensors since deleted, as does what follows the
+    last live tensor (a pack ends with its last tensor)."""
+    dead = padding = 0
+    end = 0
+    for offset, nbytes in tensors:
+        gap = offset - end
+        if gap > 0:
+            if gap < _alignment_for(nbytes):
+                padding += gap
+            else:
+                dead += gap
+        end = max(end, offset + nbytes)
+    dead += max(0, size - end)
+    return dead, padding

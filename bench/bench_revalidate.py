@@ -1,0 +1,231 @@
+"""Benchmark of revalidation on an S3 store one round trip away: what each `revalidate` mode costs a
+DataLoader job's cold and warm epochs, in requests and in time, against a local copy of the objects.
+
+A SeaweedFS server on loopback (`tierstore.s3server`) holds `--objects` objects of `--size` bytes, and every
+request reaches it through `tierstore.s3server.LatencyProxy`, which holds each one `--latency` (10 ms: a
+store in another rack or region) and counts them by kind (GET, HEAD, LIST). In one process, `--rounds`
+times and in a new order each round, the same job (bench/s3_job.py: a DataLoader with `--workers` workers
+reading every object whole, shuffled, for 3 epochs) runs in these modes:
+
+  local              plain open() of a copy of every object on /dev/shm: the bar
+  never              tierstore, revalidate "never" (a read-only dataset)
+  60s                tierstore, revalidate "60s" (a copy confirmed within a minute is used as it is)
+  always             tierstore, revalidate "always" (one HEAD per open of a cached object)
+  never+prefetch     "never" with tierstore.torch.prefetching (the sampler's order fetched ahead)
+  60s+prefetch       "60s" with tierstore.torch.prefetching
+
+Each tierstore job starts with an empty tier. Reported per mode: epoch 1 and warm epochs (2-3) in seconds,
+warm epochs against the local copy (median of the rounds' ratios), and the proxy's requests per object in
+epoch 1 and in the warm epochs, by kind.
+
+    .venv/bin/python bench/bench_revalidate.py --out BENCHMARKS-revalidate.md
+
+The exit status is 1 when a target is missed: epoch 1 costs one GET per object (no HEAD) in every mode;
+warm epochs with "60s" at least 0.90x the local copy and 0.95x "never"; "always" one request per open;
+prefetching adds at most 5% to a warm epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+from tierstore.s3server import LatencyProxy, S3Server
+
+PY = sys.executable
+JOB = str(Path(__file__).resolve().parent / "s3_job.py")
+BUCKET = "bench"
+MODES = {
+    "local": ("local", "never", ""),
+    "never": ("tierstore", "never", ""),
+    "60s": ("tierstore", "60s", ""),
+    "always": ("tierstore", "always", ""),
+    "never+prefetch": ("tierstore", "never", "1G"),
+    "60s+prefetch": ("tierstore", "60s", "1G"),
+}
+
+
+def blob(i: int, n: int) -> bytes:
+    seed = hashlib.blake2b(str(i).encode(), digest_size=64).digest()
+    return (seed * (n // 64 + 1))[:n]
+
+
+def populate(s3: S3Server, n: int, size: int, local: Path) -> None:
+    s3.create_bucket(BUCKET)
+    client = s3.client()
+    (local / "small").mkdir(parents=True, exist_ok=True)
+
+    def put(i: int) -> None:
+        key = f"small/{i:05d}.bin"
+        body = blob(i, size)
+        client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        (local / key).write_bytes(body)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, range(n)))
+
+
+def run_job(
+    proxy: LatencyProxy, s3: S3Server, args: argparse.Namespace, mode: str, base: Path
+) -> dict[str, Any]:
+    """One 3-epoch job in `mode`; seconds and the proxy's requests (by kind) in each epoch."""
+    kind, revalidate, prefetch = MODES[mode]
+    tier = base / "tier"
+    shutil.rmtree(tier, ignore_errors=True)
+    tier.mkdir(parents=True)
+    settings = {"tierstore": s3.settings(endpoint=proxy.endpoint)}
+    env = {**os.environ, "BENCH_S3": json.dumps(settings), "TIERSTORE_LOG": "off"}
+    cmd = [PY, JOB, "--mode", kind, "--bucket", BUCKET, "--tier", f"{tier}:4G", "--local", str(base / "local"),
+           "--small", str(args.objects), "--workers", str(args.workers), "--revalidate", revalidate,
+           "--handshake"]  # fmt: skip
+    if prefetch:
+        cmd += ["--prefetch", prefetch]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    proxy.reset()
+    epochs = []
+    for _ in range(3):
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {mode} job failed (exit {p.wait()})")
+        e = json.loads(line)
+        e["requests"] = proxy.counts()
+        proxy.reset()
+        epochs.append(e)
+        p.stdin.write("\n")
+        p.stdin.flush()
+    if p.wait() != 0:
+        raise RuntimeError(f"the {mode} job exited with {p.returncode}")
+    return {"mode": mode, "epochs": epochs}
+
+
+def per_object(requests: dict[str, int], objects: int, epochs: int = 1) -> str:
+    if not requests:
+        return "0"
+    return ", ".join(f"{k} {v / objects / epochs:.2f}" for k, v in sorted(requests.items()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--objects", type=int, default=2000)
+    ap.add_argument("--size", type=int, default=128 << 10)
+    ap.add_argument("--latency", type=float, default=0.010, help="seconds added to each request")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    base = Path(tempfile.mkdtemp(prefix="bench-revalidate-", dir="/dev/shm"))
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    try:
+        with S3Server(base / "weed") as s3, LatencyProxy(s3.endpoint, args.latency) as proxy:
+            populate(s3, args.objects, args.size, base / "local")
+            for r in range(args.rounds):
+                order = modes[:]
+                random.Random(r).shuffle(order)
+                for m in order:
+                    job = run_job(proxy, s3, args, m, base)
+                    results[m].append(job)
+                    secs = ", ".join(f"{e['seconds']:.2f}" for e in job["epochs"])
+                    print(f"round {r + 1} {m:>15}: epochs {secs} s; requests {[e['requests'] for e in job['epochs']]}",
+                          flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+    def warm(job: dict[str, Any]) -> float:
+        return statistics.mean(e["seconds"] for e in job["epochs"][1:])
+
+    def ratio(m: str, against: str) -> list[float]:
+        # Paired by round: each round's jobs ran back to back on the same machine state.
+        return [warm(a) / warm(b) for a, b in zip(results[against], results[m], strict=True)]
+
+    lines = [
+        "# Revalidation on an S3 store one round trip away",
+        "",
+        f"`{' '.join(['.venv/bin/python', *sys.argv])}`",
+        "",
+        f"{args.objects} objects of {args.size >> 10} KiB on SeaweedFS behind a proxy adding "
+        f"{args.latency * 1000:.0f} ms per request; a DataLoader with {args.workers} workers reads every object "
+        f"whole, shuffled, for 3 epochs; {args.rounds} rounds, modes in a new order each round. Speed is the "
+        "local copy's warm epoch time over the mode's (1.00x: as fast as a local copy), median of the rounds' "
+        "ratios, each taken within one round. Requests are the proxy's counts per object.",
+        "",
+        "| mode | epoch 1 (s) | warm epoch (s) | warm speed vs local | epoch 1 requests per object | "
+        "warm requests per object per epoch |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    summary: dict[str, dict[str, float]] = {}
+    for m in modes:
+        jobs = results[m]
+        e1 = statistics.median(j["epochs"][0]["seconds"] for j in jobs)
+        w = statistics.median(warm(j) for j in jobs)
+        speed = statistics.median(ratio(m, "local")) if "local" in results else float("nan")
+        first: dict[str, int] = {}
+        later: dict[str, int] = {}
+        for j in jobs:
+            for k, v in j["epochs"][0]["requests"].items():
+                first[k] = first.get(k, 0) + v
+            for e in j["epochs"][1:]:
+                for k, v in e["requests"].items():
+                    later[k] = later.get(k, 0) + v
+        summary[m] = {"speed": speed, "first": sum(first.values()) / len(jobs) / args.objects}
+        summary[m]["first_get"] = first.get("GET", 0) / len(jobs) / args.objects
+        summary[m]["warm_requests"] = sum(later.values()) / len(jobs) / 2 / args.objects
+        lines.append(
+            f"| {m} | {e1:.2f} | {w:.3f} | {speed:.2f}x | {per_object(first, args.objects, len(jobs))} | "
+            f"{per_object(later, args.objects, 2 * len(jobs))} |"
+        )
+    checks = []
+    for m in modes:
+        if m != "local":
+            ok = abs(summary[m]["first"] - 1.0) < 0.005 and abs(summary[m]["first_get"] - 1.0) < 0.005
+            checks.append((f"{m}: epoch 1 costs one GET per object", ok, f"{summary[m]['first']:.3f}"))
+    if "60s" in summary and "local" in summary:
+        checks.append(
+            (
+                "60s: warm epochs >= 0.90x local",
+                summary["60s"]["speed"] >= 0.90,
+                f"{summary['60s']['speed']:.2f}x",
+            )
+        )
+    if "60s" in summary and "never" in summary:
+        paired = statistics.median(ratio("60s", "never"))
+        checks.append(("60s: warm epochs >= 0.95x never", paired >= 0.95, f"{paired:.2f}x"))
+    if "always" in summary:
+        checks.append(("always: one request per open", abs(summary["always"]["warm_requests"] - 1.0) < 0.005,
+                       f"{summary['always']['warm_requests']:.3f}"))  # fmt: skip
+    for with_p, without in (("never+prefetch", "never"), ("60s+prefetch", "60s")):
+        if with_p in summary and without in summary:
+            paired = statistics.median(ratio(with_p, without))
+            checks.append((f"{with_p}: warm epochs >= 0.95x {without} (at most 1.05x its time)", paired >= 0.95,
+                           f"{paired:.2f}x"))  # fmt: skip
+    lines += ["", "| target | met | measured |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
+    lines += ["", "Per round (epoch seconds, then the proxy's requests per epoch):", ""]
+    for m in modes:
+        for i, j in enumerate(results[m]):
+            secs = ", ".join(f"{e['seconds']:.3f}" for e in j["epochs"])
+            lines.append(f"- {m}, round {i + 1}: {secs}; {[e['requests'] for e in j['epochs']]}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
