@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.conftest import mounted_store, store_stats
 
 from simulate_cluster import balance, simulate
 from tierstore import _core
-from tierstore.netns import Nodes
+from tierstore.testing.netns import Nodes
+from tierstore.testing.slowfs import mounted
+from tierstore.testing.slowfs import read_stats as store_stats
 
 MiB = 1 << 20
 
@@ -201,7 +200,13 @@ def job(work: Path, mode: str, fits: bool, files: int = 384, size: int = 128 * 1
     token.write_text(hashlib.sha256(str(base).encode()).hexdigest())
     dataset = files * size
     tier_bytes = 2 * dataset if fits else dataset // 3
-    with mounted_store(base) as (backing, mount), Nodes(4) as nodes:
+    backing = base / "pfs-backing"
+    backing.mkdir()
+    # The stand-in store with no added latency and no cap: the benchmark counts what reaches it.
+    with (
+        mounted(backing, base / "pfs", meta_latency="0", data_latency="0", bandwidth="0") as mount,
+        Nodes(4) as nodes,
+    ):
         rels = [f"train/s{i:04d}.bin" for i in range(files)]
         (backing / "train").mkdir()
         for i, r in enumerate(rels):

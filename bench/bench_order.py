@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierstore.slowfs import mounted, read_stats
+from tierstore.testing.slowfs import mounted, read_stats
 
 PY = sys.executable
 OPS = ("getattr", "open", "read", "readdir", "release")

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierstore.slowfs import mounted, read_stats
+from tierstore.testing.slowfs import mounted, read_stats
 
 PY = sys.executable
 OPS = ("getattr", "open", "read", "readdir", "release", "access", "readlink", "statfs")

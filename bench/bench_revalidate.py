@@ -1,8 +1,8 @@
 """Benchmark of revalidation on an S3 store one round trip away: what each `revalidate` mode costs a
 DataLoader job's cold and warm epochs, in requests and in time, against a local copy of the objects.
 
-A SeaweedFS server on loopback (`tierstore.s3server`) holds `--objects` objects of `--size` bytes, and every
-request reaches it through `tierstore.s3server.LatencyProxy`, which holds each one `--latency` (10 ms: a
+A SeaweedFS server on loopback (`tierstore.testing.s3server`) holds `--objects` objects of `--size` bytes, and every
+request reaches it through `tierstore.testing.s3server.LatencyProxy`, which holds each one `--latency` (10 ms: a
 store in another rack or region) and counts them by kind (GET, HEAD, LIST). In one process, `--rounds`
 times and in a new order each round, the same job (bench/s3_job.py: a DataLoader with `--workers` workers
 reading every object whole, shuffled, for 3 epochs) runs in these modes:
@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
-from tierstore.s3server import LatencyProxy, S3Server
+from tierstore.testing.s3server import LatencyProxy, S3Server
 
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "s3_job.py")

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierstore.slowfs import mounted, read_stats
+from tierstore.testing.slowfs import mounted, read_stats
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable

@@ -1,6 +1,6 @@
 """Benchmark of an S3 source: tierstore against s3fs and fsspec's simplecache, on a real SeaweedFS server.
 
-A SeaweedFS server on loopback (`tierstore.s3server`) holds `--small` objects of `--small-size` and
+A SeaweedFS server on loopback (`tierstore.testing.s3server`) holds `--small` objects of `--small-size` and
 `--large` objects of `--large-size`. In one run:
 
   jobs           bench/s3_job.py, a DataLoader (2 persistent workers) reading every small object whole
@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
-from tierstore.s3server import S3Server
+from tierstore.testing.s3server import S3Server
 
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "s3_job.py")
@@ -343,7 +343,7 @@ def main() -> int:
 
 
 def s3_version() -> str:
-    from tierstore.s3server import weed_binary
+    from tierstore.testing.s3server import weed_binary
 
     out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True).stdout.split()
     return out[2] if len(out) > 2 else "?"

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from tierstore import slowfs
+from tierstore.testing import slowfs
 
 PY = sys.executable
 TENSORS = 100
@@ -519,7 +519,7 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
     """Publisher on node 0, a HotModel consumer on node 1 (network namespaces, the link shaped to 1 Gbit/s
     with tc tbf), Redis on node 0: publish -> served, and node 1's pull rate against iperf3 on the link."""
     from tierstore import stream
-    from tierstore.netns import Nodes, start_redis
+    from tierstore.testing.netns import Nodes, start_redis
 
     work.mkdir(parents=True)
     token = work / "token"

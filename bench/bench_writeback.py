@@ -131,7 +131,7 @@ def store(root: Path, backing: Path, write_bw: str) -> Iterator[tuple[Path, Path
     backing.mkdir(parents=True)
     mount.mkdir(exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierstore.slowfs", str(backing), str(mount), "--foreground", "--meta-latency", "1ms",
+        [sys.executable, "-m", "tierstore.testing.slowfs", str(backing), str(mount), "--foreground", "--meta-latency", "1ms",
          "--data-latency", "0", "--bandwidth", "0", "--write-bandwidth", write_bw],
         stderr=subprocess.PIPE,
     )  # fmt: skip

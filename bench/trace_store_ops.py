@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from tierstore import slowfs
+from tierstore.testing import slowfs
 
 PY = sys.executable
 TOTALS = ("metadata_ops", "data_ops")

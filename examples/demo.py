@@ -109,7 +109,7 @@ def delta(before: dict, after: dict) -> dict[str, int]:
 def shared_store() -> Any:
     """The dataset as the job sees it: through the stand-in shared store, or (no FUSE here) the directory
     itself. Yields (the source path, whether it is the stand-in store)."""
-    from tierstore.slowfs import mounted
+    from tierstore.testing.slowfs import mounted
 
     try:
         with mounted(DATA, STORE, meta_latency="1ms", data_latency="0.5ms", bandwidth="200MiB/s") as mount:

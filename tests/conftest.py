@@ -78,7 +78,7 @@ def mounted_store(
 ) -> Iterator[tuple[Path, Path]]:
     """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount).
     No latency and no bandwidth cap unless asked: the tests count operations, they do not time them."""
-    from tierstore.slowfs import mounted
+    from tierstore.testing.slowfs import mounted
 
     backing = tmp_path / "pfs-backing"
     backing.mkdir()
@@ -110,7 +110,7 @@ def throttled_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 
 def store_stats(mount: Path) -> dict[str, int]:
-    from tierstore.slowfs import read_stats
+    from tierstore.testing.slowfs import read_stats
 
     return read_stats(str(mount))
 

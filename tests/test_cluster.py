@@ -447,7 +447,7 @@ def test_the_agent_serves_prometheus_metrics_when_asked(
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of this test's own on a free loopback port."""
-    from tierstore.netns import start_redis
+    from tierstore.testing.netns import start_redis
 
     port = free_port()
     proc = start_redis("127.0.0.1", port)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import store_stats
 from tests.test_cluster import SIZES, dataset
-from tierstore.netns import Nodes
+from tierstore.testing.netns import Nodes
 
 NODES = 4
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import tierstore
-from tierstore.s3server import S3Server
+from tierstore.testing.s3server import S3Server
 
 
 def blob(i: int, size: int) -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierstore import slowfs
+from tierstore.testing import slowfs
 
 
 class Clock:

@@ -423,7 +423,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
 ) -> None:
     """Two nodes (network namespaces), Redis on the first: two consumers on the second node are served by
     one pull per version of the tensors their node lacks; Redis restarted, they catch up."""
-    from tierstore.netns import Nodes, start_redis
+    from tierstore.testing.netns import Nodes, start_redis
 
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
@@ -735,7 +735,7 @@ def test_an_in_place_update_torn_midway_stops_requests_until_the_next_one(sock: 
             raise OSError("the read failed")
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(stream._core, "stream_read", fails)
+            mp.setattr(_core, "stream_read", fails)
             stream.publish("torn", model(2.0))
             wait_for("the torn update reported", lambda: hot.failures == 1)
         assert hot.last_error is not None and "the read failed" in hot.last_error
@@ -780,7 +780,8 @@ def test_double_mode_allocates_a_second_copy_which_in_place_does_not(sock: Path)
 RANK = """
 import datetime, json, os, signal, sys, time
 import torch, torch.distributed as dist
-from tierstore import _core, _group, stream
+from tierstore import _core, stream
+from tierstore.stream import group as _group
 store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=datetime.timedelta(seconds=60))
 dist.init_process_group("gloo", store=store, rank={rank}, world_size={world},
                         timeout=datetime.timedelta(seconds=60))
@@ -1018,7 +1019,7 @@ def test_a_publisher_rank_that_hangs_mid_transfer_fails_the_consumer_at_the_dead
 
 
 def test_the_group_packs_small_tensors_into_few_buckets_and_cuts_large_ones() -> None:
-    from tierstore import _group
+    from tierstore.stream import group as _group
 
     # 1,000 tensors of 100 bytes: 2 collectives of at most 64 KiB, not 1,000.
     small = _group.buckets([100] * 1000, 64 << 10)

@@ -98,7 +98,7 @@ def test_a_group_consumer_on_another_node_gets_the_tensors_once_through_the_grou
     """3 versions through the group: served byte for byte, and the consumer's node's agent pulled 0 bytes
     (it relayed 3 notices); then a version published outside the group is pulled once, when asked for."""
     pytest.importorskip("torch")
-    from tierstore.netns import Nodes, start_redis
+    from tierstore.testing.netns import Nodes, start_redis
 
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")

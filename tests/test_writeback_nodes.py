@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import mounted_store
-from tierstore.netns import Nodes
+from tierstore.testing.netns import Nodes
 
 READ = r"""
 import hashlib, sys, time, tierstore

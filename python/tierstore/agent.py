@@ -18,9 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierstore import _core
 
-class AgentError(RuntimeError):
-    """The agent could not be started, reached or stopped; the message says why and what to do."""
+
+class AgentError(_core.TierstoreError, RuntimeError):
+    """The agent could not be started, reached or stopped; the message says why and what to do. A
+    `TierstoreError`, as every error of tierstore's own is (and a RuntimeError, as it always was)."""
 
 
 def executable() -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierstore import _core
+from tierstore.models.files import flock, fsync_dir
 
 if TYPE_CHECKING:
     from tierstore.models.repository import Repository
@@ -125,7 +126,6 @@ def verify(
     progress: bool | None,
 ) -> VerifyReport:
     """See `Repository.verify`."""
-    from tierstore.models.repository import _flock
 
     if name is None:
         if version is not None:
@@ -136,7 +136,7 @@ def verify(
     else:
         refs = [(name, repo._resolve(name, version))]
     # Shared, as a save: gc (exclusive) cannot remove a pack while it is being checked.
-    with _flock(repo.root / "repo.lock", exclusive=False):
+    with flock(repo.root / "repo.lock", exclusive=False):
         manifests = _manifests(repo, refs)
         blobs: dict[BlobKey, int] = {}  # each stored copy once, with its length
         for m in manifests:
@@ -227,14 +227,13 @@ def _quarantine(
 ) -> tuple[int, int]:
     """Records the damaged copies in quarantine and releases those found intact again; returns how many
     of each changed."""
-    from tierstore.models.repository import _flock, _fsync_dir
 
     d = repo.root / QUARANTINE
     d.mkdir(exist_ok=True)
     added = released = 0
     # Exclusive: a save that has already looked up its duplicates finishes first (its version refers to
     # the damaged copy, and is reported by the next verify); every later save sees the quarantine.
-    with _flock(repo.root / "repo.lock", exclusive=True):
+    with flock(repo.root / "repo.lock", exclusive=True):
         before = quarantined(repo.root)
         for key, reason in bad.items():
             if key in before:
@@ -248,7 +247,7 @@ def _quarantine(
             (d / entry_name(key)).unlink()
             released += 1
         if added or released:
-            _fsync_dir(d)
+            fsync_dir(d)
     return added, released
 
 
@@ -280,3 +279,45 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int], None]]:
         task = bar.add_task("verify", total=total or 1)
         yield lambda n: bar.advance(task, n)
         bar.update(task, completed=total or 1)
+
+
+@contextlib.contextmanager
+def named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) -> Iterator[None]:
+    """Turns the engine's IntegrityError (message, index of the request, kind) into one that names the
+    tensor, the version and the pack, and says what to do."""
+    try:
+        yield
+    except _core.IntegrityError as e:
+        index = e.args[1] if len(e.args) > 1 else None
+        what = f"tensor {tensors[index]['name']!r}" if index is not None else "a tensor"
+        why = (
+            "the pack is truncated"
+            if e.args[2:] == ("truncated",)
+            else "its bytes do not match the recorded hash"
+        )
+        raise _core.IntegrityError(
+            f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
+            + repair_advice(m, path, tensors[index] if index is not None else None)
+        ) from e
+    except FileNotFoundError as e:
+        names = ", ".join(repr(t["name"]) for t in tensors[:3]) + (", ..." if len(tensors) > 3 else "")
+        raise _core.IntegrityError(
+            f"{m['name']}@{m['version']}: pack {path}, which holds tensor {names}, is missing. "
+            + repair_advice(m, path, None)
+        ) from e
+
+
+def repair_advice(m: dict[str, Any], pack: Path, t: dict[str, Any] | None) -> str:
+    """What to do about a damaged tensor of version `m` in `pack`: a save of the same tensors would refer to
+    the damaged copy (dedup) until `verify --repair` quarantines it."""
+    root = pack.parent.parent
+    ref = f"{m['name']}@{m['version']}"
+    if t is not None and is_quarantined(root, t):
+        return (
+            f"The damaged copy is quarantined: {ref} stays broken. Restore the pack from a backup, or save "
+            "the model again, which now writes the tensor anew, and delete this version"
+        )
+    return (
+        f"Restore the pack from a backup, or run `tierstore models --repo {root} verify {ref} --repair` "
+        "and then save the model again (until the repair, a save reuses the damaged copy)"
+    )

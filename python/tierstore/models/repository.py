@@ -19,7 +19,6 @@ and checks every hash: wrong bytes are never returned.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import fnmatch
 import json
 import os
@@ -38,6 +37,7 @@ import numpy as np
 from tierstore import _core
 from tierstore.models import integrity
 from tierstore.models import layers as layer_ids
+from tierstore.models.files import flock, fsync_dir
 from tierstore.models.staging import POOL
 from tierstore.models.tensors import (
     TensorSpec,
@@ -88,24 +88,6 @@ class MatchReport:
     unmatched: list[str]  # layers of the target model with no stored layer of the same ID
     tensors: int
     nbytes: int
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _flock(path: Path, exclusive: bool) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # releases the lock, also when the process dies
 
 
 def _flatten(obj: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -284,7 +266,7 @@ class Repository:
     ) -> Version:
         model_dir = self._model_dir(name)
         meta = json.loads(json.dumps(dict(metadata or {})))  # fails early on what JSON cannot hold
-        with _flock(self.root / "repo.lock", exclusive=False):
+        with flock(self.root / "repo.lock", exclusive=False):
             self._refresh()
             hashes: list[str] = []
             locations: dict[str, tuple[str, int, int]] = {}
@@ -351,7 +333,7 @@ class Repository:
                     }
                 )
             model_dir.mkdir(parents=True, exist_ok=True)
-            with _flock(model_dir / ".lock", exclusive=True):
+            with flock(model_dir / ".lock", exclusive=True):
                 numbers = self._version_numbers(name)
                 version = numbers[-1] + 1 if numbers else 1
                 manifest = {
@@ -372,7 +354,7 @@ class Repository:
                     f.flush()
                     os.fsync(f.fileno())
                 os.rename(tmp, final)
-                _fsync_dir(model_dir)
+                fsync_dir(model_dir)
             for h, loc in locations.items():
                 self._blobs.setdefault(h, loc)
         return self._version_of(manifest)
@@ -508,7 +490,7 @@ class Repository:
         self, m: dict[str, Any], pack: str, items: list[tuple[dict[str, Any], np.ndarray]]
     ) -> None:
         path = self.root / "packs" / pack
-        with _named_damage(m, path, [t for t, _ in items]):
+        with integrity.named_damage(m, path, [t for t, _ in items]):
             _core.read_into(path, [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items])
 
     def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
@@ -521,7 +503,7 @@ class Repository:
         out: dict[str, Any] = {}
         for pack, items in by_pack.items():
             path = self.root / "packs" / pack
-            with _named_damage(m, path, items):
+            with integrity.named_damage(m, path, items):
                 spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
                 mapping = _core.map_pack(path, spans)
             for t in items:
@@ -599,9 +581,9 @@ class Repository:
         """Deletes a version (its tensors stay while another version uses them; `gc` frees the rest)."""
         v = self._resolve(name, version)
         d = self._model_dir(name)
-        with _flock(d / ".lock", exclusive=True):
+        with flock(d / ".lock", exclusive=True):
             self._manifest_path(name, v).unlink()
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def gc(self) -> dict[str, int]:
         """Removes packs no version uses, and leftovers of crashed saves.
@@ -611,7 +593,7 @@ class Repository:
             pack with tensors still in use: freed when the last user goes) and alignment_padding (the gaps
             that align each tensor in its pack), which add up to bytes_unused_in_live_packs.
         """
-        with _flock(self.root / "repo.lock", exclusive=True):
+        with flock(self.root / "repo.lock", exclusive=True):
             live: dict[str, set[tuple[int, int]]] = defaultdict(set)
             for p in (self.root / "models").glob("*/v*.json"):
                 for t in json.loads(p.read_text())["tensors"]:
@@ -697,48 +679,6 @@ def _spec_of(t: dict[str, Any]) -> TensorSpec:
             f"{needed}; the manifest is damaged"
         )
     return spec
-
-
-@contextlib.contextmanager
-def _named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) -> Iterator[None]:
-    """Turns the engine's IntegrityError (message, index of the request, kind) into one that names the
-    tensor, the version and the pack, and says what to do."""
-    try:
-        yield
-    except IntegrityError as e:
-        index = e.args[1] if len(e.args) > 1 else None
-        what = f"tensor {tensors[index]['name']!r}" if index is not None else "a tensor"
-        why = (
-            "the pack is truncated"
-            if e.args[2:] == ("truncated",)
-            else "its bytes do not match the recorded hash"
-        )
-        raise IntegrityError(
-            f"{what} of {m['name']}@{m['version']} is damaged in {path} ({why}); it was not returned. "
-            + _repair_advice(m, path, tensors[index] if index is not None else None)
-        ) from e
-    except FileNotFoundError as e:
-        names = ", ".join(repr(t["name"]) for t in tensors[:3]) + (", ..." if len(tensors) > 3 else "")
-        raise IntegrityError(
-            f"{m['name']}@{m['version']}: pack {path}, which holds tensor {names}, is missing. "
-            + _repair_advice(m, path, None)
-        ) from e
-
-
-def _repair_advice(m: dict[str, Any], pack: Path, t: dict[str, Any] | None) -> str:
-    """What to do about a damaged tensor of version `m` in `pack`: a save of the same tensors would refer to
-    the damaged copy (dedup) until `verify --repair` quarantines it."""
-    root = pack.parent.parent
-    ref = f"{m['name']}@{m['version']}"
-    if t is not None and integrity.is_quarantined(root, t):
-        return (
-            f"The damaged copy is quarantined: {ref} stays broken. Restore the pack from a backup, or save "
-            "the model again, which now writes the tensor anew, and delete this version"
-        )
-    return (
-        f"Restore the pack from a backup, or run `tierstore models --repo {root} verify {ref} --repair` "
-        "and then save the model again (until the repair, a save reuses the damaged copy)"
-    )
 
 
 def _hashed_in_background(batches: Iterable[list[Any]]) -> Iterator[tuple[list[Any], Future[list[str]]]]:

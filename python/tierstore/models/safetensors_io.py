@@ -46,7 +46,7 @@ def export(repo: Repository, name: str, version: int | str, path: str | os.PathL
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     out = Path(path)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    from tierstore.models.repository import _named_damage
+    from tierstore.models.integrity import named_damage
 
     try:
         with open(tmp, "wb") as f:
@@ -55,7 +55,7 @@ def export(repo: Repository, name: str, version: int | str, path: str | os.PathL
             for t in m["tensors"]:
                 buf = np.empty(t["nbytes"], dtype=np.uint8)
                 pack = repo.root / "packs" / t["pack"]
-                with _named_damage(m, pack, [t]):  # a damaged tensor is named, not "tensor #0"
+                with named_damage(m, pack, [t]):  # a damaged tensor is named, not "tensor #0"
                     _core.read_into(pack, [(t["offset"], buf, bytes.fromhex(t["hash"]))])
                 f.write(buf.data)
             f.flush()

@@ -141,3 +141,13 @@ def handshake(group: Any, src: int, device: Any, token: int = 0) -> int:
     t = torch.tensor([token], dtype=torch.int64, device=device)
     dist.all_reduce(t, group=group)
     return int(t.item())
+
+
+def default_device(group: Any) -> Any:
+    """Where the group's own small tensors live: the current GPU for NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from tierstore import _core
 
-class NetnsError(RuntimeError):
-    """The namespaces could not be set up; the message names the command and its error."""
+
+class NetnsError(_core.TierstoreError, RuntimeError):
+    """The namespaces could not be set up; the message names the command and its error. A
+    `TierstoreError`, as every error of tierstore's own is (and a RuntimeError, as it always was)."""
 
 
 def _sh(*args: str) -> None:

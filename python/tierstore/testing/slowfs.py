@@ -343,7 +343,7 @@ def mounted(
         "--fail-file": fail_file,
         "--access-log": access_log,
     }
-    cmd = [sys.executable, "-m", "tierstore.slowfs", str(source), str(mnt), "--foreground"]
+    cmd = [sys.executable, "-m", "tierstore.testing.slowfs", str(source), str(mnt), "--foreground"]
     cmd += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
     # stderr to a file, not a pipe nobody reads while the store runs: a full pipe would stall the store.
     with tempfile.TemporaryFile() as err:

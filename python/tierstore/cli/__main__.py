@@ -1,0 +1,5 @@
+"""`python -m tierstore.cli`: the `tierstore` command."""
+
+from tierstore.cli import main
+
+main()

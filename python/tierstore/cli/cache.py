@@ -1,0 +1,264 @@
+"""`tierstore prefetch`, `status`, `clear` and `config show`: the node's cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from tierstore import _core
+from tierstore.cache import check_jobs
+from tierstore.cli.main import human, main
+from tierstore.cli.writeback import print_writeback, writeback_status
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show files, bytes, rate and ETA."
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=int,
+    metavar="N",
+    help=f"Files (and directory listings) in flight at once, 1 to {_core.MAX_PREFETCH_JOBS} "
+    f"[default: {_core.DEFAULT_PREFETCH_JOBS}].",
+)
+@click.pass_obj
+def prefetch(make: Any, paths: tuple[str, ...], progress: bool, jobs: int | None) -> None:
+    """Copy files or whole directories of the source into the cache, many at a time.
+
+    A file that fails is reported by name and the others still land; the exit status is 1 if any failed.
+    """
+    try:
+        check_jobs(jobs)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--jobs") from e
+    cache = make()
+    cluster = cache.config().get("cluster")
+    if cluster is not None:
+        from tierstore import agent as agent_mod
+
+        # Files this node owns are served to its peers once prefetched: its agent must run.
+        try:
+            agent_mod.ensure(cluster[0], env={**os.environ, **make.env})
+        except agent_mod.AgentError as e:
+            raise click.ClickException(str(e)) from e
+    try:
+        result = cache.prefetch(list(paths), progress=progress, jobs=jobs)
+    except (OSError, _core.TierstoreError) as e:
+        raise click.ClickException(str(e)) from e
+    failed = result["files_failed"]
+    click.echo(
+        f"prefetched {result['files_done']} files ({human(result['bytes_done'])}): "
+        f"{result['files_copied']} copied, {result['files_done'] - result['files_copied'] - failed} "
+        f"already cached, {failed} not cached"
+    )
+    if failed:
+        errors = result["errors"]
+        for message in errors[:_SHOWN_ERRORS]:
+            click.echo(f"error: {message}", err=True)
+        if failed > _SHOWN_ERRORS:
+            click.echo(f"... and {failed - _SHOWN_ERRORS} more", err=True)
+        sys.exit(1)
+
+
+_SHOWN_ERRORS = 20
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the counters as JSON.")
+@click.pass_obj
+def status(make: Any, as_json: bool) -> None:
+    """Show what the cache holds and did: per tier and for the source, node-wide; with sharing on, every
+    member of the job too (up or down, what it holds, read from the store, served and received); with
+    write-back destinations, the files waiting for the store (files, bytes, oldest age, errors)."""
+    writeback = writeback_status(make)
+    try:
+        cache = make()
+    except click.ClickException:
+        if not writeback:  # a job that only writes back has no source
+            raise
+        print_writeback(writeback, as_json)
+        return
+    stats = cache.stats()
+    config = cache.config()
+    stats["revalidate"] = config["revalidate"][0]
+    cluster = config.get("cluster")
+    if cluster is not None and cluster[0].get("sharing", "off") != "off":
+        from tierstore import agent as agent_mod
+
+        env = {**os.environ, **make.env}
+        members = list(cluster[0]["members"])
+        if not members and cluster[0].get("registry"):
+            # The members are whoever registered: this node's agent knows them.
+            local = agent_mod.status(agent_mod.default_socket())
+            known = json.loads(local)["members"] if local else []
+            members = sorted({cluster[0]["node"], *(m["address"] for m in known)})
+        stats["cluster"] = {
+            "sharing": cluster[0]["sharing"],
+            "registry": cluster[0].get("registry"),
+            "members": agent_mod.cluster_status(members, env),
+        }
+    if writeback:
+        stats["writeback"] = writeback
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    tiers = Table(title="cache tiers", title_justify="left")
+    for col in (
+        "tier",
+        "kind",
+        "used / quota",
+        "entries",
+        "hits",
+        "misses",
+        "hit rate",
+        "served",
+        "evictions",
+        "faults",
+    ):
+        tiers.add_column(col, justify="left" if col in ("tier", "kind") else "right")
+    for t in stats["tiers"]:
+        lookups = t["hits"] + t["misses"]
+        rate = f"{100 * t['hits'] / lookups:.1f}%" if lookups else "-"
+        used = "unavailable" if t["error"] else f"{human(t['bytes_used'])} / {human(t['quota'])}"
+        tiers.add_row(
+            t["path"],
+            t["kind"],
+            used,
+            str(t["entries"]),
+            str(t["hits"]),
+            str(t["misses"]),
+            rate,
+            human(t["bytes_served"]),
+            str(t["evictions"]),
+            str(t["faults"]),
+        )
+    s = stats["source"]
+    checked = {
+        "always": "every open asks the store",
+        "never": "copies are trusted, the store is never asked",
+    }.get(stats["revalidate"], f"a copy confirmed within {stats['revalidate']} is trusted")
+    source = Table(title=f"source {s['path']}", title_justify="left")
+    for col in ("opens", "stats", "reads", "bytes read", "fallbacks", "uncached opens"):
+        source.add_column(col, justify="right")
+    source.add_row(
+        str(s["opens"]),
+        str(s["stats"]),
+        str(s["reads"]),
+        human(s["bytes_read"]),
+        str(s["fallbacks"]),
+        str(s["uncached"]),
+    )
+    # Piped output (CI logs, make) would be cut at 80 columns: give the table the room it needs.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(tiers)
+    console.print(source)
+    console.print(f"revalidate {stats['revalidate']}: {checked}", soft_wrap=True)
+    for t in stats["tiers"]:
+        if t["error"]:
+            console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
+    if "cluster" in stats:
+        c = stats["cluster"]
+        table = Table(title=f"cluster ({c['sharing']})", title_justify="left")
+        for col in (
+            "member",
+            "agent",
+            "cached / quota",
+            "from the store",
+            "served",
+            "received",
+            "peer faults",
+        ):
+            table.add_column(col, justify="left" if col in ("member", "agent") else "right")
+        for m in c["members"]:
+            view = m.get("report", {}).get("cache") or {}
+            if not m["up"]:
+                table.add_row(m["address"], "[red]down[/] (below)", "", "", "", "", "")
+                continue
+            table.add_row(
+                m["address"],
+                "[green]up[/]",
+                f"{human(view.get('cached_bytes', 0))} / {human(view.get('quota', 0))}",
+                human(view.get("store_bytes", 0)),
+                human(view.get("served_bytes", 0)),
+                human(view.get("peer_bytes", 0)),
+                str(view.get("peer_faults", 0)),
+            )
+        console.print(table)
+        for m in c["members"]:
+            if not m["up"]:
+                # Whole, on a line of its own: the reason (an errno, a refusal) must not be cut or wrapped.
+                console.print(f"[red]{m['address']} is down:[/] {m['error']}", soft_wrap=True)
+    if writeback:
+        print_writeback(writeback, False)
+
+
+@main.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--counters", is_flag=True, help="Reset the counters too.")
+@click.pass_obj
+def clear(make: Any, yes: bool, counters: bool) -> None:
+    """Remove every cached copy of the source from every tier."""
+    cache = make()
+    if not yes and sys.stdin.isatty():
+        click.confirm(f"remove every cached copy of {cache.source}?", abort=True)
+    cache.clear()
+    if counters:
+        cache.reset_counters()
+    click.echo(f"cleared the cache of {cache.source}")
+
+
+@main.group()
+def config() -> None:
+    """Inspect the configuration."""
+
+
+@config.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.pass_obj
+def config_show(make: Any, as_json: bool) -> None:
+    """Print the effective configuration and where each value came from."""
+    cfg = make().config()
+    if as_json:
+        click.echo(json.dumps({k: {"value": v, "from": o} for k, (v, o) in cfg.items()}, indent=2))
+        return
+    width = max(len(k) for k in cfg)
+    for key, (value, origin) in cfg.items():
+        if key == "tiers":
+            click.echo(f"{key:<{width}}  (from {origin})")
+            for i, t in enumerate(value):
+                click.echo(f"  [{i}] {t['path']}  quota {human(t['quota'])}  {t['kind']}")
+        elif key == "cluster":
+            click.echo(f"{key:<{width}}  sharing {value['sharing']}  (from {origin})")
+            came = value.get("origins", {})
+            node = f"  this node: {value['node']}  (from {_node_origin(came.get('node', 'default'))})"
+            if value["sharing"] != "off" and value.get("registry") and not value["members"]:
+                click.echo(
+                    f"  members: whoever registers in {value['registry']} as job {value['job']!r}  "
+                    f"(registry from {came.get('registry')}, job from {came.get('job')})"
+                )
+                click.echo(node)
+            elif value["sharing"] != "off":
+                members = value["members"]
+                shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+                click.echo(f"  {len(members)} members: {shown}  (from {came.get('peers')})")
+                click.echo(node)
+                click.echo(
+                    f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}"
+                )
+        else:
+            shown = human(value) if key == "inline_max" else value
+            click.echo(f"{key:<{width}}  {shown}  (from {origin})")
+
+
+def _node_origin(origin: str) -> str:
+    return "default: the host name" if origin == "default" else origin
