@@ -19,6 +19,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
+use crate::error::Error;
 use crate::flight::{Flight, Flights, Outcome, Role};
 use crate::index::{key_of, Entry, Key, Link, Listed, Reservation, SourceId, Usage};
 use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
@@ -27,7 +28,6 @@ use crate::pool::Pool;
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{CopyFault, PosixSource, Source, SourceFile};
 use crate::tier::Tier;
-use crate::Error;
 
 mod confirm;
 mod peers;
@@ -60,12 +60,15 @@ struct Registry {
 
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
     static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
-    let m =
-        REG.get_or_init(|| Mutex::new(Registry { pid: crate::pid(), tiers: HashMap::new(), locks: HashMap::new() }));
+    let m = REG.get_or_init(|| {
+        Mutex::new(Registry { pid: crate::process::pid(), tiers: HashMap::new(), locks: HashMap::new() })
+    });
     let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-    if g.pid != crate::pid() {
-        let old =
-            std::mem::replace(&mut *g, Registry { pid: crate::pid(), tiers: HashMap::new(), locks: HashMap::new() });
+    if g.pid != crate::process::pid() {
+        let old = std::mem::replace(
+            &mut *g,
+            Registry { pid: crate::process::pid(), tiers: HashMap::new(), locks: HashMap::new() },
+        );
         std::mem::forget(old);
     }
     g
@@ -288,7 +291,7 @@ impl Cache {
             pool: OnceLock::new(),
             prefetches: Mutex::new(0),
             prefetch_idle: Condvar::new(),
-            pid: crate::pid(),
+            pid: crate::process::pid(),
             remote,
             record_checksums,
             copy_stats: Mutex::new(HashMap::new()),
@@ -886,7 +889,7 @@ impl Inner {
     }
 
     fn pid_matches(&self) -> bool {
-        self.pid == crate::pid()
+        self.pid == crate::process::pid()
     }
 
     fn prefetch_started(&self) {
@@ -1615,7 +1618,7 @@ impl Inner {
 
     fn abort(&self, t: usize, key: &Key) {
         if let Ok(ix) = &self.tiers[t].index {
-            let pid = crate::pid();
+            let pid = crate::process::pid();
             let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
         }
     }

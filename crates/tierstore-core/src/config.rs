@@ -918,7 +918,7 @@ impl Config {
                 )
             })?;
             let path = std::fs::canonicalize(&path).unwrap_or(path);
-            let probe = path.join(format!(".tierstore-probe-{}", crate::pid()));
+            let probe = path.join(format!(".tierstore-probe-{}", crate::process::pid()));
             if let Err(e) = std::fs::write(&probe, b"") {
                 return Err(bad(
                     &tiers_origin,

@@ -573,7 +573,7 @@ impl Index {
         }
         let entry = Entry {
             ready: false,
-            pid: crate::pid(),
+            pid: crate::process::pid(),
             source,
             stats: AccessStats::default(),
             checksum: None,
@@ -592,7 +592,7 @@ impl Index {
     pub fn publish(&self, key: &Key, checksum: Option<[u8; 32]>, now_ns: u64) -> Result<bool, IndexError> {
         let mut txn = self.env.write()?;
         let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(false) };
-        if e.ready || e.pid != crate::pid() {
+        if e.ready || e.pid != crate::process::pid() {
             return Ok(false);
         }
         let seq = get_u64(&txn, self.meta, SEQ)? + 1;

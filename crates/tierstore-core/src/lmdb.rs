@@ -97,7 +97,8 @@ impl Env {
         // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
         unsafe {
             check("env_create", ffi::mdb_env_create(&mut raw))?;
-            let env = Env { raw, dbs: Vec::new(), spare: std::sync::Mutex::new(Vec::new()), pid: crate::pid() };
+            let env =
+                Env { raw, dbs: Vec::new(), spare: std::sync::Mutex::new(Vec::new()), pid: crate::process::pid() };
             check("env_set_mapsize", ffi::mdb_env_set_mapsize(raw, map_size))?;
             check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
@@ -145,7 +146,7 @@ impl Env {
     /// Starts a read-only transaction (no lock taken; a reader slot is used until it ends, and kept
     /// for the next one).
     pub fn read(&self) -> Result<Txn<'_>, LmdbError> {
-        if crate::pid() != self.pid {
+        if crate::process::pid() != self.pid {
             return self.begin(ffi::MDB_RDONLY); // LMDB forbids this anyway: leave the parent's slots alone
         }
         let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
@@ -180,7 +181,7 @@ impl Drop for Env {
         // SAFETY: no transaction outlives the environment (they borrow it); the spare ones are freed first.
         unsafe {
             let spare = std::mem::take(self.spare.get_mut().unwrap_or_else(|p| p.into_inner()));
-            if crate::pid() == self.pid {
+            if crate::process::pid() == self.pid {
                 for SpareTxn(raw) in spare {
                     ffi::mdb_txn_abort(raw);
                 }

@@ -34,7 +34,7 @@ impl ReadMarks {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         std::fs::create_dir_all(dir)?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let name = format!("{}-{}-{nanos}.marks", crate::pid(), SEQ.fetch_add(1, Ordering::Relaxed));
+        let name = format!("{}-{}-{nanos}.marks", crate::process::pid(), SEQ.fetch_add(1, Ordering::Relaxed));
         let path = dir.join(name);
         let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         file.set_len((slots.max(1) * 4) as u64)?;

@@ -59,7 +59,7 @@ impl PackWriter {
     /// Starts the pack that will be published at `dest` (written under a temporary name beside it).
     pub fn create(dest: &Path) -> io::Result<PackWriter> {
         let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let temp = dest.with_file_name(format!(".{name}.{}.tmp", crate::pid()));
+        let temp = dest.with_file_name(format!(".{name}.{}.tmp", crate::process::pid()));
         let file = OpenOptions::new().write(true).create_new(true).open(&temp)?;
         Ok(PackWriter { file, temp, dest: dest.to_path_buf(), len: 0, flushed: 0 })
     }

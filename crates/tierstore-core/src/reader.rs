@@ -51,7 +51,7 @@ impl Growing {
             file,
             size: version.size,
             version,
-            pid: crate::pid(),
+            pid: crate::process::pid(),
             progress: Mutex::new(Progress { copied: 0, failed: false, finished: false, source_error: None }),
             advanced: Condvar::new(),
         }
@@ -98,7 +98,7 @@ impl Growing {
 
     /// Where the copy stands, without waiting.
     pub fn state(&self) -> CopyState {
-        if self.pid != crate::pid() {
+        if self.pid != crate::process::pid() {
             return CopyState::Failed;
         }
         let p = self.progress.lock().expect("progress lock");
@@ -133,7 +133,7 @@ impl Growing {
     /// to a parent process whose copy thread this forked child does not have), the source's error if the
     /// source failed it.
     fn wait_for(&self, end: u64) -> io::Result<bool> {
-        if self.pid != crate::pid() {
+        if self.pid != crate::process::pid() {
             return Ok(false);
         }
         let mut p = self.progress.lock().expect("progress lock");

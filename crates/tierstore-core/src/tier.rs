@@ -141,7 +141,7 @@ impl Tier {
     pub fn create_temp(&self, key: &Key) -> io::Result<(PathBuf, File)> {
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), crate::pid()));
+        let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), crate::process::pid()));
         let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         Ok((path, f))
     }

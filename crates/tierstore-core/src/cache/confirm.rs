@@ -15,9 +15,9 @@
 use std::time::Duration;
 
 use super::{now_ns, Inner};
+use crate::error::Error;
 use crate::flight::Role;
 use crate::index::{key_of, Entry, Key, SourceId};
-use crate::Error;
 
 /// The directory of a source-relative path (`""` for a file at the root).
 fn parent(rel: &str) -> &str {

@@ -30,11 +30,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::{Fetched, Inner, Purpose};
+use crate::error::Error;
 use crate::flight::{Flight, Role};
 use crate::index::{key_of, Key};
 use crate::lock::FetchGuard;
 use crate::marks::ReadMarks;
-use crate::Error;
 
 /// How often a prefetch waiting for room looks at the read marks again: readers in other processes mark
 /// with a plain store (no wake-up), and a millisecond is below one round trip to a loaded store.

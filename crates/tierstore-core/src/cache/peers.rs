@@ -15,11 +15,11 @@ use std::sync::Arc;
 use super::{Fetched, Inner, Native, Purpose};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
+use crate::error::Error;
 use crate::flight::{Flight, Outcome};
 use crate::index::{key_of, Key, SourceId};
 use crate::reader::{Backing, Reader};
 use crate::remote::RemoteError;
-use crate::Error;
 
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {

@@ -21,10 +21,10 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::{Fetched, Inner, Purpose};
 use crate::config::Revalidate;
+use crate::error::Error;
 use crate::flight::Role;
 use crate::index::{key_of, SourceId};
 use crate::source::{list_dir, SourceFile};
-use crate::Error;
 
 /// Files fetched at once when the caller does not say: enough to hide a store's round trip behind the
 /// others (on the stand-in store, 2000 files took 4.3 s with 4, 2.6 s with 16, 2.0 s with 32), few enough

@@ -53,7 +53,7 @@ pub struct ObjectSource {
 impl Drop for ObjectSource {
     fn drop(&mut self) {
         if let Some((pid, rt)) = self.runtime.take() {
-            if pid == crate::pid() {
+            if pid == crate::process::pid() {
                 // Requests still in flight belong to readers that are gone: do not wait for them.
                 rt.shutdown_background();
             } else {
@@ -222,7 +222,7 @@ impl ObjectSource {
 
     fn runtime(&self) -> io::Result<&tokio::runtime::Runtime> {
         if let Some((pid, rt)) = self.runtime.get() {
-            if *pid != crate::pid() {
+            if *pid != crate::process::pid() {
                 return Err(io::Error::other(
                     "an S3 source opened before a fork cannot be used in the child; open the cache in the child",
                 ));
@@ -234,7 +234,7 @@ impl ObjectSource {
             .thread_name("tierstore-s3")
             .enable_all()
             .build()?;
-        Ok(&self.runtime.get_or_init(|| (crate::pid(), rt)).1)
+        Ok(&self.runtime.get_or_init(|| (crate::process::pid(), rt)).1)
     }
 
     fn key(&self, rel: &str) -> Key {

@@ -437,7 +437,7 @@ impl Journal {
 pub fn new_staged_name() -> String {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("{}.{n}.{}", crate::pid(), now_ns())
+    format!("{}.{n}.{}", crate::process::pid(), now_ns())
 }
 
 /// The size and blake3 of a file.

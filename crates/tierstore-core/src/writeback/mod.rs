@@ -142,7 +142,7 @@ fn through_name(dest: &Path) -> PathBuf {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    dest.with_file_name(format!(".{name}.tierstore-through-{}-{n}", crate::pid()))
+    dest.with_file_name(format!(".{name}.tierstore-through-{}-{n}", crate::process::pid()))
 }
 
 /// The file, beside the agent's socket, where writers list the stages they use: an agent migrates
