@@ -586,7 +586,7 @@ fn nonce() -> [u8; 32] {
     if got != n.len() as isize {
         // Never expected on Linux; a nonce from the clock and the pid still differs per connection.
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        n = *blake3::hash(format!("{t:?}{}", std::process::id()).as_bytes()).as_bytes();
+        n = tierstore_core::hash::hash(format!("{t:?}{}", std::process::id()).as_bytes());
     }
     n
 }

@@ -250,7 +250,7 @@ pub fn default_dir(socket: &Path) -> PathBuf {
 }
 
 fn hex8(bytes: &[u8]) -> String {
-    blake3::hash(bytes).as_bytes()[..4].iter().map(|b| format!("{b:02x}")).collect()
+    tierstore_core::hash::hex(&tierstore_core::hash::hash(bytes))[..8].to_string()
 }
 
 fn check_name(name: &str) -> Result<(), StreamError> {
@@ -1201,7 +1201,7 @@ mod tests {
         let dir = PathBuf::from(begun["dir"].as_str().unwrap());
         let mut entries = Vec::new();
         for (n, bytes) in tensors {
-            let h = tierstore_core::stream::hex(&tierstore_core::pack::hash(bytes));
+            let h = tierstore_core::hash::hex(&tierstore_core::hash::hash(bytes));
             if !s.blob(&h).exists() {
                 std::fs::write(dir.join(&h), bytes).unwrap();
             }

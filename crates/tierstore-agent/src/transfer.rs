@@ -89,7 +89,7 @@ pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> io::Result<Result<[u8; 32], io::Error>> {
     let mut credit = credit;
     let mut offset = 0u64;
-    let mut hasher = blake3::Hasher::new();
+    let mut hasher = tierstore_core::hash::Hasher::new();
     while offset < size {
         while credit == 0 {
             match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
@@ -187,7 +187,8 @@ pub async fn serve_staged<S: AsyncRead + AsyncWrite + Unpin>(
 mod tests {
     use std::path::Path;
 
-    use tierstore_core::writeback::journal::{hash_file, new_staged_name, Journal};
+    use tierstore_core::hash::hash_file;
+    use tierstore_core::writeback::journal::{new_staged_name, Journal};
 
     use super::*;
     use crate::writeback::Migrations;

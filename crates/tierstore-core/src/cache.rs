@@ -1265,7 +1265,7 @@ impl Inner {
             let mut bytes = Vec::with_capacity(m.size() as usize);
             use std::io::Read;
             (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
-            if Some(*blake3::hash(&bytes).as_bytes()) != e.checksum {
+            if Some(crate::hash::hash_serial(&bytes)) != e.checksum {
                 return Err("corrupted copy (checksum mismatch)".into());
             }
             tier.counters.add(tier_slot::BYTES_SERVED, bytes.len() as u64);
@@ -1626,7 +1626,7 @@ impl Inner {
     /// The blake3 of a copy, computed only when copies are verified by checksum (hashing costs a few
     /// percent of a first epoch that nothing else would use).
     fn checksum(&self, bytes: &[u8]) -> Option<[u8; 32]> {
-        self.record_checksums.then(|| *blake3::hash(bytes).as_bytes())
+        self.record_checksums.then(|| crate::hash::hash_serial(bytes))
     }
 
     fn finish_publish(
@@ -1719,7 +1719,7 @@ impl Inner {
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
         };
-        let mut hasher = self.record_checksums.then(blake3::Hasher::new);
+        let mut hasher = self.record_checksums.then(crate::hash::Hasher::new);
         let mut progress = |copied: u64| {
             if let Some(g) = &growing {
                 g.advance(copied);

@@ -12,6 +12,7 @@ pub mod config;
 pub mod counters;
 pub mod error;
 pub mod flight;
+pub mod hash;
 pub mod index;
 pub mod lmdb;
 pub mod lock;

@@ -7,28 +7,8 @@ use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, ChainingValue, HasherExt, Mode};
-
-/// A content hash (blake3, 32 bytes).
-pub type Hash = [u8; 32];
-
-/// Buffers at least this large are hashed with all cores.
-const PARALLEL_HASH_MIN: usize = 4 << 20;
-
-/// Hashes one buffer, with all cores when it is large.
-pub fn hash(bytes: &[u8]) -> Hash {
-    if bytes.len() >= PARALLEL_HASH_MIN {
-        *blake3::Hasher::new().update_rayon(bytes).finalize().as_bytes()
-    } else {
-        *blake3::hash(bytes).as_bytes()
-    }
-}
-
-/// Hashes many buffers; small ones in parallel with each other, large ones each with all cores.
-pub fn hash_many(buffers: &[&[u8]]) -> Vec<Hash> {
-    use rayon::prelude::*;
-    buffers.par_iter().map(|b| hash(b)).collect()
-}
+pub use crate::hash::{hash, hash_many, Hash};
+use crate::hash::{hash_serial, root_of_pieces, subtree, ChainingValue, Hasher};
 
 /// The alignment of a tensor in a pack: page alignment for large tensors (mmap and O_DIRECT friendly),
 /// cache-line alignment for small ones, so that biases and norms do not cost a page each.
@@ -241,26 +221,6 @@ const READ_THREADS: usize = 8;
 /// its blake3 tree.
 const PIECE: usize = 8 << 20;
 
-/// The blake3 of a tensor from the chaining values of its pieces (every piece `PIECE` bytes but the
-/// last), merged in the shape of blake3's own tree: the result equals `hash` of the whole tensor.
-fn root_of_pieces(cvs: &[ChainingValue], len: u64) -> Hash {
-    fn subtree(cvs: &[ChainingValue], len: u64) -> ChainingValue {
-        if len <= PIECE as u64 {
-            return cvs[0];
-        }
-        let (left, n) = split(len);
-        merge_subtrees_non_root(&subtree(&cvs[..n], left), &subtree(&cvs[n..], len - left), Mode::Hash)
-    }
-    // blake3 splits a subtree longer than a piece at a power of two that is at least a piece, so at a
-    // piece boundary: `n` pieces go left.
-    fn split(len: u64) -> (u64, usize) {
-        let left = left_subtree_len(len);
-        (left, (left / PIECE as u64) as usize)
-    }
-    let (left, n) = split(len);
-    *merge_subtrees_root(&subtree(&cvs[..n], left), &subtree(&cvs[n..], len - left), Mode::Hash).as_bytes()
-}
-
 /// Reads every request from the pack at `path` into its destination and checks the hashes. Either every
 /// destination holds the right bytes, or an error names the first request that does not.
 ///
@@ -421,7 +381,7 @@ pub fn verify(path: &Path, spans: &[Span]) -> Result<Vec<Result<(), ReadError>>,
             return Err(truncated());
         }
         let Some(expect) = s.expect else { return Ok(()) };
-        let mut hasher = blake3::Hasher::new();
+        let mut hasher = Hasher::new();
         let mut buf = vec![0u8; s.len.min(PIECE)];
         let mut done = 0;
         while done < s.len {
@@ -429,11 +389,7 @@ pub fn verify(path: &Path, spans: &[Span]) -> Result<Vec<Result<(), ReadError>>,
             if !read_exact_at(&file, piece, s.offset + done as u64).map_err(io_err)? {
                 return Err(truncated()); // the pack shrank while it was checked
             }
-            if piece.len() >= PARALLEL_HASH_MIN {
-                hasher.update_rayon(piece);
-            } else {
-                hasher.update(piece);
-            }
+            crate::hash::update(&mut hasher, piece);
             done += piece.len();
         }
         if *hasher.finalize().as_bytes() != expect {
@@ -630,16 +586,11 @@ fn fetch_and_verify(
     let verify = |i: usize, buf: &[u8], check: Check<'_>| match check {
         Check::None => {}
         Check::Whole(want) => {
-            if *blake3::hash(buf).as_bytes() != want {
+            if hash_serial(buf) != want {
                 record(i, None, true);
             }
         }
-        Check::Subtree(within, slot) => {
-            let mut h = blake3::Hasher::new();
-            h.set_input_offset(within);
-            h.update(buf);
-            *slot = h.finalize_non_root();
-        }
+        Check::Subtree(within, slot) => *slot = subtree(within, buf),
     };
     // The page-aligned parts of the destinations' pieces, in file order (addresses only: the readers own
     // the buffers).
@@ -723,7 +674,7 @@ fn fetch_and_verify(
     if failure.lock().expect("failure lock").is_none() {
         for (i, (r, slots)) in requests.iter().zip(&cvs).enumerate() {
             if let Some(want) = r.expect.filter(|_| !slots.is_empty()) {
-                if root_of_pieces(slots, r.dest.len() as u64) != want {
+                if root_of_pieces(slots, r.dest.len() as u64, PIECE) != want {
                     record(i, None, true);
                     break;
                 }
@@ -863,25 +814,6 @@ mod tests {
         let past = Span { offset: offsets[3], len: tensors[3].len() + 1, expect: None };
         assert!(matches!(verify(&dest, &[past]).unwrap()[0], Err(ReadError::Truncated { index: 0, .. })));
         assert!(matches!(verify(&dir.path().join("gone.pack"), &spans), Err(ReadError::Io { .. })));
-    }
-
-    #[test]
-    fn pieces_merge_into_the_hash_of_the_whole() {
-        let bytes: Vec<u8> = (0..(4 * PIECE + 3000)).map(|i| (i * 7 % 253) as u8).collect();
-        for len in [PIECE + 1, 2 * PIECE, 3 * PIECE - 1, 3 * PIECE + 1, 4 * PIECE + 3000] {
-            let whole = &bytes[..len];
-            let cvs: Vec<ChainingValue> = whole
-                .chunks(PIECE)
-                .enumerate()
-                .map(|(k, piece)| {
-                    let mut h = blake3::Hasher::new();
-                    h.set_input_offset((k * PIECE) as u64);
-                    h.update(piece);
-                    h.finalize_non_root()
-                })
-                .collect();
-            assert_eq!(root_of_pieces(&cvs, len as u64), hash(whole), "length {len}");
-        }
     }
 
     #[test]

@@ -336,7 +336,7 @@ impl Transfer {
     /// the size and the owner's blake3. Returns the blake3 of the file.
     pub fn receive(mut self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
         let at = self.at.clone();
-        let mut hasher = blake3::Hasher::new();
+        let mut hasher = crate::hash::Hasher::new();
         let mut got = 0u64;
         loop {
             let frame = match wire::read_frame(&mut self.stream) {

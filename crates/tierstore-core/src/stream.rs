@@ -2,7 +2,7 @@
 //! agent keeps the versions; see `tierstore_agent::stream`).
 //!
 //! A version's tensors live in the agent's shared memory as one file per distinct tensor content, named
-//! by its blake3 (the repository's hash, [`crate::pack::hash`]). A publisher compares each tensor with the
+//! by its blake3 (the repository's hash, [`crate::hash::hash`]). A publisher compares each tensor with the
 //! same tensor of the version before (a memcmp, several times faster than hashing), hashes only those that
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
@@ -19,10 +19,9 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use blake3::hazmat::{self, ChainingValue, HasherExt, Mode};
 use rayon::prelude::*;
 
-use crate::pack::{self, Hash};
+use crate::hash::{self, ChainingValue, Hash, Subtree};
 
 /// Large buffers are compared, copied and read in pieces of this size, spread over the cores.
 const PIECE: usize = 8 << 20;
@@ -38,9 +37,7 @@ const CACHED: usize = 128 << 10;
 const HEAD: usize = 64 << 10;
 
 /// The lowercase hex of a hash: the name of a tensor's file.
-pub fn hex(h: &Hash) -> String {
-    h.iter().map(|b| format!("{b:02x}")).collect()
-}
+pub use crate::hash::hex;
 
 /// What [`place`] did with one tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,7 +158,7 @@ fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
     if bytes.len() <= SUBTREE {
         // Small enough to stay in cache between hashing and writing, and a model may have tens of
         // thousands of them: no rename.
-        let hash = pack::hash(bytes);
+        let hash = hash::hash(bytes);
         let to = dir.join(hex(&hash));
         return match File::create_new(&to) {
             Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| at(&to, e)),
@@ -173,7 +170,7 @@ fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
     let f = File::create_new(&part).map_err(|e| at(&part, e))?;
     // The root of blake3's tree is finalized differently from every other node.
     let hash = match halves(&f, bytes, 0) {
-        Ok((l, r)) => *hazmat::merge_subtrees_root(&l, &r, Mode::Hash).as_bytes(),
+        Ok((l, r)) => hash::merge_root(&l, &r),
         Err(e) => {
             let _ = std::fs::remove_file(&part);
             return Err(at(&part, e));
@@ -192,19 +189,18 @@ fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
 /// that offset of `f`.
 fn subtree(f: &File, bytes: &[u8], offset: u64) -> io::Result<ChainingValue> {
     if bytes.len() <= SUBTREE {
-        let mut h = blake3::Hasher::new();
-        h.set_input_offset(offset);
+        let mut h = Subtree::at(offset);
         write_hashing(f, bytes, offset, &mut h)?;
-        return Ok(h.finalize_non_root());
+        return Ok(h.finish());
     }
     let (l, r) = halves(f, bytes, offset)?;
-    Ok(hazmat::merge_subtrees_non_root(&l, &r, Mode::Hash))
+    Ok(hash::merge(&l, &r))
 }
 
 /// The chaining values of the two halves of `bytes` (starting at `offset`), done in parallel. Split as
 /// blake3 splits (the left part a power-of-two number of chunks), so each half is a valid subtree.
 fn halves(f: &File, bytes: &[u8], offset: u64) -> io::Result<(ChainingValue, ChainingValue)> {
-    let left = hazmat::left_subtree_len(bytes.len() as u64) as usize;
+    let left = hash::left_len(bytes.len() as u64) as usize;
     let (l, r) =
         rayon::join(|| subtree(f, &bytes[..left], offset), || subtree(f, &bytes[left..], offset + left as u64));
     Ok((l?, r?))
@@ -215,7 +211,7 @@ fn at(path: &Path, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
-fn write_hashing(f: &File, bytes: &[u8], offset: u64, h: &mut blake3::Hasher) -> io::Result<()> {
+fn write_hashing(f: &File, bytes: &[u8], offset: u64, h: &mut Subtree) -> io::Result<()> {
     for (i, piece) in bytes.chunks(CACHED).enumerate() {
         h.update(piece);
         f.write_all_at(piece, offset + (i * CACHED) as u64)?;
@@ -312,7 +308,7 @@ mod tests {
         for (n, len) in sizes.into_iter().enumerate() {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4099) as u8).collect();
             let h = hash_and_write(&bytes, dir.path(), n).unwrap();
-            assert_eq!(h, pack::hash(&bytes), "hash of {len} bytes");
+            assert_eq!(h, hash::hash(&bytes), "hash of {len} bytes");
             assert_eq!(std::fs::read(dir.path().join(hex(&h))).unwrap(), bytes, "file of {len} bytes");
             // The same bytes again (another tensor of the version): the file there is kept.
             assert_eq!(hash_and_write(&bytes, dir.path(), n).unwrap(), h);
@@ -330,19 +326,19 @@ mod tests {
         let b = vec![2u8; 100];
         let first = place(&[&a, &b], &[None, None], &[], dir.path()).unwrap();
         assert!(first.iter().all(|p| p.written));
-        assert_eq!(first[0].hash, pack::hash(&a));
+        assert_eq!(first[0].hash, hash::hash(&a));
         let base = |i: usize| Some((dir.path().join(hex(&first[i].hash)), first[i].hash));
         let mut b2 = b.clone();
         b2[7] = 9;
         let second = place(&[&a, &b2], &[base(0), base(1)], &[], dir.path()).unwrap();
         assert_eq!(second[0], Placed { hash: first[0].hash, written: false });
-        assert!(second[1].written && second[1].hash == pack::hash(&b2));
+        assert!(second[1].written && second[1].hash == hash::hash(&b2));
         // A change past the first bytes read, and one in them, are both seen.
         for at in [HEAD + PIECE + 1, 3] {
             let mut a2 = a.clone();
             a2[at] = 7;
             let p = place(&[&a2], &[base(0)], &[], dir.path()).unwrap();
-            assert!(p[0].written && p[0].hash == pack::hash(&a2), "a change at byte {at} was missed");
+            assert!(p[0].written && p[0].hash == hash::hash(&a2), "a change at byte {at} was missed");
         }
         let mut ra = vec![0u8; a.len()];
         let mut rb = vec![0u8; b2.len()];
@@ -384,7 +380,7 @@ mod tests {
         assert_eq!(p[0], Placed { hash: first[0].hash, written: false });
         // ...and a change in the head is seen, hint or not.
         let p = place(&[&head], &[base], &[Check::Head], dir.path()).unwrap();
-        assert!(p[0].written && p[0].hash == pack::hash(&head));
+        assert!(p[0].written && p[0].hash == hash::hash(&head));
         let mut staged = a.clone();
         let changed = copy_changed(&[&tail], &mut [&mut staged[..]], &[Check::Head]).unwrap();
         assert_eq!((changed, staged == a), (vec![false], true), "a tail change past a head check is not copied");

@@ -346,7 +346,7 @@ pub(super) async fn pull(
             }
             let path = tmp.join(&t.hash);
             let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let mut hasher = blake3::Hasher::new();
+            let mut hasher = tierstore_core::hash::Hasher::new();
             let mut offset = 0u64;
             loop {
                 match c.receive_frame().await.map_err(|e| e.to_string())? {
@@ -361,7 +361,7 @@ pub(super) async fn pull(
                     other => return Err(format!("unexpected frame {other:?} at byte {offset} of {:?}", t.name)),
                 }
             }
-            let got = tierstore_core::stream::hex(hasher.finalize().as_bytes());
+            let got = tierstore_core::hash::hex(hasher.finalize().as_bytes());
             if offset != t.nbytes || got != t.hash {
                 return Err(format!("tensor {:?} arrived damaged ({offset} bytes, blake3 {got}); not used", t.name));
             }

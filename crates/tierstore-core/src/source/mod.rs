@@ -147,7 +147,7 @@ pub trait Source: Send + Sync {
         from: &SourceFile,
         to: &File,
         size: u64,
-        hasher: Option<&mut blake3::Hasher>,
+        hasher: Option<&mut crate::hash::Hasher>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(u64, Option<SourceId>), CopyFault>;
 

@@ -13,6 +13,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::hash::hash_file;
 use crate::lmdb::{Db, Env, LmdbError};
 
 /// Why a journal operation failed.
@@ -438,20 +439,6 @@ pub fn new_staged_name() -> String {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     format!("{}.{n}.{}", crate::process::pid(), now_ns())
-}
-
-/// The size and blake3 of a file.
-pub fn hash_file(path: &Path) -> io::Result<(u64, [u8; 32])> {
-    let f = std::fs::File::open(path)?;
-    let size = f.metadata()?.len();
-    let mut h = blake3::Hasher::new();
-    if size > 0 {
-        // SAFETY: the stage file is private to tierstore; a concurrent truncation would raise SIGBUS, which
-        // only the journal's own writers could cause, and they hold the journal's lock meanwhile.
-        let map = unsafe { memmap2::Mmap::map(&f)? };
-        h.update(&map);
-    }
-    Ok((size, *h.finalize().as_bytes()))
 }
 
 #[cfg(test)]

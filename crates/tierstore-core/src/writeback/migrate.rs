@@ -11,6 +11,7 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use super::journal::{Entry, Finish, Journal, JournalError};
+use crate::hash::{hash_reader, Hash, Hasher};
 
 /// What a step did.
 #[derive(Debug)]
@@ -34,10 +35,10 @@ pub fn part_path(dest: &Path) -> PathBuf {
 
 const BUF: usize = 1 << 20;
 
-fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, [u8; 32])> {
+fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
     let mut src = std::fs::File::open(from)?;
     let mut dst = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(to)?;
-    let mut h = blake3::Hasher::new();
+    let mut h = Hasher::new();
     let mut buf = vec![0u8; BUF];
     let mut n = 0u64;
     loop {
@@ -51,21 +52,6 @@ fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, [u8; 32])> {
     }
     dst.sync_all()?;
     Ok((n, *h.finalize().as_bytes()))
-}
-
-fn hash_of(path: &Path) -> io::Result<(u64, [u8; 32])> {
-    let mut f = std::fs::File::open(path)?;
-    let mut h = blake3::Hasher::new();
-    let mut buf = vec![0u8; BUF];
-    let mut n = 0u64;
-    loop {
-        let got = f.read(&mut buf)?;
-        if got == 0 {
-            return Ok((n, *h.finalize().as_bytes()));
-        }
-        h.update(&buf[..got]);
-        n += got as u64;
-    }
 }
 
 fn fsync_dir(dir: &Path) -> io::Result<()> {
@@ -116,7 +102,7 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
             staged.display()
         ));
     }
-    let back = hash_of(&part).map_err(context("cannot read back", &part))?;
+    let back = std::fs::File::open(&part).and_then(hash_reader).map_err(context("cannot read back", &part))?;
     if back != (e.size, e.hash) {
         let _ = std::fs::remove_file(&part);
         return Err(format!(
@@ -163,7 +149,8 @@ pub fn step(j: &Journal) -> Result<Step, JournalError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::writeback::journal::{hash_file, new_staged_name};
+    use crate::hash::hash_file;
+    use crate::writeback::journal::new_staged_name;
 
     #[test]
     fn files_reach_the_store_in_order_checked_and_leave_the_stage() {

@@ -314,7 +314,7 @@ impl Writeback {
         // The fsync waits for the disk and the hash for the CPU: both at once, the close costs the longer.
         let (synced, hashed) = std::thread::scope(|s| {
             let sync = s.spawn(|| std::fs::File::open(&path).and_then(|f| f.sync_all()));
-            let hashed = journal::hash_file(&path);
+            let hashed = crate::hash::hash_file(&path);
             (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
         });
         let journaled = synced

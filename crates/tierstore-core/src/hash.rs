@@ -1,0 +1,195 @@
+//! The one content hash of tierstore: blake3, for every byte that is checked against what it should be.
+//!
+//! The model repository names a tensor by it ([`crate::pack`]), model streaming names a version's tensor
+//! files by it ([`crate::stream`]), the write-back journal records it for a staged file and migration
+//! checks the store's copy against it ([`crate::writeback`]), a cached copy records it when copies are
+//! verified or served to peers, and the agents check every file and tensor that crosses nodes with it.
+//! One hash everywhere means a tensor hashed once is known by that hash in every one of these places.
+//!
+//! blake3 is a tree: a large buffer is hashed by all cores at once ([`hash`]), and pieces hashed apart (as
+//! they are read or written) merge into the hash of the whole ([`Subtree`], [`merge`], [`merge_root`],
+//! [`root_of_pieces`]), so no byte is read twice to be hashed. The names hashed to keys (index keys, the
+//! owners' rendezvous weights) and the agents' keyed token proof are not content hashes and stay with
+//! their modules.
+
+use std::io::{self, Read};
+use std::path::Path;
+
+use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, HasherExt, Mode};
+
+/// A content hash (blake3, 32 bytes).
+pub type Hash = [u8; 32];
+
+/// The incremental hasher, for bytes that arrive in order (a copy, a transfer): `update`, then
+/// `finalize`.
+pub type Hasher = blake3::Hasher;
+
+/// What a subtree of blake3's tree hashes to before it is merged into its parent.
+pub type ChainingValue = blake3::hazmat::ChainingValue;
+
+/// Buffers at least this large are hashed with all cores.
+const PARALLEL_HASH_MIN: usize = 4 << 20;
+
+/// Hashes one buffer, with all cores when it is large.
+pub fn hash(bytes: &[u8]) -> Hash {
+    if bytes.len() >= PARALLEL_HASH_MIN {
+        *Hasher::new().update_rayon(bytes).finalize().as_bytes()
+    } else {
+        hash_serial(bytes)
+    }
+}
+
+/// Hashes one buffer on the calling thread alone: for callers that already keep the cores busy (a
+/// load's readers and hashers) or must leave them to the job (the copy pool, a reader checking a copy).
+pub fn hash_serial(bytes: &[u8]) -> Hash {
+    *blake3::hash(bytes).as_bytes()
+}
+
+/// Hashes many buffers; small ones in parallel with each other, large ones each with all cores.
+pub fn hash_many(buffers: &[&[u8]]) -> Vec<Hash> {
+    use rayon::prelude::*;
+    buffers.par_iter().map(|b| hash(b)).collect()
+}
+
+/// Adds `bytes` to `hasher`, with all cores when they are many.
+pub fn update(hasher: &mut Hasher, bytes: &[u8]) {
+    if bytes.len() >= PARALLEL_HASH_MIN {
+        hasher.update_rayon(bytes);
+    } else {
+        hasher.update(bytes);
+    }
+}
+
+/// The lowercase hex of a hash: how a hash is written in file names and manifests.
+pub fn hex(h: &Hash) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The size and hash of a file, read through a mapping. The caller makes sure that nothing truncates the
+/// file meanwhile (a mapping read past the file's end raises SIGBUS): the write-back journal hashes staged
+/// files, which only its own writers change, under its lock.
+pub fn hash_file(path: &Path) -> io::Result<(u64, Hash)> {
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    let mut h = Hasher::new();
+    if size > 0 {
+        // SAFETY: the caller keeps the file from shrinking while it is mapped (see above).
+        let map = unsafe { memmap2::Mmap::map(&f)? };
+        h.update(&map);
+    }
+    Ok((size, *h.finalize().as_bytes()))
+}
+
+/// The size and hash of everything `reader` yields, read 1 MiB at a time.
+pub fn hash_reader(mut reader: impl Read) -> io::Result<(u64, Hash)> {
+    let mut h = Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let got = reader.read(&mut buf)?;
+        if got == 0 {
+            return Ok((n, *h.finalize().as_bytes()));
+        }
+        h.update(&buf[..got]);
+        n += got as u64;
+    }
+}
+
+/// The hasher of one subtree of a larger input (not its root): the bytes from `offset` of the whole, in
+/// order. A subtree starts at a multiple of its own length, a power of two of at least 1 KiB (blake3's
+/// chunk), or is the last one.
+pub struct Subtree(Hasher);
+
+impl Subtree {
+    /// A subtree that starts at byte `offset` of the whole input.
+    pub fn at(offset: u64) -> Subtree {
+        let mut h = Hasher::new();
+        h.set_input_offset(offset);
+        Subtree(h)
+    }
+
+    /// Adds the next bytes of the subtree.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The subtree's chaining value, to merge with its sibling.
+    pub fn finish(&self) -> ChainingValue {
+        self.0.finalize_non_root()
+    }
+}
+
+/// The chaining value of `bytes`, a subtree that starts at `offset` of the whole input.
+pub fn subtree(offset: u64, bytes: &[u8]) -> ChainingValue {
+    let mut s = Subtree::at(offset);
+    s.update(bytes);
+    s.finish()
+}
+
+/// How many of `len` bytes blake3 puts in the left subtree: the largest power-of-two number of chunks
+/// that leaves at least one byte on the right. Splitting there makes both halves valid subtrees.
+pub fn left_len(len: u64) -> u64 {
+    left_subtree_len(len)
+}
+
+/// Merges two sibling subtrees into their parent's chaining value (a parent that is not the root).
+pub fn merge(left: &ChainingValue, right: &ChainingValue) -> ChainingValue {
+    merge_subtrees_non_root(left, right, Mode::Hash)
+}
+
+/// Merges the two halves of the whole input into its hash (the root is finalized differently from every
+/// other node of the tree).
+pub fn merge_root(left: &ChainingValue, right: &ChainingValue) -> Hash {
+    *merge_subtrees_root(left, right, Mode::Hash).as_bytes()
+}
+
+/// The hash of `len` bytes from the chaining values of their pieces (every piece `piece` bytes but the
+/// last; `piece` a power of two of at least 1 KiB, and `len` more than one piece), merged in the shape of
+/// blake3's own tree: the result equals [`hash`] of the whole.
+pub fn root_of_pieces(cvs: &[ChainingValue], len: u64, piece: usize) -> Hash {
+    let piece = piece as u64;
+    // blake3 splits a subtree longer than a piece at a power of two that is at least a piece, so at a
+    // piece boundary: the first `left / piece` pieces go left.
+    fn tree(cvs: &[ChainingValue], len: u64, piece: u64) -> ChainingValue {
+        if len <= piece {
+            return cvs[0];
+        }
+        let left = left_len(len);
+        let n = (left / piece) as usize;
+        merge(&tree(&cvs[..n], left, piece), &tree(&cvs[n..], len - left, piece))
+    }
+    let left = left_len(len);
+    let n = (left / piece) as usize;
+    merge_root(&tree(&cvs[..n], left, piece), &tree(&cvs[n..], len - left, piece))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_merge_into_the_hash_of_the_whole() {
+        const PIECE: usize = 64 << 10;
+        let bytes: Vec<u8> = (0..(4 * PIECE + 3000)).map(|i| (i * 7 % 253) as u8).collect();
+        for len in [PIECE + 1, 2 * PIECE, 3 * PIECE - 1, 3 * PIECE + 1, 4 * PIECE + 3000] {
+            let whole = &bytes[..len];
+            let cvs: Vec<ChainingValue> =
+                whole.chunks(PIECE).enumerate().map(|(k, p)| subtree((k * PIECE) as u64, p)).collect();
+            assert_eq!(root_of_pieces(&cvs, len as u64, PIECE), hash(whole), "length {len}");
+        }
+    }
+
+    #[test]
+    fn halves_merge_into_the_root_and_readers_agree_with_buffers() {
+        let bytes: Vec<u8> = (0..(PARALLEL_HASH_MIN + 12345)).map(|i| (i * 31 % 251) as u8).collect();
+        let left = left_len(bytes.len() as u64) as usize;
+        let root = merge_root(&subtree(0, &bytes[..left]), &subtree(left as u64, &bytes[left..]));
+        assert_eq!(root, hash(&bytes));
+        assert_eq!(root, *blake3::hash(&bytes).as_bytes(), "the parallel hash is blake3's");
+        assert_eq!(hash_reader(&bytes[..]).unwrap(), (bytes.len() as u64, root));
+        let mut h = Hasher::new();
+        update(&mut h, &bytes);
+        assert_eq!(*h.finalize().as_bytes(), root);
+        assert_eq!(hex(&[0xab; 32]).len(), 64);
+    }
+}
