@@ -12,6 +12,7 @@ static TIERSTORE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 static CONFIG_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 static OUTSIDE_SOURCE_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 static INTEGRITY_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+static STREAM_ERROR: GILOnceCell<Py<PyType>> = GILOnceCell::new();
 
 fn make_type(py: Python<'_>, name: &str, bases: &[Bound<'_, PyAny>], doc: &str) -> PyResult<Py<PyType>> {
     let ns = PyDict::new(py);
@@ -51,6 +52,17 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "Stored bytes do not match their recorded hash: they are never returned.",
         )
     })?;
+    let stream = STREAM_ERROR.get_or_try_init(py, || {
+        let t = make_type(
+            py,
+            "StreamError",
+            &[base.bind(py).clone().into_any()],
+            "A stream request failed; the message names the stream, the version and what to do.",
+        )?;
+        t.bind(py).setattr("__module__", "tierstore.stream")?;
+        Ok::<_, PyErr>(t)
+    })?;
+    m.add("StreamError", stream.bind(py))?;
     m.add("IntegrityError", integrity.bind(py))?;
     m.add("TierstoreError", base.bind(py))?;
     m.add("ConfigError", config.bind(py))?;
@@ -125,6 +137,11 @@ fn errno_of_kind(kind: std::io::ErrorKind) -> Option<i32> {
         K::IsADirectory => libc::EISDIR,
         _ => return None,
     })
+}
+
+/// `tierstore.stream.StreamError(message)`: the agent refused or failed a stream request.
+pub fn stream_error(message: String) -> PyErr {
+    Python::with_gil(|py| raise(py, &STREAM_ERROR, message))
 }
 
 /// `IntegrityError(message, index, kind)`: which request failed, and how ("corrupt" or "truncated").

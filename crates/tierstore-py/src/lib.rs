@@ -1,6 +1,7 @@
 //! Python bindings of tierstore, compiled to `tierstore._core`. Conversions only: the behaviour lives in
 //! `tierstore-core`, the Python API is shaped in `python/tierstore`.
 
+mod agent_link;
 mod error;
 mod pack;
 mod stream;
@@ -581,6 +582,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream::stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_copy, m)?)?;
     m.add_class::<writeback::PyWriteback>()?;
+    m.add_class::<agent_link::PyAgentLink>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;

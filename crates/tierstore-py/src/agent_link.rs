@@ -1,0 +1,169 @@
+//! A connection to the node's agent for model streams, for `tierstore.stream`: Python speaks the wire
+//! protocol through `tierstore_core::wire`, its one implementation, instead of packing frames itself.
+//! One Unix socket past the agent's challenge and this process's hello; requests and events are JSON in
+//! stream frames. Sends from several threads are serialized, and so are receives; each waits at most its
+//! deadline, and the GIL is released while it waits.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyConnectionError, PyTimeoutError};
+use pyo3::prelude::*;
+use tierstore_core::wire::{self, Frame};
+
+use crate::error::stream_error;
+
+/// One connection to the node's agent (`tierstore._core.AgentLink(path, deadline)`).
+#[pyclass(name = "AgentLink", module = "tierstore._core", frozen)]
+pub struct PyAgentLink {
+    path: PathBuf,
+    deadline: Duration,
+    reader: Mutex<UnixStream>,
+    writer: Mutex<UnixStream>,
+}
+
+/// The name of a frame's kind, for a message about a frame that was not expected.
+fn kind_of(frame: &Frame) -> String {
+    let debug = format!("{frame:?}");
+    debug.split([' ', '{', '(']).next().unwrap_or("?").to_string()
+}
+
+impl PyAgentLink {
+    fn timed_out(&self, waited: Duration) -> PyErr {
+        PyTimeoutError::new_err(format!(
+            "the agent on {} did not answer within {:.1} s",
+            self.path.display(),
+            waited.as_secs_f64()
+        ))
+    }
+
+    /// Reads one frame within `wait` (none: as long as it takes).
+    fn read(&self, stream: &mut UnixStream, wait: Option<Duration>) -> PyResult<Frame> {
+        stream.set_read_timeout(wait)?;
+        match wire::read_frame(stream) {
+            Ok(Some(frame)) => Ok(frame),
+            Ok(None) => {
+                Err(PyConnectionError::new_err(format!("the agent on {} closed the connection", self.path.display())))
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(self.timed_out(wait.unwrap_or(self.deadline)))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+#[pymethods]
+impl PyAgentLink {
+    /// Connects to the agent on the Unix socket `path` and introduces this process to it; every step waits
+    /// at most `deadline` seconds.
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf, deadline: f64) -> PyResult<Self> {
+        let deadline = Duration::from_secs_f64(deadline.max(0.001));
+        let stream = py.allow_threads(|| UnixStream::connect(&path)).map_err(|e| {
+            stream_error(format!(
+                "no agent answers on {} ({e}); start one with `tierstore agent start` (or pass socket= the agent's \
+                 socket)",
+                path.display()
+            ))
+        })?;
+        stream.set_write_timeout(Some(deadline))?;
+        let reader = stream.try_clone()?;
+        let link = PyAgentLink { path: path.clone(), deadline, reader: Mutex::new(reader), writer: Mutex::new(stream) };
+        py.allow_threads(|| -> PyResult<()> {
+            let mut r = link.reader.lock().expect("reader lock");
+            match link.read(&mut r, Some(deadline))? {
+                Frame::Challenge { version, .. } if version == wire::VERSION => {}
+                Frame::Challenge { version, .. } => {
+                    return Err(stream_error(format!(
+                        "the agent on {} speaks protocol {version}, this tierstore {}: run the same tierstore for \
+                         the agent and its clients",
+                        path.display(),
+                        wire::VERSION
+                    )))
+                }
+                other => {
+                    return Err(stream_error(format!(
+                        "the agent on {} began with a {} frame instead of its challenge",
+                        path.display(),
+                        kind_of(&other)
+                    )))
+                }
+            }
+            let hello = Frame::Hello { version: wire::VERSION, node: "local".into(), proof: [0; 32] };
+            wire::write_frame(&mut *link.writer.lock().expect("writer lock"), &hello)?;
+            match link.read(&mut r, Some(deadline))? {
+                Frame::Welcome { .. } => Ok(()),
+                Frame::Error { message, .. } => {
+                    Err(stream_error(format!("the agent on {} refused the connection: {message}", path.display())))
+                }
+                other => Err(stream_error(format!(
+                    "the agent on {} answered the hello with a {} frame",
+                    path.display(),
+                    kind_of(&other)
+                ))),
+            }
+        })?;
+        Ok(link)
+    }
+
+    /// The agent's socket.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    /// Sends one stream request (a JSON object's text).
+    fn send(&self, py: Python<'_>, json: String) -> PyResult<()> {
+        py.allow_threads(|| {
+            let mut w = self.writer.lock().expect("writer lock");
+            wire::write_frame(&mut *w, &Frame::StreamRequest { json }).map_err(PyErr::from)
+        })
+    }
+
+    /// The next stream event (an answer, or a notice the agent pushed), as a JSON object's text; waits at
+    /// most `timeout` seconds (None: as long as it takes).
+    #[pyo3(signature = (timeout))]
+    fn recv(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<String> {
+        let wait = match timeout {
+            Some(t) if t <= 0.0 => return Err(self.timed_out(Duration::ZERO)),
+            Some(t) => Some(Duration::from_secs_f64(t)),
+            None => None,
+        };
+        py.allow_threads(|| {
+            let mut r = self.reader.lock().expect("reader lock");
+            loop {
+                match self.read(&mut r, wait)? {
+                    Frame::StreamEvent { json } => return Ok(json),
+                    Frame::Pong { .. } => continue,
+                    Frame::Error { message, .. } => {
+                        return Err(stream_error(format!("the agent on {}: {message}", self.path.display())))
+                    }
+                    other => {
+                        return Err(stream_error(format!(
+                            "the agent on {} sent a {} frame where a stream event was due",
+                            self.path.display(),
+                            kind_of(&other)
+                        )))
+                    }
+                }
+            }
+        })
+    }
+
+    /// Sends a request and returns its answer, within the connection's deadline.
+    fn call(&self, py: Python<'_>, json: String) -> PyResult<String> {
+        self.send(py, json)?;
+        self.recv(py, Some(self.deadline.as_secs_f64()))
+    }
+
+    /// Closes the connection (a receive waiting in another thread returns with an error).
+    fn close(&self) {
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
