@@ -16,8 +16,16 @@
 //! Slurm's node list when sharing is on and no list is given. Hostlist syntax (`gpu[001-016,020]`) is
 //! expanded here, where a typo can still be reported with the key it came from.
 
-use std::collections::BTreeSet;
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
+
+use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
+
+/// The keys of the `[cluster]` table.
+pub const KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
 
 /// The port agents listen on for peers when none is configured.
 pub const DEFAULT_PORT: u16 = 7078;
@@ -108,6 +116,108 @@ impl ClusterConfig {
             None => format!("{}:{}", self.node, self.port),
         }
     }
+}
+
+/// Validates the `[cluster]` keys of the configuration, with Slurm's node list and job id for what they
+/// leave unset.
+pub(crate) fn validate(
+    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
+    slurm_nodes: Option<&str>,
+    slurm_job: Option<&str>,
+) -> Result<ClusterConfig, ConfigError> {
+    let text = |k: &str| keys.get(k).map(|(v, o)| (scalar(v), o));
+    let mut c = ClusterConfig { port: DEFAULT_PORT, listen: "127.0.0.1".into(), ..Default::default() };
+    if let Some((v, o)) = text("sharing") {
+        c.sharing = Sharing::parse(&v).ok_or_else(|| {
+            bad(o, "cluster.sharing", &v, "is not a sharing mode", "use \"off\", \"inclusive\" or \"partitioned\"")
+        })?;
+    }
+    if let Some((v, o)) = text("port") {
+        c.port = v.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+            bad(o, "cluster.port", &v, "is not a TCP port", "use a number from 1 to 65535, e.g. 7078")
+        })?;
+    }
+    if let Some((v, o)) = text("listen") {
+        if v.parse::<std::net::IpAddr>().is_err() {
+            return Err(bad(
+                o,
+                "cluster.listen",
+                &v,
+                "is not an IP address",
+                "use 0.0.0.0, 127.0.0.1 or this node's address",
+            ));
+        }
+        c.listen = v;
+    }
+    let token_origin = text("token_file").map(|(v, o)| {
+        c.token_file = Some(expand_home(&v));
+        (v, o.clone())
+    });
+    if let Some((v, o)) = text("registry") {
+        if !(v.starts_with("redis://") || v.starts_with("rediss://") || v.starts_with("redis+unix://")) {
+            return Err(bad(o, "cluster.registry", &v, "is not a Redis URL", "write redis://HOST:6379"));
+        }
+        c.registry = Some(v);
+    }
+    c.job = match text("job") {
+        Some((v, _)) => v,
+        None => slurm_job.map_or_else(|| "tierstore".to_string(), |id| format!("slurm-{id}")),
+    };
+    if c.sharing == Sharing::Off {
+        return Ok(c);
+    }
+    if let (Some(path), Some((v, o))) = (&c.token_file, &token_origin) {
+        // Read now, so that a missing token is one message at start rather than a failure deep in the
+        // first read that crosses nodes.
+        if let Err(problem) = read_token(path) {
+            return Err(bad(o, "cluster.token_file", v, &problem, TOKEN_FIX));
+        }
+    }
+    if c.registry.is_some() && !keys.contains_key("peers") {
+        // The members are whoever registered: the agent keeps the list, and every process asks it.
+        c.node = match text("node") {
+            Some((v, _)) => v,
+            None => hostname(),
+        };
+        return Ok(c);
+    }
+    let fix = "list the job's nodes in [cluster] peers, TIERSTORE_PEERS (e.g. \"gpu[001-016]\"), or run under Slurm";
+    let (entries, origin) = match keys.get("peers") {
+        Some((toml::Value::Array(list), o)) => (list.iter().map(scalar).collect(), o.clone()),
+        Some((toml::Value::String(s), o)) => (vec![s.clone()], o.clone()),
+        Some((other, o)) => return Err(bad(o, "cluster.peers", scalar(other), "must be a list of hosts", fix)),
+        None => match slurm_nodes {
+            Some(s) => (vec![s.to_string()], Origin::Env("SLURM_JOB_NODELIST".into())),
+            None => {
+                return Err(bad(
+                    &Origin::Default,
+                    "cluster.peers",
+                    "(unset)",
+                    "sharing is on but no node is listed",
+                    fix,
+                ))
+            }
+        },
+    };
+    c.members =
+        members_of(&entries, c.port).map_err(|e| bad(&origin, "cluster.peers", entries.join(","), &e.problem, fix))?;
+    let (node, node_origin) = match text("node") {
+        Some((v, o)) => (v, o.clone()),
+        None => (hostname(), Origin::Default),
+    };
+    c.me = find_member(&c.members, &node, c.port);
+    if c.me.is_none() && node_origin != Origin::Default {
+        let names: Vec<String> = c.members.iter().take(8).map(|m| m.address()).collect();
+        return Err(bad(
+            &node_origin,
+            "cluster.node",
+            &node,
+            "is not one of the members",
+            &format!("name this node as the member list does (host or host:port), e.g. {}", names.join(", ")),
+        ));
+    }
+    c.node = node;
+    Ok(c)
 }
 
 /// The Unix socket of this user's agent: in the user's runtime directory, or in a private directory

@@ -4,93 +4,21 @@
 // Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
 #![allow(clippy::result_large_err)]
 
+pub(crate) mod tiers;
+pub(crate) mod values;
+
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::cluster::{ClusterConfig, Sharing, DEFAULT_PORT};
+pub use tiers::{default_tier_dir, TierConfig, TierKind};
+pub use values::{format_size, fs_info, parse_size, ConfigError, FsInfo, Origin};
+
+use crate::cluster::{self, ClusterConfig};
 use crate::placement::Policy;
-use crate::source::s3_config::{is_url, S3Config, S3_KEYS};
-
-/// Where a configuration value came from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Origin {
-    /// tierstore's built-in default.
-    Default,
-    /// A TOML file.
-    File(PathBuf),
-    /// An environment variable.
-    Env(String),
-    /// An argument of the Python API or the CLI.
-    Argument,
-}
-
-impl fmt::Display for Origin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Origin::Default => write!(f, "default"),
-            Origin::File(p) => write!(f, "{}", p.display()),
-            Origin::Env(name) => write!(f, "${name}"),
-            Origin::Argument => write!(f, "argument"),
-        }
-    }
-}
-
-/// A configuration value that is wrong, with what to do about it.
-#[derive(Debug, thiserror::Error)]
-#[error("{origin}: {key} = {value}: {problem}; {fix}")]
-pub struct ConfigError {
-    /// Where the bad value was set.
-    pub origin: Origin,
-    /// The key, as written in the TOML file (`tiers[1].quota`).
-    pub key: String,
-    /// The value as given.
-    pub value: String,
-    /// What is wrong with it.
-    pub problem: String,
-    /// What to do instead.
-    pub fix: String,
-}
-
-pub(crate) fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
-    ConfigError {
-        origin: origin.clone(),
-        key: key.to_string(),
-        value: value.to_string(),
-        problem: problem.to_string(),
-        fix: fix.to_string(),
-    }
-}
-
-/// Whether a tier lives in RAM or on a local disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TierKind {
-    /// A RAM-backed directory (tmpfs, such as /dev/shm).
-    Memory,
-    /// A directory on a local disk (NVMe, SSD).
-    Local,
-}
-
-impl TierKind {
-    /// The name used in configuration files.
-    pub fn name(self) -> &'static str {
-        match self {
-            TierKind::Memory => "memory",
-            TierKind::Local => "local",
-        }
-    }
-}
-
-/// One cache tier as configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TierConfig {
-    /// The directory that holds the tier.
-    pub path: PathBuf,
-    /// Most bytes of cached copies the tier may hold.
-    pub quota: u64,
-    /// RAM or disk.
-    pub kind: TierKind,
-}
+use crate::source::s3_config::{self, is_url, S3Config, S3_KEYS};
+use crate::writeback::config::{self as writeback, Destination};
+use tiers::RawTier;
+use values::{bad, closest, expand_home, parse_duration, scalar, unknown_key, SIZE_FIX};
 
 /// How a cached copy is checked when it is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +91,7 @@ pub struct Config {
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
     /// Write-back destinations (`[[writeback]]`): writes under them are staged on the node first.
-    pub writeback: Vec<crate::writeback::Destination>,
+    pub writeback: Vec<Destination>,
 }
 
 /// Values given by the API or CLI; `None` leaves the file or environment value in place.
@@ -225,53 +153,6 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_WRITEBACK_ONLY",
 ];
 
-const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
-
-/// Parses a size: a number of bytes, or a number with a unit. `K`, `M`, `G`, `T` and `KiB`… are powers
-/// of 1024; `KB`, `MB`, `GB`, `TB` are powers of 1000.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    if num.is_empty() {
-        return None;
-    }
-    let n: f64 = num.parse().ok()?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "m" | "mib" => 1024f64.powi(2),
-        "g" | "gib" => 1024f64.powi(3),
-        "t" | "tib" => 1024f64.powi(4),
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        _ => return None,
-    };
-    let bytes = n * mult;
-    if !bytes.is_finite() || bytes > u64::MAX as f64 || (unit.is_empty() && num.contains('.')) {
-        return None;
-    }
-    Some(bytes.round() as u64)
-}
-
-/// Formats a byte count for people: `1.5 GiB`.
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i < UNITS.len() - 1 {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.1} {}", UNITS[i])
-    }
-}
-
 /// The raw, unvalidated values of the TOML file.
 #[derive(Default)]
 struct Raw {
@@ -298,12 +179,6 @@ struct Raw {
     stream: BTreeMap<&'static str, (toml::Value, Origin)>,
 }
 
-struct RawTier {
-    path: String,
-    quota: Option<String>,
-    kind: Option<String>,
-}
-
 const TOP_KEYS: &[&str] = &[
     "source",
     "tiers",
@@ -319,45 +194,6 @@ const TOP_KEYS: &[&str] = &[
 ];
 /// The keys of the `[stream]` table: the node agent's side of model streaming.
 pub const STREAM_KEYS: &[&str] = &["redis", "keep", "dir"];
-const CLUSTER_KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
-const TIER_KEYS: &[&str] = &["path", "quota", "kind"];
-
-fn scalar(v: &toml::Value) -> String {
-    match v {
-        toml::Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
-fn closest<'a>(word: &str, choices: &[&'a str]) -> Option<&'a str> {
-    choices.iter().copied().find(|c| {
-        let (a, b) = (word.to_ascii_lowercase(), c.to_ascii_lowercase());
-        a.contains(&b) || b.contains(&a) || edit_distance(&a, &b) <= 2
-    })
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let cost = usize::from(ca != *cb);
-            cur.push((prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
-fn unknown_key(origin: &Origin, key: &str, value: &toml::Value, known: &[&str]) -> ConfigError {
-    let fix = match closest(key.rsplit('.').next().unwrap_or(key), known) {
-        Some(k) => format!("did you mean \"{k}\"? known keys: {}", known.join(", ")),
-        None => format!("known keys: {}", known.join(", ")),
-    };
-    bad(origin, key, scalar(value), "unknown key", &fix)
-}
-
 fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
     let origin = Origin::File(path.to_path_buf());
     let text = std::fs::read_to_string(path).map_err(|e| {
@@ -380,35 +216,13 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
             "inline_max" => raw.inline_max = Some((text_of(value)?, origin.clone())),
             "verify" => raw.verify = Some((text_of(value)?, origin.clone())),
             "revalidate" => raw.revalidate = Some((text_of(value)?, origin.clone())),
-            "tiers" => {
-                let fix = "write [[tiers]] tables with path = \"/dev/shm/tierstore\" and quota = \"8G\"";
-                let list = value.as_array().ok_or_else(|| bad(&origin, key, value, "must be a list of tables", fix))?;
-                let mut tiers = Vec::new();
-                for (i, item) in list.iter().enumerate() {
-                    let k = format!("tiers[{i}]");
-                    let t = item.as_table().ok_or_else(|| bad(&origin, &k, item, "must be a table", fix))?;
-                    for (tk, tv) in t {
-                        if !TIER_KEYS.contains(&tk.as_str()) {
-                            return Err(unknown_key(&origin, &format!("{k}.{tk}"), tv, TIER_KEYS));
-                        }
-                    }
-                    let path = t.get("path").and_then(|p| p.as_str()).ok_or_else(|| {
-                        bad(&origin, &format!("{k}.path"), "(missing)", "every tier needs a path", fix)
-                    })?;
-                    tiers.push(RawTier {
-                        path: path.to_string(),
-                        quota: t.get("quota").map(scalar),
-                        kind: t.get("kind").map(scalar),
-                    });
-                }
-                raw.tiers = Some((tiers, origin.clone()));
-            }
+            "tiers" => raw.tiers = Some((tiers::from_toml(&origin, key, value)?, origin.clone())),
             "cluster" => {
                 let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
                 let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
                 for (ck, cv) in t {
-                    let Some(&name) = CLUSTER_KEYS.iter().find(|k| **k == ck.as_str()) else {
-                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, CLUSTER_KEYS));
+                    let Some(&name) = cluster::KEYS.iter().find(|k| **k == ck.as_str()) else {
+                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, cluster::KEYS));
                     };
                     raw.cluster.insert(name, (cv.clone(), origin.clone()));
                 }
@@ -438,250 +252,6 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
         }
     }
     Ok(())
-}
-
-/// Validates the `[s3]` keys into `c` (the bucket and prefix parsed from the source).
-fn validate_s3(mut c: S3Config, keys: &BTreeMap<&'static str, (toml::Value, Origin)>) -> Result<S3Config, ConfigError> {
-    for (&k, (v, o)) in keys {
-        let text = v.as_str().map_or_else(|| scalar(v), str::to_owned);
-        let key = format!("s3.{k}");
-        match k {
-            "timeout" | "connect_timeout" => {
-                let d = parse_duration(&text).ok_or_else(|| {
-                    bad(o, &key, &text, "is not a duration", "use seconds (30) or a unit: \"500ms\", \"30s\", \"2m\"")
-                })?;
-                if k == "timeout" {
-                    c.timeout = d;
-                } else {
-                    c.connect_timeout = d;
-                }
-            }
-            "retries" => {
-                c.retries =
-                    text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
-                        bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
-                    })?;
-            }
-            "range_size" => {
-                c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
-                    bad(o, &key, &text, "is not a range size of at least 64 KiB", "use a size like \"8M\"")
-                })?;
-            }
-            "ranges_in_flight" => {
-                c.ranges_in_flight = text.parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
-                    bad(o, &key, &text, "is not a number of ranges", "use a whole number from 1 to 256")
-                })?;
-            }
-            "endpoint" if !(text.starts_with("http://") || text.starts_with("https://")) => {
-                return Err(bad(o, &key, &text, "is not an http(s) URL", "write http://HOST:PORT or https://HOST"));
-            }
-            _ => {
-                c.settings.insert(k.to_string(), text);
-            }
-        }
-    }
-    Ok(c)
-}
-
-/// A duration: seconds as a number, or with a unit (`ms`, `s`, `m`, `h`).
-pub(crate) fn parse_duration(text: &str) -> Option<std::time::Duration> {
-    let t = text.trim();
-    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = t.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = t.strip_suffix('m') {
-        (n, 60.0)
-    } else if let Some(n) = t.strip_suffix('h') {
-        (n, 3600.0)
-    } else {
-        (t, 1.0)
-    };
-    let secs: f64 = num.trim().parse().ok()?;
-    (secs.is_finite() && secs > 0.0).then(|| std::time::Duration::from_secs_f64(secs * scale))
-}
-
-/// Validates the `[cluster]` keys (see [`crate::cluster`]).
-fn validate_cluster(
-    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
-    slurm_nodes: Option<&str>,
-    slurm_job: Option<&str>,
-) -> Result<ClusterConfig, ConfigError> {
-    let text = |k: &str| keys.get(k).map(|(v, o)| (v.as_str().map_or_else(|| scalar(v), str::to_owned), o));
-    let mut c = ClusterConfig { port: DEFAULT_PORT, listen: "127.0.0.1".into(), ..Default::default() };
-    if let Some((v, o)) = text("sharing") {
-        c.sharing = Sharing::parse(&v).ok_or_else(|| {
-            bad(o, "cluster.sharing", &v, "is not a sharing mode", "use \"off\", \"inclusive\" or \"partitioned\"")
-        })?;
-    }
-    if let Some((v, o)) = text("port") {
-        c.port = v.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
-            bad(o, "cluster.port", &v, "is not a TCP port", "use a number from 1 to 65535, e.g. 7078")
-        })?;
-    }
-    if let Some((v, o)) = text("listen") {
-        if v.parse::<std::net::IpAddr>().is_err() {
-            return Err(bad(
-                o,
-                "cluster.listen",
-                &v,
-                "is not an IP address",
-                "use 0.0.0.0, 127.0.0.1 or this node's address",
-            ));
-        }
-        c.listen = v;
-    }
-    let token_origin = text("token_file").map(|(v, o)| {
-        c.token_file = Some(expand_home(&v));
-        (v, o.clone())
-    });
-    if let Some((v, o)) = text("registry") {
-        if !(v.starts_with("redis://") || v.starts_with("rediss://") || v.starts_with("redis+unix://")) {
-            return Err(bad(o, "cluster.registry", &v, "is not a Redis URL", "write redis://HOST:6379"));
-        }
-        c.registry = Some(v);
-    }
-    c.job = match text("job") {
-        Some((v, _)) => v,
-        None => slurm_job.map_or_else(|| "tierstore".to_string(), |id| format!("slurm-{id}")),
-    };
-    if c.sharing == Sharing::Off {
-        return Ok(c);
-    }
-    if let (Some(path), Some((v, o))) = (&c.token_file, &token_origin) {
-        // Read now, so that a missing token is one message at start rather than a failure deep in the
-        // first read that crosses nodes.
-        if let Err(problem) = crate::cluster::read_token(path) {
-            return Err(bad(o, "cluster.token_file", v, &problem, crate::cluster::TOKEN_FIX));
-        }
-    }
-    if c.registry.is_some() && !keys.contains_key("peers") {
-        // The members are whoever registered: the agent keeps the list, and every process asks it.
-        c.node = match text("node") {
-            Some((v, _)) => v,
-            None => crate::cluster::hostname(),
-        };
-        return Ok(c);
-    }
-    let fix = "list the job's nodes in [cluster] peers, TIERSTORE_PEERS (e.g. \"gpu[001-016]\"), or run under Slurm";
-    let (entries, origin) = match keys.get("peers") {
-        Some((toml::Value::Array(list), o)) => (list.iter().map(scalar_text).collect(), o.clone()),
-        Some((toml::Value::String(s), o)) => (vec![s.clone()], o.clone()),
-        Some((other, o)) => return Err(bad(o, "cluster.peers", scalar(other), "must be a list of hosts", fix)),
-        None => match slurm_nodes {
-            Some(s) => (vec![s.to_string()], Origin::Env("SLURM_JOB_NODELIST".into())),
-            None => {
-                return Err(bad(
-                    &Origin::Default,
-                    "cluster.peers",
-                    "(unset)",
-                    "sharing is on but no node is listed",
-                    fix,
-                ))
-            }
-        },
-    };
-    c.members = crate::cluster::members_of(&entries, c.port)
-        .map_err(|e| bad(&origin, "cluster.peers", entries.join(","), &e.problem, fix))?;
-    let (node, node_origin) = match text("node") {
-        Some((v, o)) => (v, o.clone()),
-        None => (crate::cluster::hostname(), Origin::Default),
-    };
-    c.me = crate::cluster::find_member(&c.members, &node, c.port);
-    if c.me.is_none() && node_origin != Origin::Default {
-        let names: Vec<String> = c.members.iter().take(8).map(|m| m.address()).collect();
-        return Err(bad(
-            &node_origin,
-            "cluster.node",
-            &node,
-            "is not one of the members",
-            &format!("name this node as the member list does (host or host:port), e.g. {}", names.join(", ")),
-        ));
-    }
-    c.node = node;
-    Ok(c)
-}
-
-fn scalar_text(v: &toml::Value) -> String {
-    v.as_str().map_or_else(|| scalar(v), str::to_owned)
-}
-
-fn parse_env_tiers(text: &str, origin: &Origin) -> Result<Vec<RawTier>, ConfigError> {
-    let fix = "write TIERSTORE_TIERS=\"/dev/shm/tierstore:8G,/nvme/tierstore:500G\"";
-    text.split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|item| {
-            let item = item.trim();
-            match item.rsplit_once(':') {
-                Some((path, quota)) if !path.is_empty() && parse_size(quota).is_some() => {
-                    Ok(RawTier { path: path.to_string(), quota: Some(quota.to_string()), kind: None })
-                }
-                Some((_, quota)) if !quota.contains('/') => {
-                    Err(bad(origin, "tiers", item, &format!("quota \"{quota}\" is not a size"), SIZE_FIX))
-                }
-                _ if item.starts_with('/') || item.starts_with('~') || item.starts_with('.') => {
-                    Ok(RawTier { path: item.to_string(), quota: None, kind: None })
-                }
-                _ => Err(bad(origin, "tiers", item, "is not PATH or PATH:QUOTA", fix)),
-            }
-        })
-        .collect()
-}
-
-fn expand_home(p: &str) -> PathBuf {
-    match p.strip_prefix("~/") {
-        Some(rest) => home_dir().join(rest),
-        None if p == "~" => home_dir(),
-        None => PathBuf::from(p),
-    }
-}
-
-fn home_dir() -> PathBuf {
-    std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"))
-}
-
-/// The directory of the default tier: `$XDG_CACHE_HOME/tierstore` or `~/.cache/tierstore`.
-pub fn default_tier_dir() -> PathBuf {
-    match std::env::var_os("XDG_CACHE_HOME") {
-        Some(x) if !x.is_empty() => PathBuf::from(x).join("tierstore"),
-        _ => home_dir().join(".cache").join("tierstore"),
-    }
-}
-
-/// Size facts about the file system holding `path` (or its nearest existing ancestor).
-pub struct FsInfo {
-    /// Total bytes of the file system.
-    pub total: u64,
-    /// Bytes available to unprivileged users.
-    pub free: u64,
-    /// True for tmpfs/ramfs.
-    pub in_memory: bool,
-}
-
-/// Reads [`FsInfo`] for `path`, walking up to the first ancestor that exists.
-// statfs field types differ between libc targets (u64 here, u32 or i32 elsewhere): the casts are for them.
-#[allow(clippy::unnecessary_cast)]
-pub fn fs_info(path: &Path) -> std::io::Result<FsInfo> {
-    let mut p = path;
-    while !p.exists() {
-        p = p.parent().unwrap_or(Path::new("/"));
-    }
-    let c = std::ffi::CString::new(std::os::unix::ffi::OsStrExt::as_bytes(p.as_os_str()))
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    let mut s = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: statfs writes into `s` on success.
-    if unsafe { libc::statfs(c.as_ptr(), s.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let s = unsafe { s.assume_init() };
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
-    let bsize = s.f_bsize as u64;
-    Ok(FsInfo {
-        total: s.f_blocks as u64 * bsize,
-        free: s.f_bavail as u64 * bsize,
-        in_memory: matches!(s.f_type as i64, TMPFS_MAGIC | RAMFS_MAGIC),
-    })
 }
 
 /// One scalar setting: its default when unset, else its parsed value; either way, where it came from
@@ -807,7 +377,7 @@ impl Config {
         }
         if let Some(v) = env.get("TIERSTORE_TIERS") {
             let o = env_origin("TIERSTORE_TIERS");
-            raw.tiers = Some((parse_env_tiers(v, &o)?, o));
+            raw.tiers = Some((tiers::from_env(v, &o)?, o));
         }
         for (name, slot) in [
             ("TIERSTORE_POLICY", &mut raw.policy),
@@ -847,7 +417,7 @@ impl Config {
         }
         if let Some(v) = env.get("TIERSTORE_WRITEBACK") {
             let o = env_origin("TIERSTORE_WRITEBACK");
-            raw.writeback = Some((crate::writeback::config::from_env(v, &o)?, o));
+            raw.writeback = Some((writeback::from_env(v, &o)?, o));
         }
         Ok(raw)
     }
@@ -865,7 +435,7 @@ impl Config {
         })?;
         let s3 = if is_url(&source_text) {
             let c = S3Config::parse(&source_text).map_err(|e| bad(&source_origin, "source", &source_text, &e.0, ""))?;
-            Some(validate_s3(c, &raw.s3)?)
+            Some(s3_config::validate(c, &raw.s3)?)
         } else {
             if let Some((k, (v, o))) = raw.s3.iter().next() {
                 return Err(bad(
@@ -896,119 +466,8 @@ impl Config {
         };
         origins.insert("source".to_string(), source_origin);
 
-        let (raw_tiers, tiers_origin) = raw.tiers.unwrap_or_else(|| {
-            let path = default_tier_dir().to_string_lossy().into_owned();
-            (vec![RawTier { path, quota: None, kind: None }], Origin::Default)
-        });
-        if raw_tiers.is_empty() {
-            return Err(bad(&tiers_origin, "tiers", "[]", "no cache tier", "configure at least one tier directory"));
-        }
-        let mut tiers: Vec<TierConfig> = Vec::new();
-        for (i, rt) in raw_tiers.iter().enumerate() {
-            let key = format!("tiers[{i}]");
-            let path = expand_home(&rt.path);
-            let path = std::path::absolute(&path).unwrap_or(path);
-            std::fs::create_dir_all(&path).map_err(|e| {
-                bad(
-                    &tiers_origin,
-                    &format!("{key}.path"),
-                    &rt.path,
-                    &format!("cannot be created ({e})"),
-                    "give a directory you can write to",
-                )
-            })?;
-            let path = std::fs::canonicalize(&path).unwrap_or(path);
-            let probe = path.join(format!(".tierstore-probe-{}", crate::process::pid()));
-            if let Err(e) = std::fs::write(&probe, b"") {
-                return Err(bad(
-                    &tiers_origin,
-                    &format!("{key}.path"),
-                    &rt.path,
-                    &format!("is not writable ({e})"),
-                    "give a directory you can write to",
-                ));
-            }
-            let _ = std::fs::remove_file(&probe);
-            if path.starts_with(&source) || source.starts_with(&path) {
-                return Err(bad(
-                    &tiers_origin,
-                    &format!("{key}.path"),
-                    &rt.path,
-                    &format!("overlaps the source {}", source.display()),
-                    "put cache tiers outside the source directory",
-                ));
-            }
-            if let Some(prev) = tiers.iter().position(|t| t.path == path) {
-                return Err(bad(
-                    &tiers_origin,
-                    &format!("{key}.path"),
-                    &rt.path,
-                    &format!("is the same directory as tiers[{prev}]"),
-                    "give each tier its own directory",
-                ));
-            }
-            let info = fs_info(&path).map_err(|e| {
-                bad(&tiers_origin, &format!("{key}.path"), &rt.path, &format!("statfs failed ({e})"), "check the path")
-            })?;
-            let kind = match rt.kind.as_deref() {
-                None => {
-                    if info.in_memory {
-                        TierKind::Memory
-                    } else {
-                        TierKind::Local
-                    }
-                }
-                Some("memory") if info.in_memory => TierKind::Memory,
-                Some("memory") => {
-                    return Err(bad(
-                        &tiers_origin,
-                        &format!("{key}.kind"),
-                        "memory",
-                        &format!("{} is not on a RAM-backed file system", path.display()),
-                        "use a directory under /dev/shm, or kind = \"local\"",
-                    ))
-                }
-                Some("local") => TierKind::Local,
-                Some(other) => {
-                    return Err(bad(
-                        &tiers_origin,
-                        &format!("{key}.kind"),
-                        other,
-                        "unknown tier kind",
-                        "use \"memory\" or \"local\" (or leave it out to detect it)",
-                    ))
-                }
-            };
-            let quota = match &rt.quota {
-                // Half of what is free now: leaves room for everything else on the node.
-                None => (info.free / 2).max(1),
-                Some(q) => {
-                    let quota = parse_size(q).ok_or_else(|| {
-                        bad(&tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), "not a size", SIZE_FIX)
-                    })?;
-                    if quota == 0 {
-                        return Err(bad(
-                            &tiers_origin,
-                            &format!("{key}.quota"),
-                            format!("\"{q}\""),
-                            "a tier of zero bytes caches nothing",
-                            "give a positive size, or remove the tier",
-                        ));
-                    }
-                    if info.total > 0 && quota > info.total {
-                        return Err(bad(
-                            &tiers_origin,
-                            &format!("{key}.quota"),
-                            format!("\"{q}\""),
-                            &format!("exceeds the size of the file system ({})", format_size(info.total)),
-                            &format!("use at most {}", format_size(info.total)),
-                        ));
-                    }
-                    quota
-                }
-            };
-            tiers.push(TierConfig { path, quota, kind });
-        }
+        let (raw_tiers, tiers_origin) = raw.tiers.unwrap_or_else(|| (tiers::default_raw(), Origin::Default));
+        let tiers = tiers::validate(&raw_tiers, &tiers_origin, &source)?;
         origins.insert("tiers".to_string(), tiers_origin);
 
         let policy = setting(
@@ -1089,14 +548,14 @@ impl Config {
             },
         )?;
 
-        let cluster = validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())?;
-        let writeback = crate::writeback::config::validate(raw.writeback.as_ref())?;
+        let cluster = cluster::validate(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())?;
+        let writeback = writeback::validate(raw.writeback.as_ref())?;
         if let Some((_, o)) = raw.cluster.get("sharing") {
             origins.insert("cluster".to_string(), o.clone());
         }
         // Each part of [cluster] may come from elsewhere than `sharing` (TIERSTORE_PEERS, TIERSTORE_NODE,
         // Slurm's variables): `config show` says where each came from.
-        for key in CLUSTER_KEYS {
+        for key in cluster::KEYS {
             if let Some((_, o)) = raw.cluster.get(key) {
                 origins.insert(format!("cluster.{key}"), o.clone());
             }
@@ -1131,16 +590,16 @@ fn job_env() -> BTreeMap<String, String> {
 
 /// Only the `[[writeback]]` destinations of the configuration (the file, then `$TIERSTORE_WRITEBACK`):
 /// what writers and the agent need, with no source required.
-pub fn load_writeback(overrides: &Overrides) -> Result<Vec<crate::writeback::Destination>, ConfigError> {
+pub fn load_writeback(overrides: &Overrides) -> Result<Vec<Destination>, ConfigError> {
     let raw = Config::layers(overrides, &job_env())?;
-    crate::writeback::config::validate(raw.writeback.as_ref())
+    writeback::validate(raw.writeback.as_ref())
 }
 
 /// Only the `[cluster]` settings of the configuration (the file, then `TIERSTORE_*` and Slurm's), with no
 /// source required: what a write-back reader needs to ask the other nodes for files staged there.
 pub fn load_cluster(overrides: &Overrides) -> Result<ClusterConfig, ConfigError> {
     let raw = Config::layers(overrides, &job_env())?;
-    validate_cluster(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())
+    cluster::validate(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())
 }
 
 /// The node agent's side of model streaming (`[stream]`, `TIERSTORE_STREAM_*`); each unset key leaves the
@@ -1184,20 +643,7 @@ pub fn load_stream(overrides: &Overrides) -> Result<StreamConfig, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("512MiB"), Some(512 << 20));
-        assert_eq!(parse_size("64G"), Some(64 << 30));
-        assert_eq!(parse_size("1.5k"), Some(1536));
-        assert_eq!(parse_size("2GB"), Some(2_000_000_000));
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("80X"), None);
-        assert_eq!(parse_size(""), None);
-        assert_eq!(parse_size("G"), None);
-        assert_eq!(parse_size("1.5"), None);
-        assert_eq!(format_size(1536 << 20), "1.5 GiB");
-    }
+    use crate::cluster::Sharing;
 
     fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

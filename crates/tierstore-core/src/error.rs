@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::ConfigError;
+use crate::config::values::ConfigError;
 use crate::source::OutsideSource;
 
 /// Everything that can go wrong, folded from the modules' own errors.

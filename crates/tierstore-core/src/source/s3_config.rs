@@ -5,8 +5,13 @@
 //! override them. Kept apart from the client (`object.rs`) so that a build without S3 still reads and
 //! checks the configuration, and says what is missing.
 
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
+
 use std::collections::BTreeMap;
 use std::time::Duration;
+
+use crate::config::values::{bad, parse_duration, parse_size, scalar, ConfigError, Origin};
 
 /// The keys of the `[s3]` table.
 pub const S3_KEYS: &[&str] = &[
@@ -149,6 +154,52 @@ impl S3Config {
         }
         Some(rel.to_string())
     }
+}
+
+/// Validates the `[s3]` keys of the configuration into `c` (the bucket and prefix parsed from the source).
+pub(crate) fn validate(
+    mut c: S3Config,
+    keys: &BTreeMap<&'static str, (toml::Value, Origin)>,
+) -> Result<S3Config, ConfigError> {
+    for (&k, (v, o)) in keys {
+        let text = scalar(v);
+        let key = format!("s3.{k}");
+        match k {
+            "timeout" | "connect_timeout" => {
+                let d = parse_duration(&text).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a duration", "use seconds (30) or a unit: \"500ms\", \"30s\", \"2m\"")
+                })?;
+                if k == "timeout" {
+                    c.timeout = d;
+                } else {
+                    c.connect_timeout = d;
+                }
+            }
+            "retries" => {
+                c.retries =
+                    text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                        bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
+                    })?;
+            }
+            "range_size" => {
+                c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a range size of at least 64 KiB", "use a size like \"8M\"")
+                })?;
+            }
+            "ranges_in_flight" => {
+                c.ranges_in_flight = text.parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a number of ranges", "use a whole number from 1 to 256")
+                })?;
+            }
+            "endpoint" if !(text.starts_with("http://") || text.starts_with("https://")) => {
+                return Err(bad(o, &key, &text, "is not an http(s) URL", "write http://HOST:PORT or https://HOST"));
+            }
+            _ => {
+                c.settings.insert(k.to_string(), text);
+            }
+        }
+    }
+    Ok(c)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::config::{bad, parse_duration, parse_size, ConfigError, Origin};
+use crate::config::values::{bad, expand_home, fs_info, parse_duration, parse_size, scalar, ConfigError, Origin};
 
 /// When `close()` (and `fsync`) of a staged file returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,18 +97,9 @@ pub fn from_env(text: &str, origin: &Origin) -> Result<toml::Value, ConfigError>
     Ok(toml::Value::Array(list))
 }
 
-fn text(v: &toml::Value) -> String {
-    match v {
-        toml::Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
+/// A configured path made absolute (`~` is the home directory) and normalized.
 fn absolute(p: &str) -> PathBuf {
-    let p = match p.strip_prefix("~/") {
-        Some(rest) => std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/tmp".into()).join(rest),
-        None => PathBuf::from(p),
-    };
+    let p = expand_home(p);
     crate::source::normalize(&std::path::absolute(&p).unwrap_or(p))
 }
 
@@ -117,23 +108,23 @@ fn absolute(p: &str) -> PathBuf {
 pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>, ConfigError> {
     let Some((value, origin)) = raw else { return Ok(Vec::new()) };
     let list =
-        value.as_array().ok_or_else(|| bad(origin, "writeback", text(value), "must be a list of tables", FIX))?;
+        value.as_array().ok_or_else(|| bad(origin, "writeback", scalar(value), "must be a list of tables", FIX))?;
     let mut out: Vec<Destination> = Vec::new();
     for (i, item) in list.iter().enumerate() {
         let k = format!("writeback[{i}]");
-        let t = item.as_table().ok_or_else(|| bad(origin, &k, text(item), "must be a table", FIX))?;
+        let t = item.as_table().ok_or_else(|| bad(origin, &k, scalar(item), "must be a table", FIX))?;
         for (key, v) in t {
             if !KEYS.contains(&key.as_str()) {
                 return Err(bad(
                     origin,
                     &format!("{k}.{key}"),
-                    text(v),
+                    scalar(v),
                     "unknown key",
                     &format!("known keys: {}", KEYS.join(", ")),
                 ));
             }
         }
-        let get = |key: &str| t.get(key).map(text);
+        let get = |key: &str| t.get(key).map(scalar);
         let path_text = get("path")
             .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
         let path = absolute(&path_text);
@@ -200,7 +191,7 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
                 )
             })?,
             // The stage's free space when the job starts, less a tenth for everything else on the disk.
-            None => crate::config::fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
+            None => fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
         };
         let durability =
             match get("durability").as_deref() {

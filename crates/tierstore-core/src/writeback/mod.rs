@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 pub use config::{Destination, Durability};
 pub use journal::{Entry, Journal, JournalError, Pending};
 
-use crate::config::ConfigError;
+use crate::config::values::ConfigError;
 
 /// Why a write-back operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -242,7 +242,7 @@ impl Writeback {
     fn full(&self, d: &Destination, j: &Journal) -> Result<bool, WritebackError> {
         let staged = j.staged_bytes()?;
         let (free, reserve) =
-            crate::config::fs_info(&d.stage).map(|f| (f.free, stage_reserve(f.total))).unwrap_or((u64::MAX, 0));
+            crate::config::values::fs_info(&d.stage).map(|f| (f.free, stage_reserve(f.total))).unwrap_or((u64::MAX, 0));
         Ok(staged >= d.quota || free < reserve)
     }
 

@@ -1,0 +1,240 @@
+//! `[[tiers]]`: the cache tiers, fastest first, each a directory with a quota, in RAM or on a local disk.
+//!
+//! ```toml
+//! [[tiers]]
+//! path = "/dev/shm/tierstore"   # a directory outside the source (created if missing)
+//! quota = "8G"                  # bytes of copies at most (default: half of what is free at start)
+//! kind = "memory"               # memory | local (default: detected from the file system)
+//! ```
+//!
+//! `$TIERSTORE_TIERS` replaces the file's list: `PATH[:QUOTA]`, comma separated.
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
+
+use std::path::{Path, PathBuf};
+
+use super::values::{
+    bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, ConfigError, Origin, SIZE_FIX,
+};
+
+/// Whether a tier lives in RAM or on a local disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierKind {
+    /// A RAM-backed directory (tmpfs, such as /dev/shm).
+    Memory,
+    /// A directory on a local disk (NVMe, SSD).
+    Local,
+}
+
+impl TierKind {
+    /// The name used in configuration files.
+    pub fn name(self) -> &'static str {
+        match self {
+            TierKind::Memory => "memory",
+            TierKind::Local => "local",
+        }
+    }
+}
+
+/// One cache tier as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierConfig {
+    /// The directory that holds the tier.
+    pub path: PathBuf,
+    /// Most bytes of cached copies the tier may hold.
+    pub quota: u64,
+    /// RAM or disk.
+    pub kind: TierKind,
+}
+
+/// One tier as written, before it is checked.
+pub(crate) struct RawTier {
+    pub(crate) path: String,
+    pub(crate) quota: Option<String>,
+    pub(crate) kind: Option<String>,
+}
+
+/// The keys of a `[[tiers]]` table.
+const KEYS: &[&str] = &["path", "quota", "kind"];
+
+/// The `[[tiers]]` tables of a file, checked for their keys and a path each.
+pub(crate) fn from_toml(origin: &Origin, key: &str, value: &toml::Value) -> Result<Vec<RawTier>, ConfigError> {
+    let fix = "write [[tiers]] tables with path = \"/dev/shm/tierstore\" and quota = \"8G\"";
+    let list = value.as_array().ok_or_else(|| bad(origin, key, value, "must be a list of tables", fix))?;
+    let mut tiers = Vec::new();
+    for (i, item) in list.iter().enumerate() {
+        let k = format!("tiers[{i}]");
+        let t = item.as_table().ok_or_else(|| bad(origin, &k, item, "must be a table", fix))?;
+        for (tk, tv) in t {
+            if !KEYS.contains(&tk.as_str()) {
+                return Err(unknown_key(origin, &format!("{k}.{tk}"), tv, KEYS));
+            }
+        }
+        let path = t
+            .get("path")
+            .and_then(|p| p.as_str())
+            .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every tier needs a path", fix))?;
+        tiers.push(RawTier {
+            path: path.to_string(),
+            quota: t.get("quota").map(scalar),
+            kind: t.get("kind").map(scalar),
+        });
+    }
+    Ok(tiers)
+}
+
+/// `$TIERSTORE_TIERS`: `PATH[:QUOTA]`, comma separated.
+pub(crate) fn from_env(text: &str, origin: &Origin) -> Result<Vec<RawTier>, ConfigError> {
+    let fix = "write TIERSTORE_TIERS=\"/dev/shm/tierstore:8G,/nvme/tierstore:500G\"";
+    text.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| {
+            let item = item.trim();
+            match item.rsplit_once(':') {
+                Some((path, quota)) if !path.is_empty() && parse_size(quota).is_some() => {
+                    Ok(RawTier { path: path.to_string(), quota: Some(quota.to_string()), kind: None })
+                }
+                Some((_, quota)) if !quota.contains('/') => {
+                    Err(bad(origin, "tiers", item, &format!("quota \"{quota}\" is not a size"), SIZE_FIX))
+                }
+                _ if item.starts_with('/') || item.starts_with('~') || item.starts_with('.') => {
+                    Ok(RawTier { path: item.to_string(), quota: None, kind: None })
+                }
+                _ => Err(bad(origin, "tiers", item, "is not PATH or PATH:QUOTA", fix)),
+            }
+        })
+        .collect()
+}
+
+/// The directory of the default tier: `$XDG_CACHE_HOME/tierstore` or `~/.cache/tierstore`.
+pub fn default_tier_dir() -> PathBuf {
+    match std::env::var_os("XDG_CACHE_HOME") {
+        Some(x) if !x.is_empty() => PathBuf::from(x).join("tierstore"),
+        _ => home_dir().join(".cache").join("tierstore"),
+    }
+}
+
+/// The tier used when none is configured: the default directory, with a quota from its free space.
+pub(crate) fn default_raw() -> Vec<RawTier> {
+    vec![RawTier { path: default_tier_dir().to_string_lossy().into_owned(), quota: None, kind: None }]
+}
+
+/// The tiers of the configuration, checked: each directory created and writable, outside the source and
+/// apart from the others, its kind detected or checked, its quota parsed (half of the free space when
+/// none is given) and within its file system.
+pub(crate) fn validate(
+    raw_tiers: &[RawTier],
+    tiers_origin: &Origin,
+    source: &Path,
+) -> Result<Vec<TierConfig>, ConfigError> {
+    if raw_tiers.is_empty() {
+        return Err(bad(tiers_origin, "tiers", "[]", "no cache tier", "configure at least one tier directory"));
+    }
+    let mut tiers: Vec<TierConfig> = Vec::new();
+    for (i, rt) in raw_tiers.iter().enumerate() {
+        let key = format!("tiers[{i}]");
+        let path = expand_home(&rt.path);
+        let path = std::path::absolute(&path).unwrap_or(path);
+        std::fs::create_dir_all(&path).map_err(|e| {
+            bad(
+                tiers_origin,
+                &format!("{key}.path"),
+                &rt.path,
+                &format!("cannot be created ({e})"),
+                "give a directory you can write to",
+            )
+        })?;
+        let path = std::fs::canonicalize(&path).unwrap_or(path);
+        let probe = path.join(format!(".tierstore-probe-{}", crate::process::pid()));
+        if let Err(e) = std::fs::write(&probe, b"") {
+            return Err(bad(
+                tiers_origin,
+                &format!("{key}.path"),
+                &rt.path,
+                &format!("is not writable ({e})"),
+                "give a directory you can write to",
+            ));
+        }
+        let _ = std::fs::remove_file(&probe);
+        if path.starts_with(source) || source.starts_with(&path) {
+            return Err(bad(
+                tiers_origin,
+                &format!("{key}.path"),
+                &rt.path,
+                &format!("overlaps the source {}", source.display()),
+                "put cache tiers outside the source directory",
+            ));
+        }
+        if let Some(prev) = tiers.iter().position(|t| t.path == path) {
+            return Err(bad(
+                tiers_origin,
+                &format!("{key}.path"),
+                &rt.path,
+                &format!("is the same directory as tiers[{prev}]"),
+                "give each tier its own directory",
+            ));
+        }
+        let info = fs_info(&path).map_err(|e| {
+            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("statfs failed ({e})"), "check the path")
+        })?;
+        let kind = match rt.kind.as_deref() {
+            None => {
+                if info.in_memory {
+                    TierKind::Memory
+                } else {
+                    TierKind::Local
+                }
+            }
+            Some("memory") if info.in_memory => TierKind::Memory,
+            Some("memory") => {
+                return Err(bad(
+                    tiers_origin,
+                    &format!("{key}.kind"),
+                    "memory",
+                    &format!("{} is not on a RAM-backed file system", path.display()),
+                    "use a directory under /dev/shm, or kind = \"local\"",
+                ))
+            }
+            Some("local") => TierKind::Local,
+            Some(other) => {
+                return Err(bad(
+                    tiers_origin,
+                    &format!("{key}.kind"),
+                    other,
+                    "unknown tier kind",
+                    "use \"memory\" or \"local\" (or leave it out to detect it)",
+                ))
+            }
+        };
+        let quota = match &rt.quota {
+            // Half of what is free now: leaves room for everything else on the node.
+            None => (info.free / 2).max(1),
+            Some(q) => {
+                let quota = parse_size(q).ok_or_else(|| {
+                    bad(tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), "not a size", SIZE_FIX)
+                })?;
+                if quota == 0 {
+                    return Err(bad(
+                        tiers_origin,
+                        &format!("{key}.quota"),
+                        format!("\"{q}\""),
+                        "a tier of zero bytes caches nothing",
+                        "give a positive size, or remove the tier",
+                    ));
+                }
+                if info.total > 0 && quota > info.total {
+                    return Err(bad(
+                        tiers_origin,
+                        &format!("{key}.quota"),
+                        format!("\"{q}\""),
+                        &format!("exceeds the size of the file system ({})", format_size(info.total)),
+                        &format!("use at most {}", format_size(info.total)),
+                    ));
+                }
+                quota
+            }
+        };
+        tiers.push(TierConfig { path, quota, kind });
+    }
+    Ok(tiers)
+}
