@@ -20,13 +20,10 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierstore import _core
 from tierstore.models.files import flock, fsync_dir
-
-if TYPE_CHECKING:
-    from tierstore.models.repository import Repository
 
 QUARANTINE = "quarantine"
 
@@ -117,34 +114,19 @@ def is_quarantined(root: Path, t: dict[str, Any]) -> bool:
     return (root / QUARANTINE / entry_name((t["pack"], t["offset"], t["hash"]))).exists()
 
 
-def verify(
-    repo: Repository,
-    name: str | None,
-    version: int | str | None,
-    *,
-    repair: bool,
-    progress: bool | None,
-) -> VerifyReport:
-    """See `Repository.verify`."""
-
-    if name is None:
-        if version is not None:
-            raise ValueError(f"version {version!r} without a model name: give the name too (NAME@VERSION)")
-        refs = [(n, v) for n in repo.models() for v in repo._version_numbers(n)]
-    elif version is None:
-        refs = [(name, v) for v in repo._version_numbers(name)] or [(name, repo._resolve(name, "latest"))]
-    else:
-        refs = [(name, repo._resolve(name, version))]
+def verify(root: Path, chosen: list[Path], *, repair: bool, progress: bool | None) -> VerifyReport:
+    """Checks the stored copies of the versions whose manifests are `chosen`, in the repository at `root`
+    (see `Repository.verify`, which resolves the versions asked for)."""
     # Shared, as a save: gc (exclusive) cannot remove a pack while it is being checked.
-    with flock(repo.root / "repo.lock", exclusive=False):
-        manifests = _manifests(repo, refs)
+    with flock(root / "repo.lock", exclusive=False):
+        manifests = [m for m in map(_read_manifest, chosen) if m is not None]
         blobs: dict[BlobKey, int] = {}  # each stored copy once, with its length
         for m in manifests:
             for t in m["tensors"]:
                 blobs[(t["pack"], t["offset"], t["hash"])] = t["nbytes"]
         total = sum(blobs.values())
         with _progress(total, sys.stderr.isatty() if progress is None else progress) as advance:
-            bad = _check(repo.root / "packs", blobs, advance)
+            bad = _check(root / "packs", blobs, advance)
     report = VerifyReport(
         versions=len(manifests),
         tensors=sum(len(m["tensors"]) for m in manifests),
@@ -152,10 +134,10 @@ def verify(
         nbytes=total,
     )
     if repair:
-        report.quarantined, report.released = _quarantine(repo, bad, set(blobs) - set(bad))
+        report.quarantined, report.released = _quarantine(root, bad, set(blobs) - set(bad))
     if bad:
         # Every version that refers to a damaged copy, asked or not: they all hold the same bytes.
-        for p in sorted((repo.root / "models").glob("*/v*.json")):
+        for p in sorted((root / "models").glob("*/v*.json")):
             other = _read_manifest(p)
             if other is None:
                 continue
@@ -175,15 +157,6 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())  # type: ignore[no-any-return]
     except FileNotFoundError:
         return None  # deleted meanwhile
-
-
-def _manifests(repo: Repository, refs: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    out = []
-    for n, v in refs:
-        m = _read_manifest(repo._manifest_path(n, v))
-        if m is not None:
-            out.append(m)
-    return out
 
 
 def _check(packs: Path, blobs: dict[BlobKey, int], advance: Callable[[int], None]) -> dict[BlobKey, str]:
@@ -220,21 +193,17 @@ def _steps(keys: list[BlobKey], blobs: dict[BlobKey, int]) -> Iterator[list[Blob
         yield batch
 
 
-def _quarantine(
-    repo: Repository,
-    bad: dict[BlobKey, str],
-    intact: set[BlobKey],
-) -> tuple[int, int]:
+def _quarantine(root: Path, bad: dict[BlobKey, str], intact: set[BlobKey]) -> tuple[int, int]:
     """Records the damaged copies in quarantine and releases those found intact again; returns how many
     of each changed."""
 
-    d = repo.root / QUARANTINE
+    d = root / QUARANTINE
     d.mkdir(exist_ok=True)
     added = released = 0
     # Exclusive: a save that has already looked up its duplicates finishes first (its version refers to
     # the damaged copy, and is reported by the next verify); every later save sees the quarantine.
-    with flock(repo.root / "repo.lock", exclusive=True):
-        before = quarantined(repo.root)
+    with flock(root / "repo.lock", exclusive=True):
+        before = quarantined(root)
         for key, reason in bad.items():
             if key in before:
                 continue

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from tierstore import _core
-from tierstore.models import integrity
+from tierstore.models import integrity, safetensors_io
 from tierstore.models import layers as layer_ids
 from tierstore.models.files import flock, fsync_dir
 from tierstore.models.staging import POOL
@@ -181,15 +181,12 @@ class Repository:
                 model and the version, and how to repair.
             ValueError: A tensor's dtype has no safetensors name.
         """
-        from tierstore.models.safetensors_io import export
-
-        return export(self, name, version, path)
+        return safetensors_io.export(self.manifest(name, version), self.root / "packs", path)
 
     def import_safetensors(self, path: str | os.PathLike[str], name: str) -> Version:
         """Stores a safetensors file as a new version of `name`."""
-        from tierstore.models.safetensors_io import import_file
-
-        return import_file(self, path, name)
+        raw, metadata = safetensors_io.read_file(path)
+        return self._save_raw(name, raw, metadata=metadata)
 
     def manifest(self, name: str, version: int | str = "latest") -> dict[str, Any]:
         """The manifest of a version, as stored."""
@@ -665,7 +662,18 @@ class Repository:
             RepositoryError: Unknown model or version.
             ValueError: A version without a name.
         """
-        return integrity.verify(self, name, version, repair=repair, progress=progress)
+        if name is None:
+            if version is not None:
+                raise ValueError(
+                    f"version {version!r} without a model name: give the name too (NAME@VERSION)"
+                )
+            refs = [(n, v) for n in self.models() for v in self._version_numbers(n)]
+        elif version is None:
+            refs = [(name, v) for v in self._version_numbers(name)] or [(name, self._resolve(name, "latest"))]
+        else:
+            refs = [(name, self._resolve(name, version))]
+        chosen = [self._manifest_path(n, v) for n, v in refs]
+        return integrity.verify(self.root, chosen, repair=repair, progress=progress)
 
 
 def _spec_of(t: dict[str, Any]) -> TensorSpec:

@@ -9,14 +9,12 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tierstore import _core
-
-if TYPE_CHECKING:
-    from tierstore.models.repository import Repository, Version
+from tierstore.models.integrity import named_damage
 
 TO_SAFETENSORS = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -28,9 +26,10 @@ TO_SAFETENSORS = {
 FROM_SAFETENSORS = {v: k for k, v in TO_SAFETENSORS.items()}
 
 
-def export(repo: Repository, name: str, version: int | str, path: str | os.PathLike[str]) -> Path:
-    """Writes a version as a safetensors file (tensors verified as they are read)."""
-    m = repo.manifest(name, version)
+def export(m: dict[str, Any], packs: Path, path: str | os.PathLike[str]) -> Path:
+    """Writes the version whose manifest is `m` (its tensors in the packs of directory `packs`) as a
+    safetensors file, each tensor verified as it is read."""
+    name = m["name"]
     header: dict[str, Any] = {}
     offset = 0
     for t in m["tensors"]:
@@ -46,15 +45,13 @@ def export(repo: Repository, name: str, version: int | str, path: str | os.PathL
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     out = Path(path)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    from tierstore.models.integrity import named_damage
-
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for t in m["tensors"]:
                 buf = np.empty(t["nbytes"], dtype=np.uint8)
-                pack = repo.root / "packs" / t["pack"]
+                pack = packs / t["pack"]
                 with named_damage(m, pack, [t]):  # a damaged tensor is named, not "tensor #0"
                     _core.read_into(pack, [(t["offset"], buf, bytes.fromhex(t["hash"]))])
                 f.write(buf.data)
@@ -75,8 +72,11 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(f.read(n))
 
 
-def import_file(repo: Repository, path: str | os.PathLike[str], name: str) -> Version:
-    """Stores a safetensors file as a new version of `name` (zero-copy views of the mapped file)."""
+def read_file(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, tuple[str, tuple[int, ...], np.ndarray]], dict[str, Any]]:
+    """The tensors of a safetensors file, as zero-copy views of the mapped file (name -> dtype, shape, bytes),
+    and its metadata."""
     path = Path(path)
     start, header = read_header(path)
     meta = header.pop("__metadata__", {}) or {}
@@ -90,4 +90,4 @@ def import_file(repo: Repository, path: str | os.PathLike[str], name: str) -> Ve
             raise ValueError(f"{path}: tensor {key!r} has dtype {t['dtype']}, which tierstore does not know")
         b, e = t["data_offsets"]
         raw[key] = (dtype, tuple(t["shape"]), data[start + b : start + e])
-    return repo._save_raw(name, raw, metadata={"imported_from": str(path), **meta})
+    return raw, {"imported_from": str(path), **meta}
