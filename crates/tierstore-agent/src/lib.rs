@@ -3,7 +3,7 @@
 //! Local clients (the cache engine in every process of the node, `tierstore agent status|stop`) talk to
 //! it over a Unix socket; agents of other nodes over TCP, authenticated by a shared token. The agent
 //! serves the files of its node's cache to the processes of other nodes ([`transfer`]); the wire
-//! protocol and the owner hashing live in `tierstore_core` (`wire`, `owners`), because the read path of
+//! protocol and the owner hashing live in `tierstore_core::cluster` (`wire`, `owners`), because the read path of
 //! every process speaks them too (see ARCHITECTURE.md, "The node agent").
 #![deny(missing_docs)]
 

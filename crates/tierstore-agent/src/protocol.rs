@@ -1,10 +1,10 @@
-//! The wire protocol (its frames are `tierstore_core::wire`) over tokio's async streams.
+//! The wire protocol (its frames are `tierstore_core::cluster::wire`) over tokio's async streams.
 
 use std::io;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-pub use tierstore_core::wire::*;
+pub use tierstore_core::cluster::wire::*;
 
 /// Reads one frame; `Ok(None)` at a clean end of stream (between frames).
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Option<Frame>> {

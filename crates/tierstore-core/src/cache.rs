@@ -158,7 +158,7 @@ struct Inner {
     /// The process that opened the cache; a forked child must open its own.
     pid: u32,
     /// The job's other members, when nodes share their caches (not in the agent's own cache).
-    remote: Option<crate::remote::Remote>,
+    remote: Option<crate::cluster::remote::Remote>,
     /// What `copy_stat` found for each copy incarnation this process has seen (see there).
     copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
@@ -237,7 +237,7 @@ impl Cache {
                     })?),
                     None => None,
                 };
-                Some(crate::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
+                Some(crate::cluster::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
             }
         };
         let record_checksums =

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 pub use tiers::{default_tier_dir, TierConfig, TierKind};
 pub use values::{format_size, fs_info, parse_size, ConfigError, FsInfo, Origin};
 
-use crate::cluster::{self, ClusterConfig};
+use crate::cluster::config::{self as cluster, ClusterConfig};
 use crate::placement::Policy;
 use crate::source::s3_config::{self, is_url, S3Config, S3_KEYS};
 use crate::writeback::config::{self as writeback, Destination};
@@ -643,7 +643,7 @@ pub fn load_stream(overrides: &Overrides) -> Result<StreamConfig, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::Sharing;
+    use crate::cluster::config::Sharing;
 
     fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

@@ -17,19 +17,17 @@ pub mod index;
 pub mod lmdb;
 pub mod lock;
 pub mod marks;
-pub mod owners;
 pub mod pack;
 pub mod placement;
 pub mod pool;
 pub mod process;
 pub mod reader;
-pub mod remote;
 pub mod source;
 pub mod stream;
 pub mod tier;
-pub mod wire;
 pub mod writeback;
 
+pub use cluster::{owners, remote, wire};
 pub use error::Error;
 pub use process::pid;
 

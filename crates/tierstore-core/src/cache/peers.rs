@@ -2,7 +2,7 @@
 //! before the source (DYAD's lookup order), and the agent of this node serves the files it owns.
 //!
 //! Never stale and never partial hold across nodes as on one: the owner says which version it sends
-//! before the bytes ([`crate::remote::Transfer::found`]); a reader that already knows the version
+//! before the bytes ([`crate::cluster::remote::Transfer::found`]); a reader that already knows the version
 //! (`revalidate = "always"`) refuses any other; the bytes are checked against the blake3 recorded when
 //! the owner copied them from the source. Anything that goes wrong sends the reader to the source,
 //! counted, and the job goes on.
@@ -13,13 +13,13 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Arc;
 
 use super::{Fetched, Inner, Native, Purpose};
+use crate::cluster::remote::{RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::flight::{Flight, Outcome};
 use crate::index::{key_of, Key, SourceId};
 use crate::reader::{Backing, Reader};
-use crate::remote::RemoteError;
 
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {
@@ -121,7 +121,7 @@ impl Inner {
                 }
             };
         }
-        let transfer = match remote.open(&who, rel, crate::remote::WINDOW) {
+        let transfer = match remote.open(&who, rel, WINDOW) {
             Ok(t) => t,
             Err(e) => {
                 self.peer_failed(&who, rel, &e);
@@ -185,7 +185,7 @@ impl Inner {
         key: &Key,
         rel: &str,
         sid: SourceId,
-        transfer: crate::remote::Transfer,
+        transfer: Transfer,
     ) -> Result<Fetched, RemoteError> {
         let tier = &self.tiers[t];
         let (temp, file) = match tier.create_temp(key) {
@@ -215,7 +215,7 @@ impl Inner {
         &self,
         rel: &str,
         sid: SourceId,
-        transfer: crate::remote::Transfer,
+        transfer: Transfer,
         purpose: Purpose,
     ) -> Result<Fetched, RemoteError> {
         if sid.size <= self.config.inline_max && purpose == Purpose::Read {

@@ -1,4 +1,4 @@
-//! The `[cluster]` part of the configuration: whether and how the nodes of a job share their caches, who
+//! The `[cluster]` table of the configuration: whether and how the nodes of a job share their caches, who
 //! the members are, and how their agents find and trust each other.
 //!
 //! ```toml

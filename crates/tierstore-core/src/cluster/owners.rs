@@ -1,6 +1,6 @@
 //! Who the members of the job are, and which of them owns a file.
 //!
-//! Membership comes from the launcher (`[cluster]` in the configuration, see `tierstore_core::cluster`):
+//! Membership comes from the launcher (`[cluster]` in the configuration, see `cluster/config.rs`):
 //! every agent of a job reads the same list, so they all agree on it without a consensus of our own.
 //!
 //! A file's owner is chosen by rendezvous (highest random weight) hashing: every member gets a weight

@@ -1,7 +1,7 @@
 //! Reading a file from the agent of the node that owns it: the cluster cache's side of the read path
 //! that runs in every process (DYAD's order: local tiers, then the owner, then the source).
 //!
-//! The owner of a file is found by rendezvous hashing over the job's members ([`crate::owners`]), with no
+//! The owner of a file is found by rendezvous hashing over the job's members ([`super::owners`]), with no
 //! network hop. A process talks to the owner's agent directly over TCP, with a deadline on the connection
 //! and on every frame: a dead or silent peer costs at most those deadlines, is marked down in this
 //! process for [`DOWN_FOR`], and its files go to the next heaviest member (or to the source) meanwhile.
@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::cluster::ClusterConfig;
+use super::config::ClusterConfig;
+use super::owners::Owners;
+use super::wire::{self, ErrorCode, Frame, VERSION};
 use crate::index::SourceId;
-use crate::owners::Owners;
-use crate::wire::{self, ErrorCode, Frame, VERSION};
 
 /// How long a member that missed a deadline is left out of this process's owner choice; doubled at each
 /// further miss in a row, up to [`DOWN_AT_MOST`], so a dead node costs its readers a deadline now and then
@@ -144,7 +144,7 @@ impl Remote {
         let from_registry = cluster.registry.is_some() && names.is_empty();
         Remote {
             view: RwLock::new(Arc::new(View::of(&names, &mine))),
-            agent_socket: from_registry.then(crate::cluster::default_socket),
+            agent_socket: from_registry.then(super::config::default_socket),
             asked: Mutex::new(None),
             mine,
             node: cluster.node.clone(),

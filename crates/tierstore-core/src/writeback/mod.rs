@@ -71,7 +71,7 @@ pub enum WritebackError {
         /// The file.
         path: PathBuf,
         /// Why the transfer failed.
-        source: crate::remote::RemoteError,
+        source: crate::cluster::remote::RemoteError,
     },
     /// Files are pending but no agent runs to migrate them.
     #[error(

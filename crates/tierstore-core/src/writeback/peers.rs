@@ -13,9 +13,9 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::cluster::remote::{Remote, RemoteError, WINDOW};
+use crate::cluster::wire::ErrorCode;
 use crate::cluster::{ClusterConfig, Sharing};
-use crate::remote::{Remote, RemoteError, WINDOW};
-use crate::wire::ErrorCode;
 
 /// The other nodes' agents, asked for files they staged.
 pub struct PeerReads {
