@@ -1,10 +1,11 @@
 //! The one content hash of tierstore: blake3, for every byte that is checked against what it should be.
 //!
-//! The model repository names a tensor by it ([`crate::pack`]), model streaming names a version's tensor
-//! files by it ([`crate::stream`]), the write-back journal records it for a staged file and migration
-//! checks the store's copy against it ([`crate::writeback`]), a cached copy records it when copies are
-//! verified or served to peers, and the agents check every file and tensor that crosses nodes with it.
-//! One hash everywhere means a tensor hashed once is known by that hash in every one of these places.
+//! The model repository names a tensor by it ([`crate::models::pack`]), model streaming names a
+//! version's tensor files by it ([`crate::models::stream`]), the write-back journal records it for a
+//! staged file and migration checks the store's copy against it ([`crate::writeback`]), a cached copy
+//! records it when copies are verified or served to peers, and the agents check every file and tensor
+//! that crosses nodes with it. One hash everywhere means a tensor hashed once is known by that hash in
+//! every one of these places.
 //!
 //! blake3 is a tree: a large buffer is hashed by all cores at once ([`hash`]), and pieces hashed apart (as
 //! they are read or written) merge into the hash of the whole ([`Subtree`], [`merge`], [`merge_root`],

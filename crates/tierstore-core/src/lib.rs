@@ -17,18 +17,18 @@ pub mod index;
 pub mod lmdb;
 pub mod lock;
 pub mod marks;
-pub mod pack;
+pub mod models;
 pub mod placement;
 pub mod pool;
 pub mod process;
 pub mod reader;
 pub mod source;
-pub mod stream;
 pub mod tier;
 pub mod writeback;
 
 pub use cluster::{owners, remote, wire};
 pub use error::Error;
+pub use models::{pack, stream};
 pub use process::pid;
 
 pub use cache::{Cache, Native, PrefetchProgress, SourceStats, Stats, TierStats};
