@@ -6,47 +6,52 @@
 //! just published), reserve room by policy, and read the source once. Small files are read whole and
 //! handed to every waiter at once while the copy pool writes them into the tier; large files are copied
 //! by the pool while readers follow the copy. Any cache fault falls back to the source.
+//!
+//! This file is the cache's face: [`Cache`] and every public method, each documented here. The work is
+//! done by the engine every handle shares (`engine.rs`: its state and the read path, a hit or a flight),
+//! one concept per file beside it: `fetch.rs` (a miss fetched under the node's lock, placed, copied and
+//! published), `trusted.rs` (the metadata a trusted source replays), `stats.rs` (the counters),
+//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `confirm.rs` (bounded
+//! staleness), `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the
+//! copy pool).
+
+mod confirm;
+mod engine;
+mod fetch;
+mod flight;
+mod lock;
+mod order;
+mod peers;
+mod pool;
+mod prefetch;
+mod stats;
+mod trusted;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
-use std::io::{self, Write};
-use std::os::fd::AsRawFd;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
-use crate::flight::{Flight, Flights, Outcome, Role};
-use crate::index::{key_of, Entry, Key, Link, Listed, Reservation, SourceId, Usage};
-use crate::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
-use crate::placement::plan;
-use crate::pool::Pool;
-use crate::reader::{Backing, Growing, Reader};
-use crate::source::{CopyFault, PosixSource, Source, SourceFile};
+use crate::index::{key_of, Listed, XattrAnswer, XattrQuery};
+use crate::reader::Reader;
+use crate::source::{PosixSource, Source};
 use crate::tier::Tier;
+use engine::Inner;
+use flight::Flights;
+use lock::FetchLocks;
+use pool::Pool;
 
-mod confirm;
-mod peers;
-pub use peers::Served;
-mod order;
+pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
-mod prefetch;
-mod xattrs;
+pub use peers::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
-
-/// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
-type CopyIncarnation = (u64, u64, i64, i64);
-
-/// How many copies' rewritten `stat`s a process remembers before it starts over.
-const COPY_STATS_KEPT: usize = 1 << 16;
-
-fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-}
+pub use stats::{SourceStats, Stats, TierStats};
 
 /// Process-wide registry of opened tiers and lock files. LMDB must not open one environment twice in a
 /// process, and closing any descriptor of the lock file would drop the process's fetch locks, so every
@@ -74,143 +79,10 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
     g
 }
 
-/// Counters and usage of one tier, as `tierstore status` shows them.
-#[derive(Clone, Debug)]
-pub struct TierStats {
-    /// The tier's directory as configured.
-    pub path: PathBuf,
-    /// `"memory"` or `"local"`.
-    pub kind: &'static str,
-    /// The quota in bytes.
-    pub quota: u64,
-    /// Opens served from the tier.
-    pub hits: u64,
-    /// Lookups that did not find a valid copy in the tier.
-    pub misses: u64,
-    /// Bytes read by jobs from the tier.
-    pub bytes_served: u64,
-    /// Entries evicted.
-    pub evictions: u64,
-    /// Cache faults.
-    pub faults: u64,
-    /// Entries published.
-    pub inserts: u64,
-    /// Bytes written into the tier.
-    pub bytes_written: u64,
-    /// Entries, bytes used, fetches in flight.
-    pub usage: Usage,
-    /// Why the tier is unavailable, if it is.
-    pub error: Option<String>,
-}
-
-/// Counters of the source.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SourceStats {
-    /// Files opened on the source.
-    pub opens: u64,
-    /// `stat` calls.
-    pub stats: u64,
-    /// `read` calls.
-    pub reads: u64,
-    /// Bytes read.
-    pub bytes_read: u64,
-    /// Reads that fell back to the source after a cache fault.
-    pub fallbacks: u64,
-    /// Opens served from the source because no tier had room.
-    pub uncached: u64,
-    /// Files received from a peer's agent instead of the source.
-    pub peer_hits: u64,
-    /// Bytes received from peers.
-    pub peer_bytes: u64,
-    /// Reads from a peer that failed and went to the source.
-    pub peer_faults: u64,
-    /// Files this node's agent served to peers.
-    pub served_files: u64,
-    /// Bytes this node's agent served to peers.
-    pub served_bytes: u64,
-    /// Listing requests sent to an object store.
-    pub lists: u64,
-}
-
-/// A snapshot of every counter of a cache.
-#[derive(Clone, Debug)]
-pub struct Stats {
-    /// The source.
-    pub source: SourceStats,
-    /// Each tier, fastest first.
-    pub tiers: Vec<TierStats>,
-}
-
-struct Inner {
-    config: Config,
-    source: Arc<dyn Source>,
-    tiers: Vec<Arc<Tier>>,
-    locks: Arc<FetchLocks>,
-    flights: Flights,
-    /// Hits not yet written to the index: (tier, key) -> (hits, last access).
-    access: Mutex<HashMap<(usize, Key), (u64, u64)>>,
-    last_access_flush: Mutex<Instant>,
-    logged: Mutex<HashSet<String>>,
-    pool: OnceLock<Weak<Pool>>,
-    /// Prefetches whose workers are still running, for [`Cache::wait_idle`].
-    prefetches: Mutex<usize>,
-    prefetch_idle: Condvar,
-    /// The process that opened the cache; a forked child must open its own.
-    pid: u32,
-    /// The job's other members, when nodes share their caches (not in the agent's own cache).
-    remote: Option<crate::cluster::remote::Remote>,
-    /// What `copy_stat` found for each copy incarnation this process has seen (see there).
-    copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
-    /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
-    /// the bytes served to peers.
-    record_checksums: bool,
-}
-
 /// A tiered, node-local cache of one source directory.
 pub struct Cache {
     inner: Arc<Inner>,
     pool: Arc<Pool>,
-}
-
-/// What the fetch under the lock is for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Purpose {
-    /// A reader waits for the bytes.
-    Read,
-    /// Warm the cache; nobody waits.
-    Prefetch,
-    /// A program wants a real descriptor: a small file is fetched whole first, a large one is copied in
-    /// the background while the program holds a descriptor of the source.
-    Native,
-}
-
-/// A file opened for a program that reads it with system calls (see [`Cache::open_native`]).
-pub enum Native {
-    /// A descriptor holding exactly the file's bytes: a published copy, or the source when no tier has
-    /// room or the cache failed.
-    Whole(File),
-    /// A large file being copied into a tier: `source` is a descriptor of the source file itself, which
-    /// the program may read natively; reads can be served from `copy` as it grows, and the descriptor
-    /// moved to the copy once it is [`finished`](crate::reader::CopyState::Finished).
-    Copying {
-        /// The source file, open read-only.
-        source: File,
-        /// The copy being written.
-        copy: Arc<Growing>,
-    },
-}
-
-/// What a fetch under the lock produced.
-enum Fetched {
-    Reader(Reader),
-    /// A large file whose copy has started: a descriptor of the source for the program, and the copy.
-    Streaming(File, Arc<Growing>),
-    Cached,
-    Uncached,
-    /// A prefetch found no tier with room.
-    NoRoom,
-    /// Already cached, or being fetched by another thread or process.
-    Skipped,
 }
 
 impl Cache {
@@ -360,21 +232,7 @@ impl Cache {
     /// recorded symlink; without it, a recorded symlink is answered by what it leads to, when that is
     /// known under the source.
     pub fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return Ok(None);
-        }
-        let rel = self.inner.source.relative_or_root(path)?;
-        let known = match self.inner.known_path(&rel, nofollow) {
-            Some(sid) => Some(sid),
-            None => self.inner.link(&rel).and_then(|link| {
-                if nofollow {
-                    return Some(link.lstat);
-                }
-                let to = self.inner.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
-                self.inner.known_path(&to, false)
-            }),
-        };
-        Ok(known.and_then(|sid| sid.to_stat()))
+        self.inner.cached_stat(path, nofollow)
     }
 
     /// Takes note of what the source answered to a `stat` (`lstat` with `nofollow`) of `path`, so that
@@ -383,140 +241,80 @@ impl Cache {
     /// store those two once), so that `lstat`, `readlink`, `realpath`, `stat` and opens through it are
     /// answered from the cache from then on.
     pub fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return;
-        }
-        let Some(ix) = self.inner.directories() else { return };
-        let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
-        let key = key_of(&rel);
-        match st.st_mode & libc::S_IFMT {
-            libc::S_IFDIR => {}
-            libc::S_IFLNK if nofollow && !rel.is_empty() => {
-                let lstat = SourceId::of_stat(st);
-                if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
-                    return;
-                }
-                let own = self.inner.source.path_of(&rel);
-                self.inner.source.counters().add(src_slot::STATS, 2);
-                let Ok(target) = std::fs::read_link(&own) else { return };
-                let resolved = std::fs::canonicalize(&own).ok().map(|p| p.into_os_string().into_vec());
-                let _ =
-                    ix.record_link(&key, &rel, &Link { lstat, target: target.into_os_string().into_vec(), resolved });
-                return;
-            }
-            _ => return,
-        }
-        let before = ix.directory(&key, &rel).ok().flatten();
-        let canonical = nofollow || before.is_some_and(|b| b.attrs.is_some_and(|a| a.canonical));
-        let mut sid = SourceId::of_stat(st);
-        if let Some(a) = sid.attrs.as_mut() {
-            a.canonical = canonical;
-        }
-        if before.is_none_or(|b| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
-            let _ = ix.record_directory(&key, &rel, sid);
-        }
+        self.inner.note_stat(path, st, nofollow)
     }
 
     /// What `readlink` of `path` returns, when it is a symlink under a trusted source that was recorded.
     pub fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return Ok(None);
-        }
-        let rel = self.inner.source.relative(path)?;
-        Ok(self.inner.link(&rel).map(|l| l.target))
+        self.inner.cached_link(path)
     }
 
     /// The path of a cached file, or of a recorded symlink, with every symlink resolved (`realpath`),
     /// without asking the source; `None` when only the source can tell.
     pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
-        let Some((rel, e)) = self.trusted_entry(path)? else {
-            if self.inner.config.revalidate != Revalidate::Never {
-                return Ok(None);
-            }
-            let rel = self.inner.source.relative(path)?;
-            return Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
-        };
-        if e.source.attrs.is_some_and(|a| a.canonical) {
-            return Ok(Some(self.inner.source.path_of(&rel)));
-        }
-        Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
+        self.inner.cached_real_path(path)
     }
 
     /// What `statfs` said of the source's file system, recorded the first time it was asked, when the
     /// source is trusted (`revalidate = "never"`); `None` otherwise. One record stands for the whole
     /// source, so a file system mounted inside the source would be reported as the source's.
     pub fn cached_statfs(&self) -> Option<libc::statfs64> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return None;
-        }
-        let raw = self.inner.directories()?.statfs().ok()??;
-        if raw.len() != std::mem::size_of::<libc::statfs64>() {
-            return None;
-        }
-        // SAFETY: a plain C struct, written by `note_statfs` on this node with the same layout.
-        Some(unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const libc::statfs64) })
+        self.inner.cached_statfs()
     }
 
     /// Takes note of what the source answered to `statfs` (only when the source is trusted).
     pub fn note_statfs(&self, st: &libc::statfs64) {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return;
-        }
-        let Some(ix) = self.inner.directories() else { return };
-        // SAFETY: the bytes of a plain C struct.
-        let raw = unsafe {
-            std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
-        };
-        let _ = ix.record_statfs(raw);
+        self.inner.note_statfs(st)
     }
 
     /// The listing of the source directory `path` as it was recorded, when the source is trusted and
     /// nothing changed it through tierstore since; `None` otherwise.
     pub fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return None;
-        }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
-        let (at, entries) = self.inner.directories()?.listing(&key_of(&rel)).ok()??;
-        (at == rel).then_some(entries)?
+        self.inner.cached_listing(path)
     }
 
     /// Records what `readdir` listed of the source directory `path` (only when the source is trusted).
     pub fn note_listing(&self, path: &Path, entries: &[Listed]) {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return;
-        }
-        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
-            return;
-        };
-        self.inner.source.counters().add(src_slot::STATS, 1);
-        let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries));
+        self.inner.note_listing(path, entries)
     }
 
     /// The empty directory of the first tier that stands for the source directory `path` when the source
     /// is trusted (a descriptor of it is handed out in place of one of the source directory, and
     /// [`Cache::shadowed`] maps it back); `None` otherwise.
     pub fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return None;
-        }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
-        let key = key_of(&rel);
-        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
-        let ix = tier.index.as_ref().ok()?;
-        if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
-            ix.record_listing(&key, &rel, None).ok()?;
-        }
-        tier.shadow_dir(&key).ok()
+        self.inner.shadow_dir(path)
     }
 
     /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
     /// for, if it is one.
     pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
-        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
-        let key = tier.key_of_shadow(name)?;
-        let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
-        Some(self.inner.source.path_of(&rel))
+        self.inner.shadowed(name)
+    }
+
+    /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
+    /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
+    /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
+    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
+    pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
+        self.inner.copy_stat(fd, st)
+    }
+
+    /// The store's recorded answer to `query` about `path`, when the source is trusted
+    /// (`revalidate = "never"`) and the question was asked since the path last changed through tierstore.
+    pub fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
+        self.inner.cached_xattr(path, query)
+    }
+
+    /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
+    /// asked without following a symlink at `path` also answers the following question whenever `path`
+    /// is no symlink: the caller asks that way once it knows.
+    pub fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
+        self.inner.note_xattr(path, query, answer)
+    }
+
+    /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
+    pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
+        self.inner.copy_source(name)
     }
 
     /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
@@ -527,46 +325,6 @@ impl Cache {
     /// The source directory (symlinks resolved).
     pub fn source_root(&self) -> &Path {
         self.inner.source.root()
-    }
-
-    /// The published entry of `path` when copies are trusted (`revalidate = "never"`).
-    fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return Ok(None);
-        }
-        let rel = self.inner.source.relative(path)?;
-        let key = key_of(&rel);
-        Ok(self.inner.published(&key, &rel).map(|e| (rel, e)))
-    }
-
-    /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
-    /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
-    /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
-    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
-    pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
-        let tier = self.inner.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
-        // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
-        // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
-        // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
-        // (Callers that know less of the descriptor, with no inode or link count, take the long way.)
-        let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
-        let remembered = st.st_nlink > 0 && st.st_ino != 0;
-        if remembered {
-            if let Some(known) = self.inner.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
-                return (known.st_size == st.st_size).then_some(*known);
-            }
-        }
-        let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
-        let key = tier.key_of_copy(&name)?;
-        let e = tier.index.as_ref().ok()?.lookup(&key).ok()??;
-        if !e.ready || e.source.size != st.st_size as u64 {
-            return None;
-        }
-        let rewritten = e.source.to_stat()?;
-        if remembered {
-            self.inner.remember_copy(incarnation, rewritten);
-        }
-        Some(rewritten)
     }
 
     /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).
@@ -749,58 +507,12 @@ impl Cache {
 
     /// A snapshot of all counters.
     pub fn stats(&self) -> Stats {
-        let c = self.inner.source.counters();
-        let source = SourceStats {
-            opens: c.get(src_slot::OPENS),
-            stats: c.get(src_slot::STATS),
-            reads: c.get(src_slot::READS),
-            bytes_read: c.get(src_slot::BYTES_READ),
-            fallbacks: c.get(src_slot::FALLBACKS),
-            uncached: c.get(src_slot::UNCACHED),
-            peer_hits: c.get(src_slot::PEER_HITS),
-            peer_bytes: c.get(src_slot::PEER_BYTES),
-            peer_faults: c.get(src_slot::PEER_FAULTS),
-            served_files: c.get(src_slot::SERVED_FILES),
-            served_bytes: c.get(src_slot::SERVED_BYTES),
-            lists: c.get(src_slot::LISTS),
-        };
-        let tiers = self
-            .inner
-            .tiers
-            .iter()
-            .map(|t| {
-                let (usage, error) = match &t.index {
-                    Ok(ix) => match ix.usage() {
-                        Ok(u) => (u, None),
-                        Err(e) => (Usage::default(), Some(e.to_string())),
-                    },
-                    Err(e) => (Usage::default(), Some(e.clone())),
-                };
-                TierStats {
-                    path: t.config.path.clone(),
-                    kind: t.config.kind.name(),
-                    quota: t.config.quota,
-                    hits: t.counters.get(tier_slot::HITS),
-                    misses: t.counters.get(tier_slot::MISSES),
-                    bytes_served: t.counters.get(tier_slot::BYTES_SERVED),
-                    evictions: t.counters.get(tier_slot::EVICTIONS),
-                    faults: t.counters.get(tier_slot::FAULTS),
-                    inserts: t.counters.get(tier_slot::INSERTS),
-                    bytes_written: t.counters.get(tier_slot::BYTES_WRITTEN),
-                    usage,
-                    error,
-                }
-            })
-            .collect();
-        Stats { source, tiers }
+        self.inner.stats()
     }
 
     /// Sets every counter of this cache (node-wide) back to zero.
     pub fn reset_counters(&self) {
-        self.inner.source.counters().reset();
-        for t in &self.inner.tiers {
-            t.counters.reset();
-        }
+        self.inner.reset_counters()
     }
 
     /// Removes every cached copy and index entry of this source from every tier. Readers that have a
@@ -818,6 +530,23 @@ impl Cache {
             }
         }
         Ok(())
+    }
+
+    /// Opens `rel` for a peer that asked this node's agent for it: fetched from the source first if no tier
+    /// holds it (once per node, as for any reader of this node). The agent's own cache reads only local
+    /// tiers and the source, never another peer, so requests cannot chase each other around the job.
+    pub fn open_for_peer(&self, rel: &str) -> Result<Served, Error> {
+        self.inner.open_for_peer(rel)
+    }
+
+    /// Counts a file served to a peer.
+    pub fn count_served(&self, bytes: u64) {
+        self.inner.count_served(bytes)
+    }
+
+    /// Forgets this node's copy of `rel`, which was found damaged while it was served.
+    pub fn drop_damaged(&self, rel: &str) {
+        self.inner.drop_damaged(rel)
     }
 }
 
@@ -838,14 +567,6 @@ fn normalize_abs(p: &Path) -> PathBuf {
     }
 }
 
-/// The error of asking a descriptor of a source that has none (an object store).
-fn no_descriptor() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::Unsupported,
-        "an object store has no file descriptors; read it through tierstore.open",
-    )
-}
-
 /// The source a configuration names: an object store (`s3://`), or a directory.
 fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Source>, Error> {
     match &config.s3 {
@@ -857,964 +578,13 @@ fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Sourc
         #[cfg(not(feature = "s3"))]
         Some(s3) => Err(Error::io(
             &config.source,
-            io::Error::new(
-                io::ErrorKind::Unsupported,
+            std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
                 format!(
                     "this build of tierstore cannot read {} (built without the s3 feature); use the Python package",
                     s3.url
                 ),
             ),
         )),
-    }
-}
-
-/// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
-/// write into the copy (which changes its mtime) is detected on the next open.
-fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
-    let ts = libc::timespec { tv_sec: mtime_ns.div_euclid(1_000_000_000), tv_nsec: mtime_ns.rem_euclid(1_000_000_000) };
-    let times = [ts, ts];
-    // SAFETY: futimens on an open descriptor with two valid timespecs.
-    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-impl Inner {
-    /// The source as a POSIX directory, for what only a file system has (descriptors for programs,
-    /// directory walks, symlinks); `None` for an object store.
-    fn posix(&self) -> Option<&PosixSource> {
-        self.source.posix()
-    }
-
-    fn pid_matches(&self) -> bool {
-        self.pid == crate::process::pid()
-    }
-
-    fn prefetch_started(&self) {
-        *self.prefetches.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-    }
-
-    fn prefetch_finished(&self) {
-        let mut running = self.prefetches.lock().unwrap_or_else(|p| p.into_inner());
-        *running = running.saturating_sub(1);
-        if *running == 0 {
-            self.prefetch_idle.notify_all();
-        }
-    }
-
-    fn pool(&self) -> Option<Arc<Pool>> {
-        self.pool.get().and_then(Weak::upgrade)
-    }
-
-    /// Counts a cache fault in `tier` and says so on stderr once per kind and process.
-    fn fault(&self, tier: Option<usize>, kind: &str, detail: &str) {
-        if let Some(i) = tier {
-            self.tiers[i].counters.add(tier_slot::FAULTS, 1);
-        }
-        self.source.counters().add(src_slot::FALLBACKS, 1);
-        self.log_once(kind, &format!("cache fault ({detail}); served from the source. Further faults of this kind are counted, not logged: see `tierstore status`"));
-    }
-
-    fn log_once(&self, kind: &str, message: &str) {
-        if std::env::var("TIERSTORE_LOG").is_ok_and(|v| v == "off") {
-            return;
-        }
-        if self.logged.lock().expect("log lock").insert(kind.to_string()) {
-            let _ = writeln!(io::stderr(), "tierstore: warning: {message}");
-        }
-    }
-
-    /// The version of the source file to serve, when a tier holds a copy of it to check: see
-    /// [`Inner::current_identity`]. `None` when no tier holds one: there is nothing to check, so the
-    /// thread that leads the fetch opens the file under the node's fetch lock and identifies it from the
-    /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
-    /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
-    fn known_identity(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
-        match self.published(key, rel) {
-            Some(e) => self.current_identity(key, rel, &e).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// The version of `rel` to serve when a tier holds the copy `e`: the copy's own when the dataset is
-    /// trusted (`revalidate = "never"`) or the copy was confirmed recently enough (`"<duration>"`; else its
-    /// directory is confirmed now, see `cache/confirm.rs`), or the source's current one, asked with one
-    /// `stat` or `HEAD` (`"always"`).
-    fn current_identity(&self, key: &Key, rel: &str, e: &Entry) -> Result<SourceId, Error> {
-        match self.config.revalidate {
-            Revalidate::Never => Ok(e.source),
-            Revalidate::Within(d) => self.confirmed_identity(key, rel, e, d),
-            Revalidate::Always => self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err)),
-        }
-    }
-
-    /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
-    /// open fetched).
-    fn open_identified(&self, rel: &str) -> Result<(SourceId, SourceFile), Error> {
-        let path = self.source.path_of(rel);
-        let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
-        let (sid, is_dir) = self.source.identify_opened(&f, rel).map_err(|e| Error::io(&path, e))?;
-        if is_dir {
-            return Err(Error::io(&path, io::Error::from_raw_os_error(libc::EISDIR)));
-        }
-        Ok((sid, f))
-    }
-
-    /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
-    /// `seen`: a time at or before which the source showed the version `known` (or will show the one the
-    /// leader opens), which its copy records as confirmed.
-    // The arguments are one fetch's (what, which version, since when, its flight, why, the open source).
-    #[allow(clippy::too_many_arguments)]
-    fn lead_flight(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-        known: &mut Option<SourceId>,
-        flight: Arc<Flight>,
-        purpose: Purpose,
-        pre: &mut Option<SourceFile>,
-        seen: u64,
-    ) -> Result<Fetched, Error> {
-        match *known {
-            Some(sid) => self.lead(key, rel, sid, flight, purpose, pre, seen),
-            None => self.lead_unknown_flight(key, rel, known, flight, purpose, pre, seen),
-        }
-    }
-
-    /// Opens and identifies `rel` for the flight of `key` it leads, keeping the open file in `pre`; on
-    /// failure the flight lands, so that its followers stop waiting.
-    fn open_for_flight(
-        &self,
-        key: &Key,
-        rel: &str,
-        flight: &Arc<Flight>,
-        pre: &mut Option<SourceFile>,
-    ) -> Result<SourceId, Error> {
-        match self.open_identified(rel) {
-            Ok((sid, f)) => {
-                *pre = Some(f);
-                Ok(sid)
-            }
-            Err(e) => {
-                self.fail_flight(key, flight, &e);
-                Err(e)
-            }
-        }
-    }
-
-    /// [`Inner::lead_flight`] for a file no tier held when the open began. The node-wide fetch lock is
-    /// taken before the source is opened: processes racing for the same cold file then send the store one
-    /// open (one `GET`) between them, whatever the `revalidate` mode, and the ones that waited find it
-    /// published and check it as any copy.
-    #[allow(clippy::too_many_arguments)]
-    fn lead_unknown_flight(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-        known: &mut Option<SourceId>,
-        flight: Arc<Flight>,
-        purpose: Purpose,
-        pre: &mut Option<SourceFile>,
-        seen: u64,
-    ) -> Result<Fetched, Error> {
-        let guard = match self.locks.lock(key) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                None
-            }
-        };
-        let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
-        let sid = match published {
-            Some(Ok(sid)) => sid,
-            Some(Err(e)) => {
-                self.fail_flight(key, &flight, &e);
-                return Err(e);
-            }
-            None => self.open_for_flight(key, rel, &flight, pre)?,
-        };
-        *known = Some(sid);
-        match guard {
-            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen),
-            None => {
-                self.flights.land(key, &flight);
-                Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
-            }
-        }
-    }
-
-    /// Lands a flight whose source request failed with `e`, handing the error to its waiters.
-    fn fail_flight(&self, key: &Key, flight: &Arc<Flight>, e: &Error) {
-        if let Error::Io { source, .. } = e {
-            flight.deliver(Outcome::failed(source));
-        }
-        self.flights.land(key, flight);
-    }
-
-    /// The waiter's side of [`Inner::fail_flight`].
-    fn flight_failed(&self, rel: &str, kind: io::ErrorKind, message: &str) -> Error {
-        Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
-    }
-
-    /// The first published entry of `key` in tier order, with the tier's index.
-    fn published_in(&self, key: &Key, rel: &str) -> Option<(usize, Entry)> {
-        self.tiers.iter().enumerate().find_map(|(i, t)| {
-            let e = t.index.as_ref().ok()?.lookup(key).ok()??;
-            (e.ready && e.rel == rel).then_some((i, e))
-        })
-    }
-
-    /// The index that records the source's directories: the first tier's that is available.
-    fn directories(&self) -> Option<&crate::index::Index> {
-        self.tiers.iter().find_map(|t| t.index.as_ref().ok())
-    }
-
-    /// What a published entry or a directory record says of `rel`; with `nofollow`, only one recorded as
-    /// the path's own (`lstat`).
-    fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
-        let key = key_of(rel);
-        let known = match self.published(&key, rel) {
-            Some(e) => Some(e.source),
-            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten()),
-        };
-        known.filter(|sid| !nofollow || sid.attrs.is_some_and(|a| a.canonical))
-    }
-
-    /// The record of the symlink `rel`, if one was made.
-    fn link(&self, rel: &str) -> Option<Link> {
-        self.directories()?.link(&key_of(rel), rel).ok().flatten()
-    }
-
-    fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
-        self.published_in(key, rel).map(|(_, e)| e)
-    }
-
-    fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
-        let seen = now_ns();
-        let key = key_of(rel);
-        let mut known = self.known_identity(&key, rel)?;
-        let mut pre = None;
-        for _ in 0..3 {
-            match known {
-                Some(sid) => {
-                    if let Some(r) = self.hit(&key, rel, &sid, true) {
-                        return Ok(r);
-                    }
-                }
-                None => self.count_misses(),
-            }
-            match self.flights.join(&key) {
-                Role::Leader(flight) => {
-                    if let Some(Fetched::Reader(r)) = self.from_peer(&key, rel, &mut known, &flight, Purpose::Read) {
-                        return Ok(r);
-                    }
-                    match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre, seen)? {
-                        Fetched::Reader(r) => return Ok(r),
-                        Fetched::Cached
-                        | Fetched::Uncached
-                        | Fetched::NoRoom
-                        | Fetched::Skipped
-                        | Fetched::Streaming(..) => {}
-                    }
-                }
-                Role::Follower(flight) => match flight.wait() {
-                    Outcome::Bytes(b) => {
-                        let size = b.len() as u64;
-                        return Ok(Reader::new(Backing::Memory(b), size, rel.into(), self.source.clone()));
-                    }
-                    Outcome::Growing(g) => {
-                        let size = g.size();
-                        return Ok(Reader::new(Backing::Growing(g), size, rel.into(), self.source.clone()));
-                    }
-                    Outcome::Retry => {}
-                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
-                },
-            }
-            if known.is_none() {
-                known = self.known_identity(&key, rel)?;
-            }
-        }
-        let sid = match known {
-            Some(sid) => sid,
-            None => {
-                let (sid, f) = self.open_identified(rel)?;
-                pre = Some(f);
-                sid
-            }
-        };
-        self.direct(rel, sid, &mut pre)
-    }
-
-    /// Counts a miss in every available tier (a trusted file that no tier holds).
-    fn count_misses(&self) {
-        for t in &self.tiers {
-            if t.index.is_ok() {
-                t.counters.add(tier_slot::MISSES, 1);
-            }
-        }
-    }
-
-    /// A reader of the source itself (through `pre` when the source is already open).
-    fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<SourceFile>) -> Result<Reader, Error> {
-        let f = match pre.take() {
-            Some(f) => f,
-            None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?,
-        };
-        Ok(Reader::new(Backing::Source(f), sid.size, rel.into(), self.source.clone()))
-    }
-
-    /// Opens a valid published copy of `key`, if a tier has one.
-    fn hit(&self, key: &Key, rel: &str, sid: &SourceId, count: bool) -> Option<Reader> {
-        for (i, tier) in self.tiers.iter().enumerate() {
-            let Ok(index) = &tier.index else { continue };
-            let entry = match index.lookup(key) {
-                Ok(Some(e)) if e.ready && e.rel == rel && e.source == *sid => e,
-                Ok(_) => {
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    self.fault(
-                        Some(i),
-                        "index-read",
-                        &format!("index of {} unreadable: {e}", tier.config.path.display()),
-                    );
-                    continue;
-                }
-            };
-            match self.open_copy(i, key, &entry) {
-                Ok(Some(backing)) => {
-                    if count {
-                        tier.counters.add(tier_slot::HITS, 1);
-                        self.note_access(i, key);
-                    }
-                    return Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()));
-                }
-                Ok(None) => {
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                    }
-                }
-                Err(detail) => {
-                    // The look under the fetch lock (count = false) sees the same damage again: once is a fault.
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                        self.fault(
-                            Some(i),
-                            "bad-copy",
-                            &format!("{detail} for {rel} in {}; it will be fetched again", tier.config.path.display()),
-                        );
-                    }
-                }
-            }
-        }
-        None
-    }
-
-    /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).
-    fn open_copy(&self, i: usize, key: &Key, e: &Entry) -> Result<Option<Backing>, String> {
-        let tier = &self.tiers[i];
-        let file = match tier.open_copy(key) {
-            Ok(f) => f,
-            // Under an evicting policy another thread or process may have evicted the copy since the
-            // lookup: if its entry is gone or changed too, that is a miss, not damage.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup_settled(key).ok().flatten());
-                return match still {
-                    Some(now)
-                        if now.ready && now.source == e.source && now.stats.inserted_seq == e.stats.inserted_seq =>
-                    {
-                        Err("missing copy".into())
-                    }
-                    _ => Ok(None),
-                };
-            }
-            Err(err) => return Err(format!("copy unreadable ({err})")),
-        };
-        // Only an evicting policy deletes copies readers may hold; `fill` never does, so skip the syscall.
-        if self.config.policy.evicts() {
-            lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
-        }
-        let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
-        use std::os::unix::fs::MetadataExt;
-        if m.nlink() == 0 {
-            return Ok(None);
-        }
-        let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
-        if m.size() != e.source.size {
-            return Err(format!("truncated copy ({} of {} bytes)", m.size(), e.source.size));
-        }
-        if mtime != e.source.mtime_ns {
-            return Err("modified copy (its mtime changed)".into());
-        }
-        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
-        // its answer from what was just read, rather than find the entry again through /proc then.
-        if let Some(st) = e.source.to_stat() {
-            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
-        }
-        if self.config.verify == Verify::Checksum {
-            // A copy published without a checksum (while verification was by metadata) cannot be
-            // vouched for: fetch it again, which records one. Not a fault.
-            if e.checksum.is_none() {
-                return Ok(None);
-            }
-            let mut bytes = Vec::with_capacity(m.size() as usize);
-            use std::io::Read;
-            (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
-            if Some(crate::hash::hash_serial(&bytes)) != e.checksum {
-                return Err("corrupted copy (checksum mismatch)".into());
-            }
-            tier.counters.add(tier_slot::BYTES_SERVED, bytes.len() as u64);
-            return Ok(Some(Backing::Memory(Arc::new(bytes))));
-        }
-        Ok(Some(Backing::Copy(file, tier.clone())))
-    }
-
-    /// Remembers what `fstat` reports for a copy's incarnation (see [`Cache::copy_stat`]).
-    fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
-        let mut memo = self.copy_stats.lock().expect("copy stats lock");
-        if memo.len() >= COPY_STATS_KEPT {
-            memo.clear();
-        }
-        memo.insert(incarnation, st);
-    }
-
-    fn note_access(&self, tier: usize, key: &Key) {
-        if !self.config.policy.tracks_access() {
-            return;
-        }
-        let n = {
-            let mut a = self.access.lock().expect("access lock");
-            let slot = a.entry((tier, *key)).or_insert((0, 0));
-            slot.0 += 1;
-            slot.1 = now_ns();
-            a.len()
-        };
-        let due = n >= 512 || self.last_access_flush.lock().expect("flush lock").elapsed().as_millis() >= 500;
-        if due {
-            self.flush_access();
-        }
-    }
-
-    /// Writes pending hit statistics into the indexes (batched: one write transaction per tier).
-    fn flush_access(&self) {
-        let batch = std::mem::take(&mut *self.access.lock().expect("access lock"));
-        *self.last_access_flush.lock().expect("flush lock") = Instant::now();
-        let mut per_tier: HashMap<usize, Vec<(Key, u64, u64)>> = HashMap::new();
-        for ((t, k), (hits, last)) in batch {
-            per_tier.entry(t).or_default().push((k, hits, last));
-        }
-        for (t, list) in per_tier {
-            if let Ok(ix) = &self.tiers[t].index {
-                if let Err(e) = ix.record_access(&list) {
-                    self.fault(Some(t), "access-stats", &format!("access statistics not written: {e}"));
-                }
-            }
-        }
-    }
-
-    /// Fetches `key` under the node-wide fetch lock (the caller leads the in-process flight).
-    #[allow(clippy::too_many_arguments)]
-    fn lead(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        flight: Arc<Flight>,
-        purpose: Purpose,
-        pre: &mut Option<SourceFile>,
-        seen: u64,
-    ) -> Result<Fetched, Error> {
-        let guard = match self.locks.lock(key) {
-            Ok(g) => g,
-            Err(e) => {
-                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                self.flights.land(key, &flight);
-                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
-            }
-        };
-        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen)
-    }
-
-    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose,
-    // the source descriptor it may already have, and when the source showed the version); bundling them
-    // would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn fetch_locked(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        flight: Arc<Flight>,
-        guard: FetchGuard,
-        purpose: Purpose,
-        pre: &mut Option<SourceFile>,
-        seen: u64,
-    ) -> Result<Fetched, Error> {
-        let land = |f: Fetched| {
-            self.flights.land(key, &flight);
-            Ok(f)
-        };
-        // Another process may have published while this one waited for the lock.
-        if let Some(r) = self.hit(key, rel, &sid, false) {
-            return land(match purpose {
-                Purpose::Read => Fetched::Reader(r),
-                Purpose::Prefetch | Purpose::Native => Fetched::Cached,
-            });
-        }
-        // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
-        self.remove_entries(key);
-        let Some(t) = self.place(key, rel, sid, seen) else {
-            self.source.counters().add(src_slot::UNCACHED, 1);
-            drop(guard);
-            return land(match purpose {
-                Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
-                Purpose::Prefetch => Fetched::NoRoom,
-            });
-        };
-        let small = sid.size <= self.config.inline_max;
-        // A small file for a program is fetched whole in this thread, as a prefetch would.
-        let purpose = if purpose == Purpose::Native && small { Purpose::Prefetch } else { purpose };
-        match purpose {
-            Purpose::Prefetch => {
-                let r = self.copy_into(t, key, rel, sid, None, pre.take());
-                drop(guard);
-                self.flights.land(key, &flight);
-                r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
-            }
-            Purpose::Read if small => {
-                let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        self.abort(t, key);
-                        drop(guard);
-                        flight.deliver(Outcome::failed(&e));
-                        self.flights.land(key, &flight);
-                        return Err(Error::io(&self.source.path_of(rel), e));
-                    }
-                };
-                let bytes = Arc::new(bytes);
-                flight.deliver(Outcome::Bytes(bytes.clone()));
-                let reader =
-                    Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
-                let inner = self.clone();
-                let key = *key;
-                let job = move || {
-                    if after == sid && bytes.len() as u64 == sid.size {
-                        inner.publish_bytes(t, &key, &bytes, sid);
-                    } else {
-                        inner.abort(t, &key);
-                    }
-                    drop(guard);
-                    inner.flights.land(&key, &flight);
-                };
-                match self.pool() {
-                    Some(pool) => pool.urgent(job),
-                    None => job(),
-                }
-                Ok(Fetched::Reader(reader))
-            }
-            Purpose::Read | Purpose::Native => {
-                // For a program: its descriptor shares the copy's open file (a dup: no second open on the
-                // store); the copy reads with pread, so the program's file offset is its own.
-                let mut src = pre.take();
-                let program = if purpose == Purpose::Native {
-                    let opened = src.take().map_or_else(|| self.source.open(rel), Ok).and_then(|f| {
-                        let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
-                        Ok((f, program))
-                    });
-                    match opened {
-                        Ok((f, program)) => {
-                            src = Some(f);
-                            Some(program)
-                        }
-                        Err(e) => {
-                            self.abort(t, key);
-                            drop(guard);
-                            self.flights.land(key, &flight);
-                            return Err(Error::io(&self.source.path_of(rel), e));
-                        }
-                    }
-                } else {
-                    None
-                };
-                let tier = &self.tiers[t];
-                let temp = tier.create_temp(key).and_then(|(path, f)| {
-                    let reader = File::open(&path)?;
-                    lock_shared(&reader)?;
-                    Ok((path, f, reader))
-                });
-                let (path, file, read_handle) = match temp {
-                    Ok(x) => x,
-                    Err(e) => {
-                        self.fault(
-                            Some(t),
-                            "tier-write",
-                            &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
-                        );
-                        self.abort(t, key);
-                        drop(guard);
-                        self.flights.land(key, &flight);
-                        return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
-                    }
-                };
-                let growing = Arc::new(Growing::new(read_handle, sid));
-                flight.deliver(Outcome::Growing(growing.clone()));
-                let fetched = match program {
-                    Some(f) => Fetched::Streaming(f, growing.clone()),
-                    None => Fetched::Reader(Reader::new(
-                        Backing::Growing(growing.clone()),
-                        sid.size,
-                        rel.into(),
-                        self.source.clone(),
-                    )),
-                };
-                let inner = self.clone();
-                let (key, rel) = (*key, rel.to_string());
-                let job = move || {
-                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
-                    drop(guard);
-                    inner.flights.land(&key, &flight);
-                };
-                match self.pool() {
-                    Some(pool) => pool.urgent(job),
-                    None => job(),
-                }
-                Ok(fetched)
-            }
-        }
-    }
-
-    /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
-    fn remove_entries(&self, key: &Key) {
-        for tier in &self.tiers {
-            if let Ok(ix) = &tier.index {
-                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
-                    if old.ready {
-                        let _ = std::fs::remove_file(tier.data_path(key));
-                    }
-                }
-            }
-        }
-    }
-
-    /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
-    fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
-        // A program can follow a growing copy only beside a descriptor of the source itself.
-        let stream = stream && self.posix().is_some();
-        let seen = now_ns();
-        let key = key_of(rel);
-        let mut known = self.known_identity(&key, rel)?;
-        let mut pre = None;
-        let purpose = if stream { Purpose::Native } else { Purpose::Prefetch };
-        for _ in 0..3 {
-            match known {
-                Some(sid) => {
-                    if let Some(f) = self.hit(&key, rel, &sid, true).and_then(Reader::into_file) {
-                        return Ok(Native::Whole(f));
-                    }
-                }
-                None => self.count_misses(),
-            }
-            match self.flights.join(&key) {
-                // Small files (and every file without `stream`) are fetched whole in this thread, so the
-                // caller gets a complete copy.
-                Role::Leader(flight) => match self
-                    .from_peer(&key, rel, &mut known, &flight, Purpose::Native)
-                    .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre, seen), Ok)?
-                {
-                    Fetched::Uncached | Fetched::NoRoom => break,
-                    Fetched::Reader(r) => {
-                        if let Some(f) = r.into_file() {
-                            return Ok(Native::Whole(f));
-                        }
-                    }
-                    Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
-                    Fetched::Cached | Fetched::Skipped => {}
-                },
-                Role::Follower(flight) => match flight.wait() {
-                    Outcome::Growing(copy) if stream => {
-                        let source = self.source_descriptor(rel, None)?;
-                        return Ok(Native::Copying { source, copy });
-                    }
-                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
-                    Outcome::Growing(_) | Outcome::Bytes(_) | Outcome::Retry => {}
-                },
-            }
-            if known.is_none() {
-                known = self.known_identity(&key, rel)?;
-            }
-        }
-        self.source_descriptor(rel, pre.take()).map(Native::Whole)
-    }
-
-    /// A descriptor holding a source file's bytes for a program: the file's own on a POSIX source (`pre`
-    /// when already open); for an object store, which has no descriptors, its bytes in a memory file.
-    fn source_descriptor(&self, rel: &str, pre: Option<SourceFile>) -> Result<File, Error> {
-        let path = self.source.path_of(rel);
-        if self.posix().is_some() {
-            return match pre {
-                Some(f) => f.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
-                None => self
-                    .source
-                    .open(rel)
-                    .map_err(|e| Error::io(&path, e))?
-                    .into_file()
-                    .ok_or_else(|| Error::io(&path, no_descriptor())),
-            };
-        }
-        let (bytes, _) = self.source.read_whole(rel, 0, pre).map_err(|e| Error::io(&path, e))?;
-        let file = peers::memory_file(rel).map_err(|e| Error::io(&path, e))?;
-        use std::os::unix::fs::FileExt;
-        file.write_all_at(&bytes, 0).map_err(|e| Error::io(&path, e))?;
-        Ok(file)
-    }
-
-    /// Reserves room for the entry by policy; returns the tier that took it. `seen`: when the source showed
-    /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
-    fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
-        let free: Vec<Option<u64>> = self
-            .tiers
-            .iter()
-            .map(|t| {
-                t.index
-                    .as_ref()
-                    .ok()
-                    .and_then(|ix| ix.usage_bytes().ok())
-                    .map(|used| t.config.quota.saturating_sub(used))
-            })
-            .collect();
-        let quotas: Vec<u64> = self.tiers.iter().map(|t| t.config.quota).collect();
-        for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
-            let tier = &self.tiers[i];
-            let Ok(ix) = &tier.index else { continue };
-            let mut try_remove = |victim: &Key, _: &Entry| {
-                let path = tier.data_path(victim);
-                match File::open(&path) {
-                    Ok(f) if try_lock_exclusive(&f) => std::fs::remove_file(&path).is_ok(),
-                    Ok(_) => false,
-                    Err(e) => e.kind() == io::ErrorKind::NotFound,
-                }
-            };
-            match ix.reserve(key, rel, sid, seen, tier.config.quota, evict, &mut try_remove) {
-                Ok(Reservation::Reserved { evicted }) => {
-                    tier.counters.add(tier_slot::EVICTIONS, evicted);
-                    return Some(i);
-                }
-                Ok(Reservation::NoRoom { evicted }) => tier.counters.add(tier_slot::EVICTIONS, evicted),
-                Err(e) => self.fault(
-                    Some(i),
-                    "index-write",
-                    &format!("index of {} not writable: {e}", tier.config.path.display()),
-                ),
-            }
-        }
-        None
-    }
-
-    fn abort(&self, t: usize, key: &Key) {
-        if let Ok(ix) = &self.tiers[t].index {
-            let pid = crate::process::pid();
-            let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
-        }
-    }
-
-    /// The blake3 of a copy, computed only when copies are verified by checksum (hashing costs a few
-    /// percent of a first epoch that nothing else would use).
-    fn checksum(&self, bytes: &[u8]) -> Option<[u8; 32]> {
-        self.record_checksums.then(|| crate::hash::hash_serial(bytes))
-    }
-
-    fn finish_publish(
-        &self,
-        t: usize,
-        key: &Key,
-        temp: &Path,
-        file: &File,
-        sid: SourceId,
-        sum: Option<[u8; 32]>,
-    ) -> io::Result<()> {
-        let tier = &self.tiers[t];
-        set_mtime(file, sid.mtime_ns)?;
-        tier.publish_file(temp, key)?;
-        let published = match &tier.index {
-            Ok(ix) => ix.publish(key, sum, now_ns()).unwrap_or(false),
-            Err(_) => false,
-        };
-        if published {
-            tier.counters.add(tier_slot::INSERTS, 1);
-            tier.counters.add(tier_slot::BYTES_WRITTEN, sid.size);
-        } else {
-            // The reservation vanished (the cache was cleared meanwhile): leave no unaccounted copy.
-            let _ = std::fs::remove_file(tier.data_path(key));
-        }
-        Ok(())
-    }
-
-    /// Writes fetched bytes into tier `t` and publishes them.
-    fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
-        let tier = &self.tiers[t];
-        let r = tier.create_temp(key).and_then(|(path, mut f)| {
-            let result =
-                f.write_all(bytes).and_then(|_| self.finish_publish(t, key, &path, &f, sid, self.checksum(bytes)));
-            if result.is_err() {
-                let _ = std::fs::remove_file(&path);
-            }
-            result
-        });
-        if let Err(e) = r {
-            self.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
-            self.abort(t, key);
-        }
-    }
-
-    /// Streams a source file into tier `t` and publishes it; readers of `growing` follow the copy. Returns
-    /// whether the copy was published.
-    fn copy_into(
-        &self,
-        t: usize,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        started: Option<(PathBuf, File, Arc<Growing>)>,
-        source_file: Option<SourceFile>,
-    ) -> Result<bool, Error> {
-        let tier = &self.tiers[t];
-        let (temp, file, growing) = match started {
-            Some((p, f, g)) => (p, f, Some(g)),
-            None => match tier.create_temp(key) {
-                Ok((p, f)) => (p, f, None),
-                Err(e) => {
-                    self.fault(
-                        Some(t),
-                        "tier-write",
-                        &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
-                    );
-                    self.abort(t, key);
-                    return Ok(false);
-                }
-            },
-        };
-        let fail = |why: Option<(&str, String)>| {
-            if let Some(g) = &growing {
-                g.fail();
-            }
-            let _ = std::fs::remove_file(&temp);
-            self.abort(t, key);
-            if let Some((kind, detail)) = why {
-                self.fault(Some(t), kind, &detail);
-            }
-        };
-        let src = match source_file.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
-            Ok(f) => f,
-            Err(e) => {
-                if let Some(g) = &growing {
-                    g.fail_source(&e);
-                }
-                fail(None);
-                return Err(Error::io(&self.source.path_of(rel), e));
-            }
-        };
-        let mut hasher = self.record_checksums.then(crate::hash::Hasher::new);
-        let mut progress = |copied: u64| {
-            if let Some(g) = &growing {
-                g.advance(copied);
-            }
-        };
-        let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
-            Ok(x) => x,
-            Err(CopyFault::Source(e)) => {
-                // The store failed (timed out, went away): its readers fail with it now, rather than ask
-                // the store again and wait as long a second time. A tier fault, below, sends them to the
-                // source instead.
-                if let Some(g) = &growing {
-                    g.fail_source(&e);
-                }
-                fail(None);
-                return Err(Error::io(&self.source.path_of(rel), e));
-            }
-            Err(CopyFault::Tier(e)) => {
-                fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
-                return Ok(false);
-            }
-        };
-        // A file rewritten during the copy is never published.
-        if copied != sid.size || after != Some(sid) {
-            fail(None);
-            return Ok(false);
-        }
-        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| *h.finalize().as_bytes())) {
-            fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
-            return Ok(false);
-        }
-        if let Some(g) = &growing {
-            g.finish();
-        }
-        Ok(true)
-    }
-
-    /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
-    /// prefetch racing another process's fetch of it sends no request. `None`: cached, or being fetched.
-    fn prefetch_object(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<(SourceId, Fetched)>, Error> {
-        let seen = now_ns();
-        let Role::Leader(flight) = self.flights.join(key) else { return Ok(None) };
-        let guard = match self.locks.try_lock(key) {
-            Ok(Some(guard)) => guard,
-            Ok(None) => {
-                self.flights.land(key, &flight);
-                return Ok(None);
-            }
-            Err(e) => {
-                self.flights.land(key, &flight);
-                return Err(Error::io(&self.source.path_of(rel), e));
-            }
-        };
-        if let Some(e) = self.published(key, rel) {
-            if self.trusted_now(&e) && self.hit(key, rel, &e.source, false).is_some() {
-                self.flights.land(key, &flight);
-                return Ok(None);
-            }
-        }
-        let mut pre = None;
-        let sid = self.open_for_flight(key, rel, &flight, &mut pre)?;
-        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre, seen)?;
-        Ok(Some((sid, fetched)))
-    }
-
-    /// One file of a prefetch, opened and identified by the caller (at `seen` or after): copy it unless
-    /// it is cached or being fetched by someone else.
-    fn prefetch_file(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        file: SourceFile,
-        seen: u64,
-    ) -> Result<Fetched, Error> {
-        if self.hit(key, rel, &sid, false).is_some() {
-            return Ok(Fetched::Skipped);
-        }
-        let Role::Leader(flight) = self.flights.join(key) else {
-            return Ok(Fetched::Skipped);
-        };
-        // Never block a prefetch worker on another process's fetch: it is being done, which is all a
-        // prefetch wants.
-        match self.locks.try_lock(key) {
-            Ok(Some(guard)) => {
-                self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen)
-            }
-            Ok(None) => {
-                self.flights.land(key, &flight);
-                Ok(Fetched::Skipped)
-            }
-            Err(e) => {
-                self.flights.land(key, &flight);
-                Err(Error::io(&self.source.path_of(rel), e))
-            }
-        }
     }
 }

@@ -14,9 +14,9 @@
 
 use std::time::Duration;
 
-use super::{now_ns, Inner};
+use super::engine::{now_ns, Inner};
+use super::flight::Role;
 use crate::error::Error;
-use crate::flight::Role;
 use crate::index::{key_of, Entry, Key, SourceId};
 
 /// The directory of a source-relative path (`""` for a file at the root).

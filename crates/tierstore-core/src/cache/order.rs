@@ -29,11 +29,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::{Fetched, Inner, Purpose};
+use super::engine::{now_ns, Fetched, Inner, Purpose};
+use super::flight::{Flight, Role};
+use super::lock::FetchGuard;
 use crate::error::Error;
-use crate::flight::{Flight, Role};
 use crate::index::{key_of, Key};
-use crate::lock::FetchGuard;
 use crate::marks::ReadMarks;
 
 /// How often a prefetch waiting for room looks at the read marks again: readers in other processes mark
@@ -156,7 +156,7 @@ impl OrderedPrefetch {
         progress.files_cached.store(warm, Ordering::Relaxed);
         progress.files_done.store(warm, Ordering::Relaxed);
         let cold = rels.len() - warm as usize;
-        let jobs = jobs.clamp(1, super::MAX_PREFETCH_JOBS).min(cold.max(1));
+        let jobs = jobs.clamp(1, super::prefetch::MAX_JOBS).min(cold.max(1));
         let shared = Arc::new(Shared {
             inner,
             rels,
@@ -420,7 +420,7 @@ impl Shared {
             return skip(&p.files_cached); // being fetched by a reader or another process
         }
         // Identified from the open descriptor (one open), before admission: the budget needs the size.
-        let seen = super::now_ns();
+        let seen = now_ns();
         let (sid, file) = match inner.open_identified(rel) {
             Ok(x) => x,
             Err(e) => {

@@ -12,12 +12,12 @@ use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Arc;
 
-use super::{Fetched, Inner, Native, Purpose};
+use super::engine::{memory_file, Fetched, Inner, Native, Purpose};
+use super::flight::{Flight, Outcome};
 use crate::cluster::remote::{RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
-use crate::flight::{Flight, Outcome};
 use crate::index::{key_of, Key, SourceId};
 use crate::reader::{Backing, Reader};
 
@@ -31,51 +31,45 @@ pub struct Served {
     pub checksum: Option<[u8; 32]>,
 }
 
-impl super::Cache {
-    /// Opens `rel` for a peer that asked this node's agent for it: fetched from the source first if no tier
-    /// holds it (once per node, as for any reader of this node). The agent's own cache reads only local
-    /// tiers and the source, never another peer, so requests cannot chase each other around the job.
-    pub fn open_for_peer(&self, rel: &str) -> Result<Served, Error> {
-        let inner = &self.inner;
-        let Native::Whole(file) = inner.open_native_rel(rel, false)? else {
+impl Inner {
+    /// See [`Cache::open_for_peer`](super::Cache::open_for_peer).
+    pub(super) fn open_for_peer(self: &Arc<Self>, rel: &str) -> Result<Served, Error> {
+        let Native::Whole(file) = self.open_native_rel(rel, false)? else {
             unreachable!("a whole-file open never streams")
         };
-        let path = inner.source.path_of(rel);
+        let path = self.source.path_of(rel);
         let m = file.metadata().map_err(|e| Error::io(&path, e))?;
         let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
-        if let Some(e) = inner.published(&key_of(rel), rel) {
+        if let Some(e) = self.published(&key_of(rel), rel) {
             if e.source.size == m.size() && e.source.mtime_ns == mtime {
                 return Ok(Served { file, identity: e.source, checksum: e.checksum });
             }
         }
         // Not cached (no tier had room): the descriptor is the source's own.
-        let identity = match inner.posix() {
+        let identity = match self.posix() {
             Some(posix) => posix.identify_file(&file, rel).map_err(|e| Error::io(&path, e))?.0,
             // An object store's bytes in a memory file: its identity is the object's.
-            None => inner.source.identify(rel).map_err(|e| Error::io(&path, e))?,
+            None => self.source.identify(rel).map_err(|e| Error::io(&path, e))?,
         };
         Ok(Served { file, identity, checksum: None })
     }
 
-    /// Counts a file served to a peer.
-    pub fn count_served(&self, bytes: u64) {
-        let c = self.inner.source.counters();
+    /// See [`Cache::count_served`](super::Cache::count_served).
+    pub(super) fn count_served(&self, bytes: u64) {
+        let c = self.source.counters();
         c.add(src_slot::SERVED_FILES, 1);
         c.add(src_slot::SERVED_BYTES, bytes);
     }
 
-    /// Forgets this node's copy of `rel`, which was found damaged while it was served.
-    pub fn drop_damaged(&self, rel: &str) {
-        let inner = &self.inner;
+    /// See [`Cache::drop_damaged`](super::Cache::drop_damaged).
+    pub(super) fn drop_damaged(&self, rel: &str) {
         let key = key_of(rel);
-        if let Ok(_guard) = inner.locks.lock(&key) {
-            inner.remove_entries(&key);
+        if let Ok(_guard) = self.locks.lock(&key) {
+            self.remove_entries(&key);
         }
-        inner.fault(None, "peer-damaged-copy", &format!("the copy of {rel} served to a peer was damaged; removed"));
+        self.fault(None, "peer-damaged-copy", &format!("the copy of {rel} served to a peer was damaged; removed"));
     }
-}
 
-impl Inner {
     /// Serves a miss from the agent of the node that owns the file. `None`: this node owns it, no peer
     /// could serve it, or the peer sent another version than `known`; the caller goes on to the source
     /// (the flight is still the caller's). `Some`: the flight has landed.
@@ -231,18 +225,4 @@ impl Inner {
         transfer.receive(|offset, data| file.write_all_at(data, offset))?;
         Ok(Fetched::Reader(Reader::new(Backing::Private(file), sid.size, rel.into(), self.source.clone())))
     }
-}
-
-/// An anonymous file in memory, read-only once written is up to its user (a program gets a descriptor).
-pub(super) fn memory_file(rel: &str) -> io::Result<File> {
-    use std::os::fd::FromRawFd;
-    let name = std::ffi::CString::new(format!("tierstore:{}", rel.rsplit('/').next().unwrap_or(rel)))
-        .unwrap_or_else(|_| c"tierstore".to_owned());
-    // SAFETY: memfd_create takes a NUL-terminated name and flags; a valid descriptor is owned by the File.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    Ok(unsafe { File::from_raw_fd(fd) })
 }

@@ -1,7 +1,8 @@
-//! The background copy pool: writes fetched bytes into tiers and runs prefetches, off the reader's path.
+//! The background copy pool: writes fetched bytes into tiers, off the reader's path.
 //!
-//! Two queues: copies a reader is waiting on (a large file it follows, or the publish that other
-//! processes wait for) go first; prefetch work goes after them, so a read never waits behind a warm-up.
+//! One queue, in order: the copies of large files that readers follow, and the publishes of small files
+//! that other processes wait for. Prefetches copy on workers of their own (`prefetch.rs`, `order.rs`),
+//! so a warm-up never queues ahead of a read.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -12,7 +13,6 @@ type Job = Box<dyn FnOnce() + Send>;
 #[derive(Default)]
 struct Queues {
     urgent: VecDeque<Job>,
-    background: VecDeque<Job>,
     running: usize,
     stopping: bool,
 }
@@ -23,7 +23,7 @@ struct Shared {
     idle: Condvar,
 }
 
-/// A fixed set of worker threads with an urgent and a background queue.
+/// A fixed set of worker threads with one queue.
 pub struct Pool {
     shared: Arc<Shared>,
     size: usize,
@@ -57,30 +57,15 @@ impl Pool {
 
     /// Queues a job that a reader is waiting on.
     pub fn urgent(&self, job: impl FnOnce() + Send + 'static) {
-        self.push(Box::new(job), true);
-    }
-
-    /// Queues a job nobody waits on (prefetch).
-    pub fn background(&self, job: impl FnOnce() + Send + 'static) {
-        self.push(Box::new(job), false);
-    }
-
-    fn push(&self, job: Job, urgent: bool) {
         self.start();
-        let mut q = self.shared.queues.lock().expect("pool lock");
-        if urgent {
-            q.urgent.push_back(job);
-        } else {
-            q.background.push_back(job);
-        }
-        drop(q);
+        self.shared.queues.lock().expect("pool lock").urgent.push_back(Box::new(job));
         self.shared.work.notify_one();
     }
 
-    /// Blocks until both queues are empty and no job runs.
+    /// Blocks until the queue is empty and no job runs.
     pub fn wait_idle(&self) {
         let mut q = self.shared.queues.lock().expect("pool lock");
-        while q.running > 0 || !q.urgent.is_empty() || !q.background.is_empty() {
+        while q.running > 0 || !q.urgent.is_empty() {
             q = self.shared.idle.wait(q).expect("pool lock");
         }
     }
@@ -88,7 +73,7 @@ impl Pool {
     /// Jobs queued or running.
     pub fn pending(&self) -> usize {
         let q = self.shared.queues.lock().expect("pool lock");
-        q.running + q.urgent.len() + q.background.len()
+        q.running + q.urgent.len()
     }
 }
 
@@ -97,7 +82,7 @@ fn worker(s: &Shared) {
         let job = {
             let mut q = s.queues.lock().expect("pool lock");
             loop {
-                if let Some(j) = q.urgent.pop_front().or_else(|| q.background.pop_front()) {
+                if let Some(j) = q.urgent.pop_front() {
                     q.running += 1;
                     break j;
                 }
@@ -111,7 +96,7 @@ fn worker(s: &Shared) {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
         let mut q = s.queues.lock().expect("pool lock");
         q.running -= 1;
-        if q.running == 0 && q.urgent.is_empty() && q.background.is_empty() {
+        if q.running == 0 && q.urgent.is_empty() {
             s.idle.notify_all();
         }
     }

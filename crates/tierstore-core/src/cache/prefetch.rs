@@ -19,10 +19,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::{Fetched, Inner, Purpose};
+use super::engine::{now_ns, Fetched, Inner, Purpose};
+use super::flight::Role;
 use crate::config::Revalidate;
 use crate::error::Error;
-use crate::flight::Role;
 use crate::index::{key_of, SourceId};
 use crate::source::{list_dir, SourceFile};
 
@@ -450,7 +450,7 @@ impl Walk {
             }
             return;
         }
-        let seen = super::now_ns();
+        let seen = now_ns();
         let opened = match (&parent, inner.posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.source.open(&rel),

@@ -1,40 +1,260 @@
-//! Extended attributes of a trusted source's paths, answered from the index (see `index::xattrs`).
+//! What a trusted source's metadata replays without asking the store (`revalidate = "never"`): the
+//! `stat`, `lstat`, `readlink`, `realpath`, `statfs`, directory listings and extended attributes that the
+//! LD_PRELOAD shim answers from the index, the shadow directories handed out for a source directory, and
+//! the `fstat` of a tier copy rewritten as its source file's (see the index's records in `index.rs` and
+//! `index/xattrs.rs`).
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::Cache;
+use super::engine::{CopyIncarnation, Inner};
 use crate::config::Revalidate;
-use crate::index::{key_of, XattrAnswer, XattrQuery};
+use crate::counters::source as src_slot;
+use crate::error::Error;
+use crate::index::{key_of, Entry, Link, Listed, SourceId, XattrAnswer, XattrQuery};
 
-impl Cache {
-    /// The store's recorded answer to `query` about `path`, when the source is trusted
-    /// (`revalidate = "never"`) and the question was asked since the path last changed through tierstore.
-    pub fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
-        if self.inner.config.revalidate != Revalidate::Never {
-            return None;
+/// How many copies' rewritten `stat`s a process remembers before it starts over.
+const COPY_STATS_KEPT: usize = 1 << 16;
+
+impl Inner {
+    /// See [`Cache::cached_stat`](super::Cache::cached_stat).
+    pub(super) fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
+        if self.config.revalidate != Revalidate::Never {
+            return Ok(None);
         }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
-        self.inner.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
+        let rel = self.source.relative_or_root(path)?;
+        let known = match self.known_path(&rel, nofollow) {
+            Some(sid) => Some(sid),
+            None => self.link(&rel).and_then(|link| {
+                if nofollow {
+                    return Some(link.lstat);
+                }
+                let to = self.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
+                self.known_path(&to, false)
+            }),
+        };
+        Ok(known.and_then(|sid| sid.to_stat()))
     }
 
-    /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
-    /// asked without following a symlink at `path` also answers the following question whenever `path`
-    /// is no symlink: the caller asks that way once it knows.
-    pub fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
-        if self.inner.config.revalidate != Revalidate::Never {
+    /// See [`Cache::note_stat`](super::Cache::note_stat).
+    pub(super) fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
+        if self.config.revalidate != Revalidate::Never {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
+        let Some(ix) = self.directories() else { return };
+        let Ok(rel) = self.source.relative_or_root(path) else { return };
+        let key = key_of(&rel);
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => {}
+            libc::S_IFLNK if nofollow && !rel.is_empty() => {
+                let lstat = SourceId::of_stat(st);
+                if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
+                    return;
+                }
+                let own = self.source.path_of(&rel);
+                self.source.counters().add(src_slot::STATS, 2);
+                let Ok(target) = std::fs::read_link(&own) else { return };
+                let resolved = std::fs::canonicalize(&own).ok().map(|p| p.into_os_string().into_vec());
+                let _ =
+                    ix.record_link(&key, &rel, &Link { lstat, target: target.into_os_string().into_vec(), resolved });
+                return;
+            }
+            _ => return,
+        }
+        let before = ix.directory(&key, &rel).ok().flatten();
+        let canonical = nofollow || before.is_some_and(|b| b.attrs.is_some_and(|a| a.canonical));
+        let mut sid = SourceId::of_stat(st);
+        if let Some(a) = sid.attrs.as_mut() {
+            a.canonical = canonical;
+        }
+        if before.is_none_or(|b| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
+            let _ = ix.record_directory(&key, &rel, sid);
+        }
+    }
+
+    /// See [`Cache::cached_link`](super::Cache::cached_link).
+    pub(super) fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
+        if self.config.revalidate != Revalidate::Never {
+            return Ok(None);
+        }
+        let rel = self.source.relative(path)?;
+        Ok(self.link(&rel).map(|l| l.target))
+    }
+
+    /// See [`Cache::cached_real_path`](super::Cache::cached_real_path).
+    pub(super) fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
+        let Some((rel, e)) = self.trusted_entry(path)? else {
+            if self.config.revalidate != Revalidate::Never {
+                return Ok(None);
+            }
+            let rel = self.source.relative(path)?;
+            return Ok(self.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
+        };
+        if e.source.attrs.is_some_and(|a| a.canonical) {
+            return Ok(Some(self.source.path_of(&rel)));
+        }
+        Ok(self.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
+    }
+
+    /// See [`Cache::cached_statfs`](super::Cache::cached_statfs).
+    pub(super) fn cached_statfs(&self) -> Option<libc::statfs64> {
+        if self.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let raw = self.directories()?.statfs().ok()??;
+        if raw.len() != std::mem::size_of::<libc::statfs64>() {
+            return None;
+        }
+        // SAFETY: a plain C struct, written by `note_statfs` on this node with the same layout.
+        Some(unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const libc::statfs64) })
+    }
+
+    /// See [`Cache::note_statfs`](super::Cache::note_statfs).
+    pub(super) fn note_statfs(&self, st: &libc::statfs64) {
+        if self.config.revalidate != Revalidate::Never {
+            return;
+        }
+        let Some(ix) = self.directories() else { return };
+        // SAFETY: the bytes of a plain C struct.
+        let raw = unsafe {
+            std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
+        };
+        let _ = ix.record_statfs(raw);
+    }
+
+    /// See [`Cache::cached_listing`](super::Cache::cached_listing).
+    pub(super) fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
+        if self.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let rel = self.source.relative_or_root(path).ok()?;
+        let (at, entries) = self.directories()?.listing(&key_of(&rel)).ok()??;
+        (at == rel).then_some(entries)?
+    }
+
+    /// See [`Cache::note_listing`](super::Cache::note_listing).
+    pub(super) fn note_listing(&self, path: &Path, entries: &[Listed]) {
+        if self.config.revalidate != Revalidate::Never {
+            return;
+        }
+        let (Some(ix), Ok(rel)) = (self.directories(), self.source.relative_or_root(path)) else {
+            return;
+        };
+        self.source.counters().add(src_slot::STATS, 1);
+        let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries));
+    }
+
+    /// See [`Cache::shadow_dir`](super::Cache::shadow_dir).
+    pub(super) fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
+        if self.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let rel = self.source.relative_or_root(path).ok()?;
+        let key = key_of(&rel);
+        let tier = self.tiers.iter().find(|t| t.index.is_ok())?;
+        let ix = tier.index.as_ref().ok()?;
+        if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
+            ix.record_listing(&key, &rel, None).ok()?;
+        }
+        tier.shadow_dir(&key).ok()
+    }
+
+    /// See [`Cache::shadowed`](super::Cache::shadowed).
+    pub(super) fn shadowed(&self, name: &Path) -> Option<PathBuf> {
+        let tier = self.tiers.iter().find(|t| t.index.is_ok())?;
+        let key = tier.key_of_shadow(name)?;
+        let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
+        Some(self.source.path_of(&rel))
+    }
+
+    /// See [`Cache::copy_stat`](super::Cache::copy_stat).
+    pub(super) fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
+        let tier = self.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
+        // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
+        // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
+        // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
+        // (Callers that know less of the descriptor, with no inode or link count, take the long way.)
+        let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
+        let remembered = st.st_nlink > 0 && st.st_ino != 0;
+        if remembered {
+            if let Some(known) = self.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
+                return (known.st_size == st.st_size).then_some(*known);
+            }
+        }
+        let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+        let key = tier.key_of_copy(&name)?;
+        let e = tier.index.as_ref().ok()?.lookup(&key).ok()??;
+        if !e.ready || e.source.size != st.st_size as u64 {
+            return None;
+        }
+        let rewritten = e.source.to_stat()?;
+        if remembered {
+            self.remember_copy(incarnation, rewritten);
+        }
+        Some(rewritten)
+    }
+
+    /// The published entry of `path` when copies are trusted (`revalidate = "never"`).
+    pub(super) fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
+        if self.config.revalidate != Revalidate::Never {
+            return Ok(None);
+        }
+        let rel = self.source.relative(path)?;
+        let key = key_of(&rel);
+        Ok(self.published(&key, &rel).map(|e| (rel, e)))
+    }
+
+    /// What a published entry or a directory record says of `rel`; with `nofollow`, only one recorded as
+    /// the path's own (`lstat`).
+    pub(super) fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
+        let key = key_of(rel);
+        let known = match self.published(&key, rel) {
+            Some(e) => Some(e.source),
+            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten()),
+        };
+        known.filter(|sid| !nofollow || sid.attrs.is_some_and(|a| a.canonical))
+    }
+
+    /// The record of the symlink `rel`, if one was made.
+    pub(super) fn link(&self, rel: &str) -> Option<Link> {
+        self.directories()?.link(&key_of(rel), rel).ok().flatten()
+    }
+
+    /// Remembers what `fstat` reports for a copy's incarnation (see [`Cache::copy_stat`]).
+    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
+        let mut memo = self.copy_stats.lock().expect("copy stats lock");
+        if memo.len() >= COPY_STATS_KEPT {
+            memo.clear();
+        }
+        memo.insert(incarnation, st);
+    }
+
+    /// See [`Cache::cached_xattr`](super::Cache::cached_xattr).
+    pub(super) fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
+        if self.config.revalidate != Revalidate::Never {
+            return None;
+        }
+        let rel = self.source.relative_or_root(path).ok()?;
+        self.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
+    }
+
+    /// See [`Cache::note_xattr`](super::Cache::note_xattr).
+    pub(super) fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
+        if self.config.revalidate != Revalidate::Never {
+            return;
+        }
+        let (Some(ix), Ok(rel)) = (self.directories(), self.source.relative_or_root(path)) else {
             return;
         };
         let _ = ix.record_xattr(&key_of(&rel), &rel, query, answer);
     }
 
-    /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
-    pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
-        self.inner.tiers.iter().find_map(|t| {
+    /// See [`Cache::copy_source`](super::Cache::copy_source).
+    pub(super) fn copy_source(&self, name: &Path) -> Option<PathBuf> {
+        self.tiers.iter().find_map(|t| {
             let e = t.index.as_ref().ok()?.lookup(&t.key_of_copy(name)?).ok()??;
-            e.ready.then(|| self.inner.source.path_of(&e.rel))
+            e.ready.then(|| self.source.path_of(&e.rel))
         })
     }
 }

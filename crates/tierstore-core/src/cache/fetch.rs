@@ -1,0 +1,566 @@
+//! A miss, fetched: the thread that leads a key's flight takes the node-wide fetch lock (a file is read
+//! from the source at most once per node), looks again, reserves room in a tier by policy, reads the
+//! source once and publishes the copy (written under a temporary name, then renamed into place). A small
+//! file is read whole and handed to every waiter at once while the copy pool writes it; a large one is
+//! copied by the pool while its readers follow the copy. Any fault falls back to the source, counted.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::engine::{no_descriptor, now_ns, Fetched, Inner, Purpose};
+use super::flight::{Flight, Outcome, Role};
+use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
+use crate::counters::{source as src_slot, tier as tier_slot};
+use crate::error::Error;
+use crate::hash::Hasher;
+use crate::index::{Entry, Key, Reservation, SourceId};
+use crate::placement::plan;
+use crate::reader::{Backing, Growing, Reader};
+use crate::source::{CopyFault, SourceFile};
+
+impl Inner {
+    /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
+    /// `seen`: a time at or before which the source showed the version `known` (or will show the one the
+    /// leader opens), which its copy records as confirmed.
+    // The arguments are one fetch's (what, which version, since when, its flight, why, the open source).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lead_flight(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        known: &mut Option<SourceId>,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+        pre: &mut Option<SourceFile>,
+        seen: u64,
+    ) -> Result<Fetched, Error> {
+        match *known {
+            Some(sid) => self.lead(key, rel, sid, flight, purpose, pre, seen),
+            None => self.lead_unknown_flight(key, rel, known, flight, purpose, pre, seen),
+        }
+    }
+
+    /// Opens and identifies `rel` for the flight of `key` it leads, keeping the open file in `pre`; on
+    /// failure the flight lands, so that its followers stop waiting.
+    pub(super) fn open_for_flight(
+        &self,
+        key: &Key,
+        rel: &str,
+        flight: &Arc<Flight>,
+        pre: &mut Option<SourceFile>,
+    ) -> Result<SourceId, Error> {
+        match self.open_identified(rel) {
+            Ok((sid, f)) => {
+                *pre = Some(f);
+                Ok(sid)
+            }
+            Err(e) => {
+                self.fail_flight(key, flight, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Inner::lead_flight`] for a file no tier held when the open began. The node-wide fetch lock is
+    /// taken before the source is opened: processes racing for the same cold file then send the store one
+    /// open (one `GET`) between them, whatever the `revalidate` mode, and the ones that waited find it
+    /// published and check it as any copy.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lead_unknown_flight(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        known: &mut Option<SourceId>,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+        pre: &mut Option<SourceFile>,
+        seen: u64,
+    ) -> Result<Fetched, Error> {
+        let guard = match self.locks.lock(key) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
+                None
+            }
+        };
+        let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
+        let sid = match published {
+            Some(Ok(sid)) => sid,
+            Some(Err(e)) => {
+                self.fail_flight(key, &flight, &e);
+                return Err(e);
+            }
+            None => self.open_for_flight(key, rel, &flight, pre)?,
+        };
+        *known = Some(sid);
+        match guard {
+            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen),
+            None => {
+                self.flights.land(key, &flight);
+                Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
+            }
+        }
+    }
+
+    /// Lands a flight whose source request failed with `e`, handing the error to its waiters.
+    pub(super) fn fail_flight(&self, key: &Key, flight: &Arc<Flight>, e: &Error) {
+        if let Error::Io { source, .. } = e {
+            flight.deliver(Outcome::failed(source));
+        }
+        self.flights.land(key, flight);
+    }
+
+    /// The waiter's side of [`Inner::fail_flight`].
+    pub(super) fn flight_failed(&self, rel: &str, kind: io::ErrorKind, message: &str) -> Error {
+        Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
+    }
+
+    /// Fetches `key` under the node-wide fetch lock (the caller leads the in-process flight).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn lead(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        flight: Arc<Flight>,
+        purpose: Purpose,
+        pre: &mut Option<SourceFile>,
+        seen: u64,
+    ) -> Result<Fetched, Error> {
+        let guard = match self.locks.lock(key) {
+            Ok(g) => g,
+            Err(e) => {
+                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
+                self.flights.land(key, &flight);
+                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
+            }
+        };
+        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen)
+    }
+
+    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose,
+    // the source descriptor it may already have, and when the source showed the version); bundling them
+    // would only rename them.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fetch_locked(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        flight: Arc<Flight>,
+        guard: FetchGuard,
+        purpose: Purpose,
+        pre: &mut Option<SourceFile>,
+        seen: u64,
+    ) -> Result<Fetched, Error> {
+        let land = |f: Fetched| {
+            self.flights.land(key, &flight);
+            Ok(f)
+        };
+        // Another process may have published while this one waited for the lock.
+        if let Some(r) = self.hit(key, rel, &sid, false) {
+            return land(match purpose {
+                Purpose::Read => Fetched::Reader(r),
+                Purpose::Prefetch | Purpose::Native => Fetched::Cached,
+            });
+        }
+        // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
+        self.remove_entries(key);
+        let Some(t) = self.place(key, rel, sid, seen) else {
+            self.source.counters().add(src_slot::UNCACHED, 1);
+            drop(guard);
+            return land(match purpose {
+                Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
+                Purpose::Prefetch => Fetched::NoRoom,
+            });
+        };
+        let small = sid.size <= self.config.inline_max;
+        // A small file for a program is fetched whole in this thread, as a prefetch would.
+        let purpose = if purpose == Purpose::Native && small { Purpose::Prefetch } else { purpose };
+        match purpose {
+            Purpose::Prefetch => {
+                let r = self.copy_into(t, key, rel, sid, None, pre.take());
+                drop(guard);
+                self.flights.land(key, &flight);
+                r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
+            }
+            Purpose::Read if small => {
+                let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.abort(t, key);
+                        drop(guard);
+                        flight.deliver(Outcome::failed(&e));
+                        self.flights.land(key, &flight);
+                        return Err(Error::io(&self.source.path_of(rel), e));
+                    }
+                };
+                let bytes = Arc::new(bytes);
+                flight.deliver(Outcome::Bytes(bytes.clone()));
+                let reader =
+                    Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
+                let inner = self.clone();
+                let key = *key;
+                let job = move || {
+                    if after == sid && bytes.len() as u64 == sid.size {
+                        inner.publish_bytes(t, &key, &bytes, sid);
+                    } else {
+                        inner.abort(t, &key);
+                    }
+                    drop(guard);
+                    inner.flights.land(&key, &flight);
+                };
+                match self.pool() {
+                    Some(pool) => pool.urgent(job),
+                    None => job(),
+                }
+                Ok(Fetched::Reader(reader))
+            }
+            Purpose::Read | Purpose::Native => {
+                // For a program: its descriptor shares the copy's open file (a dup: no second open on the
+                // store); the copy reads with pread, so the program's file offset is its own.
+                let mut src = pre.take();
+                let program = if purpose == Purpose::Native {
+                    let opened = src.take().map_or_else(|| self.source.open(rel), Ok).and_then(|f| {
+                        let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
+                        Ok((f, program))
+                    });
+                    match opened {
+                        Ok((f, program)) => {
+                            src = Some(f);
+                            Some(program)
+                        }
+                        Err(e) => {
+                            self.abort(t, key);
+                            drop(guard);
+                            self.flights.land(key, &flight);
+                            return Err(Error::io(&self.source.path_of(rel), e));
+                        }
+                    }
+                } else {
+                    None
+                };
+                let tier = &self.tiers[t];
+                let temp = tier.create_temp(key).and_then(|(path, f)| {
+                    let reader = File::open(&path)?;
+                    lock_shared(&reader)?;
+                    Ok((path, f, reader))
+                });
+                let (path, file, read_handle) = match temp {
+                    Ok(x) => x,
+                    Err(e) => {
+                        self.fault(
+                            Some(t),
+                            "tier-write",
+                            &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
+                        );
+                        self.abort(t, key);
+                        drop(guard);
+                        self.flights.land(key, &flight);
+                        return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
+                    }
+                };
+                let growing = Arc::new(Growing::new(read_handle, sid));
+                flight.deliver(Outcome::Growing(growing.clone()));
+                let fetched = match program {
+                    Some(f) => Fetched::Streaming(f, growing.clone()),
+                    None => Fetched::Reader(Reader::new(
+                        Backing::Growing(growing.clone()),
+                        sid.size,
+                        rel.into(),
+                        self.source.clone(),
+                    )),
+                };
+                let inner = self.clone();
+                let (key, rel) = (*key, rel.to_string());
+                let job = move || {
+                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
+                    drop(guard);
+                    inner.flights.land(&key, &flight);
+                };
+                match self.pool() {
+                    Some(pool) => pool.urgent(job),
+                    None => job(),
+                }
+                Ok(fetched)
+            }
+        }
+    }
+
+    /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
+    pub(super) fn remove_entries(&self, key: &Key) {
+        for tier in &self.tiers {
+            if let Ok(ix) = &tier.index {
+                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
+                    if old.ready {
+                        let _ = std::fs::remove_file(tier.data_path(key));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reserves room for the entry by policy; returns the tier that took it. `seen`: when the source showed
+    /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
+    pub(super) fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
+        let free: Vec<Option<u64>> = self
+            .tiers
+            .iter()
+            .map(|t| {
+                t.index
+                    .as_ref()
+                    .ok()
+                    .and_then(|ix| ix.usage_bytes().ok())
+                    .map(|used| t.config.quota.saturating_sub(used))
+            })
+            .collect();
+        let quotas: Vec<u64> = self.tiers.iter().map(|t| t.config.quota).collect();
+        for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
+            let tier = &self.tiers[i];
+            let Ok(ix) = &tier.index else { continue };
+            let mut try_remove = |victim: &Key, _: &Entry| {
+                let path = tier.data_path(victim);
+                match File::open(&path) {
+                    Ok(f) if try_lock_exclusive(&f) => std::fs::remove_file(&path).is_ok(),
+                    Ok(_) => false,
+                    Err(e) => e.kind() == io::ErrorKind::NotFound,
+                }
+            };
+            match ix.reserve(key, rel, sid, seen, tier.config.quota, evict, &mut try_remove) {
+                Ok(Reservation::Reserved { evicted }) => {
+                    tier.counters.add(tier_slot::EVICTIONS, evicted);
+                    return Some(i);
+                }
+                Ok(Reservation::NoRoom { evicted }) => tier.counters.add(tier_slot::EVICTIONS, evicted),
+                Err(e) => self.fault(
+                    Some(i),
+                    "index-write",
+                    &format!("index of {} not writable: {e}", tier.config.path.display()),
+                ),
+            }
+        }
+        None
+    }
+
+    pub(super) fn abort(&self, t: usize, key: &Key) {
+        if let Ok(ix) = &self.tiers[t].index {
+            let pid = crate::process::pid();
+            let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
+        }
+    }
+
+    /// The blake3 of a copy, computed only when copies are verified by checksum (hashing costs a few
+    /// percent of a first epoch that nothing else would use).
+    pub(super) fn checksum(&self, bytes: &[u8]) -> Option<[u8; 32]> {
+        self.record_checksums.then(|| crate::hash::hash_serial(bytes))
+    }
+
+    pub(super) fn finish_publish(
+        &self,
+        t: usize,
+        key: &Key,
+        temp: &Path,
+        file: &File,
+        sid: SourceId,
+        sum: Option<[u8; 32]>,
+    ) -> io::Result<()> {
+        let tier = &self.tiers[t];
+        set_mtime(file, sid.mtime_ns)?;
+        tier.publish_file(temp, key)?;
+        let published = match &tier.index {
+            Ok(ix) => ix.publish(key, sum, now_ns()).unwrap_or(false),
+            Err(_) => false,
+        };
+        if published {
+            tier.counters.add(tier_slot::INSERTS, 1);
+            tier.counters.add(tier_slot::BYTES_WRITTEN, sid.size);
+        } else {
+            // The reservation vanished (the cache was cleared meanwhile): leave no unaccounted copy.
+            let _ = std::fs::remove_file(tier.data_path(key));
+        }
+        Ok(())
+    }
+
+    /// Writes fetched bytes into tier `t` and publishes them.
+    pub(super) fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
+        let tier = &self.tiers[t];
+        let r = tier.create_temp(key).and_then(|(path, mut f)| {
+            let result =
+                f.write_all(bytes).and_then(|_| self.finish_publish(t, key, &path, &f, sid, self.checksum(bytes)));
+            if result.is_err() {
+                let _ = std::fs::remove_file(&path);
+            }
+            result
+        });
+        if let Err(e) = r {
+            self.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
+            self.abort(t, key);
+        }
+    }
+
+    /// Streams a source file into tier `t` and publishes it; readers of `growing` follow the copy. Returns
+    /// whether the copy was published.
+    pub(super) fn copy_into(
+        &self,
+        t: usize,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        started: Option<(PathBuf, File, Arc<Growing>)>,
+        source_file: Option<SourceFile>,
+    ) -> Result<bool, Error> {
+        let tier = &self.tiers[t];
+        let (temp, file, growing) = match started {
+            Some((p, f, g)) => (p, f, Some(g)),
+            None => match tier.create_temp(key) {
+                Ok((p, f)) => (p, f, None),
+                Err(e) => {
+                    self.fault(
+                        Some(t),
+                        "tier-write",
+                        &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
+                    );
+                    self.abort(t, key);
+                    return Ok(false);
+                }
+            },
+        };
+        let fail = |why: Option<(&str, String)>| {
+            if let Some(g) = &growing {
+                g.fail();
+            }
+            let _ = std::fs::remove_file(&temp);
+            self.abort(t, key);
+            if let Some((kind, detail)) = why {
+                self.fault(Some(t), kind, &detail);
+            }
+        };
+        let src = match source_file.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
+            Ok(f) => f,
+            Err(e) => {
+                if let Some(g) = &growing {
+                    g.fail_source(&e);
+                }
+                fail(None);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+        };
+        let mut hasher = self.record_checksums.then(Hasher::new);
+        let mut progress = |copied: u64| {
+            if let Some(g) = &growing {
+                g.advance(copied);
+            }
+        };
+        let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
+            Ok(x) => x,
+            Err(CopyFault::Source(e)) => {
+                // The store failed (timed out, went away): its readers fail with it now, rather than ask
+                // the store again and wait as long a second time. A tier fault, below, sends them to the
+                // source instead.
+                if let Some(g) = &growing {
+                    g.fail_source(&e);
+                }
+                fail(None);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+            Err(CopyFault::Tier(e)) => {
+                fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
+                return Ok(false);
+            }
+        };
+        // A file rewritten during the copy is never published.
+        if copied != sid.size || after != Some(sid) {
+            fail(None);
+            return Ok(false);
+        }
+        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| *h.finalize().as_bytes())) {
+            fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
+            return Ok(false);
+        }
+        if let Some(g) = &growing {
+            g.finish();
+        }
+        Ok(true)
+    }
+
+    /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
+    /// prefetch racing another process's fetch of it sends no request. `None`: cached, or being fetched.
+    pub(super) fn prefetch_object(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+    ) -> Result<Option<(SourceId, Fetched)>, Error> {
+        let seen = now_ns();
+        let Role::Leader(flight) = self.flights.join(key) else { return Ok(None) };
+        let guard = match self.locks.try_lock(key) {
+            Ok(Some(guard)) => guard,
+            Ok(None) => {
+                self.flights.land(key, &flight);
+                return Ok(None);
+            }
+            Err(e) => {
+                self.flights.land(key, &flight);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+        };
+        if let Some(e) = self.published(key, rel) {
+            if self.trusted_now(&e) && self.hit(key, rel, &e.source, false).is_some() {
+                self.flights.land(key, &flight);
+                return Ok(None);
+            }
+        }
+        let mut pre = None;
+        let sid = self.open_for_flight(key, rel, &flight, &mut pre)?;
+        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre, seen)?;
+        Ok(Some((sid, fetched)))
+    }
+
+    /// One file of a prefetch, opened and identified by the caller (at `seen` or after): copy it unless
+    /// it is cached or being fetched by someone else.
+    pub(super) fn prefetch_file(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        file: SourceFile,
+        seen: u64,
+    ) -> Result<Fetched, Error> {
+        if self.hit(key, rel, &sid, false).is_some() {
+            return Ok(Fetched::Skipped);
+        }
+        let Role::Leader(flight) = self.flights.join(key) else {
+            return Ok(Fetched::Skipped);
+        };
+        // Never block a prefetch worker on another process's fetch: it is being done, which is all a
+        // prefetch wants.
+        match self.locks.try_lock(key) {
+            Ok(Some(guard)) => {
+                self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen)
+            }
+            Ok(None) => {
+                self.flights.land(key, &flight);
+                Ok(Fetched::Skipped)
+            }
+            Err(e) => {
+                self.flights.land(key, &flight);
+                Err(Error::io(&self.source.path_of(rel), e))
+            }
+        }
+    }
+}
+
+/// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
+/// write into the copy (which changes its mtime) is detected on the next open.
+fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
+    let ts = libc::timespec { tv_sec: mtime_ns.div_euclid(1_000_000_000), tv_nsec: mtime_ns.rem_euclid(1_000_000_000) };
+    let times = [ts, ts];
+    // SAFETY: futimens on an open descriptor with two valid timespecs.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
