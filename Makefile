@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := .stamps
 RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: setup demo test test-rust test-python bench lint fmt clean
+.PHONY: setup demo test test-rust test-python bench lint fmt clean docs
 
 setup: $(STAMP)/installed $(STAMP)/system
 
@@ -49,21 +49,25 @@ test-python: setup
 	$(PY) -m pytest tests
 
 bench: setup
-	$(PY) bench/bench_cache.py --out BENCHMARKS.md
-	$(PY) bench/bench_models.py --out BENCHMARKS-models.md --plot bench/models.png
-	$(PY) bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
-	$(PY) bench/bench_prefetch.py --out BENCHMARKS-prefetch.md
-	$(PY) bench/bench_s3.py --out BENCHMARKS-s3.md --plot bench/s3.png
-	$(PY) bench/bench_revalidate.py --out BENCHMARKS-revalidate.md
-	$(PY) bench/bench_order.py --out BENCHMARKS-order.md --plot bench/order.png
-	$(PY) bench/bench_order.py --step-ms 80 --out BENCHMARKS-order-step80.md
-	$(PY) bench/bench_stream.py --out BENCHMARKS-stream.md --plot bench/stream.png
-	$(PY) bench/bench_stream.py --large 4GB --out BENCHMARKS-stream-4gb.md
-	$(PY) bench/bench_writeback.py --no-dcp --out BENCHMARKS-writeback.md --plot bench/writeback.png
-	$(PY) bench/bench_writeback.py --dcp-only --repeats 3 --out BENCHMARKS-writeback-dcp.md
-	$(PY) bench/bench_schedule.py --out BENCHMARKS-schedule.md --plot bench/schedule.png
-	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out BENCHMARKS-cluster.md --plot bench/cluster.png; \
+	$(PY) bench/bench_cache.py --out docs/benchmarks/cache.md
+	$(PY) bench/bench_models.py --out docs/benchmarks/models.md --plot docs/benchmarks/models.png
+	$(PY) bench/bench_run.py --out docs/benchmarks/run.md --plot docs/benchmarks/run.png
+	$(PY) bench/bench_prefetch.py --out docs/benchmarks/prefetch.md
+	$(PY) bench/bench_s3.py --out docs/benchmarks/s3.md --plot docs/benchmarks/s3.png
+	$(PY) bench/bench_revalidate.py --out docs/benchmarks/revalidate.md
+	$(PY) bench/bench_order.py --out docs/benchmarks/order.md --plot docs/benchmarks/order.png
+	$(PY) bench/bench_order.py --step-ms 80 --out docs/benchmarks/order-step80.md
+	$(PY) bench/bench_stream.py --out docs/benchmarks/stream.md --plot docs/benchmarks/stream.png
+	$(PY) bench/bench_stream.py --large 4GB --out docs/benchmarks/stream-4gb.md
+	$(PY) bench/bench_writeback.py --no-dcp --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png
+	$(PY) bench/bench_writeback.py --dcp-only --repeats 3 --out docs/benchmarks/writeback-dcp.md
+	$(PY) bench/bench_schedule.py --out docs/benchmarks/schedule.md --plot docs/benchmarks/schedule.png
+	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out docs/benchmarks/cluster.md --plot docs/benchmarks/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
+
+# The documentation site, into build/site (mkdocs.yml).
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
 
 lint: setup
 	cargo fmt --all --check
@@ -72,6 +76,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check python tests bench examples
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest tierstore._core
+	$(VENV)/bin/mkdocs build --strict
 
 fmt:
 	cargo fmt --all

@@ -18,7 +18,9 @@ def preload_library() -> str:
     """The path of the LD_PRELOAD shim installed with the package."""
     import glob
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    import tierstore
+
+    here = os.path.dirname(os.path.abspath(tierstore.__file__))  # the shim sits beside the package's face
     found = sorted(glob.glob(os.path.join(here, "_preload*.so")))
     if not found:
         raise click.ClickException(
