@@ -32,8 +32,9 @@ def preload_library() -> str:
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option(
     "--revalidate",
-    type=click.Choice(["always", "never"]),
-    help="never: trust the cache for a read-only dataset (no source operation after epoch 1).",
+    metavar="always|never|DURATION",
+    help="always: ask the store per open; a duration such as 60s: trust a copy confirmed within it; never: "
+    "trust the cache for a read-only dataset (no source operation after epoch 1).",
 )
 @click.option(
     "--order",

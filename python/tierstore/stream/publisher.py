@@ -429,7 +429,10 @@ class DistributedPublisher(Publisher):
         bucket_bytes: the most bytes one collective moves; tensors smaller than it are packed together.
         device: where the constructor's handshake tensor lives (default: the current GPU with NCCL, else
             the CPU); the tensors are sent from their own device.
-        Others as `Publisher`.
+        socket: as for `Publisher`: the agent's socket.
+        deadline: as for `Publisher`: how long a request to the agent may take.
+        history: as for `Publisher`: a model repository every `history_every`-th version is saved to.
+        history_every: as for `Publisher`.
     """
 
     def __init__(
