@@ -17,7 +17,7 @@ shared store. Every tierstore setup gets a fresh tier directory, which is a fres
   * `half`: source bytes per later epoch <= (dataset - quota) + 1% of the dataset;
   * `Cache.lookup(p, validate=False)` of a cached entry under 5 us from Python.
 
-Usage: .venv/bin/python bench/bench_cache.py [--small] [--out BENCHMARKS.md]
+Usage: .venv/bin/python bench/bench_cache.py [--small] [--out docs/benchmarks/cache.md]
 The exit status is 1 when a target is missed.
 """
 
@@ -556,7 +556,7 @@ def report(
     command: str, facts: list[str], setups: list[Setup], targets: list[Target], ds: Dataset, seconds: float
 ) -> str:
     out = [
-        "# Benchmarks",
+        "# Dataset cache",
         "",
         "Produced by `bench/bench_cache.py` (`make bench`); every number below is measured by that run.",
         "",
@@ -589,9 +589,9 @@ def report(
     out += [
         "## Other benchmarks",
         "",
-        "- [BENCHMARKS-models.md](BENCHMARKS-models.md): the model repository against torch.save, safetensors, "
+        "- [Model repository](models.md): the model repository against torch.save, safetensors, "
         "h5py and the raw disk (`bench/bench_models.py`).",
-        "- [BENCHMARKS-run.md](BENCHMARKS-run.md): `tierstore run` and `tierstore.torch` with DataLoader jobs on "
+        "- [tierstore run and tierstore.torch](run.md): `tierstore run` and `tierstore.torch` with DataLoader jobs on "
         "the stand-in parallel file system (`bench/bench_run.py`).",
         "",
         "## Reading these numbers",
@@ -612,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help=f"quick run: {SMALL.describe()}")
     ap.add_argument(
-        "--out", type=Path, help="write the results as Markdown to this file (e.g. BENCHMARKS.md)"
+        "--out", type=Path, help="write the results as Markdown to this file (e.g. docs/benchmarks/cache.md)"
     )
     ap.add_argument("--data", type=Path, default=Path("/tmp/tierstore-bench"), help="where the dataset lives")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="where the memory tiers are created")

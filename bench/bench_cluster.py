@@ -15,7 +15,7 @@ issue #12 and PASS/FAIL for each:
   owners        at 1000 simulated nodes: the busiest node's share against the mean (<= 1.10x), the files
                 that move when one node leaves, and the time of one owner lookup (< 1 us).
 
-Usage: sudo .venv/bin/python bench/bench_cluster.py [--out BENCHMARKS-cluster.md] [--plot bench/cluster.png]
+Usage: sudo .venv/bin/python bench/bench_cluster.py [--out docs/benchmarks/cluster.md] [--plot docs/benchmarks/cluster.png]
 """
 
 from __future__ import annotations
@@ -442,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"job: {jobs[-1]}", flush=True)
         owners = owners_at_scale()
     text, ok = report(peers, jobs, owners, list(argv if argv is not None else sys.argv[1:]))
+    if a.out and a.plot:
+        link = os.path.relpath(a.plot, a.out.parent)
+        text += f"\n![what the store and the network carried, 4 nodes, 3 epochs]({link})\n"
     print(text)
     if a.out:
         a.out.write_text(text)

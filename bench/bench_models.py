@@ -29,7 +29,7 @@ touched once per 4 KiB page inside the timing, so lazy (mmap) loaders pay for re
 eager ones; the first repetition of each load is checked byte for byte against the saved model, outside the
 timing. Then the stable-ID hashing of a 1000-layer model (`layer_ids`), cold and memoized.
 
-Usage: .venv/bin/python bench/bench_models.py [--small] [--out BENCHMARKS-models.md] [--plot bench/models.png]
+Usage: .venv/bin/python bench/bench_models.py [--small] [--out docs/benchmarks/models.md] [--plot docs/benchmarks/models.png]
 The exit status is 1 when a target is missed.
 """
 

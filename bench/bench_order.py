@@ -17,7 +17,7 @@ Each store setup gets a freshly mounted store and a fresh tier; the store's own 
 operations each run sent it. Every setup reads every file once and the batches are checked to be the
 same files in the same order in all three.
 
-    .venv/bin/python bench/bench_order.py --out BENCHMARKS-order.md --plot bench/order.png
+    .venv/bin/python bench/bench_order.py --out docs/benchmarks/order.md --plot docs/benchmarks/order.png
 
 The exit status is 1 when the target (prefetch, revalidate never, at most 1.15x the local copy) is missed.
 """

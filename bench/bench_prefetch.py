@@ -14,7 +14,7 @@ Before each cold run the backing files are dropped from the page cache where the
 entry timeouts, and FUSE drops a file's pages when it is opened again). The store's own counters give the
 operations each run sent it.
 
-    .venv/bin/python bench/bench_prefetch.py --out BENCHMARKS-prefetch.md
+    .venv/bin/python bench/bench_prefetch.py --out docs/benchmarks/prefetch.md
 
 The exit status is 1 when a target is missed.
 """

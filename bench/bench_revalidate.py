@@ -18,7 +18,7 @@ Each tierstore job starts with an empty tier. Reported per mode: epoch 1 and war
 warm epochs against the local copy (median of the rounds' ratios), and the proxy's requests per object in
 epoch 1 and in the warm epochs, by kind.
 
-    .venv/bin/python bench/bench_revalidate.py --out BENCHMARKS-revalidate.md
+    .venv/bin/python bench/bench_revalidate.py --out docs/benchmarks/revalidate.md
 
 The exit status is 1 when a target is missed: epoch 1 costs one GET per object (no HEAD) in every mode;
 warm epochs with "60s" at least 0.90x the local copy and 0.95x "never"; "always" one request per open;

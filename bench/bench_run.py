@@ -7,7 +7,7 @@ store (`tierstore.slowfs`, default latencies and bandwidth). Each job runs direc
 half its size; a job reading a local copy directly is the bar for cached epochs. The store's own counters
 are read at every epoch boundary.
 
-    .venv/bin/python bench/bench_run.py --out BENCHMARKS-run.md --plot bench/run.png
+    .venv/bin/python bench/bench_run.py --out docs/benchmarks/run.md --plot docs/benchmarks/run.png
 """
 
 from __future__ import annotations
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, args.plot)
         lines.insert(
             4,
-            f"![per-epoch time and store operations]({args.plot.name if args.plot.parent == Path('bench') else args.plot})",
+            f"![per-epoch time and store operations]({os.path.relpath(args.plot, args.out.parent)})",
         )
         lines.insert(5, "")
     text = "\n".join(lines)

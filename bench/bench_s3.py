@@ -17,7 +17,7 @@ A SeaweedFS server on loopback (`tierstore.testing.s3server`) holds `--small` ob
 
 Request counts are the server's own (its Prometheus counters), the same whatever the client.
 
-    .venv/bin/python bench/bench_s3.py --out BENCHMARKS-s3.md --plot bench/s3.png
+    .venv/bin/python bench/bench_s3.py --out docs/benchmarks/s3.md --plot docs/benchmarks/s3.png
 
 The exit status is 1 when a target is missed.
 """
@@ -333,6 +333,11 @@ def main() -> int:
             for k, v in large.items()
         ],
     ]
+    if args.out and args.plot:
+        lines += [
+            "",
+            f"![epoch time and GET requests per epoch]({os.path.relpath(args.plot, Path(args.out).parent)})",
+        ]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

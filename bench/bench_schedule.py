@@ -22,7 +22,7 @@ Measured:
                 smoothed over one epoch (the per-batch noise is reported beside it).
   fit time      `fit_curves` on 1,000 points (the run's first 1,000 per-batch losses), median of 50.
 
-Usage: .venv/bin/python bench/bench_schedule.py [--quick] [--out BENCHMARKS-schedule.md] [--plot bench/schedule.png]
+Usage: .venv/bin/python bench/bench_schedule.py [--quick] [--out docs/benchmarks/schedule.md] [--plot docs/benchmarks/schedule.png]
 """
 
 from __future__ import annotations
@@ -319,8 +319,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="runs of each schedule (interleaved)")
     ap.add_argument("--step-ms", type=float, default=40.0, help="each training step padded to this")
     ap.add_argument("--quick", action="store_true", help="6 epochs, one run of each schedule")
-    ap.add_argument("--out", default="BENCHMARKS-schedule.md")
-    ap.add_argument("--plot", default="bench/schedule.png")
+    ap.add_argument("--out", default="docs/benchmarks/schedule.md")
+    ap.add_argument("--plot", default="docs/benchmarks/schedule.png")
     ARGS = args = ap.parse_args()
     if args.consumer:
         consumer_main(args)
@@ -516,7 +516,7 @@ def write_report(
         f"most 10 ms: {'met' if ft['median'] <= 0.010 else 'NOT met'} (the median; p90 "
         f"{'within' if ft['p90'] <= 0.010 else 'over'} it).",
         "",
-        f"![schedules]({Path(args.plot).name})" if Path(args.plot).parent.name == "bench" else "",
+        f"![schedules]({os.path.relpath(args.plot, Path(args.out).parent)})",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -27,7 +27,7 @@ Measured:
               gloo process group of 2 against shared memory (two copies) and shared memory in place, in
               turn on the same versions; and the in-place mode's pause per update.
 
-Usage: .venv/bin/python bench/bench_stream.py [--group 100MB] [--sizes 100MB,1GB] [--out BENCHMARKS-stream.md] [--plot bench/stream.png]
+Usage: .venv/bin/python bench/bench_stream.py [--group 100MB] [--sizes 100MB,1GB] [--out docs/benchmarks/stream.md] [--plot docs/benchmarks/stream.png]
 """
 
 from __future__ import annotations
@@ -732,8 +732,8 @@ def main() -> None:
     ap.add_argument(
         "--trainer-only", action="store_true", help="only the trainer's step overhead, printed (no report)"
     )
-    ap.add_argument("--out", default="BENCHMARKS-stream.md")
-    ap.add_argument("--plot", default="bench/stream.png")
+    ap.add_argument("--out", default="docs/benchmarks/stream.md")
+    ap.add_argument("--plot", default="docs/benchmarks/stream.png")
     ap.add_argument("--mode", default="double", help="a consumer's HotModel mode")
     ap.add_argument("--group-port", type=int, default=0, help="a consumer: the gloo group's TCP store")
     ap.add_argument(
@@ -820,7 +820,7 @@ def large_main(args: argparse.Namespace, command: str) -> None:
         "",
         f"Machine: {os.cpu_count()} cores, Linux {platform.release()}; load average at the end "
         f"{os.getloadavg()[0]:.1f} (the machine is shared). The same publisher, consumer (`HotModel`, double-"
-        f"buffered, requests on one thread) and baselines as BENCHMARKS-stream.md, with a model of {TENSORS} "
+        f"buffered, requests on one thread) and baselines as [the 100 MB and 1 GB runs](stream.md), with a model of {TENSORS} "
         f"float32 tensors, {human(n)} in all. Lean, so that it fits this machine's 24 GiB beside its "
         "baselines: the first version (everything new, into empty copies), then "
         f"{len(r['delta'])} updates with 3% of the bytes changed, all synchronous; the baselines run after, "
@@ -1054,7 +1054,7 @@ def write_report(
         "A `sync=False` publish waits for the one before it: when placing the whole model (hash and write, on "
         "the publisher's background thread) takes longer than a step, the trainer waits for it.",
         "",
-        f"Plot: `{args.plot}`.",
+        f"![update latency per model and change]({os.path.relpath(args.plot, Path(args.out).parent)})",
         "",
     ]
     Path(args.out).write_text("\n".join(lines))

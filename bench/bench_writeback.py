@@ -20,7 +20,7 @@ idle disk is measured before every round for context: this VM's disk is often fa
 writes and closes, Cache VOL's measure) against the device's, and each job's total time (to its last close;
 for tierstore also to the end of the final sync) against the local-disk job's.
 
-    .venv/bin/python bench/bench_writeback.py --out BENCHMARKS-writeback.md --plot bench/writeback.png
+    .venv/bin/python bench/bench_writeback.py --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png
 
 Then `torch.distributed.checkpoint.async_save` (one gloo process, a state of `--dcp-mib` MiB): a loop of
 compute and an asynchronous save per step (each save waits for the one before, as a trainer's does),
@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     r = run(args)
     lines, ok = report(r, command)
+    if args.out and args.plot:
+        link = os.path.relpath(args.plot, args.out.parent)
+        lines += ["", f"![observed write bandwidth and job time per compute/IO ratio]({link})"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -225,8 +225,8 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> i
         "   # warm the cache first\n"
         '  loader = tierstore.torch.prefetching(DataLoader(...), budget="4G")'
         "   # epoch 1 fetched ahead in the sampler's order\n"
-        "  make test   # the test suite;  make bench   # the benchmarks (BENCHMARKS*.md)\n"
-        "  README.md: object stores (S3), several nodes, write-back checkpoints, the model repository, streaming"
+        "  make test   # the test suite;  make bench   # the benchmarks (docs/benchmarks/)\n"
+        "  docs/guide/: object stores (S3), several nodes, write-back checkpoints, the model repository, streaming"
     )
     return 0
 
