@@ -9,8 +9,6 @@
 //! inferred: a name never asked is asked of the store, even when the recorded list lacks it (some
 //! attributes, ACLs on some file systems among them, can be read without being listed).
 
-use super::{Index, IndexError, Key};
-
 /// A question about the extended attributes of a path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct XattrQuery {
@@ -33,13 +31,13 @@ pub enum XattrAnswer {
 
 /// The record of one path: its source-relative path, then per question a tag (bit 0: get, bit 1:
 /// follow), the name's length and the name, the errno (0: a value follows) and the value's length and bytes.
-struct Record {
-    rel: String,
-    answers: Vec<(XattrQuery, XattrAnswer)>,
+pub(super) struct Record {
+    pub(super) rel: String,
+    pub(super) answers: Vec<(XattrQuery, XattrAnswer)>,
 }
 
 impl Record {
-    fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(4 + self.rel.len() + self.answers.len() * 16);
         v.extend_from_slice(&(self.rel.len() as u32).to_le_bytes());
         v.extend_from_slice(self.rel.as_bytes());
@@ -59,7 +57,7 @@ impl Record {
         v
     }
 
-    fn decode(b: &[u8]) -> Option<Record> {
+    pub(super) fn decode(b: &[u8]) -> Option<Record> {
         let u32_at = |at: usize| Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?));
         let n = u32_at(0)? as usize;
         let rel = std::str::from_utf8(b.get(4..4 + n)?).ok()?.to_string();
@@ -81,75 +79,5 @@ impl Record {
             answers.push((q, if errno == 0 { XattrAnswer::Value(value) } else { XattrAnswer::Errno(errno) }));
         }
         Some(Record { rel, answers })
-    }
-}
-
-impl Index {
-    /// The store's recorded answer to `query` about the source path `rel` (key `key`), if it was asked
-    /// since the path last changed through tierstore.
-    pub fn xattr(&self, key: &Key, rel: &str, query: &XattrQuery) -> Result<Option<XattrAnswer>, IndexError> {
-        let txn = self.env.read()?;
-        let Some(b) = txn.get(self.xattrs, key)? else { return Ok(None) };
-        let r = Record::decode(b).ok_or(IndexError::Damaged)?;
-        if r.rel != rel {
-            return Ok(None); // a key collision: not this path's record
-        }
-        Ok(r.answers.into_iter().find(|(q, _)| q == query).map(|(_, a)| a))
-    }
-
-    /// Records the store's answer to `query` about the source path `rel`, beside the answers already
-    /// recorded for it.
-    pub fn record_xattr(
-        &self,
-        key: &Key,
-        rel: &str,
-        query: &XattrQuery,
-        answer: &XattrAnswer,
-    ) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
-        let mut r = match txn.get(self.xattrs, key)?.and_then(Record::decode) {
-            Some(r) if r.rel == rel => r,
-            _ => Record { rel: rel.into(), answers: Vec::new() },
-        };
-        r.answers.retain(|(q, _)| q != query);
-        r.answers.push((query.clone(), answer.clone()));
-        txn.put(self.xattrs, key, &r.encode())?;
-        txn.commit()?;
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::index::key_of;
-    use crate::placement::Policy;
-
-    #[test]
-    fn answers_round_trip_per_question_and_are_forgotten_with_the_path() {
-        let dir = tempfile::tempdir().unwrap();
-        let ix = Index::open(dir.path(), Policy::Fill).unwrap();
-        let key = key_of("a/b");
-        let get = |name: &[u8], follow| XattrQuery { name: Some(name.to_vec()), follow };
-        let list = XattrQuery { name: None, follow: false };
-        let acl = get(b"system.posix_acl_access", false);
-        assert_eq!(ix.xattr(&key, "a/b", &list).unwrap(), None);
-        ix.record_xattr(&key, "a/b", &list, &XattrAnswer::Value(b"user.x\0".to_vec())).unwrap();
-        ix.record_xattr(&key, "a/b", &acl, &XattrAnswer::Errno(libc::ENODATA)).unwrap();
-        ix.record_xattr(&key, "a/b", &get(b"user.x", false), &XattrAnswer::Value(vec![])).unwrap();
-        assert_eq!(ix.xattr(&key, "a/b", &list).unwrap(), Some(XattrAnswer::Value(b"user.x\0".to_vec())));
-        assert_eq!(ix.xattr(&key, "a/b", &acl).unwrap(), Some(XattrAnswer::Errno(libc::ENODATA)));
-        assert_eq!(ix.xattr(&key, "a/b", &get(b"user.x", false)).unwrap(), Some(XattrAnswer::Value(vec![])));
-        assert_eq!(ix.xattr(&key, "a/b", &get(b"user.y", false)).unwrap(), None, "never asked");
-        assert_eq!(ix.xattr(&key, "a/b", &get(b"user.x", true)).unwrap(), None, "asked without following only");
-        assert_eq!(ix.xattr(&key, "other", &list).unwrap(), None, "a key collision is not the path");
-        // A new answer to the same question replaces the old one.
-        ix.record_xattr(&key, "a/b", &list, &XattrAnswer::Value(vec![])).unwrap();
-        assert_eq!(ix.xattr(&key, "a/b", &list).unwrap(), Some(XattrAnswer::Value(vec![])));
-        ix.forget_path(&key).unwrap();
-        assert_eq!(ix.xattr(&key, "a/b", &acl).unwrap(), None);
-        ix.record_xattr(&key, "a/b", &acl, &XattrAnswer::Errno(libc::EOPNOTSUPP)).unwrap();
-        ix.clear().unwrap();
-        assert_eq!(ix.xattr(&key, "a/b", &acl).unwrap(), None);
     }
 }
