@@ -10,9 +10,11 @@
 pub mod client;
 pub mod members;
 pub mod metrics;
+pub mod options;
 pub mod protocol;
 pub mod registry;
 pub mod server;
+pub mod status;
 pub mod stream;
 pub mod transfer;
 pub mod writeback;

@@ -18,8 +18,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use tierstore_agent::client::Client;
+use tierstore_agent::options::Options;
 use tierstore_agent::protocol::Frame;
-use tierstore_agent::server::{Agent, Options};
+use tierstore_agent::server::Agent;
 use tierstore_core::cluster::{hostname, Sharing};
 use tierstore_core::config::{Config, Overrides};
 use tierstore_core::Cache;
@@ -74,7 +75,7 @@ struct Args {
     peer: Option<String>,
     metrics: Option<String>,
     /// Model streams: where versions are kept, and how many per stream.
-    stream: tierstore_agent::stream::StreamOptions,
+    stream: tierstore_agent::options::StreamOptions,
     /// `--stream-keep` as given (the configuration's `[stream] keep` applies when it is not).
     stream_keep: Option<usize>,
 }

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use crate::server::Status;
+use crate::status::Status;
 
 /// The exposition text of `status` (format 0.0.4).
 pub fn render(status: &Status) -> String {

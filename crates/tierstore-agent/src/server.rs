@@ -12,94 +12,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{watch, Semaphore};
 
-use tierstore_core::Cache;
-
-use crate::members::{Members, PeerView};
+use crate::members::Members;
 use crate::protocol::{self, ErrorCode, Frame, VERSION};
+
+pub use crate::options::Options;
+pub use crate::status::{CacheView, Status};
 
 /// How a connection may act: processes of this node may stop the agent; peers may not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Side {
     Local,
     Peer,
-}
-
-/// What the agent is started with.
-#[derive(Clone)]
-pub struct Options {
-    /// This node's name, as peers know it.
-    pub node: String,
-    /// The Unix socket of local clients.
-    pub socket: PathBuf,
-    /// Where to listen for peers (none: this node serves no peer).
-    pub listen: Option<SocketAddr>,
-    /// The job's shared secret; required to listen anywhere but loopback.
-    pub token: Option<Vec<u8>>,
-    /// Exit after this long with no connection (an agent started on demand); `None`: run until stopped.
-    pub idle_exit: Option<Duration>,
-    /// The longest a connection may take to send its hello, or a request's remaining bytes.
-    pub deadline: Duration,
-    /// The longest a connection may stay silent between requests before it is closed.
-    pub idle_connection: Duration,
-    /// Connections served at once; more wait to be accepted.
-    pub max_connections: usize,
-    /// The other members' agents (`host:port`), pinged every `heartbeat`.
-    pub peers: Vec<String>,
-    /// How often peers are pinged; a peer that misses `deadline` is down until it answers again.
-    pub heartbeat: Duration,
-    /// The node's cache, whose files this agent serves to peers (none: it serves no file).
-    pub cache: Option<Arc<Cache>>,
-    /// Where to serve Prometheus metrics over HTTP (none: not served).
-    pub metrics: Option<SocketAddr>,
-    /// This node's agent as the members name it (`host:port`).
-    pub me: String,
-    /// The job's members, this node included, when they are a fixed list.
-    pub job_members: Vec<String>,
-    /// Where members register, for an elastic job: this agent registers `me` and heartbeats; the
-    /// members are whoever is registered.
-    pub registry: Option<Arc<dyn crate::registry::Registry>>,
-    /// The job's name in the registry.
-    pub job: String,
-    /// Where model streams keep their versions (see [`crate::stream`]).
-    pub stream: crate::stream::StreamOptions,
-    /// Work that keeps an agent started on demand from exiting when idle (files staged for write-back
-    /// and not yet on the store).
-    pub busy: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
-    /// The write-back migration of this node, whose staged files other nodes may read until they are
-    /// on the store (none: no staged file is served).
-    pub writeback: Option<Arc<crate::writeback::Migrations>>,
-}
-
-impl Options {
-    /// Options with the usual deadlines for `node` on `socket`.
-    pub fn new(node: impl Into<String>, socket: impl Into<PathBuf>) -> Options {
-        Options {
-            node: node.into(),
-            socket: socket.into(),
-            listen: None,
-            token: None,
-            idle_exit: None,
-            deadline: Duration::from_secs(5),
-            idle_connection: Duration::from_secs(300),
-            max_connections: 1024,
-            peers: Vec::new(),
-            heartbeat: Duration::from_millis(500),
-            cache: None,
-            metrics: None,
-            me: String::new(),
-            job_members: Vec::new(),
-            registry: None,
-            job: String::new(),
-            stream: crate::stream::StreamOptions::default(),
-            busy: None,
-            writeback: None,
-        }
-    }
 }
 
 /// Why the agent could not start or run.
@@ -127,87 +54,6 @@ pub enum AgentError {
     /// The model streams' directory could not be set up.
     #[error(transparent)]
     Stream(#[from] crate::stream::StreamError),
-}
-
-/// The agent's report of itself (`tierstore agent status`).
-#[derive(Clone, Debug, Serialize)]
-pub struct Status {
-    /// This node's name.
-    pub node: String,
-    /// The agent's process.
-    pub pid: u32,
-    /// The wire protocol version.
-    pub protocol: u8,
-    /// Seconds since start.
-    pub uptime_s: f64,
-    /// The Unix socket.
-    pub socket: String,
-    /// The peer listener, if any.
-    pub listen: Option<String>,
-    /// Connections open now.
-    pub connections: u64,
-    /// Connections accepted since start.
-    pub connections_total: u64,
-    /// Connections refused for a wrong or missing token, or another protocol version.
-    pub refused: u64,
-    /// Connections closed for missing a deadline.
-    pub timeouts: u64,
-    /// Exits after this many seconds without a connection (started on demand), if set.
-    pub idle_exit_s: Option<f64>,
-    /// How this agent sees the other members.
-    pub members: Vec<PeerView>,
-    /// What this node's cache holds and moved, when the agent serves one.
-    pub cache: Option<CacheView>,
-    /// The job's name in the registry, if the members register in one.
-    pub registry_job: Option<String>,
-    /// Registry calls that failed.
-    pub registry_errors: u64,
-    /// Where model stream versions are kept.
-    pub stream_dir: String,
-    /// Versions kept per stream besides the leased ones.
-    pub stream_keep: usize,
-    /// The Redis that stream versions are announced in, if any.
-    pub stream_redis: Option<String>,
-}
-
-/// A node's cache in the agent's status: what `tierstore status` shows for each member.
-#[derive(Clone, Debug, Serialize)]
-pub struct CacheView {
-    /// The source directory.
-    pub source: String,
-    /// Bytes held in the node's tiers.
-    pub cached_bytes: u64,
-    /// The tiers' quotas, summed.
-    pub quota: u64,
-    /// Bytes the node read from the store.
-    pub store_bytes: u64,
-    /// Files and bytes the node's processes received from peers.
-    pub peer_hits: u64,
-    /// Bytes received from peers.
-    pub peer_bytes: u64,
-    /// Peer reads that failed and went to the store.
-    pub peer_faults: u64,
-    /// Files the node's agent served to peers.
-    pub served_files: u64,
-    /// Bytes served to peers.
-    pub served_bytes: u64,
-}
-
-impl CacheView {
-    fn of(cache: &Cache) -> CacheView {
-        let s = cache.stats();
-        CacheView {
-            source: cache.config().source.display().to_string(),
-            cached_bytes: s.tiers.iter().map(|t| t.usage.used).sum(),
-            quota: s.tiers.iter().map(|t| t.quota).sum(),
-            store_bytes: s.source.bytes_read,
-            peer_hits: s.source.peer_hits,
-            peer_bytes: s.source.peer_bytes,
-            peer_faults: s.source.peer_faults,
-            served_files: s.source.served_files,
-            served_bytes: s.source.served_bytes,
-        }
-    }
 }
 
 struct Shared {

@@ -27,27 +27,37 @@
 //! of its tensors; a consumer that needs the bytes after all (a version sent outside its group) asks for
 //! that version with `fetch`, and the agent pulls it then. A subscriber that takes the tensors makes the
 //! agent pull every version, as before. Subscribers that report the version they serve (`serving`) are
-//! listed with their lag (see [`consumers`]).
+//! listed with their lag (see `consumers.rs`).
+//!
+//! This file is the version store: the streams' state under one lock, publishing, leases, eviction and
+//! subscriptions. Beside it: the manifest's schema (`manifest.rs`), the request loop of a stream
+//! connection (`requests.rs`), the consumers as the agent sees them (`consumers.rs`), and the streams
+//! across nodes: announcing, following, relaying and pulling versions (`follow.rs`). The request loop
+//! and the follower work on the store's own state, so they import it from here; nothing else imports
+//! back up.
+
+mod consumers;
+mod follow;
+mod manifest;
+mod requests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
-use crate::protocol::{self, ErrorCode, Frame};
+use consumers::{Consumer, Notice, Told, COMMITS_KEPT};
+use manifest::check_hash;
 
-mod consumers;
-mod follow;
-
-use consumers::{Consumer, Told, COMMITS_KEPT};
+pub use crate::options::StreamOptions;
 pub use follow::{serve_peer, Remote};
+pub use manifest::{Manifest, Tensor};
+pub use requests::{serve, Request};
 
 /// What this agent's stream requests offer beyond those of the first version of the protocol, answered to
 /// every `subscribe`: a client uses an option only where its agent lists it (an older agent ignores
@@ -56,9 +66,6 @@ pub const FEATURES: &[&str] = &["notices_only", "serving", "fetch"];
 
 /// Relayed manifests kept per stream: a subscriber reads one as its notice arrives.
 const RELAYED_KEPT: usize = 16;
-
-/// Versions kept per stream when none is configured: the one consumers serve and the one before it.
-pub const DEFAULT_KEEP: usize = 2;
 
 /// Why a stream request failed.
 #[derive(Debug, thiserror::Error)]
@@ -121,122 +128,6 @@ fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StreamEr
     move |source| StreamError::Io { what, path, source }
 }
 
-/// A request of a stream connection (the JSON of a `StreamRequest` frame, tagged by `op`).
-#[derive(Debug, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Request {
-    /// Starts publishing a version of `name`: answers the publish's number, its directory and the base.
-    Begin {
-        /// The stream.
-        name: String,
-    },
-    /// Makes the version written under the publish's directory visible, and notifies.
-    Commit {
-        /// The publish.
-        publish: u64,
-    },
-    /// Drops a publish in progress.
-    Abort {
-        /// The publish.
-        publish: u64,
-    },
-    /// Pushes a notice of every version of `name` newer than `after` to this connection, from now on
-    /// (starting with the latest, if it is newer).
-    Subscribe {
-        /// The stream.
-        name: String,
-        /// The newest version the subscriber already has (0: none).
-        #[serde(default)]
-        after: u64,
-        /// Notices only: versions other nodes hold are relayed without pulling their tensors here.
-        #[serde(default)]
-        notices_only: bool,
-        /// The subscriber's process id, for `tierstore stream show|watch`.
-        #[serde(default)]
-        pid: Option<u32>,
-        /// What the subscriber calls itself, for `tierstore stream show|watch`.
-        #[serde(default)]
-        label: Option<String>,
-    },
-    /// The subscriber of this connection serves `version` from now on (no answer): its lag is listed.
-    Serving {
-        /// The version it swapped to.
-        version: u64,
-    },
-    /// Answers the notice of version `version` of `name` and leases it to this connection, pulling it from
-    /// the node that holds it when it was only relayed here.
-    Fetch {
-        /// The stream.
-        name: String,
-        /// The version.
-        version: u64,
-    },
-    /// Ends one lease of this connection on a version (no answer).
-    Release {
-        /// The stream.
-        name: String,
-        /// The version.
-        version: u64,
-    },
-    /// The streams of this agent, their versions, leases and subscribers.
-    List,
-}
-
-/// One tensor of a manifest.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Tensor {
-    /// The state-dict key.
-    pub name: String,
-    /// The dtype's name (torch's or numpy's).
-    pub dtype: String,
-    /// The shape.
-    pub shape: Vec<u64>,
-    /// blake3 of the bytes, lowercase hex: the name of its file in `blobs`.
-    pub hash: String,
-    /// The size in bytes.
-    pub nbytes: u64,
-}
-
-/// A version's manifest: what the publisher writes, completed by the agent at commit.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Manifest {
-    /// The stream (set by the agent).
-    #[serde(default)]
-    pub name: String,
-    /// The version number (set by the agent).
-    #[serde(default)]
-    pub version: u64,
-    /// Seconds since the epoch at commit (set by the agent).
-    #[serde(default)]
-    pub created: f64,
-    /// The trainer's step, if it gave one.
-    #[serde(default)]
-    pub step: Option<i64>,
-    /// The publisher's metadata.
-    #[serde(default)]
-    pub metadata: Value,
-    /// The tensors, in the publisher's order.
-    pub tensors: Vec<Tensor>,
-}
-
-/// Where streams keep their versions, and how many.
-#[derive(Clone, Debug)]
-pub struct StreamOptions {
-    /// The stream directory (none: on /dev/shm, named after the agent's socket).
-    pub dir: Option<PathBuf>,
-    /// Versions kept per stream besides leased ones (at least 1).
-    pub keep: usize,
-    /// The job's Redis (`redis://host:port`), where versions are announced to other nodes and followed
-    /// from them (none: streams stay on this node).
-    pub redis: Option<String>,
-}
-
-impl Default for StreamOptions {
-    fn default() -> Self {
-        StreamOptions { dir: None, keep: DEFAULT_KEEP, redis: None }
-    }
-}
-
 /// The stream directory of the agent on `socket`: on /dev/shm (memory) when there is one, private to the
 /// user, one per socket (agents of several nodes may share a machine in tests).
 pub fn default_dir(socket: &Path) -> PathBuf {
@@ -265,10 +156,6 @@ fn check_name(name: &str) -> Result<(), StreamError> {
     }
 }
 
-fn check_hash(h: &str) -> bool {
-    h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
 fn now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64()
 }
@@ -295,16 +182,6 @@ struct Subscribing {
     notices_only: bool,
     pid: Option<u32>,
     label: Option<String>,
-}
-
-/// A notice pushed to subscribers.
-#[derive(Clone, Debug)]
-struct Notice {
-    name: String,
-    version: u64,
-    /// The version is held here (its notice is a lease), not only relayed from another node.
-    held: bool,
-    json: Arc<String>,
 }
 
 struct Kept {
@@ -427,39 +304,6 @@ impl Streams {
         })
     }
 
-    /// Connects the streams to the other nodes, when the options name a Redis: versions published here
-    /// are announced with this agent's address (`me`, else the peer listener), which must be reachable.
-    pub fn join_nodes(&self, options: &crate::server::Options, listen: Option<std::net::SocketAddr>) {
-        let Some(redis) = options.stream.redis.clone() else { return };
-        let me =
-            if options.me.is_empty() { listen.map(|a| a.to_string()).unwrap_or_default() } else { options.me.clone() };
-        let job = if options.job.is_empty() { "tierstore".to_string() } else { options.job.clone() };
-        let remote = Remote {
-            redis,
-            job,
-            node: options.node.clone(),
-            me,
-            token: options.token.clone(),
-            deadline: options.deadline,
-        };
-        let tx = follow::announcer(remote.clone());
-        let _ = self.remote.set((remote, tx));
-    }
-
-    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream); the answer
-    /// comes once the follower listens (or it gave up connecting for now): a version announced after the
-    /// first subscriber's `subscribe` was answered reaches this node.
-    fn follow(self: &Arc<Self>, name: &str) -> Option<tokio::sync::oneshot::Receiver<()>> {
-        let (remote, _) = self.remote.get()?;
-        if !self.followed.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
-            return None;
-        }
-        let rt = tokio::runtime::Handle::try_current().ok()?;
-        let (listening, rx) = tokio::sync::oneshot::channel();
-        follow::follow(self.clone(), remote.clone(), name.to_string(), rt, listening);
-        Some(rx)
-    }
-
     fn latest(&self, name: &str) -> u64 {
         self.lock().streams.get(name).map_or(0, |s| s.latest)
     }
@@ -503,37 +347,6 @@ impl Streams {
             .map(|k| k.manifest.clone())
             .ok_or(StreamError::Gone { name: name.to_string(), version, keep: self.keep })?;
         std::fs::read_to_string(&path).map_err(io_err("cannot read", &path))
-    }
-
-    /// A directory for a version being pulled from another node.
-    fn begin_pull(&self) -> Result<(u64, PathBuf), StreamError> {
-        let id = {
-            let mut st = self.lock();
-            st.next_id += 1;
-            st.next_id
-        };
-        let tmp = self.dir.join("tmp").join(id.to_string());
-        std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
-        Ok((id, tmp))
-    }
-
-    fn drop_pull(&self, id: u64) {
-        let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(id.to_string()));
-    }
-
-    /// Registers a version pulled whole into its directory, under the publisher's number (`leased`: with
-    /// one lease, taken before anything could free it, for the connection that asked for it).
-    fn install_pulled(
-        &self,
-        id: u64,
-        name: &str,
-        version: u64,
-        bytes: u64,
-        leased: bool,
-    ) -> Result<Value, StreamError> {
-        let r = self.install(id, name, Some(version), bytes, leased);
-        self.drop_pull(id);
-        r
     }
 
     /// The stream directory.
@@ -844,86 +657,6 @@ impl Streams {
         }
     }
 
-    /// Tells this node's notices-only subscribers of `name` of the version `m` describes, which the agent at
-    /// `agent` holds: its manifest is kept under `notices/`, none of its tensors is pulled.
-    fn relay(&self, name: &str, m: &Manifest, agent: &str) -> Result<(), StreamError> {
-        let dir = self.dir.join("notices").join(name);
-        std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
-        let path = dir.join(format!("{}.json", m.version));
-        let part = dir.join(format!("{}.json.part", m.version));
-        let body = serde_json::to_vec(m).map_err(|e| StreamError::BadRequest(e.to_string()))?;
-        std::fs::write(&part, body)
-            .and_then(|()| std::fs::rename(&part, &path))
-            .map_err(io_err("cannot write", &path))?;
-        let nbytes: u64 = m.tensors.iter().map(|t| t.nbytes).sum();
-        let notice = json!({
-            "event": "version", "name": name, "version": m.version, "manifest": path, "step": m.step,
-            "nbytes": nbytes, "new_bytes": 0, "tensors": m.tensors.len(), "created": m.created,
-            "held": false, "agent": agent,
-        });
-        let json = Arc::new(notice.to_string());
-        let mut st = self.lock();
-        let stream = st.streams.entry(name.to_string()).or_default();
-        if m.version <= stream.relayed {
-            return Ok(());
-        }
-        stream.relayed = m.version;
-        stream.relays += 1;
-        stream.relayed_notice = Some(json.clone());
-        stream.relayed_from.insert(m.version, agent.to_string());
-        while stream.relayed_from.len() > RELAYED_KEPT {
-            if let Some((old, _)) = stream.relayed_from.pop_first() {
-                let _ = std::fs::remove_file(dir.join(format!("{old}.json")));
-            }
-        }
-        remember_commit(stream, m.version, m.created);
-        let notice = Notice { name: name.to_string(), version: m.version, held: false, json };
-        stream.subscribers.retain(|_, c| !matches!(c.tell(&notice), Told::Gone));
-        Ok(())
-    }
-
-    /// The notice of version `version` of `name` if it is held here, leased to `conn`.
-    fn lease_held(&self, conn: &mut Conn, name: &str, version: u64) -> Option<Value> {
-        let mut st = self.lock();
-        let k = st.streams.get_mut(name)?.versions.get_mut(&version)?;
-        k.leases += 1;
-        *conn.leases.entry((name.to_string(), version)).or_default() += 1;
-        Some(held_notice(name, version, k))
-    }
-
-    /// The notice of version `version` of `name`, leased to `conn`: held here already, or pulled now from
-    /// the agent that announced it (a version relayed to notices-only subscribers).
-    async fn fetch(self: &Arc<Self>, conn: &mut Conn, name: &str, version: u64) -> Result<Value, StreamError> {
-        check_name(name)?;
-        if let Some(v) = self.lease_held(conn, name, version) {
-            return Ok(v);
-        }
-        let from = self.lock().streams.get(name).and_then(|s| s.relayed_from.get(&version).cloned());
-        let (Some(agent), Some((remote, _))) = (from, self.remote.get()) else {
-            return Err(StreamError::Gone { name: name.to_string(), version, keep: self.keep });
-        };
-        match follow::pull(self, remote, &agent, name, version, true).await {
-            Ok(_) => {
-                // Installed with the lease this connection now holds.
-                *conn.leases.entry((name.to_string(), version)).or_default() += 1;
-                let st = self.lock();
-                let k = st.streams.get(name).and_then(|s| s.versions.get(&version));
-                k.map(|k| held_notice(name, version, k)).ok_or(StreamError::Gone {
-                    name: name.to_string(),
-                    version,
-                    keep: self.keep,
-                })
-            }
-            // Pulled meanwhile for a subscriber that takes the tensors.
-            Err(detail) => self.lease_held(conn, name, version).ok_or(StreamError::Pull {
-                name: name.to_string(),
-                version,
-                agent,
-                detail,
-            }),
-        }
-    }
-
     fn list(&self) -> Value {
         let at = now();
         let st = self.lock();
@@ -996,200 +729,6 @@ struct Conn {
     leases: HashMap<(String, u64), usize>,
     pending: Option<Pending>,
     subscription: Option<(String, u64, mpsc::UnboundedReceiver<Notice>)>,
-}
-
-/// Ends a connection's holdings however its task ends (a closed socket, an error, the agent stopping).
-struct Holdings {
-    streams: Arc<Streams>,
-    conn: Conn,
-}
-
-impl Drop for Holdings {
-    fn drop(&mut self) {
-        self.streams.close(&mut self.conn);
-    }
-}
-
-/// Runs blocking work that is quick (a commit: a few renames and a small write on /dev/shm, the files of
-/// dropped versions being freed by the reaper) on this worker, which the runtime replaces meanwhile. The
-/// blocking pool would cost a thread wake-up each way: on a VM, most of a commit's latency.
-fn quick_blocking<R>(f: impl FnOnce() -> R) -> R {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    if Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread) {
-        tokio::task::block_in_place(f)
-    } else {
-        f()
-    }
-}
-
-async fn next_notice(sub: &mut Option<(String, u64, mpsc::UnboundedReceiver<Notice>)>) -> Option<Notice> {
-    match sub {
-        Some((_, _, rx)) => rx.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn send<S: AsyncWrite + Unpin>(stream: &mut S, json: String, deadline: Duration) -> bool {
-    matches!(
-        tokio::time::timeout(deadline, protocol::write_frame(stream, &Frame::StreamEvent { json })).await,
-        Ok(Ok(()))
-    )
-}
-
-/// What a stream connection does next.
-enum Next {
-    Frame(io::Result<Option<Frame>>),
-    Notice(Option<Notice>),
-    Stop,
-}
-
-async fn stopped(stop: &mut watch::Receiver<bool>) {
-    let _ = stop.wait_for(|s| *s).await.map(|_| ());
-}
-
-/// Serves a stream connection from its first stream request until it closes (or the agent stops). A
-/// subscriber that does not take a notice within `deadline` is disconnected (its leases end).
-pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
-    first: String,
-    streams: Arc<Streams>,
-    mut stop: watch::Receiver<bool>,
-    deadline: Duration,
-) {
-    // Frames are read by a loop of their own: a read cut short by a notice would lose its bytes. It never
-    // stops reading (its queue is unbounded): a subscriber blocked sending releases while the agent waits
-    // for it to take a notice would be a deadlock.
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let (tx, mut rx) = mpsc::unbounded_channel::<io::Result<Option<Frame>>>();
-    let reader = async move {
-        loop {
-            let r = protocol::read_frame(&mut rd).await;
-            let end = !matches!(r, Ok(Some(_)));
-            if tx.send(r).is_err() || end {
-                break;
-            }
-        }
-        std::future::pending::<()>().await
-    };
-    let main = async {
-        let mut h = Holdings { streams: streams.clone(), conn: Conn::default() };
-        let mut next = Some(first);
-        loop {
-            let json = match next.take() {
-                Some(j) => j,
-                None => {
-                    let event = tokio::select! {
-                        r = rx.recv() => Next::Frame(r.unwrap_or(Ok(None))),
-                        n = next_notice(&mut h.conn.subscription) => Next::Notice(n),
-                        _ = stopped(&mut stop) => Next::Stop,
-                    };
-                    match event {
-                        Next::Frame(Ok(Some(Frame::StreamRequest { json }))) => json,
-                        Next::Frame(Ok(Some(Frame::Ping { nonce }))) => {
-                            let pong = Frame::Pong { nonce };
-                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &pong)).await;
-                            continue;
-                        }
-                        Next::Frame(Ok(Some(other))) => {
-                            let message = format!("a stream connection takes stream requests, not {other:?}");
-                            let error = Frame::Error { code: ErrorCode::BadRequest, message };
-                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &error)).await;
-                            return;
-                        }
-                        Next::Frame(_) | Next::Stop => return,
-                        Next::Notice(None) => return,
-                        Next::Notice(Some(n)) => {
-                            if n.held {
-                                *h.conn.leases.entry((n.name.clone(), n.version)).or_default() += 1;
-                            }
-                            if !send(&mut wr, n.json.as_ref().clone(), deadline).await {
-                                log::warn!(
-                                    "a subscriber of {} took no notice within {deadline:?}: disconnected",
-                                    n.name
-                                );
-                                return;
-                            }
-                            continue;
-                        }
-                    }
-                }
-            };
-            let request: Request = match serde_json::from_str(&json) {
-                Ok(r) => r,
-                Err(e) => {
-                    let message = StreamError::BadRequest(e.to_string()).to_string();
-                    let _ =
-                        protocol::write_frame(&mut wr, &Frame::Error { code: ErrorCode::BadRequest, message }).await;
-                    continue;
-                }
-            };
-            let answer = match request {
-                Request::Begin { name } if streams.remote.get().is_none() => streams.begin(&mut h.conn, &name),
-                Request::Begin { name } => {
-                    // May ask Redis (under its deadline) for the stream's numbering: off the runtime.
-                    let s = streams.clone();
-                    let mut conn = std::mem::take(&mut h.conn);
-                    let (r, c) = tokio::task::spawn_blocking(move || {
-                        let r = s.begin(&mut conn, &name);
-                        (r, conn)
-                    })
-                    .await
-                    .unwrap_or_else(|e| (Err(StreamError::NotHeld(format!("the begin failed: {e}"))), Conn::default()));
-                    h.conn = c;
-                    r
-                }
-                Request::Commit { publish } => quick_blocking(|| streams.commit(&mut h.conn, publish)),
-                Request::Abort { publish } => match h.conn.pending.take() {
-                    Some(p) if p.id == publish => {
-                        streams.abort_pending(&mut h.conn, p);
-                        Ok(json!({"aborted": publish}))
-                    }
-                    other => {
-                        h.conn.pending = other;
-                        Err(StreamError::NotHeld(format!("publish {publish} is not in progress on this connection")))
-                    }
-                },
-                Request::Subscribe { name, after, notices_only, pid, label } => {
-                    let who = Subscribing { notices_only, pid, label };
-                    let r = streams.subscribe(&mut h.conn, &name, after, who);
-                    if r.is_ok() {
-                        if let Some(listening) = streams.follow(&name) {
-                            // Redis unreachable costs this subscriber half a deadline (the other half is
-                            // the answer's); the follower keeps retrying meanwhile.
-                            let _ = tokio::time::timeout(deadline / 2, listening).await;
-                        }
-                    }
-                    r
-                }
-                Request::Release { name, version } => {
-                    streams.release(&mut h.conn, &name, version);
-                    continue;
-                }
-                Request::Serving { version } => {
-                    streams.serving(&h.conn, version);
-                    continue;
-                }
-                // Each frame to the other agent has its deadline; the asker waits with its own.
-                Request::Fetch { name, version } => streams.fetch(&mut h.conn, &name, version).await,
-                Request::List => Ok(streams.list()),
-            };
-            let frame = match answer {
-                Ok(v) => Frame::StreamEvent { json: v.to_string() },
-                Err(e) => {
-                    let code =
-                        if matches!(e, StreamError::Io { .. }) { ErrorCode::Failed } else { ErrorCode::BadRequest };
-                    Frame::Error { code, message: e.to_string() }
-                }
-            };
-            if !matches!(tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &frame)).await, Ok(Ok(()))) {
-                return;
-            }
-        }
-    };
-    tokio::select! {
-        _ = main => {}
-        _ = reader => {}
-    }
 }
 
 #[cfg(test)]

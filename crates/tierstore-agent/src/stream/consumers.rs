@@ -4,15 +4,24 @@
 //! behind the newest version each consumer is, in versions and in seconds, without asking the consumers.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::Notice;
-
 /// Commit times kept per stream for the lag in seconds: a consumer further behind is reported as behind
 /// since the oldest of them.
 pub(super) const COMMITS_KEPT: usize = 1024;
+
+/// A notice pushed to subscribers.
+#[derive(Clone, Debug)]
+pub(super) struct Notice {
+    pub(super) name: String,
+    pub(super) version: u64,
+    /// The version is held here (its notice is a lease), not only relayed from another node.
+    pub(super) held: bool,
+    pub(super) json: Arc<String>,
+}
 
 /// One subscription of a stream.
 pub(super) struct Consumer {

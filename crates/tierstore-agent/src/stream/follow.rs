@@ -6,7 +6,7 @@
 //! subscribers notified, once every tensor is in. N consumers on a node cost one transfer.
 //!
 //! While every local subscriber of a stream asked for notices only, the agent pulls the version's manifest
-//! alone and relays it (see `Streams::relay`): its consumers receive the tensors through their process
+//! alone and relays it (`Streams::relay`, below): its consumers receive the tensors through their process
 //! group, and the node's link carries them once, not twice. A version one of them needs after all is
 //! pulled when it asks (`fetch`).
 //!
@@ -18,13 +18,16 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::{Manifest, Streams, RELAYED_KEPT};
+use super::consumers::{Notice, Told};
+use super::manifest::{check_hash, Manifest};
+use super::{check_name, held_notice, io_err, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT};
 use crate::client::Client;
 use crate::protocol::Frame;
 
@@ -75,6 +78,159 @@ pub(super) fn announced_latest(remote: &Remote, name: &str) -> Option<u64> {
     };
     let v: Option<Vec<u8>> = redis::cmd("GET").arg(remote.latest_key(name)).query(&mut con).ok()?;
     serde_json::from_slice::<Value>(&v?).ok()?["version"].as_u64()
+}
+
+/// The streams' side of the other nodes: connecting to them, following a stream, relaying a version another
+/// node holds, and pulling one.
+impl Streams {
+    /// Connects the streams to the other nodes, when the options name a Redis: versions published here
+    /// are announced with this agent's address (`me`, else the peer listener), which must be reachable.
+    pub fn join_nodes(&self, options: &crate::options::Options, listen: Option<std::net::SocketAddr>) {
+        let Some(redis) = options.stream.redis.clone() else { return };
+        let me =
+            if options.me.is_empty() { listen.map(|a| a.to_string()).unwrap_or_default() } else { options.me.clone() };
+        let job = if options.job.is_empty() { "tierstore".to_string() } else { options.job.clone() };
+        let remote = Remote {
+            redis,
+            job,
+            node: options.node.clone(),
+            me,
+            token: options.token.clone(),
+            deadline: options.deadline,
+        };
+        let tx = announcer(remote.clone());
+        let _ = self.remote.set((remote, tx));
+    }
+
+    /// Follows `name` in Redis from now on, if the streams reach other nodes (once per stream); the answer
+    /// comes once the follower listens (or it gave up connecting for now): a version announced after the
+    /// first subscriber's `subscribe` was answered reaches this node.
+    pub(super) fn follow(self: &Arc<Self>, name: &str) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let (remote, _) = self.remote.get()?;
+        if !self.followed.lock().unwrap_or_else(|p| p.into_inner()).insert(name.to_string()) {
+            return None;
+        }
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let (listening, rx) = tokio::sync::oneshot::channel();
+        follow(self.clone(), remote.clone(), name.to_string(), rt, listening);
+        Some(rx)
+    }
+
+    /// Tells this node's notices-only subscribers of `name` of the version `m` describes, which the agent at
+    /// `agent` holds: its manifest is kept under `notices/`, none of its tensors is pulled.
+    pub(super) fn relay(&self, name: &str, m: &Manifest, agent: &str) -> Result<(), StreamError> {
+        let dir = self.dir.join("notices").join(name);
+        std::fs::create_dir_all(&dir).map_err(io_err("cannot create", &dir))?;
+        let path = dir.join(format!("{}.json", m.version));
+        let part = dir.join(format!("{}.json.part", m.version));
+        let body = serde_json::to_vec(m).map_err(|e| StreamError::BadRequest(e.to_string()))?;
+        std::fs::write(&part, body)
+            .and_then(|()| std::fs::rename(&part, &path))
+            .map_err(io_err("cannot write", &path))?;
+        let nbytes: u64 = m.tensors.iter().map(|t| t.nbytes).sum();
+        let notice = json!({
+            "event": "version", "name": name, "version": m.version, "manifest": path, "step": m.step,
+            "nbytes": nbytes, "new_bytes": 0, "tensors": m.tensors.len(), "created": m.created,
+            "held": false, "agent": agent,
+        });
+        let json = Arc::new(notice.to_string());
+        let mut st = self.lock();
+        let stream = st.streams.entry(name.to_string()).or_default();
+        if m.version <= stream.relayed {
+            return Ok(());
+        }
+        stream.relayed = m.version;
+        stream.relays += 1;
+        stream.relayed_notice = Some(json.clone());
+        stream.relayed_from.insert(m.version, agent.to_string());
+        while stream.relayed_from.len() > RELAYED_KEPT {
+            if let Some((old, _)) = stream.relayed_from.pop_first() {
+                let _ = std::fs::remove_file(dir.join(format!("{old}.json")));
+            }
+        }
+        remember_commit(stream, m.version, m.created);
+        let notice = Notice { name: name.to_string(), version: m.version, held: false, json };
+        stream.subscribers.retain(|_, c| !matches!(c.tell(&notice), Told::Gone));
+        Ok(())
+    }
+
+    /// A directory for a version being pulled from another node.
+    pub(super) fn begin_pull(&self) -> Result<(u64, PathBuf), StreamError> {
+        let id = {
+            let mut st = self.lock();
+            st.next_id += 1;
+            st.next_id
+        };
+        let tmp = self.dir.join("tmp").join(id.to_string());
+        std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
+        Ok((id, tmp))
+    }
+
+    pub(super) fn drop_pull(&self, id: u64) {
+        let _ = std::fs::remove_dir_all(self.dir.join("tmp").join(id.to_string()));
+    }
+
+    /// Registers a version pulled whole into its directory, under the publisher's number (`leased`: with
+    /// one lease, taken before anything could free it, for the connection that asked for it).
+    pub(super) fn install_pulled(
+        &self,
+        id: u64,
+        name: &str,
+        version: u64,
+        bytes: u64,
+        leased: bool,
+    ) -> Result<Value, StreamError> {
+        let r = self.install(id, name, Some(version), bytes, leased);
+        self.drop_pull(id);
+        r
+    }
+
+    /// The notice of version `version` of `name` if it is held here, leased to `conn`.
+    pub(super) fn lease_held(&self, conn: &mut Conn, name: &str, version: u64) -> Option<Value> {
+        let mut st = self.lock();
+        let k = st.streams.get_mut(name)?.versions.get_mut(&version)?;
+        k.leases += 1;
+        *conn.leases.entry((name.to_string(), version)).or_default() += 1;
+        Some(held_notice(name, version, k))
+    }
+
+    /// The notice of version `version` of `name`, leased to `conn`: held here already, or pulled now from
+    /// the agent that announced it (a version relayed to notices-only subscribers).
+    pub(super) async fn fetch(
+        self: &Arc<Self>,
+        conn: &mut Conn,
+        name: &str,
+        version: u64,
+    ) -> Result<Value, StreamError> {
+        check_name(name)?;
+        if let Some(v) = self.lease_held(conn, name, version) {
+            return Ok(v);
+        }
+        let from = self.lock().streams.get(name).and_then(|s| s.relayed_from.get(&version).cloned());
+        let (Some(agent), Some((remote, _))) = (from, self.remote.get()) else {
+            return Err(StreamError::Gone { name: name.to_string(), version, keep: self.keep });
+        };
+        match pull(self, remote, &agent, name, version, true).await {
+            Ok(_) => {
+                // Installed with the lease this connection now holds.
+                *conn.leases.entry((name.to_string(), version)).or_default() += 1;
+                let st = self.lock();
+                let k = st.streams.get(name).and_then(|s| s.versions.get(&version));
+                k.map(|k| held_notice(name, version, k)).ok_or(StreamError::Gone {
+                    name: name.to_string(),
+                    version,
+                    keep: self.keep,
+                })
+            }
+            // Pulled meanwhile for a subscriber that takes the tensors.
+            Err(detail) => self.lease_held(conn, name, version).ok_or(StreamError::Pull {
+                name: name.to_string(),
+                version,
+                agent,
+                detail,
+            }),
+        }
+    }
 }
 
 /// Chunks a puller lets the other agent send ahead of what it has written.
@@ -331,7 +487,7 @@ pub(super) async fn pull(
             if streams.holds(&t.hash) || fetched.contains(&t.hash.as_str()) {
                 continue;
             }
-            if !super::check_hash(&t.hash) {
+            if !check_hash(&t.hash) {
                 return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
             }
             let ask = json!({"op": "blob", "hash": t.hash, "credit": WINDOW}).to_string();
@@ -422,7 +578,7 @@ pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>
             Some("blob") => {
                 let hash = v["hash"].as_str().unwrap_or("");
                 let credit = v["credit"].as_u64().unwrap_or(1).clamp(1, 64) as u32;
-                let file = if super::check_hash(hash) { std::fs::File::open(streams.blob(hash)).ok() } else { None };
+                let file = if check_hash(hash) { std::fs::File::open(streams.blob(hash)).ok() } else { None };
                 let Some(file) = file else {
                     write(stream, &refuse(format!("no tensor {hash} here (its version was freed)")), deadline).await?;
                     continue;

@@ -1,0 +1,272 @@
+//! The request loop of a stream connection: a local client's `StreamRequest` frames (JSON, tagged by
+//! `op`) are read by a task of their own while the notices of its subscription are pushed to it, each
+//! request answered in turn; whatever the connection held (a publish, a subscription, its leases) ends
+//! with it, however its task ends.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, watch};
+
+use super::consumers::Notice;
+use super::{Conn, StreamError, Streams, Subscribing};
+use crate::protocol::{self, ErrorCode, Frame};
+
+/// A request of a stream connection (the JSON of a `StreamRequest` frame, tagged by `op`).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Starts publishing a version of `name`: answers the publish's number, its directory and the base.
+    Begin {
+        /// The stream.
+        name: String,
+    },
+    /// Makes the version written under the publish's directory visible, and notifies.
+    Commit {
+        /// The publish.
+        publish: u64,
+    },
+    /// Drops a publish in progress.
+    Abort {
+        /// The publish.
+        publish: u64,
+    },
+    /// Pushes a notice of every version of `name` newer than `after` to this connection, from now on
+    /// (starting with the latest, if it is newer).
+    Subscribe {
+        /// The stream.
+        name: String,
+        /// The newest version the subscriber already has (0: none).
+        #[serde(default)]
+        after: u64,
+        /// Notices only: versions other nodes hold are relayed without pulling their tensors here.
+        #[serde(default)]
+        notices_only: bool,
+        /// The subscriber's process id, for `tierstore stream show|watch`.
+        #[serde(default)]
+        pid: Option<u32>,
+        /// What the subscriber calls itself, for `tierstore stream show|watch`.
+        #[serde(default)]
+        label: Option<String>,
+    },
+    /// The subscriber of this connection serves `version` from now on (no answer): its lag is listed.
+    Serving {
+        /// The version it swapped to.
+        version: u64,
+    },
+    /// Answers the notice of version `version` of `name` and leases it to this connection, pulling it from
+    /// the node that holds it when it was only relayed here.
+    Fetch {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
+    },
+    /// Ends one lease of this connection on a version (no answer).
+    Release {
+        /// The stream.
+        name: String,
+        /// The version.
+        version: u64,
+    },
+    /// The streams of this agent, their versions, leases and subscribers.
+    List,
+}
+
+/// Ends a connection's holdings however its task ends (a closed socket, an error, the agent stopping).
+struct Holdings {
+    streams: Arc<Streams>,
+    conn: Conn,
+}
+
+impl Drop for Holdings {
+    fn drop(&mut self) {
+        self.streams.close(&mut self.conn);
+    }
+}
+
+/// Runs blocking work that is quick (a commit: a few renames and a small write on /dev/shm, the files of
+/// dropped versions being freed by the reaper) on this worker, which the runtime replaces meanwhile. The
+/// blocking pool would cost a thread wake-up each way: on a VM, most of a commit's latency.
+fn quick_blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    if Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread) {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
+async fn next_notice(sub: &mut Option<(String, u64, mpsc::UnboundedReceiver<Notice>)>) -> Option<Notice> {
+    match sub {
+        Some((_, _, rx)) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, json: String, deadline: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(deadline, protocol::write_frame(stream, &Frame::StreamEvent { json })).await,
+        Ok(Ok(()))
+    )
+}
+
+/// What a stream connection does next.
+enum Next {
+    Frame(io::Result<Option<Frame>>),
+    Notice(Option<Notice>),
+    Stop,
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await.map(|_| ());
+}
+
+/// Serves a stream connection from its first stream request until it closes (or the agent stops). A
+/// subscriber that does not take a notice within `deadline` is disconnected (its leases end).
+pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    first: String,
+    streams: Arc<Streams>,
+    mut stop: watch::Receiver<bool>,
+    deadline: Duration,
+) {
+    // Frames are read by a loop of their own: a read cut short by a notice would lose its bytes. It never
+    // stops reading (its queue is unbounded): a subscriber blocked sending releases while the agent waits
+    // for it to take a notice would be a deadlock.
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (tx, mut rx) = mpsc::unbounded_channel::<io::Result<Option<Frame>>>();
+    let reader = async move {
+        loop {
+            let r = protocol::read_frame(&mut rd).await;
+            let end = !matches!(r, Ok(Some(_)));
+            if tx.send(r).is_err() || end {
+                break;
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    let main = async {
+        let mut h = Holdings { streams: streams.clone(), conn: Conn::default() };
+        let mut next = Some(first);
+        loop {
+            let json = match next.take() {
+                Some(j) => j,
+                None => {
+                    let event = tokio::select! {
+                        r = rx.recv() => Next::Frame(r.unwrap_or(Ok(None))),
+                        n = next_notice(&mut h.conn.subscription) => Next::Notice(n),
+                        _ = stopped(&mut stop) => Next::Stop,
+                    };
+                    match event {
+                        Next::Frame(Ok(Some(Frame::StreamRequest { json }))) => json,
+                        Next::Frame(Ok(Some(Frame::Ping { nonce }))) => {
+                            let pong = Frame::Pong { nonce };
+                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &pong)).await;
+                            continue;
+                        }
+                        Next::Frame(Ok(Some(other))) => {
+                            let message = format!("a stream connection takes stream requests, not {other:?}");
+                            let error = Frame::Error { code: ErrorCode::BadRequest, message };
+                            let _ = tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &error)).await;
+                            return;
+                        }
+                        Next::Frame(_) | Next::Stop => return,
+                        Next::Notice(None) => return,
+                        Next::Notice(Some(n)) => {
+                            if n.held {
+                                *h.conn.leases.entry((n.name.clone(), n.version)).or_default() += 1;
+                            }
+                            if !send(&mut wr, n.json.as_ref().clone(), deadline).await {
+                                log::warn!(
+                                    "a subscriber of {} took no notice within {deadline:?}: disconnected",
+                                    n.name
+                                );
+                                return;
+                            }
+                            continue;
+                        }
+                    }
+                }
+            };
+            let request: Request = match serde_json::from_str(&json) {
+                Ok(r) => r,
+                Err(e) => {
+                    let message = StreamError::BadRequest(e.to_string()).to_string();
+                    let _ =
+                        protocol::write_frame(&mut wr, &Frame::Error { code: ErrorCode::BadRequest, message }).await;
+                    continue;
+                }
+            };
+            let answer = match request {
+                Request::Begin { name } if streams.remote.get().is_none() => streams.begin(&mut h.conn, &name),
+                Request::Begin { name } => {
+                    // May ask Redis (under its deadline) for the stream's numbering: off the runtime.
+                    let s = streams.clone();
+                    let mut conn = std::mem::take(&mut h.conn);
+                    let (r, c) = tokio::task::spawn_blocking(move || {
+                        let r = s.begin(&mut conn, &name);
+                        (r, conn)
+                    })
+                    .await
+                    .unwrap_or_else(|e| (Err(StreamError::NotHeld(format!("the begin failed: {e}"))), Conn::default()));
+                    h.conn = c;
+                    r
+                }
+                Request::Commit { publish } => quick_blocking(|| streams.commit(&mut h.conn, publish)),
+                Request::Abort { publish } => match h.conn.pending.take() {
+                    Some(p) if p.id == publish => {
+                        streams.abort_pending(&mut h.conn, p);
+                        Ok(json!({"aborted": publish}))
+                    }
+                    other => {
+                        h.conn.pending = other;
+                        Err(StreamError::NotHeld(format!("publish {publish} is not in progress on this connection")))
+                    }
+                },
+                Request::Subscribe { name, after, notices_only, pid, label } => {
+                    let who = Subscribing { notices_only, pid, label };
+                    let r = streams.subscribe(&mut h.conn, &name, after, who);
+                    if r.is_ok() {
+                        if let Some(listening) = streams.follow(&name) {
+                            // Redis unreachable costs this subscriber half a deadline (the other half is
+                            // the answer's); the follower keeps retrying meanwhile.
+                            let _ = tokio::time::timeout(deadline / 2, listening).await;
+                        }
+                    }
+                    r
+                }
+                Request::Release { name, version } => {
+                    streams.release(&mut h.conn, &name, version);
+                    continue;
+                }
+                Request::Serving { version } => {
+                    streams.serving(&h.conn, version);
+                    continue;
+                }
+                // Each frame to the other agent has its deadline; the asker waits with its own.
+                Request::Fetch { name, version } => streams.fetch(&mut h.conn, &name, version).await,
+                Request::List => Ok(streams.list()),
+            };
+            let frame = match answer {
+                Ok(v) => Frame::StreamEvent { json: v.to_string() },
+                Err(e) => {
+                    let code =
+                        if matches!(e, StreamError::Io { .. }) { ErrorCode::Failed } else { ErrorCode::BadRequest };
+                    Frame::Error { code, message: e.to_string() }
+                }
+            };
+            if !matches!(tokio::time::timeout(deadline, protocol::write_frame(&mut wr, &frame)).await, Ok(Ok(()))) {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = main => {}
+        _ = reader => {}
+    }
+}
