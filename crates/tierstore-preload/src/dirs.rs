@@ -11,7 +11,7 @@
 //! - `fstat` and `statx(AT_EMPTY_PATH)` of a shadow descriptor report the source directory (walkers
 //!   compare its device and inode with the `stat` of the path they opened), `fstatfs` its file system;
 //! - a `*at` call relative to a shadow descriptor is made on the source path it stands for (see
-//!   `unshadow` in lib.rs), and `fchdir` to one changes to the source directory itself, so that every
+//!   `unshadow` below), and `fchdir` to one changes to the source directory itself, so that every
 //!   later relative path, including those of calls the shim does not interpose, names the source.
 //!
 //! A change through the shim under the source (a create, unlink, rename, mkdir, rmdir, symlink) forgets
@@ -19,8 +19,8 @@
 //! `getdents64` themselves on a shadow descriptor see an empty directory: the shim cannot follow them.
 
 use std::collections::HashMap;
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
+use std::ffi::{CStr, CString, OsStr};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -31,7 +31,7 @@ use libc::{c_char, c_int, c_long, DIR};
 use tierstore_core::index::Listed;
 use tierstore_core::Cache;
 
-use crate::{shim, Busy};
+use crate::{shim, writes, Busy};
 
 /// Set once this process has handed out a shadow descriptor: until then no descriptor can be one, and
 /// the `*at` calls skip the check.
@@ -185,11 +185,68 @@ pub(crate) unsafe fn shadow_stat(fd: c_int) -> Option<libc::stat> {
     dir_stat(cache, &abs, false)
 }
 
+/// For a `*at` call relative to a shadow descriptor (see `dirs`): the source path it names, for the call
+/// to make with `AT_FDCWD` instead, so that what the shim does not answer is done on the source, never
+/// on the shadow.
+pub(crate) unsafe fn unshadow(dirfd: c_int, path: *const c_char) -> Option<std::ffi::CString> {
+    if !HANDED_OUT.load(Ordering::Relaxed) || dirfd < 0 || path.is_null() || matches!(*path as u8, 0 | b'/') {
+        return None;
+    }
+    let _busy = Busy::enter()?;
+    let (_, dir) = shadowed(dirfd)?;
+    let joined = dir.join(OsStr::from_bytes(CStr::from_ptr(path).to_bytes()));
+    std::ffi::CString::new(joined.into_os_string().into_vec()).ok()
+}
+
+/// The arguments of a `*at` call after `unshadow`.
+pub(crate) fn at(unshadowed: &Option<std::ffi::CString>, dirfd: c_int, path: *const c_char) -> (c_int, *const c_char) {
+    match unshadowed {
+        Some(p) => (libc::AT_FDCWD, p.as_ptr()),
+        None => (dirfd, path),
+    }
+}
+
+/// The listing of the directory `path` names when it is a destination (or under one) and files are
+/// staged in it: the store's entries, then each staged file the store does not list yet (a regular file,
+/// with its staged copy's inode number). `None` when nothing is staged there: the real listing is right.
+/// The journal is read before the store, so a file migrated in between is listed once, by either.
+pub(crate) unsafe fn staged_listing(path: *const c_char) -> Option<Vec<Listed>> {
+    let wb = writes::writeback()?;
+    if path.is_null() {
+        return None;
+    }
+    let bytes = CStr::from_ptr(path).to_bytes();
+    if bytes.first() == Some(&b'/') && !bytes.windows(3).any(|w| w == b"/..") {
+        let under = wb.destinations().iter().any(|d| bytes.starts_with(d.path.as_os_str().as_bytes()));
+        if !under {
+            return None; // the common case: no allocation, no system call
+        }
+    }
+    let dir = crate::absolute_at(libc::AT_FDCWD, bytes)?;
+    let staged = wb.pending_in(&dir);
+    if staged.is_empty() {
+        return None;
+    }
+    let mut entries = read_listing(&dir)?;
+    let listed: std::collections::HashSet<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
+    for (name, copy) in staged {
+        let name = name.as_bytes().to_vec();
+        if listed.contains(&name) {
+            continue; // an older copy is on the store: listed once
+        }
+        // Pending when the store was listed after: listed even if it was migrated since (its staged copy
+        // gone), as the store listed too late would not show it.
+        let ino = std::fs::metadata(&copy).map_or(1, |m| std::os::unix::fs::MetadataExt::ino(&m));
+        entries.push(Listed { ino, kind: libc::DT_REG, name });
+    }
+    Some(entries)
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut DIR {
     let real = || real!("opendir", unsafe extern "C" fn(*const c_char) -> *mut DIR)(path);
     let Some(_busy) = Busy::enter() else { return real() };
-    if let Some(entries) = crate::writes::staged_listing(path) {
+    if let Some(entries) = staged_listing(path) {
         // A write-back destination's directory with files staged in it: the store's stream, with the
         // staged files added to what it lists.
         let dirp = real();

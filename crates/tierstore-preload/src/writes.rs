@@ -42,7 +42,7 @@ struct Writes {
 static WRITES: AtomicPtr<Writes> = AtomicPtr::new(std::ptr::null_mut());
 static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn writes() -> Option<&'static Writeback> {
+pub(crate) fn writeback() -> Option<&'static Writeback> {
     let pid = tierstore_core::pid();
     // SAFETY: these are leaked, never freed.
     if let Some(w) = unsafe { WRITES.load(Ordering::Acquire).as_ref() } {
@@ -147,9 +147,9 @@ fn real_exists(p: &Path) -> Option<std::fs::Metadata> {
 /// The open family: `Some(fd)` (or `Some(-1)` with errno set) when the open was for a file under a
 /// destination and was handled here; `None` leaves it to the real function.
 pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
-    let wb = writes()?;
+    let wb = writeback()?;
     let abs = dest_path(wb, dirfd, path)?;
-    let writing = crate::writes(flags);
+    let writing = crate::opens_to_write(flags);
     if flags & (libc::O_DIRECTORY | libc::O_PATH) != 0 {
         return None;
     }
@@ -280,22 +280,9 @@ unsafe fn fopen_flags(mode: *const c_char) -> c_int {
     flags
 }
 
-/// `creat` is `open` with `O_CREAT | O_WRONLY | O_TRUNC`: the same capture (and, through the shim's `open`,
-/// the same invalidation of the read cache).
-#[no_mangle]
-pub unsafe extern "C" fn creat(path: *const c_char, mode: libc::mode_t) -> c_int {
-    crate::open(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
-}
-
-/// See [`creat`].
-#[no_mangle]
-pub unsafe extern "C" fn creat64(path: *const c_char, mode: libc::mode_t) -> c_int {
-    crate::open64(path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
-}
-
 /// `fopen` of a file under a destination: `Some(stream)` (null with errno set on failure) when handled.
 pub unsafe fn fopen(path: *const c_char, mode: *const c_char) -> Option<*mut FILE> {
-    writes()?;
+    writeback()?;
     let fd = open(libc::AT_FDCWD, path, fopen_flags(mode))?;
     if fd < 0 {
         return Some(std::ptr::null_mut());
@@ -335,7 +322,7 @@ fn commit(o: Open) -> bool {
     if o.pid != tierstore_core::pid() {
         return true; // a forked child closing what it inherited: the parent journals the file
     }
-    let Some(wb) = writes() else { return true };
+    let Some(wb) = writeback() else { return true };
     if let Some(temp) = &o.through {
         if o.deleted {
             let _ = std::fs::remove_file(temp);
@@ -386,9 +373,8 @@ pub unsafe fn close(fd: c_int, real: impl FnOnce() -> c_int) -> c_int {
     }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
-    let real = || real!("fclose", unsafe extern "C" fn(*mut FILE) -> c_int)(f);
+/// `fclose(f)` (`real` closes it): the journal for a staged stream, as [`close`] for a descriptor.
+pub unsafe fn fclose(f: *mut FILE, real: impl FnOnce() -> c_int) -> c_int {
     if OPEN_COUNT.load(Ordering::Relaxed) == 0 || f.is_null() {
         return real();
     }
@@ -405,47 +391,20 @@ pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
     }
 }
 
-/// `mmap`: a writable shared mapping of a staged descriptor is remembered, so that the file is journaled
-/// only once the mapping is gone too (a program may close the descriptor and go on writing through the
-/// mapping, as numpy's `memmap` and Python's `mmap` do). The system call itself is made directly: `mmap`
-/// is what `malloc` and the dynamic loader call, and looking up the next definition could recurse.
-#[no_mangle]
-pub unsafe extern "C" fn mmap(
-    addr: *mut libc::c_void,
-    len: libc::size_t,
-    prot: c_int,
-    flags: c_int,
-    fd: c_int,
-    off: libc::off_t,
-) -> *mut libc::c_void {
-    // syscall(2) reads every argument as a long: each is widened here (an int's upper half is undefined).
-    type L = libc::c_long;
-    let p = libc::syscall(libc::SYS_mmap, addr as L, len as L, prot as L, flags as L, fd as L, off as L)
-        as *mut libc::c_void;
+/// After `mmap` of `fd` returned `p`: a writable shared mapping of a staged descriptor is remembered, so
+/// that the file is journaled only once the mapping is gone too (a program may close the descriptor and
+/// go on writing through the mapping, as numpy's `memmap` and Python's `mmap` do).
+pub unsafe fn mapped(p: *mut libc::c_void, len: libc::size_t, prot: c_int, flags: c_int, fd: c_int) {
     let shared_write = flags & libc::MAP_SHARED != 0 && prot & libc::PROT_WRITE != 0;
     if p == libc::MAP_FAILED || fd < 0 || !shared_write || OPEN_COUNT.load(Ordering::Relaxed) == 0 {
-        return p;
+        return;
     }
-    let Some(_busy) = Busy::enter() else { return p };
+    let Some(_busy) = Busy::enter() else { return };
     let mut open = OPEN.lock();
     if let Some(o) = open.iter_mut().find(|o| o.fd == Some(fd)) {
         o.maps.push((p as usize, p as usize + len));
         MAPPED_COUNT.fetch_add(1, Ordering::Relaxed);
     }
-    p
-}
-
-/// See [`mmap`] (the same function under its large-file name).
-#[no_mangle]
-pub unsafe extern "C" fn mmap64(
-    addr: *mut libc::c_void,
-    len: libc::size_t,
-    prot: c_int,
-    flags: c_int,
-    fd: c_int,
-    off: libc::off_t,
-) -> *mut libc::c_void {
-    mmap(addr, len, prot, flags, fd, off)
 }
 
 /// Removes `[start, end)` from the ranges `maps`, keeping what lies outside it.
@@ -466,15 +425,14 @@ fn unmap_range(maps: &mut Vec<(usize, usize)>, start: usize, end: usize) {
     *maps = kept;
 }
 
-/// `munmap`: a staged file whose descriptor was closed is journaled when its last mapping goes.
-#[no_mangle]
-pub unsafe extern "C" fn munmap(addr: *mut libc::c_void, len: libc::size_t) -> c_int {
-    let rc = libc::syscall(libc::SYS_munmap, addr as libc::c_long, len as libc::c_long) as c_int;
-    if rc != 0 || MAPPED_COUNT.load(Ordering::Relaxed) == 0 {
-        return rc;
+/// After a `munmap` of `[addr, addr + len)` succeeded: a staged file whose descriptor was closed is
+/// journaled when its last mapping goes.
+pub unsafe fn unmapped(addr: *mut libc::c_void, len: libc::size_t) {
+    if MAPPED_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
     }
     // Inside the shim (its own allocations free memory too) nothing of the program's is unmapped.
-    let Some(_busy) = Busy::enter() else { return rc };
+    let Some(_busy) = Busy::enter() else { return };
     let (start, end) = (addr as usize, (addr as usize).saturating_add(len));
     let complete: Vec<Open> = {
         let mut open = OPEN.lock();
@@ -486,7 +444,7 @@ pub unsafe extern "C" fn munmap(addr: *mut libc::c_void, len: libc::size_t) -> c
             }
         }
         if !touched {
-            return rc; // memory of the program's own (malloc's): no staged file's mapping
+            return; // memory of the program's own (malloc's): no staged file's mapping
         }
         MAPPED_COUNT.store(open.iter().map(|o| o.maps.len()).sum(), Ordering::Relaxed);
         let (done, kept): (Vec<Open>, Vec<Open>) =
@@ -500,7 +458,6 @@ pub unsafe extern "C" fn munmap(addr: *mut libc::c_void, len: libc::size_t) -> c
     for o in complete {
         commit(o);
     }
-    rc
 }
 
 /// At exit: files still open (a program that relies on exit to close them) are flushed and journaled.
@@ -526,7 +483,7 @@ static AT_EXIT: extern "C" fn() = at_exit;
 
 /// The stat family of a pending file: the staged copy's `stat`, this node's or another node's.
 pub unsafe fn staged_stat(dirfd: c_int, path: *const c_char) -> Option<libc::stat> {
-    let wb = writes()?;
+    let wb = writeback()?;
     let abs = dest_path(wb, dirfd, path)?;
     let mut st: libc::stat = std::mem::zeroed();
     if let Some(staged) = staged_copy(wb, &abs) {
@@ -577,7 +534,7 @@ pub unsafe fn rename(
     flags: c_uint,
 ) -> Option<c_int> {
     let _busy = Busy::enter()?;
-    let wb = writes()?;
+    let wb = writeback()?;
     let from = dest_path(wb, olddir, old);
     let to = dest_path(wb, newdir, new)?;
     let Some(from) = from else {
@@ -626,7 +583,7 @@ pub unsafe fn rename(
 /// `unlink` under a destination: a pending file leaves the journal, then the store's copy (if any) goes.
 pub unsafe fn unlink(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> c_int) -> Option<c_int> {
     let _busy = Busy::enter()?;
-    let wb = writes()?;
+    let wb = writeback()?;
     let abs = dest_path(wb, dirfd, path)?;
     {
         let mut open = OPEN.lock();
@@ -652,7 +609,7 @@ pub unsafe fn unlink(dirfd: c_int, path: *const c_char, real: impl FnOnce() -> c
 /// `truncate` of a pending file: its staged copy is cut.
 pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
     let _busy = Busy::enter()?;
-    let wb = writes()?;
+    let wb = writeback()?;
     let abs = dest_path(wb, libc::AT_FDCWD, path)?;
     match wb.truncate(&abs, len.max(0) as u64) {
         Ok(true) => Some(0),
@@ -662,40 +619,4 @@ pub unsafe fn truncate(path: *const c_char, len: libc::off_t) -> Option<c_int> {
             Some(-1)
         }
     }
-}
-
-/// The listing of the directory `path` names when it is a destination (or under one) and files are
-/// staged in it: the store's entries, then each staged file the store does not list yet (a regular file,
-/// with its staged copy's inode number). `None` when nothing is staged there: the real listing is right.
-/// The journal is read before the store, so a file migrated in between is listed once, by either.
-pub unsafe fn staged_listing(path: *const c_char) -> Option<Vec<tierstore_core::index::Listed>> {
-    let wb = writes()?;
-    if path.is_null() {
-        return None;
-    }
-    let bytes = CStr::from_ptr(path).to_bytes();
-    if bytes.first() == Some(&b'/') && !bytes.windows(3).any(|w| w == b"/..") {
-        let under = wb.destinations().iter().any(|d| bytes.starts_with(d.path.as_os_str().as_bytes()));
-        if !under {
-            return None; // the common case: no allocation, no system call
-        }
-    }
-    let dir = crate::absolute_at(libc::AT_FDCWD, bytes)?;
-    let staged = wb.pending_in(&dir);
-    if staged.is_empty() {
-        return None;
-    }
-    let mut entries = crate::dirs::read_listing(&dir)?;
-    let listed: std::collections::HashSet<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
-    for (name, copy) in staged {
-        let name = name.as_bytes().to_vec();
-        if listed.contains(&name) {
-            continue; // an older copy is on the store: listed once
-        }
-        // Pending when the store was listed after: listed even if it was migrated since (its staged copy
-        // gone), as the store listed too late would not show it.
-        let ino = std::fs::metadata(&copy).map_or(1, |m| std::os::unix::fs::MetadataExt::ino(&m));
-        entries.push(tierstore_core::index::Listed { ino, kind: libc::DT_REG, name });
-    }
-    Some(entries)
 }

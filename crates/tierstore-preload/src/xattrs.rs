@@ -23,7 +23,6 @@
 use std::ffi::{CStr, CString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use libc::{c_char, c_int, c_void, size_t, ssize_t};
 use tierstore_core::config::Revalidate;
