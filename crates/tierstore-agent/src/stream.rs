@@ -30,7 +30,8 @@
 //! listed with their lag (see `consumers.rs`).
 //!
 //! This file is the version store: the streams' state under one lock, publishing, leases, eviction and
-//! subscriptions. Beside it: the manifest's schema (`manifest.rs`), the request loop of a stream
+//! subscriptions, kept together (some 720 lines and their tests) because each of them changes that state
+//! under that lock. Beside it: the manifest's schema (`manifest.rs`), the request loop of a stream
 //! connection (`requests.rs`), the consumers as the agent sees them (`consumers.rs`), and the streams
 //! across nodes: announcing, following, relaying and pulling versions (`follow.rs`). The request loop
 //! and the follower work on the store's own state, so they import it from here; nothing else imports
