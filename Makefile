@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := .stamps
 RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: setup demo test test-rust test-python bench lint fmt clean docs
+.PHONY: setup demo test test-rust test-python test-fast bench lint fmt clean docs
 
 setup: $(STAMP)/installed $(STAMP)/system
 
@@ -40,13 +40,19 @@ $(STAMP)/installed: $(STAMP)/venv $(RUST_SRC)
 demo: setup
 	$(PY) examples/demo.py
 
+# Everything CI runs (tests/README.md). cargo test --workspace builds tierstore-core with its `s3` feature (the
+# agent and the extension ask for it), so the Source conformance suite also runs against SeaweedFS.
 test: setup test-rust test-python
 
 test-rust:
 	cargo test --workspace --quiet
 
 test-python: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=20
+
+# The Python tests without the slow ones (soaks, kill loops, over ~10 s) and without network namespaces.
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not netns" --durations=20
 
 bench: setup
 	$(PY) bench/bench_cache.py --out docs/benchmarks/cache.md

@@ -1,28 +1,53 @@
-"""Shared fixtures: a real source directory on disk and fresh tier directories (RAM-backed and local)."""
+"""Shared fixtures: a real source directory on disk and fresh tier directories (RAM-backed and local), the
+stand-in store, a private node agent; and the markers that say what each test needs (see tests/README.md).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tierstore
-from tierstore import agent
+from tests.helpers import soak
+from tests.helpers.agents import start_agent, stop_agent
+from tests.helpers.marks import BY_FIXTURE, needs
+from tests.helpers.stores import mounted_store
+
+ROOT_SKIP = "needs root (network namespaces, mounts): CI runs as root"
 
 
-def content(i: int, size: int) -> bytes:
-    """Deterministic, file-specific bytes."""
-    seed = hashlib.blake2b(str(i).encode(), digest_size=32).digest()
-    return (seed * (size // len(seed) + 1))[:size]
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test takes the markers of the fixtures it uses (`helpers.marks.needs`), and a test that needs
+    network namespaces needs root."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for fixture, marks in BY_FIXTURE.items():
+            if fixture in names:
+                for mark in marks:
+                    item.add_marker(mark)
+        if item.get_closest_marker("netns") is not None and item.get_closest_marker("root") is None:
+            item.add_marker("root")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("root") is not None and os.geteuid() != 0:
+        pytest.skip(ROOT_SKIP)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _test_settings_stay_with_the_tests() -> Iterator[None]:
+    """The TIERSTORE_TEST_* variables are the tests' own (`helpers.soak` read them at collection): no
+    process a test starts sees them, as tierstore refuses a TIERSTORE_* variable it does not know."""
+    with pytest.MonkeyPatch.context() as env:
+        for k in list(os.environ):
+            if k.startswith(soak.PREFIX):
+                env.delenv(k)
+        yield
 
 
 @pytest.fixture
@@ -44,17 +69,6 @@ def tier(shm_dir: Path) -> str:
     return str(shm_dir / "tier")
 
 
-def make_files(root: Path, n: int, size: int = 4096, prefix: str = "f") -> dict[Path, bytes]:
-    files = {}
-    for i in range(n):
-        p = root / f"{prefix}{i // 50}" / f"{i:05d}.bin"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        b = content(i, size + i % 7)
-        p.write_bytes(b)
-        files[p] = b
-    return files
-
-
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No test sees the developer's configuration, and the default cache is rebuilt per test."""
@@ -65,37 +79,8 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(tierstore.cache, "_default", None)
 
 
-@contextlib.contextmanager
-def mounted_store(
-    tmp_path: Path,
-    *,
-    data_latency: str = "0",
-    bandwidth: str = "0",
-    meta_latency: str = "0",
-    access_log: Path | None = None,
-    write_bandwidth: str = "0",
-    fail_file: Path | None = None,
-) -> Iterator[tuple[Path, Path]]:
-    """A real directory and the stand-in parallel file system (FUSE) serving it: (backing dir, mount).
-    No latency and no bandwidth cap unless asked: the tests count operations, they do not time them."""
-    from tierstore.testing.slowfs import mounted
-
-    backing = tmp_path / "pfs-backing"
-    backing.mkdir()
-    with mounted(
-        backing,
-        tmp_path / "pfs",
-        meta_latency=meta_latency,
-        data_latency=data_latency,
-        bandwidth=bandwidth,
-        write_bandwidth=write_bandwidth,
-        fail_file=fail_file,
-        access_log=access_log,
-    ) as mount:
-        yield backing, mount
-
-
 @pytest.fixture
+@needs("fuse")
 def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """The stand-in store with no added latency: counts every operation."""
     with mounted_store(tmp_path) as store:
@@ -103,16 +88,11 @@ def slow_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 
 
 @pytest.fixture
+@needs("fuse")
 def throttled_store(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """The stand-in store at 8 MiB/s, so that copying a few MiB takes a visible while."""
     with mounted_store(tmp_path, bandwidth="8MiB/s") as store:
         yield store
-
-
-def store_stats(mount: Path) -> dict[str, int]:
-    from tierstore.testing.slowfs import read_stats
-
-    return read_stats(str(mount))
 
 
 @pytest.fixture
@@ -127,36 +107,3 @@ def sock(tmp_path: Path) -> Iterator[Path]:
         env.setenv("XDG_RUNTIME_DIR", str(path.parent.parent))
         yield path
     stop_agent(proc)
-
-
-def start_agent(
-    path: Path, *extra: str, node: str = "n1", inside: Callable[..., list[str]] | None = None
-) -> subprocess.Popen[bytes]:
-    """A node agent on socket `path` (inside a network namespace: `inside=Node.cmd`), once it is ready."""
-    argv = [*agent.run_args(path, node=node), *extra]
-    proc = subprocess.Popen(
-        inside(*argv) if inside is not None else argv,
-        stdout=subprocess.PIPE,
-        stderr=open(path.parent / "agent.log", "ab"),  # noqa: SIM115
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith(b"ready"), (path.parent / "agent.log").read_text()
-    return proc
-
-
-def stop_agent(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(timeout=20)
-
-
-def child(code: str, sock: Path) -> subprocess.Popen[str]:
-    """A Python process running `code`, talking to the agent on `sock` (…/tierstore/agent.sock)."""
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )

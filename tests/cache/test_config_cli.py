@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import tierstore
+from tests.helpers.cli import cli
 
 
 def test_layers_file_then_env_then_arguments(
@@ -96,16 +95,6 @@ def test_config_file_errors(source: Path, tmp_path: Path) -> None:
     with pytest.raises(tierstore.ConfigError, match=r"source = .*cannot be read") as e:
         tierstore.Cache(tmp_path / "nope")
     assert e.value.key == "source" and e.value.value.endswith("nope")
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
 
 
 def test_cli_help_reads_well() -> None:

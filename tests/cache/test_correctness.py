@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import tierstore
-from tests.conftest import content, make_files
+from tests.helpers.data import content, make_files
+from tests.helpers.soak import EVICTION_READS
 
 
 def _read_all_in_process(args: tuple[str, str, list[str], int]) -> dict[str, str]:
@@ -199,6 +200,7 @@ def test_quota_full_tier_still_serves_every_read(source: Path, tier: str) -> Non
     assert s["source"]["uncached"] == 36 + 36
 
 
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs to fill a real disk needs root")
 def test_disk_full_under_the_tier_falls_back(source: Path, shm_dir: Path) -> None:
     mnt = shm_dir / "small"
@@ -235,7 +237,7 @@ def test_eviction_under_quota_with_concurrent_readers(source: Path, tier: str, p
     def reader(seed: int) -> None:
         rng = random.Random(seed)
         keys = list(files)
-        for _ in range(300):
+        for _ in range(EVICTION_READS):
             p = rng.choice(keys)
             with cache.open(p) as f:
                 if f.read() != files[p]:
@@ -282,6 +284,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_fetcher_killed_mid_copy_blocks_nobody(source: Path, tmp_path: Path) -> None:
     big = source / "big.bin"
     size = 1 << 30

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tierstore
-from tests.conftest import content
+from tests.helpers.data import content
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 import tierstore
-from tests.conftest import mounted_store, store_stats
+from tests.helpers.marks import needs
+from tests.helpers.stores import mounted_store, store_stats
 from tierstore.order import ReadMarker
 from tierstore.torch import CachedDataset, prefetching
 
@@ -59,6 +60,7 @@ def tier_used(cache: tierstore.Cache) -> int:
 
 
 @pytest.fixture
+@needs("fuse")
 def logged_store(tmp_path: Path) -> Any:
     """The stand-in store with 1 ms per metadata operation and an access log: (backing, mount, log)."""
     log = tmp_path / "access.log"

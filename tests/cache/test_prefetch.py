@@ -5,14 +5,14 @@ and clear errors for `--jobs`."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import tierstore
-from tests.conftest import make_files, store_stats
+from tests.helpers.cli import cli
+from tests.helpers.data import make_files
+from tests.helpers.stores import store_stats
 
 DIRS = 6
 FILES = 240  # make_files puts 50 per directory: 5 directories, plus one nested below
@@ -29,16 +29,6 @@ def build_tree(backing: Path) -> dict[Path, bytes]:
     files[nested] = nested.read_bytes()
     (tree / "empty").mkdir()
     return {p.relative_to(backing): b for p, b in files.items()}
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
 
 
 def delta(after: dict[str, object], before: dict[str, object]) -> dict[str, int]:

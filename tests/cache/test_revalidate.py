@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import tierstore
-from tests.conftest import content, mounted_store, store_stats
+from tests.helpers.data import content
+from tests.helpers.stores import mounted_store, store_stats
 
 
 def _read_at_once(args: tuple[str, str, list[str], str, object]) -> str:
@@ -29,6 +30,7 @@ def _read_at_once(args: tuple[str, str, list[str], str, object]) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.fuse
 @pytest.mark.parametrize("revalidate", ["always", "never", "30s"])
 def test_processes_reading_the_same_cold_files_at_once_open_each_once(
     tmp_path: Path, tier: str, revalidate: str
@@ -68,6 +70,7 @@ def test_processes_reading_the_same_cold_files_at_once_open_each_once(
         assert after["bytes_read"] - before.get("bytes_read", 0) == total
 
 
+@pytest.mark.fuse
 def test_revalidate_within_a_duration_confirms_a_directory_at_once(tmp_path: Path, tier: str) -> None:
     """`revalidate = "2s"`: a copy confirmed within 2 s costs the store nothing; an older one is
     confirmed with the rest of its directory (one directory read and a `stat` per file, not per open),
@@ -113,6 +116,7 @@ def test_revalidate_within_a_duration_confirms_a_directory_at_once(tmp_path: Pat
         del cache  # its descriptor of the source's root would keep the store busy at unmount
 
 
+@pytest.mark.fuse
 def test_revalidate_always_costs_one_stat_per_warm_open_and_none_per_cold_one(
     tmp_path: Path, tier: str
 ) -> None:

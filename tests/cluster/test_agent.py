@@ -11,15 +11,7 @@ from pathlib import Path
 
 import pytest
 
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", "agent", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+from tests.helpers.cli import agent_cli as cli
 
 
 @pytest.fixture

@@ -1,153 +1,25 @@
 """One dataset cache across the nodes of a job: each node's agent serves the files it owns to the others.
 
 The nodes here share this machine's loopback (each with its own agent, port, tiers and counters) and one
-stand-in store mounted once, which counts every byte the job reads from it. tests/test_netns.py runs the
-same job on nodes in their own network namespaces.
+stand-in store mounted once, which counts every byte the job reads from it. tests/cluster/test_netns.py runs
+the same job on nodes in their own network namespaces.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import store_stats
+from tests.helpers.cluster import SIZES, Cluster, Node, dataset, free_port, make_cluster, stop_cluster
+from tests.helpers.stores import store_stats
 from tierstore import agent as agent_mod
-
-# Files under and over one chunk of the wire protocol (1 MiB), and one over inline_max (set to 1 MiB).
-SIZES = [0, 1, 4096, 100_000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 17]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Node:
-    name: str
-    env: dict[str, str]
-    tier: Path
-    socket: Path
-    pid: int = 0
-
-
-@dataclass
-class Cluster:
-    mount: Path
-    nodes: list[Node] = field(default_factory=list)
-
-    def read_all(self, node: Node, rels: list[str], timeout: float = 120) -> dict:
-        """Reads every file through `tierstore.Cache` in a process of `node`; returns the digests it
-        read, its counters and how long it took."""
-        code = (
-            "import hashlib, json, os, sys, time, tierstore\n"
-            "c = tierstore.Cache()\n"
-            "t = time.monotonic()\n"
-            "got = {r: hashlib.sha256(c.open(os.path.join(c.source, r)).read()).hexdigest() for r in sys.argv[1:]}\n"
-            "print(json.dumps({'got': got, 'seconds': time.monotonic() - t, 'stats': c.stats()['source']}))\n"
-        )
-        p = subprocess.run(
-            [sys.executable, "-c", code, *rels], env=node.env, capture_output=True, text=True, timeout=timeout
-        )
-        assert p.returncode == 0, f"reader on {node.name} failed: {p.stderr[-3000:]}"
-        out = json.loads(p.stdout)
-        out["stderr"] = p.stderr
-        return out
-
-    def stats(self, node: Node) -> dict:
-        """The node's source counters now (its processes' and its agent's)."""
-        code = "import json, tierstore; print(json.dumps(tierstore.Cache().stats()['source']))"
-        p = subprocess.run(
-            [sys.executable, "-c", code], env=node.env, capture_output=True, text=True, timeout=60
-        )
-        assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout)
-
-    def agent_status(self, node: Node) -> dict:
-        report = agent_mod.status(node.socket)
-        assert report is not None, f"the agent of {node.name} does not answer"
-        return json.loads(report)
-
-
-def make_cluster(tmp_path: Path, mount: Path, n: int, sharing: str, revalidate: str = "never") -> Cluster:
-    ports = [free_port() for _ in range(n)]
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    cluster = Cluster(mount)
-    for i, port in enumerate(ports):
-        runtime = tmp_path / f"node{i}" / "run"
-        runtime.mkdir(parents=True)
-        tier = tmp_path / f"node{i}" / "tier"
-        env = {
-            **os.environ,
-            "XDG_RUNTIME_DIR": str(runtime),
-            "TIERSTORE_SOURCE": str(mount),
-            "TIERSTORE_TIERS": f"{tier}:256M",
-            "TIERSTORE_INLINE_MAX": str(1 << 20),
-            "TIERSTORE_REVALIDATE": revalidate,
-            "TIERSTORE_SHARING": sharing,
-            "TIERSTORE_PEERS": members,
-            "TIERSTORE_NODE": f"127.0.0.1:{port}",
-            "TIERSTORE_PEER_CONNECT_MS": "500",
-            "TIERSTORE_PEER_DEADLINE_MS": "2000",
-        }
-        cluster.nodes.append(Node(f"node{i}", env, tier, runtime / "tierstore" / "agent.sock"))
-    for node in cluster.nodes:
-        p = subprocess.run(
-            [sys.executable, "-m", "tierstore.cli", "agent", "start"],
-            env=node.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert p.returncode == 0, f"{node.name}: {p.stderr}"
-        node.pid = cluster.agent_status(node)["pid"]
-    return cluster
-
-
-def stop_cluster(cluster: Cluster) -> None:
-    for node in cluster.nodes:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(node.pid, signal.SIGTERM)
-    for node in cluster.nodes:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(node.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-
-
-def dataset(backing: Path) -> dict[str, str]:
-    """Writes the files to the store's backing directory; returns their digests by relative path."""
-    digests = {}
-    for i, size in enumerate(SIZES * 3):
-        rel = f"shard{i % 4}/sample{i:03d}.bin"
-        data = hashlib.sha256(f"{i}".encode()).digest() * (size // 32 + 1)
-        path = backing / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data[:size])
-        digests[rel] = hashlib.sha256(data[:size]).hexdigest()
-    return digests
-
-
-@pytest.fixture
-def store(slow_store: tuple[Path, Path]) -> tuple[Path, dict[str, str]]:
-    backing, mount = slow_store
-    return mount, dataset(backing)
 
 
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
@@ -442,118 +314,6 @@ def test_the_agent_serves_prometheus_metrics_when_asked(
         assert e.value.code == 404
     finally:
         stop_cluster(cluster)
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A redis-server of this test's own on a free loopback port."""
-    from tierstore.testing.netns import start_redis
-
-    port = free_port()
-    proc = start_redis("127.0.0.1", port)
-    try:
-        yield f"redis://127.0.0.1:{port}/"
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def registry_cluster(
-    tmp_path: Path, mount: Path, n: int, url: str, job: dict[str, str] | None = None, name: str = "r"
-) -> Cluster:
-    """`n` nodes that find each other in the registry: no member list anywhere. `job`: the variables that
-    name the job (default TIERSTORE_JOB=test-job)."""
-    cluster = Cluster(mount)
-    for i in range(n):
-        runtime = tmp_path / f"{name}{i}"
-        runtime.mkdir()
-        port = free_port()
-        env = {
-            **os.environ,
-            "XDG_RUNTIME_DIR": str(runtime),
-            "TIERSTORE_SOURCE": str(mount),
-            "TIERSTORE_TIERS": f"{tmp_path / f'{name}t{i}'}:64M",
-            "TIERSTORE_SHARING": "partitioned",
-            "TIERSTORE_REGISTRY": url,
-            "TIERSTORE_NODE": f"127.0.0.1:{port}",
-            "TIERSTORE_PEER_CONNECT_MS": "500",
-            **({"TIERSTORE_JOB": "test-job"} if job is None else job),
-        }
-        node = Node(f"{name}{i}", env, tmp_path / f"{name}t{i}", runtime / "tierstore" / "agent.sock")
-        subprocess.run(
-            [sys.executable, "-m", "tierstore.cli", "agent", "start"], env=env, check=True, timeout=60
-        )
-        node.pid = cluster.agent_status(node)["pid"]
-        cluster.nodes.append(node)
-    deadline = time.monotonic() + 15
-    while not all(len(cluster.agent_status(x)["members"]) == n - 1 for x in cluster.nodes):
-        assert time.monotonic() < deadline, [cluster.agent_status(x)["members"] for x in cluster.nodes]
-        time.sleep(0.2)
-    return cluster
-
-
-def test_members_found_in_redis_share_the_cache_and_a_stopped_redis_stops_nothing(
-    tmp_path: Path, store: tuple[Path, dict[str, str]], redis_url: str
-) -> None:
-    mount, digests = store
-    rels = sorted(digests)
-    cluster = registry_cluster(tmp_path, mount, 3, redis_url)
-    try:
-        before = store_stats(mount).get("bytes_read", 0)
-        for node in cluster.nodes:
-            out = cluster.read_all(node, rels)
-            assert out["got"] == digests
-            assert out["stats"]["peer_hits"] > 0 and out["stats"]["peer_faults"] == 0, out["stats"]
-        assert store_stats(mount).get("bytes_read", 0) - before == sum(SIZES) * 3
-        # An agent that stops leaves the registry at once: the others drop it at their next heartbeat.
-        leaving = cluster.nodes.pop()
-        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=leaving.env, check=True)
-        deadline = time.monotonic() + 10
-        while any(len(cluster.agent_status(x)["members"]) != 1 for x in cluster.nodes):
-            assert time.monotonic() < deadline, "a stopped agent is still a member"
-            time.sleep(0.2)
-        # Redis goes away: the agents keep the members they knew, reads go on, the errors are counted.
-        port = int(redis_url.rsplit(":", 1)[1].strip("/"))
-        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, timeout=10)
-        time.sleep(1.5)
-        for node in cluster.nodes:
-            out = cluster.read_all(node, rels)
-            assert out["got"] == digests
-            assert out["stats"]["peer_faults"] == 0, out["stats"]
-        assert all(cluster.agent_status(x)["registry_errors"] > 0 for x in cluster.nodes)
-        assert all(len(cluster.agent_status(x)["members"]) == 1 for x in cluster.nodes)
-    finally:
-        stop_cluster(cluster)
-
-
-def test_two_slurm_jobs_on_one_redis_never_see_each_other(
-    tmp_path: Path, store: tuple[Path, dict[str, str]], redis_url: str
-) -> None:
-    """The README's recipe twice on one Redis: the job's name in the registry comes from Slurm's job id
-    (no TIERSTORE_JOB), so two jobs' agents register apart and each sees only its own members."""
-    mount, _ = store
-    first = registry_cluster(tmp_path, mount, 2, redis_url, job={"SLURM_JOB_ID": "4101"}, name="a")
-    try:
-        second = registry_cluster(tmp_path, mount, 2, redis_url, job={"SLURM_JOB_ID": "4102"}, name="b")
-        try:
-            time.sleep(1.5)  # a heartbeat or two: time for a wrong member to show up
-            for cluster in (first, second):
-                own = {n.env["TIERSTORE_NODE"] for n in cluster.nodes}
-                for node in cluster.nodes:
-                    members = {m["address"] for m in cluster.agent_status(node)["members"]}
-                    assert members == own - {node.env["TIERSTORE_NODE"]}, members
-            config = subprocess.run(
-                [sys.executable, "-m", "tierstore.cli", "config", "show"],
-                env=first.nodes[0].env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            assert "slurm-4101" in config.stdout, config.stdout + config.stderr
-        finally:
-            stop_cluster(second)
-    finally:
-        stop_cluster(first)
 
 
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import store_stats
-from tests.test_cluster import SIZES, dataset
+from tests.helpers.cluster import SIZES, dataset
+from tests.helpers.marks import needs
+from tests.helpers.stores import store_stats
 from tierstore.testing.netns import Nodes
 
 NODES = 4
@@ -54,6 +55,7 @@ print(json.dumps({"got": got, "seconds": time.monotonic() - t, "stats": cache.st
 
 
 @pytest.fixture
+@needs("root", "netns")
 def namespaces() -> Iterator[list[str]]:
     """NODES namespaces on one bridge, as "name|address"; torn down after the test."""
     if os.geteuid() != 0:
@@ -62,6 +64,8 @@ def namespaces() -> Iterator[list[str]]:
         yield [f"{n.name}|{n.address}" for n in nodes.nodes]
 
 
+# Four nodes with two DataLoader workers each: 10-20 s.
+@pytest.mark.slow
 @pytest.mark.parametrize("revalidate", ["never", "always", "60s"])
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
 def test_four_nodes_in_namespaces_read_the_dataset_from_the_store_once(
@@ -153,6 +157,7 @@ print(json.dumps({"got": got, "slowest": slowest, "stats": c.stats()["source"]})
 """
 
 
+@pytest.mark.netns
 def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
     tmp_path: Path, slow_store: tuple[Path, Path]
 ) -> None:

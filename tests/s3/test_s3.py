@@ -12,25 +12,14 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tierstore
+from tests.helpers.data import blob
 from tierstore.testing.s3server import S3Server
-
-
-def blob(i: int, size: int) -> bytes:
-    seed = hashlib.blake2b(f"object {i}".encode(), digest_size=64).digest()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with S3Server(tmp_path_factory.mktemp("seaweedfs")) as s3:
-        yield s3
 
 
 @pytest.fixture
@@ -57,8 +46,8 @@ def gets(cache: tierstore.Cache) -> int:
 
 
 def test_objects_read_whole_then_from_the_tier(server: S3Server, bucket: str, tier: str) -> None:
-    small = {f"train/{i:03d}.bin": blob(i, 1000 + 37 * i) for i in range(40)}
-    large = {"train/big.bin": blob(99, 5 * 1024 * 1024 + 123)}
+    small = {f"train/{i:03d}.bin": blob(f"object {i}", 1000 + 37 * i) for i in range(40)}
+    large = {"train/big.bin": blob("object 99", 5 * 1024 * 1024 + 123)}
     put(server, bucket, {**small, **large, "other/x.bin": b"not under the prefix"})
     cache = cache_of(server, f"s3://{bucket}/train", tier, revalidate="never", s3={"range_size": "1M"})
     assert cache.source == f"s3://{bucket}/train"
@@ -194,8 +183,8 @@ def _reader(url: str, tier: str, settings: dict[str, Any], keys: list[str], star
 
 
 def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, tier: str) -> None:
-    objects = {f"d/{i:03d}.bin": blob(i, 20_000 + i) for i in range(60)}
-    objects["d/large.bin"] = blob(1000, 3 * 1024 * 1024)
+    objects = {f"d/{i:03d}.bin": blob(f"object {i}", 20_000 + i) for i in range(60)}
+    objects["d/large.bin"] = blob("object 1000", 3 * 1024 * 1024)
     put(server, bucket, objects)
     keys = [k.removeprefix("d/") for k in objects]
     ctx = multiprocessing.get_context("spawn")
@@ -231,11 +220,13 @@ def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, t
     assert served.get("GET", 0) == 60 + 3, served
 
 
+@pytest.mark.s3
+@pytest.mark.slow
 def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:
     size = 48 * 1024 * 1024
     with S3Server(tmp_path / "weed") as s3:
         s3.create_bucket("bkt")
-        put(s3, "bkt", {"d/big.bin": blob(7, size)})
+        put(s3, "bkt", {"d/big.bin": blob("object 7", size)})
         cache = tierstore.Cache(
             source="s3://bkt/d",
             tiers=[tier],
@@ -243,7 +234,7 @@ def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path:
         )
         f = cache.open("big.bin")
         first = f.read(1024 * 1024)
-        assert first == blob(7, size)[: 1024 * 1024]
+        assert first == blob("object 7", size)[: 1024 * 1024]
         s3.kill()
         t0 = time.monotonic()
         with pytest.raises(OSError):
@@ -264,11 +255,14 @@ def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path:
             except Exception:
                 assert time.monotonic() < deadline, s3.log_tail()
                 time.sleep(0.2)
-        assert hashlib.sha256(cache.open("big.bin").read()).digest() == hashlib.sha256(blob(7, size)).digest()
+        assert (
+            hashlib.sha256(cache.open("big.bin").read()).digest()
+            == hashlib.sha256(blob("object 7", size)).digest()
+        )
 
 
 def test_prefetch_of_a_prefix(server: S3Server, bucket: str, tier: str) -> None:
-    objects = {f"ds/sub{i % 3}/{i:04d}.bin": blob(i, 4096 + i) for i in range(150)}
+    objects = {f"ds/sub{i % 3}/{i:04d}.bin": blob(f"object {i}", 4096 + i) for i in range(150)}
     put(server, bucket, objects)
     cache = cache_of(server, f"s3://{bucket}/ds", tier, revalidate="never")
     progress = cache.prefetch([f"s3://{bucket}/ds"], progress=False)
@@ -290,7 +284,7 @@ def test_a_dataloader_over_a_prefix(server: S3Server, bucket: str, tier: str) ->
     torch = pytest.importorskip("torch")
     from tierstore.torch import CachedDataset
 
-    objects = {f"imgs/{i:03d}.bin": blob(i, 3000) for i in range(64)}
+    objects = {f"imgs/{i:03d}.bin": blob(f"object {i}", 3000) for i in range(64)}
     put(server, bucket, objects)
     cache = cache_of(server, f"s3://{bucket}/imgs", tier, revalidate="never")
     ds = CachedDataset(f"s3://{bucket}/imgs", cache=cache, decode=lambda f: len(f.read()))
@@ -314,7 +308,7 @@ def test_tierstore_run_refuses_an_object_store(server: S3Server, bucket: str, ti
 
 
 def test_reads_while_a_large_object_streams_in(server: S3Server, bucket: str, tier: str) -> None:
-    body = blob(3, 12 * 1024 * 1024)
+    body = blob("object 3", 12 * 1024 * 1024)
     put(server, bucket, {"d/big.bin": body})
     cache = cache_of(server, f"s3://{bucket}/d", tier, s3={"range_size": "1M", "ranges_in_flight": 4})
     results: list[bytes] = []
@@ -334,7 +328,7 @@ def test_reads_while_a_large_object_streams_in(server: S3Server, bucket: str, ti
 
 def test_fsspec_chained_over_s3(server: S3Server, bucket: str, tier: str) -> None:
     fsspec = pytest.importorskip("fsspec")
-    objects = {f"d/{i}.bin": blob(i, 5000) for i in range(5)}
+    objects = {f"d/{i}.bin": blob(f"object {i}", 5000) for i in range(5)}
     put(server, bucket, objects)
     s3_options = {
         "key": server.settings()["access_key_id"],
@@ -378,7 +372,7 @@ def test_the_prefetch_command_over_a_prefix(server: S3Server, bucket: str, tier:
     import subprocess
     import sys
 
-    objects = {f"cli/{i:03d}.bin": blob(i, 10_000 + i) for i in range(40)}
+    objects = {f"cli/{i:03d}.bin": blob(f"object {i}", 10_000 + i) for i in range(40)}
     put(server, bucket, objects)
     s = server.settings()
     env = {
@@ -424,7 +418,7 @@ def test_a_cold_object_costs_one_get_in_every_mode(
     server: S3Server, bucket: str, tier: str, revalidate: str
 ) -> None:
     """The GET's response carries the object's identity: no HEAD before it, whatever `revalidate` says."""
-    objects = {f"d/{i:02d}.bin": blob(i, 3000 + i) for i in range(12)}
+    objects = {f"d/{i:02d}.bin": blob(f"object {i}", 3000 + i) for i in range(12)}
     put(server, bucket, objects)
     cache = cache_of(server, f"s3://{bucket}/d", tier, revalidate=revalidate)
     before = server.requests(bucket)
@@ -438,6 +432,8 @@ def test_a_cold_object_costs_one_get_in_every_mode(
     assert (s["reads"], s["stats"]) == (len(objects), 0)
 
 
+@pytest.mark.s3
+@pytest.mark.slow
 def test_a_stalled_server_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:
     """A server that stops answering (SIGSTOP: connections stay open, nothing comes back) fails a reader
     following a large object's copy within one request's deadline and its retries, not twice that: the
@@ -446,7 +442,7 @@ def test_a_stalled_server_fails_the_reader_within_its_deadline(tmp_path: Path, t
     timeout, retries = 2.0, 1
     with S3Server(tmp_path / "weed") as s3:
         s3.create_bucket("bkt")
-        put(s3, "bkt", {"d/big.bin": blob(8, size)})
+        put(s3, "bkt", {"d/big.bin": blob("object 8", size)})
         cache = tierstore.Cache(
             source="s3://bkt/d",
             tiers=[tier],
@@ -467,7 +463,10 @@ def test_a_stalled_server_fails_the_reader_within_its_deadline(tmp_path: Path, t
         assert "s3://bkt/d/big.bin" in str(failed.value)
         cache.wait()
         assert cache.lookup("s3://bkt/d/big.bin", validate=False) is None, "a partial copy was published"
-        assert hashlib.sha256(cache.open("big.bin").read()).digest() == hashlib.sha256(blob(8, size)).digest()
+        assert (
+            hashlib.sha256(cache.open("big.bin").read()).digest()
+            == hashlib.sha256(blob("object 8", size)).digest()
+        )
 
 
 def test_revalidate_within_a_duration_confirms_a_prefix_with_one_listing(
@@ -476,8 +475,8 @@ def test_revalidate_within_a_duration_confirms_a_prefix_with_one_listing(
     """`revalidate = "2s"`: a copy confirmed within 2 s is served without a request; an older one is
     confirmed with the rest of its prefix by one LIST (ETag, size and last-modified of every key), so a
     warm epoch costs a request per prefix, not per object, and a change is seen within the duration."""
-    top = {f"d/{i:02d}.bin": blob(i, 2000 + i) for i in range(30)}
-    sub = {f"d/sub/{i}.bin": blob(100 + i, 500) for i in range(4)}
+    top = {f"d/{i:02d}.bin": blob(f"object {i}", 2000 + i) for i in range(30)}
+    sub = {f"d/sub/{i}.bin": blob(f"object {100 + i}", 500) for i in range(4)}
     objects = {**top, **sub}
     put(server, bucket, objects)
     cache = cache_of(server, f"s3://{bucket}/d", tier, revalidate="2s")
@@ -493,7 +492,7 @@ def test_revalidate_within_a_duration_confirms_a_prefix_with_one_listing(
     assert epoch() == {"GET": len(objects)}
     cache.wait()
     assert epoch() == {}, "copies confirmed within the duration cost the store nothing"
-    changed = {"d/03.bin": b"a new version of three", "d/sub/1.bin": blob(7, 500)}
+    changed = {"d/03.bin": b"a new version of three", "d/sub/1.bin": blob("object 7", 500)}
     put(server, bucket, changed)
     server.client().delete_object(Bucket=bucket, Key="d/07.bin")
     deleted = top.pop("d/07.bin")

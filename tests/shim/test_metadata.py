@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import content, store_stats
-from tests.test_preload import tierstore_run
+from tests.helpers.cli import tierstore_run
+from tests.helpers.data import content
+from tests.helpers.stores import store_stats
 
 FIELDS = (
     "st_dev",

@@ -15,32 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import store_stats
-
-
-def tierstore_run(source: Path, tier: str, *cmd: str, revalidate: str = "never", **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierstore.cli",
-            "--source",
-            str(source),
-            "--tier",
-            tier,
-            "run",
-            "--revalidate",
-            revalidate,
-            "--",
-            *cmd,
-        ],
-        text=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        **kw,
-    )
-
+from tests.helpers.cli import tierstore_run
+from tests.helpers.stores import store_stats
 
 LOADER_JOB = textwrap.dedent(
     """
@@ -87,9 +63,17 @@ def make_images(root: Path, n: int) -> str:
     return h.hexdigest()
 
 
+# A spawned or forkserver worker imports torch anew, every epoch: 15-30 s on a small machine.
 @pytest.mark.parametrize(
     ("workers", "context"),
-    [(0, "fork"), (2, "fork"), (4, "fork"), (2, "spawn"), (4, "spawn"), (2, "forkserver")],
+    [
+        (0, "fork"),
+        (2, "fork"),
+        (4, "fork"),
+        pytest.param(2, "spawn", marks=pytest.mark.slow),
+        pytest.param(4, "spawn", marks=pytest.mark.slow),
+        pytest.param(2, "forkserver", marks=pytest.mark.slow),
+    ],
 )
 def test_dataloader_under_tierstore_run_reads_the_store_only_in_epoch_one(
     slow_store: tuple[Path, Path], tier: str, tmp_path: Path, workers: int, context: str

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import content, mounted_store, store_stats
+from tests.helpers.data import content
+from tests.helpers.marks import needs
+from tests.helpers.stores import mounted_store, store_stats
 
 # The tree under the store's `data/` directory: nested directories, files below and above inline_max
 # (1 MiB here, so that the large ones take the shim's read-while-copying path on a miss), an empty file,
@@ -234,6 +236,7 @@ class Store:
 
 
 @pytest.fixture(scope="module")
+@needs("fuse")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     tmp = tmp_path_factory.mktemp("tools")
     probe = tmp / "probe"

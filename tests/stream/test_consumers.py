@@ -7,14 +7,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import child
+from tests.helpers.agents import child
+from tests.helpers.cli import stream_cli as cli
+from tests.helpers.wait import until
 from tierstore import stream
 
 # A consumer process: serves version 1, then (when `hold` is set) keeps a request open until the file
@@ -40,27 +40,6 @@ time.sleep(600)
 
 def consumer(sock: Path, label: str, mode: str, hold: bool, release: Path) -> subprocess.Popen[str]:
     return child(CONSUMER.format(label=label, mode=mode, hold=hold, release=str(release)), sock)
-
-
-def cli(sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", "stream", *args, "--socket", str(sock)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def until(what: str, probe: Callable[[], str], ok: Callable[[str], bool], timeout: float = 30.0) -> str:
-    """Polls `probe` until `ok` holds of its output (the agent learns of a swap a moment after it)."""
-    end = time.monotonic() + timeout
-    out = ""
-    while time.monotonic() < end:
-        out = probe()
-        if ok(out):
-            return out
-        time.sleep(0.05)
-    pytest.fail(f"{what}: not within {timeout} s; last output:\n{out}")
 
 
 def read_until(proc: subprocess.Popen[str], pattern: str) -> str:

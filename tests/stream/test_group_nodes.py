@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import start_agent, stop_agent
-from tests.test_stream import MODEL, line
+from tests.helpers.agents import start_agent, stop_agent
+from tests.helpers.stream import MODEL, line
 from tierstore import stream
+
+pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.redis]
 
 # A rank of a gloo process group of 2 spanning the nodes: rank 0 holds the TCP store, on its node's address.
 RANK = """

@@ -15,7 +15,7 @@ import torch
 import transformers
 from sklearn.datasets import load_digits
 
-from tests.conftest import child
+from tests.helpers.agents import child
 from tierstore import integrations
 from tierstore.models import Repository
 from tierstore.schedule import Schedule

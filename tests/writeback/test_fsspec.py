@@ -1,7 +1,7 @@
-"""tierstore's fsspec filesystem (`tierstore://`): files read through the cache, and files written under a
-`[[writeback]]` destination, staged and not yet on the store, behave as fsspec's `file` filesystem shows
-files on disk; a file removed does not come back once the stage has drained. fsspec's own abstract suite
-runs against a destination."""
+"""tierstore's fsspec filesystem (`tierstore://`) under a `[[writeback]]` destination: files written there,
+staged and not yet on the store, behave as fsspec's `file` filesystem shows files on disk; a file removed
+does not come back once the stage has drained. fsspec's own abstract suite runs against a destination.
+(Files read through the cache: tests/cache/test_fsspec.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,7 +27,9 @@ from fsspec.tests.abstract import (  # noqa: E402
 )
 
 import tierstore  # noqa: E402
-from tests.conftest import mounted_store  # noqa: E402
+from tests.helpers.listing import described, tree  # noqa: E402
+from tests.helpers.marks import needs  # noqa: E402
+from tests.helpers.stores import mounted_store  # noqa: E402
 from tierstore import agent, writeback  # noqa: E402
 from tierstore.fs import TierstoreFileSystem  # noqa: E402
 
@@ -69,31 +70,18 @@ def destination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **store: str) -
 
 
 @pytest.fixture
+@needs("fuse")
 def wb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
     with destination(tmp_path, monkeypatch) as d:
         yield d
 
 
 @pytest.fixture
+@needs("fuse")
 def slow_wb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
     """A store that takes writes at 1 MiB/s: a file of a few hundred KiB stays staged for a while."""
     with destination(tmp_path, monkeypatch, write_bandwidth="1MiB/s") as d:
         yield d
-
-
-def tree(root: Path) -> list[str]:
-    """Every path under `root`, relative, directories with a trailing slash."""
-    return sorted(
-        str(p.relative_to(root)) + ("/" if p.is_dir() else "") for p in root.rglob("*") if p != root
-    )
-
-
-def described(infos: list[dict[str, Any]], root: str) -> list[tuple[str, str, int | None]]:
-    """`ls` entries as (name relative to `root`, type, size of a file): what two listings share."""
-    return sorted(
-        (os.path.relpath(i["name"], root), i["type"], i["size"] if i["type"] == "file" else None)
-        for i in infos
-    )
 
 
 def test_a_removed_staged_file_does_not_come_back(wb: Destination) -> None:
@@ -240,85 +228,6 @@ def test_listing_shows_files_still_migrating_once(slow_wb: Destination, tmp_path
     assert {p.name: p.stat().st_size for p in (wb.backing / "m").iterdir()} == sizes
 
 
-def test_ls_of_a_tierstore_url_is_ls_of_the_path(source: Path, tier: str) -> None:
-    """`ls("tierstore:///dir")` of a directory source lists the direct children, files and directories,
-    as `ls("/dir")` and the `file` filesystem do."""
-    (source / "d" / "sub" / "deeper").mkdir(parents=True)
-    (source / "d" / "a.bin").write_bytes(b"a" * 10)
-    (source / "d" / "sub" / "b.bin").write_bytes(b"b" * 20)
-    (source / "d" / "sub" / "deeper" / "c.bin").write_bytes(b"c")
-    fs = TierstoreFileSystem(cache=tierstore.Cache(source, [f"{tier}:1M"]), skip_instance_cache=True)
-    local = LocalFileSystem()
-    d = str(source / "d")
-    want = described(local.ls(d, detail=True), d)
-    assert want == [("a.bin", "file", 10), ("sub", "directory", None)]
-    assert described(fs.ls(f"tierstore://{d}"), d) == want
-    assert described(fs.ls(d), d) == want
-    assert sorted(fs.ls(f"tierstore://{d}", detail=False)) == sorted(local.ls(d, detail=False))
-    assert fs.find(f"tierstore://{d}") == local.find(d)
-    assert fs.info(f"tierstore://{d}/sub")["type"] == "directory"
-
-
-def test_source_files_are_read_through_the_cache(source: Path, tier: str, tmp_path: Path) -> None:
-    """`cat_file` and `get_file` of a source file read it through the cache: the store is read once."""
-    (source / "d").mkdir()
-    (source / "d" / "a.bin").write_bytes(b"through the cache")
-    cache = tierstore.Cache(source, [f"{tier}:1M"])
-    fs = TierstoreFileSystem(cache=cache, skip_instance_cache=True)
-    path = f"tierstore://{source}/d/a.bin"
-    assert fs.isfile(path) and not fs.isdir(path) and fs.info(path)["size"] == 17
-    for i in range(3):
-        fs.get_file(path, str(tmp_path / f"got{i}"))
-        assert (tmp_path / f"got{i}").read_bytes() == b"through the cache"
-        cache.wait()
-    sink = io.BytesIO()
-    fs.get_file(path, sink)
-    assert sink.getvalue() == b"through the cache"
-    assert fs.cat_file(path, start=8) == b"the cache"
-    s = cache.stats()
-    assert s["source"]["opens"] == 1 and s["tiers"][0]["hits"] == 4, s
-
-
-def test_fsspec_filesystem(source: Path, tier: str) -> None:
-    (source / "d").mkdir()
-    (source / "d" / "a.bin").write_bytes(b"through fsspec")
-    cache = tierstore.Cache(source, [f"{tier}:1M"])
-    fs = TierstoreFileSystem(cache=cache)
-    assert fs.ls(str(source / "d"), detail=False) == [str(source / "d" / "a.bin")]
-    for _ in range(2):
-        with fs.open(f"tierstore://{source}/d/a.bin") as f:
-            assert f.read() == b"through fsspec"
-        cache.wait()
-    assert cache.stats()["tiers"][0]["hits"] == 1
-    with pytest.raises(ValueError, match="reads only"):
-        fs.open(str(source / "d" / "a.bin"), "wb")
-    # Registered as a protocol: fsspec finds it by URL.
-    fs2 = fsspec.filesystem("tierstore", cache=cache)
-    with fsspec.open(f"tierstore://{source}/d/a.bin", cache=cache) as f:
-        assert f.read() == b"through fsspec"
-    assert isinstance(fs2, TierstoreFileSystem)
-
-
-def test_a_cached_file_refuses_writes_as_a_read_only_file_does(source: Path, tier: str) -> None:
-    (source / "a.bin").write_bytes(b"read only")
-    cache = tierstore.Cache(source, [f"{tier}:1M"])
-    with cache.open(source / "a.bin") as cached, open(source / "a.bin", "rb") as plain:
-        for f in (cached, plain):
-            assert not f.writable()
-            with pytest.raises(io.UnsupportedOperation):
-                f.write(b"x")
-            with pytest.raises(io.UnsupportedOperation):
-                f.writelines([b"x"])
-            with pytest.raises(io.UnsupportedOperation):
-                f.truncate(0)
-        with pytest.raises(io.UnsupportedOperation, match=r"a\.bin.*reading only"):
-            cached.write(b"x")
-    assert (source / "a.bin").read_bytes() == b"read only"
-    for f in (cached, plain):
-        with pytest.raises(ValueError):  # io.UnsupportedOperation is one too
-            f.write(b"x")
-
-
 class TestAbstractSuite(
     AbstractFixtures,
     AbstractCopyTests,
@@ -340,6 +249,7 @@ class TestAbstractSuite(
         return str(suite_dest.dest)
 
     @pytest.fixture
+    @needs("fuse")
     def suite_dest(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
         with destination(tmp_path, monkeypatch) as d:
             yield d

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -15,13 +16,17 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import mounted_store
+from tests.helpers import soak
+from tests.helpers.cli import tierstore
+from tests.helpers.data import blob
+from tests.helpers.stores import mounted_store
+from tests.helpers.wait import wait_for
 from tierstore.agent import answers
 
 PART = ".tierstore-part"
@@ -68,13 +73,7 @@ class Setup:
         return json.loads(report)["pid"] if report else None
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "tierstore.cli", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return tierstore(*args, env=self.env, timeout=timeout)
 
     def python(
         self, code: str, *args: str, run: bool = False, timeout: float = 120
@@ -130,21 +129,7 @@ def setup(
             tierstore.writeback.reload()
 
 
-def blob(name: str, size: int) -> bytes:
-    """Deterministic bytes of a file, from its name: any file on the store can be checked by name."""
-    seed = hashlib.blake2b(name.encode(), digest_size=64).digest()
-    return (seed * (size // 64 + 1))[:size]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
+@pytest.mark.fuse
 def test_a_job_that_only_stages_its_checkpoints_needs_no_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -187,6 +172,7 @@ def test_configuration_errors_name_the_key_and_the_fix(tmp_path: Path) -> None:
     assert p.returncode == 1 and "writeback[0].durability" in p.stderr and '"remote"' in p.stderr, p.stderr
 
 
+@pytest.mark.fuse
 def test_python_writes_stage_read_back_and_sync_to_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,6 +205,7 @@ def test_python_writes_stage_read_back_and_sync_to_the_store(
         assert p.returncode == 0, p.stderr
 
 
+@pytest.mark.fuse
 def test_fsspec_writes_stage_read_back_and_sync_to_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,6 +235,7 @@ def test_fsspec_writes_stage_read_back_and_sync_to_the_store(
             fs.open(str(tmp_path / "elsewhere.bin"), "wb")
 
 
+@pytest.mark.fuse
 def test_remote_durability_returns_once_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tierstore
 
@@ -258,6 +246,7 @@ def test_remote_durability_returns_once_on_the_store(tmp_path: Path, monkeypatch
         assert s.stored("r.bin").read_bytes() == data, "close returned before the store had the file"
 
 
+@pytest.mark.fuse
 def test_files_reach_the_store_in_close_and_rename_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,7 +288,9 @@ def test_files_reach_the_store_in_close_and_rename_order(
 
 # The writer of the kill test: checkpoint after checkpoint, each a few data files and then a commit file
 # (written under a temporary name and renamed, every other step), each close acknowledged in a log.
-WRITER = r"""
+# (`blob` is tests.helpers.data.blob's own source, so that the test checks the store by the same function.)
+WRITER = (
+    r"""
 import hashlib, os, sys, time
 import tierstore
 from tierstore import writeback
@@ -309,10 +300,9 @@ dest, acks, first, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4
 save = tierstore.open if mode == "api" else open
 replace = writeback.rename if mode == "api" else os.replace
 
-def blob(name, size):
-    seed = hashlib.blake2b(name.encode(), digest_size=64).digest()
-    return (seed * (size // 64 + 1))[:size]
-
+"""
+    + inspect.getsource(blob)
+    + r"""
 log = open(acks, "a", buffering=1)
 step = first
 while True:
@@ -335,9 +325,7 @@ while True:
     step += 1
     time.sleep(0.03)  # the training steps between checkpoints
 """
-
-KILLS = int(os.environ.get("WB_TEST_KILLS", "100"))
-RUN_KILLS = int(os.environ.get("WB_TEST_RUN_KILLS", "20"))
+)
 
 
 def sizes_of(name: str) -> int:
@@ -345,7 +333,14 @@ def sizes_of(name: str) -> int:
     return 300 if leaf == "meta" else 20000 + 7000 * int(leaf.removeprefix("data"))
 
 
-@pytest.mark.parametrize(("mode", "kills"), [("api", KILLS), ("run", RUN_KILLS)])
+# Kill counts: TIERSTORE_TEST_WRITEBACK_KILLS and TIERSTORE_TEST_WRITEBACK_RUN_KILLS (tests/helpers/soak.py).
+@pytest.mark.slow
+@pytest.mark.fuse
+@pytest.mark.parametrize(
+    ("mode", "kills"),
+    [("api", soak.WRITEBACK_KILLS), ("run", soak.WRITEBACK_RUN_KILLS)],
+    ids=["api", "run"],
+)
 def test_kills_of_the_writer_and_the_agent_lose_nothing_and_keep_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, kills: int
 ) -> None:
@@ -422,7 +417,7 @@ def test_kills_of_the_writer_and_the_agent_lose_nothing_and_keep_order(
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(agent_pid, signal.SIGKILL)
                     # Dead once its socket refuses connections (a killed process takes a moment to go).
-                    wait_for(lambda: not answers(s.socket), 10, "the killed agent is gone")
+                    wait_for("the killed agent is gone", lambda: not answers(s.socket), 10)
                     agent_pid = s.start_agent()
             elapsed = time.monotonic() - start
         finally:
@@ -445,20 +440,21 @@ def test_kills_of_the_writer_and_the_agent_lose_nothing_and_keep_order(
         # What is left in the stage are the files of writers killed before their close (never acknowledged):
         # a new agent sweeps them at start.
         os.kill(s.agent_pid() or 0, signal.SIGKILL)
-        wait_for(lambda: not answers(s.socket), 10, "the killed agent is gone")
+        wait_for("the killed agent is gone", lambda: not answers(s.socket), 10)
         s.start_agent()
-        wait_for(lambda: not list((s.stage / "data").iterdir()), 5, "the orphans are swept")
+        wait_for("the orphans are swept", lambda: not list((s.stage / "data").iterdir()), 5)
         print(f"{mode}: {kills} kills ({kinds}) in {elapsed:.1f} s, {len(acked)} acknowledged files")
         assert sum(kinds.values()) == kills and len(acked) > kills
 
 
+@pytest.mark.fuse
 def test_a_store_outage_holds_the_data_and_resumes_by_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import tierstore
     from tierstore import writeback
 
-    outage = float(os.environ.get("WB_TEST_OUTAGE_S", "6"))
+    outage = soak.WRITEBACK_OUTAGE_S
     with setup(tmp_path, monkeypatch) as s:
         s.start_agent()
         s.fail_file.touch()
@@ -468,7 +464,7 @@ def test_a_store_outage_holds_the_data_and_resumes_by_itself(
             with tierstore.open(s.dest / name, "wb") as f:
                 f.write(data)
         # The store fails; the closes returned anyway (local durability), the data wait on the stage.
-        wait_for(lambda: any(p["errors"] for p in writeback.pending()), 5, "the failure is recorded")
+        wait_for("the failure is recorded", lambda: any(p["errors"] for p in writeback.pending()), 5)
         p = s.cli("sync", "--timeout", "1")
         assert (
             p.returncode == 1 and "not on the shared store" in p.stderr and "Input/output error" in p.stderr
@@ -485,6 +481,7 @@ def test_a_store_outage_holds_the_data_and_resumes_by_itself(
         assert took < 4, f"migration resumed {took:.1f} s after the outage ended (back-off cap 2 s)"
 
 
+@pytest.mark.fuse
 def test_a_full_stage_writes_through_and_keeps_the_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -509,6 +506,7 @@ def test_a_full_stage_writes_through_and_keeps_the_order(
         assert s.stored(names[3]).read_bytes() == blob(names[3], 700_000)
 
 
+@pytest.mark.fuse
 def test_a_file_renamed_while_it_migrates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tierstore
     from tierstore import writeback
@@ -518,7 +516,7 @@ def test_a_file_renamed_while_it_migrates(tmp_path: Path, monkeypatch: pytest.Mo
         with tierstore.open(s.dest / "big.tmp", "wb") as f:
             f.write(data)
         part = s.stored(f".big.tmp{PART}")
-        wait_for(lambda: part.exists() and part.stat().st_size > 0, 10, "the upload started")
+        wait_for("the upload started", lambda: part.exists() and part.stat().st_size > 0, 10)
         writeback.rename(s.dest / "big.tmp", s.dest / "big")
         tierstore.sync(timeout=60)
         assert s.stored("big").read_bytes() == data
@@ -526,6 +524,7 @@ def test_a_file_renamed_while_it_migrates(tmp_path: Path, monkeypatch: pytest.Mo
         assert not list(s.stored("").glob(f"*{PART}"))
 
 
+@pytest.mark.fuse
 def test_resume_after_an_agent_restart_is_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tierstore
     from tierstore import _core
@@ -537,14 +536,14 @@ def test_resume_after_an_agent_restart_is_prompt(tmp_path: Path, monkeypatch: py
             with tierstore.open(s.dest / f"r{i}", "wb") as f:
                 f.write(blob(f"r{i}", 100_000))
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not answers(s.socket), 10, "the killed agent is gone")
+        wait_for("the killed agent is gone", lambda: not answers(s.socket), 10)
         s.fail_file.unlink()
         # No agent: the files wait in the journal, and a wait says so instead of hanging.
         with pytest.raises(_core.TierstoreError, match="no agent answers"):
             _core.Writeback().wait(None, 30)
         assert not s.stored("r0").exists()
         s.start_agent()
-        took = wait_for(lambda: s.stored("r2").exists(), 5, "migration after the restart")
+        took = wait_for("migration after the restart", lambda: s.stored("r2").exists(), 5)
         for i in range(3):
             assert s.stored(f"r{i}").read_bytes() == blob(f"r{i}", 100_000)
         print(f"migrated 3 files {took:.2f} s after the agent restarted")
@@ -598,6 +597,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.fuse
 def test_framework_savers_under_run_give_identical_files_on_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -670,6 +670,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.fuse
 @pytest.mark.parametrize("how", ["run", "process", "api"])
 def test_dcp_async_save_gives_identical_files_on_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
@@ -720,6 +721,7 @@ print(json.dumps({"top": sorted(os.listdir(d)), "sub": sorted(os.listdir(os.path
 """
 
 
+@pytest.mark.fuse
 def test_listings_under_run_show_staged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `tierstore run`, a listing of a destination's directory shows the files staged there and not
     yet on the store (once each, also when an older copy is on the store), with their staged sizes."""
@@ -775,6 +777,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.fuse
 def test_writes_through_a_mapping_after_close_are_taken_at_munmap_or_exit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -814,6 +817,8 @@ def hidden_through(s: Setup, name: str) -> list[str]:
     ]
 
 
+@pytest.mark.fuse
+@pytest.mark.root
 @pytest.mark.skipif(
     os.geteuid() != 0, reason="mounts a small tmpfs for the stage: needs root (CI runs as root)"
 )
@@ -883,6 +888,8 @@ def test_a_small_stage_stages_and_a_full_one_writes_through_whole(
         assert hidden_through(s, "run.bin") == []
 
 
+@pytest.mark.fuse
+@pytest.mark.root
 @pytest.mark.skipif(
     os.geteuid() != 0, reason="mounts a small tmpfs for the stage: needs root (CI runs as root)"
 )

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mounted_store
+from tests.helpers.stores import mounted_store
 from tierstore.testing.netns import Nodes
+
+pytestmark = [pytest.mark.fuse, pytest.mark.root, pytest.mark.netns]
 
 READ = r"""
 import hashlib, sys, time, tierstore

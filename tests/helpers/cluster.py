@@ -1,0 +1,142 @@
+"""Nodes of one job on this machine's loopback, each with its own agent, port, tiers and counters, and the
+dataset they read from one stand-in store (tests/cluster: test_cluster, test_registry, test_netns)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierstore import agent as agent_mod
+
+# Files under and over one chunk of the wire protocol (1 MiB), and one over inline_max (set to 1 MiB).
+SIZES = [0, 1, 4096, 100_000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 17]
+
+
+def free_port() -> int:
+    """A loopback port free now (for a server the test starts next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Node:
+    name: str
+    env: dict[str, str]
+    tier: Path
+    socket: Path
+    pid: int = 0
+
+
+@dataclass
+class Cluster:
+    mount: Path
+    nodes: list[Node] = field(default_factory=list)
+
+    def read_all(self, node: Node, rels: list[str], timeout: float = 120) -> dict:
+        """Reads every file through `tierstore.Cache` in a process of `node`; returns the digests it
+        read, its counters and how long it took."""
+        code = (
+            "import hashlib, json, os, sys, time, tierstore\n"
+            "c = tierstore.Cache()\n"
+            "t = time.monotonic()\n"
+            "got = {r: hashlib.sha256(c.open(os.path.join(c.source, r)).read()).hexdigest() for r in sys.argv[1:]}\n"
+            "print(json.dumps({'got': got, 'seconds': time.monotonic() - t, 'stats': c.stats()['source']}))\n"
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", code, *rels], env=node.env, capture_output=True, text=True, timeout=timeout
+        )
+        assert p.returncode == 0, f"reader on {node.name} failed: {p.stderr[-3000:]}"
+        out = json.loads(p.stdout)
+        out["stderr"] = p.stderr
+        return out
+
+    def stats(self, node: Node) -> dict:
+        """The node's source counters now (its processes' and its agent's)."""
+        code = "import json, tierstore; print(json.dumps(tierstore.Cache().stats()['source']))"
+        p = subprocess.run(
+            [sys.executable, "-c", code], env=node.env, capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    def agent_status(self, node: Node) -> dict:
+        report = agent_mod.status(node.socket)
+        assert report is not None, f"the agent of {node.name} does not answer"
+        return json.loads(report)
+
+
+def make_cluster(tmp_path: Path, mount: Path, n: int, sharing: str, revalidate: str = "never") -> Cluster:
+    """`n` nodes on loopback ports, members of one job over the store mounted at `mount`, each with its
+    agent started (`tierstore agent start`)."""
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    cluster = Cluster(mount)
+    for i, port in enumerate(ports):
+        runtime = tmp_path / f"node{i}" / "run"
+        runtime.mkdir(parents=True)
+        tier = tmp_path / f"node{i}" / "tier"
+        env = {
+            **os.environ,
+            "XDG_RUNTIME_DIR": str(runtime),
+            "TIERSTORE_SOURCE": str(mount),
+            "TIERSTORE_TIERS": f"{tier}:256M",
+            "TIERSTORE_INLINE_MAX": str(1 << 20),
+            "TIERSTORE_REVALIDATE": revalidate,
+            "TIERSTORE_SHARING": sharing,
+            "TIERSTORE_PEERS": members,
+            "TIERSTORE_NODE": f"127.0.0.1:{port}",
+            "TIERSTORE_PEER_CONNECT_MS": "500",
+            "TIERSTORE_PEER_DEADLINE_MS": "2000",
+        }
+        cluster.nodes.append(Node(f"node{i}", env, tier, runtime / "tierstore" / "agent.sock"))
+    for node in cluster.nodes:
+        p = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "agent", "start"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, f"{node.name}: {p.stderr}"
+        node.pid = cluster.agent_status(node)["pid"]
+    return cluster
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    """Stops every node's agent and waits (10 s at most each) for it to exit. A node whose agent never
+    started (pid 0) is passed over: `kill(0, ...)` would signal this test's own process group."""
+    started = [node for node in cluster.nodes if node.pid > 0]
+    for node in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.pid, signal.SIGTERM)
+    for node in started:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(node.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+
+
+def dataset(backing: Path) -> dict[str, str]:
+    """Writes the files to the store's backing directory; returns their digests by relative path."""
+    digests = {}
+    for i, size in enumerate(SIZES * 3):
+        rel = f"shard{i % 4}/sample{i:03d}.bin"
+        data = hashlib.sha256(f"{i}".encode()).digest() * (size // 32 + 1)
+        path = backing / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data[:size])
+        digests[rel] = hashlib.sha256(data[:size]).hexdigest()
+    return digests

@@ -1,0 +1,33 @@
+"""Deterministic bytes of test files: any file a test wrote can be checked by its name alone."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def blob(name: str, size: int, *, seed_bytes: int = 64) -> bytes:
+    """`size` bytes that depend on `name` only: its blake2b digest (`seed_bytes` long), repeated.
+
+    The write-back tests name a file's bytes by its path (their writer process runs this very function's
+    source), the S3 tests by `f"object {i}"`, and `content(i, size)` is `blob(str(i), size, seed_bytes=32)`."""
+    seed = hashlib.blake2b(name.encode(), digest_size=seed_bytes).digest()
+    return (seed * (size // seed_bytes + 1))[:size]
+
+
+def content(i: int, size: int) -> bytes:
+    """Deterministic, file-specific bytes."""
+    return blob(str(i), size, seed_bytes=32)
+
+
+def make_files(root: Path, n: int, size: int = 4096, prefix: str = "f") -> dict[Path, bytes]:
+    """`n` files under `root`, 50 to a directory (`f0/00000.bin`...), each `size` bytes plus `i % 7`;
+    returns their bytes by path."""
+    files = {}
+    for i in range(n):
+        p = root / f"{prefix}{i // 50}" / f"{i:05d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        b = content(i, size + i % 7)
+        p.write_bytes(b)
+        files[p] = b
+    return files
