@@ -30,6 +30,8 @@ __all__ = [
     "parse_size",
     "read_into",
     "stream_copy",
+    "stream_manifest_read",
+    "stream_manifest_write",
     "stream_place",
     "stream_read",
     "verify_pack",
@@ -73,6 +75,10 @@ def stream_place(
     heads_only: Sequence[bool] | None = None,
 ) -> list[tuple[bytes, bool]]: ...
 def stream_read(paths: Sequence[_Path], buffers: Sequence[Any]) -> None: ...
+def stream_manifest_write(
+    path: _Path, tensors: Sequence[tuple[str, str, Sequence[int], str, int]], step: int | None, metadata: str
+) -> None: ...
+def stream_manifest_read(path: _Path) -> str: ...
 def stream_copy(
     sources: Sequence[Any], dests: Sequence[Any], heads_only: Sequence[bool] | None = None
 ) -> list[bool]: ...

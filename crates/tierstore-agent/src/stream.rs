@@ -39,7 +39,6 @@
 
 mod consumers;
 mod follow;
-mod manifest;
 mod requests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -53,12 +52,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use consumers::{Consumer, Notice, Told, COMMITS_KEPT};
-use manifest::check_hash;
+use tierstore_core::models::manifest::check_hash;
 
 pub use crate::options::StreamOptions;
 pub use follow::{serve_peer, Remote};
-pub use manifest::{Manifest, Tensor};
 pub use requests::{serve, Request};
+pub use tierstore_core::models::manifest::{Manifest, Tensor};
 
 /// What this agent's stream requests offer beyond those of the first version of the protocol, answered to
 /// every `subscribe`: a client uses an option only where its agent lists it (an older agent ignores

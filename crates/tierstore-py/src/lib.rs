@@ -581,6 +581,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream::stream_place, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::stream_manifest_write, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::stream_manifest_read, m)?)?;
     m.add_class::<writeback::PyWriteback>()?;
     m.add_class::<agent_link::PyAgentLink>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use tierstore_core::models::manifest::{Manifest, Tensor};
 use tierstore_core::stream;
 
 use crate::error::io_to_py;
@@ -89,4 +90,35 @@ pub fn stream_copy(
         stream::copy_changed(&s, &mut d, &checks)
     })
     .map_err(|e| io_to_py(e, None))
+}
+
+/// One tensor of a manifest as Python gives it: (name, dtype, shape, blake3 hex, bytes).
+type TensorEntry = (String, String, Vec<u64>, String, u64);
+
+/// Writes the manifest of a version being published at `path`, in the schema the agent reads
+/// (`tierstore_core::models::manifest`): its tensors in order, the trainer's step, and the publisher's
+/// metadata as a JSON object's text.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, step, metadata))]
+pub fn stream_manifest_write(
+    path: PathBuf,
+    tensors: Vec<TensorEntry>,
+    step: Option<i64>,
+    metadata: &str,
+) -> PyResult<()> {
+    let metadata: serde_json::Value =
+        serde_json::from_str(metadata).map_err(|e| PyValueError::new_err(format!("metadata is not JSON: {e}")))?;
+    let tensors = tensors
+        .into_iter()
+        .map(|(name, dtype, shape, hash, nbytes)| Tensor { name, dtype, shape, hash, nbytes })
+        .collect();
+    let m = Manifest { name: String::new(), version: 0, created: 0.0, step, metadata, tensors };
+    m.write(&path).map_err(|e| io_to_py(e, Some(&path.to_string_lossy())))
+}
+
+/// The manifest of a version at `path`, checked against the schema, as a JSON object's text.
+#[pyfunction]
+pub fn stream_manifest_read(path: PathBuf) -> PyResult<String> {
+    let m = Manifest::read(&path).map_err(|e| io_to_py(e, Some(&path.to_string_lossy())))?;
+    serde_json::to_string(&m).map_err(|e| PyValueError::new_err(e.to_string()))
 }

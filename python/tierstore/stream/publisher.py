@@ -229,7 +229,7 @@ class Publisher:
                 if self._last is not None and self._last[0] == bv:
                     base = self._last[1]
                 else:
-                    m = json.loads(Path(begun["base"]["manifest"]).read_text())
+                    m = json.loads(_core.stream_manifest_read(begun["base"]["manifest"]))
                     base = {t["name"]: (t["hash"], int(t["nbytes"])) for t in m["tensors"]}
             known: dict[int, bytes] = {}
             if unchanged and begun.get("base") and unchanged_since == int(begun["base"]["version"]):
@@ -258,12 +258,12 @@ class Publisher:
                 StreamTensor(n, s.dtype, tuple(s.shape), h.hex(), int(v.nbytes))
                 for n, s, v, (h, _) in zip(names, specs, views, placed, strict=True)
             ]
-            entries = [
-                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "hash": t.hash, "nbytes": t.nbytes}
-                for t in tensors
-            ]
-            body = {"step": step, "metadata": metadata, "tensors": entries}
-            (tmp / "manifest.json").write_text(json.dumps(body))
+            _core.stream_manifest_write(
+                tmp / "manifest.json",
+                [(t.name, t.dtype, list(t.shape), t.hash, t.nbytes) for t in tensors],
+                step,
+                json.dumps(metadata),
+            )
             self.last_commit_sent = time.time()
             reply = self._conn.call({"op": "commit", "publish": begun["publish"]})
             version = int(reply["version"])

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tierstore import _core
 from tierstore.models.tensors import TensorSpec, mapped
 from tierstore.stream.connection import StreamError
 
@@ -86,7 +87,7 @@ def _mapped_state(v: StreamVersion) -> dict[str, Any]:
 
 def _version_of(event: Mapping[str, Any]) -> StreamVersion:
     path = Path(event["manifest"])
-    m = json.loads(path.read_text())
+    m = json.loads(_core.stream_manifest_read(path))
     tensors = tuple(
         StreamTensor(t["name"], t["dtype"], tuple(t["shape"]), t["hash"], int(t["nbytes"]))
         for t in m["tensors"]

@@ -26,10 +26,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::consumers::{Notice, Told};
-use super::manifest::{check_hash, Manifest};
 use super::{check_name, held_notice, io_err, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT};
 use crate::client::Client;
 use crate::protocol::Frame;
+use tierstore_core::models::manifest::{check_hash, Manifest};
 
 /// How a node's streams reach the other nodes.
 #[derive(Clone, Debug)]
