@@ -1,4 +1,15 @@
-//! One conformance suite, run for every tier kind (RAM-backed and local disk) and every policy.
+//! The conformance suites: each is written against a contract and run for every implementation.
+//! - The cache (below): every tier kind (RAM-backed and local disk) and every policy.
+//! - The `Source` contract (`source.rs`): the POSIX source, and the S3 source against a SeaweedFS server
+//!   started here (`seaweed.rs`) when the `s3` feature is on and `weed` is found (else the test says why
+//!   and passes over it).
+//!
+//! `cargo test -p tierstore-core --test conformance --features s3`; `cargo test --workspace` turns the
+//! feature on (the agent and the Python extension ask for it).
+
+#[cfg(feature = "s3")]
+mod seaweed;
+mod source;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -210,4 +221,138 @@ conformance! {
     local_lru: "local", "lru";
     local_lfu: "local", "lfu";
     local_fifo: "local", "fifo";
+}
+
+/// The POSIX source over a directory.
+struct PosixStore {
+    dir: tempfile::TempDir,
+    root: PathBuf,
+    source: tierstore_core::source::PosixSource,
+}
+
+impl PosixStore {
+    fn new() -> PosixStore {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap().join("source");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::create_dir(dir.path().join("scratch")).unwrap();
+        let counters = Arc::new(tierstore_core::counters::Counters::open(&dir.path().join("counters")).unwrap());
+        let source = tierstore_core::source::PosixSource::new(&root, None, counters);
+        PosixStore { dir, root, source }
+    }
+}
+
+impl source::Store for PosixStore {
+    fn source(&self) -> &dyn tierstore_core::source::Source {
+        &self.source
+    }
+
+    fn put(&self, rel: &str, bytes: &[u8]) {
+        // Written beside it and renamed into place, as a writer of a shared store replaces a file.
+        let path = self.root.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let tmp = self.dir.path().join("scratch").join("put.tmp");
+        std::fs::write(&tmp, bytes).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    }
+
+    fn outside(&self) -> PathBuf {
+        self.dir.path().canonicalize().unwrap().join("elsewhere/a.bin")
+    }
+
+    fn has_directories(&self) -> bool {
+        true
+    }
+
+    fn scratch(&self) -> PathBuf {
+        self.dir.path().join("scratch")
+    }
+}
+
+#[test]
+fn posix_source() {
+    source::conforms("posix", &PosixStore::new());
+}
+
+/// The S3 source over a bucket prefix of a SeaweedFS server of this test's own.
+#[cfg(feature = "s3")]
+struct ObjectStore {
+    // Dropped in this order: the source (its runtime), then the server.
+    source: tierstore_core::source::ObjectSource,
+    client: Arc<object_store::aws::AmazonS3>,
+    rt: tokio::runtime::Runtime,
+    prefix: String,
+    scratch: tempfile::TempDir,
+    _server: seaweed::Seaweed,
+}
+
+#[cfg(feature = "s3")]
+impl ObjectStore {
+    fn new(weed: &Path) -> ObjectStore {
+        use tierstore_core::source::s3_config::S3Config;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut server = seaweed::Seaweed::start(weed);
+        let bucket = "conformance";
+        server.create_bucket(&rt, bucket);
+        let prefix = "data/set".to_string();
+        let mut config = S3Config::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
+        for (key, value) in [
+            ("endpoint", server.endpoint.as_str()),
+            ("region", seaweed::REGION),
+            ("access_key_id", seaweed::ACCESS_KEY),
+            ("secret_access_key", seaweed::SECRET_KEY),
+        ] {
+            config.settings.insert(key.into(), value.into());
+        }
+        // Small ranges, so that files of a few hundred KiB are fetched as a first range and parallel
+        // ranges after it, as large objects are.
+        config.range_size = 64 << 10;
+        config.ranges_in_flight = 3;
+        let scratch = tempfile::tempdir().unwrap();
+        let counters = Arc::new(tierstore_core::counters::Counters::open(&scratch.path().join("counters")).unwrap());
+        let source = tierstore_core::source::ObjectSource::new(config, counters).unwrap();
+        let client = server.client(bucket);
+        ObjectStore { source, client, rt, prefix, scratch, _server: server }
+    }
+}
+
+#[cfg(feature = "s3")]
+impl source::Store for ObjectStore {
+    fn source(&self) -> &dyn tierstore_core::source::Source {
+        &self.source
+    }
+
+    fn put(&self, rel: &str, bytes: &[u8]) {
+        seaweed::Seaweed::put(&self.rt, &self.client, &format!("{}/{rel}", self.prefix), bytes);
+    }
+
+    fn outside(&self) -> PathBuf {
+        PathBuf::from("s3://another-bucket/data/set/a.bin")
+    }
+
+    fn has_directories(&self) -> bool {
+        false
+    }
+
+    fn scratch(&self) -> PathBuf {
+        self.scratch.path().to_path_buf()
+    }
+}
+
+#[cfg(feature = "s3")]
+#[test]
+fn s3_source() {
+    match seaweed::weed_binary() {
+        Ok(weed) => source::conforms("s3", &ObjectStore::new(&weed)),
+        Err(why) => eprintln!("s3_source: skipped: {why}"),
+    }
+}
+
+#[cfg(not(feature = "s3"))]
+#[test]
+fn s3_source() {
+    eprintln!(
+        "s3_source: skipped: tierstore-core is built without its `s3` feature (cargo test -p tierstore-core \
+         --test conformance --features s3, or cargo test --workspace)"
+    );
 }
