@@ -284,7 +284,6 @@ time.sleep(60)
 """
 
 
-@pytest.mark.slow
 def test_fetcher_killed_mid_copy_blocks_nobody(source: Path, tmp_path: Path) -> None:
     big = source / "big.bin"
     size = 1 << 30

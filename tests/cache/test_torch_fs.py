@@ -35,16 +35,8 @@ def epochs(loader: DataLoader, n: int) -> list[torch.Tensor]:
     return [torch.cat([b for b in loader]) for _ in range(n)]
 
 
-# A spawned or forkserver worker imports torch anew: 10-25 s on a small machine.
 @pytest.mark.parametrize(
-    ("workers", "context"),
-    [
-        (0, None),
-        (2, "fork"),
-        (4, "fork"),
-        pytest.param(2, "spawn", marks=pytest.mark.slow),
-        pytest.param(2, "forkserver", marks=pytest.mark.slow),
-    ],
+    ("workers", "context"), [(0, None), (2, "fork"), (4, "fork"), (2, "spawn"), (2, "forkserver")]
 )
 def test_cached_dataset_with_dataloader_workers(
     source: Path, tier: str, workers: int, context: str | None
@@ -88,7 +80,7 @@ class PathDataset(torch.utils.data.Dataset):
             return torch.from_numpy(np.load(f))
 
 
-@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_route_sends_an_existing_datasets_reads_through_the_cache(
     source: Path, tier: str, context: str
 ) -> None:

@@ -64,8 +64,6 @@ def namespaces() -> Iterator[list[str]]:
         yield [f"{n.name}|{n.address}" for n in nodes.nodes]
 
 
-# Four nodes with two DataLoader workers each: 10-20 s.
-@pytest.mark.slow
 @pytest.mark.parametrize("revalidate", ["never", "always", "60s"])
 @pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
 def test_four_nodes_in_namespaces_read_the_dataset_from_the_store_once(
