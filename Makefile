@@ -10,7 +10,7 @@ RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyp
 setup: $(STAMP)/installed $(STAMP)/system
 
 # System packages the tests and benchmarks need: fuse3 for the stand-in parallel file system (FUSE), a C
-# compiler for the LD_PRELOAD test program, rsync for the tool conformance test (tests/test_tools.py),
+# compiler for the LD_PRELOAD test program, rsync for the tool conformance test (tests/shim/test_tools.py),
 # redis-server for the cluster registry's tests, iperf3 for the cluster benchmark's baseline. Installed
 # with apt when missing and we are root (CI is).
 SYSTEM_PACKAGES := fuse3 gcc rsync redis-server iperf3
