@@ -1,5 +1,8 @@
 """Benchmark of the model repository (`tierstore.models`) against torch.save, safetensors, h5py and raw I/O.
 
+One file of about 1,300 lines, on purpose: one benchmark's workloads, baselines, paired rounds and report
+read together, and no other script uses any of it.
+
 Workloads, all float32 with random weights built locally (no downloads):
 
   synthetic-10/100/1000  DStore's generator: 1 GiB in 10, 100 or 1000 tensors, sizes drawn uniformly within

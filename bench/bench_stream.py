@@ -1,5 +1,8 @@
 """Benchmark of model streaming (`tierstore.stream`) on one node, against the file-and-poll baseline.
 
+One file of about 1,100 lines, on purpose: one benchmark's scenarios (updates, the trainer's overhead, the
+process group, the 4 GB run), baselines and report read together, and no other script uses any of it.
+
 A private agent; the publisher runs in this process, the consumer (a `HotModel` serving requests on one
 thread) in another. Models: float32 tensors, 100 of them, totalling 100 MB and 1 GB (seeded random values).
 
