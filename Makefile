@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := .stamps
 RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: setup demo test test-rust test-python test-fast bench lint fmt clean docs
+.PHONY: setup demo test test-rust test-python test-fast bench lint fmt clean docs wheel
 
 setup: $(STAMP)/installed $(STAMP)/system
 
@@ -71,6 +71,15 @@ bench: setup
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out docs/benchmarks/cluster.md --plot docs/benchmarks/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
 
+# A wheel that installs without a Rust toolchain: the package, _core, the LD_PRELOAD shim and the
+# tierstore-agent binary (a script of the package), repaired by auditwheel into a manylinux wheel whose tag
+# names the oldest glibc it runs on, debug info stripped. Into dist/; tests/packaging installs one into a
+# fresh venv with no cargo on PATH.
+wheel: setup
+	rm -rf dist/raw
+	$(PY) -m pip wheel . --no-deps --no-build-isolation -w dist/raw
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --strip -w dist dist/raw/tierstore-*.whl
+
 # The documentation site, into build/site (mkdocs.yml).
 docs: setup
 	$(VENV)/bin/mkdocs build --strict
@@ -90,4 +99,4 @@ fmt:
 	$(VENV)/bin/ruff check --fix python tests bench examples
 
 clean:
-	rm -rf target build $(STAMP) python/tierstore/*.so
+	rm -rf target build dist $(STAMP) python/tierstore/*.so

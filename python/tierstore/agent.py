@@ -8,6 +8,7 @@ beside the `tierstore` command by the same `pip install`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,13 +28,24 @@ class AgentError(_core.TierstoreError, RuntimeError):
 
 
 def executable() -> str:
-    """The path of `tierstore-agent`: beside this Python's scripts (the venv), else on PATH."""
-    here = Path(sys.executable).parent / "tierstore-agent"
-    if here.exists():
-        return str(here)
+    """The path of `tierstore-agent`, which the wheel installs as a script of the package: beside this
+    Python (a venv), in the scripts directory of the install scheme (`pip install --user` too), else on
+    PATH."""
+    import sysconfig
+
+    places = [Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))]
+    # The user scheme's directory: unknown to sysconfig in a venv (it names no user base there).
+    with contextlib.suppress(KeyError, AttributeError):
+        places.append(Path(sysconfig.get_path("scripts", f"{os.name}_user")))
+    for place in places:
+        if (place / "tierstore-agent").exists():
+            return str(place / "tierstore-agent")
     found = shutil.which("tierstore-agent")
     if not found:
-        raise AgentError("tierstore-agent is not installed beside tierstore; reinstall with `pip install .`")
+        raise AgentError(
+            "tierstore-agent is not installed beside tierstore (looked in "
+            f"{', '.join(str(p) for p in places)} and PATH); reinstall with `pip install tierstore`"
+        )
     return found
 
 
