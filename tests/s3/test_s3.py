@@ -103,6 +103,7 @@ def test_errors_name_the_object_endpoint_and_fix(server: S3Server, bucket: str, 
     with pytest.raises(FileNotFoundError) as missing:
         cache.open("nope.bin")
     assert f"s3://{bucket}/d/nope.bin" in str(missing.value) and server.endpoint in str(missing.value)
+    assert "check the path" in str(missing.value) and f"s3://{bucket}/d" in str(missing.value), missing.value
 
     no_bucket = cache_of(server, "s3://no-such-bucket-here/d", str(Path(tier).parent / "t2"))
     with pytest.raises(FileNotFoundError, match="bucket no-such-bucket-here does not exist"):

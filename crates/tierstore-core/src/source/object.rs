@@ -258,9 +258,14 @@ impl ObjectSource {
                     ),
                 )
             }
-            object_store::Error::NotFound { .. } => {
-                io::Error::new(io::ErrorKind::NotFound, format!("{url}: no such object at {at}"))
-            }
+            object_store::Error::NotFound { .. } => io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{url}: no such object at {at}: check the path (a key is the source's prefix, {}, joined \
+                         with the path under it) and that the object was uploaded to this endpoint",
+                    self.config.url
+                ),
+            ),
             object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
                 io::Error::new(
                     io::ErrorKind::PermissionDenied,
