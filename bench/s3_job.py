@@ -4,8 +4,10 @@ The same program in every mode; only how a sample's object is opened differs:
 
 - s3fs: `s3fs.S3FileSystem.open` (every epoch reads the store);
 - simplecache: fsspec's `simplecache::s3://` over s3fs, its cache directory shared by every process;
-- tierstore: `tierstore.Cache(source="s3://bucket").open(key)`;
-- local: plain `open()` of a local copy of every object (the baseline: what reading cached copies costs).
+- tierstore: `tierstore.Cache(source="s3://bucket").open(key)`, or with `--source` any source (a
+  directory of the stand-in shared store: bench/bench_peers.py);
+- local: plain `open()` of a local copy of every object (the baseline: what reading cached copies costs),
+  or of the files of another tool's mount (bench/bench_peers.py).
 
 Samples are `small/NNNNN.bin` objects read whole (shuffled, one per sample) and, with `--large`, the
 `large/NN.bin` objects read in 1 MiB records by the worker that owns them. Between epochs it prints a JSON
@@ -27,20 +29,24 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 RECORD = 1 << 20
 
 
+def source(args: argparse.Namespace) -> str:
+    return args.source or f"s3://{args.bucket}"
+
+
+def tierstore_cache(args: argparse.Namespace) -> Any:
+    import tierstore
+
+    s3 = json.loads(os.environ["BENCH_S3"])["tierstore"] if source(args).startswith("s3://") else None
+    return tierstore.Cache(source=source(args), tiers=[args.tier], revalidate=args.revalidate, s3=s3)
+
+
 def opener(args: argparse.Namespace) -> Any:
-    settings = json.loads(os.environ["BENCH_S3"])
     if args.mode == "local":
         return lambda key: open(os.path.join(args.local, key), "rb")
     if args.mode == "tierstore":
-        import tierstore
-
-        cache = tierstore.Cache(
-            source=f"s3://{args.bucket}",
-            tiers=[args.tier],
-            revalidate=args.revalidate,
-            s3=settings["tierstore"],
-        )
-        return cache.open
+        cache = tierstore_cache(args)
+        return lambda key: cache.open(f"{source(args)}/{key}")
+    settings = json.loads(os.environ["BENCH_S3"])
     import fsspec
 
     options = settings["s3fs"]
@@ -94,6 +100,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["s3fs", "simplecache", "tierstore", "local"], required=True)
     p.add_argument("--bucket", required=True)
+    p.add_argument("--source", default="", help="tierstore mode: the cache's source (default s3://BUCKET)")
     p.add_argument("--tier", default="")
     p.add_argument("--local", default="")
     p.add_argument("--small", type=int, required=True)
@@ -112,18 +119,13 @@ def main() -> None:
     loaders = [DataLoader(small, batch_size=32, shuffle=True, generator=g, num_workers=args.workers,
                           persistent_workers=True)]  # fmt: skip
     if args.prefetch:
-        import tierstore
         import tierstore.torch
 
-        settings = json.loads(os.environ["BENCH_S3"])
-        cache = tierstore.Cache(
-            source=f"s3://{args.bucket}",
-            tiers=[args.tier],
-            revalidate=args.revalidate,
-            s3=settings["tierstore"],
-        )
         loaders[0] = tierstore.torch.prefetching(
-            loaders[0], budget=args.prefetch, cache=cache, paths=lambda i: f"s3://{args.bucket}/{keys[i]}"
+            loaders[0],
+            budget=args.prefetch,
+            cache=tierstore_cache(args),
+            paths=lambda i: f"{source(args)}/{keys[i]}",
         )
     if args.large:
         large = Large([f"large/{i:02d}.bin" for i in range(args.large)], args)
