@@ -146,6 +146,24 @@ impl PyCache {
         Ok(found.map(|p| p.to_string_lossy().into_owned()))
     }
 
+    /// A descriptor holding exactly the bytes of `path`, for the caller to own and close: the tier copy
+    /// (fetched whole first on a miss, from the owning peer or the source), a private copy a peer sent, or
+    /// the source file itself when no tier has room. What the shim hands to programs.
+    fn open_file(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<i32> {
+        use std::os::fd::IntoRawFd;
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        let file = py.allow_threads(|| engine.open_file(&p)).map_err(to_py)?;
+        Ok(file.into_raw_fd())
+    }
+
+    /// Forgets every cached copy of `path` (it was found damaged, or changed through the source).
+    fn invalidate(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        py.allow_threads(|| engine.invalidate(&p)).map_err(to_py)
+    }
+
     /// Every file under `path` (a directory, an object store prefix), by its full name, sorted.
     fn list_files(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         let p = path_arg(path)?;

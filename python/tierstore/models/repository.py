@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from tierstore import _core
 from tierstore.models import integrity, safetensors_io
 from tierstore.models import layers as layer_ids
 from tierstore.models.files import flock, fsync_dir
+from tierstore.models.packs import Packs, cache_for
 from tierstore.models.staging import POOL
 from tierstore.models.tensors import (
     TensorSpec,
@@ -112,9 +114,17 @@ class Repository:
         root: The repository directory (created if missing), on a local disk or the shared store.
         create: False to open only a repository that exists: a path without one raises RepositoryError
             instead of becoming an empty repository (for tools that only read or maintain one).
+        cache: Loads read packs through this `tierstore.Cache` (the repository must lie under its source):
+            a node fetches each pack once, from the peer that owns it when the cache is shared across
+            the job's nodes, and later loads read the fast tier's copy. By default, the default cache
+            when one is configured (`tierstore.toml`, `TIERSTORE_SOURCE`, `tierstore.configure`) and its
+            source holds the repository; False reads the repository directly.
+
+    Raises:
+        ValueError: `cache` is given and its source does not hold the repository.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, cache: Any = None) -> None:
         self.root = Path(root).absolute()
         marker = self.root / "format"
         if not create and not marker.is_file():
@@ -133,6 +143,7 @@ class Repository:
         self._blobs: dict[str, tuple[str, int, int]] = {}
         self._seen: set[Path] = set()
         self._quarantined: frozenset[integrity.BlobKey] = frozenset()
+        self._packs = Packs(self.root, cache_for(self.root, cache))
 
     # -- names and manifests ------------------------------------------------------------------------------
 
@@ -474,21 +485,25 @@ class Repository:
                 continue
             by_pack[t["pack"]].append((t, buf))
         for pack, items in by_pack.items():
-            self._read_pack(m, pack, items)
+            self._read_pack(m, pack, items, _share(m, pack, [t for t, _ in items]))
         if staged:
             with POOL.lock, _no_grad():
                 for t, dest in staged:
                     host = POOL.acquire(t["nbytes"])
-                    self._read_pack(m, t["pack"], [(t, host.numpy())])
+                    self._read_pack(m, t["pack"], [(t, host.numpy())], _share(m, t["pack"], [t]))
                     src = host.view(dest.dtype).reshape(dest.shape)
                     dest.copy_(src, non_blocking=False)
 
     def _read_pack(
-        self, m: dict[str, Any], pack: str, items: list[tuple[dict[str, Any], np.ndarray]]
+        self,
+        m: dict[str, Any],
+        pack: str,
+        items: list[tuple[dict[str, Any], np.ndarray]],
+        share: float,
     ) -> None:
-        path = self.root / "packs" / pack
-        with integrity.named_damage(m, path, [t for t, _ in items]):
-            _core.read_into(path, [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items])
+        requests = [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items]
+        with integrity.named_damage(m, self._packs.path(pack), [t for t, _ in items]):
+            self._packs.read(pack, share, lambda path: _core.read_into(path, requests))
 
     def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
         """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""
@@ -499,10 +514,11 @@ class Repository:
             by_pack[t["pack"]].append(t)
         out: dict[str, Any] = {}
         for pack, items in by_pack.items():
-            path = self.root / "packs" / pack
-            with integrity.named_damage(m, path, items):
-                spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
-                mapping = _core.map_pack(path, spans)
+            spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
+            with integrity.named_damage(m, self._packs.path(pack), items):
+                mapping = self._packs.read(
+                    pack, _share(m, pack, items), functools.partial(_map_pack, spans=spans)
+                )
             for t in items:
                 out[t["name"]] = mapped(mapping, t["offset"], specs[t["name"]], m["framework"])
         return {t["name"]: out[t["name"]] for t in chosen}
@@ -674,6 +690,16 @@ class Repository:
             refs = [(name, self._resolve(name, version))]
         chosen = [self._manifest_path(n, v) for n, v in refs]
         return integrity.verify(self.root, chosen, repair=repair, progress=progress)
+
+
+def _map_pack(path: Path, spans: list[tuple[int, int, bytes]]) -> Any:
+    return _core.map_pack(path, spans)
+
+
+def _share(m: dict[str, Any], pack: str, chosen: list[dict[str, Any]]) -> float:
+    """The part of the version's bytes in `pack` that a load of `chosen` reads."""
+    held = sum(t["nbytes"] for t in m["tensors"] if t["pack"] == pack)
+    return sum(t["nbytes"] for t in chosen) / held if held else 1.0
 
 
 def _spec_of(t: dict[str, Any]) -> TensorSpec:

@@ -1,0 +1,129 @@
+"""Where a load reads a pack from: the repository directory itself, or the node's cache in front of it.
+
+A repository kept on the shared store is read by every node that loads a version: 64 replicas starting
+from one checkpoint read it 64 times. When the repository lives under a cache's source, a load reads each
+pack through that cache instead: the first reader of the node fetches it (from the peer that owns it when
+the cache is shared across the job's nodes, else from the store), and every later load of the node reads
+the fast tier's copy. Packs are named by their content and never change, so a copy found in a tier is used
+without asking the store again. The bytes are checked against each tensor's hash as always: a damaged copy
+is dropped from the cache and fetched once more, and the store's own pack is read if that fails too.
+
+A partial load of a pack that no tier holds reads its blocks from the store directly rather than having
+the whole pack fetched for a few of its tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from tierstore import _core
+
+if TYPE_CHECKING:
+    from tierstore.cache import Cache
+
+T = TypeVar("T")
+
+# A load reading at least this share of a pack has the whole pack fetched into the cache; a smaller one
+# reads its blocks from the store (unless a tier already holds the pack).
+WHOLE_PACK_SHARE = 0.5
+
+
+def cache_for(root: Path, cache: Cache | bool | None) -> Cache | None:
+    """The cache a repository at `root` reads through: `cache` itself when given (the repository must lie
+    under its source), none for False, and for None the default cache when one is configured
+    (`tierstore.toml`, `TIERSTORE_SOURCE`, `tierstore.configure`) and `root` lies under its source."""
+    from tierstore import cache as cache_module
+
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        try:
+            chosen = cache_module.default_cache()
+        except _core.ConfigError as e:
+            if e.key == "source" and e.value == "(unset)" and cache is None:
+                return None  # no cache configured: read the repository directly
+            raise
+        if cache is None and not _under(root, chosen.source):
+            return None
+    else:
+        chosen = cache
+    if not _under(root, chosen.source):
+        raise ValueError(
+            f"repository {root} is not under the cache's source {chosen.source}: give the cache whose "
+            "source holds the repository, or cache=False to read it directly"
+        )
+    return chosen
+
+
+def _under(root: Path, source: str) -> bool:
+    if "://" in source:
+        return False  # an object store: the repository is a directory, never under it
+    return root == Path(source) or Path(source) in root.parents
+
+
+class Packs:
+    """Reads of the packs of the repository at `root`, through `cache` when there is one."""
+
+    def __init__(self, root: Path, cache: Cache | None) -> None:
+        self.dir = root / "packs"
+        self.cache = cache
+        # Copies found damaged and dropped from the cache (counted for tests and `stats`).
+        self.refetched = 0
+
+    def path(self, pack: str) -> Path:
+        """The pack's own file in the repository."""
+        return self.dir / pack
+
+    def read(self, pack: str, share: float, fn: Callable[[Path], T]) -> T:
+        """`fn(path)` over a file holding the pack's bytes, which `fn` checks against the tensors' hashes
+        (raising IntegrityError when they do not match). `share`: the part of the pack the load reads.
+
+        Through the cache, a copy whose bytes fail the check is dropped and fetched again; if that copy
+        fails too, the repository's own pack is read, and its error is the one raised."""
+        own = self.path(pack)
+        if self.cache is None:
+            return fn(own)
+        copy = self.cache.lookup(own, validate=False)
+        if share < WHOLE_PACK_SHARE and copy is None:
+            return fn(own)  # a few blocks of an uncached pack: no whole-pack fetch for them
+        for _ in range(2):
+            with self._opened(own, copy) as path:
+                if path is None:
+                    break  # the cache could not serve it: read the store's pack
+                try:
+                    return fn(path)
+                except _core.IntegrityError:
+                    self.refetched += 1
+                    self.cache._core.invalidate(own)
+                    copy = None
+        return fn(own)
+
+    @contextlib.contextmanager
+    def _opened(self, own: Path, copy: str | None) -> Iterator[Path | None]:
+        """A path to a descriptor holding exactly the pack's bytes, open for the block: the tier copy
+        `copy` when it is still there (a pack never changes, so the store is not asked), else what the
+        cache opens (the copy it fetches, one a peer sent, or the store's file when no tier has room);
+        None when the cache failed (the caller reads the store: a cache fault never stops a load)."""
+        assert self.cache is not None
+        fd = -1
+        if copy is not None:
+            with contextlib.suppress(OSError):  # evicted since the lookup
+                fd = os.open(copy, os.O_RDONLY | os.O_CLOEXEC)
+        if fd < 0:
+            try:
+                fd = self.cache._core.open_file(own)
+            except FileNotFoundError:
+                raise
+            except (OSError, _core.TierstoreError):
+                yield None
+                return
+        try:
+            # The descriptor's own file, whatever holds it (a memory file has no other name); reopening it
+            # through /proc gives the engine's path-taking reads the very same bytes.
+            yield Path(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
