@@ -319,6 +319,7 @@ def mounted(
     write_bandwidth: str | None = None,
     fail_file: str | os.PathLike[str] | None = None,
     access_log: str | os.PathLike[str] | None = None,
+    direct_io: bool = False,
     timeout: float = 30.0,
 ) -> Iterator[Path]:
     """The stand-in store over `source`, mounted at `mountpoint` by a child process for the duration.
@@ -345,6 +346,8 @@ def mounted(
     }
     cmd = [sys.executable, "-m", "tierstore.testing.slowfs", str(source), str(mnt), "--foreground"]
     cmd += [str(x) for k, v in options.items() if v is not None for x in (k, v)]
+    if direct_io:
+        cmd.append("--direct-io")
     # stderr to a file, not a pipe nobody reads while the store runs: a full pipe would stall the store.
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stderr=err)
@@ -395,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(an outage of the store: create FILE to start it, remove it to end it)")  # fmt: skip
     ap.add_argument("--access-log", metavar="FILE",
                     help="append a line per file opened (monotonic ns, 'open', path) to FILE")  # fmt: skip
+    ap.add_argument("--direct-io", action="store_true",
+                    help="keep file data out of the page cache: every read reaches the store, as for processes "
+                         "of nodes that do not share one kernel (network namespaces on one machine do)")  # fmt: skip
     ap.add_argument("--foreground", action="store_true", help="stay in the foreground")
     args = ap.parse_args(argv)
     try:
@@ -415,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     # No kernel attribute or entry caching: every stat reaches the store, as on a PFS without client caching,
     # so the counters see every operation a job sends.
     FUSE(ops, args.mountpoint, foreground=args.foreground, nothreads=False, attr_timeout=0, entry_timeout=0,
-         negative_timeout=0, default_permissions=True)  # fmt: skip
+         negative_timeout=0, default_permissions=True, **({"direct_io": True} if args.direct_io else {}))  # fmt: skip
     return 0
 
 
