@@ -136,6 +136,45 @@ def test_every_file_is_read_from_the_store_once_when_reads_race_the_prefetch(
     assert p["files_fetched"] + p["files_cached"] + p["files_read_first"] == len(names), p
 
 
+def test_a_warm_epoch_with_revalidate_always_asks_the_store_once_per_file_not_twice(
+    slow_store: tuple[Path, Path], tier: str
+) -> None:
+    """With revalidate "always" the reader's open confirms each cached copy with the store; the ordered
+    prefetch leaves cached files to it instead of confirming them too (it used to: two store operations
+    per file and epoch). A file replaced on the store is still read new."""
+    backing, mount = slow_store
+    names = write_files(backing, 60)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"], revalidate="always")
+
+    def epoch(prefetch: bool = True) -> dict[str, int]:
+        before = store_stats(mount)
+        if prefetch:
+            handle = cache.prefetch_order([mount / n for n in names], budget="64M", jobs=4)
+        got = []
+        for i, n in enumerate(names):
+            with cache.open(mount / n) as f:
+                got.append(f.read())
+            if prefetch:
+                handle.mark_read(i)
+        if prefetch:
+            assert handle.wait(30)
+        cache.wait()
+        after = store_stats(mount)
+        assert got[7] == (backing / names[7]).read_bytes()
+        return {k: after.get(k, 0) - before.get(k, 0) for k in ("open", "getattr", "bytes_read")}
+
+    epoch()  # cold: every file fetched once
+    alone = epoch(prefetch=False)  # what the readers' own opens ask of the store
+    warm = epoch()
+    assert warm["open"] == 0 and warm["bytes_read"] == 0, warm
+    assert alone["getattr"] > 0
+    assert warm["getattr"] == alone["getattr"], f"with the prefetch {warm}, the readers alone {alone}"
+    time.sleep(0.01)
+    (backing / names[7]).write_bytes(b"new!" * (SIZE // 4))  # replaced on the store: seen at the next open
+    changed = epoch()
+    assert changed["bytes_read"] == SIZE, changed
+
+
 class Indexed(CachedDataset):
     """Samples as (index, first word of the file), so a test sees which file each sample came from."""
 

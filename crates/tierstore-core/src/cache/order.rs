@@ -119,6 +119,13 @@ struct State {
     stopped: bool,
 }
 
+/// With `revalidate = "always"` the reader's open asks the source about a cached copy anyway (one request
+/// per open is what that mode promises): the prefetch leaves cached files to it rather than asking a second
+/// time. A copy the source has replaced is then fetched by the reader's open, not ahead of it.
+fn left_to_reader(inner: &Inner) -> bool {
+    inner.config.revalidate == crate::config::Revalidate::Always
+}
+
 struct Shared {
     inner: Arc<Inner>,
     rels: Vec<String>,
@@ -150,8 +157,12 @@ impl OrderedPrefetch {
     ) -> Result<OrderedPrefetch, Error> {
         let progress = Arc::new(OrderProgress::default());
         progress.files_total.store(rels.len() as u64, Ordering::Relaxed);
-        let cached: Vec<bool> =
-            rels.iter().map(|rel| inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e))).collect();
+        let cached: Vec<bool> = rels
+            .iter()
+            .map(|rel| {
+                inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(&inner))
+            })
+            .collect();
         let warm = cached.iter().filter(|c| **c).count() as u64;
         progress.files_cached.store(warm, Ordering::Relaxed);
         progress.files_done.store(warm, Ordering::Relaxed);
@@ -409,6 +420,9 @@ impl Shared {
         // A file some tier holds costs the index lookup (and one `stat` when copies are revalidated),
         // not a fetch, and no budget.
         if inner.published(&key, rel).is_some() {
+            if left_to_reader(inner) {
+                return skip(&p.files_cached);
+            }
             if let Ok(Some(sid)) = inner.known_identity(&key, rel) {
                 if inner.hit(&key, rel, &sid, false).is_some() {
                     return skip(&p.files_cached);
