@@ -3,8 +3,10 @@ issue #12 and PASS/FAIL for each:
 
   peer reads    a node reads files another node's agent holds in RAM, over a veth link shaped to 1 Gbit/s
                 with `tc tbf` and unshaped, with 1 and 4 reader threads, against iperf3 on the same link
-                with 1 and 4 streams (measured in the same run); the agent's CPU seconds per GB served.
-                Targets on the shaped link: >= 0.70x iperf3 with one stream, >= 0.90x with four.
+                with 1 and 4 streams (measured in the same run); CPU seconds per GB on both ends: the
+                owner's agent (from /proc/<pid>/stat) and the reading process (its process time over
+                the reads). Targets (issue 27): >= 0.95x iperf3 on the shaped link with 1 and 4
+                streams, >= 0.80x on the unshaped link with 4.
   4-node job    four nodes, each a DataLoader with 2 workers over its DistributedSampler share, 3 epochs,
                 on the stand-in store, in each mode, with the dataset fitting one node's tier and with the
                 dataset 3x one node's tier: per-epoch time, store bytes and peer bytes, against the
@@ -51,11 +53,11 @@ import tierstore
 c = tierstore.Cache()
 rels = sys.argv[2:]
 threads = int(sys.argv[1])
-t = time.monotonic()
+t, cpu = time.monotonic(), time.process_time()
 with ThreadPoolExecutor(threads) as pool:
     n = sum(pool.map(lambda r: len(c.open(os.path.join(c.source, r)).read()), rels))
-dt = time.monotonic() - t
-print(json.dumps({"bytes": n, "seconds": dt, "stats": c.stats()["source"]}))
+dt, cpu = time.monotonic() - t, time.process_time() - cpu
+print(json.dumps({"bytes": n, "seconds": dt, "cpu": cpu, "stats": c.stats()["source"]}))
 """
 
 LOADER = r"""
@@ -122,9 +124,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def iperf(nodes: Nodes, streams: int) -> float:
+def iperf(nodes: Nodes, streams: int) -> tuple[float, float, float]:
     """iperf3's received bits per second from node 1 to node 0 (the direction peer reads go: `-R`, the
-    server sends), `streams` parallel streams."""
+    server sends), `streams` parallel streams; and the CPU seconds per GB of its receiver and its sender
+    (iperf3's own CPU use over the run): the floor a peer read's two ends stand against."""
     server = subprocess.Popen(nodes.nodes[1].cmd("iperf3", "-s", "-1", "-B", nodes.nodes[1].address),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     time.sleep(0.5)
@@ -133,7 +136,16 @@ def iperf(nodes: Nodes, streams: int) -> float:
             nodes.nodes[0].cmd("iperf3", "-c", nodes.nodes[1].address, "-R", "-t", "4", "-P", str(streams), "-J"),
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"])
+        end = json.loads(out.stdout)["end"]
+        received = end["sum_received"]
+        gb = received["bytes"] / 1e9
+        cpu = end["cpu_utilization_percent"]
+        seconds = received["seconds"]
+        return (
+            float(received["bits_per_second"]),
+            cpu["host_total"] / 100 * seconds / gb,
+            cpu["remote_total"] / 100 * seconds / gb,
+        )
     finally:
         server.wait(10)
 
@@ -168,9 +180,12 @@ def peer_reads(work: Path) -> dict[str, Any]:
                     else:
                         nodes.unshape()
                     for streams in (1, 4):
-                        link = iperf(nodes, streams)
+                        link, iperf_rx_cpu, iperf_tx_cpu = iperf(nodes, streams)
                         cpu0 = cpu_seconds(pids[1])
-                        p = subprocess.run(nodes.nodes[0].cmd(sys.executable, "-c", READER, str(streams), *owned),
+                        # Unshaped, the files are read 4 times over (nothing is kept on node 0), so that the
+                        # agent's CPU, counted in 10 ms ticks, is measured over more than a fraction of a second.
+                        reads = owned * (1 if shaped else 4)
+                        p = subprocess.run(nodes.nodes[0].cmd(sys.executable, "-c", READER, str(streams), *reads),
                                            env=envs[0], capture_output=True, text=True, timeout=600)  # fmt: skip
                         assert p.returncode == 0, p.stderr
                         r = json.loads(p.stdout)
@@ -183,6 +198,9 @@ def peer_reads(work: Path) -> dict[str, Any]:
                             "peer_gbit": ours / 1e9,
                             "ratio": ours / link,
                             "agent_cpu_s_per_gb": cpu / (r["bytes"] / 1e9),
+                            "reader_cpu_s_per_gb": r["cpu"] / (r["bytes"] / 1e9),
+                            "iperf3_sender_cpu_s_per_gb": iperf_tx_cpu,
+                            "iperf3_receiver_cpu_s_per_gb": iperf_rx_cpu,
                             "faults": r["stats"]["peer_faults"],
                         })  # fmt: skip
                         print(f"peer reads: {results['rows'][-1]}", flush=True)
@@ -315,22 +333,27 @@ def report(peers: dict, jobs: list[dict], owners: dict, argv: list[str]) -> tupl
         "",
         "## 1. Peer reads against iperf3 on the same link",
         "",
-        "Node 0 reads 24 files of 8 MiB that node 1's agent holds in RAM (partitioned: nothing kept on node 0), "
-        "with 1 or 4 reader threads; iperf3 runs 4 s with 1 or 4 streams on the same link just before.",
+        "Node 0 reads 24 files of 8 MiB that node 1's agent holds in RAM (partitioned: nothing kept on node 0; "
+        "4 times over on the unshaped link), with 1 or 4 reader threads; iperf3 runs 4 s with 1 or 4 streams on the same link just before. The "
+        "owner sends each copy with `sendfile` and the blake3 recorded when it was made; the reader receives "
+        "into the file's buffer and checks every byte before use. CPU per GB: the owner's agent, and the "
+        "reading process over its reads (its own `read()` copy into Python included).",
         "",
-        "| link | streams | iperf3 Gbit/s | peer reads Gbit/s | ratio | agent CPU s per GB | target |",
-        "|---|---|---|---|---|---|---|",
+        "| link | streams | iperf3 Gbit/s | peer reads Gbit/s | ratio | owner agent CPU s per GB | "
+        "reader CPU s per GB | iperf3 sender / receiver CPU s per GB | target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in peers["rows"]:
         target = ""
-        if r["link"].startswith("1 Gbit"):
-            want = 0.70 if r["streams"] == 1 else 0.90
+        want = 0.95 if r["link"].startswith("1 Gbit") else 0.80 if r["streams"] == 4 else None
+        if want is not None:
             passed = r["ratio"] >= want and r["faults"] == 0
             ok &= passed
             target = f">= {want:.2f}x: {'PASS' if passed else 'FAIL'}"
         lines.append(
             f"| {r['link']} | {r['streams']} | {r['iperf3_gbit']:.2f} | {r['peer_gbit']:.2f} | {r['ratio']:.2f} | "
-            f"{r['agent_cpu_s_per_gb']:.2f} | {target} |"
+            f"{r['agent_cpu_s_per_gb']:.2f} | {r['reader_cpu_s_per_gb']:.2f} | "
+            f"{r['iperf3_sender_cpu_s_per_gb']:.2f} / {r['iperf3_receiver_cpu_s_per_gb']:.2f} | {target} |"
         )
     lines += [
         "",

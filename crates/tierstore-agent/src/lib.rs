@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod options;
 pub mod protocol;
 pub mod registry;
+pub mod sendfile;
 pub mod server;
 pub mod status;
 pub mod stream;

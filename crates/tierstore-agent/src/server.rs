@@ -437,7 +437,11 @@ fn nonce() -> [u8; 32] {
     n
 }
 
-async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side: Side, shared: Arc<Shared>) {
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
+    mut stream: S,
+    side: Side,
+    shared: Arc<Shared>,
+) {
     shared.open.fetch_add(1, Ordering::AcqRel);
     shared.total.fetch_add(1, Ordering::Relaxed);
     shared.touch();
@@ -530,6 +534,13 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side
                         log::warn!("sending {rel} to a {side:?} client failed: {e}");
                         return;
                     }
+                }
+            }
+            Frame::Damaged { id, source, rel } => {
+                let cache = shared.options.cache.clone();
+                match crate::transfer::serve_damaged(&mut stream, cache, deadline, id, &source, &rel).await {
+                    Ok(()) => continue,
+                    Err(_) => return,
                 }
             }
             Frame::StagedFetch { id, path, credit } => {

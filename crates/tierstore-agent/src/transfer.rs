@@ -4,8 +4,14 @@
 //! for any reader of the node), says which version it sends, then streams it in chunks of at most
 //! [`CHUNK`] bytes, never more than the asker's credit ahead (DYAD's receiver-driven flow control: a
 //! slow reader holds back the sender instead of filling its memory). The file's blake3, recorded when
-//! the copy was made from the source, ends the transfer; a copy whose bytes no longer match it is
-//! reported as damaged, removed, and the asker reads the source instead.
+//! the copy was made from the source, ends the transfer.
+//!
+//! A copy with a recorded blake3 goes from its descriptor into the socket with `sendfile`
+//! ([`crate::sendfile`]): the agent neither copies it through user space nor hashes it. The reader
+//! checks every byte against the recorded hash; when they do not match it says so ([`Frame::Damaged`]),
+//! and the agent checks its copy ([`serve_damaged`]) and removes it if it is damaged, while the reader
+//! reads the source. A copy with no recorded hash (the source's own descriptor, when no tier had room)
+//! is read and hashed as it is sent, and a mismatch found then is reported as damage at once.
 
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -16,10 +22,11 @@ use tierstore_core::Cache;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::protocol::{self, ErrorCode, Frame, CHUNK};
+use crate::sendfile::Socket;
 
 /// Serves one `Fetch` on `stream`. `Err` only when the connection itself failed (it is then closed); a
 /// file that cannot be served is answered with an error frame and the connection goes on.
-pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
+pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     stream: &mut S,
     cache: Option<Arc<Cache>>,
     deadline: Duration,
@@ -57,6 +64,17 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
         // Asked only to hold the file.
         return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
     }
+    if let (Some(recorded), Some(socket)) = (served.checksum, stream.socket()) {
+        // The copy as it was recorded: straight from its descriptor, unhashed (the reader checks it).
+        let socket = socket.try_clone_to_owned()?;
+        let file = served.file;
+        tokio::task::spawn_blocking(move || crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline))
+            .await
+            .map_err(io::Error::other)??;
+        write(stream, &Frame::Done { id, hash: recorded }, deadline).await?;
+        cache.count_served(size);
+        return Ok(());
+    }
     let hash = match send_chunks(stream, Arc::new(served.file), size, id, credit, deadline).await? {
         Ok(hash) => hash,
         Err(e) => {
@@ -74,6 +92,35 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin>(
     write(stream, &Frame::Done { id, hash }, deadline).await?;
     cache.count_served(size);
     Ok(())
+}
+
+/// Serves one [`Frame::Damaged`]: a reader found that the bytes of `rel` it was sent do not hash to the
+/// blake3 sent with them. The copy is checked against its record on the blocking pool and removed if it
+/// does not match; the answer says which.
+pub async fn serve_damaged<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    cache: Option<Arc<Cache>>,
+    deadline: Duration,
+    id: u32,
+    source: &str,
+    rel: &str,
+) -> io::Result<()> {
+    let Some(cache) = cache.filter(|c| c.config().source.to_string_lossy() == source) else {
+        return write(stream, &Frame::Checked { id, removed: false }, deadline).await;
+    };
+    let wanted = rel.to_string();
+    let removed = match tokio::task::spawn_blocking(move || cache.check_served(&wanted)).await {
+        Ok(Ok(removed)) => removed,
+        Ok(Err(e)) => {
+            log::warn!("a reader reported damaged bytes of {rel}, and its copy could not be checked: {e}");
+            false
+        }
+        Err(e) => {
+            log::warn!("checking the copy of {rel} failed: {e}");
+            false
+        }
+    };
+    write(stream, &Frame::Checked { id, removed }, deadline).await
 }
 
 /// Sends `size` bytes of `file` as chunks of transfer `id`, never more than the reader's credit ahead

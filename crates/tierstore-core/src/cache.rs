@@ -548,6 +548,13 @@ impl Cache {
     pub fn drop_damaged(&self, rel: &str) {
         self.inner.drop_damaged(rel)
     }
+
+    /// Checks this node's copy of `rel` against the blake3 recorded when it was made, because a peer found
+    /// that the bytes it was sent do not match it; a damaged copy is removed (and the fault logged).
+    /// Returns whether it was. A copy with no recorded blake3, or none at all, is left as it is.
+    pub fn check_served(&self, rel: &str) -> Result<bool, Error> {
+        self.inner.check_served(rel)
+    }
 }
 
 impl Drop for Cache {

@@ -4,17 +4,19 @@
 //! Never stale and never partial hold across nodes as on one: the owner says which version it sends
 //! before the bytes ([`crate::cluster::remote::Transfer::found`]); a reader that already knows the version
 //! (`revalidate = "always"`) refuses any other; the bytes are checked against the blake3 recorded when
-//! the owner copied them from the source. Anything that goes wrong sends the reader to the source,
-//! counted, and the job goes on.
+//! the owner copied them from the source. The owner sends its copy without reading or hashing it (with
+//! `sendfile`), so a reader that finds a mismatch tells it, and the owner checks that copy and removes it
+//! if it is damaged ([`Cache::check_served`](super::Cache::check_served)). Anything that goes wrong sends
+//! the reader to the source, counted, and the job goes on.
 
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
 use super::engine::{memory_file, Fetched, Inner, Native, Purpose};
 use super::flight::{Flight, Outcome};
-use crate::cluster::remote::{RemoteError, Transfer, WINDOW};
+use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
@@ -68,6 +70,24 @@ impl Inner {
             self.remove_entries(&key);
         }
         self.fault(None, "peer-damaged-copy", &format!("the copy of {rel} served to a peer was damaged; removed"));
+    }
+
+    /// See [`Cache::check_served`](super::Cache::check_served).
+    pub(super) fn check_served(&self, rel: &str) -> Result<bool, Error> {
+        let key = key_of(rel);
+        let Some((i, e)) = self.published_in(&key, rel) else { return Ok(false) };
+        let Some(recorded) = e.checksum else { return Ok(false) };
+        let copy = match self.tiers[i].open_copy(&key) {
+            Ok(f) => f,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(err) => return Err(Error::io(&self.source.path_of(rel), err)),
+        };
+        let (size, hash) = crate::hash::hash_reader(&copy).map_err(|err| Error::io(&self.source.path_of(rel), err))?;
+        if size == e.source.size && hash == recorded {
+            return Ok(false);
+        }
+        self.drop_damaged(rel);
+        Ok(true)
     }
 
     /// Serves a miss from the agent of the node that owns the file. `None`: this node owns it, no peer
@@ -189,7 +209,7 @@ impl Inner {
                 return Err(RemoteError::Sink(e));
             }
         };
-        let received = transfer.receive(|offset, bytes| file.write_all_at(bytes, offset));
+        let received = transfer.receive_into(Dest::File(&file));
         let published = received
             .and_then(|hash| self.finish_publish(t, key, &temp, &file, sid, Some(hash)).map_err(RemoteError::Sink));
         if let Err(e) = published {
@@ -213,16 +233,13 @@ impl Inner {
         purpose: Purpose,
     ) -> Result<Fetched, RemoteError> {
         if sid.size <= self.config.inline_max && purpose == Purpose::Read {
-            let mut bytes = vec![0u8; sid.size as usize];
-            transfer.receive(|offset, data| {
-                bytes[offset as usize..offset as usize + data.len()].copy_from_slice(data);
-                Ok(())
-            })?;
+            let mut bytes = Vec::with_capacity(sid.size as usize);
+            transfer.receive_into(Dest::Bytes(&mut bytes))?;
             let backing = Backing::Memory(Arc::new(bytes));
             return Ok(Fetched::Reader(Reader::new(backing, sid.size, rel.into(), self.source.clone())));
         }
         let file = memory_file(rel).map_err(RemoteError::Sink)?;
-        transfer.receive(|offset, data| file.write_all_at(data, offset))?;
+        transfer.receive_into(Dest::File(&file))?;
         Ok(Fetched::Reader(Reader::new(Backing::Private(file), sid.size, rel.into(), self.source.clone())))
     }
 }

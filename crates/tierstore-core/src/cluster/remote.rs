@@ -5,11 +5,14 @@
 //! network hop. A process talks to the owner's agent directly over TCP, with a deadline on the connection
 //! and on every frame: a dead or silent peer costs at most those deadlines, is marked down in this
 //! process for [`DOWN_FOR`], and its files go to the next heaviest member (or to the source) meanwhile.
-//! The bytes come in chunks under receiver-driven credit, and the blake3 the owner sends at the end
-//! (the one recorded when its copy was made from the source) is checked before a byte is used.
+//! The bytes come in chunks under receiver-driven credit, each received straight into where it goes
+//! (the caller's buffer, or a file) and hashed there as it arrives; the blake3 the owner sends at the end
+//! (the one recorded when its copy was made from the source: the owner does not hash what it sends) is
+//! checked before a byte is used. A mismatch is reported to the owner, which checks its copy and removes
+//! it if it is damaged.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
@@ -212,7 +215,9 @@ impl Remote {
     /// 0 only asks the owner to cache the file.
     pub fn open(&self, who: &str, rel: &str, credit: u32) -> Result<Transfer, RemoteError> {
         let fetch = Frame::Fetch { id: 1, source: self.source.clone(), rel: rel.to_string(), credit };
-        self.request(who, &fetch)
+        let mut t = self.request(who, &fetch)?;
+        t.report = Some(Frame::Damaged { id: 1, source: self.source.clone(), rel: rel.to_string() });
+        Ok(t)
     }
 
     /// Asks member `who` for the staged copy of `path` (a file its node wrote under a write-back
@@ -275,7 +280,7 @@ impl Remote {
                 return Err(RemoteError::Broken { at, detail: format!("expected the file's identity, got {other:?}") })
             }
         };
-        Ok(Transfer { stream, at, found, deadline: self.deadline })
+        Ok(Transfer { stream, at, found, deadline: self.deadline, report: None })
     }
 
     fn connect(&self, at: &str) -> Result<TcpStream, RemoteError> {
@@ -298,6 +303,46 @@ impl Remote {
         }
         Err(RemoteError::Unreachable { at: at.to_string(), source: last })
     }
+}
+
+/// Receives exactly `len` bytes from `stream` into `to`, with as few calls as the kernel allows
+/// (`MSG_WAITALL`: one call per chunk, where a plain `read` returns at each packet). A timeout with
+/// nothing received is `WouldBlock`, as for a read.
+///
+/// # Safety
+/// `to` must be valid for writes of `len` bytes.
+unsafe fn recv_exact(stream: &TcpStream, to: *mut u8, len: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    recv_all(stream.as_raw_fd(), to, len)
+}
+
+/// Receives exactly `len` bytes from `fd` into `to`.
+///
+/// # Safety
+/// `to` must be valid for writes of `len` bytes.
+unsafe fn recv_all(fd: std::os::fd::RawFd, to: *mut u8, len: usize) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the caller vouches for `to..to + len`; `done < len`.
+        let n = unsafe { libc::recv(fd, to.add(done) as *mut libc::c_void, len - done, libc::MSG_WAITALL) };
+        match n {
+            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed inside a chunk")),
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Why a chunk could not be taken: the connection, or where its bytes go.
+enum Received {
+    Wire(io::Error),
+    Sink(io::Error),
 }
 
 /// The members the agent on `socket` knows of.
@@ -329,57 +374,145 @@ pub struct Transfer {
     /// The version the owner sends.
     pub found: SourceId,
     deadline: Duration,
+    /// What to tell the owner when its bytes do not hash to the blake3 it sent (a `Fetch`'s report; none
+    /// for a staged file, whose owner still hashes what it sends).
+    report: Option<Frame>,
+}
+
+/// Where the bytes of a [`Transfer`] go.
+pub enum Dest<'a> {
+    /// A buffer the file's bytes are appended to (it should be empty, with room for the file): each chunk
+    /// is received straight into its place, never zeroed first.
+    Bytes(&'a mut Vec<u8>),
+    /// A file, written at each chunk's offset (through one buffer of a chunk, reused).
+    File(&'a std::fs::File),
 }
 
 impl Transfer {
     /// Takes every chunk in order into `sink(offset, bytes)`, granting credit as they come, and checks
     /// the size and the owner's blake3. Returns the blake3 of the file.
-    pub fn receive(mut self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
+    pub fn receive(self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
+        let mut buf = Vec::new();
+        self.receive_with(|offset, len, stream, hasher| {
+            buf.resize(len, 0);
+            stream.read_exact(&mut buf).map_err(Received::Wire)?;
+            hasher.update(&buf);
+            sink(offset, &buf).map_err(Received::Sink)
+        })
+    }
+
+    /// Takes every chunk in order into `dest`, as [`Transfer::receive`] does, with no buffer in between
+    /// for a [`Dest::Bytes`]: each chunk goes from the socket into its place, and is hashed there. The
+    /// caller uses no byte of `dest` unless this returns `Ok`.
+    pub fn receive_into(self, dest: Dest<'_>) -> Result<[u8; 32], RemoteError> {
+        match dest {
+            Dest::Bytes(bytes) => {
+                let start = bytes.len();
+                self.receive_with(|_, len, stream, hasher| {
+                    bytes.reserve(len);
+                    let at = bytes.len();
+                    // SAFETY: `reserve` made room for `len` bytes past the end; `recv_exact` writes them all
+                    // or fails, and the length grows only over bytes it wrote.
+                    unsafe {
+                        recv_exact(stream, bytes.as_mut_ptr().add(at), len).map_err(Received::Wire)?;
+                        bytes.set_len(at + len);
+                    }
+                    hasher.update(&bytes[at..]);
+                    Ok(())
+                })
+                .inspect_err(|_| bytes.truncate(start))
+            }
+            Dest::File(file) => {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; wire::CHUNK];
+                self.receive_with(|offset, len, stream, hasher| {
+                    let b = &mut buf[..len];
+                    // SAFETY: `b` is valid for `len` bytes.
+                    unsafe { recv_exact(stream, b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
+                    hasher.update(b);
+                    file.write_all_at(b, offset).map_err(Received::Sink)
+                })
+            }
+        }
+    }
+
+    /// The loop of a transfer: `take(offset, len, stream, hasher)` reads the next chunk's `len` bytes
+    /// from the stream to where they go, and adds them to the hasher.
+    fn receive_with(
+        mut self,
+        mut take: impl FnMut(u64, usize, &mut TcpStream, &mut crate::hash::Hasher) -> Result<(), Received>,
+    ) -> Result<[u8; 32], RemoteError> {
         let at = self.at.clone();
+        let broken = |at: &str, deadline: Duration, e: io::Error| {
+            if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                RemoteError::Deadline { at: at.to_string(), waited: deadline }
+            } else {
+                RemoteError::Broken { at: at.to_string(), detail: e.to_string() }
+            }
+        };
         let mut hasher = crate::hash::Hasher::new();
         let mut got = 0u64;
         loop {
-            let frame = match wire::read_frame(&mut self.stream) {
-                Ok(Some(f)) => f,
+            let head = match wire::read_head(&mut self.stream) {
+                Ok(Some(h)) => h,
                 Ok(None) => return Err(RemoteError::Broken { at, detail: format!("closed after {got} bytes") }),
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(RemoteError::Deadline { at, waited: self.deadline })
-                }
-                Err(e) => return Err(RemoteError::Broken { at, detail: e.to_string() }),
+                Err(e) => return Err(broken(&at, self.deadline, e)),
             };
-            match frame {
-                Frame::Chunk { id: 1, offset, data } => {
-                    if offset != got || got + data.len() as u64 > self.found.size {
+            match head {
+                wire::Head::Chunk { id: 1, offset, len } => {
+                    if offset != got || got + len as u64 > self.found.size {
                         return Err(RemoteError::Corrupt {
                             at,
-                            detail: format!("a chunk of {} bytes at {offset}, expected one at {got}", data.len()),
+                            detail: format!("a chunk of {len} bytes at {offset}, expected one at {got}"),
                         });
                     }
-                    hasher.update(&data);
-                    sink(offset, &data).map_err(RemoteError::Sink)?;
-                    got += data.len() as u64;
+                    match take(offset, len, &mut self.stream, &mut hasher) {
+                        Ok(()) => {}
+                        Err(Received::Wire(e)) => return Err(broken(&at, self.deadline, e)),
+                        Err(Received::Sink(e)) => return Err(RemoteError::Sink(e)),
+                    }
+                    got += len as u64;
                     let credit = Frame::Credit { id: 1, more: 1 };
                     if got < self.found.size {
-                        wire::write_frame(&mut self.stream, &credit)
-                            .map_err(|e| RemoteError::Broken { at: at.clone(), detail: e.to_string() })?;
+                        wire::write_frame(&mut self.stream, &credit).map_err(|e| broken(&at, self.deadline, e))?;
                     }
                 }
-                Frame::Done { id: 1, hash } => {
+                wire::Head::Frame(Frame::Done { id: 1, hash }) => {
                     if got != self.found.size {
                         return Err(RemoteError::Corrupt {
                             at,
                             detail: format!("{got} bytes of {} before the end", self.found.size),
                         });
                     }
-                    let mine = *hasher.finalize().as_bytes();
-                    if mine != hash {
-                        return Err(RemoteError::Corrupt { at, detail: "blake3 mismatch".into() });
+                    if *hasher.finalize().as_bytes() != hash {
+                        let detail = self.report_damage();
+                        return Err(RemoteError::Corrupt { at, detail });
                     }
                     return Ok(hash);
                 }
-                Frame::Error { code, message } => return Err(RemoteError::Refused { at, code, message }),
+                wire::Head::Frame(Frame::Error { code, message }) => {
+                    return Err(RemoteError::Refused { at, code, message })
+                }
                 other => return Err(RemoteError::Broken { at, detail: format!("unexpected {other:?}") }),
             }
+        }
+    }
+
+    /// Tells the owner that its bytes did not hash to the blake3 it sent, and waits (within the deadline)
+    /// for it to check its copy: a damaged one is removed before the reader goes to the source, so the
+    /// next reader is not sent the same damage. Returns what to say of the mismatch.
+    fn report_damage(&mut self) -> String {
+        let Some(report) = self.report.take() else { return "blake3 mismatch".into() };
+        let answer = wire::write_frame(&mut self.stream, &report).and_then(|()| wire::read_frame(&mut self.stream));
+        match answer {
+            Ok(Some(Frame::Checked { removed: true, .. })) => {
+                "blake3 mismatch; the owner removed its damaged copy".into()
+            }
+            Ok(Some(Frame::Checked { removed: false, .. })) => {
+                "blake3 mismatch; the owner's copy matches its record (damaged on the way?)".into()
+            }
+            Ok(other) => format!("blake3 mismatch; the owner answered the report with {other:?}"),
+            Err(e) => format!("blake3 mismatch; the owner did not answer the report ({e})"),
         }
     }
 
@@ -391,5 +524,79 @@ impl Transfer {
             Ok(other) => Err(RemoteError::Broken { at: self.at, detail: format!("unexpected {other:?}") }),
             Err(e) => Err(RemoteError::Broken { at: self.at, detail: e.to_string() }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// A fake owner on 127.0.0.1:0 that sends `data` under the blake3 `vouched`, then answers a
+    /// `Damaged` report with `Checked`; returns its address and the frames it received after the
+    /// `Fetch`.
+    fn owner(data: Vec<u8>, vouched: [u8; 32]) -> (String, std::thread::JoinHandle<Vec<Frame>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
+            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
+            wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
+            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
+            let identity = SourceId { size: data.len() as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
+            wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
+            for (i, c) in data.chunks(wire::CHUNK).enumerate() {
+                let offset = (i * wire::CHUNK) as u64;
+                wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset, data: c.to_vec() }).unwrap();
+            }
+            wire::write_frame(&mut s, &Frame::Done { id: 1, hash: vouched }).unwrap();
+            let mut after = Vec::new();
+            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+                if let Frame::Damaged { id, .. } = &f {
+                    wire::write_frame(&mut s, &Frame::Checked { id: *id, removed: true }).unwrap();
+                }
+                after.push(f);
+            }
+            after
+        });
+        (at, h)
+    }
+
+    fn remote() -> Remote {
+        Remote::new(&ClusterConfig::default(), "/store", None)
+    }
+
+    #[test]
+    fn the_bytes_land_in_the_buffer_when_they_match_the_owners_hash() {
+        let data: Vec<u8> = (0..2 * wire::CHUNK + 5).map(|i| (i % 241) as u8).collect();
+        let (at, h) = owner(data.clone(), crate::hash::hash(&data));
+        let t = remote().open(&at, "a/b", WINDOW).unwrap();
+        let mut got = Vec::with_capacity(data.len());
+        assert_eq!(t.receive_into(Dest::Bytes(&mut got)).unwrap(), crate::hash::hash(&data));
+        assert_eq!(got, data);
+        // Credit for every chunk but the last; no report.
+        let after = h.join().unwrap();
+        assert!(after.iter().all(|f| matches!(f, Frame::Credit { .. })), "{after:?}");
+    }
+
+    #[test]
+    fn a_mismatch_leaves_nothing_in_the_buffer_and_is_reported_to_the_owner() {
+        let data = vec![9u8; wire::CHUNK + 1];
+        let (at, h) = owner(data, [1; 32]);
+        let t = remote().open(&at, "a/b", WINDOW).unwrap();
+        let mut got = Vec::new();
+        match t.receive_into(Dest::Bytes(&mut got)) {
+            Err(RemoteError::Corrupt { detail, .. }) => assert!(detail.contains("removed"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(got.is_empty(), "unchecked bytes were left for the caller");
+        let after = h.join().unwrap();
+        assert_eq!(
+            after.last(),
+            Some(&Frame::Damaged { id: 1, source: "/store".into(), rel: "a/b".into() }),
+            "{after:?}"
+        );
     }
 }

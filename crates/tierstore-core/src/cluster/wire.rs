@@ -223,6 +223,24 @@ pub enum Frame {
         /// The JSON text.
         json: String,
     },
+    /// The reader's report that the bytes of transfer `id` (a `Fetch` of `rel`) do not hash to the blake3 the
+    /// agent sent with them: the agent sends a copy's bytes without hashing them again, so it checks its
+    /// copy against its record now, removes it if it is damaged, and answers [`Frame::Checked`].
+    Damaged {
+        /// The transfer whose bytes did not match.
+        id: u32,
+        /// The source directory, as in the `Fetch`.
+        source: String,
+        /// The file, as in the `Fetch`.
+        rel: String,
+    },
+    /// The answer to [`Frame::Damaged`]: whether the agent found its copy damaged and removed it.
+    Checked {
+        /// The transfer reported.
+        id: u32,
+        /// The copy did not match its record and is gone.
+        removed: bool,
+    },
     /// Asks for a file written on the agent's node under a write-back destination and not yet on the
     /// shared store (its staged, journaled copy). Answered as a [`Frame::Fetch`] is: [`Frame::Found`]
     /// (size, and the time the program closed it as mtime), the chunks, [`Frame::Done`] with the blake3
@@ -257,6 +275,8 @@ mod kind {
     pub const DONE: u8 = 15;
     pub const MEMBERS: u8 = 16;
     pub const MEMBER_LIST: u8 = 17;
+    pub const DAMAGED: u8 = 18;
+    pub const CHECKED: u8 = 19;
     // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
     pub const STREAM_REQUEST: u8 = 40;
     pub const STREAM_EVENT: u8 = 41;
@@ -402,6 +422,17 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             for m in fit {
                 text(out, m);
             }
+        }
+        Frame::Damaged { id, source, rel } => {
+            out.push(kind::DAMAGED);
+            out.extend_from_slice(&id.to_be_bytes());
+            text(out, source);
+            text(out, rel);
+        }
+        Frame::Checked { id, removed } => {
+            out.push(kind::CHECKED);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.push(u8::from(*removed));
         }
         Frame::Error { code, message } => {
             out.push(kind::ERROR);
@@ -567,6 +598,12 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             }
             Frame::MemberList { members }
         }
+        kind::DAMAGED => {
+            let (id, source, rel) = (r.u32("id")?, r.text("source")?, r.text("rel")?);
+            check_path(&rel)?;
+            Frame::Damaged { id, source, rel }
+        }
+        kind::CHECKED => Frame::Checked { id: r.u32("id")?, removed: r.u8("removed")? != 0 },
         kind::STAGED_FETCH => {
             let (id, path) = (r.u32("id")?, r.text("path")?);
             check_abs_path(&path)?;
@@ -603,6 +640,78 @@ pub fn read_frame<R: Read>(r: &mut R) -> io::Result<Option<Frame>> {
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
     parse(&body).map(Some).map_err(invalid)
+}
+
+/// The bytes of a [`Frame::Chunk`] before its data, length prefix included.
+pub const CHUNK_HEAD: usize = 4 + 1 + 4 + 8 + 4;
+
+/// The wire form of a [`Frame::Chunk`] of `len` bytes up to its data, which follow it on the wire: how an
+/// agent sends a chunk whose bytes go from a file straight into the socket, never through a `Vec`.
+pub fn chunk_head(id: u32, offset: u64, len: usize) -> [u8; CHUNK_HEAD] {
+    debug_assert!(len <= CHUNK);
+    let mut h = [0u8; CHUNK_HEAD];
+    h[..4].copy_from_slice(&((CHUNK_HEAD - 4 + len) as u32).to_be_bytes());
+    h[4] = kind::CHUNK;
+    h[5..9].copy_from_slice(&id.to_be_bytes());
+    h[9..17].copy_from_slice(&offset.to_be_bytes());
+    h[17..].copy_from_slice(&(len as u32).to_be_bytes());
+    h
+}
+
+/// A frame as [`read_head`] reads it: a chunk's data is left in the stream for the caller.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Head {
+    /// A [`Frame::Chunk`] whose `len` bytes of data come next in the stream: the caller reads exactly
+    /// them, into where they go.
+    Chunk {
+        /// The transfer.
+        id: u32,
+        /// Where the bytes go.
+        offset: u64,
+        /// How many bytes follow (checked: at most [`CHUNK`], and what the frame's length announced).
+        len: usize,
+    },
+    /// Any other frame, read and parsed whole.
+    Frame(Frame),
+}
+
+/// Reads one frame, but only the header of a chunk: its data can then be read straight into its
+/// destination, with no buffer in between. `Ok(None)` at a clean end of stream (between frames).
+pub fn read_head<R: Read>(r: &mut R) -> io::Result<Option<Head>> {
+    let mut start = [0u8; 5];
+    match r.read_exact(&mut start[..4]) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = body_len(start[..4].try_into().expect("4 bytes")).map_err(invalid)?;
+    if len == 0 {
+        return Err(invalid(FrameError::Empty));
+    }
+    r.read_exact(&mut start[4..])?;
+    if start[4] == kind::CHUNK {
+        let mut fields = [0u8; CHUNK_HEAD - 5];
+        if len < 1 + fields.len() {
+            return Err(invalid(FrameError::Truncated { field: "chunk" }));
+        }
+        r.read_exact(&mut fields)?;
+        let id = u32::from_be_bytes(fields[..4].try_into().expect("4 bytes"));
+        let offset = u64::from_be_bytes(fields[4..12].try_into().expect("8 bytes"));
+        let n = u32::from_be_bytes(fields[12..].try_into().expect("4 bytes")) as usize;
+        if n > CHUNK {
+            return Err(invalid(FrameError::BigChunk(n)));
+        }
+        let announced = len - 1 - fields.len();
+        return match announced.cmp(&n) {
+            std::cmp::Ordering::Equal => Ok(Some(Head::Chunk { id, offset, len: n })),
+            std::cmp::Ordering::Less => Err(invalid(FrameError::Truncated { field: "data" })),
+            std::cmp::Ordering::Greater => Err(invalid(FrameError::Trailing(announced - n))),
+        };
+    }
+    let mut body = vec![0u8; len];
+    body[0] = start[4];
+    r.read_exact(&mut body[1..])?;
+    parse(&body).map(|f| Some(Head::Frame(f))).map_err(invalid)
 }
 
 /// Writes one frame.
@@ -652,6 +761,9 @@ mod tests {
             proptest::collection::vec(text, 0..20).prop_map(|members| Frame::MemberList { members }),
             "[ -~]{0,300}".prop_map(|json| Frame::StreamRequest { json }),
             "[ -~]{0,300}".prop_map(|json| Frame::StreamEvent { json }),
+            (any::<u32>(), "/[a-z/]{1,30}", "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}")
+                .prop_map(|(id, source, rel)| Frame::Damaged { id, source, rel }),
+            (any::<u32>(), any::<bool>()).prop_map(|(id, removed)| Frame::Checked { id, removed }),
             (any::<u32>(), "(/[a-z0-9_-][a-z0-9._-]{0,7}){1,4}", any::<u32>())
                 .prop_map(|(id, path, credit)| Frame::StagedFetch { id, path, credit }),
         ]
@@ -682,6 +794,39 @@ mod tests {
                 prop_assert_eq!(check(&wire[..4 + cut]), Ok(None));
             }
         }
+    }
+
+    proptest! {
+        #[test]
+        fn read_head_reads_what_read_frame_reads(frame in any_frame()) {
+            let mut wire = Vec::new();
+            encode(&frame, &mut wire);
+            let mut r = &wire[..];
+            let head = read_head(&mut r).unwrap().unwrap();
+            match (head, frame) {
+                (Head::Chunk { id, offset, len }, Frame::Chunk { id: i, offset: o, data }) => {
+                    prop_assert_eq!((id, offset, len), (i, o, data.len()));
+                    prop_assert_eq!(r, &data[..]);
+                }
+                (Head::Frame(got), frame) => {
+                    prop_assert_eq!(got, frame);
+                    prop_assert!(r.is_empty());
+                }
+                (head, frame) => prop_assert!(false, "{:?} read as {:?}", frame, head),
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_head_is_the_start_of_its_chunk() {
+        let data = vec![7u8; 300];
+        let mut wire = Vec::new();
+        encode(&Frame::Chunk { id: 9, offset: 1 << 40, data: data.clone() }, &mut wire);
+        assert_eq!(chunk_head(9, 1 << 40, 300)[..], wire[..CHUNK_HEAD]);
+        // A chunk whose length disagrees with its frame's is refused before its data is read.
+        let mut bad = wire.clone();
+        bad[CHUNK_HEAD - 1] ^= 1;
+        assert!(read_head(&mut &bad[..]).is_err());
     }
 
     #[test]

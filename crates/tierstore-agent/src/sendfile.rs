@@ -1,0 +1,242 @@
+//! Sending a copy's bytes from its descriptor straight into the socket (`sendfile`): the owner neither
+//! reads them into user space nor hashes them; the blake3 recorded when the copy was made goes with them,
+//! and the reader checks it.
+//!
+//! The whole send loop of a transfer runs on tokio's blocking pool, on a duplicate of the connection's
+//! socket: a slow reader holds a blocking thread, never the runtime, and a connection dropped meanwhile
+//! cannot leave the loop writing into a descriptor number reused since. The socket stays nonblocking (the
+//! runtime owns its flags): a full socket buffer is waited for with `poll`, at most the deadline per wait,
+//! as the async path waits at most the deadline per frame. The reader's credit frames are read on the
+//! same duplicate, between chunks, exactly as many bytes as each frame has.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use tierstore_core::cluster::wire::{self, Frame, CHUNK};
+
+/// A connection whose socket the owner can hand to `sendfile`: TCP and Unix sockets. Anything else (an
+/// in-memory pipe in a test) says `None`, and its bytes go through the buffered path.
+pub trait Socket {
+    /// The connection's socket, if it has one.
+    fn socket(&self) -> Option<BorrowedFd<'_>>;
+}
+
+impl Socket for tokio::net::TcpStream {
+    fn socket(&self) -> Option<BorrowedFd<'_>> {
+        Some(std::os::fd::AsFd::as_fd(self))
+    }
+}
+
+impl Socket for tokio::net::UnixStream {
+    fn socket(&self) -> Option<BorrowedFd<'_>> {
+        Some(std::os::fd::AsFd::as_fd(self))
+    }
+}
+
+impl Socket for tokio::io::DuplexStream {
+    fn socket(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
+}
+
+/// A nonblocking socket used from a blocking thread: each wait for it is at most `deadline`.
+struct Polled {
+    fd: OwnedFd,
+    deadline: Duration,
+}
+
+impl Polled {
+    /// Waits until the socket is ready for `events`, at most the deadline.
+    fn wait(&self, events: libc::c_short) -> io::Result<()> {
+        let until = Instant::now() + self.deadline;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let what = if events == libc::POLLIN { "granted no credit" } else { "took nothing" };
+                return Err(io::Error::new(io::ErrorKind::TimedOut, format!("the reader {what} in time")));
+            }
+            let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events, revents: 0 };
+            let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+            // SAFETY: one valid pollfd, for the duration of the call.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n > 0 {
+                // An error or hang-up shows in the next send or recv.
+                return Ok(());
+            }
+        }
+    }
+
+    /// Sends all of `bytes`, telling the kernel more follows (the chunk's data) so that a header is not
+    /// a packet of its own.
+    fn send_more(&self, mut bytes: &[u8]) -> io::Result<()> {
+        while !bytes.is_empty() {
+            // SAFETY: `bytes` is valid for its length for the duration of the call.
+            let n = unsafe {
+                libc::send(
+                    self.fd.as_raw_fd(),
+                    bytes.as_ptr() as *const libc::c_void,
+                    bytes.len(),
+                    libc::MSG_MORE | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => self.wait(libc::POLLOUT)?,
+                    io::ErrorKind::Interrupted => {}
+                    _ => return Err(e),
+                }
+                continue;
+            }
+            bytes = &bytes[n as usize..];
+        }
+        Ok(())
+    }
+
+    /// Sends `len` bytes of `file` from `offset` with `sendfile`. Where the file ends early (it shrank
+    /// since it was opened) or cannot be read, the rest is sent as zeros: the frame stays whole, and the
+    /// reader's hash check refuses the bytes (and reports the copy) instead of the connection breaking.
+    fn send_file(&self, file: &File, offset: u64, len: usize) -> io::Result<()> {
+        let mut off = offset as libc::off_t;
+        let mut left = len;
+        while left > 0 {
+            // SAFETY: both descriptors are open for the call; `off` is a valid offset pointer.
+            let n = unsafe { libc::sendfile(self.fd.as_raw_fd(), file.as_raw_fd(), &mut off, left) };
+            if n > 0 {
+                left -= n as usize;
+                continue;
+            }
+            if n == 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) => self.wait(libc::POLLOUT)?,
+                Some(libc::EINTR) => {}
+                // The file's side failed: no byte of this call was sent.
+                Some(libc::EIO | libc::EINVAL | libc::ENOSYS | libc::EOVERFLOW) => break,
+                _ => return Err(e),
+            }
+        }
+        let zeros = [0u8; 64 << 10];
+        while left > 0 {
+            let n = left.min(zeros.len());
+            self.send_more(&zeros[..n])?;
+            left -= n;
+        }
+        Ok(())
+    }
+}
+
+impl Read for &Polled {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: `buf` is valid for its length for the duration of the call.
+            let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock => self.wait(libc::POLLIN)?,
+                io::ErrorKind::Interrupted => {}
+                _ => return Err(e),
+            }
+        }
+    }
+}
+
+/// Sends `size` bytes of `file` as chunks of transfer `id` on `socket` (a duplicate of the connection's),
+/// never more than the reader's credit ahead (starting with `credit`, then as it grants more). Blocking:
+/// run it on the blocking pool. `Err`: the connection failed (or broke the protocol) and must be closed.
+pub fn send_chunks(
+    socket: OwnedFd,
+    file: &File,
+    size: u64,
+    id: u32,
+    credit: u32,
+    deadline: Duration,
+) -> io::Result<()> {
+    let s = Polled { fd: socket, deadline };
+    let mut credit = credit;
+    let mut offset = 0u64;
+    while offset < size {
+        while credit == 0 {
+            match wire::read_frame(&mut &s)? {
+                Some(Frame::Credit { id: i, more }) if i == id => credit = credit.saturating_add(more),
+                other => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("expected credit for transfer {id}, got {other:?}"),
+                    ))
+                }
+            }
+        }
+        let n = CHUNK.min((size - offset) as usize);
+        s.send_more(&wire::chunk_head(id, offset, n))?;
+        s.send_file(file, offset, n)?;
+        offset += n as u64;
+        credit -= 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    /// The chunks a reader gets from `send_chunks` over a Unix socket pair, granting one credit per chunk.
+    fn receive(file: File, size: u64, credit: u32) -> Vec<u8> {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let sender = std::thread::spawn(move || {
+            send_chunks(OwnedFd::from(ours), &file, size, 3, credit, Duration::from_secs(5)).unwrap();
+        });
+        let mut got = Vec::new();
+        while (got.len() as u64) < size {
+            match wire::read_head(&mut theirs).unwrap().unwrap() {
+                wire::Head::Chunk { id: 3, offset, len } => {
+                    assert_eq!(offset, got.len() as u64);
+                    let mut b = vec![0u8; len];
+                    theirs.read_exact(&mut b).unwrap();
+                    got.extend_from_slice(&b);
+                    if (got.len() as u64) < size {
+                        wire::write_frame(&mut theirs, &Frame::Credit { id: 3, more: 1 }).unwrap();
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        sender.join().unwrap();
+        got
+    }
+
+    #[test]
+    fn a_file_goes_out_in_chunks_under_credit() {
+        let mut f = tempfile::tempfile().unwrap();
+        let data: Vec<u8> = (0..3 * CHUNK + 77).map(|i| (i % 253) as u8).collect();
+        f.write_all(&data).unwrap();
+        assert_eq!(receive(f, data.len() as u64, 1), data);
+    }
+
+    #[test]
+    fn a_file_that_shrank_is_sent_padded_so_the_frames_stay_whole() {
+        let mut f = tempfile::tempfile().unwrap();
+        f.write_all(&[5u8; 1000]).unwrap();
+        let got = receive(f, 3000, 2);
+        assert_eq!(&got[..1000], &[5u8; 1000][..]);
+        assert!(got[1000..].iter().all(|b| *b == 0));
+    }
+}
