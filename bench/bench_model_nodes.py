@@ -267,6 +267,27 @@ def job(
     }
 
 
+def attempt(
+    work: Path,
+    nodes: Nodes,
+    mounts: list[Path],
+    model: Model,
+    setup: str,
+    keys: list[str] | None,
+    alone: bool,
+) -> dict[str, Any]:
+    """`job`, tried once more if a loader fails (the Run:ai streamer's reads through FUSE now and then end
+    in "File access error" under four concurrent readers); the failures are reported."""
+    try:
+        row = job(work, nodes, mounts, model, setup, keys, alone)
+        row["failed"] = ""
+    except RuntimeError as e:
+        print(f"{setup}: {e}; once more", flush=True)
+        row = job(work, nodes, mounts, model, setup, keys, alone)
+        row["failed"] = str(e).strip().splitlines()[-1][:200]
+    return row
+
+
 SETUPS = [
     ("tierstore", True),
     ("tierstore", False),
@@ -308,7 +329,7 @@ def run(a: argparse.Namespace) -> tuple[list[dict[str, Any]], Model]:
                     order = SETUPS if r % 2 == 0 else SETUPS[::-1]
                     for partial in (False, True):
                         for setup, alone in order:
-                            row = job(work, nodes, mounts, model, setup, keys if partial else None, alone)
+                            row = attempt(work, nodes, mounts, model, setup, keys if partial else None, alone)
                             row["round"] = r
                             rows.append(row)
                             print(f"round {r}: {row}", flush=True)
@@ -410,6 +431,13 @@ def report(
             f"| {r['round']} | {r['setup']} | {'yes' if r['partial'] else 'no'} | {r['seconds']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in r['per_node'])} | {r['store_bytes'] / GiB:.3f} | {r['peer_bytes'] / GiB:.3f} |"
         )
+    failures = [r for r in rows if r["failed"]]
+    if failures:
+        lines += ["", "Jobs tried twice because a loader failed the first time:", ""]
+        lines += [
+            f"- round {r['round']}, {r['setup']}{' (partial)' if r['partial'] else ''}: {r['failed']}"
+            for r in failures
+        ]
     return "\n".join(lines) + "\n", ok
 
 
