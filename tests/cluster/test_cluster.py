@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -379,3 +380,32 @@ def test_an_owner_with_a_full_tier_still_serves_its_files(
         assert served["uncached"] > 0, served
     finally:
         stop_cluster(cluster)
+
+
+def test_an_owner_still_fetching_a_large_file_keeps_its_readers_waiting_not_rereading(
+    tmp_path: Path, throttled_store: tuple[Path, Path]
+) -> None:
+    """Two files that take the store longer than a peer's deadline (2 s) to send: the owner says within
+    each half deadline that the file is still coming, so the other node waits for that one fetch instead
+    of giving up and reading the store a second time. Both nodes read both files at once."""
+    backing, mount = throttled_store
+    digests = {}
+    for name in ("a.bin", "b.bin"):
+        data = os.urandom(20 << 20)
+        (backing / name).write_bytes(data)
+        digests[name] = hashlib.sha256(data).hexdigest()
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    try:
+        before = store_stats(mount)
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda n: cluster.read_all(n, sorted(digests), timeout=120), cluster.nodes))
+        after = store_stats(mount)
+    finally:
+        stop_cluster(cluster)
+    assert all(o["got"] == digests for o in outs)
+    read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    assert read == 40 << 20, (
+        f"the store sent {read} bytes for two 20 MiB files: {[o['stderr'] for o in outs]}"
+    )
+    assert sum(o["stats"]["peer_hits"] for o in outs) == 2, [o["stats"] for o in outs]
+    assert sum(o["stats"]["peer_faults"] for o in outs) == 0, [o["stats"] for o in outs]

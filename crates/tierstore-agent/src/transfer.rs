@@ -24,6 +24,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use crate::protocol::{self, ErrorCode, Frame, CHUNK};
 use crate::sendfile::Socket;
 
+/// How often an owner still fetching a file from the store tells the asker so: well within any reader's
+/// deadline on a frame.
+const STILL_FETCHING: Duration = Duration::from_millis(250);
+
 /// Serves one `Fetch` on `stream`. `Err` only when the connection itself failed (it is then closed); a
 /// file that cannot be served is answered with an error frame and the connection goes on.
 pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
@@ -50,13 +54,28 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     }
     let opener = cache.clone();
     let wanted = rel.to_string();
-    let served = match tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
-            return write(stream, &refuse(code, e.to_string()), deadline).await;
+    let mut opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted));
+    // Fetching a large file from the store may take longer than the asker's deadline on a frame (its own
+    // TIERSTORE_PEER_DEADLINE_MS): say every STILL_FETCHING that the file is still coming, so that the
+    // asker keeps waiting for this one fetch rather than reading the store itself.
+    let mut nonce = 0;
+    let served = loop {
+        tokio::select! {
+            opened = &mut opening => break match opened {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
+                    return write(stream, &refuse(code, e.to_string()), deadline).await;
+                }
+                Err(e) => {
+                    return write(stream, &refuse(ErrorCode::Failed, format!("the read failed: {e}")), deadline).await
+                }
+            },
+            _ = tokio::time::sleep(STILL_FETCHING) => {
+                nonce += 1;
+                write(stream, &Frame::Ping { nonce }, deadline).await?;
+            }
         }
-        Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("the read failed: {e}")), deadline).await,
     };
     let size = served.identity.size;
     write(stream, &Frame::Found { id, identity: served.identity }, deadline).await?;

@@ -130,6 +130,8 @@ pub struct Remote {
     down: Mutex<HashMap<String, (Instant, u32)>>,
     connect_deadline: Duration,
     deadline: Duration,
+    /// How long a reader waits for an owner that keeps saying it is still fetching the file.
+    fetch_wait: Duration,
 }
 
 impl Remote {
@@ -156,6 +158,7 @@ impl Remote {
             down: Mutex::new(HashMap::new()),
             connect_deadline: ms("TIERSTORE_PEER_CONNECT_MS", 1000),
             deadline: ms("TIERSTORE_PEER_DEADLINE_MS", 5000),
+            fetch_wait: ms("TIERSTORE_PEER_FETCH_WAIT_MS", 300_000),
         }
     }
 
@@ -273,11 +276,22 @@ impl Remote {
             other => return Err(RemoteError::Broken { at, detail: format!("expected a welcome, got {other:?}") }),
         }
         wire::write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
-        let found = match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
-            Some(Frame::Found { id: 1, identity }) => identity,
-            Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
-            other => {
-                return Err(RemoteError::Broken { at, detail: format!("expected the file's identity, got {other:?}") })
+        // An owner that is still fetching a large file from the store says so (a ping) within every
+        // deadline: a silent one costs a deadline, a busy one is waited for up to `fetch_wait`, which is
+        // still much less than reading the store a second time.
+        let asked = Instant::now();
+        let found = loop {
+            match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
+                Some(Frame::Found { id: 1, identity }) => break identity,
+                Some(Frame::Ping { .. }) if asked.elapsed() < self.fetch_wait => {}
+                Some(Frame::Ping { .. }) => return Err(RemoteError::Deadline { at, waited: self.fetch_wait }),
+                Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
+                other => {
+                    return Err(RemoteError::Broken {
+                        at,
+                        detail: format!("expected the file's identity, got {other:?}"),
+                    })
+                }
             }
         };
         Ok(Transfer { stream, at, found, deadline: self.deadline, report: None })
