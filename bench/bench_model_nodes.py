@@ -276,16 +276,24 @@ def attempt(
     keys: list[str] | None,
     alone: bool,
 ) -> dict[str, Any]:
-    """`job`, tried once more if a loader fails (the Run:ai streamer's reads through FUSE now and then end
-    in "File access error" under four concurrent readers); the failures are reported."""
+    """`job`, tried once more if a loader fails (the Run:ai streamer's partial loads through FUSE end in
+    "File access error" under four concurrent readers, now and then or every time); the failures are
+    reported, and a setup that fails twice is left out of its comparison (None)."""
     try:
         row = job(work, nodes, mounts, model, setup, keys, alone)
         row["failed"] = ""
+        return row
     except RuntimeError as e:
-        print(f"{setup}: {e}; once more", flush=True)
+        first = str(e).strip().splitlines()[-1][:200]
+        print(f"{setup}: {first}; once more", flush=True)
+    try:
         row = job(work, nodes, mounts, model, setup, keys, alone)
-        row["failed"] = str(e).strip().splitlines()[-1][:200]
-    return row
+        row["failed"] = first
+        return row
+    except RuntimeError as e:
+        print(f"{setup}: failed twice: {e}", flush=True)
+        return {"setup": setup + (", 1 node" if alone else ""), "partial": keys is not None, "seconds": None,
+                "failed": f"twice: {first}"}  # fmt: skip
 
 
 SETUPS = [
@@ -341,8 +349,8 @@ def run(a: argparse.Namespace) -> tuple[list[dict[str, Any]], Model]:
 
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, bool], dict[str, float]]:
     out: dict[tuple[str, bool], dict[str, float]] = {}
-    for key in {(r["setup"], r["partial"]) for r in rows}:
-        these = [r for r in rows if (r["setup"], r["partial"]) == key]
+    for key in {(r["setup"], r["partial"]) for r in rows if r["seconds"] is not None}:
+        these = [r for r in rows if (r["setup"], r["partial"]) == key and r["seconds"] is not None]
         out[key] = {
             "seconds": statistics.median(r["seconds"] for r in these),
             "store_bytes": statistics.median(r["store_bytes"] for r in these),
@@ -427,13 +435,19 @@ def report(
     lines += ["## Every job", "", "| round | setup | partial | seconds | per node (s) | store GiB | peer GiB |",
               "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
+        if r["seconds"] is None:
+            continue  # listed below
         lines.append(
             f"| {r['round']} | {r['setup']} | {'yes' if r['partial'] else 'no'} | {r['seconds']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in r['per_node'])} | {r['store_bytes'] / GiB:.3f} | {r['peer_bytes'] / GiB:.3f} |"
         )
     failures = [r for r in rows if r["failed"]]
     if failures:
-        lines += ["", "Jobs tried twice because a loader failed the first time:", ""]
+        lines += [
+            "",
+            'Jobs whose loader failed (each tried once more; "twice" means left out of its comparison):',
+            "",
+        ]
         lines += [
             f"- round {r['round']}, {r['setup']}{' (partial)' if r['partial'] else ''}: {r['failed']}"
             for r in failures
@@ -453,7 +467,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax, what, title in ((axes[0], "seconds", "time until all nodes loaded (s)"),
                             (axes[1], "store_bytes", "bytes read from the store (GiB)")):  # fmt: skip
         for j, partial in enumerate((False, True)):
-            vals = [s[(k, partial)][what] / (GiB if what == "store_bytes" else 1) for k in setups]
+            vals = [
+                s[(k, partial)][what] / (GiB if what == "store_bytes" else 1) if (k, partial) in s else 0.0
+                for k in setups
+            ]
             ax.bar([i + 0.4 * j - 0.2 for i in range(len(setups))], vals, 0.4,
                    label="partial load" if partial else "full load")  # fmt: skip
         ax.set_xticks(range(len(setups)), [LABELS[k].replace(" (", "\n(") for k in setups], fontsize=7)
