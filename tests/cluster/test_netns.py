@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cluster import SIZES, dataset
+from tests.helpers.cluster import SIZES, dataset, node_env
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tierstore.testing.netns import Nodes
@@ -172,20 +172,8 @@ def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
         addresses = [n.address for n in nodes.nodes]
         envs = []
         for i, n in enumerate(nodes.nodes):
-            runtime = tmp_path / f"node{i}"
-            runtime.mkdir()
-            env = {
-                **os.environ,
-                "XDG_RUNTIME_DIR": str(runtime),
-                "TIERSTORE_SOURCE": str(mount),
-                "TIERSTORE_TIERS": f"{tmp_path / f'tier{i}'}:256M",
-                "TIERSTORE_REVALIDATE": "never",
-                "TIERSTORE_SHARING": "partitioned",
-                "TIERSTORE_PEERS": ",".join(addresses),
-                "TIERSTORE_NODE": addresses[i],
-                "TIERSTORE_LISTEN": addresses[i],
-                "TIERSTORE_TOKEN_FILE": str(token),
-            }
+            env = node_env(tmp_path / f"node{i}", tmp_path / f"tier{i}", mount, addresses, i, token,
+                           revalidate="never", sharing="partitioned")  # fmt: skip
             envs.append(env)
             start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
             subprocess.run(start, env=env, check=True, capture_output=True, timeout=60)

@@ -112,6 +112,25 @@ def make_cluster(tmp_path: Path, mount: Path, n: int, sharing: str, revalidate: 
     return cluster
 
 
+def node_env(runtime: Path, tier: Path, source: Path, addresses: list[str], i: int, token: Path,
+             **settings: str) -> dict[str, str]:  # fmt: skip
+    """The environment of node `i` of a job whose members are `addresses` (each in its own network
+    namespace): its runtime directory (the agent's socket), its tier, the job's token, and `settings` as
+    further TIERSTORE_* variables (`sharing="partitioned"` sets TIERSTORE_SHARING)."""
+    runtime.mkdir(parents=True, exist_ok=True)
+    return {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime),
+        "TIERSTORE_SOURCE": str(source),
+        "TIERSTORE_TIERS": f"{tier}:256M",
+        "TIERSTORE_PEERS": ",".join(addresses),
+        "TIERSTORE_NODE": addresses[i],
+        "TIERSTORE_LISTEN": addresses[i],
+        "TIERSTORE_TOKEN_FILE": str(token),
+        **{f"TIERSTORE_{k.upper()}": v for k, v in settings.items()},
+    }
+
+
 def stop_cluster(cluster: Cluster) -> None:
     """Stops every node's agent and waits (10 s at most each) for it to exit. A node whose agent never
     started (pid 0) is passed over: `kill(0, ...)` would signal this test's own process group."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tierstore
+from tests.helpers.cluster import node_env
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tierstore.models import IntegrityError, Repository
@@ -186,19 +187,9 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
         addresses = [n.address for n in nodes.nodes]
         envs = []
         for i, n in enumerate(nodes.nodes):
-            runtime = tmp_path / f"node{i}"
-            runtime.mkdir()
-            env = {
-                **os.environ,
-                "XDG_RUNTIME_DIR": str(runtime),
-                "TIERSTORE_SOURCE": str(mount),
-                "TIERSTORE_TIERS": f"{tmp_path / f'tier{i}'}:256M",
-                "TIERSTORE_SHARING": sharing,
-                "TIERSTORE_PEERS": ",".join(addresses),
-                "TIERSTORE_NODE": addresses[i],
-                "TIERSTORE_LISTEN": addresses[i],
-                "TIERSTORE_TOKEN_FILE": str(token),
-            }
+            env = node_env(
+                tmp_path / f"node{i}", tmp_path / f"tier{i}", mount, addresses, i, token, sharing=sharing
+            )
             envs.append(env)
             start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
             subprocess.run(start, env=env, check=True, capture_output=True, timeout=60)
