@@ -60,7 +60,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -72,6 +71,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import machine
 from tierstore.testing.slowfs import mounted
 
 REPO = Path(__file__).resolve().parent.parent
@@ -420,17 +420,6 @@ def provenance() -> list[str]:
     ]
 
 
-def machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{os.cpu_count()} cores ({cpu}), {mem / (1 << 30):.0f} GiB of memory, Linux {platform.release()}"
-
-
 def train_report(w: Training, rounds: list[dict[str, dict[str, Epochs]]]) -> tuple[list[str], bool]:
     """The workload's table (medians over rounds per epoch) and whether its target is met."""
     epochs = range(w.epochs)
@@ -634,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "`summary.json` and `per_epoch_stats.json` are the source of every training figure and of the write "
         "throughput. The workloads start from DLIO's own `unet3d_h100` and `resnet50_h100` configurations, "
         "scaled as each section says (the module docstring of `bench/bench_dlio.py` gives the reasons).",
-        f"- The machine: {machine()}, shared with other work (other benchmarks ran beside this one).",
+        f"- The machine: {machine.describe()}, shared with other work (other benchmarks ran beside this one).",
         *provenance(),
         "- The stand-in store: `tierstore.testing.slowfs` over a local directory with its defaults (1 ms per "
         "metadata operation, 0.5 ms per read, 500 MiB/s). `tierstore run`: a fresh tier on /dev/shm each job, "

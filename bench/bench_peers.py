@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -68,6 +67,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
+import machine
 from tierstore.testing import slowfs
 from tierstore.testing.s3server import ACCESS_KEY, SECRET_KEY, LatencyProxy, S3Server
 
@@ -571,17 +571,6 @@ def versions(mounts: Mounts) -> list[str]:
     return lines
 
 
-def machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{os.cpu_count()} cores ({cpu}), {human(mem)} of memory, Linux {platform.release()}"
-
-
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -831,7 +820,7 @@ def report(
     lines += [
         "## Method",
         "",
-        f"- The machine: {machine()}, shared with other work; every setup and warm-up runs once a round, "
+        f"- The machine: {machine.describe()}, shared with other work; every setup and warm-up runs once a round, "
         f"{args.rounds} rounds, in a new order each round, and each comparison is the median of the rounds' "
         "ratios, each taken within one round.",
         f"- The store: SeaweedFS on loopback, every request through a proxy that adds {args.latency * 1000:.0f} ms "
