@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,7 @@ def job(
     if any(r["bytes"] != want for r in reports):
         raise RuntimeError(f"{setup}: a node loaded {[r['bytes'] for r in reports]} bytes, not {want}")
     return {
-        "setup": setup + (", 1 node" if alone else ""),
+        "setup": label(setup, alone),
         "partial": keys is not None,
         "seconds": max(r["end"] for r in reports) - min(r["start"] for r in reports),
         "per_node": [r["end"] - r["start"] for r in reports],
@@ -267,33 +268,22 @@ def job(
     }
 
 
-def attempt(
-    work: Path,
-    nodes: Nodes,
-    mounts: list[Path],
-    model: Model,
-    setup: str,
-    keys: list[str] | None,
-    alone: bool,
-) -> dict[str, Any]:
-    """`job`, tried once more if a loader fails (the Run:ai streamer's partial loads through FUSE end in
-    "File access error" under four concurrent readers, now and then or every time); the failures are
-    reported, and a setup that fails twice is left out of its comparison (None)."""
-    try:
-        row = job(work, nodes, mounts, model, setup, keys, alone)
-        row["failed"] = ""
-        return row
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[-1][:200]
-        print(f"{setup}: {first}; once more", flush=True)
-    try:
-        row = job(work, nodes, mounts, model, setup, keys, alone)
-        row["failed"] = first
-        return row
-    except RuntimeError as e:
-        print(f"{setup}: failed twice: {e}", flush=True)
-        return {"setup": setup + (", 1 node" if alone else ""), "partial": keys is not None, "seconds": None,
-                "failed": f"twice: {first}"}  # fmt: skip
+def label(setup: str, alone: bool) -> str:
+    return setup + (", 1 node" if alone else "")
+
+
+def attempt(run: Callable[[], dict[str, Any]], setup: str, partial: bool) -> dict[str, Any]:
+    """`run()`, one job of `setup`, tried once more if a loader fails (the Run:ai streamer's partial loads
+    through FUSE end in "File access error" under four concurrent readers, now and then or every time); the
+    failures are reported, and a setup that fails twice is left out of its comparison (seconds None)."""
+    failed = ""
+    for _ in range(2):
+        try:
+            return {**run(), "failed": failed}
+        except RuntimeError as e:
+            print(f"{setup}: {e}", flush=True)
+            failed = f"twice: {failed}" if failed else str(e).strip().splitlines()[-1][:200]
+    return {"setup": setup, "partial": partial, "seconds": None, "failed": failed}
 
 
 SETUPS = [
@@ -337,7 +327,10 @@ def run(a: argparse.Namespace) -> tuple[list[dict[str, Any]], Model]:
                     order = SETUPS if r % 2 == 0 else SETUPS[::-1]
                     for partial in (False, True):
                         for setup, alone in order:
-                            row = attempt(work, nodes, mounts, model, setup, keys if partial else None, alone)
+                            run = functools.partial(
+                                job, work, nodes, mounts, model, setup, keys if partial else None, alone
+                            )
+                            row = attempt(run, label(setup, alone), partial)
                             row["round"] = r
                             rows.append(row)
                             print(f"round {r}: {row}", flush=True)
