@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from tierstore import _core
 
@@ -32,7 +32,7 @@ T = TypeVar("T")
 WHOLE_PACK_SHARE = 0.5
 
 
-def cache_for(root: Path, cache: Cache | bool | None) -> Cache | None:
+def cache_for(root: Path, cache: Cache | Literal[False] | None) -> Cache | None:
     """The cache a repository at `root` reads through: `cache` itself when given (the repository must lie
     under its source), none for False, and for None the default cache when one is configured
     (`tierstore.toml`, `TIERSTORE_SOURCE`, `tierstore.configure`) and `root` lies under its source."""
@@ -40,23 +40,20 @@ def cache_for(root: Path, cache: Cache | bool | None) -> Cache | None:
 
     if cache is False:
         return None
-    if cache is None or cache is True:
+    if cache is None:
         try:
-            chosen = cache_module.default_cache()
+            default = cache_module.default_cache()
         except _core.ConfigError as e:
-            if e.key == "source" and e.value == "(unset)" and cache is None:
+            if e.key == "source" and e.value == "(unset)":
                 return None  # no cache configured: read the repository directly
             raise
-        if cache is None and not _under(root, chosen.source):
-            return None
-    else:
-        chosen = cache
-    if not _under(root, chosen.source):
+        return default if _under(root, default.source) else None
+    if not _under(root, cache.source):
         raise ValueError(
-            f"repository {root} is not under the cache's source {chosen.source}: give the cache whose "
+            f"repository {root} is not under the cache's source {cache.source}: give the cache whose "
             "source holds the repository, or cache=False to read it directly"
         )
-    return chosen
+    return cache
 
 
 def _under(root: Path, source: str) -> bool:

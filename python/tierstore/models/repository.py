@@ -476,6 +476,7 @@ class Repository:
         """Reads the chosen tensors into their targets, pack by pack, verifying every hash."""
         by_pack: dict[str, list[tuple[dict[str, Any], np.ndarray]]] = defaultdict(list)
         staged: list[tuple[dict[str, Any], Any]] = []
+        shares = _shares(m, chosen)
         for t in chosen:
             _spec_of(t)  # the destination has the manifest's dtype and shape: their bytes must agree
             dest = targets[t["name"]]
@@ -485,12 +486,12 @@ class Repository:
                 continue
             by_pack[t["pack"]].append((t, buf))
         for pack, items in by_pack.items():
-            self._read_pack(m, pack, items, _share(m, pack, [t for t, _ in items]))
+            self._read_pack(m, pack, items, shares[pack])
         if staged:
             with POOL.lock, _no_grad():
                 for t, dest in staged:
                     host = POOL.acquire(t["nbytes"])
-                    self._read_pack(m, t["pack"], [(t, host.numpy())], _share(m, t["pack"], [t]))
+                    self._read_pack(m, t["pack"], [(t, host.numpy())], shares[t["pack"]])
                     src = host.view(dest.dtype).reshape(dest.shape)
                     dest.copy_(src, non_blocking=False)
 
@@ -509,6 +510,7 @@ class Repository:
         """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""
         by_pack: dict[str, list[dict[str, Any]]] = defaultdict(list)
         specs: dict[str, TensorSpec] = {}
+        shares = _shares(m, chosen)
         for t in chosen:
             specs[t["name"]] = _spec_of(t)
             by_pack[t["pack"]].append(t)
@@ -516,9 +518,7 @@ class Repository:
         for pack, items in by_pack.items():
             spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
             with integrity.named_damage(m, self._packs.path(pack), items):
-                mapping = self._packs.read(
-                    pack, _share(m, pack, items), functools.partial(_map_pack, spans=spans)
-                )
+                mapping = self._packs.read(pack, shares[pack], functools.partial(_map_pack, spans=spans))
             for t in items:
                 out[t["name"]] = mapped(mapping, t["offset"], specs[t["name"]], m["framework"])
         return {t["name"]: out[t["name"]] for t in chosen}
@@ -696,10 +696,16 @@ def _map_pack(path: Path, spans: list[tuple[int, int, bytes]]) -> Any:
     return _core.map_pack(path, spans)
 
 
-def _share(m: dict[str, Any], pack: str, chosen: list[dict[str, Any]]) -> float:
-    """The part of the version's bytes in `pack` that a load of `chosen` reads."""
-    held = sum(t["nbytes"] for t in m["tensors"] if t["pack"] == pack)
-    return sum(t["nbytes"] for t in chosen) / held if held else 1.0
+def _shares(m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, float]:
+    """For each pack, the part of the version's bytes in it that a load of `chosen` reads (the whole load's,
+    also when its tensors are read one at a time through the staging buffer)."""
+    held: Counter[str] = Counter()
+    read: Counter[str] = Counter()
+    for t in m["tensors"]:
+        held[t["pack"]] += t["nbytes"]
+    for t in chosen:
+        read[t["pack"]] += t["nbytes"]
+    return {pack: read[pack] / held[pack] if held[pack] else 1.0 for pack in read}
 
 
 def _spec_of(t: dict[str, Any]) -> TensorSpec:
