@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +67,7 @@ class Subscriber:
         self._conn = self._subscribe()
         self._thread = threading.Thread(target=self._run, name=f"tierstore-subscriber-{name}", daemon=True)
         self._thread.start()
+        _open.add(self)
 
     def _subscribe(self, first: bool = True) -> _Connection:
         # Only the first connection may start an agent on demand: one stopped later stays stopped.
@@ -291,3 +294,17 @@ def streams(
         return conn.call({"op": "list"})
     finally:
         conn.close()
+
+
+# Subscriptions still open when the interpreter exits are closed first, each thread joined within its
+# deadline: a thread left blocked in a process group's collective (a group subscriber waits there for the
+# next version) that returns once the interpreter is finalizing aborts the process ("FATAL: exception not
+# rethrown": CPython ends it with a forced unwind that torch's C++ frames swallow).
+_open: weakref.WeakSet[Subscriber] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_subscribers() -> None:
+    for sub in list(_open):
+        with contextlib.suppress(Exception):
+            sub.close()
