@@ -12,10 +12,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierstore import agent as agent_mod
+
+if TYPE_CHECKING:
+    from tierstore.testing.netns import Nodes
 
 # Files under and over one chunk of the wire protocol (1 MiB), and one over inline_max (set to 1 MiB).
 SIZES = [0, 1, 4096, 100_000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 17]
@@ -129,6 +134,69 @@ def node_env(runtime: Path, tier: Path, source: Path, addresses: list[str], i: i
         "TIERSTORE_TOKEN_FILE": str(token),
         **{f"TIERSTORE_{k.upper()}": v for k, v in settings.items()},
     }
+
+
+@contextlib.contextmanager
+def netns_job(
+    tmp_path: Path, source: Path, count: int, **settings: str
+) -> Iterator[tuple[Nodes, list[Node]]]:
+    """`count` nodes of one job, each in its own network namespace (`tierstore.testing.netns.Nodes`) with
+    its agent started (`tierstore agent start`, the job's token, `settings` as `node_env` takes them):
+    (the namespaces, each node's `Node` with its agent's pid). The agents are stopped and the namespaces
+    removed after. Needs root."""
+    from tierstore.testing.netns import Nodes
+
+    token = tmp_path / "token"
+    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
+    token.chmod(0o600)
+    with Nodes(count) as nodes:
+        addresses = [n.address for n in nodes.nodes]
+        job: list[Node] = []
+        try:
+            for i, n in enumerate(nodes.nodes):
+                runtime, tier = tmp_path / f"node{i}", tmp_path / f"tier{i}"
+                env = node_env(runtime, tier, source, addresses, i, token, **settings)
+                node = Node(n.name, env, tier, runtime / "tierstore" / "agent.sock")
+                job.append(node)
+                start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
+                p = subprocess.run(start, env=env, capture_output=True, text=True, timeout=60)
+                assert p.returncode == 0, f"{n.name}: {p.stderr}"
+                report = agent_mod.status(node.socket)
+                assert report is not None, f"the agent of {n.name} does not answer"
+                node.pid = json.loads(report)["pid"]
+            yield nodes, job
+        finally:
+            for n, node in zip(nodes.nodes, job, strict=False):
+                stop = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "stop")
+                subprocess.run(stop, env=node.env, capture_output=True, timeout=60)
+
+
+def owner_of(job: list[Node], rel: str) -> int:
+    """The place in `job` of the node that owns `rel` (a path under the source) while every node is up,
+    by the agents' own rendezvous hashing over the members as the job's configuration names them."""
+    from tierstore import _core
+
+    code = "import json, tierstore; print(json.dumps(tierstore.Cache().config()['cluster'][0]['members']))"
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=job[0].env, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    (owner,) = _core.owners(json.loads(p.stdout), [rel])
+    # A member is `host:port`; a node's TIERSTORE_NODE names its host, and its port where not the default.
+    at = [i for i, node in enumerate(job) if f"{owner}:".startswith(f"{node.env['TIERSTORE_NODE']}:")]
+    assert len(at) == 1, f"the owner {owner} is none of the job's nodes"
+    return at[0]
+
+
+def tier_bytes(tier: Path) -> int:
+    """The bytes of every file under `tier` now: its copies, those still being fetched, its index. A file
+    that goes while it is counted (a fetched copy renamed into place) is passed over."""
+    total = 0
+    for f in tier.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if f.is_file():
+                total += f.stat().st_size
+    return total
 
 
 def stop_cluster(cluster: Cluster) -> None:

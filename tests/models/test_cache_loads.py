@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,10 @@ import numpy as np
 import pytest
 
 import tierstore
-from tests.helpers.cluster import node_env
+from tests.helpers.cluster import Node, netns_job, owner_of, tier_bytes
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
+from tests.helpers.wait import wait_for
 from tierstore.models import IntegrityError, Repository
 
 NODES = 4
@@ -35,6 +37,18 @@ def same(got: dict, want: dict[str, np.ndarray]) -> bool:
 def pack_of(repo: Path) -> Path:
     (pack,) = (repo / "packs").iterdir()
     return pack
+
+
+def flip_byte(path: Path, at: int) -> None:
+    """Flips one bit of the byte at `at` of the file, keeping its size and times (nothing but its bytes
+    says it changed)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.fixture
@@ -93,12 +107,7 @@ def test_a_damaged_cached_pack_is_dropped_refetched_and_never_returned(
     cache, repo, want = saved
     repository = Repository(repo, cache=cache)
     repository.load("m")
-    copy = Path(str(cache.lookup(pack_of(repo), validate=False)))
-    with open(copy, "r+b") as f:
-        f.seek(3 << 20)
-        b = f.read(1)
-        f.seek(3 << 20)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(Path(str(cache.lookup(pack_of(repo), validate=False))), 3 << 20)
     assert same(repository.load("m", mmap=mmap), want)
     assert repository._packs.refetched == 1
     again = cache.lookup(pack_of(repo), validate=False)
@@ -150,13 +159,39 @@ import tierstore
 from tierstore.models import IntegrityError, Repository
 
 t = time.monotonic()
-got = Repository(sys.argv[1], create=False).load("m", mmap=False)
+repository = Repository(sys.argv[1], create=False)
+got = repository.load("m", mmap=False)
 h = hashlib.sha256()
 for k in sorted(got):
     h.update(k.encode()); h.update(np.ascontiguousarray(got[k]).tobytes())
 print(json.dumps({"digest": h.hexdigest(), "seconds": time.monotonic() - t,
+                  "refetched": repository._packs.refetched,
                   "stats": tierstore.default_cache().stats()["source"]}))
 """
+
+
+def digest_of(want: dict[str, np.ndarray]) -> str:
+    """What LOADER prints for tensors equal in every byte to `want`."""
+    h = hashlib.sha256()
+    for k in sorted(want):
+        h.update(k.encode())
+        h.update(want[k].tobytes())
+    return h.hexdigest()
+
+
+def start_load(inside: list[str], node: Node, repo: Path) -> subprocess.Popen[str]:
+    """LOADER loading version "m" of `repo` in a process of `node` (`inside`: its namespace's command)."""
+    return subprocess.Popen([*inside, sys.executable, "-c", LOADER, str(repo)], env=node.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def finished(p: subprocess.Popen[str], timeout: float) -> dict:
+    """LOADER's report, once it exited successfully within `timeout` seconds."""
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-3000:]
+    report: dict = json.loads(out)
+    report["stderr"] = err
+    return report
 
 
 @pytest.mark.netns
@@ -170,47 +205,16 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
     job, and every node gets the right tensors."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
-    from tierstore.testing.netns import Nodes
-
     backing, mount = slow_store
     want = weights(n=12)
     Repository(backing / "repo", cache=False).save("m", want)
     pack = pack_of(backing / "repo").stat().st_size
-    digest = hashlib.sha256()
-    for k in sorted(want):
-        digest.update(k.encode())
-        digest.update(want[k].tobytes())
-    token = tmp_path / "token"
-    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
-    token.chmod(0o600)
-    with Nodes(NODES) as nodes:
-        addresses = [n.address for n in nodes.nodes]
-        envs = []
-        for i, n in enumerate(nodes.nodes):
-            env = node_env(
-                tmp_path / f"node{i}", tmp_path / f"tier{i}", mount, addresses, i, token, sharing=sharing
-            )
-            envs.append(env)
-            start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
-            subprocess.run(start, env=env, check=True, capture_output=True, timeout=60)
-        try:
-            before = store_stats(mount)
-            procs = [
-                subprocess.Popen(n.cmd(sys.executable, "-c", LOADER, str(mount / "repo")), env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for n, env in zip(nodes.nodes, envs, strict=True)
-            ]  # fmt: skip
-            results = []
-            for p in procs:
-                out, err = p.communicate(timeout=180)
-                assert p.returncode == 0, err[-3000:]
-                results.append(json.loads(out))
-            after = store_stats(mount)
-        finally:
-            for n, env in zip(nodes.nodes, envs, strict=True):
-                stop = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "stop")
-                subprocess.run(stop, env=env, capture_output=True, timeout=60)
-    assert [r["digest"] for r in results] == [digest.hexdigest()] * NODES
+    with netns_job(tmp_path, mount, NODES, sharing=sharing) as (nodes, job):
+        before = store_stats(mount)
+        procs = [start_load(n.cmd(), node, mount / "repo") for n, node in zip(nodes.nodes, job, strict=True)]
+        results = [finished(p, timeout=180) for p in procs]
+        after = store_stats(mount)
+    assert [r["digest"] for r in results] == [digest_of(want)] * NODES
     read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
     manifest = next((backing / "repo" / "models" / "m").glob("v*.json")).stat().st_size
     # The pack once; each node reads the small manifest (and the format marker) itself.
@@ -218,3 +222,66 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
         f"the store served {read} bytes for a {pack}-byte pack"
     )
     assert sum(r["stats"]["peer_hits"] for r in results) >= NODES - 1, [r["stats"] for r in results]
+
+
+@pytest.mark.netns
+def test_a_load_whose_pack_owner_is_killed_mid_transfer_finishes_with_the_saved_tensors(
+    tmp_path: Path, throttled_store: tuple[Path, Path]
+) -> None:
+    """Two nodes in their own network namespaces; the store sends 8 MiB/s, so the 32 MiB pack takes its
+    owner's agent about 4 s to fetch. The other node loads the version, which asks the owner for the pack;
+    a quarter of the way through, the owner's agent is killed (SIGKILL). The load finishes, within a
+    bound, with every tensor equal to what was saved and no damaged copy met on the way (no tensor's
+    hash failed, so nothing was refetched), and the reader counts the owner's failure."""
+    backing, mount = throttled_store
+    want = weights(n=8, size=4 << 20)
+    Repository(backing / "repo", cache=False).save("m", want)
+    pack = pack_of(backing / "repo")
+    with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
+        owner = owner_of(job, str(pack.relative_to(backing)))
+        reader = 1 - owner
+        before = tier_bytes(job[owner].tier)
+        p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo")
+        try:
+            # Not the store's counters: a read of them while they change can come back torn.
+            wait_for(
+                "the owner's tier holding a quarter of the pack",
+                lambda: tier_bytes(job[owner].tier) - before >= pack.stat().st_size // 4,
+                timeout=30,
+            )
+            assert p.poll() is None, "the load ended before the owner was killed"
+            os.kill(job[owner].pid, signal.SIGKILL)
+            report = finished(p, timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert report["digest"] == digest_of(want), "the load returned other tensors than were saved"
+    assert report["refetched"] == 0, report
+    assert report["stats"]["peer_faults"] >= 1, report["stats"]
+
+
+@pytest.mark.netns
+def test_a_flipped_byte_in_the_owners_copy_of_a_pack_never_reaches_another_node(
+    tmp_path: Path, slow_store: tuple[Path, Path]
+) -> None:
+    """The pack's owner loads the version (its tier keeps the pack); one byte of that copy then flips,
+    its size and times unchanged. The other node loads the version: the owner's agent sends the pack, the
+    reader finds it damaged before any tensor is built from it (no tensor's hash fails), counts the fault,
+    and returns the saved tensors; the owner drops its damaged copy."""
+    backing, mount = slow_store
+    want = weights()
+    Repository(backing / "repo", cache=False).save("m", want)
+    pack = pack_of(backing / "repo")
+    with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
+        owner = owner_of(job, str(pack.relative_to(backing)))
+        reader = 1 - owner
+        first = finished(start_load(nodes.nodes[owner].cmd(), job[owner], mount / "repo"), timeout=60)
+        assert first["digest"] == digest_of(want)
+        size = pack.stat().st_size
+        (copy,) = [f for f in job[owner].tier.rglob("data/*/*") if f.is_file() and f.stat().st_size == size]
+        flip_byte(copy, 3 << 20)
+        second = finished(start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo"), timeout=60)
+    assert second["digest"] == digest_of(want), "a damaged byte reached the reader"
+    assert second["refetched"] == 0, second
+    assert second["stats"]["peer_faults"] == 1, second["stats"]
+    assert not copy.exists(), "the owner kept its damaged copy"
