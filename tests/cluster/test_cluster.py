@@ -13,12 +13,22 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.cluster import SIZES, Cluster, Node, dataset, free_port, make_cluster, stop_cluster
+from tests.helpers.cluster import (
+    SIZES,
+    Cluster,
+    Node,
+    dataset,
+    free_port,
+    make_cluster,
+    owner_of,
+    stop_cluster,
+)
 from tests.helpers.stores import store_stats
 from tierstore import agent as agent_mod
 
@@ -409,3 +419,83 @@ def test_an_owner_still_fetching_a_large_file_keeps_its_readers_waiting_not_rere
     )
     assert sum(o["stats"]["peer_hits"] for o in outs) == 2, [o["stats"] for o in outs]
     assert sum(o["stats"]["peer_faults"] for o in outs) == 0, [o["stats"] for o in outs]
+
+
+# A reader on another node that reads a file in steps, told when to go on: it prints a JSON line after the
+# first MiB (with how long that took) and waits for a line on its stdin before reading the rest.
+STEPPED_READER = (
+    "import hashlib, json, os, sys, time, tierstore\n"
+    "c = tierstore.Cache()\n"
+    "t = time.monotonic()\n"
+    "f = c.open(os.path.join(c.source, sys.argv[1]))\n"
+    "head = f.read(1 << 20)\n"
+    "print(json.dumps({'first_mib': time.monotonic() - t}), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "rest = f.read()\n"
+    "print(json.dumps({'seconds': time.monotonic() - t, 'sha': hashlib.sha256(head + rest).hexdigest(),\n"
+    "                  'stats': c.stats()['source']}), flush=True)\n"
+)
+
+
+def stepped_read(
+    cluster: Cluster, rel: str, between: Callable[[], object] = lambda: None
+) -> tuple[dict, dict, str]:
+    """Reads `rel` on the node that does not own it, calling `between()` after its first MiB; returns
+    the reader's two reports and its stderr."""
+    owner = owner_of(cluster.nodes, rel)
+    reader = cluster.nodes[1 - owner]
+    p = subprocess.Popen(
+        [sys.executable, "-c", STEPPED_READER, rel],
+        env=reader.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdin is not None and p.stdout is not None
+    first = json.loads(p.stdout.readline() or "{}")
+    between()
+    out, err = p.communicate("go\n", timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    return first, json.loads(out), err
+
+
+def test_a_reader_on_another_node_reads_a_large_file_while_its_owner_is_still_copying_it(
+    tmp_path: Path, throttled_store: tuple[Path, Path]
+) -> None:
+    """A 24 MiB file takes the store 3 s (8 MiB/s). The reader on the other node has its first MiB long
+    before the owner's copy ends (each chunk is vouched for by the chaining value the owner recorded as
+    it copied it, and checked on arrival), every byte is right, and the store sent the file once."""
+    backing, mount = throttled_store
+    data = os.urandom(24 << 20)
+    (backing / "big.bin").write_bytes(data)
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    try:
+        before = store_stats(mount)
+        first, done, err = stepped_read(cluster, "big.bin")
+        after = store_stats(mount)
+    finally:
+        stop_cluster(cluster)
+    assert done["sha"] == hashlib.sha256(data).hexdigest()
+    assert first["first_mib"] < done["seconds"] / 4, (first, done["seconds"], err)
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(data), err
+    assert done["stats"]["peer_hits"] == 1 and done["stats"]["peer_faults"] == 0, (done["stats"], err)
+
+
+def test_an_owner_killed_while_it_streams_a_file_leaves_its_reader_to_finish_from_the_store(
+    tmp_path: Path, throttled_store: tuple[Path, Path]
+) -> None:
+    """The owner's agent dies after the reader on the other node had its first MiB: the reader goes on
+    from the store at the offset where the peer's checked bytes end, and every byte is right."""
+    backing, mount = throttled_store
+    data = os.urandom(24 << 20)
+    (backing / "big.bin").write_bytes(data)
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    owner = cluster.nodes[owner_of(cluster.nodes, "big.bin")]
+    try:
+        first, done, err = stepped_read(cluster, "big.bin", lambda: os.kill(owner.pid, signal.SIGKILL))
+    finally:
+        stop_cluster(cluster)
+    assert done["sha"] == hashlib.sha256(data).hexdigest(), err
+    assert first["first_mib"] < 2.0, first
+    assert done["stats"]["peer_faults"] >= 1, (done["stats"], err)

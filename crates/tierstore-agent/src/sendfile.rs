@@ -15,6 +15,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 use tierstore_core::cluster::wire::{self, Frame, CHUNK};
+use tierstore_core::{CopyState, Growing, Piece};
 
 /// A connection whose socket the owner can hand to `sendfile`: TCP and Unix sockets. Anything else (an
 /// in-memory pipe in a test) says `None`, and its bytes go through the buffered path.
@@ -102,6 +103,34 @@ impl Polled {
         Ok(())
     }
 
+    /// Sends one whole frame now (not held back for more).
+    fn send_frame(&self, frame: &Frame) -> io::Result<()> {
+        let bytes = bytes_of(frame);
+        let mut sent = 0;
+        while sent < bytes.len() {
+            // SAFETY: the slice is valid for its length for the duration of the call.
+            let n = unsafe {
+                libc::send(
+                    self.fd.as_raw_fd(),
+                    bytes[sent..].as_ptr() as *const libc::c_void,
+                    bytes.len() - sent,
+                    libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => self.wait(libc::POLLOUT)?,
+                    io::ErrorKind::Interrupted => {}
+                    _ => return Err(e),
+                }
+                continue;
+            }
+            sent += n as usize;
+        }
+        Ok(())
+    }
+
     /// Sends `len` bytes of `file` from `offset` with `sendfile`. Where the file ends early (it shrank
     /// since it was opened) or cannot be read, the rest is sent as zeros: the frame stays whole, and the
     /// reader's hash check refuses the bytes (and reports the copy) instead of the connection breaking.
@@ -158,6 +187,12 @@ impl Read for &Polled {
 /// Sends `size` bytes of `file` as chunks of transfer `id` on `socket` (a duplicate of the connection's),
 /// never more than the reader's credit ahead (starting with `credit`, then as it grants more). Blocking:
 /// run it on the blocking pool. `Err`: the connection failed (or broke the protocol) and must be closed.
+///
+/// With `copy`, `file` is a copy still being made from the store: each chunk is sent once the copy has
+/// written it, after a [`Frame::Vouch`] with the chaining value the copy recorded for it, so the reader
+/// checks and uses it at once; while a chunk is not there yet the reader is sent a [`Frame::Ping`] every
+/// `still`, as a whole-file fetch is. `Ok(Err(why))`: the copy stopped short, or did not end as a copy of
+/// one version of the file (nothing more was sent; the caller refuses the transfer).
 pub fn send_chunks(
     socket: OwnedFd,
     file: &File,
@@ -165,11 +200,28 @@ pub fn send_chunks(
     id: u32,
     credit: u32,
     deadline: Duration,
-) -> io::Result<()> {
+    copy: Option<(&Growing, Duration)>,
+) -> io::Result<Result<(), String>> {
     let s = Polled { fd: socket, deadline };
     let mut credit = credit;
     let mut offset = 0u64;
+    let mut nonce = 0u64;
+    let mut ping = |s: &Polled| {
+        nonce += 1;
+        s.send_frame(&Frame::Ping { nonce })
+    };
     while offset < size {
+        if let Some((copy, still)) = copy {
+            let k = (offset / CHUNK as u64) as usize;
+            let cv = loop {
+                match copy.piece(k, still) {
+                    Piece::Ready(cv) => break cv,
+                    Piece::Pending => ping(&s)?,
+                    Piece::Failed(why) => return Ok(Err(stopped(why))),
+                }
+            };
+            s.send_more(&bytes_of(&Frame::Vouch { id, offset, cv }))?;
+        }
         while credit == 0 {
             match wire::read_frame(&mut &s)? {
                 Some(Frame::Credit { id: i, more }) if i == id => credit = credit.saturating_add(more),
@@ -187,13 +239,41 @@ pub fn send_chunks(
         offset += n as u64;
         credit -= 1;
     }
-    Ok(())
+    if let Some((copy, still)) = copy {
+        // Every piece is sent; the copy still has to end as a copy of the one version it started from.
+        loop {
+            match copy.ended(still) {
+                Some(CopyState::Finished) => break,
+                Some(_) => return Ok(Err(stopped(None))),
+                None => ping(&s)?,
+            }
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// The wire form of one frame.
+fn bytes_of(frame: &Frame) -> Vec<u8> {
+    let mut out = Vec::new();
+    wire::encode(frame, &mut out);
+    out
+}
+
+/// Why a copy being sent stopped short, for the reader.
+fn stopped(why: Option<io::Error>) -> String {
+    match why {
+        Some(e) => format!("the owner's copy from the store failed: {e}"),
+        None => "the owner's copy from the store stopped short (the file changed, or its tier failed)".into(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::io::Write;
     use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+
+    use tierstore_core::hash::Pieces;
 
     use super::*;
 
@@ -202,7 +282,7 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         let sender = std::thread::spawn(move || {
-            send_chunks(OwnedFd::from(ours), &file, size, 3, credit, Duration::from_secs(5)).unwrap();
+            send_chunks(OwnedFd::from(ours), &file, size, 3, credit, Duration::from_secs(5), None).unwrap().unwrap();
         });
         let mut got = Vec::new();
         while (got.len() as u64) < size {
@@ -229,6 +309,95 @@ mod tests {
         let data: Vec<u8> = (0..3 * CHUNK + 77).map(|i| (i % 253) as u8).collect();
         f.write_all(&data).unwrap();
         assert_eq!(receive(f, data.len() as u64, 1), data);
+    }
+
+    /// A copy made by a thread, slowly (the store), recording each piece's chaining value as it goes;
+    /// `fail_after` pieces, it stops short.
+    fn slow_copy(data: Vec<u8>, fail_after: Option<usize>) -> (Arc<Growing>, File, std::thread::JoinHandle<()>) {
+        let (mut out, follower) = {
+            let f = tempfile::tempfile().unwrap();
+            let g = f.try_clone().unwrap();
+            (f, g)
+        };
+        let version = tierstore_core::index::SourceId {
+            size: data.len() as u64,
+            mtime_ns: 1,
+            ctime_ns: 1,
+            ino: 1,
+            dev: 1,
+            attrs: None,
+        };
+        let growing = Arc::new(Growing::new(follower.try_clone().unwrap(), version));
+        let g = growing.clone();
+        let h = std::thread::spawn(move || {
+            let mut pieces = Pieces::reporting(data.len() as u64, |cv| g.record_piece(cv));
+            for (k, c) in data.chunks(CHUNK).enumerate() {
+                std::thread::sleep(Duration::from_millis(150));
+                if fail_after == Some(k) {
+                    drop(pieces);
+                    g.fail();
+                    return;
+                }
+                out.write_all(c).unwrap();
+                pieces.update(c);
+                g.advance(((k * CHUNK) + c.len()) as u64);
+            }
+            drop(pieces);
+            g.finish();
+        });
+        (growing, follower, h)
+    }
+
+    #[test]
+    fn a_copy_still_being_made_goes_out_piece_by_piece_each_vouched_for() {
+        let data: Vec<u8> = (0..2 * CHUNK + 99).map(|i| (i % 241) as u8).collect();
+        let (growing, file, writer) = slow_copy(data.clone(), None);
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let size = data.len() as u64;
+        let sender = std::thread::spawn(move || {
+            let copy = Some((&*growing, Duration::from_millis(40)));
+            send_chunks(OwnedFd::from(ours), &file, size, 3, 8, Duration::from_secs(5), copy).unwrap()
+        });
+        let (mut got, mut pings, mut vouched) = (Vec::new(), 0, None);
+        while (got.len() as u64) < size {
+            match wire::read_head(&mut theirs).unwrap().unwrap() {
+                wire::Head::Frame(Frame::Ping { .. }) => pings += 1,
+                wire::Head::Frame(Frame::Vouch { id: 3, offset, cv }) => vouched = Some((offset, cv)),
+                wire::Head::Chunk { id: 3, offset, len } => {
+                    let mut b = vec![0u8; len];
+                    theirs.read_exact(&mut b).unwrap();
+                    assert_eq!(vouched.take(), Some((offset, tierstore_core::hash::subtree(offset, &b))));
+                    got.extend_from_slice(&b);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(sender.join().unwrap(), Ok(()));
+        writer.join().unwrap();
+        assert_eq!(got, data);
+        assert!(pings >= 1, "the reader heard nothing while the first piece was on its way");
+    }
+
+    #[test]
+    fn a_copy_that_stops_short_ends_the_transfer_with_why() {
+        let data = vec![7u8; 3 * CHUNK];
+        let (growing, file, writer) = slow_copy(data, Some(1));
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let sender = std::thread::spawn(move || {
+            let copy = Some((&*growing, Duration::from_millis(40)));
+            send_chunks(OwnedFd::from(ours), &file, 3 * CHUNK as u64, 3, 8, Duration::from_secs(5), copy).unwrap()
+        });
+        // Drain what was sent (one piece) until the sender gives up.
+        let reader = std::thread::spawn(move || {
+            let mut sink = Vec::new();
+            let _ = theirs.read_to_end(&mut sink);
+        });
+        let why = sender.join().unwrap().unwrap_err();
+        assert!(why.contains("stopped short"), "{why}");
+        writer.join().unwrap();
+        reader.join().unwrap();
     }
 
     #[test]

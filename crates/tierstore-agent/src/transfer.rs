@@ -26,7 +26,7 @@ use crate::sendfile::Socket;
 
 /// How often an owner still fetching a file from the store tells the asker so: well within any reader's
 /// deadline on a frame.
-const STILL_FETCHING: Duration = Duration::from_millis(250);
+pub const STILL_FETCHING: Duration = Duration::from_millis(250);
 
 /// Serves one `Fetch` on `stream`. `Err` only when the connection itself failed (it is then closed); a
 /// file that cannot be served is answered with an error frame and the connection goes on.
@@ -54,7 +54,10 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     }
     let opener = cache.clone();
     let wanted = rel.to_string();
-    let mut opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted));
+    // A reader that takes the bytes can have a large file while this node's copy of it is still being
+    // made; one that only asks this node to hold the file is answered once the copy is whole.
+    let follow = credit > 0;
+    let mut opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted, follow));
     // Fetching a large file from the store may take longer than the asker's deadline on a frame (its own
     // TIERSTORE_PEER_DEADLINE_MS): say every STILL_FETCHING that the file is still coming, so that the
     // asker keeps waiting for this one fetch rather than reading the store itself.
@@ -83,13 +86,52 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
         // Asked only to hold the file.
         return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
     }
+    if let (Some(copy), Some(socket)) = (served.copy.clone(), stream.socket()) {
+        // The copy is still being made: each chunk goes out once written, with the chaining value the copy
+        // recorded for it; the whole file's blake3 follows from those values.
+        let socket = socket.try_clone_to_owned()?;
+        let (file, following) = (served.file, copy.clone());
+        let sent = tokio::task::spawn_blocking(move || {
+            crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline, Some((&following, STILL_FETCHING)))
+        })
+        .await
+        .map_err(io::Error::other)??;
+        if let Err(why) = sent {
+            return write(stream, &refuse(ErrorCode::Failed, why), deadline).await;
+        }
+        let hash = tierstore_core::hash::root_of_pieces(&copy.pieces(), size, tierstore_core::hash::PIECE);
+        write(stream, &Frame::Done { id, hash }, deadline).await?;
+        cache.count_served(size);
+        return Ok(());
+    }
+    if let Some(copy) = served.copy.clone() {
+        // No socket to hand to `sendfile` (an in-memory pipe): the copy goes out once it is whole.
+        loop {
+            let c = copy.clone();
+            match tokio::task::spawn_blocking(move || c.ended(STILL_FETCHING)).await.map_err(io::Error::other)? {
+                Some(tierstore_core::CopyState::Finished) => break,
+                Some(_) => {
+                    let f =
+                        refuse(ErrorCode::Failed, format!("this node's copy of {rel} from the store stopped short"));
+                    return write(stream, &f, deadline).await;
+                }
+                None => {
+                    nonce += 1;
+                    write(stream, &Frame::Ping { nonce }, deadline).await?;
+                }
+            }
+        }
+    }
     if let (Some(recorded), Some(socket)) = (served.checksum, stream.socket()) {
         // The copy as it was recorded: straight from its descriptor, unhashed (the reader checks it).
         let socket = socket.try_clone_to_owned()?;
         let file = served.file;
-        tokio::task::spawn_blocking(move || crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline))
-            .await
-            .map_err(io::Error::other)??;
+        tokio::task::spawn_blocking(move || {
+            crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline, None)
+        })
+        .await
+        .map_err(io::Error::other)??
+        .map_err(io::Error::other)?;
         write(stream, &Frame::Done { id, hash: recorded }, deadline).await?;
         cache.count_served(size);
         return Ok(());

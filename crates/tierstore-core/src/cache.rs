@@ -535,8 +535,9 @@ impl Cache {
     /// Opens `rel` for a peer that asked this node's agent for it: fetched from the source first if no tier
     /// holds it (once per node, as for any reader of this node). The agent's own cache reads only local
     /// tiers and the source, never another peer, so requests cannot chase each other around the job.
-    pub fn open_for_peer(&self, rel: &str) -> Result<Served, Error> {
-        self.inner.open_for_peer(rel)
+    /// With `follow`, a large file is served while its copy is still being made ([`Served::copy`]).
+    pub fn open_for_peer(&self, rel: &str, follow: bool) -> Result<Served, Error> {
+        self.inner.open_for_peer(rel, follow)
     }
 
     /// Counts a file served to a peer.

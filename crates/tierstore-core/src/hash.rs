@@ -164,6 +164,71 @@ pub fn root_of_pieces(cvs: &[ChainingValue], len: u64, piece: usize) -> Hash {
     merge_root(&tree(&cvs[..n], left, piece), &tree(&cvs[n..], len - left, piece))
 }
 
+/// How many bytes each chaining value of a copy covers ([`Pieces`]): one wire chunk
+/// ([`crate::cluster::wire::CHUNK`]), so that a reader on another node checks each chunk on its own.
+pub const PIECE: usize = 1 << 20;
+
+/// What a [`Pieces`] calls with each piece's chaining value.
+type OnPiece<'a> = Box<dyn FnMut(&ChainingValue) + Send + 'a>;
+
+/// The hasher of a copy of `len` bytes made in order (from the store into a tier) that also yields the
+/// chaining value of each [`PIECE`] as it completes, when the file is longer than one piece. A copy
+/// records them as it grows, so a reader on another node can check (and use) each piece it is sent
+/// before the copy is complete; the hash of the whole comes from the same pass ([`root_of_pieces`]), so
+/// no byte is hashed twice.
+pub struct Pieces<'a> {
+    len: u64,
+    done: u64,
+    current: Hasher,
+    cvs: Vec<ChainingValue>,
+    on_piece: Option<OnPiece<'a>>,
+}
+
+impl<'a> Pieces<'a> {
+    /// The hasher of a file of `len` bytes.
+    pub fn new(len: u64) -> Pieces<'a> {
+        Pieces { len, done: 0, current: Hasher::new(), cvs: Vec::new(), on_piece: None }
+    }
+
+    /// The same, calling `on_piece` with each piece's chaining value as it completes (in order).
+    pub fn reporting(len: u64, on_piece: impl FnMut(&ChainingValue) + Send + 'a) -> Pieces<'a> {
+        Pieces { on_piece: Some(Box::new(on_piece)), ..Pieces::new(len) }
+    }
+
+    /// Adds the next bytes.
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        let split = self.len > PIECE as u64;
+        while !bytes.is_empty() {
+            let room = PIECE - (self.done % PIECE as u64) as usize;
+            let n = room.min(bytes.len());
+            self.current.update(&bytes[..n]);
+            self.done += n as u64;
+            bytes = &bytes[n..];
+            if split && (n == room || self.done == self.len) {
+                let cv = self.current.finalize_non_root();
+                if let Some(f) = self.on_piece.as_mut() {
+                    f(&cv);
+                }
+                self.cvs.push(cv);
+                self.current = Hasher::new();
+                if self.done.is_multiple_of(PIECE as u64) {
+                    self.current.set_input_offset(self.done);
+                }
+            }
+        }
+    }
+
+    /// The hash of every byte added (the whole file's, once all `len` of them were).
+    pub fn finalize(&self) -> Hash {
+        if self.len <= PIECE as u64 || self.done != self.len {
+            // One piece is hashed as a root. A copy that did not get exactly `len` bytes is never
+            // published (the file changed), and its hash only has to differ from the file's.
+            return *self.current.finalize().as_bytes();
+        }
+        root_of_pieces(&self.cvs, self.len, PIECE)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +257,27 @@ mod tests {
         update(&mut h, &bytes);
         assert_eq!(*h.finalize().as_bytes(), root);
         assert_eq!(hex(&[0xab; 32]).len(), 64);
+    }
+
+    #[test]
+    fn a_copys_pieces_are_what_a_reader_checks_and_merge_into_its_hash() {
+        const MIB: usize = PIECE;
+        for len in [10, MIB, MIB + 1, 2 * MIB, 3 * MIB + 4097] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+            let mut seen = Vec::new();
+            let mut p = Pieces::reporting(len as u64, |cv| seen.push(*cv));
+            // Fed in odd sizes, as a copy's reads come.
+            for part in bytes.chunks(300_001) {
+                p.update(part);
+            }
+            assert_eq!(p.finalize(), hash(&bytes), "length {len}");
+            drop(p);
+            let want: Vec<ChainingValue> = if len <= MIB {
+                vec![]
+            } else {
+                bytes.chunks(MIB).enumerate().map(|(k, c)| subtree((k * MIB) as u64, c)).collect()
+            };
+            assert_eq!(seen, want, "length {len}");
+        }
     }
 }

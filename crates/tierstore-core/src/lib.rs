@@ -31,5 +31,5 @@ pub use process::pid;
 pub use cache::{Cache, Native, PrefetchProgress, SourceStats, Stats, TierStats};
 pub use config::{Config, ConfigError, Overrides, Revalidate, TierConfig, TierKind, Verify};
 pub use placement::Policy;
-pub use reader::{CopyState, Growing, Reader};
+pub use reader::{CopyState, Growing, Piece, Reader};
 pub use source::OutsideSource;

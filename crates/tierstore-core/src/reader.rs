@@ -5,14 +5,19 @@ use std::io::{self, SeekFrom};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::counters::tier as tier_slot;
 use crate::index::SourceId;
 use crate::source::{Source, SourceFile};
 use crate::tier::Tier;
 
-/// A large file being copied into a tier. Readers read what is already copied and wait for the rest;
-/// if the copy fails they continue from the source at the same offset.
+/// A large file being copied into a tier (from the store, or from the node that owns it). Readers read
+/// what is already copied and wait for the rest; if the copy fails they continue from the source at the
+/// same offset. A copy from the store that records checksums also records the chaining value of each
+/// [`PIECE`](crate::hash::PIECE) as it is written ([`Growing::record_piece`]): the owner's agent sends a
+/// peer each piece with it as soon as it is there ([`Growing::piece`]), so the peer's readers start
+/// before the copy ends.
 pub struct Growing {
     file: File,
     size: u64,
@@ -30,6 +35,19 @@ struct Progress {
     finished: bool,
     /// Why the source failed the copy, when it did (rather than the tier): readers fail with it.
     source_error: Option<(io::ErrorKind, Arc<str>)>,
+    /// The chaining value of each piece written so far, where the copy records them.
+    pieces: Vec<crate::hash::ChainingValue>,
+}
+
+/// Where one piece of a [`Growing`] copy stands (see [`Growing::piece`]).
+#[derive(Debug)]
+pub enum Piece {
+    /// Written, with its chaining value.
+    Ready(crate::hash::ChainingValue),
+    /// Not yet written.
+    Pending,
+    /// The copy stopped short (why, when the source failed it).
+    Failed(Option<io::Error>),
 }
 
 /// Where a growing copy stands.
@@ -52,7 +70,13 @@ impl Growing {
             size: version.size,
             version,
             pid: crate::process::pid(),
-            progress: Mutex::new(Progress { copied: 0, failed: false, finished: false, source_error: None }),
+            progress: Mutex::new(Progress {
+                copied: 0,
+                failed: false,
+                finished: false,
+                source_error: None,
+                pieces: Vec::new(),
+            }),
             advanced: Condvar::new(),
         }
     }
@@ -71,6 +95,55 @@ impl Growing {
     pub fn advance(&self, copied: u64) {
         self.progress.lock().expect("progress lock").copied = copied;
         self.advanced.notify_all();
+    }
+
+    /// Records the chaining value of the next piece, written already.
+    pub fn record_piece(&self, cv: &crate::hash::ChainingValue) {
+        self.progress.lock().expect("progress lock").pieces.push(*cv);
+        self.advanced.notify_all();
+    }
+
+    /// Piece `k`'s chaining value once it is recorded, waiting at most `wait` for it.
+    pub fn piece(&self, k: usize, wait: Duration) -> Piece {
+        let until = Instant::now() + wait;
+        let mut p = self.progress.lock().expect("progress lock");
+        loop {
+            if let Some(cv) = p.pieces.get(k) {
+                return Piece::Ready(*cv);
+            }
+            if p.failed || p.finished {
+                let why = p.source_error.as_ref().map(|(kind, m)| io::Error::new(*kind, m.to_string()));
+                return Piece::Failed(why);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Piece::Pending;
+            }
+            p = self.advanced.wait_timeout(p, left).expect("progress lock").0;
+        }
+    }
+
+    /// Where the copy stands once it ended, waiting at most `wait` for that; `None` if still copying.
+    pub fn ended(&self, wait: Duration) -> Option<CopyState> {
+        let until = Instant::now() + wait;
+        let mut p = self.progress.lock().expect("progress lock");
+        loop {
+            match (p.failed, p.finished) {
+                (true, _) => return Some(CopyState::Failed),
+                (false, true) => return Some(CopyState::Finished),
+                (false, false) => {}
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            p = self.advanced.wait_timeout(p, left).expect("progress lock").0;
+        }
+    }
+
+    /// The chaining values recorded so far.
+    pub fn pieces(&self) -> Vec<crate::hash::ChainingValue> {
+        self.progress.lock().expect("progress lock").pieces.clone()
     }
 
     /// Records that the copy stopped short; readers switch to the source.

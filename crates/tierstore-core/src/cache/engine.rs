@@ -67,6 +67,9 @@ pub(super) enum Purpose {
     /// A program wants a real descriptor: a small file is fetched whole first, a large one is copied in
     /// the background while the program holds a descriptor of the source.
     Native,
+    /// This node's agent serves the file to a peer: a small file is fetched whole first (as a prefetch), a
+    /// large one is copied in the background and sent as it grows.
+    Peer,
 }
 
 /// A file opened for a program that reads it with system calls (see [`Cache::open_native`](super::Cache::open_native)).

@@ -15,7 +15,7 @@ use super::flight::{Flight, Outcome, Role};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
-use crate::hash::Hasher;
+use crate::hash::Pieces;
 use crate::index::{Entry, Key, Reservation, SourceId};
 use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
@@ -164,7 +164,7 @@ impl Inner {
         if let Some(r) = self.hit(key, rel, &sid, false) {
             return land(match purpose {
                 Purpose::Read => Fetched::Reader(r),
-                Purpose::Prefetch | Purpose::Native => Fetched::Cached,
+                Purpose::Prefetch | Purpose::Native | Purpose::Peer => Fetched::Cached,
             });
         }
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
@@ -174,12 +174,13 @@ impl Inner {
             drop(guard);
             return land(match purpose {
                 Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
-                Purpose::Prefetch => Fetched::NoRoom,
+                Purpose::Prefetch | Purpose::Peer => Fetched::NoRoom,
             });
         };
         let small = sid.size <= self.config.inline_max;
-        // A small file for a program is fetched whole in this thread, as a prefetch would.
-        let purpose = if purpose == Purpose::Native && small { Purpose::Prefetch } else { purpose };
+        // A small file for a program or a peer is fetched whole in this thread, as a prefetch would.
+        let purpose =
+            if matches!(purpose, Purpose::Native | Purpose::Peer) && small { Purpose::Prefetch } else { purpose };
         match purpose {
             Purpose::Prefetch => {
                 let r = self.copy_into(t, key, rel, sid, None, pre.take());
@@ -219,7 +220,7 @@ impl Inner {
                 }
                 Ok(Fetched::Reader(reader))
             }
-            Purpose::Read | Purpose::Native => {
+            Purpose::Read | Purpose::Native | Purpose::Peer => {
                 // For a program: its descriptor shares the copy's open file (a dup: no second open on the
                 // store); the copy reads with pread, so the program's file offset is its own.
                 let mut src = pre.take();
@@ -448,7 +449,12 @@ impl Inner {
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
         };
-        let mut hasher = self.record_checksums.then(Hasher::new);
+        // A copy that others follow records each piece's chaining value as it is written: the agent sends a
+        // peer those pieces before the copy ends, each checked on arrival.
+        let mut hasher = self.record_checksums.then(|| match &growing {
+            Some(g) => Pieces::reporting(sid.size, move |cv| g.record_piece(cv)),
+            None => Pieces::new(sid.size),
+        });
         let mut progress = |copied: u64| {
             if let Some(g) = &growing {
                 g.advance(copied);
@@ -476,7 +482,7 @@ impl Inner {
             fail(None);
             return Ok(false);
         }
-        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| *h.finalize().as_bytes())) {
+        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| h.finalize())) {
             fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
             return Ok(false);
         }

@@ -14,14 +14,15 @@ use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
-use super::engine::{memory_file, Fetched, Inner, Native, Purpose};
-use super::flight::{Flight, Outcome};
+use super::engine::{memory_file, now_ns, Fetched, Inner, Native, Purpose};
+use super::flight::{Flight, Outcome, Role};
+use super::lock::{lock_shared, FetchGuard};
 use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::index::{key_of, Key, SourceId};
-use crate::reader::{Backing, Reader};
+use crate::reader::{Backing, Growing, Reader};
 
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {
@@ -31,11 +32,19 @@ pub struct Served {
     pub identity: SourceId,
     /// The blake3 recorded when the copy was made from the source, if one was.
     pub checksum: Option<[u8; 32]>,
+    /// The copy, when it is still being made from the source (`file` is then the copy being written):
+    /// each piece is sent once written, with the chaining value recorded for it.
+    pub copy: Option<Arc<Growing>>,
 }
 
 impl Inner {
     /// See [`Cache::open_for_peer`](super::Cache::open_for_peer).
-    pub(super) fn open_for_peer(self: &Arc<Self>, rel: &str) -> Result<Served, Error> {
+    pub(super) fn open_for_peer(self: &Arc<Self>, rel: &str, follow: bool) -> Result<Served, Error> {
+        if follow && self.record_checksums {
+            if let Some(served) = self.follow_for_peer(rel)? {
+                return Ok(served);
+            }
+        }
         let Native::Whole(file) = self.open_native_rel(rel, false)? else {
             unreachable!("a whole-file open never streams")
         };
@@ -44,7 +53,7 @@ impl Inner {
         let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
         if let Some(e) = self.published(&key_of(rel), rel) {
             if e.source.size == m.size() && e.source.mtime_ns == mtime {
-                return Ok(Served { file, identity: e.source, checksum: e.checksum });
+                return Ok(Served { file, identity: e.source, checksum: e.checksum, copy: None });
             }
         }
         // Not cached (no tier had room): the descriptor is the source's own.
@@ -53,7 +62,46 @@ impl Inner {
             // An object store's bytes in a memory file: its identity is the object's.
             None => self.source.identify(rel).map_err(|e| Error::io(&path, e))?,
         };
-        Ok(Served { file, identity, checksum: None })
+        Ok(Served { file, identity, checksum: None, copy: None })
+    }
+
+    /// A large file that no tier holds whole yet, served while this process copies it from the store (it
+    /// starts the copy, or follows the one it is making already). `None` when a tier holds it whole (a
+    /// small file is copied whole now), and the caller serves it whole.
+    fn follow_for_peer(self: &Arc<Self>, rel: &str) -> Result<Option<Served>, Error> {
+        let key = key_of(rel);
+        let mut known = self.known_identity(&key, rel)?;
+        if known.is_some_and(|sid| self.hit(&key, rel, &sid, false).is_some()) {
+            return Ok(None);
+        }
+        let copy = match self.flights.join(&key) {
+            Role::Leader(flight) => {
+                let mut pre = None;
+                match self.lead_flight(&key, rel, &mut known, flight, Purpose::Peer, &mut pre, now_ns())? {
+                    Fetched::Reader(r) => match r.backing() {
+                        Backing::Growing(g) => g.clone(),
+                        _ => return Ok(None),
+                    },
+                    // No tier has room: the store's own file, opened once already.
+                    Fetched::NoRoom => {
+                        let (Some(sid), Some(f)) = (known, pre.take()) else { return Ok(None) };
+                        let file = self.source_descriptor(rel, Some(f))?;
+                        return Ok(Some(Served { file, identity: sid, checksum: None, copy: None }));
+                    }
+                    // Small, and copied whole now: served as any whole copy.
+                    _ => return Ok(None),
+                }
+            }
+            Role::Follower(flight) => match flight.wait() {
+                Outcome::Growing(g) => g,
+                _ => return Ok(None),
+            },
+        };
+        if copy.size() <= crate::hash::PIECE as u64 {
+            return Ok(None);
+        }
+        let file = copy.file().try_clone().map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+        Ok(Some(Served { file, identity: *copy.version(), checksum: None, copy: Some(copy) }))
     }
 
     /// See [`Cache::count_served`](super::Cache::count_served).
@@ -92,7 +140,8 @@ impl Inner {
 
     /// Serves a miss from the agent of the node that owns the file. `None`: this node owns it, no peer
     /// could serve it, or the peer sent another version than `known`; the caller goes on to the source
-    /// (the flight is still the caller's). `Some`: the flight has landed.
+    /// (the flight is still the caller's). `Some`: the flight has landed, or (a large file a reader
+    /// follows as it arrives) it lands when the transfer ends.
     pub(super) fn from_peer(
         self: &Arc<Self>,
         key: &Key,
@@ -111,7 +160,7 @@ impl Inner {
                 drop(guard);
                 self.flights.land(key, flight);
                 return Some(match purpose {
-                    Purpose::Prefetch => Fetched::Cached,
+                    Purpose::Prefetch | Purpose::Peer => Fetched::Cached,
                     Purpose::Read | Purpose::Native => Fetched::Reader(r),
                 });
             }
@@ -152,6 +201,13 @@ impl Inner {
         // The owner vouches for the version, not for when the source last showed it: a copy kept here is
         // confirmed against the source before `revalidate = "<duration>"` trusts it.
         let tier = if keep { self.place(key, rel, sid, 0) } else { None };
+        // A large file is followed as it arrives: the reader reads each chunk once it is checked, while the
+        // rest comes. (Not a program's descriptor: following a copy, it would need one of the store's file
+        // as well, and the job opens each file on the store once.)
+        let large = sid.size > self.config.inline_max.max(crate::hash::PIECE as u64);
+        if large && purpose == Purpose::Read {
+            return self.follow_peer(key, rel, sid, tier, transfer, guard, flight.clone(), who);
+        }
         let result = match tier {
             Some(t) => self.receive_into_tier(t, key, rel, sid, transfer),
             None => self.receive_private(rel, sid, transfer, purpose),
@@ -177,6 +233,91 @@ impl Inner {
                 None
             }
         }
+    }
+
+    /// Receives a large file from its owner `who` in the background, into a copy in tier `t` (published at
+    /// the end) or into private memory, while the caller reads it as it grows ([`Growing`]): each chunk
+    /// once it is written and checked. If the transfer fails, the copy fails, and its readers go on from
+    /// the source at the same offset (of the same version). The fetch lock and the flight are held until
+    /// the transfer ends.
+    #[allow(clippy::too_many_arguments)]
+    fn follow_peer(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        sid: SourceId,
+        tier: Option<usize>,
+        transfer: Transfer,
+        guard: FetchGuard,
+        flight: Arc<Flight>,
+        who: String,
+    ) -> Option<Fetched> {
+        let dest = match tier {
+            Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
+                let follower = File::open(&path)?;
+                lock_shared(&follower)?;
+                Ok((Some(path), f, follower))
+            }),
+            None => memory_file(rel).and_then(|f| {
+                let follower = f.try_clone()?;
+                Ok((None, f, follower))
+            }),
+        };
+        let (temp, file, follower) = match dest {
+            Ok(d) => d,
+            Err(e) => {
+                if let Some(t) = tier {
+                    self.abort(t, key);
+                }
+                self.peer_failed(&who, rel, &RemoteError::Sink(e));
+                return None;
+            }
+        };
+        let growing = Arc::new(Growing::new(follower, sid));
+        flight.deliver(Outcome::Growing(growing.clone()));
+        let fetched =
+            Fetched::Reader(Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone()));
+        let inner = self.clone();
+        let (key, rel) = (*key, rel.to_string());
+        let job = move || {
+            let mut usable = |end: u64| growing.advance(end);
+            let received = transfer.receive_into(Dest::Growing(&file, &mut usable));
+            let kept = received.and_then(|hash| match (tier, &temp) {
+                (Some(t), Some(path)) => {
+                    inner.finish_publish(t, &key, path, &file, sid, Some(hash)).map_err(RemoteError::Sink)
+                }
+                _ => Ok(()),
+            });
+            match kept {
+                Ok(()) => {
+                    growing.advance(sid.size);
+                    growing.finish();
+                    if let Some(remote) = inner.remote.as_ref() {
+                        remote.mark_up(&who);
+                    }
+                    let c = inner.source.counters();
+                    c.add(src_slot::PEER_HITS, 1);
+                    c.add(src_slot::PEER_BYTES, sid.size);
+                }
+                Err(e) => {
+                    growing.fail();
+                    if let Some(path) = &temp {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    if let Some(t) = tier {
+                        inner.abort(t, &key);
+                    }
+                    inner.peer_failed(&who, &rel, &e);
+                }
+            }
+            drop(guard);
+            inner.flights.land(&key, &flight);
+        };
+        match self.pool() {
+            Some(pool) => pool.urgent(job),
+            None => job(),
+        }
+        Some(fetched)
     }
 
     /// Counts a failed peer read, says so once, and leaves a failed member out for a while.

@@ -294,7 +294,7 @@ impl Remote {
                 }
             }
         };
-        Ok(Transfer { stream, at, found, deadline: self.deadline, report: None })
+        Ok(Transfer { stream, at, found, deadline: self.deadline, fetch_wait: self.fetch_wait, report: None })
     }
 
     fn connect(&self, at: &str) -> Result<TcpStream, RemoteError> {
@@ -357,6 +357,67 @@ unsafe fn recv_all(fd: std::os::fd::RawFd, to: *mut u8, len: usize) -> io::Resul
 enum Received {
     Wire(io::Error),
     Sink(io::Error),
+    /// The chunk does not match the chaining value the owner vouched for it.
+    Damaged(String),
+}
+
+/// How the bytes of a transfer are checked: each chunk against the chaining value the owner vouched for
+/// it ([`Frame::Vouch`], for a copy the owner is still making), or all of them against the blake3 at the
+/// end. Either way each byte is hashed once, and the values vouched for must merge into that blake3.
+struct Check {
+    size: u64,
+    whole: crate::hash::Hasher,
+    /// The value vouched for the next chunk, and that chunk's offset.
+    next: Option<(u64, crate::hash::ChainingValue)>,
+    pieces: Vec<crate::hash::ChainingValue>,
+    unvouched: bool,
+}
+
+impl Check {
+    fn new(size: u64) -> Check {
+        Check { size, whole: crate::hash::Hasher::new(), next: None, pieces: Vec::new(), unvouched: false }
+    }
+
+    /// Takes a vouch for the chunk at `offset`. Only a file of more than one piece is vouched for piece
+    /// by piece (a single piece is the root of its own tree).
+    fn vouch(&mut self, offset: u64, cv: crate::hash::ChainingValue) -> Result<(), String> {
+        use crate::hash::PIECE;
+        let aligned = offset == self.pieces.len() as u64 * PIECE as u64;
+        if self.size <= PIECE as u64 || !aligned || self.unvouched || self.next.is_some() {
+            return Err(format!("a vouch for a chunk at {offset} out of turn"));
+        }
+        self.next = Some((offset, cv));
+        Ok(())
+    }
+
+    /// Checks the chunk at `offset`: `Ok(true)` when it matched its vouch and may be used now,
+    /// `Ok(false)` when it is checked only at the end.
+    fn chunk(&mut self, offset: u64, bytes: &[u8]) -> Result<bool, String> {
+        match self.next.take() {
+            Some((at, cv)) if at == offset && bytes.len() == crate::hash::PIECE.min((self.size - offset) as usize) => {
+                if crate::hash::subtree(offset, bytes) != cv {
+                    return Err(format!("the chunk at {offset} does not match the value vouched for it"));
+                }
+                self.pieces.push(cv);
+                Ok(true)
+            }
+            Some((at, _)) => Err(format!("a chunk of {} bytes at {offset} after a vouch for one at {at}", bytes.len())),
+            None if !self.pieces.is_empty() => Err(format!("the chunk at {offset} came without its vouch")),
+            None => {
+                self.unvouched = true;
+                self.whole.update(bytes);
+                Ok(false)
+            }
+        }
+    }
+
+    /// Whether every byte hashes to `hash`.
+    fn matches(&self, hash: &[u8; 32]) -> bool {
+        if self.pieces.is_empty() {
+            return *self.whole.finalize().as_bytes() == *hash;
+        }
+        crate::hash::root_of_pieces(&self.pieces, self.size, crate::hash::PIECE) == *hash
+    }
 }
 
 /// The members the agent on `socket` knows of.
@@ -388,6 +449,8 @@ pub struct Transfer {
     /// The version the owner sends.
     pub found: SourceId,
     deadline: Duration,
+    /// How long the owner may keep saying (with pings) that the next chunk is not there yet.
+    fetch_wait: Duration,
     /// What to tell the owner when its bytes do not hash to the blake3 it sent (a `Fetch`'s report; none
     /// for a staged file, whose owner still hashes what it sends).
     report: Option<Frame>,
@@ -400,6 +463,10 @@ pub enum Dest<'a> {
     Bytes(&'a mut Vec<u8>),
     /// A file, written at each chunk's offset (through one buffer of a chunk, reused).
     File(&'a std::fs::File),
+    /// A file that readers follow as it grows: the callback is told how many bytes from the start are
+    /// written and checked, chunk by chunk when the owner vouches for each (a copy it is still making),
+    /// else only at the end.
+    Growing(&'a std::fs::File, &'a mut dyn FnMut(u64)),
 }
 
 impl Transfer {
@@ -407,10 +474,10 @@ impl Transfer {
     /// the size and the owner's blake3. Returns the blake3 of the file.
     pub fn receive(self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
         let mut buf = Vec::new();
-        self.receive_with(|offset, len, stream, hasher| {
+        self.receive_with(|offset, len, stream, check| {
             buf.resize(len, 0);
             stream.read_exact(&mut buf).map_err(Received::Wire)?;
-            hasher.update(&buf);
+            check.chunk(offset, &buf).map_err(Received::Damaged)?;
             sink(offset, &buf).map_err(Received::Sink)
         })
     }
@@ -422,7 +489,7 @@ impl Transfer {
         match dest {
             Dest::Bytes(bytes) => {
                 let start = bytes.len();
-                self.receive_with(|_, len, stream, hasher| {
+                self.receive_with(|offset, len, stream, check| {
                     bytes.reserve(len);
                     let at = bytes.len();
                     // SAFETY: `reserve` made room for `len` bytes past the end; `recv_exact` writes them all
@@ -431,30 +498,39 @@ impl Transfer {
                         recv_exact(stream, bytes.as_mut_ptr().add(at), len).map_err(Received::Wire)?;
                         bytes.set_len(at + len);
                     }
-                    hasher.update(&bytes[at..]);
+                    check.chunk(offset, &bytes[at..]).map_err(Received::Damaged)?;
                     Ok(())
                 })
                 .inspect_err(|_| bytes.truncate(start))
             }
-            Dest::File(file) => {
-                use std::os::unix::fs::FileExt;
-                let mut buf = vec![0u8; wire::CHUNK];
-                self.receive_with(|offset, len, stream, hasher| {
-                    let b = &mut buf[..len];
-                    // SAFETY: `b` is valid for `len` bytes.
-                    unsafe { recv_exact(stream, b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
-                    hasher.update(b);
-                    file.write_all_at(b, offset).map_err(Received::Sink)
-                })
-            }
+            Dest::File(file) => self.receive_into_file(file, |_| {}),
+            Dest::Growing(file, progress) => self.receive_into_file(file, progress),
         }
     }
 
-    /// The loop of a transfer: `take(offset, len, stream, hasher)` reads the next chunk's `len` bytes
-    /// from the stream to where they go, and adds them to the hasher.
+    /// Takes every chunk into `file` at its offset; `usable(end)` is called once the first `end` bytes
+    /// are written and checked (chunk by chunk when the owner vouches for each).
+    fn receive_into_file(self, file: &std::fs::File, mut usable: impl FnMut(u64)) -> Result<[u8; 32], RemoteError> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; wire::CHUNK];
+        self.receive_with(|offset, len, stream, check| {
+            let b = &mut buf[..len];
+            // SAFETY: `b` is valid for `len` bytes.
+            unsafe { recv_exact(stream, b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
+            let checked = check.chunk(offset, b).map_err(Received::Damaged)?;
+            file.write_all_at(b, offset).map_err(Received::Sink)?;
+            if checked {
+                usable(offset + len as u64);
+            }
+            Ok(())
+        })
+    }
+
+    /// The loop of a transfer: `take(offset, len, stream, check)` reads the next chunk's `len` bytes
+    /// from the stream to where they go, and checks them (or adds them to the whole file's hash).
     fn receive_with(
         mut self,
-        mut take: impl FnMut(u64, usize, &mut TcpStream, &mut crate::hash::Hasher) -> Result<(), Received>,
+        mut take: impl FnMut(u64, usize, &mut TcpStream, &mut Check) -> Result<(), Received>,
     ) -> Result<[u8; 32], RemoteError> {
         let at = self.at.clone();
         let broken = |at: &str, deadline: Duration, e: io::Error| {
@@ -464,8 +540,9 @@ impl Transfer {
                 RemoteError::Broken { at: at.to_string(), detail: e.to_string() }
             }
         };
-        let mut hasher = crate::hash::Hasher::new();
+        let mut check = Check::new(self.found.size);
         let mut got = 0u64;
+        let mut last_chunk = Instant::now();
         loop {
             let head = match wire::read_head(&mut self.stream) {
                 Ok(Some(h)) => h,
@@ -480,12 +557,17 @@ impl Transfer {
                             detail: format!("a chunk of {len} bytes at {offset}, expected one at {got}"),
                         });
                     }
-                    match take(offset, len, &mut self.stream, &mut hasher) {
+                    match take(offset, len, &mut self.stream, &mut check) {
                         Ok(()) => {}
                         Err(Received::Wire(e)) => return Err(broken(&at, self.deadline, e)),
                         Err(Received::Sink(e)) => return Err(RemoteError::Sink(e)),
+                        Err(Received::Damaged(why)) => {
+                            let detail = format!("{why}; {}", self.report_damage());
+                            return Err(RemoteError::Corrupt { at, detail });
+                        }
                     }
                     got += len as u64;
+                    last_chunk = Instant::now();
                     let credit = Frame::Credit { id: 1, more: 1 };
                     if got < self.found.size {
                         wire::write_frame(&mut self.stream, &credit).map_err(|e| broken(&at, self.deadline, e))?;
@@ -498,11 +580,19 @@ impl Transfer {
                             detail: format!("{got} bytes of {} before the end", self.found.size),
                         });
                     }
-                    if *hasher.finalize().as_bytes() != hash {
+                    if !check.matches(&hash) {
                         let detail = self.report_damage();
                         return Err(RemoteError::Corrupt { at, detail });
                     }
                     return Ok(hash);
+                }
+                wire::Head::Frame(Frame::Vouch { id: 1, offset, cv }) => {
+                    check.vouch(offset, cv).map_err(|detail| RemoteError::Broken { at: at.clone(), detail })?;
+                }
+                // The owner's copy from the store has not reached the next chunk yet.
+                wire::Head::Frame(Frame::Ping { .. }) if last_chunk.elapsed() < self.fetch_wait => {}
+                wire::Head::Frame(Frame::Ping { .. }) => {
+                    return Err(RemoteError::Deadline { at, waited: self.fetch_wait })
                 }
                 wire::Head::Frame(Frame::Error { code, message }) => {
                     return Err(RemoteError::Refused { at, code, message })
@@ -576,6 +666,82 @@ mod tests {
             after
         });
         (at, h)
+    }
+
+    /// A fake owner on 127.0.0.1:0 sending `data` as a copy it is still making: each chunk after its
+    /// vouch (the chaining value of the bytes it read), a ping after the first, and the blake3 the vouches
+    /// merge into. Piece `damaged`, if any, goes out with a flipped byte.
+    fn vouching_owner(data: Vec<u8>, damaged: Option<usize>) -> (String, std::thread::JoinHandle<()>) {
+        use crate::hash::{root_of_pieces, subtree, PIECE};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let h = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
+            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
+            wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
+            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
+            let identity = SourceId { size: data.len() as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
+            wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
+            let mut cvs = Vec::new();
+            for (k, c) in data.chunks(PIECE).enumerate() {
+                let offset = (k * PIECE) as u64;
+                let cv = subtree(offset, c);
+                cvs.push(cv);
+                wire::write_frame(&mut s, &Frame::Vouch { id: 1, offset, cv }).unwrap();
+                let mut sent = c.to_vec();
+                if damaged == Some(k) {
+                    sent[7] ^= 1;
+                }
+                if wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset, data: sent }).is_err() {
+                    return;
+                }
+                if k == 0 {
+                    let _ = wire::write_frame(&mut s, &Frame::Ping { nonce: 1 });
+                }
+            }
+            let hash = root_of_pieces(&cvs, data.len() as u64, PIECE);
+            let _ = wire::write_frame(&mut s, &Frame::Done { id: 1, hash });
+            // Credit and a damage report may follow; answer the report, then wait for the close.
+            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+                if let Frame::Damaged { id, .. } = f {
+                    let _ = wire::write_frame(&mut s, &Frame::Checked { id, removed: false });
+                }
+            }
+        });
+        (at, h)
+    }
+
+    #[test]
+    fn each_vouched_chunk_is_usable_as_it_arrives_and_the_vouches_make_the_files_hash() {
+        let data: Vec<u8> = (0..2 * wire::CHUNK + 5).map(|i| (i % 239) as u8).collect();
+        let (at, h) = vouching_owner(data.clone(), None);
+        let t = remote().open(&at, "a/b", WINDOW).unwrap();
+        let file = tempfile::tempfile().unwrap();
+        let mut usable = Vec::new();
+        let hash = t.receive_into(Dest::Growing(&file, &mut |end| usable.push(end))).unwrap();
+        h.join().unwrap();
+        assert_eq!(hash, crate::hash::hash(&data));
+        let c = wire::CHUNK as u64;
+        assert_eq!(usable, vec![c, 2 * c, 2 * c + 5], "each chunk is usable once it is checked");
+        let mut got = vec![0u8; data.len()];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 0).unwrap();
+        assert_eq!(got, data);
+    }
+
+    #[test]
+    fn a_chunk_that_does_not_match_its_vouch_is_never_usable() {
+        let data: Vec<u8> = (0..3 * wire::CHUNK).map(|i| (i % 233) as u8).collect();
+        let (at, h) = vouching_owner(data, Some(1));
+        let t = remote().open(&at, "a/b", WINDOW).unwrap();
+        let file = tempfile::tempfile().unwrap();
+        let mut usable = Vec::new();
+        match t.receive_into(Dest::Growing(&file, &mut |end| usable.push(end))) {
+            Err(RemoteError::Corrupt { detail, .. }) => assert!(detail.contains("vouched"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+        h.join().unwrap();
+        assert_eq!(usable, vec![wire::CHUNK as u64], "only the chunk before the damaged one was usable");
     }
 
     fn remote() -> Remote {

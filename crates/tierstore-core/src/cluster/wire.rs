@@ -18,7 +18,7 @@ use std::io::{self, Read, Write};
 use crate::index::{SourceAttrs, SourceId};
 
 /// The protocol version this build speaks. A peer with another one is refused with a clear error.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 
 /// The largest frame body accepted (a data chunk of 1 MiB and its header, when data frames come).
 pub const MAX_FRAME: usize = (1 << 20) + 4096;
@@ -189,6 +189,19 @@ pub enum Frame {
         /// Chunks granted.
         more: u32,
     },
+    /// The blake3 chaining value of the chunk at `offset` (a subtree of the file's hash tree), sent just
+    /// before that chunk when the agent sends a copy it is still making from the store: it recorded the
+    /// value as it wrote the chunk, so the asker checks the chunk on its own and may use it at once, long
+    /// before the copy (and the [`Frame::Done`] whose hash these values merge into) is complete. Sent
+    /// for every chunk of such a transfer, or for none (a whole copy is checked at its `Done`).
+    Vouch {
+        /// The transfer.
+        id: u32,
+        /// The chunk's offset.
+        offset: u64,
+        /// Its chaining value.
+        cv: [u8; 32],
+    },
     /// Every byte was sent; the blake3 of the whole file, for the asker to check.
     Done {
         /// The transfer.
@@ -277,6 +290,7 @@ mod kind {
     pub const MEMBER_LIST: u8 = 17;
     pub const DAMAGED: u8 = 18;
     pub const CHECKED: u8 = 19;
+    pub const VOUCH: u8 = 20;
     // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
     pub const STREAM_REQUEST: u8 = 40;
     pub const STREAM_EVENT: u8 = 41;
@@ -428,6 +442,12 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.extend_from_slice(&id.to_be_bytes());
             text(out, source);
             text(out, rel);
+        }
+        Frame::Vouch { id, offset, cv } => {
+            out.push(kind::VOUCH);
+            out.extend_from_slice(&id.to_be_bytes());
+            out.extend_from_slice(&offset.to_be_bytes());
+            out.extend_from_slice(cv);
         }
         Frame::Checked { id, removed } => {
             out.push(kind::CHECKED);
@@ -603,6 +623,7 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             check_path(&rel)?;
             Frame::Damaged { id, source, rel }
         }
+        kind::VOUCH => Frame::Vouch { id: r.u32("id")?, offset: r.u64("offset")?, cv: r.bytes32("cv")? },
         kind::CHECKED => Frame::Checked { id: r.u32("id")?, removed: r.u8("removed")? != 0 },
         kind::STAGED_FETCH => {
             let (id, path) = (r.u32("id")?, r.text("path")?);
@@ -764,6 +785,11 @@ mod tests {
             (any::<u32>(), "/[a-z/]{1,30}", "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}")
                 .prop_map(|(id, source, rel)| Frame::Damaged { id, source, rel }),
             (any::<u32>(), any::<bool>()).prop_map(|(id, removed)| Frame::Checked { id, removed }),
+            (any::<u32>(), any::<u64>(), any::<[u8; 32]>()).prop_map(|(id, offset, cv)| Frame::Vouch {
+                id,
+                offset,
+                cv
+            }),
             (any::<u32>(), "(/[a-z0-9_-][a-z0-9._-]{0,7}){1,4}", any::<u32>())
                 .prop_map(|(id, path, credit)| Frame::StagedFetch { id, path, credit }),
         ]

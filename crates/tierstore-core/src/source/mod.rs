@@ -140,14 +140,14 @@ pub trait Source: Send + Sync {
     fn read_whole(&self, rel: &str, expect: u64, pre: Option<SourceFile>) -> io::Result<(Vec<u8>, SourceId)>;
 
     /// Copies the whole of `from` (of `size` bytes) into `to`, in order from its start, feeding `hasher`
-    /// and calling `progress` with the bytes copied so far after each step. Returns the bytes copied and
+    /// each step's bytes after they are written (so a piece it reports is already in `to`), and calling `progress` with the bytes copied so far after each step. Returns the bytes copied and
     /// the file's identity after the copy (`None` when it cannot be told).
     fn copy(
         &self,
         from: &SourceFile,
         to: &File,
         size: u64,
-        hasher: Option<&mut crate::hash::Hasher>,
+        hasher: Option<&mut crate::hash::Pieces<'_>>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(u64, Option<SourceId>), CopyFault>;
 

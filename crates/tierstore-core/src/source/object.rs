@@ -537,7 +537,7 @@ impl Source for ObjectSource {
         from: &SourceFile,
         to: &File,
         size: u64,
-        mut hasher: Option<&mut crate::hash::Hasher>,
+        mut hasher: Option<&mut crate::hash::Pieces<'_>>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(u64, Option<SourceId>), CopyFault> {
         use std::io::Write;

@@ -319,7 +319,7 @@ impl Source for PosixSource {
         from: &SourceFile,
         to: &File,
         size: u64,
-        mut hasher: Option<&mut crate::hash::Hasher>,
+        mut hasher: Option<&mut crate::hash::Pieces<'_>>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(u64, Option<SourceId>), CopyFault> {
         use std::io::Write;
