@@ -151,6 +151,43 @@ pub fn read_into(
     result.map_err(|e| read_error_to_py(py, e))
 }
 
+/// `read_into` through `cache`: the pack is opened as a reader of the cache (its tier copy, or a copy
+/// still arriving from the store or from the node that owns it, read as it grows), and each request is
+/// read and checked as soon as its bytes are there.
+pub fn read_into_cached(
+    py: Python<'_>,
+    cache: &tierstore_core::Cache,
+    path: PathBuf,
+    requests: Vec<(u64, Bound<'_, PyAny>, Option<Vec<u8>>)>,
+) -> PyResult<()> {
+    let mut views = Vec::with_capacity(requests.len());
+    for (offset, buffer, expect) in &requests {
+        views.push((*offset, View::of(buffer, true)?, hash_of(expect.as_deref())?));
+    }
+    let opened = py.allow_threads(|| cache.open(&path));
+    let reader = std::sync::Mutex::new(opened.map_err(crate::error::to_py)?);
+    let result = py.allow_threads(|| {
+        // SAFETY: as in `read_into`.
+        let mut reqs: Vec<ReadInto<'_>> = views
+            .iter()
+            .map(|(offset, v, expect)| ReadInto { offset: *offset, dest: unsafe { v.bytes_mut() }, expect: *expect })
+            .collect();
+        pack::read_into_from(&path, &mut reqs, |offset, buf| {
+            // One reader thread reads in order (the other threads hash): the lock is never contended.
+            let mut r = reader.lock().unwrap_or_else(|p| p.into_inner());
+            let mut done = 0;
+            while done < buf.len() {
+                match r.read_at(&mut buf[done..], offset + done as u64)? {
+                    0 => return Ok(false),
+                    n => done += n,
+                }
+            }
+            Ok(true)
+        })
+    });
+    result.map_err(|e| read_error_to_py(py, e))
+}
+
 fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
     match e {
         // With its errno, so that a missing pack is a FileNotFoundError naming the pack.

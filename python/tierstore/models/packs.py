@@ -75,18 +75,37 @@ class Packs:
         """The pack's own file in the repository."""
         return self.dir / pack
 
-    def read(self, pack: str, share: float, fn: Callable[[Path], T]) -> T:
+    def read(
+        self,
+        pack: str,
+        share: float,
+        fn: Callable[[Path], T],
+        arriving: Callable[[_core.Cache, Path], T] | None = None,
+    ) -> T:
         """`fn(path)` over a file holding the pack's bytes, which `fn` checks against the tensors' hashes
         (raising IntegrityError when they do not match). `share`: the part of the pack the load reads.
 
         Through the cache, a copy whose bytes fail the check is dropped and fetched again; if that copy
-        fails too, the repository's own pack is read, and its error is the one raised."""
+        fails too, the repository's own pack is read, and its error is the one raised. A pack that no
+        tier of this node holds is read with `arriving(cache, path)` when given (a load that copies the
+        tensors out): it reads each tensor as soon as its bytes arrive, from the store or from the node
+        that owns the pack, rather than after the whole pack."""
         own = self.path(pack)
         if self.cache is None:
             return fn(own)
         copy = self.cache.lookup(own, validate=False)
         if share < WHOLE_PACK_SHARE and copy is None:
             return fn(own)  # a few blocks of an uncached pack: no whole-pack fetch for them
+        if copy is None and arriving is not None:
+            try:
+                return arriving(self.cache._core, own)
+            except _core.IntegrityError:
+                self.refetched += 1
+                self.cache._core.invalidate(own)
+            except FileNotFoundError:
+                raise
+            except (OSError, _core.TierstoreError):
+                pass  # the cache failed: the whole-file reads below end at the store's pack
         for _ in range(2):
             with self._opened(own, copy) as path:
                 if path is None:

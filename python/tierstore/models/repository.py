@@ -504,7 +504,12 @@ class Repository:
     ) -> None:
         requests = [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items]
         with integrity.named_damage(m, self._packs.path(pack), [t for t, _ in items]):
-            self._packs.read(pack, share, lambda path: _core.read_into(path, requests))
+            self._packs.read(
+                pack,
+                share,
+                lambda path: _core.read_into(path, requests),
+                arriving=lambda cache, path: cache.read_into(path, requests),
+            )
 
     def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
         """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""

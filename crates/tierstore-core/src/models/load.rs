@@ -142,6 +142,20 @@ pub fn read_into(path: &Path, requests: &mut [ReadInto<'_>]) -> Result<(), ReadE
     fetch_and_verify(path, requests, sparse, true, |offset, buf| read_exact_at(&file, buf, offset))
 }
 
+/// Reads every request into its destination from a pack that `fetch(offset, buf)` reads (false when the
+/// pack ends first) and checks the hashes, as [`read_into`] does: in request order, each piece hashed as
+/// soon as it is there, while the next is read. For a pack that is still arriving (opened through the
+/// cache while its copy grows, from the store or from the node that owns it), `fetch` waits for each
+/// piece, and the load checks and places the pack's first tensors while its last are on their way.
+/// `path` names the pack in errors.
+pub fn read_into_from(
+    path: &Path,
+    requests: &mut [ReadInto<'_>],
+    fetch: impl Fn(u64, &mut [u8]) -> io::Result<bool> + Sync,
+) -> Result<(), ReadError> {
+    fetch_and_verify(path, requests, false, true, fetch)
+}
+
 /// A mapping of the pack and its `BlockFetch`, when a copying partial load of `ranges` is better read
 /// by blocks, as a mapped load is: when the blocks read whole hold little else (`MAX_WARM_OVERREAD`).
 /// Otherwise exact reads are better: they copy as the disk delivers each page.
