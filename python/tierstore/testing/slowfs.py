@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import itertools
 import json
 import os
 import subprocess
@@ -126,6 +127,10 @@ def make_operations(
             if nbytes:
                 counts["bytes_read" if op == "read" else "bytes_written"] += nbytes
 
+    # Handles of opens of the stats file (far above any descriptor number), and what each one reads.
+    stats_handles = itertools.count(1 << 40)
+    snapshots: dict[int, bytes] = {}
+
     def stats_bytes() -> bytes:
         with lock:
             data = dict(counts)
@@ -214,7 +219,12 @@ def make_operations(
 
         def open(self, path: str, flags: int) -> int:
             if path == STATS:
-                return 0
+                # One snapshot per open: a reader taking the file in several reads gets one consistent
+                # JSON document even while the counters move.
+                with lock:
+                    fh = next(stats_handles)
+                snapshots[fh] = stats_bytes()
+                return fh
             self._meta("open")
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
                 failing("open")
@@ -228,7 +238,7 @@ def make_operations(
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
             if path == STATS:
-                return stats_bytes()[offset : offset + size]
+                return snapshots.get(fh, b"")[offset : offset + size]
             if data_latency > 0:
                 time.sleep(data_latency)
             data = os.pread(fh, size, offset)
@@ -249,7 +259,9 @@ def make_operations(
             return 0
 
         def release(self, path: str, fh: int) -> int:
-            if path != STATS:
+            if path == STATS:
+                snapshots.pop(fh, None)
+            else:
                 count("release")
                 os.close(fh)
             return 0
