@@ -116,6 +116,8 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_dlio.py --out docs/benchmarks/dlio.md --plot docs/benchmarks/dlio.png
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out docs/benchmarks/cluster.md --plot docs/benchmarks/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_first_byte.py --out docs/benchmarks/first-byte.md; \
+	else echo "bench_first_byte.py skipped: network namespaces need root"; fi
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_model_nodes.py --out docs/benchmarks/model-nodes.md --plot docs/benchmarks/model-nodes.png; \
 	else echo "bench_model_nodes.py skipped: network namespaces need root"; fi
 
