@@ -119,6 +119,7 @@ bench: setup bench-setup bench-dlio-setup
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_first_byte.py --out docs/benchmarks/first-byte.md; \
 	else echo "bench_first_byte.py skipped: network namespaces need root"; fi
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_model_nodes.py --out docs/benchmarks/model-nodes.md --plot docs/benchmarks/model-nodes.png; \
+		$(PY) bench/bench_model_nodes.py --mode copy --out docs/benchmarks/model-nodes-copy.md --plot docs/benchmarks/model-nodes-copy.png; \
 	else echo "bench_model_nodes.py skipped: network namespaces need root"; fi
 
 # A wheel that installs without a Rust toolchain: the package, _core, the LD_PRELOAD shim and the

@@ -69,7 +69,7 @@ NAME = "model"
 # One process per node: imports, says "ready", waits for "go" on stdin, loads, prints what it did.
 LOADER = r"""
 import json, sys, time
-setup, path, keys = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+setup, path, keys, mmap = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "mmap"
 import torch
 if setup in ("tierstore", "direct"):
     from tierstore.models import Repository
@@ -84,7 +84,7 @@ sys.stdin.readline()
 start = time.time()
 nbytes = 0
 if setup in ("tierstore", "direct"):
-    got = repo.load("model", keys=keys)
+    got = repo.load("model", keys=keys, mmap=mmap)
     nbytes = sum(t.nbytes for t in got.values())
 elif setup == "safetensors":
     if keys is None:
@@ -196,12 +196,13 @@ def load_at_once(
     setup: str,
     paths: list[Path],
     keys: list[str] | None,
+    mode: str,
 ) -> list[dict[str, Any]]:
     """Starts a loader on each node of `which` (node i loads `paths[i]`), lets them all go at once, and
     returns what each reported."""
     procs = [
         subprocess.Popen(
-            nodes.nodes[i].cmd(sys.executable, "-c", LOADER, setup, str(paths[i]), json.dumps(keys)),
+            nodes.nodes[i].cmd(sys.executable, "-c", LOADER, setup, str(paths[i]), json.dumps(keys), mode),
             env=envs[i],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -236,6 +237,7 @@ def job(
     setup: str,
     keys: list[str] | None,
     alone: bool,
+    mode: str,
 ) -> dict[str, Any]:
     """One job: empty tiers, then the loads; the time to the last node's end and the store's bytes.
 
@@ -252,7 +254,7 @@ def job(
     which = [0] if alone else list(range(NODES))
     with agents(nodes, envs) if setup == "tierstore" else contextlib.nullcontext():
         before = [store_stats(m).get("bytes_read", 0) for m in mounts]
-        reports = load_at_once(nodes, envs, which, setup, paths, keys)
+        reports = load_at_once(nodes, envs, which, setup, paths, keys, mode)
         after = [store_stats(m).get("bytes_read", 0) for m in mounts]
     want = sum(model.nbytes[k] for k in (keys if keys is not None else model.names))
     if any(r["bytes"] != want for r in reports):
@@ -328,7 +330,15 @@ def run(a: argparse.Namespace) -> tuple[list[dict[str, Any]], Model]:
                     for partial in (False, True):
                         for setup, alone in order:
                             run = functools.partial(
-                                job, work, nodes, mounts, model, setup, keys if partial else None, alone
+                                job,
+                                work,
+                                nodes,
+                                mounts,
+                                model,
+                                setup,
+                                keys if partial else None,
+                                alone,
+                                a.mode,
                             )
                             row = attempt(run, label(setup, alone), partial)
                             row["round"] = r
@@ -381,7 +391,8 @@ def report(
         f"--direct-io, one mount a node capped at a quarter of it for the setups where each node reads the store, "
         f"one shared by tierstore's nodes with the whole of it). {a.rounds} round(s), setups alternated; medians. Time: from the common start to the "
         "last node's end. Partial: the first tensors, "
-        f"{a.partial:.0%} of the bytes. Every job starts with empty tiers.",
+        f"{a.partial:.0%} of the bytes. Every job starts with empty tiers. Repository loads "
+        f"{'map the pack (mmap=True, the default)' if a.mode == 'mmap' else 'copy the tensors out (mmap=False)'}.",
         "",
     ]
     for partial in (False, True):
@@ -481,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--partial", type=float, default=0.15, help="share of the bytes a partial load reads")
     ap.add_argument("--bandwidth", default="500MiB/s", help="the store's read bandwidth cap")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mode", choices=["mmap", "copy"], default="mmap",
+                    help="how tierstore and the repository read directly load: mapped (the default of "
+                    "Repository.load) or copied out (mmap=False, as a load onto a GPU)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args(argv)
