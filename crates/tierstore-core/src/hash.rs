@@ -220,10 +220,20 @@ impl<'a> Pieces<'a> {
 
     /// The hash of every byte added (the whole file's, once all `len` of them were).
     pub fn finalize(&self) -> Hash {
-        if self.len <= PIECE as u64 || self.done != self.len {
-            // One piece is hashed as a root. A copy that did not get exactly `len` bytes is never
-            // published (the file changed), and its hash only has to differ from the file's.
-            return *self.current.finalize().as_bytes();
+        if self.done != self.len {
+            // The file changed size during the copy, which is never published: its hash only has to
+            // differ from the file's. (A piece's hasher past the first cannot be finalized at all here:
+            // blake3 panics on a root of a subtree, and on an empty one.)
+            let mut h = Hasher::new();
+            h.update(b"tierstore: a copy of another length than the file's");
+            h.update(&self.done.to_le_bytes());
+            for cv in &self.cvs {
+                h.update(cv);
+            }
+            return *h.finalize().as_bytes();
+        }
+        if self.len <= PIECE as u64 {
+            return *self.current.finalize().as_bytes(); // one piece: the root of its own tree
         }
         root_of_pieces(&self.cvs, self.len, PIECE)
     }
@@ -278,6 +288,23 @@ mod tests {
                 bytes.chunks(MIB).enumerate().map(|(k, c)| subtree((k * MIB) as u64, c)).collect()
             };
             assert_eq!(seen, want, "length {len}");
+        }
+    }
+
+    #[test]
+    fn a_copy_that_gets_fewer_or_more_bytes_than_it_expected_hashes_to_something_else() {
+        let bytes: Vec<u8> = (0..3 * PIECE + 10).map(|i| (i % 7) as u8).collect();
+        let whole = hash(&bytes);
+        // The file shrank after it was identified: 2.5 pieces of the 3 expected.
+        let mut short = Pieces::new(bytes.len() as u64);
+        short.update(&bytes[..2 * PIECE + PIECE / 2]);
+        assert_ne!(short.finalize(), whole);
+        // It grew: more than expected, on a piece boundary and off one.
+        for extra in [PIECE - 10, PIECE + 5] {
+            let mut long = Pieces::new(bytes.len() as u64);
+            long.update(&bytes);
+            long.update(&vec![1u8; extra]);
+            assert_ne!(long.finalize(), whole);
         }
     }
 }
