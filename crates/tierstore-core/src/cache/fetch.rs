@@ -457,7 +457,11 @@ impl Inner {
         });
         let mut progress = |copied: u64| {
             if let Some(g) = &growing {
-                g.advance(copied);
+                // The end only once the copy is checked against the source and published (below): a
+                // reader that reached it finds the file whole in its tier.
+                if copied < sid.size {
+                    g.advance(copied);
+                }
             }
         };
         let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
@@ -487,6 +491,7 @@ impl Inner {
             return Ok(false);
         }
         if let Some(g) = &growing {
+            g.advance(sid.size);
             g.finish();
         }
         Ok(true)

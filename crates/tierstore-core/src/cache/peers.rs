@@ -290,14 +290,16 @@ impl Inner {
             });
             match kept {
                 Ok(()) => {
-                    growing.advance(sid.size);
-                    growing.finish();
                     if let Some(remote) = inner.remote.as_ref() {
                         remote.mark_up(&who);
                     }
                     let c = inner.source.counters();
                     c.add(src_slot::PEER_HITS, 1);
                     c.add(src_slot::PEER_BYTES, sid.size);
+                    // The last chunk only now: a reader that reached the end finds the whole file checked,
+                    // published and counted.
+                    growing.advance(sid.size);
+                    growing.finish();
                 }
                 Err(e) => {
                     growing.fail();

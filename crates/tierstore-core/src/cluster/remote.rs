@@ -465,7 +465,7 @@ pub enum Dest<'a> {
     File(&'a std::fs::File),
     /// A file that readers follow as it grows: the callback is told how many bytes from the start are
     /// written and checked, chunk by chunk when the owner vouches for each (a copy it is still making),
-    /// else only at the end.
+    /// up to the last chunk; the caller makes the end usable once the transfer returned `Ok`.
     Growing(&'a std::fs::File, &'a mut dyn FnMut(u64)),
 }
 
@@ -509,9 +509,11 @@ impl Transfer {
     }
 
     /// Takes every chunk into `file` at its offset; `usable(end)` is called once the first `end` bytes
-    /// are written and checked (chunk by chunk when the owner vouches for each).
+    /// are written and checked (chunk by chunk when the owner vouches for each), up to the last chunk: the
+    /// file's end is the caller's to announce once the whole file's hash matched.
     fn receive_into_file(self, file: &std::fs::File, mut usable: impl FnMut(u64)) -> Result<[u8; 32], RemoteError> {
         use std::os::unix::fs::FileExt;
+        let size = self.found.size;
         let mut buf = vec![0u8; wire::CHUNK];
         self.receive_with(|offset, len, stream, check| {
             let b = &mut buf[..len];
@@ -519,7 +521,7 @@ impl Transfer {
             unsafe { recv_exact(stream, b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
             let checked = check.chunk(offset, b).map_err(Received::Damaged)?;
             file.write_all_at(b, offset).map_err(Received::Sink)?;
-            if checked {
+            if checked && offset + (len as u64) < size {
                 usable(offset + len as u64);
             }
             Ok(())
@@ -723,7 +725,7 @@ mod tests {
         h.join().unwrap();
         assert_eq!(hash, crate::hash::hash(&data));
         let c = wire::CHUNK as u64;
-        assert_eq!(usable, vec![c, 2 * c, 2 * c + 5], "each chunk is usable once it is checked");
+        assert_eq!(usable, vec![c, 2 * c], "each chunk but the last is usable once it is checked");
         let mut got = vec![0u8; data.len()];
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 0).unwrap();
         assert_eq!(got, data);
