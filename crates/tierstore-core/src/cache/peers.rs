@@ -66,13 +66,19 @@ impl Inner {
     }
 
     /// A large file that no tier holds whole yet, served while this process copies it from the store (it
-    /// starts the copy, or follows the one it is making already). `None` when a tier holds it whole (a
-    /// small file is copied whole now), and the caller serves it whole.
+    /// starts the copy, or follows the one it is making already); a copy a tier holds whole is served
+    /// whole. `None` when the file is small (copied whole now) or no copy could be made, and the caller
+    /// serves it whole.
     fn follow_for_peer(self: &Arc<Self>, rel: &str) -> Result<Option<Served>, Error> {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
-        if known.is_some_and(|sid| self.hit(&key, rel, &sid, false).is_some()) {
-            return Ok(None);
+        if let Some(sid) = known {
+            // Whole in a tier: served as it is (asking the store for the version again is for the
+            // whole-file path alone, not both).
+            if let Some(file) = self.hit(&key, rel, &sid, false).and_then(Reader::into_file) {
+                let checksum = self.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
+                return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
+            }
         }
         let copy = match self.flights.join(&key) {
             Role::Leader(flight) => {
