@@ -78,7 +78,18 @@ impl Polled {
 
     /// Sends all of `bytes`, telling the kernel more follows (the chunk's data) so that a header is not
     /// a packet of its own.
-    fn send_more(&self, mut bytes: &[u8]) -> io::Result<()> {
+    fn send_more(&self, bytes: &[u8]) -> io::Result<()> {
+        self.send_all(bytes, libc::MSG_MORE)
+    }
+
+    /// Sends one whole frame now (not held back for more).
+    fn send_frame(&self, frame: &Frame) -> io::Result<()> {
+        self.send_all(&bytes_of(frame), 0)
+    }
+
+    /// Sends all of `bytes` with `send(2)` and `flags`, waiting (at most the deadline each time) while the
+    /// socket is full.
+    fn send_all(&self, mut bytes: &[u8], flags: libc::c_int) -> io::Result<()> {
         while !bytes.is_empty() {
             // SAFETY: `bytes` is valid for its length for the duration of the call.
             let n = unsafe {
@@ -86,7 +97,7 @@ impl Polled {
                     self.fd.as_raw_fd(),
                     bytes.as_ptr() as *const libc::c_void,
                     bytes.len(),
-                    libc::MSG_MORE | libc::MSG_NOSIGNAL,
+                    flags | libc::MSG_NOSIGNAL,
                 )
             };
             if n < 0 {
@@ -99,34 +110,6 @@ impl Polled {
                 continue;
             }
             bytes = &bytes[n as usize..];
-        }
-        Ok(())
-    }
-
-    /// Sends one whole frame now (not held back for more).
-    fn send_frame(&self, frame: &Frame) -> io::Result<()> {
-        let bytes = bytes_of(frame);
-        let mut sent = 0;
-        while sent < bytes.len() {
-            // SAFETY: the slice is valid for its length for the duration of the call.
-            let n = unsafe {
-                libc::send(
-                    self.fd.as_raw_fd(),
-                    bytes[sent..].as_ptr() as *const libc::c_void,
-                    bytes.len() - sent,
-                    libc::MSG_NOSIGNAL,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
-                    io::ErrorKind::WouldBlock => self.wait(libc::POLLOUT)?,
-                    io::ErrorKind::Interrupted => {}
-                    _ => return Err(e),
-                }
-                continue;
-            }
-            sent += n as usize;
         }
         Ok(())
     }
