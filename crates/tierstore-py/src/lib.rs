@@ -160,12 +160,7 @@ impl PyCache {
     /// Reads `(offset, destination buffer, expected hash or None)` requests of the pack `path` through the
     /// cache, each as soon as its bytes are there (a copy still arriving is read as it grows), checking
     /// the hashes; raises `IntegrityError` as `read_into` does.
-    fn read_into(
-        &self,
-        py: Python<'_>,
-        path: &Bound<'_, PyAny>,
-        requests: Vec<(u64, Bound<'_, PyAny>, Option<Vec<u8>>)>,
-    ) -> PyResult<()> {
+    fn read_into(&self, py: Python<'_>, path: &Bound<'_, PyAny>, requests: Vec<pack::Request<'_>>) -> PyResult<()> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
         pack::read_into_cached(py, &engine, p, requests)

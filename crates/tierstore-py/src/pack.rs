@@ -130,22 +130,12 @@ impl PyPackWriter {
 /// without the GIL. Raises `IntegrityError(message, index, kind)` naming the first request whose bytes are
 /// wrong or missing.
 #[pyfunction]
-pub fn read_into(
-    py: Python<'_>,
-    path: PathBuf,
-    requests: Vec<(u64, Bound<'_, PyAny>, Option<Vec<u8>>)>,
-) -> PyResult<()> {
-    let mut views = Vec::with_capacity(requests.len());
-    for (offset, buffer, expect) in &requests {
-        views.push((*offset, View::of(buffer, true)?, hash_of(expect.as_deref())?));
-    }
+pub fn read_into(py: Python<'_>, path: PathBuf, requests: Vec<Request<'_>>) -> PyResult<()> {
+    let views = request_views(&requests)?;
     let result = py.allow_threads(|| {
         // SAFETY: every view holds its writable buffer exported for this call; the Python side passes
         // each destination once.
-        let mut reqs: Vec<ReadInto<'_>> = views
-            .iter()
-            .map(|(offset, v, expect)| ReadInto { offset: *offset, dest: unsafe { v.bytes_mut() }, expect: *expect })
-            .collect();
+        let mut reqs = unsafe { read_requests(&views) };
         pack::read_into(&path, &mut reqs)
     });
     result.map_err(|e| read_error_to_py(py, e))
@@ -158,20 +148,14 @@ pub fn read_into_cached(
     py: Python<'_>,
     cache: &tierstore_core::Cache,
     path: PathBuf,
-    requests: Vec<(u64, Bound<'_, PyAny>, Option<Vec<u8>>)>,
+    requests: Vec<Request<'_>>,
 ) -> PyResult<()> {
-    let mut views = Vec::with_capacity(requests.len());
-    for (offset, buffer, expect) in &requests {
-        views.push((*offset, View::of(buffer, true)?, hash_of(expect.as_deref())?));
-    }
+    let views = request_views(&requests)?;
     let opened = py.allow_threads(|| cache.open(&path));
     let reader = std::sync::Mutex::new(opened.map_err(crate::error::to_py)?);
     let result = py.allow_threads(|| {
         // SAFETY: as in `read_into`.
-        let mut reqs: Vec<ReadInto<'_>> = views
-            .iter()
-            .map(|(offset, v, expect)| ReadInto { offset: *offset, dest: unsafe { v.bytes_mut() }, expect: *expect })
-            .collect();
+        let mut reqs = unsafe { read_requests(&views) };
         pack::read_into_from(&path, &mut reqs, |offset, buf| {
             // One reader thread reads in order (the other threads hash): the lock is never contended.
             let mut r = reader.lock().unwrap_or_else(|p| p.into_inner());
@@ -186,6 +170,29 @@ pub fn read_into_cached(
         })
     });
     result.map_err(|e| read_error_to_py(py, e))
+}
+
+/// One request of a pack read from Python: `(offset, destination buffer, expected hash or None)`.
+pub type Request<'py> = (u64, Bound<'py, PyAny>, Option<Vec<u8>>);
+
+/// A pack read's requests, with each buffer exported writable.
+fn request_views(requests: &[Request<'_>]) -> PyResult<Vec<(u64, View, Option<pack::Hash>)>> {
+    requests
+        .iter()
+        .map(|(offset, buffer, expect)| Ok((*offset, View::of(buffer, true)?, hash_of(expect.as_deref())?)))
+        .collect()
+}
+
+/// The requests over `views`' buffers.
+///
+/// # Safety
+/// Each view's buffer must be exported for as long as the requests live, and no two views may share one.
+unsafe fn read_requests<'v>(views: &'v [(u64, View, Option<pack::Hash>)]) -> Vec<ReadInto<'v>> {
+    views
+        .iter()
+        // SAFETY: the caller vouches for the buffers.
+        .map(|(offset, v, expect)| ReadInto { offset: *offset, dest: unsafe { v.bytes_mut() }, expect: *expect })
+        .collect()
 }
 
 fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
