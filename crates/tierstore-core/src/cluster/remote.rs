@@ -639,6 +639,19 @@ mod tests {
 
     use super::*;
 
+    /// A fake owner's side of a `Fetch` on `l`: the handshake and the `Fetch`, answered with a `Found`
+    /// for a file of `size` bytes.
+    fn found(l: &TcpListener, size: usize) -> TcpStream {
+        let (mut s, _) = l.accept().unwrap();
+        wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
+        assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
+        wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
+        assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
+        let identity = SourceId { size: size as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
+        wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
+        s
+    }
+
     /// A fake owner on 127.0.0.1:0 that sends `data` under the blake3 `vouched`, then answers a
     /// `Damaged` report with `Checked`; returns its address and the frames it received after the
     /// `Fetch`.
@@ -646,13 +659,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap().to_string();
         let h = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
-            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
-            wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
-            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
-            let identity = SourceId { size: data.len() as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
-            wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
+            let mut s = found(&l, data.len());
             for (i, c) in data.chunks(wire::CHUNK).enumerate() {
                 let offset = (i * wire::CHUNK) as u64;
                 wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset, data: c.to_vec() }).unwrap();
@@ -678,13 +685,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap().to_string();
         let h = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
-            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
-            wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
-            assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
-            let identity = SourceId { size: data.len() as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
-            wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
+            let mut s = found(&l, data.len());
             let mut cvs = Vec::new();
             for (k, c) in data.chunks(PIECE).enumerate() {
                 let offset = (k * PIECE) as u64;
