@@ -32,11 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import machine
+from bench_model_nodes import agents
 from tierstore import _core
 from tierstore.testing.netns import Nodes
 from tierstore.testing.slowfs import mounted
@@ -80,20 +81,9 @@ def node_env(work: Path, i: int, addresses: list[str], source: Path, token: Path
     }
 
 
-@contextlib.contextmanager
-def agents(nodes: Nodes, envs: list[dict[str, str]]) -> Iterator[None]:
-    for n, env in zip(nodes.nodes, envs, strict=True):
-        p = subprocess.run(n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start"), env=env,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
-        if p.returncode != 0:
-            raise RuntimeError(f"agent on {n.name}: {p.stderr}")
-    try:
-        yield
-    finally:
-        for n, env in zip(nodes.nodes, envs, strict=True):
-            subprocess.run(n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "stop"), env=env,
-                           capture_output=True, timeout=60)  # fmt: skip
-            shutil.rmtree(env["TIERSTORE_TIERS"].rsplit(":", 1)[0], ignore_errors=True)
+def remove_tiers(envs: list[dict[str, str]]) -> None:
+    for env in envs:
+        shutil.rmtree(env["TIERSTORE_TIERS"].rsplit(":", 1)[0], ignore_errors=True)
 
 
 def owned_by(members: list[str], owner: str, count: int, start: int) -> list[str]:
@@ -124,11 +114,14 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         token = work / "token"
         token.write_text(hashlib.sha256(str(work).encode()).hexdigest())
         token.chmod(0o600)
-        with mounted(backing, work / "mnt", bandwidth=a.bandwidth) as mount, Nodes(2) as nodes:
+        with contextlib.ExitStack() as stack:
+            mount = stack.enter_context(mounted(backing, work / "mnt", bandwidth=a.bandwidth))
+            nodes = stack.enter_context(Nodes(2))
             addresses = [n.address for n in nodes.nodes]
             members = [f"{x}:7078" for x in addresses]  # as the agents name them
             envs = [node_env(work, i, addresses, mount, token) for i in range(2)]
             names = owned_by(members, members[1], 3 * a.rounds, 0)
+            stack.callback(remove_tiers, envs)
             with agents(nodes, envs):
                 for r in range(a.rounds):
                     files = names[3 * r : 3 * r + 3]
