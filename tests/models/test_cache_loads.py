@@ -162,7 +162,8 @@ from tierstore.models import IntegrityError, Repository
 
 t = time.monotonic()
 repository = Repository(sys.argv[1], create=False)
-got = repository.load("m", mmap=False)
+keys = sys.argv[2] if len(sys.argv) > 2 else None
+got = repository.load("m", keys=keys, mmap=len(sys.argv) > 3 and sys.argv[3] == "mmap")
 h = hashlib.sha256()
 for k in sorted(got):
     h.update(k.encode()); h.update(np.ascontiguousarray(got[k]).tobytes())
@@ -181,9 +182,13 @@ def digest_of(want: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def start_load(inside: list[str], node: Node, repo: Path) -> subprocess.Popen[str]:
-    """LOADER loading version "m" of `repo` in a process of `node` (`inside`: its namespace's command)."""
-    return subprocess.Popen([*inside, sys.executable, "-c", LOADER, str(repo)], env=node.env,
+def start_load(
+    inside: list[str], node: Node, repo: Path, keys: str | None = None, mmap: bool = False
+) -> subprocess.Popen[str]:
+    """LOADER loading version "m" of `repo` in a process of `node` (`inside`: its namespace's command):
+    the tensors `keys` match (all when None), mapped or copied out."""
+    args = [] if keys is None else [keys, "mmap" if mmap else "copy"]
+    return subprocess.Popen([*inside, sys.executable, "-c", LOADER, str(repo), *args], env=node.env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -285,5 +290,73 @@ def test_a_flipped_byte_in_the_owners_copy_of_a_pack_never_reaches_another_node(
         second = finished(start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo"), timeout=60)
     assert second["digest"] == digest_of(want), "a damaged byte reached the reader"
     assert second["refetched"] == 0, second
+    assert second["stats"]["peer_faults"] == 1, second["stats"]
+    assert not copy.exists(), "the owner kept its damaged copy"
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("mmap", [True, False])
+def test_four_nodes_loading_the_same_few_tensors_read_only_their_blocks_from_the_store_once(
+    tmp_path: Path, slow_store: tuple[Path, Path], mmap: bool
+) -> None:
+    """Four nodes load the same 2 tensors of 16 (an eighth of the pack) at the same moment, mapped or
+    copied out. No node fetches the pack: each asks the agent of the pack's owner for the two tensors (the
+    owner's own process too), and that agent reads their blocks from the store once for the job. The
+    store serves those blocks once, far less than the pack; every node gets the saved tensors, and no
+    tier holds a copy of the pack."""
+    backing, mount = slow_store
+    want = weights(n=16, size=4 << 20)
+    Repository(backing / "repo", cache=False).save("m", want)
+    pack = pack_of(backing / "repo")
+    chosen = {k: want[k] for k in ("layer5.weight", "layer6.weight")}
+    with netns_job(tmp_path, mount, NODES, sharing="inclusive") as (nodes, job):
+        before = store_stats(mount)
+        procs = [
+            start_load(n.cmd(), node, mount / "repo", keys="layer[56].*", mmap=mmap)
+            for n, node in zip(nodes.nodes, job, strict=True)
+        ]
+        results = [finished(p, timeout=120) for p in procs]
+        after = store_stats(mount)
+        held = [tier_bytes(node.tier) for node in job]
+    assert [r["digest"] for r in results] == [digest_of(chosen)] * NODES
+    read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    manifest = next((backing / "repo" / "models" / "m").glob("v*.json")).stat().st_size
+    tensors = sum(a.nbytes for a in chosen.values())
+    # The two tensors' blocks of 1 MiB once (a tensor not on a block boundary adds a block at each end),
+    # and each node's manifest; against 4 x 8 MiB if each node read its own, and 64 MiB for the pack.
+    assert tensors <= read <= tensors + (2 << 20) + NODES * (manifest + 64), (
+        f"the store served {read} bytes for {tensors} bytes of tensors"
+    )
+    assert sum(r["stats"]["peer_hits"] for r in results) == NODES, [r["stats"] for r in results]
+    assert all(r["stats"]["peer_faults"] == 0 for r in results), [r["stats"] for r in results]
+    assert max(held) < pack.stat().st_size // 2, f"a tier holds {held} bytes: the pack was fetched"
+
+
+@pytest.mark.netns
+def test_a_flipped_byte_in_the_owners_copy_never_reaches_a_partial_load_on_another_node(
+    tmp_path: Path, slow_store: tuple[Path, Path]
+) -> None:
+    """The pack's owner loads the whole version (its tier keeps the pack); one byte of a tensor in that
+    copy then flips. The other node loads that tensor alone: the owner's agent sends it from its copy, the
+    tensor's hash fails on the reader, which tells the owner (who drops its damaged copy) and reads the
+    store's pack: the saved tensor, never the damaged one."""
+    backing, mount = slow_store
+    want = weights(n=16)
+    Repository(backing / "repo", cache=False).save("m", want)
+    pack = pack_of(backing / "repo")
+    manifest = json.loads(next((backing / "repo" / "models" / "m").glob("v*.json")).read_text())
+    (offset,) = [t["offset"] for t in manifest["tensors"] if t["name"] == "layer3.weight"]
+    with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
+        owner = owner_of(job, str(pack.relative_to(backing)))
+        reader = 1 - owner
+        first = finished(start_load(nodes.nodes[owner].cmd(), job[owner], mount / "repo"), timeout=60)
+        assert first["digest"] == digest_of(want)
+        size = pack.stat().st_size
+        (copy,) = [f for f in job[owner].tier.rglob("data/*/*") if f.is_file() and f.stat().st_size == size]
+        flip_byte(copy, offset + 1000)
+        p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo", keys="layer3.*")
+        second = finished(p, timeout=60)
+    assert second["digest"] == digest_of({"layer3.weight": want["layer3.weight"]}), "a damaged byte got through"
+    assert second["refetched"] == 1, second
     assert second["stats"]["peer_faults"] == 1, second["stats"]
     assert not copy.exists(), "the owner kept its damaged copy"

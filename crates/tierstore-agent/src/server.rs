@@ -536,6 +536,18 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::S
                     }
                 }
             }
+            Frame::FetchRanges { id, source, rel, ranges, credit } => {
+                let cache = shared.options.cache.clone();
+                match crate::transfer::serve_ranges(&mut stream, cache, deadline, id, &source, &rel, &ranges, credit)
+                    .await
+                {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        log::warn!("sending parts of {rel} to a {side:?} client failed: {e}");
+                        return;
+                    }
+                }
+            }
             Frame::Damaged { id, source, rel } => {
                 let cache = shared.options.cache.clone();
                 match crate::transfer::serve_damaged(&mut stream, cache, deadline, id, &source, &rel).await {

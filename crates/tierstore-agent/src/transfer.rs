@@ -40,44 +40,25 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     credit: u32,
 ) -> io::Result<()> {
     let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
-    let Some(cache) = cache else {
-        let f = refuse(ErrorCode::BadRequest, "this agent serves no source; start it with the job's --source".into());
-        return write(stream, &f, deadline).await;
+    let cache = match serving(cache, source) {
+        Ok(c) => c,
+        Err(refusal) => return write(stream, &refusal, deadline).await,
     };
-    let ours = cache.config().source.to_string_lossy().into_owned();
-    if source != ours {
-        let f = refuse(
-            ErrorCode::NotFound,
-            format!("this agent caches {ours}, not {source}: every node must mount the source at the same path"),
-        );
-        return write(stream, &f, deadline).await;
-    }
     let opener = cache.clone();
     let wanted = rel.to_string();
     // A reader that takes the bytes can have a large file while this node's copy of it is still being
     // made; one that only asks this node to hold the file is answered once the copy is whole.
     let follow = credit > 0;
-    let mut opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted, follow));
+    let opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted, follow));
     // Fetching a large file from the store may take longer than the asker's deadline on a frame (its own
     // TIERSTORE_PEER_DEADLINE_MS): say every STILL_FETCHING that the file is still coming, so that the
     // asker keeps waiting for this one fetch rather than reading the store itself.
     let mut nonce = 0;
-    let served = loop {
-        tokio::select! {
-            opened = &mut opening => break match opened {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
-                    return write(stream, &refuse(code, e.to_string()), deadline).await;
-                }
-                Err(e) => {
-                    return write(stream, &refuse(ErrorCode::Failed, format!("the read failed: {e}")), deadline).await
-                }
-            },
-            _ = tokio::time::sleep(STILL_FETCHING) => {
-                nonce += 1;
-                write(stream, &Frame::Ping { nonce }, deadline).await?;
-            }
+    let served = match while_pinging(stream, deadline, &mut nonce, opening).await? {
+        Ok(s) => s,
+        Err(e) => {
+            let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
+            return write(stream, &refuse(code, e.to_string()), deadline).await;
         }
     };
     let size = served.identity.size;
@@ -199,19 +180,7 @@ pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
     let mut offset = 0u64;
     let mut hasher = tierstore_core::hash::Hasher::new();
     while offset < size {
-        while credit == 0 {
-            match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
-                Ok(Ok(Some(Frame::Credit { id: i, more }))) if i == id => credit = credit.saturating_add(more),
-                Ok(Ok(other)) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("expected credit for transfer {id}, got {other:?}"),
-                    ))
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "the reader granted no credit in time")),
-            }
-        }
+        await_credit(stream, id, &mut credit, deadline).await?;
         let n = CHUNK.min((size - offset) as usize);
         let f = file.clone();
         let data = tokio::task::spawn_blocking(move || {
@@ -230,6 +199,127 @@ pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
         credit -= 1;
     }
     Ok(Ok(*hasher.finalize().as_bytes()))
+}
+
+/// Serves one `FetchRanges`: parts of `rel` (a partial model load's tensors), read from this node's whole
+/// copy when a tier holds one, else from the store by the blocks this agent keeps for the next asker
+/// ([`Cache::open_parts_for_peer`]); never a whole-file fetch. Each part goes out in order, as chunks
+/// that never cross a block, under the asker's credit; the blake3 of all the bytes sent ends it.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    cache: Option<Arc<Cache>>,
+    deadline: Duration,
+    id: u32,
+    source: &str,
+    rel: &str,
+    ranges: &[(u64, u64)],
+    credit: u32,
+) -> io::Result<()> {
+    use tierstore_core::PART_BLOCK;
+    let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
+    let cache = match serving(cache, source) {
+        Ok(c) => c,
+        Err(refusal) => return write(stream, &refusal, deadline).await,
+    };
+    let wanted = rel.to_string();
+    let mut nonce = 0;
+    let opening = tokio::task::spawn_blocking(move || cache.open_parts_for_peer(&wanted));
+    let served = match while_pinging(stream, deadline, &mut nonce, opening).await? {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
+            return write(stream, &refuse(code, e.to_string()), deadline).await;
+        }
+    };
+    let size = served.identity.size;
+    if let Some((offset, len)) = ranges.iter().find(|(o, l)| o.checked_add(*l).is_none_or(|end| end > size)) {
+        let why = format!("the part of {len} bytes at {offset} lies past the end of {rel} ({size} bytes)");
+        return write(stream, &refuse(ErrorCode::BadRequest, why), deadline).await;
+    }
+    write(stream, &Frame::Found { id, identity: served.identity }, deadline).await?;
+    let (mut credit, mut sent) = (credit, 0u64);
+    let mut hasher = Some(tierstore_core::hash::Hasher::new());
+    for &(offset, len) in ranges {
+        let (mut at, end) = (offset, offset + len);
+        while at < end {
+            await_credit(stream, id, &mut credit, deadline).await?;
+            let n = (end - at).min(PART_BLOCK - at % PART_BLOCK).min(CHUNK as u64) as usize;
+            let (s, mut h) = (served.clone(), hasher.take().expect("the hasher is back"));
+            // Read (from the store, when the block is nobody's yet) and hashed on the blocking pool.
+            let reading = tokio::task::spawn_blocking(move || {
+                let read = s.read(at, n, end);
+                if let Ok(data) = &read {
+                    h.update(data);
+                }
+                (read, h)
+            });
+            let (read, h) = while_pinging(stream, deadline, &mut nonce, reading).await?;
+            hasher = Some(h);
+            let data = match read {
+                Ok(data) => data,
+                Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("reading a part failed: {e}")), deadline).await,
+            };
+            write(stream, &Frame::Chunk { id, offset: at, data }, deadline).await?;
+            (at, sent, credit) = (at + n as u64, sent + n as u64, credit - 1);
+        }
+    }
+    let hash = *hasher.expect("the hasher is back").finalize().as_bytes();
+    write(stream, &Frame::Done { id, hash }, deadline).await?;
+    served.count_served(sent);
+    Ok(())
+}
+
+/// The cache that serves `source`, or the error frame that says why this agent does not.
+fn serving(cache: Option<Arc<Cache>>, source: &str) -> Result<Arc<Cache>, Frame> {
+    let Some(cache) = cache else {
+        let message = "this agent serves no source; start it with the job's --source".into();
+        return Err(Frame::Error { code: ErrorCode::BadRequest, message });
+    };
+    let ours = cache.config().source.to_string_lossy().into_owned();
+    if source != ours {
+        let message =
+            format!("this agent caches {ours}, not {source}: every node must mount the source at the same path");
+        return Err(Frame::Error { code: ErrorCode::NotFound, message });
+    }
+    Ok(cache)
+}
+
+/// Waits for `work` on the blocking pool, telling the asker every [`STILL_FETCHING`] that its bytes are
+/// still coming (a read of the store may outlast the asker's deadline on a frame).
+async fn while_pinging<S: AsyncWrite + Unpin, T: Send + 'static>(
+    stream: &mut S,
+    deadline: Duration,
+    nonce: &mut u64,
+    mut work: tokio::task::JoinHandle<T>,
+) -> io::Result<T> {
+    loop {
+        tokio::select! {
+            done = &mut work => return done.map_err(|e| io::Error::other(format!("the read failed: {e}"))),
+            _ = tokio::time::sleep(STILL_FETCHING) => {
+                *nonce += 1;
+                write(stream, &Frame::Ping { nonce: *nonce }, deadline).await?;
+            }
+        }
+    }
+}
+
+/// Waits until the asker of transfer `id` has granted credit for a chunk.
+async fn await_credit<S: AsyncRead + Unpin>(stream: &mut S, id: u32, credit: &mut u32, deadline: Duration) -> io::Result<()> {
+    while *credit == 0 {
+        match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
+            Ok(Ok(Some(Frame::Credit { id: i, more }))) if i == id => *credit = credit.saturating_add(more),
+            Ok(Ok(other)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("expected credit for transfer {id}, got {other:?}"),
+                ))
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "the reader granted no credit in time")),
+        }
+    }
+    Ok(())
 }
 
 async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {

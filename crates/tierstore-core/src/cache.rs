@@ -11,16 +11,18 @@
 //! done by the engine every handle shares (`engine.rs`: its state and the read path, a hit or a flight),
 //! one concept per file beside it: `fetch.rs` (a miss fetched under the node's lock, placed, copied and
 //! published), `trusted.rs` (the metadata a trusted source replays), `stats.rs` (the counters),
-//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `confirm.rs` (bounded
+//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
 //! staleness), `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the
 //! copy pool).
 
+mod blocks;
 mod confirm;
 mod engine;
 mod fetch;
 mod flight;
 mod lock;
 mod order;
+mod parts;
 mod peers;
 mod pool;
 mod prefetch;
@@ -49,6 +51,8 @@ use pool::Pool;
 
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
+pub use blocks::BLOCK as PART_BLOCK;
+pub use parts::{Parts, PartsServed};
 pub use peers::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 pub use stats::{SourceStats, Stats, TierStats};
@@ -167,6 +171,7 @@ impl Cache {
             remote,
             record_checksums,
             copy_stats: Mutex::new(HashMap::new()),
+            blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {

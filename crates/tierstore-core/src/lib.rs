@@ -28,7 +28,7 @@ pub use error::Error;
 pub use models::{pack, stream};
 pub use process::pid;
 
-pub use cache::{Cache, Native, PrefetchProgress, SourceStats, Stats, TierStats};
+pub use cache::{Cache, Native, Parts, PartsServed, PrefetchProgress, SourceStats, Stats, TierStats, PART_BLOCK};
 pub use config::{Config, ConfigError, Overrides, Revalidate, TierConfig, TierKind, Verify};
 pub use placement::Policy;
 pub use reader::{CopyState, Growing, Piece, Reader};

@@ -166,6 +166,29 @@ impl PyCache {
         pack::read_into_cached(py, &engine, p, requests)
     }
 
+    /// Reads `(offset, destination buffer, expected hash or None)` requests of the pack `path` as parts
+    /// from the agent of the node that owns it, checking the hashes (raises `IntegrityError`, after
+    /// telling the owner). False when no owner could serve them (no cluster, or it failed): read the store.
+    fn read_parts(&self, py: Python<'_>, path: &Bound<'_, PyAny>, requests: Vec<pack::Request<'_>>) -> PyResult<bool> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        pack::read_parts(py, &engine, p, requests)
+    }
+
+    /// `map_pack`'s `(offset, length, expected hash or None)` spans of the pack `path` as parts from the
+    /// agent of the node that owns it: a `PackMap` of private memory holding the spans, checked; None when
+    /// no owner could serve them.
+    fn map_parts(
+        &self,
+        py: Python<'_>,
+        path: &Bound<'_, PyAny>,
+        spans: Vec<(u64, usize, Option<Vec<u8>>)>,
+    ) -> PyResult<Option<pack::PyPackMap>> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        pack::map_parts(py, &engine, p, spans)
+    }
+
     /// Forgets every cached copy of `path` (it was found damaged, or changed through the source).
     fn invalidate(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
         let p = path_arg(path)?;

@@ -172,6 +172,37 @@ pub fn read_into_cached(
     result.map_err(|e| read_error_to_py(py, e))
 }
 
+/// `read_into` as parts from the agent of the node that owns the pack (a partial load: only the tensors'
+/// bytes cross, and the job reads them from the store once). `False` when no owner could serve them: the
+/// caller reads the store's pack.
+pub fn read_parts(
+    py: Python<'_>,
+    cache: &tierstore_core::Cache,
+    path: PathBuf,
+    requests: Vec<Request<'_>>,
+) -> PyResult<bool> {
+    let views = request_views(&requests)?;
+    let result = py.allow_threads(|| {
+        // SAFETY: as in `read_into`.
+        let mut reqs = unsafe { read_requests(&views) };
+        pack::read_parts(cache, &path, &mut reqs)
+    });
+    result.map_err(|e| read_error_to_py(py, e))
+}
+
+/// `map_pack` as parts from the agent of the node that owns the pack: the spans in private memory the
+/// size of the pack, checked. `None` when no owner could serve them.
+pub fn map_parts(
+    py: Python<'_>,
+    cache: &tierstore_core::Cache,
+    path: PathBuf,
+    spans: Vec<(u64, usize, Option<Vec<u8>>)>,
+) -> PyResult<Option<PyPackMap>> {
+    let spans = spans_of(spans)?;
+    let map = py.allow_threads(|| pack::map_parts(cache, &path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    Ok(map.map(|map| PyPackMap { map }))
+}
+
 /// One request of a pack read from Python: `(offset, destination buffer, expected hash or None)`.
 pub type Request<'py> = (u64, Bound<'py, PyAny>, Option<Vec<u8>>);
 
@@ -205,6 +236,11 @@ fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
         ReadError::Truncated { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "truncated"),
         ReadError::Corrupt { .. } => crate::error::integrity_error(py, e.to_string(), e.index(), "corrupt"),
     }
+}
+
+/// Spans from Python: `(offset, length, expected hash or None)`.
+fn spans_of(spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<Vec<pack::Span>> {
+    spans.into_iter().map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? })).collect()
 }
 
 fn hash_of(h: Option<&[u8]>) -> PyResult<Option<pack::Hash>> {
@@ -263,10 +299,7 @@ impl PyPackMap {
 /// without copying a byte. Raises `IntegrityError(message, index, kind)` as `read_into` does.
 #[pyfunction]
 pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyPackMap> {
-    let spans = spans
-        .into_iter()
-        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? }))
-        .collect::<PyResult<Vec<_>>>()?;
+    let spans = spans_of(spans)?;
     let map = py.allow_threads(|| pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(PyPackMap { map })
 }
@@ -281,10 +314,7 @@ pub fn verify_pack(
     path: PathBuf,
     spans: Vec<(u64, usize, Option<Vec<u8>>)>,
 ) -> PyResult<Vec<Option<(&'static str, String)>>> {
-    let spans = spans
-        .into_iter()
-        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? }))
-        .collect::<PyResult<Vec<_>>>()?;
+    let spans = spans_of(spans)?;
     let found = py.allow_threads(|| pack::verify(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(found
         .into_iter()

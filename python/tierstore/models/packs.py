@@ -8,8 +8,11 @@ the fast tier's copy. Packs are named by their content and never change, so a co
 without asking the store again. The bytes are checked against each tensor's hash as always: a damaged copy
 is dropped from the cache and fetched once more, and the store's own pack is read if that fails too.
 
-A partial load of a pack that no tier holds reads its blocks from the store directly rather than having
-the whole pack fetched for a few of its tensors.
+A partial load of a pack that no tier holds never has the whole pack fetched for a few of its tensors.
+When the cache is shared across the job's nodes, it asks the agent of the node that owns the pack for
+just those tensors: that agent reads their blocks from the store once and serves every node from them
+(its own included), so N nodes loading the same 15% read it from the store once. Without a cluster, or
+when the owner fails, the load reads its blocks from the store directly.
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ def _under(root: Path, source: str) -> bool:
     return root == Path(source) or Path(source) in root.parents
 
 
+class NotServed:
+    """What a `parts` read returns when no owner could serve the parts (see `Packs.read`)."""
+
+
+NOT_SERVED = NotServed()
+
+
 class Packs:
     """Reads of the packs of the repository at `root`, through `cache` when there is one."""
 
@@ -81,6 +91,7 @@ class Packs:
         share: float,
         fn: Callable[[Path], T],
         arriving: Callable[[_core.Cache, Path], T] | None = None,
+        parts: Callable[[_core.Cache, Path], T | NotServed] | None = None,
     ) -> T:
         """`fn(path)` over a file holding the pack's bytes, which `fn` checks against the tensors' hashes
         (raising IntegrityError when they do not match). `share`: the part of the pack the load reads.
@@ -89,13 +100,27 @@ class Packs:
         fails too, the repository's own pack is read, and its error is the one raised. A pack that no
         tier of this node holds is read with `arriving(cache, path)` when given (a load that copies the
         tensors out): it reads each tensor as soon as its bytes arrive, from the store or from the node
-        that owns the pack, rather than after the whole pack."""
+        that owns the pack, rather than after the whole pack. A partial load of such a pack is read with
+        `parts(cache, path)` when given: the tensors alone, from the agent of the node that owns the pack;
+        it returns NOT_SERVED when no owner could serve them, and the store's pack is read."""
         own = self.path(pack)
         if self.cache is None:
             return fn(own)
         copy = self.cache.lookup(own, validate=False)
         if share < WHOLE_PACK_SHARE and copy is None:
-            return fn(own)  # a few blocks of an uncached pack: no whole-pack fetch for them
+            # A few tensors of an uncached pack: no whole-pack fetch for them.
+            if parts is not None:
+                try:
+                    got = parts(self.cache._core, own)
+                    if not isinstance(got, NotServed):
+                        return got
+                except _core.IntegrityError:
+                    self.refetched += 1  # the owner was told and drops its blocks; the store's pack is read
+                except FileNotFoundError:
+                    raise
+                except (OSError, _core.TierstoreError):
+                    pass  # the cache failed: read the store's pack
+            return fn(own)
         if copy is None and arriving is not None:
             try:
                 return arriving(self.cache._core, own)

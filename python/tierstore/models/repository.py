@@ -39,7 +39,7 @@ from tierstore import _core
 from tierstore.models import integrity, safetensors_io
 from tierstore.models import layers as layer_ids
 from tierstore.models.files import flock, fsync_dir
-from tierstore.models.packs import Packs, cache_for
+from tierstore.models.packs import NOT_SERVED, Packs, cache_for
 from tierstore.models.staging import POOL
 from tierstore.models.tensors import (
     TensorSpec,
@@ -509,6 +509,7 @@ class Repository:
                 share,
                 lambda path: _core.read_into(path, requests),
                 arriving=lambda cache, path: cache.read_into(path, requests),
+                parts=lambda cache, path: None if cache.read_parts(path, requests) else NOT_SERVED,
             )
 
     def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
@@ -523,7 +524,12 @@ class Repository:
         for pack, items in by_pack.items():
             spans = [(t["offset"], t["nbytes"], bytes.fromhex(t["hash"])) for t in items]
             with integrity.named_damage(m, self._packs.path(pack), items):
-                mapping = self._packs.read(pack, shares[pack], functools.partial(_map_pack, spans=spans))
+                mapping = self._packs.read(
+                    pack,
+                    shares[pack],
+                    functools.partial(_map_pack, spans=spans),
+                    parts=functools.partial(_map_parts, spans=spans),
+                )
             for t in items:
                 out[t["name"]] = mapped(mapping, t["offset"], specs[t["name"]], m["framework"])
         return {t["name"]: out[t["name"]] for t in chosen}
@@ -699,6 +705,11 @@ class Repository:
 
 def _map_pack(path: Path, spans: list[tuple[int, int, bytes]]) -> Any:
     return _core.map_pack(path, spans)
+
+
+def _map_parts(cache: _core.Cache, path: Path, spans: list[tuple[int, int, bytes]]) -> Any:
+    mapping = cache.map_parts(path, spans)
+    return NOT_SERVED if mapping is None else mapping
 
 
 def _shares(m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, float]:

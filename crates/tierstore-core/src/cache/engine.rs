@@ -49,6 +49,8 @@ pub(super) struct Inner {
     /// The process that opened the cache; a forked child must open its own.
     pub(super) pid: u32,
     /// The job's other members, when nodes share their caches (not in the agent's own cache).
+    /// Blocks of the files whose parts this node's agent serves (`blocks.rs`; empty in other processes).
+    pub(super) blocks: super::blocks::Blocks,
     pub(super) remote: Option<Remote>,
     /// What `copy_stat` found for each copy incarnation this process has seen (see there).
     pub(super) copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,

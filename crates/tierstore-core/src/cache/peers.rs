@@ -128,6 +128,8 @@ impl Inner {
 
     /// See [`Cache::check_served`](super::Cache::check_served).
     pub(super) fn check_served(&self, rel: &str) -> Result<bool, Error> {
+        // Parts may have been served from blocks read from the store: read them again for the next asker.
+        self.blocks.forget(rel);
         let key = key_of(rel);
         let Some((i, e)) = self.published_in(&key, rel) else { return Ok(false) };
         let Some(recorded) = e.checksum else { return Ok(false) };
@@ -329,7 +331,7 @@ impl Inner {
     }
 
     /// Counts a failed peer read, says so once, and leaves a failed member out for a while.
-    fn peer_failed(&self, who: &str, rel: &str, e: &RemoteError) {
+    pub(super) fn peer_failed(&self, who: &str, rel: &str, e: &RemoteError) {
         let Some(remote) = self.remote.as_ref() else { return };
         if e.member_failed() {
             remote.mark_down(who);

@@ -165,14 +165,28 @@ impl Remote {
     /// The member (`host:port`) that owns `rel` among those not marked down, when it is another node:
     /// `None` when this node owns it (or no member is known or up), and the file is read from the source.
     pub fn owner(&self, rel: &str) -> Option<String> {
+        self.pick(rel, false)
+    }
+
+    /// The member whose agent serves parts of `rel` ([`Remote::open_ranges`]): its owner among the
+    /// members not marked down, this node's own agent included. Parts go through the owner's agent even
+    /// on the owner's node, so that the blocks it reads from the store serve every node of the job.
+    pub fn parts_owner(&self, rel: &str) -> Option<String> {
+        self.pick(rel, true)
+    }
+
+    /// The owner of `rel` among the members up (this node always counts as up, unless `mine_too`, which
+    /// also names this node rather than answering `None` for it).
+    fn pick(&self, rel: &str, mine_too: bool) -> Option<String> {
         self.refresh();
         let view = self.view.read().expect("view lock").clone();
         let now = Instant::now();
         let down = self.down.lock().expect("down lock");
         let names = view.owners.members();
         let out = |m: usize| down.get(&names[m]).is_some_and(|(until, _)| *until > now);
-        let owner = view.owners.owner(rel.as_bytes(), |m| Some(m) == view.me || !out(m))?;
-        (Some(owner) != view.me).then(|| names[owner].clone())
+        let up = |m: usize| (!mine_too && Some(m) == view.me) || !out(m);
+        let owner = view.owners.owner(rel.as_bytes(), up)?;
+        (mine_too || Some(owner) != view.me).then(|| names[owner].clone())
     }
 
     /// Asks this node's agent for the members, at most every [`MEMBERS_EVERY`] (where a registry keeps
@@ -220,6 +234,16 @@ impl Remote {
         let fetch = Frame::Fetch { id: 1, source: self.source.clone(), rel: rel.to_string(), credit };
         let mut t = self.request(who, &fetch)?;
         t.report = Some(Frame::Damaged { id: 1, source: self.source.clone(), rel: rel.to_string() });
+        Ok(t)
+    }
+
+    /// Asks member `who` for parts of `rel`: `(offset, length)` each, at most [`wire::MAX_RANGES`]; returns
+    /// once the owner has said which version they come from. Take them with [`Transfer::receive_ranges`].
+    pub fn open_ranges(&self, who: &str, rel: &str, ranges: &[(u64, u64)]) -> Result<Transfer, RemoteError> {
+        let (source, rel) = (self.source.clone(), rel.to_string());
+        let fetch = Frame::FetchRanges { id: 1, source: source.clone(), rel: rel.clone(), ranges: ranges.to_vec(), credit: WINDOW };
+        let mut t = self.request(who, &fetch)?;
+        t.report = Some(Frame::Damaged { id: 1, source, rel });
         Ok(t)
     }
 
@@ -442,6 +466,16 @@ fn members_from_agent(socket: &Path, deadline: Duration) -> io::Result<Vec<Strin
     }
 }
 
+/// What comes next in a transfer.
+enum Next {
+    /// A chunk's header: its `len` bytes follow in the stream.
+    Chunk { offset: u64, len: usize },
+    /// The chaining value of the chunk at `offset`, which comes next.
+    Vouch { offset: u64, cv: crate::hash::ChainingValue },
+    /// The end, and the owner's blake3 of what it sent.
+    Done([u8; 32]),
+}
+
 /// A file on its way from a peer: its version is known, its bytes follow.
 pub struct Transfer {
     stream: TcpStream,
@@ -534,63 +568,126 @@ impl Transfer {
         mut self,
         mut take: impl FnMut(u64, usize, &mut TcpStream, &mut Check) -> Result<(), Received>,
     ) -> Result<[u8; 32], RemoteError> {
-        let at = self.at.clone();
-        let broken = |at: &str, deadline: Duration, e: io::Error| {
-            if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
-                RemoteError::Deadline { at: at.to_string(), waited: deadline }
-            } else {
-                RemoteError::Broken { at: at.to_string(), detail: e.to_string() }
-            }
-        };
         let mut check = Check::new(self.found.size);
         let mut got = 0u64;
         let mut last_chunk = Instant::now();
         loop {
-            let head = match wire::read_head(&mut self.stream) {
-                Ok(Some(h)) => h,
-                Ok(None) => return Err(RemoteError::Broken { at, detail: format!("closed after {got} bytes") }),
-                Err(e) => return Err(broken(&at, self.deadline, e)),
-            };
-            match head {
-                wire::Head::Chunk { id: 1, offset, len } => {
+            match self.next(last_chunk)? {
+                Next::Chunk { offset, len } => {
                     if offset != got || got + len as u64 > self.found.size {
-                        return Err(RemoteError::Corrupt {
-                            at,
-                            detail: format!("a chunk of {len} bytes at {offset}, expected one at {got}"),
-                        });
+                        return Err(self.corrupt(format!("a chunk of {len} bytes at {offset}, expected one at {got}")));
                     }
                     match take(offset, len, &mut self.stream, &mut check) {
                         Ok(()) => {}
-                        Err(Received::Wire(e)) => return Err(broken(&at, self.deadline, e)),
+                        Err(Received::Wire(e)) => return Err(self.broken(e)),
                         Err(Received::Sink(e)) => return Err(RemoteError::Sink(e)),
                         Err(Received::Damaged(why)) => {
                             let detail = format!("{why}; {}", self.report_damage());
-                            return Err(RemoteError::Corrupt { at, detail });
+                            return Err(self.corrupt(detail));
                         }
                     }
                     got += len as u64;
                     last_chunk = Instant::now();
-                    let credit = Frame::Credit { id: 1, more: 1 };
                     if got < self.found.size {
-                        wire::write_frame(&mut self.stream, &credit).map_err(|e| broken(&at, self.deadline, e))?;
+                        self.grant()?;
                     }
                 }
-                wire::Head::Frame(Frame::Done { id: 1, hash }) => {
+                Next::Done(hash) => {
                     if got != self.found.size {
-                        return Err(RemoteError::Corrupt {
-                            at,
-                            detail: format!("{got} bytes of {} before the end", self.found.size),
-                        });
+                        return Err(self.corrupt(format!("{got} bytes of {} before the end", self.found.size)));
                     }
                     if !check.matches(&hash) {
                         let detail = self.report_damage();
-                        return Err(RemoteError::Corrupt { at, detail });
+                        return Err(self.corrupt(detail));
                     }
                     return Ok(hash);
                 }
-                wire::Head::Frame(Frame::Vouch { id: 1, offset, cv }) => {
-                    check.vouch(offset, cv).map_err(|detail| RemoteError::Broken { at: at.clone(), detail })?;
+                Next::Vouch { offset, cv } => {
+                    check.vouch(offset, cv).map_err(|detail| RemoteError::Broken { at: self.at.clone(), detail })?;
                 }
+            }
+        }
+    }
+
+    /// Takes the parts a [`Remote::open_ranges`] asked for into `dests`: one buffer per range, in the
+    /// order asked and of its length, each chunk received straight into its place. With `hash`, the bytes
+    /// are checked against the owner's blake3 of them (a mismatch is reported to it); without, the
+    /// caller checks every byte itself (a model's tensors, against their hashes: no byte is hashed twice)
+    /// and reports a mismatch with [`Transfer::damaged`]. No byte of `dests` is to be used on `Err`.
+    pub fn receive_ranges(&mut self, dests: &mut [(u64, &mut [u8])], hash: bool) -> Result<(), RemoteError> {
+        let mut hasher = hash.then(crate::hash::Hasher::new);
+        let mut left: u64 = dests.iter().map(|(_, d)| d.len() as u64).sum();
+        let (mut part, mut filled) = (0usize, 0usize);
+        let mut last_chunk = Instant::now();
+        loop {
+            while part < dests.len() && filled == dests[part].1.len() {
+                (part, filled) = (part + 1, 0);
+            }
+            match self.next(last_chunk)? {
+                Next::Chunk { offset, len } => {
+                    let Some((start, dest)) = dests.get_mut(part) else {
+                        return Err(self.corrupt(format!("a chunk of {len} bytes at {offset} after the last part")));
+                    };
+                    let expected = *start + filled as u64;
+                    if offset != expected || len > dest.len() - filled {
+                        return Err(self.corrupt(format!("a chunk of {len} bytes at {offset}, expected one at {expected}")));
+                    }
+                    let to = &mut dest[filled..filled + len];
+                    // SAFETY: `to` is valid for `len` bytes.
+                    unsafe { recv_exact(&self.stream, to.as_mut_ptr(), len) }.map_err(|e| self.broken(e))?;
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(to);
+                    }
+                    filled += len;
+                    left -= len as u64;
+                    last_chunk = Instant::now();
+                    if left > 0 {
+                        self.grant()?;
+                    }
+                }
+                Next::Done(sent) => {
+                    if left > 0 {
+                        return Err(self.corrupt(format!("the owner ended with {left} bytes of the parts unsent")));
+                    }
+                    if hasher.is_some_and(|h| *h.finalize().as_bytes() != sent) {
+                        let detail = self.report_damage();
+                        return Err(self.corrupt(detail));
+                    }
+                    return Ok(());
+                }
+                Next::Vouch { offset, .. } => {
+                    return Err(RemoteError::Broken {
+                        at: self.at.clone(),
+                        detail: format!("a vouch for a chunk at {offset} in a transfer of parts"),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Tells the owner that the parts it sent failed the caller's own check, so that it drops what it
+    /// sent them from; returns what to say of it.
+    pub fn damaged(&mut self) -> String {
+        self.report_damage()
+    }
+
+    /// The next chunk header, vouch or end of the transfer, read past the pings of an owner still
+    /// fetching from the store (for at most `fetch_wait` after `last_chunk`).
+    fn next(&mut self, last_chunk: Instant) -> Result<Next, RemoteError> {
+        loop {
+            let head = match wire::read_head(&mut self.stream) {
+                Ok(Some(h)) => h,
+                Ok(None) => {
+                    let detail = "closed before the end of the transfer".to_string();
+                    return Err(RemoteError::Broken { at: self.at.clone(), detail });
+                }
+                Err(e) => return Err(self.broken(e)),
+            };
+            let at = self.at.clone();
+            match head {
+                wire::Head::Chunk { id: 1, offset, len } => return Ok(Next::Chunk { offset, len }),
+                wire::Head::Frame(Frame::Done { id: 1, hash }) => return Ok(Next::Done(hash)),
+                wire::Head::Frame(Frame::Vouch { id: 1, offset, cv }) => return Ok(Next::Vouch { offset, cv }),
                 // The owner's copy from the store has not reached the next chunk yet.
                 wire::Head::Frame(Frame::Ping { .. }) if last_chunk.elapsed() < self.fetch_wait => {}
                 wire::Head::Frame(Frame::Ping { .. }) => {
@@ -602,6 +699,24 @@ impl Transfer {
                 other => return Err(RemoteError::Broken { at, detail: format!("unexpected {other:?}") }),
             }
         }
+    }
+
+    /// Lets the owner send one more chunk.
+    fn grant(&mut self) -> Result<(), RemoteError> {
+        wire::write_frame(&mut self.stream, &Frame::Credit { id: 1, more: 1 }).map_err(|e| self.broken(e))
+    }
+
+    /// A failed read or write of the connection, as the error it is.
+    fn broken(&self, e: io::Error) -> RemoteError {
+        if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+            RemoteError::Deadline { at: self.at.clone(), waited: self.deadline }
+        } else {
+            RemoteError::Broken { at: self.at.clone(), detail: e.to_string() }
+        }
+    }
+
+    fn corrupt(&self, detail: String) -> RemoteError {
+        RemoteError::Corrupt { at: self.at.clone(), detail }
     }
 
     /// Tells the owner that its bytes did not hash to the blake3 it sent, and waits (within the deadline)

@@ -18,7 +18,7 @@ use std::io::{self, Read, Write};
 use crate::index::{SourceAttrs, SourceId};
 
 /// The protocol version this build speaks. A peer with another one is refused with a clear error.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 
 /// The largest frame body accepted (a data chunk of 1 MiB and its header, when data frames come).
 pub const MAX_FRAME: usize = (1 << 20) + 4096;
@@ -28,6 +28,9 @@ pub const MAX_TEXT: usize = u16::MAX as usize;
 
 /// The bytes of a file travel in chunks of at most this size.
 pub const CHUNK: usize = 1 << 20;
+
+/// The most ranges one [`Frame::FetchRanges`] may ask for (its frame stays well under [`MAX_FRAME`]).
+pub const MAX_RANGES: usize = 16_384;
 
 /// The longest source-relative path a request may name.
 pub const MAX_PATH: usize = 4096;
@@ -70,6 +73,9 @@ pub enum FrameError {
     /// A frame with no kind byte.
     #[error("empty frame")]
     Empty,
+    /// A [`Frame::FetchRanges`] asking for more than [`MAX_RANGES`] parts.
+    #[error("{0} ranges asked for at once, more than the limit of {MAX_RANGES}")]
+    TooManyRanges(usize),
 }
 
 /// Error codes of [`Frame::Error`].
@@ -254,6 +260,24 @@ pub enum Frame {
         /// The copy did not match its record and is gone.
         removed: bool,
     },
+    /// Asks for parts of a file of a source (a partial model load: the tensors it reads, never the whole
+    /// pack). Answered as a [`Frame::Fetch`] is: [`Frame::Found`] with the version the parts come from,
+    /// then each range's bytes in the order asked, as chunks at their offsets in the file, then
+    /// [`Frame::Done`] with the blake3 of all the bytes sent, in that order. The owner reads the parts from
+    /// its whole copy when a tier holds one, else from the store by blocks it keeps for the next asker:
+    /// the job reads each block from the store once, whichever nodes ask for it.
+    FetchRanges {
+        /// The transfer's number, chosen by the asker.
+        id: u32,
+        /// The source directory, as every node mounts it.
+        source: String,
+        /// The file, relative to the source (checked by [`check_path`]).
+        rel: String,
+        /// `(offset, length)` of each part, at most [`MAX_RANGES`] of them.
+        ranges: Vec<(u64, u64)>,
+        /// How many chunks may be sent before the asker grants more.
+        credit: u32,
+    },
     /// Asks for a file written on the agent's node under a write-back destination and not yet on the
     /// shared store (its staged, journaled copy). Answered as a [`Frame::Fetch`] is: [`Frame::Found`]
     /// (size, and the time the program closed it as mtime), the chunks, [`Frame::Done`] with the blake3
@@ -291,6 +315,7 @@ mod kind {
     pub const DAMAGED: u8 = 18;
     pub const CHECKED: u8 = 19;
     pub const VOUCH: u8 = 20;
+    pub const FETCH_RANGES: u8 = 21;
     // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
     pub const STREAM_REQUEST: u8 = 40;
     pub const STREAM_EVENT: u8 = 41;
@@ -379,6 +404,19 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.extend_from_slice(&id.to_be_bytes());
             text(out, source);
             text(out, rel);
+            out.extend_from_slice(&credit.to_be_bytes());
+        }
+        Frame::FetchRanges { id, source, rel, ranges, credit } => {
+            out.push(kind::FETCH_RANGES);
+            out.extend_from_slice(&id.to_be_bytes());
+            text(out, source);
+            text(out, rel);
+            let fit = &ranges[..ranges.len().min(MAX_RANGES)];
+            out.extend_from_slice(&(fit.len() as u32).to_be_bytes());
+            for (offset, len) in fit {
+                out.extend_from_slice(&offset.to_be_bytes());
+                out.extend_from_slice(&len.to_be_bytes());
+            }
             out.extend_from_slice(&credit.to_be_bytes());
         }
         Frame::Found { id, identity: i } => {
@@ -575,6 +613,16 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             check_path(&rel)?;
             Frame::Fetch { id, source, rel, credit: r.u32("credit")? }
         }
+        kind::FETCH_RANGES => {
+            let (id, source, rel) = (r.u32("id")?, r.text("source")?, r.text("rel")?);
+            check_path(&rel)?;
+            let n = r.u32("ranges")? as usize;
+            if n > MAX_RANGES {
+                return Err(FrameError::TooManyRanges(n));
+            }
+            let ranges = (0..n).map(|_| Ok((r.u64("offset")?, r.u64("len")?))).collect::<Result<Vec<_>, _>>()?;
+            Frame::FetchRanges { id, source, rel, ranges, credit: r.u32("credit")? }
+        }
         kind::FOUND => {
             let id = r.u32("id")?;
             let (size, mtime_ns, ctime_ns) = (r.u64("size")?, r.u64("mtime")? as i64, r.u64("ctime")? as i64);
@@ -768,6 +816,14 @@ mod tests {
             (1u16..7, text).prop_map(|(c, message)| Frame::Error { code: ErrorCode::from_u16(c), message }),
             (any::<u32>(), "/[a-z/]{1,30}", "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}", any::<u32>())
                 .prop_map(|(id, source, rel, credit)| Frame::Fetch { id, source, rel, credit }),
+            (
+                any::<u32>(),
+                "/[a-z/]{1,30}",
+                "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}",
+                proptest::collection::vec((any::<u64>(), any::<u64>()), 0..20),
+                any::<u32>()
+            )
+                .prop_map(|(id, source, rel, ranges, credit)| Frame::FetchRanges { id, source, rel, ranges, credit }),
             (any::<u32>(), any::<u64>(), any::<i64>(), any::<i64>(), any::<u64>(), any::<u64>()).prop_map(
                 |(id, size, mtime_ns, ctime_ns, ino, dev)| Frame::Found {
                     id,

@@ -156,6 +156,70 @@ pub fn read_into_from(
     fetch_and_verify(path, requests, false, true, fetch)
 }
 
+/// Reads `requests` of the pack at `path` (a file under `cache`'s source) as parts from the agent of the
+/// node that owns the pack (see [`crate::Cache::open_parts`]): only the tensors' bytes cross, and when
+/// several nodes load the same tensors the store is read for them once. Every byte is checked against
+/// its tensor's hash, and the owner is told of a mismatch. `Ok(false)`: no owner could serve them (the
+/// cache shares nothing across nodes, or the owner failed, counted): read the store's pack instead.
+pub fn read_parts(cache: &crate::Cache, path: &Path, requests: &mut [ReadInto<'_>]) -> Result<bool, ReadError> {
+    let ranges: Vec<(u64, u64)> = requests.iter().map(|r| (r.offset, r.dest.len() as u64)).collect();
+    let expected: Vec<Option<Hash>> = requests.iter().map(|r| r.expect).collect();
+    let Some(parts) = open_parts(cache, path, &ranges)? else { return Ok(false) };
+    let mut dests: Vec<(u64, &mut [u8])> = requests.iter_mut().map(|r| (r.offset, &mut *r.dest)).collect();
+    parts.receive(&mut dests, |got| check_parts(path, got, &expected))
+}
+
+/// The `spans` of the pack at `path`, as [`read_parts`] has them, in private memory the size of the
+/// pack (a mapping whose pages outside the spans are never touched, so they cost nothing): what a mapped
+/// partial load maps. `Ok(None)` where `read_parts` returns `Ok(false)`.
+pub fn map_parts(cache: &crate::Cache, path: &Path, spans: &[Span]) -> Result<Option<memmap2::MmapMut>, ReadError> {
+    // Each distinct tensor once (a version may name the same stored tensor twice).
+    let mut distinct: Vec<Span> = spans.iter().filter(|s| s.len > 0).copied().collect();
+    distinct.sort_unstable_by_key(|s| (s.offset, s.len));
+    distinct.dedup_by_key(|s| (s.offset, s.len));
+    let ranges: Vec<(u64, u64)> = distinct.iter().map(|s| (s.offset, s.len as u64)).collect();
+    let Some(parts) = open_parts(cache, path, &ranges)? else { return Ok(None) };
+    let io_err = |source| ReadError::Io { path: path.to_path_buf(), source };
+    let mut map = memmap2::MmapMut::map_anon(parts.size().max(1) as usize).map_err(io_err)?;
+    let mut dests: Vec<(u64, &mut [u8])> = Vec::with_capacity(distinct.len());
+    let mut rest: &mut [u8] = &mut map[..];
+    let mut at = 0u64;
+    for s in &distinct {
+        // The spans are sorted and the owner refuses any past the pack's end; overlapping ones share pages.
+        let skip = s.offset.checked_sub(at).ok_or_else(|| io_err(io::Error::other("overlapping tensors")))?;
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip as usize);
+        let (dest, tail) = tail.split_at_mut(s.len);
+        dests.push((s.offset, dest));
+        rest = tail;
+        at = s.offset + s.len as u64;
+    }
+    let expected: Vec<Option<Hash>> = distinct.iter().map(|s| s.expect).collect();
+    let received = parts.receive(&mut dests, |got| check_parts(path, got, &expected)).map_err(|e| {
+        // Named by the caller's span, not the distinct one.
+        let index = |d: usize| spans.iter().position(|s| (s.offset, s.len) == (distinct[d].offset, distinct[d].len));
+        let indices: Vec<usize> = (0..distinct.len()).map(|d| index(d).unwrap_or(d)).collect();
+        e.renumbered(&indices)
+    })?;
+    Ok(received.then_some(map))
+}
+
+/// Asks the owner of `path` for `ranges`: `None` when the cache cannot (the caller reads the store).
+fn open_parts(cache: &crate::Cache, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<crate::Parts>, ReadError> {
+    cache.open_parts(path, ranges).map_err(|e| ReadError::Io { path: path.to_path_buf(), source: io::Error::other(e) })
+}
+
+/// Checks every part received against its tensor's hash, all cores at once; names the first that fails.
+fn check_parts(path: &Path, got: &mut [(u64, &mut [u8])], expected: &[Option<Hash>]) -> Result<(), ReadError> {
+    let slices: Vec<&[u8]> = got.iter().map(|(_, d)| &**d).collect();
+    let hashes = crate::hash::hash_many(&slices);
+    for (index, ((offset, _), (want, have))) in got.iter().zip(expected.iter().zip(&hashes)).enumerate() {
+        if want.is_some_and(|w| w != *have) {
+            return Err(ReadError::Corrupt { path: path.to_path_buf(), index, offset: *offset });
+        }
+    }
+    Ok(())
+}
+
 /// A mapping of the pack and its `BlockFetch`, when a copying partial load of `ranges` is better read
 /// by blocks, as a mapped load is: when the blocks read whole hold little else (`MAX_WARM_OVERREAD`).
 /// Otherwise exact reads are better: they copy as the disk delivers each page.

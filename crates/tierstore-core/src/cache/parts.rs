@@ -1,0 +1,173 @@
+//! Parts of a file read through the agent of the node that owns it: a partial model load reads only the
+//! tensors it needs, and when several nodes load the same few tensors, the owner's agent reads their
+//! blocks from the store once and serves every node from them (its own node included). The caller
+//! checks every byte against its own hashes (a tensor's); a mismatch is told to the owner, which drops
+//! what it sent them from. Anything that goes wrong is counted and sends the caller to the store.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::blocks::{Version, BLOCK};
+use super::engine::Inner;
+use super::Cache;
+use crate::cluster::remote::Transfer;
+use crate::counters::source as src_slot;
+use crate::error::Error;
+use crate::index::{key_of, SourceId};
+use crate::source::SourceFile;
+
+/// Parts of a file on their way from the agent that owns it; the version they come from is known.
+pub struct Parts {
+    transfer: Transfer,
+    who: String,
+    rel: String,
+    inner: Arc<Inner>,
+}
+
+impl Cache {
+    /// Asks the agent of the node that owns `path` (this node's own when it owns it) for `ranges` of it,
+    /// `(offset, length)` each. `Ok(None)` when the cache shares nothing across nodes, no member is up,
+    /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
+    pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
+        let inner = &self.inner;
+        let Some(remote) = inner.remote.as_ref() else { return Ok(None) };
+        if ranges.len() > crate::cluster::wire::MAX_RANGES {
+            return Ok(None);
+        }
+        let rel = inner.source.relative(path)?;
+        let Some(who) = remote.parts_owner(&rel) else { return Ok(None) };
+        match remote.open_ranges(&who, &rel, ranges) {
+            Ok(transfer) => Ok(Some(Parts { transfer, who, rel, inner: inner.clone() })),
+            Err(e) => {
+                inner.peer_failed(&who, &rel, &e);
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Parts {
+    /// The size of the version the parts come from.
+    pub fn size(&self) -> u64 {
+        self.transfer.found.size
+    }
+
+    /// Receives the parts into `dests` (one buffer per range asked, in order, each of its range's length)
+    /// and has `check` check them. `Ok(true)`: every byte is there and checked. `Ok(false)`: the owner
+    /// failed (counted): read the store. `Err`: `check`'s error; the owner has been told that its bytes
+    /// are wrong.
+    pub fn receive<E>(
+        mut self,
+        dests: &mut [(u64, &mut [u8])],
+        check: impl FnOnce(&mut [(u64, &mut [u8])]) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        let counters = self.inner.source.counters().clone();
+        if let Err(e) = self.transfer.receive_ranges(dests, false) {
+            self.inner.peer_failed(&self.who, &self.rel, &e);
+            return Ok(false);
+        }
+        if let Err(e) = check(dests) {
+            let said = self.transfer.damaged();
+            counters.add(src_slot::PEER_FAULTS, 1);
+            self.inner.log_once(
+                &format!("parts-{}", self.who),
+                &format!("parts of {} from the agent of {} failed their check ({said}); reading the store instead", self.rel, self.who),
+            );
+            return Err(e);
+        }
+        if let Some(remote) = self.inner.remote.as_ref() {
+            remote.mark_up(&self.who);
+        }
+        counters.add(src_slot::PEER_HITS, 1);
+        counters.add(src_slot::PEER_BYTES, dests.iter().map(|(_, d)| d.len() as u64).sum());
+        Ok(true)
+    }
+}
+
+/// A file whose parts this node's agent serves to a node that asked ([`Cache::open_parts_for_peer`]).
+pub struct PartsServed {
+    /// The version the parts come from.
+    pub identity: SourceId,
+    from: From,
+    rel: String,
+    inner: Arc<Inner>,
+}
+
+/// Where the parts are read.
+enum From {
+    /// The copy a tier holds whole.
+    Copy(File),
+    /// The store, by blocks kept for the next asker.
+    Store(SourceFile),
+}
+
+impl Cache {
+    /// Opens `rel` for parts a peer asked for: the copy a tier holds whole when there is a current one,
+    /// else the store's file, read by the blocks this agent keeps ([`PartsServed::read`]). No whole copy is
+    /// fetched for parts.
+    pub fn open_parts_for_peer(&self, rel: &str) -> Result<PartsServed, Error> {
+        let inner = &self.inner;
+        let key = key_of(rel);
+        if let Some(sid) = inner.known_identity(&key, rel)? {
+            if let Some(file) = inner.hit(&key, rel, &sid, false).and_then(crate::reader::Reader::into_file) {
+                let served = PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };
+                return Ok(served);
+            }
+        }
+        let (sid, file) = inner.open_identified(rel)?;
+        Ok(PartsServed { identity: sid, from: From::Store(file), rel: rel.into(), inner: inner.clone() })
+    }
+}
+
+impl PartsServed {
+    /// The `len` bytes at `offset` (within one block: `offset % BLOCK + len <= BLOCK`), of a part that ends
+    /// at `until`. Read from the store, a missing block comes with the missing ones after it up to the one
+    /// holding `until - 1`.
+    pub fn read(&self, offset: u64, len: usize, until: u64) -> Result<Vec<u8>, Error> {
+        let path = || self.inner.source.path_of(&self.rel);
+        let short = || io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended before the part did");
+        match &self.from {
+            From::Copy(file) => {
+                let mut buf = vec![0u8; len];
+                file.read_exact_at(&mut buf, offset).map_err(|e| Error::io(&path(), e))?;
+                Ok(buf)
+            }
+            From::Store(file) => {
+                let version =
+                    Version { rel: self.rel.clone(), size: self.identity.size, mtime_ns: self.identity.mtime_ns };
+                let (index, at) = (offset / BLOCK, (offset % BLOCK) as usize);
+                let last = until.saturating_sub(1) / BLOCK;
+                let block = self
+                    .inner
+                    .blocks
+                    .get(&version, index, last, |first, count| self.read_store(file, first, count))
+                    .map_err(|e| Error::io(&path(), e))?;
+                let bytes = block.get(at..at + len).ok_or_else(|| Error::io(&path(), short()))?;
+                Ok(bytes.to_vec())
+            }
+        }
+    }
+
+    /// Blocks `first..first + count` from the store (the last one short at the end of the file).
+    fn read_store(&self, file: &SourceFile, first: u64, count: u64) -> io::Result<Vec<u8>> {
+        let start = first * BLOCK;
+        let end = ((first + count) * BLOCK).min(self.identity.size);
+        let mut buf = vec![0u8; end.saturating_sub(start) as usize];
+        let mut done = 0;
+        while done < buf.len() {
+            match self.inner.source.read_at(file, &mut buf[done..], start + done as u64)? {
+                0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the store's file ended early")),
+                n => done += n,
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Counts parts served.
+    pub fn count_served(&self, bytes: u64) {
+        self.inner.count_served(bytes);
+    }
+}
