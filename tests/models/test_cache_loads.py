@@ -360,3 +360,27 @@ def test_a_flipped_byte_in_the_owners_copy_never_reaches_a_partial_load_on_anoth
     assert second["refetched"] == 1, second
     assert second["stats"]["peer_faults"] == 1, second["stats"]
     assert not copy.exists(), "the owner kept its damaged copy"
+
+
+@pytest.mark.netns
+def test_a_partial_load_whose_pack_owner_is_dead_reads_the_store_and_counts_the_fault(
+    tmp_path: Path, slow_store: tuple[Path, Path]
+) -> None:
+    """The agent of the pack's owner is killed (SIGKILL) before the other node loads two tensors: the
+    load's request for them finds nobody, counts the fault and reads the store's pack, with the saved
+    tensors and no refetch."""
+    backing, mount = slow_store
+    want = weights(n=16)
+    Repository(backing / "repo", cache=False).save("m", want)
+    pack = pack_of(backing / "repo")
+    chosen = {k: want[k] for k in ("layer1.weight", "layer2.weight")}
+    with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
+        owner = owner_of(job, str(pack.relative_to(backing)))
+        reader = 1 - owner
+        os.kill(job[owner].pid, signal.SIGKILL)
+        p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo", keys="layer[12].*")
+        report = finished(p, timeout=60)
+    assert report["digest"] == digest_of(chosen), "the load returned other tensors than were saved"
+    assert report["refetched"] == 0, report
+    assert report["stats"]["peer_faults"] >= 1, report["stats"]
+    assert report["stats"]["peer_hits"] == 0, report["stats"]

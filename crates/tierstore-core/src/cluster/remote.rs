@@ -761,7 +761,8 @@ mod tests {
         wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
         assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
         wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
-        assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Fetch { .. })));
+        let asked = wire::read_frame(&mut s).unwrap();
+        assert!(matches!(asked, Some(Frame::Fetch { .. } | Frame::FetchRanges { .. })), "{asked:?}");
         let identity = SourceId { size: size as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
         wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
         s
@@ -864,6 +865,81 @@ mod tests {
 
     fn remote() -> Remote {
         Remote::new(&ClusterConfig::default(), "/store", None)
+    }
+
+    /// A fake owner on 127.0.0.1:0 sending the parts `ranges` of `data`, each in chunks that never cross
+    /// a 1 MiB block, then the blake3 of all of them; the chunk at `misplaced`, if any, goes out one byte
+    /// later than it should. Returns its address and the frames it received after the request.
+    fn parts_owner(
+        data: Vec<u8>,
+        ranges: Vec<(u64, u64)>,
+        misplaced: Option<u64>,
+    ) -> (String, std::thread::JoinHandle<Vec<Frame>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let h = std::thread::spawn(move || {
+            let mut s = found(&l, data.len());
+            let mut hasher = crate::hash::Hasher::new();
+            for (offset, len) in ranges {
+                let (mut at, end) = (offset, offset + len);
+                while at < end {
+                    let n = (end - at).min(wire::CHUNK as u64 - at % wire::CHUNK as u64);
+                    let bytes = data[at as usize..(at + n) as usize].to_vec();
+                    hasher.update(&bytes);
+                    let sent_at = if misplaced == Some(at) { at + 1 } else { at };
+                    if wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset: sent_at, data: bytes }).is_err() {
+                        return Vec::new();
+                    }
+                    at += n;
+                }
+            }
+            let _ = wire::write_frame(&mut s, &Frame::Done { id: 1, hash: *hasher.finalize().as_bytes() });
+            let mut after = Vec::new();
+            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+                if let Frame::Damaged { id, .. } = &f {
+                    let _ = wire::write_frame(&mut s, &Frame::Checked { id: *id, removed: false });
+                }
+                after.push(f);
+            }
+            after
+        });
+        (at, h)
+    }
+
+    #[test]
+    fn parts_land_in_their_buffers_in_the_order_asked_and_a_failed_check_is_reported() {
+        let data: Vec<u8> = (0..5 * wire::CHUNK).map(|i| (i % 241) as u8).collect();
+        // Out of file order, one crossing two block boundaries, one empty.
+        let ranges = vec![(3 * wire::CHUNK as u64 + 10, 100), (wire::CHUNK as u64 - 7, wire::CHUNK as u64 + 14), (0, 0)];
+        let (at, h) = parts_owner(data.clone(), ranges.clone(), None);
+        let mut t = remote().open_ranges(&at, "a/b", &ranges).unwrap();
+        let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|(_, n)| vec![0u8; *n as usize]).collect();
+        let mut dests: Vec<(u64, &mut [u8])> =
+            ranges.iter().zip(bufs.iter_mut()).map(|((o, _), b)| (*o, b.as_mut_slice())).collect();
+        t.receive_ranges(&mut dests, true).unwrap();
+        for ((offset, len), got) in ranges.iter().zip(&bufs) {
+            assert_eq!(got[..], data[*offset as usize..(*offset + *len) as usize]);
+        }
+        // The caller's own check failed: the owner is told.
+        assert!(t.damaged().contains("matches its record"));
+        drop(t);
+        let after = h.join().unwrap();
+        assert!(matches!(after.last(), Some(Frame::Damaged { .. })), "{after:?}");
+    }
+
+    #[test]
+    fn a_part_sent_at_another_offset_than_asked_is_refused() {
+        let data = vec![3u8; 3 * wire::CHUNK];
+        let ranges = vec![(0, 3 * wire::CHUNK as u64)];
+        let (at, h) = parts_owner(data, ranges.clone(), Some(wire::CHUNK as u64));
+        let mut t = remote().open_ranges(&at, "a/b", &ranges).unwrap();
+        let mut buf = vec![0u8; 3 * wire::CHUNK];
+        match t.receive_ranges(&mut [(0, &mut buf[..])], true) {
+            Err(RemoteError::Corrupt { detail, .. }) => assert!(detail.contains("expected one at"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+        drop(t);
+        h.join().unwrap();
     }
 
     #[test]
