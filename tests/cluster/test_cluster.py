@@ -482,6 +482,44 @@ def test_a_reader_on_another_node_reads_a_large_file_while_its_owner_is_still_co
     assert done["stats"]["peer_hits"] == 1 and done["stats"]["peer_faults"] == 0, (done["stats"], err)
 
 
+def test_a_reader_on_another_node_is_served_while_the_owners_own_process_copies_the_file(
+    tmp_path: Path, throttled_store: tuple[Path, Path]
+) -> None:
+    """A process of the owner's node starts reading a 24 MiB file (3 s from the store at 8 MiB/s): it
+    copies the file and holds the node's fetch lock. The reader on the other node asks the owner's agent
+    meanwhile, and the agent follows that process's copy as it grows instead of waiting for its end: the
+    reader has its first MiB long before its last, every byte on both nodes is right, and the store sent
+    the file once."""
+    backing, mount = throttled_store
+    data = os.urandom(24 << 20)
+    (backing / "big.bin").write_bytes(data)
+    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    owner = cluster.nodes[owner_of(cluster.nodes, "big.bin")]
+    try:
+        before = store_stats(mount)
+        local = subprocess.Popen(
+            [sys.executable, "-c", STEPPED_READER, "big.bin"],
+            env=owner.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert local.stdout is not None
+        json.loads(local.stdout.readline() or "{}")  # its first MiB: the copy is under way
+        first, done, err = stepped_read(cluster, "big.bin")
+        out, local_err = local.communicate("go\n", timeout=120)
+        after = store_stats(mount)
+    finally:
+        stop_cluster(cluster)
+    assert local.returncode == 0, local_err[-3000:]
+    assert json.loads(out)["sha"] == hashlib.sha256(data).hexdigest()
+    assert done["sha"] == hashlib.sha256(data).hexdigest(), err
+    assert first["first_mib"] < done["seconds"] / 4, (first, done["seconds"], err)
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(data), err
+    assert done["stats"]["peer_hits"] == 1 and done["stats"]["peer_faults"] == 0, (done["stats"], err)
+
+
 def test_an_owner_killed_while_it_streams_a_file_leaves_its_reader_to_finish_from_the_store(
     tmp_path: Path, throttled_store: tuple[Path, Path]
 ) -> None:

@@ -11,7 +11,7 @@
 //! done by the engine every handle shares (`engine.rs`: its state and the read path, a hit or a flight),
 //! one concept per file beside it: `fetch.rs` (a miss fetched under the node's lock, placed, copied and
 //! published), `trusted.rs` (the metadata a trusted source replays), `stats.rs` (the counters),
-//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
+//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `sibling.rs` (a peer served from another process's copy), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
 //! staleness), `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the
 //! copy pool).
 
@@ -26,6 +26,7 @@ mod parts;
 mod peers;
 mod pool;
 mod prefetch;
+mod sibling;
 mod stats;
 mod trusted;
 

@@ -158,6 +158,25 @@ impl Tier {
         }
     }
 
+    /// The temporary copy of `key` that another live process of this node is writing now, if there is one
+    /// (the newest, should there be several).
+    pub fn temp_of_another(&self, key: &Key) -> Option<PathBuf> {
+        let prefix = format!("{}.", hex(key));
+        let mine = crate::process::pid() as i32;
+        let dir = std::fs::read_dir(self.root.join("tmp")).ok()?;
+        dir.flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let pid: i32 = name.strip_prefix(&prefix)?.split('.').next()?.parse().ok()?;
+                // SAFETY: kill with signal 0 only checks whether the process exists.
+                let alive = pid != mine && unsafe { libc::kill(pid, 0) } == 0;
+                let written = entry.metadata().ok()?.modified().ok()?;
+                alive.then(|| (written, entry.path()))
+            })
+            .max()
+            .map(|(_, path)| path)
+    }
+
     /// Removes temporary files left by processes that no longer exist (killed mid-copy).
     pub fn sweep_temps(&self) {
         let Ok(dir) = std::fs::read_dir(self.root.join("tmp")) else { return };

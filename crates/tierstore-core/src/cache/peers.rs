@@ -82,6 +82,10 @@ impl Inner {
         }
         let copy = match self.flights.join(&key) {
             Role::Leader(flight) => {
+                // Another process of this node may be copying it already (this node's own load of it).
+                if let Some(served) = self.follow_sibling(&key, rel, &flight)? {
+                    return Ok(Some(served));
+                }
                 let mut pre = None;
                 match self.lead_flight(&key, rel, &mut known, flight, Purpose::Peer, &mut pre, now_ns())? {
                     Fetched::Reader(r) => match r.backing() {

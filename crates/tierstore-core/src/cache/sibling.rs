@@ -1,0 +1,136 @@
+//! Serving a peer a file that another process of this node is copying from the store right now.
+//!
+//! The node's fetch lock lets one process copy a file from the store while the others wait for it
+//! (DYAD's coordination). The agent must not wait: a peer asking it for a large file would then get its
+//! first byte only after this node's whole copy, where it gets it at once when the agent makes the copy
+//! itself. On a model's start-up both happen, and which one does depends on who asks first: the owner
+//! node's own load, or another node through the agent. So when the agent finds the fetch lock held by
+//! another process, it follows that process's temporary copy as it grows: it reads each piece once the
+//! file holds it, hashes it (the other process keeps its chaining values to itself), and records the value
+//! in a [`Growing`] of its own, which the send loop serves exactly as a copy of its own. The last bytes
+//! count only once the other process has published the copy with the blake3 the pieces merge into; if it
+//! gives up, or publishes something else, the transfer fails and the peer reads the store.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::engine::Inner;
+use super::flight::{Flight, Outcome};
+use super::peers::Served;
+use crate::error::Error;
+use crate::hash::{root_of_pieces, subtree, PIECE};
+use crate::index::Key;
+use crate::reader::Growing;
+
+/// How often the size of the other process's copy is looked at while it has not grown.
+const POLL: Duration = Duration::from_millis(2);
+
+/// How long the other process's copy may stay the same size (or stay unpublished once whole) before the
+/// agent stops following it and fails the transfer.
+const STALLED: Duration = Duration::from_secs(60);
+
+impl Inner {
+    /// A large file (more than one piece) that another process of this node is copying from the store:
+    /// served as it grows, the flight `flight` (this thread leads it) handed the same copy for the
+    /// agent's other askers and landed when the copy ends. `None` when no other process is copying it.
+    pub(super) fn follow_sibling(
+        self: &Arc<Self>,
+        key: &Key,
+        rel: &str,
+        flight: &Arc<Flight>,
+    ) -> Result<Option<Served>, Error> {
+        // This thread leads the process's flight of `key`, so no thread of this process holds the lock:
+        // taking it here means that nobody does (POSIX record locks are the process's).
+        match self.locks.try_lock(key) {
+            Ok(None) => {}
+            Ok(Some(_)) | Err(_) => return Ok(None),
+        }
+        let Some(temp) = self.tiers.iter().find_map(|t| t.temp_of_another(key)) else { return Ok(None) };
+        let Ok(file) = File::open(&temp) else { return Ok(None) };
+        let path = self.source.path_of(rel);
+        // The version the other process copies: its copy is checked against it once published. (A store
+        // that fails to say is left to the usual path, which reports it.)
+        let Ok(sid) = self.source.identify(rel) else { return Ok(None) };
+        if sid.size <= PIECE as u64 {
+            return Ok(None);
+        }
+        let reader = file.try_clone().map_err(|e| Error::io(&temp, e))?;
+        let copy = Arc::new(Growing::new(reader, sid));
+        flight.deliver(Outcome::Growing(copy.clone()));
+        let (inner, k, r, f, following) = (self.clone(), *key, rel.to_string(), flight.clone(), copy.clone());
+        let spawned = std::thread::Builder::new().name("tierstore-sibling".into()).spawn(move || {
+            match inner.watch_sibling(&k, &r, &file, &following) {
+                Ok(()) => following.finish(),
+                Err(why) => {
+                    log::debug!("stopped following another process's copy of {r}: {why}");
+                    following.fail();
+                }
+            }
+            inner.flights.land(&k, &f);
+        });
+        if let Err(e) = spawned {
+            copy.fail();
+            self.flights.land(key, flight);
+            return Err(Error::io(&path, e));
+        }
+        let file = copy.file().try_clone().map_err(|e| Error::io(&temp, e))?;
+        Ok(Some(Served { file, identity: sid, checksum: None, copy: Some(copy) }))
+    }
+
+    /// Records each piece of `file` (the other process's copy) in `copy` as the file comes to hold it,
+    /// then waits for the other process to publish the copy: `Ok` once it has, as the version `copy`
+    /// names, with the blake3 its pieces merge into; `Err` (why) when it gave up, stalled or published
+    /// something else.
+    fn watch_sibling(&self, key: &Key, rel: &str, file: &File, copy: &Growing) -> Result<(), String> {
+        let (size, sid) = (copy.size(), *copy.version());
+        let mut buf = vec![0u8; PIECE];
+        let (mut hashed, mut moved) = (0u64, Instant::now());
+        while hashed < size {
+            let have = file.metadata().map_err(|e| e.to_string())?.len();
+            if have > size {
+                return Err(format!("the copy grew past {size} bytes: another version"));
+            }
+            let n = PIECE.min((size - hashed) as usize) as u64;
+            if have >= hashed + n {
+                file.read_exact_at(&mut buf[..n as usize], hashed).map_err(|e| e.to_string())?;
+                copy.record_piece(&subtree(hashed, &buf[..n as usize]));
+                hashed += n;
+                copy.advance(hashed.min(size - 1));
+                moved = Instant::now();
+                continue;
+            }
+            if self.sibling_gave_up(key) {
+                return Err("the other process stopped copying".into());
+            }
+            if moved.elapsed() > STALLED {
+                return Err(format!("the copy stayed at {have} bytes for {STALLED:?}"));
+            }
+            std::thread::sleep(POLL);
+        }
+        let merged = root_of_pieces(&copy.pieces(), size, PIECE);
+        loop {
+            if let Some(e) = self.published(key, rel) {
+                return if e.source == sid && e.checksum == Some(merged) {
+                    copy.advance(size);
+                    Ok(())
+                } else {
+                    Err("the other process published another version, or other bytes".into())
+                };
+            }
+            if self.sibling_gave_up(key) && self.published(key, rel).is_none() {
+                return Err("the other process ended its copy without publishing it".into());
+            }
+            if moved.elapsed() > STALLED {
+                return Err(format!("the copy was not published within {STALLED:?}"));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Whether no process holds the fetch lock of `key` any more (taken and let go at once).
+    fn sibling_gave_up(&self, key: &Key) -> bool {
+        matches!(self.locks.try_lock(key), Ok(Some(_)))
+    }
+}
