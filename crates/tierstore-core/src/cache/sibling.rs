@@ -27,6 +27,10 @@ use crate::reader::Growing;
 /// How often the size of the other process's copy is looked at while it has not grown.
 const POLL: Duration = Duration::from_millis(2);
 
+/// How long the process holding a file's fetch lock may take to start its copy (it opens and identifies
+/// the store's file first) before the agent waits for its end instead.
+const TEMP_WAIT: Duration = Duration::from_secs(2);
+
 /// How long the other process's copy may stay the same size (or stay unpublished once whole) before the
 /// agent stops following it and fails the transfer.
 const STALLED: Duration = Duration::from_secs(60);
@@ -41,13 +45,7 @@ impl Inner {
         rel: &str,
         flight: &Arc<Flight>,
     ) -> Result<Option<Served>, Error> {
-        // This thread leads the process's flight of `key`, so no thread of this process holds the lock:
-        // taking it here means that nobody does (POSIX record locks are the process's).
-        match self.locks.try_lock(key) {
-            Ok(None) => {}
-            Ok(Some(_)) | Err(_) => return Ok(None),
-        }
-        let Some(temp) = self.tiers.iter().find_map(|t| t.temp_of_another(key)) else { return Ok(None) };
+        let Some(temp) = self.sibling_temp(key) else { return Ok(None) };
         let Ok(file) = File::open(&temp) else { return Ok(None) };
         let path = self.source.path_of(rel);
         // The version the other process copies: its copy is checked against it once published. (A store
@@ -124,6 +122,27 @@ impl Inner {
             }
             if moved.elapsed() > STALLED {
                 return Err(format!("the copy was not published within {STALLED:?}"));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// The temporary copy of `key` that the process holding its fetch lock is writing: `None` when no
+    /// other process holds the lock, or it creates no copy within [`TEMP_WAIT`] (it may still be opening
+    /// the store's file, or reading a small one whole). This thread must lead the process's flight of
+    /// `key`: no other thread of this process then holds the lock, so taking it here means that nobody
+    /// does (POSIX record locks are the process's).
+    fn sibling_temp(&self, key: &Key) -> Option<std::path::PathBuf> {
+        let since = Instant::now();
+        loop {
+            if !matches!(self.locks.try_lock(key), Ok(None)) {
+                return None;
+            }
+            if let Some(temp) = self.tiers.iter().find_map(|t| t.temp_of_another(key)) {
+                return Some(temp);
+            }
+            if since.elapsed() > TEMP_WAIT {
+                return None;
             }
             std::thread::sleep(POLL);
         }
