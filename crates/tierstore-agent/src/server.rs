@@ -536,11 +536,10 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::S
                     }
                 }
             }
-            Frame::FetchRanges { id, source, rel, ranges, credit } => {
+            Frame::FetchRanges { id, source, rel, ranges, credit, unhashed } => {
                 let cache = shared.options.cache.clone();
-                match crate::transfer::serve_ranges(&mut stream, cache, deadline, id, &source, &rel, &ranges, credit)
-                    .await
-                {
+                let asked = crate::transfer::Parts { source: &source, rel: &rel, ranges: &ranges, credit, unhashed };
+                match crate::transfer::serve_ranges(&mut stream, cache, deadline, id, asked).await {
                     Ok(()) => continue,
                     Err(e) => {
                         log::warn!("sending parts of {rel} to a {side:?} client failed: {e}");

@@ -201,21 +201,33 @@ pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(Ok(*hasher.finalize().as_bytes()))
 }
 
-/// Serves one `FetchRanges`: parts of `rel` (a partial model load's tensors), read from this node's whole
-/// copy when a tier holds one, else from the store by the blocks this agent keeps for the next asker
-/// ([`Cache::open_parts_for_peer`]); never a whole-file fetch. Each part goes out in order, as chunks
-/// that never cross a block, under the asker's credit; the blake3 of all the bytes sent ends it.
-#[allow(clippy::too_many_arguments)]
+/// What a `FetchRanges` asks for.
+pub struct Parts<'a> {
+    /// The source directory, as every node mounts it.
+    pub source: &'a str,
+    /// The file, relative to the source.
+    pub rel: &'a str,
+    /// `(offset, length)` of each part.
+    pub ranges: &'a [(u64, u64)],
+    /// Chunks the asker takes before it grants more.
+    pub credit: u32,
+    /// The asker checks every byte itself: nothing is hashed, and the `Done` carries zeros.
+    pub unhashed: bool,
+}
+
+/// Serves one `FetchRanges`: parts of a file (a partial model load's tensors), read from this node's
+/// whole copy when a tier holds one, else from the store by the blocks this agent keeps for the next
+/// asker ([`Cache::open_parts_for_peer`]); never a whole-file fetch. Each part goes out in order, as
+/// chunks that never cross a block, under the asker's credit; the blake3 of all the bytes sent ends it
+/// (unless the asker checks them itself).
 pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     cache: Option<Arc<Cache>>,
     deadline: Duration,
     id: u32,
-    source: &str,
-    rel: &str,
-    ranges: &[(u64, u64)],
-    credit: u32,
+    asked: Parts<'_>,
 ) -> io::Result<()> {
+    let Parts { source, rel, ranges, credit, unhashed } = asked;
     use tierstore_core::PART_BLOCK;
     let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
     let cache = match serving(cache, source) {
@@ -239,23 +251,23 @@ pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
     }
     write(stream, &Frame::Found { id, identity: served.identity }, deadline).await?;
     let (mut credit, mut sent) = (credit, 0u64);
-    let mut hasher = Some(tierstore_core::hash::Hasher::new());
+    let mut hasher = (!unhashed).then(tierstore_core::hash::Hasher::new);
     for &(offset, len) in ranges {
         let (mut at, end) = (offset, offset + len);
         while at < end {
             await_credit(stream, id, &mut credit, deadline).await?;
             let n = (end - at).min(PART_BLOCK - at % PART_BLOCK).min(CHUNK as u64) as usize;
-            let (s, mut h) = (served.clone(), hasher.take().expect("the hasher is back"));
+            let (s, mut h) = (served.clone(), hasher.take());
             // Read (from the store, when the block is nobody's yet) and hashed on the blocking pool.
             let reading = tokio::task::spawn_blocking(move || {
                 let read = s.read(at, n, end);
-                if let Ok(data) = &read {
+                if let (Ok(data), Some(h)) = (&read, h.as_mut()) {
                     h.update(data);
                 }
                 (read, h)
             });
             let (read, h) = while_pinging(stream, deadline, &mut nonce, reading).await?;
-            hasher = Some(h);
+            hasher = h;
             let data = match read {
                 Ok(data) => data,
                 Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("reading a part failed: {e}")), deadline).await,
@@ -264,7 +276,7 @@ pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
             (at, sent, credit) = (at + n as u64, sent + n as u64, credit - 1);
         }
     }
-    let hash = *hasher.expect("the hasher is back").finalize().as_bytes();
+    let hash = hasher.map_or([0; 32], |h| *h.finalize().as_bytes());
     write(stream, &Frame::Done { id, hash }, deadline).await?;
     served.count_served(sent);
     Ok(())

@@ -238,10 +238,19 @@ impl Remote {
     }
 
     /// Asks member `who` for parts of `rel`: `(offset, length)` each, at most [`wire::MAX_RANGES`]; returns
-    /// once the owner has said which version they come from. Take them with [`Transfer::receive_ranges`].
-    pub fn open_ranges(&self, who: &str, rel: &str, ranges: &[(u64, u64)]) -> Result<Transfer, RemoteError> {
+    /// once the owner has said which version they come from. Take them with [`Transfer::receive_ranges`],
+    /// with `hash` as here: without it, the owner hashes nothing (the caller checks every byte itself).
+    pub fn open_ranges(
+        &self,
+        who: &str,
+        rel: &str,
+        ranges: &[(u64, u64)],
+        hash: bool,
+    ) -> Result<Transfer, RemoteError> {
         let (source, rel) = (self.source.clone(), rel.to_string());
-        let fetch = Frame::FetchRanges { id: 1, source: source.clone(), rel: rel.clone(), ranges: ranges.to_vec(), credit: WINDOW };
+        let (ranges, unhashed) = (ranges.to_vec(), !hash);
+        let fetch =
+            Frame::FetchRanges { id: 1, source: source.clone(), rel: rel.clone(), ranges, credit: WINDOW, unhashed };
         let mut t = self.request(who, &fetch)?;
         t.report = Some(Frame::Damaged { id: 1, source, rel });
         Ok(t)
@@ -912,7 +921,7 @@ mod tests {
         // Out of file order, one crossing two block boundaries, one empty.
         let ranges = vec![(3 * wire::CHUNK as u64 + 10, 100), (wire::CHUNK as u64 - 7, wire::CHUNK as u64 + 14), (0, 0)];
         let (at, h) = parts_owner(data.clone(), ranges.clone(), None);
-        let mut t = remote().open_ranges(&at, "a/b", &ranges).unwrap();
+        let mut t = remote().open_ranges(&at, "a/b", &ranges, true).unwrap();
         let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|(_, n)| vec![0u8; *n as usize]).collect();
         let mut dests: Vec<(u64, &mut [u8])> =
             ranges.iter().zip(bufs.iter_mut()).map(|((o, _), b)| (*o, b.as_mut_slice())).collect();
@@ -932,7 +941,7 @@ mod tests {
         let data = vec![3u8; 3 * wire::CHUNK];
         let ranges = vec![(0, 3 * wire::CHUNK as u64)];
         let (at, h) = parts_owner(data, ranges.clone(), Some(wire::CHUNK as u64));
-        let mut t = remote().open_ranges(&at, "a/b", &ranges).unwrap();
+        let mut t = remote().open_ranges(&at, "a/b", &ranges, true).unwrap();
         let mut buf = vec![0u8; 3 * wire::CHUNK];
         match t.receive_ranges(&mut [(0, &mut buf[..])], true) {
             Err(RemoteError::Corrupt { detail, .. }) => assert!(detail.contains("expected one at"), "{detail}"),

@@ -277,6 +277,9 @@ pub enum Frame {
         ranges: Vec<(u64, u64)>,
         /// How many chunks may be sent before the asker grants more.
         credit: u32,
+        /// The asker checks every byte itself (a model's tensors, against their hashes): the agent hashes
+        /// nothing and its [`Frame::Done`] carries zeros.
+        unhashed: bool,
     },
     /// Asks for a file written on the agent's node under a write-back destination and not yet on the
     /// shared store (its staged, journaled copy). Answered as a [`Frame::Fetch`] is: [`Frame::Found`]
@@ -406,7 +409,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             text(out, rel);
             out.extend_from_slice(&credit.to_be_bytes());
         }
-        Frame::FetchRanges { id, source, rel, ranges, credit } => {
+        Frame::FetchRanges { id, source, rel, ranges, credit, unhashed } => {
             out.push(kind::FETCH_RANGES);
             out.extend_from_slice(&id.to_be_bytes());
             text(out, source);
@@ -418,6 +421,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 out.extend_from_slice(&len.to_be_bytes());
             }
             out.extend_from_slice(&credit.to_be_bytes());
+            out.push(u8::from(*unhashed));
         }
         Frame::Found { id, identity: i } => {
             out.push(kind::FOUND);
@@ -621,7 +625,7 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
                 return Err(FrameError::TooManyRanges(n));
             }
             let ranges = (0..n).map(|_| Ok((r.u64("offset")?, r.u64("len")?))).collect::<Result<Vec<_>, _>>()?;
-            Frame::FetchRanges { id, source, rel, ranges, credit: r.u32("credit")? }
+            Frame::FetchRanges { id, source, rel, ranges, credit: r.u32("credit")?, unhashed: r.u8("unhashed")? != 0 }
         }
         kind::FOUND => {
             let id = r.u32("id")?;
@@ -821,9 +825,17 @@ mod tests {
                 "/[a-z/]{1,30}",
                 "[a-z]{1,8}(/[a-z0-9_-][a-z0-9._-]{0,7}){0,3}",
                 proptest::collection::vec((any::<u64>(), any::<u64>()), 0..20),
-                any::<u32>()
+                any::<u32>(),
+                any::<bool>()
             )
-                .prop_map(|(id, source, rel, ranges, credit)| Frame::FetchRanges { id, source, rel, ranges, credit }),
+                .prop_map(|(id, source, rel, ranges, credit, unhashed)| Frame::FetchRanges {
+                    id,
+                    source,
+                    rel,
+                    ranges,
+                    credit,
+                    unhashed
+                }),
             (any::<u32>(), any::<u64>(), any::<i64>(), any::<i64>(), any::<u64>(), any::<u64>()).prop_map(
                 |(id, size, mtime_ns, ctime_ns, ino, dev)| Frame::Found {
                     id,
