@@ -356,7 +356,9 @@ def test_a_flipped_byte_in_the_owners_copy_never_reaches_a_partial_load_on_anoth
         flip_byte(copy, offset + 1000)
         p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo", keys="layer3.*")
         second = finished(p, timeout=60)
-    assert second["digest"] == digest_of({"layer3.weight": want["layer3.weight"]}), "a damaged byte got through"
+    assert second["digest"] == digest_of({"layer3.weight": want["layer3.weight"]}), (
+        "a damaged byte got through"
+    )
     assert second["refetched"] == 1, second
     assert second["stats"]["peer_faults"] == 1, second["stats"]
     assert not copy.exists(), "the owner kept its damaged copy"

@@ -270,7 +270,10 @@ pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
             hasher = h;
             let data = match read {
                 Ok(data) => data,
-                Err(e) => return write(stream, &refuse(ErrorCode::Failed, format!("reading a part failed: {e}")), deadline).await,
+                Err(e) => {
+                    return write(stream, &refuse(ErrorCode::Failed, format!("reading a part failed: {e}")), deadline)
+                        .await
+                }
             };
             write(stream, &Frame::Chunk { id, offset: at, data }, deadline).await?;
             (at, sent, credit) = (at + n as u64, sent + n as u64, credit - 1);
@@ -317,7 +320,12 @@ async fn while_pinging<S: AsyncWrite + Unpin, T: Send + 'static>(
 }
 
 /// Waits until the asker of transfer `id` has granted credit for a chunk.
-async fn await_credit<S: AsyncRead + Unpin>(stream: &mut S, id: u32, credit: &mut u32, deadline: Duration) -> io::Result<()> {
+async fn await_credit<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    id: u32,
+    credit: &mut u32,
+    deadline: Duration,
+) -> io::Result<()> {
     while *credit == 0 {
         match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
             Ok(Ok(Some(Frame::Credit { id: i, more }))) if i == id => *credit = credit.saturating_add(more),

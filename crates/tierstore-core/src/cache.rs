@@ -50,9 +50,9 @@ use flight::Flights;
 use lock::FetchLocks;
 use pool::Pool;
 
+pub use blocks::BLOCK as PART_BLOCK;
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
-pub use blocks::BLOCK as PART_BLOCK;
 pub use parts::{Parts, PartsServed};
 pub use peers::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};

@@ -240,7 +240,10 @@ fn read_error_to_py(py: Python<'_>, e: ReadError) -> PyErr {
 
 /// Spans from Python: `(offset, length, expected hash or None)`.
 fn spans_of(spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<Vec<pack::Span>> {
-    spans.into_iter().map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? })).collect()
+    spans
+        .into_iter()
+        .map(|(offset, len, expect)| Ok(pack::Span { offset, len, expect: hash_of(expect.as_deref())? }))
+        .collect()
 }
 
 fn hash_of(h: Option<&[u8]>) -> PyResult<Option<pack::Hash>> {

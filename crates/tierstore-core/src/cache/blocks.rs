@@ -90,7 +90,8 @@ impl Blocks {
                 Some(Block { data: None, .. }) => {
                     let (next, waited) = self.arrived.wait_timeout(st, WAIT).unwrap_or_else(|p| p.into_inner());
                     if waited.timed_out() {
-                        let what = format!("block {index} of {} was not read from the store within {WAIT:?}", version.rel);
+                        let what =
+                            format!("block {index} of {} was not read from the store within {WAIT:?}", version.rel);
                         return Err(io::Error::new(io::ErrorKind::TimedOut, what));
                     }
                     st = next;

@@ -75,7 +75,10 @@ impl Parts {
             counters.add(src_slot::PEER_FAULTS, 1);
             self.inner.log_once(
                 &format!("parts-{}", self.who),
-                &format!("parts of {} from the agent of {} failed their check ({said}); reading the store instead", self.rel, self.who),
+                &format!(
+                    "parts of {} from the agent of {} failed their check ({said}); reading the store instead",
+                    self.rel, self.who
+                ),
             );
             return Err(e);
         }
@@ -114,7 +117,8 @@ impl Cache {
         let key = key_of(rel);
         if let Some(sid) = inner.known_identity(&key, rel)? {
             if let Some(file) = inner.hit(&key, rel, &sid, false).and_then(crate::reader::Reader::into_file) {
-                let served = PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };
+                let served =
+                    PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };
                 return Ok(served);
             }
         }

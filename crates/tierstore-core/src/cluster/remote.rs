@@ -639,7 +639,9 @@ impl Transfer {
                     };
                     let expected = *start + filled as u64;
                     if offset != expected || len > dest.len() - filled {
-                        return Err(self.corrupt(format!("a chunk of {len} bytes at {offset}, expected one at {expected}")));
+                        return Err(
+                            self.corrupt(format!("a chunk of {len} bytes at {offset}, expected one at {expected}"))
+                        );
                     }
                     let to = &mut dest[filled..filled + len];
                     // SAFETY: `to` is valid for `len` bytes.
@@ -919,7 +921,8 @@ mod tests {
     fn parts_land_in_their_buffers_in_the_order_asked_and_a_failed_check_is_reported() {
         let data: Vec<u8> = (0..5 * wire::CHUNK).map(|i| (i % 241) as u8).collect();
         // Out of file order, one crossing two block boundaries, one empty.
-        let ranges = vec![(3 * wire::CHUNK as u64 + 10, 100), (wire::CHUNK as u64 - 7, wire::CHUNK as u64 + 14), (0, 0)];
+        let ranges =
+            vec![(3 * wire::CHUNK as u64 + 10, 100), (wire::CHUNK as u64 - 7, wire::CHUNK as u64 + 14), (0, 0)];
         let (at, h) = parts_owner(data.clone(), ranges.clone(), None);
         let mut t = remote().open_ranges(&at, "a/b", &ranges, true).unwrap();
         let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|(_, n)| vec![0u8; *n as usize]).collect();

@@ -10,7 +10,9 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-pub use super::load::{map_parts, map_verified, read_into, read_into_from, read_parts, verify, ReadError, ReadInto, Span};
+pub use super::load::{
+    map_parts, map_verified, read_into, read_into_from, read_parts, verify, ReadError, ReadInto, Span,
+};
 pub use crate::hash::{hash, hash_many, Hash};
 
 /// The alignment of a tensor in a pack: page alignment for large tensors (mmap and O_DIRECT friendly),
