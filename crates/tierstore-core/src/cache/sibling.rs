@@ -54,7 +54,8 @@ impl Inner {
         if sid.size <= PIECE as u64 {
             return Ok(None);
         }
-        let reader = file.try_clone().map_err(|e| Error::io(&temp, e))?;
+        // Until the flight has the copy, failing here leaves this thread its leader on the usual path.
+        let Ok(reader) = file.try_clone() else { return Ok(None) };
         let copy = Arc::new(Growing::new(reader, sid));
         flight.deliver(Outcome::Growing(copy.clone()));
         let (inner, k, r, f, following) = (self.clone(), *key, rel.to_string(), flight.clone(), copy.clone());
