@@ -185,7 +185,8 @@ pub fn map_parts(cache: &crate::Cache, path: &Path, spans: &[Span]) -> Result<Op
     let mut rest: &mut [u8] = &mut map[..];
     let mut at = 0u64;
     for s in &distinct {
-        // The spans are sorted and the owner refuses any past the pack's end; overlapping ones share pages.
+        // Sorted, and the owner refuses any past the pack's end. Distinct tensors of a pack never overlap;
+        // should two, the error sends the load to the store's pack.
         let skip = s.offset.checked_sub(at).ok_or_else(|| io_err(io::Error::other("overlapping tensors")))?;
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip as usize);
         let (dest, tail) = tail.split_at_mut(s.len);
