@@ -460,16 +460,23 @@ def stepped_read(
     return first, json.loads(out), err
 
 
+def big_file_job(tmp_path: Path, throttled_store: tuple[Path, Path]) -> tuple[bytes, Cluster]:
+    """A 24 MiB file of random bytes, big.bin, on the throttled store (3 s at 8 MiB/s), and a job of two
+    nodes with inclusive sharing over it."""
+    backing, mount = throttled_store
+    data = os.urandom(24 << 20)
+    (backing / "big.bin").write_bytes(data)
+    return data, make_cluster(tmp_path, mount, 2, "inclusive")
+
+
 def test_a_reader_on_another_node_reads_a_large_file_while_its_owner_is_still_copying_it(
     tmp_path: Path, throttled_store: tuple[Path, Path]
 ) -> None:
     """A 24 MiB file takes the store 3 s (8 MiB/s). The reader on the other node has its first MiB long
     before the owner's copy ends (each chunk is vouched for by the chaining value the owner recorded as
     it copied it, and checked on arrival), every byte is right, and the store sent the file once."""
-    backing, mount = throttled_store
-    data = os.urandom(24 << 20)
-    (backing / "big.bin").write_bytes(data)
-    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    data, cluster = big_file_job(tmp_path, throttled_store)
+    mount = throttled_store[1]
     try:
         before = store_stats(mount)
         first, done, err = stepped_read(cluster, "big.bin")
@@ -490,10 +497,8 @@ def test_a_reader_on_another_node_is_served_while_the_owners_own_process_copies_
     meanwhile, and the agent follows that process's copy as it grows instead of waiting for its end: the
     reader has its first MiB long before its last, every byte on both nodes is right, and the store sent
     the file once."""
-    backing, mount = throttled_store
-    data = os.urandom(24 << 20)
-    (backing / "big.bin").write_bytes(data)
-    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    data, cluster = big_file_job(tmp_path, throttled_store)
+    mount = throttled_store[1]
     owner = cluster.nodes[owner_of(cluster.nodes, "big.bin")]
     try:
         before = store_stats(mount)
@@ -525,10 +530,7 @@ def test_an_owner_killed_while_it_streams_a_file_leaves_its_reader_to_finish_fro
 ) -> None:
     """The owner's agent dies after the reader on the other node had its first MiB: the reader goes on
     from the store at the offset where the peer's checked bytes end, and every byte is right."""
-    backing, mount = throttled_store
-    data = os.urandom(24 << 20)
-    (backing / "big.bin").write_bytes(data)
-    cluster = make_cluster(tmp_path, mount, 2, "inclusive")
+    data, cluster = big_file_job(tmp_path, throttled_store)
     owner = cluster.nodes[owner_of(cluster.nodes, "big.bin")]
     try:
         first, done, err = stepped_read(cluster, "big.bin", lambda: os.kill(owner.pid, signal.SIGKILL))

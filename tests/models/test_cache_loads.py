@@ -20,6 +20,7 @@ from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tests.helpers.wait import wait_for
 from tierstore.models import IntegrityError, Repository
+from tierstore.testing.netns import Nodes
 
 NODES = 4
 
@@ -267,6 +268,20 @@ def test_a_load_whose_pack_owner_is_killed_mid_transfer_finishes_with_the_saved_
     assert report["stats"]["peer_faults"] >= 1, report["stats"]
 
 
+def cached_on_owner(
+    nodes: Nodes, job: list[Node], backing: Path, mount: Path, want: dict
+) -> tuple[int, Path]:
+    """The pack's owner (of two nodes) loads version "m" of the repository whole, so that its tier keeps
+    the pack; returns the other node's index and the owner's tier copy of the pack."""
+    pack = pack_of(backing / "repo")
+    owner = owner_of(job, str(pack.relative_to(backing)))
+    first = finished(start_load(nodes.nodes[owner].cmd(), job[owner], mount / "repo"), timeout=60)
+    assert first["digest"] == digest_of(want)
+    size = pack.stat().st_size
+    (copy,) = [f for f in job[owner].tier.rglob("data/*/*") if f.is_file() and f.stat().st_size == size]
+    return 1 - owner, copy
+
+
 @pytest.mark.netns
 def test_a_flipped_byte_in_the_owners_copy_of_a_pack_never_reaches_another_node(
     tmp_path: Path, slow_store: tuple[Path, Path]
@@ -278,14 +293,8 @@ def test_a_flipped_byte_in_the_owners_copy_of_a_pack_never_reaches_another_node(
     backing, mount = slow_store
     want = weights()
     Repository(backing / "repo", cache=False).save("m", want)
-    pack = pack_of(backing / "repo")
     with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
-        owner = owner_of(job, str(pack.relative_to(backing)))
-        reader = 1 - owner
-        first = finished(start_load(nodes.nodes[owner].cmd(), job[owner], mount / "repo"), timeout=60)
-        assert first["digest"] == digest_of(want)
-        size = pack.stat().st_size
-        (copy,) = [f for f in job[owner].tier.rglob("data/*/*") if f.is_file() and f.stat().st_size == size]
+        reader, copy = cached_on_owner(nodes, job, backing, mount, want)
         flip_byte(copy, 3 << 20)
         second = finished(start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo"), timeout=60)
     assert second["digest"] == digest_of(want), "a damaged byte reached the reader"
@@ -343,16 +352,10 @@ def test_a_flipped_byte_in_the_owners_copy_never_reaches_a_partial_load_on_anoth
     backing, mount = slow_store
     want = weights(n=16)
     Repository(backing / "repo", cache=False).save("m", want)
-    pack = pack_of(backing / "repo")
     manifest = json.loads(next((backing / "repo" / "models" / "m").glob("v*.json")).read_text())
     (offset,) = [t["offset"] for t in manifest["tensors"] if t["name"] == "layer3.weight"]
     with netns_job(tmp_path, mount, 2, sharing="inclusive") as (nodes, job):
-        owner = owner_of(job, str(pack.relative_to(backing)))
-        reader = 1 - owner
-        first = finished(start_load(nodes.nodes[owner].cmd(), job[owner], mount / "repo"), timeout=60)
-        assert first["digest"] == digest_of(want)
-        size = pack.stat().st_size
-        (copy,) = [f for f in job[owner].tier.rglob("data/*/*") if f.is_file() and f.stat().st_size == size]
+        reader, copy = cached_on_owner(nodes, job, backing, mount, want)
         flip_byte(copy, offset + 1000)
         p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo", keys="layer3.*")
         second = finished(p, timeout=60)

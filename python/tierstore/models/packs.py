@@ -107,30 +107,20 @@ class Packs:
         if self.cache is None:
             return fn(own)
         copy = self.cache.lookup(own, validate=False)
+        core = self.cache._core
         if share < WHOLE_PACK_SHARE and copy is None:
-            # A few tensors of an uncached pack: no whole-pack fetch for them.
-            if parts is not None:
-                try:
-                    got = parts(self.cache._core, own)
-                    if not isinstance(got, NotServed):
-                        return got
-                except _core.IntegrityError:
-                    self.refetched += 1  # the owner was told and drops its blocks; the store's pack is read
-                except FileNotFoundError:
-                    raise
-                except (OSError, _core.TierstoreError):
-                    pass  # the cache failed: read the store's pack
+            # A few tensors of an uncached pack: no whole-pack fetch for them. A damaged part was told to
+            # its owner, which drops its blocks; the store's pack is read.
+            if parts is not None and not isinstance(
+                got := self._attempt(lambda: parts(core, own)), NotServed
+            ):
+                return got
             return fn(own)
         if copy is None and arriving is not None:
-            try:
-                return arriving(self.cache._core, own)
-            except _core.IntegrityError:
-                self.refetched += 1
-                self.cache._core.invalidate(own)
-            except FileNotFoundError:
-                raise
-            except (OSError, _core.TierstoreError):
-                pass  # the cache failed: the whole-file reads below end at the store's pack
+            # A damaged copy is dropped; the whole-file reads below end at the store's pack.
+            got = self._attempt(lambda: arriving(core, own), damaged=lambda: core.invalidate(own))
+            if not isinstance(got, NotServed):
+                return got
         for _ in range(2):
             with self._opened(own, copy) as path:
                 if path is None:
@@ -142,6 +132,22 @@ class Packs:
                     self.cache._core.invalidate(own)
                     copy = None
         return fn(own)
+
+    def _attempt(
+        self, read: Callable[[], T | NotServed], damaged: Callable[[], None] = lambda: None
+    ) -> T | NotServed:
+        """`read()` through the cache, or NOT_SERVED when the cache failed it (a cache fault never stops a
+        load) or its bytes failed their hashes (counted in `refetched`, and `damaged()` called)."""
+        try:
+            return read()
+        except _core.IntegrityError:
+            self.refetched += 1
+            damaged()
+        except FileNotFoundError:
+            raise
+        except (OSError, _core.TierstoreError):
+            pass
+        return NOT_SERVED
 
     @contextlib.contextmanager
     def _opened(self, own: Path, copy: str | None) -> Iterator[Path | None]:
