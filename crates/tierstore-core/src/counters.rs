@@ -22,9 +22,25 @@ unsafe impl Send for Counters {}
 unsafe impl Sync for Counters {}
 
 impl Counters {
-    /// Maps (creating if needed) the counter file at `path`.
+    /// Maps (creating if needed, mode 0600) the counter file at `path`, never through a symbolic link: the
+    /// file is written, and a link planted in its place must not make this process write elsewhere.
     pub fn open(path: &Path) -> io::Result<Counters> {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::ELOOP) => io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("{} is a symbolic link: counters are never written through one", path.display()),
+                ),
+                _ => e,
+            })?;
         let len = ((SLOTS + 1) * 8) as u64;
         if file.metadata()?.len() < len {
             file.set_len(len)?;

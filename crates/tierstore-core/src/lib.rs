@@ -17,6 +17,7 @@ pub mod lmdb;
 pub mod marks;
 pub mod models;
 pub mod placement;
+pub mod private;
 pub mod process;
 pub mod reader;
 pub mod source;

@@ -32,11 +32,11 @@ impl ReadMarks {
     /// Creates a new marks file of `slots` slots (all zero) in `dir`, with a name no other process uses.
     pub fn create_in(dir: &Path, slots: usize) -> io::Result<ReadMarks> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        std::fs::create_dir_all(dir)?;
+        crate::private::ensure_dir(dir)?;
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let name = format!("{}-{}-{nanos}.marks", crate::process::pid(), SEQ.fetch_add(1, Ordering::Relaxed));
         let path = dir.join(name);
-        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        let file = crate::private::create_new(&path)?;
         file.set_len((slots.max(1) * 4) as u64)?;
         let mut marks = Self::map(&file, path)?;
         marks.owned = true;

@@ -1,8 +1,10 @@
 //! A cache tier: a directory (RAM-backed or on a local disk) with a quota, its index and its counters.
 //!
-//! Layout of a tier's directory, namespaced per source so that two datasets can share one tier path:
+//! Layout of a tier's directory, per user (several users may give the same tier path, e.g.
+//! `/dev/shm/tierstore`) and per source (two datasets can share one tier path):
 //! ```text
-//! <tier path>/<source name>-<hash>/
+//! <tier path>/<uid>/                  this user's own directory, 0700 (see `private`)
+//!   <source name>-<hash>/             this source's namespace, 0700
 //!     index/            LMDB index (entries, eviction ranks, bytes used)
 //!     data/ab/abcd…     published copies, named by key
 //!     tmp/              copies being written (published by rename, never served from here by path)
@@ -58,6 +60,11 @@ fn key_of_hex(name: &str) -> Option<Key> {
     Some(key)
 }
 
+/// The directory of `source` in the tier at `tier_path`, for this user: `<tier path>/<uid>/<namespace>`.
+pub fn namespace_dir(tier_path: &Path, source: &Path) -> PathBuf {
+    crate::private::user_dir(tier_path).join(namespace(source))
+}
+
 /// The namespace directory name of `source` inside a tier.
 pub fn namespace(source: &Path) -> String {
     let name: String = source
@@ -74,12 +81,15 @@ pub fn namespace(source: &Path) -> String {
 }
 
 impl Tier {
-    /// Opens the tier for `source`. Only a failure to create the directories or the counters is an error;
-    /// an index that cannot be opened leaves the tier unavailable.
+    /// Opens the tier for `source`. Only a failure to create or trust the directories or the counters is
+    /// an error; an index that cannot be opened leaves the tier unavailable.
     pub fn open(config: &TierConfig, source: &Path, policy: Policy) -> io::Result<Tier> {
-        let root = config.path.join(namespace(source));
+        let root = namespace_dir(&config.path, source);
+        // Checked private (owner, mode, no link, nothing above it another user can replace): every path
+        // below is then this user's alone, and path-based opens beneath it cannot be redirected.
+        crate::private::ensure_dir(&root)?;
         for sub in ["index", "tmp", "data", "shadow"] {
-            std::fs::create_dir_all(root.join(sub))?;
+            crate::private::ensure_dir(&root.join(sub))?;
         }
         let counters = Counters::open(&root.join("counters"))?;
         let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
@@ -142,7 +152,7 @@ impl Tier {
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), crate::process::pid()));
-        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        let f = crate::private::create_new(&path)?;
         Ok((path, f))
     }
 
@@ -151,7 +161,9 @@ impl Tier {
         let dest = self.data_path(key);
         match std::fs::rename(temp, &dest) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                std::fs::create_dir_all(dest.parent().expect("data path has a parent"))?;
+                use std::os::unix::fs::DirBuilderExt;
+                let parent = dest.parent().expect("data path has a parent");
+                std::fs::DirBuilder::new().recursive(true).mode(0o700).create(parent)?;
                 std::fs::rename(temp, &dest)
             }
             r => r,

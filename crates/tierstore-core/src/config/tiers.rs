@@ -135,17 +135,18 @@ pub(crate) fn validate(
         let key = format!("tiers[{i}]");
         let path = expand_home(&rt.path);
         let path = std::path::absolute(&path).unwrap_or(path);
-        std::fs::create_dir_all(&path).map_err(|e| {
-            bad(
-                tiers_origin,
-                &format!("{key}.path"),
-                &rt.path,
-                &format!("cannot be created ({e})"),
-                "give a directory you can write to",
-            )
+        // The tier path may be shared by several users (`/dev/shm/tierstore`): this user's copies live in
+        // a directory of their own beneath it, created 0700 or checked (see `private`).
+        crate::private::ensure_dir(&crate::private::user_dir(&path)).map_err(|e| {
+            let fix = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                "give a directory only you can write to, or one under a shared sticky directory such as /dev/shm"
+            } else {
+                "give a directory you can write to"
+            };
+            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("cannot be used ({e})"), fix)
         })?;
         let path = std::fs::canonicalize(&path).unwrap_or(path);
-        let probe = path.join(format!(".tierstore-probe-{}", crate::process::pid()));
+        let probe = crate::private::user_dir(&path).join(format!(".tierstore-probe-{}", crate::process::pid()));
         if let Err(e) = std::fs::write(&probe, b"") {
             return Err(bad(
                 tiers_origin,
