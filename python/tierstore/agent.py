@@ -114,8 +114,14 @@ def start(
             carries the end of its log.
     """
     log = log or socket.parent / "agent.log"
-    socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(log, "ab") as out:
+    # The runtime directory is this user's own (made 0700, or checked: never one another user made
+    # first), and the log is never opened through a link another user planted.
+    try:
+        _core.private_dir(socket.parent)
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise AgentError(f"cannot start an agent on {socket}: {e}") from e
+    with open(fd, "ab") as out:
         proc = subprocess.Popen(
             run_args(socket, **settings),
             stdin=subprocess.DEVNULL,
@@ -188,16 +194,19 @@ _ensured: set[Path] = set()
 
 
 def answers(socket: Path) -> bool:
-    """Whether an agent accepts connections on `socket` (a connect, no request)."""
+    """Whether an agent of this user accepts connections on `socket` (a connect, no request; a socket
+    served by another user's process does not count)."""
     import socket as so
+    import struct
 
     with so.socket(so.AF_UNIX, so.SOCK_STREAM) as s:
         s.settimeout(2.0)
         try:
             s.connect(str(socket))
+            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(so.SOL_SOCKET, so.SO_PEERCRED, struct.calcsize("3i")))
         except OSError:
             return False
-    return True
+    return uid in (os.geteuid(), 0)
 
 
 def ensure(cluster: dict[str, Any], env: dict[str, str] | None = None, socket: Path | None = None) -> None:

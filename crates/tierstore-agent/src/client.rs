@@ -1,5 +1,5 @@
-//! A client of an agent: connect, say hello (with the token's proof where one is needed), then one
-//! request at a time. Every step has a deadline, and an error names the agent and how long it waited.
+//! A client of an agent: connect, check who is there (the agent's proof of the token on TCP, the socket
+//! owner's uid on the node), say hello, then one request at a time. Every step has a deadline, and an error names the agent and how long it waited.
 
 use std::io;
 use std::path::Path;
@@ -8,7 +8,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
 
-use crate::protocol::{self, Frame, VERSION};
+use tierstore_core::cluster::session::ClientHello;
+
+use crate::protocol::{self, Frame};
 
 /// A failed exchange with an agent.
 #[derive(Debug, thiserror::Error)]
@@ -65,21 +67,29 @@ impl Client<UnixStream> {
             Ok(Err(source)) => return Err(ClientError::Unreachable { at, source }),
             Err(_) => return Err(ClientError::Deadline { at, waited: deadline }),
         };
+        if let Err(source) = tierstore_core::private::check_peer(&stream, socket) {
+            return Err(ClientError::Refused { at, message: source.to_string() });
+        }
         Client::hello(stream, at, "local", None, deadline).await
     }
 }
 
 impl Client<TcpStream> {
-    /// Connects to the agent of a peer at `addr` as node `me`, proving the job's `token`.
+    /// Connects to the agent of a peer at `addr` as node `me`; both prove the job's `token` (without one,
+    /// nothing is asked of a peer).
     pub async fn peer(addr: &str, me: &str, token: Option<&[u8]>, deadline: Duration) -> Result<Self, ClientError> {
         let at = addr.to_string();
+        let Some(token) = token else {
+            let message = format!("no token to prove to it; {}", tierstore_core::cluster::TOKEN_FIX);
+            return Err(ClientError::Refused { at, message });
+        };
         let stream = match tokio::time::timeout(deadline, TcpStream::connect(addr)).await {
             Ok(Ok(s)) => s,
             Ok(Err(source)) => return Err(ClientError::Unreachable { at, source }),
             Err(_) => return Err(ClientError::Deadline { at, waited: deadline }),
         };
         let _ = stream.set_nodelay(true);
-        Client::hello(stream, at, me, token, deadline).await
+        Client::hello(stream, at, me, Some(token), deadline).await
     }
 }
 
@@ -92,15 +102,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         deadline: Duration,
     ) -> Result<Self, ClientError> {
         let mut c = Client { stream, at, deadline, node: String::new() };
-        let nonce = match c.receive().await? {
-            Frame::Challenge { nonce, .. } => nonce,
-            other => return Err(c.unexpected(&other)),
+        let challenge = c.receive().await?;
+        let refused = |at: &str, e: tierstore_core::cluster::session::HandshakeError| ClientError::Refused {
+            at: at.to_string(),
+            message: e.to_string(),
         };
-        let proof = token.map_or([0; 32], |t| protocol::proof(t, &nonce));
-        match c.call(&Frame::Hello { version: VERSION, node: me.to_string(), proof }).await? {
-            Frame::Welcome { node } => c.node = node,
-            other => return Err(c.unexpected(&other)),
-        }
+        let (handshake, hello) = ClientHello::answer(challenge, me, token).map_err(|e| refused(&c.at, e))?;
+        c.send(&hello).await?;
+        let answer = c.receive().await?;
+        c.node = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;
         Ok(c)
     }
 
@@ -126,13 +136,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         }
     }
 
+    async fn send(&mut self, frame: &Frame) -> Result<(), ClientError> {
+        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, frame)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ClientError::Broken { at: self.at.clone(), source }),
+            Err(_) => Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
+        }
+    }
+
     /// Sends `request` and returns the agent's answer (an error answer becomes [`ClientError::Refused`]).
     pub async fn call(&mut self, request: &Frame) -> Result<Frame, ClientError> {
-        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, request)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(source)) => return Err(ClientError::Broken { at: self.at.clone(), source }),
-            Err(_) => return Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
-        }
+        self.send(request).await?;
         match self.receive().await? {
             Frame::Error { message, .. } => Err(ClientError::Refused { at: self.at.clone(), message }),
             answer => Ok(answer),

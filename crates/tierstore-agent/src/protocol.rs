@@ -8,6 +8,12 @@ pub use tierstore_core::cluster::wire::*;
 
 /// Reads one frame; `Ok(None)` at a clean end of stream (between frames).
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Option<Frame>> {
+    read_frame_within(r, MAX_FRAME).await
+}
+
+/// Reads one frame of at most `max` bytes (a hello, before its sender proved anything: [`MAX_HELLO`]);
+/// a longer one is refused before anything is allocated for it.
+pub async fn read_frame_within<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> io::Result<Option<Frame>> {
     let mut prefix = [0u8; 4];
     match r.read_exact(&mut prefix).await {
         Ok(_) => {}
@@ -15,6 +21,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Option<Fr
         Err(e) => return Err(e),
     }
     let len = body_len(prefix).map_err(invalid)?;
+    if len > max {
+        return Err(invalid(FrameError::TooLong { len, max }));
+    }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await?;
     parse(&body).map(Some).map_err(invalid)

@@ -10,7 +10,7 @@ use tierstore_agent::client::{Client, ClientError};
 use tierstore_agent::protocol::{self, Frame};
 use tierstore_agent::server::{Agent, AgentError, Options};
 
-const TOKEN: &[u8] = b"a-token-of-the-job-0123456789";
+const TOKEN: &[u8] = b"a-token-of-the-job-0123456789abcdefghijklmnopqrstuvwxyz";
 
 fn options(dir: &Path) -> Options {
     let mut o = Options::new("node-a", dir.join("agent.sock"));
@@ -38,16 +38,23 @@ async fn local_clients_and_authenticated_peers_are_served_then_a_local_stop_ends
     let e = p.call(&Frame::Stop).await.unwrap_err();
     assert!(e.to_string().contains("only processes of the agent's node"), "{e}");
 
-    for token in [Some(&b"not-the-token-of-this-job"[..]), None] {
+    for (token, said) in [(Some(&b"not-the-token-of-this-job"[..]), "wrong token"), (None, "no token")] {
         match Client::peer(&peer, "intruder", token, d).await {
-            Err(ClientError::Refused { message, .. }) => assert!(message.contains("wrong token"), "{message}"),
+            Err(ClientError::Refused { message, .. }) => assert!(message.contains(said), "{message}"),
             Err(other) => panic!("expected a refusal, got {other}"),
             Ok(_) => panic!("a peer without the token was let in"),
         }
     }
+    // A hello far larger than a hello can be is refused before the agent allocates it.
+    let mut raw = tokio::net::TcpStream::connect(&peer).await.unwrap();
+    let _challenge = protocol::read_frame(&mut raw).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut raw, &((1u32 << 20).to_be_bytes())).await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(d, tokio::io::AsyncReadExt::read_to_end(&mut raw, &mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "the agent kept a 1 MiB hello open: {closed:?}");
     let status: serde_json::Value = serde_json::from_str(&local.status().await.unwrap()).unwrap();
     assert_eq!(status["node"], "node-a");
-    assert_eq!(status["refused"], 2);
+    assert_eq!(status["refused"], 1);
     assert_eq!(status["listen"], peer.as_str());
 
     assert_eq!(local.call(&Frame::Stop).await.unwrap(), Frame::Stopping);
@@ -56,16 +63,43 @@ async fn local_clients_and_authenticated_peers_are_served_then_a_local_stop_ends
 }
 
 #[tokio::test]
-async fn listening_beyond_loopback_without_a_token_is_refused_at_start() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut o = options(dir.path());
-    o.listen = Some("0.0.0.0:0".parse().unwrap());
-    o.token = None;
-    match Agent::bind(o).await {
-        Err(e @ AgentError::NoToken(_)) => assert!(e.to_string().contains("--token-file"), "{e}"),
-        Err(other) => panic!("wrong error: {other}"),
-        Ok(_) => panic!("an unauthenticated listener on every interface was started"),
+async fn listening_without_a_token_is_refused_at_start_on_loopback_too() {
+    for addr in ["0.0.0.0:0", "127.0.0.1:0"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = options(dir.path());
+        o.listen = Some(addr.parse().unwrap());
+        o.token = None;
+        match Agent::bind(o).await {
+            Err(e @ AgentError::NoToken(_)) => assert!(e.to_string().contains("--token-file"), "{e}"),
+            Err(other) => panic!("wrong error: {other}"),
+            Ok(_) => panic!("an unauthenticated listener on {addr} was started"),
+        }
     }
+}
+
+#[tokio::test]
+async fn a_server_that_cannot_prove_the_token_is_not_spoken_to() {
+    use tierstore_core::cluster::session;
+    // A stranger on a member's port, answering the hello as an agent would but without the token.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap().to_string();
+    let stranger = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let nonce = session::nonce();
+        protocol::write_frame(&mut s, &Frame::Challenge { version: protocol::VERSION, nonce }).await.unwrap();
+        let hello = protocol::read_frame(&mut s).await.unwrap().unwrap();
+        // It cannot check the client's proof, and it makes its own under a token it guessed.
+        let Frame::Hello { .. } = hello else { panic!("{hello:?}") };
+        let forged = session::welcome(&hello, &nonce, None, "owner").unwrap();
+        protocol::write_frame(&mut s, &forged).await.unwrap();
+        protocol::read_frame(&mut s).await.ok().flatten()
+    });
+    match Client::peer(&at, "reader", Some(TOKEN), Duration::from_secs(2)).await {
+        Err(ClientError::Refused { message, .. }) => assert!(message.contains("did not prove"), "{message}"),
+        Err(other) => panic!("expected a refusal, got {other}"),
+        Ok(_) => panic!("a server without the token was accepted"),
+    }
+    assert_eq!(stranger.await.unwrap(), None, "the client sent no request to the stranger");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,6 +228,7 @@ fn agents_see_each_other_and_a_killed_peer_is_marked_down_within_two_seconds() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");
     std::fs::write(&token, TOKEN).unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let peers = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let mut agents: Vec<_> =

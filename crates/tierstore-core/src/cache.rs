@@ -107,20 +107,19 @@ impl Cache {
         let remote = match (ask_peers, config.cluster.sharing) {
             (false, _) | (_, crate::cluster::Sharing::Off) => None,
             _ => {
-                let token = match &config.cluster.token_file {
-                    Some(f) => Some(crate::cluster::read_token(f).map_err(|problem| Error::Tier {
-                        path: f.clone(),
-                        message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
-                    })?),
-                    None => None,
-                };
+                // The configuration makes sure of a token whenever sharing is on.
+                let f = config.cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
+                let token = crate::cluster::read_token(&f).map_err(|problem| Error::Tier {
+                    path: f.clone(),
+                    message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
+                })?;
                 Some(crate::cluster::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
             }
         };
         let record_checksums =
             config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
-        let state_dir = config.tiers[0].path.join(crate::tier::namespace(&config.source));
-        std::fs::create_dir_all(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
+        let state_dir = crate::tier::namespace_dir(&config.tiers[0].path, &config.source);
+        crate::private::ensure_dir(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
         let source_counters =
             Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
         let source = open_source(&config, Arc::new(source_counters))?;
@@ -129,12 +128,7 @@ impl Cache {
         for t in &config.tiers {
             let existing = reg.tiers.get(&t.path).and_then(Weak::upgrade);
             let tier = match existing {
-                Some(tier)
-                    if tier.root.starts_with(&t.path)
-                        && tier.root.ends_with(crate::tier::namespace(&config.source)) =>
-                {
-                    tier
-                }
+                Some(tier) if tier.root == crate::tier::namespace_dir(&t.path, &config.source) => tier,
                 _ => {
                     let tier =
                         Arc::new(Tier::open(t, &config.source, config.policy).map_err(|e| Error::io(&t.path, e))?);
@@ -488,7 +482,7 @@ impl Cache {
     /// A new read-marks file of `slots` slots next to the node's cache state, for the readers of an
     /// ordered prefetch in other processes.
     pub fn read_marks(&self, slots: usize) -> Result<crate::marks::ReadMarks, Error> {
-        let dir = self.inner.config.tiers[0].path.join(crate::tier::namespace(&self.inner.config.source)).join("order");
+        let dir = crate::tier::namespace_dir(&self.inner.config.tiers[0].path, &self.inner.config.source).join("order");
         crate::marks::ReadMarks::create_in(&dir, slots).map_err(|e| Error::io(&dir, e))
     }
 

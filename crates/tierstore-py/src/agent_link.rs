@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError};
 use pyo3::prelude::*;
+use tierstore_core::cluster::session::{ClientHello, HandshakeError};
 use tierstore_core::wire::{self, Frame};
 
 use crate::error::stream_error;
@@ -70,42 +71,30 @@ impl PyAgentLink {
                 path.display()
             ))
         })?;
+        // Another user's process bound in the socket's place is a stranger, whatever it answers.
+        tierstore_core::private::check_peer(&stream, &path).map_err(|e| stream_error(e.to_string()))?;
         stream.set_write_timeout(Some(deadline))?;
         let reader = stream.try_clone()?;
         let link = PyAgentLink { path: path.clone(), deadline, reader: Mutex::new(reader), writer: Mutex::new(stream) };
         py.allow_threads(|| -> PyResult<()> {
             let mut r = link.reader.lock().expect("reader lock");
-            match link.read(&mut r, Some(deadline))? {
-                Frame::Challenge { version, .. } if version == wire::VERSION => {}
-                Frame::Challenge { version, .. } => {
-                    return Err(stream_error(format!(
-                        "the agent on {} speaks protocol {version}, this tierstore {}: run the same tierstore for \
-                         the agent and its clients",
-                        path.display(),
-                        wire::VERSION
-                    )))
+            let agent = path.display();
+            let failed = |e: HandshakeError| match e {
+                HandshakeError::Version(theirs) => stream_error(format!(
+                    "the agent on {agent} speaks protocol {theirs}, this tierstore {}: run the same tierstore for the \
+                     agent and its clients",
+                    wire::VERSION
+                )),
+                HandshakeError::Refused(_, message) => {
+                    stream_error(format!("the agent on {agent} refused the connection: {message}"))
                 }
-                other => {
-                    return Err(stream_error(format!(
-                        "the agent on {} began with a {} frame instead of its challenge",
-                        path.display(),
-                        kind_of(&other)
-                    )))
-                }
-            }
-            let hello = Frame::Hello { version: wire::VERSION, node: "local".into(), proof: [0; 32] };
+                other => stream_error(format!("the agent on {agent}: {other}")),
+            };
+            let challenge = link.read(&mut r, Some(deadline))?;
+            let (handshake, hello) = ClientHello::answer(challenge, "local", None).map_err(failed)?;
             wire::write_frame(&mut *link.writer.lock().expect("writer lock"), &hello)?;
-            match link.read(&mut r, Some(deadline))? {
-                Frame::Welcome { .. } => Ok(()),
-                Frame::Error { message, .. } => {
-                    Err(stream_error(format!("the agent on {} refused the connection: {message}", path.display())))
-                }
-                other => Err(stream_error(format!(
-                    "the agent on {} answered the hello with a {} frame",
-                    path.display(),
-                    kind_of(&other)
-                ))),
-            }
+            handshake.welcome(link.read(&mut r, Some(deadline))?).map_err(failed)?;
+            Ok(())
         })?;
         Ok(link)
     }

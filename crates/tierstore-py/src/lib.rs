@@ -614,6 +614,12 @@ fn parse_size(text: &str) -> Option<u64> {
     tierstore_core::config::parse_size(text)
 }
 
+/// Makes `path` a directory of this user's own (0700), or checks that it is one (`tierstore_core::private`).
+#[pyfunction]
+fn private_dir(path: std::path::PathBuf) -> PyResult<()> {
+    tierstore_core::private::ensure_dir(&path).map(drop).map_err(|e| error::io_to_py(e, None))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCache>()?;
@@ -621,6 +627,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(private_dir, m)?)?;
     m.add_function(wrap_pyfunction!(owners, m)?)?;
     m.add_class::<pack::PyPackWriter>()?;
     m.add_function(wrap_pyfunction!(pack::hash_buffers, m)?)?;

@@ -22,6 +22,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
+use super::token::{default_token_file, ensure_token, read_token, TOKEN_FIX};
 use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
 
 /// The keys of the `[cluster]` table.
@@ -166,11 +167,23 @@ pub(crate) fn validate(
     if c.sharing == Sharing::Off {
         return Ok(c);
     }
-    if let (Some(path), Some((v, o))) = (&c.token_file, &token_origin) {
-        // Read now, so that a missing token is one message at start rather than a failure deep in the
-        // first read that crosses nodes.
-        if let Err(problem) = read_token(path) {
-            return Err(bad(o, "cluster.token_file", v, &problem, TOKEN_FIX));
+    // Sharing on means a token, on loopback too. Read now, so that a bad token is one message at start
+    // rather than a failure deep in the first read that crosses nodes; with none configured, this user's
+    // default one, made on first use.
+    match &token_origin {
+        Some((v, o)) => {
+            let path = c.token_file.as_deref().expect("set with its origin");
+            if let Err(problem) = read_token(path) {
+                return Err(bad(o, "cluster.token_file", v, &problem, TOKEN_FIX));
+            }
+        }
+        None => {
+            let path = default_token_file();
+            if let Err(problem) = ensure_token(&path) {
+                let shown = path.display().to_string();
+                return Err(bad(&Origin::Default, "cluster.token_file", &shown, &problem, TOKEN_FIX));
+            }
+            c.token_file = Some(path);
         }
     }
     if c.registry.is_some() && !keys.contains_key("peers") {
@@ -241,28 +254,6 @@ pub fn find_member(members: &[Member], node: &str, port: u16) -> Option<usize> {
         [one] => Some(*one),
         many => many.iter().copied().find(|&i| members[i].port == port),
     }
-}
-
-/// What to do about a token file that cannot be used.
-pub const TOKEN_FIX: &str = "create the job's token where every node reads it (head -c 32 /dev/urandom | base64 > \
-     ~/.tierstore/token && chmod 600 ~/.tierstore/token), or point [cluster] token_file or TIERSTORE_TOKEN_FILE \
-     at it";
-
-/// The shortest token accepted: a guessable secret would let any host on the network read the job's files.
-pub const MIN_TOKEN_LEN: usize = 16;
-
-/// The job's shared secret from `path` (surrounding whitespace dropped); the error says what is wrong with
-/// the file in words that fit after its name.
-pub fn read_token(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    let token = match std::fs::read(path) {
-        Ok(t) => t.trim_ascii().to_vec(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err("no such file".into()),
-        Err(e) => return Err(format!("cannot be read ({e})")),
-    };
-    if token.len() < MIN_TOKEN_LEN {
-        return Err(format!("the token is shorter than {MIN_TOKEN_LEN} bytes; use a long random one"));
-    }
-    Ok(token)
 }
 
 /// This machine's host name.

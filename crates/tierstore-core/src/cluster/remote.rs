@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::config::ClusterConfig;
 use super::owners::Owners;
-use super::wire::{self, ErrorCode, Frame, VERSION};
+use super::session::{ClientHello, HandshakeError};
+use super::wire::{self, ErrorCode, Frame};
 use crate::index::SourceId;
 
 /// How long a member that missed a deadline is left out of this process's owner choice; doubled at each
@@ -124,7 +125,8 @@ pub struct Remote {
     asked: Mutex<Option<Instant>>,
     mine: String,
     node: String,
-    token: Option<Vec<u8>>,
+    /// The job's token: every agent this reads from must prove it (see [`super::session`]).
+    token: Vec<u8>,
     source: String,
     /// Members that missed a deadline: until when they are left out, and how many misses in a row.
     down: Mutex<HashMap<String, (Instant, u32)>>,
@@ -136,8 +138,8 @@ pub struct Remote {
 
 impl Remote {
     /// The members of `cluster`, serving files of `source` (as every node mounts it). `token` is the
-    /// job's shared secret, when the agents require one.
-    pub fn new(cluster: &ClusterConfig, source: &str, token: Option<Vec<u8>>) -> Remote {
+    /// job's shared secret, which both ends of every connection prove.
+    pub fn new(cluster: &ClusterConfig, source: &str, token: Vec<u8>) -> Remote {
         let names: Vec<String> = cluster.members.iter().map(|m| m.address()).collect();
         let mine = cluster.my_address();
         let ms = |var: &str, default: u64| {
@@ -287,27 +289,22 @@ impl Remote {
             }
             _ => RemoteError::Broken { at: at.to_string(), detail: e.to_string() },
         };
-        let nonce = match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
-            Some(Frame::Challenge { version, nonce }) if version == VERSION => nonce,
-            Some(Frame::Challenge { version, .. }) => {
-                return Err(RemoteError::Refused {
-                    at,
-                    code: ErrorCode::Version,
-                    message: format!(
-                        "it speaks protocol {version}, this process {VERSION}: run the same tierstore on every node"
-                    ),
-                })
+        let refused = |at: String, e: HandshakeError| match e {
+            HandshakeError::Refused(code, message) => RemoteError::Refused { at, code, message },
+            HandshakeError::Version(_) => RemoteError::Refused { at, code: ErrorCode::Version, message: e.to_string() },
+            HandshakeError::Unproven => {
+                RemoteError::Refused { at, code: ErrorCode::Unauthorized, message: e.to_string() }
             }
-            other => return Err(RemoteError::Broken { at, detail: format!("expected a challenge, got {other:?}") }),
+            HandshakeError::Unexpected { .. } => RemoteError::Broken { at, detail: e.to_string() },
         };
-        let proof = self.token.as_deref().map_or([0; 32], |t| wire::proof(t, &nonce));
-        let hello = Frame::Hello { version: VERSION, node: self.node.clone(), proof };
+        let challenge = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
+        let challenge = challenge.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
+        let (handshake, hello) =
+            ClientHello::answer(challenge, &self.node, Some(&self.token)).map_err(|e| refused(at.clone(), e))?;
         wire::write_frame(&mut stream, &hello).map_err(|e| io_err(&at, e))?;
-        match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
-            Some(Frame::Welcome { .. }) => {}
-            Some(Frame::Error { code, message }) => return Err(RemoteError::Refused { at, code, message }),
-            other => return Err(RemoteError::Broken { at, detail: format!("expected a welcome, got {other:?}") }),
-        }
+        let answer = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
+        let answer = answer.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
+        handshake.welcome(answer).map_err(|e| refused(at.clone(), e))?;
         wire::write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
         // An owner that is still fetching a large file from the store says so (a ping) within every
         // deadline: a silent one costs a deadline, a busy one is waited for up to `fetch_wait`, which is
@@ -456,18 +453,15 @@ impl Check {
 /// The members the agent on `socket` knows of.
 fn members_from_agent(socket: &Path, deadline: Duration) -> io::Result<Vec<String>> {
     let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    crate::private::check_peer(&s, socket)?;
     s.set_read_timeout(Some(deadline))?;
     s.set_write_timeout(Some(deadline))?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-    match wire::read_frame(&mut s)? {
-        Some(Frame::Challenge { .. }) => {}
-        other => return Err(bad(format!("expected a challenge, got {other:?}"))),
-    }
-    wire::write_frame(&mut s, &Frame::Hello { version: VERSION, node: "local".into(), proof: [0; 32] })?;
-    match wire::read_frame(&mut s)? {
-        Some(Frame::Welcome { .. }) => {}
-        other => return Err(bad(format!("expected a welcome, got {other:?}"))),
-    }
+    let closed = || bad("the agent closed the connection".into());
+    let (handshake, hello) = ClientHello::answer(wire::read_frame(&mut s)?.ok_or_else(closed)?, "local", None)
+        .map_err(|e| bad(e.to_string()))?;
+    wire::write_frame(&mut s, &hello)?;
+    handshake.welcome(wire::read_frame(&mut s)?.ok_or_else(closed)?).map_err(|e| bad(e.to_string()))?;
     wire::write_frame(&mut s, &Frame::Members)?;
     match wire::read_frame(&mut s)? {
         Some(Frame::MemberList { members }) => Ok(members),
@@ -764,14 +758,17 @@ mod tests {
     use std::net::TcpListener;
 
     use super::*;
+    use crate::cluster::wire::VERSION;
 
     /// A fake owner's side of a `Fetch` on `l`: the handshake and the `Fetch`, answered with a `Found`
     /// for a file of `size` bytes.
     fn found(l: &TcpListener, size: usize) -> TcpStream {
         let (mut s, _) = l.accept().unwrap();
-        wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce: [0; 32] }).unwrap();
-        assert!(matches!(wire::read_frame(&mut s).unwrap(), Some(Frame::Hello { .. })));
-        wire::write_frame(&mut s, &Frame::Welcome { node: "owner".into() }).unwrap();
+        let nonce = crate::cluster::session::nonce();
+        wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce }).unwrap();
+        let hello = wire::read_frame(&mut s).unwrap().unwrap();
+        let welcome = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), "owner").unwrap();
+        wire::write_frame(&mut s, &welcome).unwrap();
         let asked = wire::read_frame(&mut s).unwrap();
         assert!(matches!(asked, Some(Frame::Fetch { .. } | Frame::FetchRanges { .. })), "{asked:?}");
         let identity = SourceId { size: size as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
@@ -874,8 +871,10 @@ mod tests {
         assert_eq!(usable, vec![wire::CHUNK as u64], "only the chunk before the damaged one was usable");
     }
 
+    const TOKEN: &[u8] = b"the-token-of-this-test-job-0123456789abcdef";
+
     fn remote() -> Remote {
-        Remote::new(&ClusterConfig::default(), "/store", None)
+        Remote::new(&ClusterConfig::default(), "/store", TOKEN.to_vec())
     }
 
     /// A fake owner on 127.0.0.1:0 sending the parts `ranges` of `data`, each in chunks that never cross

@@ -9,19 +9,24 @@
 //! costs at most one bounded buffer; [`parse`] then decodes a complete body and refuses anything left
 //! over, unknown or out of bounds.
 //!
-//! A connection opens with the agent's [`Frame::Challenge`] (the protocol version and a fresh nonce), and
-//! the client's [`Frame::Hello`] (its version, its name and, on TCP, a proof that it holds the cluster's
-//! token: a keyed blake3 of the nonce, see [`proof`]). Every request after that gets exactly one answer.
+//! A connection opens with the agent's [`Frame::Challenge`] (the protocol version and a fresh nonce), the
+//! client's [`Frame::Hello`] (its version, its name, a nonce of its own and, on TCP, its proof of the job's
+//! token) and the agent's [`Frame::Welcome`] (its name and, on TCP, its own proof): see
+//! [`super::session`], which both ends use. Every request after that gets exactly one answer.
 
 use std::io::{self, Read, Write};
 
 use crate::index::{SourceAttrs, SourceId};
 
 /// The protocol version this build speaks. A peer with another one is refused with a clear error.
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 
 /// The largest frame body accepted (a data chunk of 1 MiB and its header, when data frames come).
 pub const MAX_FRAME: usize = (1 << 20) + 4096;
+
+/// The largest hello accepted: before a client has proved the token, an agent allocates no more than this
+/// for it (a hello is a version, a node name, a nonce and a proof).
+pub const MAX_HELLO: usize = 1024;
 
 /// The longest text field.
 pub const MAX_TEXT: usize = u16::MAX as usize;
@@ -120,7 +125,7 @@ pub enum Frame {
     Challenge {
         /// The agent's protocol version.
         version: u8,
-        /// Fresh random bytes the client's proof is made of.
+        /// Fresh random bytes both proofs are made of.
         nonce: [u8; 32],
     },
     /// The client's first frame.
@@ -129,13 +134,17 @@ pub enum Frame {
         version: u8,
         /// Who the client is (a node name, or "local" for a process of this node).
         node: String,
-        /// [`proof`] of the token for the challenge's nonce (zeros where no token is needed).
+        /// Fresh random bytes of the client's, which the agent's proof covers.
+        nonce: [u8; 32],
+        /// The client's proof of the token over both nonces (zeros on the local socket).
         proof: [u8; 32],
     },
     /// The agent accepted the hello.
     Welcome {
         /// The agent's node name.
         node: String,
+        /// The agent's proof of the token over both nonces (zeros on the local socket).
+        proof: [u8; 32],
     },
     /// Are you there?
     Ping {
@@ -347,18 +356,6 @@ pub fn check_abs_path(path: &str) -> Result<(), FrameError> {
     check_path(rel).map_err(|_| bad())
 }
 
-/// The proof that a client holds `token`, for a challenge's `nonce`: a blake3 keyed by the token's own
-/// hash, so the token never crosses the network and a recorded proof is worthless for another nonce.
-pub fn proof(token: &[u8], nonce: &[u8; 32]) -> [u8; 32] {
-    let key = blake3::derive_key("tierstore agent token v1", token);
-    *blake3::keyed_hash(&key, nonce).as_bytes()
-}
-
-/// Whether `given` is the proof of `token` for `nonce`, compared in constant time.
-pub fn proof_matches(token: &[u8], nonce: &[u8; 32], given: &[u8; 32]) -> bool {
-    blake3::Hash::from(proof(token, nonce)) == blake3::Hash::from(*given)
-}
-
 /// Appends the wire form of `frame` (length prefix included) to `out`.
 pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
     let start = out.len();
@@ -374,15 +371,17 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.push(*version);
             out.extend_from_slice(nonce);
         }
-        Frame::Hello { version, node, proof } => {
+        Frame::Hello { version, node, nonce, proof } => {
             out.push(kind::HELLO);
             out.push(*version);
             text(out, node);
+            out.extend_from_slice(nonce);
             out.extend_from_slice(proof);
         }
-        Frame::Welcome { node } => {
+        Frame::Welcome { node, proof } => {
             out.push(kind::WELCOME);
             text(out, node);
+            out.extend_from_slice(proof);
         }
         Frame::Ping { nonce } => {
             out.push(kind::PING);
@@ -600,8 +599,13 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
     let k = r.u8("kind").map_err(|_| FrameError::Empty)?;
     let frame = match k {
         kind::CHALLENGE => Frame::Challenge { version: r.u8("version")?, nonce: r.bytes32("nonce")? },
-        kind::HELLO => Frame::Hello { version: r.u8("version")?, node: r.text("node")?, proof: r.bytes32("proof")? },
-        kind::WELCOME => Frame::Welcome { node: r.text("node")? },
+        kind::HELLO => Frame::Hello {
+            version: r.u8("version")?,
+            node: r.text("node")?,
+            nonce: r.bytes32("nonce")?,
+            proof: r.bytes32("proof")?,
+        },
+        kind::WELCOME => Frame::Welcome { node: r.text("node")?, proof: r.bytes32("proof")? },
         kind::PING => Frame::Ping { nonce: r.u64("nonce")? },
         kind::PONG => Frame::Pong { nonce: r.u64("nonce")? },
         kind::STATUS => Frame::Status,
@@ -805,12 +809,9 @@ mod tests {
         let text = "[a-zA-Z0-9 ./é-]{0,40}";
         prop_oneof![
             (any::<u8>(), any::<[u8; 32]>()).prop_map(|(version, nonce)| Frame::Challenge { version, nonce }),
-            (any::<u8>(), text, any::<[u8; 32]>()).prop_map(|(version, node, proof)| Frame::Hello {
-                version,
-                node,
-                proof
-            }),
-            text.prop_map(|node| Frame::Welcome { node }),
+            (any::<u8>(), text, any::<[u8; 32]>(), any::<[u8; 32]>())
+                .prop_map(|(version, node, nonce, proof)| Frame::Hello { version, node, nonce, proof }),
+            (text, any::<[u8; 32]>()).prop_map(|(node, proof)| Frame::Welcome { node, proof }),
             any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
             any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
             Just(Frame::Status),
@@ -999,15 +1000,5 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn a_proof_holds_only_for_its_token_and_nonce() {
-        let n1 = [1u8; 32];
-        let n2 = [2u8; 32];
-        let p = proof(b"secret", &n1);
-        assert!(proof_matches(b"secret", &n1, &p));
-        assert!(!proof_matches(b"secret", &n2, &p));
-        assert!(!proof_matches(b"other", &n1, &p));
     }
 }

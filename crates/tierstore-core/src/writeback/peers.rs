@@ -50,15 +50,13 @@ impl PeerReads {
         if cluster.sharing == Sharing::Off {
             return None;
         }
-        let token = match &cluster.token_file {
-            Some(f) => match std::fs::read(f) {
-                Ok(t) => Some(t.trim_ascii().to_vec()),
-                Err(e) => {
-                    log::warn!("the token file {}: {e}; staged files of other nodes are not read", f.display());
-                    return None;
-                }
-            },
-            None => None,
+        let f = cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
+        let token = match crate::cluster::read_token(&f) {
+            Ok(t) => t,
+            Err(problem) => {
+                log::warn!("the token file {} {problem}; staged files of other nodes are not read", f.display());
+                return None;
+            }
         };
         Some(PeerReads { remote: Remote::new(cluster, "", token) })
     }
@@ -81,7 +79,7 @@ impl PeerReads {
         self.holders(path).into_iter().max_by_key(|h| h.closed_ns)
     }
 
-    /// Writes the staged copy of `path` held by another node into `into` (created, or truncated), if one
+    /// Writes the staged copy of `path` held by another node into `into` (a new file, created 0600), if one
     /// holds it. `Ok(None)`: no member that answered holds it staged (read the store). `into` holds
     /// the whole file, checked, only when `Ok(Some)` is returned.
     pub fn fetch(&self, path: &Path, into: &Path) -> Result<Option<Received>, RemoteError> {
@@ -95,7 +93,8 @@ impl PeerReads {
             Err(e) => return Err(e),
         };
         let (size, closed_ns) = (transfer.found.size, transfer.found.mtime_ns);
-        let mut f = std::fs::File::create(into).map_err(RemoteError::Sink)?;
+        // A new file of the private stage, 0600, never through a link (see `private`).
+        let mut f = crate::private::create_new(into).map_err(RemoteError::Sink)?;
         transfer.receive(|_, bytes| f.write_all(bytes))?;
         Ok(Some(Received { from: who, size, closed_ns }))
     }

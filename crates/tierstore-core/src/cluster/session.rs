@@ -1,0 +1,207 @@
+//! The handshake every connection to an agent opens with, written once for every client and server (the
+//! read path here, the agent's server and client, `_core.AgentLink`); each does only its own I/O.
+//!
+//! ```text
+//! agent  → Challenge { version, nonce_s }
+//! client → Hello     { version, node, nonce_c, proof_c = MAC(K, "client" ‖ nonce_c ‖ nonce_s) }
+//! agent  → Welcome   { node,             proof_s = MAC(K, "server" ‖ nonce_c ‖ nonce_s) }
+//! ```
+//!
+//! `K` is derived from the job's token, which never crosses the network. Each side proves the token over
+//! both nonces and its own role, so a recorded proof is worthless on another connection, a proof cannot
+//! be reflected back to its maker, and a client refuses an agent that has not proved the token (a squatted
+//! port or a forged member serves nothing). On the node's Unix socket there is no token: the kernel's
+//! `SO_PEERCRED` says which user is at the other end (see [`crate::private::check_peer`]), and both
+//! proofs are zeros.
+//!
+//! What this does not give yet: an authenticated frame after the handshake. A relay that forwards a whole
+//! handshake still sits on the connection it relayed (docs/reference/security.md says what follows).
+
+use super::wire::{ErrorCode, Frame, VERSION};
+
+/// Why a handshake failed, from the client's side.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum HandshakeError {
+    /// The agent speaks another protocol version.
+    #[error("it speaks protocol {0}, this process {VERSION}: run the same tierstore on every node")]
+    Version(u8),
+    /// The agent refused the hello.
+    #[error("{1}")]
+    Refused(ErrorCode, String),
+    /// The agent answered with a frame the handshake has no place for.
+    #[error("expected {expected}, got {got}")]
+    Unexpected {
+        /// What the handshake waited for.
+        expected: &'static str,
+        /// What came instead.
+        got: String,
+    },
+    /// The agent did not prove the job's token: it is not an agent of this job.
+    #[error(
+        "it did not prove the job's token, so it is not an agent of this job (a stranger on its port, or an agent \
+         given another token): nothing is read from it"
+    )]
+    Unproven,
+}
+
+/// Fresh random bytes for a nonce.
+pub fn nonce() -> [u8; 32] {
+    let mut n = [0u8; 32];
+    // SAFETY: getrandom writes at most `n.len()` bytes into the buffer.
+    let got = unsafe { libc::getrandom(n.as_mut_ptr() as *mut libc::c_void, n.len(), 0) };
+    assert_eq!(got, n.len() as isize, "getrandom failed: {}", std::io::Error::last_os_error());
+    n
+}
+
+#[derive(Clone, Copy)]
+enum Role {
+    Client,
+    Server,
+}
+
+/// `MAC(K, role ‖ nonce_c ‖ nonce_s)` under the key derived from `token`.
+fn proof(token: &[u8], role: Role, client: &[u8; 32], server: &[u8; 32]) -> [u8; 32] {
+    let key = blake3::derive_key("tierstore agent handshake v4", token);
+    let mut mac = blake3::Hasher::new_keyed(&key);
+    mac.update(match role {
+        Role::Client => b"client",
+        Role::Server => b"server",
+    });
+    mac.update(client);
+    mac.update(server);
+    *mac.finalize().as_bytes()
+}
+
+/// Whether `given` is `token`'s proof for `role` over both nonces, compared in constant time.
+fn proves(token: &[u8], role: Role, client: &[u8; 32], server: &[u8; 32], given: &[u8; 32]) -> bool {
+    blake3::Hash::from(proof(token, role, client, server)) == blake3::Hash::from(*given)
+}
+
+/// The client's half of a handshake in progress: what it must see in the agent's welcome.
+pub struct ClientHello {
+    token: Option<Vec<u8>>,
+    client: [u8; 32],
+    server: [u8; 32],
+}
+
+impl ClientHello {
+    /// The hello that answers the agent's `challenge`, as node `node`; with `token` (TCP) the agent must
+    /// then prove it too, without (the local socket) it need not.
+    pub fn answer(challenge: Frame, node: &str, token: Option<&[u8]>) -> Result<(ClientHello, Frame), HandshakeError> {
+        let server = match challenge {
+            Frame::Challenge { version, nonce } if version == VERSION => nonce,
+            Frame::Challenge { version, .. } => return Err(HandshakeError::Version(version)),
+            other => return Err(unexpected("a challenge", &other)),
+        };
+        let client = nonce();
+        let proof = token.map_or([0; 32], |t| proof(t, Role::Client, &client, &server));
+        let hello = Frame::Hello { version: VERSION, node: node.to_string(), nonce: client, proof };
+        Ok((ClientHello { token: token.map(<[u8]>::to_vec), client, server }, hello))
+    }
+
+    /// The agent's node name, once its `answer` to the hello is a welcome that proves the token (when the
+    /// client has one).
+    pub fn welcome(&self, answer: Frame) -> Result<String, HandshakeError> {
+        match answer {
+            Frame::Welcome { node, proof } => match &self.token {
+                Some(t) if !proves(t, Role::Server, &self.client, &self.server, &proof) => {
+                    Err(HandshakeError::Unproven)
+                }
+                _ => Ok(node),
+            },
+            Frame::Error { code, message } => Err(HandshakeError::Refused(code, message)),
+            other => Err(unexpected("a welcome", &other)),
+        }
+    }
+}
+
+fn unexpected(expected: &'static str, got: &Frame) -> HandshakeError {
+    let got = format!("{got:?}");
+    HandshakeError::Unexpected { expected, got: got.chars().take(120).collect() }
+}
+
+/// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`,
+/// or the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
+/// `None` on the local socket.
+pub fn welcome(hello: &Frame, server: &[u8; 32], token: Option<&[u8]>, me: &str) -> Result<Frame, (ErrorCode, String)> {
+    match hello {
+        Frame::Hello { version, .. } if *version != VERSION => Err((
+            ErrorCode::Version,
+            format!("this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"),
+        )),
+        Frame::Hello { node, nonce, proof, .. } => match token {
+            Some(t) if !proves(t, Role::Client, nonce, server, proof) => Err((
+                ErrorCode::Unauthorized,
+                format!("node {node:?}: wrong token; every agent of a job must be given the same token"),
+            )),
+            Some(t) => Ok(Frame::Welcome { node: me.to_string(), proof: proof_of_server(t, nonce, server) }),
+            None => Ok(Frame::Welcome { node: me.to_string(), proof: [0; 32] }),
+        },
+        _ => Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+    }
+}
+
+fn proof_of_server(token: &[u8], client: &[u8; 32], server: &[u8; 32]) -> [u8; 32] {
+    proof(token, Role::Server, client, server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &[u8] = b"0123456789abcdef0123456789abcdef-the-job";
+
+    fn challenge() -> ([u8; 32], Frame) {
+        let n = nonce();
+        (n, Frame::Challenge { version: VERSION, nonce: n })
+    }
+
+    #[test]
+    fn both_sides_holding_the_token_complete_the_handshake() {
+        let (server, c) = challenge();
+        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
+        let w = welcome(&hello, &server, Some(TOKEN), "b").unwrap();
+        assert_eq!(client.welcome(w).unwrap(), "b");
+    }
+
+    #[test]
+    fn a_wrong_token_is_refused_either_way() {
+        let (server, c) = challenge();
+        let (_, hello) = ClientHello::answer(c, "a", Some(b"another token, not the job's one!")).unwrap();
+        assert_eq!(welcome(&hello, &server, Some(TOKEN), "b").unwrap_err().0, ErrorCode::Unauthorized);
+        // An agent without the token cannot make a welcome the client accepts.
+        let (server, c) = challenge();
+        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
+        let Frame::Hello { nonce: theirs, .. } = hello else { unreachable!() };
+        let proof = proof_of_server(b"a stranger's token, not the job's", &theirs, &server);
+        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }), Err(HandshakeError::Unproven));
+        let unproved = Frame::Welcome { node: "b".into(), proof: [0; 32] };
+        assert_eq!(client.welcome(unproved), Err(HandshakeError::Unproven));
+    }
+
+    #[test]
+    fn a_proof_is_bound_to_both_nonces_and_a_role() {
+        let (server, c) = challenge();
+        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
+        // Replayed on a connection with another challenge: refused.
+        let (other_server, _) = challenge();
+        assert!(welcome(&hello, &other_server, Some(TOKEN), "b").is_err());
+        // The client's own proof reflected back as the agent's: refused.
+        let Frame::Hello { proof, .. } = hello else { unreachable!() };
+        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }), Err(HandshakeError::Unproven));
+        let _ = server;
+    }
+
+    #[test]
+    fn the_local_socket_needs_no_token() {
+        let (server, c) = challenge();
+        let (client, hello) = ClientHello::answer(c, "local", None).unwrap();
+        assert_eq!(client.welcome(welcome(&hello, &server, None, "n").unwrap()).unwrap(), "n");
+    }
+
+    #[test]
+    fn another_version_is_named() {
+        let e = ClientHello::answer(Frame::Challenge { version: 1, nonce: [0; 32] }, "a", None).err().unwrap();
+        assert!(e.to_string().contains("protocol 1"), "{e}");
+    }
+}
