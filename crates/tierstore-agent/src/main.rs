@@ -210,9 +210,10 @@ async fn run(a: Args) -> Result<(), String> {
             .redis
             .or_else(|| cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis")));
     }
-    // Write-back: the stages of the configuration's destinations, and those writers list.
+    // Write-back: the stages of the configuration's destinations (each with the destination it serves),
+    // and those writers list.
     let stages = match tierstore_core::config::load_writeback(&Overrides::default()) {
-        Ok(dests) => dests.into_iter().map(|d| d.stage).collect(),
+        Ok(dests) => dests.into_iter().map(|d| (d.stage, d.path)).collect(),
         Err(e) => {
             log::warn!("write-back configuration: {e}; migrating only the stages writers list");
             Vec::new()

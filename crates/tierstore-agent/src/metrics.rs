@@ -65,5 +65,27 @@ pub fn render(status: &Status) -> String {
         metric("served_files_total", "counter", "Files served to peers.", &plain(c.served_files as f64));
         metric("served_bytes_total", "counter", "Bytes served to peers.", &plain(c.served_bytes as f64));
     }
+    if let Some(w) = &status.writeback {
+        metric(
+            "writeback_migrated_files_total",
+            "counter",
+            "Staged files migrated to the shared store.",
+            &plain(w.migrated_files as f64),
+        );
+        metric("writeback_migrated_bytes_total", "counter", "Bytes migrated.", &plain(w.migrated_bytes as f64));
+        metric("writeback_failures_total", "counter", "Failed migration attempts.", &plain(w.failures as f64));
+        metric(
+            "writeback_refused_entries_total",
+            "counter",
+            "Journal entries refused: their destination is not beneath their stage's destinations.",
+            &plain(w.refused_entries as f64),
+        );
+        metric(
+            "writeback_refused_stages_total",
+            "counter",
+            "Stages refused: not a directory of the agent's user only that user can write.",
+            &plain(w.refused_stages as f64),
+        );
+    }
     out
 }

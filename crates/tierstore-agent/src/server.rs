@@ -99,6 +99,7 @@ impl Shared {
                 .to_string(),
             stream_keep: self.options.stream.keep,
             stream_redis: self.options.stream.redis.clone(),
+            writeback: self.options.writeback.as_deref().map(crate::status::WritebackView::of),
         }
     }
 

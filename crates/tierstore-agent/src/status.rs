@@ -47,6 +47,38 @@ pub struct Status {
     pub stream_keep: usize,
     /// The Redis that stream versions are announced in, if any.
     pub stream_redis: Option<String>,
+    /// What write-back migration did, when the agent migrates.
+    pub writeback: Option<WritebackView>,
+}
+
+/// The agent's write-back migration in its status: what it moved, and what it refused.
+#[derive(Clone, Debug, Serialize)]
+pub struct WritebackView {
+    /// Files migrated to the shared store since start.
+    pub migrated_files: u64,
+    /// Their bytes.
+    pub migrated_bytes: u64,
+    /// Failed migration attempts since start.
+    pub failures: u64,
+    /// Journal entries refused (each once): their destination is not beneath a destination configured
+    /// (or listed) with their stage. They are never written and stay in the journal.
+    pub refused_entries: u64,
+    /// Stages refused (each once): not a directory of the agent's user only that user can write.
+    pub refused_stages: u64,
+}
+
+impl WritebackView {
+    /// What `m` did so far.
+    pub fn of(m: &crate::writeback::Migrations) -> WritebackView {
+        use std::sync::atomic::Ordering::Relaxed;
+        WritebackView {
+            migrated_files: m.files.load(Relaxed),
+            migrated_bytes: m.bytes.load(Relaxed),
+            failures: m.failures.load(Relaxed),
+            refused_entries: m.refused_entries.load(Relaxed),
+            refused_stages: m.refused_stages.load(Relaxed),
+        }
+    }
 }
 
 /// A node's cache in the agent's status: what `tierstore status` shows for each member.

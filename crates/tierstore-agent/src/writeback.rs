@@ -3,18 +3,25 @@
 //!
 //! The stages are those of the agent's configuration and those writers listed in
 //! `tierstore_core::writeback::stages_file` (a writer may run with a configuration the agent was not
-//! started with). Migration runs on its own thread with blocking file I/O: a slow store stalls only it,
-//! never the agent's connections. A store that fails is retried with capped exponential back-off and
-//! jitter, per stage; the data stays staged and journaled meanwhile. After a crash, a new agent finds
-//! the same journals and goes on where the old one stopped (the step it was in is redone).
+//! started with), each with the destinations it serves: the configured ones, and those listed with it.
+//! The agent migrates only what a configuration names: a stage that is not the user's own (checked with
+//! `private::ensure_dir`) is refused, and an entry whose destination is not beneath its stage's
+//! destinations is never written; both are logged and counted ([`Migrations::refused_stages`],
+//! [`Migrations::refused_entries`]), and the entry stays in its journal, untouched.
+//!
+//! Migration runs on its own thread with blocking file I/O: a slow store stalls only it, never the
+//! agent's connections. A store that fails is retried with capped exponential back-off and jitter, per
+//! stage; the data stays staged and journaled meanwhile. After a crash, a new agent finds the same
+//! journals and goes on where the old one stopped (the step it was in is redone).
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tierstore_core::writeback::{journal::Journal, listed_stages, migrate, Entry};
+use tierstore_core::private;
+use tierstore_core::writeback::{journal::Journal, listed_stages_in, migrate, Entry};
 
 /// The first retry comes this long after a failure; each further failure doubles it.
 pub const BACKOFF_FIRST: Duration = Duration::from_millis(100);
@@ -44,6 +51,11 @@ pub struct Migrations {
     pub bytes: AtomicU64,
     /// Failed attempts since start.
     pub failures: AtomicU64,
+    /// Journal entries refused since start (each once): their destination is not beneath a destination
+    /// their stage was configured or listed with. They stay in the journal and are never written.
+    pub refused_entries: AtomicU64,
+    /// Stages refused since start (each once): not the user's own directory (see `private`).
+    pub refused_stages: AtomicU64,
     /// The journals being migrated: the agent also serves their pending files to other nodes (LMDB
     /// allows one handle per environment and process, so the server shares the loop's).
     journals: Mutex<Vec<Arc<Journal>>>,
@@ -93,6 +105,10 @@ pub fn backoff(failures: u32) -> Duration {
 
 struct Stage {
     journal: Arc<Journal>,
+    /// The destinations its entries may go to (the configured and the listed ones).
+    roots: Vec<PathBuf>,
+    /// The entries refused and reported (by sequence number): each is logged and counted once.
+    refused: BTreeSet<u64>,
     swept: Instant,
     failures: u32,
     retry_at: Option<Instant>,
@@ -100,58 +116,157 @@ struct Stage {
     logged: bool,
 }
 
-/// Starts the migration loop for `stages` (from the agent's configuration) and those listed by writers.
-pub fn start(stages: Vec<PathBuf>) -> Arc<Migrations> {
+/// Starts the migration loop for `configured`, the (stage, destination) pairs of the agent's
+/// configuration, and for those writers list.
+pub fn start(configured: Vec<(PathBuf, PathBuf)>) -> Arc<Migrations> {
+    start_listed_in(configured, tierstore_core::writeback::stages_file())
+}
+
+/// [`start`], with the writers' list of stages read from `stages_file`.
+fn start_listed_in(configured: Vec<(PathBuf, PathBuf)>, stages_file: PathBuf) -> Arc<Migrations> {
     let m = Arc::new(Migrations::default());
     let shared = m.clone();
-    let spawned = std::thread::Builder::new().name("tierstore-writeback".into()).spawn(move || run(stages, shared));
+    let spawned = std::thread::Builder::new()
+        .name("tierstore-writeback".into())
+        .spawn(move || run(configured, &stages_file, shared));
     if let Err(e) = spawned {
         log::error!("cannot start the write-back migration thread: {e}");
     }
     m
 }
 
-fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
-    let mut stages: BTreeMap<PathBuf, Stage> = BTreeMap::new();
-    let mut scanned: Option<Instant> = None;
-    let mut failed_open: std::collections::BTreeSet<PathBuf> = Default::default();
-    loop {
-        if scanned.is_none_or(|t| t.elapsed() >= RESCAN) {
-            scanned = Some(Instant::now());
-            for dir in configured.iter().cloned().chain(listed_stages()) {
-                if stages.contains_key(&dir) || !dir.join("journal").exists() && !configured.contains(&dir) {
-                    continue;
+/// The stages this agent knows and what it knows of them, kept between rescans.
+#[derive(Default)]
+struct Stages {
+    open: BTreeMap<PathBuf, Stage>,
+    /// Stages that could not be opened or were refused: each is logged once (until it opens).
+    failed: BTreeSet<PathBuf>,
+    /// Lines of the stages file that were ignored, each logged once.
+    bad_lines: BTreeSet<String>,
+}
+
+impl Stages {
+    /// Opens the stages of `wanted` (stage, destination, configured) not yet open, after checking that
+    /// each is the user's own, and adds to open ones the destinations listed with them.
+    fn scan(&mut self, wanted: Vec<(PathBuf, PathBuf, bool)>, m: &Migrations) {
+        for (dir, dest, configured) in wanted {
+            if let Some(s) = self.open.get_mut(&dir) {
+                if !s.roots.contains(&dest) {
+                    log::info!("stage {}: migrating to {} too", dir.display(), dest.display());
+                    s.roots.push(dest);
                 }
-                match Journal::open(&dir) {
-                    Ok(journal) => {
-                        match journal.sweep_orphans() {
-                            Ok(0) => {}
-                            Ok(n) => {
-                                log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display())
-                            }
-                            Err(e) => log::warn!("stage {}: {e}", dir.display()),
-                        }
-                        let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
-                        log::info!("migrating the stage {} ({pending} file(s) pending)", dir.display());
-                        failed_open.remove(&dir);
-                        let journal = Arc::new(journal);
-                        m.journals.lock().unwrap_or_else(|p| p.into_inner()).push(journal.clone());
-                        stages.insert(
-                            dir,
-                            Stage { journal, swept: Instant::now(), failures: 0, retry_at: None, logged: false },
+                continue;
+            }
+            // A listed stage without a journal has nothing to migrate (yet): nothing is created for it.
+            if !configured && !dir.join("journal").exists() {
+                continue;
+            }
+            if let Err(e) = private::ensure_dir(&dir) {
+                if self.failed.insert(dir.clone()) {
+                    if e.kind() == std::io::ErrorKind::PermissionDenied {
+                        m.refused_stages.fetch_add(1, Ordering::Relaxed);
+                        log::warn!(
+                            "refusing to migrate the stage {} (for {}): it is not a directory of yours only you \
+                             can write, so its journal could name any file: {e}",
+                            dir.display(),
+                            dest.display()
                         );
+                    } else {
+                        log::warn!("cannot open the stage {}: {e}", dir.display());
                     }
-                    Err(e) => {
-                        if failed_open.insert(dir.clone()) {
-                            log::warn!("cannot open the stage {}: {e}", dir.display());
-                        }
+                }
+                continue;
+            }
+            match Journal::open(&dir) {
+                Ok(journal) => {
+                    match journal.sweep_orphans() {
+                        Ok(0) => {}
+                        Ok(n) => log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display()),
+                        Err(e) => log::warn!("stage {}: {e}", dir.display()),
+                    }
+                    let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
+                    log::info!(
+                        "migrating the stage {} to {} ({pending} file(s) pending)",
+                        dir.display(),
+                        dest.display()
+                    );
+                    self.failed.remove(&dir);
+                    let journal = Arc::new(journal);
+                    m.journals.lock().unwrap_or_else(|p| p.into_inner()).push(journal.clone());
+                    let stage = Stage {
+                        journal,
+                        roots: vec![dest],
+                        refused: BTreeSet::new(),
+                        swept: Instant::now(),
+                        failures: 0,
+                        retry_at: None,
+                        logged: false,
+                    };
+                    self.open.insert(dir, stage);
+                }
+                Err(e) => {
+                    if self.failed.insert(dir.clone()) {
+                        log::warn!("cannot open the stage {}: {e}", dir.display());
                     }
                 }
             }
         }
+        for (dir, s) in self.open.iter_mut() {
+            report_refused(dir, s, m);
+        }
+    }
+}
+
+/// Logs and counts, once each, the entries of `s` whose destination is not beneath its destinations.
+fn report_refused(dir: &Path, s: &mut Stage, m: &Migrations) {
+    let refused = match migrate::refused(&s.journal, &s.roots) {
+        Ok(r) => r,
+        Err(e) => {
+            log::warn!("stage {}: {e}", dir.display());
+            return;
+        }
+    };
+    // Entries gone from the journal (removed by their writer) are forgotten.
+    s.refused.retain(|seq| refused.iter().any(|e| e.seq == *seq));
+    for e in refused {
+        if s.refused.insert(e.seq) {
+            m.refused_entries.fetch_add(1, Ordering::Relaxed);
+            let roots: Vec<String> = s.roots.iter().map(|r| r.display().to_string()).collect();
+            log::warn!(
+                "stage {}: refusing to migrate the staged file {} to {}: not beneath the stage's destinations ({}); \
+                 it is not written, and stays in the stage's journal",
+                dir.display(),
+                e.staged,
+                e.dest.display(),
+                roots.join(", ")
+            );
+        }
+    }
+}
+
+fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migrations>) {
+    let mut stages = Stages::default();
+    let mut scanned: Option<Instant> = None;
+    loop {
+        if scanned.is_none_or(|t| t.elapsed() >= RESCAN) {
+            scanned = Some(Instant::now());
+            let mut wanted: Vec<(PathBuf, PathBuf, bool)> =
+                configured.iter().map(|(s, d)| (s.clone(), d.clone(), true)).collect();
+            for line in listed_stages_in(stages_file) {
+                match line {
+                    Ok((s, d)) => wanted.push((s, d, false)),
+                    Err(e) => {
+                        if stages.bad_lines.insert(e.clone()) {
+                            log::warn!("{}: {e}", stages_file.display());
+                        }
+                    }
+                }
+            }
+            stages.scan(wanted, &m);
+        }
         let mut worked = false;
         let mut pending = false;
-        for (dir, s) in stages.iter_mut() {
+        for (dir, s) in stages.open.iter_mut() {
             if s.swept.elapsed() >= SWEEP {
                 s.swept = Instant::now();
                 if let Ok(n @ 1..) = s.journal.sweep_orphans() {
@@ -162,11 +277,11 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                 pending = true;
                 continue;
             }
-            if held(&s.journal) {
+            if held(&s.journal, &s.roots) {
                 pending = true;
                 continue;
             }
-            match migrate::step(&s.journal) {
+            match migrate::step(&s.journal, &s.roots) {
                 Ok(migrate::Step::Idle) => {}
                 Ok(migrate::Step::Migrated(e)) => {
                     worked = true;
@@ -203,7 +318,9 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
                     }
                 }
             }
-            pending |= s.journal.first().map(|e| e.is_some()).unwrap_or(true);
+            // Refused entries are not pending: nothing will migrate them, and they keep no agent up.
+            let roots = &s.roots;
+            pending |= s.journal.first_where(|e| migrate::beneath(&e.dest, roots)).map(|e| e.is_some()).unwrap_or(true);
         }
         m.pending.store(pending, Ordering::Release);
         if !worked {
@@ -212,17 +329,104 @@ fn run(configured: Vec<PathBuf>, m: Arc<Migrations>) {
     }
 }
 
-/// Whether the oldest pending file waits for the program to pause (see [`QUIET`], [`MAX_HOLD`]).
-fn held(j: &Journal) -> bool {
+/// Whether the oldest pending file (of those migrated to `roots`) waits for the program to pause (see
+/// [`QUIET`], [`MAX_HOLD`]).
+fn held(j: &Journal, roots: &[PathBuf]) -> bool {
     let now = tierstore_core::writeback::journal::now_ns();
     let since = |ns: u64| Duration::from_nanos(now.saturating_sub(ns));
     let busy = j.last_change_ns().map(|t| since(t) < QUIET).unwrap_or(false);
-    busy && j.first().ok().flatten().is_some_and(|e| since(e.created_ns) < MAX_HOLD)
+    busy && j
+        .first_where(|e| migrate::beneath(&e.dest, roots))
+        .ok()
+        .flatten()
+        .is_some_and(|e| since(e.created_ns) < MAX_HOLD)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::os::unix::fs::MetadataExt;
+    use tierstore_core::writeback::journal::new_staged_name;
+
+    fn commit(j: &Journal, dest: &Path, bytes: &[u8]) {
+        let s = new_staged_name();
+        std::fs::write(j.staged_path(&s), bytes).unwrap();
+        let (size, hash) = tierstore_core::hash::hash_file(&j.staged_path(&s)).unwrap();
+        j.commit(dest, &s, size, hash).unwrap();
+    }
+
+    fn wait_for(what: &str, ok: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !ok() {
+            assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn the_agent_migrates_only_beneath_the_destinations_of_its_own_stages() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path();
+        let (store, other_store, victim) = (root.join("store"), root.join("other"), root.join("victim"));
+        for d in [&store, &other_store] {
+            std::fs::create_dir(d).unwrap();
+        }
+        std::fs::write(&victim, b"the user's own").unwrap();
+        // A configured stage whose journal also names a file outside its destination.
+        let mine = root.join("stage/0");
+        let j = Journal::open(&mine).unwrap();
+        commit(&j, &victim, b"planted");
+        commit(&j, &store.join("ok.bin"), b"weights");
+        // A listed stage of another user's (uid 65534), with an entry inside the listed destination.
+        let theirs = root.join("theirs/0");
+        let jt = Journal::open(&theirs).unwrap();
+        commit(&jt, &other_store.join("planted.bin"), b"planted");
+        drop(jt);
+        let as_root = tierstore_core::private::euid() == 0;
+        if as_root {
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        }
+        // A listed stage of this user's, for a destination its configuration does not name.
+        let listed = root.join("listed/0");
+        let jl = Journal::open(&listed).unwrap();
+        commit(&jl, &other_store.join("listed.bin"), b"listed");
+        drop(jl);
+        drop(j);
+        let file = root.join("run/writeback-stages");
+        std::fs::create_dir(file.parent().unwrap()).unwrap();
+        let lines = format!(
+            "{}\t{}\n{}\t{}\n{}\n",
+            theirs.display(),
+            other_store.display(),
+            listed.display(),
+            other_store.display(),
+            root.join("old-format").display()
+        );
+        std::fs::write(&file, lines).unwrap();
+        let m = start_listed_in(vec![(mine.clone(), store.clone())], file);
+        wait_for("the good files are migrated", || {
+            store.join("ok.bin").exists() && other_store.join("listed.bin").exists()
+        });
+        wait_for("the refused entry is counted", || m.refused_entries.load(Ordering::Relaxed) == 1);
+        assert_eq!(std::fs::read(&victim).unwrap(), b"the user's own", "the target is untouched");
+        assert_eq!(std::fs::read(store.join("ok.bin")).unwrap(), b"weights");
+        if as_root {
+            assert_eq!(m.refused_stages.load(Ordering::Relaxed), 1);
+            assert!(!other_store.join("planted.bin").exists(), "another user's stage is never migrated");
+            assert_eq!(std::fs::metadata(&theirs).unwrap().uid(), 65534);
+        }
+        // The refused entry stays in the journal with its staged bytes; nothing keeps the agent busy.
+        std::thread::sleep(RESCAN + Duration::from_millis(200));
+        assert_eq!(m.refused_entries.load(Ordering::Relaxed), 1, "each refused entry is counted once");
+        wait_for("nothing is pending", || !m.pending.load(Ordering::Acquire));
+        let journals = m.journals.lock().unwrap().clone();
+        let j = journals.iter().find(|j| j.data_dir().starts_with(&mine)).unwrap();
+        let left = j.entries().unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].dest, victim);
+        assert!(j.staged_path(&left[0].staged).exists());
+    }
 
     #[test]
     fn backoff_doubles_up_to_its_cap_with_jitter() {

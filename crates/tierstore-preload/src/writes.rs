@@ -234,7 +234,17 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     if flags & libc::O_TRUNC == 0 && exists {
         // The file's current bytes come first (an append, or an update in place).
         let from = pending.as_ref().map(|(p, _)| p.clone()).unwrap_or_else(|| abs.clone());
-        if let Err(e) = std::fs::copy(&from, &staged) {
+        // A staged file keeps the mode it was created with (0600: the stage is the user's alone), where
+        // `std::fs::copy` would give it the source's; a file written through takes the source's, as before.
+        let copied = if through.is_some() {
+            std::fs::copy(&from, &staged)
+        } else {
+            std::fs::File::open(&from).and_then(|mut src| {
+                let mut dst = std::fs::OpenOptions::new().write(true).truncate(true).open(&staged)?;
+                std::io::copy(&mut src, &mut dst)
+            })
+        };
+        if let Err(e) = copied {
             let _ = std::fs::remove_file(&staged);
             set_errno(e.raw_os_error().unwrap_or(libc::EIO));
             return Some(-1);

@@ -42,7 +42,8 @@ impl Durability {
 pub struct Destination {
     /// The directory on the shared store (absolute, normalized) whose writes are staged.
     pub path: PathBuf,
-    /// The node-local stage directory (created if missing): the journal and the staged bytes.
+    /// This user's node-local stage directory, `<configured stage>/<uid>` (see [`stage_dir`]; created 0700
+    /// or checked to be the user's own): the journal and the staged bytes.
     pub stage: PathBuf,
     /// Bytes staged at most (files waiting for migration); a file opened past it is written through.
     pub quota: u64,
@@ -97,6 +98,13 @@ pub fn from_env(text: &str, origin: &Origin) -> Result<toml::Value, ConfigError>
     Ok(toml::Value::Array(list))
 }
 
+/// This user's stage under the configured stage path `configured` (absolute): `<stage>/<uid>`, the directory
+/// every part of write-back uses ([`Destination::stage`]): the journal, the staged files, the list the
+/// agent reads.
+pub fn stage_dir(configured: &Path) -> PathBuf {
+    crate::private::user_dir(configured)
+}
+
 /// A configured path made absolute (`~` is the home directory) and normalized.
 fn absolute(p: &str) -> PathBuf {
     let p = expand_home(p);
@@ -104,7 +112,7 @@ fn absolute(p: &str) -> PathBuf {
 }
 
 /// Validates the `writeback` value (from the file or the environment). Stage directories are created
-/// here, so a stage that cannot exist fails at start.
+/// (or checked to be the user's own) here, so a stage that cannot be used fails at start.
 pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>, ConfigError> {
     let Some((value, origin)) = raw else { return Ok(Vec::new()) };
     let list =
@@ -171,14 +179,17 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
                 "put the stage on node-local storage (an NVMe or SSD directory), outside the destination",
             ));
         }
-        std::fs::create_dir_all(&stage).map_err(|e| {
-            bad(
-                origin,
-                &format!("{k}.stage"),
-                &stage_text,
-                &format!("cannot be created ({e})"),
-                "give a writable local directory",
-            )
+        // The stage path may be given by several users of the node (`/scratch/stage`): this user's staged
+        // bytes and journal live in a directory of their own beneath it, created 0700 or checked.
+        let stage = stage_dir(&stage);
+        crate::private::ensure_dir(&stage).map_err(|e| {
+            let fix = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                "give a local directory only you can write to, or one under a shared sticky directory such as \
+                 /tmp (tierstore keeps your staged files in a directory of your own beneath it, mode 0700)"
+            } else {
+                "give a writable local directory"
+            };
+            bad(origin, &format!("{k}.stage"), &stage_text, &format!("cannot be used ({e})"), fix)
         })?;
         let quota = match get("quota") {
             Some(q) => parse_size(&q).filter(|n| *n > 0).ok_or_else(|| {
@@ -253,6 +264,9 @@ mod tests {
         assert_eq!(out[0].durability, Durability::Remote);
         assert_eq!(out[0].timeout, Duration::from_secs(90));
         assert!(stage.is_dir(), "the stage is created at start");
+        assert_eq!(out[0].stage, stage.join(crate::private::euid().to_string()), "this user's own directory");
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::metadata(&out[0].stage).unwrap().mode() & 0o777, 0o700);
         assert!(out[0].holds(&dest.join("a/b")) && !out[0].holds(&dest) && !out[0].holds(&d.path().join("storex")));
     }
 
@@ -273,6 +287,37 @@ mod tests {
         assert!(e.problem.contains("overlaps"), "{e}");
         let e = validate(Some(&(table(&dest, &stage, "qouta = 1"), Origin::Default))).unwrap_err();
         assert_eq!(e.key, "writeback[0].qouta");
+    }
+
+    #[test]
+    fn a_stage_that_is_not_this_users_own_is_refused_with_the_key_and_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let (dest, stage) = (d.path().join("store"), d.path().join("stage"));
+        std::fs::create_dir(&dest).unwrap();
+        let mine = stage_dir(&stage);
+        std::fs::create_dir_all(&mine).unwrap();
+        // Another user's directory where this user's stage goes (made by them before this user came).
+        if crate::private::euid() == 0 {
+            std::os::unix::fs::chown(&mine, Some(65534), Some(65534)).unwrap();
+            let e = validate(Some(&(table(&dest, &stage, ""), Origin::Default))).unwrap_err();
+            assert_eq!(e.key, "writeback[0].stage");
+            assert!(e.problem.contains("belongs to uid 65534") && e.problem.contains(&*mine.to_string_lossy()), "{e}");
+            assert!(e.fix.contains("only you can write"), "{e}");
+            std::os::unix::fs::chown(&mine, Some(0), Some(0)).unwrap();
+        }
+        // One that others can write.
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = validate(Some(&(table(&dest, &stage, ""), Origin::Default))).unwrap_err();
+        assert_eq!(e.key, "writeback[0].stage");
+        assert!(e.problem.contains("writable by other users"), "{e}");
+        // A symbolic link in its place.
+        std::fs::remove_dir(&mine).unwrap();
+        let elsewhere = d.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &mine).unwrap();
+        let e = validate(Some(&(table(&dest, &stage, ""), Origin::Default))).unwrap_err();
+        assert!(e.problem.contains("symbolic link"), "{e}");
     }
 
     #[test]

@@ -162,14 +162,34 @@ fn get_u64(t: &crate::lmdb::Txn<'_>, db: Db, k: &[u8]) -> Result<u64, LmdbError>
 
 impl Journal {
     /// Opens (creating) the journal of the stage directory `stage`: `stage/journal` (LMDB) and
-    /// `stage/data` (the staged files).
+    /// `stage/data` (the staged files). The stage and both directories are this user's own (created 0700,
+    /// or checked: see `private`), and the journal's files are 0600, so that no other user of the node
+    /// reads a staged byte or plants an entry.
     pub fn open(stage: &Path) -> Result<Journal, JournalError> {
         let dir = stage.join("journal");
         let data = stage.join("data");
-        for d in [&dir, &data] {
-            std::fs::create_dir_all(d).map_err(|source| JournalError::Io {
-                what: "cannot create the stage directory",
-                path: d.clone(),
+        let private = |d: &Path| {
+            crate::private::ensure_dir(d).map_err(|source| JournalError::Io {
+                what: "cannot use the stage directory",
+                path: d.to_path_buf(),
+                source,
+            })
+        };
+        private(stage)?;
+        let journal_dir = private(&dir)?;
+        private(&data)?;
+        // LMDB would create its files with the umask (0644): made first, 0600, never through a link.
+        for name in ["data.mdb", "lock.mdb"] {
+            let made = crate::private::open_file(&journal_dir, name).and_then(|f| {
+                use std::os::unix::fs::{MetadataExt, PermissionsExt};
+                if f.metadata()?.mode() & 0o077 != 0 {
+                    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+                }
+                Ok(())
+            });
+            made.map_err(|source| JournalError::Io {
+                what: "cannot create the journal file",
+                path: dir.join(name),
                 source,
             })?;
         }
@@ -235,6 +255,32 @@ impl Journal {
             None => Ok(None),
             Some(e) => e.map(Some).ok_or_else(|| JournalError::Corrupt(self.dir.clone())),
         }
+    }
+
+    /// The first entry in migration order for which `pick` holds, if any (`first` with a filter: the
+    /// agent skips entries whose destination it refuses).
+    pub fn first_where(&self, mut pick: impl FnMut(&Entry) -> bool) -> Result<Option<Entry>, JournalError> {
+        let t = self.env.read().map_err(self.lmdb())?;
+        let mut found = None;
+        let mut bad = false;
+        t.scan(self.entries, &[], |k, v| {
+            match k.try_into().ok().map(u64::from_be_bytes).and_then(|seq| Entry::decode(seq, v)) {
+                Some(e) if pick(&e) => {
+                    found = Some(e);
+                    false
+                }
+                Some(_) => true,
+                None => {
+                    bad = true;
+                    false
+                }
+            }
+        })
+        .map_err(self.lmdb())?;
+        if bad {
+            return Err(JournalError::Corrupt(self.dir.clone()));
+        }
+        Ok(found)
     }
 
     /// Every pending entry, in migration order.
@@ -361,7 +407,14 @@ impl Journal {
             let path = path.clone();
             move |source| JournalError::Io { what, path, source }
         };
-        let f = std::fs::OpenOptions::new().write(true).open(self.staged_path(&e.staged)).map_err(io("cannot open"))?;
+        let f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(self.staged_path(&e.staged))
+                .map_err(io("cannot open"))?
+        };
         f.set_len(len).map_err(io("cannot truncate"))?;
         f.sync_all().map_err(io("cannot fsync"))?;
         let (size, hash) = hash_file(&self.staged_path(&e.staged)).map_err(io("cannot read"))?;

@@ -6,9 +6,15 @@
 //! change the file meanwhile; only then do the entry and the staged copy go. A crash at any point leaves
 //! either the entry (the step is redone: the temporary name is rewritten, a rename already done is
 //! redone with the same bytes) or nothing to do.
+//!
+//! Only entries whose destination lies beneath one of the stage's configured destination roots are
+//! migrated ([`beneath`]): a journal is trusted no further than the configuration that named its stage,
+//! so an entry pointing elsewhere (`~/.bashrc`, `/lustre/ckpt/../other`) is never written. Such an entry
+//! is left in the journal, untouched, for the agent to report ([`refused`]); the entries after it go on.
 
 use std::io::{self, Read, Write};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Component, Path, PathBuf};
 
 use super::journal::{Entry, Finish, Journal, JournalError};
 use crate::hash::{hash_reader, Hash, Hasher};
@@ -33,11 +39,40 @@ pub fn part_path(dest: &Path) -> PathBuf {
     dest.with_file_name(format!(".{name}.tierstore-part"))
 }
 
+/// Whether `dest` may be written for a stage whose configured destinations are `roots`: it is absolute,
+/// has no `..` (nor `.`) component, and lies strictly beneath one of the roots, compared as lexically
+/// normalized paths. A root that is `/` or not absolute allows nothing.
+pub fn beneath(dest: &Path, roots: &[PathBuf]) -> bool {
+    let plain =
+        |p: &Path| p.is_absolute() && p.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    plain(dest)
+        && roots.iter().any(|r| {
+            let r = crate::source::normalize(r);
+            r.is_absolute() && r != Path::new("/") && dest != r && dest.starts_with(&r)
+        })
+}
+
+/// The pending entries of `j` that [`step`] refuses to migrate for `roots` (their destination is not
+/// beneath any of them): left in the journal, for the agent to report.
+pub fn refused(j: &Journal, roots: &[PathBuf]) -> Result<Vec<Entry>, JournalError> {
+    Ok(j.entries()?.into_iter().filter(|e| !beneath(&e.dest, roots)).collect())
+}
+
 const BUF: usize = 1 << 20;
 
 fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
-    let mut src = std::fs::File::open(from)?;
-    let mut dst = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(to)?;
+    let mut src = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(from)?;
+    // A fresh file under the temporary name, never through a link planted there (a destination directory
+    // other users can write): what a killed attempt left is removed first.
+    match std::fs::remove_file(to) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(to)?;
     let mut h = Hasher::new();
     let mut buf = vec![0u8; BUF];
     let mut n = 0u64;
@@ -116,9 +151,11 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
     Ok(Some(part))
 }
 
-/// Migrates the oldest pending file of `j` (see the module's description).
-pub fn step(j: &Journal) -> Result<Step, JournalError> {
-    let Some(e) = j.first()? else { return Ok(Step::Idle) };
+/// Migrates the oldest pending file of `j` whose destination lies beneath one of `roots`, the stage's
+/// configured destinations (see the module's description); entries that do not are skipped, left as
+/// they are.
+pub fn step(j: &Journal, roots: &[PathBuf]) -> Result<Step, JournalError> {
+    let Some(e) = j.first_where(|e| beneath(&e.dest, roots))? else { return Ok(Step::Idle) };
     let part = match upload(j, &e) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(Step::Superseded),
@@ -163,14 +200,83 @@ mod tests {
             let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
             j.commit(&store.join(name), &s, size, hash).unwrap();
         }
-        let Step::Migrated(first) = step(&j).unwrap() else { panic!("expected a migration") };
+        let Step::Migrated(first) = step(&j, std::slice::from_ref(&store)).unwrap() else {
+            panic!("expected a migration")
+        };
         assert_eq!(first.dest, store.join("a/data"));
         assert!(!store.join("a/meta").exists(), "the later file waits for the earlier one");
-        assert!(matches!(step(&j).unwrap(), Step::Migrated(_)));
-        assert!(matches!(step(&j).unwrap(), Step::Idle));
+        assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
+        assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Idle));
         assert_eq!(std::fs::read(store.join("a/meta")).unwrap(), b"meta");
         assert!(!part_path(&store.join("a/data")).exists());
         assert_eq!(std::fs::read_dir(j.data_dir()).unwrap().count(), 0);
+    }
+
+    fn commit(j: &Journal, dest: &Path, bytes: &[u8]) {
+        let s = new_staged_name();
+        std::fs::write(j.staged_path(&s), bytes).unwrap();
+        let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
+        j.commit(dest, &s, size, hash).unwrap();
+    }
+
+    #[test]
+    fn an_entry_outside_the_stages_destinations_is_never_written_and_stays() {
+        let d = tempfile::tempdir().unwrap();
+        let (stage, store, home) = (d.path().join("stage"), d.path().join("store"), d.path().join("home"));
+        std::fs::create_dir_all(&home).unwrap();
+        let victim = home.join(".bashrc");
+        std::fs::write(&victim, b"the user's own").unwrap();
+        let j = Journal::open(&stage).unwrap();
+        // Closed first, but aimed outside the destination: directly, through `..`, at a sibling whose name
+        // starts like the destination's, and at the destination itself.
+        commit(&j, &victim, b"planted");
+        commit(&j, &store.join("../home/.bashrc"), b"planted");
+        commit(&j, &d.path().join("store-other/x"), b"planted");
+        commit(&j, &store, b"planted");
+        commit(&j, &store.join("ckpt/model.bin"), b"weights");
+        let roots = [store.clone()];
+        assert_eq!(refused(&j, &roots).unwrap().len(), 4);
+        let Step::Migrated(e) = step(&j, &roots).unwrap() else { panic!("expected a migration") };
+        assert_eq!(e.dest, store.join("ckpt/model.bin"), "the entries after a refused one go on");
+        assert!(matches!(step(&j, &roots).unwrap(), Step::Idle), "nothing else is migrated");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"the user's own", "the target is untouched");
+        assert!(!part_path(&victim).exists() && !d.path().join("store-other").exists());
+        assert_eq!(std::fs::read(store.join("ckpt/model.bin")).unwrap(), b"weights");
+        // The refused entries and their staged bytes stay, for the user to see.
+        let left = j.entries().unwrap();
+        assert_eq!(left.len(), 4);
+        assert!(left.iter().all(|e| j.staged_path(&e.staged).exists()));
+        // No destination at all, or `/`, allows nothing.
+        assert!(matches!(step(&j, &[]).unwrap(), Step::Idle));
+        assert!(matches!(step(&j, &[PathBuf::from("/")]).unwrap(), Step::Idle));
+    }
+
+    #[test]
+    fn beneath_compares_normalized_absolute_paths() {
+        let roots = [PathBuf::from("/lustre/ckpt/")];
+        assert!(beneath(Path::new("/lustre/ckpt/a/b"), &roots));
+        assert!(beneath(Path::new("/lustre//ckpt/./a"), &roots));
+        assert!(!beneath(Path::new("/lustre/ckpt"), &roots));
+        assert!(!beneath(Path::new("/lustre/ckpt/../x"), &roots));
+        assert!(!beneath(Path::new("/lustre/ckpt/a/../../x"), &roots));
+        assert!(!beneath(Path::new("/lustre/ckptx/a"), &roots));
+        assert!(!beneath(Path::new("lustre/ckpt/a"), &roots));
+        assert!(beneath(Path::new("/lustre/ckpt/a"), &[PathBuf::from("/lustre/x/../ckpt")]));
+    }
+
+    #[test]
+    fn a_link_at_the_temporary_name_is_replaced_not_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let (stage, store) = (d.path().join("stage"), d.path().join("store"));
+        std::fs::create_dir_all(&store).unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        std::os::unix::fs::symlink(&victim, part_path(&store.join("f"))).unwrap();
+        let j = Journal::open(&stage).unwrap();
+        commit(&j, &store.join("f"), b"bytes");
+        assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        assert_eq!(std::fs::read(store.join("f")).unwrap(), b"bytes");
     }
 
     #[test]
@@ -183,7 +289,9 @@ mod tests {
         let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
         j.commit(&store.join("f"), &s, size, hash).unwrap();
         std::fs::write(j.staged_path(&s), b"wrong!").unwrap();
-        let Step::Failed(_, msg) = step(&j).unwrap() else { panic!("expected a failure") };
+        let Step::Failed(_, msg) = step(&j, std::slice::from_ref(&store)).unwrap() else {
+            panic!("expected a failure")
+        };
         assert!(msg.contains("does not match"), "{msg}");
         assert!(!store.join("f").exists());
         assert_eq!(j.pending(&store).unwrap().errors.len(), 1);

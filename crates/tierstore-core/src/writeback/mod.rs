@@ -14,6 +14,7 @@ pub mod journal;
 pub mod migrate;
 pub mod peers;
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -145,30 +146,141 @@ fn through_name(dest: &Path) -> PathBuf {
     dest.with_file_name(format!(".{name}.tierstore-through-{}-{n}", crate::process::pid()))
 }
 
-/// The file, beside the agent's socket, where writers list the stages they use: an agent migrates
-/// those too, also when it was started with another configuration.
+/// The file, beside the agent's socket (in the user's private runtime directory), where writers list
+/// the stages they use, one line per destination: `STAGE<TAB>DESTINATION`. An agent migrates those too,
+/// also when it was started with another configuration, and each stage's files only to beneath the
+/// destinations listed (or configured) with it.
 pub fn stages_file() -> PathBuf {
     crate::cluster::default_socket().with_file_name("writeback-stages")
 }
 
-/// The stages listed in [`stages_file`].
-pub fn listed_stages() -> Vec<PathBuf> {
-    std::fs::read_to_string(stages_file()).map(|t| t.lines().map(PathBuf::from).collect()).unwrap_or_default()
+/// A path a stages-file line may carry: absolute, with no `..` or `.` component (lexically normal), and
+/// no tab or newline (which separate the fields and the lines).
+fn plain_absolute(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::Component;
+    p.is_absolute()
+        && p.components().all(|c| matches!(c, Component::RootDir | Component::Normal(_)))
+        && !p.as_os_str().as_bytes().iter().any(|b| *b == b'\t' || *b == b'\n')
 }
 
-fn list_stage(stage: &Path) {
-    if listed_stages().iter().any(|s| s == stage) {
+/// The (stage, destination) pairs in the text of a stages file; a line that is not one (a stage listed
+/// alone by an older tierstore, a relative path, `..`, the root as destination) is an error naming it.
+pub fn parse_stages(text: &[u8]) -> Vec<Result<(PathBuf, PathBuf), String>> {
+    use std::os::unix::ffi::OsStrExt;
+    text.split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|line| {
+            let shown = String::from_utf8_lossy(line);
+            let mut fields = line.splitn(2, |b| *b == b'\t');
+            let stage = Path::new(std::ffi::OsStr::from_bytes(fields.next().unwrap_or_default()));
+            let Some(dest) = fields.next().map(|d| Path::new(std::ffi::OsStr::from_bytes(d))) else {
+                return Err(format!(
+                    "the line {shown:?} names a stage without its destination (written by an older tierstore): \
+                     it is not migrated until a writer lists it again"
+                ));
+            };
+            if !plain_absolute(stage) || !plain_absolute(dest) || dest == Path::new("/") {
+                return Err(format!(
+                    "the line {shown:?} is not STAGE<TAB>DESTINATION with two absolute paths (no `..`, and not \
+                     / as destination): it is ignored"
+                ));
+            }
+            Ok((stage.to_path_buf(), dest.to_path_buf()))
+        })
+        .collect()
+}
+
+/// Opens `path` for reading and appending (creating it 0600), never through a symbolic link, and checks
+/// that it is a file of this user's that nobody else can write (narrowing one others can read to 0600).
+fn open_stages_file(path: &Path, create: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(create)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{} is a symbolic link: it is never followed; remove it", path.display()),
+            ),
+            _ => e,
+        })?;
+    let meta = f.metadata()?;
+    if !meta.is_file() || meta.uid() != crate::private::euid() || meta.mode() & 0o022 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a file of yours only you can write (uid {}, mode {:04o}): it is not used; remove it",
+                path.display(),
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(f)
+}
+
+/// The (stage, destination) pairs listed in [`stages_file`], each checked as [`parse_stages`] does; a file
+/// that is not this user's own (or a link) is one error, and lists nothing.
+pub fn listed_stages() -> Vec<Result<(PathBuf, PathBuf), String>> {
+    listed_stages_in(&stages_file())
+}
+
+/// The (stage, destination) pairs listed in the stages file `path` (see [`listed_stages`]).
+pub fn listed_stages_in(path: &Path) -> Vec<Result<(PathBuf, PathBuf), String>> {
+    use std::io::Read;
+    let mut text = Vec::new();
+    match open_stages_file(path, false).and_then(|mut f| f.read_to_end(&mut text)) {
+        Ok(_) => parse_stages(&text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => vec![Err(format!("the list of stages {}: {e}", path.display()))],
+    }
+}
+
+/// Lists `stage` with the destination `dest` it serves in the stages file `file` ([`stages_file`]) once,
+/// so that the agent migrates it: written in the user's private runtime directory (checked, see
+/// `private`), 0600, never through a link.
+fn list_stage(file: &Path, stage: &Path, dest: &Path) {
+    if !plain_absolute(stage) || !plain_absolute(dest) {
+        log::warn!(
+            "the stage {} of {} cannot be listed for the agent (a tab or newline in a path): an agent started \
+             without this configuration does not migrate it",
+            stage.display(),
+            dest.display()
+        );
         return;
     }
-    let file = stages_file();
-    if let Some(d) = file.parent() {
-        use std::os::unix::fs::DirBuilderExt;
-        let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(d);
+    if listed_stages_in(file).iter().any(|l| matches!(l, Ok((s, d)) if s == stage && d == dest)) {
+        return;
     }
-    // One short append: lines of concurrent writers do not interleave.
-    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&file) {
-        use std::io::Write;
-        let _ = f.write_all(format!("{}\n", stage.display()).as_bytes());
+    let listed = file
+        .parent()
+        .map_or(Ok(()), |dir| crate::private::ensure_dir(dir).map(drop))
+        .and_then(|()| open_stages_file(file, true))
+        .and_then(|mut f| {
+            use std::io::Write;
+            use std::os::unix::ffi::OsStrExt;
+            // One short append: lines of concurrent writers do not interleave.
+            let mut line = stage.as_os_str().as_bytes().to_vec();
+            line.push(b'\t');
+            line.extend_from_slice(dest.as_os_str().as_bytes());
+            line.push(b'\n');
+            f.write_all(&line)
+        });
+    if let Err(e) = listed {
+        log::warn!(
+            "cannot list the stage {} for the agent in {}: {e}; an agent started without this configuration does \
+             not migrate it",
+            stage.display(),
+            file.display()
+        );
     }
 }
 
@@ -181,6 +293,9 @@ pub fn agent_answers() -> bool {
 pub struct Writeback {
     dests: Vec<Destination>,
     journals: Mutex<Vec<(PathBuf, Arc<Journal>)>>,
+    /// The destinations this process listed for the agent, and where (see [`stages_file`]).
+    listed: Mutex<Vec<PathBuf>>,
+    stages_file: PathBuf,
     /// The other nodes' agents, for files they staged (read from the configuration on first need).
     peers: OnceLock<Option<peers::PeerReads>>,
 }
@@ -188,7 +303,13 @@ pub struct Writeback {
 impl Writeback {
     /// Write-back for these destinations.
     pub fn new(dests: Vec<Destination>) -> Writeback {
-        Writeback { dests, journals: Mutex::new(Vec::new()), peers: OnceLock::new() }
+        Writeback {
+            dests,
+            journals: Mutex::new(Vec::new()),
+            listed: Mutex::new(Vec::new()),
+            stages_file: stages_file(),
+            peers: OnceLock::new(),
+        }
     }
 
     /// Write-back as the configuration (`tierstore.toml`, `$TIERSTORE_CONFIG`, `$TIERSTORE_WRITEBACK`)
@@ -218,15 +339,25 @@ impl Writeback {
         })
     }
 
-    /// The journal of `d`'s stage (opened once per process, and listed for the agent).
+    /// The journal of `d`'s stage (opened once per process), with the stage listed for the agent as the
+    /// stage of `d` (once per destination and process).
     pub fn journal(&self, d: &Destination) -> Result<Arc<Journal>, WritebackError> {
-        let mut g = self.journals.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, j)) = g.iter().find(|(s, _)| *s == d.stage) {
-            return Ok(j.clone());
+        let j = {
+            let mut g = self.journals.lock().unwrap_or_else(|p| p.into_inner());
+            match g.iter().find(|(s, _)| *s == d.stage) {
+                Some((_, j)) => j.clone(),
+                None => {
+                    let j = Arc::new(Journal::open(&d.stage)?);
+                    g.push((d.stage.clone(), j.clone()));
+                    j
+                }
+            }
+        };
+        let mut listed = self.listed.lock().unwrap_or_else(|p| p.into_inner());
+        if !listed.contains(&d.path) {
+            list_stage(&self.stages_file, &d.stage, &d.path);
+            listed.push(d.path.clone());
         }
-        let j = Arc::new(Journal::open(&d.stage)?);
-        list_stage(&d.stage);
-        g.push((d.stage.clone(), j.clone()));
         Ok(j)
     }
 
@@ -261,16 +392,23 @@ impl Writeback {
                 );
             }
             let temp = through_name(dest);
-            std::fs::File::create(&temp).map_err(|source| WritebackError::Io {
-                what: "cannot create the file written through to the store",
-                path: temp.clone(),
-                source,
-            })?;
+            // A new name (never one a link planted on the store points from): the store's usual mode.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&temp)
+                .map_err(|source| WritebackError::Io {
+                    what: "cannot create the file written through to the store",
+                    path: temp.clone(),
+                    source,
+                })?;
             return Ok(Begin::WriteThrough { temp });
         }
         let name = journal::new_staged_name();
         let path = j.staged_path(&name);
-        std::fs::File::create(&path).map_err(|source| WritebackError::Io {
+        // 0600, a new name, never through a link (the stage is private besides: see `private`).
+        crate::private::create_new(&path).map_err(|source| WritebackError::Io {
             what: "cannot create the staged file",
             path: path.clone(),
             source,
@@ -465,5 +603,100 @@ impl Writeback {
             std::thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())).max(Duration::from_millis(1)));
             pause = (pause * 2).min(Duration::from_millis(50));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+    }
+
+    /// A destination with its stage configured under `root`, as `validate` makes it.
+    fn destination(root: &Path) -> Destination {
+        let (dest, stage) = (root.join("store"), root.join("stage"));
+        std::fs::create_dir(&dest).unwrap();
+        let text = format!("[[writeback]]\npath = {:?}\nstage = {:?}\nquota = \"1G\"", dest.display(), stage.display());
+        let t: toml::Table = text.parse().unwrap();
+        let v = (t["writeback"].clone(), crate::config::values::Origin::Default);
+        config::validate(Some(&v)).unwrap().remove(0)
+    }
+
+    fn writeback(root: &Path, d: Destination) -> Writeback {
+        let mut wb = Writeback::new(vec![d]);
+        wb.stages_file = root.join("run/tierstore/writeback-stages");
+        wb
+    }
+
+    #[test]
+    fn the_stage_its_directories_and_files_are_private() {
+        let t = tempfile::tempdir().unwrap();
+        let d = destination(t.path());
+        let wb = writeback(t.path(), d.clone());
+        let Begin::Staged { name, path } = wb.begin(&d.path.join("ckpt.bin")).unwrap() else { panic!("not staged") };
+        std::fs::write(&path, b"secret weights").unwrap();
+        wb.commit(&d.path.join("ckpt.bin"), &name).unwrap();
+        assert_eq!(d.stage, t.path().join("stage").join(crate::private::euid().to_string()));
+        for dir in [d.stage.clone(), d.stage.join("journal"), d.stage.join("data")] {
+            assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+        }
+        assert_eq!(mode(&path), 0o600, "the staged file");
+        for f in ["data.mdb", "lock.mdb"] {
+            assert_eq!(mode(&d.stage.join("journal").join(f)), 0o600, "the journal's {f}");
+        }
+        let (staged, _) = wb.lookup(&d.path.join("ckpt.bin")).unwrap();
+        assert_eq!(std::fs::read(staged).unwrap(), b"secret weights");
+    }
+
+    #[test]
+    fn writers_list_each_stage_with_its_destination_in_a_private_file() {
+        let t = tempfile::tempdir().unwrap();
+        let d = destination(t.path());
+        let wb = writeback(t.path(), d.clone());
+        wb.journal(&d).unwrap();
+        wb.journal(&d).unwrap();
+        let file = t.path().join("run/tierstore/writeback-stages");
+        // Another process of the same configuration lists nothing twice.
+        list_stage(&file, &d.stage, &d.path);
+        let text = std::fs::read(&file).unwrap();
+        assert_eq!(text, format!("{}\t{}\n", d.stage.display(), d.path.display()).into_bytes());
+        assert_eq!(mode(&file), 0o600);
+        assert_eq!(mode(file.parent().unwrap()), 0o700);
+        assert_eq!(
+            listed_stages_in(&file).into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            [(d.stage.clone(), d.path.clone())]
+        );
+    }
+
+    #[test]
+    fn a_stages_file_through_a_link_or_of_another_user_lists_nothing() {
+        let t = tempfile::tempdir().unwrap();
+        let target = t.path().join("notes.txt");
+        std::fs::write(&target, b"keep").unwrap();
+        let file = t.path().join("writeback-stages");
+        std::os::unix::fs::symlink(&target, &file).unwrap();
+        list_stage(&file, Path::new("/stage/0"), Path::new("/store"));
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep", "a link is never written through");
+        let listed = listed_stages_in(&file);
+        assert!(matches!(&listed[..], [Err(e)] if e.contains("symbolic link")), "{listed:?}");
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, b"/stage/0\t/store\n").unwrap();
+        if crate::private::euid() == 0 {
+            std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
+            let listed = listed_stages_in(&file);
+            assert!(matches!(&listed[..], [Err(e)] if e.contains("uid 65534")), "{listed:?}");
+        }
+    }
+
+    #[test]
+    fn stage_lines_need_a_destination_and_plain_absolute_paths() {
+        let parsed = parse_stages(b"/s/0\t/store\n/old-stage\n/s/0\t/\nrel\t/store\n/s/0\t/store/../home\n\n");
+        assert_eq!(parsed[0], Ok((PathBuf::from("/s/0"), PathBuf::from("/store"))));
+        assert!(parsed[1].as_ref().unwrap_err().contains("without its destination"));
+        assert!(parsed[2..].iter().all(Result::is_err), "{parsed:?}");
+        assert_eq!(parsed.len(), 5);
     }
 }
