@@ -180,7 +180,8 @@ async fn run(a: Args) -> Result<(), String> {
         options.job_members = c.members.iter().map(|m| m.address()).collect();
         options.job = c.job.clone();
         if let Some(url) = &c.registry {
-            let r = tierstore_agent::registry::open(Some(url), &c.job).map_err(|e| e.to_string())?;
+            let token = options.token.as_deref().ok_or("a registry needs the job's token: set [cluster] token_file")?;
+            let r = tierstore_agent::registry::open(Some(url), &c.job, token).map_err(|e| e.to_string())?;
             options.registry = Some(std::sync::Arc::from(r));
         }
     }

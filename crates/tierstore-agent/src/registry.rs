@@ -10,9 +10,11 @@ use std::time::Duration;
 
 mod embedded;
 mod redis;
+mod signed;
 
 pub use embedded::Embedded;
 pub use redis::Redis;
+pub use signed::Signed;
 
 /// A registry call that failed.
 #[derive(Debug, thiserror::Error)]
@@ -40,10 +42,34 @@ pub trait Registry: Send + Sync {
     fn remove(&self, key: &str) -> Result<bool, RegistryError>;
 }
 
-/// The registry a configuration names: Redis at `url`, or an embedded one.
-pub fn open(url: Option<&str>, job: &str) -> Result<Box<dyn Registry>, RegistryError> {
-    match url {
-        Some(u) => Ok(Box::new(Redis::connect(u, job, Duration::from_secs(1))?)),
-        None => Ok(Box::new(Embedded::default())),
+/// A registry shared with other owners (a test keeps one to write into it as a stranger would).
+impl<R: Registry> Registry for std::sync::Arc<R> {
+    fn join(&self, member: &str, ttl: Duration) -> Result<(), RegistryError> {
+        (**self).join(member, ttl)
     }
+    fn leave(&self, member: &str) -> Result<(), RegistryError> {
+        (**self).leave(member)
+    }
+    fn members(&self) -> Result<Vec<String>, RegistryError> {
+        (**self).members()
+    }
+    fn put(&self, key: &str, value: &[u8], ttl: Option<Duration>) -> Result<(), RegistryError> {
+        (**self).put(key, value, ttl)
+    }
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, RegistryError> {
+        (**self).get(key)
+    }
+    fn remove(&self, key: &str) -> Result<bool, RegistryError> {
+        (**self).remove(key)
+    }
+}
+
+/// The registry a configuration names (Redis at `url`, or an embedded one), its entries signed and
+/// checked with the job's `token` (see [`Signed`]).
+pub fn open(url: Option<&str>, job: &str, token: &[u8]) -> Result<Box<dyn Registry>, RegistryError> {
+    let inner: Box<dyn Registry> = match url {
+        Some(u) => Box::new(Redis::connect(u, job, Duration::from_secs(1))?),
+        None => Box::new(Embedded::default()),
+    };
+    Ok(Box::new(Signed::new(inner, job, token)))
 }

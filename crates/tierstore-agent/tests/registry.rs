@@ -5,7 +5,9 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tierstore_agent::registry::{Embedded, Redis, Registry};
+use tierstore_agent::registry::{Embedded, Redis, Registry, Signed};
+
+const TOKEN: &[u8] = b"the-token-of-the-job-0123456789abcdef";
 
 /// A redis-server of this test's own, stopped when dropped.
 struct Server {
@@ -79,6 +81,19 @@ fn the_embedded_registry_conforms() {
 fn the_redis_registry_conforms_on_a_real_server() {
     let server = Server::start();
     conformance(&Redis::connect(&server.url(), "job-a", Duration::from_secs(1)).unwrap());
+}
+
+#[test]
+fn signed_registries_conform_and_ignore_what_a_stranger_writes_into_redis() {
+    conformance(&Signed::new(Box::new(Embedded::default()), "job", TOKEN));
+    let server = Server::start();
+    let signed = || Box::new(Redis::connect(&server.url(), "job-s", Duration::from_secs(1)).unwrap());
+    conformance(&Signed::new(signed(), "job-s", TOKEN));
+    // One ZADD of a stranger's into the job's key, as anyone who reaches the Redis can do.
+    let job = Signed::new(signed(), "job-s", TOKEN);
+    job.join("10.0.0.1:7078", Duration::from_secs(10)).unwrap();
+    signed().join("10.6.6.6:7078", Duration::from_secs(10)).unwrap();
+    assert_eq!(job.members().unwrap(), vec!["10.0.0.1:7078".to_string()]);
 }
 
 #[test]
