@@ -17,7 +17,9 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 use tokio::sync::{watch, Semaphore};
 
 use crate::members::Members;
-use crate::protocol::{self, ErrorCode, Frame, VERSION};
+use tierstore_core::cluster::session;
+
+use crate::protocol::{self, ErrorCode, Frame, MAX_HELLO, VERSION};
 
 pub use crate::options::Options;
 pub use crate::status::{CacheView, Status};
@@ -32,12 +34,17 @@ enum Side {
 /// Why the agent could not start or run.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// Listening beyond loopback without a token would let anyone on the network read the cache.
+    /// Listening without a token would let any host, and on loopback any user of this machine, read the
+    /// cache and the staged files.
     #[error(
-        "refusing to listen on {0} without a token: peers beyond this machine must authenticate; give \
-         every agent of the job the same --token-file, or listen on 127.0.0.1"
+        "refusing to listen on {0} without a token: peers must prove the job's token (on 127.0.0.1 too, which \
+         every user of this machine reaches); give every agent of the job the same --token-file, or set \
+         [cluster] sharing, which makes ~/.tierstore/token when none is configured"
     )]
     NoToken(SocketAddr),
+    /// Pinging peers needs the token they will ask for.
+    #[error("--peers needs the job's token to prove to them: give every agent of the job the same --token-file")]
+    NoTokenForPeers,
     /// Another agent answers on the socket.
     #[error("an agent already runs on {0}; stop it with `tierstore agent stop`, or give another --socket")]
     AlreadyRunning(PathBuf),
@@ -65,6 +72,8 @@ struct Shared {
     total: AtomicU64,
     refused: AtomicU64,
     timeouts: AtomicU64,
+    /// Handshakes in progress on the TCP port, per address (see [`Handshaking`]).
+    handshaking: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
     last_activity: Mutex<Instant>,
     stop: watch::Sender<bool>,
     /// The job's members, this node included (the registry's list when there is one).
@@ -124,10 +133,11 @@ fn io_err(what: &'static str, path: impl std::fmt::Display) -> impl FnOnce(io::E
 impl Agent {
     /// Checks the options and binds the listeners.
     pub async fn bind(options: Options) -> Result<Agent, AgentError> {
-        if let Some(addr) = options.listen {
-            if !addr.ip().is_loopback() && options.token.is_none() {
-                return Err(AgentError::NoToken(addr));
-            }
+        if let (Some(addr), None) = (options.listen, &options.token) {
+            return Err(AgentError::NoToken(addr));
+        }
+        if !options.peers.is_empty() && options.token.is_none() {
+            return Err(AgentError::NoTokenForPeers);
         }
         let unix = bind_unix(&options.socket).await?;
         let streams = crate::stream::Streams::open(&options.stream, &options.socket)?;
@@ -156,6 +166,7 @@ impl Agent {
             total: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
+            handshaking: Mutex::new(std::collections::HashMap::new()),
             last_activity: Mutex::new(Instant::now()),
             stop,
             job_members: Mutex::new(options_members),
@@ -184,12 +195,15 @@ impl Agent {
     /// `idle_exit`. Open connections finish their current request; the socket file is removed.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
         let Agent { shared, unix, tcp, metrics } = self;
-        let limit = Arc::new(Semaphore::new(shared.options.max_connections));
+        // One cap for each door, so that a flood of connections on the TCP port never keeps the node's
+        // own processes out (and the other way round).
+        let local_limit = Arc::new(Semaphore::new(shared.options.max_connections));
+        let peer_limit = Arc::new(Semaphore::new(shared.options.max_connections));
         let mut stopped = shared.stop.subscribe();
-        let unix_loop = accept_unix(unix, shared.clone(), limit.clone());
+        let unix_loop = accept_unix(unix, shared.clone(), local_limit);
         let tcp_loop = async {
             match tcp {
-                Some(l) => accept_tcp(l, shared.clone(), limit.clone()).await,
+                Some(l) => accept_tcp(l, shared.clone(), peer_limit).await,
                 None => std::future::pending().await,
             }
         };
@@ -232,20 +246,14 @@ impl Agent {
     }
 }
 
-/// Binds the Unix socket in a directory only this user can enter, replacing a stale socket file (one no
+/// Binds the Unix socket in a directory of this user's own (made 0700, or checked: see
+/// `tierstore_core::private`; never one another user made first), replacing a stale socket file (one no
 /// agent answers on) and refusing to start beside a live agent.
 async fn bind_unix(path: &Path) -> Result<UnixListener, AgentError> {
-    if let Some(dir) = path.parent() {
-        use std::os::unix::fs::DirBuilderExt;
-        if !dir.exists() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(io_err("cannot create the socket directory", dir.display()))?;
-        }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        tierstore_core::private::ensure_dir(dir).map_err(io_err("cannot use the socket directory", dir.display()))?;
     }
-    if path.exists() {
+    if std::fs::symlink_metadata(path).is_ok() {
         let live = tokio::time::timeout(Duration::from_secs(1), UnixStream::connect(path)).await;
         if matches!(live, Ok(Ok(_))) {
             return Err(AgentError::AlreadyRunning(path.to_path_buf()));
@@ -266,6 +274,13 @@ async fn accept_unix(l: UnixListener, shared: Arc<Shared>, limit: Arc<Semaphore>
         match l.accept().await {
             Ok((stream, _)) => {
                 backoff = Duration::from_millis(1);
+                // The socket's directory is private, but a process of another user that holds a
+                // descriptor of it (or root's choice of directory) must still not be served.
+                if let Err(e) = tierstore_core::private::check_peer(&stream, &shared.options.socket) {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("refused a local connection: {e}");
+                    continue;
+                }
                 let shared = shared.clone();
                 tokio::spawn(async move {
                     serve_connection(stream, Side::Local, shared).await;
@@ -286,12 +301,16 @@ async fn accept_tcp(l: TcpListener, shared: Arc<Shared>, limit: Arc<Semaphore>) 
     loop {
         let Ok(permit) = limit.clone().acquire_owned().await else { return };
         match l.accept().await {
-            Ok((stream, _)) => {
+            Ok((stream, from)) => {
                 backoff = Duration::from_millis(1);
+                let Some(pending) = Handshaking::begin(&shared, from.ip()) else {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    serve_connection(stream, Side::Peer, shared).await;
+                    serve_connection_from(stream, Side::Peer, shared, Some(pending)).await;
                     drop(permit);
                 });
             }
@@ -426,22 +445,59 @@ impl Drop for Open {
     }
 }
 
-fn nonce() -> [u8; 32] {
-    let mut n = [0u8; 32];
-    // SAFETY: getrandom writes at most `n.len()` bytes into the buffer.
-    let got = unsafe { libc::getrandom(n.as_mut_ptr() as *mut libc::c_void, n.len(), 0) };
-    if got != n.len() as isize {
-        // Never expected on Linux; a nonce from the clock and the pid still differs per connection.
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        n = tierstore_core::hash::hash(format!("{t:?}{}", std::process::id()).as_bytes());
+/// The most handshakes one address may have in progress on the TCP port; more are closed at once.
+const PENDING_PER_ADDRESS: usize = 64;
+
+/// The longest a connection may take to prove the token: a stranger holds a slot no longer than this.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A handshake in progress on the TCP port, counted against its address until it ends (in `Drop`).
+struct Handshaking {
+    shared: Arc<Shared>,
+    from: std::net::IpAddr,
+}
+
+impl Handshaking {
+    /// Counts a new handshake from `from`, or `None` when that address already has its share in progress.
+    fn begin(shared: &Arc<Shared>, from: std::net::IpAddr) -> Option<Handshaking> {
+        let mut pending = shared.handshaking.lock().expect("handshaking lock");
+        let n = pending.entry(from).or_insert(0);
+        if *n >= PENDING_PER_ADDRESS {
+            return None;
+        }
+        *n += 1;
+        Some(Handshaking { shared: shared.clone(), from })
     }
-    n
+}
+
+impl Drop for Handshaking {
+    fn drop(&mut self) {
+        let mut pending = self.shared.handshaking.lock().expect("handshaking lock");
+        if let Some(n) = pending.get_mut(&self.from) {
+            *n -= 1;
+            if *n == 0 {
+                pending.remove(&self.from);
+            }
+        }
+    }
 }
 
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
+    stream: S,
+    side: Side,
+    shared: Arc<Shared>,
+) {
+    serve_connection_from(stream, side, shared, None).await
+}
+
+/// Serves one connection: the handshake (see `tierstore_core::cluster::session`; before it, at most a
+/// hello's bytes are read and for at most [`HANDSHAKE_DEADLINE`]), then its requests. `pending` counts
+/// the handshake against the peer's address until it ends.
+async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
     mut stream: S,
     side: Side,
     shared: Arc<Shared>,
+    pending: Option<Handshaking>,
 ) {
     shared.open.fetch_add(1, Ordering::AcqRel);
     shared.total.fetch_add(1, Ordering::Relaxed);
@@ -449,11 +505,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::S
     let _open = Open(shared.clone());
     let mut stop = shared.stop.subscribe();
     let deadline = shared.options.deadline;
-    let n = nonce();
+    let n = session::nonce();
     if protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await.is_err() {
         return;
     }
-    let hello = match tokio::time::timeout(deadline, protocol::read_frame(&mut stream)).await {
+    let within = deadline.min(HANDSHAKE_DEADLINE);
+    let hello = match tokio::time::timeout(within, protocol::read_frame_within(&mut stream, MAX_HELLO)).await {
         Ok(Ok(Some(f))) => f,
         Ok(_) => return,
         Err(_) => {
@@ -461,29 +518,23 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::S
             return;
         }
     };
-    let refusal = match &hello {
-        Frame::Hello { version, .. } if *version != VERSION => Some((
-            ErrorCode::Version,
-            format!("this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"),
-        )),
-        Frame::Hello { node, proof, .. } => match (&shared.options.token, side) {
-            (Some(token), Side::Peer) if !protocol::proof_matches(token, &n, proof) => Some((
-                ErrorCode::Unauthorized,
-                format!("node {node:?}: wrong token; every agent of a job must be given the same token"),
-            )),
-            _ => None,
-        },
-        _ => Some((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+    let token = match side {
+        Side::Peer => shared.options.token.as_deref(),
+        Side::Local => None,
     };
-    if let Some((code, message)) = refusal {
-        shared.refused.fetch_add(1, Ordering::Relaxed);
-        log::warn!("refused a {side:?} connection: {message}");
-        let _ = protocol::write_frame(&mut stream, &Frame::Error { code, message }).await;
+    let welcome = match session::welcome(&hello, &n, token, &shared.options.node) {
+        Ok(w) => w,
+        Err((code, message)) => {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            log::warn!("refused a {side:?} connection: {message}");
+            let _ = protocol::write_frame(&mut stream, &Frame::Error { code, message }).await;
+            return;
+        }
+    };
+    if protocol::write_frame(&mut stream, &welcome).await.is_err() {
         return;
     }
-    if protocol::write_frame(&mut stream, &Frame::Welcome { node: shared.options.node.clone() }).await.is_err() {
-        return;
-    }
+    drop(pending);
     loop {
         let request = tokio::select! {
             r = tokio::time::timeout(shared.options.idle_connection, protocol::read_frame(&mut stream)) => r,
