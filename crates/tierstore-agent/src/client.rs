@@ -107,7 +107,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
             at: at.to_string(),
             message: e.to_string(),
         };
-        let (handshake, hello) = ClientHello::answer(challenge, me, token).map_err(|e| refused(&c.at, e))?;
+        let (handshake, hello) = ClientHello::answer(challenge, &c.at, me, token).map_err(|e| refused(&c.at, e))?;
         c.send(&hello).await?;
         let answer = c.receive().await?;
         c.node = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;

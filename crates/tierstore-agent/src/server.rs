@@ -72,6 +72,9 @@ struct Shared {
     total: AtomicU64,
     refused: AtomicU64,
     timeouts: AtomicU64,
+    /// The addresses peers may dial this agent at, which their proofs must name (see
+    /// `tierstore_core::cluster::session`): as the members name it, as it listens, as its host and node.
+    names: Vec<String>,
     /// Handshakes in progress on the TCP port, per address (see [`Handshaking`]).
     handshaking: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
     last_activity: Mutex<Instant>,
@@ -157,6 +160,7 @@ impl Agent {
         let (stop, _) = watch::channel(false);
         let members = Members::new(options.peers.clone());
         let options_members = options.job_members.clone();
+        let names = dialed_names(&options, listen);
         let shared = Arc::new(Shared {
             members,
             options,
@@ -166,6 +170,7 @@ impl Agent {
             total: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
+            names,
             handshaking: Mutex::new(std::collections::HashMap::new()),
             last_activity: Mutex::new(Instant::now()),
             stop,
@@ -244,6 +249,26 @@ impl Agent {
         let _ = std::fs::remove_file(&shared.options.socket);
         shared.streams.remove();
     }
+}
+
+/// The addresses a peer may dial this agent at: as the members name it (`me`), as it listens, and as
+/// `host:port` and `node:port` for its port.
+fn dialed_names(options: &Options, listen: Option<SocketAddr>) -> Vec<String> {
+    let mut names = Vec::new();
+    if !options.me.is_empty() {
+        names.push(options.me.clone());
+    }
+    if let Some(l) = listen {
+        names.push(l.to_string());
+        names.push(format!("{}:{}", tierstore_core::cluster::hostname(), l.port()));
+        names.push(format!("{}:{}", options.node, l.port()));
+        if l.ip().is_loopback() || l.ip().is_unspecified() {
+            names.push(format!("localhost:{}", l.port()));
+            names.push(format!("127.0.0.1:{}", l.port()));
+        }
+    }
+    names.dedup();
+    names
 }
 
 /// Binds the Unix socket in a directory of this user's own (made 0700, or checked: see
@@ -522,7 +547,7 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
         Side::Peer => shared.options.token.as_deref(),
         Side::Local => None,
     };
-    let welcome = match session::welcome(&hello, &n, token, &shared.options.node) {
+    let welcome = match session::welcome(&hello, &n, token, &shared.names, &shared.options.node) {
         Ok(w) => w,
         Err((code, message)) => {
             shared.refused.fetch_add(1, Ordering::Relaxed);

@@ -90,7 +90,7 @@ async fn a_server_that_cannot_prove_the_token_is_not_spoken_to() {
         let hello = protocol::read_frame(&mut s).await.unwrap().unwrap();
         // It cannot check the client's proof, and it makes its own under a token it guessed.
         let Frame::Hello { .. } = hello else { panic!("{hello:?}") };
-        let forged = session::welcome(&hello, &nonce, None, "owner").unwrap();
+        let forged = session::welcome(&hello, &nonce, None, &[], "owner").unwrap();
         protocol::write_frame(&mut s, &forged).await.unwrap();
         protocol::read_frame(&mut s).await.ok().flatten()
     });
@@ -265,4 +265,30 @@ fn agents_see_each_other_and_a_killed_peer_is_marked_down_within_two_seconds() {
         a.kill().unwrap();
         a.wait().unwrap();
     }
+}
+
+#[tokio::test]
+async fn a_stranger_on_one_port_cannot_relay_a_handshake_to_another_agent() {
+    // The job's agent at `agent`; a stranger listens on a port the reader takes for another member's
+    // (a member that is down, whose port anyone may bind) and relays every byte to the job's agent.
+    let dir = tempfile::tempdir().unwrap();
+    let o = options(dir.path());
+    let bound = Agent::bind(o).await.unwrap();
+    let agent = bound.peer_address().unwrap().to_string();
+    let served = tokio::spawn(bound.serve(std::future::pending()));
+    let squatted = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = squatted.local_addr().unwrap().to_string();
+    let to = agent.clone();
+    let relay = tokio::spawn(async move {
+        let (mut reader, _) = squatted.accept().await.unwrap();
+        let mut job = tokio::net::TcpStream::connect(&to).await.unwrap();
+        let _ = tokio::io::copy_bidirectional(&mut reader, &mut job).await;
+    });
+    match Client::peer(&member, "reader", Some(TOKEN), Duration::from_secs(2)).await {
+        Err(ClientError::Refused { message, .. }) => assert!(message.contains("does not go by"), "{message}"),
+        Err(other) => panic!("expected a refusal, got {other}"),
+        Ok(_) => panic!("a relayed handshake was welcomed"),
+    }
+    relay.abort();
+    served.abort();
 }

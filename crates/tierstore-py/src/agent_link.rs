@@ -91,7 +91,7 @@ impl PyAgentLink {
                 other => stream_error(format!("the agent on {agent}: {other}")),
             };
             let challenge = link.read(&mut r, Some(deadline))?;
-            let (handshake, hello) = ClientHello::answer(challenge, "local", None).map_err(failed)?;
+            let (handshake, hello) = ClientHello::answer(challenge, "", "local", None).map_err(failed)?;
             wire::write_frame(&mut *link.writer.lock().expect("writer lock"), &hello)?;
             handshake.welcome(link.read(&mut r, Some(deadline))?).map_err(failed)?;
             Ok(())

@@ -300,7 +300,7 @@ impl Remote {
         let challenge = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
         let challenge = challenge.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
         let (handshake, hello) =
-            ClientHello::answer(challenge, &self.node, Some(&self.token)).map_err(|e| refused(at.clone(), e))?;
+            ClientHello::answer(challenge, &at, &self.node, Some(&self.token)).map_err(|e| refused(at.clone(), e))?;
         wire::write_frame(&mut stream, &hello).map_err(|e| io_err(&at, e))?;
         let answer = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
         let answer = answer.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
@@ -458,7 +458,7 @@ fn members_from_agent(socket: &Path, deadline: Duration) -> io::Result<Vec<Strin
     s.set_write_timeout(Some(deadline))?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     let closed = || bad("the agent closed the connection".into());
-    let (handshake, hello) = ClientHello::answer(wire::read_frame(&mut s)?.ok_or_else(closed)?, "local", None)
+    let (handshake, hello) = ClientHello::answer(wire::read_frame(&mut s)?.ok_or_else(closed)?, "", "local", None)
         .map_err(|e| bad(e.to_string()))?;
     wire::write_frame(&mut s, &hello)?;
     handshake.welcome(wire::read_frame(&mut s)?.ok_or_else(closed)?).map_err(|e| bad(e.to_string()))?;
@@ -767,7 +767,8 @@ mod tests {
         let nonce = crate::cluster::session::nonce();
         wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce }).unwrap();
         let hello = wire::read_frame(&mut s).unwrap().unwrap();
-        let welcome = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), "owner").unwrap();
+        let names = [l.local_addr().unwrap().to_string()];
+        let welcome = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), &names, "owner").unwrap();
         wire::write_frame(&mut s, &welcome).unwrap();
         let asked = wire::read_frame(&mut s).unwrap();
         assert!(matches!(asked, Some(Frame::Fetch { .. } | Frame::FetchRanges { .. })), "{asked:?}");

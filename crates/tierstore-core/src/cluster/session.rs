@@ -3,19 +3,22 @@
 //!
 //! ```text
 //! agent  → Challenge { version, nonce_s }
-//! client → Hello     { version, node, nonce_c, proof_c = MAC(K, "client" ‖ nonce_c ‖ nonce_s) }
-//! agent  → Welcome   { node,             proof_s = MAC(K, "server" ‖ nonce_c ‖ nonce_s) }
+//! client → Hello     { version, node, nonce_c, proof_c = MAC(K, "client" ‖ agent ‖ nonce_c ‖ nonce_s) }
+//! agent  → Welcome   { node,             proof_s = MAC(K, "server" ‖ agent ‖ nonce_c ‖ nonce_s) }
 //! ```
 //!
-//! `K` is derived from the job's token, which never crosses the network. Each side proves the token over
-//! both nonces and its own role, so a recorded proof is worthless on another connection, a proof cannot
-//! be reflected back to its maker, and a client refuses an agent that has not proved the token (a squatted
-//! port or a forged member serves nothing). On the node's Unix socket there is no token: the kernel's
-//! `SO_PEERCRED` says which user is at the other end (see [`crate::private::check_peer`]), and both
-//! proofs are zeros.
+//! `K` is derived from the job's token, which never crosses the network; `agent` is the address the client
+//! dialed (`host:port`, as the member list names the agent), which the agent checks against its own names.
+//! Each side proves the token over both nonces, its own role and that address: a recorded proof is
+//! worthless on another connection, a proof cannot be reflected back to its maker, a client refuses an
+//! agent that has not proved the token (a squatted port or a forged member serves nothing), and a stranger
+//! on one member's port cannot relay a reader's handshake to another member's agent (the address differs).
+//! On the node's Unix socket there is no token: the kernel's `SO_PEERCRED` says which user is at the other
+//! end (see [`crate::private::check_peer`]), and both proofs are zeros.
 //!
-//! What this does not give yet: an authenticated frame after the handshake. A relay that forwards a whole
-//! handshake still sits on the connection it relayed (docs/reference/security.md says what follows).
+//! What this does not give yet: an authenticated frame after the handshake. A relay on the network path
+//! between a reader and the very agent it dialed still sits on the connection it relayed
+//! (docs/reference/security.md says what follows).
 
 use super::wire::{ErrorCode, Frame, VERSION};
 
@@ -59,56 +62,75 @@ enum Role {
     Server,
 }
 
-/// `MAC(K, role ‖ nonce_c ‖ nonce_s)` under the key derived from `token`.
-fn proof(token: &[u8], role: Role, client: &[u8; 32], server: &[u8; 32]) -> [u8; 32] {
+/// What a proof covers besides the token and the role: the agent's address as dialed, both nonces.
+#[derive(Clone, Copy)]
+struct Bound<'a> {
+    agent: &'a str,
+    client: &'a [u8; 32],
+    server: &'a [u8; 32],
+}
+
+/// `MAC(K, role ‖ agent ‖ nonce_c ‖ nonce_s)` under the key derived from `token`.
+fn proof(token: &[u8], role: Role, to: Bound<'_>) -> [u8; 32] {
     let key = blake3::derive_key("tierstore agent handshake v4", token);
     let mut mac = blake3::Hasher::new_keyed(&key);
     mac.update(match role {
         Role::Client => b"client",
         Role::Server => b"server",
     });
-    mac.update(client);
-    mac.update(server);
+    mac.update(&(to.agent.len() as u64).to_be_bytes());
+    mac.update(to.agent.as_bytes());
+    mac.update(to.client);
+    mac.update(to.server);
     *mac.finalize().as_bytes()
 }
 
-/// Whether `given` is `token`'s proof for `role` over both nonces, compared in constant time.
-fn proves(token: &[u8], role: Role, client: &[u8; 32], server: &[u8; 32], given: &[u8; 32]) -> bool {
-    blake3::Hash::from(proof(token, role, client, server)) == blake3::Hash::from(*given)
+/// Whether `given` is `token`'s proof for `role` over `to`, compared in constant time.
+fn proves(token: &[u8], role: Role, to: Bound<'_>, given: &[u8; 32]) -> bool {
+    blake3::Hash::from(proof(token, role, to)) == blake3::Hash::from(*given)
 }
 
 /// The client's half of a handshake in progress: what it must see in the agent's welcome.
 pub struct ClientHello {
     token: Option<Vec<u8>>,
+    agent: String,
     client: [u8; 32],
     server: [u8; 32],
 }
 
 impl ClientHello {
-    /// The hello that answers the agent's `challenge`, as node `node`; with `token` (TCP) the agent must
-    /// then prove it too, without (the local socket) it need not.
-    pub fn answer(challenge: Frame, node: &str, token: Option<&[u8]>) -> Result<(ClientHello, Frame), HandshakeError> {
+    /// The hello that answers the challenge of the agent dialed at `agent` (`host:port`, as the members
+    /// name it), as node `node`; with `token` (TCP) the agent must then prove it too, without (the local
+    /// socket) it need not.
+    pub fn answer(
+        challenge: Frame,
+        agent: &str,
+        node: &str,
+        token: Option<&[u8]>,
+    ) -> Result<(ClientHello, Frame), HandshakeError> {
         let server = match challenge {
             Frame::Challenge { version, nonce } if version == VERSION => nonce,
             Frame::Challenge { version, .. } => return Err(HandshakeError::Version(version)),
             other => return Err(unexpected("a challenge", &other)),
         };
         let client = nonce();
-        let proof = token.map_or([0; 32], |t| proof(t, Role::Client, &client, &server));
+        let proof =
+            token.map_or([0; 32], |t| proof(t, Role::Client, Bound { agent, client: &client, server: &server }));
         let hello = Frame::Hello { version: VERSION, node: node.to_string(), nonce: client, proof };
-        Ok((ClientHello { token: token.map(<[u8]>::to_vec), client, server }, hello))
+        Ok((ClientHello { token: token.map(<[u8]>::to_vec), agent: agent.to_string(), client, server }, hello))
     }
 
     /// The agent's node name, once its `answer` to the hello is a welcome that proves the token (when the
     /// client has one).
     pub fn welcome(&self, answer: Frame) -> Result<String, HandshakeError> {
         match answer {
-            Frame::Welcome { node, proof } => match &self.token {
-                Some(t) if !proves(t, Role::Server, &self.client, &self.server, &proof) => {
-                    Err(HandshakeError::Unproven)
+            Frame::Welcome { node, proof } => {
+                let to = Bound { agent: &self.agent, client: &self.client, server: &self.server };
+                match &self.token {
+                    Some(t) if !proves(t, Role::Server, to, &proof) => Err(HandshakeError::Unproven),
+                    _ => Ok(node),
                 }
-                _ => Ok(node),
-            },
+            }
             Frame::Error { code, message } => Err(HandshakeError::Refused(code, message)),
             other => Err(unexpected("a welcome", &other)),
         }
@@ -120,29 +142,42 @@ fn unexpected(expected: &'static str, got: &Frame) -> HandshakeError {
     HandshakeError::Unexpected { expected, got: got.chars().take(120).collect() }
 }
 
-/// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`,
-/// or the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
-/// `None` on the local socket.
-pub fn welcome(hello: &Frame, server: &[u8; 32], token: Option<&[u8]>, me: &str) -> Result<Frame, (ErrorCode, String)> {
-    match hello {
-        Frame::Hello { version, .. } if *version != VERSION => Err((
-            ErrorCode::Version,
-            format!("this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"),
-        )),
-        Frame::Hello { node, nonce, proof, .. } => match token {
-            Some(t) if !proves(t, Role::Client, nonce, server, proof) => Err((
-                ErrorCode::Unauthorized,
-                format!("node {node:?}: wrong token; every agent of a job must be given the same token"),
+/// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`, or
+/// the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
+/// `None` on the local socket; `names` are the addresses a client may have dialed this agent at (as the
+/// members name it, its listening address); `me` is its node name.
+pub fn welcome(
+    hello: &Frame,
+    server: &[u8; 32],
+    token: Option<&[u8]>,
+    names: &[String],
+    me: &str,
+) -> Result<Frame, (ErrorCode, String)> {
+    let (node, client, given) =
+        match hello {
+            Frame::Hello { version, .. } if *version != VERSION => return Err((
+                ErrorCode::Version,
+                format!(
+                    "this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"
+                ),
             )),
-            Some(t) => Ok(Frame::Welcome { node: me.to_string(), proof: proof_of_server(t, nonce, server) }),
-            None => Ok(Frame::Welcome { node: me.to_string(), proof: [0; 32] }),
-        },
-        _ => Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+            Frame::Hello { node, nonce, proof, .. } => (node, nonce, proof),
+            _ => return Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+        };
+    let Some(t) = token else { return Ok(Frame::Welcome { node: me.to_string(), proof: [0; 32] }) };
+    let dialed =
+        names.iter().map(|n| Bound { agent: n, client, server }).find(|to| proves(t, Role::Client, *to, given));
+    match dialed {
+        Some(to) => Ok(Frame::Welcome { node: me.to_string(), proof: proof(t, Role::Server, to) }),
+        None => Err((
+            ErrorCode::Unauthorized,
+            format!(
+                "node {node:?}: wrong token, or this agent was dialed at an address it does not go by ({}); every \
+                 agent of a job must be given the same token",
+                names.join(", ")
+            ),
+        )),
     }
-}
-
-fn proof_of_server(token: &[u8], client: &[u8; 32], server: &[u8; 32]) -> [u8; 32] {
-    proof(token, Role::Server, client, server)
 }
 
 #[cfg(test)]
@@ -151,41 +186,54 @@ mod tests {
 
     const TOKEN: &[u8] = b"0123456789abcdef0123456789abcdef-the-job";
 
+    fn names() -> Vec<String> {
+        vec!["b:7078".to_string(), "10.0.0.2:7078".to_string()]
+    }
+
     fn challenge() -> ([u8; 32], Frame) {
         let n = nonce();
         (n, Frame::Challenge { version: VERSION, nonce: n })
     }
 
     #[test]
-    fn both_sides_holding_the_token_complete_the_handshake() {
-        let (server, c) = challenge();
-        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
-        let w = welcome(&hello, &server, Some(TOKEN), "b").unwrap();
-        assert_eq!(client.welcome(w).unwrap(), "b");
+    fn both_sides_holding_the_token_complete_the_handshake_at_any_of_the_agents_names() {
+        for dialed in names() {
+            let (server, c) = challenge();
+            let (client, hello) = ClientHello::answer(c, &dialed, "a", Some(TOKEN)).unwrap();
+            let w = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
+            assert_eq!(client.welcome(w).unwrap(), "b");
+        }
     }
 
     #[test]
     fn a_wrong_token_is_refused_either_way() {
         let (server, c) = challenge();
-        let (_, hello) = ClientHello::answer(c, "a", Some(b"another token, not the job's one!")).unwrap();
-        assert_eq!(welcome(&hello, &server, Some(TOKEN), "b").unwrap_err().0, ErrorCode::Unauthorized);
+        let (_, hello) = ClientHello::answer(c, "b:7078", "a", Some(b"another token, not the job's one!")).unwrap();
+        let refused = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap_err();
+        assert_eq!(refused.0, ErrorCode::Unauthorized);
+        assert!(refused.1.contains("wrong token"), "{}", refused.1);
         // An agent without the token cannot make a welcome the client accepts.
         let (server, c) = challenge();
-        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
+        let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
         let Frame::Hello { nonce: theirs, .. } = hello else { unreachable!() };
-        let proof = proof_of_server(b"a stranger's token, not the job's", &theirs, &server);
-        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }), Err(HandshakeError::Unproven));
+        let to = Bound { agent: "b:7078", client: &theirs, server: &server };
+        let forged = proof(b"a stranger's token, not the job's", Role::Server, to);
+        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof: forged }), Err(HandshakeError::Unproven));
         let unproved = Frame::Welcome { node: "b".into(), proof: [0; 32] };
         assert_eq!(client.welcome(unproved), Err(HandshakeError::Unproven));
     }
 
     #[test]
-    fn a_proof_is_bound_to_both_nonces_and_a_role() {
+    fn a_proof_is_bound_to_both_nonces_a_role_and_the_agent_dialed() {
         let (server, c) = challenge();
-        let (client, hello) = ClientHello::answer(c, "a", Some(TOKEN)).unwrap();
+        let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
         // Replayed on a connection with another challenge: refused.
         let (other_server, _) = challenge();
-        assert!(welcome(&hello, &other_server, Some(TOKEN), "b").is_err());
+        assert!(welcome(&hello, &other_server, Some(TOKEN), &names(), "b").is_err());
+        // Relayed by a stranger on c's port to b's agent: b does not go by c's address.
+        let (server_b, relayed) = challenge();
+        let (_, hello_for_c) = ClientHello::answer(relayed, "c:7078", "a", Some(TOKEN)).unwrap();
+        assert!(welcome(&hello_for_c, &server_b, Some(TOKEN), &names(), "b").is_err());
         // The client's own proof reflected back as the agent's: refused.
         let Frame::Hello { proof, .. } = hello else { unreachable!() };
         assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }), Err(HandshakeError::Unproven));
@@ -195,13 +243,13 @@ mod tests {
     #[test]
     fn the_local_socket_needs_no_token() {
         let (server, c) = challenge();
-        let (client, hello) = ClientHello::answer(c, "local", None).unwrap();
-        assert_eq!(client.welcome(welcome(&hello, &server, None, "n").unwrap()).unwrap(), "n");
+        let (client, hello) = ClientHello::answer(c, "", "local", None).unwrap();
+        assert_eq!(client.welcome(welcome(&hello, &server, None, &[], "n").unwrap()).unwrap(), "n");
     }
 
     #[test]
     fn another_version_is_named() {
-        let e = ClientHello::answer(Frame::Challenge { version: 1, nonce: [0; 32] }, "a", None).err().unwrap();
+        let e = ClientHello::answer(Frame::Challenge { version: 1, nonce: [0; 32] }, "b:1", "a", None).err().unwrap();
         assert!(e.to_string().contains("protocol 1"), "{e}");
     }
 }
