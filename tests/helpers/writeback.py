@@ -21,6 +21,14 @@ from tests.helpers.stores import mounted_store
 PART = ".tierstore-part"
 
 
+def user_stage(dest: Path) -> Path:
+    """The stage directory this user's files of `dest` land in, as tierstore computes it from the
+    configuration in the environment: this user's own directory under the configured stage path."""
+    from tierstore import _core
+
+    return Path(next(d["stage"] for d in _core.Writeback().destinations() if d["path"] == str(dest)))
+
+
 @dataclass
 class Setup:
     """A destination on the stand-in store, a stage, this test's own agent socket, and the environment."""
@@ -28,6 +36,7 @@ class Setup:
     backing: Path
     mount: Path
     dest: Path
+    # This user's stage directory (`<configured stage>/<uid>`): its `data/` holds the staged files.
     stage: Path
     env: dict[str, str]
     fail_file: Path
@@ -104,7 +113,7 @@ def setup(
         import tierstore.writeback
 
         tierstore.writeback.reload()
-        s = Setup(backing, mount, dest, stage, env, fail_file)
+        s = Setup(backing, mount, dest, user_stage(dest), env, fail_file)
         try:
             yield s
         finally:

@@ -30,6 +30,7 @@ import tierstore  # noqa: E402
 from tests.helpers.listing import described, tree  # noqa: E402
 from tests.helpers.marks import needs  # noqa: E402
 from tests.helpers.stores import mounted_store  # noqa: E402
+from tests.helpers.writeback import user_stage  # noqa: E402
 from tierstore import agent, writeback  # noqa: E402
 from tierstore.fs import TierstoreFileSystem  # noqa: E402
 
@@ -40,7 +41,7 @@ class Destination:
 
     dest: Path  # where programs write: the store's mount
     backing: Path  # the same directory as the store holds it: what a reader of the store gets
-    stage: Path
+    stage: Path  # this user's stage directory (`<configured stage>/<uid>`)
     outage: Path  # while this file exists, the store refuses every change (files stay staged)
 
     def pending(self) -> int:
@@ -61,7 +62,7 @@ def destination(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **store: str) -
         monkeypatch.setenv("TIERSTORE_WRITEBACK", f"{dest}:{stage}:1G:local")
         writeback.reload()
         try:
-            yield Destination(dest, backing / "ckpt", stage, outage)
+            yield Destination(dest, backing / "ckpt", user_stage(dest), outage)
         finally:
             outage.unlink(missing_ok=True)
             with contextlib.suppress(Exception):
