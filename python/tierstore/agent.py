@@ -87,14 +87,24 @@ def run_args(
 
 
 def status(socket: Path, timeout: float = 10.0) -> str | None:
-    """The agent's status as JSON text, or None when no agent answers on `socket`."""
+    """The agent's status as JSON text, or None when no agent answers on `socket`.
+
+    Raises:
+        AgentError: something answers there but is refused (another user's process bound in its place),
+            or refuses this client; the message says which.
+    """
     p = subprocess.run(
         [executable(), "status", "--json", "--socket", str(socket)],
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    return p.stdout if p.returncode == 0 else None
+    if p.returncode == 0:
+        return p.stdout
+    said = p.stderr.strip().removeprefix("tierstore-agent: ")
+    if " refused: " in said or "served by uid" in said:
+        raise AgentError(said)
+    return None
 
 
 def start(
@@ -203,7 +213,9 @@ def answers(socket: Path) -> bool:
         s.settimeout(2.0)
         try:
             s.connect(str(socket))
-            _pid, uid, _gid = struct.unpack("3i", s.getsockopt(so.SOL_SOCKET, so.SO_PEERCRED, struct.calcsize("3i")))
+            _pid, uid, _gid = struct.unpack(
+                "3i", s.getsockopt(so.SOL_SOCKET, so.SO_PEERCRED, struct.calcsize("3i"))
+            )
         except OSError:
             return False
     return uid in (os.geteuid(), 0)

@@ -297,7 +297,7 @@ def test_fetcher_killed_mid_copy_blocks_nobody(source: Path, tmp_path: Path) -> 
     )
     try:
         assert child.stdout.readline().strip() == "started"
-        temps = list(Path(tmp_path, "disk-tier").glob("*/tmp/*"))
+        temps = list(Path(tmp_path, "disk-tier").glob("*/*/tmp/*"))
         assert len(temps) == 1 and temps[0].stat().st_size < size, "the copy was not in flight"
         child.send_signal(signal.SIGKILL)
         child.wait(10)
@@ -325,7 +325,7 @@ def test_unreadable_index_falls_back_to_the_source(source: Path, tier: str) -> N
     cache.open(source / "a").read()
     cache.wait()
     del cache
-    for mdb in Path(tier).glob("*/index/data.mdb"):
+    for mdb in Path(tier).glob("*/*/index/data.mdb"):
         mdb.write_bytes(b"this is not an LMDB file" * 1000)
 
     def fresh_process_reads() -> tuple[bytes, dict]:

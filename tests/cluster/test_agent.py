@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import agent_cli as cli
+from tests.helpers.cluster import job_token
 
 
 @pytest.fixture
@@ -58,17 +59,24 @@ def test_an_agent_started_on_demand_exits_when_idle(runtime: dict[str, str]) -> 
     assert cli("status", env=runtime).returncode != 0
 
 
-def test_listening_beyond_loopback_needs_a_token(runtime: dict[str, str], tmp_path: Path) -> None:
-    refused = cli("start", "--listen", "0.0.0.0:0", env=runtime)
-    assert refused.returncode != 0
-    assert "without a token" in refused.stderr and "--token-file" in refused.stderr
-    short = tmp_path / "short"
-    short.write_text("abc")
-    bad = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(short), env=runtime)
-    assert bad.returncode != 0 and "shorter than 16 bytes" in bad.stderr
-    token = tmp_path / "token"
-    token.write_text("0123456789abcdef0123456789abcdef\n")
-    # (Tests listen on loopback only; the token is what any other address would require.)
+def test_listening_needs_a_private_random_token_on_loopback_too(
+    runtime: dict[str, str], tmp_path: Path
+) -> None:
+    for address in ("0.0.0.0:0", "127.0.0.1:0"):
+        refused = cli("start", "--listen", address, env=runtime)
+        assert refused.returncode != 0
+        assert "without a token" in refused.stderr and "--token-file" in refused.stderr
+    for weak in ("abc", "a" * 32, "0123456789abcdef0123456789abcde"):
+        short = tmp_path / "short"
+        short.write_text(weak)
+        short.chmod(0o600)
+        bad = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(short), env=runtime)
+        assert bad.returncode != 0 and "does not hold a random secret" in bad.stderr, (weak, bad.stderr)
+    token = job_token(tmp_path / "token")
+    token.chmod(0o644)
+    readable = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(token), env=runtime)
+    assert readable.returncode != 0 and f"chmod 600 {token}" in readable.stderr, readable.stderr
+    token.chmod(0o600)
     ok = cli("start", "--listen", "127.0.0.1:0", "--token-file", str(token), env=runtime)
     assert ok.returncode == 0, ok.stderr
     report = json.loads(cli("status", "--json", env=runtime).stdout)
@@ -179,9 +187,7 @@ def test_status_names_this_node_as_configured_when_a_peer_refuses_it(
     names this node as the job knows it (`TIERSTORE_NODE`), not by its host name."""
     import socket
 
-    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
-    theirs.write_text("a" * 32)
-    mine.write_text("b" * 32)
+    theirs, mine = job_token(tmp_path / "theirs"), job_token(tmp_path / "mine")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

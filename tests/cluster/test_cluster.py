@@ -25,6 +25,7 @@ from tests.helpers.cluster import (
     Node,
     dataset,
     free_port,
+    job_token,
     make_cluster,
     owner_of,
     stop_cluster,
@@ -146,10 +147,7 @@ def test_a_wrong_token_is_refused_and_the_reader_uses_the_store(
 ) -> None:
     mount, digests = store
     rels = sorted(digests)
-    good = tmp_path / "token"
-    good.write_text("a-long-shared-secret-of-the-job")
-    bad = tmp_path / "bad-token"
-    bad.write_text("somebody-else's-secret-value!")
+    good, bad = job_token(tmp_path / "token"), job_token(tmp_path / "bad-token")
     ports = [free_port(), free_port()]
     cluster = Cluster(mount)
     try:

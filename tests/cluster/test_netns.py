@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cluster import SIZES, dataset, node_env
+from tests.helpers.cluster import SIZES, dataset, job_token, node_env
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tierstore.testing.netns import Nodes
@@ -75,9 +75,7 @@ def test_four_nodes_in_namespaces_read_the_dataset_from_the_store_once(
     backing, mount = slow_store
     digests = dataset(backing)
     rels = sorted(digests)
-    token = tmp_path / "token"
-    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
-    token.chmod(0o600)
+    token = job_token(tmp_path / "token")
     addresses = [n.split("|")[1] for n in namespaces]
     envs = []
     for i in range(len(namespaces)):
@@ -166,8 +164,7 @@ def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
     backing, mount = slow_store
     digests = dataset(backing)
     rels = sorted(digests)
-    token = tmp_path / "token"
-    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
+    token = job_token(tmp_path / "token")
     with Nodes(NODES) as nodes:
         addresses = [n.address for n in nodes.nodes]
         envs = []

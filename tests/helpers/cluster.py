@@ -3,6 +3,7 @@ dataset they read from one stand-in store (tests/cluster: test_cluster, test_reg
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -24,6 +25,13 @@ if TYPE_CHECKING:
 
 # Files under and over one chunk of the wire protocol (1 MiB), and one over inline_max (set to 1 MiB).
 SIZES = [0, 1, 4096, 100_000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 17]
+
+
+def job_token(path: Path) -> Path:
+    """A job's token at `path`, as tierstore asks for one: 32 random bytes as base64, mode 0600."""
+    path.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    path.chmod(0o600)
+    return path
 
 
 def free_port() -> int:
@@ -146,9 +154,7 @@ def netns_job(
     removed after. Needs root."""
     from tierstore.testing.netns import Nodes
 
-    token = tmp_path / "token"
-    token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
-    token.chmod(0o600)
+    token = job_token(tmp_path / "token")
     with Nodes(count) as nodes:
         addresses = [n.address for n in nodes.nodes]
         job: list[Node] = []

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.agents import start_agent, stop_agent
+from tests.helpers.cluster import job_token
 from tests.helpers.stream import MODEL, line
 from tierstore import stream
 
@@ -102,8 +103,7 @@ def test_a_group_consumer_on_another_node_gets_the_tensors_once_through_the_grou
     pytest.importorskip("torch")
     from tierstore.testing.netns import Nodes, start_redis
 
-    token = tmp_path / "token"
-    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token = job_token(tmp_path / "token")
     with Nodes(2) as nodes:
         n0, n1 = nodes.nodes
         url = f"redis://{n0.address}:6391/"

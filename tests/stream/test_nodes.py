@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.agents import child_in, start_agent, stop_agent
+from tests.helpers.cluster import job_token
 from tierstore import stream
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.redis]
@@ -25,8 +26,7 @@ def test_across_namespaces_a_node_pulls_only_what_it_lacks_once_and_catches_up_a
     one pull per version of the tensors their node lacks; Redis restarted, they catch up."""
     from tierstore.testing.netns import Nodes, start_redis
 
-    token = tmp_path / "token"
-    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token = job_token(tmp_path / "token")
     with Nodes(2) as nodes:
         n0, n1 = nodes.nodes
         url = f"redis://{n0.address}:6390/"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cluster import job_token
 from tests.helpers.stores import mounted_store
 from tierstore.testing.netns import Nodes
 
@@ -73,9 +74,7 @@ class Job:
         self.nodes = nodes
         self.dest = mount / "ckpt"
         self.dest.mkdir()
-        token = tmp_path / "token"
-        token.write_text(hashlib.sha256(str(tmp_path).encode()).hexdigest())
-        token.chmod(0o600)
+        token = job_token(tmp_path / "token")
         data = tmp_path / "data"
         data.mkdir()
         addresses = [n.address for n in nodes.nodes]

@@ -104,7 +104,8 @@ impl Env {
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
             let c_path = CString::new(dir.as_os_str().as_bytes()).expect("path without NUL bytes");
             let flags = sync | ffi::MDB_NOTLS;
-            check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o644))?;
+            // 0600: an index names every file its user cached (its directory is private too, see `private`).
+            check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600))?;
             let mut env = env;
             let mut rc = 0;
             let mut dbs = Vec::with_capacity(names.len());

@@ -86,10 +86,10 @@ def agent_start(make: Any, socket: Path | None, **settings: Any) -> None:
     from tierstore import agent as agent_mod
 
     socket = socket or agent_mod.default_socket()
-    if agent_mod.status(socket) is not None:
-        click.echo(f"an agent already runs on {socket}")
-        return
     try:
+        if agent_mod.status(socket) is not None:
+            click.echo(f"an agent already runs on {socket}")
+            return
         pid, log = agent_mod.start(socket, env={**os.environ, **make.env}, **settings)
     except agent_mod.AgentError as e:
         raise click.ClickException(str(e)) from e
@@ -104,7 +104,10 @@ def agent_status(socket: Path | None, as_json: bool) -> None:
     from tierstore import agent as agent_mod
 
     socket = socket or agent_mod.default_socket()
-    report = agent_mod.status(socket)
+    try:
+        report = agent_mod.status(socket)
+    except agent_mod.AgentError as e:
+        raise click.ClickException(str(e)) from e
     if report is None:
         raise click.ClickException(f"no agent answers on {socket}; start one with `tierstore agent start`")
     if as_json:

@@ -96,7 +96,10 @@ def status(make: Any, as_json: bool) -> None:
         members = list(cluster[0]["members"])
         if not members and cluster[0].get("registry"):
             # The members are whoever registered: this node's agent knows them.
-            local = agent_mod.status(agent_mod.default_socket())
+            try:
+                local = agent_mod.status(agent_mod.default_socket())
+            except agent_mod.AgentError:
+                local = None  # not this user's agent: its members are not to be believed
             known = json.loads(local)["members"] if local else []
             members = sorted({cluster[0]["node"], *(m["address"] for m in known)})
         stats["cluster"] = {

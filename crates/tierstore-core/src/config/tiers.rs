@@ -137,13 +137,15 @@ pub(crate) fn validate(
         let path = std::path::absolute(&path).unwrap_or(path);
         // The tier path may be shared by several users (`/dev/shm/tierstore`): this user's copies live in
         // a directory of their own beneath it, created 0700 or checked (see `private`).
-        crate::private::ensure_dir(&crate::private::user_dir(&path)).map_err(|e| {
-            let fix = if e.kind() == std::io::ErrorKind::PermissionDenied {
-                "give a directory only you can write to, or one under a shared sticky directory such as /dev/shm"
+        let mine = crate::private::user_dir(&path);
+        crate::private::ensure_dir(&mine).map_err(|e| {
+            // `ensure_dir` says "cannot create" when mkdir failed, and why it refused a directory otherwise.
+            let (problem, fix) = if e.to_string().starts_with("cannot create") {
+                ("cannot be created", "give a directory you can write to")
             } else {
-                "give a directory you can write to"
+                ("cannot be used", "give a directory only you can write to, or one that root shares sticky (mode 1777)")
             };
-            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("cannot be used ({e})"), fix)
+            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("{problem} ({e})"), fix)
         })?;
         let path = std::fs::canonicalize(&path).unwrap_or(path);
         let probe = crate::private::user_dir(&path).join(format!(".tierstore-probe-{}", crate::process::pid()));
