@@ -7,7 +7,6 @@ Needs root (CI runs as root) to create namespaces and links.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import agent
 from tests.helpers.cli import agent_cli
 from tests.helpers.cluster import free_port, job_token
 from tests.helpers.users import User, throwaway_user
+from tierstore import agent
 
 pytestmark = pytest.mark.root
 
