@@ -12,6 +12,12 @@
 //! and the agent checks its copy ([`serve_damaged`]) and removes it if it is damaged, while the reader
 //! reads the source. A copy with no recorded hash (the source's own descriptor, when no tier had room)
 //! is read and hashed as it is sent, and a mismatch found then is reported as damage at once.
+//!
+//! Every path a request names ([`serve_fetch`], [`serve_ranges`], [`serve_damaged`]) is resolved beneath
+//! the source directory by the cache's peer opens ([`Cache::open_for_peer`],
+//! [`Cache::open_parts_for_peer`], [`Cache::check_served`]; see `tierstore_core::cache`'s `peers.rs`): a
+//! symlink that leads out of the source is refused with an error frame before a byte is read, even where
+//! a local open of this node cached its target, and the reader reads the file from the store itself.
 
 use std::io;
 use std::os::unix::fs::FileExt;

@@ -449,6 +449,17 @@ impl Inner {
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
         };
+        // A copy is read from a descriptor of the very file its version names, checked before the first
+        // byte (the device and inode, which the kernel knows without asking the store), not only at the
+        // end: this node's agent sends a copy to peers while it grows, and vouches for it by its version
+        // (`peers.rs`), so it must never hold the bytes of another file, such as the one a symlink was
+        // switched to between reading the version and opening the path here.
+        if let Some(f) = src.as_file() {
+            if crate::source::posix::inode_of(f).ok() != Some((sid.dev, sid.ino)) {
+                fail(None);
+                return Ok(false);
+            }
+        }
         // A copy that others follow records each piece's chaining value as it is written: the agent sends a
         // peer those pieces before the copy ends, each checked on arrival.
         let mut hasher = self.record_checksums.then(|| match &growing {

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::blocks::{Version, BLOCK};
 use super::engine::Inner;
+use super::peers::Beneath;
 use super::Cache;
 use crate::cluster::remote::Transfer;
 use crate::counters::source as src_slot;
@@ -111,18 +112,28 @@ enum From {
 impl Cache {
     /// Opens `rel` for parts a peer asked for: the copy a tier holds whole when there is a current one,
     /// else the store's file, read by the blocks this agent keeps ([`PartsServed::read`]). No whole copy is
-    /// fetched for parts.
+    /// fetched for parts. On a POSIX source the path is resolved beneath the source, as for a whole file
+    /// (see `peers.rs`): the copy is served only when its version is vouched for, and the store's file is
+    /// the descriptor opened beneath it; a path that leaves the source is refused.
     pub fn open_parts_for_peer(&self, rel: &str) -> Result<PartsServed, Error> {
         let inner = &self.inner;
         let key = key_of(rel);
+        let mut beneath = Beneath::new(inner, rel);
         if let Some(sid) = inner.known_identity(&key, rel)? {
             if let Some(file) = inner.hit(&key, rel, &sid, false).and_then(crate::reader::Reader::into_file) {
-                let served =
-                    PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };
-                return Ok(served);
+                if beneath.vouches(&sid)? {
+                    let served =
+                        PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };
+                    return Ok(served);
+                }
             }
         }
-        let (sid, file) = inner.open_identified(rel)?;
+        let (sid, file) = if beneath.applies() {
+            let (sid, file) = beneath.opened()?;
+            (sid, SourceFile::Posix(file))
+        } else {
+            inner.open_identified(rel)?
+        };
         Ok(PartsServed { identity: sid, from: From::Store(file), rel: rel.into(), inner: inner.clone() })
     }
 }

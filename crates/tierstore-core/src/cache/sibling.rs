@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::engine::Inner;
 use super::flight::{Flight, Outcome};
-use super::peers::Served;
+use super::peers::{Beneath, Served};
 use crate::error::Error;
 use crate::hash::{root_of_pieces, subtree, PIECE};
 use crate::index::Key;
@@ -38,19 +38,39 @@ const STALLED: Duration = Duration::from_secs(60);
 impl Inner {
     /// A large file (more than one piece) that another process of this node is copying from the store:
     /// served as it grows, the flight `flight` (this thread leads it) handed the same copy for the
-    /// agent's other askers and landed when the copy ends. `None` when no other process is copying it.
+    /// agent's other askers and landed when the copy ends. `None` when no other process is copying it, or
+    /// (a POSIX source) `beneath` does not vouch for the version it copies; `Err` (the flight landed)
+    /// when the path the peer asked for leaves the source.
     pub(super) fn follow_sibling(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
         flight: &Arc<Flight>,
+        beneath: &mut Beneath<'_>,
     ) -> Result<Option<Served>, Error> {
-        let Some(temp) = self.sibling_temp(key) else { return Ok(None) };
+        let Some((t, temp)) = self.sibling_temp(key) else { return Ok(None) };
         let Ok(file) = File::open(&temp) else { return Ok(None) };
         let path = self.source.path_of(rel);
         // The version the other process copies: its copy is checked against it once published. (A store
         // that fails to say is left to the usual path, which reports it.)
-        let Ok(sid) = self.source.identify(rel) else { return Ok(None) };
+        let sid = if beneath.applies() {
+            // On a POSIX source, the version the other process reserved its copy for: it reads the copy
+            // from a descriptor of exactly that version, so a version vouched for is a file beneath the
+            // source (and the copy of a file a local open reached through a symlink out of it never is).
+            let reserved = self.tiers[t].index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
+            let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else { return Ok(None) };
+            match beneath.vouches(&sid) {
+                Ok(true) => sid,
+                Ok(false) => return Ok(None),
+                Err(e) => {
+                    self.flights.land(key, flight);
+                    return Err(e);
+                }
+            }
+        } else {
+            let Ok(sid) = self.source.identify(rel) else { return Ok(None) };
+            sid
+        };
         if sid.size <= PIECE as u64 {
             return Ok(None);
         }
@@ -128,19 +148,19 @@ impl Inner {
         }
     }
 
-    /// The temporary copy of `key` that the process holding its fetch lock is writing: `None` when no
-    /// other process holds the lock, or it creates no copy within [`TEMP_WAIT`] (it may still be opening
-    /// the store's file, or reading a small one whole). This thread must lead the process's flight of
+    /// The temporary copy of `key` that the process holding its fetch lock is writing, and its tier: `None`
+    /// when no other process holds the lock, or it creates no copy within [`TEMP_WAIT`] (it may still be
+    /// opening the store's file, or reading a small one whole). This thread must lead the process's flight of
     /// `key`: no other thread of this process then holds the lock, so taking it here means that nobody
     /// does (POSIX record locks are the process's).
-    fn sibling_temp(&self, key: &Key) -> Option<std::path::PathBuf> {
+    fn sibling_temp(&self, key: &Key) -> Option<(usize, std::path::PathBuf)> {
         let since = Instant::now();
         loop {
             if !matches!(self.locks.try_lock(key), Ok(None)) {
                 return None;
             }
-            if let Some(temp) = self.tiers.iter().find_map(|t| t.temp_of_another(key)) {
-                return Some(temp);
+            if let Some(found) = self.tiers.iter().enumerate().find_map(|(i, t)| Some((i, t.temp_of_another(key)?))) {
+                return Some(found);
             }
             if since.elapsed() > TEMP_WAIT {
                 return None;

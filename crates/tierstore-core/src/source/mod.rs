@@ -18,6 +18,10 @@
 //! - **Listing.** [`Source::list`] names the files under a directory (POSIX: one level, with types; an
 //!   object store: every key under the prefix); [`Source::identities`] gives the identity of each file
 //!   directly in a directory, in as few requests as the store allows, equal to what `identify` says.
+//! - **Requests from other nodes** resolve beneath the root: [`PosixSource::open_beneath`] opens a path a
+//!   peer named with `openat2(RESOLVE_BENEATH)`, so a symlink never leads such a request out of the
+//!   source, while [`Source::open`] (every local open) follows the file system's own rules. An object
+//!   store has no symlinks: its keys are what they name.
 //! - **Errors** keep their kind (`NotFound`, `PermissionDenied`, `TimedOut`…) and their message names the
 //!   file and what to do; no request waits past the source's deadline.
 

@@ -169,10 +169,64 @@ impl PosixSource {
         stat_at_c(dir, &c)
     }
 
-    /// Opens a source file for reading (counted).
+    /// Opens a source file for reading (counted), as the file system resolves its path: a symlink is
+    /// followed wherever it leads, as for any program of this node. Every local open goes this way.
     pub fn open_file(&self, rel: &str) -> io::Result<File> {
         self.counters.add(slot::OPENS, 1);
         open_at(self.dir()?, rel)
+    }
+
+    /// Opens a source file for reading strictly beneath the source directory (counted as an open): the
+    /// open for a path that another node named (the agent's `Fetch`, `FetchRanges` and `Damaged`). The
+    /// kernel resolves `rel` from the root's descriptor with `openat2(RESOLVE_BENEATH |
+    /// RESOLVE_NO_MAGICLINKS)`: a symlink inside the source may lead to another file inside it, never out
+    /// of it (an absolute target, or `..` past the root, fails with `EXDEV`), and `/proc` magic links are
+    /// not followed. The descriptor returned is the file that was resolved beneath, so what is read from
+    /// it (or what is checked against its identity) cannot be another file swapped in after a check.
+    ///
+    /// On a kernel without `openat2` (before Linux 5.6, or a seccomp filter that refuses it with `ENOSYS`
+    /// or `EPERM`) the path is walked one component at a time with `O_NOFOLLOW`, and a symlink anywhere on
+    /// it is refused: stricter, never looser.
+    ///
+    /// A path that leaves the source is a `PermissionDenied` error that says so ("… resolves outside the
+    /// source …"); the reader then reads the file from the store itself, as its own file system resolves
+    /// it. Local opens ([`PosixSource::open_file`]) keep following the file system's own rules.
+    pub fn open_beneath(&self, rel: &str) -> io::Result<File> {
+        self.counters.add(slot::OPENS, 1);
+        let dir = self.dir()?;
+        let c = c_path(rel)?;
+        match openat2_beneath(dir, &c) {
+            Ok(f) => Ok(f),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSYS | libc::EPERM)) => {
+                walk_nofollow(dir, rel).map_err(|e| match e {
+                    Walked::Symlink(at) => self.outside(
+                        rel,
+                        &format!("{at} is a symlink, which this kernel (no openat2) cannot follow beneath the source"),
+                    ),
+                    Walked::Failed(e) => e,
+                })
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                Err(self.outside(rel, "a symlink on its path leads out of the source directory"))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                Err(self.outside(rel, &format!("its path goes through a /proc magic link or too many symlinks ({e})")))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The error of a request from another node whose path `rel` leaves the source (`why`). The caller
+    /// names the path (`Error::io`).
+    fn outside(&self, rel: &str, why: &str) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{rel} resolves outside the source {} ({why}): a request from another node is served only \
+                 from files beneath the source; that node reads it from the store itself",
+                self.root.display()
+            ),
+        )
     }
 
     /// Counts a read of `n` bytes done on a source descriptor.
@@ -475,6 +529,108 @@ pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
+/// `openat2(dir, path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`: see
+/// [`PosixSource::open_beneath`]. `O_NONBLOCK` keeps a FIFO planted in the source from blocking the caller
+/// (regular files ignore it).
+fn openat2_beneath(dir: &File, path: &std::ffi::CStr) -> io::Result<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: an all-zero open_how is valid (no flags, no mode, no resolve restrictions); its fields are
+    // set below. The struct is non-exhaustive, so it cannot be written as a literal.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NONBLOCK) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+    loop {
+        // SAFETY: openat2 with a valid directory descriptor, a NUL-terminated path and a pointer to `how`
+        // with its size; the new descriptor is owned by the File.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                dir.as_raw_fd(),
+                path.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if fd >= 0 {
+            return Ok(unsafe { File::from_raw_fd(fd as i32) });
+        }
+        let e = io::Error::last_os_error();
+        // RESOLVE_BENEATH fails with EAGAIN when a rename raced the lookup: try again.
+        if !matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EINTR)) {
+            return Err(e);
+        }
+    }
+}
+
+/// Why [`walk_nofollow`] did not open a file.
+enum Walked {
+    /// The component named (the path up to it) is a symlink.
+    Symlink(String),
+    /// Another error (not found, permission…), as the system gave it.
+    Failed(io::Error),
+}
+
+/// Opens `rel` beneath `dir` one component at a time, none of them followed if it is a symlink: the
+/// fallback of [`openat2_beneath`] on a kernel without `openat2`. `rel` is a checked relative path (no
+/// `.`, `..` or empty component), so the walk cannot climb out of `dir`.
+fn walk_nofollow(dir: &File, rel: &str) -> Result<File, Walked> {
+    let parts: Vec<&str> = rel.split('/').collect();
+    let mut at: Option<File> = None;
+    for (i, part) in parts.iter().enumerate() {
+        let here = parts[..=i].join("/");
+        if part.is_empty() || *part == "." || *part == ".." {
+            return Err(Walked::Failed(io::Error::new(io::ErrorKind::InvalidInput, format!("bad path {rel:?}"))));
+        }
+        let c = c_path(part).map_err(Walked::Failed)?;
+        let last = i + 1 == parts.len();
+        let flags = if last {
+            libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOFOLLOW
+        } else {
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC | libc::O_NOFOLLOW
+        };
+        let from = at.as_ref().unwrap_or(dir);
+        match open_at_flags(from, &c, flags) {
+            Ok(f) => at = Some(f),
+            // O_NOFOLLOW on a symlink: ELOOP for the last component, ENOTDIR (with O_DIRECTORY) before it.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+                let link = stat_at_nofollow(from, &c).is_ok_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFLNK);
+                return Err(if link { Walked::Symlink(here) } else { Walked::Failed(e) });
+            }
+            Err(e) => return Err(Walked::Failed(e)),
+        }
+    }
+    at.ok_or_else(|| Walked::Failed(io::Error::new(io::ErrorKind::InvalidInput, "empty path")))
+}
+
+/// `lstat` of `name` relative to `dir`.
+fn stat_at_nofollow(dir: &File, name: &std::ffi::CStr) -> io::Result<libc::stat> {
+    use std::os::fd::AsRawFd;
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstatat writes into `st` on success.
+    if unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { st.assume_init() })
+}
+
+/// The device and inode of an open file, from the kernel's own inode (`statx` asking only for them, with
+/// `AT_STATX_DONT_SYNC`: no round trip to a network file system), in the form [`SourceId`] records them.
+pub fn inode_of(file: &File) -> io::Result<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let mut x = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC;
+    // SAFETY: statx writes into `x` on success; the path is the empty C string.
+    let rc = unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_INO, x.as_mut_ptr()) };
+    if rc != 0 {
+        let m = file.metadata()?;
+        use std::os::unix::fs::MetadataExt;
+        return Ok((m.dev(), m.ino()));
+    }
+    // SAFETY: statx succeeded.
+    let x = unsafe { x.assume_init() };
+    Ok((libc::makedev(x.stx_dev_major, x.stx_dev_minor), x.stx_ino))
+}
+
 fn open_at_flags(dir: &File, name: &std::ffi::CStr, flags: libc::c_int) -> io::Result<File> {
     use std::os::fd::{AsRawFd, FromRawFd};
     // SAFETY: openat with a valid directory descriptor and NUL-terminated name; the new descriptor is owned.
@@ -558,5 +714,69 @@ mod tests {
         assert!(s.relative(&root.join("../etc/passwd")).is_err());
         assert!(s.relative(&root).is_err());
         assert!(s.relative(Path::new("/etc/passwd")).unwrap_err().to_string().contains("outside the cached source"));
+    }
+
+    #[test]
+    fn a_request_from_another_node_opens_only_beneath_the_source() {
+        use std::io::Read;
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().canonicalize().unwrap();
+        let c = Arc::new(Counters::open(&base.join("c")).unwrap());
+        let root = base.join("src");
+        std::fs::create_dir_all(root.join("d/e")).unwrap();
+        std::fs::write(base.join("secret"), b"secret").unwrap();
+        std::fs::write(root.join("inside.txt"), b"inside").unwrap();
+        std::fs::write(root.join("d/e/deep.txt"), b"deep").unwrap();
+        symlink("inside.txt", root.join("link_in")).unwrap();
+        symlink("../../inside.txt", root.join("d/e/up_in")).unwrap();
+        symlink(root.join("inside.txt"), root.join("abs_in")).unwrap();
+        symlink("d", root.join("dir_in")).unwrap();
+        symlink(base.join("secret"), root.join("escape")).unwrap();
+        symlink("../secret", root.join("up")).unwrap();
+        symlink("..", root.join("parent")).unwrap();
+        symlink("/proc/self/root", root.join("magic")).unwrap();
+        let s = PosixSource::new(&root, None, c);
+        let read = |f: File| {
+            let mut out = Vec::new();
+            (&f).read_to_end(&mut out).unwrap();
+            out
+        };
+        // Beneath the source, through relative symlinks too.
+        for (rel, want) in [
+            ("inside.txt", &b"inside"[..]),
+            ("link_in", b"inside"),
+            ("d/e/deep.txt", b"deep"),
+            ("d/e/up_in", b"inside"),
+            ("dir_in/e/deep.txt", b"deep"),
+        ] {
+            assert_eq!(read(s.open_beneath(rel).unwrap()), want, "{rel}");
+        }
+        // Out of it: refused, and said so. (An absolute symlink is outside even when it names a file of
+        // the source: RESOLVE_BENEATH does not resolve absolute targets.)
+        for rel in ["escape", "up", "parent/secret", "magic/etc/passwd", "abs_in"] {
+            let e = s.open_beneath(rel).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{rel}: {e}");
+            assert!(e.to_string().contains("resolves outside the source"), "{rel}: {e}");
+        }
+        assert_eq!(s.open_beneath("missing").unwrap_err().kind(), io::ErrorKind::NotFound);
+        // A local open follows the file system's rules.
+        assert_eq!(read(s.open_file("escape").unwrap()), b"secret");
+
+        // The walk of a kernel without openat2: no symlink at all, in any component.
+        let d = s.dir().unwrap();
+        assert_eq!(read(walk_nofollow(d, "d/e/deep.txt").ok().unwrap()), b"deep");
+        for (rel, at) in [("link_in", "link_in"), ("dir_in/e/deep.txt", "dir_in"), ("escape", "escape")] {
+            match walk_nofollow(d, rel) {
+                Err(Walked::Symlink(named)) => assert_eq!(named, at),
+                _ => panic!("{rel}: a symlink was followed"),
+            }
+        }
+        assert!(matches!(walk_nofollow(d, "d/../inside.txt"), Err(Walked::Failed(_))));
+        assert!(matches!(walk_nofollow(d, "missing"), Err(Walked::Failed(e)) if e.kind() == io::ErrorKind::NotFound));
+        // The device and inode of an open file, as its identity records them.
+        let f = s.open_beneath("inside.txt").unwrap();
+        let id = SourceId::of(&f.metadata().unwrap());
+        assert_eq!(inode_of(&f).unwrap(), (id.dev, id.ino));
     }
 }
