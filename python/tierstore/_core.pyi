@@ -28,6 +28,7 @@ __all__ = [
     "map_pack",
     "owners",
     "parse_size",
+    "private_dir",
     "read_into",
     "stream_copy",
     "stream_manifest_read",

@@ -153,17 +153,18 @@ pub fn welcome(
     names: &[String],
     me: &str,
 ) -> Result<Frame, (ErrorCode, String)> {
-    let (node, client, given) =
-        match hello {
-            Frame::Hello { version, .. } if *version != VERSION => return Err((
+    let (node, client, given) = match hello {
+        Frame::Hello { version, .. } if *version != VERSION => {
+            return Err((
                 ErrorCode::Version,
                 format!(
                     "this agent speaks protocol {VERSION}, you sent {version}: run the same tierstore on every node"
                 ),
-            )),
-            Frame::Hello { node, nonce, proof, .. } => (node, nonce, proof),
-            _ => return Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
-        };
+            ))
+        }
+        Frame::Hello { node, nonce, proof, .. } => (node, nonce, proof),
+        _ => return Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
+    };
     let Some(t) = token else { return Ok(Frame::Welcome { node: me.to_string(), proof: [0; 32] }) };
     let dialed =
         names.iter().map(|n| Bound { agent: n, client, server }).find(|to| proves(t, Role::Client, *to, given));
