@@ -57,6 +57,45 @@ impl Remote {
         format!("tierstore:{}:stream:{name}", self.job)
     }
 
+    /// The MAC of an announcement of `version` of `name` by `agent`, under the job's token (none without
+    /// one): anyone may write to the job's Redis, only the job's agents can announce a version there.
+    fn mac(&self, name: &str, version: u64, agent: &str) -> Option<String> {
+        let key = blake3::derive_key("tierstore stream announcement v1", self.token.as_deref()?);
+        let mut h = blake3::Hasher::new_keyed(&key);
+        for part in [self.job.as_bytes(), name.as_bytes(), &version.to_be_bytes(), agent.as_bytes()] {
+            h.update(&(part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        Some(h.finalize().to_hex()[..32].to_string())
+    }
+
+    /// `announcement` with its MAC added (see [`Remote::mac`]).
+    fn signed(&self, name: &str, mut announcement: Value) -> Value {
+        let version = announcement["version"].as_u64().unwrap_or(0);
+        let agent = announcement["agent"].as_str().unwrap_or_default().to_string();
+        if let Some(mac) = self.mac(name, version, &agent) {
+            announcement["mac"] = Value::String(mac);
+        }
+        announcement
+    }
+
+    /// The version and the announcing agent of `payload`, if it is an announcement of `name` a job's agent
+    /// signed; anything else is ignored (and said once per follower).
+    fn verified(&self, name: &str, payload: &[u8]) -> Option<(u64, String)> {
+        let v = serde_json::from_slice::<Value>(payload).ok()?;
+        let (version, agent) = (v["version"].as_u64()?, v["agent"].as_str()?);
+        let expected = self.mac(name, version, agent)?;
+        let given = v["mac"].as_str().unwrap_or_default();
+        // Equal lengths first, then a comparison that does not stop at the first difference.
+        let same = given.len() == expected.len()
+            && given.bytes().zip(expected.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
+        if !same {
+            log::warn!("an announcement of {name} in {} is not signed with the job's token: ignored", self.redis);
+            return None;
+        }
+        Some((version, agent.to_string()))
+    }
+
     fn connect(&self, client: &redis::Client) -> redis::RedisResult<redis::Connection> {
         let c = client.get_connection_with_timeout(self.deadline)?;
         c.set_read_timeout(Some(self.deadline))?;
@@ -77,7 +116,7 @@ pub(super) fn announced_latest(remote: &Remote, name: &str) -> Option<u64> {
         }
     };
     let v: Option<Vec<u8>> = redis::cmd("GET").arg(remote.latest_key(name)).query(&mut con).ok()?;
-    serde_json::from_slice::<Value>(&v?).ok()?["version"].as_u64()
+    remote.verified(name, &v?).map(|(version, _)| version)
 }
 
 /// The streams' side of the other nodes: connecting to them, following a stream, relaying a version another
@@ -264,9 +303,11 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
             loop {
                 match rx.recv_timeout(if unsent.is_empty() { REFRESH } else { Duration::from_millis(200) }) {
                     Ok((name, v)) => {
+                        let v = remote.signed(&name, v);
                         latest.insert(name.clone(), v.clone());
                         unsent.insert(name, v);
                         while let Ok((name, v)) = rx.try_recv() {
+                            let v = remote.signed(&name, v);
                             latest.insert(name.clone(), v.clone());
                             unsent.insert(name, v);
                         }
@@ -408,8 +449,8 @@ pub(super) fn follow(
 }
 
 fn arrived(streams: &Arc<Streams>, remote: &Remote, name: &str, payload: &[u8], rt: &tokio::runtime::Handle) {
-    let Ok(v) = serde_json::from_slice::<Value>(payload) else { return };
-    let (Some(version), Some(agent)) = (v["version"].as_u64(), v["agent"].as_str()) else { return };
+    let Some((version, agent)) = remote.verified(name, payload) else { return };
+    let agent = agent.as_str();
     if agent == remote.me {
         return;
     }
@@ -608,5 +649,41 @@ async fn write<S: tokio::io::AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, 
     match tokio::time::timeout(deadline, crate::protocol::write_frame(stream, frame)).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the other agent took nothing in time")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn remote(token: &[u8]) -> Remote {
+        Remote {
+            redis: "redis://127.0.0.1:6379".into(),
+            job: "job".into(),
+            node: "a".into(),
+            me: "10.0.0.1:7078".into(),
+            token: Some(token.to_vec()),
+            deadline: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn only_announcements_signed_with_the_jobs_token_are_followed() {
+        let job = remote(b"the-token-of-the-job-0123456789abcdef");
+        let announced = json!({"name": "policy", "version": 7, "agent": "10.0.0.1:7078", "nbytes": 1});
+        let signed = job.signed("policy", announced.clone()).to_string();
+        assert_eq!(job.verified("policy", signed.as_bytes()), Some((7, "10.0.0.1:7078".to_string())));
+        // Unsigned, for another stream, or with its version or agent changed: ignored.
+        assert_eq!(job.verified("policy", announced.to_string().as_bytes()), None);
+        assert_eq!(job.verified("other", signed.as_bytes()), None);
+        let mut forged: Value = serde_json::from_str(&signed).unwrap();
+        forged["version"] = json!(1u64 << 40);
+        assert_eq!(job.verified("policy", forged.to_string().as_bytes()), None);
+        forged["version"] = json!(7);
+        forged["agent"] = json!("10.6.6.6:7078");
+        assert_eq!(job.verified("policy", forged.to_string().as_bytes()), None);
+        // Signed with another token: ignored.
+        let stranger = remote(b"a stranger's token, not the job's own one");
+        assert_eq!(job.verified("policy", stranger.signed("policy", announced).to_string().as_bytes()), None);
     }
 }
