@@ -200,6 +200,30 @@ def test_quota_full_tier_still_serves_every_read(source: Path, tier: str) -> Non
     assert s["source"]["uncached"] == 36 + 36
 
 
+@pytest.mark.parametrize("policy", ["fill", "lru"])
+def test_sources_sharing_a_tier_directory_share_its_quota(tmp_path: Path, tier: str, policy: str) -> None:
+    """Two datasets cached in one tier directory (with quota 1M each said) hold at most 1M together."""
+    caches, data = [], []
+    for name in ("a", "b"):
+        src = tmp_path / name
+        src.mkdir()
+        data.append(make_files(src, 12, size=50_000))  # 0.6 MB each: together more than the quota
+        caches.append(tierstore.Cache(src, [f"{tier}:1M"], policy=policy))
+    for cache, files in zip(caches, data, strict=True):
+        for p, b in files.items():
+            assert cache.open(p).read() == b
+        cache.wait()
+    for cache, files in zip(caches, data, strict=True):
+        for p, b in files.items():
+            assert cache.open(p).read() == b
+        cache.wait()
+    used = [c.stats()["tiers"][0]["bytes_used"] for c in caches]
+    assert sum(used) <= 1 << 20, f"the tier holds {used} bytes for a quota of 1 MiB"
+    assert used[0] > 0 and used[1] > 0
+    on_disk = sum(f.stat().st_size for f in Path(tier).rglob("data/*/*") if f.is_file())
+    assert on_disk <= 1 << 20
+
+
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs to fill a real disk needs root")
 def test_disk_full_under_the_tier_falls_back(source: Path, shm_dir: Path) -> None:

@@ -22,6 +22,7 @@ pub mod process;
 pub mod reader;
 pub mod source;
 pub mod tier;
+pub mod usage;
 pub mod writeback;
 
 pub use cluster::{owners, remote, wire};

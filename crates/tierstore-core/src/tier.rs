@@ -19,6 +19,7 @@ use crate::config::{TierConfig, TierKind};
 use crate::counters::Counters;
 use crate::index::{Index, IndexError, Key};
 use crate::placement::Policy;
+use crate::usage::TierUsage;
 
 /// One tier of the cache.
 pub struct Tier {
@@ -30,6 +31,9 @@ pub struct Tier {
     pub index: Result<Index, String>,
     /// Counters of this tier, shared by the node.
     pub counters: Counters,
+    /// What the user's other sources hold in this tier directory, which bounds this one's room (none when
+    /// the table could not be opened: the quota then bounds this source alone).
+    usage: Option<TierUsage>,
     /// A descriptor of `data/`: copies are opened relative to it (a short path walk on every hit).
     data_dir: File,
     /// `data/` with symlinks resolved, as /proc names the descriptors of copies.
@@ -93,10 +97,45 @@ impl Tier {
         }
         let counters = Counters::open(&root.join("counters"))?;
         let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
+        let user_dir = root.parent().expect("a namespace has a parent");
+        let usage = match TierUsage::open(user_dir, &namespace(source)) {
+            Ok(u) => {
+                if let Ok(used) = index.as_ref().map(Index::usage_bytes) {
+                    u.set(used.unwrap_or(0));
+                }
+                Some(u)
+            }
+            Err(e) => {
+                log::warn!(
+                    "{}: the usage of its sources cannot be shared ({e}); its quota bounds each alone",
+                    root.display()
+                );
+                None
+            }
+        };
         let data_dir = crate::source::open_dir(&root.join("data"))?;
         let data_real = std::fs::canonicalize(root.join("data"))?;
         let data_dev = std::os::unix::fs::MetadataExt::dev(&data_dir.metadata()?);
-        Ok(Tier { config: config.clone(), root, index, counters, data_dir, data_real, data_dev })
+        Ok(Tier { config: config.clone(), root, index, counters, usage, data_dir, data_real, data_dev })
+    }
+
+    /// This source's share of the tier's quota, given its `used` bytes: the quota less what the user's other
+    /// sources hold in the tier directory. Records `used` for them in turn.
+    pub fn quota_left_by_others(&self, used: u64) -> u64 {
+        match &self.usage {
+            Some(u) => {
+                u.set(used);
+                self.config.quota.saturating_sub(u.others())
+            }
+            None => self.config.quota,
+        }
+    }
+
+    /// Records that this source now holds `used` bytes of the tier (see [`Tier::quota_left_by_others`]).
+    pub fn record_usage(&self, used: u64) {
+        if let Some(u) = &self.usage {
+            u.set(used);
+        }
     }
 
     /// Whether copies of this tier live on device `dev` (a cheap first test before [`Tier::key_of_copy`]).

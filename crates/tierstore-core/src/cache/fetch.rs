@@ -307,18 +307,24 @@ impl Inner {
     /// Reserves room for the entry by policy; returns the tier that took it. `seen`: when the source showed
     /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
     pub(super) fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
-        let free: Vec<Option<u64>> = self
+        // Each tier's quota bounds every source of the user in it together: this source's share is the
+        // quota less what the others hold (see `usage`).
+        let quotas: Vec<u64> = self
             .tiers
             .iter()
             .map(|t| {
-                t.index
-                    .as_ref()
-                    .ok()
-                    .and_then(|ix| ix.usage_bytes().ok())
-                    .map(|used| t.config.quota.saturating_sub(used))
+                let used = t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok());
+                used.map_or(t.config.quota, |used| t.quota_left_by_others(used))
             })
             .collect();
-        let quotas: Vec<u64> = self.tiers.iter().map(|t| t.config.quota).collect();
+        let free: Vec<Option<u64>> = self
+            .tiers
+            .iter()
+            .zip(&quotas)
+            .map(|(t, quota)| {
+                t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok()).map(|used| quota.saturating_sub(used))
+            })
+            .collect();
         for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
             let tier = &self.tiers[i];
             let Ok(ix) = &tier.index else { continue };
@@ -330,9 +336,12 @@ impl Inner {
                     Err(e) => e.kind() == io::ErrorKind::NotFound,
                 }
             };
-            match ix.reserve(key, rel, sid, seen, tier.config.quota, evict, &mut try_remove) {
+            match ix.reserve(key, rel, sid, seen, quotas[i], evict, &mut try_remove) {
                 Ok(Reservation::Reserved { evicted }) => {
                     tier.counters.add(tier_slot::EVICTIONS, evicted);
+                    if let Ok(used) = ix.usage_bytes() {
+                        tier.record_usage(used);
+                    }
                     return Some(i);
                 }
                 Ok(Reservation::NoRoom { evicted }) => tier.counters.add(tier_slot::EVICTIONS, evicted),
