@@ -11,8 +11,15 @@
 //! migrated ([`beneath`]): a journal is trusted no further than the configuration that named its stage,
 //! so an entry pointing elsewhere (`~/.bashrc`, `/lustre/ckpt/../other`) is never written. Such an entry
 //! is left in the journal, untouched, for the agent to report ([`refused`]); the entries after it go on.
+//!
+//! Beneath its root, the destination's directory is reached one component at a time, none followed if it
+//! is a symbolic link ([`dest_dir`]), and every later step names files through that directory's
+//! descriptor: a link another user plants inside a destination they can write to never sends a
+//! checkpoint outside it.
 
+use std::fs::File;
 use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -89,8 +96,51 @@ fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
     Ok((n, *h.finalize().as_bytes()))
 }
 
-fn fsync_dir(dir: &Path) -> io::Result<()> {
-    std::fs::File::open(dir)?.sync_all()
+/// The directory `dest` goes in, opened from the destination root (among `roots`) that holds it, one
+/// component at a time: each made if missing, none followed if it is a symbolic link. Paths under
+/// [`through`] of it name that very directory, whatever is renamed on the way afterwards.
+fn dest_dir(dest: &Path, roots: &[PathBuf]) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let outside =
+        || io::Error::new(io::ErrorKind::PermissionDenied, format!("{} is outside its destinations", dest.display()));
+    let root = roots.iter().map(|r| crate::source::normalize(r)).find(|r| dest.starts_with(r)).ok_or_else(outside)?;
+    let rel = dest.parent().and_then(|p| p.strip_prefix(&root).ok()).ok_or_else(outside)?;
+    // The root is the configuration's own path: made if missing and followed as the user wrote it.
+    std::fs::create_dir_all(&root)?;
+    let mut dir = crate::source::open_dir(&root)?;
+    for c in rel.components() {
+        let Component::Normal(name) = c else { return Err(outside()) };
+        let name = std::ffi::CString::new(name.as_bytes()).map_err(|_| outside())?;
+        // SAFETY: mkdirat and openat with a valid directory descriptor and a NUL-terminated name.
+        unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o777) };
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        // SAFETY: as above; the new descriptor is owned below.
+        let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ELOOP) | Some(libc::ENOTDIR) => io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{} is a symbolic link (or not a directory) inside the destination {}: a checkpoint is never \
+                         written through one; remove it",
+                        root.join(rel).display(),
+                        root.display()
+                    ),
+                ),
+                _ => e,
+            });
+        }
+        // SAFETY: `fd` was just opened.
+        dir = unsafe { File::from_raw_fd(fd) };
+    }
+    Ok(dir)
+}
+
+/// `name` in the directory `dir`, as a path that resolves through its descriptor (`/proc/self/fd/N/name`).
+fn through(dir: &File, name: &std::ffi::OsStr) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name)
 }
 
 fn context<'a>(what: &str, path: &'a Path) -> impl FnOnce(io::Error) -> String + 'a {
@@ -98,8 +148,16 @@ fn context<'a>(what: &str, path: &'a Path) -> impl FnOnce(io::Error) -> String +
     move |e| format!("{what} {}: {e}", path.display())
 }
 
+/// Where an entry's bytes go: its directory on the store (see [`dest_dir`]), the temporary name and the
+/// final one, both named through that directory.
+struct Upload {
+    dir: File,
+    part: PathBuf,
+    dest: PathBuf,
+}
+
 /// Uploads `e` under its temporary name and checks it; `Ok(None)` when the entry was superseded.
-fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
+fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, String> {
     let staged = j.staged_path(&e.staged);
     if !staged.exists() {
         // Renamed or rewritten since it was read from the journal (its staged copy went with it)?
@@ -112,9 +170,9 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
             _ => Ok(None),
         };
     }
-    let dir = e.dest.parent().ok_or_else(|| format!("{} has no directory", e.dest.display()))?;
-    std::fs::create_dir_all(dir).map_err(context("cannot create the directory", dir))?;
-    let part = part_path(&e.dest);
+    let dir = dest_dir(&e.dest, roots).map_err(context("cannot open the directory of", &e.dest))?;
+    let name = e.dest.file_name().ok_or_else(|| format!("{} has no file name", e.dest.display()))?;
+    let part = through(&dir, part_path(&e.dest).file_name().expect("a part has a name"));
     let copied = copy_hashed(&staged, &part);
     let (size, hash) = match copied {
         Ok(v) => v,
@@ -122,7 +180,10 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
             let _ = std::fs::remove_file(&part);
             return Ok(None);
         }
-        Err(err) => return Err(format!("cannot upload {} to {}: {err}", e.dest.display(), part.display())),
+        Err(err) => {
+            let shown = part_path(&e.dest);
+            return Err(format!("cannot upload {} to {}: {err}", e.dest.display(), shown.display()));
+        }
     };
     if (size, hash) != (e.size, e.hash) {
         let _ = std::fs::remove_file(&part);
@@ -137,18 +198,19 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
             staged.display()
         ));
     }
-    let back = std::fs::File::open(&part).and_then(hash_reader).map_err(context("cannot read back", &part))?;
+    let shown = part_path(&e.dest);
+    let back = std::fs::File::open(&part).and_then(hash_reader).map_err(context("cannot read back", &shown))?;
     if back != (e.size, e.hash) {
         let _ = std::fs::remove_file(&part);
         return Err(format!(
             "the store's copy {} read back {} bytes with another checksum than the {} written: the store \
              damaged it; retrying",
-            part.display(),
+            shown.display(),
             back.0,
             e.size
         ));
     }
-    Ok(Some(part))
+    Ok(Some(Upload { dest: through(&dir, name), dir, part }))
 }
 
 /// Migrates the oldest pending file of `j` whose destination lies beneath one of `roots`, the stage's
@@ -156,27 +218,26 @@ fn upload(j: &Journal, e: &Entry) -> Result<Option<PathBuf>, String> {
 /// they are.
 pub fn step(j: &Journal, roots: &[PathBuf]) -> Result<Step, JournalError> {
     let Some(e) = j.first_where(|e| beneath(&e.dest, roots))? else { return Ok(Step::Idle) };
-    let part = match upload(j, &e) {
-        Ok(Some(p)) => p,
+    let up = match upload(j, &e, roots) {
+        Ok(Some(up)) => up,
         Ok(None) => return Ok(Step::Superseded),
         Err(msg) => {
             j.note_error(e.seq, &msg)?;
             return Ok(Step::Failed(e, msg));
         }
     };
-    let dir = e.dest.parent().map(Path::to_path_buf).unwrap_or_default();
     let finished = j.finish(&e, || {
-        std::fs::rename(&part, &e.dest)?;
-        fsync_dir(&dir)
+        std::fs::rename(&up.part, &up.dest)?;
+        up.dir.sync_all()
     })?;
     match finished {
         Ok(Finish::Done) => Ok(Step::Migrated(e)),
         Ok(Finish::Superseded) => {
-            let _ = std::fs::remove_file(&part);
+            let _ = std::fs::remove_file(&up.part);
             Ok(Step::Superseded)
         }
         Err(err) => {
-            let msg = format!("cannot rename {} into place as {}: {err}", part.display(), e.dest.display());
+            let msg = format!("cannot rename {} into place: {err}", e.dest.display());
             j.note_error(e.seq, &msg)?;
             Ok(Step::Failed(e, msg))
         }
@@ -277,6 +338,28 @@ mod tests {
         assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
         assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
         assert_eq!(std::fs::read(store.join("f")).unwrap(), b"bytes");
+    }
+
+    #[test]
+    fn a_link_inside_the_destination_never_sends_a_checkpoint_outside_it() {
+        let d = tempfile::tempdir().unwrap();
+        let (stage, store, elsewhere) = (d.path().join("stage"), d.path().join("store"), d.path().join("elsewhere"));
+        std::fs::create_dir_all(&store).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        // Another user who can write to the destination plants a directory link out of it.
+        std::os::unix::fs::symlink(&elsewhere, store.join("run")).unwrap();
+        let j = Journal::open(&stage).unwrap();
+        commit(&j, &store.join("run/step_1/model.pt"), b"weights");
+        let Step::Failed(_, msg) = step(&j, std::slice::from_ref(&store)).unwrap() else {
+            panic!("expected a refusal")
+        };
+        assert!(msg.contains("symbolic link"), "{msg}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing was made or written outside");
+        assert_eq!(j.entries().unwrap().len(), 1, "the entry stays, for the user to see");
+        // With the link gone, the same entry migrates into a real directory.
+        std::fs::remove_file(store.join("run")).unwrap();
+        assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
+        assert_eq!(std::fs::read(store.join("run/step_1/model.pt")).unwrap(), b"weights");
     }
 
     #[test]
