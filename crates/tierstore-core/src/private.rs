@@ -174,6 +174,11 @@ pub fn ensure_dir(dir: &Path) -> io::Result<File> {
             }
         }
     }
+    if !missing.is_empty() {
+        // Another user may have made a missing directory above first (a race in a sticky directory):
+        // what exists now is checked again, before anything is trusted beneath it.
+        check_ancestors(dir)?;
+    }
     open_checked(dir)
 }
 
