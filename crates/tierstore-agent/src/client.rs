@@ -10,7 +10,7 @@ use tokio::net::{TcpStream, UnixStream};
 
 use tierstore_core::cluster::session::ClientHello;
 
-use crate::protocol::{self, Frame};
+use crate::protocol::{self, Frame, Seals};
 
 /// A failed exchange with an agent.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +52,8 @@ pub enum ClientError {
 /// A connection to an agent, past its hello.
 pub struct Client<S> {
     stream: S,
+    /// The frame keys of the connection (plain on the node's socket).
+    seals: Seals,
     at: String,
     deadline: Duration,
     /// The agent's node name, from its welcome.
@@ -101,7 +103,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         token: Option<&[u8]>,
         deadline: Duration,
     ) -> Result<Self, ClientError> {
-        let mut c = Client { stream, at, deadline, node: String::new() };
+        let mut c = Client { stream, seals: Seals::default(), at, deadline, node: String::new() };
         let challenge = c.receive().await?;
         let refused = |at: &str, e: tierstore_core::cluster::session::HandshakeError| ClientError::Refused {
             at: at.to_string(),
@@ -110,7 +112,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         let (handshake, hello) = ClientHello::answer(challenge, &c.at, me, token).map_err(|e| refused(&c.at, e))?;
         c.send(&hello).await?;
         let answer = c.receive().await?;
-        c.node = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;
+        (c.node, c.seals) = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;
         Ok(c)
     }
 
@@ -125,7 +127,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
     }
 
     async fn receive(&mut self) -> Result<Frame, ClientError> {
-        match tokio::time::timeout(self.deadline, protocol::read_frame(&mut self.stream)).await {
+        match tokio::time::timeout(self.deadline, protocol::read_sealed(&mut self.stream, &mut self.seals.recv)).await {
             Ok(Ok(Some(f))) => Ok(f),
             Ok(Ok(None)) => Err(ClientError::Broken {
                 at: self.at.clone(),
@@ -137,7 +139,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
     }
 
     async fn send(&mut self, frame: &Frame) -> Result<(), ClientError> {
-        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, frame)).await {
+        match tokio::time::timeout(self.deadline, protocol::write_sealed(&mut self.stream, &mut self.seals.send, frame))
+            .await
+        {
             Ok(Ok(())) => Ok(()),
             Ok(Err(source)) => Err(ClientError::Broken { at: self.at.clone(), source }),
             Err(_) => Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),
@@ -160,7 +164,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
 
     /// Sends a frame that gets no answer (credit for a transfer), within the deadline.
     pub async fn send_frame(&mut self, frame: &Frame) -> Result<(), ClientError> {
-        match tokio::time::timeout(self.deadline, protocol::write_frame(&mut self.stream, frame)).await {
+        match tokio::time::timeout(self.deadline, protocol::write_sealed(&mut self.stream, &mut self.seals.send, frame))
+            .await
+        {
             Ok(Ok(())) => Ok(()),
             Ok(Err(source)) => Err(ClientError::Broken { at: self.at.clone(), source }),
             Err(_) => Err(ClientError::Deadline { at: self.at.clone(), waited: self.deadline }),

@@ -4,6 +4,7 @@ use std::io;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+pub use tierstore_core::cluster::seal::{Seal, Seals, TAG};
 pub use tierstore_core::cluster::wire::*;
 
 /// Reads one frame; `Ok(None)` at a clean end of stream (between frames).
@@ -31,10 +32,54 @@ pub async fn read_frame_within<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> i
 
 /// Writes one frame.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, frame: &Frame) -> io::Result<()> {
-    let mut out = Vec::new();
-    encode(frame, &mut out);
+    write_sealed(w, &mut Seal::plain(), frame).await
+}
+
+/// Reads one frame under `seal` (see `tierstore_core::cluster::seal`), whole; `Ok(None)` at a clean end of
+/// stream (between frames).
+pub async fn read_sealed<R: AsyncRead + Unpin>(r: &mut R, seal: &mut Seal) -> io::Result<Option<Frame>> {
+    let mut prefix = [0u8; 4 + TAG];
+    match r.read_exact(&mut prefix[..4]).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = body_len(prefix[..4].try_into().expect("4 bytes")).map_err(invalid)?;
+    let prefix = &mut prefix[..seal.prefix_len()];
+    r.read_exact(&mut prefix[4..]).await?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    seal.open(prefix, &body).map(Some)
+}
+
+/// Writes one frame under `seal`.
+pub async fn write_sealed<W: AsyncWrite + Unpin>(w: &mut W, seal: &mut Seal, frame: &Frame) -> io::Result<()> {
+    let out = seal.bytes_of(frame);
     w.write_all(&out).await?;
     w.flush().await
+}
+
+/// A connection past its handshake: the stream, and the keys its frames are tagged with (plain on the
+/// node's Unix socket). Every frame after the handshake goes through here, so none can go out untagged.
+pub struct Conn<S> {
+    /// The connection.
+    pub stream: S,
+    /// Its frame keys.
+    pub seals: Seals,
+}
+
+impl<S: AsyncRead + Unpin> Conn<S> {
+    /// Reads the next frame; `Ok(None)` at a clean end of stream.
+    pub async fn read_frame(&mut self) -> io::Result<Option<Frame>> {
+        read_sealed(&mut self.stream, &mut self.seals.recv).await
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Conn<S> {
+    /// Writes one frame.
+    pub async fn write_frame(&mut self, frame: &Frame) -> io::Result<()> {
+        write_sealed(&mut self.stream, &mut self.seals.send, frame).await
+    }
 }
 
 #[cfg(test)]

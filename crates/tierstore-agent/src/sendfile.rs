@@ -14,7 +14,8 @@ use std::io::{self, Read};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use tierstore_core::cluster::wire::{self, Frame, CHUNK};
+use tierstore_core::cluster::seal::Seals;
+use tierstore_core::cluster::wire::{Frame, CHUNK};
 use tierstore_core::{CopyState, Growing, Piece};
 
 /// A connection whose socket the owner can hand to `sendfile`: TCP and Unix sockets. Anything else (an
@@ -42,13 +43,21 @@ impl Socket for tokio::io::DuplexStream {
     }
 }
 
-/// A nonblocking socket used from a blocking thread: each wait for it is at most `deadline`.
-struct Polled {
+/// A nonblocking socket used from a blocking thread: each wait for it is at most `deadline`. Its frames
+/// are tagged under the connection's keys, in turn with the frames the async side wrote before.
+pub struct Polled {
     fd: OwnedFd,
     deadline: Duration,
+    seals: Seals,
 }
 
 impl Polled {
+    /// `socket` (a duplicate of the connection's, nonblocking), whose frames are tagged under `seals`,
+    /// each wait at most `deadline`.
+    pub fn new(socket: OwnedFd, seals: Seals, deadline: Duration) -> Polled {
+        Polled { fd: socket, deadline, seals }
+    }
+
     /// Waits until the socket is ready for `events`, at most the deadline.
     fn wait(&self, events: libc::c_short) -> io::Result<()> {
         let until = Instant::now() + self.deadline;
@@ -83,8 +92,23 @@ impl Polled {
     }
 
     /// Sends one whole frame now (not held back for more).
-    fn send_frame(&self, frame: &Frame) -> io::Result<()> {
-        self.send_all(&bytes_of(frame), 0)
+    fn send_frame(&mut self, frame: &Frame) -> io::Result<()> {
+        let bytes = self.seals.send.bytes_of(frame);
+        self.send_all(&bytes, 0)
+    }
+
+    /// Sends a frame that the chunk after it follows at once.
+    fn send_frame_more(&mut self, frame: &Frame) -> io::Result<()> {
+        let bytes = self.seals.send.bytes_of(frame);
+        self.send_more(&bytes)
+    }
+
+    /// Reads one frame (the reader's credit).
+    fn read_frame(&mut self) -> io::Result<Option<Frame>> {
+        let mut seal = std::mem::take(&mut self.seals.recv);
+        let read = seal.read_frame(&mut &*self);
+        self.seals.recv = seal;
+        read
     }
 
     /// Sends all of `bytes` with `send(2)` and `flags`, waiting (at most the deadline each time) while the
@@ -167,8 +191,8 @@ impl Read for &Polled {
     }
 }
 
-/// Sends `size` bytes of `file` as chunks of transfer `id` on `socket` (a duplicate of the connection's),
-/// never more than the reader's credit ahead (starting with `credit`, then as it grants more). Blocking:
+/// Sends `size` bytes of `file` as chunks of transfer `id` on `to` (its frame keys come back with the
+/// result, moved past the frames sent and read), never more than the reader's credit ahead (starting with `credit`, then as it grants more). Blocking:
 /// run it on the blocking pool. `Err`: the connection failed (or broke the protocol) and must be closed.
 ///
 /// With `copy`, `file` is a copy still being made from the store: each chunk is sent once the copy has
@@ -177,19 +201,29 @@ impl Read for &Polled {
 /// `still`, as a whole-file fetch is. `Ok(Err(why))`: the copy stopped short, or did not end as a copy of
 /// one version of the file (nothing more was sent; the caller refuses the transfer).
 pub fn send_chunks(
-    socket: OwnedFd,
+    mut to: Polled,
     file: &File,
     size: u64,
     id: u32,
     credit: u32,
-    deadline: Duration,
+    copy: Option<(&Growing, Duration)>,
+) -> io::Result<(Result<(), String>, Seals)> {
+    let sent = send_all_chunks(&mut to, file, size, id, credit, copy)?;
+    Ok((sent, to.seals))
+}
+
+fn send_all_chunks(
+    s: &mut Polled,
+    file: &File,
+    size: u64,
+    id: u32,
+    credit: u32,
     copy: Option<(&Growing, Duration)>,
 ) -> io::Result<Result<(), String>> {
-    let s = Polled { fd: socket, deadline };
     let mut credit = credit;
     let mut offset = 0u64;
     let mut nonce = 0u64;
-    let mut ping = |s: &Polled| {
+    let mut ping = |s: &mut Polled| {
         nonce += 1;
         s.send_frame(&Frame::Ping { nonce })
     };
@@ -199,14 +233,14 @@ pub fn send_chunks(
             let cv = loop {
                 match copy.piece(k, still) {
                     Piece::Ready(cv) => break cv,
-                    Piece::Pending => ping(&s)?,
+                    Piece::Pending => ping(s)?,
                     Piece::Failed(why) => return Ok(Err(stopped(why))),
                 }
             };
-            s.send_more(&bytes_of(&Frame::Vouch { id, offset, cv }))?;
+            s.send_frame_more(&Frame::Vouch { id, offset, cv })?;
         }
         while credit == 0 {
-            match wire::read_frame(&mut &s)? {
+            match s.read_frame()? {
                 Some(Frame::Credit { id: i, more }) if i == id => credit = credit.saturating_add(more),
                 other => {
                     return Err(io::Error::new(
@@ -217,7 +251,8 @@ pub fn send_chunks(
             }
         }
         let n = CHUNK.min((size - offset) as usize);
-        s.send_more(&wire::chunk_head(id, offset, n))?;
+        let head = s.seals.send.chunk_head(id, offset, n);
+        s.send_more(&head)?;
         s.send_file(file, offset, n)?;
         offset += n as u64;
         credit -= 1;
@@ -228,18 +263,11 @@ pub fn send_chunks(
             match copy.ended(still) {
                 Some(CopyState::Finished) => break,
                 Some(_) => return Ok(Err(stopped(None))),
-                None => ping(&s)?,
+                None => ping(s)?,
             }
         }
     }
     Ok(Ok(()))
-}
-
-/// The wire form of one frame.
-fn bytes_of(frame: &Frame) -> Vec<u8> {
-    let mut out = Vec::new();
-    wire::encode(frame, &mut out);
-    out
 }
 
 /// Why a copy being sent stopped short, for the reader.
@@ -256,27 +284,36 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
 
+    use tierstore_core::cluster::wire;
     use tierstore_core::hash::Pieces;
 
     use super::*;
+
+    /// The keys of a TCP connection, as the agent holds them, and the reader's.
+    fn keys() -> (Seals, Seals) {
+        (Seals::keyed([1; 32], [2; 32]), Seals::keyed([2; 32], [1; 32]))
+    }
 
     /// The chunks a reader gets from `send_chunks` over a Unix socket pair, granting one credit per chunk.
     fn receive(file: File, size: u64, credit: u32) -> Vec<u8> {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
+        let (agent, mut reader) = keys();
         let sender = std::thread::spawn(move || {
-            send_chunks(OwnedFd::from(ours), &file, size, 3, credit, Duration::from_secs(5), None).unwrap().unwrap();
+            let socket = OwnedFd::from(ours);
+            let to = Polled::new(socket, agent, Duration::from_secs(5));
+            send_chunks(to, &file, size, 3, credit, None).unwrap().0.unwrap();
         });
         let mut got = Vec::new();
         while (got.len() as u64) < size {
-            match wire::read_head(&mut theirs).unwrap().unwrap() {
+            match reader.recv.read_head(&mut theirs).unwrap().unwrap() {
                 wire::Head::Chunk { id: 3, offset, len } => {
                     assert_eq!(offset, got.len() as u64);
                     let mut b = vec![0u8; len];
                     theirs.read_exact(&mut b).unwrap();
                     got.extend_from_slice(&b);
                     if (got.len() as u64) < size {
-                        wire::write_frame(&mut theirs, &Frame::Credit { id: 3, more: 1 }).unwrap();
+                        reader.send.write_frame(&mut theirs, &Frame::Credit { id: 3, more: 1 }).unwrap();
                     }
                 }
                 other => panic!("{other:?}"),
@@ -338,13 +375,15 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         let size = data.len() as u64;
+        let (agent, mut reader) = keys();
         let sender = std::thread::spawn(move || {
             let copy = Some((&*growing, Duration::from_millis(40)));
-            send_chunks(OwnedFd::from(ours), &file, size, 3, 8, Duration::from_secs(5), copy).unwrap()
+            let to = Polled::new(OwnedFd::from(ours), agent, Duration::from_secs(5));
+            send_chunks(to, &file, size, 3, 8, copy).unwrap().0
         });
         let (mut got, mut pings, mut vouched) = (Vec::new(), 0, None);
         while (got.len() as u64) < size {
-            match wire::read_head(&mut theirs).unwrap().unwrap() {
+            match reader.recv.read_head(&mut theirs).unwrap().unwrap() {
                 wire::Head::Frame(Frame::Ping { .. }) => pings += 1,
                 wire::Head::Frame(Frame::Vouch { id: 3, offset, cv }) => vouched = Some((offset, cv)),
                 wire::Head::Chunk { id: 3, offset, len } => {
@@ -370,7 +409,8 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let sender = std::thread::spawn(move || {
             let copy = Some((&*growing, Duration::from_millis(40)));
-            send_chunks(OwnedFd::from(ours), &file, 3 * CHUNK as u64, 3, 8, Duration::from_secs(5), copy).unwrap()
+            let to = Polled::new(OwnedFd::from(ours), Seals::default(), Duration::from_secs(5));
+            send_chunks(to, &file, 3 * CHUNK as u64, 3, 8, copy).unwrap().0
         });
         // Drain what was sent (one piece) until the sender gives up.
         let reader = std::thread::spawn(move || {

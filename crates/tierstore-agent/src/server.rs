@@ -19,7 +19,7 @@ use tokio::sync::{watch, Semaphore};
 use crate::members::Members;
 use tierstore_core::cluster::session;
 
-use crate::protocol::{self, ErrorCode, Frame, MAX_HELLO, VERSION};
+use crate::protocol::{self, Conn, ErrorCode, Frame, MAX_HELLO, VERSION};
 
 pub use crate::options::Options;
 pub use crate::status::{CacheView, Status};
@@ -547,7 +547,7 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
         Side::Peer => shared.options.token.as_deref(),
         Side::Local => None,
     };
-    let welcome = match session::welcome(&hello, &n, token, &shared.names, &shared.options.node) {
+    let (welcome, seals) = match session::welcome(&hello, &n, token, &shared.names, &shared.options.node) {
         Ok(w) => w,
         Err((code, message)) => {
             shared.refused.fetch_add(1, Ordering::Relaxed);
@@ -560,11 +560,12 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
         return;
     }
     drop(pending);
+    let mut stream = Conn { stream, seals };
     loop {
         let request = tokio::select! {
-            r = tokio::time::timeout(shared.options.idle_connection, protocol::read_frame(&mut stream)) => r,
+            r = tokio::time::timeout(shared.options.idle_connection, stream.read_frame()) => r,
             _ = stopping(&mut stop) => {
-                let _ = protocol::write_frame(&mut stream, &Frame::Error {
+                let _ = stream.write_frame(&Frame::Error {
                     code: ErrorCode::ShuttingDown,
                     message: "the agent is shutting down".into(),
                 }).await;
@@ -575,11 +576,7 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
             Ok(Ok(Some(f))) => f,
             Ok(Ok(None)) => return,
             Ok(Err(e)) => {
-                let _ = protocol::write_frame(
-                    &mut stream,
-                    &Frame::Error { code: ErrorCode::BadRequest, message: e.to_string() },
-                )
-                .await;
+                let _ = stream.write_frame(&Frame::Error { code: ErrorCode::BadRequest, message: e.to_string() }).await;
                 return;
             }
             Err(_) => {
@@ -647,7 +644,10 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
                 (Frame::MemberList { members: shared.job_members.lock().expect("members lock").clone() }, false)
             }
             Frame::StreamRequest { json } if side == Side::Local => {
-                crate::stream::serve(&mut stream, json, shared.streams.clone(), stop.clone(), deadline).await;
+                // The node's socket: its frames are plain, so the stream loop reads and writes them itself.
+                debug_assert!(!stream.seals.send.is_keyed());
+                let local = &mut stream.stream;
+                crate::stream::serve(local, json, shared.streams.clone(), stop.clone(), deadline).await;
                 return;
             }
             // Another node's agent pulling a version's tensors.
@@ -669,7 +669,7 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
                 (Frame::Error { code: ErrorCode::BadRequest, message: format!("not a request: {other:?}") }, false)
             }
         };
-        let sent = tokio::time::timeout(deadline, protocol::write_frame(&mut stream, &answer)).await;
+        let sent = tokio::time::timeout(deadline, stream.write_frame(&answer)).await;
         if then_stop {
             let _ = shared.stop.send(true);
         }

@@ -27,8 +27,8 @@ use std::time::Duration;
 use tierstore_core::Cache;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::protocol::{self, ErrorCode, Frame, CHUNK};
-use crate::sendfile::Socket;
+use crate::protocol::{Conn, ErrorCode, Frame, CHUNK};
+use crate::sendfile::{Polled, Socket};
 
 /// How often an owner still fetching a file from the store tells the asker so: well within any reader's
 /// deadline on a frame.
@@ -37,7 +37,7 @@ pub const STILL_FETCHING: Duration = Duration::from_millis(250);
 /// Serves one `Fetch` on `stream`. `Err` only when the connection itself failed (it is then closed); a
 /// file that cannot be served is answered with an error frame and the connection goes on.
 pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     cache: Option<Arc<Cache>>,
     deadline: Duration,
     id: u32,
@@ -73,16 +73,19 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
         // Asked only to hold the file.
         return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
     }
-    if let (Some(copy), Some(socket)) = (served.copy.clone(), stream.socket()) {
+    if let (Some(copy), Some(socket)) = (served.copy.clone(), stream.stream.socket()) {
         // The copy is still being made: each chunk goes out once written, with the chaining value the copy
         // recorded for it; the whole file's blake3 follows from those values.
         let socket = socket.try_clone_to_owned()?;
         let (file, following) = (served.file, copy.clone());
-        let sent = tokio::task::spawn_blocking(move || {
-            crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline, Some((&following, STILL_FETCHING)))
+        let seals = std::mem::take(&mut stream.seals);
+        let (sent, seals) = tokio::task::spawn_blocking(move || {
+            let copy = Some((&*following, STILL_FETCHING));
+            crate::sendfile::send_chunks(Polled::new(socket, seals, deadline), &file, size, id, credit, copy)
         })
         .await
         .map_err(io::Error::other)??;
+        stream.seals = seals;
         if let Err(why) = sent {
             return write(stream, &refuse(ErrorCode::Failed, why), deadline).await;
         }
@@ -109,16 +112,17 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
             }
         }
     }
-    if let (Some(recorded), Some(socket)) = (served.checksum, stream.socket()) {
+    if let (Some(recorded), Some(socket)) = (served.checksum, stream.stream.socket()) {
         // The copy as it was recorded: straight from its descriptor, unhashed (the reader checks it).
         let socket = socket.try_clone_to_owned()?;
-        let file = served.file;
-        tokio::task::spawn_blocking(move || {
-            crate::sendfile::send_chunks(socket, &file, size, id, credit, deadline, None)
+        let (file, seals) = (served.file, std::mem::take(&mut stream.seals));
+        let (sent, seals) = tokio::task::spawn_blocking(move || {
+            crate::sendfile::send_chunks(Polled::new(socket, seals, deadline), &file, size, id, credit, None)
         })
         .await
-        .map_err(io::Error::other)??
-        .map_err(io::Error::other)?;
+        .map_err(io::Error::other)??;
+        sent.map_err(io::Error::other)?;
+        stream.seals = seals;
         write(stream, &Frame::Done { id, hash: recorded }, deadline).await?;
         cache.count_served(size);
         return Ok(());
@@ -146,7 +150,7 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
 /// blake3 sent with them. The copy is checked against its record on the blocking pool and removed if it
 /// does not match; the answer says which.
 pub async fn serve_damaged<S: AsyncWrite + Unpin>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     cache: Option<Arc<Cache>>,
     deadline: Duration,
     id: u32,
@@ -175,7 +179,7 @@ pub async fn serve_damaged<S: AsyncWrite + Unpin>(
 /// (starting with `credit`, then as it grants more); returns their blake3. `Err`: the connection failed;
 /// `Ok(Err)`: the file could not be read (nothing more was sent; the caller answers with an error).
 pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     file: Arc<std::fs::File>,
     size: u64,
     id: u32,
@@ -227,7 +231,7 @@ pub struct Parts<'a> {
 /// chunks that never cross a block, under the asker's credit; the blake3 of all the bytes sent ends it
 /// (unless the asker checks them itself).
 pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     cache: Option<Arc<Cache>>,
     deadline: Duration,
     id: u32,
@@ -309,7 +313,7 @@ fn serving(cache: Option<Arc<Cache>>, source: &str) -> Result<Arc<Cache>, Frame>
 /// Waits for `work` on the blocking pool, telling the asker every [`STILL_FETCHING`] that its bytes are
 /// still coming (a read of the store may outlast the asker's deadline on a frame).
 async fn while_pinging<S: AsyncWrite + Unpin, T: Send + 'static>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     deadline: Duration,
     nonce: &mut u64,
     mut work: tokio::task::JoinHandle<T>,
@@ -327,13 +331,13 @@ async fn while_pinging<S: AsyncWrite + Unpin, T: Send + 'static>(
 
 /// Waits until the asker of transfer `id` has granted credit for a chunk.
 async fn await_credit<S: AsyncRead + Unpin>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     id: u32,
     credit: &mut u32,
     deadline: Duration,
 ) -> io::Result<()> {
     while *credit == 0 {
-        match tokio::time::timeout(deadline, protocol::read_frame(stream)).await {
+        match tokio::time::timeout(deadline, stream.read_frame()).await {
             Ok(Ok(Some(Frame::Credit { id: i, more }))) if i == id => *credit = credit.saturating_add(more),
             Ok(Ok(other)) => {
                 return Err(io::Error::new(
@@ -348,8 +352,8 @@ async fn await_credit<S: AsyncRead + Unpin>(
     Ok(())
 }
 
-async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {
-    match tokio::time::timeout(deadline, protocol::write_frame(stream, frame)).await {
+async fn write<S: AsyncWrite + Unpin>(stream: &mut Conn<S>, frame: &Frame, deadline: Duration) -> io::Result<()> {
+    match tokio::time::timeout(deadline, stream.write_frame(frame)).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the reader took nothing in time")),
     }
@@ -360,7 +364,7 @@ async fn write<S: AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: D
 /// carries the size and the time the program closed it; its `Done` the blake3 the journal recorded at
 /// close, sent only when the bytes sent hash to it (a copy changed since is refused, never vouched for).
 pub async fn serve_staged<S: AsyncRead + AsyncWrite + Unpin>(
-    stream: &mut S,
+    stream: &mut Conn<S>,
     writeback: Option<Arc<crate::writeback::Migrations>>,
     deadline: Duration,
     id: u32,
@@ -415,18 +419,23 @@ mod tests {
     use tierstore_core::writeback::journal::{new_staged_name, Journal};
 
     use super::*;
+    use crate::protocol::{self, Seal, Seals};
     use crate::writeback::Migrations;
 
     /// The frames a `StagedFetch` of `path` is answered with, up to its `Done` or `Error`.
     async fn staged_fetch(m: Arc<Migrations>, path: &str, credit: u32) -> Vec<Frame> {
-        let (mut server_end, mut client_end) = tokio::io::duplex(4 << 20);
+        let (server_end, mut client_end) = tokio::io::duplex(4 << 20);
         let path = path.to_string();
+        // Tagged as on a peer's TCP connection.
+        let (to_reader, to_agent) = ([1; 32], [2; 32]);
         let server = tokio::spawn(async move {
-            serve_staged(&mut server_end, Some(m), Duration::from_secs(5), 1, &path, credit).await.unwrap();
+            let mut conn = Conn { stream: server_end, seals: Seals::keyed(to_reader, to_agent) };
+            serve_staged(&mut conn, Some(m), Duration::from_secs(5), 1, &path, credit).await.unwrap();
         });
         let mut frames = Vec::new();
+        let mut seal = Seal::keyed(to_reader);
         loop {
-            let f = protocol::read_frame(&mut client_end).await.unwrap().unwrap();
+            let f = protocol::read_sealed(&mut client_end, &mut seal).await.unwrap().unwrap();
             let end = matches!(f, Frame::Done { .. } | Frame::Error { .. });
             frames.push(f);
             if end {

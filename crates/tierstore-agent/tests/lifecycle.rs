@@ -90,7 +90,7 @@ async fn a_server_that_cannot_prove_the_token_is_not_spoken_to() {
         let hello = protocol::read_frame(&mut s).await.unwrap().unwrap();
         // It cannot check the client's proof, and it makes its own under a token it guessed.
         let Frame::Hello { .. } = hello else { panic!("{hello:?}") };
-        let forged = session::welcome(&hello, &nonce, None, &[], "owner").unwrap();
+        let (forged, _) = session::welcome(&hello, &nonce, None, &[], "owner").unwrap();
         protocol::write_frame(&mut s, &forged).await.unwrap();
         protocol::read_frame(&mut s).await.ok().flatten()
     });
@@ -290,5 +290,50 @@ async fn a_stranger_on_one_port_cannot_relay_a_handshake_to_another_agent() {
         Ok(_) => panic!("a relayed handshake was welcomed"),
     }
     relay.abort();
+    served.abort();
+}
+
+#[tokio::test]
+async fn a_relay_on_the_path_to_the_agent_can_pass_frames_on_but_not_change_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // The members name the agent at an address whose traffic a stranger on the path relays (as a router
+    // or an ARP spoofer would): the handshake goes through untouched, and then it changes one frame.
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = relay.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path());
+    o.me = member.clone();
+    let bound = Agent::bind(o).await.unwrap();
+    let agent = bound.peer_address().unwrap().to_string();
+    let served = tokio::spawn(bound.serve(std::future::pending()));
+    let relaying = tokio::spawn(async move {
+        let (reader, _) = relay.accept().await.unwrap();
+        let job = tokio::net::TcpStream::connect(&agent).await.unwrap();
+        let (mut from_reader, mut to_agent) = (reader.into_split(), job.into_split());
+        let up = tokio::spawn(async move { tokio::io::copy(&mut from_reader.0, &mut to_agent.1).await });
+        // Down: the challenge and the welcome as they are, then the first frame after them changed.
+        for frame in 0..3 {
+            let mut len = [0u8; 4];
+            to_agent.0.read_exact(&mut len).await.unwrap();
+            let tag = if frame == 2 { protocol::TAG } else { 0 };
+            let mut rest = vec![0u8; tag + u32::from_be_bytes(len) as usize];
+            to_agent.0.read_exact(&mut rest).await.unwrap();
+            if frame == 2 {
+                *rest.last_mut().unwrap() ^= 1;
+            }
+            from_reader.1.write_all(&len).await.unwrap();
+            from_reader.1.write_all(&rest).await.unwrap();
+        }
+        let _ = tokio::io::copy(&mut to_agent.0, &mut from_reader.1).await;
+        up.abort();
+    });
+    let mut p = Client::peer(&member, "reader", Some(TOKEN), Duration::from_secs(2)).await.unwrap();
+    match p.call(&Frame::Ping { nonce: 7 }).await {
+        Err(ClientError::Broken { source, .. }) => {
+            assert!(source.to_string().contains("does not carry the tag"), "{source}")
+        }
+        other => panic!("a frame changed on the way was taken: {other:?}"),
+    }
+    relaying.abort();
     served.abort();
 }

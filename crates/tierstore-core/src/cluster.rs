@@ -7,6 +7,7 @@
 pub mod config;
 pub mod owners;
 pub mod remote;
+pub mod seal;
 pub mod session;
 pub mod token;
 pub mod wire;

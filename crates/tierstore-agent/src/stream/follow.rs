@@ -589,7 +589,7 @@ pub(super) async fn pull(
 
 /// Answers another agent's stream requests on a peer connection: a version's manifest, a tensor's bytes.
 pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    stream: &mut S,
+    stream: &mut crate::protocol::Conn<S>,
     first: String,
     streams: Arc<Streams>,
     deadline: Duration,
@@ -598,7 +598,7 @@ pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>
     loop {
         let json = match next.take() {
             Some(j) => j,
-            None => match tokio::time::timeout(Duration::from_secs(300), crate::protocol::read_frame(stream)).await {
+            None => match tokio::time::timeout(Duration::from_secs(300), stream.read_frame()).await {
                 Ok(Ok(Some(Frame::StreamRequest { json }))) => json,
                 // Credit the last transfer did not need.
                 Ok(Ok(Some(Frame::Credit { .. }))) => continue,
@@ -645,8 +645,12 @@ pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>
     }
 }
 
-async fn write<S: tokio::io::AsyncWrite + Unpin>(stream: &mut S, frame: &Frame, deadline: Duration) -> io::Result<()> {
-    match tokio::time::timeout(deadline, crate::protocol::write_frame(stream, frame)).await {
+async fn write<S: tokio::io::AsyncWrite + Unpin>(
+    stream: &mut crate::protocol::Conn<S>,
+    frame: &Frame,
+    deadline: Duration,
+) -> io::Result<()> {
+    match tokio::time::timeout(deadline, stream.write_frame(frame)).await {
         Ok(r) => r,
         Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "the other agent took nothing in time")),
     }

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::config::ClusterConfig;
 use super::owners::Owners;
+use super::seal::Seals;
 use super::session::{ClientHello, HandshakeError};
 use super::wire::{self, ErrorCode, Frame};
 use crate::index::SourceId;
@@ -304,14 +305,14 @@ impl Remote {
         wire::write_frame(&mut stream, &hello).map_err(|e| io_err(&at, e))?;
         let answer = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
         let answer = answer.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
-        handshake.welcome(answer).map_err(|e| refused(at.clone(), e))?;
-        wire::write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
+        let (_, mut seals) = handshake.welcome(answer).map_err(|e| refused(at.clone(), e))?;
+        seals.send.write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
         // An owner that is still fetching a large file from the store says so (a ping) within every
         // deadline: a silent one costs a deadline, a busy one is waited for up to `fetch_wait`, which is
         // still much less than reading the store a second time.
         let asked = Instant::now();
         let found = loop {
-            match wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
+            match seals.recv.read_frame(&mut stream).map_err(|e| io_err(&at, e))? {
                 Some(Frame::Found { id: 1, identity }) => break identity,
                 Some(Frame::Ping { .. }) if asked.elapsed() < self.fetch_wait => {}
                 Some(Frame::Ping { .. }) => return Err(RemoteError::Deadline { at, waited: self.fetch_wait }),
@@ -324,7 +325,7 @@ impl Remote {
                 }
             }
         };
-        Ok(Transfer { stream, at, found, deadline: self.deadline, fetch_wait: self.fetch_wait, report: None })
+        Ok(Transfer { stream, seals, at, found, deadline: self.deadline, fetch_wait: self.fetch_wait, report: None })
     }
 
     fn connect(&self, at: &str) -> Result<TcpStream, RemoteError> {
@@ -482,6 +483,8 @@ enum Next {
 /// A file on its way from a peer: its version is known, its bytes follow.
 pub struct Transfer {
     stream: TcpStream,
+    /// The connection's frame keys: every frame but a chunk's data is checked against them.
+    seals: Seals,
     at: String,
     /// The version the owner sends.
     pub found: SourceId,
@@ -680,7 +683,7 @@ impl Transfer {
     /// fetching from the store (for at most `fetch_wait` after `last_chunk`).
     fn next(&mut self, last_chunk: Instant) -> Result<Next, RemoteError> {
         loop {
-            let head = match wire::read_head(&mut self.stream) {
+            let head = match self.seals.recv.read_head(&mut self.stream) {
                 Ok(Some(h)) => h,
                 Ok(None) => {
                     let detail = "closed before the end of the transfer".to_string();
@@ -708,7 +711,7 @@ impl Transfer {
 
     /// Lets the owner send one more chunk.
     fn grant(&mut self) -> Result<(), RemoteError> {
-        wire::write_frame(&mut self.stream, &Frame::Credit { id: 1, more: 1 }).map_err(|e| self.broken(e))
+        self.seals.send.write_frame(&mut self.stream, &Frame::Credit { id: 1, more: 1 }).map_err(|e| self.broken(e))
     }
 
     /// A failed read or write of the connection, as the error it is.
@@ -729,7 +732,8 @@ impl Transfer {
     /// next reader is not sent the same damage. Returns what to say of the mismatch.
     fn report_damage(&mut self) -> String {
         let Some(report) = self.report.take() else { return "blake3 mismatch".into() };
-        let answer = wire::write_frame(&mut self.stream, &report).and_then(|()| wire::read_frame(&mut self.stream));
+        let (stream, seals) = (&mut self.stream, &mut self.seals);
+        let answer = seals.send.write_frame(stream, &report).and_then(|()| seals.recv.read_frame(stream));
         match answer {
             Ok(Some(Frame::Checked { removed: true, .. })) => {
                 "blake3 mismatch; the owner removed its damaged copy".into()
@@ -744,7 +748,7 @@ impl Transfer {
 
     /// Waits for the owner to confirm it cached the file (a transfer opened with no credit).
     pub fn confirmed(mut self) -> Result<(), RemoteError> {
-        match wire::read_frame(&mut self.stream) {
+        match self.seals.recv.read_frame(&mut self.stream) {
             Ok(Some(Frame::Done { .. })) => Ok(()),
             Ok(Some(Frame::Error { code, message })) => Err(RemoteError::Refused { at: self.at, code, message }),
             Ok(other) => Err(RemoteError::Broken { at: self.at, detail: format!("unexpected {other:?}") }),
@@ -760,21 +764,38 @@ mod tests {
     use super::*;
     use crate::cluster::wire::VERSION;
 
+    /// A fake owner's connection, after the handshake: its frames are tagged as an agent's are.
+    struct Fake {
+        s: TcpStream,
+        seals: Seals,
+    }
+
+    impl Fake {
+        fn send(&mut self, frame: &Frame) -> io::Result<()> {
+            self.seals.send.write_frame(&mut self.s, frame)
+        }
+
+        fn recv(&mut self) -> io::Result<Option<Frame>> {
+            self.seals.recv.read_frame(&mut self.s)
+        }
+    }
+
     /// A fake owner's side of a `Fetch` on `l`: the handshake and the `Fetch`, answered with a `Found`
     /// for a file of `size` bytes.
-    fn found(l: &TcpListener, size: usize) -> TcpStream {
+    fn found(l: &TcpListener, size: usize) -> Fake {
         let (mut s, _) = l.accept().unwrap();
         let nonce = crate::cluster::session::nonce();
         wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce }).unwrap();
         let hello = wire::read_frame(&mut s).unwrap().unwrap();
         let names = [l.local_addr().unwrap().to_string()];
-        let welcome = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), &names, "owner").unwrap();
+        let (welcome, seals) = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), &names, "owner").unwrap();
         wire::write_frame(&mut s, &welcome).unwrap();
-        let asked = wire::read_frame(&mut s).unwrap();
+        let mut fake = Fake { s, seals };
+        let asked = fake.recv().unwrap();
         assert!(matches!(asked, Some(Frame::Fetch { .. } | Frame::FetchRanges { .. })), "{asked:?}");
         let identity = SourceId { size: size as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
-        wire::write_frame(&mut s, &Frame::Found { id: 1, identity }).unwrap();
-        s
+        fake.send(&Frame::Found { id: 1, identity }).unwrap();
+        fake
     }
 
     /// A fake owner on 127.0.0.1:0 that sends `data` under the blake3 `vouched`, then answers a
@@ -787,13 +808,13 @@ mod tests {
             let mut s = found(&l, data.len());
             for (i, c) in data.chunks(wire::CHUNK).enumerate() {
                 let offset = (i * wire::CHUNK) as u64;
-                wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset, data: c.to_vec() }).unwrap();
+                s.send(&Frame::Chunk { id: 1, offset, data: c.to_vec() }).unwrap();
             }
-            wire::write_frame(&mut s, &Frame::Done { id: 1, hash: vouched }).unwrap();
+            s.send(&Frame::Done { id: 1, hash: vouched }).unwrap();
             let mut after = Vec::new();
-            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+            while let Ok(Some(f)) = s.recv() {
                 if let Frame::Damaged { id, .. } = &f {
-                    wire::write_frame(&mut s, &Frame::Checked { id: *id, removed: true }).unwrap();
+                    s.send(&Frame::Checked { id: *id, removed: true }).unwrap();
                 }
                 after.push(f);
             }
@@ -816,24 +837,24 @@ mod tests {
                 let offset = (k * PIECE) as u64;
                 let cv = subtree(offset, c);
                 cvs.push(cv);
-                wire::write_frame(&mut s, &Frame::Vouch { id: 1, offset, cv }).unwrap();
+                s.send(&Frame::Vouch { id: 1, offset, cv }).unwrap();
                 let mut sent = c.to_vec();
                 if damaged == Some(k) {
                     sent[7] ^= 1;
                 }
-                if wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset, data: sent }).is_err() {
+                if s.send(&Frame::Chunk { id: 1, offset, data: sent }).is_err() {
                     return;
                 }
                 if k == 0 {
-                    let _ = wire::write_frame(&mut s, &Frame::Ping { nonce: 1 });
+                    let _ = s.send(&Frame::Ping { nonce: 1 });
                 }
             }
             let hash = root_of_pieces(&cvs, data.len() as u64, PIECE);
-            let _ = wire::write_frame(&mut s, &Frame::Done { id: 1, hash });
+            let _ = s.send(&Frame::Done { id: 1, hash });
             // Credit and a damage report may follow; answer the report, then wait for the close.
-            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+            while let Ok(Some(f)) = s.recv() {
                 if let Frame::Damaged { id, .. } = f {
-                    let _ = wire::write_frame(&mut s, &Frame::Checked { id, removed: false });
+                    let _ = s.send(&Frame::Checked { id, removed: false });
                 }
             }
         });
@@ -872,6 +893,29 @@ mod tests {
         assert_eq!(usable, vec![wire::CHUNK as u64], "only the chunk before the damaged one was usable");
     }
 
+    #[test]
+    fn bytes_and_a_blake3_injected_on_the_way_are_never_taken() {
+        // A stranger on the path replaces the file's bytes and the blake3 that vouches for them; it can
+        // write a Done frame, but not under this connection's key.
+        let (data, forged) = (vec![1u8; 1000], vec![2u8; 1000]);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let h = std::thread::spawn(move || {
+            let mut s = found(&l, data.len());
+            s.send(&Frame::Chunk { id: 1, offset: 0, data: forged.clone() }).unwrap();
+            let mut stranger = crate::cluster::seal::Seal::keyed([9; 32]);
+            let _ = stranger.write_frame(&mut s.s, &Frame::Done { id: 1, hash: crate::hash::hash(&forged) });
+            let _ = s.recv();
+        });
+        let mut got = Vec::new();
+        match remote().open(&at, "a/b", WINDOW).unwrap().receive_into(Dest::Bytes(&mut got)) {
+            Err(RemoteError::Broken { detail, .. }) => assert!(detail.contains("does not carry the tag"), "{detail}"),
+            other => panic!("a forged transfer was taken: {other:?}"),
+        }
+        assert!(got.is_empty(), "no byte of a refused transfer is left for the caller");
+        h.join().unwrap();
+    }
+
     const TOKEN: &[u8] = b"the-token-of-this-test-job-0123456789abcdef";
 
     fn remote() -> Remote {
@@ -898,17 +942,17 @@ mod tests {
                     let bytes = data[at as usize..(at + n) as usize].to_vec();
                     hasher.update(&bytes);
                     let sent_at = if misplaced == Some(at) { at + 1 } else { at };
-                    if wire::write_frame(&mut s, &Frame::Chunk { id: 1, offset: sent_at, data: bytes }).is_err() {
+                    if s.send(&Frame::Chunk { id: 1, offset: sent_at, data: bytes }).is_err() {
                         return Vec::new();
                     }
                     at += n;
                 }
             }
-            let _ = wire::write_frame(&mut s, &Frame::Done { id: 1, hash: *hasher.finalize().as_bytes() });
+            let _ = s.send(&Frame::Done { id: 1, hash: *hasher.finalize().as_bytes() });
             let mut after = Vec::new();
-            while let Ok(Some(f)) = wire::read_frame(&mut s) {
+            while let Ok(Some(f)) = s.recv() {
                 if let Frame::Damaged { id, .. } = &f {
-                    let _ = wire::write_frame(&mut s, &Frame::Checked { id: *id, removed: false });
+                    let _ = s.send(&Frame::Checked { id: *id, removed: false });
                 }
                 after.push(f);
             }

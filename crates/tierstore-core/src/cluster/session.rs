@@ -16,10 +16,12 @@
 //! On the node's Unix socket there is no token: the kernel's `SO_PEERCRED` says which user is at the other
 //! end (see [`crate::private::check_peer`]), and both proofs are zeros.
 //!
-//! What this does not give yet: an authenticated frame after the handshake. A relay on the network path
-//! between a reader and the very agent it dialed still sits on the connection it relayed
-//! (docs/reference/security.md says what follows).
+//! A handshake over TCP ends with the keys of both directions of the connection, derived from the token,
+//! the address dialed and both nonces ([`Seals`]): every frame after it carries a tag under them (see
+//! [`super::seal`]), so that a relay on the network path between a reader and the very agent it dialed
+//! can pass frames on but not change, drop or add one. On the Unix socket frames stay plain.
 
+use super::seal::Seals;
 use super::wire::{ErrorCode, Frame, VERSION};
 
 /// Why a handshake failed, from the client's side.
@@ -90,6 +92,26 @@ fn proves(token: &[u8], role: Role, to: Bound<'_>, given: &[u8; 32]) -> bool {
     blake3::Hash::from(proof(token, role, to)) == blake3::Hash::from(*given)
 }
 
+/// The frame keys of a connection whose handshake proved `token` over `to`, as `role` holds them. Each
+/// direction has its own key, so that a frame cannot be reflected back to its sender.
+fn seals(token: &[u8], role: Role, to: Bound<'_>) -> Seals {
+    let base = blake3::derive_key("tierstore agent frames v4", token);
+    let key = |direction: &[u8]| {
+        let mut mac = blake3::Hasher::new_keyed(&base);
+        mac.update(direction);
+        mac.update(&(to.agent.len() as u64).to_be_bytes());
+        mac.update(to.agent.as_bytes());
+        mac.update(to.client);
+        mac.update(to.server);
+        *mac.finalize().as_bytes()
+    };
+    let (up, down) = (key(b"client to server"), key(b"server to client"));
+    match role {
+        Role::Client => Seals::keyed(up, down),
+        Role::Server => Seals::keyed(down, up),
+    }
+}
+
 /// The client's half of a handshake in progress: what it must see in the agent's welcome.
 pub struct ClientHello {
     token: Option<Vec<u8>>,
@@ -120,15 +142,16 @@ impl ClientHello {
         Ok((ClientHello { token: token.map(<[u8]>::to_vec), agent: agent.to_string(), client, server }, hello))
     }
 
-    /// The agent's node name, once its `answer` to the hello is a welcome that proves the token (when the
-    /// client has one).
-    pub fn welcome(&self, answer: Frame) -> Result<String, HandshakeError> {
+    /// The agent's node name and the frame keys of the connection, once its `answer` to the hello is a
+    /// welcome that proves the token (when the client has one; without, frames stay plain).
+    pub fn welcome(&self, answer: Frame) -> Result<(String, Seals), HandshakeError> {
         match answer {
             Frame::Welcome { node, proof } => {
                 let to = Bound { agent: &self.agent, client: &self.client, server: &self.server };
                 match &self.token {
                     Some(t) if !proves(t, Role::Server, to, &proof) => Err(HandshakeError::Unproven),
-                    _ => Ok(node),
+                    Some(t) => Ok((node, seals(t, Role::Client, to))),
+                    None => Ok((node, Seals::default())),
                 }
             }
             Frame::Error { code, message } => Err(HandshakeError::Refused(code, message)),
@@ -142,8 +165,8 @@ fn unexpected(expected: &'static str, got: &Frame) -> HandshakeError {
     HandshakeError::Unexpected { expected, got: got.chars().take(120).collect() }
 }
 
-/// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`, or
-/// the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
+/// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`, and
+/// the connection's frame keys; or the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
 /// `None` on the local socket; `names` are the addresses a client may have dialed this agent at (as the
 /// members name it, its listening address); `me` is its node name.
 pub fn welcome(
@@ -152,7 +175,7 @@ pub fn welcome(
     token: Option<&[u8]>,
     names: &[String],
     me: &str,
-) -> Result<Frame, (ErrorCode, String)> {
+) -> Result<(Frame, Seals), (ErrorCode, String)> {
     let (node, client, given) = match hello {
         Frame::Hello { version, .. } if *version != VERSION => {
             return Err((
@@ -165,11 +188,13 @@ pub fn welcome(
         Frame::Hello { node, nonce, proof, .. } => (node, nonce, proof),
         _ => return Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
     };
-    let Some(t) = token else { return Ok(Frame::Welcome { node: me.to_string(), proof: [0; 32] }) };
+    let Some(t) = token else { return Ok((Frame::Welcome { node: me.to_string(), proof: [0; 32] }, Seals::default())) };
     let dialed =
         names.iter().map(|n| Bound { agent: n, client, server }).find(|to| proves(t, Role::Client, *to, given));
     match dialed {
-        Some(to) => Ok(Frame::Welcome { node: me.to_string(), proof: proof(t, Role::Server, to) }),
+        Some(to) => {
+            Ok((Frame::Welcome { node: me.to_string(), proof: proof(t, Role::Server, to) }, seals(t, Role::Server, to)))
+        }
         None => Err((
             ErrorCode::Unauthorized,
             format!(
@@ -201,9 +226,34 @@ mod tests {
         for dialed in names() {
             let (server, c) = challenge();
             let (client, hello) = ClientHello::answer(c, &dialed, "a", Some(TOKEN)).unwrap();
-            let w = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
-            assert_eq!(client.welcome(w).unwrap(), "b");
+            let (w, mut agent) = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
+            let (node, mut reader) = client.welcome(w).unwrap();
+            assert_eq!(node, "b");
+            // Both sides derived the same key for each direction, and a different one for each.
+            let ask = Frame::Credit { id: 1, more: 3 };
+            let up = reader.send.bytes_of(&ask);
+            assert_eq!(agent.recv.read_frame(&mut &up[..]).unwrap(), Some(ask.clone()));
+            let down = agent.send.bytes_of(&ask);
+            assert_eq!(reader.recv.read_frame(&mut &down[..]).unwrap(), Some(ask.clone()));
+            let reflected = reader.send.bytes_of(&ask);
+            assert!(reader.recv.read_frame(&mut &reflected[..]).is_err(), "a frame was taken back by its sender");
         }
+    }
+
+    #[test]
+    fn each_connection_has_keys_of_its_own() {
+        let mut connections = Vec::new();
+        for _ in 0..2 {
+            let (server, c) = challenge();
+            let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
+            let (w, agent) = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
+            connections.push((client.welcome(w).unwrap().1, agent));
+        }
+        let ask = Frame::Credit { id: 1, more: 1 };
+        let frame = connections[0].0.send.bytes_of(&ask);
+        let replayed = connections[1].1.recv.read_frame(&mut &frame[..]);
+        assert!(replayed.is_err(), "a frame of one connection was taken on another");
+        assert_eq!(connections[0].1.recv.read_frame(&mut &frame[..]).unwrap(), Some(ask));
     }
 
     #[test]
@@ -219,9 +269,12 @@ mod tests {
         let Frame::Hello { nonce: theirs, .. } = hello else { unreachable!() };
         let to = Bound { agent: "b:7078", client: &theirs, server: &server };
         let forged = proof(b"a stranger's token, not the job's", Role::Server, to);
-        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof: forged }), Err(HandshakeError::Unproven));
+        assert_eq!(
+            client.welcome(Frame::Welcome { node: "b".into(), proof: forged }).err(),
+            Some(HandshakeError::Unproven)
+        );
         let unproved = Frame::Welcome { node: "b".into(), proof: [0; 32] };
-        assert_eq!(client.welcome(unproved), Err(HandshakeError::Unproven));
+        assert_eq!(client.welcome(unproved).err(), Some(HandshakeError::Unproven));
     }
 
     #[test]
@@ -237,7 +290,7 @@ mod tests {
         assert!(welcome(&hello_for_c, &server_b, Some(TOKEN), &names(), "b").is_err());
         // The client's own proof reflected back as the agent's: refused.
         let Frame::Hello { proof, .. } = hello else { unreachable!() };
-        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }), Err(HandshakeError::Unproven));
+        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }).err(), Some(HandshakeError::Unproven));
         let _ = server;
     }
 
@@ -245,7 +298,10 @@ mod tests {
     fn the_local_socket_needs_no_token() {
         let (server, c) = challenge();
         let (client, hello) = ClientHello::answer(c, "", "local", None).unwrap();
-        assert_eq!(client.welcome(welcome(&hello, &server, None, &[], "n").unwrap()).unwrap(), "n");
+        let (w, agent) = welcome(&hello, &server, None, &[], "n").unwrap();
+        let (node, reader) = client.welcome(w).unwrap();
+        assert_eq!(node, "n");
+        assert!(!agent.send.is_keyed() && !reader.recv.is_keyed(), "frames on the node's socket stay plain");
     }
 
     #[test]

@@ -81,6 +81,15 @@ pub enum FrameError {
     /// A [`Frame::FetchRanges`] asking for more than [`MAX_RANGES`] parts.
     #[error("{0} ranges asked for at once, more than the limit of {MAX_RANGES}")]
     TooManyRanges(usize),
+    /// A frame of an authenticated connection whose tag does not match (see [`super::seal`]).
+    #[error(
+        "frame {seq} does not carry the tag of this connection's key: it was changed, dropped, replayed or \
+         injected on the way, and the connection is closed"
+    )]
+    Forged {
+        /// Where the frame stands in its direction of the connection.
+        seq: u64,
+    },
 }
 
 /// Error codes of [`Frame::Error`].
@@ -766,29 +775,42 @@ pub fn read_head<R: Read>(r: &mut R) -> io::Result<Option<Head>> {
         return Err(invalid(FrameError::Empty));
     }
     r.read_exact(&mut start[4..])?;
-    if start[4] == kind::CHUNK {
-        let mut fields = [0u8; CHUNK_HEAD - 5];
-        if len < 1 + fields.len() {
+    if start[4] == CHUNK_KIND {
+        if len < CHUNK_FIELDS {
             return Err(invalid(FrameError::Truncated { field: "chunk" }));
         }
-        r.read_exact(&mut fields)?;
-        let id = u32::from_be_bytes(fields[..4].try_into().expect("4 bytes"));
-        let offset = u64::from_be_bytes(fields[4..12].try_into().expect("8 bytes"));
-        let n = u32::from_be_bytes(fields[12..].try_into().expect("4 bytes")) as usize;
-        if n > CHUNK {
-            return Err(invalid(FrameError::BigChunk(n)));
-        }
-        let announced = len - 1 - fields.len();
-        return match announced.cmp(&n) {
-            std::cmp::Ordering::Equal => Ok(Some(Head::Chunk { id, offset, len: n })),
-            std::cmp::Ordering::Less => Err(invalid(FrameError::Truncated { field: "data" })),
-            std::cmp::Ordering::Greater => Err(invalid(FrameError::Trailing(announced - n))),
-        };
+        let mut fields = [0u8; CHUNK_FIELDS];
+        fields[0] = CHUNK_KIND;
+        r.read_exact(&mut fields[1..])?;
+        return chunk_of(len, &fields).map(Some);
     }
     let mut body = vec![0u8; len];
     body[0] = start[4];
     r.read_exact(&mut body[1..])?;
     parse(&body).map(|f| Some(Head::Frame(f))).map_err(invalid)
+}
+
+/// The kind byte of a [`Frame::Chunk`].
+pub const CHUNK_KIND: u8 = kind::CHUNK;
+
+/// The bytes of a chunk's body before its data: the kind, the transfer, the offset and the length.
+pub const CHUNK_FIELDS: usize = CHUNK_HEAD - 4;
+
+/// The [`Head::Chunk`] that `fields` (a chunk body's first [`CHUNK_FIELDS`] bytes) describe, in a body of
+/// `len` bytes.
+pub fn chunk_of(len: usize, fields: &[u8; CHUNK_FIELDS]) -> io::Result<Head> {
+    let id = u32::from_be_bytes(fields[1..5].try_into().expect("4 bytes"));
+    let offset = u64::from_be_bytes(fields[5..13].try_into().expect("8 bytes"));
+    let n = u32::from_be_bytes(fields[13..].try_into().expect("4 bytes")) as usize;
+    if n > CHUNK {
+        return Err(invalid(FrameError::BigChunk(n)));
+    }
+    let announced = len - CHUNK_FIELDS;
+    match announced.cmp(&n) {
+        std::cmp::Ordering::Equal => Ok(Head::Chunk { id, offset, len: n }),
+        std::cmp::Ordering::Less => Err(invalid(FrameError::Truncated { field: "data" })),
+        std::cmp::Ordering::Greater => Err(invalid(FrameError::Trailing(announced - n))),
+    }
 }
 
 /// Writes one frame.
