@@ -156,6 +156,7 @@ def peer_reads(work: Path) -> dict[str, Any]:
     source.mkdir()
     token = work / "token"
     token.write_text(hashlib.sha256(str(work).encode()).hexdigest())
+    token.chmod(0o600)
     results: dict[str, Any] = {"rows": []}
     with Nodes(2) as nodes:
         addresses = [n.address for n in nodes.nodes]
@@ -216,6 +217,7 @@ def job(work: Path, mode: str, fits: bool, files: int = 384, size: int = 128 * 1
     base.mkdir()
     token = base / "token"
     token.write_text(hashlib.sha256(str(base).encode()).hexdigest())
+    token.chmod(0o600)
     dataset = files * size
     tier_bytes = 2 * dataset if fits else dataset // 3
     backing = base / "pfs-backing"

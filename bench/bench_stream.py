@@ -36,6 +36,7 @@ Usage: .venv/bin/python bench/bench_stream.py [--group 100MB] [--sizes 100MB,1GB
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -526,7 +527,8 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
 
     work.mkdir(parents=True)
     token = work / "token"
-    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    token.chmod(0o600)
     res: dict[str, Any] = {"full": [], "delta": [], "full_rate": [], "delta_pulled": [], "nbytes": 0}
     with Nodes(2) as nodes:
         n0, n1 = nodes.nodes
