@@ -4,12 +4,15 @@ out nor grow the agent. The strangers here use only Python's standard library: t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
 import socket
 import struct
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,3 +164,83 @@ def test_floods_before_the_handshake_leave_the_job_answered_and_the_agent_small(
             s.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         agent_cli("stop", env=env)
+
+
+class Capture:
+    """Every frame crossing a network interface, kept in memory: an eavesdropper on the job's network (an
+    AF_PACKET socket, as tcpdump uses)."""
+
+    def __init__(self, interface: str) -> None:
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        # Room for a burst of the whole transfer: dropped packets would hide bytes (root may force it).
+        self.sock.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE
+        self.sock.bind((interface, 0))
+        self.sock.settimeout(0.2)
+        self.seen = bytearray()
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.running:
+            try:
+                # Segmentation offload makes packets of up to 64 KiB and more: read them whole.
+                self.seen += self.sock.recv(1 << 18)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def stop(self) -> bytes:
+        self.running = False
+        self.thread.join(timeout=5)
+        self.sock.close()
+        return bytes(self.seen)
+
+
+READ_ON_NODE = """
+import hashlib, json, os, sys, tierstore
+c = tierstore.Cache()
+data = c.open(os.path.join(c.source, sys.argv[1])).read()
+print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "stats": c.stats()["source"]}))
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("encrypt", ["false", "true"])
+def test_with_encrypt_a_file_crosses_the_network_unreadable(tmp_path: Path, encrypt: str) -> None:
+    """Two nodes in network namespaces; one reads a file the other's agent holds, while an eavesdropper on
+    the bridge keeps every packet. With `[cluster] encrypt` none of the file's bytes is on the wire; without
+    it (the control, which shows the eavesdropper sees the transfer) they are, tagged but readable. Either
+    way the reader gets the file whole, from the peer."""
+    from tests.helpers.cluster import netns_job, owner_of
+
+    source = tmp_path / "store"
+    source.mkdir()
+    marker = b"a line of the job's private data, readable only by the job; "
+    (source / "private.bin").write_bytes(marker * ((2 << 20) // len(marker)))
+    want = hashlib.sha256((source / "private.bin").read_bytes()).hexdigest()
+    size = (source / "private.bin").stat().st_size
+    with netns_job(tmp_path, source, 2, sharing="partitioned", encrypt=encrypt) as (nodes, job):
+        owner = owner_of(job, "private.bin")
+        reader = 1 - owner
+        # The owner caches the file first (its own read, no network), so the reader's bytes come from it.
+        first = nodes.nodes[owner].cmd(sys.executable, "-c", READ_ON_NODE, "private.bin")
+        p = subprocess.run(first, env=job[owner].env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        capture = Capture(nodes.nodes[reader].port)
+        try:
+            cmd = nodes.nodes[reader].cmd(sys.executable, "-c", READ_ON_NODE, "private.bin")
+            p = subprocess.run(cmd, env=job[reader].env, capture_output=True, text=True, timeout=60)
+        finally:
+            seen = capture.stop()
+        assert p.returncode == 0, p.stderr
+        got = json.loads(p.stdout)
+    assert got["sha256"] == want
+    assert got["stats"]["peer_bytes"] == size, got["stats"]
+    assert len(seen) >= size, f"the eavesdropper saw {len(seen)} bytes: it missed the transfer"
+    readable = seen.count(marker)
+    if encrypt == "true":
+        assert readable == 0, f"{readable} lines of the file crossed the wire readable"
+    else:
+        assert readable > 1000, f"the control saw {readable} readable lines: the capture sees nothing"

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
 
-use tierstore_core::cluster::session::ClientHello;
+use tierstore_core::cluster::session::{ClientHello, KeyShare};
 
 use crate::protocol::{self, Frame, Seals};
 
@@ -112,7 +112,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Client<S> {
         let (handshake, hello) = ClientHello::answer(challenge, &c.at, me, token).map_err(|e| refused(&c.at, e))?;
         c.send(&hello).await?;
         let answer = c.receive().await?;
-        (c.node, c.seals) = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;
+        let welcomed = handshake.welcome(answer).map_err(|e| refused(&c.at, e))?;
+        (c.node, c.seals) = (welcomed.node, welcomed.seals);
+        if welcomed.encrypt {
+            // The agent demands encryption (`[cluster] encrypt`): the key exchange comes first.
+            let (share, frame) = KeyShare::new();
+            c.send(&frame).await?;
+            let theirs = c.receive().await?;
+            share.finish(theirs, &mut c.seals).map_err(|e| refused(&c.at, e))?;
+        }
         Ok(c)
     }
 

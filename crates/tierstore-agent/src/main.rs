@@ -176,6 +176,7 @@ async fn run(a: Args) -> Result<(), String> {
         options.token = Some(token);
     }
     if let Some(c) = &cluster {
+        options.encrypt = c.encrypt;
         options.me = c.my_address();
         options.job_members = c.members.iter().map(|m| m.address()).collect();
         options.job = c.job.clone();

@@ -23,6 +23,9 @@ pub struct Options {
     pub listen: Option<SocketAddr>,
     /// The job's shared secret; required to listen anywhere but loopback.
     pub token: Option<Vec<u8>>,
+    /// Every TCP connection is encrypted (`[cluster] encrypt`): the welcome demands it, and a peer that
+    /// sends anything before its key share is refused.
+    pub encrypt: bool,
     /// Exit after this long with no connection (an agent started on demand); `None`: run until stopped.
     pub idle_exit: Option<Duration>,
     /// The longest a connection may take to send its hello, or a request's remaining bytes.
@@ -66,6 +69,7 @@ impl Options {
             socket: socket.into(),
             listen: None,
             token: None,
+            encrypt: false,
             idle_exit: None,
             deadline: Duration::from_secs(5),
             idle_connection: Duration::from_secs(300),

@@ -49,7 +49,7 @@ pub async fn read_sealed<R: AsyncRead + Unpin>(r: &mut R, seal: &mut Seal) -> io
     r.read_exact(&mut prefix[4..]).await?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).await?;
-    seal.open(prefix, &body).map(Some)
+    seal.open(prefix, &mut body).map(Some)
 }
 
 /// Writes one frame under `seal`.

@@ -547,7 +547,13 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
         Side::Peer => shared.options.token.as_deref(),
         Side::Local => None,
     };
-    let (welcome, seals) = match session::welcome(&hello, &n, token, &shared.names, &shared.options.node) {
+    let agent = session::AgentSide {
+        token,
+        names: &shared.names,
+        me: &shared.options.node,
+        encrypt: shared.options.encrypt && side == Side::Peer,
+    };
+    let (welcome, seals) = match session::welcome(&hello, &n, &agent) {
         Ok(w) => w,
         Err((code, message)) => {
             shared.refused.fetch_add(1, Ordering::Relaxed);
@@ -585,6 +591,26 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
             }
         };
         shared.touch();
+        if side == Side::Peer && !stream.seals.encrypted() {
+            match frame {
+                Frame::KeyShare { .. } => {
+                    if let Err(e) = answer_key_share(&mut stream, frame, deadline).await {
+                        log::warn!("a peer's key exchange failed: {e}");
+                        return;
+                    }
+                    continue;
+                }
+                _ if shared.options.encrypt => {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    let message = "this agent encrypts every connection ([cluster] encrypt = true): a peer sends its \
+                                   key share first; run the same tierstore on every node"
+                        .to_string();
+                    let _ = stream.write_frame(&Frame::Error { code: ErrorCode::Unauthorized, message }).await;
+                    return;
+                }
+                _ => {}
+            }
+        }
         let (answer, then_stop) = match frame {
             Frame::Ping { nonce } => (Frame::Pong { nonce }, false),
             Frame::Status => {
@@ -677,4 +703,18 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
             return;
         }
     }
+}
+
+/// Answers a peer's key share with this agent's own, and switches the connection to encrypted frames
+/// (see `tierstore_core::cluster::session::KeyShare`).
+async fn answer_key_share<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut Conn<S>,
+    theirs: Frame,
+    deadline: Duration,
+) -> io::Result<()> {
+    let (share, ours) = session::KeyShare::new();
+    tokio::time::timeout(deadline, stream.write_frame(&ours))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the peer took nothing in time"))??;
+    share.finish(theirs, &mut stream.seals).map_err(io::Error::other)
 }

@@ -73,7 +73,7 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
         // Asked only to hold the file.
         return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
     }
-    if let (Some(copy), Some(socket)) = (served.copy.clone(), stream.stream.socket()) {
+    if let (Some(copy), Some(socket)) = (served.copy.clone(), zero_copy(stream)) {
         // The copy is still being made: each chunk goes out once written, with the chaining value the copy
         // recorded for it; the whole file's blake3 follows from those values.
         let socket = socket.try_clone_to_owned()?;
@@ -112,7 +112,7 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
             }
         }
     }
-    if let (Some(recorded), Some(socket)) = (served.checksum, stream.stream.socket()) {
+    if let (Some(recorded), Some(socket)) = (served.checksum, zero_copy(stream)) {
         // The copy as it was recorded: straight from its descriptor, unhashed (the reader checks it).
         let socket = socket.try_clone_to_owned()?;
         let (file, seals) = (served.file, std::mem::take(&mut stream.seals));
@@ -350,6 +350,15 @@ async fn await_credit<S: AsyncRead + Unpin>(
         }
     }
     Ok(())
+}
+
+/// The socket to hand to `sendfile`: none on an encrypted connection, whose chunks must go through
+/// the cipher (nor on an in-memory pipe).
+fn zero_copy<S: Socket>(stream: &Conn<S>) -> Option<std::os::fd::BorrowedFd<'_>> {
+    if stream.seals.encrypted() {
+        return None;
+    }
+    stream.stream.socket()
 }
 
 async fn write<S: AsyncWrite + Unpin>(stream: &mut Conn<S>, frame: &Frame, deadline: Duration) -> io::Result<()> {

@@ -90,7 +90,8 @@ async fn a_server_that_cannot_prove_the_token_is_not_spoken_to() {
         let hello = protocol::read_frame(&mut s).await.unwrap().unwrap();
         // It cannot check the client's proof, and it makes its own under a token it guessed.
         let Frame::Hello { .. } = hello else { panic!("{hello:?}") };
-        let (forged, _) = session::welcome(&hello, &nonce, None, &[], "owner").unwrap();
+        let unproven = session::AgentSide { token: None, names: &[], me: "owner", encrypt: false };
+        let (forged, _) = session::welcome(&hello, &nonce, &unproven).unwrap();
         protocol::write_frame(&mut s, &forged).await.unwrap();
         protocol::read_frame(&mut s).await.ok().flatten()
     });
@@ -335,5 +336,66 @@ async fn a_relay_on_the_path_to_the_agent_can_pass_frames_on_but_not_change_one(
         other => panic!("a frame changed on the way was taken: {other:?}"),
     }
     relaying.abort();
+    served.abort();
+}
+
+#[tokio::test]
+async fn an_agent_that_encrypts_is_read_only_through_the_cipher_and_refuses_a_peer_that_skips_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let member = relay.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(dir.path());
+    o.me = member.clone();
+    o.encrypt = true;
+    let bound = Agent::bind(o).await.unwrap();
+    let agent = bound.peer_address().unwrap().to_string();
+    let served = tokio::spawn(bound.serve(std::future::pending()));
+    // A listener on the path keeps a copy of everything the agent sends.
+    let to = agent.clone();
+    let recording = tokio::spawn(async move {
+        let (reader, _) = relay.accept().await.unwrap();
+        let job = tokio::net::TcpStream::connect(&to).await.unwrap();
+        let (mut from_reader, mut to_agent) = (reader.into_split(), job.into_split());
+        let up = tokio::spawn(async move { tokio::io::copy(&mut from_reader.0, &mut to_agent.1).await });
+        let mut seen = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match to_agent.0.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    seen.extend_from_slice(&buf[..n]);
+                    if from_reader.1.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        up.abort();
+        seen
+    });
+    // The reader is not told to encrypt: the agent's welcome demands it.
+    let mut p = Client::peer(&member, "reader", Some(TOKEN), Duration::from_secs(2)).await.unwrap();
+    let status = p.status().await.unwrap();
+    assert!(status.len() > 64, "{status}");
+    drop(p);
+    let seen = recording.await.unwrap();
+    let plain = &status.as_bytes()[..48];
+    assert!(!seen.windows(plain.len()).any(|w| w == plain), "the status crossed the wire readable");
+
+    // A peer that sends a request before its key share is refused, and told why.
+    let mut raw = tokio::net::TcpStream::connect(&agent).await.unwrap();
+    let challenge = protocol::read_frame(&mut raw).await.unwrap().unwrap();
+    let (hello_state, hello) =
+        tierstore_core::cluster::session::ClientHello::answer(challenge, &member, "reader", Some(TOKEN)).unwrap();
+    protocol::write_frame(&mut raw, &hello).await.unwrap();
+    let welcomed = hello_state.welcome(protocol::read_frame(&mut raw).await.unwrap().unwrap()).unwrap();
+    assert!(welcomed.encrypt);
+    let mut seals = welcomed.seals;
+    protocol::write_sealed(&mut raw, &mut seals.send, &Frame::Status).await.unwrap();
+    match protocol::read_sealed(&mut raw, &mut seals.recv).await.unwrap() {
+        Some(Frame::Error { message, .. }) => assert!(message.contains("encrypts every connection"), "{message}"),
+        other => panic!("a peer that skipped the key exchange was answered: {other:?}"),
+    }
     served.abort();
 }

@@ -139,6 +139,7 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_PEER_FETCH_WAIT_MS",
     "TIERSTORE_PART_BLOCKS_MIB",
     "TIERSTORE_TOKEN_FILE",
+    "TIERSTORE_ENCRYPT",
     "TIERSTORE_REGISTRY",
     "TIERSTORE_JOB",
     // The node agent's model streams: the Redis versions are announced in, versions kept, where kept.
@@ -357,6 +358,7 @@ impl Config {
             ("TIERSTORE_PORT", "port"),
             ("TIERSTORE_LISTEN", "listen"),
             ("TIERSTORE_TOKEN_FILE", "token_file"),
+            ("TIERSTORE_ENCRYPT", "encrypt"),
             ("TIERSTORE_REGISTRY", "registry"),
             ("TIERSTORE_JOB", "job"),
         ] {

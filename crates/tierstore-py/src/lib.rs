@@ -356,11 +356,12 @@ impl PyCache {
         cluster.set_item("port", c.cluster.port)?;
         cluster.set_item("listen", &c.cluster.listen)?;
         cluster.set_item("token_file", c.cluster.token_file.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
+        cluster.set_item("encrypt", c.cluster.encrypt)?;
         cluster.set_item("registry", c.cluster.registry.as_deref())?;
         cluster.set_item("job", &c.cluster.job)?;
         cluster.set_item("node", c.cluster.my_address())?;
         let origins = PyDict::new(py);
-        for key in ["peers", "node", "registry", "job", "token_file", "port", "listen"] {
+        for key in ["peers", "node", "registry", "job", "token_file", "encrypt", "port", "listen"] {
             origins.set_item(key, origin(&format!("cluster.{key}")))?;
         }
         cluster.set_item("origins", origins)?;

@@ -255,8 +255,10 @@ def config_show(make: Any, as_json: bool) -> None:
                 shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
                 click.echo(f"  {len(members)} members: {shown}  (from {came.get('peers')})")
                 click.echo(node)
+                frames = "encrypted" if value.get("encrypt") else "tagged, not encrypted"
                 click.echo(
-                    f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}"
+                    f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}, "
+                    f"frames {frames}"
                 )
         else:
             shown = human(value) if key == "inline_max" else value

@@ -35,6 +35,9 @@ class Node:
     name: str
     address: str
     link: str
+    #: The other end of `link`, in this machine's namespace, on the bridge: where everything the node sends
+    #: or receives can be watched.
+    port: str = ""
 
     def cmd(self, *argv: str) -> list[str]:
         """`argv` run inside this node."""
@@ -63,7 +66,7 @@ class Nodes:
             for i in range(self.count):
                 ns, host, inside = f"ts{self.tag}n{i}", f"ts{self.tag}v{i}", f"ts{self.tag}p{i}"
                 _sh("ip", "netns", "add", ns)
-                self.nodes.append(Node(ns, f"{subnet}.{i + 1}", inside))
+                self.nodes.append(Node(ns, f"{subnet}.{i + 1}", inside, host))
                 _sh("ip", "link", "add", host, "type", "veth", "peer", "name", inside)
                 _sh("ip", "link", "set", inside, "netns", ns)
                 _sh("ip", "link", "set", host, "master", self.bridge)

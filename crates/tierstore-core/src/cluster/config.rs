@@ -8,6 +8,7 @@
 //! port = 7078                        # where agents listen for peers
 //! listen = "0.0.0.0"                 # the address to listen on (default 127.0.0.1)
 //! token_file = "~/.tierstore/token"  # the job's shared secret; required beyond loopback
+//! encrypt = true                     # encrypt every frame between nodes (default: tagged, readable)
 //! registry = "redis://head:6379"     # elastic jobs: members register there instead of `peers`
 //! job = "run-42"                     # the job's name in the registry (default: Slurm's job id)
 //! ```
@@ -26,7 +27,7 @@ use super::token::{default_token_file, ensure_token, read_token, TOKEN_FIX};
 use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
 
 /// The keys of the `[cluster]` table.
-pub const KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file"];
+pub const KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file", "encrypt"];
 
 /// The port agents listen on for peers when none is configured.
 pub const DEFAULT_PORT: u16 = 7078;
@@ -96,6 +97,9 @@ pub struct ClusterConfig {
     pub listen: String,
     /// The job's shared secret.
     pub token_file: Option<PathBuf>,
+    /// Whether every frame between nodes is encrypted (`[cluster] encrypt`); without, frames are tagged
+    /// (nobody on the path changes one) but readable.
+    pub encrypt: bool,
     /// This node's name (`[cluster] node`, `TIERSTORE_NODE`, or the host name).
     pub node: String,
     /// This node's place in `members`; `None` when it is not a member (it reads from the members' agents
@@ -149,6 +153,13 @@ pub(crate) fn validate(
             ));
         }
         c.listen = v;
+    }
+    if let Some((v, o)) = text("encrypt") {
+        c.encrypt = match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" | "on" => true,
+            "false" | "0" | "no" | "off" => false,
+            _ => return Err(bad(o, "cluster.encrypt", &v, "is not true or false", "write encrypt = true or false")),
+        };
     }
     let token_origin = text("token_file").map(|(v, o)| {
         c.token_file = Some(expand_home(&v));
@@ -413,6 +424,20 @@ mod tests {
             let e = expand_hostlist(bad).unwrap_err();
             assert!(e.to_string().contains("write hosts as Slurm does"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn encrypt_takes_a_boolean_and_names_the_fix_otherwise() {
+        let with = |v: toml::Value| {
+            let keys = BTreeMap::from([("encrypt", (v, Origin::Env("TIERSTORE_ENCRYPT".into())))]);
+            validate(&keys, None, None)
+        };
+        assert!(with(toml::Value::Boolean(true)).unwrap().encrypt);
+        assert!(with(toml::Value::String("on".into())).unwrap().encrypt);
+        assert!(!with(toml::Value::String("false".into())).unwrap().encrypt);
+        let e = with(toml::Value::String("maybe".into())).unwrap_err().to_string();
+        assert!(e.contains("TIERSTORE_ENCRYPT") && e.contains("encrypt = true or false"), "{e}");
+        assert!(!validate(&BTreeMap::new(), None, None).unwrap().encrypt, "off unless asked for");
     }
 
     #[test]

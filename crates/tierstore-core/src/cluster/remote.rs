@@ -12,7 +12,7 @@
 //! it if it is damaged.
 
 use std::collections::HashMap;
-use std::io::{self, Read};
+use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use super::config::ClusterConfig;
 use super::owners::Owners;
-use super::seal::Seals;
-use super::session::{ClientHello, HandshakeError};
+use super::seal::{Seal, Seals};
+use super::session::{ClientHello, HandshakeError, KeyShare};
 use super::wire::{self, ErrorCode, Frame};
 use crate::index::SourceId;
 
@@ -128,6 +128,8 @@ pub struct Remote {
     node: String,
     /// The job's token: every agent this reads from must prove it (see [`super::session`]).
     token: Vec<u8>,
+    /// Whether every connection is encrypted (`[cluster] encrypt`).
+    encrypt: bool,
     source: String,
     /// Members that missed a deadline: until when they are left out, and how many misses in a row.
     down: Mutex<HashMap<String, (Instant, u32)>>,
@@ -157,6 +159,7 @@ impl Remote {
             mine,
             node: cluster.node.clone(),
             token,
+            encrypt: cluster.encrypt,
             source: source.to_string(),
             down: Mutex::new(HashMap::new()),
             connect_deadline: ms("TIERSTORE_PEER_CONNECT_MS", 1000),
@@ -305,7 +308,15 @@ impl Remote {
         wire::write_frame(&mut stream, &hello).map_err(|e| io_err(&at, e))?;
         let answer = wire::read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
         let answer = answer.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
-        let (_, mut seals) = handshake.welcome(answer).map_err(|e| refused(at.clone(), e))?;
+        let welcomed = handshake.welcome(answer).map_err(|e| refused(at.clone(), e))?;
+        let mut seals = welcomed.seals;
+        if self.encrypt || welcomed.encrypt {
+            let (share, frame) = KeyShare::new();
+            seals.send.write_frame(&mut stream, &frame).map_err(|e| io_err(&at, e))?;
+            let theirs = seals.recv.read_frame(&mut stream).map_err(|e| io_err(&at, e))?;
+            let theirs = theirs.ok_or_else(|| RemoteError::Broken { at: at.clone(), detail: "closed".into() })?;
+            share.finish(theirs, &mut seals).map_err(|e| refused(at.clone(), e))?;
+        }
         seals.send.write_frame(&mut stream, request).map_err(|e| io_err(&at, e))?;
         // An owner that is still fetching a large file from the store says so (a ping) within every
         // deadline: a silent one costs a deadline, a busy one is waited for up to `fetch_wait`, which is
@@ -382,6 +393,34 @@ unsafe fn recv_all(fd: std::os::fd::RawFd, to: *mut u8, len: usize) -> io::Resul
         }
     }
     Ok(())
+}
+
+/// Where the data of the chunk whose head was just read come from: the stream, or, on an encrypted
+/// connection, the frame its seal decrypted.
+struct Incoming<'a> {
+    stream: &'a TcpStream,
+    seal: &'a mut Seal,
+}
+
+impl Incoming<'_> {
+    /// Takes the chunk's `len` bytes into `to`.
+    ///
+    /// # Safety
+    /// `to` must be valid for writes of `len` bytes.
+    unsafe fn take(&mut self, to: *mut u8, len: usize) -> io::Result<()> {
+        match self.seal.take_decrypted() {
+            Some(d) if d.len() == len => {
+                // SAFETY: the caller vouches for `to..to + len`; `d` holds `len` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(d.as_ptr(), to, len) };
+                Ok(())
+            }
+            Some(d) => {
+                Err(wire::invalid(wire::FrameError::Truncated { field: if d.len() < len { "data" } else { "chunk" } }))
+            }
+            // SAFETY: as above.
+            None => unsafe { recv_exact(self.stream, to, len) },
+        }
+    }
 }
 
 /// Why a chunk could not be taken: the connection, or where its bytes go.
@@ -514,9 +553,10 @@ impl Transfer {
     /// the size and the owner's blake3. Returns the blake3 of the file.
     pub fn receive(self, mut sink: impl FnMut(u64, &[u8]) -> io::Result<()>) -> Result<[u8; 32], RemoteError> {
         let mut buf = Vec::new();
-        self.receive_with(|offset, len, stream, check| {
+        self.receive_with(|offset, len, incoming, check| {
             buf.resize(len, 0);
-            stream.read_exact(&mut buf).map_err(Received::Wire)?;
+            // SAFETY: `buf` is valid for `len` bytes.
+            unsafe { incoming.take(buf.as_mut_ptr(), len) }.map_err(Received::Wire)?;
             check.chunk(offset, &buf).map_err(Received::Damaged)?;
             sink(offset, &buf).map_err(Received::Sink)
         })
@@ -529,13 +569,13 @@ impl Transfer {
         match dest {
             Dest::Bytes(bytes) => {
                 let start = bytes.len();
-                self.receive_with(|offset, len, stream, check| {
+                self.receive_with(|offset, len, incoming, check| {
                     bytes.reserve(len);
                     let at = bytes.len();
-                    // SAFETY: `reserve` made room for `len` bytes past the end; `recv_exact` writes them all
-                    // or fails, and the length grows only over bytes it wrote.
+                    // SAFETY: `reserve` made room for `len` bytes past the end; `take` writes them all or
+                    // fails, and the length grows only over bytes it wrote.
                     unsafe {
-                        recv_exact(stream, bytes.as_mut_ptr().add(at), len).map_err(Received::Wire)?;
+                        incoming.take(bytes.as_mut_ptr().add(at), len).map_err(Received::Wire)?;
                         bytes.set_len(at + len);
                     }
                     check.chunk(offset, &bytes[at..]).map_err(Received::Damaged)?;
@@ -555,10 +595,10 @@ impl Transfer {
         use std::os::unix::fs::FileExt;
         let size = self.found.size;
         let mut buf = vec![0u8; wire::CHUNK];
-        self.receive_with(|offset, len, stream, check| {
+        self.receive_with(|offset, len, incoming, check| {
             let b = &mut buf[..len];
             // SAFETY: `b` is valid for `len` bytes.
-            unsafe { recv_exact(stream, b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
+            unsafe { incoming.take(b.as_mut_ptr(), len) }.map_err(Received::Wire)?;
             let checked = check.chunk(offset, b).map_err(Received::Damaged)?;
             file.write_all_at(b, offset).map_err(Received::Sink)?;
             if checked && offset + (len as u64) < size {
@@ -568,11 +608,11 @@ impl Transfer {
         })
     }
 
-    /// The loop of a transfer: `take(offset, len, stream, check)` reads the next chunk's `len` bytes
-    /// from the stream to where they go, and checks them (or adds them to the whole file's hash).
+    /// The loop of a transfer: `take(offset, len, incoming, check)` takes the next chunk's `len` bytes
+    /// to where they go, and checks them (or adds them to the whole file's hash).
     fn receive_with(
         mut self,
-        mut take: impl FnMut(u64, usize, &mut TcpStream, &mut Check) -> Result<(), Received>,
+        mut take: impl FnMut(u64, usize, &mut Incoming<'_>, &mut Check) -> Result<(), Received>,
     ) -> Result<[u8; 32], RemoteError> {
         let mut check = Check::new(self.found.size);
         let mut got = 0u64;
@@ -583,7 +623,8 @@ impl Transfer {
                     if offset != got || got + len as u64 > self.found.size {
                         return Err(self.corrupt(format!("a chunk of {len} bytes at {offset}, expected one at {got}")));
                     }
-                    match take(offset, len, &mut self.stream, &mut check) {
+                    let mut incoming = Incoming { stream: &self.stream, seal: &mut self.seals.recv };
+                    match take(offset, len, &mut incoming, &mut check) {
                         Ok(()) => {}
                         Err(Received::Wire(e)) => return Err(self.broken(e)),
                         Err(Received::Sink(e)) => return Err(RemoteError::Sink(e)),
@@ -642,7 +683,8 @@ impl Transfer {
                     }
                     let to = &mut dest[filled..filled + len];
                     // SAFETY: `to` is valid for `len` bytes.
-                    unsafe { recv_exact(&self.stream, to.as_mut_ptr(), len) }.map_err(|e| self.broken(e))?;
+                    let mut incoming = Incoming { stream: &self.stream, seal: &mut self.seals.recv };
+                    unsafe { incoming.take(to.as_mut_ptr(), len) }.map_err(|e| self.broken(e))?;
                     if let Some(h) = hasher.as_mut() {
                         h.update(to);
                     }
@@ -783,14 +825,27 @@ mod tests {
     /// A fake owner's side of a `Fetch` on `l`: the handshake and the `Fetch`, answered with a `Found`
     /// for a file of `size` bytes.
     fn found(l: &TcpListener, size: usize) -> Fake {
+        found_with(l, size, false)
+    }
+
+    /// [`found`], by an owner that demands encryption (`[cluster] encrypt`) when `encrypt`.
+    fn found_with(l: &TcpListener, size: usize, encrypt: bool) -> Fake {
+        use crate::cluster::session::{welcome, AgentSide, KeyShare};
         let (mut s, _) = l.accept().unwrap();
         let nonce = crate::cluster::session::nonce();
         wire::write_frame(&mut s, &Frame::Challenge { version: VERSION, nonce }).unwrap();
         let hello = wire::read_frame(&mut s).unwrap().unwrap();
         let names = [l.local_addr().unwrap().to_string()];
-        let (welcome, seals) = crate::cluster::session::welcome(&hello, &nonce, Some(TOKEN), &names, "owner").unwrap();
+        let agent = AgentSide { token: Some(TOKEN), names: &names, me: "owner", encrypt };
+        let (welcome, seals) = welcome(&hello, &nonce, &agent).unwrap();
         wire::write_frame(&mut s, &welcome).unwrap();
         let mut fake = Fake { s, seals };
+        if encrypt {
+            let (share, frame) = KeyShare::new();
+            let theirs = fake.recv().unwrap().unwrap();
+            fake.send(&frame).unwrap();
+            share.finish(theirs, &mut fake.seals).unwrap();
+        }
         let asked = fake.recv().unwrap();
         assert!(matches!(asked, Some(Frame::Fetch { .. } | Frame::FetchRanges { .. })), "{asked:?}");
         let identity = SourceId { size: size as u64, mtime_ns: 1, ctime_ns: 1, ino: 1, dev: 1, attrs: None };
@@ -913,6 +968,29 @@ mod tests {
             other => panic!("a forged transfer was taken: {other:?}"),
         }
         assert!(got.is_empty(), "no byte of a refused transfer is left for the caller");
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn an_owner_that_demands_encryption_gets_only_encrypted_frames_and_serves_the_file_whole() {
+        let data: Vec<u8> = (0..2 * wire::CHUNK + 77).map(|i| (i % 239) as u8).collect();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap().to_string();
+        let sent = data.clone();
+        let h = std::thread::spawn(move || {
+            let mut s = found_with(&l, sent.len(), true);
+            assert!(s.seals.encrypted());
+            for (i, c) in sent.chunks(wire::CHUNK).enumerate() {
+                s.send(&Frame::Chunk { id: 1, offset: (i * wire::CHUNK) as u64, data: c.to_vec() }).unwrap();
+            }
+            s.send(&Frame::Done { id: 1, hash: crate::hash::hash(&sent) }).unwrap();
+            while let Ok(Some(_)) = s.recv() {}
+        });
+        // The reader is not configured to encrypt: the owner's welcome demands it.
+        let mut got = Vec::new();
+        let hash = remote().open(&at, "a/b", WINDOW).unwrap().receive_into(Dest::Bytes(&mut got)).unwrap();
+        assert_eq!(hash, crate::hash::hash(&data));
+        assert_eq!(got, data);
         h.join().unwrap();
     }
 

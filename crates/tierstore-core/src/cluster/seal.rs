@@ -1,47 +1,59 @@
-//! Frames that cannot be changed on the way: after the handshake (see [`super::session`]) every frame of
-//! a TCP connection carries a tag, a keyed blake3 under a key of its direction, derived from the job's
-//! token and both nonces of this connection, over the frame's place in its direction, its length and its
-//! body. A frame changed, dropped, reordered, replayed from another connection or injected by anything on
-//! the path does not carry the tag its receiver expects, and the receiver closes the connection.
+//! Frames that cannot be changed on the way, and with `[cluster] encrypt` cannot be read either: after the
+//! handshake (see [`super::session`]) every frame of a TCP connection carries a tag, under a key of its
+//! direction derived from the job's token, the address dialed and both nonces of this connection, over the
+//! frame's place in its direction, its length and its body. A frame changed, dropped, reordered, replayed
+//! from another connection or injected by anything on the path does not carry the tag its receiver
+//! expects, and the receiver closes the connection.
 //!
 //! ```text
-//! plain (the node's Unix socket):   len u32 ‖ body
-//! sealed (TCP, after the handshake): len u32 ‖ tag[16] ‖ body
-//! tag = blake3_keyed(key of the direction, seq u64 ‖ len ‖ body)[..16]
+//! plain (the node's Unix socket):    len u32 ‖ body
+//! tagged (TCP, after the handshake): len u32 ‖ tag[16] ‖ body
+//!                                    tag = blake3_keyed(key of the direction, seq u64 ‖ len ‖ body)[..16]
+//! encrypted ([cluster] encrypt):     len u32 ‖ tag[16] ‖ AES-256-GCM(body), nonce = seq, additional data = len
 //! ```
 //!
-//! A [`Frame::Chunk`]'s tag covers its header (kind, transfer, offset, length), not its data: the data go
-//! from a copy's descriptor straight into the socket (`sendfile`), and the reader checks every byte against
-//! the blake3 the transfer ends with ([`Frame::Done`]) or the chaining values vouched for its pieces
-//! ([`Frame::Vouch`]), frames whose tags do cover them; data changed on the way fail that check and are
-//! never used. Parts read without a hash are checked by the caller against a hash it already trusts.
+//! A tagged [`Frame::Chunk`]'s tag covers its header (kind, transfer, offset, length), not its data: the
+//! data go from a copy's descriptor straight into the socket (`sendfile`), and the reader checks every
+//! byte against the blake3 the transfer ends with ([`Frame::Done`]) or the chaining values vouched for its
+//! pieces ([`Frame::Vouch`]), frames whose tags do cover them; data changed on the way fail that check and
+//! are never used. Parts read without a hash are checked by the caller against a hash it already trusts.
 //!
-//! This gives authenticity, not secrecy: the bytes are readable on the path (see
-//! docs/reference/security.md).
+//! Encryption covers every byte of every body, chunks' data included, so an encrypted connection sends
+//! no chunk with `sendfile`. Its keys come from an X25519 exchange of fresh keys ([`Frame::KeyShare`], see
+//! [`Seals::encrypt`]) mixed with the tag keys: a recording of the connection stays unreadable to anyone
+//! who learns the token later.
 
 use std::io::{self, Read, Write};
 
-use super::wire::{self, Frame, FrameError, Head, CHUNK_FIELDS, CHUNK_HEAD, CHUNK_KIND};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+
+use super::wire::{self, Frame, FrameError, Head, CHUNK_FIELDS, CHUNK_KIND};
 
 /// The bytes of a tag.
 pub const TAG: usize = 16;
 
-/// One direction of a connection: keyed (TCP, after the handshake) or plain (the node's Unix socket,
-/// whose peer the kernel names).
-#[derive(Clone, Default)]
+/// One direction of a connection: plain (the node's Unix socket, whose peer the kernel names), tagged
+/// (TCP, after the handshake) or encrypted (`[cluster] encrypt`, after the key exchange).
+#[derive(Default)]
 pub struct Seal {
-    keyed: Option<Keyed>,
-}
-
-#[derive(Clone)]
-struct Keyed {
-    key: [u8; 32],
+    mode: Mode,
     /// The place of the next frame in this direction.
     seq: u64,
+    /// The data of the last chunk [`Seal::read_head`] decrypted, for [`Seal::take_data`].
+    decrypted: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+enum Mode {
+    #[default]
+    Plain,
+    Tagged([u8; 32]),
+    // Boxed: an AES key schedule is some 500 bytes, and most connections never encrypt.
+    Encrypted(Box<LessSafeKey>),
 }
 
 /// Both directions of a connection, from one side's point of view.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Seals {
     /// For the frames this side writes.
     pub send: Seal,
@@ -55,22 +67,47 @@ impl Seals {
     pub fn keyed(send: [u8; 32], recv: [u8; 32]) -> Seals {
         Seals { send: Seal::keyed(send), recv: Seal::keyed(recv) }
     }
+
+    /// Switches both directions from tags to encryption, under keys mixed from their tag keys and
+    /// `secret` (the X25519 secret both sides agreed on, over key shares sent under the tags). Both sides
+    /// call it right after the key shares, so their frame counts agree. Plain seals stay plain.
+    pub fn encrypt(&mut self, secret: &[u8]) {
+        for seal in [&mut self.send, &mut self.recv] {
+            if let Mode::Tagged(tag_key) = &seal.mode {
+                let mut mix = blake3::Hasher::new_keyed(tag_key);
+                mix.update(b"tierstore frame encryption v5");
+                mix.update(secret);
+                let key = UnboundKey::new(&AES_256_GCM, mix.finalize().as_bytes()).expect("a 32-byte key");
+                seal.mode = Mode::Encrypted(Box::new(LessSafeKey::new(key)));
+            }
+        }
+    }
+
+    /// Whether frames are encrypted.
+    pub fn encrypted(&self) -> bool {
+        self.send.is_encrypted()
+    }
 }
 
 impl Seal {
     /// Frames as they are, with no tag: the node's Unix socket.
     pub fn plain() -> Seal {
-        Seal { keyed: None }
+        Seal::default()
     }
 
     /// Frames tagged under `key`, from the first frame after the handshake.
     pub fn keyed(key: [u8; 32]) -> Seal {
-        Seal { keyed: Some(Keyed { key, seq: 0 }) }
+        Seal { mode: Mode::Tagged(key), ..Seal::default() }
     }
 
-    /// Whether frames carry tags.
+    /// Whether frames carry tags (encrypted frames do too).
     pub fn is_keyed(&self) -> bool {
-        self.keyed.is_some()
+        !matches!(self.mode, Mode::Plain)
+    }
+
+    /// Whether frames are encrypted: no chunk may then go out with `sendfile`.
+    pub fn is_encrypted(&self) -> bool {
+        matches!(self.mode, Mode::Encrypted(_))
     }
 
     /// The bytes a frame's length prefix and tag take before its body.
@@ -82,22 +119,22 @@ impl Seal {
         }
     }
 
-    /// Appends the wire form of `frame` (prefix, tag where keyed, body) to `out`.
+    /// Appends the wire form of `frame` (prefix, tag where keyed, body, encrypted where encrypting) to
+    /// `out`.
     pub fn encode(&mut self, frame: &Frame, out: &mut Vec<u8>) {
-        if let Frame::Chunk { id, offset, data } = frame {
-            // Built from its head, so that a 1 MiB chunk is not moved to make room for the tag.
-            let data = &data[..data.len().min(wire::CHUNK)];
-            out.extend_from_slice(&self.chunk_head(*id, *offset, data.len()));
-            out.extend_from_slice(data);
-            return;
+        if !self.is_keyed() {
+            return wire::encode(frame, out);
         }
+        // Room for the tag first, then the frame; the length prefix then goes in front of the room (a
+        // move of 20 bytes, where making room after it would move the whole body).
         let start = out.len();
+        out.resize(start + TAG, 0);
         wire::encode(frame, out);
-        if let Some(k) = &mut self.keyed {
-            let prefix: [u8; 4] = out[start..start + 4].try_into().expect("4 bytes");
-            let tag = k.next_tag(&prefix, &out[start + 4..]);
-            out.splice(start + 4..start + 4, tag);
-        }
+        out[start..start + 4 + TAG].rotate_left(TAG);
+        let (prefix, body) = out[start..].split_at_mut(4 + TAG);
+        let len: [u8; 4] = prefix[..4].try_into().expect("4 bytes");
+        let tag = self.next_tag(&len, body);
+        prefix[4..].copy_from_slice(&tag);
     }
 
     /// The wire form of `frame`.
@@ -108,29 +145,60 @@ impl Seal {
     }
 
     /// The wire form of a [`Frame::Chunk`] of `len` bytes up to its data (see [`wire::chunk_head`]), its
-    /// tag included where keyed.
+    /// tag included where keyed: how a chunk goes out with `sendfile`. Not for an encrypted connection,
+    /// whose chunks go out whole through [`Seal::encode`].
     pub fn chunk_head(&mut self, id: u32, offset: u64, len: usize) -> Vec<u8> {
+        assert!(!self.is_encrypted(), "an encrypted connection sends no chunk with sendfile");
         let head = wire::chunk_head(id, offset, len);
-        let Some(k) = &mut self.keyed else { return head.to_vec() };
-        let prefix: [u8; 4] = head[..4].try_into().expect("4 bytes");
-        let tag = k.next_tag(&prefix, &head[4..]);
-        let mut out = Vec::with_capacity(CHUNK_HEAD + TAG);
-        out.extend_from_slice(&prefix);
-        out.extend_from_slice(&tag);
+        if !self.is_keyed() {
+            return head.to_vec();
+        }
+        let mut out = Vec::with_capacity(head.len() + TAG);
+        out.extend_from_slice(&head[..4]);
+        out.extend_from_slice(&[0; TAG]);
         out.extend_from_slice(&head[4..]);
+        let (prefix, fields) = out.split_at_mut(4 + TAG);
+        let len: [u8; 4] = prefix[..4].try_into().expect("4 bytes");
+        let tag = self.next_tag(&len, fields);
+        prefix[4..].copy_from_slice(&tag);
         out
     }
 
-    /// Checks the tag of the next frame read: `prefix` is its length prefix and tag as read, `body` the
-    /// body (for a chunk, what its tag covers: [`covered`]). Plain: nothing to check.
-    pub fn check(&mut self, prefix: &[u8], body: &[u8]) -> Result<(), FrameError> {
-        let Some(k) = &mut self.keyed else { return Ok(()) };
-        let seq = k.seq;
+    /// The tag of the next frame in this direction, which it moves past: the blake3 tag of what `body`
+    /// covers, or, encrypting, the AEAD's tag of `body` encrypted in place.
+    fn next_tag(&mut self, len: &[u8; 4], body: &mut [u8]) -> [u8; TAG] {
+        let seq = self.seq;
+        self.seq += 1;
+        match &self.mode {
+            Mode::Plain => [0; TAG],
+            Mode::Tagged(key) => blake3_tag(key, seq, len, covered(body)),
+            Mode::Encrypted(key) => {
+                let tag = key.seal_in_place_separate_tag(nonce(seq), Aad::from(len), body).expect("a frame's size");
+                tag.as_ref().try_into().expect("TAG bytes")
+            }
+        }
+    }
+
+    /// Checks the tag of the next frame read, and decrypts it where encrypted: `prefix` is its length
+    /// prefix and tag as read, `body` the body (for a tagged chunk, at least what its tag covers:
+    /// [`covered`]). Plain: nothing to check.
+    pub fn check(&mut self, prefix: &[u8], body: &mut [u8]) -> Result<(), FrameError> {
+        let seq = self.seq;
         let len: [u8; 4] = prefix[..4].try_into().expect("a length prefix");
-        let want = k.next_tag(&len, covered(body));
-        // Compared without an early exit, so that the time taken says nothing about where they differ.
-        let diff = want.iter().zip(&prefix[4..4 + TAG]).fold(0u8, |d, (a, b)| d | (a ^ b));
-        if diff != 0 {
+        let ok = match &self.mode {
+            Mode::Plain => return Ok(()),
+            Mode::Tagged(key) => {
+                let want = blake3_tag(key, seq, &len, covered(body));
+                // Compared without an early exit, so that the time taken says nothing of where they differ.
+                want.iter().zip(&prefix[4..4 + TAG]).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+            }
+            Mode::Encrypted(key) => {
+                let tag: [u8; TAG] = prefix[4..4 + TAG].try_into().expect("TAG bytes");
+                key.open_in_place_separate_tag(nonce(seq), Aad::from(len), tag.into(), body, 0..).is_ok()
+            }
+        };
+        self.seq += 1;
+        if !ok {
             return Err(FrameError::Forged { seq });
         }
         Ok(())
@@ -149,13 +217,15 @@ impl Seal {
             Some(Head::Frame(f)) => Ok(Some(f)),
             Some(Head::Chunk { id, offset, len }) => {
                 let mut data = vec![0u8; len];
-                r.read_exact(&mut data)?;
+                self.take_data(r, &mut data)?;
                 Ok(Some(Frame::Chunk { id, offset, data }))
             }
         }
     }
 
-    /// Reads one frame, but only the header of a chunk (see [`wire::read_head`]), once its tag is checked.
+    /// Reads one frame, but only the header of a chunk (see [`wire::read_head`]), once its tag is checked:
+    /// its data are then taken with [`Seal::take_data`] (or, where [`Seal::take_decrypted`] has none,
+    /// straight from the stream).
     pub fn read_head<R: Read>(&mut self, r: &mut R) -> io::Result<Option<Head>> {
         if !self.is_keyed() {
             return wire::read_head(r);
@@ -171,6 +241,20 @@ impl Seal {
             return Err(wire::invalid(FrameError::Empty));
         }
         r.read_exact(&mut prefix[4..])?;
+        if self.is_encrypted() {
+            // Decrypted whole; a chunk's data wait in `decrypted` for the caller.
+            let mut body = vec![0u8; len];
+            r.read_exact(&mut body)?;
+            self.check(&prefix, &mut body).map_err(wire::invalid)?;
+            if body[0] == CHUNK_KIND && len >= CHUNK_FIELDS {
+                let fields: [u8; CHUNK_FIELDS] = body[..CHUNK_FIELDS].try_into().expect("chunk fields");
+                let head = wire::chunk_of(len, &fields)?;
+                body.drain(..CHUNK_FIELDS);
+                self.decrypted = Some(body);
+                return Ok(Some(head));
+            }
+            return wire::parse(&body).map(|f| Some(Head::Frame(f))).map_err(wire::invalid);
+        }
         let mut kind = [0u8; 1];
         r.read_exact(&mut kind)?;
         if kind[0] == CHUNK_KIND {
@@ -180,43 +264,71 @@ impl Seal {
             let mut fields = [0u8; CHUNK_FIELDS];
             fields[0] = CHUNK_KIND;
             r.read_exact(&mut fields[1..])?;
-            self.check(&prefix, &fields).map_err(wire::invalid)?;
+            self.check(&prefix, &mut fields).map_err(wire::invalid)?;
             return wire::chunk_of(len, &fields).map(Some);
         }
         let mut body = vec![0u8; len];
         body[0] = kind[0];
         r.read_exact(&mut body[1..])?;
-        self.open(&prefix, &body).map(|f| Some(Head::Frame(f)))
+        self.open(&prefix, &mut body).map(|f| Some(Head::Frame(f)))
     }
 
-    /// The frame a whole `body` read after `prefix` (length and tag) holds, once its tag is checked: how a
-    /// reader that reads bodies itself (the agent's async I/O) takes a frame.
-    pub fn open(&mut self, prefix: &[u8], body: &[u8]) -> io::Result<Frame> {
+    /// The data of the chunk whose head [`Seal::read_head`] just returned, where it decrypted them; `None`
+    /// where they are still in the stream.
+    pub fn take_decrypted(&mut self) -> Option<Vec<u8>> {
+        self.decrypted.take()
+    }
+
+    /// Takes the data of the chunk whose head [`Seal::read_head`] just returned into `to` (its length).
+    pub fn take_data<R: Read>(&mut self, r: &mut R, to: &mut [u8]) -> io::Result<()> {
+        match self.decrypted.take() {
+            Some(d) if d.len() == to.len() => {
+                to.copy_from_slice(&d);
+                Ok(())
+            }
+            Some(d) => {
+                Err(wire::invalid(FrameError::Truncated { field: if d.len() < to.len() { "data" } else { "chunk" } }))
+            }
+            None => r.read_exact(to),
+        }
+    }
+
+    /// The frame a whole `body` read after `prefix` (length and tag) holds, once its tag is checked (and
+    /// the body decrypted, in place): how a reader that reads bodies itself (the agent's async I/O) takes
+    /// a frame.
+    pub fn open(&mut self, prefix: &[u8], body: &mut [u8]) -> io::Result<Frame> {
         self.check(prefix, body).map_err(wire::invalid)?;
         wire::parse(body).map_err(wire::invalid)
     }
 }
 
 impl std::fmt::Debug for Seal {
-    /// The frame count, never the key.
+    /// The mode and the frame count, never a key.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.keyed {
-            Some(k) => write!(f, "Seal::keyed(frame {})", k.seq),
-            None => f.write_str("Seal::plain"),
-        }
+        let mode = match self.mode {
+            Mode::Plain => "plain",
+            Mode::Tagged(_) => "tagged",
+            Mode::Encrypted(_) => "encrypted",
+        };
+        write!(f, "Seal({mode}, frame {})", self.seq)
     }
 }
 
-impl Keyed {
-    /// The tag of the next frame in this direction, which it moves past.
-    fn next_tag(&mut self, len: &[u8; 4], covered: &[u8]) -> [u8; TAG] {
-        let mut mac = blake3::Hasher::new_keyed(&self.key);
-        mac.update(&self.seq.to_be_bytes());
-        mac.update(len);
-        mac.update(covered);
-        self.seq += 1;
-        mac.finalize().as_bytes()[..TAG].try_into().expect("TAG bytes")
-    }
+/// `blake3_keyed(key, seq ‖ len ‖ covered)[..TAG]`.
+fn blake3_tag(key: &[u8; 32], seq: u64, len: &[u8; 4], covered: &[u8]) -> [u8; TAG] {
+    let mut mac = blake3::Hasher::new_keyed(key);
+    mac.update(&seq.to_be_bytes());
+    mac.update(len);
+    mac.update(covered);
+    mac.finalize().as_bytes()[..TAG].try_into().expect("TAG bytes")
+}
+
+/// The AEAD nonce of frame `seq`: never the same twice under one key (each key is one direction of one
+/// connection, and `seq` only grows).
+fn nonce(seq: u64) -> Nonce {
+    let mut n = [0u8; 12];
+    n[4..].copy_from_slice(&seq.to_be_bytes());
+    Nonce::assume_unique_for_key(n)
 }
 
 /// What a frame's tag covers of its `body`: all of it, but only the header of a chunk.
@@ -280,7 +392,7 @@ mod tests {
             let mut first_two = Vec::new();
             s.encode(&some_frames()[0], &mut first_two);
             s.encode(&some_frames()[1], &mut first_two);
-            first_two.len() + CHUNK_HEAD + TAG
+            first_two.len() + wire::CHUNK_HEAD + TAG
         };
         for at in 0..wire.len() {
             let mut changed = wire.clone();
@@ -313,6 +425,38 @@ mod tests {
         // An untagged frame on a keyed connection.
         let plain = Seal::plain().bytes_of(&Frame::Credit { id: 1, more: 1 });
         assert!(received(&mut pair().1, &plain).is_err());
+    }
+
+    fn encrypted_pair() -> (Seals, Seals) {
+        let (mut a, mut b) = (Seals::keyed([1; 32], [2; 32]), Seals::keyed([2; 32], [1; 32]));
+        a.encrypt(b"the secret both sides agreed on");
+        b.encrypt(b"the secret both sides agreed on");
+        (a, b)
+    }
+
+    #[test]
+    fn encrypted_frames_read_back_as_sent_and_show_nothing_of_their_bodies() {
+        let (mut a, mut b) = encrypted_pair();
+        let frames =
+            [some_frames(), vec![Frame::Chunk { id: 2, offset: 0, data: b"a secret tensor".repeat(50) }]].concat();
+        let wire = sent(&mut a.send, &frames);
+        assert!(!wire.windows(15).any(|w| w == b"a secret tensor"), "plaintext on the wire");
+        assert_eq!(received(&mut b.recv, &wire).unwrap(), frames);
+        // Chunk data too: every byte of every frame is covered, so any change is refused.
+        for at in (0..wire.len()).step_by(7) {
+            let mut changed = wire.clone();
+            changed[at] ^= 0x01;
+            assert!(received(&mut encrypted_pair().1.recv, &changed).is_err(), "a change of byte {at} went through");
+        }
+    }
+
+    #[test]
+    fn another_secret_reads_nothing() {
+        let (mut a, _) = encrypted_pair();
+        let mut other = Seals::keyed([2; 32], [1; 32]);
+        other.encrypt(b"a secret a stranger guessed");
+        let wire = a.send.bytes_of(&Frame::Credit { id: 1, more: 1 });
+        assert!(received(&mut other.recv, &wire).is_err());
     }
 
     #[test]

@@ -61,7 +61,10 @@ pub fn nonce() -> [u8; 32] {
 #[derive(Clone, Copy)]
 enum Role {
     Client,
-    Server,
+    /// The agent, and whether it demands encryption (so that nobody on the path can clear the demand).
+    Server {
+        encrypt: bool,
+    },
 }
 
 /// What a proof covers besides the token and the role: the agent's address as dialed, both nonces.
@@ -74,12 +77,12 @@ struct Bound<'a> {
 
 /// `MAC(K, role ‖ agent ‖ nonce_c ‖ nonce_s)` under the key derived from `token`.
 fn proof(token: &[u8], role: Role, to: Bound<'_>) -> [u8; 32] {
-    let key = blake3::derive_key("tierstore agent handshake v4", token);
+    let key = blake3::derive_key("tierstore agent handshake v5", token);
     let mut mac = blake3::Hasher::new_keyed(&key);
-    mac.update(match role {
-        Role::Client => b"client",
-        Role::Server => b"server",
-    });
+    match role {
+        Role::Client => mac.update(b"client"),
+        Role::Server { encrypt } => mac.update(b"server").update(&[u8::from(encrypt)]),
+    };
     mac.update(&(to.agent.len() as u64).to_be_bytes());
     mac.update(to.agent.as_bytes());
     mac.update(to.client);
@@ -95,7 +98,7 @@ fn proves(token: &[u8], role: Role, to: Bound<'_>, given: &[u8; 32]) -> bool {
 /// The frame keys of a connection whose handshake proved `token` over `to`, as `role` holds them. Each
 /// direction has its own key, so that a frame cannot be reflected back to its sender.
 fn seals(token: &[u8], role: Role, to: Bound<'_>) -> Seals {
-    let base = blake3::derive_key("tierstore agent frames v4", token);
+    let base = blake3::derive_key("tierstore agent frames v5", token);
     let key = |direction: &[u8]| {
         let mut mac = blake3::Hasher::new_keyed(&base);
         mac.update(direction);
@@ -108,7 +111,7 @@ fn seals(token: &[u8], role: Role, to: Bound<'_>) -> Seals {
     let (up, down) = (key(b"client to server"), key(b"server to client"));
     match role {
         Role::Client => Seals::keyed(up, down),
-        Role::Server => Seals::keyed(down, up),
+        Role::Server { .. } => Seals::keyed(down, up),
     }
 }
 
@@ -142,16 +145,17 @@ impl ClientHello {
         Ok((ClientHello { token: token.map(<[u8]>::to_vec), agent: agent.to_string(), client, server }, hello))
     }
 
-    /// The agent's node name and the frame keys of the connection, once its `answer` to the hello is a
-    /// welcome that proves the token (when the client has one; without, frames stay plain).
-    pub fn welcome(&self, answer: Frame) -> Result<(String, Seals), HandshakeError> {
+    /// The agent's node name, the frame keys of the connection and whether the agent demands
+    /// encryption, once its `answer` to the hello is a welcome that proves the token (when the client has
+    /// one; without, frames stay plain).
+    pub fn welcome(&self, answer: Frame) -> Result<Welcomed, HandshakeError> {
         match answer {
-            Frame::Welcome { node, proof } => {
+            Frame::Welcome { node, proof, encrypt } => {
                 let to = Bound { agent: &self.agent, client: &self.client, server: &self.server };
                 match &self.token {
-                    Some(t) if !proves(t, Role::Server, to, &proof) => Err(HandshakeError::Unproven),
-                    Some(t) => Ok((node, seals(t, Role::Client, to))),
-                    None => Ok((node, Seals::default())),
+                    Some(t) if !proves(t, Role::Server { encrypt }, to, &proof) => Err(HandshakeError::Unproven),
+                    Some(t) => Ok(Welcomed { node, seals: seals(t, Role::Client, to), encrypt }),
+                    None => Ok(Welcomed { node, seals: Seals::default(), encrypt: false }),
                 }
             }
             Frame::Error { code, message } => Err(HandshakeError::Refused(code, message)),
@@ -160,22 +164,72 @@ impl ClientHello {
     }
 }
 
+/// One side's half of `[cluster] encrypt`'s key exchange, right after the handshake: a fresh X25519 key
+/// whose public half goes to the other side in a [`Frame::KeyShare`] (tagged, so nobody on the path can
+/// swap it). The secret both sides then agree on switches the connection to encrypted frames (see
+/// [`Seals::encrypt`]); it lives only as long as the connection, so a recording stays unreadable to
+/// anyone who learns the token later.
+pub struct KeyShare {
+    private: ring::agreement::EphemeralPrivateKey,
+}
+
+impl KeyShare {
+    /// A fresh key, and the frame that shares its public half.
+    pub fn new() -> (KeyShare, Frame) {
+        let rng = ring::rand::SystemRandom::new();
+        let private = ring::agreement::EphemeralPrivateKey::generate(&ring::agreement::X25519, &rng)
+            .expect("the system's random source");
+        let public = private.compute_public_key().expect("an X25519 public key");
+        let public: [u8; 32] = public.as_ref().try_into().expect("32 bytes");
+        (KeyShare { private }, Frame::KeyShare { public })
+    }
+
+    /// Agrees with the other side's key share `theirs` and switches `seals` to encryption.
+    pub fn finish(self, theirs: Frame, seals: &mut Seals) -> Result<(), HandshakeError> {
+        let public = match theirs {
+            Frame::KeyShare { public } => public,
+            Frame::Error { code, message } => return Err(HandshakeError::Refused(code, message)),
+            other => return Err(unexpected("a key share", &other)),
+        };
+        let theirs = ring::agreement::UnparsedPublicKey::new(&ring::agreement::X25519, public);
+        ring::agreement::agree_ephemeral(self.private, &theirs, |secret| seals.encrypt(secret))
+            .map_err(|_| HandshakeError::Unexpected { expected: "an X25519 key share", got: "another key".into() })
+    }
+}
+
 fn unexpected(expected: &'static str, got: &Frame) -> HandshakeError {
     let got = format!("{got:?}");
     HandshakeError::Unexpected { expected, got: got.chars().take(120).collect() }
 }
 
+/// What a client knows once an agent welcomed it.
+#[derive(Debug)]
+pub struct Welcomed {
+    /// The agent's node name.
+    pub node: String,
+    /// The connection's frame keys.
+    pub seals: Seals,
+    /// The agent demands encryption: the client's next frame is its [`KeyShare`].
+    pub encrypt: bool,
+}
+
+/// The agent's side of a handshake, as [`welcome`] needs it.
+pub struct AgentSide<'a> {
+    /// The job's token where the connection must prove it (TCP), `None` on the local socket.
+    pub token: Option<&'a [u8]>,
+    /// The addresses a client may have dialed this agent at (as the members name it, its listening
+    /// address).
+    pub names: &'a [String],
+    /// The agent's node name.
+    pub me: &'a str,
+    /// Whether the agent demands encryption on TCP (`[cluster] encrypt`).
+    pub encrypt: bool,
+}
+
 /// The agent's side: the welcome for `hello`, sent on a connection whose challenge carried `server`, and
-/// the connection's frame keys; or the refusal to send instead. `token` is the job's token where the connection must prove it (TCP),
-/// `None` on the local socket; `names` are the addresses a client may have dialed this agent at (as the
-/// members name it, its listening address); `me` is its node name.
-pub fn welcome(
-    hello: &Frame,
-    server: &[u8; 32],
-    token: Option<&[u8]>,
-    names: &[String],
-    me: &str,
-) -> Result<(Frame, Seals), (ErrorCode, String)> {
+/// the connection's frame keys; or the refusal to send instead.
+pub fn welcome(hello: &Frame, server: &[u8; 32], agent: &AgentSide<'_>) -> Result<(Frame, Seals), (ErrorCode, String)> {
+    let AgentSide { token, names, me, encrypt } = *agent;
     let (node, client, given) = match hello {
         Frame::Hello { version, .. } if *version != VERSION => {
             return Err((
@@ -188,12 +242,15 @@ pub fn welcome(
         Frame::Hello { node, nonce, proof, .. } => (node, nonce, proof),
         _ => return Err((ErrorCode::BadRequest, "the first frame must be a hello".to_string())),
     };
-    let Some(t) = token else { return Ok((Frame::Welcome { node: me.to_string(), proof: [0; 32] }, Seals::default())) };
+    let Some(t) = token else {
+        return Ok((Frame::Welcome { node: me.to_string(), proof: [0; 32], encrypt: false }, Seals::default()));
+    };
     let dialed =
         names.iter().map(|n| Bound { agent: n, client, server }).find(|to| proves(t, Role::Client, *to, given));
     match dialed {
         Some(to) => {
-            Ok((Frame::Welcome { node: me.to_string(), proof: proof(t, Role::Server, to) }, seals(t, Role::Server, to)))
+            let role = Role::Server { encrypt };
+            Ok((Frame::Welcome { node: me.to_string(), proof: proof(t, role, to), encrypt }, seals(t, role, to)))
         }
         None => Err((
             ErrorCode::Unauthorized,
@@ -212,6 +269,10 @@ mod tests {
 
     const TOKEN: &[u8] = b"0123456789abcdef0123456789abcdef-the-job";
 
+    fn agent<'a>(token: Option<&'a [u8]>, names: &'a [String]) -> AgentSide<'a> {
+        AgentSide { token, names, me: "b", encrypt: false }
+    }
+
     fn names() -> Vec<String> {
         vec!["b:7078".to_string(), "10.0.0.2:7078".to_string()]
     }
@@ -226,8 +287,8 @@ mod tests {
         for dialed in names() {
             let (server, c) = challenge();
             let (client, hello) = ClientHello::answer(c, &dialed, "a", Some(TOKEN)).unwrap();
-            let (w, mut agent) = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
-            let (node, mut reader) = client.welcome(w).unwrap();
+            let (w, mut agent) = welcome(&hello, &server, &agent(Some(TOKEN), &names())).unwrap();
+            let Welcomed { node, seals: mut reader, .. } = client.welcome(w).unwrap();
             assert_eq!(node, "b");
             // Both sides derived the same key for each direction, and a different one for each.
             let ask = Frame::Credit { id: 1, more: 3 };
@@ -241,13 +302,40 @@ mod tests {
     }
 
     #[test]
+    fn an_agent_that_demands_encryption_gets_it_and_the_demand_cannot_be_cleared_on_the_way() {
+        let (server, c) = challenge();
+        let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
+        let names = names();
+        let side = AgentSide { token: Some(TOKEN), names: &names, me: "b", encrypt: true };
+        let (w, mut agent) = welcome(&hello, &server, &side).unwrap();
+        let Frame::Welcome { node, proof, encrypt } = w.clone() else { unreachable!() };
+        assert!(encrypt);
+        let cleared = Frame::Welcome { node, proof, encrypt: false };
+        assert_eq!(client.welcome(cleared).err(), Some(HandshakeError::Unproven));
+        let mut reader = client.welcome(w).unwrap();
+        assert!(reader.encrypt);
+        // The key exchange, each share under the tags.
+        let (mine, share) = KeyShare::new();
+        let up = reader.seals.send.bytes_of(&share);
+        let (theirs, answer) = KeyShare::new();
+        let got = agent.recv.read_frame(&mut &up[..]).unwrap().unwrap();
+        let down = agent.send.bytes_of(&answer);
+        theirs.finish(got, &mut agent).unwrap();
+        mine.finish(reader.seals.recv.read_frame(&mut &down[..]).unwrap().unwrap(), &mut reader.seals).unwrap();
+        assert!(agent.encrypted() && reader.seals.encrypted());
+        let ask = Frame::Fetch { id: 1, source: "/store".into(), rel: "a/b".into(), credit: 4 };
+        let frame = reader.seals.send.bytes_of(&ask);
+        assert_eq!(agent.recv.read_frame(&mut &frame[..]).unwrap(), Some(ask));
+    }
+
+    #[test]
     fn each_connection_has_keys_of_its_own() {
         let mut connections = Vec::new();
         for _ in 0..2 {
             let (server, c) = challenge();
             let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
-            let (w, agent) = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap();
-            connections.push((client.welcome(w).unwrap().1, agent));
+            let (w, agent) = welcome(&hello, &server, &agent(Some(TOKEN), &names())).unwrap();
+            connections.push((client.welcome(w).unwrap().seals, agent));
         }
         let ask = Frame::Credit { id: 1, more: 1 };
         let frame = connections[0].0.send.bytes_of(&ask);
@@ -260,7 +348,7 @@ mod tests {
     fn a_wrong_token_is_refused_either_way() {
         let (server, c) = challenge();
         let (_, hello) = ClientHello::answer(c, "b:7078", "a", Some(b"another token, not the job's one!")).unwrap();
-        let refused = welcome(&hello, &server, Some(TOKEN), &names(), "b").unwrap_err();
+        let refused = welcome(&hello, &server, &agent(Some(TOKEN), &names())).unwrap_err();
         assert_eq!(refused.0, ErrorCode::Unauthorized);
         assert!(refused.1.contains("wrong token"), "{}", refused.1);
         // An agent without the token cannot make a welcome the client accepts.
@@ -268,12 +356,12 @@ mod tests {
         let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
         let Frame::Hello { nonce: theirs, .. } = hello else { unreachable!() };
         let to = Bound { agent: "b:7078", client: &theirs, server: &server };
-        let forged = proof(b"a stranger's token, not the job's", Role::Server, to);
+        let forged = proof(b"a stranger's token, not the job's", Role::Server { encrypt: false }, to);
         assert_eq!(
-            client.welcome(Frame::Welcome { node: "b".into(), proof: forged }).err(),
+            client.welcome(Frame::Welcome { node: "b".into(), proof: forged, encrypt: false }).err(),
             Some(HandshakeError::Unproven)
         );
-        let unproved = Frame::Welcome { node: "b".into(), proof: [0; 32] };
+        let unproved = Frame::Welcome { node: "b".into(), proof: [0; 32], encrypt: false };
         assert_eq!(client.welcome(unproved).err(), Some(HandshakeError::Unproven));
     }
 
@@ -283,14 +371,17 @@ mod tests {
         let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
         // Replayed on a connection with another challenge: refused.
         let (other_server, _) = challenge();
-        assert!(welcome(&hello, &other_server, Some(TOKEN), &names(), "b").is_err());
+        assert!(welcome(&hello, &other_server, &agent(Some(TOKEN), &names())).is_err());
         // Relayed by a stranger on c's port to b's agent: b does not go by c's address.
         let (server_b, relayed) = challenge();
         let (_, hello_for_c) = ClientHello::answer(relayed, "c:7078", "a", Some(TOKEN)).unwrap();
-        assert!(welcome(&hello_for_c, &server_b, Some(TOKEN), &names(), "b").is_err());
+        assert!(welcome(&hello_for_c, &server_b, &agent(Some(TOKEN), &names())).is_err());
         // The client's own proof reflected back as the agent's: refused.
         let Frame::Hello { proof, .. } = hello else { unreachable!() };
-        assert_eq!(client.welcome(Frame::Welcome { node: "b".into(), proof }).err(), Some(HandshakeError::Unproven));
+        assert_eq!(
+            client.welcome(Frame::Welcome { node: "b".into(), proof, encrypt: false }).err(),
+            Some(HandshakeError::Unproven)
+        );
         let _ = server;
     }
 
@@ -298,8 +389,9 @@ mod tests {
     fn the_local_socket_needs_no_token() {
         let (server, c) = challenge();
         let (client, hello) = ClientHello::answer(c, "", "local", None).unwrap();
-        let (w, agent) = welcome(&hello, &server, None, &[], "n").unwrap();
-        let (node, reader) = client.welcome(w).unwrap();
+        let (w, agent) =
+            welcome(&hello, &server, &AgentSide { token: None, names: &[], me: "n", encrypt: false }).unwrap();
+        let Welcomed { node, seals: reader, .. } = client.welcome(w).unwrap();
         assert_eq!(node, "n");
         assert!(!agent.send.is_keyed() && !reader.recv.is_keyed(), "frames on the node's socket stay plain");
     }

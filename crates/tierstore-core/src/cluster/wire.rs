@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use crate::index::{SourceAttrs, SourceId};
 
 /// The protocol version this build speaks. A peer with another one is refused with a clear error.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 
 /// The largest frame body accepted (a data chunk of 1 MiB and its header, when data frames come).
 pub const MAX_FRAME: usize = (1 << 20) + 4096;
@@ -130,6 +130,13 @@ impl ErrorCode {
 /// One message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
+    /// With `[cluster] encrypt`, the first frame each side sends after the welcome: a fresh X25519
+    /// public key. Both are tagged under the handshake's keys, so nobody on the path can swap them; from
+    /// the next frame on, every frame is encrypted (see [`super::seal`]).
+    KeyShare {
+        /// The sender's ephemeral public key.
+        public: [u8; 32],
+    },
     /// The agent's first frame on every connection.
     Challenge {
         /// The agent's protocol version.
@@ -154,6 +161,10 @@ pub enum Frame {
         node: String,
         /// The agent's proof of the token over both nonces (zeros on the local socket).
         proof: [u8; 32],
+        /// The agent encrypts every connection (`[cluster] encrypt`): the client sends a
+        /// [`Frame::KeyShare`] before anything else. Covered by the proof, so nobody on the path can
+        /// clear it.
+        encrypt: bool,
     },
     /// Are you there?
     Ping {
@@ -337,6 +348,7 @@ mod kind {
     pub const CHECKED: u8 = 19;
     pub const VOUCH: u8 = 20;
     pub const FETCH_RANGES: u8 = 21;
+    pub const KEY_SHARE: u8 = 22;
     // Model streaming's frames are numbered from 40, apart from the kinds other jobs add.
     pub const STREAM_REQUEST: u8 = 40;
     pub const STREAM_EVENT: u8 = 41;
@@ -387,10 +399,11 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.extend_from_slice(nonce);
             out.extend_from_slice(proof);
         }
-        Frame::Welcome { node, proof } => {
+        Frame::Welcome { node, proof, encrypt } => {
             out.push(kind::WELCOME);
             text(out, node);
             out.extend_from_slice(proof);
+            out.push(u8::from(*encrypt));
         }
         Frame::Ping { nonce } => {
             out.push(kind::PING);
@@ -509,6 +522,10 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
             out.extend_from_slice(&(*code as u16).to_be_bytes());
             text(out, message);
         }
+        Frame::KeyShare { public } => {
+            out.push(kind::KEY_SHARE);
+            out.extend_from_slice(public);
+        }
         Frame::StagedFetch { id, path, credit } => {
             out.push(kind::STAGED_FETCH);
             out.extend_from_slice(&id.to_be_bytes());
@@ -614,7 +631,9 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
             nonce: r.bytes32("nonce")?,
             proof: r.bytes32("proof")?,
         },
-        kind::WELCOME => Frame::Welcome { node: r.text("node")?, proof: r.bytes32("proof")? },
+        kind::WELCOME => {
+            Frame::Welcome { node: r.text("node")?, proof: r.bytes32("proof")?, encrypt: r.u8("encrypt")? != 0 }
+        }
         kind::PING => Frame::Ping { nonce: r.u64("nonce")? },
         kind::PONG => Frame::Pong { nonce: r.u64("nonce")? },
         kind::STATUS => Frame::Status,
@@ -690,6 +709,7 @@ pub fn parse(body: &[u8]) -> Result<Frame, FrameError> {
         }
         kind::VOUCH => Frame::Vouch { id: r.u32("id")?, offset: r.u64("offset")?, cv: r.bytes32("cv")? },
         kind::CHECKED => Frame::Checked { id: r.u32("id")?, removed: r.u8("removed")? != 0 },
+        kind::KEY_SHARE => Frame::KeyShare { public: r.bytes32("public")? },
         kind::STAGED_FETCH => {
             let (id, path) = (r.u32("id")?, r.text("path")?);
             check_abs_path(&path)?;
@@ -833,10 +853,15 @@ mod tests {
             (any::<u8>(), any::<[u8; 32]>()).prop_map(|(version, nonce)| Frame::Challenge { version, nonce }),
             (any::<u8>(), text, any::<[u8; 32]>(), any::<[u8; 32]>())
                 .prop_map(|(version, node, nonce, proof)| Frame::Hello { version, node, nonce, proof }),
-            (text, any::<[u8; 32]>()).prop_map(|(node, proof)| Frame::Welcome { node, proof }),
+            (text, any::<[u8; 32]>(), any::<bool>()).prop_map(|(node, proof, encrypt)| Frame::Welcome {
+                node,
+                proof,
+                encrypt
+            }),
             any::<u64>().prop_map(|nonce| Frame::Ping { nonce }),
             any::<u64>().prop_map(|nonce| Frame::Pong { nonce }),
             Just(Frame::Status),
+            any::<[u8; 32]>().prop_map(|public| Frame::KeyShare { public }),
             "[ -~]{0,300}".prop_map(|json| Frame::StatusReport { json }),
             Just(Frame::Stop),
             Just(Frame::Stopping),
