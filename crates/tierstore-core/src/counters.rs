@@ -4,7 +4,6 @@
 //! status` run from another shell sees what all DataLoader workers did, at the cost of one atomic add
 //! (nanoseconds) per event, far below what an index write per hit would cost.
 
-use std::fs::OpenOptions;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,22 +24,7 @@ impl Counters {
     /// Maps (creating if needed, mode 0600) the counter file at `path`, never through a symbolic link: the
     /// file is written, and a link planted in its place must not make this process write elsewhere.
     pub fn open(path: &Path) -> io::Result<Counters> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| match e.raw_os_error() {
-                Some(libc::ELOOP) => io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!("{} is a symbolic link: counters are never written through one", path.display()),
-                ),
-                _ => e,
-            })?;
+        let file = crate::private::open_nofollow(path, false, true)?;
         let len = ((SLOTS + 1) * 8) as u64;
         if file.metadata()?.len() < len {
             file.set_len(len)?;

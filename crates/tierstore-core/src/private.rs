@@ -207,6 +207,24 @@ pub fn open_file(dir: &File, name: &str) -> io::Result<File> {
     Ok(file)
 }
 
+/// Opens the file at `path` for reading and writing (appending, with `append`), creating it mode 0600
+/// when `create`, never through a symbolic link: a link planted in its place (to make this process write
+/// elsewhere) is refused with its path and the fix.
+pub fn open_nofollow(path: &Path, append: bool, create: bool) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).create(create).mode(0o600).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    if append {
+        options.append(true);
+    } else {
+        options.write(true).truncate(false);
+    }
+    options.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => refused(format!("{} is a symbolic link: it is never followed; remove it", path.display())),
+        _ => e,
+    })
+}
+
 /// Creates a new file at `path` (which must not exist), mode 0600, never through a symbolic link.
 pub fn create_new(path: &Path) -> io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;

@@ -195,20 +195,7 @@ pub fn parse_stages(text: &[u8]) -> Vec<Result<(PathBuf, PathBuf), String>> {
 /// that it is a file of this user's that nobody else can write (narrowing one others can read to 0600).
 fn open_stages_file(path: &Path, create: bool) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .append(true)
-        .create(create)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!("{} is a symbolic link: it is never followed; remove it", path.display()),
-            ),
-            _ => e,
-        })?;
+    let f = crate::private::open_nofollow(path, true, create)?;
     let meta = f.metadata()?;
     if !meta.is_file() || meta.uid() != crate::private::euid() || meta.mode() & 0o022 != 0 {
         return Err(std::io::Error::new(
