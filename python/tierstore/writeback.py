@@ -244,12 +244,14 @@ def sync(path: PathLike | None = None, timeout: float | None = None) -> None:
     Raises:
         TimeoutError: Files are still pending after `timeout`; the message says how many and the last
             store errors.
-        TierstoreError: Files are pending and no agent runs to migrate them.
+        TierstoreError: Files are pending and no agent runs to migrate them; or `path` is under no
+            destination of this configuration (nothing can be said of it: run with the job's
+            configuration).
     """
     wb = _writeback()
     if any(p["files"] for p in wb.pending(None if path is None else os.fspath(path))):
         _ensure_agent()
-    wb.wait(None if path is None else os.fspath(path), timeout)
+    wb.sync(None if path is None else os.fspath(path), timeout)
 
 
 def pending(path: PathLike | None = None) -> list[dict[str, Any]]:

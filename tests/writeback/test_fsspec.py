@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,29 @@ def test_rm_recursive_removes_staged_and_stored_files_for_good(slow_wb: Destinat
     # A write into the removed directory fails as it does on disk: the stage does not bring it back.
     with pytest.raises(FileNotFoundError, match="step"):
         fs.pipe_file(str(d / "late.bin"), b"late")
+
+
+def test_the_destination_itself_lists_its_staged_files_and_once_removed_stays_removed(
+    slow_wb: Destination,
+) -> None:
+    """Files staged directly in the destination are in its listing; `rm(DEST, recursive=True)` removes
+    them with it, `exists` says so, `tierstore.sync` has nothing left, and the agent does not bring the
+    destination back."""
+    wb = slow_wb
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    (wb.backing / "old.bin").write_bytes(b"on the store")
+    fs.makedirs(str(wb.dest / "sub"))
+    wb.outage.touch()  # the store takes nothing for now: the files stay staged
+    fs.pipe_file(str(wb.dest / "sub" / "b.bin"), b"x" * (512 << 10))
+    fs.pipe_file(str(wb.dest / "a.bin"), b"y" * (512 << 10))
+    names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(str(wb.dest), detail=False))
+    assert names == ["a.bin", "old.bin", "sub"], names
+    wb.outage.unlink()  # the store takes 1 MiB/s: both are still staged when they are removed
+    fs.rm(str(wb.dest), recursive=True)
+    assert not fs.exists(str(wb.dest)) and wb.pending() == 0
+    tierstore.sync(timeout=10)
+    time.sleep(1.5)  # the agent's next migration pass, were anything left for it
+    assert not wb.backing.exists(), f"the destination came back: {tree(wb.backing.parent)}"
 
 
 def test_rmdir_refuses_a_directory_with_staged_files(wb: Destination) -> None:

@@ -50,6 +50,42 @@ def test_a_job_that_only_stages_its_checkpoints_needs_no_source(
         assert ordered.returncode != 0 and "no source" in ordered.stderr, ordered.stderr
 
 
+@pytest.mark.fuse
+def test_sync_without_the_jobs_configuration_never_says_on_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file is staged (the store refuses writes, no agent runs); `tierstore sync DEST` in a shell without
+    the job's write-back configuration exits 1 and names the stage that holds files for DEST, instead of
+    saying DEST is on the store. With the configuration it waits as always; a path under no destination at
+    all is refused too."""
+    with setup(tmp_path, monkeypatch) as s:
+        s.fail_file.touch()
+        p = s.python(
+            "import sys; open(sys.argv[1], 'wb').write(b'ckpt' * 1000)", str(s.dest / "a.bin"), run=True
+        )
+        assert p.returncode == 0, p.stderr
+        assert not (s.backing / "ckpt" / "a.bin").exists()
+        bare = {k: v for k, v in s.env.items() if k not in ("TIERSTORE_WRITEBACK", "TIERSTORE_CONFIG")}
+        for args in (["sync", str(s.dest)], ["sync", str(s.dest / "a.bin")], ["sync"]):
+            p = subprocess.run(
+                [sys.executable, "-m", "tierstore.cli", *args, "--timeout", "1"],
+                env=bare,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert p.returncode == 1, f"{args}: {p.stdout}"
+            assert "on the shared store:" not in p.stdout, p.stdout
+            assert "this node stages files for" in p.stderr and "job's configuration" in p.stderr, p.stderr
+        elsewhere = tmp_path / "not-a-destination"
+        elsewhere.mkdir()
+        p = s.cli("sync", str(elsewhere), "--timeout", "1")
+        assert p.returncode == 1 and "under no [[writeback]] destination" in p.stderr, p.stderr
+        # With the configuration: the file is pending, and the agent is missing.
+        p = s.cli("sync", str(s.dest), "--timeout", "1")
+        assert p.returncode == 1 and "on the shared store:" not in p.stdout, p.stdout
+
+
 def test_configuration_errors_name_the_key_and_the_fix(tmp_path: Path) -> None:
     env = {**os.environ, "TIERSTORE_WRITEBACK": f"{tmp_path}/nowhere:{tmp_path}/stage"}
     p = subprocess.run(

@@ -136,6 +136,17 @@ impl PyWriteback {
         py.allow_threads(|| wb.wait(p.as_deref(), timeout)).map_err(writeback_to_py)
     }
 
+    /// `tierstore sync`: `wait`, refused (a TierstoreError naming the fix) where this
+    /// configuration names no destination covering `path`.
+    #[pyo3(signature = (path=None, timeout=None))]
+    fn sync(&self, py: Python<'_>, path: Option<&str>, timeout: Option<f64>) -> PyResult<()> {
+        let wb = self.get();
+        let p = path.map(abs);
+        let longest = wb.destinations().iter().map(|d| d.timeout).max().unwrap_or(Duration::from_secs(600));
+        let timeout = timeout.map(Duration::from_secs_f64).unwrap_or(longest);
+        py.allow_threads(|| wb.sync(p.as_deref(), timeout)).map_err(writeback_to_py)
+    }
+
     /// What is pending, per destination: dicts of path, stage, files, bytes, oldest (ns since the epoch or
     /// None), errors [(file, attempts, error)].
     #[pyo3(signature = (path=None))]

@@ -54,9 +54,11 @@ pub struct Destination {
 }
 
 impl Destination {
-    /// Whether `abs` (absolute, normalized) is a file strictly under this destination.
+    /// Whether `abs` (absolute, normalized) is this destination or under it. The destination itself is
+    /// one: a listing of it shows the files staged in it, and removing it removes them (else the agent
+    /// would bring it back with them).
     pub fn holds(&self, abs: &Path) -> bool {
-        abs != self.path && abs.starts_with(&self.path)
+        abs.starts_with(&self.path)
     }
 }
 
@@ -267,7 +269,7 @@ mod tests {
         assert_eq!(out[0].stage, stage.join(crate::private::euid().to_string()), "this user's own directory");
         use std::os::unix::fs::MetadataExt;
         assert_eq!(std::fs::metadata(&out[0].stage).unwrap().mode() & 0o777, 0o700);
-        assert!(out[0].holds(&dest.join("a/b")) && !out[0].holds(&dest) && !out[0].holds(&d.path().join("storex")));
+        assert!(out[0].holds(&dest.join("a/b")) && out[0].holds(&dest) && !out[0].holds(&d.path().join("storex")));
     }
 
     #[test]

@@ -74,6 +74,21 @@ pub enum WritebackError {
         /// Why the transfer failed.
         source: crate::cluster::remote::RemoteError,
     },
+    /// The path is under no destination this configuration names: nothing can be said of it.
+    #[error(
+        "{} is under no [[writeback]] destination of this configuration ({configured}){staged}: tierstore cannot \
+         tell whether it is on the shared store; run this with the job's configuration (its TIERSTORE_CONFIG \
+         or tierstore.toml)",
+        path.display()
+    )]
+    Unconfigured {
+        /// What was asked about.
+        path: PathBuf,
+        /// The destinations this configuration names, or "it names none".
+        configured: String,
+        /// Where a stage of this node serves it, as the agent's stages list says (", but ..."), or "".
+        staged: String,
+    },
     /// Files are pending but no agent runs to migrate them.
     #[error(
         "{files} file(s) under {} wait for migration but no agent answers on {}: start it with `tierstore agent \
@@ -319,11 +334,20 @@ impl Writeback {
 
     /// The destination holding `dest`, or the error a write outside every destination is (EINVAL).
     fn destination_of(&self, dest: &Path) -> Result<&Destination, WritebackError> {
-        self.destination(dest).ok_or_else(|| WritebackError::Io {
-            what: "not under a write-back destination:",
-            path: dest.to_path_buf(),
-            source: std::io::Error::from_raw_os_error(libc::EINVAL),
-        })
+        match self.destination(dest) {
+            // The destination is a directory: no file is written in its place.
+            Some(d) if d.path == dest => Err(WritebackError::Io {
+                what: "is the write-back destination itself, a directory:",
+                path: dest.to_path_buf(),
+                source: std::io::Error::from_raw_os_error(libc::EISDIR),
+            }),
+            Some(d) => Ok(d),
+            None => Err(WritebackError::Io {
+                what: "not under a write-back destination:",
+                path: dest.to_path_buf(),
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            }),
+        }
     }
 
     /// The journal of `d`'s stage (opened once per process), with the stage listed for the agent as the
@@ -544,6 +568,39 @@ impl Writeback {
             out.push((d.clone(), self.journal(d)?.pending(&scope)?));
         }
         Ok(out)
+    }
+
+    /// Refuses to answer for `under` (or, with `None`, for this node's stages) where this configuration
+    /// names no destination that covers it: a shell without the job's configuration must not be told
+    /// that files staged under another destination are on the store.
+    fn check_configured(&self, under: Option<&Path>) -> Result<(), WritebackError> {
+        let covers = |dest: &Path| under.is_none_or(|u| u.starts_with(dest) || dest.starts_with(u));
+        if self.dests.iter().any(|d| covers(&d.path)) {
+            return Ok(());
+        }
+        let listed: Vec<(PathBuf, PathBuf)> = listed_stages().into_iter().flatten().collect();
+        let theirs = listed.iter().find(|(_, dest)| covers(dest));
+        if under.is_none() && theirs.is_none() {
+            return Ok(()); // nothing configured, nothing staged on this node: nothing to wait for
+        }
+        let configured = if self.dests.is_empty() {
+            "it names none".to_string()
+        } else {
+            self.dests.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", ")
+        };
+        let staged = theirs.map_or(String::new(), |(stage, dest)| {
+            format!(", but this node stages files for {} in {}", dest.display(), stage.display())
+        });
+        let path = under.map_or_else(|| PathBuf::from("(every destination)"), Path::to_path_buf);
+        Err(WritebackError::Unconfigured { path, configured, staged })
+    }
+
+    /// `tierstore sync`: [`Writeback::wait`], once this configuration is known to cover `under` (or, with
+    /// `None`, this node's stages); an error says why it cannot answer otherwise, where `wait` would find
+    /// nothing pending and return at once.
+    pub fn sync(&self, under: Option<&Path>, timeout: Duration) -> Result<(), WritebackError> {
+        self.check_configured(under)?;
+        self.wait(under, timeout)
     }
 
     /// Waits until nothing is pending at or under `under` (every destination when `None`): every file
