@@ -9,10 +9,19 @@ local disks), fetched from the store at most once per node, and never served sta
         data = f.read()
 """
 
+import atexit
+
+from tierstore import _core
 from tierstore._core import ConfigError, OutsideSourceError, TierstoreError, __version__, parse_size
-from tierstore._file import CachedFile
-from tierstore.cache import Cache, configure, default_cache, open, prefetch, stats
-from tierstore.writeback import sync
+
+# Registered before any other hook of tierstore's, so it runs after all of them: from then on a daemon
+# thread coming back from the engine waits for the end instead of aborting the process (see
+# crates/tierstore-py/src/exiting.rs).
+atexit.register(_core.interpreter_exiting)
+
+from tierstore._file import CachedFile  # noqa: E402
+from tierstore.cache import Cache, configure, default_cache, open, prefetch, stats  # noqa: E402
+from tierstore.writeback import sync  # noqa: E402
 
 __all__ = [
     "Cache",

@@ -64,7 +64,7 @@ impl PyAgentLink {
     #[new]
     fn new(py: Python<'_>, path: PathBuf, deadline: f64) -> PyResult<Self> {
         let deadline = Duration::from_secs_f64(deadline.max(0.001));
-        let stream = py.allow_threads(|| UnixStream::connect(&path)).map_err(|e| {
+        let stream = crate::exiting::without_gil(py, || UnixStream::connect(&path)).map_err(|e| {
             stream_error(format!(
                 "no agent answers on {} ({e}); start one with `tierstore agent start` (or pass socket= the agent's \
                  socket)",
@@ -76,7 +76,7 @@ impl PyAgentLink {
         stream.set_write_timeout(Some(deadline))?;
         let reader = stream.try_clone()?;
         let link = PyAgentLink { path: path.clone(), deadline, reader: Mutex::new(reader), writer: Mutex::new(stream) };
-        py.allow_threads(|| -> PyResult<()> {
+        crate::exiting::without_gil(py, || -> PyResult<()> {
             let mut r = link.reader.lock().expect("reader lock");
             let agent = path.display();
             let failed = |e: HandshakeError| match e {
@@ -107,7 +107,7 @@ impl PyAgentLink {
 
     /// Sends one stream request (a JSON object's text).
     fn send(&self, py: Python<'_>, json: String) -> PyResult<()> {
-        py.allow_threads(|| {
+        crate::exiting::without_gil(py, || {
             let mut w = self.writer.lock().expect("writer lock");
             wire::write_frame(&mut *w, &Frame::StreamRequest { json }).map_err(PyErr::from)
         })
@@ -122,7 +122,7 @@ impl PyAgentLink {
             Some(t) => Some(Duration::from_secs_f64(t)),
             None => None,
         };
-        py.allow_threads(|| {
+        crate::exiting::without_gil(py, || {
             let mut r = self.reader.lock().expect("reader lock");
             loop {
                 match self.read(&mut r, wait)? {

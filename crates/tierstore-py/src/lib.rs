@@ -3,6 +3,7 @@
 
 mod agent_link;
 mod error;
+mod exiting;
 mod pack;
 mod stream;
 mod writeback;
@@ -31,7 +32,7 @@ struct PyCache {
 
 fn open_engine(py: Python<'_>, config: &Config) -> PyResult<Arc<Cache>> {
     let config = config.clone();
-    py.allow_threads(move || Cache::new(config)).map(Arc::new).map_err(to_py)
+    crate::exiting::without_gil(py, move || Cache::new(config)).map(Arc::new).map_err(to_py)
 }
 
 impl PyCache {
@@ -123,8 +124,8 @@ impl PyCache {
                 .map(|(k, v)| Ok((k, v.str()?.to_string())))
                 .collect::<PyResult<Vec<_>>>()?,
         };
-        let config =
-            py.allow_threads(|| Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)?;
+        let config = crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from))
+            .map_err(to_py)?;
         let engine = open_engine(py, &config)?;
         Ok(PyCache { config, engine: Mutex::new((tierstore_core::pid(), engine)) })
     }
@@ -133,7 +134,7 @@ impl PyCache {
     fn open(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<PyReader> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        let reader = py.allow_threads(|| engine.open(&p)).map_err(to_py)?;
+        let reader = crate::exiting::without_gil(py, || engine.open(&p)).map_err(to_py)?;
         Ok(PyReader { inner: Mutex::new(Some(reader)), name: p.to_string_lossy().into_owned() })
     }
 
@@ -142,7 +143,7 @@ impl PyCache {
     fn lookup(&self, py: Python<'_>, path: &Bound<'_, PyAny>, validate: bool) -> PyResult<Option<String>> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        let found = py.allow_threads(|| engine.lookup(&p, validate)).map_err(to_py)?;
+        let found = crate::exiting::without_gil(py, || engine.lookup(&p, validate)).map_err(to_py)?;
         Ok(found.map(|p| p.to_string_lossy().into_owned()))
     }
 
@@ -153,7 +154,7 @@ impl PyCache {
         use std::os::fd::IntoRawFd;
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        let file = py.allow_threads(|| engine.open_file(&p)).map_err(to_py)?;
+        let file = crate::exiting::without_gil(py, || engine.open_file(&p)).map_err(to_py)?;
         Ok(file.into_raw_fd())
     }
 
@@ -193,14 +194,14 @@ impl PyCache {
     fn invalidate(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<()> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        py.allow_threads(|| engine.invalidate(&p)).map_err(to_py)
+        crate::exiting::without_gil(py, || engine.invalidate(&p)).map_err(to_py)
     }
 
     /// Every file under `path` (a directory, an object store prefix), by its full name, sorted.
     fn list_files(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        let found = py.allow_threads(|| engine.list_files(&p)).map_err(to_py)?;
+        let found = crate::exiting::without_gil(py, || engine.list_files(&p)).map_err(to_py)?;
         Ok(found.into_iter().map(|p| p.to_string_lossy().into_owned()).collect())
     }
 
@@ -211,7 +212,7 @@ impl PyCache {
         let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
         let engine = self.engine(py)?;
         let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
-        let progress = py.allow_threads(|| engine.prefetch_with(&paths, jobs)).map_err(to_py)?;
+        let progress = crate::exiting::without_gil(py, || engine.prefetch_with(&paths, jobs)).map_err(to_py)?;
         Ok(PyPrefetch { progress })
     }
 
@@ -234,27 +235,26 @@ impl PyCache {
         let marks = marks.as_ref().map(path_arg).transpose()?;
         let engine = self.engine(py)?;
         let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
-        let handle = py
-            .allow_threads(|| {
-                let log = match marks {
-                    None => None,
-                    Some(m) => {
-                        let opened =
-                            tierstore_core::marks::ReadMarks::open(&m).map_err(|e| tierstore_core::Error::io(&m, e))?;
-                        let slots = slots.unwrap_or_else(|| (0..paths.len() as u32).collect());
-                        Some(ReadLog { marks: Arc::new(opened), slots, tag })
-                    }
-                };
-                engine.prefetch_order(&paths, budget, jobs, log)
-            })
-            .map_err(to_py)?;
+        let handle = crate::exiting::without_gil(py, || {
+            let log = match marks {
+                None => None,
+                Some(m) => {
+                    let opened =
+                        tierstore_core::marks::ReadMarks::open(&m).map_err(|e| tierstore_core::Error::io(&m, e))?;
+                    let slots = slots.unwrap_or_else(|| (0..paths.len() as u32).collect());
+                    Some(ReadLog { marks: Arc::new(opened), slots, tag })
+                }
+            };
+            engine.prefetch_order(&paths, budget, jobs, log)
+        })
+        .map_err(to_py)?;
         Ok(PyOrderPrefetch { progress: handle.progress(), handle })
     }
 
     /// Creates a read-marks file of `slots` slots next to the node's cache state; returns its path.
     fn create_read_marks(&self, py: Python<'_>, slots: usize) -> PyResult<String> {
         let engine = self.engine(py)?;
-        let marks = py.allow_threads(|| engine.read_marks(slots)).map_err(to_py)?;
+        let marks = crate::exiting::without_gil(py, || engine.read_marks(slots)).map_err(to_py)?;
         // The caller removes it when its readers are done.
         Ok(marks.keep().to_string_lossy().into_owned())
     }
@@ -262,7 +262,7 @@ impl PyCache {
     /// Blocks until queued copies are published.
     fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.engine(py)?;
-        py.allow_threads(|| engine.wait_idle());
+        crate::exiting::without_gil(py, || engine.wait_idle());
         Ok(())
     }
 
@@ -274,7 +274,7 @@ impl PyCache {
     /// All counters, node-wide.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let engine = self.engine(py)?;
-        let s = py.allow_threads(|| engine.stats());
+        let s = crate::exiting::without_gil(py, || engine.stats());
         let out = PyDict::new(py);
         let src = PyDict::new(py);
         src.set_item("opens", s.source.opens)?;
@@ -323,7 +323,7 @@ impl PyCache {
     /// Removes every cached copy of this source.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
         let engine = self.engine(py)?;
-        py.allow_threads(|| engine.clear()).map_err(to_py)
+        crate::exiting::without_gil(py, || engine.clear()).map_err(to_py)
     }
 
     /// The effective configuration: {key: (value, origin)}.
@@ -412,7 +412,7 @@ impl PyReader {
             let mut got = 0;
             let bytes = PyBytes::new_with(py, n, |buf| {
                 // The new bytes object is not visible to any other thread yet: fill it without the GIL.
-                got = py.allow_threads(|| r.read_full(buf)).map_err(|e| io_to_py(e, Some(name)))?;
+                got = crate::exiting::without_gil(py, || r.read_full(buf)).map_err(|e| io_to_py(e, Some(name)))?;
                 Ok(())
             })?;
             if got < n {
@@ -434,7 +434,7 @@ impl PyReader {
         let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
         let name = &self.name;
         self.with(|r| {
-            py.allow_threads(|| {
+            crate::exiting::without_gil(py, || {
                 // SAFETY: the exported buffer stays valid and unresizable while `buf` holds it.
                 let slice = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
                 r.read_full(slice)
@@ -448,7 +448,8 @@ impl PyReader {
     fn readline<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
         let name = &self.name;
         let limit = (size >= 0).then_some(size as usize);
-        let line = self.with(|r| py.allow_threads(|| r.read_line(limit)).map_err(|e| io_to_py(e, Some(name))))?;
+        let line =
+            self.with(|r| crate::exiting::without_gil(py, || r.read_line(limit)).map_err(|e| io_to_py(e, Some(name))))?;
         Ok(PyBytes::new(py, &line))
     }
 
@@ -592,7 +593,7 @@ impl PyOrderPrefetch {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
         let t = timeout.map(|s| std::time::Duration::from_secs_f64(s.max(0.0)));
-        py.allow_threads(|| self.handle.wait(t))
+        crate::exiting::without_gil(py, || self.handle.wait(t))
     }
 }
 
@@ -602,7 +603,7 @@ impl PyOrderPrefetch {
 #[pyfunction]
 #[pyo3(signature = (members, rels, down = Vec::new()))]
 fn owners(py: Python<'_>, members: Vec<String>, rels: Vec<String>, down: Vec<String>) -> Vec<Option<String>> {
-    py.allow_threads(|| {
+    crate::exiting::without_gil(py, || {
         let o = tierstore_core::owners::Owners::new(&members);
         let names = o.members();
         let out: Vec<bool> = names.iter().map(|n| down.contains(n)).collect();
@@ -629,6 +630,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(private_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(exiting::interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(owners, m)?)?;
     m.add_class::<pack::PyPackWriter>()?;
     m.add_function(wrap_pyfunction!(pack::hash_buffers, m)?)?;

@@ -54,7 +54,7 @@ impl View {
 #[pyfunction]
 pub fn hash_buffers<'py>(py: Python<'py>, buffers: Vec<Bound<'py, PyAny>>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
-    let hashes = py.allow_threads(|| {
+    let hashes = crate::exiting::without_gil(py, || {
         // SAFETY: the views hold their buffers exported for this call.
         let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
         pack::hash_many(&slices)
@@ -89,7 +89,7 @@ impl PyPackWriter {
     fn append(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<u64> {
         let view = View::of(buffer, false)?;
         // SAFETY: the view holds its buffer exported for this call.
-        self.with(|w| py.allow_threads(|| w.append(unsafe { view.bytes() })))
+        self.with(|w| crate::exiting::without_gil(py, || w.append(unsafe { view.bytes() })))
     }
 
     /// Appends buffers, each at the next aligned offset, in as few `writev` calls as possible; returns
@@ -97,7 +97,7 @@ impl PyPackWriter {
     fn append_all(&self, py: Python<'_>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<u64>> {
         let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
         self.with(|w| {
-            py.allow_threads(|| {
+            crate::exiting::without_gil(py, || {
                 // SAFETY: the views hold their buffers exported for this call.
                 let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
                 w.append_all(&slices)
@@ -115,7 +115,7 @@ impl PyPackWriter {
     fn commit(&self, py: Python<'_>) -> PyResult<()> {
         let w = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         let w = w.ok_or_else(|| PyValueError::new_err("the pack is already committed or aborted"))?;
-        py.allow_threads(|| w.commit()).map_err(|e| io_to_py(e, Some(&self.path.to_string_lossy())))
+        crate::exiting::without_gil(py, || w.commit()).map_err(|e| io_to_py(e, Some(&self.path.to_string_lossy())))
     }
 
     /// Removes the unfinished pack.
@@ -132,7 +132,7 @@ impl PyPackWriter {
 #[pyfunction]
 pub fn read_into(py: Python<'_>, path: PathBuf, requests: Vec<Request<'_>>) -> PyResult<()> {
     let views = request_views(&requests)?;
-    let result = py.allow_threads(|| {
+    let result = crate::exiting::without_gil(py, || {
         // SAFETY: every view holds its writable buffer exported for this call; the Python side passes
         // each destination once.
         let mut reqs = unsafe { read_requests(&views) };
@@ -151,9 +151,9 @@ pub fn read_into_cached(
     requests: Vec<Request<'_>>,
 ) -> PyResult<()> {
     let views = request_views(&requests)?;
-    let opened = py.allow_threads(|| cache.open(&path));
+    let opened = crate::exiting::without_gil(py, || cache.open(&path));
     let reader = std::sync::Mutex::new(opened.map_err(crate::error::to_py)?);
-    let result = py.allow_threads(|| {
+    let result = crate::exiting::without_gil(py, || {
         // SAFETY: as in `read_into`.
         let mut reqs = unsafe { read_requests(&views) };
         pack::read_into_from(&path, &mut reqs, |offset, buf| {
@@ -182,7 +182,7 @@ pub fn read_parts(
     requests: Vec<Request<'_>>,
 ) -> PyResult<bool> {
     let views = request_views(&requests)?;
-    let result = py.allow_threads(|| {
+    let result = crate::exiting::without_gil(py, || {
         // SAFETY: as in `read_into`.
         let mut reqs = unsafe { read_requests(&views) };
         pack::read_parts(cache, &path, &mut reqs)
@@ -199,7 +199,8 @@ pub fn map_parts(
     spans: Vec<(u64, usize, Option<Vec<u8>>)>,
 ) -> PyResult<Option<PyPackMap>> {
     let spans = spans_of(spans)?;
-    let map = py.allow_threads(|| pack::map_parts(cache, &path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    let map = crate::exiting::without_gil(py, || pack::map_parts(cache, &path, &spans))
+        .map_err(|e| read_error_to_py(py, e))?;
     Ok(map.map(|map| PyPackMap { map }))
 }
 
@@ -303,7 +304,8 @@ impl PyPackMap {
 #[pyfunction]
 pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyPackMap> {
     let spans = spans_of(spans)?;
-    let map = py.allow_threads(|| pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    let map =
+        crate::exiting::without_gil(py, || pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(PyPackMap { map })
 }
 
@@ -318,7 +320,7 @@ pub fn verify_pack(
     spans: Vec<(u64, usize, Option<Vec<u8>>)>,
 ) -> PyResult<Vec<Option<(&'static str, String)>>> {
     let spans = spans_of(spans)?;
-    let found = py.allow_threads(|| pack::verify(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
+    let found = crate::exiting::without_gil(py, || pack::verify(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
     Ok(found
         .into_iter()
         .map(|r| {

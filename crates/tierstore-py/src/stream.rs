@@ -45,16 +45,15 @@ pub fn stream_place<'py>(
                 .transpose()
         })
         .collect::<PyResult<Vec<_>>>()?;
-    let placed = py
-        .allow_threads(|| {
-            // SAFETY: the views hold their buffers exported for this call.
-            let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
-            match threads {
-                Some(n) => stream::place_on(n, &slices, &bases, &checks, &dir),
-                None => stream::place(&slices, &bases, &checks, &dir),
-            }
-        })
-        .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;
+    let placed = crate::exiting::without_gil(py, || {
+        // SAFETY: the views hold their buffers exported for this call.
+        let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
+        match threads {
+            Some(n) => stream::place_on(n, &slices, &bases, &checks, &dir),
+            None => stream::place(&slices, &bases, &checks, &dir),
+        }
+    })
+    .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;
     Ok(placed.iter().map(|p| (PyBytes::new(py, &p.hash), p.written)).collect())
 }
 
@@ -62,7 +61,7 @@ pub fn stream_place<'py>(
 #[pyfunction]
 pub fn stream_read(py: Python<'_>, paths: Vec<PathBuf>, buffers: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
     let views = buffers.iter().map(|b| View::of(b, true)).collect::<PyResult<Vec<_>>>()?;
-    py.allow_threads(|| {
+    crate::exiting::without_gil(py, || {
         // SAFETY: every view holds its writable buffer exported for this call; each is passed once.
         let mut dests: Vec<&mut [u8]> = views.iter().map(|v| unsafe { v.bytes_mut() }).collect();
         stream::read_into(&paths, &mut dests)
@@ -83,7 +82,7 @@ pub fn stream_copy(
     let checks = checks(heads_only);
     let src = sources.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
     let dst = dests.iter().map(|b| View::of(b, true)).collect::<PyResult<Vec<_>>>()?;
-    py.allow_threads(|| {
+    crate::exiting::without_gil(py, || {
         // SAFETY: the views hold their buffers exported for this call; destinations are distinct.
         let s: Vec<&[u8]> = src.iter().map(|v| unsafe { v.bytes() }).collect();
         let mut d: Vec<&mut [u8]> = dst.iter().map(|v| unsafe { v.bytes_mut() }).collect();

@@ -73,7 +73,7 @@ impl PyWriteback {
     fn begin(&self, py: Python<'_>, path: &str) -> PyResult<(Option<String>, String)> {
         let wb = self.get();
         let p = abs(path);
-        match py.allow_threads(|| wb.begin(&p)).map_err(writeback_to_py)? {
+        match crate::exiting::without_gil(py, || wb.begin(&p)).map_err(writeback_to_py)? {
             Begin::Staged { name, path } => Ok((Some(name), path.to_string_lossy().into_owned())),
             Begin::WriteThrough { temp } => Ok((None, temp.to_string_lossy().into_owned())),
         }
@@ -83,14 +83,14 @@ impl PyWriteback {
     fn finish_through(&self, py: Python<'_>, temp: &str, path: &str) -> PyResult<()> {
         let wb = self.get();
         let (t, p) = (abs(temp), abs(path));
-        py.allow_threads(|| wb.finish_through(&t, &p)).map_err(writeback_to_py)
+        crate::exiting::without_gil(py, || wb.finish_through(&t, &p)).map_err(writeback_to_py)
     }
 
     /// Journals the closed staged file `name` of `path` (and waits for the store with remote durability).
     fn commit(&self, py: Python<'_>, path: &str, name: &str) -> PyResult<()> {
         let wb = self.get();
         let p = abs(path);
-        py.allow_threads(|| wb.commit(&p, name)).map_err(writeback_to_py)
+        crate::exiting::without_gil(py, || wb.commit(&p, name)).map_err(writeback_to_py)
     }
 
     /// The files pending directly in the directory `path` (not yet on the store): (name, staged copy).
@@ -112,7 +112,7 @@ impl PyWriteback {
     fn fetch_staged(&self, py: Python<'_>, path: &str) -> PyResult<Option<String>> {
         let wb = self.get();
         let p = abs(path);
-        let got = py.allow_threads(|| wb.peer_copy(&p)).map_err(writeback_to_py)?;
+        let got = crate::exiting::without_gil(py, || wb.peer_copy(&p)).map_err(writeback_to_py)?;
         Ok(got.map(|f| f.to_string_lossy().into_owned()))
     }
 
@@ -133,7 +133,7 @@ impl PyWriteback {
         let p = path.map(abs);
         let longest = wb.destinations().iter().map(|d| d.timeout).max().unwrap_or(Duration::from_secs(600));
         let timeout = timeout.map(Duration::from_secs_f64).unwrap_or(longest);
-        py.allow_threads(|| wb.wait(p.as_deref(), timeout)).map_err(writeback_to_py)
+        crate::exiting::without_gil(py, || wb.wait(p.as_deref(), timeout)).map_err(writeback_to_py)
     }
 
     /// `tierstore sync`: `wait`, refused (a TierstoreError naming the fix) where this
@@ -144,7 +144,7 @@ impl PyWriteback {
         let p = path.map(abs);
         let longest = wb.destinations().iter().map(|d| d.timeout).max().unwrap_or(Duration::from_secs(600));
         let timeout = timeout.map(Duration::from_secs_f64).unwrap_or(longest);
-        py.allow_threads(|| wb.sync(p.as_deref(), timeout)).map_err(writeback_to_py)
+        crate::exiting::without_gil(py, || wb.sync(p.as_deref(), timeout)).map_err(writeback_to_py)
     }
 
     /// What is pending, per destination: dicts of path, stage, files, bytes, oldest (ns since the epoch or
