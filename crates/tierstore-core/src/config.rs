@@ -156,6 +156,13 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_WRITEBACK_ONLY",
 ];
 
+/// Variables named `TIERSTORE_*` that are not tierstore's configuration: the test suite's knobs
+/// (`TIERSTORE_TEST_*`) and where it finds its tools (`TIERSTORE_WEED`), which tests/README.md tells
+/// contributors to set in their shell. They are passed over, not refused as misspellings.
+fn not_ours(name: &str) -> bool {
+    name.starts_with("TIERSTORE_TEST_") || name == "TIERSTORE_WEED"
+}
+
 /// The raw, unvalidated values of the TOML file.
 #[derive(Default)]
 struct Raw {
@@ -322,7 +329,7 @@ impl Config {
     fn layers(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Raw, ConfigError> {
         for (name, value) in env {
             let private = [RESOLVED_FROM_ENV, RESOLVED_ENV].contains(&name.as_str());
-            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) && !private {
+            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) && !private && !not_ours(name) {
                 let fix = match closest(name, ENV_VARS) {
                     Some(k) => format!("did you mean {k}? tierstore reads {}", ENV_VARS.join(", ")),
                     None => format!("tierstore reads {}", ENV_VARS.join(", ")),
@@ -733,6 +740,9 @@ mod tests {
         assert!(e.contains("threads = 0"), "{e}");
         let e = err(base.clone(), &[("TIERSTORE_POLCY", "lru")]);
         assert!(e.contains("did you mean TIERSTORE_POLICY"), "{e}");
+        // The test suite's own variables, which its README tells contributors to set, are not refused.
+        let tools = env(&[("TIERSTORE_WEED", "/opt/weed"), ("TIERSTORE_TEST_WRITEBACK_KILLS", "20")]);
+        assert!(Config::load_with_env(&base, &tools).is_ok());
         let inside = src.join("cache").display().to_string();
         let e = err(Overrides { tiers: Some(vec![(inside, Some("1M".into()))]), ..base.clone() }, &[]);
         assert!(e.contains("overlaps the source"), "{e}");
