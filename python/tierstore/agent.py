@@ -124,6 +124,7 @@ def start(
             carries the end of its log.
     """
     log = log or socket.parent / "agent.log"
+    logged = log.stat().st_size if log.exists() else 0
     # The runtime directory is this user's own (made 0700, or checked: never one another user made
     # first), and the log is never opened through a link another user planted.
     try:
@@ -156,12 +157,28 @@ def start(
         if proc.poll() is not None:
             break
         time.sleep(0.02)
-    if proc.poll() is None:
+    exited = proc.poll()
+    if exited is None:
         proc.kill()
-    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-    raise AgentError(
-        f"the agent did not start on {socket} within {deadline:.0f} s; its log {log} ends with:\n{tail}"
-    )
+        what = f"the agent did not start on {socket} within {deadline:.0f} s"
+    else:
+        what = f"the agent exited at once (status {exited}) instead of starting on {socket}"
+    # What this agent wrote, not what earlier ones left in the log.
+    said = ""
+    with contextlib.suppress(OSError), open(log, "rb") as f:
+        f.seek(logged)
+        said = f.read().decode(errors="replace")[-2000:].strip()
+    raise AgentError(f"{what}; it said (in {log}):\n{said or '(nothing)'}{_fix_for(said)}")
+
+
+def _fix_for(said: str) -> str:
+    """What to do about a failed start, from what the agent said."""
+    if "Address already in use" in said or "address in use" in said:
+        return (
+            "\nanother process listens on the agent's port: stop it (`tierstore agent status` says whether it "
+            "is an agent of yours), or give this job another port with [cluster] port or TIERSTORE_PORT"
+        )
+    return ""
 
 
 def peer_status(address: str, env: dict[str, str] | None = None, timeout: float = 5.0) -> dict[str, Any]:

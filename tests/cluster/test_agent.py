@@ -221,3 +221,28 @@ def test_status_names_this_node_as_configured_when_a_peer_refuses_it(
         assert f'node "127.0.0.2:{port}": wrong token' in shown.stdout, shown.stdout
     finally:
         cli("stop", env=peer_env)
+
+
+def test_an_agent_whose_port_is_taken_says_so_at_once_with_the_fix(tmp_path: Path) -> None:
+    """The port is another process's: the start fails as soon as the agent exits, saying why and what to
+    do, not after waiting out its deadline."""
+    import socket as sockets
+
+    from tierstore import agent as agent_mod
+
+    taken = sockets.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    token = job_token(tmp_path / "token")
+    run = tmp_path / "run"
+    run.mkdir()
+    socket = run / "tierstore" / "agent.sock"
+    began = time.monotonic()
+    with pytest.raises(agent_mod.AgentError) as e:
+        agent_mod.start(socket, listen=f"127.0.0.1:{port}", token_file=str(token), deadline=10)
+    took = time.monotonic() - began
+    taken.close()
+    message = str(e.value)
+    assert "exited at once" in message and "another port" in message and "TIERSTORE_PORT" in message, message
+    assert took < 5, f"the failed start took {took:.1f} s"
