@@ -40,6 +40,9 @@ def test_start_status_stop_and_a_second_start_is_harmless(runtime: dict[str, str
     assert not socket.exists()
     gone = cli("status", env=runtime)
     assert gone.returncode != 0 and "no agent answers" in gone.stderr
+    again = cli("stop", env=runtime)
+    assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stderr
+    assert "start one" not in again.stdout + again.stderr
     log = (socket.parent / "agent.log").read_text()
     assert "serving on" in log and "stopped by a local client" in log
 

@@ -299,7 +299,15 @@ async fn status(a: Args) -> Result<(), String> {
 }
 
 async fn stop(a: Args) -> Result<(), String> {
-    let mut c = Client::local(&a.socket, Duration::from_secs(5)).await.map_err(|e| e.to_string())?;
+    let mut c = match Client::local(&a.socket, Duration::from_secs(5)).await {
+        Ok(c) => c,
+        // Nothing to stop: the wanted state already holds (as `systemctl stop` of a stopped unit).
+        Err(tierstore_agent::client::ClientError::Unreachable { .. }) => {
+            println!("no agent runs on {}: nothing to stop", a.socket.display());
+            return Ok(());
+        }
+        Err(e) => return Err(e.to_string()),
+    };
     match c.call(&Frame::Stop).await.map_err(|e| e.to_string())? {
         Frame::Stopping => {
             // Stopped once the socket is gone (the agent removes it last), within a deadline.
