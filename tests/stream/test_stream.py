@@ -460,6 +460,28 @@ def test_the_cli_lists_shows_and_watches_streams(sock: Path) -> None:
     assert [(r[0], r[1]) for r in rows] == [("1", "7"), ("2", "8")], show.stdout
     missing = cli("show", "nope")
     assert missing.returncode != 0 and "no stream 'nope'" in missing.stderr and "cli-model" in missing.stderr
+    # Watching a stream nobody published yet waits for it, and says so at once.
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "stream",
+            "watch",
+            "nope",
+            "--count",
+            "1",
+            "--socket",
+            str(sock),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert waiting.stderr is not None
+    said = waiting.stderr.readline()
+    waiting.kill()
+    waiting.wait()
+    assert "no version of stream 'nope' yet" in said and "cli-model" in said, said
     watch = subprocess.Popen(
         [
             sys.executable,

@@ -125,6 +125,15 @@ def stream_watch(socket: Path | None, name: str, count: int, interval: float) ->
         )
     except (stream_mod.StreamError, OSError) as e:
         raise click.ClickException(str(e)) from e
+    streams = _streams(socket)["streams"]
+    known = [s["name"] for s in streams if s["latest"]]
+    if name not in known:
+        # Not an error: a trainer may publish it later. But say what is being waited for.
+        click.echo(
+            f"no version of stream {name!r} yet (streams on this node: {', '.join(known) or 'none'}); "
+            "waiting for its first, Ctrl-C to stop",
+            err=True,
+        )
     seen = 0
     # What was printed of each consumer (by id): a line is printed again when what it serves changes.
     shown: dict[int, tuple[Any, Any]] = {}
