@@ -86,6 +86,12 @@ def test_config_file_errors(source: Path, tmp_path: Path) -> None:
     bad.write_text("source = [\n")
     with pytest.raises(tierstore.ConfigError, match="not valid TOML"):
         tierstore.Cache(source, config=bad)
+    bad.write_text('policy = "lru"\nthreads = = 4\n')
+    with pytest.raises(tierstore.ConfigError) as e:
+        tierstore.Cache(source, config=bad)
+    said = str(e.value)
+    assert 'line 2 = "threads = = 4": is not valid TOML at column' in said, said
+    assert said.count(str(bad)) == 1, f"the path is named more than once: {said}"
     with pytest.raises(tierstore.ConfigError, match="no such file"):
         tierstore.Cache(source, config=tmp_path / "missing.toml")
     with pytest.raises(tierstore.ConfigError, match="no source directory is configured") as e:

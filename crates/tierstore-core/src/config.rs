@@ -204,14 +204,25 @@ const TOP_KEYS: &[&str] = &[
 ];
 /// The keys of the `[stream]` table: the node agent's side of model streaming.
 pub const STREAM_KEYS: &[&str] = &["redis", "keep", "dir"];
+/// A TOML syntax error as one that names the line, what is written there and the column (the path is the
+/// error's origin already).
+fn syntax_error(origin: &Origin, text: &str, e: &toml::de::Error) -> ConfigError {
+    let at = e.span().map_or(0, |s| s.start).min(text.len());
+    let before = text.get(..at).unwrap_or("");
+    let line = before.matches('\n').count() + 1;
+    let start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = before[start..].chars().count() + 1;
+    let written = text[start..].lines().next().unwrap_or("").trim_end();
+    let problem = format!("is not valid TOML at column {column}: {}", e.message().trim_end());
+    bad(origin, &format!("line {line}"), format!("{written:?}"), &problem, "fix the syntax there")
+}
+
 fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
     let origin = Origin::File(path.to_path_buf());
     let text = std::fs::read_to_string(path).map_err(|e| {
         bad(&origin, "file", path.display(), &format!("cannot be read ({e})"), "check the path and its permissions")
     })?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        bad(&origin, "file", path.display(), &format!("is not valid TOML: {}", e.message()), "fix the syntax")
-    })?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| syntax_error(&origin, &text, &e))?;
     for (key, value) in &table {
         let text_of = |v: &toml::Value| -> Result<String, ConfigError> {
             match v {
