@@ -41,9 +41,11 @@ one file per layer for 32 layers (attention and MLP tensors) and the optimizer's
 llama3-8b (fp16 weights, fp32 Adam states) divided by 400 (about 280 MB; DLIO writes each file with
 `torch.save`, without fsync). Written (i) straight to a second stand-in store whose writes are capped at
 `--ckpt-store-bw` (its files in RAM, another device than the stage's disk), (ii) under `tierstore run`
-with that store's directory a write-back destination (stage on the local disk, durability "local": each
-close returns once the file is fsynced on the stage; the agent migrates in the background, and the script
-waits for `tierstore sync` after the job), (iii) to the local disk. Write throughput: a checkpoint's bytes
+with that store's directory a write-back destination (stage on the local disk) with the default durability
+"buffered" (each close returns once the file is hashed and journaled, its bytes in the page cache, as on a
+local disk), (iii) the same with durability "local" (each close returns once the file is fsynced on the
+stage); the agent migrates in the background, and the script waits for `tierstore sync` after the job;
+(iv) to the local disk. Write throughput: a checkpoint's bytes
 over DLIO's checkpoint duration (its per_epoch_stats.json). Read throughput: DLIO 2.0.0 never reads a
 checkpoint back, so the script reads the last checkpoint's files itself (plain 1 MiB reads after
 POSIX_FADV_DONTNEED, in a subprocess; under `tierstore run` for the staged setup) and says so on the page.
@@ -77,7 +79,7 @@ from tierstore.testing.slowfs import mounted
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 SETUPS = ("store", "tierstore run", "local copy")
-CKPT_SETUPS = ("store", "tierstore run", "local disk")
+CKPT_SETUPS = ("store", "tierstore run", "tierstore run, local", "local disk")
 AU_TARGET = 90.0
 ACCEL_TARGET = 0.95
 WRITE_TARGET = 0.95
@@ -319,12 +321,13 @@ class Ckpt:
 
 
 @contextlib.contextmanager
-def writeback_agent(dest: Path, stage: Path, root: Path) -> Iterator[dict[str, str]]:
-    """The node's agent with `dest` a write-back destination staged on `stage`; yields the jobs' env."""
+def writeback_agent(dest: Path, fsynced: Path, stage: Path, root: Path) -> Iterator[dict[str, str]]:
+    """The node's agent with `dest` (the default durability) and `fsynced` (durability "local") write-back
+    destinations staged on `stage`; yields the jobs' env."""
     env = {
         **clean_env(),
         "XDG_RUNTIME_DIR": str(root / "run"),
-        "TIERSTORE_WRITEBACK": f"{dest}:{stage}:8G:local",
+        "TIERSTORE_WRITEBACK": f"{dest}:{stage}:8G,{fsynced}:{stage}:8G:local",
     }
     (root / "run").mkdir(parents=True, exist_ok=True)
     saved = dict(os.environ)
@@ -361,19 +364,21 @@ def ckpt_round(dlio_bin: Path, root: Path, store_mount: Path, local: Path, r: in
             False,
         )
     result: dict[str, Ckpt] = {}
-    dest = store_mount / "ckpt"
+    dest, fsynced = store_mount / "ckpt", store_mount / "ckpt-local"
     dest.mkdir(exist_ok=True)
+    fsynced.mkdir(exist_ok=True)
     stage = root / "stage"
-    with writeback_agent(dest, stage, root) as wb_env:
+    with writeback_agent(dest, fsynced, stage, root) as wb_env:
         k = r % len(CKPT_SETUPS)
         for setup in CKPT_SETUPS[k:] + CKPT_SETUPS[:k]:
             folder = {
                 "store": store_mount / "direct",
                 "tierstore run": dest / "run",
+                "tierstore run, local": fsynced / "run",
                 "local disk": local / "ckpt",
             }[setup]
             shutil.rmtree(folder, ignore_errors=True)
-            wrap = setup == "tierstore run"
+            wrap = setup.startswith("tierstore run")
             out = dlio(
                 dlio_bin,
                 ckpt_overrides(data, folder),
@@ -384,12 +389,16 @@ def ckpt_round(dlio_bin: Path, root: Path, store_mount: Path, local: Path, r: in
             synced = 0.0
             if wrap:
                 t = time.perf_counter()
-                tierstore.sync(str(dest), timeout=600)
+                tierstore.sync(str(folder.parent), timeout=600)
                 synced = time.perf_counter() - t
             files = sorted(folder.glob("*"))
             size = sum(f.stat().st_size for f in files) // CKPT_STEPS
             last = [f for f in files if f"-{CKPT_STEPS}-0." in f.name]
-            env = {**wb_env, "TIERSTORE_SOURCE": str(dest), "TIERSTORE_TIERS": f"{root / 'read-tier'}:2G"}
+            env = {
+                **wb_env,
+                "TIERSTORE_SOURCE": str(folder.parent),
+                "TIERSTORE_TIERS": f"{root / 'read-tier'}:2G",
+            }
             read = read_back(last, env if wrap else clean_env(), wrap)
             shutil.rmtree(root / "read-tier", ignore_errors=True)
             result[setup] = Ckpt(size, [size / d for d in ckpt_durations(out)], read, synced)
@@ -470,6 +479,9 @@ def ckpt_report(rounds: list[dict[str, Ckpt]], store_bw: str) -> tuple[list[str]
     write = {s: median([median(r[s].write) for r in rounds]) for s in CKPT_SETUPS}
     read = {s: median([r[s].read for r in rounds]) for s in CKPT_SETUPS}
     ratio = median([median(r["tierstore run"].write) / median(r["local disk"].write) for r in rounds])
+    ratio_local = median(
+        [median(r["tierstore run, local"].write) / median(r["local disk"].write) for r in rounds]
+    )
     ok = ratio >= WRITE_TARGET
     synced = median([r["tierstore run"].synced for r in rounds])
     lines = [
@@ -491,12 +503,14 @@ def ckpt_report(rounds: list[dict[str, Ckpt]], store_bw: str) -> tuple[list[str]
         )
     lines += [
         "",
-        f"Target: write throughput through staging >= {WRITE_TARGET}x the local disk's (median of the rounds' "
-        f"paired ratios: {ratio:.2f}x): **{'met' if ok else 'missed'}**. After the staged job, `tierstore sync` "
+        f"Target: write throughput through staging with the default durability >= {WRITE_TARGET}x the local "
+        f"disk's (median of the rounds' paired ratios: {ratio:.2f}x): **{'met' if ok else 'missed'}**. With "
+        f'durability "local" (recorded, no target): {ratio_local:.2f}x. After the staged job, `tierstore sync` '
         f"took {synced:.1f} s more until every checkpoint was on the store (median).",
         "",
-        'Staging fsyncs each file at close (durability "local") while the local-disk job\'s `torch.save` leaves '
-        "its bytes in the page cache; the comparison is the one a user sees, not a like-for-like device figure.",
+        'With the default durability ("buffered") a close leaves the bytes in the page cache, as the local-disk '
+        "job's `torch.save` does, and costs the file's blake3 and the journal's commit; with \"local\" each close "
+        "also fsyncs the file, so it runs at the disk's write speed rather than the page cache's.",
         "",
         "Read: DLIO 2.0.0, the release on PyPI, has no checkpoint-read phase (DLIO's main branch added one with "
         "the llama workloads, not released), so the script reads the last checkpoint's files itself, whole, "

@@ -7,8 +7,9 @@ half-written (see ARCHITECTURE.md, "Write-back staging").
         torch.save(state, f)
     tierstore.sync("/lustre/ckpt/step_1000")                             # on the store, checked
 
-With `durability = "local"`, `close()` returns once the bytes and their journal entry are fsynced on the
-node; with `"remote"`, once the file is fsynced and checked on the shared store. The node's agent
+With `durability = "buffered"` (the default), `close()` returns once the bytes are in the node's page cache
+and their journal entry is fsynced, as a local disk's close; with `"local"`, once the bytes are fsynced on
+the node too; with `"remote"`, once the file is fsynced and checked on the shared store. The node's agent
 migrates (it is started on demand); `sync()` waits for it and raises if the files cannot reach the store.
 """
 
@@ -152,7 +153,7 @@ def open(path: PathLike, mode: str = "wb", *, encoding: str | None = None) -> IO
         encoding: The text encoding for text modes.
 
     Returns:
-        A file object; its `close()` journals the file (durability "local") or waits until it is on the store
+        A file object; its `close()` journals the file (durability "buffered" or "local") or waits until it is on the store
         (durability "remote"). A full stage gives a file of the store itself (written through), under a
         hidden name until its `close()` renames it into place.
 

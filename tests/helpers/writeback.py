@@ -88,7 +88,7 @@ def setup(
     monkeypatch: pytest.MonkeyPatch,
     *,
     quota: str = "1G",
-    durability: str = "local",
+    durability: str = "buffered",
     stage: Path | None = None,
     **store: str,
 ) -> Iterator[Setup]:

@@ -231,7 +231,7 @@ def test_a_store_outage_holds_the_data_and_resumes_by_itself(
         for name, data in files.items():
             with tierstore.open(s.dest / name, "wb") as f:
                 f.write(data)
-        # The store fails; the closes returned anyway (local durability), the data wait on the stage.
+        # The store fails; the closes returned anyway (buffered durability), the data wait on the stage.
         wait_for("the failure is recorded", lambda: any(p["errors"] for p in writeback.pending()), 5)
         p = s.cli("sync", "--timeout", "1")
         assert (

@@ -295,6 +295,11 @@ fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migration
                     s.logged = false;
                 }
                 Ok(migrate::Step::Superseded) => worked = true,
+                Ok(migrate::Step::Torn(_, msg)) => {
+                    worked = true;
+                    m.failures.fetch_add(1, Ordering::Relaxed);
+                    log::error!("stage {}: {msg}", dir.display());
+                }
                 Ok(migrate::Step::Failed(_, msg)) => {
                     m.failures.fetch_add(1, Ordering::Relaxed);
                     s.failures += 1;

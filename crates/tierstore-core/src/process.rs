@@ -30,3 +30,29 @@ pub fn pid() -> u32 {
         pid => pid,
     }
 }
+
+/// The kernel's identity of this boot of the node (`/proc/sys/kernel/random/boot_id`, 16 bytes), or
+/// `None` where it cannot be read. A record that names the boot it was written in tells, after a crash
+/// of the node, that what the page cache held then may not have reached the disk.
+pub fn boot_id() -> Option<[u8; 16]> {
+    static BOOT: std::sync::OnceLock<Option<[u8; 16]>> = std::sync::OnceLock::new();
+    *BOOT.get_or_init(|| {
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let hex: Vec<u8> = text.trim().bytes().filter(|b| *b != b'-').collect();
+        let mut id = [0u8; 16];
+        for (i, pair) in hex.chunks(2).enumerate() {
+            *id.get_mut(i)? = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+        }
+        (hex.len() == 32).then_some(id)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_boot_id_is_read_and_the_same_every_time() {
+        let id = super::boot_id().expect("Linux names its boot");
+        assert_ne!(id, [0; 16]);
+        assert_eq!(super::boot_id(), Some(id));
+    }
+}

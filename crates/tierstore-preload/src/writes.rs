@@ -4,8 +4,8 @@
 //! - An open that writes (`O_WRONLY`/`O_RDWR`, `O_CREAT`, `O_TRUNC`, `O_APPEND`; stdio `w`, `a`, `r+`)
 //!   gets a descriptor of a new staged file, filled first with the file's current bytes unless truncated.
 //!   `write`, `pwrite`, `ftruncate`, `fsync` and `mmap` then work natively on it.
-//! - `close` and `fclose` fsync, hash and journal it; with durability "remote" they return once the agent
-//!   put it on the store. A descriptor still open at exit is journaled by the exit handler.
+//! - `close` and `fclose` hash and journal it, fsyncing it first unless durability is "buffered"; with
+//!   durability "remote" they return once the agent put it on the store. A descriptor still open at exit is journaled by the exit handler.
 //! - A writable shared mapping made from the descriptor holds the journaling back until it is unmapped
 //!   (`munmap`) or the process exits: numpy's `memmap` and Python's `mmap` close the file first and write
 //!   through the mapping afterwards.
@@ -478,7 +478,8 @@ extern "C" fn at_exit() {
     let Some(_busy) = Busy::enter() else { return };
     // SAFETY: flushes every stdio stream; a null argument is documented to mean all of them.
     unsafe { libc::fflush(std::ptr::null_mut()) };
-    // A mapping still alive at exit has put its bytes in the file's pages: the commit's fsync takes them.
+    // A mapping still alive at exit has put its bytes in the file's pages: the commit's hash reads them there
+    // (and its fsync, unless durability is "buffered", writes them).
     let open: Vec<Open> = std::mem::take(&mut *OPEN.lock());
     OPEN_COUNT.store(0, Ordering::Relaxed);
     MAPPED_COUNT.store(0, Ordering::Relaxed);

@@ -71,9 +71,14 @@ pub struct Entry {
     pub attempts: u32,
     /// The last migration error, if any.
     pub error: String,
+    /// With `durability = "buffered"`: the boot of the node (see [`crate::process::boot_id`]) in which
+    /// `close()` returned with the bytes still in the page cache. After a crash of the node (another
+    /// boot), bytes that do not match `hash` were torn by the crash, not changed by a program.
+    pub unflushed_in: Option<[u8; 16]>,
 }
 
-const ENTRY_VERSION: u8 = 1;
+/// Version 2 adds the boot of an unflushed close; version 1 entries (always fsynced) still decode.
+const ENTRY_VERSION: u8 = 2;
 
 impl Entry {
     fn encode(&self) -> Vec<u8> {
@@ -82,6 +87,7 @@ impl Entry {
         out.extend_from_slice(&self.hash);
         out.extend_from_slice(&self.created_ns.to_be_bytes());
         out.extend_from_slice(&self.attempts.to_be_bytes());
+        out.extend_from_slice(&self.unflushed_in.unwrap_or_default());
         for b in [self.dest.as_os_str().as_bytes(), self.staged.as_bytes(), self.error.as_bytes()] {
             out.extend_from_slice(&(b.len() as u32).to_be_bytes());
             out.extend_from_slice(b);
@@ -96,13 +102,18 @@ impl Entry {
             r = rest;
             Some(head)
         };
-        if take(1)? != [ENTRY_VERSION] {
+        let version = take(1)?[0];
+        if !(1..=ENTRY_VERSION).contains(&version) {
             return None;
         }
         let size = u64::from_be_bytes(take(8)?.try_into().ok()?);
         let hash: [u8; 32] = take(32)?.try_into().ok()?;
         let created_ns = u64::from_be_bytes(take(8)?.try_into().ok()?);
         let attempts = u32::from_be_bytes(take(4)?.try_into().ok()?);
+        let unflushed_in = match version {
+            1 => None,
+            _ => Some(<[u8; 16]>::try_from(take(16)?).ok()?).filter(|boot| *boot != [0; 16]),
+        };
         let mut text = || -> Option<Vec<u8>> {
             let n = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
             Some(take(n)?.to_vec())
@@ -110,7 +121,7 @@ impl Entry {
         let dest = PathBuf::from(<std::ffi::OsString as std::os::unix::ffi::OsStringExt>::from_vec(text()?));
         let staged = String::from_utf8(text()?).ok()?;
         let error = String::from_utf8(text()?).ok()?;
-        Some(Entry { seq, dest, staged, size, hash, created_ns, attempts, error })
+        Some(Entry { seq, dest, staged, size, hash, created_ns, attempts, error, unflushed_in })
     }
 }
 
@@ -352,6 +363,24 @@ impl Journal {
     /// pending for `dest` is superseded (its staged copy deleted). Returns the new sequence number once
     /// the entry is durable.
     pub fn commit(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<u64, JournalError> {
+        self.record(dest, staged, size, hash, None)
+    }
+
+    /// Like [`Journal::commit`], for a staged file whose bytes may still be only in the page cache
+    /// (`durability = "buffered"`): the entry, fsynced like every other, names this boot of the node.
+    pub fn commit_unflushed(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<u64, JournalError> {
+        self.record(dest, staged, size, hash, crate::process::boot_id())
+    }
+
+    /// [`Journal::commit`] and [`Journal::commit_unflushed`]; the tests also name an earlier boot.
+    pub(super) fn record(
+        &self,
+        dest: &Path,
+        staged: &str,
+        size: u64,
+        hash: [u8; 32],
+        unflushed_in: Option<[u8; 16]>,
+    ) -> Result<u64, JournalError> {
         let mut t = self.env.write().map_err(self.lmdb())?;
         let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
         let created_ns = now_ns();
@@ -364,6 +393,7 @@ impl Journal {
             created_ns,
             attempts: 0,
             error: String::new(),
+            unflushed_in,
         };
         let seq = self.insert(&mut t, e).map_err(self.lmdb())?;
         t.commit().map_err(self.lmdb())?;
@@ -502,6 +532,34 @@ mod tests {
         let name = new_staged_name();
         std::fs::write(j.staged_path(&name), bytes).unwrap();
         name
+    }
+
+    #[test]
+    fn an_unflushed_close_names_this_boot_and_an_entry_of_the_first_layout_still_decodes() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let (a, b) = (staged(&j, b"a"), staged(&j, b"b"));
+        j.commit(Path::new("/s/fsynced"), &a, 1, [1; 32]).unwrap();
+        j.commit_unflushed(Path::new("/s/buffered"), &b, 1, [2; 32]).unwrap();
+        let entries = j.entries().unwrap();
+        assert_eq!(entries[0].unflushed_in, None);
+        assert_eq!(entries[1].unflushed_in, crate::process::boot_id());
+        assert!(entries[1].unflushed_in.is_some());
+        // Version 1, as tierstore wrote it before "buffered" existed: no boot, always fsynced.
+        let mut v1 = vec![1u8];
+        v1.extend_from_slice(&3u64.to_be_bytes());
+        v1.extend_from_slice(&[5; 32]);
+        v1.extend_from_slice(&7u64.to_be_bytes());
+        v1.extend_from_slice(&0u32.to_be_bytes());
+        for text in [&b"/s/old"[..], b"staged", b""] {
+            v1.extend_from_slice(&(text.len() as u32).to_be_bytes());
+            v1.extend_from_slice(text);
+        }
+        let old = Entry::decode(9, &v1).expect("version 1 decodes");
+        assert_eq!((old.size, old.created_ns, old.unflushed_in), (3, 7, None));
+        assert_eq!(old.dest, Path::new("/s/old"));
+        assert_eq!(Entry::decode(old.seq, &old.encode()), Some(old));
+        assert_eq!(Entry::decode(1, &[3, 0, 0]), None, "a newer version is refused, not misread");
     }
 
     #[test]

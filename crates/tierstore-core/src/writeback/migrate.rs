@@ -37,6 +37,9 @@ pub enum Step {
     Superseded,
     /// The store failed (the entry stays, with the error recorded): retry later.
     Failed(Entry, String),
+    /// The staged copy of an entry closed with `durability = "buffered"` was torn by a crash of the node
+    /// before the kernel wrote it back: it is dropped, never published; the store keeps what it held.
+    Torn(Entry, String),
 }
 
 /// The temporary name a file is uploaded under before it is renamed into place: hidden, and the same
@@ -156,8 +159,25 @@ struct Upload {
     dest: PathBuf,
 }
 
-/// Uploads `e` under its temporary name and checks it; `Ok(None)` when the entry was superseded.
-fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, String> {
+/// What became of an upload that did not fail.
+enum Uploaded {
+    /// Under its temporary name on the store, checked.
+    Ready(Upload),
+    /// The program changed the file meanwhile.
+    Superseded,
+    /// Its staged copy was torn by a crash of the node (see [`torn_by_a_crash`]): why, for the log.
+    Torn(String),
+}
+
+/// Whether `e`, whose staged copy does not match its hash, was closed with its bytes in the page cache in
+/// an earlier boot of the node: then a crash tore it (a program changing the file after its close is
+/// another matter, told to the user as such).
+fn torn_by_a_crash(e: &Entry) -> bool {
+    e.unflushed_in.is_some_and(|boot| Some(boot) != crate::process::boot_id())
+}
+
+/// Uploads `e` under its temporary name and checks it.
+fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Uploaded, String> {
     let staged = j.staged_path(&e.staged);
     if !staged.exists() {
         // Renamed or rewritten since it was read from the journal (its staged copy went with it)?
@@ -167,8 +187,13 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, S
                 staged.display(),
                 e.dest.display()
             )),
-            _ => Ok(None),
+            _ => Ok(Uploaded::Superseded),
         };
+    }
+    if e.unflushed_in.is_some() {
+        // Closed with its bytes in the page cache: on the node's disk before anything leaves it, so that a
+        // crash during the migration finds the staged copy whole.
+        std::fs::File::open(&staged).and_then(|f| f.sync_all()).map_err(context("cannot fsync", &staged))?;
     }
     let dir = dest_dir(&e.dest, roots).map_err(context("cannot open the directory of", &e.dest))?;
     let name = e.dest.file_name().ok_or_else(|| format!("{} has no file name", e.dest.display()))?;
@@ -178,7 +203,7 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, S
         Ok(v) => v,
         Err(err) if err.kind() == io::ErrorKind::NotFound && !staged.exists() => {
             let _ = std::fs::remove_file(&part);
-            return Ok(None);
+            return Ok(Uploaded::Superseded);
         }
         Err(err) => {
             let shown = part_path(&e.dest);
@@ -188,7 +213,16 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, S
     if (size, hash) != (e.size, e.hash) {
         let _ = std::fs::remove_file(&part);
         if !matches!(j.lookup(&e.dest), Ok(Some(now)) if now.seq == e.seq) {
-            return Ok(None);
+            return Ok(Uploaded::Superseded);
+        }
+        if torn_by_a_crash(e) {
+            return Ok(Uploaded::Torn(format!(
+                "{} was lost: its staged copy {} ({size} of {} bytes) was torn by a crash of the node before \
+                 the kernel wrote it to disk (durability \"buffered\"); the store keeps what it held before",
+                e.dest.display(),
+                staged.display(),
+                e.size
+            )));
         }
         return Err(format!(
             "the staged copy of {} ({size} bytes) does not match its journal entry ({} bytes): it was changed \
@@ -210,7 +244,7 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, S
             e.size
         ));
     }
-    Ok(Some(Upload { dest: through(&dir, name), dir, part }))
+    Ok(Uploaded::Ready(Upload { dest: through(&dir, name), dir, part }))
 }
 
 /// Migrates the oldest pending file of `j` whose destination lies beneath one of `roots`, the stage's
@@ -219,8 +253,15 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Option<Upload>, S
 pub fn step(j: &Journal, roots: &[PathBuf]) -> Result<Step, JournalError> {
     let Some(e) = j.first_where(|e| beneath(&e.dest, roots))? else { return Ok(Step::Idle) };
     let up = match upload(j, &e, roots) {
-        Ok(Some(up)) => up,
-        Ok(None) => return Ok(Step::Superseded),
+        Ok(Uploaded::Ready(up)) => up,
+        Ok(Uploaded::Superseded) => return Ok(Step::Superseded),
+        Ok(Uploaded::Torn(msg)) => {
+            // Never published; the entry and its copy go, so that the files closed after it migrate.
+            return Ok(match j.finish(&e, || Ok(()))? {
+                Ok(Finish::Done) => Step::Torn(e, msg),
+                _ => Step::Superseded,
+            });
+        }
         Err(msg) => {
             j.note_error(e.seq, &msg)?;
             return Ok(Step::Failed(e, msg));
@@ -360,6 +401,50 @@ mod tests {
         std::fs::remove_file(store.join("run")).unwrap();
         assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
         assert_eq!(std::fs::read(store.join("run/step_1/model.pt")).unwrap(), b"weights");
+    }
+
+    #[test]
+    fn a_buffered_copy_torn_by_a_crash_of_the_node_is_dropped_and_the_next_file_migrates() {
+        let d = tempfile::tempdir().unwrap();
+        let (stage, store) = (d.path().join("stage"), d.path().join("store"));
+        std::fs::create_dir_all(&store).unwrap();
+        std::fs::write(store.join("model.pt"), b"the step before").unwrap();
+        let j = Journal::open(&stage).unwrap();
+        // Closed in an earlier boot with its bytes in the page cache; the crash kept only half of them.
+        let s = new_staged_name();
+        std::fs::write(j.staged_path(&s), b"half of the new").unwrap();
+        let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
+        let earlier_boot = crate::process::boot_id().map(|b| b.map(|x| !x));
+        j.record(&store.join("model.pt"), &s, size, hash, earlier_boot).unwrap();
+        std::fs::write(j.staged_path(&s), b"half of").unwrap();
+        commit(&j, &store.join("meta.json"), b"{}");
+        let Step::Torn(e, msg) = step(&j, std::slice::from_ref(&store)).unwrap() else {
+            panic!("expected the torn copy to be dropped")
+        };
+        assert_eq!(e.dest, store.join("model.pt"));
+        assert!(msg.contains("torn by a crash of the node"), "{msg}");
+        assert_eq!(std::fs::read(store.join("model.pt")).unwrap(), b"the step before", "never published");
+        assert!(!j.staged_path(&s).exists());
+        assert!(matches!(step(&j, std::slice::from_ref(&store)).unwrap(), Step::Migrated(_)));
+        assert_eq!(std::fs::read(store.join("meta.json")).unwrap(), b"{}");
+    }
+
+    #[test]
+    fn a_buffered_copy_changed_in_this_boot_is_refused_and_kept_as_a_fsynced_one_is() {
+        let d = tempfile::tempdir().unwrap();
+        let (stage, store) = (d.path().join("stage"), d.path().join("store"));
+        let j = Journal::open(&stage).unwrap();
+        let s = new_staged_name();
+        std::fs::write(j.staged_path(&s), b"right").unwrap();
+        let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
+        j.commit_unflushed(&store.join("f"), &s, size, hash).unwrap();
+        std::fs::write(j.staged_path(&s), b"wrong!").unwrap();
+        let Step::Failed(_, msg) = step(&j, std::slice::from_ref(&store)).unwrap() else {
+            panic!("expected a failure")
+        };
+        assert!(msg.contains("changed after it was closed"), "{msg}");
+        assert!(!store.join("f").exists());
+        assert_eq!(j.entries().unwrap().len(), 1);
     }
 
     #[test]

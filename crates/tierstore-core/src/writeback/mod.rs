@@ -448,8 +448,8 @@ impl Writeback {
     }
 
     /// Journals the staged file `name`, written for `dest`, once the program closed it: its bytes are
-    /// fsynced, hashed and recorded (durable on the node); with remote durability, also waits until the
-    /// agent put it on the store. A file that cannot be journaled (the stage's disk filled up under the
+    /// hashed and recorded, and fsynced first unless the destination's durability is `buffered`; with
+    /// remote durability, also waits until the agent put it on the store. A file that cannot be journaled (the stage's disk filled up under the
     /// fsync, say) is removed at once: its close fails, nothing was acknowledged, and its space is the
     /// next file's.
     pub fn commit(&self, dest: &Path, name: &str) -> Result<(), WritebackError> {
@@ -460,16 +460,25 @@ impl Writeback {
             let path = path.clone();
             move |source| WritebackError::Io { what, path, source }
         };
-        // The fsync waits for the disk and the hash for the CPU: both at once, the close costs the longer.
-        let (synced, hashed) = std::thread::scope(|s| {
-            let sync = s.spawn(|| std::fs::File::open(&path).and_then(|f| f.sync_all()));
-            let hashed = crate::hash::hash_file(&path);
-            (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
-        });
-        let journaled = synced
-            .map_err(io("cannot fsync the staged file"))
-            .and_then(|()| hashed.map_err(io("cannot read the staged file")))
-            .and_then(|(size, hash)| Ok(j.commit(dest, name, size, hash)?));
+        let journaled = if d.durability == Durability::Buffered {
+            // As a local disk's close: the bytes stay in the page cache for the kernel to write back. The
+            // hash is taken now, so that bytes a crash of the node tears are known (see `migrate`).
+            crate::hash::hash_file(&path)
+                .map_err(io("cannot read the staged file"))
+                .and_then(|(size, hash)| Ok(j.commit_unflushed(dest, name, size, hash)?))
+        } else {
+            // The fsync waits for the disk and the hash for the CPU: both at once, the close costs the
+            // longer.
+            let (synced, hashed) = std::thread::scope(|s| {
+                let sync = s.spawn(|| std::fs::File::open(&path).and_then(|f| f.sync_all()));
+                let hashed = crate::hash::hash_file(&path);
+                (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
+            });
+            synced
+                .map_err(io("cannot fsync the staged file"))
+                .and_then(|()| hashed.map_err(io("cannot read the staged file")))
+                .and_then(|(size, hash)| Ok(j.commit(dest, name, size, hash)?))
+        };
         if let Err(e) = journaled {
             let _ = std::fs::remove_file(&path);
             return Err(e);
@@ -693,6 +702,24 @@ mod tests {
         }
         let (staged, _) = wb.lookup(&d.path.join("ckpt.bin")).unwrap();
         assert_eq!(std::fs::read(staged).unwrap(), b"secret weights");
+    }
+
+    #[test]
+    fn a_close_is_buffered_by_default_and_fsynced_with_local_durability() {
+        let t = tempfile::tempdir().unwrap();
+        let d = destination(t.path());
+        assert_eq!(d.durability, Durability::Buffered, "the default, as a local disk's close");
+        let local = Destination { durability: Durability::Local, ..d.clone() };
+        for (d, unflushed) in [(d, crate::process::boot_id()), (local, None)] {
+            let wb = writeback(t.path(), d.clone());
+            let dest = d.path.join(format!("{}.pt", d.durability.name()));
+            let Begin::Staged { name, path } = wb.begin(&dest).unwrap() else { panic!("not staged") };
+            std::fs::write(&path, b"weights").unwrap();
+            wb.commit(&dest, &name).unwrap();
+            let (_, e) = wb.lookup(&dest).unwrap();
+            assert_eq!(e.unflushed_in, unflushed, "{}", d.durability.name());
+            assert_eq!(e.hash, *blake3::hash(b"weights").as_bytes(), "hashed at close either way");
+        }
     }
 
     #[test]
