@@ -105,6 +105,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_prefetch.py --out docs/benchmarks/prefetch.md
 	$(PY) bench/bench_s3.py --out docs/benchmarks/s3.md --plot docs/benchmarks/s3.png
 	$(PY) bench/bench_revalidate.py --out docs/benchmarks/revalidate.md
+	$(PY) bench/bench_expired.py --out docs/benchmarks/expired.md
 	$(PY) bench/bench_peers.py --out docs/benchmarks/peers.md --plot docs/benchmarks/peers.png
 	$(PY) bench/bench_tags.py --out docs/benchmarks/tags.md
 	$(PY) bench/bench_order.py --out docs/benchmarks/order.md --plot docs/benchmarks/order.png

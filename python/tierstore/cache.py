@@ -55,9 +55,9 @@ class Cache:
         threads: Threads of the background copy pool.
         inline_max: Files up to this size are read whole on a miss and handed to the reader at once.
         verify: "metadata" (size and mtime of the copy, free) or "checksum" (blake3 of every copy opened).
-        revalidate: "always" (one `stat` or HEAD of the source per open of a cached file: never stale), a
-            duration such as "60s" (a copy confirmed within it is used as it is; older copies are
-            confirmed a directory at a time, so a change on the source is seen within the duration), or
+        revalidate: A duration, "60s" by default (a copy confirmed within it is used as it is; older copies
+            are confirmed a directory at a time, so a change on the source is seen within the duration),
+            "always" (one `stat` or HEAD of the source per open of a cached file: never stale), or
             "never" (a read-only dataset: after the first epoch nothing at all is asked of the source).
         config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
         s3: Settings of an S3 source, over the config file's `[s3]` table and the AWS environment:

@@ -2,13 +2,15 @@
 file system (whose own counters are the ground truth): one open per cold file in every `revalidate` mode
 and whatever the number of processes reading it at once; `"always"` one `stat` per open of a warm file;
 `"<duration>"` one directory read and a `stat` per file per directory and duration, with a change on the
-store seen within the duration."""
+store served by the opens after its directory's confirmation: in the background from half the duration
+on (the reader does not wait), on the reader's path past the duration."""
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,17 @@ import pytest
 import tierstore
 from tests.helpers.data import content
 from tests.helpers.stores import mounted_store, store_stats
+from tests.helpers.wait import wait_for
+
+
+def counted(cache: tierstore.Cache, counter: str, n: int) -> Callable[[], bool]:
+    """Whether the cache's source counter `counter` has reached `n` (for `wait_for`)."""
+    return lambda: cache.stats()["source"][counter] >= n
+
+
+def reads(cache: tierstore.Cache, path: Path, expected: bytes) -> Callable[[], bool]:
+    """Whether an open of `path` through the cache reads `expected` now (for `wait_for`)."""
+    return lambda: cache.open(path).read() == expected
 
 
 def _read_at_once(args: tuple[str, str, list[str], str, object]) -> str:
@@ -72,9 +85,9 @@ def test_processes_reading_the_same_cold_files_at_once_open_each_once(
 
 @pytest.mark.fuse
 def test_revalidate_within_a_duration_confirms_a_directory_at_once(tmp_path: Path, tier: str) -> None:
-    """`revalidate = "2s"`: a copy confirmed within 2 s costs the store nothing; an older one is
-    confirmed with the rest of its directory (one directory read and a `stat` per file, not per open),
-    and a file changed on the store is served new once the duration has passed."""
+    """`revalidate = "2s"`: a copy confirmed within 1 s costs the store nothing; one older than 2 s is
+    confirmed with the rest of its directory before it is served (one directory read and a `stat` per
+    file, not per open), and a file changed on the store is served new."""
     with mounted_store(tmp_path) as (backing, mount):
         (backing / "d").mkdir()
         files = {backing / "d" / f"{i:02d}.bin": content(i, 5000 + i) for i in range(40)}
@@ -114,6 +127,78 @@ def test_revalidate_within_a_duration_confirms_a_directory_at_once(tmp_path: Pat
         assert (s["lists"], s["opens"]) == (1, 1), s
         assert len(files) <= s["stats"] <= len(files) + 2, s
         del cache  # its descriptor of the source's root would keep the store busy at unmount
+
+
+@pytest.mark.fuse
+def test_a_copy_past_its_duration_is_served_while_its_directory_is_confirmed_in_the_background(
+    tmp_path: Path, tier: str
+) -> None:
+    """Between half the duration and the duration after the last confirmation, a warm epoch is served
+    from the copies at once while their directory is confirmed in the background (stale-while-revalidate):
+    on a store whose every metadata operation takes 50 ms, the epoch is over before the confirmation's
+    `stat`s are; the confirmation then shows the change, and the next open of the changed file serves it."""
+    with mounted_store(tmp_path, meta_latency="50ms") as (backing, mount):
+        (backing / "d").mkdir()
+        files = {backing / "d" / f"{i:02d}.bin": content(i, 3000 + i) for i in range(8)}
+        for p, b in files.items():
+            p.write_bytes(b)
+        cache = tierstore.Cache(mount, [f"{tier}:1G"], revalidate="10s")
+        for p in files:
+            assert cache.open(mount / "d" / p.name).read() == files[p]
+        cache.wait()
+        changed = backing / "d" / "05.bin"
+        changed.write_bytes(b"version two of five")
+        time.sleep(5.2)  # past half the duration for every copy, within it for the last one made
+        before = store_stats(mount)
+        for p in files:
+            got = cache.open(mount / "d" / p.name).read()
+            assert got in (files[p], b"version two of five") if p == changed else got == files[p], p
+        during = store_stats(mount)
+        stats_done = during.get("getattr", 0) - before.get("getattr", 0)
+        assert stats_done < len(files), ("the reader waited for the confirmation", before, during)
+        assert during.get("open", 0) == before.get("open", 0), "no copy was fetched again on the way"
+
+        # The opens after the confirmation serve the new version; the directory was listed once.
+        wait_for("the change", reads(cache, mount / "d" / "05.bin", b"version two of five"), 30)
+        assert cache.open(mount / "d" / "06.bin").read() == files[backing / "d" / "06.bin"]
+        assert cache.stats()["source"]["lists"] == 1
+        del cache
+
+
+@pytest.mark.fuse
+def test_one_expired_directory_sends_every_expired_directory_to_be_confirmed_at_once(
+    tmp_path: Path, tier: str
+) -> None:
+    """Past the duration, the first open waits for its own directory's confirmation, and every other
+    directory with expired copies is confirmed in the background meanwhile: the rest of the epoch then
+    costs the store nothing, each directory read once."""
+    with mounted_store(tmp_path) as (backing, mount):
+        files = {}
+        for d in range(6):
+            (backing / f"d{d}").mkdir()
+            for i in range(5):
+                files[f"d{d}/{i}.bin"] = content(10 * d + i, 2000 + i)
+                (backing / f"d{d}/{i}.bin").write_bytes(files[f"d{d}/{i}.bin"])
+        cache = tierstore.Cache(mount, [f"{tier}:1G"], revalidate="1s")
+        for rel, data in files.items():
+            assert cache.open(mount / rel).read() == data
+        cache.wait()
+        # Confirmed once by directory first (a fetch alone confirms the copy, not its directory).
+        time.sleep(2.1)
+        for rel in files:
+            cache.open(mount / rel).read()
+        wait_for("every directory confirmed", counted(cache, "lists", 6), 30)
+        time.sleep(2.1)
+        cache.reset_counters()
+        assert cache.open(mount / "d0/0.bin").read() == files["d0/0.bin"]
+        wait_for("the sweep of the others", counted(cache, "lists", 6), 30)
+        before = cache.stats()["source"]
+        for rel, data in files.items():
+            assert cache.open(mount / rel).read() == data
+        after = cache.stats()["source"]
+        assert after == before, (before, after)
+        assert after["lists"] == 6 and after["opens"] == 0, after
+        del cache
 
 
 @pytest.mark.fuse

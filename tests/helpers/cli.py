@@ -39,10 +39,12 @@ def stream_cli(sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def tierstore_run(
-    source: Path, tier: str, *cmd: str, revalidate: str = "never", **kw: Any
+    source: Path, tier: str, *cmd: str, revalidate: str | None = "never", **kw: Any
 ) -> subprocess.Popen[str]:
-    """`tierstore --source SOURCE --tier TIER run --revalidate MODE -- CMD`, started with its stdin, stdout
-    and stderr as text pipes (`kw`: more `Popen` arguments, such as `env`)."""
+    """`tierstore --source SOURCE --tier TIER run --revalidate MODE -- CMD` (no `--revalidate` when MODE is
+    None: the default), started with its stdin, stdout and stderr as text pipes (`kw`: more `Popen`
+    arguments, such as `env`)."""
+    mode = ["--revalidate", revalidate] if revalidate is not None else []
     return subprocess.Popen(
         [
             sys.executable,
@@ -53,8 +55,7 @@ def tierstore_run(
             "--tier",
             tier,
             "run",
-            "--revalidate",
-            revalidate,
+            *mode,
             "--",
             *cmd,
         ],

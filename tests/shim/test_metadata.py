@@ -1,7 +1,7 @@
 """One consistent view of a cached file under `tierstore run`: `stat`, `lstat`, `statx` and `fstat` of the
 descriptor an open returns all describe the source's file, so programs that compare them (cp, tar,
-rsync) work; and with `revalidate = "never"` a warm cache answers every one of them, and `realpath` and
-`readlink`, without asking the store."""
+rsync) work; and with `revalidate = "never"`, or within the default duration, a warm cache answers every
+one of them, and `realpath` and `readlink`, without asking the store."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,12 @@ PER_SAMPLE = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("revalidate", ["never", None], ids=["never", "default"])
 def test_a_warm_trusted_cache_asks_the_store_nothing(
-    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path, revalidate: str | None
 ) -> None:
+    """A second run of a per-sample reader's metadata calls and reads sends the store nothing, with
+    `revalidate = "never"` and with the default (`"60s"`: the first run's records are younger)."""
     backing, mount = slow_store
     paths = []
     for i in range(20):
@@ -132,11 +136,50 @@ def test_a_warm_trusted_cache_asks_the_store_nothing(
     job.write_text(PER_SAMPLE)
     for _ in ("cold", "warm"):
         before = store_stats(mount)
-        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths)
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths, revalidate=revalidate)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0 and out.strip() == "ok", err
         sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}
     assert sent == {}, f"a warm pass sent operations to the store: {sent}"
+
+
+def test_past_the_duration_a_warm_run_asks_the_store_again_and_sees_a_change(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    """With `revalidate = "2s"`, a run within 2 s of the last answers asks the store nothing; one after
+    that `stat`s and lists the store again, and sees a file added meanwhile and a file's new size."""
+    backing, mount = slow_store
+    (backing / "d").mkdir()
+    for i in range(5):
+        (backing / "d" / f"{i}.bin").write_bytes(content(i, 1000))
+    job = tmp_path / "look.py"
+    job.write_text(
+        "import json, os, sys\n"
+        "d = sys.argv[1]\n"
+        "names = sorted(os.listdir(d))\n"
+        "sizes = {n: os.stat(os.path.join(d, n)).st_size for n in names}\n"
+        "for n in names:\n"
+        "    open(os.path.join(d, n), 'rb').read()\n"
+        "print(json.dumps([os.stat(d).st_mode, sizes]))\n"
+    )
+
+    def run() -> tuple[list, dict[str, int]]:
+        before = store_stats(mount)
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount / "d"), revalidate="2s")
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}
+        return json.loads(out), sent
+
+    first, _ = run()
+    again, sent = run()
+    assert again == first and sent == {}, f"within the duration the store was asked: {sent}"
+    (backing / "d" / "new.bin").write_bytes(b"added")
+    (backing / "d" / "0.bin").write_bytes(content(0, 1500))
+    time.sleep(4.2)  # past twice the duration: the reader's open confirms too
+    (_, sizes), sent = run()
+    assert sizes["new.bin"] == 5 and sizes["0.bin"] == 1500, sizes
+    assert sent.get("readdir", 0) >= 1 and sent.get("getattr", 0) >= 1, sent
 
 
 def test_symlinks_inside_the_source_are_still_reported_as_symlinks(
@@ -208,8 +251,9 @@ READERS = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("revalidate", ["never", None], ids=["never", "default"])
 def test_per_sample_h5py_numpy_and_pil_readers_ask_a_warm_cache_nothing(
-    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path, revalidate: str | None
 ) -> None:
     import h5py
     import numpy as np
@@ -227,7 +271,7 @@ def test_per_sample_h5py_numpy_and_pil_readers_ask_a_warm_cache_nothing(
     job.write_text(READERS)
     for _ in ("cold", "warm"):
         before = store_stats(mount)
-        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths)
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), *paths, revalidate=revalidate)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0 and out.strip() == "ok", err
         sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}

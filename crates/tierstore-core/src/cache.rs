@@ -167,6 +167,7 @@ impl Cache {
             record_checksums,
             copy_stats: Mutex::new(HashMap::new()),
             blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
+            background: Default::default(),
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {

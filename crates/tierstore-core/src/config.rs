@@ -29,6 +29,11 @@ pub enum Verify {
     Checksum,
 }
 
+/// How long a copy confirmed against the source is trusted when `revalidate` is not set: a minute, as
+/// gcsfuse, goofys and Mountpoint for S3 keep metadata, and as NFS's `acregmax`. A dataset that changes
+/// under a running job asks for `"always"`.
+pub const DEFAULT_REVALIDATE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// When a cached copy is checked against the source's current version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Revalidate {
@@ -550,7 +555,7 @@ impl Config {
             &mut origins,
             "revalidate",
             raw.revalidate,
-            || Revalidate::Always,
+            || Revalidate::Within(DEFAULT_REVALIDATE),
             |text, origin| match text {
                 "always" => Ok(Revalidate::Always),
                 "never" => Ok(Revalidate::Never),

@@ -88,6 +88,20 @@ fn superseded_key(key: &Key) -> [u8; 27] {
     k
 }
 
+/// The time in a directory's confirmation record: its first 8 bytes (the directory's path follows since
+/// issue #36; older records hold the time alone).
+fn confirmed_at(record: Option<&[u8]>) -> u64 {
+    record.and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).unwrap_or(0)
+}
+
+/// The meta key of when a listing's entries were recorded (see [`Index::listed_at`]).
+fn listed_key(key: &Key) -> [u8; 23] {
+    let mut k = [0u8; 23];
+    k[..7].copy_from_slice(b"listed:");
+    k[7..].copy_from_slice(key);
+    k
+}
+
 /// The meta key of a directory's last confirmation (see [`Index::confirm`]).
 fn confirmed_key(dir: &Key) -> [u8; 26] {
     let mut k = [0u8; 26];
@@ -250,23 +264,26 @@ impl Index {
         Ok(true)
     }
 
-    /// What `stat` said of the source directory `rel` (key `key`), if it was recorded. Only a trusted
-    /// source (`revalidate = "never"`) records directories: programs `stat` and `lstat` the directories
-    /// of the files they open (Python's `os.path.realpath` asks each part of the path), and a warm cache
-    /// must not send those to the store either. `attrs.canonical` says the record also answers `lstat`.
-    pub fn directory(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, IndexError> {
+    /// What `stat` said of the source directory `rel` (key `key`), if it was recorded, and when (ns since
+    /// the epoch; 0 for a record older than issue #36). Only a source whose copies are trusted
+    /// (`revalidate = "never"`, or a duration) records directories: programs `stat` and `lstat` the
+    /// directories of the files they open (Python's `os.path.realpath` asks each part of the path), and
+    /// a warm cache must not send those to the store either. `attrs.canonical` says the record also
+    /// answers `lstat`.
+    pub fn directory(&self, key: &Key, rel: &str) -> Result<Option<(SourceId, u64)>, IndexError> {
         let txn = self.env.read()?;
         match txn.get(self.dirs, key)? {
             None => Ok(None),
             Some(b) => {
                 let e = Entry::decode(b).ok_or(IndexError::Damaged)?;
-                Ok((e.rel == rel).then_some(e.source))
+                Ok((e.rel == rel).then_some((e.source, e.confirmed_ns)))
             }
         }
     }
 
-    /// Records what `stat` (or with `attrs.canonical`, `lstat`) said of the source directory `rel`.
-    pub fn record_directory(&self, key: &Key, rel: &str, source: SourceId) -> Result<(), IndexError> {
+    /// Records what `stat` (or with `attrs.canonical`, `lstat`) said of the source directory `rel` at
+    /// `at_ns`.
+    pub fn record_directory(&self, key: &Key, rel: &str, source: SourceId, at_ns: u64) -> Result<(), IndexError> {
         let e = Entry {
             ready: true,
             pid: 0,
@@ -274,7 +291,7 @@ impl Index {
             stats: AccessStats::default(),
             checksum: None,
             rel: rel.into(),
-            confirmed_ns: 0,
+            confirmed_ns: at_ns,
         };
         let mut txn = self.env.write()?;
         txn.put(self.dirs, key, &e.encode())?;
@@ -332,10 +349,27 @@ impl Index {
         }
     }
 
-    /// Records the listing of the source directory `rel` (key `key`); `None`: only its path.
-    pub fn record_listing(&self, key: &Key, rel: &str, entries: Option<&[Listed]>) -> Result<(), IndexError> {
+    /// When the entries of the listing of `key` were recorded (ns since the epoch; 0: not known, for a
+    /// record older than issue #36).
+    pub fn listed_at(&self, key: &Key) -> Result<u64, IndexError> {
+        let txn = self.env.read()?;
+        Ok(get_u64(&txn, self.meta, &listed_key(key))?)
+    }
+
+    /// Records the listing of the source directory `rel` (key `key`) as the store gave it at `at_ns`;
+    /// `None`: only its path.
+    pub fn record_listing(
+        &self,
+        key: &Key,
+        rel: &str,
+        entries: Option<&[Listed]>,
+        at_ns: u64,
+    ) -> Result<(), IndexError> {
         let mut txn = self.env.write()?;
         txn.put(self.listings, key, &Listed::encode(rel, entries))?;
+        if entries.is_some() {
+            txn.put(self.meta, &listed_key(key), &at_ns.to_le_bytes())?;
+        }
         txn.commit()?;
         Ok(())
     }
@@ -377,10 +411,14 @@ impl Index {
     /// confirmed then; an entry of another version, or of a file the listing did not show, is left as it
     /// is, and the directory's own record says that it was not confirmed with the others (see
     /// [`Index::directory_confirmed`]). One write for all of them. Returns how many entries were confirmed.
-    pub fn confirm(&self, dir: &Key, seen: &[(Key, SourceId)], at_ns: u64) -> Result<usize, IndexError> {
+    /// `dir_rel` is the directory's source-relative path, kept with the time so that
+    /// [`Index::directories_confirmed_before`] can name the directories to confirm again.
+    pub fn confirm(&self, dir: &Key, dir_rel: &str, seen: &[(Key, SourceId)], at_ns: u64) -> Result<usize, IndexError> {
         let mut txn = self.env.write()?;
-        if get_u64(&txn, self.meta, &confirmed_key(dir))? < at_ns {
-            txn.put(self.meta, &confirmed_key(dir), &at_ns.to_le_bytes())?;
+        if confirmed_at(txn.get(self.meta, &confirmed_key(dir))?) < at_ns {
+            let mut record = at_ns.to_le_bytes().to_vec();
+            record.extend_from_slice(dir_rel.as_bytes());
+            txn.put(self.meta, &confirmed_key(dir), &record)?;
         }
         let mut confirmed = 0;
         for (key, sid) in seen {
@@ -420,7 +458,26 @@ impl Index {
     /// A copy older than that listing was not confirmed by it: its file changed or went.
     pub fn directory_confirmed(&self, dir: &Key) -> Result<u64, IndexError> {
         let txn = self.env.read()?;
-        Ok(get_u64(&txn, self.meta, &confirmed_key(dir))?)
+        Ok(confirmed_at(txn.get(self.meta, &confirmed_key(dir))?))
+    }
+
+    /// The source-relative paths of the directories last confirmed before `before_ns`: those whose
+    /// copies need confirming again. A record written before paths were kept names none.
+    pub fn directories_confirmed_before(&self, before_ns: u64) -> Result<Vec<String>, IndexError> {
+        let txn = self.env.read()?;
+        let mut out = Vec::new();
+        txn.scan(self.meta, b"confirmed:", |k, v| {
+            if !k.starts_with(b"confirmed:") {
+                return false;
+            }
+            if v.len() > 8 && confirmed_at(Some(v)) < before_ns {
+                if let Ok(dir) = std::str::from_utf8(&v[8..]) {
+                    out.push(dir.to_string());
+                }
+            }
+            true
+        })?;
+        Ok(out)
     }
 
     /// Removes the entry of `key` if `matches` approves of it; returns the removed entry.
@@ -574,11 +631,14 @@ mod tests {
             Listed { ino: 1, kind: libc::DT_DIR, name: b".".to_vec() },
             Listed { ino: u64::MAX, kind: libc::DT_UNKNOWN, name: "é x".as_bytes().to_vec() },
         ];
-        ix.record_listing(&key, "a/b", Some(&entries)).unwrap();
+        assert_eq!(ix.listed_at(&key).unwrap(), 0);
+        ix.record_listing(&key, "a/b", Some(&entries), 77).unwrap();
+        assert_eq!(ix.listed_at(&key).unwrap(), 77);
         assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), Some(entries))));
         ix.forget_listing(&key).unwrap();
         assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), None)));
-        ix.record_listing(&key, "a/b", Some(&[])).unwrap();
+        ix.record_listing(&key, "a/b", Some(&[]), 78).unwrap();
+        assert_eq!(ix.listed_at(&key).unwrap(), 78);
         assert_eq!(ix.listing(&key).unwrap(), Some(("a/b".into(), Some(vec![]))));
         ix.clear().unwrap();
         assert_eq!(ix.listing(&key).unwrap(), None);
@@ -602,14 +662,21 @@ mod tests {
         ];
         let dir = key_of("\0d");
         assert_eq!(idx.directory_confirmed(&dir).unwrap(), 0);
-        assert_eq!(idx.confirm(&dir, &seen, 100).unwrap(), 1);
+        assert_eq!(idx.confirm(&dir, "d", &seen, 100).unwrap(), 1);
         let at = |name: &str| idx.lookup(&key_of(name)).unwrap().unwrap().confirmed_ns;
         assert_eq!((at("d/same"), at("d/changed"), at("d/pending")), (100, 5, 5));
         assert_eq!(idx.directory_confirmed(&dir).unwrap(), 100);
         assert_eq!(idx.superseded(&key_of("d/changed")).unwrap(), Some((100, sid(21))));
         assert_eq!(idx.superseded(&key_of("d/same")).unwrap(), None);
-        assert_eq!(idx.confirm(&dir, &seen, 50).unwrap(), 0, "an older confirmation never goes back in time");
+        assert_eq!(idx.confirm(&dir, "d", &seen, 50).unwrap(), 0, "an older confirmation never goes back in time");
         assert_eq!((at("d/same"), idx.directory_confirmed(&dir).unwrap()), (100, 100));
+        // The directories to confirm again, by path: "d" once its record is older than asked.
+        idx.confirm(&key_of("\0e"), "e/f", &[], 300).unwrap();
+        assert_eq!(idx.directories_confirmed_before(100).unwrap(), Vec::<String>::new());
+        assert_eq!(idx.directories_confirmed_before(101).unwrap(), ["d"]);
+        let mut both = idx.directories_confirmed_before(301).unwrap();
+        both.sort();
+        assert_eq!(both, ["d", "e/f"]);
     }
 
     #[test]

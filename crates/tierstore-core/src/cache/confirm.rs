@@ -5,6 +5,14 @@
 //! parallel `stat`s). A warm epoch then costs the store a few requests per directory per duration rather
 //! than one per open, and a change on the source is seen within the duration.
 //!
+//! The duration is the staleness bound, and the confirmation starts at half of it: a copy confirmed
+//! within half the duration is used as it is; one confirmed within the duration is used as it is while
+//! its directory is confirmed in the background (stale-while-revalidate, as HTTP caches do), so a reader
+//! that comes back within the duration never waits for the store; an older one waits for its
+//! directory's confirmation. Whenever one directory is found due, every other directory the index holds
+//! copies of that are due is confirmed too, several at once, in the background: an epoch's next
+//! directories are confirmed before it reaches them, not one after another on the reader's path.
+//!
 //! The time of the last confirmation lives in each entry of the tier's index, so every process of the
 //! node shares it. One process of the node confirms a directory at a time (the fetch lock of the
 //! directory's own key), one thread of it (the in-process flight of that key); the others wait, then find
@@ -12,6 +20,8 @@
 //! as it is: the open that asked fetches the version the listing showed, and the next open of another
 //! such file, finding its copy older than the directory's last listing, asks about that file alone.
 
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::engine::{now_ns, Inner};
@@ -35,6 +45,32 @@ fn fresh(confirmed_ns: u64, within: Duration, now: u64) -> bool {
     confirmed_ns.saturating_add(within.as_nanos() as u64) > now
 }
 
+/// How many directories are confirmed at once in the background (each, on a file system, with parallel
+/// `stat`s of its files: see `source/posix.rs`): 8 × 8 requests in flight, what one client of a parallel
+/// file system or an object store takes without queueing.
+const DIRECTORIES_AT_ONCE: usize = 8;
+
+/// The background confirmation of one process: at most one sweep at a time.
+#[derive(Default)]
+pub(super) struct Background {
+    /// The process whose sweep runs now (0: none). A forked child, which inherits the value but not the
+    /// thread, starts its own.
+    running: AtomicU32,
+}
+
+impl Background {
+    /// Takes the right to sweep; false when this process's sweep is already running.
+    fn start(&self) -> bool {
+        let me = crate::process::pid();
+        let now = self.running.load(Ordering::Acquire);
+        now != me && self.running.compare_exchange(now, me, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    fn done(&self) {
+        self.running.store(0, Ordering::Release);
+    }
+}
+
 impl Inner {
     /// Whether the copy `e` may be served now without asking the source: the dataset is trusted
     /// (`revalidate = "never"`), or the copy was confirmed within the duration.
@@ -47,23 +83,27 @@ impl Inner {
     }
 
     /// The version of `rel` to serve when a tier holds the copy `e` of it and copies are trusted for
-    /// `within`: `e`'s own when it was confirmed within that long, or once its directory is confirmed
-    /// now; the version the source holds when that is another one (the caller then fetches it).
+    /// `bound`: `e`'s own when it was confirmed within half that long, or within that long (its
+    /// directory is then confirmed in the background), or once its directory is confirmed now; the
+    /// version the source holds when that is another one (the caller then fetches it).
     pub(super) fn confirmed_identity(
-        &self,
+        self: &Arc<Self>,
         key: &Key,
         rel: &str,
         e: &Entry,
-        within: Duration,
+        bound: Duration,
     ) -> Result<SourceId, Error> {
-        if fresh(e.confirmed_ns, within, now_ns()) {
+        // Confirmations are due at half the bound, so that there is time to make them in the background.
+        let within = bound / 2;
+        let now = now_ns();
+        if fresh(e.confirmed_ns, within, now) {
             return Ok(e.source);
         }
         let dir = parent(rel);
         let dkey = directory_key(dir);
         let index = self.directories();
         let listed_at = index.and_then(|ix| ix.directory_confirmed(&dkey).ok()).unwrap_or(0);
-        if fresh(listed_at, within, now_ns()) && listed_at > e.confirmed_ns {
+        if fresh(listed_at, within, now) && listed_at > e.confirmed_ns {
             // The directory was listed since this copy was confirmed, and the listing did not confirm it:
             // the file changed (the listing said to what) or went (asking about it alone says how).
             if let Some((at, sid)) = index.and_then(|ix| ix.superseded(key).ok().flatten()) {
@@ -73,14 +113,19 @@ impl Inner {
             }
             return self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err));
         }
+        self.confirm_in_background(dir, within);
+        if fresh(e.confirmed_ns, bound, now) {
+            return Ok(e.source);
+        }
         let listed = match self.flights.join(&dkey) {
             Role::Follower(flight) => {
-                // Another thread of this process confirmed (or failed to confirm) the directory.
+                // Another thread of this process (the background sweep, say) confirmed (or failed to
+                // confirm) the directory.
                 flight.wait();
                 None
             }
             Role::Leader(flight) => {
-                let listed = self.confirm_directory(key, rel, dir, &dkey, within);
+                let listed = self.confirm_directory(dir, &dkey, within);
                 self.flights.land(&dkey, &flight);
                 listed
             }
@@ -101,13 +146,48 @@ impl Inner {
         self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err))
     }
 
+    /// Confirms `dir` and every directory whose copies the index last confirmed more than `within` ago
+    /// (half the bound: those due),
+    /// `DIRECTORIES_AT_ONCE` at a time, on a thread of its own; nothing when this process's sweep
+    /// already runs. A directory another thread confirms meanwhile is left to it.
+    fn confirm_in_background(self: &Arc<Self>, dir: &str, within: Duration) {
+        if !self.background.start() {
+            return;
+        }
+        let inner = self.clone();
+        let first = dir.to_string();
+        let sweep = move || {
+            let before = now_ns().saturating_sub(within.as_nanos() as u64);
+            let mut dirs =
+                inner.directories().and_then(|ix| ix.directories_confirmed_before(before).ok()).unwrap_or_default();
+            dirs.retain(|d| *d != first);
+            dirs.insert(0, first);
+            let next = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for _ in 0..DIRECTORIES_AT_ONCE.min(dirs.len()) {
+                    s.spawn(|| {
+                        while let Some(dir) = dirs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            let dkey = directory_key(dir);
+                            if let Role::Leader(flight) = inner.flights.join(&dkey) {
+                                let _ = inner.confirm_directory(dir, &dkey, within);
+                                inner.flights.land(&dkey, &flight);
+                            }
+                        }
+                    });
+                }
+            });
+            inner.background.done();
+        };
+        if std::thread::Builder::new().name("tierstore-confirm".into()).spawn(sweep).is_err() {
+            self.background.done();
+        }
+    }
+
     /// Lists the identities of the files of `dir` and confirms every copy of the listed version, under the
-    /// node-wide lock of the directory. `None`: another process confirmed `rel` while this one waited for
-    /// the lock (or the lock failed); `Some(Err)`: the listing failed.
+    /// node-wide lock of the directory. `None`: another process confirmed the directory while this one
+    /// waited for the lock (or the lock failed); `Some(Err)`: the listing failed.
     fn confirm_directory(
         &self,
-        key: &Key,
-        rel: &str,
         dir: &str,
         dkey: &Key,
         within: Duration,
@@ -119,7 +199,8 @@ impl Inner {
                 return None;
             }
         };
-        if self.published(key, rel).is_some_and(|e| fresh(e.confirmed_ns, within, now_ns())) {
+        let listed_at = self.directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
+        if fresh(listed_at, within, now_ns()) {
             return None;
         }
         // The time before the request: what it shows was true at least then.
@@ -133,7 +214,7 @@ impl Inner {
             listed.iter().map(|(name, sid)| (key_of(&format!("{prefix}{name}")), *sid)).collect();
         for (i, tier) in self.tiers.iter().enumerate() {
             let Ok(ix) = &tier.index else { continue };
-            if let Err(e) = ix.confirm(dkey, &keys, seen) {
+            if let Err(e) = ix.confirm(dkey, dir, &keys, seen) {
                 self.fault(
                     Some(i),
                     "index-write",

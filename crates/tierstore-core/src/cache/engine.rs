@@ -57,6 +57,8 @@ pub(super) struct Inner {
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
     pub(super) record_checksums: bool,
+    /// This process's background confirmation of expired directories (`confirm.rs`).
+    pub(super) background: super::confirm::Background,
 }
 
 /// What the fetch under the lock is for.
@@ -175,7 +177,7 @@ impl Inner {
     /// thread that leads the fetch opens the file under the node's fetch lock and identifies it from the
     /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
     /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
-    pub(super) fn known_identity(&self, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
+    pub(super) fn known_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
         match self.published(key, rel) {
             Some(e) => self.current_identity(key, rel, &e).map(Some),
             None => Ok(None),
@@ -186,7 +188,7 @@ impl Inner {
     /// trusted (`revalidate = "never"`) or the copy was confirmed recently enough (`"<duration>"`; else its
     /// directory is confirmed now, see `cache/confirm.rs`), or the source's current one, asked with one
     /// `stat` or `HEAD` (`"always"`).
-    pub(super) fn current_identity(&self, key: &Key, rel: &str, e: &Entry) -> Result<SourceId, Error> {
+    pub(super) fn current_identity(self: &Arc<Self>, key: &Key, rel: &str, e: &Entry) -> Result<SourceId, Error> {
         match self.config.revalidate {
             Revalidate::Never => Ok(e.source),
             Revalidate::Within(d) => self.confirmed_identity(key, rel, e, d),

@@ -3,12 +3,18 @@
 //! LD_PRELOAD shim answers from the index, the shadow directories handed out for a source directory, and
 //! the `fstat` of a tier copy rewritten as its source file's (see the index's records in `index.rs` and
 //! `index/xattrs.rs`).
+//!
+//! With a duration (`revalidate = "60s"`, the default), the `stat` of a file or a directory and the
+//! listing of a directory are answered the same way while their record is younger than the duration
+//! (a file's is its copy's last confirmation, see `confirm.rs`); an older one is asked of the store
+//! again and recorded anew. Links, `statfs` and extended attributes are recorded and replayed only for
+//! `"never"`: under a duration the store answers them.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::engine::{CopyIncarnation, Inner};
+use super::engine::{now_ns, CopyIncarnation, Inner};
 use crate::config::Revalidate;
 use crate::counters::source as src_slot;
 use crate::error::Error;
@@ -18,14 +24,31 @@ use crate::index::{key_of, Entry, Link, Listed, SourceId, XattrAnswer, XattrQuer
 const COPY_STATS_KEPT: usize = 1 << 16;
 
 impl Inner {
+    /// Whether metadata records (`stat`s of files and directories, listings) are kept and replayed:
+    /// not with `revalidate = "always"`, which asks the store every time.
+    fn records_metadata(&self) -> bool {
+        self.config.revalidate != Revalidate::Always
+    }
+
+    /// Whether a metadata record taken at `at_ns` may answer now: always with `"never"`, within the
+    /// duration with one.
+    fn record_fresh(&self, at_ns: u64) -> bool {
+        match self.config.revalidate {
+            Revalidate::Never => true,
+            Revalidate::Within(d) => at_ns.saturating_add(d.as_nanos() as u64) > now_ns(),
+            Revalidate::Always => false,
+        }
+    }
+
     /// See [`Cache::cached_stat`](super::Cache::cached_stat).
     pub(super) fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return Ok(None);
         }
         let rel = self.source.relative_or_root(path)?;
         let known = match self.known_path(&rel, nofollow) {
             Some(sid) => Some(sid),
+            None if self.config.revalidate != Revalidate::Never => None,
             None => self.link(&rel).and_then(|link| {
                 if nofollow {
                     return Some(link.lstat);
@@ -39,7 +62,7 @@ impl Inner {
 
     /// See [`Cache::note_stat`](super::Cache::note_stat).
     pub(super) fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return;
         }
         let Some(ix) = self.directories() else { return };
@@ -47,7 +70,7 @@ impl Inner {
         let key = key_of(&rel);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {}
-            libc::S_IFLNK if nofollow && !rel.is_empty() => {
+            libc::S_IFLNK if nofollow && !rel.is_empty() && self.config.revalidate == Revalidate::Never => {
                 let lstat = SourceId::of_stat(st);
                 if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
                     return;
@@ -63,13 +86,15 @@ impl Inner {
             _ => return,
         }
         let before = ix.directory(&key, &rel).ok().flatten();
-        let canonical = nofollow || before.is_some_and(|b| b.attrs.is_some_and(|a| a.canonical));
+        let canonical = nofollow || before.is_some_and(|(b, _)| b.attrs.is_some_and(|a| a.canonical));
         let mut sid = SourceId::of_stat(st);
         if let Some(a) = sid.attrs.as_mut() {
             a.canonical = canonical;
         }
-        if before.is_none_or(|b| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
-            let _ = ix.record_directory(&key, &rel, sid);
+        // Under a duration the record's time moves on with every answer of the store.
+        let again = self.config.revalidate != Revalidate::Never;
+        if again || before.is_none_or(|(b, _)| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
+            let _ = ix.record_directory(&key, &rel, sid, now_ns());
         }
     }
 
@@ -125,29 +150,34 @@ impl Inner {
 
     /// See [`Cache::cached_listing`](super::Cache::cached_listing).
     pub(super) fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return None;
         }
         let rel = self.source.relative_or_root(path).ok()?;
-        let (at, entries) = self.directories()?.listing(&key_of(&rel)).ok()??;
+        let ix = self.directories()?;
+        let key = key_of(&rel);
+        let (at, entries) = ix.listing(&key).ok()??;
+        if self.config.revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
+            return None;
+        }
         (at == rel).then_some(entries)?
     }
 
     /// See [`Cache::note_listing`](super::Cache::note_listing).
     pub(super) fn note_listing(&self, path: &Path, entries: &[Listed]) {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return;
         }
         let (Some(ix), Ok(rel)) = (self.directories(), self.source.relative_or_root(path)) else {
             return;
         };
         self.source.counters().add(src_slot::STATS, 1);
-        let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries));
+        let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries), now_ns());
     }
 
     /// See [`Cache::shadow_dir`](super::Cache::shadow_dir).
     pub(super) fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return None;
         }
         let rel = self.source.relative_or_root(path).ok()?;
@@ -155,7 +185,7 @@ impl Inner {
         let tier = self.tiers.iter().find(|t| t.index.is_ok())?;
         let ix = tier.index.as_ref().ok()?;
         if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
-            ix.record_listing(&key, &rel, None).ok()?;
+            ix.record_listing(&key, &rel, None, 0).ok()?;
         }
         tier.shadow_dir(&key).ok()
     }
@@ -195,25 +225,26 @@ impl Inner {
         Some(rewritten)
     }
 
-    /// The published entry of `path` when copies are trusted (`revalidate = "never"`).
+    /// The published entry of `path` when its copy is trusted now (`revalidate = "never"`, or confirmed
+    /// within the duration).
     pub(super) fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
-        if self.config.revalidate != Revalidate::Never {
+        if !self.records_metadata() {
             return Ok(None);
         }
         let rel = self.source.relative(path)?;
         let key = key_of(&rel);
-        Ok(self.published(&key, &rel).map(|e| (rel, e)))
+        Ok(self.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
     }
 
-    /// What a published entry or a directory record says of `rel`; with `nofollow`, only one recorded as
-    /// the path's own (`lstat`).
+    /// What a published entry or a directory record says of `rel`, when it may answer now (see
+    /// [`Inner::record_fresh`]); with `nofollow`, only one recorded as the path's own (`lstat`).
     pub(super) fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
         let key = key_of(rel);
-        let known = match self.published(&key, rel) {
-            Some(e) => Some(e.source),
-            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten()),
+        let (known, at) = match self.published(&key, rel) {
+            Some(e) => (e.source, e.confirmed_ns),
+            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
         };
-        known.filter(|sid| !nofollow || sid.attrs.is_some_and(|a| a.canonical))
+        (self.record_fresh(at) && (!nofollow || known.attrs.is_some_and(|a| a.canonical))).then_some(known)
     }
 
     /// The record of the symlink `rel`, if one was made.
