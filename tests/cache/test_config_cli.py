@@ -124,7 +124,7 @@ def test_cli_prefetch_status_clear_and_config(source: Path, tier: str) -> None:
     assert stats["tiers"][0]["entries"] == 30 and stats["source"]["bytes_read"] == 30_000
     r = cli(*base, "status")
     assert r.returncode == 0 and "cache tiers" in r.stdout and "bytes read" in r.stdout
-    assert "revalidate always: every open asks the store" in r.stdout, r.stdout
+    assert "revalidate 60s: a copy confirmed within 60s is trusted" in r.stdout, r.stdout
     r = cli(*base, "status", "--json", env={"TIERSTORE_REVALIDATE": "45s"})
     assert json.loads(r.stdout)["revalidate"] == "45s"
     r = cli(*base, "config", "show")

@@ -98,7 +98,7 @@ def test_worker_exit_publishes_queued_copies(source: Path, tier: str) -> None:
 
 
 def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None:
-    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    cache = tierstore.Cache(source, [f"{tier}:16M"], revalidate="always")
     p = source / "epoch.bin"
     p.write_bytes(b"version one")
     for _ in range(2):
@@ -120,7 +120,7 @@ def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None
 
 def test_rewrite_in_place_with_the_old_mtime_put_back_is_fetched_again(source: Path, tier: str) -> None:
     """rsync --times, tar x and cp -p restore the mtime after writing: the ctime still tells."""
-    cache = tierstore.Cache(source, [f"{tier}:16M"])
+    cache = tierstore.Cache(source, [f"{tier}:16M"], revalidate="always")
     p = source / "restored.bin"
     p.write_bytes(b"version one")
     before = p.stat()

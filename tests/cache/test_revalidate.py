@@ -192,6 +192,7 @@ def test_one_expired_directory_sends_every_expired_directory_to_be_confirmed_at_
         cache.reset_counters()
         assert cache.open(mount / "d0/0.bin").read() == files["d0/0.bin"]
         wait_for("the sweep of the others", counted(cache, "lists", 6), 30)
+        wait_for("their stats", counted(cache, "stats", len(files)), 30)
         before = cache.stats()["source"]
         for rel, data in files.items():
             assert cache.open(mount / rel).read() == data
