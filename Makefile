@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := .stamps
-RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml setup.cfg
 
 .PHONY: setup demo test test-rust test-python test-fast bench bench-setup bench-dlio-setup lint fmt clean docs wheel
 
@@ -33,7 +33,10 @@ $(STAMP)/venv:
 	@touch $@
 
 # An editable install: the Python package is used in place and the Rust extension is built into it.
+# The extension and the shim are *.abi3.so; an older build's *.cpython-3XX-*.so beside them would be
+# imported first (CPython tries the version-specific suffix before .abi3.so), so those go.
 $(STAMP)/installed: $(STAMP)/venv $(RUST_SRC)
+	rm -f python/tierstore/_core.cpython-*.so python/tierstore/_preload.cpython-*.so
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
