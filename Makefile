@@ -33,10 +33,7 @@ $(STAMP)/venv:
 	@touch $@
 
 # An editable install: the Python package is used in place and the Rust extension is built into it.
-# The extension and the shim are *.abi3.so; an older build's *.cpython-3XX-*.so beside them would be
-# imported first (CPython tries the version-specific suffix before .abi3.so), so those go.
 $(STAMP)/installed: $(STAMP)/venv $(RUST_SRC)
-	rm -f python/tierstore/_core.cpython-*.so python/tierstore/_preload.cpython-*.so
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
