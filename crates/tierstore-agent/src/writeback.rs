@@ -98,7 +98,7 @@ pub fn backoff(failures: u32) -> Duration {
     let full = BACKOFF_FIRST.saturating_mul(1u32 << failures.saturating_sub(1).min(16)).min(BACKOFF_CAP);
     let mut r = [0u8; 2];
     // SAFETY: getrandom writes at most `r.len()` bytes into the buffer.
-    unsafe { libc::getrandom(r.as_mut_ptr() as *mut libc::c_void, r.len(), 0) };
+    unsafe { tierstore_core::sys::getrandom(r.as_mut_ptr() as *mut libc::c_void, r.len(), 0) };
     let jitter = u16::from_ne_bytes(r) as f64 / u16::MAX as f64;
     full.mul_f64(0.5 + 0.5 * jitter)
 }

@@ -21,6 +21,7 @@ pub mod private;
 pub mod process;
 pub mod reader;
 pub mod source;
+pub mod sys;
 pub mod tier;
 pub mod usage;
 pub mod writeback;

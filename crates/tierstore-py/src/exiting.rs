@@ -33,8 +33,8 @@ pub fn without_gil<T: Send, F: Send + FnOnce() -> T>(py: Python<'_>, f: F) -> T 
 /// Parks this thread for good if the interpreter is exiting and it is not the main thread (which runs
 /// the finalization itself, and takes the GIL safely).
 fn park_if_exiting() {
-    // SAFETY: gettid and getpid take no arguments and cannot fail.
-    let main = unsafe { libc::gettid() == libc::getpid() };
+    // SAFETY: getpid takes no arguments and cannot fail.
+    let main = tierstore_core::sys::gettid() == unsafe { libc::getpid() };
     if EXITING.load(Ordering::Acquire) && !main {
         log::debug!("a thread came back from the engine while the interpreter exits: it waits for the end");
         loop {

@@ -2,6 +2,7 @@
 //! `tierstore-core`, the Python API is shaped in `python/tierstore`.
 
 mod agent_link;
+mod buffer;
 mod error;
 mod exiting;
 mod pack;
@@ -12,7 +13,6 @@ use std::io::SeekFrom;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -184,7 +184,7 @@ impl PyCache {
         py: Python<'_>,
         path: &Bound<'_, PyAny>,
         spans: Vec<(u64, usize, Option<Vec<u8>>)>,
-    ) -> PyResult<Option<pack::PyPackMap>> {
+    ) -> PyResult<Option<PyObject>> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
         pack::map_parts(py, &engine, p, spans)
@@ -424,7 +424,7 @@ impl PyReader {
 
     /// Reads into a writable buffer (bytearray, memoryview, numpy array) with no intermediate copy.
     fn readinto(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let buf = PyBuffer::<u8>::get(buffer)?;
+        let buf = buffer::ByteBuffer::get(buffer)?;
         if buf.readonly() {
             return Err(PyTypeError::new_err("readinto() needs a writable buffer"));
         }
@@ -637,7 +637,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::read_into, m)?)?;
     m.add_function(wrap_pyfunction!(pack::map_pack, m)?)?;
     m.add_function(wrap_pyfunction!(pack::verify_pack, m)?)?;
-    m.add_class::<pack::PyPackMap>()?;
+    m.add("PackMap", buffer::pack_map_type(m.py())?)?;
     m.add_function(wrap_pyfunction!(stream::stream_place, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_read, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_copy, m)?)?;

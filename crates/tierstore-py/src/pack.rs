@@ -1,29 +1,27 @@
 //! Bindings of the model repository's pack files: hashing, packed writes and verified parallel reads,
 //! all over the buffer protocol (numpy arrays and byte views of torch tensors) with the GIL released.
 
-use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
-use pyo3::ffi;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tierstore_core::pack::{self, PackWriter, ReadError, ReadInto};
 
+use crate::buffer::{new_pack_map, ByteBuffer};
 use crate::error::io_to_py;
 
-/// A contiguous byte view of a Python buffer, kept alive by the `PyBuffer` it came from.
+/// A contiguous byte view of a Python buffer, kept alive by the `ByteBuffer` it came from.
 pub(crate) struct View {
-    _buffer: PyBuffer<u8>,
+    _buffer: ByteBuffer,
     ptr: usize,
     len: usize,
 }
 
 impl View {
     pub(crate) fn of(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<View> {
-        let buffer = PyBuffer::<u8>::get(obj).map_err(|_| {
+        let buffer = ByteBuffer::get(obj).map_err(|_| {
             PyTypeError::new_err("expected a contiguous buffer of bytes (a uint8 numpy array or bytes)")
         })?;
         if !buffer.is_c_contiguous() {
@@ -197,11 +195,11 @@ pub fn map_parts(
     cache: &tierstore_core::Cache,
     path: PathBuf,
     spans: Vec<(u64, usize, Option<Vec<u8>>)>,
-) -> PyResult<Option<PyPackMap>> {
+) -> PyResult<Option<PyObject>> {
     let spans = spans_of(spans)?;
     let map = crate::exiting::without_gil(py, || pack::map_parts(cache, &path, &spans))
         .map_err(|e| read_error_to_py(py, e))?;
-    Ok(map.map(|map| PyPackMap { map }))
+    map.map(|map| new_pack_map(py, map)).transpose()
 }
 
 /// One request of a pack read from Python: `(offset, destination buffer, expected hash or None)`.
@@ -251,62 +249,16 @@ fn hash_of(h: Option<&[u8]>) -> PyResult<Option<pack::Hash>> {
     h.map(|h| <[u8; 32]>::try_from(h).map_err(|_| PyValueError::new_err("a hash is 32 bytes"))).transpose()
 }
 
-/// A pack mapped copy-on-write, its requested tensors checked: a writable buffer whose bytes are the
-/// pack's (writes copy the page and never reach the file). Tensors made over it keep it alive.
-#[pyclass(name = "PackMap", module = "tierstore._core", frozen)]
-pub struct PyPackMap {
-    map: memmap2::MmapMut,
-}
-
-#[pymethods]
-impl PyPackMap {
-    fn __len__(&self) -> usize {
-        self.map.len()
-    }
-
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
-        if view.is_null() {
-            return Err(PyBufferError::new_err("no buffer view to fill"));
-        }
-        let (ptr, len) = {
-            let map = &slf.get().map;
-            (map.as_ptr(), map.len())
-        };
-        // SAFETY: `view` is CPython's buffer struct for this request; the mapping stays alive as long as
-        // `obj` (a reference to this object) is held, and a mapped pack never moves.
-        unsafe {
-            (*view).obj = slf.into_any().into_ptr();
-            (*view).buf = ptr as *mut c_void;
-            (*view).len = len as isize;
-            // Writable: private pages, so a tensor changed in place (an optimizer step) copies its pages.
-            (*view).readonly = 0;
-            (*view).itemsize = 1;
-            (*view).format =
-                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr() as *mut c_char } else { std::ptr::null_mut() };
-            (*view).ndim = 1;
-            (*view).shape = if flags & ffi::PyBUF_ND != 0 { &mut (*view).len } else { std::ptr::null_mut() };
-            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
-                &mut (*view).itemsize
-            } else {
-                std::ptr::null_mut()
-            };
-            (*view).suboffsets = std::ptr::null_mut();
-            (*view).internal = std::ptr::null_mut();
-        }
-        Ok(())
-    }
-
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-}
-
 /// Maps a pack and checks `(offset, length, expected hash or None)` tensors in it, without the GIL and
-/// without copying a byte. Raises `IntegrityError(message, index, kind)` as `read_into` does.
+/// without copying a byte. Raises `IntegrityError(message, index, kind)` as `read_into` does. Returns a
+/// `PackMap` (`crate::buffer`): a writable buffer whose bytes are the pack's, mapped copy-on-write (writes
+/// copy the page and never reach the file). Tensors made over it keep it alive.
 #[pyfunction]
-pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyPackMap> {
+pub fn map_pack(py: Python<'_>, path: PathBuf, spans: Vec<(u64, usize, Option<Vec<u8>>)>) -> PyResult<PyObject> {
     let spans = spans_of(spans)?;
     let map =
         crate::exiting::without_gil(py, || pack::map_verified(&path, &spans)).map_err(|e| read_error_to_py(py, e))?;
-    Ok(PyPackMap { map })
+    new_pack_map(py, map)
 }
 
 /// Checks `(offset, length, expected hash or None)` tensors of a pack, without the GIL and keeping no

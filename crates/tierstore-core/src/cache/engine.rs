@@ -119,7 +119,7 @@ pub(super) fn memory_file(rel: &str) -> io::Result<File> {
     let name = std::ffi::CString::new(format!("tierstore:{}", rel.rsplit('/').next().unwrap_or(rel)))
         .unwrap_or_else(|_| c"tierstore".to_owned());
     // SAFETY: memfd_create takes a NUL-terminated name and flags; a valid descriptor is owned by the File.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { crate::sys::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }

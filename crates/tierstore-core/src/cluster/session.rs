@@ -53,7 +53,7 @@ pub enum HandshakeError {
 pub fn nonce() -> [u8; 32] {
     let mut n = [0u8; 32];
     // SAFETY: getrandom writes at most `n.len()` bytes into the buffer.
-    let got = unsafe { libc::getrandom(n.as_mut_ptr() as *mut libc::c_void, n.len(), 0) };
+    let got = unsafe { crate::sys::getrandom(n.as_mut_ptr() as *mut libc::c_void, n.len(), 0) };
     assert_eq!(got, n.len() as isize, "getrandom failed: {}", std::io::Error::last_os_error());
     n
 }

@@ -80,7 +80,9 @@ impl PosixSource {
         let mut x = std::mem::MaybeUninit::<libc::statx>::zeroed();
         let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC;
         // SAFETY: statx writes into `x` on success; the path is the empty C string.
-        let rc = unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, x.as_mut_ptr()) };
+        let rc = unsafe {
+            crate::sys::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_BASIC_STATS, x.as_mut_ptr())
+        };
         let (mut id, is_dir) = if rc == 0 {
             // SAFETY: statx succeeded.
             let x = unsafe { x.assume_init() };
@@ -620,7 +622,7 @@ pub fn inode_of(file: &File) -> io::Result<(u64, u64)> {
     let mut x = std::mem::MaybeUninit::<libc::statx>::zeroed();
     let flags = libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC;
     // SAFETY: statx writes into `x` on success; the path is the empty C string.
-    let rc = unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_INO, x.as_mut_ptr()) };
+    let rc = unsafe { crate::sys::statx(file.as_raw_fd(), c"".as_ptr(), flags, libc::STATX_INO, x.as_mut_ptr()) };
     if rc != 0 {
         let m = file.metadata()?;
         use std::os::unix::fs::MetadataExt;
