@@ -32,9 +32,15 @@ $(STAMP)/venv:
 	$(PY) -m pip install --quiet --upgrade pip
 	@touch $@
 
-# An editable install: the Python package is used in place and the Rust extension is built into it.
+# An editable install: the Python package is used in place and the Rust extension is built into it. Built
+# as `make wheel` builds, through packaging/cargo-zigbuild (glibc 2.17), so that the wheel's build in
+# tests/packaging finds these artifacts made and does not build all three a second time (~15 min on 2
+# cores). Without build isolation, to find cargo-zigbuild and zig in the venv: the build tools first.
+BUILD_TOOLS := 'setuptools>=77' 'setuptools-rust>=1.9' wheel 'cargo-zigbuild==0.24.1' 'ziglang==0.17.1'
 $(STAMP)/installed: $(STAMP)/venv $(RUST_SRC)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet $(BUILD_TOOLS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" CARGO="$(CURDIR)/packaging/cargo-zigbuild" \
+		$(PY) -m pip install --quiet --no-build-isolation -e '.[dev]'
 	@touch $@
 
 demo: setup
