@@ -136,6 +136,34 @@ def test_rewrite_in_place_with_the_old_mtime_put_back_is_fetched_again(source: P
         assert f.backing == "tier" and f.read() == b"version two"
 
 
+@pytest.mark.fuse
+def test_a_large_file_copied_by_ranged_readers_is_followed_whole_and_read_once(
+    tmp_path: Path, tier: str
+) -> None:
+    """A file of 64 MiB or more is copied from a POSIX store by several ranged readers at once
+    (`TIERSTORE_COPY_STREAMS`, 4 by default): the reader that follows the growing copy gets every byte in
+    order, the store sends each byte once, and the copy's blake3 (taken once, as it is written) checks."""
+    from tests.helpers.stores import mounted_store, store_stats
+
+    with mounted_store(tmp_path, data_latency="1ms") as (backing, mount):
+        data = content(5, (72 << 20) + 12345)
+        (backing / "pack.bin").write_bytes(data)
+        cache = tierstore.Cache(mount, [f"{tier}:1G"], verify="checksum")
+        before = store_stats(mount).get("bytes_read", 0)
+        with cache.open(mount / "pack.bin") as f:
+            got = hashlib.sha256()
+            while chunk := f.read(3 << 20):
+                got.update(chunk)
+        assert got.digest() == hashlib.sha256(data).digest()
+        cache.wait()
+        assert store_stats(mount)["bytes_read"] - before == len(data)
+        with cache.open(mount / "pack.bin") as f:  # the copy, checked against its blake3 as it is read
+            assert hashlib.sha256(f.read()).digest() == hashlib.sha256(data).digest()
+        assert store_stats(mount)["bytes_read"] - before == len(data), "served from the copy"
+        assert cache.stats()["tiers"][0]["faults"] == 0, "the copy's blake3 matched"
+        del cache
+
+
 def test_copy_keeps_the_source_mtime(source: Path, tier: str) -> None:
     cache = tierstore.Cache(source, [f"{tier}:16M"])
     p = source / "m.bin"

@@ -143,6 +143,8 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_PEER_DEADLINE_MS",
     "TIERSTORE_PEER_FETCH_WAIT_MS",
     "TIERSTORE_PART_BLOCKS_MIB",
+    // Ranged readers of a large file copied from a POSIX store (`source/posix.rs`).
+    "TIERSTORE_COPY_STREAMS",
     "TIERSTORE_TOKEN_FILE",
     "TIERSTORE_ENCRYPT",
     "TIERSTORE_REGISTRY",

@@ -312,6 +312,117 @@ const COPY_CHUNK: usize = 4 << 20;
 /// source would be; steps then double up to [`COPY_CHUNK`].
 const FIRST_COPY_CHUNK: usize = 256 << 10;
 
+/// Files at least this large are copied from a POSIX store by [`copy_streams`] readers at once.
+pub const PARALLEL_COPY_MIN: u64 = 64 << 20;
+
+/// How many ranged readers copy a large file at once when `TIERSTORE_COPY_STREAMS` does not say: a
+/// parallel file system stripes a large file over several servers so that clients read it in parallel,
+/// and one reader waits for each read in turn (docs/benchmarks/ranged.md measures 1 to 8).
+pub const COPY_STREAMS: usize = 4;
+
+/// The number of ranged readers for a large file: `TIERSTORE_COPY_STREAMS` (1 to 64; 1 copies with one
+/// sequential reader), else [`COPY_STREAMS`]. Read once per process.
+pub fn copy_streams() -> usize {
+    static STREAMS: OnceLock<usize> = OnceLock::new();
+    *STREAMS.get_or_init(|| {
+        let Ok(text) = std::env::var("TIERSTORE_COPY_STREAMS") else { return COPY_STREAMS };
+        match text.trim().parse::<usize>() {
+            Ok(n @ 1..=64) => n,
+            _ => {
+                eprintln!(
+                    "tierstore: warning: TIERSTORE_COPY_STREAMS={text:?} is not a number from 1 to 64; copying \
+                     large files with {COPY_STREAMS} readers"
+                );
+                COPY_STREAMS
+            }
+        }
+    })
+}
+
+/// Copies the first `size` bytes of `src` to `to` with `streams` readers, each reading every
+/// `streams`-th chunk of `COPY_CHUNK` bytes into buffers of its own, while this thread writes the
+/// chunks in order, hashes them once and reports progress, so that readers following the growing copy
+/// see it grow from the start as they would with one reader. At most two chunks per reader are in
+/// memory. Returns the bytes copied: `size`, or one more when the file has grown (the caller then
+/// compares identities and does not publish).
+fn copy_ranged(
+    source: &PosixSource,
+    src: &File,
+    mut to: &File,
+    size: u64,
+    streams: usize,
+    mut hasher: Option<&mut crate::hash::Pieces<'_>>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<u64, CopyFault> {
+    use std::io::Write;
+    use std::sync::mpsc;
+    let chunks = size.div_ceil(COPY_CHUNK as u64);
+    let streams = streams.min(chunks as usize).max(1);
+    std::thread::scope(|scope| {
+        let mut filled = Vec::with_capacity(streams);
+        let mut spare = Vec::with_capacity(streams);
+        for r in 0..streams {
+            let (full_tx, full_rx) = mpsc::sync_channel::<io::Result<(Vec<u8>, usize)>>(2);
+            let (free_tx, free_rx) = mpsc::channel::<Vec<u8>>();
+            for _ in 0..2 {
+                let _ = free_tx.send(vec![0u8; COPY_CHUNK]);
+            }
+            scope.spawn(move || {
+                let mut chunk = r as u64;
+                while chunk < chunks {
+                    let Ok(mut buf) = free_rx.recv() else { return };
+                    let offset = chunk * COPY_CHUNK as u64;
+                    let want = (size - offset).min(COPY_CHUNK as u64) as usize;
+                    let read = read_fully(source, src, &mut buf[..want], offset).map(|n| (buf, n));
+                    let failed = read.is_err();
+                    if full_tx.send(read).is_err() || failed {
+                        return;
+                    }
+                    chunk += streams as u64;
+                }
+            });
+            filled.push(full_rx);
+            spare.push(free_tx);
+        }
+        let mut copied = 0u64;
+        for chunk in 0..chunks {
+            let r = (chunk % streams as u64) as usize;
+            let (buf, n) = match filled[r].recv() {
+                Ok(Ok(got)) => got,
+                Ok(Err(e)) => return Err(CopyFault::Source(e)),
+                Err(_) => return Err(CopyFault::Source(io::Error::other("a copy reader stopped"))),
+            };
+            to.write_all(&buf[..n]).map_err(CopyFault::Tier)?;
+            if let Some(h) = hasher.as_mut() {
+                h.update(&buf[..n]);
+            }
+            copied += n as u64;
+            progress(copied);
+            let _ = spare[r].send(buf);
+            if n < COPY_CHUNK && copied < size {
+                // Shorter than asked before the end: the file shrank. Stop; the identity says so.
+                return Ok(copied);
+            }
+        }
+        // One byte past the end tells a file that grew meanwhile.
+        let mut probe = [0u8; 1];
+        let grown = source.read_file_at(src, &mut probe, size).map_err(CopyFault::Source)?;
+        Ok(copied + grown as u64)
+    })
+}
+
+/// Reads `buf.len()` bytes at `offset`, fewer only at the end of the file.
+fn read_fully(source: &PosixSource, src: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match source.read_file_at(src, &mut buf[n..], offset + n as u64)? {
+            0 => break,
+            got => n += got,
+        }
+    }
+    Ok(n)
+}
+
 fn posix_file(file: &SourceFile) -> io::Result<&File> {
     file.as_file().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a file of a POSIX source"))
 }
@@ -380,6 +491,11 @@ impl Source for PosixSource {
     ) -> Result<(u64, Option<SourceId>), CopyFault> {
         use std::io::Write;
         let src = posix_file(from).map_err(CopyFault::Source)?;
+        if size >= PARALLEL_COPY_MIN && copy_streams() > 1 {
+            let copied = copy_ranged(self, src, to, size, copy_streams(), hasher, progress)?;
+            let after = src.metadata().map(|m| SourceId::of(&m)).ok();
+            return Ok((copied, after));
+        }
         PosixSource::advise_sequential(src);
         let mut buf = Vec::new();
         let full = COPY_CHUNK.min(size as usize + 1).max(1);
@@ -704,6 +820,34 @@ fn stat_at_c(dir: &File, c: &std::ffi::CStr) -> io::Result<libc::stat> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_large_file_copied_by_ranged_readers_arrives_whole_in_order_and_hashed_once() {
+        use std::io::{Seek, SeekFrom};
+        let dir = tempfile::tempdir().unwrap();
+        let c = Arc::new(Counters::open(&dir.path().join("c")).unwrap());
+        let root = dir.path().join("src");
+        std::fs::create_dir(&root).unwrap();
+        let s = PosixSource::new(&root, None, c);
+        // 7.5 chunks: the last one short, three readers taking turns.
+        let bytes: Vec<u8> = (0..(COPY_CHUNK * 15 / 2)).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(root.join("big"), &bytes).unwrap();
+        let src = File::open(root.join("big")).unwrap();
+        for (size, grown) in [(bytes.len() as u64, 0), (bytes.len() as u64 - 10, 1)] {
+            let mut to = tempfile::tempfile().unwrap();
+            let mut hasher = crate::hash::Pieces::new(size);
+            let mut seen = Vec::new();
+            let copied = copy_ranged(&s, &src, &to, size, 3, Some(&mut hasher), &mut |n| seen.push(n))
+                .unwrap_or_else(|_| panic!("the copy failed"));
+            assert_eq!(copied, size + grown, "one byte more tells a file longer than asked");
+            assert!(seen.windows(2).all(|w| w[0] < w[1]) && seen.last() == Some(&size), "progress in order");
+            to.seek(SeekFrom::Start(0)).unwrap();
+            let mut got = Vec::new();
+            std::io::Read::read_to_end(&mut to, &mut got).unwrap();
+            assert_eq!(got, &bytes[..size as usize]);
+            assert_eq!(hasher.finalize(), *blake3::hash(&got).as_bytes());
+        }
+    }
 
     #[test]
     fn relative_paths_and_escapes() {
