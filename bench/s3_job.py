@@ -37,7 +37,7 @@ def tierstore_cache(args: argparse.Namespace) -> Any:
     import tierstore
 
     s3 = json.loads(os.environ["BENCH_S3"])["tierstore"] if source(args).startswith("s3://") else None
-    return tierstore.Cache(source=source(args), tiers=[args.tier], revalidate=args.revalidate, s3=s3)
+    return tierstore.Cache(source=source(args), tiers=[args.tier], revalidate=args.revalidate or None, s3=s3)
 
 
 def opener(args: argparse.Namespace) -> Any:
@@ -108,7 +108,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--handshake", action="store_true")
-    p.add_argument("--revalidate", default="never", help="tierstore mode: the cache's revalidate setting")
+    p.add_argument(
+        "--revalidate",
+        default="never",
+        help="tierstore mode: the cache's revalidate setting ('': the default)",
+    )
     p.add_argument(
         "--prefetch", default="", help="tierstore mode: wrap the loader in tierstore.torch.prefetching"
     )
