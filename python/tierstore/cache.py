@@ -85,6 +85,11 @@ class Cache:
         s3: Mapping[str, Any] | None = None,
         start_agent: bool = True,
     ) -> None:
+        if isinstance(tiers, (str, bytes, os.PathLike)):
+            # A string is a sequence too: its characters would each be taken for a tier.
+            raise _core.ConfigError(
+                f"tiers={tiers!r} is one tier, not a list of them; give tiers=[{os.fsdecode(tiers)!r}]"
+            )
         # Kept to rebuild the cache in a spawned worker (see __reduce__); a forked one inherits it.
         self._args = (
             source,

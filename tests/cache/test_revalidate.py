@@ -236,6 +236,21 @@ def test_a_bad_revalidate_value_names_the_fix(source: Path, tier: str, value: st
         tierstore.Cache(source, [tier], revalidate=value)
 
 
+def test_a_bad_revalidate_option_of_run_is_blamed_on_the_option(source: Path, tier: str) -> None:
+    """`tierstore run --revalidate 5` names the option the user gave, not the variable it travels in."""
+    from tests.helpers.cli import cli
+
+    p = cli("--source", str(source), "--tier", f"{tier}:1M", "run", "--revalidate", "5", "--", "true")
+    assert p.returncode == 2, p.stderr
+    assert "--revalidate" in p.stderr and "'5'" in p.stderr and "a duration such as" in p.stderr, p.stderr
+    assert "TIERSTORE_REVALIDATE" not in p.stderr, p.stderr
+
+
+def test_tiers_given_as_one_string_say_to_make_it_a_list(source: Path, tier: str) -> None:
+    with pytest.raises(tierstore.ConfigError, match=r"is one tier, not a list of them; give tiers=\["):
+        tierstore.Cache(source, tiers=f"{tier}:1M")  # type: ignore[arg-type]
+
+
 def test_the_configured_mode_is_shown(source: Path, tier: str) -> None:
     cache = tierstore.Cache(source, [tier], revalidate="90s")
     assert cache.config()["revalidate"][0] == "90s"

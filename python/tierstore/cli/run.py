@@ -79,6 +79,11 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
         except click.ClickException as e:
             # A job that only stages its checkpoints needs no source to read from.
             cause = e.__cause__
+            if revalidate and isinstance(cause, _core.ConfigError) and cause.key == "revalidate":
+                # The option reached the cache as $TIERSTORE_REVALIDATE: name the option the user gave.
+                raise click.BadParameter(
+                    f"{revalidate!r}: {cause.problem}; {cause.fix}", param_hint="--revalidate"
+                ) from cause
             no_source = isinstance(cause, _core.ConfigError) and (cause.key, cause.value) == (
                 "source",
                 "(unset)",
