@@ -62,6 +62,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -382,7 +383,7 @@ def ckpt_round(dlio_bin: Path, root: Path, store_mount: Path, local: Path, r: in
             out = dlio(
                 dlio_bin,
                 ckpt_overrides(data, folder),
-                root / "out" / f"ckpt-{setup.replace(' ', '-')}",
+                root / "out" / f"ckpt-{re.sub(r'[^a-z0-9]+', '-', setup)}",
                 wb_env if wrap else clean_env(),
                 wrap,
             )

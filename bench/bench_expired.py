@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--dirs", type=int, default=20)
     ap.add_argument("--size", type=int, default=16 << 10)
     ap.add_argument("--meta-latency", default="5ms")
-    ap.add_argument("--duration", type=float, default=2.0, help="the revalidate duration, in seconds")
+    ap.add_argument("--duration", type=float, default=10.0, help="the revalidate duration, in seconds")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -103,16 +103,18 @@ def main() -> int:
             lists = timed.stats()["source"]["lists"]
             one_pass(timed, mount, names)
             settle(timed, lists, args.dirs)
+            confirmed = time.monotonic()  # when the last directory was confirmed
             for r in range(args.rounds):
                 row: dict[str, Any] = {"round": r + 1}
-                for mode, wait in (("due", d / 2 + 0.2), ("expired", d + 0.2)):
-                    time.sleep(wait)
+                for mode, wait in (("expired", d + 0.2), ("due", d / 2 + 0.2)):
+                    time.sleep(max(0.0, confirmed + wait - time.monotonic()))
                     row[f"never-{mode}"] = one_pass(never, mount, names)
                     lists = timed.stats()["source"]["lists"]
                     before = read_stats(str(mount))
                     row[mode] = one_pass(timed, mount, names)
                     row[f"{mode}-ops"] = delta(before, read_stats(str(mount)))
                     settle(timed, lists, args.dirs)
+                    confirmed = time.monotonic()
                     row[f"{mode}-all-ops"] = delta(before, read_stats(str(mount)))
                 before = read_stats(str(mount))
                 row["always"] = one_pass(always, mount, names)

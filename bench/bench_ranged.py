@@ -3,7 +3,9 @@ readers (`TIERSTORE_COPY_STREAMS`), and against the store's own bandwidth.
 
 The stand-in parallel file system (`tierstore.testing.slowfs`, FUSE with `direct_io`, so that the kernel's
 page cache never answers for it) serves one `--size` file with `--data-latency` per read and its bandwidth
-capped at `--bandwidth`. Each round, in a new order:
+capped at `--bandwidth`. With `--page-cache`, the store is mounted without `direct_io`, as a client of a
+parallel file system reads through the page cache (the kernel then asks the store in readahead-sized
+requests), and the page cache is dropped before each setup (root). Each round, in a new order:
 
   store, N readers   N threads read the file from the store with plain 4 MiB `pread`s, each its share
                      (the store's bandwidth as a client that reads in parallel gets it; N = 1 and 4)
@@ -99,6 +101,9 @@ def main() -> int:
     ap.add_argument("--data-latency", default="0.5ms")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--page-cache", action="store_true", help="mount without direct_io; drop caches each time"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -113,12 +118,19 @@ def main() -> int:
             for _ in range(args.size // MIB):
                 f.write(block)
         with mounted(
-            backing, base / "pfs", data_latency=args.data_latency, bandwidth=args.bandwidth, direct_io=True
+            backing,
+            base / "pfs",
+            data_latency=args.data_latency,
+            bandwidth=args.bandwidth,
+            direct_io=not args.page_cache,
         ) as mount:
             for r in range(args.rounds):
                 order = setups[:]
                 random.Random(r).shuffle(order)
                 for s in order:
+                    if args.page_cache:
+                        os.sync()
+                        Path("/proc/sys/vm/drop_caches").write_text("1\n")
                     if s.startswith("store"):
                         t = read_store(mount / "pack.bin", args.size, int(s.split(", ")[1].split()[0]))
                     else:
@@ -139,8 +151,13 @@ def main() -> int:
         "",
         f"`{' '.join(['.venv/bin/python', *sys.argv])}`",
         "",
-        f"One {args.size // MIB} MiB file on the stand-in parallel file system (FUSE, `direct_io`: no page "
-        f"cache), {args.data_latency} per read, {args.bandwidth} at most; {args.rounds} rounds, setups in a new "
+        f"One {args.size // MIB} MiB file on the stand-in parallel file system ("
+        + (
+            "FUSE through the page cache, dropped before each setup"
+            if args.page_cache
+            else "FUSE, `direct_io`: no page cache"
+        )
+        + f"), {args.data_latency} per read, {args.bandwidth} at most; {args.rounds} rounds, setups in a new "
         "order each round. *store, N readers*: N threads read the file with 4 MiB `pread`s, each its share. "
         "*tierstore, K*: a new process reads the file whole through `tierstore.Cache` (an empty tier on "
         "/dev/shm) while the cache copies it with K ranged readers (`TIERSTORE_COPY_STREAMS`; 1 is one "
