@@ -83,6 +83,9 @@ def test_config_file_errors(source: Path, tmp_path: Path) -> None:
     bad.write_text("[[tiers]]\npath = '/tmp/t'\nquota = '1G'\nsize = 3\n")
     with pytest.raises(tierstore.ConfigError, match=r"tiers\[0\]\.size = 3: unknown key"):
         tierstore.Cache(source, config=bad)
+    bad.write_text("[[tiers]]\npath = 3\nquota = '1G'\n")
+    with pytest.raises(tierstore.ConfigError, match=r"tiers\[0\]\.path = 3: is not a path \(a string\)"):
+        tierstore.Cache(source, config=bad)
     bad.write_text("source = [\n")
     with pytest.raises(tierstore.ConfigError, match="not valid TOML"):
         tierstore.Cache(source, config=bad)

@@ -70,10 +70,14 @@ pub(crate) fn from_toml(origin: &Origin, key: &str, value: &toml::Value) -> Resu
                 return Err(unknown_key(origin, &format!("{k}.{tk}"), tv, KEYS));
             }
         }
-        let path = t
-            .get("path")
-            .and_then(|p| p.as_str())
-            .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every tier needs a path", fix))?;
+        let path = match t.get("path") {
+            Some(toml::Value::String(p)) => p,
+            Some(other) => {
+                let fix = "write the path as a string: path = \"/dev/shm/tierstore\"";
+                return Err(bad(origin, &format!("{k}.path"), other, "is not a path (a string)", fix));
+            }
+            None => return Err(bad(origin, &format!("{k}.path"), "(missing)", "every tier needs a path", fix)),
+        };
         tiers.push(RawTier {
             path: path.to_string(),
             quota: t.get("quota").map(scalar),
