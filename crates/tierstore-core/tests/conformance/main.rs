@@ -44,6 +44,8 @@ fn cache(w: &World, policy: &str, quota: &str, kind: &str) -> Cache {
         policy: Some(policy.into()),
         threads: Some("4".into()),
         inline_max: Some("64KiB".into()),
+        // The suite rewrites source files and expects the next open to see it: "always", not the default.
+        revalidate: Some("always".into()),
         ..Default::default()
     };
     let c = Config::load_with_env(&o, &Default::default()).unwrap();
