@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
+import page
 import tierstore
 from tierstore.testing.slowfs import mounted, read_stats
 
@@ -170,16 +171,9 @@ def main() -> int:
         f"- due: during {rows[0]['due-ops']}; in all {rows[0]['due-all-ops']}",
         f"- expired: during {rows[0]['expired-ops']}; in all {rows[0]['expired-all-ops']}",
         f"- always: {rows[0]['always-ops']}",
-        "",
-        "| target | met | measured |",
-        "| --- | --- | --- |",
+        *page.targets(checks),
     ]
-    lines += [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    return page.finish(lines, checks, args.out)
 
 
 if __name__ == "__main__":

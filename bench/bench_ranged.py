@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
+import page
 from tierstore.testing.slowfs import mounted
 
 MIB = 1 << 20
@@ -177,13 +178,8 @@ def main() -> int:
         x = statistics.median(paired(default))
         checks.append((f"{DEFAULT_STREAMS} streams (the default) >= 0.9x the store's 4-reader bandwidth", x >= 0.9,
                        f"{x:.2f}x"))  # fmt: skip
-    lines += ["", "| target | met | measured |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    lines += page.targets(checks)
+    return page.finish(lines, checks, args.out)
 
 
 if __name__ == "__main__":

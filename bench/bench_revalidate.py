@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
+import page
 from tierstore.testing.s3server import LatencyProxy, S3Server
 
 PY = sys.executable
@@ -223,18 +224,13 @@ def main() -> int:
             paired = statistics.median(ratio(with_p, without))
             checks.append((f"{with_p}: warm epochs >= 0.95x {without} (at most 1.05x its time)", paired >= 0.95,
                            f"{paired:.2f}x"))  # fmt: skip
-    lines += ["", "| target | met | measured |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
+    lines += page.targets(checks)
     lines += ["", "Per round (epoch seconds, then the proxy's requests per epoch):", ""]
     for m in modes:
         for i, j in enumerate(results[m]):
             secs = ", ".join(f"{e['seconds']:.3f}" for e in j["epochs"])
             lines.append(f"- {m}, round {i + 1}: {secs}; {[e['requests'] for e in j['epochs']]}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    return page.finish(lines, checks, args.out)
 
 
 if __name__ == "__main__":

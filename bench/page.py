@@ -1,0 +1,23 @@
+"""How a benchmark's page ends: its targets as a table, the page printed and written where asked, and an
+exit status of 1 when a target is missed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+Check = tuple[str, bool, str]  # the target, whether it is met, what was measured
+
+
+def targets(checks: list[Check]) -> list[str]:
+    """The table of `checks`, with a blank line before it."""
+    rows = [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
+    return ["", "| target | met | measured |", "| --- | --- | --- |", *rows]
+
+
+def finish(lines: list[str], checks: list[Check], out: str | Path | None) -> int:
+    """Prints the page of `lines`, writes it to `out` when given; 0 when every check is met, else 1."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        Path(out).write_text(text)
+    return 0 if all(ok for _, ok, _ in checks) else 1
