@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -15,21 +17,40 @@ from tierstore.cli.main import human, main
 @click.option(
     "--repo",
     envvar="TIERSTORE_MODELS",
-    required=True,
     type=click.Path(file_okay=False),
-    help="The model repository directory (or $TIERSTORE_MODELS).",
+    help="The model repository directory (or $TIERSTORE_MODELS). Required.",
 )
 @click.pass_context
-def models(ctx: click.Context, repo: str) -> None:
+def models(ctx: click.Context, repo: str | None) -> None:
     """Inspect and maintain a model repository (tierstore.models)."""
-    from tierstore.models import Repository, RepositoryError
 
-    # Every command here works on a repository that exists: opening a mistyped path would create an empty
-    # repository there and report no models instead of the mistake.
-    try:
-        ctx.obj = Repository(repo, create=False)
-    except RepositoryError as e:
-        raise click.BadParameter(str(e), param_hint="'--repo'") from e
+    # The repository is opened by the command, once its own arguments are parsed: checked here, a missing
+    # --repo would answer `tierstore models ls --help` with an error instead of the help.
+    def open_repository() -> Any:
+        from tierstore.models import Repository, RepositoryError
+
+        if repo is None:
+            (param,) = [p for p in models.params if p.name == "repo"]
+            raise click.MissingParameter(ctx=ctx, param=param)
+        # Every command here works on a repository that exists: opening a mistyped path would create an
+        # empty repository there and report no models instead of the mistake.
+        try:
+            return Repository(repo, create=False)
+        except RepositoryError as e:
+            raise click.BadParameter(str(e), ctx=ctx, param_hint="'--repo'") from e
+
+    ctx.obj = open_repository
+
+
+def _pass_repository(f: Callable[..., None]) -> Callable[..., None]:
+    """Passes the command the repository of `--repo`, opened when the command runs (see `models`)."""
+
+    @functools.wraps(f)
+    @click.pass_obj
+    def wrapper(open_repository: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        f(open_repository(), *args, **kwargs)
+
+    return wrapper
 
 
 def _split_ref(ref: str) -> tuple[str, str]:
@@ -44,7 +65,7 @@ def _models_errors() -> Any:
 
 
 @models.command("ls")
-@click.pass_obj
+@_pass_repository
 def models_ls(repo: Any) -> None:
     """List models with their versions, sizes and bytes saved by dedup."""
     from rich.console import Console
@@ -76,7 +97,7 @@ def models_ls(repo: Any) -> None:
 @models.command("show")
 @click.argument("ref", metavar="NAME[@VERSION]")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
-@click.pass_obj
+@_pass_repository
 def models_show(repo: Any, ref: str, as_json: bool) -> None:
     """Show one version: sizes, dedup, metadata and its tensors."""
     name, version = _split_ref(ref)
@@ -101,7 +122,7 @@ def models_show(repo: Any, ref: str, as_json: bool) -> None:
 @models.command("export")
 @click.argument("ref", metavar="NAME[@VERSION]")
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.pass_obj
+@_pass_repository
 def models_export(repo: Any, ref: str, path: str) -> None:
     """Write a version as a safetensors file."""
     name, version = _split_ref(ref)
@@ -123,7 +144,7 @@ def models_export(repo: Any, ref: str, path: str) -> None:
     "--progress/--no-progress", default=True, show_default=True, help="Show bytes checked, rate and ETA."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.pass_obj
+@_pass_repository
 def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_json: bool) -> None:
     """Check the hash of every stored tensor: of every model, of every version of NAME, or of NAME@VERSION.
 
@@ -176,7 +197,7 @@ def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_j
 
 
 @models.command("gc")
-@click.pass_obj
+@_pass_repository
 def models_gc(repo: Any) -> None:
     """Remove packs no version uses and leftovers of crashed saves."""
     r = repo.gc()
