@@ -28,12 +28,20 @@ def _agent_settings(f: Any) -> Any:
     for option in reversed(
         [
             socket_option,
-            click.option("--node", help="This node's name as peers know it (default: the host name)."),
-            click.option("--listen", metavar="ADDR:PORT", help="Serve peers on this TCP address."),
+            click.option(
+                "--node",
+                help="This node's name as peers know it (default: [cluster] node, else the host name).",
+            ),
+            click.option(
+                "--listen",
+                metavar="ADDR:PORT",
+                help="Serve peers on this TCP address (default: with sharing on, [cluster] listen and port; "
+                "else no TCP listener).",
+            ),
             click.option(
                 "--token-file",
                 type=click.Path(exists=True, dir_okay=False),
-                help="The job's shared secret; required to listen beyond loopback.",
+                help="The job's shared secret (default: [cluster] token_file); required to listen beyond loopback.",
             ),
             click.option("--idle-exit", type=float, metavar="SECONDS", help="Exit after this long unused."),
             click.option(

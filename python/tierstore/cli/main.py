@@ -91,5 +91,6 @@ socket_option = click.option(
     "--socket",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="The agent's Unix socket (default: $XDG_RUNTIME_DIR/tierstore/agent.sock or /tmp/tierstore-UID/).",
+    help="The agent's Unix socket (default: $XDG_RUNTIME_DIR/tierstore/agent.sock, or "
+    "/tmp/tierstore-UID/agent.sock).",
 )

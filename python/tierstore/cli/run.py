@@ -33,8 +33,9 @@ def preload_library() -> str:
 @click.option(
     "--revalidate",
     metavar="always|never|DURATION",
-    help="always: ask the store per open; a duration such as 60s (the default): trust a copy confirmed within "
-    "it; never: trust the cache for a read-only dataset (no source operation after epoch 1).",
+    help="always: ask the store per open; a duration such as 60s: trust a copy confirmed within it; never: "
+    "trust the cache for a read-only dataset (no source operation after epoch 1). Overrides revalidate of "
+    "the configuration (default: 60s).",
 )
 @click.option(
     "--order",
