@@ -93,6 +93,11 @@ fn token_source(
 }
 
 fn parse_args() -> Result<Args, String> {
+    // `--help` or `-h` anywhere (`tierstore-agent --help`, `tierstore-agent run -h`): the usage, exit 0.
+    if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        std::process::exit(0);
+    }
     let mut it = std::env::args().skip(1);
     let command = it.next().ok_or("no command given")?;
     let mut a = Args {
