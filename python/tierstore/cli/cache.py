@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -231,6 +232,8 @@ def config() -> None:
 def config_show(make: Any, as_json: bool) -> None:
     """Print the effective configuration and where each value came from."""
     cfg = make().config()
+    if "://" in cfg["source"][0]:
+        cfg["s3"] = s3_settings(make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG"))
     if as_json:
         click.echo(json.dumps({k: {"value": v, "from": o} for k, (v, o) in cfg.items()}, indent=2))
         return
@@ -260,6 +263,15 @@ def config_show(make: Any, as_json: bool) -> None:
                     f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}, "
                     f"frames {frames}"
                 )
+        elif key == "s3":
+            click.echo(f"{key:<{width}}  {cfg['source'][0]}  (from {origin})")
+            if value["table"] is None:
+                click.echo(
+                    f"  the [s3] table of {value['file']} is left out: reading it needs the tomli package"
+                )
+            pad = max(len(k) for k in S3_SHOWN)
+            for k in S3_SHOWN:
+                click.echo(f"  {k:<{pad}}  {value[k]}  (from {value['origins'][k]})")
         else:
             shown = human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
@@ -267,3 +279,139 @@ def config_show(make: Any, as_json: bool) -> None:
 
 def _node_origin(origin: str) -> str:
     return "default: the host name" if origin == "default" else origin
+
+
+# The settings of an s3:// source that `config show` prints, in order, and the defaults of those the
+# configuration's reference gives one (docs/reference/configuration.md, [s3]; S3Config::parse).
+S3_SHOWN = (
+    "endpoint",
+    "region",
+    "profile",
+    "access_key_id",
+    "secret_access_key",
+    "session_token",
+    "timeout",
+    "connect_timeout",
+    "retries",
+    "range_size",
+    "ranges_in_flight",
+)
+S3_DEFAULTS: dict[str, Any] = {
+    "timeout": "30s",
+    "connect_timeout": "5s",
+    "retries": 3,
+    "range_size": "8M",
+    "ranges_in_flight": 8,
+}
+S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
+
+
+def _toml_table(path: Path, name: str) -> dict[str, Any] | None:
+    """Table `name` of a TOML file ({} when it has none); None when no TOML reader is installed (Python
+    3.10 without tomli)."""
+    import importlib
+
+    for module in ("tomllib", "tomli"):
+        try:
+            toml = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        with path.open("rb") as f:
+            table = toml.load(f).get(name, {})
+        return dict(table) if isinstance(table, dict) else {}
+    return None
+
+
+def _aws_profiles(path: Path) -> dict[str, dict[str, str]]:
+    """The sections of an AWS shared config or credentials file, as the S3 source reads them
+    (`read_aws_file`, crates/tierstore-core/src/source/object.rs): `[profile NAME]` or `[NAME]`, keys
+    lower-cased; {} for a file that cannot be read."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            name = line[1:-1].strip()
+            while name.startswith("profile "):
+                name = name[len("profile ") :]
+            section = name.strip()
+            continue
+        if "=" in line:
+            k, _, v = line.partition("=")
+            out.setdefault(section, {})[k.strip().lower()] = v.strip()
+    return out
+
+
+def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
+    """The settings an s3:// source is reached with and where each came from, as the source resolves them
+    (ObjectSource::new): the `[s3]` table of the configuration file, then the AWS variables, then the
+    profile's section of the AWS shared files, then the defaults. Credentials are "set" or "not set",
+    never their value. Returns (settings with their "origins", where the table came from)."""
+    path = Path(config_file) if config_file else Path("tierstore.toml")
+    file = path.absolute() if path.exists() else None
+    table = _toml_table(file, "s3") if file is not None else {}
+    given = table or {}
+
+    def env(name: str) -> str | None:
+        return os.environ.get(name) or None
+
+    home = Path(os.environ.get("HOME", ""))
+    picked: dict[str, tuple[Any, str]] = {}
+    if "profile" in given:
+        picked["profile"] = (given["profile"], str(file))
+    elif env("AWS_PROFILE"):
+        picked["profile"] = (env("AWS_PROFILE"), "$AWS_PROFILE")
+    else:
+        picked["profile"] = ("default", "default")
+    profile = str(picked["profile"][0])
+    config_path = Path(env("AWS_CONFIG_FILE") or home / ".aws" / "config")
+    credentials_path = Path(env("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials")
+    conf = _aws_profiles(config_path).get(profile, {})
+    creds = _aws_profiles(credentials_path).get(profile, {})
+    keys_from_env = bool(env("AWS_ACCESS_KEY_ID") or env("AWS_SECRET_ACCESS_KEY"))
+
+    def first(
+        key: str, variables: tuple[str, ...], from_profile: tuple[dict[str, str], Path, str] | None
+    ) -> None:
+        if key in given:
+            picked[key] = (given[key], str(file))
+            return
+        for name in variables:
+            if env(name):
+                picked[key] = (env(name), f"${name}")
+                return
+        if from_profile is not None and from_profile[2] in from_profile[0]:
+            section, where, k = from_profile
+            picked[key] = (section[k], f"profile {profile} of {where}")
+
+    # [s3] endpoint is the client's S3 endpoint, before $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the profile's.
+    first(
+        "endpoint",
+        ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
+        (conf, config_path, "endpoint_url"),
+    )
+    first("region", ("AWS_REGION", "AWS_DEFAULT_REGION"), (conf, config_path, "region"))
+    picked.setdefault("region", ("us-east-1", "default"))
+    picked.setdefault("endpoint", (f"https://s3.{picked['region'][0]}.amazonaws.com", "default: AWS"))
+    for key, variables in (
+        ("access_key_id", ("AWS_ACCESS_KEY_ID",)),
+        ("secret_access_key", ("AWS_SECRET_ACCESS_KEY",)),
+        ("session_token", ("AWS_SESSION_TOKEN", "AWS_TOKEN")),
+    ):
+        # The profile's credentials count only when no key comes from the environment.
+        first(key, variables, None if keys_from_env else (creds, credentials_path, f"aws_{key}"))
+        value, origin = picked.get(key, (None, "default"))
+        picked[key] = ("not set" if value is None else "set", origin)
+    for key, default in S3_DEFAULTS.items():
+        picked[key] = (given[key], str(file)) if key in given else (default, "default")
+    settings: dict[str, Any] = {k: picked[k][0] for k in S3_SHOWN}
+    settings["origins"] = {k: picked[k][1] for k in S3_SHOWN}
+    settings["table"] = None if table is None else sorted(given)
+    settings["file"] = None if file is None else str(file)
+    return settings, str(file) if given else "default"
