@@ -172,6 +172,25 @@ def test_credentials_from_the_environment_and_profile(
     assert tierstore.Cache(source=f"s3://{bucket}/d", tiers=[other_tier]).open("a.bin").read() == b"from env"
 
 
+def test_the_s3_endpoint_variable_and_the_tables_endpoint_over_it(
+    server: S3Server, bucket: str, tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$AWS_ENDPOINT_URL_S3, which the client prefers to $AWS_ENDPOINT_URL, is the endpoint tierstore
+    checks and allows plain HTTP to; `[s3] endpoint` overrides it as it overrides $AWS_ENDPOINT_URL."""
+    put(server, bucket, {"d/a.bin": b"s3 endpoint"})
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
+    cache = tierstore.Cache(source=f"s3://{bucket}/d", tiers=[tier])
+    assert cache.open("a.bin").read() == b"s3 endpoint"
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:1")
+    other_tier = str(Path(tier).parent / "t-table")
+    cache = tierstore.Cache(source=f"s3://{bucket}/d", tiers=[other_tier], s3={"endpoint": server.endpoint})
+    assert cache.open("a.bin").read() == b"s3 endpoint"
+
+
 def _reader(url: str, tier: str, settings: dict[str, Any], keys: list[str], start: Any, out: Any) -> None:
     cache = tierstore.Cache(source=url, tiers=[f"{tier}:1G"], s3=settings, revalidate="never")
     start.wait()

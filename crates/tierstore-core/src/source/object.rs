@@ -164,7 +164,9 @@ impl ObjectSource {
         }
         for (key, value) in &config.settings {
             let k = match key.as_str() {
-                "endpoint" => AmazonS3ConfigKey::Endpoint,
+                // As the S3 endpoint, which the client prefers to the generic one: $AWS_ENDPOINT_URL_S3 sets it,
+                // and the table's endpoint overrides the environment's.
+                "endpoint" => AmazonS3ConfigKey::S3Endpoint,
                 "region" => AmazonS3ConfigKey::Region,
                 "access_key_id" => AmazonS3ConfigKey::AccessKeyId,
                 "secret_access_key" => AmazonS3ConfigKey::SecretAccessKey,
@@ -173,7 +175,11 @@ impl ObjectSource {
             };
             builder = builder.with_config(k, value);
         }
-        let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+        // The endpoint the client uses: the S3 endpoint ([s3] endpoint, $AWS_ENDPOINT_URL_S3), else the generic
+        // one ($AWS_ENDPOINT_URL, the profile's endpoint_url).
+        let endpoint = builder
+            .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
+            .or_else(|| builder.get_config_value(&AmazonS3ConfigKey::Endpoint));
         let region = builder.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into());
         let has_key = builder.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_some();
         if endpoint.is_some() && !has_key {
