@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierstore import stream
 from tierstore.schedule import Schedule
 
-# LightningCallback and TransformersCallback are public too, built on first access (see __getattr__).
+# LightningCallback and TransformersCallback are public too, imported on first access (see __getattr__).
 __all__ = ["ScheduledPublisher"]
 
 
@@ -171,122 +171,30 @@ class ScheduledPublisher:
         self.close()
 
 
-def _lightning_callback_class() -> type:
-    pl = _require("lightning.pytorch", "tierstore.integrations.LightningCallback")
+# The framework callbacks subclass the frameworks' base classes, so each is in a module of its own that
+# imports its framework: imported on first access (see __getattr__), so that importing
+# tierstore.integrations never imports Lightning or transformers. For type checkers and the API reference,
+# which read the code without running it, they are names of this module.
+if TYPE_CHECKING:
+    from tierstore._lightning_callback import LightningCallback as LightningCallback
+    from tierstore._transformers_callback import TransformersCallback as TransformersCallback
 
-    class LightningCallback(pl.Callback):  # type: ignore[misc, name-defined]
-        """A Lightning callback that publishes the LightningModule on `schedule`.
-
-        The loss is what `training_step` returns (a tensor, or a dict's `"loss"`), reported after every
-        batch at `trainer.global_step`; only the global rank 0 process publishes.
-
-        Args:
-            name: the stream.
-            schedule: decides when.
-            select: what to publish from the LightningModule (default: all of it); e.g.
-                `lambda m: m.net` to publish the network a consumer loads without the wrapper's prefix.
-            final: at the end of training, publish the model if its last step was not published.
-            repository, socket, metadata: as for `ScheduledPublisher`.
-        """
-
-        def __init__(
-            self,
-            name: str,
-            schedule: Schedule,
-            *,
-            select: Callable[[Any], Any] | None = None,
-            final: bool = True,
-            repository: Any = None,
-            socket: str | os.PathLike[str] | None = None,
-            metadata: Mapping[str, Any] | None = None,
-        ) -> None:
-            super().__init__()
-            self.name, self.schedule, self.select, self.final = name, schedule, select, final
-            self._kw = {"repository": repository, "socket": socket, "metadata": metadata}
-            self.publisher: ScheduledPublisher | None = None
-
-        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            if trainer.is_global_zero and self.publisher is None:
-                target = self.select(pl_module) if self.select else pl_module
-                self.publisher = ScheduledPublisher(target, self.name, self.schedule, **self._kw)
-
-        def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
-            if self.publisher is None or outputs is None:
-                return
-            loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
-            self.publisher.step(int(trainer.global_step), loss)
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            if self.publisher is not None:
-                self.publisher.close(final=self.final)
-
-    return LightningCallback
-
-
-def _transformers_callback_class() -> type:
-    tf = _require("transformers", "tierstore.integrations.TransformersCallback")
-
-    class TransformersCallback(tf.TrainerCallback):  # type: ignore[misc, name-defined]
-        """A Hugging Face `TrainerCallback` that publishes the model on `schedule`.
-
-        The Trainer hands callbacks the training loss only when it logs it: the schedule sees the loss
-        every `logging_steps` steps (set `logging_steps=1` for a schedule that can pick any step), at
-        `state.global_step`. Only the main process publishes.
-
-        Args:
-            name: the stream.
-            schedule: decides when.
-            final: at the end of training, publish the model if its last step was not published.
-            repository, socket, metadata: as for `ScheduledPublisher`.
-        """
-
-        def __init__(
-            self,
-            name: str,
-            schedule: Schedule,
-            *,
-            final: bool = True,
-            repository: Any = None,
-            socket: str | os.PathLike[str] | None = None,
-            metadata: Mapping[str, Any] | None = None,
-        ) -> None:
-            self.name, self.schedule, self.final = name, schedule, final
-            self._kw = {"repository": repository, "socket": socket, "metadata": metadata}
-            self.publisher: ScheduledPublisher | None = None
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if state.is_world_process_zero and self.publisher is None and model is not None:
-                self.publisher = ScheduledPublisher(model, self.name, self.schedule, **self._kw)
-
-        def on_log(
-            self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kw: Any
-        ) -> None:
-            if self.publisher is None or not logs or "loss" not in logs:
-                return
-            self.publisher.step(int(state.global_step), logs["loss"])
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if self.publisher is not None:
-                self.publisher.last_step = int(state.global_step)
-                self.publisher.close(final=self.final)
-
-    return TransformersCallback
-
-
-_LAZY: dict[str, Callable[[], type]] = {
-    "LightningCallback": _lightning_callback_class,
-    "TransformersCallback": _transformers_callback_class,
+# Each lazy name: the framework it needs, and the module that defines it.
+_LAZY: dict[str, tuple[str, str]] = {
+    "LightningCallback": ("lightning.pytorch", "tierstore._lightning_callback"),
+    "TransformersCallback": ("transformers", "tierstore._transformers_callback"),
 }
 _built: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> type:
-    # The framework callbacks subclass the frameworks' base classes, so they are built on first access:
-    # importing tierstore.integrations never imports Lightning or transformers.
     if name in _LAZY:
         if name not in _built:
-            _built[name] = _LAZY[name]()
+            import importlib
+
+            framework, module = _LAZY[name]
+            # Asked first, so that a framework missing now is named even if the module was imported before.
+            _require(framework, f"tierstore.integrations.{name}")
+            _built[name] = getattr(importlib.import_module(module), name)
         return _built[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
