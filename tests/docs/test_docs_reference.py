@@ -3,8 +3,11 @@
 - docs/reference/configuration.md names every TOML key (the key lists of the Rust configuration: TOP_KEYS,
   STREAM_KEYS, S3_KEYS, and the `KEYS` of the tiers, cluster and write-back modules) in the table of its
   section, and every TIERSTORE_* and SLURM_* variable the Rust and Python sources read in its table of
-  variables; and names nothing the code no longer accepts or reads;
-- docs/reference/cli.md has a section for every command of `tierstore` naming each of its options;
+  variables, and every AWS_* variable they name in its section "AWS variables"; and names nothing the code no
+  longer accepts or reads;
+- docs/reference/cli.md has a section for every command of `tierstore` with a row for each of its options
+  that agrees with --help and the code on the value it takes and its default (see
+  test_cli_reference_agrees_with_the_help); every command answers --help, `tierstore-agent` too;
 - every test the documentation names (`test_...`) exists under tests/.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -169,6 +174,34 @@ def test_configuration_documents_every_variable() -> None:
     assert not stale, f"configuration.md documents variables no source reads: {sorted(stale)}"
 
 
+AWS_VARIABLE = re.compile(r"""["'](AWS_[A-Z0-9_]*[A-Z0-9])["']""")
+
+# AWS variables the S3 client (the object_store crate's AmazonS3Builder::from_env, which takes every AWS_*
+# variable naming one of its settings) reads that no source of ours names.
+CLIENT_READS = {"AWS_SESSION_TOKEN"}
+
+
+def code_aws_variables() -> dict[str, list[str]]:
+    """Every AWS_* variable named as a whole string literal in the Rust and Python sources."""
+    seen: dict[str, list[str]] = {}
+    for path, text in {**_rust_sources(), **_python_sources()}.items():
+        for name in AWS_VARIABLE.findall(text):
+            seen.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return seen
+
+
+def test_configuration_documents_every_aws_variable() -> None:
+    read = code_aws_variables()
+    assert {"AWS_PROFILE", "AWS_CONFIG_FILE"} <= set(read), "the scan of the sources found no AWS_ variable"
+    page = sections(CONFIGURATION)
+    assert "AWS variables" in page, f"{CONFIGURATION.relative_to(ROOT)} has no section 'AWS variables'"
+    documented = {n for n in first_cells(page["AWS variables"]) if n.startswith("AWS_")}
+    missing = {n: read[n][:3] for n in sorted(set(read) - documented)}
+    assert not missing, f"AWS variables the code reads and configuration.md does not document: {missing}"
+    stale = documented - set(read) - CLIENT_READS
+    assert not stale, f"configuration.md documents AWS variables nothing reads: {sorted(stale)}"
+
+
 # Command line ------------------------------------------------------------------------------------------
 
 
@@ -194,25 +227,253 @@ def commands() -> list[tuple[str, click.Command]]:
     return out
 
 
-def test_cli_documents_every_command_and_option() -> None:
+def _contexts() -> list[tuple[str, click.Command, click.Context]]:
+    """Every command of `tierstore` with the context --help renders it in (its parents' included)."""
+    out: list[tuple[str, click.Command, click.Context]] = []
+
+    def walk(cmd: click.Command, path: str, parent: click.Context | None) -> None:
+        ctx = click.Context(cmd, info_name=path.split()[-1], parent=parent, **cmd.context_settings)
+        out.append((path, cmd, ctx))
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, f"{path} {name}", ctx)
+
+    walk(tierstore_command(), "tierstore", None)
+    return out
+
+
+def table_cells(line: str) -> list[str]:
+    """The cells of a table row. As Python-Markdown reads a row (mkdocs' `tables`), a `|` inside backticks
+    is text, not a cell's end: `--policy [fill|lru]` needs no escape (and `\\|` there shows the backslash)."""
+    cells, cell, code = [], "", False
+    for i, ch in enumerate(line):
+        if ch == "`":
+            code = not code
+        if ch == "|" and not code and (i == 0 or line[i - 1] != "\\"):
+            cells.append(cell)
+            cell = ""
+        else:
+            cell += ch
+    return cells[1:]
+
+
+class Row:
+    """A row of an options table of cli.md: the options its first cell names, with the value each is shown
+    taking (`--jobs N`: N; None for a flag), and the meaning cell."""
+
+    def __init__(self, line: str) -> None:
+        cells = [c.strip() for c in table_cells(line)]
+        self.line = line
+        self.values: dict[str, str | None] = {}
+        for token in re.findall(r"`([^`]+)`", cells[0]):
+            m = re.fullmatch(r"(--?[\w-]+)(?:\s+(.+))?", token.strip())
+            if m:
+                self.values[m[1]] = m[2]
+        self.meaning = cells[1] if len(cells) > 1 else ""
+
+
+def option_rows(text: str) -> list[Row]:
+    return [
+        Row(line)
+        for line in text.splitlines()
+        if line.startswith("|") and not line.startswith("| ---") and re.search(r"^\|\s*`-", line)
+    ]
+
+
+def default_clause(text: str) -> str | None:
+    """What a help text or a cell of the page says the default is: click's `[default: X]`, else the words
+    after "default" up to the closing parenthesis or semicolon; None when it says nothing of a default."""
+    m = re.search(r"\[default:\s*([^\]]*)\]", text)
+    if m:
+        return m[1]
+    m = re.search(r"\bdefault\b:?\s*([^);]*)", text, re.I)
+    return m[1] if m else None
+
+
+def values_of(clause: str, words: frozenset[str] = frozenset()) -> set[str]:
+    """The values a default clause names, without its wording: numbers and sizes (`32`, `0.5`, `60s`,
+    `2G`), paths, variables (`$TIERSTORE_CONFIG`, `TIERSTORE_STREAM_KEEP`), configuration keys
+    (`[cluster] node`), options (`--progress`) and `words`, the values the option's metavar lists
+    (`always` of `always|never|DURATION`). "the host name" and "the host's name" agree; `60s` and `30s`
+    do not."""
+    text = clause.replace("`", "")
+    found = set()
+    for token in re.findall(r"\[\w+\]\s+\w+|[^\s,;()]+", text):
+        token = token.rstrip(".:").removeprefix("$")
+        if (
+            token.startswith(("[", "--"))
+            or "/" in token
+            or re.search(r"\d", token)
+            or re.fullmatch(r"[A-Z][A-Z0-9_]{2,}", token)
+            or token in words
+        ):
+            found.add(token)
+    return found
+
+
+def _given(default: object) -> bool:
+    """Whether an option's `default` is a value (not None, a callable, or click 8.2+'s UNSET sentinel)."""
+    return not (default is None or callable(default) or getattr(default, "name", None) == "UNSET")
+
+
+def click_default(param: click.Option, help_text: str, words: frozenset[str]) -> tuple[set[str] | None, bool]:
+    """The default of an option as the code and --help give it, as `values_of` names it, and whether it is
+    the code's own value (`param.default`) rather than words of the help (a default that the configuration
+    or the agent decides)."""
+    if param.is_flag and param.secondary_opts:
+        return {param.opts[0] if param.default else param.secondary_opts[0]}, True
+    if param.is_flag or param.count:
+        return None, False
+    if _given(param.default):
+        given = param.default if isinstance(param.default, (list, tuple)) else [param.default]
+        return values_of(" ".join(str(v) for v in given), words), True
+    clause = default_clause(help_text)
+    return (None if clause is None else values_of(clause, words)), False
+
+
+def cli_problems() -> list[str]:
+    """Where cli.md and the command line disagree: see test_cli_reference_agrees_with_the_help."""
     page = sections(CLI)
     problems = []
-    for path, cmd in commands():
+    for path, cmd, ctx in _contexts():
         if path not in page:
             problems.append(f"no section '{path}'")
             continue
-        for param in cmd.params:
-            if not isinstance(param, click.Option):
+        rows = option_rows(page[path])
+        options = [p for p in cmd.params if isinstance(p, click.Option)]
+        known = {o for p in options for o in (*p.opts, *p.secondary_opts)} | set(ctx.help_option_names)
+        for row in rows:
+            for opt in set(row.values) - known:
+                problems.append(f"'{path}' documents {opt}, which it does not take")
+        for param in options:
+            names = [*param.opts, *param.secondary_opts]
+            record = param.get_help_record(ctx)
+            assert record is not None, f"{path}: {names} is hidden from --help"
+            shown, help_text = record
+            matching = [r for r in rows if set(names) & set(r.values)]
+            if not matching:
+                problems.append(f"'{path}' has no row for {' / '.join(names)}")
                 continue
-            for opt in (*param.opts, *param.secondary_opts):
-                if not re.search(r"`" + re.escape(opt) + r"(?![\w-])", page[path]):
-                    problems.append(f"section '{path}' does not name {opt}")
-    main = tierstore_command()
-    ctx = click.Context(main)
-    for opt in ctx.help_option_names:
-        if not re.search(r"`" + re.escape(opt) + r"(?![\w-])", page.get("tierstore", "")):
+            row = matching[0]
+            who = f"'{path}' {param.opts[-1]}"
+            if missing := [n for n in names if n not in row.values]:
+                problems.append(f"{who}: the row does not name {', '.join(missing)}")
+            # The value the option takes, as --help shows it (its metavar; a Choice's choices).
+            metavars = {part.split(" ", 1)[1] for part in re.split(r", | / ", shown) if " " in part}
+            expected = metavars.pop() if metavars else None
+            stated = {v for v in row.values.values() if v is not None}
+            if expected is None and stated:
+                problems.append(f"{who} is a flag, the page shows it taking {sorted(stated)}")
+            elif expected is not None and stated != {expected}:
+                problems.append(
+                    f"{who}: --help shows {names[-1]} {expected}, the page {sorted(stated) or 'no value'}"
+                )
+            if isinstance(param.type, click.Choice):
+                for choice in param.type.choices:
+                    if str(choice) not in row.line:
+                        problems.append(f"{who}: the page does not list the choice {choice!r}")
+            # The default, where the page states one (a row "As for `agent run`" defers to that row).
+            if row.meaning.startswith("As for"):
+                continue
+            words = frozenset(w for w in re.split(r"[\[\]|]", expected or "") if w)
+            code, concrete = click_default(param, help_text, words)
+            clause = default_clause(row.meaning)
+            if clause is None:
+                if concrete and code:
+                    problems.append(f"{who}: the page states no default; the code's is {sorted(code)}")
+                continue
+            page_values = values_of(clause, words)
+            if code is None:
+                problems.append(f"{who}: the page states a default ({clause.strip()}), --help states none")
+            elif page_values != code:
+                problems.append(
+                    f"{who}: the page's default is {sorted(page_values) or repr(clause.strip())}, "
+                    f"--help's {sorted(code) or repr(default_clause(help_text))}"
+                )
+            if concrete and not (param.is_flag or param.count):
+                # The help's own words about the default must agree with the code's value too.
+                said = default_clause(help_text)
+                if said is not None and values_of(said, words) != code:
+                    problems.append(
+                        f"{who}: --help says the default is {said!r}, the code's is {param.default!r}"
+                    )
+        # The arguments, as --help's usage line shows them, in the section's usage line.
+        for param in cmd.params:
+            if isinstance(param, click.Argument):
+                metavar = param.make_metavar(ctx)
+                if not re.search(r"```text\n[^`]*" + re.escape(metavar) + r"(?!\S)", page[path]):
+                    problems.append(f"'{path}': its usage line does not show the argument {metavar}")
+    for title, text in page.items():
+        for span in [c for c in re.findall(r"`[^`\n]*`", text) if "\\|" in c]:
+            problems.append(f"'{title}': {span} shows its backslash: a | inside backticks needs no escape")
+    for opt in click.Context(tierstore_command()).help_option_names:
+        if opt not in {o for r in option_rows(page.get("tierstore", "")) for o in r.values}:
             problems.append(f"section 'tierstore' does not name {opt}")
-    assert not problems, f"{CLI.relative_to(ROOT)}: " + "; ".join(problems)
+    return problems
+
+
+def test_cli_reference_agrees_with_the_help() -> None:
+    """cli.md has a section for every command and subcommand of `tierstore` with a row for each of its
+    options naming every spelling (`-j`, `--jobs`; `--progress` / `--no-progress`), showing the value it
+    takes as --help does (its metavar, a Choice's choices; none for a flag), and, where the row states a
+    default, the default of the code (`param.default`) or, where the code leaves it to the configuration
+    or the agent, the one --help states. Defaults are compared by the values they name (numbers, sizes,
+    paths, variables, configuration keys, options), not their wording. A row naming an option the command
+    does not take, and a usage line without the command's arguments, are errors too."""
+    problems = cli_problems()
+    assert not problems, f"{CLI.relative_to(ROOT)} disagrees with the command line:\n  " + "\n  ".join(
+        problems
+    )
+
+
+def test_the_reference_check_sees_a_wrong_default_and_metavar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above fails on the disagreements of issue #37: `--revalidate [always|never]` and a stale
+    default."""
+    text = CLI.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `--revalidate"))
+    stale = "| `--revalidate [always|never]` | Overrides `revalidate` for the job (default `always`). |"
+    wrong = tmp_path / "cli.md"
+    wrong.write_text(text.replace(row, stale))
+    monkeypatch.setattr(sys.modules[__name__], "CLI", wrong)
+    problems = [p for p in cli_problems() if "--revalidate" in p]
+    assert any("--help shows --revalidate always|never|DURATION" in p for p in problems), problems
+    assert any("default is ['always'], --help's ['60s']" in p for p in problems), problems
+
+
+def test_every_command_answers_help() -> None:
+    """`--help` and `-h` answer for every command, whatever it requires (`models --repo`): exit 0 and the
+    usage, never an error about a missing option."""
+    from click.testing import CliRunner
+
+    runner = CliRunner()
+    for path, _, _ in _contexts():
+        for flag in ("--help", "-h"):
+            args = [*path.split()[1:], flag]
+            r = runner.invoke(
+                tierstore_command(), args, prog_name="tierstore", env={"TIERSTORE_MODELS": None}
+            )
+            assert r.exit_code == 0, f"{path} {flag}: exit {r.exit_code}\n{r.output}"
+            assert r.output.startswith(f"Usage: {path}"), f"{path} {flag}:\n{r.output}"
+
+
+def test_tierstore_agent_answers_help() -> None:
+    """`tierstore-agent --help` (and `-h`, and after a command) prints its usage and exits 0; the usage
+    names every option the reference's `tierstore-agent` section shows, and the section every option of
+    the usage."""
+    from tierstore import agent
+
+    exe = agent.executable()
+    documented = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", sections(CLI)["tierstore-agent"]))
+    assert {"--peers", "--peer", "--socket"} <= documented
+    for args in (["--help"], ["-h"], ["run", "--help"], ["status", "-h"]):
+        r = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"tierstore-agent {' '.join(args)}: exit {r.returncode}: {r.stderr}"
+        shown = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", r.stdout))
+        assert shown - {"--help"} == documented - {"--help"}, (
+            f"tierstore-agent {' '.join(args)} shows {sorted(shown)}, cli.md's section {sorted(documented)}"
+        )
 
 
 def test_cli_documents_no_command_that_does_not_exist() -> None:
@@ -237,3 +498,72 @@ def test_every_test_the_documentation_names_exists() -> None:
     assert named, "the documentation names no test"
     missing = {n: p for n, p in named.items() if n not in defined}
     assert not missing, f"tests the documentation names that no longer exist: {missing}"
+
+
+# Python API --------------------------------------------------------------------------------------------
+
+PYTHON_API = ROOT / "docs" / "reference" / "python-api.md"
+
+
+def directives() -> dict[str, list[str]]:
+    """The mkdocstrings directives of python-api.md: each object (`::: tierstore.integrations`) with the
+    members its options list ([] when it lists none: every public member)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    listing = False
+    for line in PYTHON_API.read_text().splitlines():
+        m = re.match(r"^:::\s+(\S+)", line)
+        if m:
+            current, listing = m[1], False
+            out[current] = []
+        elif current and re.match(r"^\s+members:\s*$", line):
+            listing = True
+        elif current and listing and (m := re.match(r"^\s+-\s+(\S+)", line)):
+            out[current].append(m[1])
+        elif line.strip() and not line.startswith(" "):
+            current = None
+    return out
+
+
+def test_the_api_reference_finds_what_it_lists() -> None:
+    """Every member the API reference's directives list is found as mkdocstrings finds it: by reading the
+    code (griffe), without importing it. A class built at run time (inside a function, or on first access
+    of a module's `__getattr__`) is not, and the page leaves it out without a word."""
+    griffe = pytest.importorskip("griffe")
+    package = griffe.load("tierstore", search_paths=[str(ROOT / "python")], allow_inspection=False)
+    listed = directives()
+    assert "tierstore.integrations" in listed, (
+        f"{PYTHON_API.relative_to(ROOT)} does not render tierstore.integrations"
+    )
+    assert {"LightningCallback", "TransformersCallback"} <= set(listed["tierstore.integrations"])
+    problems = []
+    for path, members in listed.items():
+        module = package[path.removeprefix("tierstore.")] if path != "tierstore" else package
+        for name in members:
+            obj = module.members.get(name)
+            if obj is None:
+                problems.append(f"{path}.{name}: not found in the code")
+                continue
+            try:
+                target = obj.final_target if obj.is_alias else obj
+            except Exception as e:  # griffe's AliasResolutionError, CyclicAliasError
+                problems.append(f"{path}.{name}: {obj.target_path} is not found in the code ({e})")
+                continue
+            if name.endswith("Callback") and not (target.is_class and target.docstring):
+                problems.append(f"{path}.{name}: not a class with a docstring in the code")
+    assert not problems, f"{PYTHON_API.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_the_documented_callbacks_are_the_ones_imported() -> None:
+    """The callbacks the reference renders (read from the code) are the classes tierstore.integrations
+    gives at run time."""
+    from tierstore import integrations
+
+    for name, framework in (
+        ("LightningCallback", "lightning.pytorch"),
+        ("TransformersCallback", "transformers"),
+    ):
+        pytest.importorskip(framework)
+        cls = getattr(integrations, name)
+        assert cls.__name__ == name and cls.__module__ == integrations._LAZY[name][1]
+        assert cls.__doc__ and "publishes" in cls.__doc__
