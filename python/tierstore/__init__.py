@@ -4,7 +4,7 @@ Files of a slow shared store are served from the fastest tier of the node that h
 local disks), fetched from the store at most once per node, and never served stale.
 
     import tierstore
-    tierstore.configure(source="/lustre/datasets/imagenet", tiers=["/dev/shm/tierstore:64G"])
+    tierstore.configure(source="/lustre/datasets/imagenet", tiers=["/dev/shm/tierstore:50%"])
     with tierstore.open("/lustre/datasets/imagenet/train/n01440764/img_0001.JPEG") as f:
         data = f.read()
 """

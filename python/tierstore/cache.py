@@ -48,8 +48,9 @@ class Cache:
         source: The directory on the shared store to cache, or an object store prefix
             ("s3://bucket/prefix"). Overrides `source` of the config file and `$TIERSTORE_SOURCE`.
         tiers: Cache tiers, fastest first: "PATH:QUOTA" strings, (path, quota) pairs or
-            {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB") or a number of bytes;
-            leave it out to use half of the free space.
+            {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB"), a number of
+            bytes or a share of the tier's file system ("50%"); leave it out to use half of the free
+            space.
         policy: "fill" (fill tiers in order, never evict: the default, right for datasets read every
             epoch), "lru", "lfu" or "fifo".
         threads: Threads of the background copy pool.

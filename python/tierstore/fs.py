@@ -7,7 +7,7 @@ listings, metadata, reads and copies see the files staged on this node and not y
 `rm` removes them from the stage too, so that they do not reach the store afterwards.
 
     import fsspec
-    fs = fsspec.filesystem("tierstore", source="/lustre/data", tiers=["/dev/shm/ts:32G"])
+    fs = fsspec.filesystem("tierstore", source="/lustre/data", tiers=["/dev/shm/ts:50%"])
     with fs.open("/lustre/data/train/0001.npy") as f: ...
 
 Objects of an S3 bucket are read through the cache by chaining, as fsspec users write it for its own
@@ -15,7 +15,7 @@ caches (`simplecache::s3://...`); the `s3` options are s3fs's (key, secret, toke
 client_kwargs) and the `tierstore` ones a `tierstore.Cache`'s:
 
     with fsspec.open("tierstore::s3://bucket/train/0001.npy", s3={"endpoint_url": "http://..."},
-                     tierstore={"tiers": ["/dev/shm/ts:32G"]}) as f: ...
+                     tierstore={"tiers": ["/dev/shm/ts:50%"]}) as f: ...
 """
 
 from __future__ import annotations

@@ -38,6 +38,16 @@ def test_tierstore_toml_in_the_working_directory(
     assert tierstore.Cache().config()["tiers"][0][0]["quota"] == 1 << 20
 
 
+def test_a_quota_as_a_share_of_the_file_system_fits_any_node(source: Path, tier: str, tmp_path: Path) -> None:
+    """`"50%"` is half of the file system the tier is on, from a tier string or a TOML file."""
+    st = os.statvfs(Path(tier).parent)
+    total = st.f_blocks * st.f_bsize
+    assert tierstore.Cache(source, [f"{tier}:50%"]).config()["tiers"][0][0]["quota"] == total // 2
+    cfg = tmp_path / "share.toml"
+    cfg.write_text(f'source = "{source}"\n[[tiers]]\npath = "{tier}"\nquota = "12.5%"\n')
+    assert tierstore.Cache(config=cfg).config()["tiers"][0][0]["quota"] == int(total * 0.125)
+
+
 def test_no_file_gives_a_default_tier_from_free_space(source: Path, tmp_path: Path) -> None:
     c = tierstore.Cache(source).config()
     (tiers, origin) = c["tiers"]
@@ -51,6 +61,8 @@ def test_no_file_gives_a_default_tier_from_free_space(source: Path, tmp_path: Pa
         ({"tiers": ["{tier}:80X"]}, {}, ['tiers[0].quota = "80X"', "use a size like"]),
         ({"tiers": ["{tier}:0"]}, {}, ["caches nothing"]),
         ({"tiers": ["{tier}:1000T"]}, {}, ["exceeds the size of the file system"]),
+        ({"tiers": ["{tier}:150%"]}, {}, ['tiers[0].quota = "150%"', "not a share", 'like "50%"']),
+        ({}, {"TIERSTORE_TIERS": "/tmp/x:0%"}, ["$TIERSTORE_TIERS", "not a size or a share"]),
         ({"policy": "lfru"}, {}, ['policy = "lfru"', '"fill"']),
         ({"threads": 0}, {}, ["threads = 0", "from 1 to 256"]),
         ({"verify": "crc"}, {}, ['verify = "crc"', '"checksum"']),

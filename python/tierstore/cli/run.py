@@ -62,7 +62,7 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
     and deletes through the source invalidate what they change.
 
     \b
-      tierstore --source /lustre/data --tier /dev/shm/ts:64G run -- python train.py --epochs 90
+      tierstore --source /lustre/data --tier /dev/shm/ts:50% run -- python train.py --epochs 90
       tierstore run --order epoch1.txt --budget 4G -- python train.py   # prefetch in the job's order
     """
     env = dict(os.environ)

@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 
 use super::values::{
-    bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, ConfigError, Origin, SIZE_FIX,
+    bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, ConfigError, Origin,
 };
 
 /// Whether a tier lives in RAM or on a local disk.
@@ -95,11 +95,11 @@ pub(crate) fn from_env(text: &str, origin: &Origin) -> Result<Vec<RawTier>, Conf
         .map(|item| {
             let item = item.trim();
             match item.rsplit_once(':') {
-                Some((path, quota)) if !path.is_empty() && parse_size(quota).is_some() => {
+                Some((path, quota)) if !path.is_empty() && (parse_size(quota).is_some() || share(quota).is_some()) => {
                     Ok(RawTier { path: path.to_string(), quota: Some(quota.to_string()), kind: None })
                 }
                 Some((_, quota)) if !quota.contains('/') => {
-                    Err(bad(origin, "tiers", item, &format!("quota \"{quota}\" is not a size"), SIZE_FIX))
+                    Err(bad(origin, "tiers", item, &format!("quota \"{quota}\" is not a size or a share"), QUOTA_FIX))
                 }
                 _ if item.starts_with('/') || item.starts_with('~') || item.starts_with('.') => {
                     Ok(RawTier { path: item.to_string(), quota: None, kind: None })
@@ -108,6 +108,16 @@ pub(crate) fn from_env(text: &str, origin: &Origin) -> Result<Vec<RawTier>, Conf
             }
         })
         .collect()
+}
+
+/// How to write a quota, for messages.
+const QUOTA_FIX: &str =
+    "use a size like \"800G\", \"512MiB\" or a number of bytes, or a share of the file system like \"50%\"";
+
+/// The percentage a quota like `"50%"` gives: above 0, at most 100.
+fn share(text: &str) -> Option<f64> {
+    let n: f64 = text.trim().strip_suffix('%')?.trim().parse().ok()?;
+    (n > 0.0 && n <= 100.0).then_some(n)
 }
 
 /// The directory of the default tier: `$XDG_CACHE_HOME/tierstore` or `~/.cache/tierstore`.
@@ -216,9 +226,24 @@ pub(crate) fn validate(
         let quota = match &rt.quota {
             // Half of what is free now: leaves room for everything else on the node.
             None => (info.free / 2).max(1),
+            // A share of the file system's size: one configuration fits nodes of any size.
+            Some(q) if share(q).is_some() => {
+                if info.total == 0 {
+                    return Err(bad(
+                        tiers_origin,
+                        &format!("{key}.quota"),
+                        format!("\"{q}\""),
+                        &format!("cannot be a share: the size of the file system of {} is unknown", path.display()),
+                        "give a size such as \"8G\"",
+                    ));
+                }
+                ((info.total as f64 * share(q).unwrap_or_default() / 100.0) as u64).max(1)
+            }
             Some(q) => {
                 let quota = parse_size(q).ok_or_else(|| {
-                    bad(tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), "not a size", SIZE_FIX)
+                    let why =
+                        if q.trim().ends_with('%') { "not a share above 0% and at most 100%" } else { "not a size" };
+                    bad(tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), why, QUOTA_FIX)
                 })?;
                 if quota == 0 {
                     return Err(bad(
