@@ -569,6 +569,30 @@ def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: P
     assert not held.exists(), f"{held} left behind"
 
 
+def test_the_stream_directory_of_a_killed_agent_goes_when_the_next_agent_starts(tmp_path: Path) -> None:
+    """A killed agent cannot remove its stream directory (shared memory): the next agent of the user
+    removes it, and never one whose agent lives."""
+    socks = [tmp_path / name / "tierstore" / "agent.sock" for name in ("killed", "living", "next")]
+    for s in socks:
+        s.parent.mkdir(parents=True)
+    killed, living = start_agent(socks[0]), start_agent(socks[1], node="n2")
+    try:
+        dirs = [Path(stream.streams(s)["dir"]) for s in socks[:2]]
+        stream.publish("left", model(1.0), socket=socks[0])
+        killed.kill()
+        killed.wait(timeout=20)
+        assert dirs[0].exists()
+        following = start_agent(socks[2], node="n3")
+        try:
+            assert not dirs[0].exists(), f"{dirs[0]} of the killed agent is left behind"
+            assert dirs[1].exists(), "the directory of a living agent was removed"
+            assert Path(stream.streams(socks[2])["dir"]).exists()
+        finally:
+            stop_agent(following)
+    finally:
+        stop_agent(living)
+
+
 IN_PLACE_UPDATES = soak.STREAM_IN_PLACE_UPDATES  # TIERSTORE_TEST_STREAM_IN_PLACE_UPDATES
 
 

@@ -43,6 +43,7 @@ mod requests;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -235,6 +236,8 @@ struct State {
 /// The streams of one agent.
 pub struct Streams {
     dir: PathBuf,
+    /// The directory's `LIVE` file, locked while this agent lives.
+    _live: std::fs::File,
     keep: usize,
     state: Mutex<State>,
     /// Where versions go to and come from other nodes, and the announcer's queue.
@@ -255,6 +258,42 @@ pub struct Streams {
 /// of versions relayed without their tensors, and tensor files dropped but not yet freed.
 const SUBDIRS: [&str; 5] = ["blobs", "versions", "tmp", "notices", "trash"];
 
+/// The file of a stream directory its agent holds locked while it lives.
+const LIVE: &str = "live.lock";
+
+/// Removes the default stream directories of this user's agents that died without removing theirs
+/// (killed): those beside `dir` whose `LIVE` file nobody holds locked. Versions live only as long as the
+/// agent that numbered them, so nothing of use goes. Only directories of this user's own, never through
+/// a link; anything else is left alone.
+fn remove_dead_siblings(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let (Some(parent), Some(own)) = (dir.parent(), dir.file_name()) else { return };
+    let prefix = format!("tierstore-{}-stream-", tierstore_core::private::euid());
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name == own || !name.to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        let path = entry.path();
+        let ours = std::fs::symlink_metadata(&path)
+            .is_ok_and(|m| m.is_dir() && m.uid() == tierstore_core::private::euid() && m.mode() & 0o077 == 0);
+        if !ours {
+            continue;
+        }
+        let Ok(live) = tierstore_core::private::open_nofollow(&path.join(LIVE), false, false) else { continue };
+        // SAFETY: flock on a descriptor this function owns.
+        if unsafe { libc::flock(live.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => log::info!("removed {}, the stream directory of an agent that died", path.display()),
+                Err(e) => {
+                    log::warn!("cannot remove {}, the stream directory of an agent that died: {e}", path.display())
+                }
+            }
+        }
+    }
+}
+
 /// Unlinks each file sent, until the sender is gone.
 fn reaper() -> std::sync::mpsc::Sender<PathBuf> {
     let (tx, rx) = std::sync::mpsc::channel::<PathBuf>();
@@ -273,26 +312,37 @@ impl Streams {
     /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
     pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
         let dir = options.dir.clone().unwrap_or_else(|| default_dir(socket));
+        // This user's own, 0700, never through a link: another user may have made the path first.
+        let live = tierstore_core::private::ensure_dir(&dir)
+            .and_then(|d| tierstore_core::private::open_file(&d, LIVE))
+            .map_err(io_err("cannot create the stream directory", &dir))?;
+        // Held while this agent lives, so that another agent's sweep knows the directory is in use. An
+        // agent of this socket that was just stopped may still be exiting: it is given a few seconds.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        // SAFETY: flock on a descriptor we own.
+        while unsafe { libc::flock(live.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            if std::time::Instant::now() > deadline {
+                let e = io::Error::other("another agent uses it; give each agent its own --stream-dir");
+                return Err(io_err("cannot use the stream directory", &dir)(e));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         for sub in SUBDIRS {
             let d = dir.join(sub);
             if d.exists() {
                 std::fs::remove_dir_all(&d).map_err(io_err("cannot empty the stream directory", &d))?;
             }
         }
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&dir)
-                .map_err(io_err("cannot create the stream directory", &dir))?;
-        }
         for sub in SUBDIRS {
             let d = dir.join(sub);
             std::fs::create_dir_all(&d).map_err(io_err("cannot create", &d))?;
         }
+        if options.dir.is_none() {
+            remove_dead_siblings(&dir);
+        }
         Ok(Streams {
             dir,
+            _live: live,
             keep: options.keep.max(1),
             state: Mutex::new(State::default()),
             remote: OnceLock::new(),
@@ -360,6 +410,8 @@ impl Streams {
         for sub in SUBDIRS {
             let _ = std::fs::remove_dir_all(self.dir.join(sub));
         }
+        // Still locked (the descriptor lives on): no other agent's sweep takes the directory meanwhile.
+        let _ = std::fs::remove_file(self.dir.join(LIVE));
         let _ = std::fs::remove_dir(&self.dir);
     }
 
