@@ -6,7 +6,7 @@ numpy.save) under /tmp/tierstore-demo/source and serves it through the stand-in 
 metadata operation, 0.5 ms per read request, 200 MiB/s), so that reading it costs what a shared store
 costs. A fresh RAM tier under /dev/shm goes in front of it, and 3 epochs of a `torch.utils.data.DataLoader`
 with 2 worker processes open every sample with `cache.open` and `numpy.load`. Per epoch it prints the time
-and what the cache did (source reads and bytes, tier hits), then the `tierstore status` table and what to
+and what the cache did (source opens, reads and bytes, tier hits), then the `tierstore status` table and what to
 try next. Every sample is checked against a checksum written when the dataset was generated; a wrong or
 missing sample makes the demo exit with status 1. Where FUSE is not available the source is the local
 directory itself, whose page cache already serves epochs 1-3 alike (the demo says so).
@@ -99,6 +99,7 @@ class Samples(Dataset):
 def delta(before: dict, after: dict) -> dict[str, int]:
     src0, src1 = before["source"], after["source"]
     return {
+        "opens": src1["opens"] - src0["opens"],
         "reads": src1["reads"] - src0["reads"],
         "bytes": src1["bytes_read"] - src0["bytes_read"],
         "hits": sum(t["hits"] for t in after["tiers"]) - sum(t["hits"] for t in before["tiers"]),
@@ -123,16 +124,24 @@ def shared_store() -> Any:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--keep", action="store_true", help=f"leave the tier in {TIER_DIR} for `tierstore status`"
+        "--keep",
+        action="store_true",
+        help=f"leave the dataset in {ROOT} (the next run reuses it) and the tier in {TIER_DIR} (for `tierstore status`)",
     )
     args = ap.parse_args()
 
     manifest = generate()
-    with shared_store() as (source, stand_in):
-        return run(source, stand_in, manifest, args.keep)
+    try:
+        with shared_store() as (source, stand_in):
+            return run(source, stand_in, manifest)
+    finally:
+        # After the stand-in store is unmounted: the dataset (about 150 MiB) and the tier go, unless kept.
+        if not args.keep:
+            shutil.rmtree(ROOT, ignore_errors=True)
+            shutil.rmtree(TIER_DIR, ignore_errors=True)
 
 
-def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> int:
+def run(source: Path, stand_in: bool, manifest: dict[str, int]) -> int:
     if stand_in:
         print(f"store:   {DATA} served at {source} by the stand-in shared store (1 ms per metadata op, "
               "0.5 ms per read, 200 MiB/s)")  # fmt: skip
@@ -159,7 +168,8 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> i
 
     print(f"job:     {EPOCHS} epochs, DataLoader batch {BATCH}, {WORKERS} workers, numpy.load per sample\n")
     print(
-        f"{'epoch':>5}  {'time s':>7}  {'samples':>7}  {'source reads':>12}  {'source bytes':>14}  {'tier hits':>9}"
+        f"{'epoch':>5}  {'time s':>7}  {'samples':>7}  {'source opens':>12}  {'source reads':>12}  "
+        f"{'source bytes':>14}  {'tier hits':>9}"
     )
     wrong: list[str] = []
     later_bytes = 0
@@ -181,7 +191,8 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> i
         if not (seen == 1).all():
             wrong.append(f"epoch {epoch}: {int((seen != 1).sum())} samples missing or repeated")
         print(
-            f"{epoch:>5}  {seconds:>7.2f}  {int(seen.sum()):>7}  {d['reads']:>12,}  {d['bytes']:>14,}  "
+            f"{epoch:>5}  {seconds:>7.2f}  {int(seen.sum()):>7}  {d['opens']:>12,}  {d['reads']:>12,}  "
+            f"{d['bytes']:>14,}  "
             f"{d['hits']:>9,}   (mean pixel {brightness / max(int(seen.sum()), 1):.2f})"
         )
 
@@ -198,14 +209,16 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> i
         env=env,
     )
 
-    if not keep:
-        shutil.rmtree(TIER_DIR, ignore_errors=True)
     if wrong:
         print(f"\nFAILED: {len(wrong)} problems with the samples:", *wrong[:10], sep="\n  ")
         return 1
     print(
         f"\nall {EPOCHS * len(paths)} samples matched their checksums; "
         f"epochs 2-{EPOCHS} read {later_bytes:,} bytes from the source"
+    )
+    print(
+        "source opens are the files opened on the store; source reads are its read calls: a sample's bytes in "
+        "one, and one more that finds the file's end (so that a file that grew while it was copied is caught)"
     )
     if stand_in:
         print(
@@ -219,9 +232,9 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool) -> i
         )
     print(
         "\nnext:\n"
-        "  tierstore --source /your/dataset --tier /dev/shm/tierstore:16G run -- python train.py"
+        "  tierstore --source /your/dataset --tier /dev/shm/tierstore:50% run -- python train.py"
         "   # any job, unchanged\n"
-        "  tierstore --source /your/dataset --tier /dev/shm/tierstore:16G prefetch /your/dataset"
+        "  tierstore --source /your/dataset --tier /dev/shm/tierstore:50% prefetch /your/dataset"
         "   # warm the cache first\n"
         '  loader = tierstore.torch.prefetching(DataLoader(...), budget="4G")'
         "   # epoch 1 fetched ahead in the sampler's order\n"

@@ -134,6 +134,9 @@ def test_every_file_is_read_from_the_store_once_when_reads_race_the_prefetch(
     assert after.get("open", 0) - before.get("open", 0) == len(names)
     p = handle.progress()
     assert p["files_fetched"] + p["files_cached"] + p["files_read_first"] == len(names), p
+    # Once every file is read, the progress says so, although the readers overtook the prefetch.
+    assert p["files_done"] == p["files_total"] == p["position"] == len(names), p
+    assert p["bytes_ahead"] == 0, p
 
 
 def test_a_warm_epoch_with_revalidate_always_asks_the_store_once_per_file_not_twice(
@@ -238,6 +241,8 @@ def test_dataloader_yields_the_same_samples_and_prefetches_within_the_budget(
     assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(names) * SIZE
     assert len(names) <= after.get("open", 0) - before.get("open", 0) <= len(names) + p["files_let_go"]
     assert p["files_fetched"] >= 0.5 * len(names), p
+    assert p["files_done"] == p["files_total"] == p["position"] == len(names), p
+    assert p["bytes_ahead"] == 0, p
     # The same samples in the same order as without the wrapper: the sampler's RNG is consumed alike.
     plain = [i for idx, _ in loader(False) for i in idx.tolist()]
     assert seen == plain

@@ -233,14 +233,17 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
 
 
 @pytest.mark.netns
+@pytest.mark.parametrize("mmap", [False, True], ids=["copied", "mapped"])
 def test_a_load_whose_pack_owner_is_killed_mid_transfer_finishes_with_the_saved_tensors(
-    tmp_path: Path, throttled_store: tuple[Path, Path]
+    tmp_path: Path, throttled_store: tuple[Path, Path], mmap: bool
 ) -> None:
     """Two nodes in their own network namespaces; the store sends 8 MiB/s, so the 32 MiB pack takes its
     owner's agent about 4 s to fetch. The other node loads the version, which asks the owner for the pack;
     a quarter of the way through, the owner's agent is killed (SIGKILL). The load finishes, within a
     bound, with every tensor equal to what was saved and no damaged copy met on the way (no tensor's
-    hash failed, so nothing was refetched), and the reader counts the owner's failure."""
+    hash failed, so nothing was refetched), and the reader counts the owner's failure. Copied out or
+    mapped, the reader goes on from the store where the owner stopped: the store serves the pack about
+    once for the job, not once and then again whole."""
     backing, mount = throttled_store
     want = weights(n=8, size=4 << 20)
     Repository(backing / "repo", cache=False).save("m", want)
@@ -249,7 +252,9 @@ def test_a_load_whose_pack_owner_is_killed_mid_transfer_finishes_with_the_saved_
         owner = owner_of(job, str(pack.relative_to(backing)))
         reader = 1 - owner
         before = tier_bytes(job[owner].tier)
-        p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo")
+        store_before = store_stats(mount)
+        keys = "layer*" if mmap else None
+        p = start_load(nodes.nodes[reader].cmd(), job[reader], mount / "repo", keys=keys, mmap=mmap)
         try:
             # Not the store's counters: a read of them while they change can come back torn.
             wait_for(
@@ -266,6 +271,19 @@ def test_a_load_whose_pack_owner_is_killed_mid_transfer_finishes_with_the_saved_
     assert report["digest"] == digest_of(want), "the load returned other tensors than were saved"
     assert report["refetched"] == 0, report
     assert report["stats"]["peer_faults"] >= 1, report["stats"]
+    # The reader went on from the store where the owner stopped: what it received and what it read from
+    # the store add up to the pack, not the pack read again whole. (A copying load's readers go on from
+    # where each had read, a little behind the bytes received: up to an eighth of this pack again.)
+    size = pack.stat().st_size
+    stats = report["stats"]
+    received, read = stats["peer_bytes"], stats["bytes_read"]
+    assert received > 0 and received + read <= 1.125 * size, {
+        k: stats[k] for k in ("bytes_read", "peer_bytes")
+    }
+    total = store_stats(mount).get("bytes_read", 0) - store_before.get("bytes_read", 0)
+    print(
+        f"received {received / size:.2f}, read {read / size:.2f}, the store served {total / size:.2f}x the pack"
+    )
 
 
 def cached_on_owner(

@@ -399,3 +399,49 @@ def test_descriptor_closed_behind_the_shim_and_reused_reads_its_own_file(
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     assert out.split() == ["True", "not", "the", "shard", "0", "16"]
+
+
+def test_status_counts_a_cold_run_as_misses_and_a_warm_run_as_hits_with_the_bytes_served(
+    tmp_path: Path, tier: str
+) -> None:
+    """A cold open is one miss (not a miss and then a hit of the copy it fetched), and a program that reads
+    the copy's descriptor itself is counted as served the copy's bytes."""
+    source = tmp_path / "src"
+    source.mkdir()
+    files = [source / f"{i:02d}.bin" for i in range(20)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * (1000 + i))
+    total = sum(f.stat().st_size for f in files)
+    tiers = f"{tier}:16M"
+
+    def counts() -> dict[str, int]:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tierstore.cli",
+                "--source",
+                str(source),
+                "--tier",
+                tiers,
+                "status",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        t = json.loads(out)["tiers"][0]
+        return {k: t[k] for k in ("hits", "misses", "bytes_served")}
+
+    for run, expected in enumerate(
+        (
+            {"hits": 0, "misses": 20, "bytes_served": total},
+            {"hits": 20, "misses": 20, "bytes_served": 2 * total},
+        )
+    ):
+        proc = tierstore_run(source, tiers, "cat", *map(str, files))
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert len(out) == total
+        assert counts() == expected, f"after run {run + 1}"

@@ -49,7 +49,7 @@ struct Logger;
 
 impl log::Log for Logger {
     fn enabled(&self, m: &log::Metadata) -> bool {
-        m.level() <= log::Level::Info
+        m.level() <= log::max_level()
     }
     fn log(&self, r: &log::Record) {
         if self.enabled(r.metadata()) {
@@ -331,7 +331,9 @@ async fn stop(a: Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let _ = log::set_logger(&LOGGER).map(|()| log::set_max_level(log::LevelFilter::Info));
+    // `info` unless $TIERSTORE_LOG says otherwise: an agent's joins, leaves and migrations are its record.
+    let level = tierstore_core::logging::configured(log::LevelFilter::Info);
+    let _ = log::set_logger(&LOGGER).map(|()| log::set_max_level(level));
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

@@ -14,6 +14,7 @@ pub mod error;
 pub mod hash;
 pub mod index;
 pub mod lmdb;
+pub mod logging;
 pub mod marks;
 pub mod models;
 pub mod placement;

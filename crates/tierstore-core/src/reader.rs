@@ -265,6 +265,13 @@ impl Reader {
         }
     }
 
+    /// [`into_file`](Self::into_file) for a program that reads the descriptor itself: the job's reads of
+    /// a cached copy are no longer seen, so the whole copy counts as served when it is handed over.
+    pub fn into_served_file(self) -> Option<File> {
+        self.count_served(self.size as usize);
+        self.into_file()
+    }
+
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
         self.size

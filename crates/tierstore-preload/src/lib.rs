@@ -127,6 +127,7 @@ fn shim() -> Option<&'static Shim> {
             return s.config.as_ref().map(|_| s);
         }
     }
+    tierstore_core::logging::init();
     // `tierstore run` for a job that only stages what it writes has no source to read through: nothing
     // to load, and nothing to warn every process of the job about.
     let config = if std::env::var_os(WRITEBACK_ONLY).is_some() {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use tierstore_core::cache::{OrderProgress, OrderedPrefetch, ReadLog};
+use tierstore_core::cache::{OrderedPrefetch, ReadLog};
 use tierstore_core::{Cache, Config, Overrides, PrefetchProgress, Reader};
 
 use crate::error::{io_to_py, to_py};
@@ -248,7 +248,7 @@ impl PyCache {
             engine.prefetch_order(&paths, budget, jobs, log)
         })
         .map_err(to_py)?;
-        Ok(PyOrderPrefetch { progress: handle.progress(), handle })
+        Ok(PyOrderPrefetch { handle })
     }
 
     /// Creates a read-marks file of `slots` slots next to the node's cache state; returns its path.
@@ -536,7 +536,6 @@ impl PyPrefetch {
 #[pyclass(name = "OrderPrefetch", module = "tierstore._core", frozen)]
 struct PyOrderPrefetch {
     handle: OrderedPrefetch,
-    progress: Arc<OrderProgress>,
 }
 
 #[pymethods]
@@ -545,7 +544,7 @@ impl PyOrderPrefetch {
     /// ahead of the readers (now and at most); the read position; every error.
     fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         use std::sync::atomic::Ordering::Relaxed;
-        let p = &self.progress;
+        let p = self.handle.progress();
         let d = PyDict::new(py);
         d.set_item("files_total", p.files_total.load(Relaxed))?;
         d.set_item("files_done", p.files_done.load(Relaxed))?;
@@ -565,7 +564,7 @@ impl PyOrderPrefetch {
     /// True when every worker has left.
     #[getter]
     fn done(&self) -> bool {
-        self.progress.finished()
+        self.handle.progress().finished()
     }
 
     /// The marks file readers in other processes record their reads in.
@@ -616,6 +615,14 @@ fn parse_size(text: &str) -> Option<u64> {
     tierstore_core::config::parse_size(text)
 }
 
+/// Sets this process's log level (`tierstore -v`); the processes it starts take `$TIERSTORE_LOG`.
+#[pyfunction]
+fn set_log_level(level: &str) -> PyResult<()> {
+    let level = tierstore_core::logging::parse(level).map_err(pyo3::exceptions::PyValueError::new_err)?;
+    log::set_max_level(level);
+    Ok(())
+}
+
 /// Makes `path` a directory of this user's own (0700), or checks that it is one (`tierstore_core::private`).
 #[pyfunction]
 fn private_dir(path: std::path::PathBuf) -> PyResult<()> {
@@ -624,12 +631,14 @@ fn private_dir(path: std::path::PathBuf) -> PyResult<()> {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    tierstore_core::logging::init();
     m.add_class::<PyCache>()?;
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(private_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(exiting::interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(owners, m)?)?;
     m.add_class::<pack::PyPackWriter>()?;

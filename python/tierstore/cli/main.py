@@ -22,6 +22,10 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+# The level of $TIERSTORE_LOG each -v asks for.
+VERBOSITY = ("info", "debug", "trace")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--config",
@@ -38,6 +42,14 @@ def human(n: int) -> str:
     help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).",
 )
 @click.option("--policy", type=click.Choice(["fill", "lru", "lfu", "fifo"]), help="Placement policy.")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="Say more on stderr: -v what the agent and write-back do, -vv what the cache decides for each file "
+    "and why (hit, miss, fetch, peer, confirm, fallback), -vvv everything. Sets $TIERSTORE_LOG for the "
+    "commands `run` starts.",
+)
 @click.version_option(tierstore.__version__, prog_name="tierstore")
 @click.pass_context
 def main(
@@ -46,6 +58,7 @@ def main(
     source: str | None,
     tiers: tuple[str, ...],
     policy: str | None,
+    verbose: int,
 ) -> None:
     """tierstore serves training data from the fastest tier of the node (RAM, local NVMe) instead of
     the shared store, fetching each file at most once per node and never serving stale bytes.
@@ -56,14 +69,19 @@ def main(
       policy = "fill"            # fill | lru | lfu | fifo
       [[tiers]]
       path = "/dev/shm/tierstore"
-      quota = "64G"
+      quota = "50%"              # a size ("64G") or a share of the file system
 
     \b
     Examples:
-      tierstore --source /lustre/data --tier /dev/shm/ts:32G prefetch /lustre/data/train
+      tierstore --source /lustre/data --tier /dev/shm/ts:50% prefetch /lustre/data/train
       tierstore status
       tierstore config show
     """
+
+    if verbose:
+        level = VERBOSITY[min(verbose, len(VERBOSITY)) - 1]
+        os.environ["TIERSTORE_LOG"] = level
+        _core.set_log_level(level)
 
     def make() -> Cache:
         try:

@@ -97,6 +97,7 @@ impl Inner {
         let within = bound / 2;
         let now = now_ns();
         if fresh(e.confirmed_ns, within, now) {
+            log::trace!("{rel}: trusted (confirmed {} ms ago)", now.saturating_sub(e.confirmed_ns) / 1_000_000);
             return Ok(e.source);
         }
         let dir = parent(rel);
@@ -115,8 +116,10 @@ impl Inner {
         }
         self.confirm_in_background(dir, within);
         if fresh(e.confirmed_ns, bound, now) {
+            log::debug!("{rel}: served while its directory is confirmed in the background");
             return Ok(e.source);
         }
+        log::debug!("{rel}: confirmed more than {bound:?} ago: waits for its directory's confirmation");
         let listed = match self.flights.join(&dkey) {
             Role::Follower(flight) => {
                 // Another thread of this process (the background sweep, say) confirmed (or failed to
@@ -207,8 +210,12 @@ impl Inner {
         let seen = now_ns();
         let listed = match self.source.identities(dir) {
             Ok(l) => l,
-            Err(e) => return Some(Err(e)),
+            Err(e) => {
+                log::debug!("directory {dir:?}: confirmation failed ({e}); its files are asked about one by one");
+                return Some(Err(e));
+            }
         };
+        log::debug!("directory {dir:?}: confirmed with the store ({} entries listed)", listed.len());
         let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
         let keys: Vec<(Key, SourceId)> =
             listed.iter().map(|(name, sid)| (key_of(&format!("{prefix}{name}")), *sid)).collect();

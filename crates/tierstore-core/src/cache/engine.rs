@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::io::{self, Write};
+use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -92,6 +92,29 @@ pub enum Native {
     },
 }
 
+/// What a look for a published copy counts: `tierstore status`'s hits and misses are the job's first
+/// look at each open, so a cold open is one miss, not a miss and then a hit of the copy just fetched.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Look {
+    /// The job's first look: a hit or a miss in each tier it reaches, and an access of the copy.
+    First,
+    /// The job's look at the copy fetched for it after its miss: an access of the copy, no hit.
+    AfterFetch,
+    /// The cache's own look (under the fetch lock, for a prefetch or a peer): counts nothing.
+    Quiet,
+}
+
+impl Look {
+    /// The job's look on its `attempt`th pass (0 first) through an open's loop.
+    pub(super) fn on_attempt(attempt: usize) -> Look {
+        if attempt == 0 {
+            Look::First
+        } else {
+            Look::AfterFetch
+        }
+    }
+}
+
 /// What a fetch under the lock produced.
 pub(super) enum Fetched {
     Reader(Reader),
@@ -163,12 +186,11 @@ impl Inner {
         self.log_once(kind, &format!("cache fault ({detail}); served from the source. Further faults of this kind are counted, not logged: see `tierstore status`"));
     }
 
+    /// A warning said once per kind and process (`TIERSTORE_LOG=warn`, the default); at `debug` every
+    /// time, since that level is asked for to follow each file.
     pub(super) fn log_once(&self, kind: &str, message: &str) {
-        if std::env::var("TIERSTORE_LOG").is_ok_and(|v| v == "off") {
-            return;
-        }
-        if self.logged.lock().expect("log lock").insert(kind.to_string()) {
-            let _ = writeln!(io::stderr(), "tierstore: warning: {message}");
+        if log::log_enabled!(log::Level::Debug) || self.logged.lock().expect("log lock").insert(kind.to_string()) {
+            log::warn!("{message}");
         }
     }
 
@@ -230,14 +252,15 @@ impl Inner {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
-        for _ in 0..3 {
+        for attempt in 0..3 {
             match known {
                 Some(sid) => {
-                    if let Some(r) = self.hit(&key, rel, &sid, true) {
+                    if let Some(r) = self.hit(&key, rel, &sid, Look::on_attempt(attempt)) {
                         return Ok(r);
                     }
                 }
-                None => self.count_misses(),
+                None if attempt == 0 => self.count_misses(rel),
+                None => {}
             }
             match self.flights.join(&key) {
                 Role::Leader(flight) => {
@@ -282,7 +305,8 @@ impl Inner {
     }
 
     /// Counts a miss in every available tier (a trusted file that no tier holds).
-    pub(super) fn count_misses(&self) {
+    pub(super) fn count_misses(&self, rel: &str) {
+        log::debug!("{rel}: miss, no tier holds a copy");
         for t in &self.tiers {
             if t.index.is_ok() {
                 t.counters.add(tier_slot::MISSES, 1);
@@ -300,14 +324,17 @@ impl Inner {
     }
 
     /// Opens a valid published copy of `key`, if a tier has one.
-    pub(super) fn hit(&self, key: &Key, rel: &str, sid: &SourceId, count: bool) -> Option<Reader> {
+    pub(super) fn hit(&self, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Reader> {
+        let count = look == Look::First;
         for (i, tier) in self.tiers.iter().enumerate() {
             let Ok(index) = &tier.index else { continue };
             let entry = match index.lookup(key) {
                 Ok(Some(e)) if e.ready && e.rel == rel && e.source == *sid => e,
-                Ok(_) => {
+                Ok(found) => {
                     if count {
                         tier.counters.add(tier_slot::MISSES, 1);
+                        let why = if found.is_some() { "holds another version" } else { "holds no copy" };
+                        log::debug!("{rel}: miss in {}, which {why}", tier.config.path.display());
                     }
                     continue;
                 }
@@ -324,6 +351,9 @@ impl Inner {
                 Ok(Some(backing)) => {
                     if count {
                         tier.counters.add(tier_slot::HITS, 1);
+                        log::debug!("{rel}: hit in {}", tier.config.path.display());
+                    }
+                    if look != Look::Quiet {
                         self.note_access(i, key);
                     }
                     return Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()));
@@ -334,7 +364,7 @@ impl Inner {
                     }
                 }
                 Err(detail) => {
-                    // The look under the fetch lock (count = false) sees the same damage again: once is a fault.
+                    // A later look (under the fetch lock, or after the fetch) sees the same damage again: once is a fault.
                     if count {
                         tier.counters.add(tier_slot::MISSES, 1);
                         self.fault(
@@ -451,14 +481,17 @@ impl Inner {
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
         let purpose = if stream { Purpose::Native } else { Purpose::Prefetch };
-        for _ in 0..3 {
+        for attempt in 0..3 {
             match known {
                 Some(sid) => {
-                    if let Some(f) = self.hit(&key, rel, &sid, true).and_then(Reader::into_file) {
+                    if let Some(f) =
+                        self.hit(&key, rel, &sid, Look::on_attempt(attempt)).and_then(Reader::into_served_file)
+                    {
                         return Ok(Native::Whole(f));
                     }
                 }
-                None => self.count_misses(),
+                None if attempt == 0 => self.count_misses(rel),
+                None => {}
             }
             match self.flights.join(&key) {
                 // Small files (and every file without `stream`) are fetched whole in this thread, so the

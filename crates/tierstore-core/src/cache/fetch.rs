@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{no_descriptor, now_ns, Fetched, Inner, Purpose};
+use super::engine::{no_descriptor, now_ns, Fetched, Inner, Look, Purpose};
 use super::flight::{Flight, Outcome, Role};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
 use crate::counters::{source as src_slot, tier as tier_slot};
@@ -161,7 +161,7 @@ impl Inner {
             Ok(f)
         };
         // Another process may have published while this one waited for the lock.
-        if let Some(r) = self.hit(key, rel, &sid, false) {
+        if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
             return land(match purpose {
                 Purpose::Read => Fetched::Reader(r),
                 Purpose::Prefetch | Purpose::Native | Purpose::Peer => Fetched::Cached,
@@ -171,12 +171,19 @@ impl Inner {
         self.remove_entries(key);
         let Some(t) = self.place(key, rel, sid, seen) else {
             self.source.counters().add(src_slot::UNCACHED, 1);
+            log::debug!("{rel}: no tier has room for {} B; read from the store, not cached", sid.size);
             drop(guard);
             return land(match purpose {
                 Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
                 Purpose::Prefetch | Purpose::Peer => Fetched::NoRoom,
             });
         };
+        log::debug!(
+            "{rel}: fetching {} B from the store into {}{}",
+            sid.size,
+            self.tiers[t].config.path.display(),
+            if purpose == Purpose::Prefetch { " (prefetch)" } else { "" }
+        );
         let small = sid.size <= self.config.inline_max;
         // A small file for a program or a peer is fetched whole in this thread, as a prefetch would.
         let purpose =
@@ -538,7 +545,7 @@ impl Inner {
             }
         };
         if let Some(e) = self.published(key, rel) {
-            if self.trusted_now(&e) && self.hit(key, rel, &e.source, false).is_some() {
+            if self.trusted_now(&e) && self.hit(key, rel, &e.source, Look::Quiet).is_some() {
                 self.flights.land(key, &flight);
                 return Ok(None);
             }
@@ -559,7 +566,7 @@ impl Inner {
         file: SourceFile,
         seen: u64,
     ) -> Result<Fetched, Error> {
-        if self.hit(key, rel, &sid, false).is_some() {
+        if self.hit(key, rel, &sid, Look::Quiet).is_some() {
             return Ok(Fetched::Skipped);
         }
         let Role::Leader(flight) = self.flights.join(key) else {

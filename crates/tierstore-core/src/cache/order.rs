@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::engine::{now_ns, Fetched, Inner, Purpose};
+use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
 use super::flight::{Flight, Role};
 use super::lock::FetchGuard;
 use crate::error::Error;
@@ -211,8 +211,11 @@ impl OrderedPrefetch {
         Ok(OrderedPrefetch { shared })
     }
 
-    /// The progress counters.
+    /// The progress counters, brought up to the reads recorded so far: the workers update them only when
+    /// they take or admit a file, so after the last one the readers' later reads would not show.
     pub fn progress(&self) -> Arc<OrderProgress> {
+        let mut s = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.shared.refresh(&mut s);
         self.shared.progress.clone()
     }
 
@@ -293,7 +296,14 @@ impl Shared {
             s.low += 1;
         }
         self.progress.position.store(s.low as u64, Ordering::Relaxed);
-        s.next = s.next.max(s.low);
+        // Files the readers overtook are never taken: they are done, read first (a cached one was
+        // counted done at the start).
+        if s.next < s.low {
+            let overtaken = (s.next..s.low).filter(|&p| !self.cached[p]).count() as u64;
+            self.progress.files_done.fetch_add(overtaken, Ordering::Relaxed);
+            self.progress.files_read_first.fetch_add(overtaken, Ordering::Relaxed);
+            s.next = s.low;
+        }
     }
 
     /// Waits for `position`'s turn in order; with `size`, also for room in the budget, and admits it.
@@ -424,7 +434,7 @@ impl Shared {
                 return skip(&p.files_cached);
             }
             if let Ok(Some(sid)) = inner.known_identity(&key, rel) {
-                if inner.hit(&key, rel, &sid, false).is_some() {
+                if inner.hit(&key, rel, &sid, Look::Quiet).is_some() {
                     return skip(&p.files_cached);
                 }
             }

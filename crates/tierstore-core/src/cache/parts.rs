@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::blocks::{Version, BLOCK};
-use super::engine::Inner;
+use super::engine::{Inner, Look};
 use super::peers::Beneath;
 use super::Cache;
 use crate::cluster::remote::Transfer;
@@ -120,7 +120,7 @@ impl Cache {
         let key = key_of(rel);
         let mut beneath = Beneath::new(inner, rel);
         if let Some(sid) = inner.known_identity(&key, rel)? {
-            if let Some(file) = inner.hit(&key, rel, &sid, false).and_then(crate::reader::Reader::into_file) {
+            if let Some(file) = inner.hit(&key, rel, &sid, Look::Quiet).and_then(crate::reader::Reader::into_file) {
                 if beneath.vouches(&sid)? {
                     let served =
                         PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };

@@ -36,18 +36,23 @@
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::sync::Arc;
 
-use super::engine::{memory_file, now_ns, Fetched, Inner, Native, Purpose};
+use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native, Purpose};
 use super::flight::{Flight, Outcome, Role};
 use super::lock::{lock_shared, FetchGuard};
 use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
+use crate::hash::Hash;
 use crate::index::{key_of, Key, SourceId};
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::SourceFile;
+
+/// The reads of the rest of a file a peer stopped sending, from the source.
+const RESUME_READ: usize = 4 << 20;
 
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {
@@ -172,9 +177,9 @@ impl Inner {
     fn whole_for_peer(self: &Arc<Self>, rel: &str, beneath: &mut Beneath<'_>) -> Result<Served, Error> {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
-        for _ in 0..3 {
+        for attempt in 0..3 {
             if let Some(sid) = known.filter(|sid| beneath.vouched(sid)) {
-                if let Some(file) = self.hit(&key, rel, &sid, true).and_then(Reader::into_file) {
+                if let Some(file) = self.hit(&key, rel, &sid, Look::on_attempt(attempt)).and_then(Reader::into_file) {
                     return Ok(self.served_copy(&key, rel, file, sid));
                 }
             }
@@ -277,7 +282,7 @@ impl Inner {
         if let Some(sid) = known {
             // Whole in a tier: served as it is (asking the store for the version again is for the
             // whole-file path alone, not both).
-            if let Some(file) = self.hit(&key, rel, &sid, false).and_then(Reader::into_file) {
+            if let Some(file) = self.hit(&key, rel, &sid, Look::Quiet).and_then(Reader::into_file) {
                 if beneath.vouches(&sid)? {
                     let checksum = self.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
                     return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
@@ -377,7 +382,7 @@ impl Inner {
         let guard = self.locks.lock(key).ok()?;
         let published = known.or_else(|| self.published(key, rel).map(|e| e.source));
         if let Some(sid) = published {
-            if let Some(r) = self.hit(key, rel, &sid, false) {
+            if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
                 drop(guard);
                 self.flights.land(key, flight);
                 return Some(match purpose {
@@ -430,16 +435,19 @@ impl Inner {
             return self.follow_peer(key, rel, sid, tier, transfer, guard, flight.clone(), who);
         }
         let result = match tier {
-            Some(t) => self.receive_into_tier(t, key, rel, sid, transfer),
-            None => self.receive_private(rel, sid, transfer, purpose),
+            Some(t) => self.receive_into_tier(t, key, rel, sid, transfer, &who),
+            None => self.receive_private(rel, sid, transfer, purpose).map(|f| (f, sid.size)),
         };
         drop(guard);
         match result {
-            Ok(fetched) => {
-                remote.mark_up(&who);
+            Ok((fetched, from_peer)) => {
                 let c = self.source.counters();
-                c.add(src_slot::PEER_HITS, 1);
-                c.add(src_slot::PEER_BYTES, sid.size);
+                if from_peer == sid.size {
+                    remote.mark_up(&who);
+                    c.add(src_slot::PEER_HITS, 1);
+                    log::debug!("{rel}: received from peer {who} ({} B)", sid.size);
+                }
+                c.add(src_slot::PEER_BYTES, from_peer);
                 *known = Some(sid);
                 if let Fetched::Reader(r) = &fetched {
                     if let Backing::Memory(bytes) = r.backing() {
@@ -501,7 +509,11 @@ impl Inner {
         let inner = self.clone();
         let (key, rel) = (*key, rel.to_string());
         let job = move || {
-            let mut usable = |end: u64| growing.advance(end);
+            let mut checked = 0;
+            let mut usable = |end: u64| {
+                checked = end;
+                growing.advance(end);
+            };
             let received = transfer.receive_into(Dest::Growing(&file, &mut usable));
             let kept = received.and_then(|hash| match (tier, &temp) {
                 (Some(t), Some(path)) => {
@@ -523,6 +535,8 @@ impl Inner {
                     growing.finish();
                 }
                 Err(e) => {
+                    // Its readers go on from the source after the bytes checked: those came from the peer.
+                    inner.source.counters().add(src_slot::PEER_BYTES, checked);
                     growing.fail();
                     if let Some(path) = &temp {
                         let _ = std::fs::remove_file(path);
@@ -556,7 +570,9 @@ impl Inner {
         );
     }
 
-    /// Receives the file into a copy in tier `t` and publishes it there (inclusive sharing).
+    /// Receives the file into a copy in tier `t` and publishes it there (inclusive sharing), with the bytes
+    /// that came from the owner `who`. When it fails part of the way, the copy goes on from the source
+    /// where the checked bytes end, rather than the whole file being read from the source again.
     fn receive_into_tier(
         &self,
         t: usize,
@@ -564,7 +580,8 @@ impl Inner {
         rel: &str,
         sid: SourceId,
         transfer: Transfer,
-    ) -> Result<Fetched, RemoteError> {
+        who: &str,
+    ) -> Result<(Fetched, u64), RemoteError> {
         let tier = &self.tiers[t];
         let (temp, file) = match tier.create_temp(key) {
             Ok(x) => x,
@@ -573,7 +590,18 @@ impl Inner {
                 return Err(RemoteError::Sink(e));
             }
         };
-        let received = transfer.receive_into(Dest::File(&file));
+        let mut checked = 0;
+        let mut from_peer = sid.size;
+        let received = transfer.receive_into(Dest::Growing(&file, &mut |end| checked = end));
+        let received = match received {
+            Err(e) if e.member_failed() && checked > 0 => {
+                from_peer = checked;
+                self.peer_failed(who, rel, &e);
+                log::debug!("{rel}: peer {who} failed after {checked} B; the rest comes from the store");
+                self.resume_from_source(rel, sid, &file, &temp, checked).map_err(RemoteError::Sink)
+            }
+            other => other,
+        };
         let published = received
             .and_then(|hash| self.finish_publish(t, key, &temp, &file, sid, Some(hash)).map_err(RemoteError::Sink));
         if let Err(e) = published {
@@ -581,9 +609,36 @@ impl Inner {
             self.abort(t, key);
             return Err(e);
         }
-        match self.hit(key, rel, &sid, false) {
-            Some(r) => Ok(Fetched::Reader(r)),
+        match self.hit(key, rel, &sid, Look::Quiet) {
+            Some(r) => Ok((Fetched::Reader(r), from_peer)),
             None => Err(RemoteError::Sink(io::Error::other("the copy received vanished before it was opened"))),
+        }
+    }
+
+    /// Copies `[from, size)` of version `sid` of `rel` from the source into `file` (at `path`), whose first
+    /// `from` bytes a peer sent and vouched for chunk by chunk; returns the whole copy's hash, read back.
+    /// An error when the source holds another version now (the caller then fetches it whole).
+    fn resume_from_source(&self, rel: &str, sid: SourceId, file: &File, path: &Path, from: u64) -> io::Result<Hash> {
+        use std::os::unix::fs::FileExt;
+        let (now, source) = self.open_identified(rel).map_err(io::Error::other)?;
+        if now != sid {
+            return Err(io::Error::other("the store holds another version than the peer sent"));
+        }
+        let mut buf = vec![0u8; RESUME_READ.min(sid.size.saturating_sub(from) as usize).max(1)];
+        let mut at = from;
+        while at < sid.size {
+            let want = buf.len().min((sid.size - at) as usize);
+            match self.source.read_at(&source, &mut buf[..want], at)? {
+                0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the store's file ended early")),
+                n => {
+                    file.write_all_at(&buf[..n], at)?;
+                    at += n as u64;
+                }
+            }
+        }
+        match crate::hash::hash_file(path)? {
+            (len, hash) if len == sid.size => Ok(hash),
+            (len, _) => Err(io::Error::other(format!("the copy holds {len} bytes, not {}", sid.size))),
         }
     }
 

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::engine::{now_ns, Fetched, Inner, Purpose};
+use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
 use super::flight::Role;
 use crate::config::Revalidate;
 use crate::error::Error;
@@ -410,7 +410,7 @@ impl Walk {
                 }
             };
             if let Some(sid) = current {
-                if inner.hit(&key, &rel, &sid, false).is_some() {
+                if inner.hit(&key, &rel, &sid, Look::Quiet).is_some() {
                     p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
                     p.handled(sid.size);
                     return;
