@@ -8,6 +8,7 @@
 | `TIERSTORE_TEST_STREAM_SOAK_UPDATES` | 10000 | versions published to one consumer in the stream soak (2 or more) |
 | `TIERSTORE_TEST_STREAM_IN_PLACE_UPDATES` | 200 | versions written into a model served in place (2 or more) |
 | `TIERSTORE_TEST_EVICTION_READS` | 300 | reads by each of 6 threads of a cache that evicts under them |
+| `TIERSTORE_TEST_EXIT_RUNS` | 16 | runs of the README's streaming example, 4 at a time, that must all exit 0 |
 
 For instance `TIERSTORE_TEST_WRITEBACK_KILLS=1000 make test-python` for a longer soak, or `=10` for a quick
 look. The values are read once, when the tests are collected: every test then runs with every
@@ -58,3 +59,4 @@ WRITEBACK_OUTAGE_S = _seconds("WRITEBACK_OUTAGE_S", 6.0)
 STREAM_SOAK_UPDATES = _count("STREAM_SOAK_UPDATES", 10_000, minimum=2)
 STREAM_IN_PLACE_UPDATES = _count("STREAM_IN_PLACE_UPDATES", 200, minimum=2)
 EVICTION_READS = _count("EVICTION_READS", 300)
+EXIT_RUNS = _count("EXIT_RUNS", 16)

@@ -5,9 +5,16 @@ the GIL then ends the thread with a forced unwind that Rust frames cannot pass: 
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
+
+from tests.helpers import soak
 
 VERSION = 5  # tierstore_core::cluster::wire::VERSION
 
@@ -72,3 +79,37 @@ def test_a_thread_inside_the_engine_at_exit_never_aborts_the_process(tmp_path: P
         )
         assert p.returncode == 0, f"run {attempt}: exit {p.returncode}\n{p.stdout}\n{p.stderr[-2000:]}"
         assert "main returns" in p.stdout
+
+
+def readme_streaming_example() -> str:
+    """The README's streaming example, as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python[^\n]*\n(.*?)```", readme, re.S) if "stream.HotModel" in b]
+    return block
+
+
+@pytest.mark.slow
+def test_the_readme_streaming_example_never_aborts_at_exit_under_load(tmp_path: Path) -> None:
+    """The README's example, which never calls close(), run TIERSTORE_TEST_EXIT_RUNS times (16), four at a
+    time, so that the machine is loaded as when it aborted: every run exits 0. (With 50 runs, beside a
+    benchmark and another test suite: 50 of 50 exited 0, 249 s.)"""
+    script = tmp_path / "example.py"
+    script.write_text(readme_streaming_example())
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    (tmp_path / "run").mkdir(mode=0o700)
+
+    def run(_: int) -> tuple[int, str]:
+        p = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+        )
+        return p.returncode, p.stderr[-1500:]
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(run, range(soak.EXIT_RUNS)))
+    finally:
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=env, capture_output=True)
+    failed = [(code, err) for code, err in results if code != 0]
+    assert not failed, (
+        f"{len(failed)} of {len(results)} runs failed, the first: exit {failed[0][0]}\n{failed[0][1]}"
+    )
