@@ -1,11 +1,21 @@
 """How a benchmark's page ends: its targets as a table, the page printed and written where asked, and an
-exit status of 1 when a target is missed."""
+exit status of 1 when a target is missed; and how a target is judged from noisy rounds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 Check = tuple[str, bool, str]  # the target, whether it is met, what was measured
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """A target of `ratios >= target`, judged from each round's paired ratio: "met" or "missed" when every
+    round agrees, else "undecided" (the rounds straddle the target: the median would decide by noise)."""
+    if all(r >= target for r in ratios):
+        return "met"
+    if all(r < target for r in ratios):
+        return "missed"
+    return f"undecided (rounds {min(ratios):.2f}-{max(ratios):.2f} straddle {target}x)"
 
 
 def targets(checks: list[Check]) -> list[str]:
