@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 import tierstore
+from units import human
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -126,14 +127,6 @@ class Target:
     goal: str
     measured: str
     ok: bool
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------------------------- dataset

@@ -64,6 +64,7 @@ from torch import nn
 import tierstore
 from tierstore import _core
 from tierstore.models import Repository, layer_ids
+from units import human
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -127,7 +128,7 @@ def synthetic(total: int, layers: int, variance: float = 0.30, seed: int = 0) ->
     elems[-1] += total // 4 - int(elems.sum())  # the rounding remainder, so the total is exact
     return Workload(
         f"synthetic-{layers}",
-        f"synthetic, {human(total)} in {layers} tensors (+-{variance:.0%} size variance)",
+        f"synthetic, {human(total, 2)} in {layers} tensors (+-{variance:.0%} size variance)",
         [(f"layers.{i:04d}.weight", (int(n),)) for i, n in enumerate(elems)],
     )
 
@@ -241,14 +242,6 @@ def pick_partial(sizes: Sequence[int], fraction: float = PARTIAL_FRACTION) -> li
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def fsync_path(path: Path) -> None:
@@ -617,7 +610,7 @@ def run_workload(w: Workload, base: Path, reps: int, notes: list[str]) -> Result
     picked = pick_partial(sizes)
     r = Result(w, [names[i] for i in picked], sum(sizes[i] for i in picked))
     print(
-        f"\n== {w.name}: {w.title}, {len(names)} tensors, {human(w.nbytes)} "
+        f"\n== {w.name}: {w.title}, {len(names)} tensors, {human(w.nbytes, 2)} "
         f"(generated in {time.perf_counter() - t0:.1f} s); partial: {len(picked)} tensors, "
         f"{r.partial_bytes / w.nbytes:.1%} of the bytes",
         flush=True,
@@ -988,7 +981,7 @@ def report(
         "- Workloads (float32, random weights built locally): "
         + "; ".join(
             f"`{r.workload.name}` {r.workload.title}: {len(r.workload.shapes)} tensors, "
-            f"{human(r.workload.nbytes)} ({r.workload.nbytes / MB:,.0f} MB)"
+            f"{human(r.workload.nbytes, 2)} ({r.workload.nbytes / MB:,.0f} MB)"
             for r in results
         )
         + ".",
@@ -1049,7 +1042,7 @@ def report(
     for r in results:
         out += [
             f"## {r.workload.name}: {r.workload.title}, {len(r.workload.shapes)} tensors, "
-            f"{human(r.workload.nbytes)}",
+            f"{human(r.workload.nbytes, 2)}",
             "",
             f"Partial load: {len(r.partial_names)} tensors, {r.partial_bytes / MB:,.0f} MB = "
             f"{r.partial_bytes / r.workload.nbytes:.1%} of the bytes. Fetched from the disk by the first "
@@ -1223,7 +1216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     need = 8 * max(w.nbytes for w in workloads)
     args.root.mkdir(parents=True, exist_ok=True)
     if shutil.disk_usage(args.root).free < need:
-        print(f"error: {args.root} has less than {human(need)} free", file=sys.stderr)
+        print(f"error: {args.root} has less than {human(need, 2)} free", file=sys.stderr)
         return 2
     notes: list[str] = []
     torch.set_num_threads(os.cpu_count() or 1)

@@ -29,7 +29,6 @@ prefetching adds at most 5% to a warm epoch.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -46,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import page
 from tierstore.testing.s3server import LatencyProxy, S3Server
+from units import blob
 
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "s3_job.py")
@@ -59,11 +59,6 @@ MODES = {
     "never+prefetch": ("tierstore", "never", "1G"),
     "60s+prefetch": ("tierstore", "60s", "1G"),
 }
-
-
-def blob(i: int, n: int) -> bytes:
-    seed = hashlib.blake2b(str(i).encode(), digest_size=64).digest()
-    return (seed * (n // 64 + 1))[:n]
 
 
 def populate(s3: S3Server, n: int, size: int, local: Path) -> None:

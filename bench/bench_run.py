@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierstore.testing.slowfs import mounted, read_stats
+from units import human
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -191,14 +192,6 @@ def first_byte(mnt: Path, tier: str, path: Path) -> tuple[float, float]:
         ).stdout
     )
     return direct, shim
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def table(runs: list[Run]) -> list[str]:

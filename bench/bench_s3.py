@@ -25,7 +25,6 @@ The exit status is 1 when a target is missed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -40,28 +39,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 from tierstore.testing.s3server import S3Server
+from units import blob, human, size
 
 PY = sys.executable
 JOB = str(Path(__file__).resolve().parent / "s3_job.py")
 BUCKET = "bench"
-
-
-def size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def blob(i: int, n: int) -> bytes:
-    seed = hashlib.blake2b(str(i).encode(), digest_size=64).digest()
-    return (seed * (n // 64 + 1))[:n]
 
 
 def populate(s3: S3Server, args: argparse.Namespace, local: Path) -> None:

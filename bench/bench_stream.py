@@ -54,17 +54,10 @@ from typing import Any
 import numpy as np
 
 from tierstore.testing import slowfs
+from units import human
 
 PY = sys.executable
 TENSORS = 100
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def ms(x: float) -> str:
