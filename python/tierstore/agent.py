@@ -1,4 +1,4 @@
-"""The node agent: one long-lived process per node (see ARCHITECTURE.md, "The node agent").
+"""The node agent: one long-lived process per node (see docs/design/architecture.md, "The node agent").
 
 `tierstore agent run` runs it in the foreground (for a launcher: `srun --ntasks-per-node=1 tierstore
 agent run`, a systemd unit); `start` starts it as a detached daemon and returns once it answers;

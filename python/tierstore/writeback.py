@@ -1,6 +1,6 @@
 """Write-back staging: files written under a `[[writeback]]` destination land on the node's stage at
 local-disk speed and reach the shared store in the background, in the order they were closed, never
-half-written (see ARCHITECTURE.md, "Write-back staging").
+half-written (see docs/design/architecture.md, "Write-back staging").
 
     import tierstore
     with tierstore.open("/lustre/ckpt/step_1000/model.pt", "wb") as f:   # staged, journaled at close

@@ -4,7 +4,7 @@
 //! it over a Unix socket; agents of other nodes over TCP, authenticated by a shared token. The agent
 //! serves the files of its node's cache to the processes of other nodes ([`transfer`]); the wire
 //! protocol and the owner hashing live in `tierstore_core::cluster` (`wire`, `owners`), because the read path of
-//! every process speaks them too (see ARCHITECTURE.md, "The node agent").
+//! every process speaks them too (see docs/design/architecture.md, "The node agent").
 #![deny(missing_docs)]
 
 pub mod client;

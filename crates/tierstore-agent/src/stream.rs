@@ -1,4 +1,4 @@
-//! Model streaming in the agent (ARCHITECTURE.md, "Model streaming"; Viper's memory-first path): the
+//! Model streaming in the agent (docs/design/architecture.md, "Model streaming"; Viper's memory-first path): the
 //! versions of the node's model streams, held in shared memory the agent owns, and their subscribers.
 //!
 //! Layout of the agent's stream directory (on /dev/shm):

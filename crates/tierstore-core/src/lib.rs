@@ -3,7 +3,7 @@
 //! A [`Cache`] serves files of a source directory from the fastest tier that holds a current copy
 //! (RAM, then local disks), fetches each file from the source at most once per node however many threads
 //! and processes ask, places copies by policy, and falls back to the source on any cache fault.
-//! See `ARCHITECTURE.md` for the design and the papers it comes from.
+//! See `docs/design/architecture.md` for the design and the papers it comes from.
 #![deny(missing_docs)]
 
 pub mod cache;

@@ -13,7 +13,7 @@
 //! job = "run-42"                     # the job's name in the registry (default: Slurm's job id)
 //! ```
 //!
-//! Membership comes from the launcher (ARCHITECTURE.md: no consensus of our own): an explicit list, or
+//! Membership comes from the launcher (docs/design/architecture.md: no consensus of our own): an explicit list, or
 //! Slurm's node list when sharing is on and no list is given. Hostlist syntax (`gpu[001-016,020]`) is
 //! expanded here, where a typo can still be reported with the key it came from.
 

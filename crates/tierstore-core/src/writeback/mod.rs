@@ -1,4 +1,4 @@
-//! Write-back staging (ARCHITECTURE.md, "Write-back staging"): files written under a `[[writeback]]`
+//! Write-back staging (docs/design/architecture.md, "Write-back staging"): files written under a `[[writeback]]`
 //! destination land on a node-local stage, are recorded in an fsynced journal when the program closes
 //! them, and reach the shared store in the background, in the order they were closed and renamed.
 //!

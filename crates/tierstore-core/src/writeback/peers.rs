@@ -1,5 +1,5 @@
 //! Reading a file another node staged: until a staged file is on the shared store, a reader on another
-//! node gets it from the agent of the node that wrote it (ARCHITECTURE.md, "Write-back staging").
+//! node gets it from the agent of the node that wrote it (docs/design/architecture.md, "Write-back staging").
 //!
 //! No registry is consulted: the reader asks every other member's agent at once whether it holds `path`
 //! staged (a small request, answered from the agent's journal), each under the job's deadlines, and takes
