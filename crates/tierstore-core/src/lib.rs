@@ -27,7 +27,6 @@ pub mod tier;
 pub mod usage;
 pub mod writeback;
 
-pub use cluster::{owners, remote, wire};
 pub use error::Error;
 pub use models::{pack, stream};
 pub use process::pid;

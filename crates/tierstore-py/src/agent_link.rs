@@ -1,5 +1,5 @@
 //! A connection to the node's agent for model streams, for `tierstore.stream`: Python speaks the wire
-//! protocol through `tierstore_core::wire`, its one implementation, instead of packing frames itself.
+//! protocol through `tierstore_core::cluster::wire`, its one implementation, instead of packing frames itself.
 //! One Unix socket past the agent's challenge and this process's hello; requests and events are JSON in
 //! stream frames. Sends from several threads are serialized, and so are receives; each waits at most its
 //! deadline, and the GIL is released while it waits.
@@ -13,7 +13,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError};
 use pyo3::prelude::*;
 use tierstore_core::cluster::session::{ClientHello, HandshakeError};
-use tierstore_core::wire::{self, Frame};
+use tierstore_core::cluster::wire::{self, Frame};
 
 use crate::error::stream_error;
 

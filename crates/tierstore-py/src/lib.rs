@@ -603,7 +603,7 @@ impl PyOrderPrefetch {
 #[pyo3(signature = (members, rels, down = Vec::new()))]
 fn owners(py: Python<'_>, members: Vec<String>, rels: Vec<String>, down: Vec<String>) -> Vec<Option<String>> {
     crate::exiting::without_gil(py, || {
-        let o = tierstore_core::owners::Owners::new(&members);
+        let o = tierstore_core::cluster::owners::Owners::new(&members);
         let names = o.members();
         let out: Vec<bool> = names.iter().map(|n| down.contains(n)).collect();
         rels.iter().map(|r| o.owner(r.as_bytes(), |m| !out[m]).map(|m| names[m].clone())).collect()
