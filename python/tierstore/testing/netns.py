@@ -8,6 +8,7 @@ mounted once is seen by every node as a shared file system is. Needs root.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -57,11 +58,9 @@ class Nodes:
         if os.geteuid() != 0:
             raise NetnsError("network namespaces need root")
         Nodes._made += 1
-        self.tag = f"{os.getpid() % 1000}{Nodes._made % 100:02d}"
-        self.bridge = f"tsbr{self.tag}"
         subnet = f"10.{77 + Nodes._made % 100}.{os.getpid() % 200}"
+        self._claim_bridge()
         try:
-            _sh("ip", "link", "add", self.bridge, "type", "bridge")
             _sh("ip", "link", "set", self.bridge, "up")
             for i in range(self.count):
                 ns, host, inside = f"ts{self.tag}n{i}", f"ts{self.tag}v{i}", f"ts{self.tag}p{i}"
@@ -77,6 +76,24 @@ class Nodes:
         except BaseException:
             self.close()
             raise
+
+    def _claim_bridge(self) -> None:
+        """Makes the bridge under a tag no other set of nodes holds: another test run on this machine, or
+        one killed before it closed, may hold any tag, and its bridge is not ours to take down. The tag
+        names every link and namespace of the set, all within the kernel's 15 characters."""
+        for _ in range(64):
+            self.tag = f"{secrets.randbelow(100_000):05d}"
+            self.bridge = f"tsbr{self.tag}"
+            made = subprocess.run(
+                ["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True, text=True, timeout=30
+            )
+            if made.returncode == 0:
+                return
+            if "File exists" not in made.stderr:
+                raise NetnsError(f"ip link add {self.bridge} type bridge: {made.stderr.strip()}")
+        raise NetnsError(
+            "no free bridge name after 64 tries: remove the stale tsbr* links (`ip -br link show type bridge`)"
+        )
 
     def shape(self, rate: str = "1gbit") -> None:
         """Caps every node's outgoing traffic at `rate` with a token bucket (tc tbf)."""

@@ -93,6 +93,9 @@ class S3Server:
             f"-metricsPort={self.metrics_port}",
             "-master.volumeSizeLimitMB=64",
             "-volume.max=200",
+            # SeaweedFS turns every volume read-only below 1% of the disk free by default (2.5 GB of a
+            # 250 GB disk), and every PUT then fails with a bare InternalError; a test's objects are small.
+            "-volume.minFreeSpace=256MiB",
         ]
         # Each bucket is a collection of its own, which SeaweedFS grows 7 volumes at a time by default:
         # one at a time lets a test make many buckets.
