@@ -130,6 +130,7 @@ def test_revalidate_within_a_duration_confirms_a_directory_at_once(tmp_path: Pat
 
 
 @pytest.mark.fuse
+@pytest.mark.slow  # it waits out half of a 10 s duration: about 9 s
 def test_a_copy_past_its_duration_is_served_while_its_directory_is_confirmed_in_the_background(
     tmp_path: Path, tier: str
 ) -> None:

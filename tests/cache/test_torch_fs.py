@@ -35,17 +35,34 @@ def epochs(loader: DataLoader, n: int) -> list[torch.Tensor]:
     return [torch.cat([b for b in loader]) for _ in range(n)]
 
 
+# Spawned workers import torch afresh each time they start (seconds each): `make test-fast` spawns them
+# once in this module, as persistent workers (started once for the three epochs); spawned and forkserver
+# workers started anew each epoch are `slow`.
 @pytest.mark.parametrize(
-    ("workers", "context"), [(0, None), (2, "fork"), (4, "fork"), (2, "spawn"), (2, "forkserver")]
+    ("workers", "context", "persistent"),
+    [
+        pytest.param(0, None, False, id="0-None"),
+        pytest.param(2, "fork", False, id="2-fork"),
+        pytest.param(4, "fork", False, id="4-fork"),
+        pytest.param(2, "spawn", True, id="2-spawn-persistent"),
+        pytest.param(2, "spawn", False, id="2-spawn", marks=pytest.mark.slow),
+        pytest.param(2, "forkserver", False, id="2-forkserver", marks=pytest.mark.slow),
+    ],
 )
 def test_cached_dataset_with_dataloader_workers(
-    source: Path, tier: str, workers: int, context: str | None
+    source: Path, tier: str, workers: int, context: str | None, persistent: bool
 ) -> None:
     make_images(source)
     cache = tierstore.Cache(source, [f"{tier}:64M"])
     plain = CachedDataset(source, load_npy, cache=cache, pattern="**/*.npy")
     expected = torch.stack([torch.from_numpy(np.load(p)) for p in plain.paths])
-    loader = DataLoader(plain, batch_size=8, num_workers=workers, multiprocessing_context=context)
+    loader = DataLoader(
+        plain,
+        batch_size=8,
+        num_workers=workers,
+        multiprocessing_context=context,
+        persistent_workers=persistent,
+    )
     first = epochs(loader, 1)[0]
     assert torch.equal(first, expected)
     cache.wait()
@@ -80,7 +97,7 @@ class PathDataset(torch.utils.data.Dataset):
             return torch.from_numpy(np.load(f))
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_route_sends_an_existing_datasets_reads_through_the_cache(
     source: Path, tier: str, context: str
 ) -> None:

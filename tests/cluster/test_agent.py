@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.agents import exited
 from tests.helpers.cli import agent_cli as cli
 from tests.helpers.cluster import job_token
 
@@ -51,14 +52,10 @@ def test_an_agent_started_on_demand_exits_when_idle(runtime: dict[str, str]) -> 
     assert cli("start", "--idle-exit", "0.5", env=runtime).returncode == 0
     pid = json.loads(cli("status", "--json", env=runtime).stdout)["pid"]
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
+    while not exited(pid):
+        if time.monotonic() > deadline:
+            pytest.fail("an idle agent did not exit")
         time.sleep(0.1)
-    else:
-        pytest.fail("an idle agent did not exit")
     assert cli("status", env=runtime).returncode != 0
 
 

@@ -179,7 +179,9 @@ def test_a_wrong_token_is_refused_and_the_reader_uses_the_store(
         stop_cluster(cluster)
 
 
-@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+# The sharing matters little here (test_the_job_reads_each_file_from_the_store_once checks both): one is
+# `slow`.
+@pytest.mark.parametrize("sharing", ["inclusive", pytest.param("partitioned", marks=pytest.mark.slow)])
 def test_tierstore_run_starts_the_agent_on_demand_and_programs_read_across_nodes(
     tmp_path: Path, store: tuple[Path, dict[str, str]], sharing: str
 ) -> None:
@@ -325,7 +327,8 @@ def test_the_agent_serves_prometheus_metrics_when_asked(
         stop_cluster(cluster)
 
 
-@pytest.mark.parametrize("sharing", ["inclusive", "partitioned"])
+# "partitioned" checks also that each file is held once: "inclusive" is `slow`.
+@pytest.mark.parametrize("sharing", [pytest.param("inclusive", marks=pytest.mark.slow), "partitioned"])
 def test_a_prefetch_on_one_node_asks_the_owners_and_the_store_serves_each_file_once(
     tmp_path: Path, store: tuple[Path, dict[str, str]], sharing: str
 ) -> None:
@@ -390,6 +393,7 @@ def test_an_owner_with_a_full_tier_still_serves_its_files(
         stop_cluster(cluster)
 
 
+@pytest.mark.slow  # two 20 MiB files past a peer's 2 s deadline: about 8 s
 def test_an_owner_still_fetching_a_large_file_keeps_its_readers_waiting_not_rereading(
     tmp_path: Path, throttled_store: tuple[Path, Path]
 ) -> None:
@@ -487,6 +491,7 @@ def test_a_reader_on_another_node_reads_a_large_file_while_its_owner_is_still_co
     assert done["stats"]["peer_hits"] == 1 and done["stats"]["peer_faults"] == 0, (done["stats"], err)
 
 
+@pytest.mark.slow  # a 24 MiB file at 8 MiB/s, as the test above: about 6 s
 def test_a_reader_on_another_node_is_served_while_the_owners_own_process_copies_the_file(
     tmp_path: Path, throttled_store: tuple[Path, Path]
 ) -> None:
@@ -523,6 +528,7 @@ def test_a_reader_on_another_node_is_served_while_the_owners_own_process_copies_
     assert done["stats"]["peer_hits"] == 1 and done["stats"]["peer_faults"] == 0, (done["stats"], err)
 
 
+@pytest.mark.slow  # a 24 MiB file at 8 MiB/s, as the tests above: about 6 s
 def test_an_owner_killed_while_it_streams_a_file_leaves_its_reader_to_finish_from_the_store(
     tmp_path: Path, throttled_store: tuple[Path, Path]
 ) -> None:

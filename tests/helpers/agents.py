@@ -33,6 +33,18 @@ def stop_agent(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=20)
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` has ended: gone, or a zombie. An agent `tierstore agent start` detached is
+    reaped by init, which may take a second or more after it exited (this machine's init polls), and a
+    zombie still answers `kill(pid, 0)`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    # The state follows the command name, which is in parentheses and may hold any character.
+    return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
+
+
 def child(code: str, sock: Path) -> subprocess.Popen[str]:
     """A Python process running `code`, talking to the agent on `sock` (…/tierstore/agent.sock)."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(sock.parent.parent)}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.helpers.agents import exited
 from tierstore import agent as agent_mod
 
 if TYPE_CHECKING:
@@ -180,6 +181,11 @@ def netns_job(
 def owner_of(job: list[Node], rel: str) -> int:
     """The place in `job` of the node that owns `rel` (a path under the source) while every node is up,
     by the agents' own rendezvous hashing over the members as the job's configuration names them."""
+    return owners_of(job, [rel])[rel]
+
+
+def owners_of(job: list[Node], rels: list[str]) -> dict[str, int]:
+    """`owner_of` for each of `rels`, the job's members asked for once (one process, not one a path)."""
     from tierstore import _core
 
     code = "import json, tierstore; print(json.dumps(tierstore.Cache().config()['cluster'][0]['members']))"
@@ -187,11 +193,15 @@ def owner_of(job: list[Node], rel: str) -> int:
         [sys.executable, "-c", code], env=job[0].env, capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 0, p.stderr
-    (owner,) = _core.owners(json.loads(p.stdout), [rel])
-    # A member is `host:port`; a node's TIERSTORE_NODE names its host, and its port where not the default.
-    at = [i for i, node in enumerate(job) if f"{owner}:".startswith(f"{node.env['TIERSTORE_NODE']}:")]
-    assert len(at) == 1, f"the owner {owner} is none of the job's nodes"
-    return at[0]
+    owners = _core.owners(json.loads(p.stdout), rels)
+    assert len(owners) == len(rels), (owners, rels)
+    places: dict[str, int] = {}
+    for rel, owner in zip(rels, owners, strict=True):
+        # A member is `host:port`; a node's TIERSTORE_NODE names its host, and its port where not the default.
+        at = [i for i, node in enumerate(job) if f"{owner}:".startswith(f"{node.env['TIERSTORE_NODE']}:")]
+        assert len(at) == 1, f"the owner {owner} of {rel} is none of the job's nodes"
+        places[rel] = at[0]
+    return places
 
 
 def tier_bytes(tier: Path) -> int:
@@ -206,7 +216,7 @@ def tier_bytes(tier: Path) -> int:
 
 
 def stop_cluster(cluster: Cluster) -> None:
-    """Stops every node's agent and waits (10 s at most each) for it to exit. A node whose agent never
+    """Stops every node's agent and waits (10 s at most each) for it to exit (`agents.exited`). A node whose agent never
     started (pid 0) is passed over: `kill(0, ...)` would signal this test's own process group."""
     started = [node for node in cluster.nodes if node.pid > 0]
     for node in started:
@@ -214,11 +224,7 @@ def stop_cluster(cluster: Cluster) -> None:
             os.kill(node.pid, signal.SIGTERM)
     for node in started:
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(node.pid, 0)
-            except ProcessLookupError:
-                break
+        while time.monotonic() < deadline and not exited(node.pid):
             time.sleep(0.05)
 
 

@@ -64,12 +64,13 @@ def make_images(root: Path, n: int) -> str:
 
 
 # Spawned and forkserver workers import torch anew every epoch: 6-15 s on 2 cores, twice that when busy.
+# `make test-fast` runs 2 forked workers; no worker and 4 of them are `slow` too (3-5 s each).
 @pytest.mark.parametrize(
     ("workers", "context"),
     [
-        (0, "fork"),
+        pytest.param(0, "fork", marks=pytest.mark.slow),
         (2, "fork"),
-        (4, "fork"),
+        pytest.param(4, "fork", marks=pytest.mark.slow),
         pytest.param(2, "spawn", marks=pytest.mark.slow),
         pytest.param(4, "spawn", marks=pytest.mark.slow),
         pytest.param(2, "forkserver", marks=pytest.mark.slow),

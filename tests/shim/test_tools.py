@@ -398,7 +398,31 @@ def sent(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("name", list(TOOLS))
+# Tools whose calls another tool above already makes (its reads, walks, partial reads and copies of
+# attributes): `slow`, so that `make test-fast` runs one tool of each kind.
+SLOW_TOOLS = {
+    "md5sum",  # cat
+    "head-c",  # dd: a head of a large file
+    "dd-whole-small",  # cat
+    "tail-c-from",  # tail-c
+    "cp-files",  # cp-a
+    "cp-preserve",  # cp-a
+    "cp-symlink-deref",  # cat, c-probe-symlink
+    "cp-r",  # cp-a
+    "tar-c-stdout",  # tar-c
+    "find-type-f-size",  # find
+    "find-exec-md5sum",  # find, cat
+    "c-probe-symlink",  # c-probe-files, test_symlink_answered_from_its_record_and_forgotten_on_change
+    "tar-c",  # cp-a, rsync-a: walkers
+    "find",  # cp-a, rsync-a, c-probe-opendir: listings
+    "shutil-copytree",  # cp-a: a walker that copies attributes
+}
+assert not SLOW_TOOLS - set(TOOLS), f"no such tool: {SLOW_TOOLS - set(TOOLS)}"
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TOOLS else n for n in TOOLS]
+)
 def test_tool_under_tierstore_run(store: Store, tier: str, name: str) -> None:
     """The same bytes, output, attributes and exit code as a direct run, cold and warm; a warm trusted
     cache sends the store nothing (but the lookups of the directories a tool `chdir`s into)."""
@@ -492,7 +516,9 @@ def run_py(store: Store, script: str, args: list[str], tier: str | None, revalid
     return r.stdout, ops
 
 
-@pytest.mark.parametrize("revalidate", ["always", "never"])
+# "never" asserts all that "always" does, and that a warm trusted cache asks the store nothing: "always"
+# is `slow` (here and for statfs below).
+@pytest.mark.parametrize("revalidate", [pytest.param("always", marks=pytest.mark.slow), "never"])
 def test_symlink_answered_from_its_record_and_forgotten_on_change(
     store: Store, tier: str, revalidate: str
 ) -> None:
@@ -527,7 +553,7 @@ def test_symlink_answered_from_its_record_and_forgotten_on_change(
     assert gone.strip() == "False"
 
 
-@pytest.mark.parametrize("revalidate", ["always", "never"])
+@pytest.mark.parametrize("revalidate", [pytest.param("always", marks=pytest.mark.slow), "never"])
 def test_statfs_of_the_source(store: Store, tier: str, revalidate: str) -> None:
     """`statvfs`/`fstatvfs` of the source, of a directory and of a file under it (whose descriptor is a
     tier copy) describe the store's file system, as a direct run sees it; a trusted cache asks it once."""

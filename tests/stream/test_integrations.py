@@ -7,13 +7,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-import transformers
-from sklearn.datasets import load_digits
 
 from tests.helpers.agents import child
 from tierstore import integrations
@@ -64,32 +62,36 @@ def predict(m, X):
 """
 
 
-class DigitsConfig(transformers.PretrainedConfig):
-    model_type = "tierstore-test-digits"
+def digits_model() -> Any:
+    """A Hugging Face model small enough to learn the digits in a few seconds of CPU (transformers is
+    imported here, not when the tests are collected: it takes seconds)."""
+    import transformers
 
-    def __init__(self, hidden: int = 32, **kw: object) -> None:
-        super().__init__(**kw)
-        self.hidden = hidden
+    class DigitsConfig(transformers.PretrainedConfig):
+        model_type = "tierstore-test-digits"
 
+        def __init__(self, hidden: int = 32, **kw: object) -> None:
+            super().__init__(**kw)
+            self.hidden = hidden
 
-class DigitsModel(transformers.PreTrainedModel):
-    """A Hugging Face model small enough to learn the digits in a few seconds of CPU."""
+    class DigitsModel(transformers.PreTrainedModel):
+        config_class = DigitsConfig
 
-    config_class = DigitsConfig
+        def __init__(self, config: DigitsConfig) -> None:
+            super().__init__(config)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(64, config.hidden), torch.nn.ReLU(), torch.nn.Linear(config.hidden, 10)
+            )
+            self.post_init()
 
-    def __init__(self, config: DigitsConfig) -> None:
-        super().__init__(config)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(64, config.hidden), torch.nn.ReLU(), torch.nn.Linear(config.hidden, 10)
-        )
-        self.post_init()
+        def forward(
+            self, pixels: torch.Tensor, labels: torch.Tensor | None = None
+        ) -> transformers.modeling_outputs.SequenceClassifierOutput:
+            logits = self.net(pixels)
+            loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+            return transformers.modeling_outputs.SequenceClassifierOutput(loss=loss, logits=logits)
 
-    def forward(
-        self, pixels: torch.Tensor, labels: torch.Tensor | None = None
-    ) -> transformers.modeling_outputs.SequenceClassifierOutput:
-        logits = self.net(pixels)
-        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
-        return transformers.modeling_outputs.SequenceClassifierOutput(loss=loss, logits=logits)
+    return DigitsModel(DigitsConfig())
 
 
 def start_consumer(make_model: str, sock: Path) -> subprocess.Popen[str]:
@@ -122,24 +124,37 @@ def check(
     assert schedule.costs.train_s > 0 and schedule.costs.publish_s > 0 and schedule.costs.load_s > 0
 
 
-class Digits(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+def digits_module() -> Any:
+    """The Lightning module the test trains (Lightning is imported here, not at collection: it takes
+    seconds)."""
+    import lightning.pytorch as pl
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+    class Digits(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    return Digits()
 
 
+# The framework callbacks in real training runs: `slow`, as importing Lightning or transformers alone takes
+# seconds (most of each test); `make test-fast` runs the schedule through the plain-loop helper below.
+@pytest.mark.slow
 def test_lightning_callback_publishes_on_schedule_to_a_consumer_process(
     sock: Path,
     tmp_path: Path,
 ) -> None:
+    import lightning.pytorch as pl
+    from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)
     data = torch.utils.data.TensorDataset(torch.tensor(x / 16, dtype=torch.float32), torch.tensor(y))
     loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
@@ -155,7 +170,7 @@ def test_lightning_callback_publishes_on_schedule_to_a_consumer_process(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Digits(), loader)
+    trainer.fit(digits_module(), loader)
     published = cb.publisher.published_steps
     result = consumer_result(consumer)
     check(result, published, sched, warmup=20, budget=5)
@@ -166,10 +181,14 @@ def test_lightning_callback_publishes_on_schedule_to_a_consumer_process(
     assert saved and saved[-1].metadata["step"] == 80
 
 
+@pytest.mark.slow
 def test_transformers_callback_publishes_on_schedule_to_a_consumer_process(
     sock: Path,
     tmp_path: Path,
 ) -> None:
+    import transformers
+    from sklearn.datasets import load_digits
+
     x, y = load_digits(return_X_y=True)
     rows = [
         {"pixels": torch.tensor(r / 16, dtype=torch.float32), "labels": int(label)}
@@ -179,7 +198,7 @@ def test_transformers_callback_publishes_on_schedule_to_a_consumer_process(
     sched = Schedule("fixed", total_steps=60, warmup_steps=15, max_publishes=4)
     cb = integrations.TransformersCallback("digits", sched)
     torch.manual_seed(0)
-    model = DigitsModel(DigitsConfig())
+    model = digits_model()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"),
         max_steps=60,

@@ -6,12 +6,15 @@ does not come back once the stage has drained. fsspec's own abstract suite runs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,6 +256,33 @@ def test_listing_shows_files_still_migrating_once(slow_wb: Destination, tmp_path
     assert {p.name: p.stat().st_size for p in (wb.backing / "m").iterdir()} == sizes
 
 
+def _slow(test: Callable[..., None]) -> Callable[..., None]:
+    """One of fsspec's tests as it is (its parameters too), marked `slow` in this suite only."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        test(*args, **kwargs)
+
+    return pytest.mark.slow(run)
+
+
+@pytest.fixture(scope="class")
+@needs("fuse")
+def suite_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, Path, Path]]:
+    """One store and one agent for the whole of fsspec's suite below, as a test's own would cost more than
+    the test: (the destination, its backing directory, the agent's runtime directory, the stage)."""
+    tmp = tmp_path_factory.mktemp("fsspec-suite")
+    with mounted_store(tmp, fail_file=tmp / "store-outage") as (backing, mount):
+        (mount / "ckpt").mkdir()
+        run = tmp / "run"
+        run.mkdir()
+        try:
+            yield mount / "ckpt", backing / "ckpt", run, tmp / "stage"
+        finally:
+            with contextlib.suppress(Exception):
+                agent.stop(run / "tierstore" / "agent.sock")
+
+
 class TestAbstractSuite(
     AbstractFixtures,
     AbstractCopyTests,
@@ -264,6 +294,14 @@ class TestAbstractSuite(
     """fsspec's own suite, on a destination of the stand-in store: every file it writes is staged, and
     whatever it removed in its teardown is still gone once the stage has drained."""
 
+    _tests = itertools.count()  # names each test's own directory on the suite's destination
+
+    # fsspec's glob matrix (32 patterns, depths and recursions for each of copy, get and put, about 35 s):
+    # `slow`. The suite's other tests, globs among them, stay in `make test-fast`.
+    test_copy_glob_edge_cases = _slow(AbstractCopyTests.test_copy_glob_edge_cases)
+    test_get_glob_edge_cases = _slow(AbstractGetTests.test_get_glob_edge_cases)
+    test_put_glob_edge_cases = _slow(AbstractPutTests.test_put_glob_edge_cases)
+
     @pytest.fixture
     def fs(self, suite_dest: Destination) -> TierstoreFileSystem:
         # auto_mkdir as fsspec runs the suite for its `file` filesystem.
@@ -274,9 +312,18 @@ class TestAbstractSuite(
         return str(suite_dest.dest)
 
     @pytest.fixture
-    @needs("fuse")
-    def suite_dest(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Destination]:
-        with destination(tmp_path, monkeypatch) as d:
+    def suite_dest(
+        self, suite_store: tuple[Path, Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+    ) -> Iterator[Destination]:
+        """A directory of this test's own on the suite's destination, as `destination` configures one."""
+        dest, backing, run, stage = suite_store
+        sub = dest / f"test{next(self._tests)}"
+        sub.mkdir()
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+        monkeypatch.setenv("TIERSTORE_WRITEBACK", f"{dest}:{stage}:1G:local")
+        writeback.reload()
+        d = Destination(sub, backing / sub.name, user_stage(dest), stage.parent / "store-outage")
+        try:
             yield d
             # The suite's fixtures are torn down before this one: what they removed stays removed, what
             # a test left (some leave their files) is on the store, as the filesystem showed it.
@@ -290,3 +337,5 @@ class TestAbstractSuite(
             tierstore.sync(timeout=60)
             assert tree(d.backing) == shown, "the store holds other files than tierstore:// showed"
             assert list((d.stage / "data").iterdir()) == []
+        finally:
+            writeback.reload()

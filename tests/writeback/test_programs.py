@@ -135,8 +135,14 @@ print(json.dumps(seen))
 """
 
 
+# `make test-fast` runs "api"; "run" and "process" are `slow` (5-10 s each: a process that imports torch,
+# and for "process" a second one torch starts to save in). The framework savers' test above saves with dcp
+# under `tierstore run` in the fast set too.
 @pytest.mark.fuse
-@pytest.mark.parametrize("how", ["run", "process", "api"])
+@pytest.mark.parametrize(
+    "how",
+    [pytest.param("run", marks=pytest.mark.slow), pytest.param("process", marks=pytest.mark.slow), "api"],
+)
 def test_dcp_async_save_gives_identical_files_on_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:

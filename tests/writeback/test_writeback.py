@@ -216,6 +216,7 @@ def test_files_reach_the_store_in_close_and_rename_order(
 
 
 @pytest.mark.fuse
+@pytest.mark.slow  # it waits out the outage (TIERSTORE_TEST_WRITEBACK_OUTAGE_S, 6 s)
 def test_a_store_outage_holds_the_data_and_resumes_by_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -85,7 +85,10 @@ class Nodes:
             self.tag = f"{secrets.randbelow(100_000):05d}"
             self.bridge = f"tsbr{self.tag}"
             made = subprocess.run(
-                ["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True, text=True, timeout=30
+                ["ip", "link", "add", self.bridge, "type", "bridge"],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
             if made.returncode == 0:
                 return
