@@ -127,11 +127,7 @@ impl Inner {
                 flight.wait();
                 None
             }
-            Role::Leader(flight) => {
-                let listed = self.confirm_directory(dir, &dkey, within);
-                self.flights.land(&dkey, &flight);
-                listed
-            }
+            Role::Leader(_lead) => self.confirm_directory(dir, &dkey, within),
         };
         let name = rel.rsplit_once('/').map_or(rel, |(_, name)| name);
         if let Some(Ok(found)) = &listed {
@@ -171,9 +167,8 @@ impl Inner {
                     s.spawn(|| {
                         while let Some(dir) = dirs.get(next.fetch_add(1, Ordering::Relaxed)) {
                             let dkey = directory_key(dir);
-                            if let Role::Leader(flight) = inner.flights.join(&dkey) {
+                            if let Role::Leader(_lead) = inner.flights.join(&dkey) {
                                 let _ = inner.confirm_directory(dir, &dkey, within);
-                                inner.flights.land(&dkey, &flight);
                             }
                         }
                     });

@@ -263,11 +263,12 @@ impl Inner {
                 None => {}
             }
             match self.flights.join(&key) {
-                Role::Leader(flight) => {
-                    if let Some(Fetched::Reader(r)) = self.from_peer(&key, rel, &mut known, &flight, Purpose::Read) {
-                        return Ok(r);
-                    }
-                    match self.lead_flight(&key, rel, &mut known, flight, Purpose::Read, &mut pre, seen)? {
+                Role::Leader(lead) => {
+                    let fetched = match self.from_peer(&key, rel, &mut known, lead, Purpose::Read) {
+                        Ok(fetched) => fetched,
+                        Err(lead) => self.lead_flight(&key, rel, &mut known, lead, Purpose::Read, &mut pre, seen)?,
+                    };
+                    match fetched {
                         Fetched::Reader(r) => return Ok(r),
                         Fetched::Cached
                         | Fetched::Uncached
@@ -496,19 +497,22 @@ impl Inner {
             match self.flights.join(&key) {
                 // Small files (and every file without `stream`) are fetched whole in this thread, so the
                 // caller gets a complete copy.
-                Role::Leader(flight) => match self
-                    .from_peer(&key, rel, &mut known, &flight, Purpose::Native)
-                    .map_or_else(|| self.lead_flight(&key, rel, &mut known, flight, purpose, &mut pre, seen), Ok)?
-                {
-                    Fetched::Uncached | Fetched::NoRoom => break,
-                    Fetched::Reader(r) => {
-                        if let Some(f) = r.into_file() {
-                            return Ok(Native::Whole(f));
+                Role::Leader(lead) => {
+                    let fetched = match self.from_peer(&key, rel, &mut known, lead, Purpose::Native) {
+                        Ok(fetched) => fetched,
+                        Err(lead) => self.lead_flight(&key, rel, &mut known, lead, purpose, &mut pre, seen)?,
+                    };
+                    match fetched {
+                        Fetched::Uncached | Fetched::NoRoom => break,
+                        Fetched::Reader(r) => {
+                            if let Some(f) = r.into_file() {
+                                return Ok(Native::Whole(f));
+                            }
                         }
+                        Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
+                        Fetched::Cached | Fetched::Skipped => {}
                     }
-                    Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
-                    Fetched::Cached | Fetched::Skipped => {}
-                },
+                }
                 Role::Follower(flight) => match flight.wait() {
                     Outcome::Growing(copy) if stream => {
                         let source = self.source_descriptor(rel, None)?;

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::engine::{no_descriptor, now_ns, Fetched, Inner, Look, Purpose};
-use super::flight::{Flight, Outcome, Role};
+use super::flight::{Lead, Outcome, Role};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
@@ -24,7 +24,8 @@ use crate::source::{CopyFault, SourceFile};
 impl Inner {
     /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
     /// `seen`: a time at or before which the source showed the version `known` (or will show the one the
-    /// leader opens), which its copy records as confirmed.
+    /// leader opens), which its copy records as confirmed. The flight lands when `lead` is dropped: on
+    /// return, or when the background copy ends.
     // The arguments are one fetch's (what, which version, since when, its flight, why, the open source).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lead_flight(
@@ -32,33 +33,32 @@ impl Inner {
         key: &Key,
         rel: &str,
         known: &mut Option<SourceId>,
-        flight: Arc<Flight>,
+        lead: Lead,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
         seen: u64,
     ) -> Result<Fetched, Error> {
         match *known {
-            Some(sid) => self.lead(key, rel, sid, flight, purpose, pre, seen),
-            None => self.lead_unknown_flight(key, rel, known, flight, purpose, pre, seen),
+            Some(sid) => self.lead(key, rel, sid, lead, purpose, pre, seen),
+            None => self.lead_unknown_flight(key, rel, known, lead, purpose, pre, seen),
         }
     }
 
-    /// Opens and identifies `rel` for the flight of `key` it leads, keeping the open file in `pre`; on
-    /// failure the flight lands, so that its followers stop waiting.
+    /// Opens and identifies `rel` for the flight it leads, keeping the open file in `pre`; on failure the
+    /// flight lands with the error, so that its followers stop waiting and fail alike.
     pub(super) fn open_for_flight(
         &self,
-        key: &Key,
         rel: &str,
-        flight: &Arc<Flight>,
+        lead: Lead,
         pre: &mut Option<SourceFile>,
-    ) -> Result<SourceId, Error> {
+    ) -> Result<(SourceId, Lead), Error> {
         match self.open_identified(rel) {
             Ok((sid, f)) => {
                 *pre = Some(f);
-                Ok(sid)
+                Ok((sid, lead))
             }
             Err(e) => {
-                self.fail_flight(key, flight, &e);
+                fail_flight(lead, &e);
                 Err(e)
             }
         }
@@ -74,7 +74,7 @@ impl Inner {
         key: &Key,
         rel: &str,
         known: &mut Option<SourceId>,
-        flight: Arc<Flight>,
+        lead: Lead,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
         seen: u64,
@@ -87,33 +87,25 @@ impl Inner {
             }
         };
         let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
-        let sid = match published {
-            Some(Ok(sid)) => sid,
+        let (sid, lead) = match published {
+            Some(Ok(sid)) => (sid, lead),
             Some(Err(e)) => {
-                self.fail_flight(key, &flight, &e);
+                fail_flight(lead, &e);
                 return Err(e);
             }
-            None => self.open_for_flight(key, rel, &flight, pre)?,
+            None => self.open_for_flight(rel, lead, pre)?,
         };
         *known = Some(sid);
         match guard {
-            Some(guard) => self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen),
+            Some(guard) => self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen),
             None => {
-                self.flights.land(key, &flight);
+                drop(lead);
                 Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
             }
         }
     }
 
-    /// Lands a flight whose source request failed with `e`, handing the error to its waiters.
-    pub(super) fn fail_flight(&self, key: &Key, flight: &Arc<Flight>, e: &Error) {
-        if let Error::Io { source, .. } = e {
-            flight.deliver(Outcome::failed(source));
-        }
-        self.flights.land(key, flight);
-    }
-
-    /// The waiter's side of [`Inner::fail_flight`].
+    /// The waiter's side of [`fail_flight`].
     pub(super) fn flight_failed(&self, rel: &str, kind: io::ErrorKind, message: &str) -> Error {
         Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
     }
@@ -125,7 +117,7 @@ impl Inner {
         key: &Key,
         rel: &str,
         sid: SourceId,
-        flight: Arc<Flight>,
+        lead: Lead,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
         seen: u64,
@@ -134,11 +126,11 @@ impl Inner {
             Ok(g) => g,
             Err(e) => {
                 self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                self.flights.land(key, &flight);
+                drop(lead);
                 return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
             }
         };
-        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen)
+        self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen)
     }
 
     // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose,
@@ -150,19 +142,15 @@ impl Inner {
         key: &Key,
         rel: &str,
         sid: SourceId,
-        flight: Arc<Flight>,
+        lead: Lead,
         guard: FetchGuard,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
         seen: u64,
     ) -> Result<Fetched, Error> {
-        let land = |f: Fetched| {
-            self.flights.land(key, &flight);
-            Ok(f)
-        };
         // Another process may have published while this one waited for the lock.
         if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
-            return land(match purpose {
+            return Ok(match purpose {
                 Purpose::Read => Fetched::Reader(r),
                 Purpose::Prefetch | Purpose::Native | Purpose::Peer => Fetched::Cached,
             });
@@ -173,7 +161,8 @@ impl Inner {
             self.source.counters().add(src_slot::UNCACHED, 1);
             log::debug!("{rel}: no tier has room for {} B; read from the store, not cached", sid.size);
             drop(guard);
-            return land(match purpose {
+            drop(lead);
+            return Ok(match purpose {
                 Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
                 Purpose::Prefetch | Purpose::Peer => Fetched::NoRoom,
             });
@@ -192,7 +181,7 @@ impl Inner {
             Purpose::Prefetch => {
                 let r = self.copy_into(t, key, rel, sid, None, pre.take());
                 drop(guard);
-                self.flights.land(key, &flight);
+                drop(lead);
                 r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
             }
             Purpose::Read if small => {
@@ -201,13 +190,12 @@ impl Inner {
                     Err(e) => {
                         self.abort(t, key);
                         drop(guard);
-                        flight.deliver(Outcome::failed(&e));
-                        self.flights.land(key, &flight);
+                        lead.fail(&e);
                         return Err(Error::io(&self.source.path_of(rel), e));
                     }
                 };
                 let bytes = Arc::new(bytes);
-                flight.deliver(Outcome::Bytes(bytes.clone()));
+                lead.deliver(Outcome::Bytes(bytes.clone()));
                 let reader =
                     Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
                 let inner = self.clone();
@@ -219,7 +207,7 @@ impl Inner {
                         inner.abort(t, &key);
                     }
                     drop(guard);
-                    inner.flights.land(&key, &flight);
+                    drop(lead);
                 };
                 match self.pool() {
                     Some(pool) => pool.urgent(job),
@@ -244,7 +232,7 @@ impl Inner {
                         Err(e) => {
                             self.abort(t, key);
                             drop(guard);
-                            self.flights.land(key, &flight);
+                            drop(lead);
                             return Err(Error::io(&self.source.path_of(rel), e));
                         }
                     }
@@ -267,12 +255,12 @@ impl Inner {
                         );
                         self.abort(t, key);
                         drop(guard);
-                        self.flights.land(key, &flight);
+                        drop(lead);
                         return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
                     }
                 };
                 let growing = Arc::new(Growing::new(read_handle, sid));
-                flight.deliver(Outcome::Growing(growing.clone()));
+                lead.deliver(Outcome::Growing(growing.clone()));
                 let fetched = match program {
                     Some(f) => Fetched::Streaming(f, growing.clone()),
                     None => Fetched::Reader(Reader::new(
@@ -287,7 +275,7 @@ impl Inner {
                 let job = move || {
                     let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
                     drop(guard);
-                    inner.flights.land(&key, &flight);
+                    drop(lead);
                 };
                 match self.pool() {
                     Some(pool) => pool.urgent(job),
@@ -532,27 +520,20 @@ impl Inner {
         rel: &str,
     ) -> Result<Option<(SourceId, Fetched)>, Error> {
         let seen = now_ns();
-        let Role::Leader(flight) = self.flights.join(key) else { return Ok(None) };
+        let Role::Leader(lead) = self.flights.join(key) else { return Ok(None) };
         let guard = match self.locks.try_lock(key) {
             Ok(Some(guard)) => guard,
-            Ok(None) => {
-                self.flights.land(key, &flight);
-                return Ok(None);
-            }
-            Err(e) => {
-                self.flights.land(key, &flight);
-                return Err(Error::io(&self.source.path_of(rel), e));
-            }
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(Error::io(&self.source.path_of(rel), e)),
         };
         if let Some(e) = self.published(key, rel) {
             if self.trusted_now(&e) && self.hit(key, rel, &e.source, Look::Quiet).is_some() {
-                self.flights.land(key, &flight);
                 return Ok(None);
             }
         }
         let mut pre = None;
-        let sid = self.open_for_flight(key, rel, &flight, &mut pre)?;
-        let fetched = self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut pre, seen)?;
+        let (sid, lead) = self.open_for_flight(rel, lead, &mut pre)?;
+        let fetched = self.fetch_locked(key, rel, sid, lead, guard, Purpose::Prefetch, &mut pre, seen)?;
         Ok(Some((sid, fetched)))
     }
 
@@ -569,23 +550,15 @@ impl Inner {
         if self.hit(key, rel, &sid, Look::Quiet).is_some() {
             return Ok(Fetched::Skipped);
         }
-        let Role::Leader(flight) = self.flights.join(key) else {
+        let Role::Leader(lead) = self.flights.join(key) else {
             return Ok(Fetched::Skipped);
         };
         // Never block a prefetch worker on another process's fetch: it is being done, which is all a
         // prefetch wants.
         match self.locks.try_lock(key) {
-            Ok(Some(guard)) => {
-                self.fetch_locked(key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen)
-            }
-            Ok(None) => {
-                self.flights.land(key, &flight);
-                Ok(Fetched::Skipped)
-            }
-            Err(e) => {
-                self.flights.land(key, &flight);
-                Err(Error::io(&self.source.path_of(rel), e))
-            }
+            Ok(Some(guard)) => self.fetch_locked(key, rel, sid, lead, guard, Purpose::Prefetch, &mut Some(file), seen),
+            Ok(None) => Ok(Fetched::Skipped),
+            Err(e) => Err(Error::io(&self.source.path_of(rel), e)),
         }
     }
 }
@@ -600,5 +573,13 @@ fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// Lands a flight whose source request failed with `e`, handing the error to its waiters (an error that is
+/// not the source's, such as a path that leaves it, only lands the flight: each waiter finds it alone).
+pub(super) fn fail_flight(lead: Lead, e: &Error) {
+    if let Error::Io { source, .. } = e {
+        lead.fail(source);
     }
 }

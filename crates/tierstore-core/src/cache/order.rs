@@ -30,7 +30,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
-use super::flight::{Flight, Role};
+use super::flight::{Lead, Role};
 use super::lock::FetchGuard;
 use crate::error::Error;
 use crate::index::{key_of, Key};
@@ -309,7 +309,7 @@ impl Shared {
     /// Waits for `position`'s turn in order; with `size`, also for room in the budget, and admits it.
     /// While the budget is full, `claim` is let go (see the module's rules). Returns false when the
     /// position no longer needs fetching (read meanwhile, or the prefetch stopped).
-    fn admit(&self, position: usize, size: Option<u64>, key: &Key, claim: &mut Option<Claim>) -> bool {
+    fn admit(&self, position: usize, size: Option<u64>, claim: &mut Option<Claim>) -> bool {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             self.refresh(&mut s);
@@ -350,7 +350,7 @@ impl Shared {
             }
             if s.blocked {
                 if let Some(c) = claim.take() {
-                    self.unclaim(key, c);
+                    drop(c);
                     self.progress.files_let_go.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -361,19 +361,11 @@ impl Shared {
     /// Leads the in-process flight of `key` and holds its node-wide fetch lock; `None` when another
     /// thread or process is fetching it.
     fn claim(&self, key: &Key) -> Option<Claim> {
-        let Role::Leader(flight) = self.inner.flights.join(key) else { return None };
+        let Role::Leader(lead) = self.inner.flights.join(key) else { return None };
         match self.inner.locks.try_lock(key) {
-            Ok(Some(guard)) => Some(Claim { flight, guard }),
-            _ => {
-                self.inner.flights.land(key, &flight);
-                None
-            }
+            Ok(Some(guard)) => Some(Claim { lead, guard }),
+            _ => None,
         }
-    }
-
-    fn unclaim(&self, key: &Key, claim: Claim) {
-        drop(claim.guard);
-        self.inner.flights.land(key, &claim.flight);
     }
 
     /// Gives back the budget of an admitted file that was not fetched (it failed).
@@ -422,7 +414,7 @@ impl Shared {
         let key = key_of(rel);
         let skip = |counter: &AtomicU64| {
             counter.fetch_add(1, Ordering::Relaxed);
-            self.admit(position, None, &key, &mut None);
+            self.admit(position, None, &mut None);
         };
         if self.read(position) {
             return skip(&p.files_read_first);
@@ -448,29 +440,25 @@ impl Shared {
         let (sid, file) = match inner.open_identified(rel) {
             Ok(x) => x,
             Err(e) => {
-                if let Some(c) = claim.take() {
-                    self.unclaim(&key, c);
-                }
+                drop(claim.take());
                 p.fail(describe(&e));
-                self.admit(position, None, &key, &mut None);
+                self.admit(position, None, &mut None);
                 return;
             }
         };
-        if !self.admit(position, Some(sid.size), &key, &mut claim) {
-            if let Some(c) = claim.take() {
-                self.unclaim(&key, c);
-            }
+        if !self.admit(position, Some(sid.size), &mut claim) {
+            drop(claim.take());
             if self.read(position) {
                 p.files_read_first.fetch_add(1, Ordering::Relaxed);
             }
             return;
         }
-        let Some(Claim { flight, guard }) = claim.or_else(|| self.claim(&key)) else {
+        let Some(Claim { lead, guard }) = claim.or_else(|| self.claim(&key)) else {
             // A reader took it while the budget was full: it lands ahead all the same.
             p.files_cached.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        match inner.fetch_locked(&key, rel, sid, flight, guard, Purpose::Prefetch, &mut Some(file), seen) {
+        match inner.fetch_locked(&key, rel, sid, lead, guard, Purpose::Prefetch, &mut Some(file), seen) {
             Ok(Fetched::Cached) => {
                 p.files_fetched.fetch_add(1, Ordering::Relaxed);
                 p.bytes_fetched.fetch_add(sid.size, Ordering::Relaxed);
@@ -500,10 +488,11 @@ impl Shared {
     }
 }
 
-/// A file claimed for fetching: its in-process flight (led) and its node-wide fetch lock (held).
+/// A file claimed for fetching: its node-wide fetch lock (held) and its in-process flight (led). Dropped
+/// unused, it releases the lock, then lands the flight (fields drop in this order).
 struct Claim {
-    flight: Arc<Flight>,
     guard: FetchGuard,
+    lead: Lead,
 }
 
 fn describe(e: &Error) -> String {

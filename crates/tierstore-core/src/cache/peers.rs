@@ -40,7 +40,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native, Purpose};
-use super::flight::{Flight, Outcome, Role};
+use super::fetch::fail_flight;
+use super::flight::{Lead, Outcome, Role};
 use super::lock::{lock_shared, FetchGuard};
 use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
@@ -184,9 +185,9 @@ impl Inner {
                 }
             }
             match self.flights.join(&key) {
-                Role::Leader(flight) => {
+                Role::Leader(lead) => {
                     let mut pre = None;
-                    match self.lead_for_peer(&key, rel, &mut known, flight, Purpose::Prefetch, &mut pre, beneath)? {
+                    match self.lead_for_peer(&key, rel, &mut known, lead, Purpose::Prefetch, &mut pre, beneath)? {
                         Fetched::Cached | Fetched::Skipped => {}
                         // No tier took it: the file opened beneath the source.
                         _ => break,
@@ -219,16 +220,16 @@ impl Inner {
         key: &Key,
         rel: &str,
         known: &mut Option<SourceId>,
-        flight: Arc<Flight>,
+        lead: Lead,
         purpose: Purpose,
         pre: &mut Option<SourceFile>,
         beneath: &mut Beneath<'_>,
     ) -> Result<Fetched, Error> {
         if !beneath.applies() {
-            return self.lead_flight(key, rel, known, flight, purpose, pre, now_ns());
+            return self.lead_flight(key, rel, known, lead, purpose, pre, now_ns());
         }
         if let Some(sid) = known.filter(|sid| beneath.vouched(sid)) {
-            return self.lead(key, rel, sid, flight, purpose, pre, now_ns());
+            return self.lead(key, rel, sid, lead, purpose, pre, now_ns());
         }
         let seen = now_ns();
         let guard = match self.locks.lock(key) {
@@ -236,14 +237,13 @@ impl Inner {
             Err(e) => {
                 // Served from the file opened beneath the source, uncached.
                 self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                self.flights.land(key, &flight);
                 return Ok(Fetched::Uncached);
             }
         };
         let sid = match self.published(key, rel).map(|e| self.current_identity(key, rel, &e)) {
             Some(Err(e)) => {
                 drop(guard);
-                self.fail_flight(key, &flight, &e);
+                fail_flight(lead, &e);
                 return Err(e);
             }
             Some(Ok(sid)) if beneath.vouched(&sid) => sid,
@@ -252,15 +252,11 @@ impl Inner {
                     *pre = Some(SourceFile::Posix(file));
                     sid
                 }
-                Err(e) => {
-                    drop(guard);
-                    self.flights.land(key, &flight);
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             },
         };
         *known = Some(sid);
-        self.fetch_locked(key, rel, sid, flight, guard, purpose, pre, seen)
+        self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen)
     }
 
     /// A whole copy of version `sid` as served: with the version and blake3 its entry records.
@@ -290,13 +286,14 @@ impl Inner {
             }
         }
         let copy = match self.flights.join(&key) {
-            Role::Leader(flight) => {
+            Role::Leader(lead) => {
                 // Another process of this node may be copying it already (this node's own load of it).
-                if let Some(served) = self.follow_sibling(&key, rel, &flight, beneath)? {
-                    return Ok(Some(served));
-                }
+                let lead = match self.follow_sibling(&key, rel, lead, beneath)? {
+                    Ok(served) => return Ok(Some(served)),
+                    Err(lead) => lead,
+                };
                 let mut pre = None;
-                match self.lead_for_peer(&key, rel, &mut known, flight, Purpose::Peer, &mut pre, beneath)? {
+                match self.lead_for_peer(&key, rel, &mut known, lead, Purpose::Peer, &mut pre, beneath)? {
                     Fetched::Reader(r) => match r.backing() {
                         Backing::Growing(g) => g.clone(),
                         _ => return Ok(None),
@@ -364,28 +361,26 @@ impl Inner {
         Ok(true)
     }
 
-    /// Serves a miss from the agent of the node that owns the file. `None`: this node owns it, no peer
-    /// could serve it, or the peer sent another version than `known`; the caller goes on to the source
-    /// (the flight is still the caller's). `Some`: the flight has landed, or (a large file a reader
-    /// follows as it arrives) it lands when the transfer ends.
+    /// Serves a miss from the agent of the node that owns the file. `Err` hands the lead back: this node
+    /// owns the file, no peer could serve it, or the peer sent another version than `known`, and the
+    /// caller goes on to the source. `Ok`: served; the flight has landed, or (a large file a reader
+    /// follows as it arrives) lands when the transfer ends.
     pub(super) fn from_peer(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
         known: &mut Option<SourceId>,
-        flight: &Arc<Flight>,
+        lead: Lead,
         purpose: Purpose,
-    ) -> Option<Fetched> {
-        let remote = self.remote.as_ref()?;
-        let who = remote.owner(rel)?;
+    ) -> Result<Fetched, Lead> {
+        let Some(remote) = self.remote.as_ref() else { return Err(lead) };
+        let Some(who) = remote.owner(rel) else { return Err(lead) };
         // Node-wide single flight: one process of this node asks the owner, the others find its copy.
-        let guard = self.locks.lock(key).ok()?;
+        let Ok(guard) = self.locks.lock(key) else { return Err(lead) };
         let published = known.or_else(|| self.published(key, rel).map(|e| e.source));
         if let Some(sid) = published {
             if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
-                drop(guard);
-                self.flights.land(key, flight);
-                return Some(match purpose {
+                return Ok(match purpose {
                     Purpose::Prefetch | Purpose::Peer => Fetched::Cached,
                     Purpose::Read | Purpose::Native => Fetched::Reader(r),
                 });
@@ -400,13 +395,10 @@ impl Inner {
             });
             drop(guard);
             return match done {
-                Ok(()) => {
-                    self.flights.land(key, flight);
-                    Some(Fetched::Cached)
-                }
+                Ok(()) => Ok(Fetched::Cached),
                 Err(e) => {
                     self.peer_failed(&who, rel, &e);
-                    None
+                    Err(lead)
                 }
             };
         }
@@ -414,7 +406,7 @@ impl Inner {
             Ok(t) => t,
             Err(e) => {
                 self.peer_failed(&who, rel, &e);
-                return None;
+                return Err(lead);
             }
         };
         let sid = transfer.found;
@@ -422,7 +414,7 @@ impl Inner {
             // The owner has another version than the source showed this process: take the source's.
             let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
             self.peer_failed(&who, rel, &stale);
-            return None;
+            return Err(lead);
         }
         // The owner vouches for the version, not for when the source last showed it: a copy kept here is
         // confirmed against the source before `revalidate = "<duration>"` trusts it.
@@ -432,7 +424,7 @@ impl Inner {
         // as well, and the job opens each file on the store once.)
         let large = sid.size > self.config.inline_max.max(crate::hash::PIECE as u64);
         if large && purpose == Purpose::Read {
-            return self.follow_peer(key, rel, sid, tier, transfer, guard, flight.clone(), who);
+            return self.follow_peer(key, rel, sid, tier, transfer, guard, lead, who);
         }
         let result = match tier {
             Some(t) => self.receive_into_tier(t, key, rel, sid, transfer, &who),
@@ -451,15 +443,14 @@ impl Inner {
                 *known = Some(sid);
                 if let Fetched::Reader(r) = &fetched {
                     if let Backing::Memory(bytes) = r.backing() {
-                        flight.deliver(Outcome::Bytes(bytes.clone()));
+                        lead.deliver(Outcome::Bytes(bytes.clone()));
                     }
                 }
-                self.flights.land(key, flight);
-                Some(fetched)
+                Ok(fetched)
             }
             Err(e) => {
                 self.peer_failed(&who, rel, &e);
-                None
+                Err(lead)
             }
         }
     }
@@ -478,9 +469,9 @@ impl Inner {
         tier: Option<usize>,
         transfer: Transfer,
         guard: FetchGuard,
-        flight: Arc<Flight>,
+        lead: Lead,
         who: String,
-    ) -> Option<Fetched> {
+    ) -> Result<Fetched, Lead> {
         let dest = match tier {
             Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
                 let follower = File::open(&path)?;
@@ -499,11 +490,11 @@ impl Inner {
                     self.abort(t, key);
                 }
                 self.peer_failed(&who, rel, &RemoteError::Sink(e));
-                return None;
+                return Err(lead);
             }
         };
         let growing = Arc::new(Growing::new(follower, sid));
-        flight.deliver(Outcome::Growing(growing.clone()));
+        lead.deliver(Outcome::Growing(growing.clone()));
         let fetched =
             Fetched::Reader(Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone()));
         let inner = self.clone();
@@ -548,13 +539,13 @@ impl Inner {
                 }
             }
             drop(guard);
-            inner.flights.land(&key, &flight);
+            drop(lead);
         };
         match self.pool() {
             Some(pool) => pool.urgent(job),
             None => job(),
         }
-        Some(fetched)
+        Ok(fetched)
     }
 
     /// Counts a failed peer read, says so once, and leaves a failed member out for a while.

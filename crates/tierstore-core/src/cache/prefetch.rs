@@ -420,17 +420,15 @@ impl Walk {
         if inner.remote.is_some() {
             // A file another node owns is asked of its owner (which caches it, reading the store once
             // for the whole job); this node keeps a copy only in inclusive mode.
-            if let Role::Leader(flight) = inner.flights.join(&key) {
+            if let Role::Leader(lead) = inner.flights.join(&key) {
                 let mut known = None;
-                match inner.from_peer(&key, &rel, &mut known, &flight, Purpose::Prefetch) {
-                    Some(_) => {
-                        let size = known.map_or(0, |sid| sid.size);
-                        p.bytes_total.fetch_add(size, Ordering::Relaxed);
-                        p.files_copied.fetch_add(1, Ordering::Relaxed);
-                        p.handled(size);
-                        return;
-                    }
-                    None => inner.flights.land(&key, &flight),
+                // Not served by a peer: the lead drops here, and the store is asked below.
+                if inner.from_peer(&key, &rel, &mut known, lead, Purpose::Prefetch).is_ok() {
+                    let size = known.map_or(0, |sid| sid.size);
+                    p.bytes_total.fetch_add(size, Ordering::Relaxed);
+                    p.files_copied.fetch_add(1, Ordering::Relaxed);
+                    p.handled(size);
+                    return;
                 }
             }
         }

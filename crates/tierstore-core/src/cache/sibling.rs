@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::engine::Inner;
-use super::flight::{Flight, Outcome};
+use super::flight::{Lead, Outcome};
 use super::peers::{Beneath, Served};
 use crate::error::Error;
 use crate::hash::{root_of_pieces, subtree, PIECE};
@@ -37,19 +37,19 @@ const STALLED: Duration = Duration::from_secs(60);
 
 impl Inner {
     /// A large file (more than one piece) that another process of this node is copying from the store:
-    /// served as it grows, the flight `flight` (this thread leads it) handed the same copy for the
-    /// agent's other askers and landed when the copy ends. `None` when no other process is copying it, or
-    /// (a POSIX source) `beneath` does not vouch for the version it copies; `Err` (the flight landed)
-    /// when the path the peer asked for leaves the source.
+    /// served as it grows, the flight this thread leads handed the same copy for the agent's other askers
+    /// and landed when the copy ends. `Ok(Err(lead))` hands the lead back when no other process is
+    /// copying it, or (a POSIX source) `beneath` does not vouch for the version it copies; `Err` (the
+    /// flight landed) when the path the peer asked for leaves the source.
     pub(super) fn follow_sibling(
         self: &Arc<Self>,
         key: &Key,
         rel: &str,
-        flight: &Arc<Flight>,
+        lead: Lead,
         beneath: &mut Beneath<'_>,
-    ) -> Result<Option<Served>, Error> {
-        let Some((t, temp)) = self.sibling_temp(key) else { return Ok(None) };
-        let Ok(file) = File::open(&temp) else { return Ok(None) };
+    ) -> Result<Result<Served, Lead>, Error> {
+        let Some((t, temp)) = self.sibling_temp(key) else { return Ok(Err(lead)) };
+        let Ok(file) = File::open(&temp) else { return Ok(Err(lead)) };
         let path = self.source.path_of(rel);
         // The version the other process copies: its copy is checked against it once published. (A store
         // that fails to say is left to the usual path, which reports it.)
@@ -58,27 +58,26 @@ impl Inner {
             // from a descriptor of exactly that version, so a version vouched for is a file beneath the
             // source (and the copy of a file a local open reached through a symlink out of it never is).
             let reserved = self.tiers[t].index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
-            let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else { return Ok(None) };
+            let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else {
+                return Ok(Err(lead));
+            };
             match beneath.vouches(&sid) {
                 Ok(true) => sid,
-                Ok(false) => return Ok(None),
-                Err(e) => {
-                    self.flights.land(key, flight);
-                    return Err(e);
-                }
+                Ok(false) => return Ok(Err(lead)),
+                Err(e) => return Err(e),
             }
         } else {
-            let Ok(sid) = self.source.identify(rel) else { return Ok(None) };
+            let Ok(sid) = self.source.identify(rel) else { return Ok(Err(lead)) };
             sid
         };
         if sid.size <= PIECE as u64 {
-            return Ok(None);
+            return Ok(Err(lead));
         }
         // Until the flight has the copy, failing here leaves this thread its leader on the usual path.
-        let Ok(reader) = file.try_clone() else { return Ok(None) };
+        let Ok(reader) = file.try_clone() else { return Ok(Err(lead)) };
         let copy = Arc::new(Growing::new(reader, sid));
-        flight.deliver(Outcome::Growing(copy.clone()));
-        let (inner, k, r, f, following) = (self.clone(), *key, rel.to_string(), flight.clone(), copy.clone());
+        lead.deliver(Outcome::Growing(copy.clone()));
+        let (inner, k, r, following) = (self.clone(), *key, rel.to_string(), copy.clone());
         let spawned = std::thread::Builder::new().name("tierstore-sibling".into()).spawn(move || {
             match inner.watch_sibling(&k, &r, &file, &following) {
                 Ok(()) => following.finish(),
@@ -87,15 +86,15 @@ impl Inner {
                     following.fail();
                 }
             }
-            inner.flights.land(&k, &f);
+            drop(lead);
         });
         if let Err(e) = spawned {
+            // The closure, and the lead with it, is dropped: the flight has landed.
             copy.fail();
-            self.flights.land(key, flight);
             return Err(Error::io(&path, e));
         }
         let file = copy.file().try_clone().map_err(|e| Error::io(&temp, e))?;
-        Ok(Some(Served { file, identity: sid, checksum: None, copy: Some(copy) }))
+        Ok(Ok(Served { file, identity: sid, checksum: None, copy: Some(copy) }))
     }
 
     /// Records each piece of `file` (the other process's copy) in `copy` as the file comes to hold it,
