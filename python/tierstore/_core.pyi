@@ -10,6 +10,8 @@ _Size = int | str
 __all__ = [
     "DEFAULT_PREFETCH_JOBS",
     "MAX_PREFETCH_JOBS",
+    "S3_DEFAULTS",
+    "S3_KEYS",
     "AgentLink",
     "Cache",
     "ConfigError",
@@ -42,6 +44,8 @@ __all__ = [
 __version__: str
 DEFAULT_PREFETCH_JOBS: int
 MAX_PREFETCH_JOBS: int
+S3_KEYS: tuple[str, ...]  # the keys of the [s3] table, in the reference's order
+S3_DEFAULTS: dict[str, str]  # the defaults of the [s3] keys that have one, as the reference writes them
 
 class TierstoreError(Exception): ...
 

@@ -657,5 +657,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;
+    // The `[s3]` keys and the defaults of those that have one, for `config show` (declared once, in Rust).
+    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), tierstore_core::source::s3_config::S3_KEYS)?)?;
+    m.add(
+        "S3_DEFAULTS",
+        tierstore_core::source::s3_config::S3_DEFAULTS.iter().copied().collect::<std::collections::BTreeMap<_, _>>(),
+    )?;
     error::register(m)
 }

@@ -281,28 +281,11 @@ def _node_origin(origin: str) -> str:
     return "default: the host name" if origin == "default" else origin
 
 
-# The settings of an s3:// source that `config show` prints, in order, and the defaults of those the
-# configuration's reference gives one (docs/reference/configuration.md, [s3]; S3Config::parse).
-S3_SHOWN = (
-    "endpoint",
-    "region",
-    "profile",
-    "access_key_id",
-    "secret_access_key",
-    "session_token",
-    "timeout",
-    "connect_timeout",
-    "retries",
-    "range_size",
-    "ranges_in_flight",
-)
-S3_DEFAULTS: dict[str, Any] = {
-    "timeout": "30s",
-    "connect_timeout": "5s",
-    "retries": 3,
-    "range_size": "8M",
-    "ranges_in_flight": 8,
-}
+# The settings of an s3:// source that `config show` prints, in order, and the defaults of those that have
+# one: the Rust configuration's own lists (source/s3_config.rs), which S3Config::parse starts from. A
+# count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
+S3_SHOWN: tuple[str, ...] = _core.S3_KEYS
+S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.S3_DEFAULTS.items()}
 S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
 
 

@@ -28,6 +28,17 @@ pub const S3_KEYS: &[&str] = &[
     "ranges_in_flight",
 ];
 
+/// The defaults of the `[s3]` keys that have one, as the configuration reference writes them: `parse`
+/// starts from these, and `config show` prints them (through `_core.S3_DEFAULTS`), so the two never
+/// disagree. The other keys come from the AWS environment and profile files, or stay unset.
+pub const S3_DEFAULTS: &[(&str, &str)] =
+    &[("timeout", "30s"), ("connect_timeout", "5s"), ("retries", "3"), ("range_size", "8M"), ("ranges_in_flight", "8")];
+
+/// The default of `[s3] key`, as written in [`S3_DEFAULTS`].
+fn default_of(key: &str) -> &'static str {
+    S3_DEFAULTS.iter().find(|(k, _)| *k == key).map(|(_, v)| *v).expect("every defaulted [s3] key is in S3_DEFAULTS")
+}
+
 /// Where an object store source is and how to talk to it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct S3Config {
@@ -110,11 +121,11 @@ impl S3Config {
             bucket: bucket.to_string(),
             prefix: prefix.to_string(),
             settings: BTreeMap::new(),
-            timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(5),
-            retries: 3,
-            range_size: 8 << 20,
-            ranges_in_flight: 8,
+            timeout: parse_duration(default_of("timeout")).expect("a duration"),
+            connect_timeout: parse_duration(default_of("connect_timeout")).expect("a duration"),
+            retries: default_of("retries").parse().expect("a count"),
+            range_size: parse_size(default_of("range_size")).expect("a size"),
+            ranges_in_flight: default_of("ranges_in_flight").parse().expect("a count"),
         })
     }
 
@@ -228,5 +239,14 @@ mod tests {
         let mut secret = whole.clone();
         secret.settings.insert("secret_access_key".into(), "sekrit".into());
         assert!(!format!("{secret:?}").contains("sekrit"));
+    }
+
+    #[test]
+    fn the_written_defaults_are_the_parsed_ones_and_every_one_is_a_key() {
+        let c = S3Config::parse("s3://bucket").unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(30));
+        assert_eq!(c.connect_timeout, Duration::from_secs(5));
+        assert_eq!((c.retries, c.range_size, c.ranges_in_flight), (3, 8 << 20, 8));
+        assert!(S3_DEFAULTS.iter().all(|(k, _)| S3_KEYS.contains(k)));
     }
 }
