@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.cli import tierstore_run
+from tests.helpers.cli import tierstore, tierstore_run
 from tests.helpers.stores import store_stats
 
 LOADER_JOB = textwrap.dedent(
@@ -285,11 +285,9 @@ def test_symlink_into_the_source_reads_correct_bytes(
 
 
 def test_run_reports_config_errors_and_missing_commands(tmp_path: Path, tier: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "--source", str(tmp_path), "--tier", f"{tier}:9Q",
-                        "run", "--", "true"], capture_output=True, text=True)  # fmt: skip
+    r = tierstore("--source", str(tmp_path), "--tier", f"{tier}:9Q", "run", "--", "true")
     assert r.returncode != 0 and "not a size" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tierstore.cli", "--source", str(tmp_path), "--tier", f"{tier}:1M",
-                        "run", "--", "no-such-program-xyz"], capture_output=True, text=True)  # fmt: skip
+    r = tierstore("--source", str(tmp_path), "--tier", f"{tier}:1M", "run", "--", "no-such-program-xyz")
     assert r.returncode != 0 and "cannot run 'no-such-program-xyz'" in r.stderr
 
 
@@ -416,23 +414,9 @@ def test_status_counts_a_cold_run_as_misses_and_a_warm_run_as_hits_with_the_byte
     tiers = f"{tier}:16M"
 
     def counts() -> dict[str, int]:
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tierstore.cli",
-                "--source",
-                str(source),
-                "--tier",
-                tiers,
-                "status",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        t = json.loads(out)["tiers"][0]
+        status = tierstore("--source", str(source), "--tier", tiers, "status", "--json")
+        assert status.returncode == 0, status.stderr
+        t = json.loads(status.stdout)["tiers"][0]
         return {k: t[k] for k in ("hits", "misses", "bytes_served")}
 
     for run, expected in enumerate(
