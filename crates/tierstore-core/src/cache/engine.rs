@@ -11,6 +11,7 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use super::fetch::FetchJob;
 use super::flight::{Flights, Outcome, Role};
 use super::lock::{lock_shared, FetchLocks};
 use super::pool::Pool;
@@ -264,9 +265,10 @@ impl Inner {
             }
             match self.flights.join(&key) {
                 Role::Leader(lead) => {
-                    let fetched = match self.from_peer(&key, rel, &mut known, lead, Purpose::Read) {
+                    let job = FetchJob { rel, purpose: Purpose::Read, seen, lead };
+                    let fetched = match self.from_peer(job, &mut known) {
                         Ok(fetched) => fetched,
-                        Err(lead) => self.lead_flight(&key, rel, &mut known, lead, Purpose::Read, &mut pre, seen)?,
+                        Err(job) => self.lead_flight(job, &mut known, &mut pre)?,
                     };
                     match fetched {
                         Fetched::Reader(r) => return Ok(r),
@@ -498,9 +500,11 @@ impl Inner {
                 // Small files (and every file without `stream`) are fetched whole in this thread, so the
                 // caller gets a complete copy.
                 Role::Leader(lead) => {
-                    let fetched = match self.from_peer(&key, rel, &mut known, lead, Purpose::Native) {
+                    // A peer is asked for the file whole (a program's descriptor), whatever `stream` says.
+                    let job = FetchJob { rel, purpose: Purpose::Native, seen, lead };
+                    let fetched = match self.from_peer(job, &mut known) {
                         Ok(fetched) => fetched,
-                        Err(lead) => self.lead_flight(&key, rel, &mut known, lead, purpose, &mut pre, seen)?,
+                        Err(job) => self.lead_flight(FetchJob { purpose, ..job }, &mut known, &mut pre)?,
                     };
                     match fetched {
                         Fetched::Uncached | Fetched::NoRoom => break,

@@ -21,26 +21,40 @@ use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{CopyFault, SourceFile};
 
+/// One fetch as its leader carries it down the read path: the file, why it is fetched, when the source
+/// last showed its version, and the lead of its flight. Whoever holds the job fetches; the flight lands
+/// when the job (its lead) is dropped, on return or when the background copy it was handed to ends.
+pub(super) struct FetchJob<'a> {
+    /// The file, relative to the source.
+    pub rel: &'a str,
+    /// Who asked, which decides what a fetch hands back.
+    pub purpose: Purpose,
+    /// A time at or before which the source showed the version fetched (or will show the one the leader
+    /// opens): its copy records it as confirmed.
+    pub seen: u64,
+    /// The lead of the file's in-process flight.
+    pub lead: Lead,
+}
+
+impl FetchJob<'_> {
+    /// The index key of the file.
+    pub fn key(&self) -> &Key {
+        self.lead.key()
+    }
+}
+
 impl Inner {
-    /// Leads the flight of `key`: identifies the file if needed (the leader alone opens it), then fetches.
-    /// `seen`: a time at or before which the source showed the version `known` (or will show the one the
-    /// leader opens), which its copy records as confirmed. The flight lands when `lead` is dropped: on
-    /// return, or when the background copy ends.
-    // The arguments are one fetch's (what, which version, since when, its flight, why, the open source).
-    #[allow(clippy::too_many_arguments)]
+    /// Leads a fetch: identifies the file if its version is not `known` (the leader alone opens it, and
+    /// records the version in `known`), then fetches. The source's file, once open, is kept in `pre`.
     pub(super) fn lead_flight(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'_>,
         known: &mut Option<SourceId>,
-        lead: Lead,
-        purpose: Purpose,
         pre: &mut Option<SourceFile>,
-        seen: u64,
     ) -> Result<Fetched, Error> {
         match *known {
-            Some(sid) => self.lead(key, rel, sid, lead, purpose, pre, seen),
-            None => self.lead_unknown_flight(key, rel, known, lead, purpose, pre, seen),
+            Some(sid) => self.lead(job, sid, pre),
+            None => self.lead_unknown_flight(job, known, pre),
         }
     }
 
@@ -68,17 +82,14 @@ impl Inner {
     /// taken before the source is opened: processes racing for the same cold file then send the store one
     /// open (one `GET`) between them, whatever the `revalidate` mode, and the ones that waited find it
     /// published and check it as any copy.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn lead_unknown_flight(
+    fn lead_unknown_flight(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'_>,
         known: &mut Option<SourceId>,
-        lead: Lead,
-        purpose: Purpose,
         pre: &mut Option<SourceFile>,
-        seen: u64,
     ) -> Result<Fetched, Error> {
+        let (key, rel) = (*job.key(), job.rel);
+        let key = &key;
         let guard = match self.locks.lock(key) {
             Ok(g) => Some(g),
             Err(e) => {
@@ -87,6 +98,7 @@ impl Inner {
             }
         };
         let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
+        let FetchJob { lead, .. } = job;
         let (sid, lead) = match published {
             Some(Ok(sid)) => (sid, lead),
             Some(Err(e)) => {
@@ -96,10 +108,11 @@ impl Inner {
             None => self.open_for_flight(rel, lead, pre)?,
         };
         *known = Some(sid);
+        let job = FetchJob { lead, ..job };
         match guard {
-            Some(guard) => self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen),
+            Some(guard) => self.fetch_locked(job, sid, guard, pre),
             None => {
-                drop(lead);
+                drop(job);
                 Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
             }
         }
@@ -110,44 +123,40 @@ impl Inner {
         Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
     }
 
-    /// Fetches `key` under the node-wide fetch lock (the caller leads the in-process flight).
-    #[allow(clippy::too_many_arguments)]
+    /// Fetches version `sid` under the node-wide fetch lock, which it takes (the job leads the in-process
+    /// flight).
     pub(super) fn lead(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'_>,
         sid: SourceId,
-        lead: Lead,
-        purpose: Purpose,
         pre: &mut Option<SourceFile>,
-        seen: u64,
     ) -> Result<Fetched, Error> {
-        let guard = match self.locks.lock(key) {
+        let guard = match self.locks.lock(job.key()) {
             Ok(g) => g,
             Err(e) => {
                 self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                drop(lead);
+                let rel = job.rel;
+                drop(job);
                 return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
             }
         };
-        self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen)
+        self.fetch_locked(job, sid, guard, pre)
     }
 
-    // The arguments are what one fetch is about (key, path, version, its flight, its lock, its purpose,
-    // the source descriptor it may already have, and when the source showed the version); bundling them
-    // would only rename them.
-    #[allow(clippy::too_many_arguments)]
+    /// Fetches version `sid` under the node-wide fetch lock `guard`: a copy another process published
+    /// meanwhile is used; otherwise room is reserved in a tier, and the file is read into it (a small one
+    /// whole, in this thread for a prefetch; a large one by the copy pool, followed by its readers). `pre`:
+    /// the source's file, when open already.
     pub(super) fn fetch_locked(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'_>,
         sid: SourceId,
-        lead: Lead,
         guard: FetchGuard,
-        purpose: Purpose,
         pre: &mut Option<SourceFile>,
-        seen: u64,
     ) -> Result<Fetched, Error> {
+        let FetchJob { rel, purpose, seen, lead } = job;
+        let key = *lead.key();
+        let key = &key;
         // Another process may have published while this one waited for the lock.
         if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
             return Ok(match purpose {
@@ -533,7 +542,8 @@ impl Inner {
         }
         let mut pre = None;
         let (sid, lead) = self.open_for_flight(rel, lead, &mut pre)?;
-        let fetched = self.fetch_locked(key, rel, sid, lead, guard, Purpose::Prefetch, &mut pre, seen)?;
+        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+        let fetched = self.fetch_locked(job, sid, guard, &mut pre)?;
         Ok(Some((sid, fetched)))
     }
 
@@ -556,7 +566,10 @@ impl Inner {
         // Never block a prefetch worker on another process's fetch: it is being done, which is all a
         // prefetch wants.
         match self.locks.try_lock(key) {
-            Ok(Some(guard)) => self.fetch_locked(key, rel, sid, lead, guard, Purpose::Prefetch, &mut Some(file), seen),
+            Ok(Some(guard)) => {
+                let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+                self.fetch_locked(job, sid, guard, &mut Some(file))
+            }
             Ok(None) => Ok(Fetched::Skipped),
             Err(e) => Err(Error::io(&self.source.path_of(rel), e)),
         }

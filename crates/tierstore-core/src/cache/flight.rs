@@ -81,6 +81,11 @@ pub struct Lead {
 }
 
 impl Lead {
+    /// The key of the file (or directory) the flight fetches.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
     /// Hands `outcome` to every waiter, present and future, until the flight lands.
     pub fn deliver(&self, outcome: Outcome) {
         self.flight.deliver(outcome);

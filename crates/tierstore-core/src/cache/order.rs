@@ -30,6 +30,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
+use super::fetch::FetchJob;
 use super::flight::{Lead, Role};
 use super::lock::FetchGuard;
 use crate::error::Error;
@@ -458,7 +459,8 @@ impl Shared {
             p.files_cached.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        match inner.fetch_locked(&key, rel, sid, lead, guard, Purpose::Prefetch, &mut Some(file), seen) {
+        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+        match inner.fetch_locked(job, sid, guard, &mut Some(file)) {
             Ok(Fetched::Cached) => {
                 p.files_fetched.fetch_add(1, Ordering::Relaxed);
                 p.bytes_fetched.fetch_add(sid.size, Ordering::Relaxed);

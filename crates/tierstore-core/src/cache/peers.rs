@@ -40,8 +40,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native, Purpose};
-use super::fetch::fail_flight;
-use super::flight::{Lead, Outcome, Role};
+use super::fetch::{fail_flight, FetchJob};
+use super::flight::{Outcome, Role};
 use super::lock::{lock_shared, FetchGuard};
 use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
 use crate::cluster::Sharing;
@@ -187,7 +187,8 @@ impl Inner {
             match self.flights.join(&key) {
                 Role::Leader(lead) => {
                     let mut pre = None;
-                    match self.lead_for_peer(&key, rel, &mut known, lead, Purpose::Prefetch, &mut pre, beneath)? {
+                    let job = FetchJob { rel, purpose: Purpose::Prefetch, seen: now_ns(), lead };
+                    match self.lead_for_peer(job, &mut known, &mut pre, beneath)? {
                         Fetched::Cached | Fetched::Skipped => {}
                         // No tier took it: the file opened beneath the source.
                         _ => break,
@@ -214,24 +215,21 @@ impl Inner {
     /// meanwhile, if vouched for, is used as it is, and only then is the file opened beneath the source
     /// (the one open a miss costs), the copy made from that descriptor (left in `pre`, and its version in
     /// `known`). Processes racing for the same cold file thus still send the store one open between them.
-    #[allow(clippy::too_many_arguments)]
     fn lead_for_peer(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'_>,
         known: &mut Option<SourceId>,
-        lead: Lead,
-        purpose: Purpose,
         pre: &mut Option<SourceFile>,
         beneath: &mut Beneath<'_>,
     ) -> Result<Fetched, Error> {
         if !beneath.applies() {
-            return self.lead_flight(key, rel, known, lead, purpose, pre, now_ns());
+            return self.lead_flight(job, known, pre);
         }
         if let Some(sid) = known.filter(|sid| beneath.vouched(sid)) {
-            return self.lead(key, rel, sid, lead, purpose, pre, now_ns());
+            return self.lead(job, sid, pre);
         }
-        let seen = now_ns();
+        let (key, rel) = (*job.key(), job.rel);
+        let key = &key;
         let guard = match self.locks.lock(key) {
             Ok(g) => g,
             Err(e) => {
@@ -243,7 +241,7 @@ impl Inner {
         let sid = match self.published(key, rel).map(|e| self.current_identity(key, rel, &e)) {
             Some(Err(e)) => {
                 drop(guard);
-                fail_flight(lead, &e);
+                fail_flight(job.lead, &e);
                 return Err(e);
             }
             Some(Ok(sid)) if beneath.vouched(&sid) => sid,
@@ -256,7 +254,7 @@ impl Inner {
             },
         };
         *known = Some(sid);
-        self.fetch_locked(key, rel, sid, lead, guard, purpose, pre, seen)
+        self.fetch_locked(job, sid, guard, pre)
     }
 
     /// A whole copy of version `sid` as served: with the version and blake3 its entry records.
@@ -293,7 +291,8 @@ impl Inner {
                     Err(lead) => lead,
                 };
                 let mut pre = None;
-                match self.lead_for_peer(&key, rel, &mut known, lead, Purpose::Peer, &mut pre, beneath)? {
+                let job = FetchJob { rel, purpose: Purpose::Peer, seen: now_ns(), lead };
+                match self.lead_for_peer(job, &mut known, &mut pre, beneath)? {
                     Fetched::Reader(r) => match r.backing() {
                         Backing::Growing(g) => g.clone(),
                         _ => return Ok(None),
@@ -361,22 +360,21 @@ impl Inner {
         Ok(true)
     }
 
-    /// Serves a miss from the agent of the node that owns the file. `Err` hands the lead back: this node
+    /// Serves a miss from the agent of the node that owns the file. `Err` hands the job back: this node
     /// owns the file, no peer could serve it, or the peer sent another version than `known`, and the
     /// caller goes on to the source. `Ok`: served; the flight has landed, or (a large file a reader
     /// follows as it arrives) lands when the transfer ends.
-    pub(super) fn from_peer(
+    pub(super) fn from_peer<'a>(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'a>,
         known: &mut Option<SourceId>,
-        lead: Lead,
-        purpose: Purpose,
-    ) -> Result<Fetched, Lead> {
-        let Some(remote) = self.remote.as_ref() else { return Err(lead) };
-        let Some(who) = remote.owner(rel) else { return Err(lead) };
+    ) -> Result<Fetched, FetchJob<'a>> {
+        let (key, rel, purpose) = (*job.key(), job.rel, job.purpose);
+        let key = &key;
+        let Some(remote) = self.remote.as_ref() else { return Err(job) };
+        let Some(who) = remote.owner(rel) else { return Err(job) };
         // Node-wide single flight: one process of this node asks the owner, the others find its copy.
-        let Ok(guard) = self.locks.lock(key) else { return Err(lead) };
+        let Ok(guard) = self.locks.lock(key) else { return Err(job) };
         let published = known.or_else(|| self.published(key, rel).map(|e| e.source));
         if let Some(sid) = published {
             if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
@@ -398,7 +396,7 @@ impl Inner {
                 Ok(()) => Ok(Fetched::Cached),
                 Err(e) => {
                     self.peer_failed(&who, rel, &e);
-                    Err(lead)
+                    Err(job)
                 }
             };
         }
@@ -406,7 +404,7 @@ impl Inner {
             Ok(t) => t,
             Err(e) => {
                 self.peer_failed(&who, rel, &e);
-                return Err(lead);
+                return Err(job);
             }
         };
         let sid = transfer.found;
@@ -414,7 +412,7 @@ impl Inner {
             // The owner has another version than the source showed this process: take the source's.
             let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
             self.peer_failed(&who, rel, &stale);
-            return Err(lead);
+            return Err(job);
         }
         // The owner vouches for the version, not for when the source last showed it: a copy kept here is
         // confirmed against the source before `revalidate = "<duration>"` trusts it.
@@ -424,7 +422,7 @@ impl Inner {
         // as well, and the job opens each file on the store once.)
         let large = sid.size > self.config.inline_max.max(crate::hash::PIECE as u64);
         if large && purpose == Purpose::Read {
-            return self.follow_peer(key, rel, sid, tier, transfer, guard, lead, who);
+            return self.follow_peer(job, sid, tier, transfer, guard, who);
         }
         let result = match tier {
             Some(t) => self.receive_into_tier(t, key, rel, sid, transfer, &who),
@@ -443,14 +441,14 @@ impl Inner {
                 *known = Some(sid);
                 if let Fetched::Reader(r) = &fetched {
                     if let Backing::Memory(bytes) = r.backing() {
-                        lead.deliver(Outcome::Bytes(bytes.clone()));
+                        job.lead.deliver(Outcome::Bytes(bytes.clone()));
                     }
                 }
                 Ok(fetched)
             }
             Err(e) => {
                 self.peer_failed(&who, rel, &e);
-                Err(lead)
+                Err(job)
             }
         }
     }
@@ -460,18 +458,17 @@ impl Inner {
     /// once it is written and checked. If the transfer fails, the copy fails, and its readers go on from
     /// the source at the same offset (of the same version). The fetch lock and the flight are held until
     /// the transfer ends.
-    #[allow(clippy::too_many_arguments)]
-    fn follow_peer(
+    fn follow_peer<'a>(
         self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
+        job: FetchJob<'a>,
         sid: SourceId,
         tier: Option<usize>,
         transfer: Transfer,
         guard: FetchGuard,
-        lead: Lead,
         who: String,
-    ) -> Result<Fetched, Lead> {
+    ) -> Result<Fetched, FetchJob<'a>> {
+        let (key, rel) = (*job.key(), job.rel);
+        let key = &key;
         let dest = match tier {
             Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
                 let follower = File::open(&path)?;
@@ -490,16 +487,17 @@ impl Inner {
                     self.abort(t, key);
                 }
                 self.peer_failed(&who, rel, &RemoteError::Sink(e));
-                return Err(lead);
+                return Err(job);
             }
         };
         let growing = Arc::new(Growing::new(follower, sid));
+        let lead = job.lead;
         lead.deliver(Outcome::Growing(growing.clone()));
         let fetched =
             Fetched::Reader(Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone()));
         let inner = self.clone();
         let (key, rel) = (*key, rel.to_string());
-        let job = move || {
+        let receive = move || {
             let mut checked = 0;
             let mut usable = |end: u64| {
                 checked = end;
@@ -542,8 +540,8 @@ impl Inner {
             drop(lead);
         };
         match self.pool() {
-            Some(pool) => pool.urgent(job),
-            None => job(),
+            Some(pool) => pool.urgent(receive),
+            None => receive(),
         }
         Ok(fetched)
     }

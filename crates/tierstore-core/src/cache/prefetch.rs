@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
+use super::fetch::FetchJob;
 use super::flight::Role;
 use crate::config::Revalidate;
 use crate::error::Error;
@@ -423,7 +424,8 @@ impl Walk {
             if let Role::Leader(lead) = inner.flights.join(&key) {
                 let mut known = None;
                 // Not served by a peer: the lead drops here, and the store is asked below.
-                if inner.from_peer(&key, &rel, &mut known, lead, Purpose::Prefetch).is_ok() {
+                let job = FetchJob { rel: &rel, purpose: Purpose::Prefetch, seen: now_ns(), lead };
+                if inner.from_peer(job, &mut known).is_ok() {
                     let size = known.map_or(0, |sid| sid.size);
                     p.bytes_total.fetch_add(size, Ordering::Relaxed);
                     p.files_copied.fetch_add(1, Ordering::Relaxed);
