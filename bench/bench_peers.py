@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 import machine
 from tierstore.testing import slowfs
 from tierstore.testing.s3server import ACCESS_KEY, SECRET_KEY, LatencyProxy, S3Server
+from units import blob, human, size
 
 PY = sys.executable
 BIN = Path(PY).parent
@@ -127,26 +128,6 @@ PEER_DEFAULTS = ["juicefs", "rclone", "s3fs-fuse", "simplecache"]
 
 class Unavailable(Exception):
     """A tool that cannot run on this machine; the message says why."""
-
-
-def size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def blob(i: int, n: int) -> bytes:
-    import hashlib
-
-    seed = hashlib.blake2b(str(i).encode(), digest_size=64).digest()
-    return (seed * (n // 64 + 1))[:n]
 
 
 def keys(args: argparse.Namespace) -> list[tuple[str, int, int]]:
