@@ -32,7 +32,9 @@ would run N accelerators as N MPI ranks; 2 cores cannot host several ranks with 
 measuring the CPU instead of the storage, so this assumes C is what the storage path can deliver to any
 number of ranks (true of the local copy and the tier, both in memory; generous to the store, whose
 FUSE daemon would be shared by the ranks). Target: from epoch 2 on, AU >= 90% and N of `tierstore run` at
-least 0.95x the local copy's, in the same round.
+least 0.95x the local copy's, in the same round. As a cross-check of that assumption, each setup then runs
+once more with the compute as `--ranks` MPI ranks (DLIO's own multi-process mode, `mpirun`; 2 by default),
+and the page puts the AU DLIO measures beside the AU the one-process capacity predicts for that many.
 
 Then the checkpointing workload, llama3-8b-shaped: DLIO 2.0.0 checkpoints from its training loop (PyPI has
 no release with the checkpoint-only llama workloads of DLIO's main branch), so a tiny dataset is trained
@@ -189,11 +191,26 @@ def ckpt_overrides(data: Path, folder: Path) -> list[str]:
     ]
 
 
-def dlio(dlio_bin: Path, overrides: list[str], out: Path, env: dict[str, str], wrap: bool) -> Path:
-    """Runs DLIO with `overrides` (under `tierstore run` if `wrap`); returns its output folder."""
+def dlio(
+    dlio_bin: Path, overrides: list[str], out: Path, env: dict[str, str], wrap: bool, ranks: int = 1
+) -> Path:
+    """Runs DLIO with `overrides` (under `tierstore run` if `wrap`), as `ranks` MPI ranks when more than
+    one (each a simulated accelerator, as MLPerf Storage runs it); returns its output folder."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cmd = [str(dlio_bin), *overrides, f"++workload.output.folder={out}", f"hydra.run.dir={out}/hydra"]
+    if ranks > 1:
+        # The ranks inherit mpirun's environment, the shim's LD_PRELOAD included under `tierstore run`.
+        cmd = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "-np",
+            str(ranks),
+            *cmd,
+        ]
     if wrap:
         cmd = [PY, "-m", "tierstore.cli", "run", "--", *cmd]
     env = {**env, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONUNBUFFERED": "1"}
@@ -252,6 +269,52 @@ def train_round(
             result[setup][kind] = summary(out)
             print(f"{w.name} {setup} {kind}: {result[setup][kind]}", file=sys.stderr, flush=True)
     return result
+
+
+def mpi_round(
+    dlio_bin: Path, w: Training, backing: Path, mount: Path, root: Path, ranks: int
+) -> dict[str, Epochs]:
+    """DLIO's own multi-process mode, as a cross-check of the accelerator counts computed from one
+    process's capacity: every setup once with the workload's compute, as `ranks` MPI ranks."""
+    result: dict[str, Epochs] = {}
+    tier = Path("/dev/shm") / f"tierstore-bench-dlio-tier-{os.getpid()}"
+    for setup in SETUPS:
+        data = backing if setup == "local copy" else mount
+        overrides = [*w.overrides(data / w.name), f"++workload.train.computation_time={w.compute}"]
+        shutil.rmtree(tier, ignore_errors=True)
+        wrap = setup == "tierstore run"
+        env = cache_env(mount, tier) if wrap else clean_env()
+        name = f"{w.name}-mpi{ranks}-{setup.replace(' ', '-')}"
+        result[setup] = summary(dlio(dlio_bin, overrides, root / "out" / name, env, wrap, ranks))
+        shutil.rmtree(tier, ignore_errors=True)
+        print(f"{w.name} {setup} {ranks} ranks: {result[setup]}", file=sys.stderr, flush=True)
+    return result
+
+
+def mpi_report(
+    w: Training, ranks: int, mpi: dict[str, Epochs], rounds: list[dict[str, dict[str, Epochs]]]
+) -> list[str]:
+    """The cross-check's table: each setup's AU with `ranks` ranks as DLIO measured it (its mean over the
+    ranks), beside the AU the one-process capacity predicts for that many accelerators."""
+    lines = [
+        f"### {w.name}: {ranks} MPI ranks, DLIO's own multi-process mode (a cross-check)",
+        "",
+        f"Each setup once, with the compute, as {ranks} ranks of {w.threads} DataLoader workers each (on 2 cores). "
+        f"Predicted: the AU {ranks} accelerators get from the capacity measured above with one process "
+        f"(median over the rounds of the mean of epochs 2 on), min(100, C / ({ranks} D)).",
+        "",
+        "| setup | AU % predicted, epoch 2 on | AU % measured (epoch "
+        + " / ".join(str(e + 1) for e in range(w.epochs))
+        + ") | samples/s of all ranks |",
+        "|---|---:|---|---|",
+    ]
+    for s in SETUPS:
+        capacity = median([statistics.mean(r[s]["capacity"].samples[1:]) for r in rounds])
+        predicted = min(100.0, 100.0 * capacity / (ranks * w.demand))
+        au = " / ".join(f"{x:.1f}" for x in mpi[s].au)
+        sps = " / ".join(f"{x:.1f}" for x in mpi[s].samples)
+        lines.append(f"| {s} | {predicted:.1f} | {au} | {sps} |")
+    return lines
 
 
 def generate(dlio_bin: Path, w: Training, backing: Path, root: Path) -> None:
@@ -576,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every setup; tables give medians")
     ap.add_argument("--ckpt-store-bw", default="200MiB/s", help="the checkpoint store's write cap")
     ap.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="MPI ranks of the multi-process cross-check of each training workload (0: none)",
+    )
+    ap.add_argument(
         "--only", choices=("unet3d", "resnet50", "checkpoint"), help="one workload (while iterating)"
     )
     args = ap.parse_args(argv)
@@ -594,10 +663,20 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     workloads = [w for w in (UNET3D, RESNET50) if args.only in (None, w.name)]
     trained: dict[str, tuple[Training, list[dict[str, dict[str, Epochs]]]]] = {}
+    mpi: dict[str, dict[str, Epochs]] = {}
+    mpi_failed: dict[str, str] = {}
     ck: list[dict[str, Ckpt]] = []
     with mounted(backing, root / "store") as mount:
         for w in workloads:
             generate(args.dlio, w, backing, root)
+        # The cross-check first: a failure of mpirun shows at once, and is said on the page.
+        for w in workloads if args.ranks > 1 else []:
+            print(f"{w.name}: {args.ranks} MPI ranks", file=sys.stderr, flush=True)
+            try:
+                mpi[w.name] = mpi_round(args.dlio, w, backing, mount, root, args.ranks)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                mpi_failed[w.name] = str(e).splitlines()[0]
+                print(f"{w.name}: the cross-check failed: {e}", file=sys.stderr, flush=True)
         for r in range(args.rounds):
             for w in workloads:
                 print(f"{w.name}: round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
@@ -621,6 +700,7 @@ def main(argv: list[str] | None = None) -> int:
             for n, (_, rs) in trained.items()
         },
         "checkpoint": [{s: c.__dict__ for s, c in r.items()} for r in ck],
+        "mpi": {n: {s: e.__dict__ for s, e in r.items()} for n, r in mpi.items()},
     }
     (root / "results.json").write_text(json.dumps(raw, indent=1))
     version = (
@@ -642,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         "`summary.json` and `per_epoch_stats.json` are the source of every training figure and of the write "
         "throughput. The workloads start from DLIO's own `unet3d_h100` and `resnet50_h100` configurations, "
         "scaled as each section says (the module docstring of `bench/bench_dlio.py` gives the reasons).",
-        f"- The machine: {machine.describe()}, shared with other work (other benchmarks ran beside this one).",
+        f"- The machine: {machine.describe()}.",
         *provenance(),
         "- The stand-in store: `tierstore.testing.slowfs` over a local directory with its defaults (1 ms per "
         "metadata operation, 0.5 ms per read, 500 MiB/s). `tierstore run`: a fresh tier on /dev/shm each job, "
@@ -653,7 +733,13 @@ def main(argv: list[str] | None = None) -> int:
         "process with its workers; one accelerator consumes D = batch / compute samples/s at 100% AU, so N "
         "accelerators stay at AU >= 90% while N <= C / (0.9 D). Per round, the mean capacity of epochs 2 "
         "on gives N; the ratio to the local copy is taken within each round. Running N MPI ranks instead would "
-        "measure this 2-core machine's CPU, not the storage.",
+        "measure this 2-core machine's CPU, not the storage; "
+        + (
+            f"DLIO's own multi-process mode with {args.ranks} ranks is run once per setup as a cross-check of "
+            "the prediction (under each workload), before the rounds."
+            if args.ranks > 1
+            else "DLIO's own multi-process mode was not run (`--ranks 0`)."
+        ),
         f"- Rounds: {args.rounds}, every setup once per round, their order rotated by one each round; the "
         "whole run took "
         f"{(time.perf_counter() - t0) / 60:.0f} minutes.",
@@ -662,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
     for w, rounds in trained.values():
         part, met = train_report(w, rounds)
         lines += [*part, ""]
+        if w.name in mpi:
+            lines += [*mpi_report(w, args.ranks, mpi[w.name], rounds), ""]
+        elif w.name in mpi_failed:
+            lines += [f"The {args.ranks}-rank cross-check of {w.name} failed: {mpi_failed[w.name]}", ""]
         ok = ok and met
     if ck:
         part, met = ckpt_report(ck, args.ckpt_store_bw)
