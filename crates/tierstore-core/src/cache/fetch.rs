@@ -58,21 +58,20 @@ impl Inner {
         }
     }
 
-    /// Opens and identifies `rel` for the flight it leads, keeping the open file in `pre`; on failure the
-    /// flight lands with the error, so that its followers stop waiting and fail alike.
-    pub(super) fn open_for_flight(
+    /// Opens and identifies the job's file, keeping the open file in `pre`; on failure the job's flight
+    /// lands with the error, so that its followers stop waiting and fail alike.
+    pub(super) fn open_for_flight<'a>(
         &self,
-        rel: &str,
-        lead: Lead,
+        job: FetchJob<'a>,
         pre: &mut Option<SourceFile>,
-    ) -> Result<(SourceId, Lead), Error> {
-        match self.open_identified(rel) {
+    ) -> Result<(SourceId, FetchJob<'a>), Error> {
+        match self.open_identified(job.rel) {
             Ok((sid, f)) => {
                 *pre = Some(f);
-                Ok((sid, lead))
+                Ok((sid, job))
             }
             Err(e) => {
-                fail_flight(lead, &e);
+                fail_flight(job.lead, &e);
                 Err(e)
             }
         }
@@ -98,17 +97,15 @@ impl Inner {
             }
         };
         let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
-        let FetchJob { lead, .. } = job;
-        let (sid, lead) = match published {
-            Some(Ok(sid)) => (sid, lead),
+        let (sid, job) = match published {
+            Some(Ok(sid)) => (sid, job),
             Some(Err(e)) => {
-                fail_flight(lead, &e);
+                fail_flight(job.lead, &e);
                 return Err(e);
             }
-            None => self.open_for_flight(rel, lead, pre)?,
+            None => self.open_for_flight(job, pre)?,
         };
         *known = Some(sid);
-        let job = FetchJob { lead, ..job };
         match guard {
             Some(guard) => self.fetch_locked(job, sid, guard, pre),
             None => {
@@ -541,8 +538,8 @@ impl Inner {
             }
         }
         let mut pre = None;
-        let (sid, lead) = self.open_for_flight(rel, lead, &mut pre)?;
         let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+        let (sid, job) = self.open_for_flight(job, &mut pre)?;
         let fetched = self.fetch_locked(job, sid, guard, &mut pre)?;
         Ok(Some((sid, fetched)))
     }

@@ -131,6 +131,13 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    fn lead(flights: &Flights, key: &Key) -> Lead {
+        match flights.join(key) {
+            Role::Leader(lead) => lead,
+            Role::Follower(_) => panic!("the first thread to join followed"),
+        }
+    }
+
     fn follow(flights: &Flights, key: &Key) -> Arc<Flight> {
         match flights.join(key) {
             Role::Follower(f) => f,
@@ -142,7 +149,7 @@ mod tests {
     fn a_delivered_outcome_reaches_every_waiter_and_the_flight_lands_when_its_lead_is_dropped() {
         let flights = Flights::default();
         let key = [7u8; 16];
-        let Role::Leader(lead) = flights.join(&key) else { panic!("the first thread follows") };
+        let lead = lead(&flights, &key);
         let waiter = follow(&flights, &key);
         lead.deliver(Outcome::Bytes(Arc::new(b"abc".to_vec())));
         assert!(matches!(waiter.wait(), Outcome::Bytes(b) if b.as_slice() == b"abc"));
@@ -155,7 +162,7 @@ mod tests {
     fn a_leader_that_panics_leaves_no_waiter_waiting() {
         let flights = Arc::new(Flights::default());
         let key = [9u8; 16];
-        let Role::Leader(lead) = flights.join(&key) else { panic!("the first thread follows") };
+        let lead = lead(&flights, &key);
         let waiter = follow(&flights, &key);
         let waiting = std::thread::spawn(move || waiter.wait());
         std::thread::sleep(Duration::from_millis(50));
@@ -172,7 +179,7 @@ mod tests {
     fn a_failed_lead_hands_its_error_to_the_waiters() {
         let flights = Flights::default();
         let key = [3u8; 16];
-        let Role::Leader(lead) = flights.join(&key) else { panic!("the first thread follows") };
+        let lead = lead(&flights, &key);
         let waiter = follow(&flights, &key);
         lead.fail(&std::io::Error::new(std::io::ErrorKind::TimedOut, "the store did not answer"));
         match waiter.wait() {

@@ -286,7 +286,7 @@ impl Inner {
         let copy = match self.flights.join(&key) {
             Role::Leader(lead) => {
                 // Another process of this node may be copying it already (this node's own load of it).
-                let lead = match self.follow_sibling(&key, rel, lead, beneath)? {
+                let lead = match self.follow_sibling(rel, lead, beneath)? {
                     Ok(served) => return Ok(Some(served)),
                     Err(lead) => lead,
                 };

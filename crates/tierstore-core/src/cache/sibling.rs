@@ -43,12 +43,12 @@ impl Inner {
     /// flight landed) when the path the peer asked for leaves the source.
     pub(super) fn follow_sibling(
         self: &Arc<Self>,
-        key: &Key,
         rel: &str,
         lead: Lead,
         beneath: &mut Beneath<'_>,
     ) -> Result<Result<Served, Lead>, Error> {
-        let Some((t, temp)) = self.sibling_temp(key) else { return Ok(Err(lead)) };
+        let key = *lead.key();
+        let Some((t, temp)) = self.sibling_temp(&key) else { return Ok(Err(lead)) };
         let Ok(file) = File::open(&temp) else { return Ok(Err(lead)) };
         let path = self.source.path_of(rel);
         // The version the other process copies: its copy is checked against it once published. (A store
@@ -57,7 +57,7 @@ impl Inner {
             // On a POSIX source, the version the other process reserved its copy for: it reads the copy
             // from a descriptor of exactly that version, so a version vouched for is a file beneath the
             // source (and the copy of a file a local open reached through a symlink out of it never is).
-            let reserved = self.tiers[t].index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
+            let reserved = self.tiers[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
             let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else {
                 return Ok(Err(lead));
             };
@@ -77,7 +77,7 @@ impl Inner {
         let Ok(reader) = file.try_clone() else { return Ok(Err(lead)) };
         let copy = Arc::new(Growing::new(reader, sid));
         lead.deliver(Outcome::Growing(copy.clone()));
-        let (inner, k, r, following) = (self.clone(), *key, rel.to_string(), copy.clone());
+        let (inner, k, r, following) = (self.clone(), key, rel.to_string(), copy.clone());
         let spawned = std::thread::Builder::new().name("tierstore-sibling".into()).spawn(move || {
             match inner.watch_sibling(&k, &r, &file, &following) {
                 Ok(()) => following.finish(),
