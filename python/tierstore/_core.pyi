@@ -10,8 +10,9 @@ _Size = int | str
 __all__ = [
     "DEFAULT_PREFETCH_JOBS",
     "MAX_PREFETCH_JOBS",
-    "S3_DEFAULTS",
     "S3_KEYS",
+    "STORE_DEFAULTS",
+    "STORE_KEYS",
     "AgentLink",
     "Cache",
     "ConfigError",
@@ -44,8 +45,9 @@ __all__ = [
 __version__: str
 DEFAULT_PREFETCH_JOBS: int
 MAX_PREFETCH_JOBS: int
-S3_KEYS: tuple[str, ...]  # the keys of the [s3] table, in the reference's order
-S3_DEFAULTS: dict[str, str]  # the defaults of the [s3] keys that have one, as the reference writes them
+S3_KEYS: tuple[str, ...]  # the short keys of an s3:// source's table ([s3]), in the reference's order
+STORE_KEYS: tuple[str, ...]  # tierstore's own keys of the [object_store] table, for every kind of store
+STORE_DEFAULTS: dict[str, str]  # the defaults of STORE_KEYS, as the reference writes them
 
 class TierstoreError(Exception): ...
 
@@ -159,6 +161,7 @@ class Cache:
         verify: str | None = None,
         revalidate: str | None = None,
         s3: Mapping[str, object] | None = None,
+        object_store: Mapping[str, object] | None = None,
     ) -> Cache: ...
     def open(self, path: _Path) -> Reader: ...
     def lookup(self, path: _Path, validate: bool = True) -> str | None: ...

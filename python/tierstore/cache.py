@@ -42,11 +42,13 @@ def _tier(spec: TierSpec) -> tuple[Any, int | str | None]:
 
 
 class Cache:
-    """A tiered, node-local cache in front of one source: a directory or an S3-compatible bucket.
+    """A tiered, node-local cache in front of one source: a directory, or a prefix of an object store (S3 or
+    an S3-compatible server, Google Cloud Storage, Azure Blob Storage, or an HTTP server with WebDAV).
 
     Args:
         source: The directory on the shared store to cache, or an object store prefix
-            ("s3://bucket/prefix"). Overrides `source` of the config file and `$TIERSTORE_SOURCE`.
+            ("s3://bucket/prefix", "gs://bucket/prefix", "az://container/prefix",
+            "https://host/prefix"). Overrides `source` of the config file and `$TIERSTORE_SOURCE`.
         tiers: Cache tiers, fastest first: "PATH:QUOTA" strings, (path, quota) pairs or
             {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB"), a number of
             bytes or a share of the tier's file system ("50%"); leave it out to use half of the free
@@ -61,9 +63,13 @@ class Cache:
             "always" (one `stat` or HEAD of the source per open of a cached file: never stale), or
             "never" (a read-only dataset: after the first epoch nothing at all is asked of the source).
         config: A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
-        s3: Settings of an S3 source, over the config file's `[s3]` table and the AWS environment:
-            "endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token",
-            "timeout", "connect_timeout", "retries", "range_size", "ranges_in_flight".
+        object_store: Settings of an object store source, over the config file's `[object_store]` table
+            and the store's environment (AWS_*, GOOGLE_*, AZURE_*): tierstore's "timeout",
+            "connect_timeout", "retries", "range_size", "ranges_in_flight", and any option key of the
+            `object_store` crate for the store ("aws_region", "google_service_account",
+            "azure_storage_account_name", "allow_http", ...). An S3 source also takes the short names
+            "endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token".
+        s3: The older name of `object_store`, still accepted.
         start_agent: With `[cluster] sharing` on, start this node's agent if none runs (the default):
             the node's files must be served to its peers while the job reads. False for a cache that
             only inspects (`tierstore status`, `config show`).
@@ -84,6 +90,7 @@ class Cache:
         revalidate: str | None = None,
         config: PathLike | None = None,
         s3: Mapping[str, Any] | None = None,
+        object_store: Mapping[str, Any] | None = None,
         start_agent: bool = True,
     ) -> None:
         if isinstance(tiers, (str, bytes, os.PathLike)):
@@ -103,6 +110,7 @@ class Cache:
                 "revalidate": revalidate,
                 "config": config,
                 "s3": None if s3 is None else dict(s3),
+                "object_store": None if object_store is None else dict(object_store),
             },
         )
         self._core = _core.Cache(
@@ -115,6 +123,7 @@ class Cache:
             verify=verify,
             revalidate=revalidate,
             s3=None if s3 is None else {k: str(v) for k, v in s3.items()},
+            object_store=None if object_store is None else {k: str(v) for k, v in object_store.items()},
         )
         _live.add(self)
         cluster = self._core.config().get("cluster")
@@ -131,7 +140,7 @@ class Cache:
 
     @property
     def source(self) -> str:
-        """The source: a directory, or an object store URL ("s3://bucket/prefix")."""
+        """The source: a directory, or an object store URL ("s3://bucket/prefix", "gs://...", ...)."""
         return self._core.source
 
     def open(

@@ -1,7 +1,7 @@
 """The reference pages are checked against the code, so that they cannot drift:
 
 - docs/reference/configuration.md names every TOML key (the key lists of the Rust configuration: TOP_KEYS,
-  STREAM_KEYS, S3_KEYS, and the `KEYS` of the tiers, cluster and write-back modules) in the table of its
+  STREAM_KEYS, STORE_KEYS, S3_KEYS, and the `KEYS` of the tiers, cluster and write-back modules) in the table of its
   section, and every TIERSTORE_* and SLURM_* variable the Rust and Python sources read in its table of
   variables, and every AWS_* variable they name in its section "AWS variables"; and names nothing the code no
   longer accepts or reads;
@@ -64,6 +64,7 @@ SECTIONS = {
     "TOP_KEYS": "Top-level keys",
     "TIER_KEYS": "[[tiers]]",
     "CLUSTER_KEYS": "[cluster]",
+    "STORE_KEYS": "[object_store]",
     "S3_KEYS": "[s3]",
     "WRITEBACK_KEYS": "[[writeback]]",
     "STREAM_KEYS": "[stream]",

@@ -120,7 +120,11 @@ def test_errors_name_the_object_endpoint_and_fix(server: S3Server, bucket: str, 
     with pytest.raises(tierstore.ConfigError, match="not a bucket name"):
         cache_of(server, "s3://Bad_Bucket/d", tier)
     with pytest.raises(tierstore.ConfigError, match="not supported"):
-        cache_of(server, "gs://bucket/d", tier)
+        cache_of(server, "ftp://bucket/d", tier)
+    with pytest.raises(
+        tierstore.ConfigError, match=r"object_store\.aws_regoin.*not an option of the S3 client"
+    ):
+        cache_of(server, f"s3://{bucket}/d", tier, object_store={"aws_regoin": "x"})
 
 
 def test_an_unreachable_endpoint_fails_within_the_deadline(tier: str) -> None:
@@ -142,7 +146,7 @@ def test_an_unreachable_endpoint_fails_within_the_deadline(tier: str) -> None:
         },
     )
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=f"cannot reach http://127.0.0.1:{port}"):
+    with pytest.raises(TimeoutError, match=f"cannot reach S3 at http://127.0.0.1:{port}"):
         cache.open("a.bin")
     assert time.monotonic() - t0 < 15
 

@@ -576,22 +576,24 @@ fn normalize_abs(p: &Path) -> PathBuf {
     }
 }
 
-/// The source a configuration names: an object store (`s3://`), or a directory.
+/// The source a configuration names: an object store (`s3://`, `gs://`, `az://`, `http(s)://`), or a
+/// directory.
 fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Source>, Error> {
-    match &config.s3 {
+    match &config.object_store {
         None => Ok(Arc::new(PosixSource::new(&config.source, config.source_alias.as_deref(), counters))),
-        #[cfg(feature = "s3")]
-        Some(s3) => Ok(Arc::new(
-            crate::source::ObjectSource::new(s3.clone(), counters).map_err(|e| Error::io(&config.source, e))?,
+        #[cfg(feature = "object-store")]
+        Some(store) => Ok(Arc::new(
+            crate::source::ObjectSource::new(store.clone(), counters).map_err(|e| Error::io(&config.source, e))?,
         )),
-        #[cfg(not(feature = "s3"))]
-        Some(s3) => Err(Error::io(
+        #[cfg(not(feature = "object-store"))]
+        Some(store) => Err(Error::io(
             &config.source,
             std::io::Error::new(
                 std::io::ErrorKind::Unsupported,
                 format!(
-                    "this build of tierstore cannot read {} (built without the s3 feature); use the Python package",
-                    s3.url
+                    "this build of tierstore cannot read {} (built without the object-store feature); use the \
+                     Python package",
+                    store.url
                 ),
             ),
         )),

@@ -15,7 +15,7 @@ pub use values::{format_size, fs_info, parse_size, ConfigError, FsInfo, Origin};
 
 use crate::cluster::config::{self as cluster, ClusterConfig};
 use crate::placement::Policy;
-use crate::source::s3_config::{self, is_url, S3Config, S3_KEYS};
+use crate::source::store_config::{self, is_url, StoreConfig, TableKey};
 use crate::writeback::config::{self as writeback, Destination};
 use tiers::RawTier;
 use values::{bad, closest, expand_home, parse_duration, scalar, unknown_key, SIZE_FIX};
@@ -90,9 +90,9 @@ pub struct Config {
     pub revalidate: Revalidate,
     /// How the nodes of a job share their caches, and who they are.
     pub cluster: ClusterConfig,
-    /// The object store, when the source is one (`source = "s3://bucket/prefix"`); `source` then holds
-    /// the URL.
-    pub s3: Option<S3Config>,
+    /// The object store, when the source is one (`source = "s3://bucket/prefix"`, `gs://`, `az://`,
+    /// `http(s)://`); `source` then holds the URL.
+    pub object_store: Option<StoreConfig>,
     /// Where each top-level key's value came from.
     pub origins: BTreeMap<String, Origin>,
     /// Write-back destinations (`[[writeback]]`): writes under them are staged on the node first.
@@ -118,7 +118,9 @@ pub struct Overrides {
     pub verify: Option<String>,
     /// Revalidation mode name.
     pub revalidate: Option<String>,
-    /// `[s3]` settings (key, value), over the file's.
+    /// `[object_store]` settings (key, value), over the file's.
+    pub object_store: Vec<(String, String)>,
+    /// `[s3]` settings (key, value), the older name of `object_store`.
     pub s3: Vec<(String, String)>,
 }
 
@@ -184,8 +186,8 @@ struct Raw {
     resolved: Option<(String, String)>,
     /// `[cluster]` keys, each with where it was set.
     cluster: BTreeMap<&'static str, (toml::Value, Origin)>,
-    /// `[s3]` keys, each with where it was set.
-    s3: BTreeMap<&'static str, (toml::Value, Origin)>,
+    /// `[object_store]` (or `[s3]`) keys, each with where it was set and under which name.
+    object_store: BTreeMap<String, TableKey>,
     /// Slurm's node list of the job, when the process runs under Slurm.
     slurm_nodes: Option<String>,
     /// Slurm's job id, which names the job in a registry by default.
@@ -205,6 +207,7 @@ const TOP_KEYS: &[&str] = &[
     "verify",
     "revalidate",
     "cluster",
+    "object_store",
     "s3",
     "writeback",
     "stream",
@@ -255,14 +258,15 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                     raw.cluster.insert(name, (cv.clone(), origin.clone()));
                 }
             }
-            "s3" => {
-                let fix = "write an [s3] table: endpoint = \"http://127.0.0.1:8333\", region = \"us-east-1\"";
-                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
+            "object_store" | "s3" => {
+                let table: &'static str = if key == "s3" { "s3" } else { "object_store" };
+                let fix = format!("write an [{table}] table: timeout = \"30s\", aws_region = \"us-east-1\"");
+                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", &fix))?;
                 for (sk, sv) in t {
-                    let Some(&name) = S3_KEYS.iter().find(|k| **k == sk.as_str()) else {
-                        return Err(unknown_key(&origin, &format!("s3.{sk}"), sv, S3_KEYS));
-                    };
-                    raw.s3.insert(name, (sv.clone(), origin.clone()));
+                    if sv.is_table() || sv.is_array() {
+                        return Err(bad(&origin, &format!("{table}.{sk}"), sv, "must be a string or a number", &fix));
+                    }
+                    raw.object_store.insert(sk.clone(), (sv.clone(), origin.clone(), table));
                 }
             }
             "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
@@ -422,12 +426,10 @@ impl Config {
         if let Some(v) = &overrides.source {
             raw.source = Some((v.clone(), Origin::Argument));
         }
-        for (k, v) in &overrides.s3 {
-            let value = toml::Value::String(v.clone());
-            let Some(&name) = S3_KEYS.iter().find(|n| **n == k.as_str()) else {
-                return Err(unknown_key(&Origin::Argument, &format!("s3.{k}"), &value, S3_KEYS));
-            };
-            raw.s3.insert(name, (value, Origin::Argument));
+        for (table, given) in [("s3", &overrides.s3), ("object_store", &overrides.object_store)] {
+            for (k, v) in given {
+                raw.object_store.insert(k.clone(), (toml::Value::String(v.clone()), Origin::Argument, table));
+            }
         }
         if let Some(t) = &overrides.tiers {
             let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
@@ -462,22 +464,23 @@ impl Config {
                 "set source = \"/path/to/dataset\" in tierstore.toml, TIERSTORE_SOURCE, or Cache(source=...)",
             )
         })?;
-        let s3 = if is_url(&source_text) {
-            let c = S3Config::parse(&source_text).map_err(|e| bad(&source_origin, "source", &source_text, &e.0, ""))?;
-            Some(s3_config::validate(c, &raw.s3)?)
+        let object_store = if is_url(&source_text) {
+            let c =
+                StoreConfig::parse(&source_text).map_err(|e| bad(&source_origin, "source", &source_text, &e.0, ""))?;
+            Some(store_config::validate(c, &raw.object_store)?)
         } else {
-            if let Some((k, (v, o))) = raw.s3.iter().next() {
+            if let Some((k, (v, o, table))) = raw.object_store.iter().next() {
                 return Err(bad(
                     o,
-                    &format!("s3.{k}"),
+                    &format!("{table}.{k}"),
                     scalar(v),
                     "is set but the source is not an object store",
-                    "give source = \"s3://BUCKET/PREFIX\", or remove the [s3] table",
+                    &format!("give source = \"s3://BUCKET/PREFIX\" (or gs://, az://, http://), or remove the [{table}] table"),
                 ));
             }
             None
         };
-        let (source, source_alias) = match &s3 {
+        let (source, source_alias) = match &object_store {
             Some(c) => (PathBuf::from(&c.url), None),
             None => {
                 let given = expand_home(&source_text);
@@ -605,7 +608,7 @@ impl Config {
             verify,
             revalidate,
             cluster,
-            s3,
+            object_store,
             origins,
             writeback,
         })

@@ -85,7 +85,7 @@ fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None, s3=None))]
+    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None, s3=None, object_store=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -98,7 +98,15 @@ impl PyCache {
         verify: Option<String>,
         revalidate: Option<String>,
         s3: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>,
+        object_store: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
+        let settings = |table: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>| {
+            table
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| Ok((k, v.str()?.to_string())))
+                .collect::<PyResult<Vec<_>>>()
+        };
         let tiers = match tiers {
             None => None,
             Some(list) => Some(
@@ -118,11 +126,8 @@ impl PyCache {
             inline_max: inline_max.as_ref().map(size_text).transpose()?,
             verify,
             revalidate,
-            s3: s3
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| Ok((k, v.str()?.to_string())))
-                .collect::<PyResult<Vec<_>>>()?,
+            s3: settings(s3)?,
+            object_store: settings(object_store)?,
         };
         let config = crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from))
             .map_err(to_py)?;
@@ -657,11 +662,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;
-    // The `[s3]` keys and the defaults of those that have one, for `config show` (declared once, in Rust).
-    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), tierstore_core::source::s3_config::S3_KEYS)?)?;
+    // The `[s3]` keys, tierstore's own `[object_store]` keys and their defaults, for `config show` (declared
+    // once, in Rust).
+    use tierstore_core::source::store_config;
+    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), store_config::S3_KEYS)?)?;
+    m.add("STORE_KEYS", pyo3::types::PyTuple::new(m.py(), store_config::STORE_KEYS)?)?;
     m.add(
-        "S3_DEFAULTS",
-        tierstore_core::source::s3_config::S3_DEFAULTS.iter().copied().collect::<std::collections::BTreeMap<_, _>>(),
+        "STORE_DEFAULTS",
+        store_config::STORE_DEFAULTS.iter().copied().collect::<std::collections::BTreeMap<_, _>>(),
     )?;
     error::register(m)
 }

@@ -232,8 +232,11 @@ def config() -> None:
 def config_show(make: Any, as_json: bool) -> None:
     """Print the effective configuration and where each value came from."""
     cfg = make().config()
-    if "://" in cfg["source"][0]:
-        cfg["s3"] = s3_settings(make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG"))
+    config_file = make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG")
+    if cfg["source"][0].startswith("s3://"):
+        cfg["s3"] = s3_settings(config_file)
+    elif "://" in cfg["source"][0]:
+        cfg["object_store"] = store_settings(config_file)
     if as_json:
         click.echo(json.dumps({k: {"value": v, "from": o} for k, (v, o) in cfg.items()}, indent=2))
         return
@@ -263,6 +266,11 @@ def config_show(make: Any, as_json: bool) -> None:
                     f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}, "
                     f"frames {frames}"
                 )
+        elif key == "object_store":
+            click.echo(f"{key:<{width}}  {cfg['source'][0]}  (from {origin})")
+            pad = max(len(k) for k in value["origins"])
+            for k, where in value["origins"].items():
+                click.echo(f"  {k:<{pad}}  {value[k]}  (from {where})")
         elif key == "s3":
             click.echo(f"{key:<{width}}  {cfg['source'][0]}  (from {origin})")
             if value["table"] is None:
@@ -281,11 +289,13 @@ def _node_origin(origin: str) -> str:
     return "default: the host name" if origin == "default" else origin
 
 
-# The settings of an s3:// source that `config show` prints, in order, and the defaults of those that have
-# one: the Rust configuration's own lists (source/s3_config.rs), which S3Config::parse starts from. A
-# count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
+# The settings of an s3:// source that `config show` prints, in order, and the defaults of tierstore's own
+# keys: the Rust configuration's own lists (source/store_config.rs), which StoreConfig::parse starts from.
+# A count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
 S3_SHOWN: tuple[str, ...] = _core.S3_KEYS
-S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.S3_DEFAULTS.items()}
+S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.STORE_DEFAULTS.items()}
+# Words in an option key whose value is a secret, shown only as "set" (store_config.rs: is_secret).
+SECRET_WORDS = ("secret", "token", "key", "password", "sas", "credential")
 S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
 
 
@@ -331,6 +341,35 @@ def _aws_profiles(path: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def _store_table(file: Path | None) -> dict[str, Any] | None:
+    """The store's table of a configuration file: `[object_store]` over `[s3]`, its older name; None when
+    no TOML reader is installed."""
+    if file is None:
+        return {}
+    old, new = _toml_table(file, "s3"), _toml_table(file, "object_store")
+    return None if old is None or new is None else {**old, **new}
+
+
+def store_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
+    """The settings a gs://, az:// or http(s):// source is reached with, as `config show` prints them: the
+    keys of the `[object_store]` table (secrets as "set"), then tierstore's own keys with their defaults.
+    The store's environment (GOOGLE_*, AZURE_*) is read by its client and not repeated here."""
+    path = Path(config_file) if config_file else Path("tierstore.toml")
+    file = path.absolute() if path.exists() else None
+    given = _store_table(file) or {}
+    settings: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for key, value in given.items():
+        secret = any(w in key for w in SECRET_WORDS) and not key.endswith("key_id")
+        settings[key] = "set" if secret else value
+        origins[key] = str(file)
+    for key, default in S3_DEFAULTS.items():
+        if key not in given:
+            settings[key], origins[key] = default, "default"
+    settings["origins"] = origins
+    return settings, str(file) if given else "default"
+
+
 def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     """The settings an s3:// source is reached with and where each came from, as the source resolves them
     (ObjectSource::new): the `[s3]` table of the configuration file, then the AWS variables, then the
@@ -338,7 +377,7 @@ def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     never their value. Returns (settings with their "origins", where the table came from)."""
     path = Path(config_file) if config_file else Path("tierstore.toml")
     file = path.absolute() if path.exists() else None
-    table = _toml_table(file, "s3") if file is not None else {}
+    table = _store_table(file)
     given = table or {}
 
     def env(name: str) -> str | None:

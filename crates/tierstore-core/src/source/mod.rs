@@ -33,12 +33,12 @@ use std::sync::Arc;
 use crate::counters::Counters;
 use crate::index::SourceId;
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 pub mod object;
 pub mod posix;
-pub mod s3_config;
+pub mod store_config;
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 pub use object::{ObjectFile, ObjectSource};
 pub use posix::{list_dir, normalize, open_at, open_dir, PosixSource};
 
@@ -47,7 +47,7 @@ pub enum SourceFile {
     /// A descriptor of a file of a POSIX source.
     Posix(File),
     /// One version of an object (boxed: it holds its first bytes and a read window).
-    #[cfg(feature = "s3")]
+    #[cfg(feature = "object-store")]
     Object(Box<ObjectFile>),
 }
 
@@ -56,7 +56,7 @@ impl SourceFile {
     pub fn as_file(&self) -> Option<&File> {
         match self {
             SourceFile::Posix(f) => Some(f),
-            #[cfg(feature = "s3")]
+            #[cfg(feature = "object-store")]
             SourceFile::Object(_) => None,
         }
     }
@@ -65,7 +65,7 @@ impl SourceFile {
     pub fn into_file(self) -> Option<File> {
         match self {
             SourceFile::Posix(f) => Some(f),
-            #[cfg(feature = "s3")]
+            #[cfg(feature = "object-store")]
             SourceFile::Object(_) => None,
         }
     }

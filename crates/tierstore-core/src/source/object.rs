@@ -1,12 +1,16 @@
-//! An S3-compatible object store as the source, through the `object_store` crate.
+//! An object store as the source, through the `object_store` crate: S3 and S3-compatible servers, Google
+//! Cloud Storage, Azure Blob Storage, and HTTP servers that list through WebDAV, each behind the crate's one
+//! `ObjectStore` trait. Only the constructor knows the kind (one arm per store, `new`); everything after
+//! it, and every cost below, is the same for all of them.
 //!
 //! What each operation costs the store:
-//! - **open** of an object no tier holds: one `GET` of its first range ([`S3Config::range_size`]), which
+//! - **open** of an object no tier holds: one `GET` of its first range ([`StoreConfig::range_size`]), which
 //!   also says its size and ETag. A small object arrives whole in that one request; a large one is fetched
-//!   as parallel ranged `GET`s of the rest ([`S3Config::ranges_in_flight`] at once), written to the tier
+//!   as parallel ranged `GET`s of the rest ([`StoreConfig::ranges_in_flight`] at once), written to the tier
 //!   copy in order so that readers follow it.
 //! - **identify** (`revalidate = "always"`, or another process's fetch in flight): one `HEAD`.
-//! - **list** of a prefix: one `LIST` request per thousand keys.
+//! - **list** of a prefix: one `LIST` request per page of keys (a thousand on S3 and GCS, five thousand on
+//!   Azure; one `PROPFIND` on WebDAV).
 //!
 //! An object's identity is its size, last-modified time and ETag (hashed into the identity's `ino` and
 //! `dev`), and every response is checked against the version an open pinned: an object rewritten while it
@@ -14,7 +18,7 @@
 //!
 //! `object_store` is async; each process drives it with a small tokio runtime of its own, started on the
 //! first request (a process served wholly from the tiers never starts it). Requests have deadlines (the
-//! `[s3]` `timeout` per try, `connect_timeout`), and failures the store calls transient (5xx, resets,
+//! `[object_store]` `timeout` per try, `connect_timeout`), and failures the store calls transient (5xx, resets,
 //! time-outs) are retried `retries` times with capped exponential back-off and jitter.
 
 use std::collections::BTreeMap;
@@ -26,23 +30,27 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::StreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
 use object_store::path::Path as Key;
 use object_store::{
-    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig,
+    BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt,
+    RetryConfig,
 };
 
-use super::s3_config::S3Config;
+use super::store_config::{StoreConfig, StoreKind};
 use super::{CopyFault, ListedEntry, OutsideSource, Source, SourceFile};
 use crate::counters::{source as slot, Counters};
 use crate::index::SourceId;
 
-/// A bucket prefix of an S3-compatible store, with its counters.
+/// A prefix of a bucket (or container, or WebDAV server) of an object store, with its counters.
 pub struct ObjectSource {
-    config: S3Config,
+    config: StoreConfig,
     root: PathBuf,
     counters: Arc<Counters>,
-    store: Arc<AmazonS3>,
+    store: Arc<dyn ObjectStore>,
     /// Where requests go, for messages: the endpoint URL, or AWS in its region.
     endpoint: String,
     /// The runtime, with the process that started it: a forked child (a DataLoader worker) inherits
@@ -117,7 +125,7 @@ fn read_aws_file(path: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
     out
 }
 
-/// The settings of the AWS profile (`[s3] profile`, `AWS_PROFILE`, else `default`) from the shared files,
+/// The settings of the AWS profile (`[object_store] profile`, `AWS_PROFILE`, else `default`) from the shared files,
 /// as `object_store` configuration keys.
 fn profile_settings(profile: Option<&str>) -> BTreeMap<String, String> {
     let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
@@ -142,64 +150,157 @@ fn profile_settings(profile: Option<&str>) -> BTreeMap<String, String> {
     out
 }
 
+/// The S3 client: the `[object_store]` table over the AWS variables over the profile files.
+fn s3_store(
+    config: &StoreConfig,
+    client: ClientOptions,
+    retry: RetryConfig,
+) -> io::Result<(Box<dyn ObjectStore>, String)> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let profile = profile_settings(config.settings.get("profile").map(String::as_str));
+    // Precedence: the table, then the environment (read by `from_env`), then the profile files.
+    let mut builder = AmazonS3Builder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
+    let from_env = |keys: &[&str]| keys.iter().any(|k| env(k).is_some());
+    for (key, value) in &profile {
+        let shadowed = match key.as_str() {
+            "region" => from_env(&["AWS_REGION", "AWS_DEFAULT_REGION"]),
+            "endpoint_url" => from_env(&["AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ENDPOINT_URL_S3"]),
+            _ => from_env(&["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]),
+        };
+        if !shadowed {
+            builder = builder.with_config(key.parse().map_err(io::Error::other)?, value);
+        }
+    }
+    for (key, value) in &config.settings {
+        let k = match key.as_str() {
+            "profile" => continue, // read above
+            // As the S3 endpoint, which the client prefers to the generic one: $AWS_ENDPOINT_URL_S3 sets it,
+            // and the table's endpoint overrides the environment's.
+            "endpoint" | "aws_endpoint" | "aws_endpoint_url" | "endpoint_url" => AmazonS3ConfigKey::S3Endpoint,
+            other => other.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?,
+        };
+        builder = builder.with_config(k, value);
+    }
+    // The endpoint the client uses: the S3 endpoint (the table's endpoint, $AWS_ENDPOINT_URL_S3), else the
+    // generic one ($AWS_ENDPOINT_URL, the profile's endpoint_url).
+    let endpoint = builder
+        .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
+        .or_else(|| builder.get_config_value(&AmazonS3ConfigKey::Endpoint));
+    let region = builder.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into());
+    let has_key = builder.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_some();
+    let unsigned = builder.get_config_value(&AmazonS3ConfigKey::SkipSignature).is_some_and(|v| v == "true");
+    if endpoint.is_some() && !has_key && !unsigned {
+        // Without keys the client would ask the EC2 instance metadata service, which a store that is not
+        // AWS never answers.
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "no credentials for {} at {}: set {}, or a profile in ~/.aws/credentials",
+                config.url,
+                endpoint.as_deref().unwrap_or(""),
+                StoreKind::S3.credentials()
+            ),
+        ));
+    }
+    let endpoint = endpoint.unwrap_or_else(|| format!("https://s3.{region}.amazonaws.com"));
+    let builder = builder.with_region(region).with_allow_http(endpoint.starts_with("http://")).with_retry(retry);
+    Ok((Box::new(builder.build().map_err(|e| built(config, e))?), endpoint))
+}
+
+/// The Google Cloud Storage client: the `[object_store]` table over the `GOOGLE_*` variables.
+fn gcs_store(
+    config: &StoreConfig,
+    client: ClientOptions,
+    retry: RetryConfig,
+) -> io::Result<(Box<dyn ObjectStore>, String)> {
+    let mut builder =
+        GoogleCloudStorageBuilder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
+    for (key, value) in &config.settings {
+        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    }
+    let endpoint =
+        builder.get_config_value(&GoogleConfigKey::BaseUrl).unwrap_or_else(|| "https://storage.googleapis.com".into());
+    let builder =
+        builder.with_config(GoogleConfigKey::Client(ClientConfigKey::AllowHttp), allow_http(config, &endpoint));
+    Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), endpoint))
+}
+
+/// The Azure Blob Storage client: the `[object_store]` table over the `AZURE_*` variables; the account
+/// named in an `abfs://` URL over both.
+fn azure_store(
+    config: &StoreConfig,
+    client: ClientOptions,
+    retry: RetryConfig,
+) -> io::Result<(Box<dyn ObjectStore>, String)> {
+    let mut builder = MicrosoftAzureBuilder::from_env().with_container_name(&config.bucket).with_client_options(client);
+    for (key, value) in &config.settings {
+        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    }
+    if let Some(account) = &config.account {
+        builder = builder.with_account(account);
+    }
+    let emulator = builder.get_config_value(&AzureConfigKey::UseEmulator).is_some_and(|v| v == "true");
+    let account = builder.get_config_value(&AzureConfigKey::AccountName).unwrap_or_default();
+    let endpoint = builder.get_config_value(&AzureConfigKey::Endpoint).unwrap_or_else(|| match emulator {
+        true => std::env::var("AZURITE_BLOB_STORAGE_URL").unwrap_or_else(|_| "http://127.0.0.1:10000".into()),
+        false => format!("https://{account}.blob.core.windows.net"),
+    });
+    let builder =
+        builder.with_config(AzureConfigKey::Client(ClientConfigKey::AllowHttp), allow_http(config, &endpoint));
+    Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), endpoint))
+}
+
+/// The HTTP client of a WebDAV server (a plain one serves reads; listing needs `PROPFIND`).
+fn http_store(
+    config: &StoreConfig,
+    client: ClientOptions,
+    retry: RetryConfig,
+) -> io::Result<(Box<dyn ObjectStore>, String)> {
+    let mut builder = HttpBuilder::new().with_url(&config.bucket).with_client_options(client);
+    for (key, value) in &config.settings {
+        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    }
+    let builder = builder.with_config(ClientConfigKey::AllowHttp, allow_http(config, &config.bucket));
+    Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), config.bucket.clone()))
+}
+
+/// Whether the client may speak plain HTTP: to an `http://` endpoint, or when the table says so.
+fn allow_http(config: &StoreConfig, endpoint: &str) -> &'static str {
+    let asked = ["allow_http", "google_allow_http", "azure_allow_http"]
+        .iter()
+        .any(|k| config.settings.get(*k).is_some_and(|v| v == "true"));
+    if asked || endpoint.starts_with("http://") {
+        "true"
+    } else {
+        "false"
+    }
+}
+
+/// A client that could not be built, as an error naming the source.
+fn built(config: &StoreConfig, e: object_store::Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, format!("{} ({}): {e}", config.url, config.kind.name()))
+}
+
+/// Why `key` is not an option of the client of a `kind` store (`None`: it is): checked when the
+/// configuration is read, so that a misspelt key is an error naming it rather than a setting ignored.
+pub(crate) fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
+    let known = match kind {
+        StoreKind::S3 => key.parse::<AmazonS3ConfigKey>().is_ok(),
+        StoreKind::Gcs => key.parse::<GoogleConfigKey>().is_ok(),
+        StoreKind::Azure => key.parse::<AzureConfigKey>().is_ok(),
+        StoreKind::Http => key.parse::<ClientConfigKey>().is_ok(),
+    };
+    (!known).then(|| format!("is not an option of the {} client", kind.name()))
+}
+
 impl ObjectSource {
     /// A source over `config`'s bucket and prefix, counting into `counters`. Nothing is sent to the store
-    /// until a file is asked for; a configuration that cannot work (no credentials for a custom endpoint)
-    /// is an error here, naming what to set.
-    pub fn new(config: S3Config, counters: Arc<Counters>) -> io::Result<ObjectSource> {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let profile = profile_settings(config.settings.get("profile").map(String::as_str));
-        // Precedence: the [s3] table, then the environment (read by `from_env`), then the profile files.
-        let mut builder = AmazonS3Builder::from_env().with_bucket_name(&config.bucket);
-        let from_env = |keys: &[&str]| keys.iter().any(|k| env(k).is_some());
-        for (key, value) in &profile {
-            let shadowed = match key.as_str() {
-                "region" => from_env(&["AWS_REGION", "AWS_DEFAULT_REGION"]),
-                "endpoint_url" => from_env(&["AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ENDPOINT_URL_S3"]),
-                _ => from_env(&["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]),
-            };
-            if !shadowed {
-                builder = builder.with_config(key.parse().map_err(io::Error::other)?, value);
-            }
-        }
-        for (key, value) in &config.settings {
-            let k = match key.as_str() {
-                // As the S3 endpoint, which the client prefers to the generic one: $AWS_ENDPOINT_URL_S3 sets it,
-                // and the table's endpoint overrides the environment's.
-                "endpoint" => AmazonS3ConfigKey::S3Endpoint,
-                "region" => AmazonS3ConfigKey::Region,
-                "access_key_id" => AmazonS3ConfigKey::AccessKeyId,
-                "secret_access_key" => AmazonS3ConfigKey::SecretAccessKey,
-                "session_token" => AmazonS3ConfigKey::Token,
-                _ => continue, // profile: read above
-            };
-            builder = builder.with_config(k, value);
-        }
-        // The endpoint the client uses: the S3 endpoint ([s3] endpoint, $AWS_ENDPOINT_URL_S3), else the generic
-        // one ($AWS_ENDPOINT_URL, the profile's endpoint_url).
-        let endpoint = builder
-            .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
-            .or_else(|| builder.get_config_value(&AmazonS3ConfigKey::Endpoint));
-        let region = builder.get_config_value(&AmazonS3ConfigKey::Region).unwrap_or_else(|| "us-east-1".into());
-        let has_key = builder.get_config_value(&AmazonS3ConfigKey::AccessKeyId).is_some();
-        if endpoint.is_some() && !has_key {
-            // Without keys the client would ask the EC2 instance metadata service, which a store that is
-            // not AWS never answers.
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "no credentials for {} at {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile in \
-                     ~/.aws/credentials (AWS_PROFILE), or [s3] access_key_id and secret_access_key",
-                    config.url,
-                    endpoint.as_deref().unwrap_or("")
-                ),
-            ));
-        }
-        let endpoint = endpoint.unwrap_or_else(|| format!("https://s3.{region}.amazonaws.com"));
+    /// until a file is asked for; a configuration that cannot work (no credentials for a custom S3
+    /// endpoint, an option the store's client does not take) is an error here, naming what to set.
+    pub fn new(config: StoreConfig, counters: Arc<Counters>) -> io::Result<ObjectSource> {
         let client = ClientOptions::new()
             .with_timeout(config.timeout)
             .with_connect_timeout(config.connect_timeout)
-            .with_allow_http(endpoint.starts_with("http://"))
             .with_pool_max_idle_per_host(64);
         let retry = RetryConfig {
             backoff: BackoffConfig {
@@ -210,17 +311,17 @@ impl ObjectSource {
             max_retries: config.retries,
             retry_timeout: (config.timeout + Duration::from_secs(5)) * (config.retries as u32 + 1),
         };
-        let store = builder
-            .with_region(region)
-            .with_client_options(client)
-            .with_retry(retry)
-            .build()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{}: {e}", config.url)))?;
+        let (store, endpoint) = match config.kind {
+            StoreKind::S3 => s3_store(&config, client, retry)?,
+            StoreKind::Gcs => gcs_store(&config, client, retry)?,
+            StoreKind::Azure => azure_store(&config, client, retry)?,
+            StoreKind::Http => http_store(&config, client, retry)?,
+        };
         Ok(ObjectSource {
             root: PathBuf::from(&config.url),
             config,
             counters,
-            store: Arc::new(store),
+            store: Arc::from(store),
             endpoint,
             runtime: OnceLock::new(),
         })
@@ -230,14 +331,14 @@ impl ObjectSource {
         if let Some((pid, rt)) = self.runtime.get() {
             if *pid != crate::process::pid() {
                 return Err(io::Error::other(
-                    "an S3 source opened before a fork cannot be used in the child; open the cache in the child",
+                    "an object store source opened before a fork cannot be used in the child; open the cache in the child",
                 ));
             }
             return Ok(rt);
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name("tierstore-s3")
+            .thread_name("tierstore-objects")
             .enable_all()
             .build()?;
         Ok(&self.runtime.get_or_init(|| (crate::process::pid(), rt)).1)
@@ -247,56 +348,60 @@ impl ObjectSource {
         Key::from(self.config.key_of(rel))
     }
 
-    /// An `object_store` error as an I/O error of the same kind, naming the object, the endpoint and the
-    /// fix.
+    /// An `object_store` error as an I/O error of the same kind, naming the object, the store, the endpoint
+    /// and the fix.
     fn error(&self, rel: &str, e: object_store::Error) -> io::Error {
         let url = self.config.url_of(rel);
-        let at = &self.endpoint;
+        let kind = self.config.kind;
+        let at = format!("{} at {}", kind.name(), self.endpoint);
         let detail = e.to_string();
+        let no_bucket = || {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "the {} {} does not exist on {at}: check it in the source, and the endpoint ({})",
+                    kind.bucket_word(),
+                    self.config.bucket,
+                    kind.endpoint_setting()
+                ),
+            )
+        };
+        let refused = |how: &str| {
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{url}: {how} by {at}: check the credentials ({}) and that they may read it ({detail})",
+                    kind.credentials()
+                ),
+            )
+        };
         match e {
-            object_store::Error::NotFound { .. } if detail.contains("NoSuchBucket") || !self.bucket_exists() => {
-                io::Error::new(
-                    io::ErrorKind::NotFound,
-                    format!(
-                        "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
-                     (AWS_ENDPOINT_URL or [s3] endpoint)",
-                        self.config.bucket
-                    ),
-                )
+            object_store::Error::NotFound { .. }
+                if kind != StoreKind::Http
+                    && (detail.contains("NoSuchBucket")
+                        || detail.contains("ContainerNotFound")
+                        || !self.bucket_exists()) =>
+            {
+                no_bucket()
             }
             object_store::Error::NotFound { .. } => io::Error::new(
                 io::ErrorKind::NotFound,
                 format!(
-                    "{url}: no such object at {at}: check the path (a key is the source's prefix, {}, joined \
-                         with the path under it) and that the object was uploaded to this endpoint",
+                    "{url}: no such object on {at}: check the path (a key is the source's prefix, {}, joined \
+                     with the path under it) and that the object was uploaded there",
                     self.config.url
                 ),
             ),
             object_store::Error::PermissionDenied { .. } | object_store::Error::Unauthenticated { .. } => {
-                io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "{url}: access denied by {at}: check the credentials (AWS_ACCESS_KEY_ID and \
-                         AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or [s3] access_key_id and secret_access_key) and \
-                         that they may read the bucket ({detail})"
-                    ),
-                )
+                refused("access denied")
             }
-            _ if detail.contains("InvalidAccessKeyId") || detail.contains("SignatureDoesNotMatch") => io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{url}: {at} refused the credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
-                         (or AWS_PROFILE, or [s3] access_key_id and secret_access_key)"
-                ),
-            ),
-            _ if detail.contains("NoSuchBucket") => io::Error::new(
-                io::ErrorKind::NotFound,
-                format!(
-                    "the bucket {} does not exist at {at}: check the bucket in the source, and the endpoint \
-                     (AWS_ENDPOINT_URL or [s3] endpoint)",
-                    self.config.bucket
-                ),
-            ),
+            _ if ["InvalidAccessKeyId", "SignatureDoesNotMatch", "AuthenticationFailed", "AuthorizationFailure"]
+                .iter()
+                .any(|w| detail.contains(w)) =>
+            {
+                refused("credentials refused")
+            }
+            _ if detail.contains("NoSuchBucket") || detail.contains("ContainerNotFound") => no_bucket(),
             _ if detail.contains("error sending request")
                 || detail.contains("onnect")
                 || detail.contains("timed out")
@@ -306,13 +411,14 @@ impl ObjectSource {
                     io::ErrorKind::TimedOut,
                     format!(
                         "{url}: cannot reach {at} within the deadline ({} per try, {} retries): check that the \
-                         server is up and the endpoint (AWS_ENDPOINT_URL or [s3] endpoint); {detail}",
+                         server is up and the endpoint ({}); {detail}",
                         humantime(self.config.timeout),
-                        self.config.retries
+                        self.config.retries,
+                        kind.endpoint_setting()
                     ),
                 )
             }
-            _ => io::Error::other(format!("{url} at {at}: {detail}")),
+            _ => io::Error::other(format!("{url} on {at}: {detail}")),
         }
     }
 
@@ -342,7 +448,7 @@ impl ObjectSource {
     /// `GET` of `range` (all of it when `None`), counted; with `expect`, a response of another version is
     /// an error. Returns the object's metadata and the bytes.
     async fn get(
-        store: Arc<AmazonS3>,
+        store: Arc<dyn ObjectStore>,
         counters: Arc<Counters>,
         key: Key,
         range: Option<Range<u64>>,
@@ -408,6 +514,13 @@ impl ObjectSource {
     }
 }
 
+/// Whether a ranged `GET` failed because the object has no byte in the range (an empty object): 416 Range
+/// Not Satisfiable, in each store's words.
+fn range_refused(e: &object_store::Error) -> bool {
+    let text = e.to_string();
+    ["416", "InvalidRange", "Range Not Satisfiable", "not satisfiable"].iter().any(|w| text.contains(w))
+}
+
 fn humantime(d: Duration) -> String {
     if d.as_millis().is_multiple_of(1000) {
         format!("{} s", d.as_secs())
@@ -457,8 +570,8 @@ impl Source for ObjectSource {
         let first = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(0..self.config.range_size));
         let (meta, head) = match rt.block_on(first) {
             Ok(x) => x,
-            // An empty object has no first byte to ask for: S3 answers a range with 416.
-            Err(e) if e.to_string().contains("416") || e.to_string().contains("InvalidRange") => rt
+            // An empty object has no first byte to ask for: a store answers the range with 416.
+            Err(e) if range_refused(&e) => rt
                 .block_on(Self::get(self.store.clone(), self.counters.clone(), key.clone(), None))
                 .map_err(|e| self.error(rel, e))?,
             Err(e) => return Err(self.error(rel, e)),
@@ -579,8 +692,8 @@ impl Source for ObjectSource {
             .into_iter()
             .collect::<Result<_, _>>()
             .map_err(|e| self.error(rel, e))?;
-        // S3 answers a LIST with at most a thousand keys, so that is the number of requests it took.
-        self.counters.add(slot::LISTS, (metas.len() as u64).div_ceil(1000).max(1));
+        // A store answers a listing a page of keys at a time, so that is the number of requests it took.
+        self.counters.add(slot::LISTS, (metas.len() as u64).div_ceil(self.config.kind.list_page()).max(1));
         let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
         Ok(metas
             .into_iter()
@@ -600,7 +713,7 @@ impl Source for ObjectSource {
             .block_on(async move { store.list_with_delimiter(prefix.as_ref()).await })
             .map_err(|e| self.error(dir, e))?;
         let keys = listed.objects.len() + listed.common_prefixes.len();
-        self.counters.add(slot::LISTS, (keys as u64).div_ceil(1000).max(1));
+        self.counters.add(slot::LISTS, (keys as u64).div_ceil(self.config.kind.list_page()).max(1));
         let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
         Ok(listed
             .objects

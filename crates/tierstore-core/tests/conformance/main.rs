@@ -1,13 +1,13 @@
 //! The conformance suites: each is written against a contract and run for every implementation.
 //! - The cache (below): every tier kind (RAM-backed and local disk) and every policy.
 //! - The `Source` contract (`source.rs`): the POSIX source, and the S3 source against a SeaweedFS server
-//!   started here (`seaweed.rs`) when the `s3` feature is on and `weed` is found (else the test says why
+//!   started here (`seaweed.rs`) when the `object-store` feature is on and `weed` is found (else the test says why
 //!   and passes over it).
 //!
-//! `cargo test -p tierstore-core --test conformance --features s3`; `cargo test --workspace` turns the
+//! `cargo test -p tierstore-core --test conformance --features object-store`; `cargo test --workspace` turns the
 //! feature on (the agent and the Python extension ask for it).
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 mod seaweed;
 mod source;
 
@@ -277,34 +277,32 @@ fn posix_source() {
 }
 
 /// The S3 source over a bucket prefix of a SeaweedFS server of this test's own.
-#[cfg(feature = "s3")]
+/// An object store source over a bucket prefix of a real server, and a client of that server to change
+/// the objects behind it (the "other writer" of the contract).
+#[cfg(feature = "object-store")]
 struct ObjectStore {
     // Dropped in this order: the source (its runtime), then the server.
     source: tierstore_core::source::ObjectSource,
-    client: Arc<object_store::aws::AmazonS3>,
+    client: Arc<dyn object_store::ObjectStore>,
     rt: tokio::runtime::Runtime,
     prefix: String,
+    outside: PathBuf,
     scratch: tempfile::TempDir,
-    _server: seaweed::Seaweed,
+    _server: Box<dyn std::any::Any>,
 }
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 impl ObjectStore {
-    fn new(weed: &Path) -> ObjectStore {
-        use tierstore_core::source::s3_config::S3Config;
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let mut server = seaweed::Seaweed::start(weed);
-        let bucket = "conformance";
-        server.create_bucket(&rt, bucket);
-        let prefix = "data/set".to_string();
-        let mut config = S3Config::parse(&format!("s3://{bucket}/{prefix}")).unwrap();
-        for (key, value) in [
-            ("endpoint", server.endpoint.as_str()),
-            ("region", seaweed::REGION),
-            ("access_key_id", seaweed::ACCESS_KEY),
-            ("secret_access_key", seaweed::SECRET_KEY),
-        ] {
-            config.settings.insert(key.into(), value.into());
+    /// The source over `url` (whose prefix is `data/set`) with the server's `settings`.
+    fn new(
+        url: &str,
+        settings: &[(&str, &str)],
+        client: Arc<dyn object_store::ObjectStore>,
+        server: Box<dyn std::any::Any>,
+    ) -> ObjectStore {
+        let mut config = tierstore_core::source::store_config::StoreConfig::parse(url).unwrap();
+        for (key, value) in settings {
+            config.settings.insert(key.to_string(), value.to_string());
         }
         // Small ranges, so that files of a few hundred KiB are fetched as a first range and parallel
         // ranges after it, as large objects are.
@@ -312,24 +310,45 @@ impl ObjectStore {
         config.ranges_in_flight = 3;
         let scratch = tempfile::tempdir().unwrap();
         let counters = Arc::new(tierstore_core::counters::Counters::open(&scratch.path().join("counters")).unwrap());
+        let prefix = config.prefix.clone();
+        let scheme = url.split_once("://").unwrap().0;
+        let outside = PathBuf::from(format!("{scheme}://another-bucket/data/set/a.bin"));
         let source = tierstore_core::source::ObjectSource::new(config, counters).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        ObjectStore { source, client, rt, prefix, outside, scratch, _server: server }
+    }
+
+    /// The S3 source over a SeaweedFS server started here.
+    fn s3(weed: &Path) -> ObjectStore {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let mut server = seaweed::Seaweed::start(weed);
+        let bucket = "conformance";
+        server.create_bucket(&rt, bucket);
+        let endpoint = server.endpoint.clone();
+        let settings = [
+            ("endpoint", endpoint.as_str()),
+            ("region", seaweed::REGION),
+            ("access_key_id", seaweed::ACCESS_KEY),
+            ("secret_access_key", seaweed::SECRET_KEY),
+        ];
         let client = server.client(bucket);
-        ObjectStore { source, client, rt, prefix, scratch, _server: server }
+        ObjectStore::new(&format!("s3://{bucket}/data/set"), &settings, client, Box::new(server))
     }
 }
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 impl source::Store for ObjectStore {
     fn source(&self) -> &dyn tierstore_core::source::Source {
         &self.source
     }
 
     fn put(&self, rel: &str, bytes: &[u8]) {
-        seaweed::Seaweed::put(&self.rt, &self.client, &format!("{}/{rel}", self.prefix), bytes);
+        let key = object_store::path::Path::from(format!("{}/{rel}", self.prefix));
+        self.rt.block_on(object_store::ObjectStoreExt::put(self.client.as_ref(), &key, bytes.to_vec().into())).unwrap();
     }
 
     fn outside(&self) -> PathBuf {
-        PathBuf::from("s3://another-bucket/data/set/a.bin")
+        self.outside.clone()
     }
 
     fn has_directories(&self) -> bool {
@@ -341,20 +360,20 @@ impl source::Store for ObjectStore {
     }
 }
 
-#[cfg(feature = "s3")]
+#[cfg(feature = "object-store")]
 #[test]
 fn s3_source() {
     match seaweed::weed_binary() {
-        Ok(weed) => source::conforms("s3", &ObjectStore::new(&weed)),
+        Ok(weed) => source::conforms("s3", &ObjectStore::s3(&weed)),
         Err(why) => eprintln!("s3_source: skipped: {why}"),
     }
 }
 
-#[cfg(not(feature = "s3"))]
+#[cfg(not(feature = "object-store"))]
 #[test]
 fn s3_source() {
     eprintln!(
-        "s3_source: skipped: tierstore-core is built without its `s3` feature (cargo test -p tierstore-core \
-         --test conformance --features s3, or cargo test --workspace)"
+        "s3_source: skipped: tierstore-core is built without its `object-store` feature (cargo test -p \
+         tierstore-core --test conformance --features object-store, or cargo test --workspace)"
     );
 }

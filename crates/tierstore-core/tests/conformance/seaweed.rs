@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as Key;
 use object_store::signer::{Method, Signer};
-use object_store::ObjectStoreExt;
 
 pub const ACCESS_KEY: &str = "tierstore-test";
 pub const SECRET_KEY: &str = "tierstore-test-secret";
@@ -154,11 +153,6 @@ impl Seaweed {
             std::thread::sleep(Duration::from_millis(200));
         }
         panic!("SeaweedFS did not create the bucket {bucket} in 60 s ({last}): {}", self.log_tail());
-    }
-
-    /// Puts `bytes` as the object `key` of `bucket`.
-    pub fn put(rt: &tokio::runtime::Runtime, client: &AmazonS3, key: &str, bytes: &[u8]) {
-        rt.block_on(client.put(&Key::from(key), bytes.to_vec().into())).unwrap();
     }
 }
 

@@ -1,0 +1,479 @@
+//! Which object store a source names and how it is reached: the store's kind, bucket (or container, or
+//! host) and prefix from `source = "s3://bucket/prefix"` (also `gs://`, `az://`, `abfs://`, `http(s)://`),
+//! and the `[object_store]` table of the configuration (`[s3]` is its older name, still read). Credentials
+//! come each store's standard ways (the AWS variables and profile files, `GOOGLE_*`, `AZURE_*`), and keys
+//! of the table override them. Kept apart from the client (`object.rs`) so that a build without object
+//! stores (the shim) still reads and checks the configuration, and says what is missing.
+
+// Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
+#![allow(clippy::result_large_err)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::config::values::{bad, parse_duration, parse_size, scalar, ConfigError, Origin};
+
+/// tierstore's own keys of the `[object_store]` table, the same for every kind of store: deadlines,
+/// retries and how large objects are split. Every other key of the table is one of `object_store`'s own
+/// option keys for the source's kind (`aws_*`, `google_*`, `azure_*`, or a client key such as
+/// `allow_http`), passed to its builder.
+pub const STORE_KEYS: &[&str] = &["timeout", "connect_timeout", "retries", "range_size", "ranges_in_flight"];
+
+/// The keys of the `[s3]` table as the configuration reference lists them: the short names an `s3://`
+/// source has always taken, then [`STORE_KEYS`]. Both tables accept every key either accepts.
+pub const S3_KEYS: &[&str] = &[
+    "endpoint",
+    "region",
+    "profile",
+    "access_key_id",
+    "secret_access_key",
+    "session_token",
+    "timeout",
+    "connect_timeout",
+    "retries",
+    "range_size",
+    "ranges_in_flight",
+];
+
+/// The defaults of [`STORE_KEYS`], as the configuration reference writes them: `parse` starts from these,
+/// and `config show` prints them (through `_core.STORE_DEFAULTS`), so the two never disagree.
+pub const STORE_DEFAULTS: &[(&str, &str)] =
+    &[("timeout", "30s"), ("connect_timeout", "5s"), ("retries", "3"), ("range_size", "8M"), ("ranges_in_flight", "8")];
+
+/// The default of `key`, as written in [`STORE_DEFAULTS`].
+fn default_of(key: &str) -> &'static str {
+    STORE_DEFAULTS.iter().find(|(k, _)| *k == key).map(|(_, v)| *v).expect("every own key is in STORE_DEFAULTS")
+}
+
+/// The kind of object store a source URL names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Amazon S3 or an S3-compatible server: `s3://bucket/prefix`.
+    S3,
+    /// Google Cloud Storage: `gs://bucket/prefix`.
+    Gcs,
+    /// Azure Blob Storage: `az://container/prefix`, `abfs[s]://container@account.dfs.core.windows.net/prefix`.
+    Azure,
+    /// A plain HTTP(S) server that lists through WebDAV: `http(s)://host:port/prefix`.
+    Http,
+}
+
+impl StoreKind {
+    /// The store's name, as messages give it.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::S3 => "S3",
+            StoreKind::Gcs => "Google Cloud Storage",
+            StoreKind::Azure => "Azure Blob Storage",
+            StoreKind::Http => "HTTP (WebDAV)",
+        }
+    }
+
+    /// What a bucket is called in this store, for messages.
+    pub fn bucket_word(self) -> &'static str {
+        match self {
+            StoreKind::S3 | StoreKind::Gcs => "bucket",
+            StoreKind::Azure => "container",
+            StoreKind::Http => "server",
+        }
+    }
+
+    /// Where credentials come from, for the message of a refused or missing one.
+    pub fn credentials(self) -> &'static str {
+        match self {
+            StoreKind::S3 => {
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or [object_store] aws_access_key_id and \
+                 aws_secret_access_key"
+            }
+            StoreKind::Gcs => {
+                "GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or GOOGLE_APPLICATION_CREDENTIALS, or \
+                 [object_store] google_service_account"
+            }
+            StoreKind::Azure => {
+                "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY, or \
+                 [object_store] azure_storage_account_name and azure_storage_account_key"
+            }
+            StoreKind::Http => "the server's own access rules (the HTTP source sends no credentials)",
+        }
+    }
+
+    /// Where the endpoint is set, for the message of an unreachable store.
+    pub fn endpoint_setting(self) -> &'static str {
+        match self {
+            StoreKind::S3 => "AWS_ENDPOINT_URL or [object_store] endpoint",
+            StoreKind::Gcs => "[object_store] google_base_url",
+            StoreKind::Azure => "[object_store] azure_storage_endpoint, or azure_storage_use_emulator",
+            StoreKind::Http => "the source URL",
+        }
+    }
+
+    /// Keys one listing request returns at most, to count the requests a listing took.
+    pub fn list_page(self) -> u64 {
+        match self {
+            StoreKind::S3 | StoreKind::Gcs => 1000,
+            StoreKind::Azure => 5000,
+            // WebDAV answers a PROPFIND of any depth in one response.
+            StoreKind::Http => u64::MAX,
+        }
+    }
+}
+
+/// Where an object store source is and how to talk to it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// The kind of store.
+    pub kind: StoreKind,
+    /// The source as given, normalized: `s3://bucket` or `s3://bucket/prefix` (no trailing slash).
+    pub url: String,
+    /// The bucket (S3, GCS), the container (Azure) or `scheme://host:port` (HTTP).
+    pub bucket: String,
+    /// The Azure storage account the URL names (`abfs://container@ACCOUNT.dfs.core.windows.net`).
+    pub account: Option<String>,
+    /// The prefix inside the bucket, without slashes at either end (`""` for the whole bucket).
+    pub prefix: String,
+    /// Keys of the table that are the store's own options (or the short `[s3]` names): key → value.
+    pub settings: BTreeMap<String, String>,
+    /// The deadline of one request, body included; a dead server never holds a reader longer (per try).
+    pub timeout: Duration,
+    /// The deadline of connecting to the endpoint.
+    pub connect_timeout: Duration,
+    /// How many times a failed request (5xx, connection reset, timeout) is retried, with capped
+    /// exponential back-off and jitter.
+    pub retries: usize,
+    /// Objects larger than this are fetched as parallel ranges of this size; smaller ones in one GET.
+    pub range_size: u64,
+    /// Ranges of one object fetched at once.
+    pub ranges_in_flight: usize,
+}
+
+/// Whether a setting's value is a secret, never printed: keys, tokens, passwords, signatures.
+pub fn is_secret(key: &str) -> bool {
+    ["secret", "token", "key", "password", "sas", "credential"].iter().any(|w| key.contains(w))
+        && !key.ends_with("key_id")
+}
+
+impl std::fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print a secret: `config show` and error messages print the configuration.
+        let settings: BTreeMap<&str, &str> =
+            self.settings.iter().map(|(k, v)| (k.as_str(), if is_secret(k) { "(hidden)" } else { v })).collect();
+        f.debug_struct("StoreConfig")
+            .field("url", &self.url)
+            .field("settings", &settings)
+            .field("timeout", &self.timeout)
+            .field("retries", &self.retries)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A URL that is not a usable object store source; the message says what to write instead.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadUrl(pub String);
+
+/// Whether a configured source names an object store rather than a directory.
+pub fn is_url(source: &str) -> bool {
+    source.contains("://")
+}
+
+/// The URL forms, for the message of one that is not supported.
+const FORMS: &str = "s3://BUCKET/PREFIX (any S3-compatible store), gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
+                     abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX, http(s)://HOST[:PORT]/PREFIX, or a directory";
+
+/// Whether `name` is a valid bucket of `kind`: lower-case letters, digits, dots and hyphens (GCS also
+/// underscores), 3 to 63 characters (GCS up to 222 with dots).
+fn valid_bucket(kind: StoreKind, name: &str) -> bool {
+    let max = if kind == StoreKind::Gcs && name.contains('.') { 222 } else { 63 };
+    (3..=max).contains(&name.len())
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || b == b'-'
+                || (b == b'.' && kind != StoreKind::Azure)
+                || (b == b'_' && kind == StoreKind::Gcs)
+        })
+}
+
+impl StoreConfig {
+    /// Parses a source URL with the defaults for everything else.
+    pub fn parse(url: &str) -> Result<StoreConfig, BadUrl> {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+        let kind = match scheme {
+            "s3" => StoreKind::S3,
+            "gs" => StoreKind::Gcs,
+            "az" | "azure" | "abfs" | "abfss" => StoreKind::Azure,
+            "http" | "https" => StoreKind::Http,
+            _ => {
+                return Err(BadUrl(format!("the object store scheme {scheme:?} is not supported; give {FORMS}")));
+            }
+        };
+        let (authority, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let (bucket, account) = match (kind, authority.split_once('@')) {
+            (StoreKind::Azure, Some((container, host))) => {
+                let account = host.split('.').next().unwrap_or("");
+                if account.is_empty() {
+                    return Err(BadUrl(format!(
+                        "{url:?} names no storage account; write {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX"
+                    )));
+                }
+                (container.to_string(), Some(account.to_string()))
+            }
+            (StoreKind::Http, _) => {
+                if authority.is_empty() || authority.contains('@') {
+                    return Err(BadUrl(format!(
+                        "{url:?} names no server; write {scheme}://HOST[:PORT]/PREFIX (credentials in the URL are \
+                         not taken)"
+                    )));
+                }
+                (format!("{scheme}://{authority}"), None)
+            }
+            _ => (authority.to_string(), None),
+        };
+        if kind != StoreKind::Http && !valid_bucket(kind, &bucket) {
+            let word = kind.bucket_word();
+            return Err(BadUrl(format!(
+                "{bucket:?} is not a {word} name; write {scheme}://{}/PREFIX with a {word} of 3 to 63 lower-case \
+                 letters, digits{} and hyphens",
+                word.to_uppercase(),
+                if kind == StoreKind::Azure { "" } else { ", dots" }
+            )));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
+            return Err(BadUrl(format!(
+                "the prefix {prefix:?} has empty, \".\" or \"..\" parts; write {scheme}://{authority}/a/b"
+            )));
+        }
+        let base = format!("{scheme}://{authority}");
+        let url = if prefix.is_empty() { base } else { format!("{base}/{prefix}") };
+        Ok(StoreConfig {
+            kind,
+            url,
+            bucket,
+            account,
+            prefix: prefix.to_string(),
+            settings: BTreeMap::new(),
+            timeout: parse_duration(default_of("timeout")).expect("a duration"),
+            connect_timeout: parse_duration(default_of("connect_timeout")).expect("a duration"),
+            retries: default_of("retries").parse().expect("a count"),
+            range_size: parse_size(default_of("range_size")).expect("a size"),
+            ranges_in_flight: default_of("ranges_in_flight").parse().expect("a count"),
+        })
+    }
+
+    /// The object key of a source-relative path.
+    pub fn key_of(&self, rel: &str) -> String {
+        if self.prefix.is_empty() || rel.is_empty() {
+            if rel.is_empty() {
+                return self.prefix.clone();
+            }
+            rel.to_string()
+        } else {
+            format!("{}/{rel}", self.prefix)
+        }
+    }
+
+    /// The URL of a source-relative path (`s3://bucket/prefix/rel`).
+    pub fn url_of(&self, rel: &str) -> String {
+        if rel.is_empty() {
+            self.url.clone()
+        } else {
+            format!("{}/{rel}", self.url)
+        }
+    }
+
+    /// The path of `name` relative to the prefix: a full URL under it, or a key relative to the
+    /// prefix (`a/b.bin`). `None` for anything else (another bucket, a path on a file system, `..`).
+    pub fn relative(&self, name: &str) -> Option<String> {
+        let rel = match name.strip_prefix(&self.url) {
+            Some("") => return Some(String::new()),
+            Some(rest) => rest.strip_prefix('/')?,
+            None if is_url(name) || name.starts_with('/') => return None,
+            None => name,
+        };
+        let rel = rel.trim_end_matches('/');
+        if rel.split('/').any(|p| p.is_empty() || p == "." || p == "..") {
+            return None;
+        }
+        Some(rel.to_string())
+    }
+}
+
+/// One key of the store's table as the configuration file or the API gave it: its value, where it was
+/// set, and under which table's name (`"object_store"`, or `"s3"` for the older name).
+pub(crate) type TableKey = (toml::Value, Origin, &'static str);
+
+/// The short names of the `[s3]` table that are not `object_store` option keys of their own.
+const S3_SHORT: &[&str] = &["endpoint", "region", "profile", "access_key_id", "secret_access_key", "session_token"];
+
+/// Validates the table's keys into `c` (the store, bucket and prefix parsed from the source).
+pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) -> Result<StoreConfig, ConfigError> {
+    for (k, (v, o, table)) in keys {
+        let text = scalar(v);
+        let key = format!("{table}.{k}");
+        match k.as_str() {
+            "timeout" | "connect_timeout" => {
+                let d = parse_duration(&text).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a duration", "use seconds (30) or a unit: \"500ms\", \"30s\", \"2m\"")
+                })?;
+                if k == "timeout" {
+                    c.timeout = d;
+                } else {
+                    c.connect_timeout = d;
+                }
+            }
+            "retries" => {
+                c.retries =
+                    text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
+                        bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
+                    })?;
+            }
+            "range_size" => {
+                c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a range size of at least 64 KiB", "use a size like \"8M\"")
+                })?;
+            }
+            "ranges_in_flight" => {
+                c.ranges_in_flight = text.parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
+                    bad(o, &key, &text, "is not a number of ranges", "use a whole number from 1 to 256")
+                })?;
+            }
+            _ if *table == "s3" && c.kind != StoreKind::S3 => {
+                return Err(bad(
+                    o,
+                    &key,
+                    &text,
+                    &format!("is set in [s3] but the source is {}", c.kind.name()),
+                    "write the store's settings in an [object_store] table",
+                ));
+            }
+            "endpoint" if c.kind == StoreKind::S3 && !(text.starts_with("http://") || text.starts_with("https://")) => {
+                return Err(bad(o, &key, &text, "is not an http(s) URL", "write http://HOST:PORT or https://HOST"));
+            }
+            _ if c.kind == StoreKind::S3 && S3_SHORT.contains(&k.as_str()) => {
+                c.settings.insert(k.to_string(), text);
+            }
+            _ => {
+                if let Some(problem) = option_problem(c.kind, k) {
+                    return Err(bad(o, &key, &text, &problem, &option_fix(c.kind)));
+                }
+                c.settings.insert(k.to_string(), text);
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// Why `key` is not an option of the store's client (`None`: it is). A build without object stores cannot
+/// tell, and leaves the question to the build that reads the store.
+fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
+    #[cfg(feature = "object-store")]
+    {
+        super::object::option_problem(kind, key)
+    }
+    #[cfg(not(feature = "object-store"))]
+    {
+        let _ = (kind, key);
+        None
+    }
+}
+
+/// What to write instead of a key the store's client does not take.
+fn option_fix(kind: StoreKind) -> String {
+    let examples = match kind {
+        StoreKind::S3 => "endpoint, region, aws_access_key_id, aws_secret_access_key, aws_virtual_hosted_style_request",
+        StoreKind::Gcs => "google_service_account, google_service_account_key, google_base_url, google_skip_signature",
+        StoreKind::Azure => {
+            "azure_storage_account_name, azure_storage_account_key, azure_storage_sas_key, azure_storage_endpoint, \
+             azure_storage_use_emulator"
+        }
+        StoreKind::Http => "allow_http, allow_invalid_certificates, proxy_url, user_agent",
+    };
+    format!(
+        "use one of tierstore's keys ({}) or an option of the object_store crate for {} such as {examples}",
+        STORE_KEYS.join(", "),
+        kind.name()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_keys() {
+        let c = StoreConfig::parse("s3://data-set/train/").unwrap();
+        assert_eq!(
+            (c.kind, c.bucket.as_str(), c.prefix.as_str(), c.url.as_str()),
+            (StoreKind::S3, "data-set", "train", "s3://data-set/train")
+        );
+        assert_eq!(c.key_of("a/b.bin"), "train/a/b.bin");
+        assert_eq!(c.relative("s3://data-set/train/a/b.bin").as_deref(), Some("a/b.bin"));
+        assert_eq!(c.relative("a/b.bin").as_deref(), Some("a/b.bin"));
+        assert_eq!(c.relative("s3://data-set/train").as_deref(), Some(""));
+        assert_eq!(c.relative("s3://data-set/trainer/x"), None);
+        assert_eq!(c.relative("s3://other/train/x"), None);
+        assert_eq!(c.relative("gs://data-set/train/x"), None);
+        assert_eq!(c.relative("/etc/passwd"), None);
+        assert_eq!(c.relative("a/../../b"), None);
+        let whole = StoreConfig::parse("s3://bucket").unwrap();
+        assert_eq!(whole.key_of("x"), "x");
+        assert!(StoreConfig::parse("ftp://b/p").unwrap_err().to_string().contains("not supported"));
+        assert!(StoreConfig::parse("s3://B_ad/p").unwrap_err().to_string().contains("not a bucket name"));
+        let mut secret = whole.clone();
+        secret.settings.insert("secret_access_key".into(), "sekrit".into());
+        secret.settings.insert("azure_storage_account_key".into(), "sekrit2".into());
+        secret.settings.insert("access_key_id".into(), "public-id".into());
+        let shown = format!("{secret:?}");
+        assert!(!shown.contains("sekrit") && shown.contains("public-id"), "{shown}");
+    }
+
+    #[test]
+    fn every_kind_of_store_has_its_url() {
+        let gs = StoreConfig::parse("gs://my_data.example/train").unwrap();
+        assert_eq!((gs.kind, gs.bucket.as_str(), gs.prefix.as_str()), (StoreKind::Gcs, "my_data.example", "train"));
+        let az = StoreConfig::parse("az://weights/v1/").unwrap();
+        assert_eq!((az.kind, az.bucket.as_str(), az.url.as_str()), (StoreKind::Azure, "weights", "az://weights/v1"));
+        let abfs = StoreConfig::parse("abfss://weights@acct.dfs.core.windows.net/v1").unwrap();
+        assert_eq!((abfs.bucket.as_str(), abfs.account.as_deref()), ("weights", Some("acct")));
+        assert!(StoreConfig::parse("az://has.dot/x").unwrap_err().to_string().contains("not a container name"));
+        let http = StoreConfig::parse("http://127.0.0.1:8080/data/train").unwrap();
+        assert_eq!(
+            (http.kind, http.bucket.as_str(), http.prefix.as_str()),
+            (StoreKind::Http, "http://127.0.0.1:8080", "data/train")
+        );
+        assert_eq!(http.relative("http://127.0.0.1:8080/data/train/a.bin").as_deref(), Some("a.bin"));
+        assert!(StoreConfig::parse("http://user:pw@host/x").unwrap_err().to_string().contains("no server"));
+        assert!(StoreConfig::parse("gs://bkt/a/../c").unwrap_err().to_string().contains("\"..\""));
+    }
+
+    #[test]
+    fn the_tables_keys_are_checked_for_the_store() {
+        let table = |t: &'static str, k: &str, v: &str| {
+            BTreeMap::from([(k.to_string(), (toml::Value::String(v.into()), Origin::Argument, t))])
+        };
+        let gs = || StoreConfig::parse("gs://bucket").unwrap();
+        let c = validate(gs(), &table("object_store", "timeout", "2s")).unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(2));
+        let err = validate(gs(), &table("s3", "endpoint", "http://x")).unwrap_err().to_string();
+        assert!(err.contains("[object_store]"), "{err}");
+        let s3 = validate(StoreConfig::parse("s3://bucket").unwrap(), &table("s3", "profile", "p")).unwrap();
+        assert_eq!(s3.settings.get("profile").map(String::as_str), Some("p"));
+        #[cfg(feature = "object-store")]
+        {
+            let err = validate(gs(), &table("object_store", "google_servce_account", "x")).unwrap_err().to_string();
+            assert!(err.contains("google_servce_account") && err.contains("google_service_account"), "{err}");
+            let ok = validate(gs(), &table("object_store", "google_base_url", "http://127.0.0.1:1")).unwrap();
+            assert_eq!(ok.settings.len(), 1);
+        }
+    }
+
+    #[test]
+    fn the_written_defaults_are_the_parsed_ones_and_every_one_is_a_key() {
+        let c = StoreConfig::parse("s3://bucket").unwrap();
+        assert_eq!(c.timeout, Duration::from_secs(30));
+        assert_eq!(c.connect_timeout, Duration::from_secs(5));
+        assert_eq!((c.retries, c.range_size, c.ranges_in_flight), (3, 8 << 20, 8));
+        assert!(STORE_DEFAULTS.iter().all(|(k, _)| STORE_KEYS.contains(k) && S3_KEYS.contains(k)));
+    }
+}
