@@ -10,6 +10,7 @@ pub mod remote;
 pub mod seal;
 pub mod session;
 pub mod token;
+pub mod transfer;
 pub mod wire;
 
 pub use config::{

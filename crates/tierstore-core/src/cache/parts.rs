@@ -14,7 +14,7 @@ use super::blocks::{Version, BLOCK};
 use super::engine::{Inner, Look};
 use super::peers::Beneath;
 use super::Cache;
-use crate::cluster::remote::Transfer;
+use crate::cluster::transfer::Transfer;
 use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::index::{key_of, SourceId};

@@ -2,7 +2,7 @@
 //! before the source (DYAD's lookup order), and the agent of this node serves the files it owns.
 //!
 //! Never stale and never partial hold across nodes as on one: the owner says which version it sends
-//! before the bytes ([`crate::cluster::remote::Transfer::found`]); a reader that already knows the version
+//! before the bytes ([`crate::cluster::transfer::Transfer::found`]); a reader that already knows the version
 //! (`revalidate = "always"`) refuses any other; the bytes are checked against the blake3 recorded when
 //! the owner copied them from the source. The owner sends its copy without reading or hashing it (with
 //! `sendfile`), so a reader that finds a mismatch tells it, and the owner checks that copy and removes it
@@ -43,7 +43,8 @@ use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native, Purpose};
 use super::fetch::{fail_flight, FetchJob};
 use super::flight::{Outcome, Role};
 use super::lock::{lock_shared, FetchGuard};
-use crate::cluster::remote::{Dest, RemoteError, Transfer, WINDOW};
+use crate::cluster::remote::{RemoteError, WINDOW};
+use crate::cluster::transfer::{Dest, Transfer};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
 use crate::error::Error;
