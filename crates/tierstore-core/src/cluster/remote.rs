@@ -383,8 +383,8 @@ mod tests {
     use super::*;
     use crate::cluster::seal::Seals;
     use crate::cluster::transfer::Dest;
-    use crate::index::SourceId;
     use crate::cluster::wire::VERSION;
+    use crate::index::SourceId;
 
     /// A fake owner's connection, after the handshake: its frames are tagged as an agent's are.
     struct Fake {
