@@ -96,9 +96,11 @@ impl ObjectFile {
 
 /// The identity of an object version from its metadata. The last-modified time is kept to the second:
 /// a `HEAD` or `GET` says it in an HTTP date (seconds), a `LIST` in ISO 8601 with milliseconds, and the
-/// two must name one version alike (the ETag tells versions of the same second apart).
+/// two must name one version alike (the ETag tells versions of the same second apart). The ETag is taken
+/// without its quotes, which some stores give in one answer and not in another (GCS: quoted from a
+/// `HEAD`, bare in a listing).
 fn identity(meta: &ObjectMeta) -> SourceId {
-    let tag = blake3::hash(meta.e_tag.as_deref().unwrap_or("").as_bytes());
+    let tag = blake3::hash(meta.e_tag.as_deref().unwrap_or("").trim_matches('"').as_bytes());
     let word = |i: usize| u64::from_le_bytes(tag.as_bytes()[i..i + 8].try_into().expect("8 bytes"));
     let secs = meta.last_modified.timestamp();
     SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
@@ -218,8 +220,17 @@ fn gcs_store(
     for (key, value) in &config.settings {
         builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
     }
-    let endpoint =
-        builder.get_config_value(&GoogleConfigKey::BaseUrl).unwrap_or_else(|| "https://storage.googleapis.com".into());
+    // Where requests go: `google_base_url`, else the `gcs_base_url` of a service account key (how an
+    // emulator is reached), else Google.
+    let key_base = || {
+        let key = builder.get_config_value(&GoogleConfigKey::ServiceAccountKey)?;
+        let key: serde_json::Value = serde_json::from_str(&key).ok()?;
+        key.get("gcs_base_url")?.as_str().map(str::to_string)
+    };
+    let endpoint = builder
+        .get_config_value(&GoogleConfigKey::BaseUrl)
+        .or_else(key_base)
+        .unwrap_or_else(|| "https://storage.googleapis.com".into());
     let builder =
         builder.with_config(GoogleConfigKey::Client(ClientConfigKey::AllowHttp), allow_http(config, &endpoint));
     Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), endpoint))

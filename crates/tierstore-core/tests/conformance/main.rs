@@ -1,12 +1,16 @@
 //! The conformance suites: each is written against a contract and run for every implementation.
 //! - The cache (below): every tier kind (RAM-backed and local disk) and every policy.
-//! - The `Source` contract (`source.rs`): the POSIX source, and the S3 source against a SeaweedFS server
-//!   started here (`seaweed.rs`) when the `object-store` feature is on and `weed` is found (else the test says why
-//!   and passes over it).
+//! - The `Source` contract (`source.rs`): the POSIX source, and the object store source against real
+//!   servers started here when the `object-store` feature is on: S3 on SeaweedFS (`seaweed.rs`), GCS on
+//!   fake-gcs-server, HTTP on `rclone serve webdav` (`emulators.rs`). A server that is not installed is
+//!   passed over, and the test says why. Azure has no run: no Azure Blob emulator installs on this
+//!   machine (Azurite is on npm only).
 //!
 //! `cargo test -p tierstore-core --test conformance --features object-store`; `cargo test --workspace` turns the
 //! feature on (the agent and the Python extension ask for it).
 
+#[cfg(feature = "object-store")]
+mod emulators;
 #[cfg(feature = "object-store")]
 mod seaweed;
 mod source;
@@ -277,14 +281,17 @@ fn posix_source() {
 }
 
 /// The S3 source over a bucket prefix of a SeaweedFS server of this test's own.
-/// An object store source over a bucket prefix of a real server, and a client of that server to change
-/// the objects behind it (the "other writer" of the contract).
+/// Writes an object of the store behind a source (full key, bytes), as another writer does.
+#[cfg(feature = "object-store")]
+type Put = Box<dyn Fn(&str, &[u8])>;
+
+/// An object store source over a bucket prefix of a real server, and the means to change the objects
+/// behind it (the "other writer" of the contract).
 #[cfg(feature = "object-store")]
 struct ObjectStore {
-    // Dropped in this order: the source (its runtime), then the server.
+    // Dropped in this order: the source (its runtime), then the writer, then the server.
     source: tierstore_core::source::ObjectSource,
-    client: Arc<dyn object_store::ObjectStore>,
-    rt: tokio::runtime::Runtime,
+    put: Put,
     prefix: String,
     outside: PathBuf,
     scratch: tempfile::TempDir,
@@ -293,13 +300,8 @@ struct ObjectStore {
 
 #[cfg(feature = "object-store")]
 impl ObjectStore {
-    /// The source over `url` (whose prefix is `data/set`) with the server's `settings`.
-    fn new(
-        url: &str,
-        settings: &[(&str, &str)],
-        client: Arc<dyn object_store::ObjectStore>,
-        server: Box<dyn std::any::Any>,
-    ) -> ObjectStore {
+    /// The source over `url` with the server's `settings`.
+    fn new(url: &str, settings: &[(&str, &str)], put: Put, server: Box<dyn std::any::Any>) -> ObjectStore {
         let mut config = tierstore_core::source::store_config::StoreConfig::parse(url).unwrap();
         for (key, value) in settings {
             config.settings.insert(key.to_string(), value.to_string());
@@ -314,8 +316,7 @@ impl ObjectStore {
         let scheme = url.split_once("://").unwrap().0;
         let outside = PathBuf::from(format!("{scheme}://another-bucket/data/set/a.bin"));
         let source = tierstore_core::source::ObjectSource::new(config, counters).unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        ObjectStore { source, client, rt, prefix, outside, scratch, _server: server }
+        ObjectStore { source, put, prefix, outside, scratch, _server: server }
     }
 
     /// The S3 source over a SeaweedFS server started here.
@@ -332,7 +333,35 @@ impl ObjectStore {
             ("secret_access_key", seaweed::SECRET_KEY),
         ];
         let client = server.client(bucket);
-        ObjectStore::new(&format!("s3://{bucket}/data/set"), &settings, client, Box::new(server))
+        let put: Put = Box::new(move |key, bytes| {
+            let key = object_store::path::Path::from(key);
+            rt.block_on(object_store::ObjectStoreExt::put(client.as_ref(), &key, bytes.to_vec().into())).unwrap();
+        });
+        ObjectStore::new(&format!("s3://{bucket}/data/set"), &settings, put, Box::new(server))
+    }
+
+    /// The GCS source over a fake-gcs-server started here, reached as an emulator is: a service account
+    /// key that names the server and turns OAuth off.
+    fn gcs(bin: &Path) -> ObjectStore {
+        let server = Arc::new(emulators::Server::gcs(bin));
+        server.gcs_create_bucket("conformance");
+        let key = format!(
+            r#"{{"gcs_base_url":"{}","disable_oauth":true,"client_email":"","private_key":"","private_key_id":""}}"#,
+            server.endpoint
+        );
+        let writer = server.clone();
+        let put: Put = Box::new(move |key, bytes| writer.gcs_put("conformance", key, bytes));
+        let settings = [("google_service_account_key", key.as_str())];
+        ObjectStore::new("gs://conformance/data/set", &settings, put, Box::new(server))
+    }
+
+    /// The HTTP source over `rclone serve webdav` of a directory, which the writer writes into.
+    fn webdav(bin: &Path) -> ObjectStore {
+        let server = Arc::new(emulators::Server::webdav(bin));
+        let writer = server.clone();
+        let put: Put = Box::new(move |key, bytes| writer.webdav_put(key, bytes));
+        let url = format!("{}/data/set", server.endpoint);
+        ObjectStore::new(&url, &[], put, Box::new(server))
     }
 }
 
@@ -343,8 +372,7 @@ impl source::Store for ObjectStore {
     }
 
     fn put(&self, rel: &str, bytes: &[u8]) {
-        let key = object_store::path::Path::from(format!("{}/{rel}", self.prefix));
-        self.rt.block_on(object_store::ObjectStoreExt::put(self.client.as_ref(), &key, bytes.to_vec().into())).unwrap();
+        (self.put)(&format!("{}/{rel}", self.prefix), bytes);
     }
 
     fn outside(&self) -> PathBuf {
@@ -360,20 +388,39 @@ impl source::Store for ObjectStore {
     }
 }
 
+/// Runs the suite against a store whose server `binary` finds, or says why it passes over it.
+#[cfg(feature = "object-store")]
+fn conforms_if_installed(name: &str, binary: Result<PathBuf, String>, store: fn(&Path) -> ObjectStore) {
+    match binary {
+        Ok(bin) => source::conforms(name, &store(&bin)),
+        Err(why) => eprintln!("{name}_source: skipped: {why}"),
+    }
+}
+
 #[cfg(feature = "object-store")]
 #[test]
 fn s3_source() {
-    match seaweed::weed_binary() {
-        Ok(weed) => source::conforms("s3", &ObjectStore::s3(&weed)),
-        Err(why) => eprintln!("s3_source: skipped: {why}"),
-    }
+    conforms_if_installed("s3", seaweed::weed_binary(), ObjectStore::s3);
+}
+
+#[cfg(feature = "object-store")]
+#[test]
+fn gcs_source() {
+    conforms_if_installed("gcs", emulators::fake_gcs_binary(), ObjectStore::gcs);
+}
+
+#[cfg(feature = "object-store")]
+#[test]
+fn http_source() {
+    conforms_if_installed("http", emulators::rclone_binary(), ObjectStore::webdav);
 }
 
 #[cfg(not(feature = "object-store"))]
 #[test]
-fn s3_source() {
+fn object_store_sources() {
     eprintln!(
-        "s3_source: skipped: tierstore-core is built without its `object-store` feature (cargo test -p \
-         tierstore-core --test conformance --features object-store, or cargo test --workspace)"
+        "s3_source, gcs_source, http_source: skipped: tierstore-core is built without its \
+         `object-store` feature (cargo test -p tierstore-core --test conformance --features object-store, or \
+         cargo test --workspace)"
     );
 }
