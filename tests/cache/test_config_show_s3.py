@@ -1,4 +1,4 @@
-"""`tierstore config show` of an s3:// source: the settings it is reached with (the `[s3]` table, the AWS
+"""`tierstore config show` of an object store source (s3://, and gs:// for the others): the settings it is reached with (the `[s3]` table, the AWS
 variables, the profile files, the defaults), each with where it came from; credentials only as set or not
 set. No server is needed: nothing is sent to the store until a file is read."""
 
@@ -158,3 +158,38 @@ def test_the_s3_defaults_config_show_prints_are_the_references() -> None:
             key,
             rows[key],
         )
+
+
+def test_config_show_prints_the_object_store_table_of_another_store(tmp_path: Path) -> None:
+    """A gs:// source: the `[object_store]` table's keys, a key as "set", and tierstore's own keys with
+    their defaults; the `[s3]` name still read for an s3:// source is refused for another store."""
+    config = tmp_path / "tierstore.toml"
+    key = (
+        f'{{"gcs_base_url":"http://127.0.0.1:1","disable_oauth":true,"client_email":"","private_key_id":"",'
+        f'"private_key":"{SECRET}"}}'
+    )
+    config.write_text(
+        'source = "gs://bucket/train"\n'
+        "[object_store]\n"
+        f"google_service_account_key = '{key}'\n"
+        'timeout = "10s"\n'
+    )
+    text, shown = show(tmp_path, env=environment(tmp_path, TIERSTORE_CONFIG=str(config)))
+    assert re.search(
+        r"^object_store\s+gs://bucket/train\s+\(from " + re.escape(str(config)) + r"\)$", text, re.M
+    )
+    assert line(text, "google_service_account_key") == f"google_service_account_key  set  (from {config})"
+    assert line(text, "timeout") == f"timeout                     10s  (from {config})"
+    assert line(text, "retries") == "retries                     3  (from default)"
+    assert shown["object_store"]["value"]["range_size"] == "8M"
+    assert "s3" not in shown
+
+    config.write_text('source = "gs://bucket/train"\n[s3]\nregion = "x"\n')
+    refused = tierstore(
+        "--tier",
+        f"{tmp_path / 'tier'}:16M",
+        "config",
+        "show",
+        env=environment(tmp_path, TIERSTORE_CONFIG=str(config)),
+    )
+    assert refused.returncode != 0 and "[object_store]" in refused.stderr, refused.stderr

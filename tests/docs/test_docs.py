@@ -93,6 +93,10 @@ def _marks(block: Block, registered: set[str]) -> list[pytest.MarkDecorator]:
     wanted = []
     if "tierstore.testing.s3server" in block.code:
         wanted.append("s3")
+    if "tierstore.testing.gcsserver" in block.code:
+        wanted.append("gcs")
+    if "tierstore.testing.webdavserver" in block.code:
+        wanted.append("webdav")
     if "tierstore.slowfs" in block.code or "tierstore.testing.slowfs" in block.code:
         wanted.append("fuse")
     return [getattr(pytest.mark, name) for name in wanted if name in registered]

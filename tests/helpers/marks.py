@@ -13,7 +13,7 @@ from typing import TypeVar
 F = TypeVar("F", bound=Callable[..., object])
 
 # The markers of this suite (registered in pyproject.toml, where `--strict-markers` refuses any other).
-MARKERS = ("slow", "root", "fuse", "s3", "redis", "netns")
+MARKERS = ("slow", "root", "fuse", "s3", "gcs", "webdav", "redis", "netns")
 
 # Fixture name -> the markers its tests get.
 BY_FIXTURE: dict[str, tuple[str, ...]] = {}
