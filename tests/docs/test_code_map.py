@@ -5,7 +5,6 @@ and every Rust source and every Python module lies in a file or a directory the 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tests.docs.test_docs_reference import ROOT
 
@@ -42,7 +41,12 @@ def code_map_names() -> set[str]:
         if line.startswith("## "):
             base = next((b for title, b in SECTION_BASES.items() if line[3:].startswith(title)), None)
             continue
-        if base is None or not line.startswith("| ") or line.startswith("| ---") or line.startswith("| concept"):
+        if (
+            base is None
+            or not line.startswith("| ")
+            or line.startswith("| ---")
+            or line.startswith("| concept")
+        ):
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
         concept, where = " | ".join(cells[:-1]), cells[-1]
