@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use super::config::ClusterConfig;
 use super::owners::Owners;
 use super::session::{ClientHello, HandshakeError, KeyShare};
-use super::transfer::Transfer;
+use super::transfer::{RemoteError, Transfer};
 use super::wire::{self, ErrorCode, Frame};
 
 /// How long a member that missed a deadline is left out of this process's owner choice; doubled at each
@@ -31,69 +31,6 @@ pub const DOWN_AT_MOST: Duration = Duration::from_secs(60);
 
 /// Chunks a reader lets the owner send ahead of what it has taken (8 MiB in flight per transfer).
 pub const WINDOW: u32 = 8;
-
-/// Why a file could not be had from a peer. Every one of them sends the reader to the source.
-#[derive(Debug, thiserror::Error)]
-pub enum RemoteError {
-    /// Nothing answers at the member's address.
-    #[error("the agent of {at} cannot be reached ({source})")]
-    Unreachable {
-        /// The member.
-        at: String,
-        /// Why.
-        source: io::Error,
-    },
-    /// The member did not answer within the deadline.
-    #[error("the agent of {at} did not answer within {waited:?}")]
-    Deadline {
-        /// The member.
-        at: String,
-        /// The deadline.
-        waited: Duration,
-    },
-    /// The member refused or could not serve the request.
-    #[error("the agent of {at} refused: {message}")]
-    Refused {
-        /// The member.
-        at: String,
-        /// Its error code.
-        code: ErrorCode,
-        /// Its message.
-        message: String,
-    },
-    /// The bytes received are not the bytes the owner vouched for.
-    #[error("the agent of {at} sent damaged bytes: {detail}")]
-    Corrupt {
-        /// The member.
-        at: String,
-        /// What did not match.
-        detail: String,
-    },
-    /// The connection broke or carried something out of order.
-    #[error("the connection to the agent of {at} failed: {detail}")]
-    Broken {
-        /// The member.
-        at: String,
-        /// What happened.
-        detail: String,
-    },
-    /// Writing the received bytes failed on this node.
-    #[error("cannot keep the bytes received: {0}")]
-    Sink(io::Error),
-}
-
-impl RemoteError {
-    /// Whether the member itself failed (rather than the file or this node): it is then marked down.
-    pub fn member_failed(&self) -> bool {
-        matches!(
-            self,
-            RemoteError::Unreachable { .. }
-                | RemoteError::Deadline { .. }
-                | RemoteError::Broken { .. }
-                | RemoteError::Refused { code: ErrorCode::ShuttingDown, .. }
-        )
-    }
-}
 
 /// Who owns what among the members this process knows of.
 struct View {

@@ -292,18 +292,6 @@ fn built(config: &StoreConfig, e: object_store::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, format!("{} ({}): {e}", config.url, config.kind.name()))
 }
 
-/// Why `key` is not an option of the client of a `kind` store (`None`: it is): checked when the
-/// configuration is read, so that a misspelt key is an error naming it rather than a setting ignored.
-pub(crate) fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
-    let known = match kind {
-        StoreKind::S3 => key.parse::<AmazonS3ConfigKey>().is_ok(),
-        StoreKind::Gcs => key.parse::<GoogleConfigKey>().is_ok(),
-        StoreKind::Azure => key.parse::<AzureConfigKey>().is_ok(),
-        StoreKind::Http => key.parse::<ClientConfigKey>().is_ok(),
-    };
-    (!known).then(|| format!("is not an option of the {} client", kind.name()))
-}
-
 impl ObjectSource {
     /// A source over `config`'s bucket and prefix, counting into `counters`. Nothing is sent to the store
     /// until a file is asked for; a configuration that cannot work (no credentials for a custom S3

@@ -364,12 +364,21 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
     Ok(c)
 }
 
-/// Why `key` is not an option of the store's client (`None`: it is). A build without object stores cannot
-/// tell, and leaves the question to the build that reads the store.
+/// Why `key` is not an option of the client of a `kind` store (`None`: it is), asked of the client's own
+/// key types when the configuration is read, so that a misspelt key is an error naming it rather than a
+/// setting ignored. A build without object stores cannot tell, and leaves the question to the build that
+/// reads the store.
 fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
     #[cfg(feature = "object-store")]
     {
-        super::object::option_problem(kind, key)
+        use object_store::{aws::AmazonS3ConfigKey, azure::AzureConfigKey, gcp::GoogleConfigKey, ClientConfigKey};
+        let known = match kind {
+            StoreKind::S3 => key.parse::<AmazonS3ConfigKey>().is_ok(),
+            StoreKind::Gcs => key.parse::<GoogleConfigKey>().is_ok(),
+            StoreKind::Azure => key.parse::<AzureConfigKey>().is_ok(),
+            StoreKind::Http => key.parse::<ClientConfigKey>().is_ok(),
+        };
+        (!known).then(|| format!("is not an option of the {} client", kind.name()))
     }
     #[cfg(not(feature = "object-store"))]
     {

@@ -72,7 +72,7 @@ pub enum WritebackError {
         /// The file.
         path: PathBuf,
         /// Why the transfer failed.
-        source: crate::cluster::remote::RemoteError,
+        source: crate::cluster::transfer::RemoteError,
     },
     /// The path is under no destination this configuration names: nothing can be said of it.
     #[error(

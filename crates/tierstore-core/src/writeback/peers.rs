@@ -13,7 +13,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::cluster::remote::{Remote, RemoteError, WINDOW};
+use crate::cluster::remote::{Remote, WINDOW};
+use crate::cluster::transfer::RemoteError;
 use crate::cluster::wire::ErrorCode;
 use crate::cluster::{ClusterConfig, Sharing};
 
