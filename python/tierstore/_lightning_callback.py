@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tierstore.integrations import ScheduledPublisher, _require
+from tierstore._scheduled import ScheduledPublisher, _require
 from tierstore.schedule import Schedule
 
 pl = _require("lightning.pytorch", "tierstore.integrations.LightningCallback")
