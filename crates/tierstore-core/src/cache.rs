@@ -20,6 +20,7 @@ mod confirm;
 mod engine;
 mod fetch;
 mod flight;
+mod job;
 mod lock;
 mod order;
 mod parts;
@@ -28,6 +29,7 @@ mod pool;
 mod prefetch;
 mod sibling;
 mod stats;
+mod sweep;
 mod trusted;
 
 use std::collections::{HashMap, HashSet};
@@ -167,7 +169,7 @@ impl Cache {
             record_checksums,
             copy_stats: Mutex::new(HashMap::new()),
             blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
-            background: Default::default(),
+            sweep: Default::default(),
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
         for (i, t) in inner.tiers.iter().enumerate() {

@@ -20,7 +20,7 @@
 //! as it is: the open that asked fetches the version the listing showed, and the next open of another
 //! such file, finding its copy older than the directory's last listing, asks about that file alone.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,27 +49,6 @@ fn fresh(confirmed_ns: u64, within: Duration, now: u64) -> bool {
 /// `stat`s of its files: see `source/posix.rs`): 8 × 8 requests in flight, what one client of a parallel
 /// file system or an object store takes without queueing.
 const DIRECTORIES_AT_ONCE: usize = 8;
-
-/// The background confirmation of one process: at most one sweep at a time.
-#[derive(Default)]
-pub(super) struct Background {
-    /// The process whose sweep runs now (0: none). A forked child, which inherits the value but not the
-    /// thread, starts its own.
-    running: AtomicU32,
-}
-
-impl Background {
-    /// Takes the right to sweep; false when this process's sweep is already running.
-    fn start(&self) -> bool {
-        let me = crate::process::pid();
-        let now = self.running.load(Ordering::Acquire);
-        now != me && self.running.compare_exchange(now, me, Ordering::AcqRel, Ordering::Acquire).is_ok()
-    }
-
-    fn done(&self) {
-        self.running.store(0, Ordering::Release);
-    }
-}
 
 impl Inner {
     /// Whether the copy `e` may be served now without asking the source: the dataset is trusted
@@ -150,7 +129,7 @@ impl Inner {
     /// `DIRECTORIES_AT_ONCE` at a time, on a thread of its own; nothing when this process's sweep
     /// already runs. A directory another thread confirms meanwhile is left to it.
     fn confirm_in_background(self: &Arc<Self>, dir: &str, within: Duration) {
-        if !self.background.start() {
+        if !self.sweep.start() {
             return;
         }
         let inner = self.clone();
@@ -174,10 +153,10 @@ impl Inner {
                     });
                 }
             });
-            inner.background.done();
+            inner.sweep.done();
         };
         if std::thread::Builder::new().name("tierstore-confirm".into()).spawn(sweep).is_err() {
-            self.background.done();
+            self.sweep.done();
         }
     }
 

@@ -11,8 +11,8 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use super::fetch::FetchJob;
 use super::flight::{Flights, Outcome, Role};
+use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, FetchLocks};
 use super::pool::Pool;
 use crate::cluster::remote::Remote;
@@ -58,23 +58,8 @@ pub(super) struct Inner {
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
     pub(super) record_checksums: bool,
-    /// This process's background confirmation of expired directories (`confirm.rs`).
-    pub(super) background: super::confirm::Background,
-}
-
-/// What the fetch under the lock is for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Purpose {
-    /// A reader waits for the bytes.
-    Read,
-    /// Warm the cache; nobody waits.
-    Prefetch,
-    /// A program wants a real descriptor: a small file is fetched whole first, a large one is copied in
-    /// the background while the program holds a descriptor of the source.
-    Native,
-    /// This node's agent serves the file to a peer: a small file is fetched whole first (as a prefetch), a
-    /// large one is copied in the background and sent as it grows.
-    Peer,
+    /// This process's right to the background confirmation of expired directories (`confirm.rs`).
+    pub(super) sweep: super::sweep::Sweep,
 }
 
 /// A file opened for a program that reads it with system calls (see [`Cache::open_native`](super::Cache::open_native)).

@@ -10,8 +10,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{no_descriptor, now_ns, Fetched, Inner, Look, Purpose};
+use super::engine::{no_descriptor, now_ns, Fetched, Inner, Look};
 use super::flight::{Lead, Outcome, Role};
+use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
@@ -20,28 +21,6 @@ use crate::index::{Entry, Key, Reservation, SourceId};
 use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{CopyFault, SourceFile};
-
-/// One fetch as its leader carries it down the read path: the file, why it is fetched, when the source
-/// last showed its version, and the lead of its flight. Whoever holds the job fetches; the flight lands
-/// when the job (its lead) is dropped, on return or when the background copy it was handed to ends.
-pub(super) struct FetchJob<'a> {
-    /// The file, relative to the source.
-    pub rel: &'a str,
-    /// Who asked, which decides what a fetch hands back.
-    pub purpose: Purpose,
-    /// A time at or before which the source showed the version fetched (or will show the one the leader
-    /// opens): its copy records it as confirmed.
-    pub seen: u64,
-    /// The lead of the file's in-process flight.
-    pub lead: Lead,
-}
-
-impl FetchJob<'_> {
-    /// The index key of the file.
-    pub fn key(&self) -> &Key {
-        self.lead.key()
-    }
-}
 
 impl Inner {
     /// Leads a fetch: identifies the file if its version is not `known` (the leader alone opens it, and

@@ -29,9 +29,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
-use super::fetch::FetchJob;
+use super::engine::{now_ns, Fetched, Inner, Look};
 use super::flight::{Lead, Role};
+use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
 use crate::error::Error;
 use crate::index::{key_of, Key};

@@ -39,9 +39,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native, Purpose};
-use super::fetch::{fail_flight, FetchJob};
+use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native};
+use super::fetch::fail_flight;
 use super::flight::{Outcome, Role};
+use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, FetchGuard};
 use crate::cluster::remote::WINDOW;
 use crate::cluster::transfer::{Dest, RemoteError, Transfer};

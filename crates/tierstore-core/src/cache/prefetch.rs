@@ -19,9 +19,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::engine::{now_ns, Fetched, Inner, Look, Purpose};
-use super::fetch::FetchJob;
+use super::engine::{now_ns, Fetched, Inner, Look};
 use super::flight::Role;
+use super::job::{FetchJob, Purpose};
 use crate::config::Revalidate;
 use crate::error::Error;
 use crate::index::{key_of, SourceId};
