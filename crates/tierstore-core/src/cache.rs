@@ -43,7 +43,7 @@ use std::time::Instant;
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
-use crate::index::{key_of, Listed, XattrAnswer, XattrQuery};
+use crate::index::key_of;
 use crate::reader::Reader;
 use crate::source::{PosixSource, Source};
 use crate::tier::Tier;
@@ -59,6 +59,7 @@ pub use parts::{Parts, PartsServed};
 pub use peers::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 pub use stats::{SourceStats, Stats, TierStats};
+pub use trusted::Trusted;
 
 /// Process-wide registry of opened tiers and lock files. LMDB must not open one environment twice in a
 /// process, and closing any descriptor of the lock file would drop the process's fetch locks, so every
@@ -228,101 +229,11 @@ impl Cache {
         Ok(rel)
     }
 
-    /// `stat` of a cached file, of a source directory or of a symlink under the source, as the source gave
-    /// it, without asking the source; `None` when the answer must come from the source (not known,
-    /// recorded by an older index, or copies are revalidated on every open anyway). With `nofollow`
-    /// (`lstat`), only for a path known to name the file itself, with no symlink on the way, or a
-    /// recorded symlink; without it, a recorded symlink is answered by what it leads to, when that is
-    /// known under the source.
-    pub fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
-        self.inner.cached_stat(path, nofollow)
-    }
-
-    /// Takes note of what the source answered to a `stat` (`lstat` with `nofollow`) of `path`, so that
-    /// the next one of a directory is answered from the cache (only when the source is trusted). A symlink
-    /// met by `lstat` is recorded the first time with its target and where it resolves to (asking the
-    /// store those two once), so that `lstat`, `readlink`, `realpath`, `stat` and opens through it are
-    /// answered from the cache from then on.
-    pub fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
-        self.inner.note_stat(path, st, nofollow)
-    }
-
-    /// What `readlink` of `path` returns, when it is a symlink under a trusted source that was recorded.
-    pub fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
-        self.inner.cached_link(path)
-    }
-
-    /// The path of a cached file, or of a recorded symlink, with every symlink resolved (`realpath`),
-    /// without asking the source; `None` when only the source can tell.
-    pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
-        self.inner.cached_real_path(path)
-    }
-
-    /// What `statfs` said of the source's file system, recorded the first time it was asked, when the
-    /// source is trusted (`revalidate = "never"`); `None` otherwise. One record stands for the whole
-    /// source, so a file system mounted inside the source would be reported as the source's.
-    pub fn cached_statfs(&self) -> Option<libc::statfs64> {
-        self.inner.cached_statfs()
-    }
-
-    /// Takes note of what the source answered to `statfs` (only when the source is trusted).
-    pub fn note_statfs(&self, st: &libc::statfs64) {
-        self.inner.note_statfs(st)
-    }
-
-    /// The listing of the source directory `path` as it was recorded, when the source is trusted and
-    /// nothing changed it through tierstore since; `None` otherwise.
-    pub fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
-        self.inner.cached_listing(path)
-    }
-
-    /// Records what `readdir` listed of the source directory `path` (only when the source is trusted).
-    pub fn note_listing(&self, path: &Path, entries: &[Listed]) {
-        self.inner.note_listing(path, entries)
-    }
-
-    /// The empty directory of the first tier that stands for the source directory `path` when the source
-    /// is trusted (a descriptor of it is handed out in place of one of the source directory, and
-    /// [`Cache::shadowed`] maps it back); `None` otherwise.
-    pub fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
-        self.inner.shadow_dir(path)
-    }
-
-    /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
-    /// for, if it is one.
-    pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
-        self.inner.shadowed(name)
-    }
-
-    /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
-    /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
-    /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
-    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
-    pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
-        self.inner.copy_stat(fd, st)
-    }
-
-    /// The store's recorded answer to `query` about `path`, when the source is trusted
-    /// (`revalidate = "never"`) and the question was asked since the path last changed through tierstore.
-    pub fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
-        self.inner.cached_xattr(path, query)
-    }
-
-    /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
-    /// asked without following a symlink at `path` also answers the following question whenever `path`
-    /// is no symlink: the caller asks that way once it knows.
-    pub fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
-        self.inner.note_xattr(path, query, answer)
-    }
-
-    /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
-    pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
-        self.inner.copy_source(name)
-    }
-
-    /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
-    pub fn is_copy(&self, path: &Path) -> bool {
-        self.inner.tiers.iter().any(|t| t.key_of_copy(path).is_some())
+    /// What the LD_PRELOAD shim answers from the cache without asking the store: `stat`s, links,
+    /// `realpath`, `statfs`, listings, extended attributes, shadow directories and the `fstat` of a copy
+    /// (see [`Trusted`]).
+    pub fn trusted(&self) -> Trusted<'_> {
+        Trusted::of(&self.inner)
     }
 
     /// The source directory (symlinks resolved).

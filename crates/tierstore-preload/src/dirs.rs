@@ -97,7 +97,7 @@ fn with_stream<R>(dirp: *mut DIR, f: impl FnOnce(&mut Stream) -> R) -> Option<R>
 /// `stat` of the source directory `abs`, from the cache or else from the store (noted); `None` when it
 /// is not a directory or cannot be asked.
 unsafe fn dir_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::stat> {
-    let st = match cache.cached_stat(abs, nofollow).ok().flatten() {
+    let st = match cache.trusted().cached_stat(abs, nofollow).ok().flatten() {
         Some(st) => st,
         None => {
             let c = CString::new(abs.as_os_str().as_bytes()).ok()?;
@@ -110,7 +110,7 @@ unsafe fn dir_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::st
             if rc != 0 {
                 return None;
             }
-            cache.note_stat(abs, &st, nofollow);
+            cache.trusted().note_stat(abs, &st, nofollow);
             st
         }
     };
@@ -119,11 +119,11 @@ unsafe fn dir_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::st
 
 /// The listing of the source directory `abs`: the record, or else the store's, recorded.
 unsafe fn listing(cache: &Cache, abs: &Path) -> Option<Vec<Listed>> {
-    if let Some(entries) = cache.cached_listing(abs) {
+    if let Some(entries) = cache.trusted().cached_listing(abs) {
         return Some(entries);
     }
     let entries = read_listing(abs)?;
-    cache.note_listing(abs, &entries);
+    cache.trusted().note_listing(abs, &entries);
     Some(entries)
 }
 
@@ -155,7 +155,7 @@ pub(crate) unsafe fn read_listing(abs: &Path) -> Option<Vec<Listed>> {
 /// with O_DIRECTORY), when the source is trusted and `abs` is a directory whose listing is (now)
 /// recorded; `None`: the real call must open the source.
 pub(crate) unsafe fn open_shadow(cache: &Cache, abs: &Path, flags: c_int) -> Option<c_int> {
-    let shadow = cache.shadow_dir(abs)?;
+    let shadow = cache.trusted().shadow_dir(abs)?;
     dir_stat(cache, abs, flags & libc::O_NOFOLLOW != 0)?;
     listing(cache, abs)?;
     let c = CString::new(shadow.as_os_str().as_bytes()).ok()?;
@@ -176,7 +176,7 @@ pub(crate) unsafe fn shadowed(fd: c_int) -> Option<(&'static Cache, std::path::P
     }
     let cache = shim()?.cache.get()?.as_ref()?;
     let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
-    Some((cache, cache.shadowed(&name)?))
+    Some((cache, cache.trusted().shadowed(&name)?))
 }
 
 /// What `fstat` of shadow descriptor `fd` reports: its source directory's `stat`.

@@ -39,7 +39,13 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
     // A directory opened without O_DIRECTORY (tar opens whatever it meets that way, then reads it as a
     // directory if it is one).
     let nofollow = flags & libc::O_NOFOLLOW != 0;
-    if cache.cached_stat(&abs, nofollow).ok().flatten().is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR) {
+    if cache
+        .trusted()
+        .cached_stat(&abs, nofollow)
+        .ok()
+        .flatten()
+        .is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+    {
         return dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY);
     }
     let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };

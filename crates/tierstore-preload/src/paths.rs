@@ -16,7 +16,7 @@ use crate::{set_errno, shim, Busy};
 unsafe fn cached_real_path(path: *const c_char) -> Option<std::ffi::CString> {
     let s = shim()?;
     let abs = s.source_path(libc::AT_FDCWD, path)?;
-    let real = s.cache()?.cached_real_path(&abs).ok().flatten()?;
+    let real = s.cache()?.trusted().cached_real_path(&abs).ok().flatten()?;
     std::ffi::CString::new(real.into_os_string().into_vec()).ok()
 }
 
@@ -84,13 +84,19 @@ unsafe fn readlink_common(
     }
     let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
     let Some(cache) = s.cache() else { return real() };
-    if let Ok(Some(target)) = cache.cached_link(&abs) {
+    if let Ok(Some(target)) = cache.trusted().cached_link(&abs) {
         // As readlink(2): the first `size` bytes, no terminating NUL.
         let n = target.len().min(size);
         std::ptr::copy_nonoverlapping(target.as_ptr() as *const c_char, buf, n);
         return n as ssize_t;
     }
-    if cache.cached_stat(&abs, true).ok().flatten().is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFLNK) {
+    if cache
+        .trusted()
+        .cached_stat(&abs, true)
+        .ok()
+        .flatten()
+        .is_some_and(|st| st.st_mode & libc::S_IFMT != libc::S_IFLNK)
+    {
         set_errno(libc::EINVAL);
         return -1;
     }

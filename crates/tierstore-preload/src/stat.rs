@@ -14,7 +14,7 @@ use crate::{shim, writes, Busy};
 unsafe fn cached_stat(dirfd: c_int, path: *const c_char, nofollow: bool) -> Option<libc::stat> {
     let s = shim()?;
     let abs = s.source_path(dirfd, path)?;
-    s.cache()?.cached_stat(&abs, nofollow).ok().flatten()
+    s.cache()?.trusted().cached_stat(&abs, nofollow).ok().flatten()
 }
 
 /// The stat family by path: the cache's answer, or the source's, which the cache takes note of (a
@@ -36,13 +36,13 @@ unsafe fn stat_path<T>(
     }
     let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
     let Some(cache) = s.cache() else { return real() };
-    if let Ok(Some(st)) = cache.cached_stat(&abs, nofollow) {
+    if let Ok(Some(st)) = cache.trusted().cached_stat(&abs, nofollow) {
         *buf = answer(&st);
         return 0;
     }
     let rc = real();
     if rc == 0 && !buf.is_null() {
-        cache.note_stat(&abs, &record(&*buf), nofollow);
+        cache.trusted().note_stat(&abs, &record(&*buf), nofollow);
     }
     rc
 }
@@ -66,7 +66,7 @@ unsafe fn fstat_common(fd: c_int, buf: *mut libc::stat, real: impl FnOnce() -> c
     }
     let Some(_busy) = Busy::enter() else { return rc };
     if let Some(cache) = shim().and_then(|s| s.cache.get()).and_then(Option::as_ref) {
-        if let Some(st) = cache.copy_stat(fd, &*buf) {
+        if let Some(st) = cache.trusted().copy_stat(fd, &*buf) {
             *buf = st;
             return rc;
         }
@@ -302,7 +302,7 @@ pub unsafe extern "C" fn statx(
             own.st_ctime = (*buf).stx_ctime.tv_sec;
             own.st_ctime_nsec = (*buf).stx_ctime.tv_nsec as _;
         }
-        if let Some(st) = cache.copy_stat(dirfd, &own) {
+        if let Some(st) = cache.trusted().copy_stat(dirfd, &own) {
             *buf = statx_of(&st);
         }
         return rc;

@@ -49,7 +49,7 @@ unsafe fn source_statfs(
     fs: Fs,
     ask: impl FnOnce(*mut libc::statfs64) -> c_int,
 ) -> (c_int, libc::statfs64) {
-    if let Some(st) = cache.cached_statfs() {
+    if let Some(st) = cache.trusted().cached_statfs() {
         return (0, st);
     }
     let mut st: libc::statfs64 = std::mem::zeroed();
@@ -64,7 +64,7 @@ unsafe fn source_statfs(
         },
     };
     if rc == 0 {
-        cache.note_statfs(&st);
+        cache.trusted().note_statfs(&st);
     }
     (rc, st)
 }
@@ -82,7 +82,7 @@ unsafe fn statfs_target(path: *const c_char, fd: c_int) -> Option<(&'static Cach
     }
     // A copy or a shadow is only ever handed out by a cache this process opened.
     let cache = s.cache.get()?.as_ref()?;
-    (cache.is_copy(&name) || cache.shadowed(&name).is_some()).then_some((cache, Fs::Copy))
+    (cache.trusted().is_copy(&name) || cache.trusted().shadowed(&name).is_some()).then_some((cache, Fs::Copy))
 }
 
 /// `statfs` and `fstatfs` (`path` null), answered in `T` (`statfs` or `statvfs`); `ask` is the real

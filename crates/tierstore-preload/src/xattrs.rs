@@ -77,7 +77,7 @@ unsafe fn fd_target(fd: c_int) -> Target {
     if trusted(cache) && name.strip_prefix(cache.source_root()).is_ok_and(|rel| !rel.as_os_str().is_empty()) {
         return Target::Trusted(cache, name, false);
     }
-    match cache.copy_source(&name) {
+    match cache.trusted().copy_source(&name) {
         Some(source) if trusted(cache) => Target::Trusted(cache, source, true),
         Some(source) => c_path(&source).map_or(Target::Real, Target::Instead),
         None => Target::Real,
@@ -89,7 +89,7 @@ unsafe fn fd_target(fd: c_int) -> Target {
 /// store, noted as a program's `lstat` would be) to be no symlink or asked without following, or what a
 /// recorded symlink leads to under the source. `None`: the store must answer the call as it was made.
 unsafe fn node(cache: &Cache, path: PathBuf, follow: bool) -> Option<PathBuf> {
-    let st = match cache.cached_stat(&path, true).ok().flatten() {
+    let st = match cache.trusted().cached_stat(&path, true).ok().flatten() {
         Some(st) => st,
         None => {
             let c = c_path(&path)?;
@@ -97,7 +97,7 @@ unsafe fn node(cache: &Cache, path: PathBuf, follow: bool) -> Option<PathBuf> {
             if real!("lstat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(c.as_ptr(), &mut st) != 0 {
                 return None;
             }
-            cache.note_stat(&path, &st, true); // records a directory or a symlink
+            cache.trusted().note_stat(&path, &st, true); // records a directory or a symlink
             st
         }
     };
@@ -105,7 +105,7 @@ unsafe fn node(cache: &Cache, path: PathBuf, follow: bool) -> Option<PathBuf> {
         return Some(path);
     }
     // A symlink, recorded by now with where it leads.
-    let to = cache.cached_real_path(&path).ok().flatten()?;
+    let to = cache.trusted().cached_real_path(&path).ok().flatten()?;
     to.starts_with(cache.source_root()).then_some(to)
 }
 
@@ -181,13 +181,13 @@ unsafe fn read_common(
     // Records are of a path's own attributes, asked without following a symlink there.
     let Some(node) = node(cache, path, follow) else { return real() };
     let query = XattrQuery { name: name.map(|n| CStr::from_ptr(n).to_bytes().to_vec()), follow: false };
-    if let Some(answer) = cache.cached_xattr(&node, &query) {
+    if let Some(answer) = cache.trusted().cached_xattr(&node, &query) {
         return give(&answer, out, size);
     }
     let Some(c_node) = c_path(&node) else { return real() };
     let answer = ask(&c_node, &query);
     if lasting(&answer) {
-        cache.note_xattr(&node, &query, &answer);
+        cache.trusted().note_xattr(&node, &query, &answer);
     }
     give(&answer, out, size)
 }
@@ -288,7 +288,7 @@ unsafe fn changed_path(rc: c_int, path: *const c_char, follow: bool) -> c_int {
         if let Some(_busy) = Busy::enter() {
             if let Target::Trusted(cache, path, follow) = path_target(path, follow) {
                 // Through a recorded symlink the attributes changed are its target's.
-                if let Some(to) = follow.then(|| cache.cached_real_path(&path).ok().flatten()).flatten() {
+                if let Some(to) = follow.then(|| cache.trusted().cached_real_path(&path).ok().flatten()).flatten() {
                     let _ = cache.invalidate(&to);
                 }
             }

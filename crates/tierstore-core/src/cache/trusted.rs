@@ -24,59 +24,94 @@ use crate::index::{key_of, Entry, Link, Listed, SourceId, XattrAnswer, XattrQuer
 const COPY_STATS_KEPT: usize = 1 << 16;
 
 impl Inner {
+    /// The record of the symlink `rel`, if one was made.
+    pub(super) fn link(&self, rel: &str) -> Option<Link> {
+        self.directories()?.link(&key_of(rel), rel).ok().flatten()
+    }
+
+    /// Remembers what `fstat` reports for a copy's incarnation (see [`Trusted::copy_stat`]).
+    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
+        let mut memo = self.copy_stats.lock().expect("copy stats lock");
+        if memo.len() >= COPY_STATS_KEPT {
+            memo.clear();
+        }
+        memo.insert(incarnation, st);
+    }
+}
+
+/// The shim's face of the cache: what a trusted source's metadata replays (see the module). Had from
+/// [`Cache::trusted`](super::Cache::trusted); it borrows the engine for the call.
+pub struct Trusted<'a> {
+    inner: &'a Inner,
+}
+
+impl<'a> Trusted<'a> {
+    pub(super) fn of(inner: &'a Inner) -> Trusted<'a> {
+        Trusted { inner }
+    }
+
     /// Whether metadata records (`stat`s of files and directories, listings) are kept and replayed:
     /// not with `revalidate = "always"`, which asks the store every time.
     fn records_metadata(&self) -> bool {
-        self.config.revalidate != Revalidate::Always
+        self.inner.config.revalidate != Revalidate::Always
     }
 
     /// Whether a metadata record taken at `at_ns` may answer now: always with `"never"`, within the
     /// duration with one.
     fn record_fresh(&self, at_ns: u64) -> bool {
-        match self.config.revalidate {
+        match self.inner.config.revalidate {
             Revalidate::Never => true,
             Revalidate::Within(d) => at_ns.saturating_add(d.as_nanos() as u64) > now_ns(),
             Revalidate::Always => false,
         }
     }
 
-    /// See [`Cache::cached_stat`](super::Cache::cached_stat).
-    pub(super) fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
+    /// `stat` of a cached file, of a source directory or of a symlink under the source, as the source gave
+    /// it, without asking the source; `None` when the answer must come from the source (not known,
+    /// recorded by an older index, or copies are revalidated on every open anyway). With `nofollow`
+    /// (`lstat`), only for a path known to name the file itself, with no symlink on the way, or a
+    /// recorded symlink; without it, a recorded symlink is answered by what it leads to, when that is
+    /// known under the source.
+    pub fn cached_stat(&self, path: &Path, nofollow: bool) -> Result<Option<libc::stat>, Error> {
         if !self.records_metadata() {
             return Ok(None);
         }
-        let rel = self.source.relative_or_root(path)?;
+        let rel = self.inner.source.relative_or_root(path)?;
         let known = match self.known_path(&rel, nofollow) {
             Some(sid) => Some(sid),
-            None if self.config.revalidate != Revalidate::Never => None,
-            None => self.link(&rel).and_then(|link| {
+            None if self.inner.config.revalidate != Revalidate::Never => None,
+            None => self.inner.link(&rel).and_then(|link| {
                 if nofollow {
                     return Some(link.lstat);
                 }
-                let to = self.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
+                let to = self.inner.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
                 self.known_path(&to, false)
             }),
         };
         Ok(known.and_then(|sid| sid.to_stat()))
     }
 
-    /// See [`Cache::note_stat`](super::Cache::note_stat).
-    pub(super) fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
+    /// Takes note of what the source answered to a `stat` (`lstat` with `nofollow`) of `path`, so that
+    /// the next one of a directory is answered from the cache (only when the source is trusted). A symlink
+    /// met by `lstat` is recorded the first time with its target and where it resolves to (asking the
+    /// store those two once), so that `lstat`, `readlink`, `realpath`, `stat` and opens through it are
+    /// answered from the cache from then on.
+    pub fn note_stat(&self, path: &Path, st: &libc::stat, nofollow: bool) {
         if !self.records_metadata() {
             return;
         }
-        let Some(ix) = self.directories() else { return };
-        let Ok(rel) = self.source.relative_or_root(path) else { return };
+        let Some(ix) = self.inner.directories() else { return };
+        let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
         let key = key_of(&rel);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {}
-            libc::S_IFLNK if nofollow && !rel.is_empty() && self.config.revalidate == Revalidate::Never => {
+            libc::S_IFLNK if nofollow && !rel.is_empty() && self.inner.config.revalidate == Revalidate::Never => {
                 let lstat = SourceId::of_stat(st);
                 if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
                     return;
                 }
-                let own = self.source.path_of(&rel);
-                self.source.counters().add(src_slot::STATS, 2);
+                let own = self.inner.source.path_of(&rel);
+                self.inner.source.counters().add(src_slot::STATS, 2);
                 let Ok(target) = std::fs::read_link(&own) else { return };
                 let resolved = std::fs::canonicalize(&own).ok().map(|p| p.into_os_string().into_vec());
                 let _ =
@@ -92,42 +127,45 @@ impl Inner {
             a.canonical = canonical;
         }
         // Under a duration the record's time moves on with every answer of the store.
-        let again = self.config.revalidate != Revalidate::Never;
+        let again = self.inner.config.revalidate != Revalidate::Never;
         if again || before.is_none_or(|(b, _)| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
             let _ = ix.record_directory(&key, &rel, sid, now_ns());
         }
     }
 
-    /// See [`Cache::cached_link`](super::Cache::cached_link).
-    pub(super) fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
-        if self.config.revalidate != Revalidate::Never {
+    /// What `readlink` of `path` returns, when it is a symlink under a trusted source that was recorded.
+    pub fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
+        if self.inner.config.revalidate != Revalidate::Never {
             return Ok(None);
         }
-        let rel = self.source.relative(path)?;
-        Ok(self.link(&rel).map(|l| l.target))
+        let rel = self.inner.source.relative(path)?;
+        Ok(self.inner.link(&rel).map(|l| l.target))
     }
 
-    /// See [`Cache::cached_real_path`](super::Cache::cached_real_path).
-    pub(super) fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
+    /// The path of a cached file, or of a recorded symlink, with every symlink resolved (`realpath`),
+    /// without asking the source; `None` when only the source can tell.
+    pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
         let Some((rel, e)) = self.trusted_entry(path)? else {
-            if self.config.revalidate != Revalidate::Never {
+            if self.inner.config.revalidate != Revalidate::Never {
                 return Ok(None);
             }
-            let rel = self.source.relative(path)?;
-            return Ok(self.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
+            let rel = self.inner.source.relative(path)?;
+            return Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
         };
         if e.source.attrs.is_some_and(|a| a.canonical) {
-            return Ok(Some(self.source.path_of(&rel)));
+            return Ok(Some(self.inner.source.path_of(&rel)));
         }
-        Ok(self.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
+        Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
     }
 
-    /// See [`Cache::cached_statfs`](super::Cache::cached_statfs).
-    pub(super) fn cached_statfs(&self) -> Option<libc::statfs64> {
-        if self.config.revalidate != Revalidate::Never {
+    /// What `statfs` said of the source's file system, recorded the first time it was asked, when the
+    /// source is trusted (`revalidate = "never"`); `None` otherwise. One record stands for the whole
+    /// source, so a file system mounted inside the source would be reported as the source's.
+    pub fn cached_statfs(&self) -> Option<libc::statfs64> {
+        if self.inner.config.revalidate != Revalidate::Never {
             return None;
         }
-        let raw = self.directories()?.statfs().ok()??;
+        let raw = self.inner.directories()?.statfs().ok()??;
         if raw.len() != std::mem::size_of::<libc::statfs64>() {
             return None;
         }
@@ -135,12 +173,12 @@ impl Inner {
         Some(unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const libc::statfs64) })
     }
 
-    /// See [`Cache::note_statfs`](super::Cache::note_statfs).
-    pub(super) fn note_statfs(&self, st: &libc::statfs64) {
-        if self.config.revalidate != Revalidate::Never {
+    /// Takes note of what the source answered to `statfs` (only when the source is trusted).
+    pub fn note_statfs(&self, st: &libc::statfs64) {
+        if self.inner.config.revalidate != Revalidate::Never {
             return;
         }
-        let Some(ix) = self.directories() else { return };
+        let Some(ix) = self.inner.directories() else { return };
         // SAFETY: the bytes of a plain C struct.
         let raw = unsafe {
             std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
@@ -148,41 +186,44 @@ impl Inner {
         let _ = ix.record_statfs(raw);
     }
 
-    /// See [`Cache::cached_listing`](super::Cache::cached_listing).
-    pub(super) fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
+    /// The listing of the source directory `path` as it was recorded, when the source is trusted and
+    /// nothing changed it through tierstore since; `None` otherwise.
+    pub fn cached_listing(&self, path: &Path) -> Option<Vec<Listed>> {
         if !self.records_metadata() {
             return None;
         }
-        let rel = self.source.relative_or_root(path).ok()?;
-        let ix = self.directories()?;
+        let rel = self.inner.source.relative_or_root(path).ok()?;
+        let ix = self.inner.directories()?;
         let key = key_of(&rel);
         let (at, entries) = ix.listing(&key).ok()??;
-        if self.config.revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
+        if self.inner.config.revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
             return None;
         }
         (at == rel).then_some(entries)?
     }
 
-    /// See [`Cache::note_listing`](super::Cache::note_listing).
-    pub(super) fn note_listing(&self, path: &Path, entries: &[Listed]) {
+    /// Records what `readdir` listed of the source directory `path` (only when the source is trusted).
+    pub fn note_listing(&self, path: &Path, entries: &[Listed]) {
         if !self.records_metadata() {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.directories(), self.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
             return;
         };
-        self.source.counters().add(src_slot::STATS, 1);
+        self.inner.source.counters().add(src_slot::STATS, 1);
         let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries), now_ns());
     }
 
-    /// See [`Cache::shadow_dir`](super::Cache::shadow_dir).
-    pub(super) fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
+    /// The empty directory of the first tier that stands for the source directory `path` when the source
+    /// is trusted (a descriptor of it is handed out in place of one of the source directory, and
+    /// [`Trusted::shadowed`] maps it back); `None` otherwise.
+    pub fn shadow_dir(&self, path: &Path) -> Option<PathBuf> {
         if !self.records_metadata() {
             return None;
         }
-        let rel = self.source.relative_or_root(path).ok()?;
+        let rel = self.inner.source.relative_or_root(path).ok()?;
         let key = key_of(&rel);
-        let tier = self.tiers.iter().find(|t| t.index.is_ok())?;
+        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
         let ix = tier.index.as_ref().ok()?;
         if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
             ix.record_listing(&key, &rel, None, 0).ok()?;
@@ -190,17 +231,21 @@ impl Inner {
         tier.shadow_dir(&key).ok()
     }
 
-    /// See [`Cache::shadowed`](super::Cache::shadowed).
-    pub(super) fn shadowed(&self, name: &Path) -> Option<PathBuf> {
-        let tier = self.tiers.iter().find(|t| t.index.is_ok())?;
+    /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
+    /// for, if it is one.
+    pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
+        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
         let key = tier.key_of_shadow(name)?;
         let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
-        Some(self.source.path_of(&rel))
+        Some(self.inner.source.path_of(&rel))
     }
 
-    /// See [`Cache::copy_stat`](super::Cache::copy_stat).
-    pub(super) fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
-        let tier = self.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
+    /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
+    /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
+    /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
+    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
+    pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
+        let tier = self.inner.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
         // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
         // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
         // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
@@ -208,7 +253,7 @@ impl Inner {
         let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
         let remembered = st.st_nlink > 0 && st.st_ino != 0;
         if remembered {
-            if let Some(known) = self.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
+            if let Some(known) = self.inner.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
                 return (known.st_size == st.st_size).then_some(*known);
             }
         }
@@ -220,72 +265,66 @@ impl Inner {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            self.remember_copy(incarnation, rewritten);
+            self.inner.remember_copy(incarnation, rewritten);
         }
         Some(rewritten)
     }
 
     /// The published entry of `path` when its copy is trusted now (`revalidate = "never"`, or confirmed
     /// within the duration).
-    pub(super) fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
+    fn trusted_entry(&self, path: &Path) -> Result<Option<(String, Entry)>, Error> {
         if !self.records_metadata() {
             return Ok(None);
         }
-        let rel = self.source.relative(path)?;
+        let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        Ok(self.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
+        Ok(self.inner.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
     }
 
     /// What a published entry or a directory record says of `rel`, when it may answer now (see
     /// [`Inner::record_fresh`]); with `nofollow`, only one recorded as the path's own (`lstat`).
-    pub(super) fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
+    fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
         let key = key_of(rel);
-        let (known, at) = match self.published(&key, rel) {
+        let (known, at) = match self.inner.published(&key, rel) {
             Some(e) => (e.source, e.confirmed_ns),
-            None => self.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
+            None => self.inner.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
         };
         (self.record_fresh(at) && (!nofollow || known.attrs.is_some_and(|a| a.canonical))).then_some(known)
     }
 
-    /// The record of the symlink `rel`, if one was made.
-    pub(super) fn link(&self, rel: &str) -> Option<Link> {
-        self.directories()?.link(&key_of(rel), rel).ok().flatten()
-    }
-
-    /// Remembers what `fstat` reports for a copy's incarnation (see [`Cache::copy_stat`]).
-    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
-        let mut memo = self.copy_stats.lock().expect("copy stats lock");
-        if memo.len() >= COPY_STATS_KEPT {
-            memo.clear();
-        }
-        memo.insert(incarnation, st);
-    }
-
-    /// See [`Cache::cached_xattr`](super::Cache::cached_xattr).
-    pub(super) fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
-        if self.config.revalidate != Revalidate::Never {
+    /// The store's recorded answer to `query` about `path`, when the source is trusted
+    /// (`revalidate = "never"`) and the question was asked since the path last changed through tierstore.
+    pub fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
+        if self.inner.config.revalidate != Revalidate::Never {
             return None;
         }
-        let rel = self.source.relative_or_root(path).ok()?;
-        self.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
+        let rel = self.inner.source.relative_or_root(path).ok()?;
+        self.inner.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
     }
 
-    /// See [`Cache::note_xattr`](super::Cache::note_xattr).
-    pub(super) fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
-        if self.config.revalidate != Revalidate::Never {
+    /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
+    /// asked without following a symlink at `path` also answers the following question whenever `path`
+    /// is no symlink: the caller asks that way once it knows.
+    pub fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
+        if self.inner.config.revalidate != Revalidate::Never {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.directories(), self.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
             return;
         };
         let _ = ix.record_xattr(&key_of(&rel), &rel, query, answer);
     }
 
-    /// See [`Cache::copy_source`](super::Cache::copy_source).
-    pub(super) fn copy_source(&self, name: &Path) -> Option<PathBuf> {
-        self.tiers.iter().find_map(|t| {
+    /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
+    pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
+        self.inner.tiers.iter().find_map(|t| {
             let e = t.index.as_ref().ok()?.lookup(&t.key_of_copy(name)?).ok()??;
-            e.ready.then(|| self.source.path_of(&e.rel))
+            e.ready.then(|| self.inner.source.path_of(&e.rel))
         })
+    }
+
+    /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
+    pub fn is_copy(&self, path: &Path) -> bool {
+        self.inner.tiers.iter().any(|t| t.key_of_copy(path).is_some())
     }
 }
