@@ -92,6 +92,30 @@ impl Parts {
     }
 }
 
+impl crate::models::load::PartsSource for Cache {
+    fn open_parts(
+        &self,
+        path: &Path,
+        ranges: &[(u64, u64)],
+    ) -> Result<Option<Box<dyn crate::models::load::ReceivedParts>>, Error> {
+        Ok(Cache::open_parts(self, path, ranges)?.map(|p| Box::new(p) as Box<dyn crate::models::load::ReceivedParts>))
+    }
+}
+
+impl crate::models::load::ReceivedParts for Parts {
+    fn size(&self) -> u64 {
+        Parts::size(self)
+    }
+
+    fn receive(
+        self: Box<Self>,
+        dests: &mut [(u64, &mut [u8])],
+        check: &mut crate::models::load::CheckParts<'_>,
+    ) -> Result<bool, crate::models::load::ReadError> {
+        Parts::receive(*self, dests, check)
+    }
+}
+
 /// A file whose parts this node's agent serves to a node that asked ([`Cache::open_parts_for_peer`]).
 pub struct PartsServed {
     /// The version the parts come from.

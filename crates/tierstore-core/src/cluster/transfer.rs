@@ -1,7 +1,7 @@
 //! Receiving a file from a peer's agent: the side of a peer read that takes the bytes in. A [`Transfer`]
 //! starts once the owner said which version it sends ([`super::remote::Remote`] connected, shook hands and
 //! asked); then chunks come under receiver-driven credit, each received straight into where it goes
-//! ([`Dest`]: a buffer, a file, or a file that readers follow as it grows) and checked there ([`Check`]):
+//! ([`Dest`]: a buffer, a file, or a file that readers follow as it grows) and checked there (`Check`):
 //! against the chaining value the owner vouched for it when the owner's copy is still being made, else all
 //! of them against the blake3 the owner sends at the end. No byte is usable before it is checked; a
 //! mismatch is reported to the owner, which checks its copy and removes it if it is damaged.
@@ -370,7 +370,7 @@ impl Transfer {
         }
     }
 
-    /// Takes the parts a [`Remote::open_ranges`] asked for into `dests`: one buffer per range, in the
+    /// Takes the parts a [`Remote::open_ranges`](super::remote::Remote::open_ranges) asked for into `dests`: one buffer per range, in the
     /// order asked and of its length, each chunk received straight into its place. With `hash`, the bytes
     /// are checked against the owner's blake3 of them (a mismatch is reported to it); without, the
     /// caller checks every byte itself (a model's tensors, against their hashes: no byte is hashed twice)

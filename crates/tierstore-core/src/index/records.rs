@@ -268,7 +268,7 @@ impl Entry {
     }
 }
 
-/// A symlink under a trusted source, recorded the first time it is seen (see [`Index::link`]).
+/// A symlink under a trusted source, recorded the first time it is seen (see [`Index::link`](super::Index::link)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Link {
     /// What `lstat` said of the link itself.

@@ -156,23 +156,45 @@ pub fn read_into_from(
     fetch_and_verify(path, requests, false, true, fetch)
 }
 
-/// Reads `requests` of the pack at `path` (a file under `cache`'s source) as parts from the agent of the
-/// node that owns the pack (see [`crate::Cache::open_parts`]): only the tensors' bytes cross, and when
-/// several nodes load the same tensors the store is read for them once. Every byte is checked against
-/// its tensor's hash, and the owner is told of a mismatch. `Ok(false)`: no owner could serve them (the
-/// cache shares nothing across nodes, or the owner failed, counted): read the store's pack instead.
-pub fn read_parts(cache: &crate::Cache, path: &Path, requests: &mut [ReadInto<'_>]) -> Result<bool, ReadError> {
+/// Where the parts of a pack come from: the agent of the node that owns it, through the node's cache
+/// (the cache implements it, `cache/parts.rs`). A trait here, so that reading a pack never reaches up to
+/// the cache.
+pub trait PartsSource {
+    /// Asks the owner of `path` for `ranges`, `(offset, length)` each: `Ok(None)` when none can serve them
+    /// (the caller reads the store).
+    fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Box<dyn ReceivedParts>>, crate::Error>;
+}
+
+/// Checks the parts received, each `(offset, bytes)`, against their tensors' hashes.
+pub type CheckParts<'a> = dyn FnMut(&mut [(u64, &mut [u8])]) -> Result<(), ReadError> + 'a;
+
+/// Parts on their way from the owner of a pack.
+pub trait ReceivedParts {
+    /// The size of the pack the parts come from.
+    fn size(&self) -> u64;
+    /// Receives the parts into `dests` (one buffer per range asked, in order) and has `check` check them.
+    /// `Ok(true)`: every byte is there and checked; `Ok(false)`: the owner failed (read the store); `Err`:
+    /// `check`'s error, and the owner has been told that its bytes are wrong.
+    fn receive(self: Box<Self>, dests: &mut [(u64, &mut [u8])], check: &mut CheckParts<'_>) -> Result<bool, ReadError>;
+}
+
+/// Reads `requests` of the pack at `path` (a file under the cache's source) as parts from the agent of the
+/// node that owns the pack (see [`PartsSource`]): only the tensors' bytes cross, and when several nodes
+/// load the same tensors the store is read for them once. Every byte is checked against its tensor's
+/// hash, and the owner is told of a mismatch. `Ok(false)`: no owner could serve them (the cache shares
+/// nothing across nodes, or the owner failed, counted): read the store's pack instead.
+pub fn read_parts(cache: &dyn PartsSource, path: &Path, requests: &mut [ReadInto<'_>]) -> Result<bool, ReadError> {
     let ranges: Vec<(u64, u64)> = requests.iter().map(|r| (r.offset, r.dest.len() as u64)).collect();
     let expected: Vec<Option<Hash>> = requests.iter().map(|r| r.expect).collect();
     let Some(parts) = open_parts(cache, path, &ranges)? else { return Ok(false) };
     let mut dests: Vec<(u64, &mut [u8])> = requests.iter_mut().map(|r| (r.offset, &mut *r.dest)).collect();
-    parts.receive(&mut dests, |got| check_parts(path, got, &expected))
+    parts.receive(&mut dests, &mut |got| check_parts(path, got, &expected))
 }
 
 /// The `spans` of the pack at `path`, as [`read_parts`] has them, in private memory the size of the
 /// pack (a mapping whose pages outside the spans are never touched, so they cost nothing): what a mapped
 /// partial load maps. `Ok(None)` where `read_parts` returns `Ok(false)`.
-pub fn map_parts(cache: &crate::Cache, path: &Path, spans: &[Span]) -> Result<Option<memmap2::MmapMut>, ReadError> {
+pub fn map_parts(cache: &dyn PartsSource, path: &Path, spans: &[Span]) -> Result<Option<memmap2::MmapMut>, ReadError> {
     // Each distinct tensor once (a version may name the same stored tensor twice).
     let mut distinct: Vec<Span> = spans.iter().filter(|s| s.len > 0).copied().collect();
     distinct.sort_unstable_by_key(|s| (s.offset, s.len));
@@ -195,7 +217,7 @@ pub fn map_parts(cache: &crate::Cache, path: &Path, spans: &[Span]) -> Result<Op
         at = s.offset + s.len as u64;
     }
     let expected: Vec<Option<Hash>> = distinct.iter().map(|s| s.expect).collect();
-    let received = parts.receive(&mut dests, |got| check_parts(path, got, &expected)).map_err(|e| {
+    let received = parts.receive(&mut dests, &mut |got| check_parts(path, got, &expected)).map_err(|e| {
         // Named by the caller's span, not the distinct one.
         let index = |d: usize| spans.iter().position(|s| (s.offset, s.len) == (distinct[d].offset, distinct[d].len));
         let indices: Vec<usize> = (0..distinct.len()).map(|d| index(d).unwrap_or(d)).collect();
@@ -205,7 +227,11 @@ pub fn map_parts(cache: &crate::Cache, path: &Path, spans: &[Span]) -> Result<Op
 }
 
 /// Asks the owner of `path` for `ranges`: `None` when the cache cannot (the caller reads the store).
-fn open_parts(cache: &crate::Cache, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<crate::Parts>, ReadError> {
+fn open_parts(
+    cache: &dyn PartsSource,
+    path: &Path,
+    ranges: &[(u64, u64)],
+) -> Result<Option<Box<dyn ReceivedParts>>, ReadError> {
     cache.open_parts(path, ranges).map_err(|e| ReadError::Io { path: path.to_path_buf(), source: io::Error::other(e) })
 }
 

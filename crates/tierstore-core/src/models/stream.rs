@@ -7,7 +7,7 @@
 //! differ and writes only those: a version where 3% of the bytes changed writes 3% of them. A consumer
 //! reads only the tensors whose hash differs from what its buffer holds, straight into the buffer.
 //!
-//! A large changed tensor is hashed and written in one pass ([`hash_and_write`]): each piece is written to
+//! A large changed tensor is hashed and written in one pass (`hash_and_write`): each piece is written to
 //! shared memory while it is still in the core's cache from hashing it, instead of being read twice.
 //!
 //! Comparing is still reading the whole model. A publisher told which tensors may have changed
@@ -54,7 +54,7 @@ pub enum Check {
     /// Every byte: it may have changed anywhere.
     #[default]
     Whole,
-    /// The first [`HEAD`] bytes: the publisher was told it did not change. A head that differs shows the
+    /// The first `HEAD` bytes: the publisher was told it did not change. A head that differs shows the
     /// hint wrong, and the tensor is then taken as changed; a change past the head goes unseen.
     Head,
 }

@@ -13,7 +13,7 @@
 //! is left in the journal, untouched, for the agent to report ([`refused`]); the entries after it go on.
 //!
 //! Beneath its root, the destination's directory is reached one component at a time, none followed if it
-//! is a symbolic link ([`dest_dir`]), and every later step names files through that directory's
+//! is a symbolic link (`dest_dir`), and every later step names files through that directory's
 //! descriptor: a link another user plants inside a destination they can write to never sends a
 //! checkpoint outside it.
 
