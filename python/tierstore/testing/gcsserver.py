@@ -26,14 +26,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tierstore.testing.server import LoopbackServer, free_ports
 
 
 def fake_gcs_binary() -> str:
@@ -52,13 +50,7 @@ def fake_gcs_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GCSServer:
+class GCSServer(LoopbackServer):
     """One fake-gcs-server on a free loopback port (see the module's docstring).
 
     Args:
@@ -66,12 +58,14 @@ class GCSServer:
         start: Start it now (else call `start()`).
     """
 
+    name = "fake-gcs-server"
+    log_name = "fake-gcs.log"
+
     def __init__(self, root: str | os.PathLike[str], *, start: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        (self.port,) = free_ports(1)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
         if start:
             self.start()
 
@@ -91,21 +85,7 @@ class GCSServer:
             "-filesystem-root", str(self.root / "data"),
             "-log-level", "warn",
         ]  # fmt: skip
-        log = open(self.root / "fake-gcs.log", "ab")  # noqa: SIM115 (the server keeps it)
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited at start: {self.log_tail()}")
-            if self._answers():
-                break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"fake-gcs-server did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}"
-                )
-            time.sleep(0.05)
+        self._launch(args, timeout)
 
     def _answers(self) -> bool:
         try:
@@ -113,12 +93,6 @@ class GCSServer:
                 return r.status == 200
         except OSError:
             return False
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return (self.root / "fake-gcs.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
 
     def settings(self, **extra: Any) -> dict[str, str]:
         """object_store's GCS options that reach this server (`GoogleCloudStorageBuilder::with_config` keys).
@@ -153,26 +127,3 @@ class GCSServer:
 
     def delete_object(self, bucket: str, key: str) -> None:
         self._request("DELETE", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}")
-
-    def kill(self) -> None:
-        """SIGKILLs the server, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOPs the server: it keeps its connections and answers nothing, as a hung store does."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONTs a paused server."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def __enter__(self) -> GCSServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()

@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tierstore.testing.server import LoopbackServer, free_ports
 
 ACCESS_KEY = "tierstore-test"
 SECRET_KEY = "tierstore-test-secret"
@@ -42,20 +41,7 @@ def weed_binary() -> str:
     return found
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class S3Server:
+class S3Server(LoopbackServer):
     """One SeaweedFS server with an S3 gateway on a free loopback port (see the module's docstring).
 
     Args:
@@ -63,14 +49,17 @@ class S3Server:
         start: Start it now (else call `start()`).
     """
 
+    name = "SeaweedFS"
+    log_name = "weed.log"
+    poll_s = 0.1
+
     def __init__(self, root: str | os.PathLike[str], *, start: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        ports = _free_ports(2 * len(_PARTS) + 1)
+        ports = free_ports(2 * len(_PARTS) + 1)
         self.ports = {part: (ports[2 * i], ports[2 * i + 1]) for i, part in enumerate(_PARTS)}
         self.metrics_port = ports[-1]
         self.endpoint = f"http://127.0.0.1:{self.ports['s3'][0]}"
-        self.proc: subprocess.Popen[bytes] | None = None
         identity = {"name": "tierstore", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
         identity["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
         (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
@@ -100,23 +89,7 @@ class S3Server:
         # Each bucket is a collection of its own, which SeaweedFS grows 7 volumes at a time by default:
         # one at a time lets a test make many buckets.
         env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
-        log = open(self.root / "weed.log", "ab")  # noqa: SIM115 (the server keeps it)
-        self.proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SeaweedFS exited at start: {self.log_tail()}")
-            if self._answers():
-                break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"SeaweedFS did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}"
-                )
-            time.sleep(0.1)
+        self._launch(args, timeout, env)
 
     def _answers(self) -> bool:
         """Whether the S3 gateway answers a listing of buckets (it needs the filer and volume behind it)."""
@@ -144,12 +117,6 @@ class S3Server:
                 kind = fields.get("type", "").strip('"')
                 counts[kind] = counts.get(kind, 0) + int(float(value))
         return counts
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return (self.root / "weed.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
 
     def settings(self, **extra: Any) -> dict[str, Any]:
         """The `s3=` settings of a `tierstore.Cache` that reaches this server."""
@@ -185,29 +152,6 @@ class S3Server:
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
-
-    def kill(self) -> None:
-        """SIGKILLs the server (every part of it at once, as a crash would)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOPs the server: it keeps its connections and answers nothing, as a hung store does."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONTs a paused server."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def __enter__(self) -> S3Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
 
 
 class LatencyProxy:

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tierstore.testing.server import LoopbackServer, free_ports
 
 
 def rclone_binary() -> str:
@@ -40,13 +39,7 @@ def rclone_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WebDAVServer:
+class WebDAVServer(LoopbackServer):
     """One `rclone serve webdav` of `root/files` on a free loopback port (see the module's docstring).
 
     Args:
@@ -54,13 +47,15 @@ class WebDAVServer:
         start: Start it now (else call `start()`).
     """
 
+    name = "rclone"
+    log_name = "rclone.log"
+
     def __init__(self, root: str | os.PathLike[str], *, start: bool = True) -> None:
         self.root = Path(root)
         self.directory = self.root / "files"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        (self.port,) = free_ports(1)
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
         if start:
             self.start()
 
@@ -77,21 +72,7 @@ class WebDAVServer:
             # No user configuration: the run must not depend on (or read remotes from) ~/.config/rclone.
             "--config", "/dev/null",
         ]  # fmt: skip
-        log = open(self.root / "rclone.log", "ab")  # noqa: SIM115 (the server keeps it)
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rclone exited at start: {self.log_tail()}")
-            if self._answers():
-                break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"rclone did not answer on {self.endpoint} in {timeout:.0f} s: {self.log_tail()}"
-                )
-            time.sleep(0.05)
+        self._launch(args, timeout)
 
     def _answers(self) -> bool:
         try:
@@ -101,12 +82,6 @@ class WebDAVServer:
             return True  # it answered, if not with a listing
         except OSError:
             return False
-
-    def log_tail(self, n: int = 2000) -> str:
-        try:
-            return (self.root / "rclone.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return "(no log)"
 
     def settings(self, **extra: Any) -> dict[str, str]:
         """object_store's HTTP options that reach this server (`HttpBuilder::with_config` keys)."""
@@ -122,26 +97,3 @@ class WebDAVServer:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         return path
-
-    def kill(self) -> None:
-        """SIGKILLs the server, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOPs the server: it keeps its connections and answers nothing, as a hung store does."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        """SIGCONTs a paused server."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)
-
-    def __enter__(self) -> WebDAVServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
