@@ -26,6 +26,34 @@ pub struct PyAgentLink {
     writer: Mutex<UnixStream>,
 }
 
+/// A failure met without the GIL, made a Python exception once the GIL is back: building a `StreamError`
+/// takes the GIL, which a daemon thread must not take while the interpreter exits (see `exiting`).
+enum Failure {
+    Stream(String),
+    Py(PyErr),
+}
+
+impl From<PyErr> for Failure {
+    fn from(e: PyErr) -> Self {
+        Failure::Py(e)
+    }
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        Failure::Py(e.into())
+    }
+}
+
+impl From<Failure> for PyErr {
+    fn from(f: Failure) -> Self {
+        match f {
+            Failure::Stream(message) => stream_error(message),
+            Failure::Py(e) => e,
+        }
+    }
+}
+
 /// The name of a frame's kind, for a message about a frame that was not expected.
 fn kind_of(frame: &Frame) -> String {
     let debug = format!("{frame:?}");
@@ -76,19 +104,19 @@ impl PyAgentLink {
         stream.set_write_timeout(Some(deadline))?;
         let reader = stream.try_clone()?;
         let link = PyAgentLink { path: path.clone(), deadline, reader: Mutex::new(reader), writer: Mutex::new(stream) };
-        crate::exiting::without_gil(py, || -> PyResult<()> {
+        crate::exiting::without_gil(py, || -> Result<(), Failure> {
             let mut r = link.reader.lock().expect("reader lock");
             let agent = path.display();
             let failed = |e: HandshakeError| match e {
-                HandshakeError::Version(theirs) => stream_error(format!(
+                HandshakeError::Version(theirs) => Failure::Stream(format!(
                     "the agent on {agent} speaks protocol {theirs}, this tierstore {}: run the same tierstore for the \
                      agent and its clients",
                     wire::VERSION
                 )),
                 HandshakeError::Refused(_, message) => {
-                    stream_error(format!("the agent on {agent} refused the connection: {message}"))
+                    Failure::Stream(format!("the agent on {agent} refused the connection: {message}"))
                 }
-                other => stream_error(format!("the agent on {agent}: {other}")),
+                other => Failure::Stream(format!("the agent on {agent}: {other}")),
             };
             let challenge = link.read(&mut r, Some(deadline))?;
             let (handshake, hello) = ClientHello::answer(challenge, "", "local", None).map_err(failed)?;
@@ -122,17 +150,17 @@ impl PyAgentLink {
             Some(t) => Some(Duration::from_secs_f64(t)),
             None => None,
         };
-        crate::exiting::without_gil(py, || {
+        let event = crate::exiting::without_gil(py, || -> Result<String, Failure> {
             let mut r = self.reader.lock().expect("reader lock");
             loop {
                 match self.read(&mut r, wait)? {
                     Frame::StreamEvent { json } => return Ok(json),
                     Frame::Pong { .. } => continue,
                     Frame::Error { message, .. } => {
-                        return Err(stream_error(format!("the agent on {}: {message}", self.path.display())))
+                        return Err(Failure::Stream(format!("the agent on {}: {message}", self.path.display())))
                     }
                     other => {
-                        return Err(stream_error(format!(
+                        return Err(Failure::Stream(format!(
                             "the agent on {} sent a {} frame where a stream event was due",
                             self.path.display(),
                             kind_of(&other)
@@ -140,7 +168,8 @@ impl PyAgentLink {
                     }
                 }
             }
-        })
+        });
+        Ok(event?)
     }
 
     /// Sends a request and returns its answer, within the connection's deadline.

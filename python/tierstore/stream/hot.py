@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,7 @@ class HotModel:
             self._sub = Subscriber(name, socket=socket, deadline=deadline, label=label or "HotModel")
             self._thread = threading.Thread(target=self._run, name=f"tierstore-hot-{name}", daemon=True)
             self._thread.start()
+            _open.add(self)
             return
         from tierstore.stream import group as _group
 
@@ -155,6 +158,7 @@ class HotModel:
             self._sub.close()
             raise
         self._joined.set()
+        _open.add(self)
 
     @staticmethod
     def _writable(model: Any) -> dict[str, Any]:
@@ -250,6 +254,8 @@ class HotModel:
         while not self._closed:
             v = self._sub._newest_pinned(done, 0.5)
             if v is None:
+                if self._sub._closed:
+                    return  # no version can come any more
                 continue
             done = v.version
             try:
@@ -515,6 +521,19 @@ class HotModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Models still open when the interpreter exits are closed first (before their subscribers), each loader
+# thread joined within its deadline: no thread of tierstore's is left to wake up while the interpreter
+# finalizes (see crates/tierstore-py/src/exiting.rs).
+_open: weakref.WeakSet[HotModel] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_models() -> None:
+    for hot in list(_open):
+        with contextlib.suppress(Exception):
+            hot.close()
 
 
 def _copy_bytes(dest: Any, src: Any) -> None:
