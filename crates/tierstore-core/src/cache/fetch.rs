@@ -22,6 +22,16 @@ use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{CopyFault, SourceFile};
 
+/// A fetch under the node-wide lock `guard`, leading the key's flight, with room reserved in tier `t` for
+/// version `sid` of `rel`: what each way of copying the file takes.
+struct Placed<'a> {
+    t: usize,
+    rel: &'a str,
+    sid: SourceId,
+    guard: FetchGuard,
+    lead: Lead,
+}
+
 impl Inner {
     /// Leads a fetch: identifies the file if its version is not `known` (the leader alone opens it, and
     /// records the version in `known`), then fetches. The source's file, once open, is kept in `pre`.
@@ -159,115 +169,135 @@ impl Inner {
             if purpose == Purpose::Prefetch { " (prefetch)" } else { "" }
         );
         let small = sid.size <= self.config.inline_max;
-        // A small file for a program or a peer is fetched whole in this thread, as a prefetch would.
-        let purpose =
-            if matches!(purpose, Purpose::Native | Purpose::Peer) && small { Purpose::Prefetch } else { purpose };
+        let placed = Placed { t, rel, sid, guard, lead };
         match purpose {
-            Purpose::Prefetch => {
-                let r = self.copy_into(t, key, rel, sid, None, pre.take());
+            // A small file for a program or a peer is fetched whole in this thread, as a prefetch is.
+            Purpose::Prefetch => self.copy_now(placed, pre),
+            Purpose::Native | Purpose::Peer if small => self.copy_now(placed, pre),
+            Purpose::Read if small => self.read_small(placed, pre),
+            Purpose::Read | Purpose::Peer => self.copy_followed(placed, None, pre),
+            Purpose::Native => self.copy_for_program(placed, pre),
+        }
+    }
+
+    /// Copies the file whole in this thread (a prefetch, or a small file for a program or a peer).
+    fn copy_now(&self, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
+        let Placed { t, rel, sid, guard, lead } = placed;
+        let r = self.copy_into(t, lead.key(), rel, sid, None, pre.take());
+        drop(guard);
+        drop(lead);
+        r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
+    }
+
+    /// Reads a small file whole, hands it to the reader and every waiter at once, and leaves the copy's
+    /// writing to the pool.
+    fn read_small(self: &Arc<Self>, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
+        let Placed { t, rel, sid, guard, lead } = placed;
+        let key = *lead.key();
+        let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
+            Ok(x) => x,
+            Err(e) => {
+                self.abort(t, &key);
+                drop(guard);
+                lead.fail(&e);
+                return Err(Error::io(&self.source.path_of(rel), e));
+            }
+        };
+        let bytes = Arc::new(bytes);
+        lead.deliver(Outcome::Bytes(bytes.clone()));
+        let reader = Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
+        let inner = self.clone();
+        self.in_pool(move || {
+            if after == sid && bytes.len() as u64 == sid.size {
+                inner.publish_bytes(t, &key, &bytes, sid);
+            } else {
+                inner.abort(t, &key);
+            }
+            drop(guard);
+            drop(lead);
+        });
+        Ok(Fetched::Reader(reader))
+    }
+
+    /// A large file for a program: its descriptor shares the copy's open file (a dup: no second open on
+    /// the store); the copy reads with pread, so the program's file offset is its own.
+    fn copy_for_program(self: &Arc<Self>, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
+        let opened = pre.take().map_or_else(|| self.source.open(placed.rel), Ok).and_then(|f| {
+            let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
+            Ok((f, program))
+        });
+        match opened {
+            Ok((f, program)) => {
+                *pre = Some(f);
+                self.copy_followed(placed, Some(program), pre)
+            }
+            Err(e) => {
+                let Placed { t, rel, guard, lead, .. } = placed;
+                self.abort(t, lead.key());
                 drop(guard);
                 drop(lead);
-                r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
+                Err(Error::io(&self.source.path_of(rel), e))
             }
-            Purpose::Read if small => {
-                let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        self.abort(t, key);
-                        drop(guard);
-                        lead.fail(&e);
-                        return Err(Error::io(&self.source.path_of(rel), e));
-                    }
-                };
-                let bytes = Arc::new(bytes);
-                lead.deliver(Outcome::Bytes(bytes.clone()));
-                let reader =
-                    Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
-                let inner = self.clone();
-                let key = *key;
-                let job = move || {
-                    if after == sid && bytes.len() as u64 == sid.size {
-                        inner.publish_bytes(t, &key, &bytes, sid);
-                    } else {
-                        inner.abort(t, &key);
-                    }
-                    drop(guard);
-                    drop(lead);
-                };
-                match self.pool() {
-                    Some(pool) => pool.urgent(job),
-                    None => job(),
-                }
-                Ok(Fetched::Reader(reader))
+        }
+    }
+
+    /// Copies a large file in the pool into a temporary copy that its readers follow as it grows: the
+    /// open's reader, or the `program`'s descriptor. A copy that cannot be created sends the open to the
+    /// source.
+    fn copy_followed(
+        self: &Arc<Self>,
+        placed: Placed<'_>,
+        program: Option<File>,
+        pre: &mut Option<SourceFile>,
+    ) -> Result<Fetched, Error> {
+        let Placed { t, rel, sid, guard, lead } = placed;
+        let key = *lead.key();
+        let tier = &self.tiers[t];
+        let temp = tier.create_temp(&key).and_then(|(path, f)| {
+            let reader = File::open(&path)?;
+            lock_shared(&reader)?;
+            Ok((path, f, reader))
+        });
+        let (path, file, read_handle) = match temp {
+            Ok(x) => x,
+            Err(e) => {
+                self.fault(
+                    Some(t),
+                    "tier-write",
+                    &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
+                );
+                self.abort(t, &key);
+                drop(guard);
+                drop(lead);
+                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
             }
-            Purpose::Read | Purpose::Native | Purpose::Peer => {
-                // For a program: its descriptor shares the copy's open file (a dup: no second open on the
-                // store); the copy reads with pread, so the program's file offset is its own.
-                let mut src = pre.take();
-                let program = if purpose == Purpose::Native {
-                    let opened = src.take().map_or_else(|| self.source.open(rel), Ok).and_then(|f| {
-                        let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
-                        Ok((f, program))
-                    });
-                    match opened {
-                        Ok((f, program)) => {
-                            src = Some(f);
-                            Some(program)
-                        }
-                        Err(e) => {
-                            self.abort(t, key);
-                            drop(guard);
-                            drop(lead);
-                            return Err(Error::io(&self.source.path_of(rel), e));
-                        }
-                    }
-                } else {
-                    None
-                };
-                let tier = &self.tiers[t];
-                let temp = tier.create_temp(key).and_then(|(path, f)| {
-                    let reader = File::open(&path)?;
-                    lock_shared(&reader)?;
-                    Ok((path, f, reader))
-                });
-                let (path, file, read_handle) = match temp {
-                    Ok(x) => x,
-                    Err(e) => {
-                        self.fault(
-                            Some(t),
-                            "tier-write",
-                            &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
-                        );
-                        self.abort(t, key);
-                        drop(guard);
-                        drop(lead);
-                        return Ok(Fetched::Reader(self.direct(rel, sid, &mut src)?));
-                    }
-                };
-                let growing = Arc::new(Growing::new(read_handle, sid));
-                lead.deliver(Outcome::Growing(growing.clone()));
-                let fetched = match program {
-                    Some(f) => Fetched::Streaming(f, growing.clone()),
-                    None => Fetched::Reader(Reader::new(
-                        Backing::Growing(growing.clone()),
-                        sid.size,
-                        rel.into(),
-                        self.source.clone(),
-                    )),
-                };
-                let inner = self.clone();
-                let (key, rel) = (*key, rel.to_string());
-                let job = move || {
-                    let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
-                    drop(guard);
-                    drop(lead);
-                };
-                match self.pool() {
-                    Some(pool) => pool.urgent(job),
-                    None => job(),
-                }
-                Ok(fetched)
-            }
+        };
+        let growing = Arc::new(Growing::new(read_handle, sid));
+        lead.deliver(Outcome::Growing(growing.clone()));
+        let fetched = match program {
+            Some(f) => Fetched::Streaming(f, growing.clone()),
+            None => Fetched::Reader(Reader::new(
+                Backing::Growing(growing.clone()),
+                sid.size,
+                rel.into(),
+                self.source.clone(),
+            )),
+        };
+        let inner = self.clone();
+        let (rel, src) = (rel.to_string(), pre.take());
+        self.in_pool(move || {
+            let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
+            drop(guard);
+            drop(lead);
+        });
+        Ok(fetched)
+    }
+
+    /// Runs `job` in the copy pool, as urgent work, or here when there is no pool.
+    pub(super) fn in_pool(&self, job: impl FnOnce() + Send + 'static) {
+        match self.pool() {
+            Some(pool) => pool.urgent(job),
+            None => job(),
         }
     }
 

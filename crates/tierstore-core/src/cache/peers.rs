@@ -541,10 +541,7 @@ impl Inner {
             drop(guard);
             drop(lead);
         };
-        match self.pool() {
-            Some(pool) => pool.urgent(receive),
-            None => receive(),
-        }
+        self.in_pool(receive);
         Ok(fetched)
     }
 
