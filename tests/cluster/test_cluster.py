@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -543,3 +544,58 @@ def test_an_owner_killed_while_it_streams_a_file_leaves_its_reader_to_finish_fro
     assert done["sha"] == hashlib.sha256(data).hexdigest(), err
     assert first["first_mib"] < 2.0, first
     assert done["stats"]["peer_faults"] >= 1, (done["stats"], err)
+
+
+PREFETCHER = (
+    "import json, os, sys, tierstore\n"
+    "c = tierstore.Cache()\n"
+    "print('started', flush=True)\n"
+    "done = c.prefetch(os.path.join(c.source, sys.argv[1]), progress=False)\n"
+    "print(json.dumps({'done': done, 'stats': c.stats()['source']}), flush=True)\n"
+)
+
+
+@pytest.mark.slow  # a 24 MiB file at 8 MiB/s, as the tests above: about 5 s each
+@pytest.mark.parametrize("store_changes", [False, True], ids=["resumed", "store-changed"])
+def test_an_owner_killed_while_it_sends_a_prefetched_file_counts_one_peer_fault(
+    tmp_path: Path, throttled_store: tuple[Path, Path], store_changes: bool
+) -> None:
+    """The other node prefetches big.bin into its tier (inclusive sharing) while its owner copies it from
+    the store; the owner's agent dies 1 s in. The copy goes on from the store after the bytes the peer
+    sent and checked; when the store holds another version by then, the new version is fetched whole.
+    Either way the copy is the store's file byte for byte, and the one failed peer read is counted once
+    (it was counted twice when going on from the store failed)."""
+    data, cluster = big_file_job(tmp_path, throttled_store)
+    backing = throttled_store[0]
+    owner = cluster.nodes[owner_of(cluster.nodes, "big.bin")]
+    reader = cluster.nodes[1 - owner_of(cluster.nodes, "big.bin")]
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-c", PREFETCHER, "big.bin"],
+            env={**reader.env, "TIERSTORE_LOG": "debug"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "started"
+        time.sleep(1.0)
+        if store_changes:
+            data = os.urandom(len(data))
+            (backing / "big.bin").write_bytes(data)
+        os.kill(owner.pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        report = json.loads(out)
+        got = cluster.read_all(reader, ["big.bin"])
+    finally:
+        stop_cluster(cluster)
+    assert report["done"]["files_failed"] == 0, report
+    assert got["got"]["big.bin"] == hashlib.sha256(data).hexdigest(), err[-3000:]
+    stats = report["stats"]
+    assert "the rest comes from the store" in err, err[-3000:]  # the peer failed part of the way
+    if store_changes:
+        assert "going on from the store failed too" in err, err[-3000:]
+    else:
+        assert 0 < stats["peer_bytes"] < len(data), stats
+    assert stats["peer_faults"] == 1, (stats, err[-3000:])

@@ -57,6 +57,15 @@ use crate::source::SourceFile;
 /// The reads of the rest of a file a peer stopped sending, from the source.
 const RESUME_READ: usize = 4 << 20;
 
+/// A file received from its owner: what the open gets, how many of its bytes came from the owner (all
+/// of them, unless the owner failed part of the way and the rest came from the source), and that
+/// failure, to be counted.
+struct Received {
+    fetched: Fetched,
+    from_peer: u64,
+    fault: Option<RemoteError>,
+}
+
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {
     /// The tier copy (or the source file, when no tier had room).
@@ -428,12 +437,19 @@ impl Inner {
         }
         let result = match tier {
             Some(t) => self.receive_into_tier(t, key, rel, sid, transfer, &who),
-            None => self.receive_private(rel, sid, transfer, purpose).map(|f| (f, sid.size)),
+            None => self.receive_private(rel, sid, transfer, purpose).map(|fetched| Received {
+                fetched,
+                from_peer: sid.size,
+                fault: None,
+            }),
         };
         drop(guard);
         match result {
-            Ok((fetched, from_peer)) => {
+            Ok(Received { fetched, from_peer, fault }) => {
                 let c = self.source.counters();
+                if let Some(e) = fault {
+                    self.peer_failed(&who, rel, &e);
+                }
                 if from_peer == sid.size {
                     remote.mark_up(&who);
                     c.add(src_slot::PEER_HITS, 1);
@@ -558,9 +574,11 @@ impl Inner {
         );
     }
 
-    /// Receives the file into a copy in tier `t` and publishes it there (inclusive sharing), with the bytes
-    /// that came from the owner `who`. When it fails part of the way, the copy goes on from the source
-    /// where the checked bytes end, rather than the whole file being read from the source again.
+    /// Receives the file into a copy in tier `t` and publishes it there (inclusive sharing). When the owner
+    /// `who` fails part of the way, the copy goes on from the source where the checked bytes end, rather
+    /// than the whole file being read from the source again. The caller counts the peer's failure once:
+    /// the error when the copy failed (the peer's own, when going on from the source failed too), else the
+    /// `fault` of the copy finished from the source.
     fn receive_into_tier(
         &self,
         t: usize,
@@ -569,7 +587,7 @@ impl Inner {
         sid: SourceId,
         transfer: Transfer,
         who: &str,
-    ) -> Result<(Fetched, u64), RemoteError> {
+    ) -> Result<Received, RemoteError> {
         let tier = &self.tiers[t];
         let (temp, file) = match tier.create_temp(key) {
             Ok(x) => x,
@@ -580,13 +598,22 @@ impl Inner {
         };
         let mut checked = 0;
         let mut from_peer = sid.size;
+        let mut fault = None;
         let received = transfer.receive_into(Dest::Growing(&file, &mut |end| checked = end));
         let received = match received {
             Err(e) if e.member_failed() && checked > 0 => {
-                from_peer = checked;
-                self.peer_failed(who, rel, &e);
                 log::debug!("{rel}: peer {who} failed after {checked} B; the rest comes from the store");
-                self.resume_from_source(rel, sid, &file, &temp, checked).map_err(RemoteError::Sink)
+                match self.resume_from_source(rel, sid, &file, &temp, checked) {
+                    Ok(hash) => {
+                        from_peer = checked;
+                        fault = Some(e);
+                        Ok(hash)
+                    }
+                    Err(resume) => {
+                        log::debug!("{rel}: going on from the store failed too ({resume})");
+                        Err(e)
+                    }
+                }
             }
             other => other,
         };
@@ -598,7 +625,7 @@ impl Inner {
             return Err(e);
         }
         match self.hit(key, rel, &sid, Look::Quiet) {
-            Some(r) => Ok((Fetched::Reader(r), from_peer)),
+            Some(r) => Ok(Received { fetched: Fetched::Reader(r), from_peer, fault }),
             None => Err(RemoteError::Sink(io::Error::other("the copy received vanished before it was opened"))),
         }
     }
