@@ -620,6 +620,12 @@ fn parse_size(text: &str) -> Option<u64> {
     tierstore_core::config::parse_size(text)
 }
 
+/// Whether an object store setting's value is a secret, shown only as "set" (`config show`).
+#[pyfunction]
+fn is_secret(key: &str) -> bool {
+    tierstore_core::source::store_config::is_secret(key)
+}
+
 /// Sets this process's log level (`tierstore -v`); the processes it starts take `$TIERSTORE_LOG`.
 #[pyfunction]
 fn set_log_level(level: &str) -> PyResult<()> {
@@ -642,6 +648,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(is_secret, m)?)?;
     m.add_function(wrap_pyfunction!(private_dir, m)?)?;
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(exiting::interpreter_exiting, m)?)?;

@@ -294,8 +294,6 @@ def _node_origin(origin: str) -> str:
 # A count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
 S3_SHOWN: tuple[str, ...] = _core.S3_KEYS
 S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.STORE_DEFAULTS.items()}
-# Words in an option key whose value is a secret, shown only as "set" (store_config.rs: is_secret).
-SECRET_WORDS = ("secret", "token", "key", "password", "sas", "credential")
 S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
 
 
@@ -360,8 +358,7 @@ def store_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     settings: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for key, value in given.items():
-        secret = any(w in key for w in SECRET_WORDS) and not key.endswith("key_id")
-        settings[key] = "set" if secret else value
+        settings[key] = "set" if _core.is_secret(key) else value
         origins[key] = str(file)
     for key, default in S3_DEFAULTS.items():
         if key not in given:
