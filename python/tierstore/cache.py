@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import multiprocessing.util
 import os
 import sys
@@ -298,12 +299,21 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
         env["TIERSTORE_TIERS"] = ",".join(
             os.path.abspath(os.fspath(p)) + (f":{q}" if q is not None else "") for p, q in specs
         )
-    for key, var in (("policy", "TIERSTORE_POLICY"), ("inline_max", "TIERSTORE_INLINE_MAX"),
-                     ("verify", "TIERSTORE_VERIFY"), ("revalidate", "TIERSTORE_REVALIDATE")):  # fmt: skip
+    for key, var in (("policy", "TIERSTORE_POLICY"), ("threads", "TIERSTORE_THREADS"),
+                     ("inline_max", "TIERSTORE_INLINE_MAX"), ("verify", "TIERSTORE_VERIFY"),
+                     ("revalidate", "TIERSTORE_REVALIDATE")):  # fmt: skip
         if kwargs.get(key) is not None:
             env[var] = str(kwargs[key])
     if kwargs.get("config") is not None:
         env["TIERSTORE_CONFIG"] = os.path.abspath(os.fspath(kwargs["config"]))
+    # The object store's settings given here, over any the environment gives (the agent reads them as a
+    # JSON object, the values as the cache got them).
+    store = {k: str(v) for table in ("s3", "object_store") for k, v in (kwargs.get(table) or {}).items()}
+    if store:
+        with contextlib.suppress(ValueError):
+            given = json.loads(env.get("TIERSTORE_OBJECT_STORE", "{}"))
+            store = {**(given if isinstance(given, dict) else {}), **store}
+        env["TIERSTORE_OBJECT_STORE"] = json.dumps(store)
     return env
 
 

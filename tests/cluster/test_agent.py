@@ -246,3 +246,40 @@ def test_an_agent_whose_port_is_taken_says_so_at_once_with_the_fix(tmp_path: Pat
     message = str(e.value)
     assert "exited at once" in message and "another port" in message and "TIERSTORE_PORT" in message, message
     assert took < 5, f"the failed start took {took:.1f} s"
+
+
+def test_an_agent_started_for_a_cache_reads_the_settings_the_cache_was_given(tmp_path: Path) -> None:
+    """`Cache(object_store=..., s3=..., threads=...)` starts the node's agent with an environment it reads
+    the same settings from: the store's as one JSON object in TIERSTORE_OBJECT_STORE, which the engine
+    checks as it checks the file's (a bad endpoint is refused, naming the variable)."""
+    from tierstore.cache import _agent_env
+
+    def args(endpoint: str) -> tuple[str, list[str], dict[str, object]]:
+        store = {"endpoint": endpoint, "retries": 2, "access_key_id": "k", "secret_access_key": "s"}
+        return (
+            "s3://bucket/p",
+            [str(tmp_path / "t0")],
+            {"threads": 3, "object_store": store, "s3": {"region": "r"}},
+        )
+
+    def engine(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        code = "import tierstore; c = tierstore.Cache(); print(c._core.config()['threads'][0])"
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    env = _agent_env(args("http://127.0.0.1:9"))
+    assert json.loads(env["TIERSTORE_OBJECT_STORE"]) == {
+        "region": "r",
+        "endpoint": "http://127.0.0.1:9",
+        "retries": "2",
+        "access_key_id": "k",
+        "secret_access_key": "s",
+    }
+    ok = engine(env)
+    assert ok.returncode == 0 and ok.stdout.strip() == "3", ok.stderr[-2000:]
+    refused = engine(_agent_env(args("ftp://127.0.0.1:9")))
+    assert refused.returncode != 0
+    assert "object_store.endpoint" in refused.stderr and "TIERSTORE_OBJECT_STORE" in refused.stderr, (
+        refused.stderr
+    )

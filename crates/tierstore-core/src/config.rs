@@ -161,6 +161,9 @@ pub const ENV_VARS: &[&str] = &[
     "TIERSTORE_ORDER_MARKS",
     // Write-back destinations, `DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated (over the file's list).
     "TIERSTORE_WRITEBACK",
+    // `[object_store]` settings as a JSON object, over the file's (how `Cache(object_store=...)` hands
+    // them to the node's agent it starts).
+    "TIERSTORE_OBJECT_STORE",
     // Set by `tierstore run` for a job with write-back destinations and no source: the shim only stages.
     "TIERSTORE_WRITEBACK_ONLY",
 ];
@@ -311,6 +314,37 @@ pub const RESOLVED_FROM_ENV: &str = "TIERSTORE_RESOLVED_SOURCE_OF";
 /// See [`RESOLVED_FROM_ENV`].
 pub const RESOLVED_ENV: &str = "TIERSTORE_RESOLVED_SOURCE";
 
+/// `TIERSTORE_OBJECT_STORE`: `[object_store]` settings as one JSON object of strings, numbers and
+/// booleans, each checked later as the file's would be.
+fn object_store_from_env(text: &str) -> Result<Vec<(String, toml::Value)>, ConfigError> {
+    let origin = Origin::Env("TIERSTORE_OBJECT_STORE".into());
+    let fix = r#"give a JSON object of settings, e.g. TIERSTORE_OBJECT_STORE='{"endpoint": "http://127.0.0.1:9000", "retries": 3}'"#;
+    let shown = "(the variable's value)"; // it may hold a secret: never echoed
+    let object = match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(o)) => o,
+        Ok(_) => return Err(bad(&origin, "object_store", shown, "is not a JSON object", fix)),
+        Err(e) => return Err(bad(&origin, "object_store", shown, &format!("is not JSON ({e})"), fix)),
+    };
+    object
+        .into_iter()
+        .map(|(k, v)| {
+            let value = match v {
+                serde_json::Value::String(s) => toml::Value::String(s),
+                serde_json::Value::Bool(b) => toml::Value::Boolean(b),
+                serde_json::Value::Number(n) => match n.as_i64() {
+                    Some(i) => toml::Value::Integer(i),
+                    None => toml::Value::Float(n.as_f64().unwrap_or(f64::NAN)),
+                },
+                _ => {
+                    let problem = "is not a string, a number or a boolean";
+                    return Err(bad(&origin, &format!("object_store.{k}"), shown, problem, fix));
+                }
+            };
+            Ok((k, value))
+        })
+        .collect()
+}
+
 fn resolved_by_parent(given: &Path, resolved: Option<&(String, String)>) -> Option<PathBuf> {
     let (from, to) = resolved?;
     (Path::new(from) == given && Path::new(to).is_absolute()).then(|| PathBuf::from(to))
@@ -421,6 +455,11 @@ impl Config {
         ] {
             if let Some(v) = env.get(name) {
                 *slot = Some((v.clone(), env_origin(name)));
+            }
+        }
+        if let Some(v) = env.get("TIERSTORE_OBJECT_STORE") {
+            for (k, v) in object_store_from_env(v)? {
+                raw.object_store.insert(k, (v, env_origin("TIERSTORE_OBJECT_STORE"), "object_store"));
             }
         }
         if let Some(v) = &overrides.source {
@@ -742,6 +781,34 @@ mod tests {
         assert!(e.contains("no node is listed") && e.contains("TIERSTORE_PEERS"), "{e}");
         let e = err(&[("TIERSTORE_SHARING", "partitioned"), ("TIERSTORE_PEERS", "gpu[3-1]")]);
         assert!(e.contains("TIERSTORE_PEERS") && e.contains("runs backwards"), "{e}");
+    }
+
+    #[test]
+    fn object_store_settings_come_from_the_environment_as_json_over_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.toml");
+        let t0 = dir.path().join("t0").display().to_string();
+        let toml = format!(
+            "source = \"s3://bucket/p\"\n[[tiers]]\npath = \"{t0}\"\n[object_store]\nretries = 2\nrange_size = \"1M\"\n"
+        );
+        std::fs::write(&file, toml).unwrap();
+        let o = Overrides { config_file: Some(file), ..Default::default() };
+        let given = r#"{"endpoint": "http://127.0.0.1:9000", "retries": 7, "allow_http": true}"#;
+        let c = Config::load_with_env(&o, &env(&[("TIERSTORE_OBJECT_STORE", given)])).unwrap();
+        let store = c.object_store.unwrap();
+        assert_eq!((store.retries, store.range_size), (7, 1 << 20));
+        assert_eq!(store.settings["endpoint"], "http://127.0.0.1:9000");
+        assert_eq!(store.settings["allow_http"], "true");
+
+        let err = |v: &str| Config::load_with_env(&o, &env(&[("TIERSTORE_OBJECT_STORE", v)])).unwrap_err().to_string();
+        let e = err("endpoint=http://x");
+        assert!(e.contains("TIERSTORE_OBJECT_STORE") && e.contains("is not JSON") && e.contains("e.g."), "{e}");
+        let e = err(r#"["retries", 7]"#);
+        assert!(e.contains("is not a JSON object"), "{e}");
+        let e = err(r#"{"secret_access_key": ["s3cr3t"]}"#);
+        assert!(e.contains("object_store.secret_access_key") && !e.contains("s3cr3t"), "{e}");
+        let e = err(r#"{"retries": "many"}"#);
+        assert!(e.contains("object_store.retries") && e.contains("TIERSTORE_OBJECT_STORE"), "{e}");
     }
 
     #[test]
