@@ -32,6 +32,50 @@ struct Placed<'a> {
     lead: Lead,
 }
 
+/// Where a copy goes: version `sid` of `rel`, as `key`, into tier `t`.
+struct Target<'a> {
+    t: usize,
+    key: &'a Key,
+    rel: &'a str,
+    sid: SourceId,
+}
+
+/// A copy the caller started, which readers follow: its temporary path, its file, and what they follow.
+type Started = (PathBuf, File, Arc<Growing>);
+
+/// A copy under way into tier `t`: its temporary file, and what its readers follow, if any.
+struct Pending<'a> {
+    inner: &'a Inner,
+    t: usize,
+    key: &'a Key,
+    temp: PathBuf,
+    file: File,
+    growing: Option<Arc<Growing>>,
+}
+
+impl Pending<'_> {
+    /// Gives the copy up: its readers go on from the source, the temporary file goes, and the room
+    /// reserved is released; `why`, a fault to count.
+    fn fail(&self, why: Option<(&str, String)>) {
+        if let Some(g) = &self.growing {
+            g.fail();
+        }
+        let _ = std::fs::remove_file(&self.temp);
+        self.inner.abort(self.t, self.key);
+        if let Some((kind, detail)) = why {
+            self.inner.fault(Some(self.t), kind, &detail);
+        }
+    }
+
+    /// Gives the copy up because the store failed: its readers fail with the store's error.
+    fn fail_source(&self, e: &io::Error) {
+        if let Some(g) = &self.growing {
+            g.fail_source(e);
+        }
+        self.fail(None);
+    }
+}
+
 impl Inner {
     /// Leads a fetch: identifies the file if its version is not `known` (the leader alone opens it, and
     /// records the version in `known`), then fetches. The source's file, once open, is kept in `pre`.
@@ -183,7 +227,7 @@ impl Inner {
     /// Copies the file whole in this thread (a prefetch, or a small file for a program or a peer).
     fn copy_now(&self, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
         let Placed { t, rel, sid, guard, lead } = placed;
-        let r = self.copy_into(t, lead.key(), rel, sid, None, pre.take());
+        let r = self.copy_into(Target { t, key: lead.key(), rel, sid }, None, pre.take());
         drop(guard);
         drop(lead);
         r.map(|ok| if ok { Fetched::Cached } else { Fetched::Uncached })
@@ -286,7 +330,7 @@ impl Inner {
         let inner = self.clone();
         let (rel, src) = (rel.to_string(), pre.take());
         self.in_pool(move || {
-            let _ = inner.copy_into(t, &key, &rel, sid, Some((path, file, growing)), src);
+            let _ = inner.copy_into(Target { t, key: &key, rel: &rel, sid }, Some((path, file, growing)), src);
             drop(guard);
             drop(lead);
         });
@@ -421,72 +465,37 @@ impl Inner {
         }
     }
 
-    /// Streams a source file into tier `t` and publishes it; readers of `growing` follow the copy. Returns
-    /// whether the copy was published.
-    pub(super) fn copy_into(
+    /// Streams version `to.sid` of the source's file into tier `to.t` and publishes it; the readers of a
+    /// copy `started` by the caller follow it as it grows. `source_file`: the file, when open already.
+    /// Returns whether the copy was published.
+    fn copy_into(
         &self,
-        t: usize,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        started: Option<(PathBuf, File, Arc<Growing>)>,
+        to: Target<'_>,
+        started: Option<Started>,
         source_file: Option<SourceFile>,
     ) -> Result<bool, Error> {
-        let tier = &self.tiers[t];
-        let (temp, file, growing) = match started {
-            Some((p, f, g)) => (p, f, Some(g)),
-            None => match tier.create_temp(key) {
-                Ok((p, f)) => (p, f, None),
-                Err(e) => {
-                    self.fault(
-                        Some(t),
-                        "tier-write",
-                        &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
-                    );
-                    self.abort(t, key);
-                    return Ok(false);
-                }
-            },
-        };
-        let fail = |why: Option<(&str, String)>| {
-            if let Some(g) = &growing {
-                g.fail();
+        let Target { t, key, rel, sid } = to;
+        let Some(pending) = self.pending_copy(t, key, started) else { return Ok(false) };
+        let src = match self.open_to_copy(rel, sid, source_file) {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                pending.fail(None);
+                return Ok(false);
             }
-            let _ = std::fs::remove_file(&temp);
-            self.abort(t, key);
-            if let Some((kind, detail)) = why {
-                self.fault(Some(t), kind, &detail);
-            }
-        };
-        let src = match source_file.map(Ok).unwrap_or_else(|| self.source.open(rel)) {
-            Ok(f) => f,
             Err(e) => {
-                if let Some(g) = &growing {
-                    g.fail_source(&e);
-                }
-                fail(None);
+                pending.fail_source(&e);
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
         };
-        // A copy is read from a descriptor of the very file its version names, checked before the first
-        // byte (the device and inode, which the kernel knows without asking the store), not only at the
-        // end: this node's agent sends a copy to peers while it grows, and vouches for it by its version
-        // (`peers.rs`), so it must never hold the bytes of another file, such as the one a symlink was
-        // switched to between reading the version and opening the path here.
-        if let Some(f) = src.as_file() {
-            if crate::source::posix::inode_of(f).ok() != Some((sid.dev, sid.ino)) {
-                fail(None);
-                return Ok(false);
-            }
-        }
         // A copy that others follow records each piece's chaining value as it is written: the agent sends a
         // peer those pieces before the copy ends, each checked on arrival.
-        let mut hasher = self.record_checksums.then(|| match &growing {
+        let growing = pending.growing.clone();
+        let mut hasher = self.record_checksums.then(|| match growing {
             Some(g) => Pieces::reporting(sid.size, move |cv| g.record_piece(cv)),
             None => Pieces::new(sid.size),
         });
         let mut progress = |copied: u64| {
-            if let Some(g) = &growing {
+            if let Some(g) = &pending.growing {
                 // The end only once the copy is checked against the source and published (below): a
                 // reader that reached it finds the file whole in its tier.
                 if copied < sid.size {
@@ -494,37 +503,70 @@ impl Inner {
                 }
             }
         };
-        let (copied, after) = match self.source.copy(&src, &file, sid.size, hasher.as_mut(), &mut progress) {
+        let tier_path = self.tiers[t].config.path.display();
+        let (copied, after) = match self.source.copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
             Ok(x) => x,
             Err(CopyFault::Source(e)) => {
                 // The store failed (timed out, went away): its readers fail with it now, rather than ask
                 // the store again and wait as long a second time. A tier fault, below, sends them to the
                 // source instead.
-                if let Some(g) = &growing {
-                    g.fail_source(&e);
-                }
-                fail(None);
+                pending.fail_source(&e);
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
             Err(CopyFault::Tier(e)) => {
-                fail(Some(("tier-write", format!("cannot write a copy into {}: {e}", tier.config.path.display()))));
+                pending.fail(Some(("tier-write", format!("cannot write a copy into {tier_path}: {e}"))));
                 return Ok(false);
             }
         };
         // A file rewritten during the copy is never published.
         if copied != sid.size || after != Some(sid) {
-            fail(None);
+            pending.fail(None);
             return Ok(false);
         }
-        if let Err(e) = self.finish_publish(t, key, &temp, &file, sid, hasher.map(|h| h.finalize())) {
-            fail(Some(("tier-write", format!("cannot publish a copy in {}: {e}", tier.config.path.display()))));
+        let hash = hasher.map(|h| h.finalize());
+        if let Err(e) = self.finish_publish(t, key, &pending.temp, &pending.file, sid, hash) {
+            pending.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
             return Ok(false);
         }
-        if let Some(g) = &growing {
+        if let Some(g) = &pending.growing {
             g.advance(sid.size);
             g.finish();
         }
         Ok(true)
+    }
+
+    /// The temporary copy of `key` in tier `t`: the one the caller `started`, or a new one (None, counted
+    /// as a tier fault, when it cannot be created).
+    fn pending_copy<'a>(&'a self, t: usize, key: &'a Key, started: Option<Started>) -> Option<Pending<'a>> {
+        let (temp, file, growing) = match started {
+            Some((p, f, g)) => (p, f, Some(g)),
+            None => match self.tiers[t].create_temp(key) {
+                Ok((p, f)) => (p, f, None),
+                Err(e) => {
+                    let tier_path = self.tiers[t].config.path.display();
+                    self.fault(Some(t), "tier-write", &format!("cannot create a copy in {tier_path}: {e}"));
+                    self.abort(t, key);
+                    return None;
+                }
+            },
+        };
+        Some(Pending { inner: self, t, key, temp, file, growing })
+    }
+
+    /// The source's file to copy version `sid` of `rel` from (`given`, or opened now); None when it is not
+    /// the file the version names. A copy is read from a descriptor of the very file its version names,
+    /// checked before the first byte (the device and inode, which the kernel knows without asking the
+    /// store), not only at the end: this node's agent sends a copy to peers while it grows, and vouches for
+    /// it by its version (`peers.rs`), so it must never hold the bytes of another file, such as the one a
+    /// symlink was switched to between reading the version and opening the path here.
+    fn open_to_copy(&self, rel: &str, sid: SourceId, given: Option<SourceFile>) -> io::Result<Option<SourceFile>> {
+        let src = given.map(Ok).unwrap_or_else(|| self.source.open(rel))?;
+        if let Some(f) = src.as_file() {
+            if crate::source::posix::inode_of(f).ok() != Some((sid.dev, sid.ino)) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(src))
     }
 
     /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
