@@ -4,9 +4,11 @@ deadline. The frames themselves are `_core.AgentLink`'s, the wire protocol's one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,19 @@ def _connect(socket: str | os.PathLike[str] | None, deadline: float) -> _Connect
         with contextlib.suppress(_agent.AgentError):
             _agent.start(path, idle_exit=_agent.ON_DEMAND_IDLE_EXIT)
     return _Connection(path, deadline)
+
+
+def closed_at_exit() -> weakref.WeakSet[Any]:
+    """A set of objects with a `close()` that closes those still open when the interpreter exits, by an
+    atexit hook registered now (hooks run last-registered first: a set made later is closed earlier).
+    Each close joins its object's thread, so that none is left to wake while the interpreter finalizes
+    (see crates/tierstore-py/src/exiting.rs)."""
+    members: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def close_all() -> None:
+        for member in list(members):
+            with contextlib.suppress(Exception):
+                member.close()
+
+    atexit.register(close_all)
+    return members

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import os
@@ -17,7 +16,7 @@ import numpy as np
 
 from tierstore import _core
 from tierstore.models.tensors import writable_bytes
-from tierstore.stream.connection import DEFAULT_DEADLINE, StreamError
+from tierstore.stream.connection import DEFAULT_DEADLINE, StreamError, closed_at_exit
 from tierstore.stream.subscriber import Subscriber
 from tierstore.stream.version import StreamVersion
 
@@ -523,17 +522,9 @@ class HotModel:
         self.close()
 
 
-# Models still open when the interpreter exits are closed first (before their subscribers), each loader
-# thread joined within its deadline: no thread of tierstore's is left to wake up while the interpreter
-# finalizes (see crates/tierstore-py/src/exiting.rs).
-_open: weakref.WeakSet[HotModel] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_models() -> None:
-    for hot in list(_open):
-        with contextlib.suppress(Exception):
-            hot.close()
+# Models still open when the interpreter exits are closed first (this set is made after the subscribers'),
+# each loader thread joined within its deadline.
+_open: weakref.WeakSet[HotModel] = closed_at_exit()
 
 
 def _copy_bytes(dest: Any, src: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -11,7 +10,14 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from tierstore.stream.connection import DEFAULT_DEADLINE, StreamError, _connect, _Connection, _socket_path
+from tierstore.stream.connection import (
+    DEFAULT_DEADLINE,
+    StreamError,
+    _connect,
+    _Connection,
+    _socket_path,
+    closed_at_exit,
+)
 from tierstore.stream.version import StreamVersion, _version_of
 
 
@@ -300,11 +306,4 @@ def streams(
 # deadline: a thread left blocked in a process group's collective (a group subscriber waits there for the
 # next version) that returns once the interpreter is finalizing aborts the process ("FATAL: exception not
 # rethrown": CPython ends it with a forced unwind that torch's C++ frames swallow).
-_open: weakref.WeakSet[Subscriber] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_subscribers() -> None:
-    for sub in list(_open):
-        with contextlib.suppress(Exception):
-            sub.close()
+_open: weakref.WeakSet[Subscriber] = closed_at_exit()
