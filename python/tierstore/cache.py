@@ -307,13 +307,13 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
     if kwargs.get("config") is not None:
         env["TIERSTORE_CONFIG"] = os.path.abspath(os.fspath(kwargs["config"]))
     # The object store's settings given here, over any the environment gives (the agent reads them as a
-    # JSON object, the values as the cache got them).
+    # JSON object, the values as the cache got them). The engine has checked that one already: this
+    # cache was built from the same environment.
     store = {k: str(v) for table in ("s3", "object_store") for k, v in (kwargs.get(table) or {}).items()}
     if store:
-        with contextlib.suppress(ValueError):
-            given = json.loads(env.get("TIERSTORE_OBJECT_STORE", "{}"))
-            store = {**(given if isinstance(given, dict) else {}), **store}
-        env["TIERSTORE_OBJECT_STORE"] = json.dumps(store)
+        env["TIERSTORE_OBJECT_STORE"] = json.dumps(
+            {**json.loads(env.get("TIERSTORE_OBJECT_STORE", "{}")), **store}
+        )
     return env
 
 
