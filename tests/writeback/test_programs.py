@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -268,3 +269,61 @@ def test_writes_through_a_mapping_after_close_are_taken_at_munmap_or_exit(
             want = (np.arange(size, dtype=np.uint64) * n % 251).astype(np.uint8).tobytes()
             assert s.stored(f"m/{name}").read_bytes() == want, f"{name}: the store lacks the mapped writes"
         assert list((s.stage / "data").iterdir()) == []
+
+
+CHECKPOINT = r"""
+import os, sys
+d = sys.argv[1]
+os.makedirs(d, exist_ok=True)
+for i in range(int(sys.argv[2])):
+    with open(os.path.join(d, f"shard-{i}.pt"), "wb") as f:
+        f.write(b"shard %d" % i)
+try:
+    open(d, "wb")
+    print("opened a directory")
+except IsADirectoryError:
+    print("EISDIR")
+os.mkdir(os.path.join(d, "sub"))
+try:  # in the burst: the directory of the shards was found a moment ago
+    open(os.path.join(d, "sub"), "wb")
+    print("opened a directory")
+except IsADirectoryError:
+    print("EISDIR")
+"""
+
+
+@pytest.mark.fuse
+def test_a_checkpoint_asks_the_store_for_its_directory_once_not_for_each_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst of files created in one directory under `tierstore run` asks the store about that directory
+    once, not again for each file; a directory opened to write is still EISDIR, in the burst too."""
+    from tierstore.testing.slowfs import read_stats
+
+    with setup(tmp_path, monkeypatch) as s:
+        agent = s.start_agent()
+        os.kill(agent, signal.SIGSTOP)  # nothing migrates while the program runs: the counts are its own
+        asked = {}
+        try:
+            # Twice, with 30 files and with 60: what the 30 more cost (starting Python and `tierstore run`
+            # ask the store too, the same each time).
+            for n in (30, 60):
+                before = read_stats(s.mount)
+                p = s.python(CHECKPOINT, str(s.dest / f"step-{n}"), str(n), run=True)
+                asked[n] = read_stats(s.mount).get("getattr", 0) - before.get("getattr", 0)
+                assert p.returncode == 0, p.stderr[-3000:]
+                assert p.stdout.split() == ["EISDIR", "EISDIR"], p.stdout
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        # What one `stat` of a missing file there costs the store (the kernel looks up each component).
+        before = read_stats(s.mount)
+        assert not (s.dest / "step-60" / "missing.pt").exists()
+        one = read_stats(s.mount).get("getattr", 0) - before.get("getattr", 0)
+        # A stat of each new file, and of its directory once per burst (before: also once per file).
+        more = asked[60] - asked[30]
+        assert 0 < more <= 30 * one + 4, f"metadata requests by files written: {asked}; one stat: {one}"
+        p = s.cli("sync", str(s.dest), "--timeout", "60")
+        assert p.returncode == 0, p.stderr
+        for n in (30, 60):
+            for i in range(n):
+                assert s.stored(f"step-{n}/shard-{i}.pt").read_bytes() == b"shard %d" % i
