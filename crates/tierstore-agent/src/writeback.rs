@@ -37,6 +37,9 @@ pub const QUIET: Duration = Duration::from_millis(150);
 /// ...or until the oldest pending file is this old (a program that never pauses still gets its files
 /// migrated).
 pub const MAX_HOLD: Duration = Duration::from_secs(2);
+/// The migration thread's nice value: while the job writes its next checkpoint (or computes on the CPU),
+/// its threads come first; a core the job leaves idle still migrates at full speed.
+pub const MIGRATION_NICE: libc::c_int = 10;
 /// How often the staged files of writers killed before their close are removed (also at start).
 const SWEEP: Duration = Duration::from_secs(30);
 
@@ -244,7 +247,17 @@ fn report_refused(dir: &Path, s: &mut Stage, m: &Migrations) {
     }
 }
 
+/// Lowers the calling thread's priority to [`MIGRATION_NICE`] (a thread's own nice value on Linux).
+fn yield_to_the_job() {
+    let tid = tierstore_core::sys::gettid() as libc::id_t;
+    // SAFETY: setpriority of this thread alone; it only lowers the priority, which needs no privilege.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, MIGRATION_NICE) } != 0 {
+        log::debug!("cannot lower the migration thread's priority: {}", std::io::Error::last_os_error());
+    }
+}
+
 fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migrations>) {
+    yield_to_the_job();
     let mut stages = Stages::default();
     let mut scanned: Option<Instant> = None;
     loop {
@@ -367,6 +380,29 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The nice value of this process's thread named `name`, from `/proc/self/task/*/stat`.
+    fn nice_of_thread(name: &str) -> Option<i64> {
+        std::fs::read_dir("/proc/self/task").ok()?.flatten().find_map(|task| {
+            let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            if !name.starts_with(comm.trim_end()) {
+                return None;
+            }
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            // After the command's closing parenthesis: state is field 3, nice field 19.
+            stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+        })
+    }
+
+    #[test]
+    fn migration_runs_at_a_lower_priority_than_the_job() {
+        let t = tempfile::tempdir().unwrap();
+        let _m = start_listed_in(Vec::new(), t.path().join("writeback-stages"));
+        // The kernel keeps 15 bytes of a thread's name: "tierstore-write".
+        wait_for("the migration thread lowered its priority", || {
+            nice_of_thread("tierstore-writeback") == Some(MIGRATION_NICE.into())
+        });
     }
 
     #[test]
