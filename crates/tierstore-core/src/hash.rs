@@ -81,6 +81,55 @@ pub fn hash_file(path: &Path) -> io::Result<(u64, Hash)> {
     Ok((size, *h.finalize().as_bytes()))
 }
 
+/// [`hash_file`] with threads of its own (one per core, at most 4), for a caller the program waits on: a
+/// write-back close. Not the rayon pool: this runs in the program's process, which may fork (a pool's
+/// threads do not follow a fork; these are joined before it returns).
+pub fn hash_file_now(path: &Path) -> io::Result<(u64, Hash)> {
+    let f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    if size == 0 {
+        return Ok((0, hash_serial(&[])));
+    }
+    // SAFETY: as in `hash_file`.
+    let map = unsafe { memmap2::Mmap::map(&f)? };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
+    Ok((size, hash_scoped(&map, threads)))
+}
+
+/// Hashes `bytes` in 1 MiB pieces shared among `threads` scoped threads (the calling one included), the
+/// pieces merged in blake3's own tree. Small inputs, or a thread that cannot be started, are hashed here.
+pub fn hash_scoped(bytes: &[u8], threads: usize) -> Hash {
+    const PIECE_LEN: usize = 1 << 20;
+    if threads < 2 || bytes.len() < 4 * PIECE_LEN {
+        return hash_serial(bytes);
+    }
+    let pieces: Vec<&[u8]> = bytes.chunks(PIECE_LEN).collect();
+    let per = pieces.len().div_ceil(threads);
+    let hash_group = |first: usize, group: &[&[u8]]| -> Vec<ChainingValue> {
+        group.iter().enumerate().map(|(i, p)| subtree(((first + i) * PIECE_LEN) as u64, p)).collect()
+    };
+    let cvs: Vec<ChainingValue> = std::thread::scope(|s| {
+        let mut groups = pieces.chunks(per).enumerate();
+        let (_, mine) = groups.next().expect("at least four pieces");
+        let others: Vec<_> = groups
+            .map(|(g, group)| {
+                let spawned = std::thread::Builder::new().spawn_scoped(s, move || hash_group(g * per, group));
+                (g, group, spawned.ok())
+            })
+            .collect();
+        let mut cvs = hash_group(0, mine);
+        for (g, group, handle) in others {
+            match handle.map(|h| h.join()) {
+                Some(Ok(part)) => cvs.extend(part),
+                Some(Err(panic)) => std::panic::resume_unwind(panic),
+                None => cvs.extend(hash_group(g * per, group)),
+            }
+        }
+        cvs
+    });
+    root_of_pieces(&cvs, bytes.len() as u64, PIECE_LEN)
+}
+
 /// The size and hash of everything `reader` yields, read 1 MiB at a time.
 pub fn hash_reader(mut reader: impl Read) -> io::Result<(u64, Hash)> {
     let mut h = Hasher::new();
@@ -252,6 +301,24 @@ mod tests {
             let cvs: Vec<ChainingValue> =
                 whole.chunks(PIECE).enumerate().map(|(k, p)| subtree((k * PIECE) as u64, p)).collect();
             assert_eq!(root_of_pieces(&cvs, len as u64, PIECE), hash(whole), "length {len}");
+        }
+    }
+
+    #[test]
+    fn a_file_hashed_by_threads_of_its_own_is_blake3s_hash() {
+        const MIB: usize = 1 << 20;
+        let bytes: Vec<u8> = (0..(9 * MIB + 4097)).map(|i| (i * 29 % 251) as u8).collect();
+        for len in [0, 1, MIB, 4 * MIB - 1, 4 * MIB, 4 * MIB + 1, 7 * MIB + 3, 9 * MIB + 4097] {
+            let part = &bytes[..len];
+            for threads in [1, 2, 3, 4] {
+                assert_eq!(hash_scoped(part, threads), *blake3::hash(part).as_bytes(), "{len} bytes, {threads}");
+            }
+        }
+        let d = tempfile::tempdir().unwrap();
+        for len in [0, 9 * MIB + 4097] {
+            let path = d.path().join(format!("f{len}"));
+            std::fs::write(&path, &bytes[..len]).unwrap();
+            assert_eq!(hash_file_now(&path).unwrap(), hash_file(&path).unwrap());
         }
     }
 

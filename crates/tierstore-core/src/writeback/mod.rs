@@ -463,7 +463,7 @@ impl Writeback {
         let journaled = if d.durability == Durability::Buffered {
             // As a local disk's close: the bytes stay in the page cache for the kernel to write back. The
             // hash is taken now, so that bytes a crash of the node tears are known (see `migrate`).
-            crate::hash::hash_file(&path)
+            crate::hash::hash_file_now(&path)
                 .map_err(io("cannot read the staged file"))
                 .and_then(|(size, hash)| Ok(j.commit_unflushed(dest, name, size, hash)?))
         } else {
@@ -471,7 +471,7 @@ impl Writeback {
             // longer.
             let (synced, hashed) = std::thread::scope(|s| {
                 let sync = s.spawn(|| std::fs::File::open(&path).and_then(|f| f.sync_all()));
-                let hashed = crate::hash::hash_file(&path);
+                let hashed = crate::hash::hash_file_now(&path);
                 (sync.join().unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))), hashed)
             });
             synced
