@@ -34,8 +34,9 @@ use super::flight::{Lead, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
 use crate::error::Error;
-use crate::index::{key_of, Key};
+use crate::index::{key_of, Key, SourceId};
 use crate::marks::ReadMarks;
+use crate::source::SourceFile;
 
 /// How often a prefetch waiting for room looks at the read marks again: readers in other processes mark
 /// with a plain store (no wake-up), and a millisecond is below one round trip to a loaded store.
@@ -420,17 +421,8 @@ impl Shared {
         if self.read(position) {
             return skip(&p.files_read_first);
         }
-        // A file some tier holds costs the index lookup (and one `stat` when copies are revalidated),
-        // not a fetch, and no budget.
-        if inner.published(&key, rel).is_some() {
-            if left_to_reader(inner) {
-                return skip(&p.files_cached);
-            }
-            if let Ok(Some(sid)) = inner.known_identity(&key, rel) {
-                if inner.hit(&key, rel, &sid, Look::Quiet).is_some() {
-                    return skip(&p.files_cached);
-                }
-            }
+        if self.held(&key, rel) {
+            return skip(&p.files_cached);
         }
         let mut claim = self.claim(&key);
         if claim.is_none() {
@@ -460,6 +452,26 @@ impl Shared {
             return;
         };
         let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+        self.copy(position, job, sid, guard, file);
+    }
+
+    /// Whether a tier holds `rel` already: that costs the index lookup (and one `stat` when copies are
+    /// revalidated), not a fetch, and no budget.
+    fn held(&self, key: &Key, rel: &str) -> bool {
+        let inner = &self.inner;
+        inner.published(key, rel).is_some()
+            && (left_to_reader(inner)
+                || inner
+                    .known_identity(key, rel)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|sid| inner.hit(key, rel, &sid, Look::Quiet).is_some()))
+    }
+
+    /// Copies the file at `position`, admitted to the budget, and counts what came of it; a copy that
+    /// did not land gives its bytes back to the budget.
+    fn copy(&self, position: usize, job: FetchJob<'_>, sid: SourceId, guard: FetchGuard, file: SourceFile) {
+        let (inner, p, rel) = (&self.inner, &self.progress, job.rel);
         match inner.fetch_locked(job, sid, guard, &mut Some(file)) {
             Ok(Fetched::Cached) => {
                 p.files_fetched.fetch_add(1, Ordering::Relaxed);

@@ -36,7 +36,7 @@
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native};
@@ -44,7 +44,7 @@ use super::fetch::fail_flight;
 use super::flight::{Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, FetchGuard};
-use crate::cluster::remote::WINDOW;
+use crate::cluster::remote::{Remote, WINDOW};
 use crate::cluster::transfer::{Dest, RemoteError, Transfer};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
@@ -398,18 +398,9 @@ impl Inner {
         let keep = self.config.cluster.sharing == Sharing::Inclusive;
         if purpose == Purpose::Prefetch && !keep {
             // Partitioned: the owner keeps it; make sure it does, and keep nothing here.
-            let done = remote.open(&who, rel, 0).and_then(|t| {
-                *known = Some(t.found);
-                t.confirmed()
-            });
+            let kept = self.kept_by_owner(remote, &who, rel, known);
             drop(guard);
-            return match done {
-                Ok(()) => Ok(Fetched::Cached),
-                Err(e) => {
-                    self.peer_failed(&who, rel, &e);
-                    Err(job)
-                }
-            };
+            return if kept { Ok(Fetched::Cached) } else { Err(job) };
         }
         let transfer = match remote.open(&who, rel, WINDOW) {
             Ok(t) => t,
@@ -444,31 +435,49 @@ impl Inner {
             }),
         };
         drop(guard);
-        match result {
-            Ok(Received { fetched, from_peer, fault }) => {
-                let c = self.source.counters();
-                if let Some(e) = fault {
-                    self.peer_failed(&who, rel, &e);
-                }
-                if from_peer == sid.size {
-                    remote.mark_up(&who);
-                    c.add(src_slot::PEER_HITS, 1);
-                    log::debug!("{rel}: received from peer {who} ({} B)", sid.size);
-                }
-                c.add(src_slot::PEER_BYTES, from_peer);
-                *known = Some(sid);
-                if let Fetched::Reader(r) = &fetched {
-                    if let Backing::Memory(bytes) = r.backing() {
-                        job.lead.deliver(Outcome::Bytes(bytes.clone()));
-                    }
-                }
-                Ok(fetched)
-            }
-            Err(e) => {
-                self.peer_failed(&who, rel, &e);
-                Err(job)
+        let Some(fetched) = self.count_received(remote, &who, rel, sid, result) else { return Err(job) };
+        *known = Some(sid);
+        if let Fetched::Reader(r) = &fetched {
+            if let Backing::Memory(bytes) = r.backing() {
+                job.lead.deliver(Outcome::Bytes(bytes.clone()));
             }
         }
+        Ok(fetched)
+    }
+
+    /// Whether the owner `who` holds `rel` (it copies it from the store if it did not): a partitioned
+    /// prefetch keeps nothing on this node. `known` learns the version the owner holds.
+    fn kept_by_owner(&self, remote: &Remote, who: &str, rel: &str, known: &mut Option<SourceId>) -> bool {
+        let confirmed = remote.open(who, rel, 0).and_then(|t| {
+            *known = Some(t.found);
+            t.confirmed()
+        });
+        confirmed.map_err(|e| self.peer_failed(who, rel, &e)).is_ok()
+    }
+
+    /// Counts what a receive of `rel` (`sid`) from `who` gave: the peer's bytes; a hit when the owner sent
+    /// all of them (it answers again); a fault once, whether the owner failed or going on from the store
+    /// did. `None` when nothing usable came.
+    fn count_received(
+        &self,
+        remote: &Remote,
+        who: &str,
+        rel: &str,
+        sid: SourceId,
+        result: Result<Received, RemoteError>,
+    ) -> Option<Fetched> {
+        let Received { fetched, from_peer, fault } = result.map_err(|e| self.peer_failed(who, rel, &e)).ok()?;
+        let c = self.source.counters();
+        if let Some(e) = fault {
+            self.peer_failed(who, rel, &e);
+        }
+        if from_peer == sid.size {
+            remote.mark_up(who);
+            c.add(src_slot::PEER_HITS, 1);
+            log::debug!("{rel}: received from peer {who} ({} B)", sid.size);
+        }
+        c.add(src_slot::PEER_BYTES, from_peer);
+        Some(fetched)
     }
 
     /// Receives a large file from its owner `who` in the background, into a copy in tier `t` (published at
@@ -487,18 +496,7 @@ impl Inner {
     ) -> Result<Fetched, FetchJob<'a>> {
         let (key, rel) = (*job.key(), job.rel);
         let key = &key;
-        let dest = match tier {
-            Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
-                let follower = File::open(&path)?;
-                lock_shared(&follower)?;
-                Ok((Some(path), f, follower))
-            }),
-            None => memory_file(rel).and_then(|f| {
-                let follower = f.try_clone()?;
-                Ok((None, f, follower))
-            }),
-        };
-        let (temp, file, follower) = match dest {
+        let (temp, file, follower) = match self.follow_target(tier, key, rel) {
             Ok(d) => d,
             Err(e) => {
                 if let Some(t) = tier {
@@ -559,6 +557,23 @@ impl Inner {
         };
         self.in_pool(receive);
         Ok(fetched)
+    }
+
+    /// Where a followed copy is written (its temporary path in tier `tier`, or none in private memory), the
+    /// file written, and the descriptor its readers follow it through (shared-locked in a tier, as the
+    /// readers of every growing copy hold it).
+    fn follow_target(&self, tier: Option<usize>, key: &Key, rel: &str) -> io::Result<(Option<PathBuf>, File, File)> {
+        match tier {
+            Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
+                let follower = File::open(&path)?;
+                lock_shared(&follower)?;
+                Ok((Some(path), f, follower))
+            }),
+            None => memory_file(rel).and_then(|f| {
+                let follower = f.try_clone()?;
+                Ok((None, f, follower))
+            }),
+        }
     }
 
     /// Counts a failed peer read, says so once, and leaves a failed member out for a while.

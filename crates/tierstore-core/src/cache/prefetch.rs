@@ -24,7 +24,7 @@ use super::flight::Role;
 use super::job::{FetchJob, Purpose};
 use crate::config::Revalidate;
 use crate::error::Error;
-use crate::index::{key_of, SourceId};
+use crate::index::{key_of, Key, SourceId};
 use crate::source::{list_dir, SourceFile};
 
 /// Files fetched at once when the caller does not say: enough to hide a store's round trip behind the
@@ -374,82 +374,105 @@ impl Walk {
         self.push(dirs, files);
     }
 
-    /// One entry: confirmed from the index if it can be, else opened, identified and copied.
+    /// One entry: confirmed from the index if it can be, else asked of its owner, else opened, identified
+    /// and copied.
     fn entry(&self, parent: Option<Arc<DirHandle>>, name: &OsString, rel: String) {
-        let inner = &self.inner;
         let p = &self.progress;
         let key = key_of(&rel);
-        let path = inner.source.path_of(&rel);
-        if let Some(e) = inner.published(&key, &rel) {
-            let current = match inner.config.revalidate {
-                Revalidate::Never => Some(e.source),
-                // One listing confirms the copies of the whole directory.
-                Revalidate::Within(d) => match inner.confirmed_identity(&key, &rel, &e, d) {
-                    Ok(sid) => Some(sid),
-                    Err(err) => {
-                        p.fail(describe_error(&err));
-                        p.handled(0);
-                        return;
-                    }
-                },
-                Revalidate::Always => {
-                    let st = match (&parent, inner.posix()) {
-                        (Some(d), Some(posix)) => posix
-                            .stat_in(&d.file, name)
-                            .map(|st| (st.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| SourceId::of_stat(&st))),
-                        _ => inner.source.identify(&rel).map(Some),
-                    };
-                    match st {
-                        Ok(sid) => sid, // None: no longer a file, the open below says what it is
-                        Err(err) if err.raw_os_error() == Some(libc::EISDIR) => None,
-                        Err(err) => {
-                            p.fail(describe(&path, &err));
-                            p.handled(0);
-                            return;
-                        }
-                    }
-                }
-            };
-            if let Some(sid) = current {
-                if inner.hit(&key, &rel, &sid, Look::Quiet).is_some() {
-                    p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-                    p.handled(sid.size);
-                    return;
-                }
+        match self.cached(parent.as_deref(), name, &key, &rel) {
+            Ok(None) => {}
+            Ok(Some(size)) => {
+                p.bytes_total.fetch_add(size, Ordering::Relaxed);
+                return p.handled(size);
+            }
+            Err(msg) => {
+                p.fail(msg);
+                return p.handled(0);
             }
         }
-        if inner.remote.is_some() {
-            // A file another node owns is asked of its owner (which caches it, reading the store once
-            // for the whole job); this node keeps a copy only in inclusive mode.
-            if let Role::Leader(lead) = inner.flights.join(&key) {
-                let mut known = None;
-                // Not served by a peer: the lead drops here, and the store is asked below.
-                let job = FetchJob { rel: &rel, purpose: Purpose::Prefetch, seen: now_ns(), lead };
-                if inner.from_peer(job, &mut known).is_ok() {
-                    let size = known.map_or(0, |sid| sid.size);
-                    p.bytes_total.fetch_add(size, Ordering::Relaxed);
-                    p.files_copied.fetch_add(1, Ordering::Relaxed);
-                    p.handled(size);
-                    return;
-                }
-            }
-        }
-        if inner.posix().is_none() {
-            // An object: claimed before it is opened, as opening one is a GET.
-            match inner.prefetch_object(&key, &rel) {
-                Ok(Some((sid, fetched))) => {
-                    p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-                    self.record(&path, Ok(fetched));
-                    p.handled(sid.size);
-                }
-                Ok(None) => p.handled(0), // cached, or being fetched by another process
-                Err(e) => {
-                    self.record(&path, Err(e));
-                    p.handled(0);
-                }
-            }
+        if self.served_by_owner(&key, &rel) {
             return;
         }
+        if self.inner.posix().is_none() {
+            return self.object(&key, &rel);
+        }
+        self.posix_file(parent, name, &key, rel);
+    }
+
+    /// The size of the entry's copy when it is cached and still current (checked as `revalidate` says:
+    /// its directory's listing, a `stat`, or not at all); `None` when it must be copied.
+    fn cached(&self, parent: Option<&DirHandle>, name: &OsString, key: &Key, rel: &str) -> Result<Option<u64>, String> {
+        let inner = &self.inner;
+        let Some(e) = inner.published(key, rel) else { return Ok(None) };
+        let current = match inner.config.revalidate {
+            Revalidate::Never => Some(e.source),
+            // One listing confirms the copies of the whole directory.
+            Revalidate::Within(d) => {
+                Some(inner.confirmed_identity(key, rel, &e, d).map_err(|err| describe_error(&err))?)
+            }
+            Revalidate::Always => {
+                let st = match (parent, inner.posix()) {
+                    (Some(d), Some(posix)) => posix
+                        .stat_in(&d.file, name)
+                        .map(|st| (st.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| SourceId::of_stat(&st))),
+                    _ => inner.source.identify(rel).map(Some),
+                };
+                match st {
+                    Ok(sid) => sid, // None: no longer a file, the open that follows says what it is
+                    Err(err) if err.raw_os_error() == Some(libc::EISDIR) => None,
+                    Err(err) => return Err(describe(&inner.source.path_of(rel), &err)),
+                }
+            }
+        };
+        Ok(current.filter(|sid| inner.hit(key, rel, sid, Look::Quiet).is_some()).map(|sid| sid.size))
+    }
+
+    /// Whether another node's agent, the file's owner, served it (which caches it, reading the store once
+    /// for the whole job; this node keeps a copy only in inclusive mode). When it did not, the store is
+    /// asked by the caller.
+    fn served_by_owner(&self, key: &Key, rel: &str) -> bool {
+        let inner = &self.inner;
+        if inner.remote.is_none() {
+            return false;
+        }
+        let Role::Leader(lead) = inner.flights.join(key) else { return false };
+        let mut known = None;
+        // Not served: the lead drops here, before the store is asked.
+        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen: now_ns(), lead };
+        if inner.from_peer(job, &mut known).is_err() {
+            return false;
+        }
+        let p = &self.progress;
+        let size = known.map_or(0, |sid| sid.size);
+        p.bytes_total.fetch_add(size, Ordering::Relaxed);
+        p.files_copied.fetch_add(1, Ordering::Relaxed);
+        p.handled(size);
+        true
+    }
+
+    /// An object of an object store: claimed before it is opened, as opening one is a `GET`.
+    fn object(&self, key: &Key, rel: &str) {
+        let p = &self.progress;
+        let path = self.inner.source.path_of(rel);
+        match self.inner.prefetch_object(key, rel) {
+            Ok(Some((sid, fetched))) => {
+                p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
+                self.record(&path, Ok(fetched));
+                p.handled(sid.size);
+            }
+            Ok(None) => p.handled(0), // cached, or being fetched by another process
+            Err(e) => {
+                self.record(&path, Err(e));
+                p.handled(0);
+            }
+        }
+    }
+
+    /// A POSIX entry: opened (beneath its directory's handle when the walk has one), identified from the
+    /// open descriptor, and copied; a directory the listing did not type is walked.
+    fn posix_file(&self, parent: Option<Arc<DirHandle>>, name: &OsString, key: &Key, rel: String) {
+        let (inner, p) = (&self.inner, &self.progress);
+        let path = inner.source.path_of(&rel);
         let seen = now_ns();
         let opened = match (&parent, inner.posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
@@ -461,8 +484,7 @@ impl Walk {
             Ok(x) => x,
             Err(err) => {
                 p.fail(describe(&path, &err));
-                p.handled(0);
-                return;
+                return p.handled(0);
             }
         };
         let canonical = sid.attrs.is_some_and(|a| a.canonical);
@@ -475,15 +497,13 @@ impl Walk {
             return;
         }
         if sid.attrs.is_some_and(|a| a.mode & libc::S_IFMT != libc::S_IFREG) {
-            p.not_a_file();
-            return;
+            return p.not_a_file();
         }
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-        self.record(&path, inner.prefetch_file(&key, &rel, sid, file, seen));
+        self.record(&path, inner.prefetch_file(key, &rel, sid, file, seen));
         p.handled(sid.size);
     }
 
-    /// Counts what the copy of one file came to, and names the file and the fix when it was not cached.
     fn record(&self, path: &Path, fetched: Result<Fetched, Error>) {
         let p = &self.progress;
         match fetched {
