@@ -70,30 +70,27 @@ pub fn hex(h: &Hash) -> String {
 /// file meanwhile (a mapping read past the file's end raises SIGBUS): the write-back journal hashes staged
 /// files, which only its own writers change, under its lock.
 pub fn hash_file(path: &Path) -> io::Result<(u64, Hash)> {
-    let f = std::fs::File::open(path)?;
-    let size = f.metadata()?.len();
-    let mut h = Hasher::new();
-    if size > 0 {
-        // SAFETY: the caller keeps the file from shrinking while it is mapped (see above).
-        let map = unsafe { memmap2::Mmap::map(&f)? };
-        h.update(&map);
-    }
-    Ok((size, *h.finalize().as_bytes()))
+    hash_mapped(path, hash_serial)
 }
 
 /// [`hash_file`] with threads of its own (one per core, at most 4), for a caller the program waits on: a
 /// write-back close. Not the rayon pool: this runs in the program's process, which may fork (a pool's
 /// threads do not follow a fork; these are joined before it returns).
 pub fn hash_file_now(path: &Path) -> io::Result<(u64, Hash)> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
+    hash_mapped(path, |bytes| hash_scoped(bytes, threads))
+}
+
+/// The size of the file at `path` and `hash` of its bytes, mapped (see [`hash_file`]).
+fn hash_mapped(path: &Path, hash: impl FnOnce(&[u8]) -> Hash) -> io::Result<(u64, Hash)> {
     let f = std::fs::File::open(path)?;
     let size = f.metadata()?.len();
     if size == 0 {
-        return Ok((0, hash_serial(&[])));
+        return Ok((0, hash(&[])));
     }
-    // SAFETY: as in `hash_file`.
+    // SAFETY: the caller keeps the file from shrinking while it is mapped (see `hash_file`).
     let map = unsafe { memmap2::Mmap::map(&f)? };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
-    Ok((size, hash_scoped(&map, threads)))
+    Ok((size, hash(&map)))
 }
 
 /// Hashes `bytes` in 1 MiB pieces shared among `threads` scoped threads (the calling one included), the

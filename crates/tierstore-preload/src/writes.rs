@@ -153,15 +153,11 @@ const KNOWN_DIR_FOR: Duration = Duration::from_secs(5);
 /// each costs a metadata round trip per file (an MDS request on Lustre, 6 ms on the stand-in store).
 static KNOWN_DIRS: Mutex<Vec<(PathBuf, Instant)>> = Mutex::new(Vec::new());
 
-/// Whether `dir` was found on the store within [`KNOWN_DIR_FOR`]. The lock is only tried: a child forked
-/// while another thread held it asks the store instead of waiting forever.
-fn known_dir(dir: &Path) -> bool {
-    KNOWN_DIRS.try_lock().is_some_and(|known| known.iter().any(|(d, t)| d == dir && t.elapsed() < KNOWN_DIR_FOR))
-}
-
-/// Whether `dir` is a directory on the store: remembered for [`KNOWN_DIR_FOR`] once found.
+/// Whether `dir` is a directory on the store: remembered for [`KNOWN_DIR_FOR`] once found. The lock is
+/// only tried: a child forked while another thread held it asks the store instead of waiting forever.
 fn dir_on_store(dir: &Path) -> bool {
-    if known_dir(dir) {
+    let fresh = |(d, t): &(PathBuf, Instant)| d == dir && t.elapsed() < KNOWN_DIR_FOR;
+    if KNOWN_DIRS.try_lock().is_some_and(|known| known.iter().any(fresh)) {
         return true;
     }
     let found = dir.is_dir();
