@@ -166,6 +166,14 @@ impl Server {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         let temp = self.dir.path().join(format!("put-{}", key.replace('/', "_")));
         std::fs::write(&temp, bytes).unwrap();
+        // The server's ETag is made of the file's mtime and size, and the kernel stamps mtimes at its timer's
+        // tick (4 ms here): a replacement of the same size written within one tick would be the same version
+        // to every client, a limit of the server, not of the source. A real writer comes later than that;
+        // this one says so by stamping the new file past the old one.
+        if let Ok(old) = std::fs::metadata(&path).and_then(|m| m.modified()) {
+            let later = std::time::SystemTime::now().max(old + Duration::from_millis(10));
+            std::fs::File::options().write(true).open(&temp).unwrap().set_modified(later).unwrap();
+        }
         std::fs::rename(&temp, &path).unwrap();
     }
 }
