@@ -105,6 +105,7 @@ pub struct ReadLog {
     pub tag: u32,
 }
 
+#[derive(Default)]
 struct State {
     /// The next position a worker takes.
     next: usize,
@@ -119,6 +120,41 @@ struct State {
     /// The position whose turn it is waits for room in the budget: every later one waits as long.
     blocked: bool,
     stopped: bool,
+}
+
+/// Which of `rels` need no fetch: published in a tier and trusted now, or left to the reader's open (see
+/// [`left_to_reader`]).
+fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
+    rels.iter()
+        .map(|rel| inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(inner)))
+        .collect()
+}
+
+/// Starts `jobs` workers on `shared`. Workers that could not be started are accounted as gone, so that the
+/// handle does not wait for them; none at all is an error.
+fn spawn_workers(shared: &Arc<Shared>, jobs: usize) -> Result<(), Error> {
+    shared.progress.running.store(jobs, Ordering::Release);
+    for i in 0..jobs {
+        let s = shared.clone();
+        let spawned = std::thread::Builder::new().name(format!("tierstore-order-{i}")).spawn(move || {
+            // A panic must not leave the prefetch running forever in the eyes of its handle.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.work()));
+            s.leave();
+        });
+        if let Err(e) = spawned {
+            for _ in i..jobs {
+                shared.leave();
+            }
+            if i == 0 {
+                return Err(Error::Tier {
+                    path: shared.inner.config.tiers[0].path.clone(),
+                    message: format!("cannot start a prefetch thread: {e}"),
+                });
+            }
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// With `revalidate = "always"` the reader's open asks the source about a cached copy anyway (one request
@@ -159,57 +195,15 @@ impl OrderedPrefetch {
     ) -> Result<OrderedPrefetch, Error> {
         let progress = Arc::new(OrderProgress::default());
         progress.files_total.store(rels.len() as u64, Ordering::Relaxed);
-        let cached: Vec<bool> = rels
-            .iter()
-            .map(|rel| {
-                inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(&inner))
-            })
-            .collect();
+        let cached = already_cached(&inner, &rels);
         let warm = cached.iter().filter(|c| **c).count() as u64;
         progress.files_cached.store(warm, Ordering::Relaxed);
         progress.files_done.store(warm, Ordering::Relaxed);
         let cold = rels.len() - warm as usize;
         let jobs = jobs.clamp(1, super::prefetch::MAX_JOBS).min(cold.max(1));
-        let shared = Arc::new(Shared {
-            inner,
-            rels,
-            cached,
-            log,
-            budget,
-            state: Mutex::new(State {
-                next: 0,
-                admitted: 0,
-                held: VecDeque::new(),
-                ahead: 0,
-                low: 0,
-                blocked: false,
-                stopped: false,
-            }),
-            turn: Condvar::new(),
-            progress,
-        });
-        shared.progress.running.store(jobs, Ordering::Release);
-        for i in 0..jobs {
-            let s = shared.clone();
-            let spawned = std::thread::Builder::new().name(format!("tierstore-order-{i}")).spawn(move || {
-                // A panic must not leave the prefetch running forever in the eyes of its handle.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.work()));
-                s.leave();
-            });
-            if let Err(e) = spawned {
-                // Workers that could not be started never leave: account for them here.
-                for _ in i..jobs {
-                    shared.leave();
-                }
-                if i == 0 {
-                    return Err(Error::Tier {
-                        path: shared.inner.config.tiers[0].path.clone(),
-                        message: format!("cannot start a prefetch thread: {e}"),
-                    });
-                }
-                break;
-            }
-        }
+        let state = Mutex::new(State::default());
+        let shared = Arc::new(Shared { inner, rels, cached, log, budget, state, turn: Condvar::new(), progress });
+        spawn_workers(&shared, jobs)?;
         Ok(OrderedPrefetch { shared })
     }
 
