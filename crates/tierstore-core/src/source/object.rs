@@ -217,8 +217,8 @@ fn gcs_store(
 ) -> io::Result<(Box<dyn ObjectStore>, String)> {
     let mut builder =
         GoogleCloudStorageBuilder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
-    for (key, value) in &config.settings {
-        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    for (key, value) in options(config)? {
+        builder = builder.with_config(key, value);
     }
     // Where requests go: `google_base_url`, else the `gcs_base_url` of a service account key (how an
     // emulator is reached), else Google.
@@ -244,8 +244,8 @@ fn azure_store(
     retry: RetryConfig,
 ) -> io::Result<(Box<dyn ObjectStore>, String)> {
     let mut builder = MicrosoftAzureBuilder::from_env().with_container_name(&config.bucket).with_client_options(client);
-    for (key, value) in &config.settings {
-        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    for (key, value) in options(config)? {
+        builder = builder.with_config(key, value);
     }
     if let Some(account) = &config.account {
         builder = builder.with_account(account);
@@ -268,11 +268,22 @@ fn http_store(
     retry: RetryConfig,
 ) -> io::Result<(Box<dyn ObjectStore>, String)> {
     let mut builder = HttpBuilder::new().with_url(&config.bucket).with_client_options(client);
-    for (key, value) in &config.settings {
-        builder = builder.with_config(key.parse().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?, value);
+    for (key, value) in options(config)? {
+        builder = builder.with_config(key, value);
     }
     let builder = builder.with_config(ClientConfigKey::AllowHttp, allow_http(config, &config.bucket));
     Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), config.bucket.clone()))
+}
+
+/// The `[object_store]` table as the option keys of one store's client (`GoogleConfigKey`,
+/// `AzureConfigKey`, `ClientConfigKey`): a key the client does not take is an error naming it.
+fn options<K>(config: &StoreConfig) -> io::Result<Vec<(K, &str)>>
+where
+    K: std::str::FromStr,
+    K::Err: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let parse = |key: &String| key.parse().map_err(|e: K::Err| io::Error::new(io::ErrorKind::InvalidInput, e));
+    config.settings.iter().map(|(key, value)| Ok((parse(key)?, value.as_str()))).collect()
 }
 
 /// Whether the client may speak plain HTTP: to an `http://` endpoint, or when the table says so.
