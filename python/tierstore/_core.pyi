@@ -11,6 +11,7 @@ __all__ = [
     "DEFAULT_PREFETCH_JOBS",
     "MAX_PREFETCH_JOBS",
     "S3_KEYS",
+    "SETTINGS",
     "STORE_DEFAULTS",
     "STORE_KEYS",
     "AgentLink",
@@ -49,6 +50,10 @@ MAX_PREFETCH_JOBS: int
 S3_KEYS: tuple[str, ...]  # the short keys of an s3:// source's table ([s3]), in the reference's order
 STORE_KEYS: tuple[str, ...]  # tierstore's own keys of the [object_store] table, for every kind of store
 STORE_DEFAULTS: dict[str, str]  # the defaults of STORE_KEYS, as the reference writes them
+# Every setting (crates/tierstore-core/src/config/settings.rs), each a dict: table ("" at the top of the
+# file and for variables only the environment sets), key, name ("cluster.port"), type, choices, bounds,
+# default (as the file writes it) or None, default_text, env, argument (of Cache), flag (of `tierstore`), doc.
+SETTINGS: tuple[dict[str, Any], ...]
 
 class TierstoreError(Exception): ...
 

@@ -287,6 +287,15 @@ class Cache:
         return f"tierstore.Cache(source={self.source!r})"
 
 
+# The settings a keyword of Cache and a variable both set, one value each: handed to an agent as they are.
+# `source`, `tiers`, `config` and the object store's table are handed over by _agent_env's own rules.
+_ARGUMENT_VARIABLES = tuple(
+    s
+    for s in _core.SETTINGS
+    if s["argument"] and s["env"] and s["type"] not in ("section", "json", "path")
+)
+
+
 def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
     """The environment an agent started for this cache reads the same configuration from."""
     source, tiers, kwargs = args
@@ -299,11 +308,11 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
         env["TIERSTORE_TIERS"] = ",".join(
             os.path.abspath(os.fspath(p)) + (f":{q}" if q is not None else "") for p, q in specs
         )
-    for key, var in (("policy", "TIERSTORE_POLICY"), ("threads", "TIERSTORE_THREADS"),
-                     ("inline_max", "TIERSTORE_INLINE_MAX"), ("verify", "TIERSTORE_VERIFY"),
-                     ("revalidate", "TIERSTORE_REVALIDATE")):  # fmt: skip
-        if kwargs.get(key) is not None:
-            env[var] = str(kwargs[key])
+    # Each other keyword of one value that a variable also sets (policy, threads, ...), as the settings
+    # table pairs them.
+    for setting in _ARGUMENT_VARIABLES:
+        if kwargs.get(setting["argument"]) is not None:
+            env[setting["env"]] = str(kwargs[setting["argument"]])
     if kwargs.get("config") is not None:
         env["TIERSTORE_CONFIG"] = os.path.abspath(os.fspath(kwargs["config"]))
     # The object store's settings given here, over any the environment gives (the agent reads them as a

@@ -1,10 +1,12 @@
 """The reference pages are checked against the code, so that they cannot drift:
 
-- docs/reference/configuration.md names every TOML key (the key lists of the Rust configuration: TOP_KEYS,
-  STREAM_KEYS, STORE_KEYS, S3_KEYS, and the `KEYS` of the tiers, cluster and write-back modules) in the table of its
-  section, and every TIERSTORE_* and SLURM_* variable the Rust and Python sources read in its table of
-  variables, and every AWS_* variable they name in its section "AWS variables"; and names nothing the code no
-  longer accepts or reads;
+- docs/reference/configuration.md names every TOML key of the settings table
+  (crates/tierstore-core/src/config/settings.rs, through `_core.SETTINGS`) in the table of its section, with
+  the table's default and choices, and every TIERSTORE_* and SLURM_* variable the Rust and Python sources
+  read in its table of variables, and every AWS_* variable they name in its section "AWS variables"; and
+  names nothing the code no longer accepts or reads;
+- every variable the code reads is declared in the settings table; `tierstore.Cache`'s keywords and the
+  options of `tierstore` are the table's;
 - docs/reference/cli.md has a section for every command of `tierstore` with a row for each of its options
   that agrees with --help and the code on the value it takes and its default (see
   test_cli_reference_agrees_with_the_help); every command answers --help, `tierstore-agent` too;
@@ -18,6 +20,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -57,43 +60,53 @@ def _python_sources() -> dict[Path, str]:
     return {p: p.read_text() for p in sorted((ROOT / "python" / "tierstore").rglob("*.py"))}
 
 
-KEY_LISTS = re.compile(r"const\s+(?P<name>[A-Z0-9_]*KEYS)\s*:\s*&\[&str\]\s*=\s*&\[(?P<items>.*?)\];", re.S)
-
-# Each key list of the code, and the section of configuration.md whose table documents it.
+# Each table of the settings table (crates/tierstore-core/src/config/settings.rs, read through
+# `_core.SETTINGS`), and the section of configuration.md whose table documents its keys.
 SECTIONS = {
-    "TOP_KEYS": "Top-level keys",
-    "TIER_KEYS": "[[tiers]]",
-    "CLUSTER_KEYS": "[cluster]",
-    "STORE_KEYS": "[object_store]",
-    "S3_KEYS": "[s3]",
-    "WRITEBACK_KEYS": "[[writeback]]",
-    "STREAM_KEYS": "[stream]",
+    "": "Top-level keys",
+    "tiers": "[[tiers]]",
+    "cluster": "[cluster]",
+    "object_store": "[object_store]",
+    "s3": "[s3]",
+    "writeback": "[[writeback]]",
+    "stream": "[stream]",
 }
 
 
-# A section's own module may call its list plain `KEYS` (config/tiers.rs, cluster/config.rs,
-# writeback/config.rs): the module's path says which section it is.
-MODULE_LISTS = {
-    "tiers": "TIER_KEYS",
-    "cluster": "CLUSTER_KEYS",
-    "writeback": "WRITEBACK_KEYS",
-    "s3": "S3_KEYS",
-    "stream": "STREAM_KEYS",
-}
+def settings() -> tuple[dict[str, Any], ...]:
+    from tierstore import _core
+
+    return _core.SETTINGS
 
 
 def code_keys() -> dict[str, set[str]]:
-    """The TOML keys the configuration accepts, by list (see SECTIONS)."""
+    """The TOML keys the configuration accepts, by table (see SECTIONS). `[s3]` takes its short names and
+    every key of `[object_store]`."""
     found: dict[str, set[str]] = {}
-    for path, text in _rust_sources().items():
-        for m in KEY_LISTS.finditer(text):
-            name = m["name"]
-            if name == "KEYS":
-                parts = path.relative_to(ROOT / "crates").with_suffix("").parts
-                name = next((MODULE_LISTS[p] for p in reversed(parts) if p in MODULE_LISTS), name)
-            if name in SECTIONS:
-                found.setdefault(name, set()).update(re.findall(r'"([^"]+)"', m["items"]))
+    for s in settings():
+        if s["table"] == "" and s["env"] == s["key"]:
+            continue  # only the environment sets it
+        found.setdefault(s["table"], set()).add(s["key"])
+    found["s3"] |= found["object_store"]
     return found
+
+
+def documented_default(s: dict[str, Any]) -> str:
+    """A setting's default as the reference writes it: a number or a boolean bare, anything else quoted."""
+    if s["type"] in ("count", "bool"):
+        return f"`{s['default']}`"
+    return f'`"{s["default"]}"`'
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """The rows of the tables in `text`, by each name backticked in the first cell, as their cells."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                out[name] = cells
+    return out
 
 
 VARIABLE = re.compile(r"""["']((?:TIERSTORE|SLURM)_[A-Z0-9_]*[A-Z0-9])["']""")
@@ -101,7 +114,7 @@ VARIABLE = re.compile(r"""["']((?:TIERSTORE|SLURM)_[A-Z0-9_]*[A-Z0-9])["']""")
 
 def code_variables() -> dict[str, list[str]]:
     """Every TIERSTORE_* and SLURM_* variable named as a whole string literal in the sources: read with
-    std::env, listed in ENV_VARS, passed to a child's environment, or a click `envvar`."""
+    std::env, declared in the settings table, passed to a child's environment, or a click `envvar`."""
     seen: dict[str, list[str]] = {}
     for path, text in {**_rust_sources(), **_python_sources()}.items():
         for name in VARIABLE.findall(text):
@@ -140,19 +153,19 @@ def first_cells(text: str) -> set[str]:
 # Configuration -----------------------------------------------------------------------------------------
 
 
-def test_every_key_list_of_the_code_was_found() -> None:
+def test_every_table_of_the_settings_has_keys() -> None:
     missing = set(SECTIONS) - set(code_keys())
     assert not missing, (
-        f"no key list {sorted(missing)} in crates/: the configuration's key lists moved or were renamed; "
-        "point SECTIONS of this test at them"
+        f"no setting of the tables {sorted(missing)} in _core.SETTINGS: the settings table lost a table, or "
+        "SECTIONS of this test names one it no longer has"
     )
 
 
-@pytest.mark.parametrize("listname", sorted(SECTIONS))
-def test_configuration_documents_every_key(listname: str) -> None:
-    keys = code_keys().get(listname, set())
+@pytest.mark.parametrize("table", sorted(SECTIONS))
+def test_configuration_documents_every_key(table: str) -> None:
+    keys = code_keys().get(table, set())
     page = sections(CONFIGURATION)
-    title = SECTIONS[listname]
+    title = SECTIONS[table]
     assert title in page, f"{CONFIGURATION.relative_to(ROOT)} has no section '{title}'"
     documented = first_cells(page[title])
     assert not keys - documented, (
@@ -163,6 +176,93 @@ def test_configuration_documents_every_key(listname: str) -> None:
         f"{CONFIGURATION.relative_to(ROOT)}, section '{title}': documented keys the code does not accept: "
         f"{sorted(documented - keys)}"
     )
+
+
+def test_configuration_gives_the_default_and_the_choices_the_settings_table_gives() -> None:
+    """Each default the table gives as a value is the one the reference's row shows, and each choice of a
+    setting that takes a few words is in its type cell. A variable only the environment sets is checked in
+    the table of variables."""
+    page = sections(CONFIGURATION)
+    wrong = []
+    for s in settings():
+        only_env = s["table"] == "" and s["env"] == s["key"]
+        titles = ["Environment variables"] if only_env else [SECTIONS[s["table"]]]
+        if s["table"] == "object_store":
+            titles.append("[s3]")
+        for title in titles:
+            row = rows(page[title]).get(s["key"])
+            if row is None:
+                wrong.append(f"{title}: no row for {s['key']}")
+                continue
+            kind, default = row[1], row[2]
+            if s["default"] is not None and documented_default(s).strip('`"') not in default:
+                wrong.append(f"{title}: {s['key']}'s default is {documented_default(s)}, the page says {default}")
+            for word in s["choices"] or ():
+                if f"`{word}`" not in kind and f'`"{word}"`' not in kind and not only_env:
+                    wrong.append(f"{title}: {s['key']} takes {word!r}, its type cell says {kind}")
+    assert not wrong, f"{CONFIGURATION.relative_to(ROOT)} disagrees with the settings table:\n" + "\n".join(wrong)
+
+
+def test_each_variable_row_names_the_key_it_sets() -> None:
+    variables = rows(sections(CONFIGURATION)["Environment variables"])
+    wrong = []
+    for s in settings():
+        if not s["env"] or s["key"] == s["env"]:
+            continue
+        row = variables.get(s["env"])
+        if row is None:
+            wrong.append(f"{s['env']}: no row")
+            continue
+        if s["table"]:
+            names = {f"`[{s['table']}] {s['key']}`"}
+        else:  # a key at the top of the file, or a table of it (`[object_store]`, `[[writeback]]`)
+            names = {f"`{s['key']}`", f"`[{s['key']}]`", f"`[[{s['key']}]]`"}
+        if not any(n in row[3] for n in names):
+            wrong.append(f"{s['env']} sets {s['name']}, its row says {row[3]!r}")
+    assert not wrong, "configuration.md's variables:\n" + "\n".join(wrong)
+
+
+# Variables the code names that are not settings: the job's resolved source (set by `tierstore run`), Slurm's
+# and the test suite's tools.
+NOT_SETTINGS = {"TIERSTORE_RESOLVED_SOURCE_OF", "TIERSTORE_RESOLVED_SOURCE", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
+                "TIERSTORE_WEED"}  # fmt: skip
+
+
+def test_every_variable_the_code_reads_is_a_setting() -> None:
+    declared = {s["env"] for s in settings() if s["env"]}
+    read = {n for n in code_variables() if not n.startswith("TIERSTORE_TEST_")}
+    undeclared = read - declared - NOT_SETTINGS
+    assert not undeclared, (
+        f"variables the code reads that crates/tierstore-core/src/config/settings.rs does not declare: "
+        f"{sorted(undeclared)}; add each to SETTINGS (a variable that is not, fails the configuration as a typo)"
+    )
+
+
+def test_the_keywords_of_cache_are_the_settings_arguments() -> None:
+    import inspect
+
+    import tierstore
+
+    params = inspect.signature(tierstore.Cache.__init__).parameters
+    keywords = {n for n in params if n not in ("self", "start_agent")}
+    arguments = {s["argument"] for s in settings() if s["argument"]}
+    assert keywords == arguments, (
+        f"Cache's keywords {sorted(keywords ^ arguments)} are not (or not only) the settings table's arguments"
+    )
+    # None leaves the file's and the environment's value in place: any other default would hide them.
+    assert all(params[n].default is None for n in keywords), {n: params[n].default for n in keywords}
+    doc = tierstore.Cache.__doc__ or ""
+    assert all(f"\n        {n}: " in doc for n in keywords), "Cache's docstring misses an argument"
+
+
+def test_the_options_of_tierstore_are_the_settings_flags() -> None:
+    command = tierstore_command()
+    flags = {o for p in command.params for o in p.opts}
+    missing = {s["flag"] for s in settings() if s["flag"]} - flags
+    assert not missing, f"flags the settings table gives that `tierstore` does not take: {sorted(missing)}"
+    (policy,) = [p for p in command.params if "--policy" in p.opts]
+    (setting,) = [s for s in settings() if s["name"] == "policy"]
+    assert isinstance(policy.type, click.Choice) and list(policy.type.choices) == list(setting["choices"])
 
 
 def test_configuration_documents_every_variable() -> None:

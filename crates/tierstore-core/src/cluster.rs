@@ -15,6 +15,6 @@ pub mod wire;
 
 pub use config::{
     default_socket, expand_hostlist, find_member, hostname, members_of, ClusterConfig, HostlistError, Member, Sharing,
-    DEFAULT_PORT, KEYS, MAX_HOSTS,
+    DEFAULT_PORT, MAX_HOSTS,
 };
 pub use token::{default_token_file, ensure_token, read_token, MIN_TOKEN_LEN, TOKEN_FIX};

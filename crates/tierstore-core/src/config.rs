@@ -4,6 +4,7 @@
 // Configuration errors are rare and carry everything the user needs to fix them; their size is no cost.
 #![allow(clippy::result_large_err)]
 
+pub mod settings;
 pub(crate) mod tiers;
 pub(crate) mod values;
 
@@ -17,6 +18,7 @@ use crate::cluster::config::{self as cluster, ClusterConfig};
 use crate::placement::Policy;
 use crate::source::store_config::{self, is_url, StoreConfig, TableKey};
 use crate::writeback::config::{self as writeback, Destination};
+use settings::{default_value, keys_of, Table};
 use tiers::RawTier;
 use values::{bad, closest, expand_home, parse_duration, scalar, unknown_key, SIZE_FIX};
 
@@ -28,11 +30,6 @@ pub enum Verify {
     /// Also a blake3 hash of the whole copy: catches silent bit rot, at the cost of hashing every open.
     Checksum,
 }
-
-/// How long a copy confirmed against the source is trusted when `revalidate` is not set: a minute, as
-/// gcsfuse, goofys and Mountpoint for S3 keep metadata, and as NFS's `acregmax`. A dataset that changes
-/// under a running job asks for `"always"`.
-pub const DEFAULT_REVALIDATE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// When a cached copy is checked against the source's current version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,50 +121,6 @@ pub struct Overrides {
     pub s3: Vec<(String, String)>,
 }
 
-/// The environment variables tierstore reads; any other `TIERSTORE_*` name is a typo and an error.
-pub const ENV_VARS: &[&str] = &[
-    "TIERSTORE_CONFIG",
-    "TIERSTORE_SOURCE",
-    "TIERSTORE_TIERS",
-    "TIERSTORE_POLICY",
-    "TIERSTORE_THREADS",
-    "TIERSTORE_INLINE_MAX",
-    "TIERSTORE_VERIFY",
-    "TIERSTORE_REVALIDATE",
-    "TIERSTORE_LOG",
-    "TIERSTORE_MODELS",
-    "TIERSTORE_SHARING",
-    "TIERSTORE_PEERS",
-    "TIERSTORE_NODE",
-    "TIERSTORE_PORT",
-    "TIERSTORE_LISTEN",
-    "TIERSTORE_PEER_CONNECT_MS",
-    "TIERSTORE_PEER_DEADLINE_MS",
-    "TIERSTORE_PEER_FETCH_WAIT_MS",
-    "TIERSTORE_PART_BLOCKS_MIB",
-    // Ranged readers of a large file copied from a POSIX store (`source/posix.rs`).
-    "TIERSTORE_COPY_STREAMS",
-    "TIERSTORE_TOKEN_FILE",
-    "TIERSTORE_ENCRYPT",
-    "TIERSTORE_REGISTRY",
-    "TIERSTORE_JOB",
-    // The node agent's model streams: the Redis versions are announced in, versions kept, where kept.
-    "TIERSTORE_STREAM_REDIS",
-    "TIERSTORE_STREAM_KEEP",
-    "TIERSTORE_STREAM_DIR",
-    // `tierstore run --order`: the job's order, its budget, and the read marks the launcher hands the shim.
-    "TIERSTORE_ORDER",
-    "TIERSTORE_ORDER_BUDGET",
-    "TIERSTORE_ORDER_MARKS",
-    // Write-back destinations, `DEST:STAGE[:QUOTA[:DURABILITY]]`, comma separated (over the file's list).
-    "TIERSTORE_WRITEBACK",
-    // `[object_store]` settings as a JSON object, over the file's (how `Cache(object_store=...)` hands
-    // them to the node's agent it starts).
-    "TIERSTORE_OBJECT_STORE",
-    // Set by `tierstore run` for a job with write-back destinations and no source: the shim only stages.
-    "TIERSTORE_WRITEBACK_ONLY",
-];
-
 /// Variables named `TIERSTORE_*` that are not tierstore's configuration: the test suite's knobs
 /// (`TIERSTORE_TEST_*`) and where it finds its tools (`TIERSTORE_WEED`), which tests/README.md tells
 /// contributors to set in their shell. They are passed over, not refused as misspellings.
@@ -178,13 +131,10 @@ fn not_ours(name: &str) -> bool {
 /// The raw, unvalidated values of the TOML file.
 #[derive(Default)]
 struct Raw {
-    source: Option<(String, Origin)>,
+    /// The top-level keys whose value is one string or number (`source`, `policy`, ...), each with where
+    /// it was set.
+    top: BTreeMap<&'static str, (String, Origin)>,
     tiers: Option<(Vec<RawTier>, Origin)>,
-    policy: Option<(String, Origin)>,
-    threads: Option<(String, Origin)>,
-    inline_max: Option<(String, Origin)>,
-    verify: Option<(String, Origin)>,
-    revalidate: Option<(String, Origin)>,
     /// The source as resolved by the parent process, with the spelling it was resolved from.
     resolved: Option<(String, String)>,
     /// `[cluster]` keys, each with where it was set.
@@ -201,22 +151,6 @@ struct Raw {
     stream: BTreeMap<&'static str, (toml::Value, Origin)>,
 }
 
-const TOP_KEYS: &[&str] = &[
-    "source",
-    "tiers",
-    "policy",
-    "threads",
-    "inline_max",
-    "verify",
-    "revalidate",
-    "cluster",
-    "object_store",
-    "s3",
-    "writeback",
-    "stream",
-];
-/// The keys of the `[stream]` table: the node agent's side of model streaming.
-pub const STREAM_KEYS: &[&str] = &["redis", "keep", "dir"];
 /// A TOML syntax error as one that names the line, what is written there and the column (the path is the
 /// error's origin already).
 fn syntax_error(origin: &Origin, text: &str, e: &toml::de::Error) -> ConfigError {
@@ -243,22 +177,20 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                 _ => Err(bad(&origin, key, v, "must be a string or a number", "write a single value")),
             }
         };
+        if let Some(s) = settings::find(Table::Top, key).filter(|s| s.is_scalar()) {
+            raw.top.insert(s.key, (text_of(value)?, origin.clone()));
+            continue;
+        }
         match key.as_str() {
-            "source" => raw.source = Some((text_of(value)?, origin.clone())),
-            "policy" => raw.policy = Some((text_of(value)?, origin.clone())),
-            "threads" => raw.threads = Some((text_of(value)?, origin.clone())),
-            "inline_max" => raw.inline_max = Some((text_of(value)?, origin.clone())),
-            "verify" => raw.verify = Some((text_of(value)?, origin.clone())),
-            "revalidate" => raw.revalidate = Some((text_of(value)?, origin.clone())),
             "tiers" => raw.tiers = Some((tiers::from_toml(&origin, key, value)?, origin.clone())),
             "cluster" => {
                 let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
                 let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
                 for (ck, cv) in t {
-                    let Some(&name) = cluster::KEYS.iter().find(|k| **k == ck.as_str()) else {
-                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, cluster::KEYS));
+                    let Some(s) = settings::find(Table::Cluster, ck) else {
+                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, &keys_of(Table::Cluster)));
                     };
-                    raw.cluster.insert(name, (cv.clone(), origin.clone()));
+                    raw.cluster.insert(s.key, (cv.clone(), origin.clone()));
                 }
             }
             "object_store" | "s3" => {
@@ -277,32 +209,35 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
                 let fix = "write a [stream] table: redis = \"redis://head-node:6379\", keep = 2";
                 let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
                 for (sk, sv) in t {
-                    let Some(&name) = STREAM_KEYS.iter().find(|k| **k == sk.as_str()) else {
-                        return Err(unknown_key(&origin, &format!("stream.{sk}"), sv, STREAM_KEYS));
+                    let Some(s) = settings::find(Table::Stream, sk) else {
+                        return Err(unknown_key(&origin, &format!("stream.{sk}"), sv, &keys_of(Table::Stream)));
                     };
-                    raw.stream.insert(name, (sv.clone(), origin.clone()));
+                    raw.stream.insert(s.key, (sv.clone(), origin.clone()));
                 }
             }
-            other => return Err(unknown_key(&origin, other, value, TOP_KEYS)),
+            other => return Err(unknown_key(&origin, other, value, &keys_of(Table::Top))),
         }
     }
     Ok(())
 }
 
-/// One scalar setting: its default when unset, else its parsed value; either way, where it came from
-/// is recorded for `tierstore config show`.
+/// One top-level setting as set, else its default from the settings table (read as a user's value is),
+/// else `None` when the table says the default is worked out at start. Where the value came from is
+/// recorded for `tierstore config show`.
 fn setting<T>(
     origins: &mut BTreeMap<String, Origin>,
+    top: &mut BTreeMap<&'static str, (String, Origin)>,
     key: &str,
-    raw: Option<(String, Origin)>,
-    default: impl FnOnce() -> T,
     parse: impl FnOnce(&str, &Origin) -> Result<T, ConfigError>,
-) -> Result<T, ConfigError> {
-    let (value, origin) = match raw {
-        None => (default(), Origin::Default),
-        Some((text, origin)) => (parse(&text, &origin)?, origin),
+) -> Result<Option<T>, ConfigError> {
+    let value = match top.remove(key) {
+        Some((text, origin)) => {
+            origins.insert(key.to_string(), origin.clone());
+            return parse(&text, &origin).map(Some);
+        }
+        None => default_value(Table::Top, key).map(|text| parse(text, &Origin::Default)).transpose()?,
     };
-    origins.insert(key.to_string(), origin);
+    origins.insert(key.to_string(), Origin::Default);
     Ok(value)
 }
 
@@ -385,10 +320,11 @@ impl Config {
     fn layers(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Raw, ConfigError> {
         for (name, value) in env {
             let private = [RESOLVED_FROM_ENV, RESOLVED_ENV].contains(&name.as_str());
-            if name.starts_with("TIERSTORE_") && !ENV_VARS.contains(&name.as_str()) && !private && !not_ours(name) {
-                let fix = match closest(name, ENV_VARS) {
-                    Some(k) => format!("did you mean {k}? tierstore reads {}", ENV_VARS.join(", ")),
-                    None => format!("tierstore reads {}", ENV_VARS.join(", ")),
+            let known = settings::env_vars();
+            if name.starts_with("TIERSTORE_") && !known.contains(&name.as_str()) && !private && !not_ours(name) {
+                let fix = match closest(name, &known) {
+                    Some(k) => format!("did you mean {k}? tierstore reads {}", known.join(", ")),
+                    None => format!("tierstore reads {}", known.join(", ")),
                 };
                 return Err(bad(&Origin::Env(name.clone()), name, value, "unknown tierstore variable", &fix));
             }
@@ -414,56 +350,34 @@ impl Config {
         let env_origin = |k: &str| Origin::Env(k.to_string());
         raw.slurm_nodes = env.get("SLURM_JOB_NODELIST").cloned();
         raw.slurm_job = env.get("SLURM_JOB_ID").cloned();
-        for (name, key) in [
-            ("TIERSTORE_SHARING", "sharing"),
-            ("TIERSTORE_PEERS", "peers"),
-            ("TIERSTORE_NODE", "node"),
-            ("TIERSTORE_PORT", "port"),
-            ("TIERSTORE_LISTEN", "listen"),
-            ("TIERSTORE_TOKEN_FILE", "token_file"),
-            ("TIERSTORE_ENCRYPT", "encrypt"),
-            ("TIERSTORE_REGISTRY", "registry"),
-            ("TIERSTORE_JOB", "job"),
-        ] {
-            if let Some(v) = env.get(name) {
-                raw.cluster.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
-            }
-        }
-        for (name, key) in
-            [("TIERSTORE_STREAM_REDIS", "redis"), ("TIERSTORE_STREAM_KEEP", "keep"), ("TIERSTORE_STREAM_DIR", "dir")]
-        {
-            if let Some(v) = env.get(name) {
-                raw.stream.insert(key, (toml::Value::String(v.clone()), env_origin(name)));
+        // Every variable that sets one string or number of the file, as the table declares it.
+        for s in settings::SETTINGS.iter().filter(|s| s.is_scalar()) {
+            let (Some(name), Some(v)) = (s.env, s.env.and_then(|name| env.get(name))) else { continue };
+            let given = (toml::Value::String(v.clone()), env_origin(name));
+            match s.table {
+                Table::Top => {
+                    raw.top.insert(s.key, (v.clone(), env_origin(name)));
+                }
+                Table::Cluster => {
+                    raw.cluster.insert(s.key, given);
+                }
+                Table::Stream => {
+                    raw.stream.insert(s.key, given);
+                }
+                _ => {}
             }
         }
         if let (Some(from), Some(to)) = (env.get(RESOLVED_FROM_ENV), env.get(RESOLVED_ENV)) {
             raw.resolved = Some((from.clone(), to.clone()));
         }
-        if let Some(v) = env.get("TIERSTORE_SOURCE") {
-            raw.source = Some((v.clone(), env_origin("TIERSTORE_SOURCE")));
-        }
         if let Some(v) = env.get("TIERSTORE_TIERS") {
             let o = env_origin("TIERSTORE_TIERS");
             raw.tiers = Some((tiers::from_env(v, &o)?, o));
-        }
-        for (name, slot) in [
-            ("TIERSTORE_POLICY", &mut raw.policy),
-            ("TIERSTORE_THREADS", &mut raw.threads),
-            ("TIERSTORE_INLINE_MAX", &mut raw.inline_max),
-            ("TIERSTORE_VERIFY", &mut raw.verify),
-            ("TIERSTORE_REVALIDATE", &mut raw.revalidate),
-        ] {
-            if let Some(v) = env.get(name) {
-                *slot = Some((v.clone(), env_origin(name)));
-            }
         }
         if let Some(v) = env.get("TIERSTORE_OBJECT_STORE") {
             for (k, v) in object_store_from_env(v)? {
                 raw.object_store.insert(k, (v, env_origin("TIERSTORE_OBJECT_STORE"), "object_store"));
             }
-        }
-        if let Some(v) = &overrides.source {
-            raw.source = Some((v.clone(), Origin::Argument));
         }
         for (table, given) in [("s3", &overrides.s3), ("object_store", &overrides.object_store)] {
             for (k, v) in given {
@@ -474,15 +388,16 @@ impl Config {
             let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
             raw.tiers = Some((tiers, Origin::Argument));
         }
-        for (value, slot) in [
-            (&overrides.policy, &mut raw.policy),
-            (&overrides.threads, &mut raw.threads),
-            (&overrides.inline_max, &mut raw.inline_max),
-            (&overrides.verify, &mut raw.verify),
-            (&overrides.revalidate, &mut raw.revalidate),
+        for (key, value) in [
+            ("source", &overrides.source),
+            ("policy", &overrides.policy),
+            ("threads", &overrides.threads),
+            ("inline_max", &overrides.inline_max),
+            ("verify", &overrides.verify),
+            ("revalidate", &overrides.revalidate),
         ] {
             if let Some(v) = value {
-                *slot = Some((v.clone(), Origin::Argument));
+                raw.top.insert(key, (v.clone(), Origin::Argument));
             }
         }
         if let Some(v) = env.get("TIERSTORE_WRITEBACK") {
@@ -492,9 +407,9 @@ impl Config {
         Ok(raw)
     }
 
-    fn validate(raw: Raw) -> Result<Config, ConfigError> {
+    fn validate(mut raw: Raw) -> Result<Config, ConfigError> {
         let mut origins = BTreeMap::new();
-        let (source_text, source_origin) = raw.source.ok_or_else(|| {
+        let (source_text, source_origin) = raw.top.remove("source").ok_or_else(|| {
             bad(
                 &Origin::Default,
                 "source",
@@ -541,83 +456,64 @@ impl Config {
         let tiers = tiers::validate(&raw_tiers, &tiers_origin, &source)?;
         origins.insert("tiers".to_string(), tiers_origin);
 
-        let policy = setting(
-            &mut origins,
-            "policy",
-            raw.policy,
-            || Policy::Fill,
-            |text, origin| {
-                Policy::parse(text).ok_or_else(|| {
-                    bad(
-                        origin,
-                        "policy",
-                        format!("\"{text}\""),
-                        "unknown policy",
-                        "use \"fill\" (fill tiers in order, never evict), \"lru\", \"lfu\" or \"fifo\"",
-                    )
-                })
-            },
-        )?;
+        let expected = "the settings table gives a default";
+        let policy = setting(&mut origins, &mut raw.top, "policy", |text, origin| {
+            Policy::parse(text).ok_or_else(|| {
+                bad(
+                    origin,
+                    "policy",
+                    format!("\"{text}\""),
+                    "unknown policy",
+                    "use \"fill\" (fill tiers in order, never evict), \"lru\", \"lfu\" or \"fifo\"",
+                )
+            })
+        })?
+        .expect(expected);
 
-        let default_threads = || std::thread::available_parallelism().map(|n| n.get() * 2).unwrap_or(4).clamp(2, 16);
         let threads =
-            setting(&mut origins, "threads", raw.threads, default_threads, |text, origin| {
+            setting(&mut origins, &mut raw.top, "threads", |text, origin| {
                 text.trim().parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
                     bad(origin, "threads", text, "not a thread count", "use a whole number from 1 to 256")
                 })
-            })?;
+            })?
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get() * 2).unwrap_or(4).clamp(2, 16));
 
-        let inline_max = setting(
-            &mut origins,
-            "inline_max",
-            raw.inline_max,
-            || 8 << 20,
-            |text, origin| {
-                parse_size(text).ok_or_else(|| bad(origin, "inline_max", format!("\"{text}\""), "not a size", SIZE_FIX))
-            },
-        )?;
+        let inline_max = setting(&mut origins, &mut raw.top, "inline_max", |text, origin| {
+            parse_size(text).ok_or_else(|| bad(origin, "inline_max", format!("\"{text}\""), "not a size", SIZE_FIX))
+        })?
+        .expect(expected);
 
-        let verify = setting(
-            &mut origins,
-            "verify",
-            raw.verify,
-            || Verify::Metadata,
-            |text, origin| match text {
-                "metadata" => Ok(Verify::Metadata),
-                "checksum" => Ok(Verify::Checksum),
-                _ => Err(bad(
-                    origin,
-                    "verify",
-                    format!("\"{text}\""),
-                    "unknown verification mode",
-                    "use \"metadata\" (size and mtime, free) or \"checksum\" (blake3 of every copy opened)",
-                )),
-            },
-        )?;
+        let verify = setting(&mut origins, &mut raw.top, "verify", |text, origin| match text {
+            "metadata" => Ok(Verify::Metadata),
+            "checksum" => Ok(Verify::Checksum),
+            _ => Err(bad(
+                origin,
+                "verify",
+                format!("\"{text}\""),
+                "unknown verification mode",
+                "use \"metadata\" (size and mtime, free) or \"checksum\" (blake3 of every copy opened)",
+            )),
+        })?
+        .expect(expected);
 
-        let revalidate = setting(
-            &mut origins,
-            "revalidate",
-            raw.revalidate,
-            || Revalidate::Within(DEFAULT_REVALIDATE),
-            |text, origin| match text {
-                "always" => Ok(Revalidate::Always),
-                "never" => Ok(Revalidate::Never),
-                // A bare number would be ambiguous between seconds and a count: a duration needs its unit.
-                _ if text.trim().ends_with(|c: char| c.is_ascii_alphabetic()) && parse_duration(text).is_some() => {
-                    Ok(Revalidate::Within(parse_duration(text).expect("checked")))
-                }
-                _ => Err(bad(
-                    origin,
-                    "revalidate",
-                    format!("\"{text}\""),
-                    "unknown revalidation mode",
-                    "use \"always\" (ask the source on every open: never stale), a duration such as \"60s\" \
-                     (trust a copy confirmed within it; a change is seen within that long) or \"never\" (trust \
-                     the cache for a read-only dataset: no source operation at all after the first epoch)",
-                )),
-            },
-        )?;
+        let revalidate = setting(&mut origins, &mut raw.top, "revalidate", |text, origin| match text {
+            "always" => Ok(Revalidate::Always),
+            "never" => Ok(Revalidate::Never),
+            // A bare number would be ambiguous between seconds and a count: a duration needs its unit.
+            _ if text.trim().ends_with(|c: char| c.is_ascii_alphabetic()) && parse_duration(text).is_some() => {
+                Ok(Revalidate::Within(parse_duration(text).expect("checked")))
+            }
+            _ => Err(bad(
+                origin,
+                "revalidate",
+                format!("\"{text}\""),
+                "unknown revalidation mode",
+                "use \"always\" (ask the source on every open: never stale), a duration such as \"60s\" \
+                 (trust a copy confirmed within it; a change is seen within that long) or \"never\" (trust \
+                 the cache for a read-only dataset: no source operation at all after the first epoch)",
+            )),
+        })?
+        .expect(expected);
 
         let cluster = cluster::validate(&raw.cluster, raw.slurm_nodes.as_deref(), raw.slurm_job.as_deref())?;
         let writeback = writeback::validate(raw.writeback.as_ref())?;
@@ -626,7 +522,7 @@ impl Config {
         }
         // Each part of [cluster] may come from elsewhere than `sharing` (TIERSTORE_PEERS, TIERSTORE_NODE,
         // Slurm's variables): `config show` says where each came from.
-        for key in cluster::KEYS {
+        for key in keys_of(Table::Cluster) {
             if let Some((_, o)) = raw.cluster.get(key) {
                 origins.insert(format!("cluster.{key}"), o.clone());
             }

@@ -669,14 +669,46 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DEFAULT_PREFETCH_JOBS", tierstore_core::cache::DEFAULT_PREFETCH_JOBS)?;
     m.add("MAX_PREFETCH_JOBS", tierstore_core::cache::MAX_PREFETCH_JOBS)?;
-    // The `[s3]` keys, tierstore's own `[object_store]` keys and their defaults, for `config show` (declared
-    // once, in Rust).
-    use tierstore_core::source::store_config;
-    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), store_config::S3_KEYS)?)?;
-    m.add("STORE_KEYS", pyo3::types::PyTuple::new(m.py(), store_config::STORE_KEYS)?)?;
-    m.add(
-        "STORE_DEFAULTS",
-        store_config::STORE_DEFAULTS.iter().copied().collect::<std::collections::BTreeMap<_, _>>(),
-    )?;
+    // Every setting, declared once in Rust (`config/settings.rs`): what the Python side maps, offers and
+    // documents is read from here. The `[s3]` keys, tierstore's own `[object_store]` keys and their
+    // defaults are views of it, for `config show`.
+    use tierstore_core::config::settings::{self, Table};
+    m.add("SETTINGS", settings_table(m.py())?)?;
+    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::S3))?)?;
+    m.add("STORE_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::ObjectStore))?)?;
+    let defaults: std::collections::BTreeMap<_, _> = settings::keys_of(Table::ObjectStore)
+        .into_iter()
+        .filter_map(|k| Some((k, settings::default_value(Table::ObjectStore, k)?)))
+        .collect();
+    m.add("STORE_DEFAULTS", defaults)?;
     error::register(m)
+}
+
+/// `_core.SETTINGS`: each setting of `config/settings.rs` as a dict (`table`, `key`, `name`, `type`,
+/// `choices`, `bounds`, `default`, `default_text`, `env`, `argument`, `flag`, `doc`), in the table's order.
+fn settings_table(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyTuple>> {
+    use tierstore_core::config::settings::{DefaultIs, Type, SETTINGS};
+    let mut rows = Vec::with_capacity(SETTINGS.len());
+    for s in SETTINGS {
+        let d = PyDict::new(py);
+        d.set_item("table", s.table.name())?;
+        d.set_item("key", s.key)?;
+        d.set_item("name", s.name())?;
+        d.set_item("type", s.ty.name())?;
+        d.set_item("choices", if let Type::Choice(words) = s.ty { Some(words.to_vec()) } else { None })?;
+        d.set_item("bounds", if let Type::Count { min, max } = s.ty { Some((min, max)) } else { None })?;
+        let (value, text) = match s.default {
+            DefaultIs::Value(v) => (Some(v), Some(v)),
+            DefaultIs::Derived(how) => (None, Some(how)),
+            DefaultIs::Unset => (None, None),
+        };
+        d.set_item("default", value)?;
+        d.set_item("default_text", text)?;
+        d.set_item("env", s.env)?;
+        d.set_item("argument", s.argument)?;
+        d.set_item("flag", s.flag)?;
+        d.set_item("doc", s.doc)?;
+        rows.push(d);
+    }
+    pyo3::types::PyTuple::new(py, rows)
 }

@@ -290,7 +290,8 @@ def _node_origin(origin: str) -> str:
 
 
 # The settings of an s3:// source that `config show` prints, in order, and the defaults of tierstore's own
-# keys: the Rust configuration's own lists (source/store_config.rs), which StoreConfig::parse starts from.
+# keys: views of the settings table (crates/tierstore-core/src/config/settings.rs), which StoreConfig::parse
+# starts from.
 # A count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
 S3_SHOWN: tuple[str, ...] = _core.S3_KEYS
 S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.STORE_DEFAULTS.items()}

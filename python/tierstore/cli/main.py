@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,6 +21,11 @@ def human(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+def _setting(name: str) -> dict[str, Any]:
+    """The setting `name` of the settings table (`_core.SETTINGS`): what its option takes and says."""
+    return next(s for s in _core.SETTINGS if s["name"] == name)
 
 
 # The level of $TIERSTORE_LOG each -v asks for.
@@ -41,7 +47,7 @@ VERBOSITY = ("info", "debug", "trace")
     metavar="PATH[:QUOTA]",
     help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).",
 )
-@click.option("--policy", type=click.Choice(["fill", "lru", "lfu", "fifo"]), help="Placement policy.")
+@click.option("--policy", type=click.Choice(_setting("policy")["choices"]), help=_setting("policy")["doc"])
 @click.option(
     "-v",
     "--verbose",

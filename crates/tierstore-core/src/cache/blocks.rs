@@ -17,9 +17,6 @@ pub const BLOCK: u64 = 1 << 20;
 /// much read past a small one.
 pub const RUN: u64 = 16;
 
-/// The budget when `TIERSTORE_PART_BLOCKS_MIB` sets none.
-const DEFAULT_MIB: u64 = 1024;
-
 /// How long an asker waits for a block another asker is reading from the store.
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -65,15 +62,7 @@ impl Blocks {
     /// Blocks within the budget `TIERSTORE_PART_BLOCKS_MIB` sets (1 GiB when unset, or when it is not a
     /// number of MiB: said in the log, with the fix).
     pub fn from_env() -> Blocks {
-        const VAR: &str = "TIERSTORE_PART_BLOCKS_MIB";
-        let mib = match std::env::var(VAR) {
-            Err(_) => DEFAULT_MIB,
-            Ok(v) => v.trim().parse::<u64>().unwrap_or_else(|_| {
-                log::warn!("{VAR}={v:?} is not a whole number of MiB (such as 1024); keeping {DEFAULT_MIB} MiB");
-                DEFAULT_MIB
-            }),
-        };
-        Blocks::new(mib.saturating_mul(1 << 20))
+        Blocks::new(crate::config::settings::tuning("TIERSTORE_PART_BLOCKS_MIB").saturating_mul(1 << 20))
     }
 
     /// Block `index` of `version`. When no asker has it or is reading it, this one reads it from the

@@ -24,10 +24,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use super::token::{default_token_file, ensure_token, read_token, TOKEN_FIX};
+use crate::config::settings;
 use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
-
-/// The keys of the `[cluster]` table.
-pub const KEYS: &[&str] = &["sharing", "peers", "registry", "job", "node", "port", "listen", "token_file", "encrypt"];
 
 /// The port agents listen on for peers when none is configured.
 pub const DEFAULT_PORT: u16 = 7078;
@@ -130,8 +128,15 @@ pub(crate) fn validate(
     slurm_nodes: Option<&str>,
     slurm_job: Option<&str>,
 ) -> Result<ClusterConfig, ConfigError> {
-    let text = |k: &str| keys.get(k).map(|(v, o)| (scalar(v), o));
-    let mut c = ClusterConfig { port: DEFAULT_PORT, listen: "127.0.0.1".into(), ..Default::default() };
+    // An unset key with a default in the settings table (sharing, port, listen, encrypt) reads as that
+    // default, through the same check as a written one.
+    let default = Origin::Default;
+    let text = |k: &str| {
+        keys.get(k)
+            .map(|(v, o)| (scalar(v), o))
+            .or_else(|| settings::default_value(settings::Table::Cluster, k).map(|v| (v.to_string(), &default)))
+    };
+    let mut c = ClusterConfig::default();
     if let Some((v, o)) = text("sharing") {
         c.sharing = Sharing::parse(&v).ok_or_else(|| {
             bad(o, "cluster.sharing", &v, "is not a sharing mode", "use \"off\", \"inclusive\" or \"partitioned\"")

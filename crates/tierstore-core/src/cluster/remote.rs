@@ -78,12 +78,7 @@ impl Remote {
     pub fn new(cluster: &ClusterConfig, source: &str, token: Vec<u8>) -> Remote {
         let names: Vec<String> = cluster.members.iter().map(|m| m.address()).collect();
         let mine = cluster.my_address();
-        let ms = |var: &str, default: u64| {
-            std::env::var(var)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map_or(Duration::from_millis(default), Duration::from_millis)
-        };
+        let ms = |var: &str| Duration::from_millis(crate::config::settings::tuning(var));
         let from_registry = cluster.registry.is_some() && names.is_empty();
         Remote {
             view: RwLock::new(Arc::new(View::of(&names, &mine))),
@@ -95,9 +90,9 @@ impl Remote {
             encrypt: cluster.encrypt,
             source: source.to_string(),
             down: Mutex::new(HashMap::new()),
-            connect_deadline: ms("TIERSTORE_PEER_CONNECT_MS", 1000),
-            deadline: ms("TIERSTORE_PEER_DEADLINE_MS", 5000),
-            fetch_wait: ms("TIERSTORE_PEER_FETCH_WAIT_MS", 300_000),
+            connect_deadline: ms("TIERSTORE_PEER_CONNECT_MS"),
+            deadline: ms("TIERSTORE_PEER_DEADLINE_MS"),
+            fetch_wait: ms("TIERSTORE_PEER_FETCH_WAIT_MS"),
         }
     }
 

@@ -13,6 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::settings::{self, keys_of, Table};
 use super::values::{
     bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, ConfigError, Origin,
 };
@@ -54,9 +55,6 @@ pub(crate) struct RawTier {
     pub(crate) kind: Option<String>,
 }
 
-/// The keys of a `[[tiers]]` table.
-const KEYS: &[&str] = &["path", "quota", "kind"];
-
 /// The `[[tiers]]` tables of a file, checked for their keys and a path each.
 pub(crate) fn from_toml(origin: &Origin, key: &str, value: &toml::Value) -> Result<Vec<RawTier>, ConfigError> {
     let fix = "write [[tiers]] tables with path = \"/dev/shm/tierstore\" and quota = \"8G\"";
@@ -66,8 +64,8 @@ pub(crate) fn from_toml(origin: &Origin, key: &str, value: &toml::Value) -> Resu
         let k = format!("tiers[{i}]");
         let t = item.as_table().ok_or_else(|| bad(origin, &k, item, "must be a table", fix))?;
         for (tk, tv) in t {
-            if !KEYS.contains(&tk.as_str()) {
-                return Err(unknown_key(origin, &format!("{k}.{tk}"), tv, KEYS));
+            if settings::find(Table::Tiers, tk).is_none() {
+                return Err(unknown_key(origin, &format!("{k}.{tk}"), tv, &keys_of(Table::Tiers)));
             }
         }
         let path = match t.get("path") {

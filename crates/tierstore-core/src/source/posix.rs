@@ -315,28 +315,11 @@ const FIRST_COPY_CHUNK: usize = 256 << 10;
 /// Files at least this large are copied from a POSIX store by [`copy_streams`] readers at once.
 pub const PARALLEL_COPY_MIN: u64 = 64 << 20;
 
-/// How many ranged readers copy a large file at once when `TIERSTORE_COPY_STREAMS` does not say: a
-/// parallel file system stripes a large file over several servers so that clients read it in parallel,
-/// and one reader waits for each read in turn (docs/benchmarks/ranged.md measures 1 to 8).
-pub const COPY_STREAMS: usize = 4;
-
 /// The number of ranged readers for a large file: `TIERSTORE_COPY_STREAMS` (1 to 64; 1 copies with one
-/// sequential reader), else [`COPY_STREAMS`]. Read once per process.
+/// sequential reader), else the settings table's default. Read once per process.
 pub fn copy_streams() -> usize {
     static STREAMS: OnceLock<usize> = OnceLock::new();
-    *STREAMS.get_or_init(|| {
-        let Ok(text) = std::env::var("TIERSTORE_COPY_STREAMS") else { return COPY_STREAMS };
-        match text.trim().parse::<usize>() {
-            Ok(n @ 1..=64) => n,
-            _ => {
-                eprintln!(
-                    "tierstore: warning: TIERSTORE_COPY_STREAMS={text:?} is not a number from 1 to 64; copying \
-                     large files with {COPY_STREAMS} readers"
-                );
-                COPY_STREAMS
-            }
-        }
-    })
+    *STREAMS.get_or_init(|| crate::config::settings::tuning("TIERSTORE_COPY_STREAMS") as usize)
 }
 
 /// Copies the first `size` bytes of `src` to `to` with `streams` readers, each reading every

@@ -11,38 +11,26 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::config::settings::{default_value, keys_of, Table};
 use crate::config::values::{bad, parse_duration, parse_size, scalar, ConfigError, Origin};
 
 /// tierstore's own keys of the `[object_store]` table, the same for every kind of store: deadlines,
-/// retries and how large objects are split. Every other key of the table is one of `object_store`'s own
-/// option keys for the source's kind (`aws_*`, `google_*`, `azure_*`, or a client key such as
-/// `allow_http`), passed to its builder.
-pub const STORE_KEYS: &[&str] = &["timeout", "connect_timeout", "retries", "range_size", "ranges_in_flight"];
+/// retries and how large objects are split (declared in `config/settings.rs`). Every other key of the
+/// table is one of `object_store`'s own option keys for the source's kind (`aws_*`, `google_*`, `azure_*`,
+/// or a client key such as `allow_http`), passed to its builder.
+pub fn store_keys() -> Vec<&'static str> {
+    keys_of(Table::ObjectStore)
+}
 
 /// The keys of the `[s3]` table as the configuration reference lists them: the short names an `s3://`
-/// source has always taken, then [`STORE_KEYS`]. Both tables accept every key either accepts.
-pub const S3_KEYS: &[&str] = &[
-    "endpoint",
-    "region",
-    "profile",
-    "access_key_id",
-    "secret_access_key",
-    "session_token",
-    "timeout",
-    "connect_timeout",
-    "retries",
-    "range_size",
-    "ranges_in_flight",
-];
+/// source has always taken, then [`store_keys`]. Both tables accept every key either accepts.
+pub fn s3_keys() -> Vec<&'static str> {
+    keys_of(Table::S3)
+}
 
-/// The defaults of [`STORE_KEYS`], as the configuration reference writes them: `parse` starts from these,
-/// and `config show` prints them (through `_core.STORE_DEFAULTS`), so the two never disagree.
-pub const STORE_DEFAULTS: &[(&str, &str)] =
-    &[("timeout", "30s"), ("connect_timeout", "5s"), ("retries", "3"), ("range_size", "8M"), ("ranges_in_flight", "8")];
-
-/// The default of `key`, as written in [`STORE_DEFAULTS`].
+/// The default of one of tierstore's own keys, as the settings table writes it.
 fn default_of(key: &str) -> &'static str {
-    STORE_DEFAULTS.iter().find(|(k, _)| *k == key).map(|(_, v)| *v).expect("every own key is in STORE_DEFAULTS")
+    default_value(Table::ObjectStore, key).expect("every own key of [object_store] has a default")
 }
 
 /// The kind of object store a source URL names.
@@ -400,7 +388,7 @@ fn option_fix(kind: StoreKind) -> String {
     };
     format!(
         "use one of tierstore's keys ({}) or an option of the object_store crate for {} such as {examples}",
-        STORE_KEYS.join(", "),
+        store_keys().join(", "),
         kind.name()
     )
 }
@@ -483,6 +471,6 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_secs(30));
         assert_eq!(c.connect_timeout, Duration::from_secs(5));
         assert_eq!((c.retries, c.range_size, c.ranges_in_flight), (3, 8 << 20, 8));
-        assert!(STORE_DEFAULTS.iter().all(|(k, _)| STORE_KEYS.contains(k) && S3_KEYS.contains(k)));
+        assert!(store_keys().iter().all(|k| s3_keys().contains(k) && !default_of(k).is_empty()));
     }
 }

@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::config::settings::{default_value, keys_of, Table};
 use crate::config::values::{bad, expand_home, fs_info, parse_duration, parse_size, scalar, ConfigError, Origin};
 
 /// When `close()` (and `fsync`) of a staged file returns.
@@ -70,12 +71,6 @@ impl Destination {
         abs.starts_with(&self.path)
     }
 }
-
-/// The keys of a `[[writeback]]` table.
-pub const KEYS: &[&str] = &["path", "stage", "quota", "durability", "timeout"];
-
-/// The longest a remote close or a sync waits by default.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 
 const FIX: &str = "write [[writeback]] tables: path = \"/lustre/ckpt\", stage = \"/nvme/stage\", quota = \"100G\", \
                    durability = \"local\"";
@@ -132,18 +127,21 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
     for (i, item) in list.iter().enumerate() {
         let k = format!("writeback[{i}]");
         let t = item.as_table().ok_or_else(|| bad(origin, &k, scalar(item), "must be a table", FIX))?;
+        let keys = keys_of(Table::Writeback);
         for (key, v) in t {
-            if !KEYS.contains(&key.as_str()) {
+            if !keys.contains(&key.as_str()) {
                 return Err(bad(
                     origin,
                     &format!("{k}.{key}"),
                     scalar(v),
                     "unknown key",
-                    &format!("known keys: {}", KEYS.join(", ")),
+                    &format!("known keys: {}", keys.join(", ")),
                 ));
             }
         }
         let get = |key: &str| t.get(key).map(scalar);
+        // An unset key reads as the settings table's default, through the same check as a written one.
+        let or_default = |key: &str| get(key).or_else(|| default_value(Table::Writeback, key).map(str::to_string));
         let path_text = get("path")
             .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
         let path = absolute(&path_text);
@@ -215,11 +213,12 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
             // The stage's free space when the job starts, less a tenth for everything else on the disk.
             None => fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
         };
-        let durability = match get("durability").as_deref() {
-            None | Some("buffered") => Durability::Buffered,
+        let durability = match or_default("durability").as_deref() {
+            Some("buffered") => Durability::Buffered,
             Some("local") => Durability::Local,
             Some("remote") => Durability::Remote,
-            Some(other) => {
+            other => {
+                let other = other.unwrap_or_default();
                 return Err(bad(
                     origin,
                     &format!("{k}.durability"),
@@ -228,21 +227,19 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
                     "use \"buffered\" (close returns with the bytes in the node's page cache, as on a local \
                      disk), \"local\" (once they are fsynced on the node) or \"remote\" (once they are fsynced \
                      and checked on the shared store)",
-                ))
+                ));
             }
         };
-        let timeout = match get("timeout") {
-            None => DEFAULT_TIMEOUT,
-            Some(v) => parse_duration(&v).ok_or_else(|| {
-                bad(
-                    origin,
-                    &format!("{k}.timeout"),
-                    format!("\"{v}\""),
-                    "is not a duration",
-                    "use seconds or \"90s\", \"10m\", \"1h\"",
-                )
-            })?,
-        };
+        let timeout_text = or_default("timeout").unwrap_or_default();
+        let timeout = parse_duration(&timeout_text).ok_or_else(|| {
+            bad(
+                origin,
+                &format!("{k}.timeout"),
+                format!("\"{timeout_text}\""),
+                "is not a duration",
+                "use seconds or \"90s\", \"10m\", \"1h\"",
+            )
+        })?;
         if let Some(other) = out.iter().find(|d| d.path.starts_with(&path) || path.starts_with(&d.path)) {
             return Err(bad(
                 origin,
