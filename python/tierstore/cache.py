@@ -290,9 +290,7 @@ class Cache:
 # The settings a keyword of Cache and a variable both set, one value each: handed to an agent as they are.
 # `source`, `tiers`, `config` and the object store's table are handed over by _agent_env's own rules.
 _ARGUMENT_VARIABLES = tuple(
-    s
-    for s in _core.SETTINGS
-    if s["argument"] and s["env"] and s["type"] not in ("section", "json", "path")
+    s for s in _core.SETTINGS if s["argument"] and s["env"] and s["type"] not in ("section", "json", "path")
 )
 
 

@@ -196,11 +196,14 @@ def test_configuration_gives_the_default_and_the_choices_the_settings_table_give
                 continue
             kind, default = row[1], row[2]
             if s["default"] is not None and documented_default(s).strip('`"') not in default:
-                wrong.append(f"{title}: {s['key']}'s default is {documented_default(s)}, the page says {default}")
+                wrong.append(
+                    f"{title}: {s['key']}'s default is {documented_default(s)}, the page says {default}"
+                )
             for word in s["choices"] or ():
                 if f"`{word}`" not in kind and f'`"{word}"`' not in kind and not only_env:
                     wrong.append(f"{title}: {s['key']} takes {word!r}, its type cell says {kind}")
-    assert not wrong, f"{CONFIGURATION.relative_to(ROOT)} disagrees with the settings table:\n" + "\n".join(wrong)
+    reference = CONFIGURATION.relative_to(ROOT)
+    assert not wrong, f"{reference} disagrees with the settings table:\n" + "\n".join(wrong)
 
 
 def test_each_variable_row_names_the_key_it_sets() -> None:
