@@ -10,6 +10,7 @@ _Size = int | str
 __all__ = [
     "DEFAULT_PREFETCH_JOBS",
     "MAX_PREFETCH_JOBS",
+    "REPOSITORY_FORMAT",
     "S3_KEYS",
     "SETTINGS",
     "STORE_DEFAULTS",
@@ -32,6 +33,8 @@ __all__ = [
     "interpreter_exiting",
     "is_secret",
     "map_pack",
+    "model_manifest_read",
+    "model_manifest_write",
     "owners",
     "parse_size",
     "private_dir",
@@ -47,6 +50,7 @@ __all__ = [
 __version__: str
 DEFAULT_PREFETCH_JOBS: int
 MAX_PREFETCH_JOBS: int
+REPOSITORY_FORMAT: int  # the format of a model repository's manifests and marker
 S3_KEYS: tuple[str, ...]  # the short keys of an s3:// source's table ([s3]), in the reference's order
 STORE_KEYS: tuple[str, ...]  # tierstore's own keys of the [object_store] table, for every kind of store
 STORE_DEFAULTS: dict[str, str]  # the defaults of STORE_KEYS, as the reference writes them
@@ -98,6 +102,8 @@ def stream_manifest_write(
     path: _Path, tensors: Sequence[tuple[str, str, Sequence[int], str, int]], step: int | None, metadata: str
 ) -> None: ...
 def stream_manifest_read(path: _Path) -> str: ...
+def model_manifest_read(path: _Path) -> str: ...
+def model_manifest_write(path: _Path, json: str) -> None: ...
 def stream_copy(
     sources: Sequence[Any], dests: Sequence[Any], heads_only: Sequence[bool] | None = None
 ) -> list[bool]: ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -386,6 +387,33 @@ def test_a_manifest_whose_byte_count_disagrees_with_the_shape_is_refused(
     ):
         repo.load("m", mmap=mmap)
     assert repo.load("m", keys="b", mmap=mmap)["b"].shape == (100,)  # the rest stays readable
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("pack", "../../../etc/passwd", 'names the pack "../../../etc/passwd", not a file of packs/'),
+        ("hash", "not-a-hash", "has no blake3 hash"),
+    ],
+)
+def test_a_manifest_that_points_outside_the_repository_is_refused_naming_the_file(
+    repo: Repository, field: str, value: str, why: str
+) -> None:
+    """A manifest is a file another process (or user) wrote: a pack name with a directory in it would read
+    outside `packs/`, a hash that is not one would name any file. Both are refused before anything is read,
+    and the repository's other versions stay readable."""
+    repo.save("m", {"w": torch.randn(10)})
+    repo.save("other", {"w": torch.randn(10)})
+    path = repo.root / "models" / "m" / "v1.json"
+    manifest = json.loads(path.read_text())
+    manifest["tensors"][0][field] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(f'v1.json: tensor "w" {why}')):
+        repo.load("m")
+    assert repo.load("other")["w"].shape == (10,)
+    # A save goes through the same schema: a well-formed version is written, and is read back the same.
+    v = repo.save("fresh", {"w": torch.zeros(3)})
+    assert repo.manifest("fresh", v.version)["tensors"][0]["nbytes"] == 12
 
 
 SAVE_BIG = """

@@ -658,6 +658,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack::read_into, m)?)?;
     m.add_function(wrap_pyfunction!(pack::map_pack, m)?)?;
     m.add_function(wrap_pyfunction!(pack::verify_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(pack::model_manifest_read, m)?)?;
+    m.add_function(wrap_pyfunction!(pack::model_manifest_write, m)?)?;
+    m.add("REPOSITORY_FORMAT", tierstore_core::models::manifest::REPOSITORY_FORMAT)?;
     m.add("PackMap", buffer::pack_map_type(m.py())?)?;
     m.add_function(wrap_pyfunction!(stream::stream_place, m)?)?;
     m.add_function(wrap_pyfunction!(stream::stream_read, m)?)?;

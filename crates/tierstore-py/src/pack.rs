@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use tierstore_core::models::manifest::RepositoryManifest;
 use tierstore_core::pack::{self, PackWriter, ReadError, ReadInto};
 
 use crate::buffer::{new_pack_map, ByteBuffer};
@@ -286,4 +287,30 @@ pub fn verify_pack(
             })
         })
         .collect())
+}
+
+/// A damaged or refused manifest as `ValueError` (the file and what is wrong); any other failure as the
+/// `OSError` of its errno (`FileNotFoundError` for one deleted meanwhile).
+fn manifest_error(e: std::io::Error, path: &std::path::Path) -> PyErr {
+    match e.kind() {
+        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput => PyValueError::new_err(e.to_string()),
+        _ => io_to_py(e, Some(&path.to_string_lossy())),
+    }
+}
+
+/// The repository manifest at `path`, checked against its schema
+/// (`tierstore_core::models::manifest::RepositoryManifest`), as a JSON object's text.
+#[pyfunction]
+pub fn model_manifest_read(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    let m = crate::exiting::without_gil(py, || RepositoryManifest::read(&path)).map_err(|e| manifest_error(e, &path))?;
+    serde_json::to_string(&m).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Writes the repository manifest `json` (a JSON object's text) at `path`, after checking it against its
+/// schema: whole and durably (a temporary name, fsync, rename, fsync of the directory).
+#[pyfunction]
+pub fn model_manifest_write(py: Python<'_>, path: PathBuf, json: &str) -> PyResult<()> {
+    let m: RepositoryManifest = serde_json::from_str(json)
+        .map_err(|e| PyValueError::new_err(format!("{}: not a repository manifest: {e}", path.display())))?;
+    crate::exiting::without_gil(py, || m.write(&path)).map_err(|e| manifest_error(e, &path))
 }

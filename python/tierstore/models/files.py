@@ -1,13 +1,30 @@
-"""The repository's files on disk: the locks that let many processes save and load at once, and the fsync of
-a directory that makes a rename in it durable."""
+"""The repository's files on disk: its manifests (read and written through the one Rust schema,
+`tierstore_core::models::manifest::RepositoryManifest`), the locks that let many processes save and load at
+once, and the fsync of a directory that makes a rename in it durable."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from tierstore import _core
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest at `path`, checked against its schema: a hash that is not a blake3 or a pack that is not
+    a file of `packs/` raises ValueError naming the file; a file deleted meanwhile, FileNotFoundError."""
+    manifest: dict[str, Any] = json.loads(_core.model_manifest_read(path))
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Writes `manifest` at `path` whole and durably, after checking it against its schema."""
+    _core.model_manifest_write(path, json.dumps(manifest, separators=(",", ":")))
 
 
 def fsync_dir(path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstore import _core
-from tierstore.models.files import flock, fsync_dir
+from tierstore.models.files import flock, fsync_dir, read_manifest
 
 QUARANTINE = "quarantine"
 
@@ -154,7 +154,7 @@ def verify(root: Path, chosen: list[Path], *, repair: bool, progress: bool | Non
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
+        return read_manifest(path)
     except FileNotFoundError:
         return None  # deleted meanwhile
 

@@ -38,7 +38,7 @@ import numpy as np
 from tierstore import _core
 from tierstore.models import integrity, safetensors_io
 from tierstore.models import layers as layer_ids
-from tierstore.models.files import flock, fsync_dir
+from tierstore.models.files import flock, fsync_dir, read_manifest, write_manifest
 from tierstore.models.packs import NOT_SERVED, Packs, cache_for
 from tierstore.models.staging import POOL
 from tierstore.models.tensors import (
@@ -51,7 +51,7 @@ from tierstore.models.tensors import (
     writable_bytes,
 )
 
-FORMAT = 1
+FORMAT = _core.REPOSITORY_FORMAT
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _GLOB = re.compile(r"[*?\[]")
 IntegrityError = _core.IntegrityError
@@ -202,7 +202,7 @@ class Repository:
     def manifest(self, name: str, version: int | str = "latest") -> dict[str, Any]:
         """The manifest of a version, as stored."""
         v = self._resolve(name, version)
-        return json.loads(self._manifest_path(name, v).read_text())
+        return read_manifest(self._manifest_path(name, v))
 
     def _refresh(self) -> None:
         """Brings the index of stored tensors up to date with the manifests on disk."""
@@ -216,9 +216,9 @@ class Repository:
             self._quarantined = quarantined
         for p in sorted(paths - self._seen):
             try:
-                m = json.loads(p.read_text())
+                m = read_manifest(p)
             except (OSError, ValueError):
-                continue  # deleted meanwhile
+                continue  # deleted meanwhile, or damaged (`verify` names it)
             for t in m["tensors"]:
                 if (t["pack"], t["offset"], t["hash"]) not in quarantined:
                     self._blobs.setdefault(t["hash"], (t["pack"], t["offset"], t["nbytes"]))
@@ -355,14 +355,7 @@ class Repository:
                     "tensors": table,
                     "written_bytes": written,
                 }
-                final = self._manifest_path(name, version)
-                tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-                with open(tmp, "w") as f:
-                    json.dump(manifest, f, separators=(",", ":"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.rename(tmp, final)
-                fsync_dir(model_dir)
+                write_manifest(self._manifest_path(name, version), manifest)
             for h, loc in locations.items():
                 self._blobs.setdefault(h, loc)
         return self._version_of(manifest)
@@ -620,7 +613,7 @@ class Repository:
         with flock(self.root / "repo.lock", exclusive=True):
             live: dict[str, set[tuple[int, int]]] = defaultdict(set)
             for p in (self.root / "models").glob("*/v*.json"):
-                for t in json.loads(p.read_text())["tensors"]:
+                for t in read_manifest(p)["tensors"]:
                     # By location, not by hash: a tensor saved anew after its copy was quarantined (or by
                     # two concurrent saves) is stored twice, and each copy's pack is in use.
                     live[t["pack"]].add((t["offset"], t["nbytes"]))
@@ -654,7 +647,7 @@ class Repository:
         """Bytes on disk against bytes the versions hold: what dedup saves."""
         logical = 0
         for p in (self.root / "models").glob("*/v*.json"):
-            logical += sum(t["nbytes"] for t in json.loads(p.read_text())["tensors"])
+            logical += sum(t["nbytes"] for t in read_manifest(p)["tensors"])
         stored = sum(p.stat().st_size for p in (self.root / "packs").glob("*.pack"))
         return {"logical_bytes": logical, "stored_bytes": stored, "saved_by_dedup": max(0, logical - stored)}
 

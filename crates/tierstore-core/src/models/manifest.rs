@@ -1,8 +1,18 @@
-//! The manifest of a model stream's version, the one definition of its schema: its tensors (name, dtype,
-//! shape, blake3, size), the trainer's step and the publisher's metadata. The publisher (Python, through
-//! `tierstore._core`) writes it as JSON beside the tensors it placed; the agent completes it at commit
-//! (name, number, time) and hands its path to every consumer, on this node and on others, who read it
-//! back through the same types.
+//! The manifests of model versions, the one definition of their schemas, read and written through
+//! `tierstore._core` by Python and directly by the agent:
+//!
+//! - a **stream's version** ([`Manifest`]): its tensors (name, dtype, shape, blake3, size), the trainer's
+//!   step and the publisher's metadata. The publisher writes it beside the tensors it placed; the agent
+//!   completes it at commit (name, number, time) and hands its path to every consumer, on this node and on
+//!   others, who read it back through the same types;
+//! - a **repository's version** ([`RepositoryManifest`], `models/<name>/v<N>.json`): the same tensors, each
+//!   with the pack and offset its bytes are kept at, the framework, the layer graph and the user's metadata.
+//!
+//! Both tensor tables are one [`Tensor`] type. A manifest is a file another process wrote, so reading one
+//! checks what a reader will act on: every hash is a blake3 (the name of a file), and every pack a plain
+//! file name of the repository's `packs/` (a `../` there would read outside it).
+
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -67,7 +77,150 @@ impl Manifest {
     }
 }
 
+/// The format a repository's manifests are written in (its `format` key); a repository's marker file
+/// names the same number.
+pub const REPOSITORY_FORMAT: u32 = 1;
+
+/// A tensor of a repository's version: the stream's tensor, and where its bytes are kept.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StoredTensor {
+    /// Name, dtype, shape, hash and size, as a stream's tensor has them.
+    #[serde(flatten)]
+    pub tensor: Tensor,
+    /// The pack file (a name in the repository's `packs/`).
+    pub pack: String,
+    /// Where the bytes start in the pack.
+    pub offset: u64,
+}
+
+/// A version of a model in the repository (`models/<name>/v<N>.json`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RepositoryManifest {
+    /// [`REPOSITORY_FORMAT`].
+    pub format: u32,
+    /// The model's name.
+    pub name: String,
+    /// The version number, from 1.
+    pub version: u64,
+    /// Seconds since the epoch when it was saved.
+    pub created: f64,
+    /// What the state dict was made of (`torch`, `numpy`): what a load builds by default.
+    pub framework: String,
+    /// The user's metadata.
+    #[serde(default)]
+    pub metadata: Value,
+    /// The model's layer graph, when it was saved with one (`null` otherwise).
+    #[serde(default)]
+    pub graph: Value,
+    /// The tensors, in the state dict's order.
+    pub tensors: Vec<StoredTensor>,
+    /// Bytes this save wrote to packs (what deduplication did not spare).
+    pub written_bytes: u64,
+}
+
+impl RepositoryManifest {
+    /// Reads and checks the manifest at `path`: its format, a blake3 for every tensor and a plain pack
+    /// name, else `InvalidData` naming the file and what is wrong.
+    pub fn read(path: &Path) -> std::io::Result<RepositoryManifest> {
+        let invalid =
+            |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {what}", path.display()));
+        let m: RepositoryManifest =
+            serde_json::from_slice(&std::fs::read(path)?).map_err(|e| invalid(e.to_string()))?;
+        m.check().map_err(invalid)?;
+        Ok(m)
+    }
+
+    /// What makes the manifest unusable, if anything.
+    pub fn check(&self) -> Result<(), String> {
+        if self.format != REPOSITORY_FORMAT {
+            return Err(format!("format {} (this tierstore reads format {REPOSITORY_FORMAT})", self.format));
+        }
+        for t in &self.tensors {
+            let name = &t.tensor.name;
+            if !check_hash(&t.tensor.hash) {
+                return Err(format!("tensor {name:?} has no blake3 hash ({:?})", t.tensor.hash));
+            }
+            if !is_pack_name(&t.pack) {
+                return Err(format!("tensor {name:?} names the pack {:?}, not a file of packs/", t.pack));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the manifest at `path` durably and whole: under a temporary name beside it, fsynced, renamed
+    /// over `path`, and the directory fsynced, so that a reader sees the old file or the new one and a
+    /// crash leaves one of them.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        self.check().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let text = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        let name = path.file_name().ok_or_else(|| std::io::Error::other("a manifest's path has a file name"))?;
+        let tmp = path.with_file_name(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let written = std::io::Write::write_all(&mut f, &text).and_then(|()| f.sync_all());
+        drop(f);
+        if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
+    }
+}
+
+/// Whether `name` is a pack's file name: `<hex>.pack`, no directory in it.
+fn is_pack_name(name: &str) -> bool {
+    name.strip_suffix(".pack").is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Whether `h` is a blake3 in lowercase hex: the name of a tensor's file.
 pub fn check_hash(h: &str) -> bool {
     h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(pack: &str, hash: &str) -> RepositoryManifest {
+        let tensor = Tensor { name: "w".into(), dtype: "float32".into(), shape: vec![2], hash: hash.into(), nbytes: 8 };
+        RepositoryManifest {
+            format: REPOSITORY_FORMAT,
+            name: "m".into(),
+            version: 1,
+            created: 1.5,
+            framework: "torch".into(),
+            metadata: serde_json::json!({"step": 3}),
+            graph: Value::Null,
+            tensors: vec![StoredTensor { tensor, pack: pack.into(), offset: 64 }],
+            written_bytes: 8,
+        }
+    }
+
+    #[test]
+    fn a_repository_manifest_round_trips_and_a_bad_one_is_refused_naming_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.json");
+        manifest("ab12.pack", &"c".repeat(64)).write(&path).unwrap();
+        let back = RepositoryManifest::read(&path).unwrap();
+        assert_eq!((back.tensors[0].pack.as_str(), back.tensors[0].offset, back.written_bytes), ("ab12.pack", 64, 8));
+        // The tensor's fields sit beside pack and offset, as the repository has always written them.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(r#""name":"w","dtype":"float32""#) && text.contains(r#""pack":"ab12.pack""#), "{text}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "the temporary name is gone");
+
+        for (pack, hash, why) in [
+            ("../../etc/passwd", "c".repeat(64), "not a file of packs/"),
+            ("ab12.pack", "C".repeat(64), "no blake3 hash"),
+        ] {
+            let e = manifest(pack, &hash).write(&path).unwrap_err();
+            assert!(e.to_string().contains(why), "{e}");
+            let mut bad: serde_json::Value = serde_json::from_str(&text).unwrap();
+            bad["tensors"][0]["pack"] = pack.into();
+            bad["tensors"][0]["hash"] = hash.clone().into();
+            std::fs::write(&path, bad.to_string()).unwrap();
+            let e = RepositoryManifest::read(&path).unwrap_err();
+            assert!(e.to_string().contains(why) && e.to_string().contains("v1.json"), "{e}");
+        }
+        std::fs::write(&path, text.replace(r#""format":1"#, r#""format":9"#)).unwrap();
+        assert!(RepositoryManifest::read(&path).unwrap_err().to_string().contains("format 9"));
+    }
 }
