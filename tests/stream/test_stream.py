@@ -79,6 +79,22 @@ def test_versions_reach_a_consumer_process_whole_and_only_changed_tensors_are_pl
     assert stream.streams()["tensor_files"] == 4
 
 
+def test_a_wrong_request_fails_in_the_client_naming_its_fault_and_the_connection_goes_on(sock: Path) -> None:
+    """Requests go through the one Rust type the agent parses (tierstore_core::models::requests): a misspelt
+    op or a missing field raises in the client, and never reaches the agent."""
+    from tierstore.stream.connection import _Connection
+
+    conn = _Connection(sock, deadline=10.0)
+    try:
+        with pytest.raises(ValueError, match=r"unknown variant `fecth`, expected one of .*`fetch`"):
+            conn.send({"op": "fecth", "name": "policy", "version": 1})
+        with pytest.raises(ValueError, match=r"missing field `version`"):
+            conn.call({"op": "release", "name": "policy"})
+        assert conn.call({"op": "list"})["streams"] == []  # the same connection, still in step
+    finally:
+        conn.close()
+
+
 def test_hot_model_loads_changed_tensors_into_the_idle_copy_and_swaps(sock: Path) -> None:
     torch = pytest.importorskip("torch")
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))

@@ -10,10 +10,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyConnectionError, PyTimeoutError};
+use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use tierstore_core::cluster::session::{ClientHello, HandshakeError};
 use tierstore_core::cluster::wire::{self, Frame};
+use tierstore_core::models::requests::Request;
 
 use crate::error::stream_error;
 
@@ -133,8 +134,13 @@ impl PyAgentLink {
         self.path.clone()
     }
 
-    /// Sends one stream request (a JSON object's text).
+    /// Sends one stream request (a JSON object's text), once it has read as one of the requests the agent
+    /// takes (`tierstore_core::models::requests::Request`): a wrong one raises ValueError here, naming
+    /// the fault, and never reaches the agent.
     fn send(&self, py: Python<'_>, json: String) -> PyResult<()> {
+        let request: Request = serde_json::from_str(&json)
+            .map_err(|e| PyValueError::new_err(format!("not a stream request ({e}): {json}")))?;
+        let json = serde_json::to_string(&request).map_err(|e| PyValueError::new_err(e.to_string()))?;
         crate::exiting::without_gil(py, || {
             let mut w = self.writer.lock().expect("writer lock");
             wire::write_frame(&mut *w, &Frame::StreamRequest { json }).map_err(PyErr::from)

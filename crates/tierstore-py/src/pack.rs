@@ -302,7 +302,8 @@ fn manifest_error(e: std::io::Error, path: &std::path::Path) -> PyErr {
 /// (`tierstore_core::models::manifest::RepositoryManifest`), as a JSON object's text.
 #[pyfunction]
 pub fn model_manifest_read(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    let m = crate::exiting::without_gil(py, || RepositoryManifest::read(&path)).map_err(|e| manifest_error(e, &path))?;
+    let m =
+        crate::exiting::without_gil(py, || RepositoryManifest::read(&path)).map_err(|e| manifest_error(e, &path))?;
     serde_json::to_string(&m).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 

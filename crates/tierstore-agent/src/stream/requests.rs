@@ -7,7 +7,6 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
 use serde_json::json;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
@@ -15,67 +14,7 @@ use tokio::sync::{mpsc, watch};
 use super::consumers::Notice;
 use super::{Conn, StreamError, Streams, Subscribing};
 use crate::protocol::{self, ErrorCode, Frame};
-
-/// A request of a stream connection (the JSON of a `StreamRequest` frame, tagged by `op`).
-#[derive(Debug, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Request {
-    /// Starts publishing a version of `name`: answers the publish's number, its directory and the base.
-    Begin {
-        /// The stream.
-        name: String,
-    },
-    /// Makes the version written under the publish's directory visible, and notifies.
-    Commit {
-        /// The publish.
-        publish: u64,
-    },
-    /// Drops a publish in progress.
-    Abort {
-        /// The publish.
-        publish: u64,
-    },
-    /// Pushes a notice of every version of `name` newer than `after` to this connection, from now on
-    /// (starting with the latest, if it is newer).
-    Subscribe {
-        /// The stream.
-        name: String,
-        /// The newest version the subscriber already has (0: none).
-        #[serde(default)]
-        after: u64,
-        /// Notices only: versions other nodes hold are relayed without pulling their tensors here.
-        #[serde(default)]
-        notices_only: bool,
-        /// The subscriber's process id, for `tierstore stream show|watch`.
-        #[serde(default)]
-        pid: Option<u32>,
-        /// What the subscriber calls itself, for `tierstore stream show|watch`.
-        #[serde(default)]
-        label: Option<String>,
-    },
-    /// The subscriber of this connection serves `version` from now on (no answer): its lag is listed.
-    Serving {
-        /// The version it swapped to.
-        version: u64,
-    },
-    /// Answers the notice of version `version` of `name` and leases it to this connection, pulling it from
-    /// the node that holds it when it was only relayed here.
-    Fetch {
-        /// The stream.
-        name: String,
-        /// The version.
-        version: u64,
-    },
-    /// Ends one lease of this connection on a version (no answer).
-    Release {
-        /// The stream.
-        name: String,
-        /// The version.
-        version: u64,
-    },
-    /// The streams of this agent, their versions, leases and subscribers.
-    List,
-}
+pub use tierstore_core::models::requests::Request;
 
 /// Ends a connection's holdings however its task ends (a closed socket, an error, the agent stopping).
 struct Holdings {
