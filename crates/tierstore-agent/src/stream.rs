@@ -59,6 +59,7 @@ pub use crate::options::StreamOptions;
 pub use follow::{serve_peer, Remote};
 pub use requests::{serve, Request};
 pub use tierstore_core::models::manifest::{Manifest, Tensor};
+use tierstore_core::models::requests::VersionNotice;
 
 /// What this agent's stream requests offer beyond those of the first version of the protocol, answered to
 /// every `subscribe`: a client uses an option only where its agent lists it (an older agent ignores
@@ -162,11 +163,24 @@ fn now() -> f64 {
 }
 
 /// The notice of a version held here.
-fn held_notice(name: &str, version: u64, k: &Kept) -> Value {
-    json!({
-        "event": "version", "name": name, "version": version, "manifest": k.manifest, "step": k.step,
-        "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors, "created": k.created, "held": true,
-    })
+fn held_notice(name: &str, version: u64, k: &Kept) -> VersionNotice {
+    VersionNotice {
+        name: name.to_string(),
+        version,
+        manifest: k.manifest.clone(),
+        step: k.step,
+        nbytes: k.nbytes,
+        new_bytes: k.new_bytes,
+        tensors: k.tensors,
+        created: k.created,
+        held: true,
+        agent: None,
+    }
+}
+
+/// A notice as the JSON a connection sends.
+fn notice_json(notice: &VersionNotice) -> Arc<String> {
+    Arc::new(serde_json::to_string(notice).expect("a notice is JSON"))
 }
 
 /// Records when `version` of a stream was committed (for the consumers' lag), forgetting the oldest.
@@ -556,19 +570,6 @@ impl Streams {
             .and_then(|()| std::fs::rename(&part, &manifest))
             .map_err(io_err("cannot write", &manifest))?;
         let nbytes = m.tensors.iter().map(|t| t.nbytes).sum();
-        let notice = json!({
-            "event": "version",
-            "name": name,
-            "version": version,
-            "manifest": manifest,
-            "step": m.step,
-            "nbytes": nbytes,
-            "new_bytes": new_bytes,
-            "tensors": m.tensors.len(),
-            "created": m.created,
-            "held": true,
-        });
-        let text = Arc::new(notice.to_string());
         let mut kept = Kept {
             manifest,
             hashes: m.tensors.iter().map(|t| t.hash.clone()).collect(),
@@ -579,6 +580,8 @@ impl Streams {
             created: m.created,
             leases: usize::from(leased),
         };
+        let notice = held_notice(name, version, &kept);
+        let text = notice_json(&notice);
         stream.latest = stream.latest.max(version);
         if version_given.is_some() {
             stream.pulled += 1;
@@ -606,7 +609,7 @@ impl Streams {
                 json!({"name": name, "version": version, "agent": remote.me, "nbytes": nbytes}),
             ));
         }
-        Ok(json!({"version": version, "nbytes": nbytes, "new_bytes": new_bytes, "manifest": notice["manifest"]}))
+        Ok(json!({"version": version, "nbytes": nbytes, "new_bytes": new_bytes, "manifest": notice.manifest}))
     }
 
     /// Drops the versions of `name` beyond the last `keep` that nobody leases, and the files only they held.
@@ -691,7 +694,7 @@ impl Streams {
         if let Some(json) = relayed {
             consumer.tell(&Notice { name: name.to_string(), version: stream.relayed, held: false, json });
         } else if let Some(k) = stream.versions.get_mut(&latest) {
-            let json = Arc::new(held_notice(name, latest, k).to_string());
+            let json = notice_json(&held_notice(name, latest, k));
             if let Told::Sent = consumer.tell(&Notice { name: name.to_string(), version: latest, held: true, json }) {
                 k.leases += 1;
             }

@@ -26,10 +26,11 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::consumers::{Notice, Told};
-use super::{check_name, held_notice, io_err, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT};
+use super::{check_name, held_notice, io_err, notice_json, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT};
 use crate::client::Client;
 use crate::protocol::Frame;
 use tierstore_core::models::manifest::{check_hash, Manifest};
+use tierstore_core::models::requests::VersionNotice;
 
 /// How a node's streams reach the other nodes.
 #[derive(Clone, Debug)]
@@ -167,12 +168,19 @@ impl Streams {
             .and_then(|()| std::fs::rename(&part, &path))
             .map_err(io_err("cannot write", &path))?;
         let nbytes: u64 = m.tensors.iter().map(|t| t.nbytes).sum();
-        let notice = json!({
-            "event": "version", "name": name, "version": m.version, "manifest": path, "step": m.step,
-            "nbytes": nbytes, "new_bytes": 0, "tensors": m.tensors.len(), "created": m.created,
-            "held": false, "agent": agent,
-        });
-        let json = Arc::new(notice.to_string());
+        let notice = VersionNotice {
+            name: name.to_string(),
+            version: m.version,
+            manifest: path,
+            step: m.step,
+            nbytes,
+            new_bytes: 0,
+            tensors: m.tensors.len(),
+            created: m.created,
+            held: false,
+            agent: Some(agent.to_string()),
+        };
+        let json = notice_json(&notice);
         let mut st = self.lock();
         let stream = st.streams.entry(name.to_string()).or_default();
         if m.version <= stream.relayed {
@@ -230,7 +238,7 @@ impl Streams {
         let k = st.streams.get_mut(name)?.versions.get_mut(&version)?;
         k.leases += 1;
         *conn.leases.entry((name.to_string(), version)).or_default() += 1;
-        Some(held_notice(name, version, k))
+        Some(to_value(held_notice(name, version, k)))
     }
 
     /// The notice of version `version` of `name`, leased to `conn`: held here already, or pulled now from
@@ -255,7 +263,7 @@ impl Streams {
                 *conn.leases.entry((name.to_string(), version)).or_default() += 1;
                 let st = self.lock();
                 let k = st.streams.get(name).and_then(|s| s.versions.get(&version));
-                k.map(|k| held_notice(name, version, k)).ok_or(StreamError::Gone {
+                k.map(|k| to_value(held_notice(name, version, k))).ok_or(StreamError::Gone {
                     name: name.to_string(),
                     version,
                     keep: self.keep,
@@ -270,6 +278,11 @@ impl Streams {
             }),
         }
     }
+}
+
+/// A notice as the JSON value a request is answered with.
+fn to_value(notice: VersionNotice) -> Value {
+    serde_json::to_value(notice).expect("a notice is JSON")
 }
 
 /// Chunks a puller lets the other agent send ahead of what it has written.

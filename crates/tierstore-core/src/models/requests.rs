@@ -1,7 +1,10 @@
-//! The requests a client sends on a stream connection to its node's agent (the JSON of a
-//! `StreamRequest` frame, tagged by `op`): one type, which the agent parses and which Python's requests
+//! What a stream connection carries between a client and its node's agent: the requests (the JSON of a
+//! `StreamRequest` frame, tagged by `op`), one type, which the agent parses and which Python's requests
 //! go through (`tierstore._core.AgentLink.send` checks each against it before it leaves the process), so
-//! that a misspelt field fails in the client, naming it, rather than at the agent.
+//! that a misspelt field fails in the client, naming it, rather than at the agent; and the notice of a
+//! version, which the agent pushes to subscribers and answers `fetch` with.
+
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +69,34 @@ pub enum Request {
     List,
 }
 
+/// The notice of a version (`"event": "version"`): pushed to each subscriber when a version is committed
+/// here or relayed from another node, and the answer to `fetch`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename = "version")]
+pub struct VersionNotice {
+    /// The stream.
+    pub name: String,
+    /// The version.
+    pub version: u64,
+    /// Its manifest's path on this node.
+    pub manifest: PathBuf,
+    /// The trainer's step, if it gave one.
+    pub step: Option<i64>,
+    /// Bytes of its tensors.
+    pub nbytes: u64,
+    /// Bytes of the tensors that changed since the version before (0 for one relayed).
+    pub new_bytes: u64,
+    /// How many tensors it has.
+    pub tensors: usize,
+    /// Seconds since the epoch at commit.
+    pub created: f64,
+    /// Whether its tensors are held on this node; a relayed one's are on `agent`'s.
+    pub held: bool,
+    /// The agent holding a relayed version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,6 +114,21 @@ mod tests {
         let e = serde_json::from_str::<Request>(r#"{"op": "fetch", "name": "p"}"#).unwrap_err().to_string();
         assert!(e.contains("missing field `version`"), "{e}");
         let e = serde_json::from_str::<Request>(r#"{"op": "fecth"}"#).unwrap_err().to_string();
+        let notice = VersionNotice {
+            name: "policy".into(),
+            version: 7,
+            manifest: "/dev/shm/s/versions/policy/7.json".into(),
+            step: None,
+            nbytes: 10,
+            new_bytes: 4,
+            tensors: 2,
+            created: 1.5,
+            held: true,
+            agent: None,
+        };
+        let text = serde_json::to_string(&notice).unwrap();
+        assert!(text.starts_with(r#"{"event":"version","name":"policy""#) && !text.contains("agent"), "{text}");
+        assert_eq!(serde_json::from_str::<VersionNotice>(&text).unwrap(), notice);
         assert!(e.contains("unknown variant `fecth`") && e.contains("`fetch`"), "{e}");
     }
 }
