@@ -59,7 +59,7 @@ pub use crate::options::StreamOptions;
 pub use follow::{serve_peer, Remote};
 pub use requests::{serve, Request};
 pub use tierstore_core::models::manifest::{Manifest, Tensor};
-use tierstore_core::models::requests::VersionNotice;
+use tierstore_core::models::requests::{Base, Begun, Committed, Subscribed, VersionNotice};
 
 /// What this agent's stream requests offer beyond those of the first version of the protocol, answered to
 /// every `subscribe`: a client uses an option only where its agent lists it (an older agent ignores
@@ -176,6 +176,11 @@ fn held_notice(name: &str, version: u64, k: &Kept) -> VersionNotice {
         held: true,
         agent: None,
     }
+}
+
+/// An answer (`Begun`, `Committed`, a notice, ...) as the JSON value a request is answered with.
+fn answer(typed: impl serde::Serialize) -> Value {
+    serde_json::to_value(typed).expect("an answer is JSON")
 }
 
 /// A notice as the JSON a connection sends.
@@ -472,12 +477,8 @@ impl Streams {
         let tmp = self.dir.join("tmp").join(id.to_string());
         conn.pending = Some(Pending { id, name: name.to_string(), base: base.as_ref().map(|b| b.0) });
         std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
-        Ok(json!({
-            "publish": id,
-            "dir": tmp,
-            "blobs": self.dir.join("blobs"),
-            "base": base.map(|(v, m)| json!({"version": v, "manifest": m})),
-        }))
+        let base = base.map(|(version, manifest)| Base { version, manifest });
+        Ok(answer(Begun { publish: id, dir: tmp, blobs: self.dir.join("blobs"), base }))
     }
 
     fn abort_pending(&self, conn: &mut Conn, p: Pending) {
@@ -609,7 +610,7 @@ impl Streams {
                 json!({"name": name, "version": version, "agent": remote.me, "nbytes": nbytes}),
             ));
         }
-        Ok(json!({"version": version, "nbytes": nbytes, "new_bytes": new_bytes, "manifest": notice.manifest}))
+        Ok(answer(Committed { version, nbytes, new_bytes, manifest: notice.manifest }))
     }
 
     /// Drops the versions of `name` beyond the last `keep` that nobody leases, and the files only they held.
@@ -701,7 +702,8 @@ impl Streams {
         }
         stream.subscribers.insert(id, consumer);
         conn.subscription = Some((name.to_string(), id, rx));
-        Ok(json!({"subscribed": name, "latest": latest, "blobs": self.dir.join("blobs"), "features": FEATURES}))
+        let features = FEATURES.iter().map(|f| f.to_string()).collect();
+        Ok(answer(Subscribed { subscribed: name.to_string(), latest, blobs: self.dir.join("blobs"), features }))
     }
 
     /// Records the version the subscriber of this connection serves from now on.

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::consumers::{Notice, Told};
-use super::{check_name, held_notice, io_err, notice_json, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT};
+use super::{
+    answer, check_name, held_notice, io_err, notice_json, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT,
+};
 use crate::client::Client;
 use crate::protocol::Frame;
 use tierstore_core::models::manifest::{check_hash, Manifest};
@@ -238,7 +240,7 @@ impl Streams {
         let k = st.streams.get_mut(name)?.versions.get_mut(&version)?;
         k.leases += 1;
         *conn.leases.entry((name.to_string(), version)).or_default() += 1;
-        Some(to_value(held_notice(name, version, k)))
+        Some(answer(held_notice(name, version, k)))
     }
 
     /// The notice of version `version` of `name`, leased to `conn`: held here already, or pulled now from
@@ -263,7 +265,7 @@ impl Streams {
                 *conn.leases.entry((name.to_string(), version)).or_default() += 1;
                 let st = self.lock();
                 let k = st.streams.get(name).and_then(|s| s.versions.get(&version));
-                k.map(|k| to_value(held_notice(name, version, k))).ok_or(StreamError::Gone {
+                k.map(|k| answer(held_notice(name, version, k))).ok_or(StreamError::Gone {
                     name: name.to_string(),
                     version,
                     keep: self.keep,
@@ -278,11 +280,6 @@ impl Streams {
             }),
         }
     }
-}
-
-/// A notice as the JSON value a request is answered with.
-fn to_value(notice: VersionNotice) -> Value {
-    serde_json::to_value(notice).expect("a notice is JSON")
 }
 
 /// Chunks a puller lets the other agent send ahead of what it has written.

@@ -1,8 +1,9 @@
 //! What a stream connection carries between a client and its node's agent: the requests (the JSON of a
 //! `StreamRequest` frame, tagged by `op`), one type, which the agent parses and which Python's requests
 //! go through (`tierstore._core.AgentLink.send` checks each against it before it leaves the process), so
-//! that a misspelt field fails in the client, naming it, rather than at the agent; and the notice of a
-//! version, which the agent pushes to subscribers and answers `fetch` with.
+//! that a misspelt field fails in the client, naming it, rather than at the agent; the answers to
+//! `begin`, `commit` and `subscribe`; and the notice of a version, which the agent pushes to subscribers
+//! and answers `fetch` with.
 
 use std::path::PathBuf;
 
@@ -69,6 +70,54 @@ pub enum Request {
     List,
 }
 
+/// The answer to `begin`: where the publish writes its version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Begun {
+    /// The publish's number, which `commit` and `abort` name.
+    pub publish: u64,
+    /// The directory its new tensors and its manifest are written in.
+    pub dir: PathBuf,
+    /// The agent's tensor files, by hash: a tensor already there is not written again.
+    pub blobs: PathBuf,
+    /// The latest version, leased to the publish until it ends: what "changed" is measured against.
+    pub base: Option<Base>,
+}
+
+/// The version a publish starts from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Base {
+    /// Its number.
+    pub version: u64,
+    /// Its manifest.
+    pub manifest: PathBuf,
+}
+
+/// The answer to `commit`: the version made visible.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Committed {
+    /// Its number.
+    pub version: u64,
+    /// Bytes of its tensors.
+    pub nbytes: u64,
+    /// Bytes of the tensors this publish placed (those that changed).
+    pub new_bytes: u64,
+    /// Its manifest.
+    pub manifest: PathBuf,
+}
+
+/// The answer to `subscribe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Subscribed {
+    /// The stream.
+    pub subscribed: String,
+    /// Its latest version here (0: none yet).
+    pub latest: u64,
+    /// The agent's tensor files, by hash.
+    pub blobs: PathBuf,
+    /// What this agent does beyond the first protocol (`notices_only`, `serving`, `fetch`).
+    pub features: Vec<String>,
+}
+
 /// The notice of a version (`"event": "version"`): pushed to each subscriber when a version is committed
 /// here or relayed from another node, and the answer to `fetch`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -129,6 +178,12 @@ mod tests {
         let text = serde_json::to_string(&notice).unwrap();
         assert!(text.starts_with(r#"{"event":"version","name":"policy""#) && !text.contains("agent"), "{text}");
         assert_eq!(serde_json::from_str::<VersionNotice>(&text).unwrap(), notice);
+        // A first publish has no base: the client reads `null` there, as it always has.
+        let begun = Begun { publish: 1, dir: "/t/1".into(), blobs: "/t/blobs".into(), base: None };
+        assert_eq!(
+            serde_json::to_string(&begun).unwrap(),
+            r#"{"publish":1,"dir":"/t/1","blobs":"/t/blobs","base":null}"#
+        );
         assert!(e.contains("unknown variant `fecth`") && e.contains("`fetch`"), "{e}");
     }
 }
