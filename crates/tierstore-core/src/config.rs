@@ -318,9 +318,9 @@ impl Config {
 
     /// The file, the environment and `overrides`, read and layered but not validated.
     fn layers(overrides: &Overrides, env: &BTreeMap<String, String>) -> Result<Raw, ConfigError> {
+        let known = settings::env_vars();
         for (name, value) in env {
             let private = [RESOLVED_FROM_ENV, RESOLVED_ENV].contains(&name.as_str());
-            let known = settings::env_vars();
             if name.starts_with("TIERSTORE_") && !known.contains(&name.as_str()) && !private && !not_ours(name) {
                 let fix = match closest(name, &known) {
                     Some(k) => format!("did you mean {k}? tierstore reads {}", known.join(", ")),
@@ -352,17 +352,17 @@ impl Config {
         raw.slurm_job = env.get("SLURM_JOB_ID").cloned();
         // Every variable that sets one string or number of the file, as the table declares it.
         for s in settings::SETTINGS.iter().filter(|s| s.is_scalar()) {
-            let (Some(name), Some(v)) = (s.env, s.env.and_then(|name| env.get(name))) else { continue };
-            let given = (toml::Value::String(v.clone()), env_origin(name));
+            let Some((name, v)) = s.env.and_then(|name| Some((name, env.get(name)?))) else { continue };
+            let given = || (toml::Value::String(v.clone()), env_origin(name));
             match s.table {
                 Table::Top => {
                     raw.top.insert(s.key, (v.clone(), env_origin(name)));
                 }
                 Table::Cluster => {
-                    raw.cluster.insert(s.key, given);
+                    raw.cluster.insert(s.key, given());
                 }
                 Table::Stream => {
-                    raw.stream.insert(s.key, given);
+                    raw.stream.insert(s.key, given());
                 }
                 _ => {}
             }

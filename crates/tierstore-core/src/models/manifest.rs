@@ -155,6 +155,12 @@ impl RepositoryManifest {
         let text = serde_json::to_vec(self).map_err(std::io::Error::other)?;
         let name = path.file_name().ok_or_else(|| std::io::Error::other("a manifest's path has a file name"))?;
         let tmp = path.with_file_name(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+        // Left by a crashed save of a process that had this pid: its own temporary, as the name says. Made
+        // anew with O_EXCL, so that nothing planted under the name (a link) is written through.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let written = std::io::Write::write_all(&mut f, &text).and_then(|()| f.sync_all());
         drop(f);
@@ -206,6 +212,11 @@ mod tests {
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.contains(r#""name":"w","dtype":"float32""#) && text.contains(r#""pack":"ab12.pack""#), "{text}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "the temporary name is gone");
+        // A temporary a crashed save of a process with this pid left does not stop the next save.
+        let stale = dir.path().join(format!(".v1.json.{}.tmp", std::process::id()));
+        std::fs::write(&stale, "torn").unwrap();
+        manifest("ab12.pack", &"c".repeat(64)).write(&path).unwrap();
+        assert!(!stale.exists() && RepositoryManifest::read(&path).is_ok());
 
         for (pack, hash, why) in [
             ("../../etc/passwd", "c".repeat(64), "not a file of packs/"),

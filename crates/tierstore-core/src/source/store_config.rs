@@ -22,12 +22,6 @@ pub fn store_keys() -> Vec<&'static str> {
     keys_of(Table::ObjectStore)
 }
 
-/// The keys of the `[s3]` table as the configuration reference lists them: the short names an `s3://`
-/// source has always taken, then [`store_keys`]. Both tables accept every key either accepts.
-pub fn s3_keys() -> Vec<&'static str> {
-    keys_of(Table::S3)
-}
-
 /// The default of one of tierstore's own keys, as the settings table writes it.
 fn default_of(key: &str) -> &'static str {
     default_value(Table::ObjectStore, key).expect("every own key of [object_store] has a default")
@@ -471,6 +465,6 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_secs(30));
         assert_eq!(c.connect_timeout, Duration::from_secs(5));
         assert_eq!((c.retries, c.range_size, c.ranges_in_flight), (3, 8 << 20, 8));
-        assert!(store_keys().iter().all(|k| s3_keys().contains(k) && !default_of(k).is_empty()));
+        assert!(store_keys().iter().all(|k| keys_of(Table::S3).contains(k) && !default_of(k).is_empty()));
     }
 }

@@ -124,10 +124,10 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
     let list =
         value.as_array().ok_or_else(|| bad(origin, "writeback", scalar(value), "must be a list of tables", FIX))?;
     let mut out: Vec<Destination> = Vec::new();
+    let keys = keys_of(Table::Writeback);
     for (i, item) in list.iter().enumerate() {
         let k = format!("writeback[{i}]");
         let t = item.as_table().ok_or_else(|| bad(origin, &k, scalar(item), "must be a table", FIX))?;
-        let keys = keys_of(Table::Writeback);
         for (key, v) in t {
             if !keys.contains(&key.as_str()) {
                 return Err(bad(
