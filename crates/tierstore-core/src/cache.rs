@@ -18,10 +18,12 @@
 mod blocks;
 mod confirm;
 mod engine;
+mod faults;
 mod fetch;
 mod flight;
 mod job;
 mod lock;
+mod lookup;
 mod order;
 mod parts;
 mod peers;
@@ -32,13 +34,12 @@ mod stats;
 mod sweep;
 mod trusted;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::Instant;
 
 use crate::config::{Config, Revalidate, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
@@ -48,8 +49,10 @@ use crate::reader::Reader;
 use crate::source::{PosixSource, Source};
 use crate::tier::Tier;
 use engine::Inner;
+use faults::Faults;
 use flight::Flights;
 use lock::FetchLocks;
+use lookup::Lookup;
 use pool::Pool;
 
 pub use blocks::BLOCK as PART_BLOCK;
@@ -153,27 +156,25 @@ impl Cache {
         };
         drop(reg);
         let pool = Arc::new(Pool::new(config.threads));
+        let faults = Arc::new(Faults::new(source.counters().clone()));
         let inner = Arc::new(Inner {
+            lookup: Lookup::new(tiers, config.policy, config.verify, faults.clone()),
             config,
+            faults,
             source,
-            tiers,
             locks,
             flights: Flights::default(),
-            access: Mutex::new(HashMap::new()),
-            last_access_flush: Mutex::new(Instant::now()),
-            logged: Mutex::new(HashSet::new()),
             pool: OnceLock::new(),
             prefetches: Mutex::new(0),
             prefetch_idle: Condvar::new(),
             pid: crate::process::pid(),
             remote,
             record_checksums,
-            copy_stats: Mutex::new(HashMap::new()),
             blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
             sweep: Default::default(),
         });
         let _ = inner.pool.set(Arc::downgrade(&pool));
-        for (i, t) in inner.tiers.iter().enumerate() {
+        for (i, t) in inner.lookup.tiers().iter().enumerate() {
             if let Err(e) = &t.index {
                 t.counters.add(tier_slot::FAULTS, 1);
                 inner.log_once(&format!("index{i}"), &format!("index of tier {} cannot be opened ({e}); the tier is skipped and reads go to the source. `tierstore clear` rebuilds it", t.config.path.display()));
@@ -245,7 +246,7 @@ impl Cache {
     pub fn invalidate(&self, path: &Path) -> Result<(), Error> {
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        if let Some(ix) = self.inner.directories() {
+        if let Some(ix) = self.inner.lookup.directories() {
             let _ = ix.forget_path(&key);
             // A name appeared, went or changed in its directory; a directory itself may have gone.
             let parent = rel.rsplit_once('/').map_or("", |(dir, _)| dir);
@@ -271,7 +272,7 @@ impl Cache {
         } else {
             None
         };
-        for tier in &self.inner.tiers {
+        for tier in self.inner.lookup.tiers() {
             let Ok(index) = &tier.index else { continue };
             if let Ok(Some(e)) = index.lookup(&key) {
                 if e.ready && e.rel == rel && sid.is_none_or(|s| s == e.source) {
@@ -411,7 +412,7 @@ impl Cache {
             }
         }
         self.pool.wait_idle();
-        self.inner.flush_access();
+        self.inner.lookup.flush_access();
     }
 
     /// Copies queued or running in the pool.
@@ -433,7 +434,7 @@ impl Cache {
     /// copy open keep reading it (the file is unlinked, not truncated).
     pub fn clear(&self) -> Result<(), Error> {
         self.pool.wait_idle();
-        for t in &self.inner.tiers {
+        for t in self.inner.lookup.tiers() {
             if let Ok(ix) = &t.index {
                 ix.clear().map_err(|e| Error::Tier { path: t.config.path.clone(), message: e.to_string() })?;
             }
@@ -476,7 +477,7 @@ impl Drop for Cache {
     fn drop(&mut self) {
         if self.inner.pid_matches() {
             self.pool.wait_idle();
-            self.inner.flush_access();
+            self.inner.lookup.flush_access();
         }
     }
 }

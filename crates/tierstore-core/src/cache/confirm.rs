@@ -81,7 +81,7 @@ impl Inner {
         }
         let dir = parent(rel);
         let dkey = directory_key(dir);
-        let index = self.directories();
+        let index = self.lookup.directories();
         let listed_at = index.and_then(|ix| ix.directory_confirmed(&dkey).ok()).unwrap_or(0);
         if fresh(listed_at, within, now) && listed_at > e.confirmed_ns {
             // The directory was listed since this copy was confirmed, and the listing did not confirm it:
@@ -116,7 +116,7 @@ impl Inner {
         }
         // Confirmed by another thread or process meanwhile, or the listing left the file out (created or
         // replaced since, or not a file any more) or failed: ask about this file alone.
-        if let Some(now) = self.published(key, rel) {
+        if let Some(now) = self.lookup.published(key, rel) {
             if now.source == e.source && fresh(now.confirmed_ns, within, now_ns()) {
                 return Ok(now.source);
             }
@@ -136,8 +136,11 @@ impl Inner {
         let first = dir.to_string();
         let sweep = move || {
             let before = now_ns().saturating_sub(within.as_nanos() as u64);
-            let mut dirs =
-                inner.directories().and_then(|ix| ix.directories_confirmed_before(before).ok()).unwrap_or_default();
+            let mut dirs = inner
+                .lookup
+                .directories()
+                .and_then(|ix| ix.directories_confirmed_before(before).ok())
+                .unwrap_or_default();
             dirs.retain(|d| *d != first);
             dirs.insert(0, first);
             let next = AtomicUsize::new(0);
@@ -176,7 +179,7 @@ impl Inner {
                 return None;
             }
         };
-        let listed_at = self.directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
+        let listed_at = self.lookup.directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
         if fresh(listed_at, within, now_ns()) {
             return None;
         }
@@ -193,7 +196,7 @@ impl Inner {
         let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
         let keys: Vec<(Key, SourceId)> =
             listed.iter().map(|(name, sid)| (key_of(&format!("{prefix}{name}")), *sid)).collect();
-        for (i, tier) in self.tiers.iter().enumerate() {
+        for (i, tier) in self.lookup.tiers().iter().enumerate() {
             let Ok(ix) = &tier.index else { continue };
             if let Err(e) = ix.confirm(dkey, dir, &keys, seen) {
                 self.fault(

@@ -5,27 +5,23 @@
 //! asking the owner's agent when nodes share (`peers.rs`). Any fault falls back to the source, counted and
 //! said once.
 
-use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::faults::Faults;
 use super::flight::{Flights, Outcome, Role};
 use super::job::{FetchJob, Purpose};
-use super::lock::{lock_shared, FetchLocks};
+use super::lock::FetchLocks;
+use super::lookup::{Look, Lookup};
 use super::pool::Pool;
 use crate::cluster::remote::Remote;
-use crate::config::{Config, Revalidate, Verify};
-use crate::counters::{source as src_slot, tier as tier_slot};
+use crate::config::{Config, Revalidate};
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{PosixSource, Source, SourceFile};
-use crate::tier::Tier;
-
-/// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
-pub(super) type CopyIncarnation = (u64, u64, i64, i64);
 
 /// Nanoseconds since the epoch.
 pub(super) fn now_ns() -> u64 {
@@ -36,13 +32,11 @@ pub(super) fn now_ns() -> u64 {
 pub(super) struct Inner {
     pub(super) config: Config,
     pub(super) source: Arc<dyn Source>,
-    pub(super) tiers: Vec<Arc<Tier>>,
+    /// The tiers and their published copies.
+    pub(super) lookup: Lookup,
+    pub(super) faults: Arc<Faults>,
     pub(super) locks: Arc<FetchLocks>,
     pub(super) flights: Flights,
-    /// Hits not yet written to the index: (tier, key) -> (hits, last access).
-    pub(super) access: Mutex<HashMap<(usize, Key), (u64, u64)>>,
-    pub(super) last_access_flush: Mutex<Instant>,
-    pub(super) logged: Mutex<HashSet<String>>,
     pub(super) pool: OnceLock<Weak<Pool>>,
     /// Prefetches whose workers are still running, for [`Cache::wait_idle`](super::Cache::wait_idle).
     pub(super) prefetches: Mutex<usize>,
@@ -53,8 +47,6 @@ pub(super) struct Inner {
     /// Blocks of the files whose parts this node's agent serves (`blocks.rs`; empty in other processes).
     pub(super) blocks: super::blocks::Blocks,
     pub(super) remote: Option<Remote>,
-    /// What `copy_stat` found for each copy incarnation this process has seen (see there).
-    pub(super) copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
     pub(super) record_checksums: bool,
@@ -76,29 +68,6 @@ pub enum Native {
         /// The copy being written.
         copy: Arc<Growing>,
     },
-}
-
-/// What a look for a published copy counts: `tierstore status`'s hits and misses are the job's first
-/// look at each open, so a cold open is one miss, not a miss and then a hit of the copy just fetched.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Look {
-    /// The job's first look: a hit or a miss in each tier it reaches, and an access of the copy.
-    First,
-    /// The job's look at the copy fetched for it after its miss: an access of the copy, no hit.
-    AfterFetch,
-    /// The cache's own look (under the fetch lock, for a prefetch or a peer): counts nothing.
-    Quiet,
-}
-
-impl Look {
-    /// The job's look on its `attempt`th pass (0 first) through an open's loop.
-    pub(super) fn on_attempt(attempt: usize) -> Look {
-        if attempt == 0 {
-            Look::First
-        } else {
-            Look::AfterFetch
-        }
-    }
 }
 
 /// What a fetch under the lock produced.
@@ -163,21 +132,13 @@ impl Inner {
         self.pool.get().and_then(Weak::upgrade)
     }
 
-    /// Counts a cache fault in `tier` and says so on stderr once per kind and process.
+    /// Counts a cache fault in tier `tier` and says so once (see `faults.rs`).
     pub(super) fn fault(&self, tier: Option<usize>, kind: &str, detail: &str) {
-        if let Some(i) = tier {
-            self.tiers[i].counters.add(tier_slot::FAULTS, 1);
-        }
-        self.source.counters().add(src_slot::FALLBACKS, 1);
-        self.log_once(kind, &format!("cache fault ({detail}); served from the source. Further faults of this kind are counted, not logged: see `tierstore status`"));
+        self.faults.count(tier.map(|i| &*self.lookup.tiers()[i]), kind, detail);
     }
 
-    /// A warning said once per kind and process (`TIERSTORE_LOG=warn`, the default); at `debug` every
-    /// time, since that level is asked for to follow each file.
     pub(super) fn log_once(&self, kind: &str, message: &str) {
-        if log::log_enabled!(log::Level::Debug) || self.logged.lock().expect("log lock").insert(kind.to_string()) {
-            log::warn!("{message}");
-        }
+        self.faults.log_once(kind, message);
     }
 
     /// The version of the source file to serve, when a tier holds a copy of it to check: see
@@ -186,7 +147,7 @@ impl Inner {
     /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
     /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
     pub(super) fn known_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
-        match self.published(key, rel) {
+        match self.lookup.published(key, rel) {
             Some(e) => self.current_identity(key, rel, &e).map(Some),
             None => Ok(None),
         }
@@ -216,23 +177,6 @@ impl Inner {
         Ok((sid, f))
     }
 
-    /// The first published entry of `key` in tier order, with the tier's index.
-    pub(super) fn published_in(&self, key: &Key, rel: &str) -> Option<(usize, Entry)> {
-        self.tiers.iter().enumerate().find_map(|(i, t)| {
-            let e = t.index.as_ref().ok()?.lookup(key).ok()??;
-            (e.ready && e.rel == rel).then_some((i, e))
-        })
-    }
-
-    /// The index that records the source's directories: the first tier's that is available.
-    pub(super) fn directories(&self) -> Option<&crate::index::Index> {
-        self.tiers.iter().find_map(|t| t.index.as_ref().ok())
-    }
-
-    pub(super) fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
-        self.published_in(key, rel).map(|(_, e)| e)
-    }
-
     pub(super) fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
         let seen = now_ns();
         let key = key_of(rel);
@@ -245,7 +189,7 @@ impl Inner {
                         return Ok(r);
                     }
                 }
-                None if attempt == 0 => self.count_misses(rel),
+                None if attempt == 0 => self.lookup.count_misses(rel),
                 None => {}
             }
             match self.flights.join(&key) {
@@ -292,16 +236,6 @@ impl Inner {
         self.direct(rel, sid, &mut pre)
     }
 
-    /// Counts a miss in every available tier (a trusted file that no tier holds).
-    pub(super) fn count_misses(&self, rel: &str) {
-        log::debug!("{rel}: miss, no tier holds a copy");
-        for t in &self.tiers {
-            if t.index.is_ok() {
-                t.counters.add(tier_slot::MISSES, 1);
-            }
-        }
-    }
-
     /// A reader of the source itself (through `pre` when the source is already open).
     pub(super) fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<SourceFile>) -> Result<Reader, Error> {
         let f = match pre.take() {
@@ -311,153 +245,10 @@ impl Inner {
         Ok(Reader::new(Backing::Source(f), sid.size, rel.into(), self.source.clone()))
     }
 
-    /// Opens a valid published copy of `key`, if a tier has one.
+    /// A reader of a valid published copy of version `sid` of `key`, if a tier has one.
     pub(super) fn hit(&self, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Reader> {
-        let count = look == Look::First;
-        for (i, tier) in self.tiers.iter().enumerate() {
-            let Ok(index) = &tier.index else { continue };
-            let entry = match index.lookup(key) {
-                Ok(Some(e)) if e.ready && e.rel == rel && e.source == *sid => e,
-                Ok(found) => {
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                        let why = if found.is_some() { "holds another version" } else { "holds no copy" };
-                        log::debug!("{rel}: miss in {}, which {why}", tier.config.path.display());
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    self.fault(
-                        Some(i),
-                        "index-read",
-                        &format!("index of {} unreadable: {e}", tier.config.path.display()),
-                    );
-                    continue;
-                }
-            };
-            match self.open_copy(i, key, &entry) {
-                Ok(Some(backing)) => {
-                    if count {
-                        tier.counters.add(tier_slot::HITS, 1);
-                        log::debug!("{rel}: hit in {}", tier.config.path.display());
-                    }
-                    if look != Look::Quiet {
-                        self.note_access(i, key);
-                    }
-                    return Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()));
-                }
-                Ok(None) => {
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                    }
-                }
-                Err(detail) => {
-                    // A later look (under the fetch lock, or after the fetch) sees the same damage again: once is a fault.
-                    if count {
-                        tier.counters.add(tier_slot::MISSES, 1);
-                        self.fault(
-                            Some(i),
-                            "bad-copy",
-                            &format!("{detail} for {rel} in {}; it will be fetched again", tier.config.path.display()),
-                        );
-                    }
-                }
-            }
-        }
-        None
-    }
-
-    /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).
-    pub(super) fn open_copy(&self, i: usize, key: &Key, e: &Entry) -> Result<Option<Backing>, String> {
-        let tier = &self.tiers[i];
-        let file = match tier.open_copy(key) {
-            Ok(f) => f,
-            // Under an evicting policy another thread or process may have evicted the copy since the
-            // lookup: if its entry is gone or changed too, that is a miss, not damage.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup_settled(key).ok().flatten());
-                return match still {
-                    Some(now)
-                        if now.ready && now.source == e.source && now.stats.inserted_seq == e.stats.inserted_seq =>
-                    {
-                        Err("missing copy".into())
-                    }
-                    _ => Ok(None),
-                };
-            }
-            Err(err) => return Err(format!("copy unreadable ({err})")),
-        };
-        // Only an evicting policy deletes copies readers may hold; `fill` never does, so skip the syscall.
-        if self.config.policy.evicts() {
-            lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
-        }
-        let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
-        use std::os::unix::fs::MetadataExt;
-        if m.nlink() == 0 {
-            return Ok(None);
-        }
-        let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
-        if m.size() != e.source.size {
-            return Err(format!("truncated copy ({} of {} bytes)", m.size(), e.source.size));
-        }
-        if mtime != e.source.mtime_ns {
-            return Err("modified copy (its mtime changed)".into());
-        }
-        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
-        // its answer from what was just read, rather than find the entry again through /proc then.
-        if let Some(st) = e.source.to_stat() {
-            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
-        }
-        if self.config.verify == Verify::Checksum {
-            // A copy published without a checksum (while verification was by metadata) cannot be
-            // vouched for: fetch it again, which records one. Not a fault.
-            if e.checksum.is_none() {
-                return Ok(None);
-            }
-            let mut bytes = Vec::with_capacity(m.size() as usize);
-            use std::io::Read;
-            (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
-            if Some(crate::hash::hash_serial(&bytes)) != e.checksum {
-                return Err("corrupted copy (checksum mismatch)".into());
-            }
-            tier.counters.add(tier_slot::BYTES_SERVED, bytes.len() as u64);
-            return Ok(Some(Backing::Memory(Arc::new(bytes))));
-        }
-        Ok(Some(Backing::Copy(file, tier.clone())))
-    }
-
-    pub(super) fn note_access(&self, tier: usize, key: &Key) {
-        if !self.config.policy.tracks_access() {
-            return;
-        }
-        let n = {
-            let mut a = self.access.lock().expect("access lock");
-            let slot = a.entry((tier, *key)).or_insert((0, 0));
-            slot.0 += 1;
-            slot.1 = now_ns();
-            a.len()
-        };
-        let due = n >= 512 || self.last_access_flush.lock().expect("flush lock").elapsed().as_millis() >= 500;
-        if due {
-            self.flush_access();
-        }
-    }
-
-    /// Writes pending hit statistics into the indexes (batched: one write transaction per tier).
-    pub(super) fn flush_access(&self) {
-        let batch = std::mem::take(&mut *self.access.lock().expect("access lock"));
-        *self.last_access_flush.lock().expect("flush lock") = Instant::now();
-        let mut per_tier: HashMap<usize, Vec<(Key, u64, u64)>> = HashMap::new();
-        for ((t, k), (hits, last)) in batch {
-            per_tier.entry(t).or_default().push((k, hits, last));
-        }
-        for (t, list) in per_tier {
-            if let Ok(ix) = &self.tiers[t].index {
-                if let Err(e) = ix.record_access(&list) {
-                    self.fault(Some(t), "access-stats", &format!("access statistics not written: {e}"));
-                }
-            }
-        }
+        let backing = self.lookup.hit(key, rel, sid, look)?;
+        Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()))
     }
 
     /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
@@ -478,7 +269,7 @@ impl Inner {
                         return Ok(Native::Whole(f));
                     }
                 }
-                None if attempt == 0 => self.count_misses(rel),
+                None if attempt == 0 => self.lookup.count_misses(rel),
                 None => {}
             }
             match self.flights.join(&key) {

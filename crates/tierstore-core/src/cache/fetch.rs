@@ -10,10 +10,11 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{no_descriptor, now_ns, Fetched, Inner, Look};
+use super::engine::{no_descriptor, now_ns, Fetched, Inner};
 use super::flight::{Lead, Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
+use super::lookup::Look;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
 use crate::hash::Pieces;
@@ -129,7 +130,7 @@ impl Inner {
                 None
             }
         };
-        let published = self.published(key, rel).map(|e| self.current_identity(key, rel, &e));
+        let published = self.lookup.published(key, rel).map(|e| self.current_identity(key, rel, &e));
         let (sid, job) = match published {
             Some(Ok(sid)) => (sid, job),
             Some(Err(e)) => {
@@ -209,7 +210,7 @@ impl Inner {
         log::debug!(
             "{rel}: fetching {} B from the store into {}{}",
             sid.size,
-            self.tiers[t].config.path.display(),
+            self.lookup.tiers()[t].config.path.display(),
             if purpose == Purpose::Prefetch { " (prefetch)" } else { "" }
         );
         let small = sid.size <= self.config.inline_max;
@@ -296,7 +297,7 @@ impl Inner {
     ) -> Result<Fetched, Error> {
         let Placed { t, rel, sid, guard, lead } = placed;
         let key = *lead.key();
-        let tier = &self.tiers[t];
+        let tier = &self.lookup.tiers()[t];
         let temp = tier.create_temp(&key).and_then(|(path, f)| {
             let reader = File::open(&path)?;
             lock_shared(&reader)?;
@@ -347,7 +348,7 @@ impl Inner {
 
     /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
     pub(super) fn remove_entries(&self, key: &Key) {
-        for tier in &self.tiers {
+        for tier in self.lookup.tiers() {
             if let Ok(ix) = &tier.index {
                 if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
                     if old.ready {
@@ -364,7 +365,8 @@ impl Inner {
         // Each tier's quota bounds every source of the user in it together: this source's share is the
         // quota less what the others hold (see `usage`).
         let quotas: Vec<u64> = self
-            .tiers
+            .lookup
+            .tiers()
             .iter()
             .map(|t| {
                 let used = t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok());
@@ -372,7 +374,8 @@ impl Inner {
             })
             .collect();
         let free: Vec<Option<u64>> = self
-            .tiers
+            .lookup
+            .tiers()
             .iter()
             .zip(&quotas)
             .map(|(t, quota)| {
@@ -380,7 +383,7 @@ impl Inner {
             })
             .collect();
         for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
-            let tier = &self.tiers[i];
+            let tier = &self.lookup.tiers()[i];
             let Ok(ix) = &tier.index else { continue };
             let mut try_remove = |victim: &Key, _: &Entry| {
                 let path = tier.data_path(victim);
@@ -410,7 +413,7 @@ impl Inner {
     }
 
     pub(super) fn abort(&self, t: usize, key: &Key) {
-        if let Ok(ix) = &self.tiers[t].index {
+        if let Ok(ix) = &self.lookup.tiers()[t].index {
             let pid = crate::process::pid();
             let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
         }
@@ -431,7 +434,7 @@ impl Inner {
         sid: SourceId,
         sum: Option<[u8; 32]>,
     ) -> io::Result<()> {
-        let tier = &self.tiers[t];
+        let tier = &self.lookup.tiers()[t];
         set_mtime(file, sid.mtime_ns)?;
         tier.publish_file(temp, key)?;
         let published = match &tier.index {
@@ -450,7 +453,7 @@ impl Inner {
 
     /// Writes fetched bytes into tier `t` and publishes them.
     pub(super) fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
-        let tier = &self.tiers[t];
+        let tier = &self.lookup.tiers()[t];
         let r = tier.create_temp(key).and_then(|(path, mut f)| {
             let result =
                 f.write_all(bytes).and_then(|_| self.finish_publish(t, key, &path, &f, sid, self.checksum(bytes)));
@@ -503,7 +506,7 @@ impl Inner {
                 }
             }
         };
-        let tier_path = self.tiers[t].config.path.display();
+        let tier_path = self.lookup.tiers()[t].config.path.display();
         let (copied, after) = match self.source.copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
             Ok(x) => x,
             Err(CopyFault::Source(e)) => {
@@ -540,10 +543,10 @@ impl Inner {
     fn pending_copy<'a>(&'a self, t: usize, key: &'a Key, started: Option<Started>) -> Option<Pending<'a>> {
         let (temp, file, growing) = match started {
             Some((p, f, g)) => (p, f, Some(g)),
-            None => match self.tiers[t].create_temp(key) {
+            None => match self.lookup.tiers()[t].create_temp(key) {
                 Ok((p, f)) => (p, f, None),
                 Err(e) => {
-                    let tier_path = self.tiers[t].config.path.display();
+                    let tier_path = self.lookup.tiers()[t].config.path.display();
                     self.fault(Some(t), "tier-write", &format!("cannot create a copy in {tier_path}: {e}"));
                     self.abort(t, key);
                     return None;
@@ -583,7 +586,7 @@ impl Inner {
             Ok(None) => return Ok(None),
             Err(e) => return Err(Error::io(&self.source.path_of(rel), e)),
         };
-        if let Some(e) = self.published(key, rel) {
+        if let Some(e) = self.lookup.published(key, rel) {
             if self.trusted_now(&e) && self.hit(key, rel, &e.source, Look::Quiet).is_some() {
                 return Ok(None);
             }

@@ -29,10 +29,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::engine::{now_ns, Fetched, Inner, Look};
+use super::engine::{now_ns, Fetched, Inner};
 use super::flight::{Lead, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
+use super::lookup::Look;
 use crate::error::Error;
 use crate::index::{key_of, Key, SourceId};
 use crate::marks::ReadMarks;
@@ -126,7 +127,9 @@ struct State {
 /// [`left_to_reader`]).
 fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
     rels.iter()
-        .map(|rel| inner.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(inner)))
+        .map(|rel| {
+            inner.lookup.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(inner))
+        })
         .collect()
 }
 
@@ -453,7 +456,7 @@ impl Shared {
     /// revalidated), not a fetch, and no budget.
     fn held(&self, key: &Key, rel: &str) -> bool {
         let inner = &self.inner;
-        inner.published(key, rel).is_some()
+        inner.lookup.published(key, rel).is_some()
             && (left_to_reader(inner)
                 || inner
                     .known_identity(key, rel)

@@ -11,7 +11,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::blocks::{Version, BLOCK};
-use super::engine::{Inner, Look};
+use super::engine::Inner;
+use super::lookup::Look;
 use super::peers::Beneath;
 use super::Cache;
 use crate::cluster::transfer::Transfer;

@@ -39,11 +39,12 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{memory_file, now_ns, Fetched, Inner, Look, Native};
+use super::engine::{memory_file, now_ns, Fetched, Inner, Native};
 use super::fetch::fail_flight;
 use super::flight::{Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, FetchGuard};
+use super::lookup::Look;
 use crate::cluster::remote::{Remote, WINDOW};
 use crate::cluster::transfer::{Dest, RemoteError, Transfer};
 use crate::cluster::Sharing;
@@ -137,6 +138,7 @@ impl<'a> Beneath<'a> {
         canonical(sid)
             || self
                 .inner
+                .lookup
                 .published(&key_of(self.rel), self.rel)
                 .is_some_and(|e| e.source == *sid && canonical(&e.source))
     }
@@ -171,7 +173,7 @@ impl Inner {
         let path = self.source.path_of(rel);
         let m = file.metadata().map_err(|e| Error::io(&path, e))?;
         let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
-        if let Some(e) = self.published(&key_of(rel), rel) {
+        if let Some(e) = self.lookup.published(&key_of(rel), rel) {
             if e.source.size == m.size() && e.source.mtime_ns == mtime {
                 return Ok(Served { file, identity: e.source, checksum: e.checksum, copy: None });
             }
@@ -249,7 +251,7 @@ impl Inner {
                 return Ok(Fetched::Uncached);
             }
         };
-        let sid = match self.published(key, rel).map(|e| self.current_identity(key, rel, &e)) {
+        let sid = match self.lookup.published(key, rel).map(|e| self.current_identity(key, rel, &e)) {
             Some(Err(e)) => {
                 drop(guard);
                 fail_flight(job.lead, &e);
@@ -270,7 +272,7 @@ impl Inner {
 
     /// A whole copy of version `sid` as served: with the version and blake3 its entry records.
     fn served_copy(&self, key: &Key, rel: &str, file: File, sid: SourceId) -> Served {
-        match self.published(key, rel).filter(|e| e.source == sid) {
+        match self.lookup.published(key, rel).filter(|e| e.source == sid) {
             Some(e) => Served { file, identity: e.source, checksum: e.checksum, copy: None },
             None => Served { file, identity: sid, checksum: None, copy: None },
         }
@@ -289,7 +291,8 @@ impl Inner {
             // whole-file path alone, not both).
             if let Some(file) = self.hit(&key, rel, &sid, Look::Quiet).and_then(Reader::into_file) {
                 if beneath.vouches(&sid)? {
-                    let checksum = self.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
+                    let checksum =
+                        self.lookup.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
                     return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
                 }
             }
@@ -351,14 +354,14 @@ impl Inner {
         // Parts may have been served from blocks read from the store: read them again for the next asker.
         self.blocks.forget(rel);
         let key = key_of(rel);
-        let Some((i, e)) = self.published_in(&key, rel) else { return Ok(false) };
+        let Some((i, e)) = self.lookup.published_in(&key, rel) else { return Ok(false) };
         let Some(recorded) = e.checksum else { return Ok(false) };
         // Only a copy of the file the path names beneath the source is the asker's to report (a copy a
         // local open made through a symlink that leaves the source was never sent to it).
         if !Beneath::new(self, rel).vouches(&e.source).unwrap_or(false) {
             return Ok(false);
         }
-        let copy = match self.tiers[i].open_copy(&key) {
+        let copy = match self.lookup.tiers()[i].open_copy(&key) {
             Ok(f) => f,
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
             Err(err) => return Err(Error::io(&self.source.path_of(rel), err)),
@@ -386,7 +389,7 @@ impl Inner {
         let Some(who) = remote.owner(rel) else { return Err(job) };
         // Node-wide single flight: one process of this node asks the owner, the others find its copy.
         let Ok(guard) = self.locks.lock(key) else { return Err(job) };
-        let published = known.or_else(|| self.published(key, rel).map(|e| e.source));
+        let published = known.or_else(|| self.lookup.published(key, rel).map(|e| e.source));
         if let Some(sid) = published {
             if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
                 return Ok(match purpose {
@@ -564,7 +567,7 @@ impl Inner {
     /// readers of every growing copy hold it).
     fn follow_target(&self, tier: Option<usize>, key: &Key, rel: &str) -> io::Result<(Option<PathBuf>, File, File)> {
         match tier {
-            Some(t) => self.tiers[t].create_temp(key).and_then(|(path, f)| {
+            Some(t) => self.lookup.tiers()[t].create_temp(key).and_then(|(path, f)| {
                 let follower = File::open(&path)?;
                 lock_shared(&follower)?;
                 Ok((Some(path), f, follower))
@@ -603,7 +606,7 @@ impl Inner {
         transfer: Transfer,
         who: &str,
     ) -> Result<Received, RemoteError> {
-        let tier = &self.tiers[t];
+        let tier = &self.lookup.tiers()[t];
         let (temp, file) = match tier.create_temp(key) {
             Ok(x) => x,
             Err(e) => {

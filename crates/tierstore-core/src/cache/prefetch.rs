@@ -19,9 +19,10 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::engine::{now_ns, Fetched, Inner, Look};
+use super::engine::{now_ns, Fetched, Inner};
 use super::flight::Role;
 use super::job::{FetchJob, Purpose};
+use super::lookup::Look;
 use crate::config::Revalidate;
 use crate::error::Error;
 use crate::index::{key_of, Key, SourceId};
@@ -403,7 +404,7 @@ impl Walk {
     /// its directory's listing, a `stat`, or not at all); `None` when it must be copied.
     fn cached(&self, parent: Option<&DirHandle>, name: &OsString, key: &Key, rel: &str) -> Result<Option<u64>, String> {
         let inner = &self.inner;
-        let Some(e) = inner.published(key, rel) else { return Ok(None) };
+        let Some(e) = inner.lookup.published(key, rel) else { return Ok(None) };
         let current = match inner.config.revalidate {
             Revalidate::Never => Some(e.source),
             // One listing confirms the copies of the whole directory.

@@ -57,7 +57,7 @@ impl Inner {
             // On a POSIX source, the version the other process reserved its copy for: it reads the copy
             // from a descriptor of exactly that version, so a version vouched for is a file beneath the
             // source (and the copy of a file a local open reached through a symlink out of it never is).
-            let reserved = self.tiers[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
+            let reserved = self.lookup.tiers()[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
             let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else {
                 return Ok(Err(lead));
             };
@@ -129,7 +129,7 @@ impl Inner {
         }
         let merged = root_of_pieces(&copy.pieces(), size, PIECE);
         loop {
-            if let Some(e) = self.published(key, rel) {
+            if let Some(e) = self.lookup.published(key, rel) {
                 return if e.source == sid && e.checksum == Some(merged) {
                     copy.advance(size);
                     Ok(())
@@ -137,7 +137,7 @@ impl Inner {
                     Err("the other process published another version, or other bytes".into())
                 };
             }
-            if self.sibling_gave_up(key) && self.published(key, rel).is_none() {
+            if self.sibling_gave_up(key) && self.lookup.published(key, rel).is_none() {
                 return Err("the other process ended its copy without publishing it".into());
             }
             if moved.elapsed() > STALLED {
@@ -158,7 +158,9 @@ impl Inner {
             if !matches!(self.locks.try_lock(key), Ok(None)) {
                 return None;
             }
-            if let Some(found) = self.tiers.iter().enumerate().find_map(|(i, t)| Some((i, t.temp_of_another(key)?))) {
+            if let Some(found) =
+                self.lookup.tiers().iter().enumerate().find_map(|(i, t)| Some((i, t.temp_of_another(key)?)))
+            {
                 return Some(found);
             }
             if since.elapsed() > TEMP_WAIT {

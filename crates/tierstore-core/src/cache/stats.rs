@@ -94,7 +94,8 @@ impl Inner {
             lists: c.get(src_slot::LISTS),
         };
         let tiers = self
-            .tiers
+            .lookup
+            .tiers()
             .iter()
             .map(|t| {
                 let (usage, error) = match &t.index {
@@ -126,7 +127,7 @@ impl Inner {
     /// See [`Cache::reset_counters`](super::Cache::reset_counters).
     pub(super) fn reset_counters(&self) {
         self.source.counters().reset();
-        for t in &self.tiers {
+        for t in self.lookup.tiers() {
             t.counters.reset();
         }
     }

@@ -14,28 +14,16 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::engine::{now_ns, CopyIncarnation, Inner};
+use super::engine::{now_ns, Inner};
 use crate::config::Revalidate;
 use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::index::{key_of, Entry, Link, Listed, SourceId, XattrAnswer, XattrQuery};
 
-/// How many copies' rewritten `stat`s a process remembers before it starts over.
-const COPY_STATS_KEPT: usize = 1 << 16;
-
 impl Inner {
     /// The record of the symlink `rel`, if one was made.
     pub(super) fn link(&self, rel: &str) -> Option<Link> {
-        self.directories()?.link(&key_of(rel), rel).ok().flatten()
-    }
-
-    /// Remembers what `fstat` reports for a copy's incarnation (see [`Trusted::copy_stat`]).
-    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
-        let mut memo = self.copy_stats.lock().expect("copy stats lock");
-        if memo.len() >= COPY_STATS_KEPT {
-            memo.clear();
-        }
-        memo.insert(incarnation, st);
+        self.lookup.directories()?.link(&key_of(rel), rel).ok().flatten()
     }
 }
 
@@ -100,7 +88,7 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return;
         }
-        let Some(ix) = self.inner.directories() else { return };
+        let Some(ix) = self.inner.lookup.directories() else { return };
         let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
         let key = key_of(&rel);
         match st.st_mode & libc::S_IFMT {
@@ -165,7 +153,7 @@ impl<'a> Trusted<'a> {
         if self.inner.config.revalidate != Revalidate::Never {
             return None;
         }
-        let raw = self.inner.directories()?.statfs().ok()??;
+        let raw = self.inner.lookup.directories()?.statfs().ok()??;
         if raw.len() != std::mem::size_of::<libc::statfs64>() {
             return None;
         }
@@ -178,7 +166,7 @@ impl<'a> Trusted<'a> {
         if self.inner.config.revalidate != Revalidate::Never {
             return;
         }
-        let Some(ix) = self.inner.directories() else { return };
+        let Some(ix) = self.inner.lookup.directories() else { return };
         // SAFETY: the bytes of a plain C struct.
         let raw = unsafe {
             std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
@@ -193,7 +181,7 @@ impl<'a> Trusted<'a> {
             return None;
         }
         let rel = self.inner.source.relative_or_root(path).ok()?;
-        let ix = self.inner.directories()?;
+        let ix = self.inner.lookup.directories()?;
         let key = key_of(&rel);
         let (at, entries) = ix.listing(&key).ok()??;
         if self.inner.config.revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
@@ -207,7 +195,7 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.inner.lookup.directories(), self.inner.source.relative_or_root(path)) else {
             return;
         };
         self.inner.source.counters().add(src_slot::STATS, 1);
@@ -223,7 +211,7 @@ impl<'a> Trusted<'a> {
         }
         let rel = self.inner.source.relative_or_root(path).ok()?;
         let key = key_of(&rel);
-        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
+        let tier = self.inner.lookup.tiers().iter().find(|t| t.index.is_ok())?;
         let ix = tier.index.as_ref().ok()?;
         if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
             ix.record_listing(&key, &rel, None, 0).ok()?;
@@ -234,7 +222,7 @@ impl<'a> Trusted<'a> {
     /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
     /// for, if it is one.
     pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
-        let tier = self.inner.tiers.iter().find(|t| t.index.is_ok())?;
+        let tier = self.inner.lookup.tiers().iter().find(|t| t.index.is_ok())?;
         let key = tier.key_of_shadow(name)?;
         let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
         Some(self.inner.source.path_of(&rel))
@@ -245,7 +233,7 @@ impl<'a> Trusted<'a> {
     /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
     /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
     pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
-        let tier = self.inner.tiers.iter().find(|t| t.holds_device(st.st_dev))?;
+        let tier = self.inner.lookup.tiers().iter().find(|t| t.holds_device(st.st_dev))?;
         // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
         // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
         // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
@@ -253,8 +241,8 @@ impl<'a> Trusted<'a> {
         let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
         let remembered = st.st_nlink > 0 && st.st_ino != 0;
         if remembered {
-            if let Some(known) = self.inner.copy_stats.lock().expect("copy stats lock").get(&incarnation) {
-                return (known.st_size == st.st_size).then_some(*known);
+            if let Some(known) = self.inner.lookup.remembered_copy(&incarnation) {
+                return (known.st_size == st.st_size).then_some(known);
             }
         }
         let name = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
@@ -265,7 +253,7 @@ impl<'a> Trusted<'a> {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            self.inner.remember_copy(incarnation, rewritten);
+            self.inner.lookup.remember_copy(incarnation, rewritten);
         }
         Some(rewritten)
     }
@@ -278,16 +266,16 @@ impl<'a> Trusted<'a> {
         }
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
-        Ok(self.inner.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
+        Ok(self.inner.lookup.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
     }
 
     /// What a published entry or a directory record says of `rel`, when it may answer now (see
     /// [`Inner::record_fresh`]); with `nofollow`, only one recorded as the path's own (`lstat`).
     fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
         let key = key_of(rel);
-        let (known, at) = match self.inner.published(&key, rel) {
+        let (known, at) = match self.inner.lookup.published(&key, rel) {
             Some(e) => (e.source, e.confirmed_ns),
-            None => self.inner.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
+            None => self.inner.lookup.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
         };
         (self.record_fresh(at) && (!nofollow || known.attrs.is_some_and(|a| a.canonical))).then_some(known)
     }
@@ -299,7 +287,7 @@ impl<'a> Trusted<'a> {
             return None;
         }
         let rel = self.inner.source.relative_or_root(path).ok()?;
-        self.inner.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
+        self.inner.lookup.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
     }
 
     /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
@@ -309,7 +297,7 @@ impl<'a> Trusted<'a> {
         if self.inner.config.revalidate != Revalidate::Never {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.inner.directories(), self.inner.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.inner.lookup.directories(), self.inner.source.relative_or_root(path)) else {
             return;
         };
         let _ = ix.record_xattr(&key_of(&rel), &rel, query, answer);
@@ -317,7 +305,7 @@ impl<'a> Trusted<'a> {
 
     /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
     pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
-        self.inner.tiers.iter().find_map(|t| {
+        self.inner.lookup.tiers().iter().find_map(|t| {
             let e = t.index.as_ref().ok()?.lookup(&t.key_of_copy(name)?).ok()??;
             e.ready.then(|| self.inner.source.path_of(&e.rel))
         })
@@ -325,6 +313,6 @@ impl<'a> Trusted<'a> {
 
     /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
     pub fn is_copy(&self, path: &Path) -> bool {
-        self.inner.tiers.iter().any(|t| t.key_of_copy(path).is_some())
+        self.inner.lookup.tiers().iter().any(|t| t.key_of_copy(path).is_some())
     }
 }

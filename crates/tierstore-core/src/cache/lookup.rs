@@ -1,0 +1,273 @@
+//! Lookup: which tier holds a published copy of a file, and opening it checked. It owns the cache's tiers,
+//! the hits not yet written to their indexes (for an evicting policy), and what `fstat` reported for each
+//! copy this process opened (for the shim's replay of it, see `trusted.rs`). The other components ask it
+//! for copies; none walks the tiers' indexes for a copy itself.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::engine::now_ns;
+use super::faults::Faults;
+use super::lock::lock_shared;
+use crate::config::Verify;
+use crate::counters::tier as tier_slot;
+use crate::index::{Entry, Index, Key, SourceId};
+use crate::placement::Policy;
+use crate::reader::Backing;
+use crate::tier::Tier;
+
+/// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
+pub(super) type CopyIncarnation = (u64, u64, i64, i64);
+
+/// How many copies' rewritten `stat`s a process remembers before it starts over.
+const COPY_STATS_KEPT: usize = 1 << 16;
+
+/// Pending hits are written to the indexes once this many copies have some, or this long after the last
+/// write: one write transaction per tier, not one per read.
+const ACCESS_BATCH: usize = 512;
+const ACCESS_FLUSH_MS: u128 = 500;
+
+/// What a look for a published copy counts: `tierstore status`'s hits and misses are the job's first
+/// look at each open, so a cold open is one miss, not a miss and then a hit of the copy just fetched.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Look {
+    /// The job's first look: a hit or a miss in each tier it reaches, and an access of the copy.
+    First,
+    /// The job's look at the copy fetched for it after its miss: an access of the copy, no hit.
+    AfterFetch,
+    /// The cache's own look (under the fetch lock, for a prefetch or a peer): counts nothing.
+    Quiet,
+}
+
+impl Look {
+    /// The job's look on its `attempt`th pass (0 first) through an open's loop.
+    pub(super) fn on_attempt(attempt: usize) -> Look {
+        if attempt == 0 {
+            Look::First
+        } else {
+            Look::AfterFetch
+        }
+    }
+}
+
+/// The tiers' published copies (see the module).
+pub(super) struct Lookup {
+    tiers: Vec<Arc<Tier>>,
+    policy: Policy,
+    verify: Verify,
+    faults: Arc<Faults>,
+    /// Hits not yet written to the index: (tier, key) -> (hits, last access).
+    access: Mutex<HashMap<(usize, Key), (u64, u64)>>,
+    last_access_flush: Mutex<Instant>,
+    /// What `fstat` of each copy incarnation this process opened reports, rewritten as its source file's.
+    copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
+}
+
+impl Lookup {
+    pub(super) fn new(tiers: Vec<Arc<Tier>>, policy: Policy, verify: Verify, faults: Arc<Faults>) -> Lookup {
+        Lookup {
+            tiers,
+            policy,
+            verify,
+            faults,
+            access: Mutex::new(HashMap::new()),
+            last_access_flush: Mutex::new(Instant::now()),
+            copy_stats: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The tiers, fastest first.
+    pub(super) fn tiers(&self) -> &[Arc<Tier>] {
+        &self.tiers
+    }
+
+    /// The first published entry of `key` in tier order, with the tier's index.
+    pub(super) fn published_in(&self, key: &Key, rel: &str) -> Option<(usize, Entry)> {
+        self.tiers.iter().enumerate().find_map(|(i, t)| {
+            let e = t.index.as_ref().ok()?.lookup(key).ok()??;
+            (e.ready && e.rel == rel).then_some((i, e))
+        })
+    }
+
+    /// The first published entry of `key` in tier order.
+    pub(super) fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
+        self.published_in(key, rel).map(|(_, e)| e)
+    }
+
+    /// The index that records the source's directories: the first tier's that is available.
+    pub(super) fn directories(&self) -> Option<&Index> {
+        self.tiers.iter().find_map(|t| t.index.as_ref().ok())
+    }
+
+    /// Counts a miss in every available tier (a trusted file that no tier holds).
+    pub(super) fn count_misses(&self, rel: &str) {
+        log::debug!("{rel}: miss, no tier holds a copy");
+        for t in &self.tiers {
+            if t.index.is_ok() {
+                t.counters.add(tier_slot::MISSES, 1);
+            }
+        }
+    }
+
+    /// The bytes of a valid published copy of version `sid` of `key`, from the first tier that has one.
+    pub(super) fn hit(&self, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Backing> {
+        let count = look == Look::First;
+        for (i, tier) in self.tiers.iter().enumerate() {
+            let Ok(index) = &tier.index else { continue };
+            let entry = match index.lookup(key) {
+                Ok(Some(e)) if e.ready && e.rel == rel && e.source == *sid => e,
+                Ok(found) => {
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                        let why = if found.is_some() { "holds another version" } else { "holds no copy" };
+                        log::debug!("{rel}: miss in {}, which {why}", tier.config.path.display());
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    let detail = format!("index of {} unreadable: {e}", tier.config.path.display());
+                    self.faults.count(Some(tier), "index-read", &detail);
+                    continue;
+                }
+            };
+            match self.open_copy(tier, key, &entry) {
+                Ok(Some(backing)) => {
+                    if count {
+                        tier.counters.add(tier_slot::HITS, 1);
+                        log::debug!("{rel}: hit in {}", tier.config.path.display());
+                    }
+                    if look != Look::Quiet {
+                        self.note_access(i, key);
+                    }
+                    return Some(backing);
+                }
+                Ok(None) => {
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                    }
+                }
+                Err(detail) => {
+                    // A later look (under the fetch lock, or after the fetch) sees the same damage again: once is a fault.
+                    if count {
+                        tier.counters.add(tier_slot::MISSES, 1);
+                        let detail =
+                            format!("{detail} for {rel} in {}; it will be fetched again", tier.config.path.display());
+                        self.faults.count(Some(tier), "bad-copy", &detail);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).
+    fn open_copy(&self, tier: &Arc<Tier>, key: &Key, e: &Entry) -> Result<Option<Backing>, String> {
+        let file = match tier.open_copy(key) {
+            Ok(f) => f,
+            // Under an evicting policy another thread or process may have evicted the copy since the
+            // lookup: if its entry is gone or changed too, that is a miss, not damage.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                let still = tier.index.as_ref().ok().and_then(|ix| ix.lookup_settled(key).ok().flatten());
+                return match still {
+                    Some(now)
+                        if now.ready && now.source == e.source && now.stats.inserted_seq == e.stats.inserted_seq =>
+                    {
+                        Err("missing copy".into())
+                    }
+                    _ => Ok(None),
+                };
+            }
+            Err(err) => return Err(format!("copy unreadable ({err})")),
+        };
+        // Only an evicting policy deletes copies readers may hold; `fill` never does, so skip the syscall.
+        if self.policy.evicts() {
+            lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
+        }
+        let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
+        use std::os::unix::fs::MetadataExt;
+        if m.nlink() == 0 {
+            return Ok(None);
+        }
+        let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
+        if m.size() != e.source.size {
+            return Err(format!("truncated copy ({} of {} bytes)", m.size(), e.source.size));
+        }
+        if mtime != e.source.mtime_ns {
+            return Err("modified copy (its mtime changed)".into());
+        }
+        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
+        // its answer from what was just read, rather than find the entry again through /proc then.
+        if let Some(st) = e.source.to_stat() {
+            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+        }
+        if self.verify == Verify::Checksum {
+            // A copy published without a checksum (while verification was by metadata) cannot be
+            // vouched for: fetch it again, which records one. Not a fault.
+            if e.checksum.is_none() {
+                return Ok(None);
+            }
+            let mut bytes = Vec::with_capacity(m.size() as usize);
+            use std::io::Read;
+            (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
+            if Some(crate::hash::hash_serial(&bytes)) != e.checksum {
+                return Err("corrupted copy (checksum mismatch)".into());
+            }
+            tier.counters.add(tier_slot::BYTES_SERVED, bytes.len() as u64);
+            return Ok(Some(Backing::Memory(Arc::new(bytes))));
+        }
+        Ok(Some(Backing::Copy(file, tier.clone())))
+    }
+
+    /// Counts a hit of the copy in `tier` for the evicting policy, written to the index in batches.
+    fn note_access(&self, tier: usize, key: &Key) {
+        if !self.policy.tracks_access() {
+            return;
+        }
+        let n = {
+            let mut a = self.access.lock().expect("access lock");
+            let slot = a.entry((tier, *key)).or_insert((0, 0));
+            slot.0 += 1;
+            slot.1 = now_ns();
+            a.len()
+        };
+        let due = n >= ACCESS_BATCH
+            || self.last_access_flush.lock().expect("flush lock").elapsed().as_millis() >= ACCESS_FLUSH_MS;
+        if due {
+            self.flush_access();
+        }
+    }
+
+    /// Writes pending hit statistics into the indexes (batched: one write transaction per tier).
+    pub(super) fn flush_access(&self) {
+        let batch = std::mem::take(&mut *self.access.lock().expect("access lock"));
+        *self.last_access_flush.lock().expect("flush lock") = Instant::now();
+        let mut per_tier: HashMap<usize, Vec<(Key, u64, u64)>> = HashMap::new();
+        for ((t, k), (hits, last)) in batch {
+            per_tier.entry(t).or_default().push((k, hits, last));
+        }
+        for (t, list) in per_tier {
+            let tier = &self.tiers[t];
+            if let Ok(ix) = &tier.index {
+                if let Err(e) = ix.record_access(&list) {
+                    self.faults.count(Some(tier), "access-stats", &format!("access statistics not written: {e}"));
+                }
+            }
+        }
+    }
+
+    /// Remembers what `fstat` reports for a copy's incarnation (see [`Trusted::copy_stat`](super::Trusted::copy_stat)).
+    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
+        let mut memo = self.copy_stats.lock().expect("copy stats lock");
+        if memo.len() >= COPY_STATS_KEPT {
+            memo.clear();
+        }
+        memo.insert(incarnation, st);
+    }
+
+    /// What was remembered of a copy's incarnation.
+    pub(super) fn remembered_copy(&self, incarnation: &CopyIncarnation) -> Option<libc::stat> {
+        self.copy_stats.lock().expect("copy stats lock").get(incarnation).copied()
+    }
+}
