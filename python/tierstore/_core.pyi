@@ -15,6 +15,7 @@ __all__ = [
     "SETTINGS",
     "STORE_DEFAULTS",
     "STORE_KEYS",
+    "VALUE_KEYWORDS",
     "AgentLink",
     "Cache",
     "ConfigError",
@@ -58,6 +59,9 @@ STORE_DEFAULTS: dict[str, str]  # the defaults of STORE_KEYS, as the reference w
 # file and for variables only the environment sets), key, name ("cluster.port"), type, choices, bounds,
 # default (as the file writes it) or None, default_text, env, argument (of Cache), flag (of `tierstore`), doc.
 SETTINGS: tuple[dict[str, Any], ...]
+# The keywords of Cache that give one top-level setting each (source, policy, ...), which Cache hands to
+# _core.Cache as `settings`, by keyword.
+VALUE_KEYWORDS: tuple[str, ...]
 
 class TierstoreError(Exception): ...
 
@@ -166,13 +170,8 @@ class Cache:
         cls,
         *,
         config_file: _Path | None = None,
-        source: _Path | None = None,
         tiers: Sequence[tuple[_Path, _Size | None]] | None = None,
-        policy: str | None = None,
-        threads: _Size | None = None,
-        inline_max: _Size | None = None,
-        verify: str | None = None,
-        revalidate: str | None = None,
+        settings: Mapping[str, object] | None = None,
         s3: Mapping[str, object] | None = None,
         object_store: Mapping[str, object] | None = None,
     ) -> Cache: ...

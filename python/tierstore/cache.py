@@ -99,16 +99,16 @@ class Cache:
             raise _core.ConfigError(
                 f"tiers={tiers!r} is one tier, not a list of them; give tiers=[{os.fsdecode(tiers)!r}]"
             )
+        # The keywords of one value each (source, policy, threads, ...), by the settings table: the engine
+        # reads each by its type and key, so a new one is its table entry, its parameter and its use.
+        given = locals()
+        values = {k: given[k] for k in _core.VALUE_KEYWORDS if given[k] is not None}
         # Kept to rebuild the cache in a spawned worker (see __reduce__); a forked one inherits it.
         self._args = (
             source,
             tiers,
             {
-                "policy": policy,
-                "threads": threads,
-                "inline_max": inline_max,
-                "verify": verify,
-                "revalidate": revalidate,
+                **{k: v for k, v in values.items() if k != "source"},
                 "config": config,
                 "s3": None if s3 is None else dict(s3),
                 "object_store": None if object_store is None else dict(object_store),
@@ -116,13 +116,8 @@ class Cache:
         )
         self._core = _core.Cache(
             config_file=config,
-            source=source,
             tiers=None if tiers is None else [_tier(t) for t in tiers],
-            policy=policy,
-            threads=threads,
-            inline_max=inline_max,
-            verify=verify,
-            revalidate=revalidate,
+            settings=values,
             s3=None if s3 is None else {k: str(v) for k, v in s3.items()},
             object_store=None if object_store is None else {k: str(v) for k, v in object_store.items()},
         )

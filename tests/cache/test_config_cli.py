@@ -87,6 +87,27 @@ def test_invalid_values_fail_at_start_naming_key_value_and_fix(
         assert text in str(e.value), str(e.value)
 
 
+def test_every_keyword_of_one_value_reaches_the_engine_by_its_type(source: Path, tier: str) -> None:
+    # The keywords go to the engine by the settings table, each read by its type: a path, a count given as
+    # an int or a string, a size, words.
+    c = tierstore.Cache(
+        source, [tier], policy="lru", threads="3", inline_max=4096, verify="checksum", revalidate="5s"
+    ).config()
+    assert c["source"] == (str(source), "argument")
+    assert (c["policy"], c["threads"], c["inline_max"]) == (
+        ("lru", "argument"),
+        (3, "argument"),
+        (4096, "argument"),
+    )
+    assert (c["verify"][0], c["revalidate"][0]) == ("checksum", "5s")
+    with pytest.raises(TypeError, match="policy= takes a string, not int"):
+        tierstore.Cache(source, [tier], policy=3)
+    with pytest.raises(TypeError, match="threads= takes a whole number"):
+        tierstore.Cache(source, [tier], threads=2.5)
+    with pytest.raises(TypeError, match=r'no keyword "polcy".*policy'):
+        tierstore._core.Cache(settings={"polcy": "lru"})
+
+
 def test_config_file_errors(source: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('polcy = "lru"\n')

@@ -61,12 +61,9 @@ fn world() -> World {
 }
 
 fn config(w: &World, sharing: Sharing) -> Config {
-    let o = Overrides {
-        source: Some(w.source.display().to_string()),
-        tiers: Some(vec![(w.tier.display().to_string(), Some("256M".into()))]),
-        inline_max: Some("64KiB".into()),
-        ..Default::default()
-    };
+    let o = Overrides { tiers: Some(vec![(w.tier.display().to_string(), Some("256M".into()))]), ..Default::default() }
+        .with("source", w.source.display().to_string())
+        .with("inline_max", "64KiB");
     let mut c = Config::load_with_env(&o, &Default::default()).unwrap();
     // The agent's cache asks no peer: no member list or token file is needed for it. Sharing on makes
     // its copies record their blake3, and a large file is then sent while its copy is still being made.

@@ -96,29 +96,28 @@ pub struct Config {
     pub writeback: Vec<Destination>,
 }
 
-/// Values given by the API or CLI; `None` leaves the file or environment value in place.
+/// Values given by the API or CLI; what is not given leaves the file or environment value in place.
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
     /// A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
     pub config_file: Option<PathBuf>,
-    /// The source directory.
-    pub source: Option<String>,
     /// Tiers as `(path, quota)` pairs; quota `None` means "derive from free space".
     pub tiers: Option<Vec<(String, Option<String>)>>,
-    /// Placement policy name.
-    pub policy: Option<String>,
-    /// Background thread count.
-    pub threads: Option<String>,
-    /// Inline fetch limit (a size).
-    pub inline_max: Option<String>,
-    /// Verification mode name.
-    pub verify: Option<String>,
-    /// Revalidation mode name.
-    pub revalidate: Option<String>,
+    /// Top-level settings of one value each, by their key (`("source", "/data")`, `("policy", "lru")`),
+    /// as the file would write them: any setting of the table whose value is one string or number.
+    pub settings: Vec<(String, String)>,
     /// `[object_store]` settings (key, value), over the file's.
     pub object_store: Vec<(String, String)>,
     /// `[s3]` settings (key, value), the older name of `object_store`.
     pub s3: Vec<(String, String)>,
+}
+
+impl Overrides {
+    /// These overrides with the top-level setting `key` given as `value`.
+    pub fn with(mut self, key: &str, value: impl Into<String>) -> Overrides {
+        self.settings.push((key.to_string(), value.into()));
+        self
+    }
 }
 
 /// Variables named `TIERSTORE_*` that are not tierstore's configuration: the test suite's knobs
@@ -388,17 +387,18 @@ impl Config {
             let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
             raw.tiers = Some((tiers, Origin::Argument));
         }
-        for (key, value) in [
-            ("source", &overrides.source),
-            ("policy", &overrides.policy),
-            ("threads", &overrides.threads),
-            ("inline_max", &overrides.inline_max),
-            ("verify", &overrides.verify),
-            ("revalidate", &overrides.revalidate),
-        ] {
-            if let Some(v) = value {
-                raw.top.insert(key, (v.clone(), Origin::Argument));
-            }
+        for (key, value) in &overrides.settings {
+            let setting = settings::top_values().find(|s| s.key == key).ok_or_else(|| {
+                let keys: Vec<&str> = settings::top_values().map(|s| s.key).collect();
+                bad(
+                    &Origin::Argument,
+                    key,
+                    value,
+                    "not a setting of one value",
+                    &format!("give one of {}", keys.join(", ")),
+                )
+            })?;
+            raw.top.insert(setting.key, (value.clone(), Origin::Argument));
         }
         if let Some(v) = env.get("TIERSTORE_WRITEBACK") {
             let o = env_origin("TIERSTORE_WRITEBACK");
@@ -631,7 +631,7 @@ mod tests {
             ),
         )
         .unwrap();
-        let o = Overrides { config_file: Some(file.clone()), threads: Some("5".into()), ..Default::default() };
+        let o = Overrides { config_file: Some(file.clone()), ..Default::default() }.with("threads", "5");
         let c = Config::load_with_env(&o, &env(&[("TIERSTORE_POLICY", "lfu")])).unwrap();
         assert_eq!(c.policy, Policy::Lfu);
         assert_eq!(c.threads, 5);
@@ -661,7 +661,7 @@ mod tests {
         // The environment overrides the file; Slurm's list is the fallback when none is given.
         let c = Config::load_with_env(&o, &env(&[("TIERSTORE_PEERS", "n[1-3]")])).unwrap();
         assert_eq!(c.cluster.members.len(), 3);
-        let base = Overrides { source: Some(src.display().to_string()), ..Default::default() };
+        let base = Overrides::default().with("source", src.display().to_string());
         let c = Config::load_with_env(
             &base,
             &env(&[("TIERSTORE_SHARING", "inclusive"), ("SLURM_JOB_NODELIST", "node[001-004]")]),
@@ -713,15 +713,19 @@ mod tests {
         let src = dir.path().join("src");
         std::fs::create_dir(&src).unwrap();
         let t0 = dir.path().join("t0").display().to_string();
-        let base = Overrides { source: Some(src.display().to_string()), ..Default::default() };
+        let base = Overrides::default().with("source", src.display().to_string());
         let err = |o: Overrides, e: &[(&str, &str)]| Config::load_with_env(&o, &env(e)).unwrap_err().to_string();
 
         let e = err(Overrides { tiers: Some(vec![(t0.clone(), Some("80X".into()))]), ..base.clone() }, &[]);
         assert!(e.contains("tiers[0].quota") && e.contains("80X") && e.contains("use a size like"), "{e}");
-        let e = err(Overrides { policy: Some("lfru".into()), ..base.clone() }, &[]);
+        let e = err(base.clone().with("policy", "lfru"), &[]);
         assert!(e.contains("policy") && e.contains("lfru") && e.contains("\"fill\""), "{e}");
-        let e = err(Overrides { threads: Some("0".into()), ..base.clone() }, &[]);
+        let e = err(base.clone().with("threads", "0"), &[]);
         assert!(e.contains("threads = 0"), "{e}");
+        let e = err(base.clone().with("polcy", "lru"), &[]);
+        assert!(e.contains("polcy") && e.contains("not a setting of one value") && e.contains("policy"), "{e}");
+        let e = err(base.clone().with("tiers", "/tmp/t"), &[]);
+        assert!(e.contains("not a setting of one value"), "{e}");
         let e = err(base.clone(), &[("TIERSTORE_POLCY", "lru")]);
         assert!(e.contains("did you mean TIERSTORE_POLICY"), "{e}");
         // The test suite's own variables, which its README tells contributors to set, are not refused.
@@ -730,7 +734,7 @@ mod tests {
         let inside = src.join("cache").display().to_string();
         let e = err(Overrides { tiers: Some(vec![(inside, Some("1M".into()))]), ..base.clone() }, &[]);
         assert!(e.contains("overlaps the source"), "{e}");
-        let e = err(Overrides { source: None, ..base.clone() }, &[]);
+        let e = err(Overrides::default(), &[]);
         assert!(e.contains("no source directory"), "{e}");
         let e = err(base.clone(), &[("TIERSTORE_TIERS", "/tmp/x:12Q")]);
         assert!(e.contains("TIERSTORE_TIERS") && e.contains("not a size"), "{e}");

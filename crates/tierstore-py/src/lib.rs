@@ -9,6 +9,7 @@ mod pack;
 mod stream;
 mod writeback;
 
+use std::collections::BTreeMap;
 use std::io::SeekFrom;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use tierstore_core::cache::{OrderedPrefetch, ReadLog};
+use tierstore_core::config::settings::{self, Type};
 use tierstore_core::{Cache, Config, Overrides, PrefetchProgress, Reader};
 
 use crate::error::{io_to_py, to_py};
@@ -82,25 +84,45 @@ fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
     v.extract::<String>().map_err(|_| PyTypeError::new_err("a size is an int (bytes) or a string like \"8G\""))
 }
 
+/// A keyword of `Cache(...)` that gives a top-level setting (`source`, `policy`, `threads`, ...), as the
+/// key and the text the file would hold, read by the setting's type.
+fn keyword_value(keyword: &str, v: &Bound<'_, PyAny>) -> PyResult<(String, String)> {
+    let Some(setting) = settings::top_values().find(|s| s.argument == Some(keyword)) else {
+        let known: Vec<&str> = settings::top_values().filter_map(|s| s.argument).collect();
+        return Err(PyTypeError::new_err(format!("Cache() has no keyword {keyword:?}; it takes {}", known.join(", "))));
+    };
+    let text = match setting.ty {
+        Type::Path => path_arg(v)?.to_string_lossy().into_owned(),
+        Type::Size => size_text(v)?,
+        Type::Count { .. } => match v.extract::<i64>() {
+            Ok(n) => n.to_string(),
+            Err(_) => v
+                .extract::<String>()
+                .map_err(|_| PyTypeError::new_err(format!("{keyword}= takes a whole number, like 8")))?,
+        },
+        _ => v.extract::<String>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{keyword}= takes a string, not {}",
+                v.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        })?,
+    };
+    Ok((setting.key.to_string(), text))
+}
+
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (*, config_file=None, source=None, tiers=None, policy=None, threads=None, inline_max=None, verify=None, revalidate=None, s3=None, object_store=None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, config_file=None, tiers=None, settings=None, s3=None, object_store=None))]
     fn new(
         py: Python<'_>,
         config_file: Option<Bound<'_, PyAny>>,
-        source: Option<Bound<'_, PyAny>>,
         tiers: Option<Vec<TierArg<'_>>>,
-        policy: Option<String>,
-        threads: Option<Bound<'_, PyAny>>,
-        inline_max: Option<Bound<'_, PyAny>>,
-        verify: Option<String>,
-        revalidate: Option<String>,
-        s3: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>,
-        object_store: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>,
+        settings: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+        s3: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+        object_store: Option<BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
-        let settings = |table: Option<std::collections::BTreeMap<String, Bound<'_, PyAny>>>| {
+        let store_table = |table: Option<BTreeMap<String, Bound<'_, PyAny>>>| {
             table
                 .unwrap_or_default()
                 .into_iter()
@@ -119,15 +141,10 @@ impl PyCache {
         };
         let overrides = Overrides {
             config_file: config_file.as_ref().map(path_arg).transpose()?,
-            source: source.as_ref().map(path_arg).transpose()?.map(|p| p.to_string_lossy().into_owned()),
             tiers,
-            policy,
-            threads: threads.as_ref().map(size_text).transpose()?,
-            inline_max: inline_max.as_ref().map(size_text).transpose()?,
-            verify,
-            revalidate,
-            s3: settings(s3)?,
-            object_store: settings(object_store)?,
+            settings: settings.unwrap_or_default().iter().map(|(k, v)| keyword_value(k, v)).collect::<PyResult<_>>()?,
+            s3: store_table(s3)?,
+            object_store: store_table(object_store)?,
         };
         let config = crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from))
             .map_err(to_py)?;
@@ -675,11 +692,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Every setting, declared once in Rust (`config/settings.rs`): what the Python side maps, offers and
     // documents is read from here. The `[s3]` keys, tierstore's own `[object_store]` keys and their
     // defaults are views of it, for `config show`.
-    use tierstore_core::config::settings::{self, Table};
+    use tierstore_core::config::settings::Table;
     m.add("SETTINGS", settings_table(m.py())?)?;
+    let keywords: Vec<&str> = settings::top_values().filter_map(|s| s.argument).collect();
+    m.add("VALUE_KEYWORDS", pyo3::types::PyTuple::new(m.py(), keywords)?)?;
     m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::S3))?)?;
     m.add("STORE_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::ObjectStore))?)?;
-    let defaults: std::collections::BTreeMap<_, _> = settings::keys_of(Table::ObjectStore)
+    let defaults: BTreeMap<_, _> = settings::keys_of(Table::ObjectStore)
         .into_iter()
         .filter_map(|k| Some((k, settings::default_value(Table::ObjectStore, k)?)))
         .collect();
@@ -690,7 +709,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `_core.SETTINGS`: each setting of `config/settings.rs` as a dict (`table`, `key`, `name`, `type`,
 /// `choices`, `bounds`, `default`, `default_text`, `env`, `argument`, `flag`, `doc`), in the table's order.
 fn settings_table(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyTuple>> {
-    use tierstore_core::config::settings::{DefaultIs, Type, SETTINGS};
+    use tierstore_core::config::settings::{DefaultIs, SETTINGS};
     let mut rows = Vec::with_capacity(SETTINGS.len());
     for s in SETTINGS {
         let d = PyDict::new(py);

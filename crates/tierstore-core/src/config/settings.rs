@@ -477,6 +477,12 @@ pub fn find(table: Table, key: &str) -> Option<&'static Setting> {
     SETTINGS.iter().find(|s| s.table == table && s.key == key)
 }
 
+/// The top-level settings of one value each (`source`, `policy`, `threads`, ...): a keyword of
+/// `tierstore.Cache(...)` gives them by the key, through [`Overrides::settings`](super::Overrides::settings).
+pub fn top_values() -> impl Iterator<Item = &'static Setting> {
+    SETTINGS.iter().filter(|s| s.table == Table::Top && s.is_scalar())
+}
+
 /// The default of `key` in `table` as the file would write it, when it has one.
 pub fn default_value(table: Table, key: &str) -> Option<&'static str> {
     match find(table, key)?.default {
