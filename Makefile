@@ -124,6 +124,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_writeback.py --dcp-only --repeats 3 --out docs/benchmarks/writeback-dcp.md
 	$(PY) bench/bench_schedule.py --out docs/benchmarks/schedule.md --plot docs/benchmarks/schedule.png
 	$(PY) bench/bench_dlio.py --out docs/benchmarks/dlio.md --plot docs/benchmarks/dlio.png
+	$(PY) bench/bench_checkpoint_pair.py --out docs/benchmarks/checkpoint-pair.md
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_cluster.py --out docs/benchmarks/cluster.md --plot docs/benchmarks/cluster.png; \
 	else echo "bench_cluster.py skipped: network namespaces need root"; fi
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/bench_first_byte.py --out docs/benchmarks/first-byte.md; \
