@@ -40,6 +40,8 @@
 mod consumers;
 mod directory;
 mod follow;
+mod peers;
+mod report;
 mod requests;
 
 pub use directory::default_dir;
@@ -53,10 +55,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::mpsc;
 
 use consumers::{Consumer, Notice, Told, COMMITS_KEPT};
+use peers::Announcement;
 use tierstore_core::models::manifest::check_hash;
 
 pub use crate::options::StreamOptions;
@@ -248,7 +251,7 @@ pub struct Streams {
     keep: usize,
     state: Mutex<State>,
     /// Where versions go to and come from other nodes, and the announcer's queue.
-    remote: OnceLock<(Remote, std::sync::mpsc::Sender<(String, Value)>)>,
+    remote: OnceLock<(Remote, std::sync::mpsc::Sender<(String, Announcement)>)>,
     /// The streams followed in Redis (those with a subscriber here).
     followed: Mutex<HashSet<String>>,
     /// The streams whose numbering was read from Redis at their first publish here.
@@ -541,7 +544,7 @@ impl Streams {
         if let (None, Some((remote, tx))) = (version_given, self.remote.get()) {
             let _ = tx.send((
                 name.to_string(),
-                json!({"name": name, "version": version, "agent": remote.me, "nbytes": nbytes}),
+                Announcement { name: name.to_string(), version, agent: remote.me.clone(), nbytes, mac: None },
             ));
         }
         Ok(answer(Committed { version, nbytes, new_bytes, manifest: notice.manifest }))
@@ -648,40 +651,6 @@ impl Streams {
         }
     }
 
-    fn list(&self) -> Value {
-        let at = now();
-        let st = self.lock();
-        let mut names: Vec<&String> = st.streams.keys().collect();
-        names.sort();
-        let streams: Vec<Value> = names
-            .into_iter()
-            .map(|n| {
-                let s = &st.streams[n];
-                let versions: Vec<Value> = s
-                    .versions
-                    .iter()
-                    .map(|(v, k)| {
-                        json!({"version": v, "nbytes": k.nbytes, "new_bytes": k.new_bytes, "tensors": k.tensors,
-                               "step": k.step, "created": k.created, "leases": k.leases})
-                    })
-                    .collect();
-                let newest = s.latest.max(s.relayed);
-                let mut ids: Vec<&u64> = s.subscribers.keys().collect();
-                ids.sort();
-                let consumers: Vec<Value> =
-                    ids.into_iter().map(|id| s.subscribers[id].report(*id, newest, &s.committed, at)).collect();
-                json!({"name": n, "latest": s.latest, "newest": newest, "published": s.published,
-                       "subscribers": s.subscribers.len(), "consumers": consumers, "versions": versions,
-                       "pulled": s.pulled, "pulled_bytes": s.pulled_bytes, "relayed": s.relays,
-                       "errors": s.errors, "last_error": s.last_error})
-            })
-            .collect();
-        let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
-        json!({"dir": self.dir, "keep": self.keep, "held_bytes": held, "tensor_files": st.blobs.len(), "streams": streams,
-               "served_bytes": self.served_bytes.load(Ordering::Relaxed),
-               "redis": self.remote.get().map(|(r, _)| r.redis.clone())})
-    }
-
     /// Ends everything a connection held: its publish, its subscription (and the notices queued for it,
     /// each a lease), its leases.
     fn close(&self, conn: &mut Conn) {
@@ -725,6 +694,7 @@ struct Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn publish(s: &Streams, conn: &mut Conn, name: &str, tensors: &[(&str, &[u8])]) -> u64 {
         let begun = s.begin(conn, name).unwrap();

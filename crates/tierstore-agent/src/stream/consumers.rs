@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use serde_json::{json, Value};
+use serde::Serialize;
 use tokio::sync::mpsc;
 
 /// Commit times kept per stream for the lag in seconds: a consumer further behind is reported as behind
@@ -67,7 +67,7 @@ impl Consumer {
     /// The consumer for `tierstore stream show|watch`: what it serves, and how far behind `newest` that
     /// is, in versions and in seconds since the first version it lacks was committed (`committed`: commit
     /// times by version; `now`: seconds since the epoch).
-    pub fn report(&self, id: u64, newest: u64, committed: &BTreeMap<u64, f64>, now: f64) -> Value {
+    pub fn report(&self, id: u64, newest: u64, committed: &BTreeMap<u64, f64>, now: f64) -> ConsumerReport<'_> {
         let (serving, swapped_at) = match self.serving {
             Some((v, at)) => (Some(v), Some(at)),
             None => (None, None),
@@ -78,12 +78,35 @@ impl Consumer {
             Some(_) => Some(0.0),
             None => None,
         };
-        json!({
-            "id": id, "pid": self.pid, "label": self.label, "notices_only": self.notices_only,
-            "noticed": self.noticed, "serving": serving, "swapped_at": swapped_at,
-            "behind": behind, "behind_s": behind_s,
-        })
+        ConsumerReport {
+            id,
+            pid: self.pid,
+            label: self.label.as_deref(),
+            notices_only: self.notices_only,
+            noticed: self.noticed,
+            serving,
+            swapped_at,
+            behind,
+            behind_s,
+        }
     }
+}
+
+/// One consumer in the `list` report (see [`Consumer::report`]).
+#[derive(Debug, Serialize)]
+pub(super) struct ConsumerReport<'a> {
+    pub id: u64,
+    pub pid: Option<u32>,
+    pub label: Option<&'a str>,
+    pub notices_only: bool,
+    /// The newest version it was told of.
+    pub noticed: u64,
+    /// The version it serves, and since when (seconds since the epoch), as it reported.
+    pub serving: Option<u64>,
+    pub swapped_at: Option<f64>,
+    /// Versions, and seconds since the first version it lacks was committed.
+    pub behind: Option<u64>,
+    pub behind_s: Option<f64>,
 }
 
 #[cfg(test)]
@@ -120,11 +143,13 @@ mod tests {
             Consumer { tx, notices_only: false, pid: Some(7), label: None, noticed: 5, serving: Some((3, 90.0)) };
         let committed: BTreeMap<u64, f64> = [(3, 90.0), (4, 100.0), (5, 110.0)].into_iter().collect();
         let r = c.report(1, 5, &committed, 112.5);
-        assert_eq!((r["behind"].as_u64(), r["behind_s"].as_f64()), (Some(2), Some(12.5)));
+        assert_eq!((r.behind, r.behind_s), (Some(2), Some(12.5)));
         c.serving = Some((5, 111.0));
         let r = c.report(1, 5, &committed, 112.5);
-        assert_eq!((r["behind"].as_u64(), r["behind_s"].as_f64()), (Some(0), Some(0.0)));
+        assert_eq!((r.behind, r.behind_s), (Some(0), Some(0.0)));
         c.serving = None;
-        assert!(c.report(1, 5, &committed, 112.5)["behind"].is_null(), "a consumer that reports nothing");
+        let r = serde_json::to_value(c.report(1, 5, &committed, 112.5)).unwrap();
+        assert!(r["behind"].is_null(), "a consumer that reports nothing: {r}");
+        assert_eq!(r["pid"], 7);
     }
 }

@@ -23,9 +23,10 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::consumers::{Notice, Told};
+use super::peers::{Announcement, BlobOffer, PeerAsk, MAX_CREDIT};
 use super::{
     answer, check_name, held_notice, io_err, notice_json, remember_commit, Conn, StreamError, Streams, RELAYED_KEPT,
 };
@@ -73,22 +74,17 @@ impl Remote {
     }
 
     /// `announcement` with its MAC added (see [`Remote::mac`]).
-    fn signed(&self, name: &str, mut announcement: Value) -> Value {
-        let version = announcement["version"].as_u64().unwrap_or(0);
-        let agent = announcement["agent"].as_str().unwrap_or_default().to_string();
-        if let Some(mac) = self.mac(name, version, &agent) {
-            announcement["mac"] = Value::String(mac);
-        }
-        announcement
+    fn signed(&self, name: &str, announcement: Announcement) -> Announcement {
+        let mac = self.mac(name, announcement.version, &announcement.agent);
+        Announcement { mac, ..announcement }
     }
 
     /// The version and the announcing agent of `payload`, if it is an announcement of `name` a job's agent
     /// signed; anything else is ignored (and said once per follower).
     fn verified(&self, name: &str, payload: &[u8]) -> Option<(u64, String)> {
-        let v = serde_json::from_slice::<Value>(payload).ok()?;
-        let (version, agent) = (v["version"].as_u64()?, v["agent"].as_str()?);
-        let expected = self.mac(name, version, agent)?;
-        let given = v["mac"].as_str().unwrap_or_default();
+        let a = serde_json::from_slice::<Announcement>(payload).ok()?;
+        let expected = self.mac(name, a.version, &a.agent)?;
+        let given = a.mac.as_deref().unwrap_or_default();
         // Equal lengths first, then a comparison that does not stop at the first difference.
         let same = given.len() == expected.len()
             && given.bytes().zip(expected.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
@@ -96,7 +92,7 @@ impl Remote {
             log::warn!("an announcement of {name} in {} is not signed with the job's token: ignored", self.redis);
             return None;
         }
-        Some((version, agent.to_string()))
+        Some((a.version, a.agent))
     }
 
     fn connect(&self, client: &redis::Client) -> redis::RedisResult<redis::Connection> {
@@ -290,8 +286,8 @@ const WINDOW: u32 = 8;
 const REFRESH: Duration = Duration::from_secs(2);
 
 /// Starts the thread that announces this node's versions; returns where to send (stream, announcement).
-pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
-    let (tx, rx) = mpsc::channel::<(String, Value)>();
+pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Announcement)> {
+    let (tx, rx) = mpsc::channel::<(String, Announcement)>();
     std::thread::Builder::new()
         .name("tierstore-stream-announce".into())
         .spawn(move || {
@@ -305,8 +301,8 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
                     return;
                 }
             };
-            let mut latest: HashMap<String, Value> = HashMap::new();
-            let mut unsent: HashMap<String, Value> = HashMap::new();
+            let mut latest: HashMap<String, Announcement> = HashMap::new();
+            let mut unsent: HashMap<String, Announcement> = HashMap::new();
             let mut con: Option<redis::Connection> = None;
             let mut failing = false;
             let mut refreshed = Instant::now();
@@ -335,7 +331,7 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
                     }
                     let c = con.as_mut().expect("connected");
                     for (name, v) in &unsent {
-                        let text = v.to_string();
+                        let text = v.text();
                         redis::pipe()
                             .cmd("SET")
                             .arg(remote.latest_key(name))
@@ -349,7 +345,7 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Value)> {
                     }
                     if refresh {
                         for (name, v) in &latest {
-                            redis::cmd("SET").arg(remote.latest_key(name)).arg(v.to_string()).query::<()>(c)?;
+                            redis::cmd("SET").arg(remote.latest_key(name)).arg(v.text()).query::<()>(c)?;
                         }
                     }
                     Ok(())
@@ -498,8 +494,8 @@ async fn manifest<S>(c: &mut Client<S>, name: &str, version: u64) -> Result<Mani
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let ask = json!({"op": "manifest", "name": name, "version": version}).to_string();
-    match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
+    let ask = PeerAsk::Manifest { name: name.to_string(), version };
+    match c.call(&Frame::StreamRequest { json: ask.text() }).await.map_err(|e| e.to_string())? {
         Frame::StreamEvent { json } => serde_json::from_str(&json).map_err(|e| format!("its manifest: {e}")),
         other => Err(format!("unexpected answer {other:?}")),
     }
@@ -541,12 +537,16 @@ pub(super) async fn pull(
             if !check_hash(&t.hash) {
                 return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
             }
-            let ask = json!({"op": "blob", "hash": t.hash, "credit": WINDOW}).to_string();
-            match c.call(&Frame::StreamRequest { json: ask }).await.map_err(|e| e.to_string())? {
+            let ask = PeerAsk::Blob { hash: t.hash.clone(), credit: WINDOW };
+            match c.call(&Frame::StreamRequest { json: ask.text() }).await.map_err(|e| e.to_string())? {
                 Frame::StreamEvent { json } => {
-                    let v: Value = serde_json::from_str(&json).map_err(|e| e.to_string())?;
-                    if v["size"].as_u64() != Some(t.nbytes) {
-                        return Err(format!("tensor {:?}: {} bytes offered, {} expected", t.name, v["size"], t.nbytes));
+                    let offer: BlobOffer =
+                        serde_json::from_str(&json).map_err(|e| format!("tensor {:?}: its offer: {e}", t.name))?;
+                    if offer.size != t.nbytes {
+                        return Err(format!(
+                            "tensor {:?}: {} bytes offered, {} expected",
+                            t.name, offer.size, t.nbytes
+                        ));
                     }
                 }
                 other => return Err(format!("unexpected answer {other:?}")),
@@ -615,27 +615,34 @@ pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>
                 _ => return Ok(()),
             },
         };
-        let v: Value = serde_json::from_str(&json).unwrap_or(Value::Null);
         let refuse = |message: String| Frame::Error { code: crate::protocol::ErrorCode::NotFound, message };
-        match v["op"].as_str() {
-            Some("manifest") => {
-                let (name, version) = (v["name"].as_str().unwrap_or(""), v["version"].as_u64().unwrap_or(0));
-                let answer = match streams.manifest_text(name, version) {
+        let ask = match serde_json::from_str::<PeerAsk>(&json) {
+            Ok(ask) => ask,
+            Err(e) => {
+                let message = format!("another agent may ask for a version's manifest or a tensor only ({e})");
+                write(stream, &Frame::Error { code: crate::protocol::ErrorCode::BadRequest, message }, deadline)
+                    .await?;
+                continue;
+            }
+        };
+        match ask {
+            PeerAsk::Manifest { name, version } => {
+                let answer = match streams.manifest_text(&name, version) {
                     Ok(text) => Frame::StreamEvent { json: text },
                     Err(e) => refuse(e.to_string()),
                 };
                 write(stream, &answer, deadline).await?;
             }
-            Some("blob") => {
-                let hash = v["hash"].as_str().unwrap_or("");
-                let credit = v["credit"].as_u64().unwrap_or(1).clamp(1, 64) as u32;
-                let file = if check_hash(hash) { std::fs::File::open(streams.blob(hash)).ok() } else { None };
+            PeerAsk::Blob { hash, credit } => {
+                let credit = credit.clamp(1, MAX_CREDIT);
+                let file = if check_hash(&hash) { std::fs::File::open(streams.blob(&hash)).ok() } else { None };
                 let Some(file) = file else {
                     write(stream, &refuse(format!("no tensor {hash} here (its version was freed)")), deadline).await?;
                     continue;
                 };
                 let size = file.metadata()?.len();
-                write(stream, &Frame::StreamEvent { json: json!({"size": size}).to_string() }, deadline).await?;
+                let offer = serde_json::to_string(&BlobOffer { size }).expect("an offer is plain JSON");
+                write(stream, &Frame::StreamEvent { json: offer }, deadline).await?;
                 match crate::transfer::send_chunks(stream, Arc::new(file), size, 0, credit, deadline).await? {
                     Ok(hash) => {
                         write(stream, &Frame::Done { id: 0, hash }, deadline).await?;
@@ -643,13 +650,6 @@ pub async fn serve_peer<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>
                     }
                     Err(e) => write(stream, &refuse(format!("reading tensor {hash}: {e}")), deadline).await?,
                 }
-            }
-            _ => {
-                let f = Frame::Error {
-                    code: crate::protocol::ErrorCode::BadRequest,
-                    message: "another agent may ask for a version's manifest or a tensor only".into(),
-                };
-                write(stream, &f, deadline).await?;
             }
         }
     }
@@ -669,6 +669,7 @@ async fn write<S: tokio::io::AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn remote(token: &[u8]) -> Remote {
         Remote {
@@ -684,11 +685,12 @@ mod tests {
     #[test]
     fn only_announcements_signed_with_the_jobs_token_are_followed() {
         let job = remote(b"the-token-of-the-job-0123456789abcdef");
-        let announced = json!({"name": "policy", "version": 7, "agent": "10.0.0.1:7078", "nbytes": 1});
-        let signed = job.signed("policy", announced.clone()).to_string();
+        let announced =
+            Announcement { name: "policy".into(), version: 7, agent: "10.0.0.1:7078".into(), nbytes: 1, mac: None };
+        let signed = job.signed("policy", announced.clone()).text();
         assert_eq!(job.verified("policy", signed.as_bytes()), Some((7, "10.0.0.1:7078".to_string())));
         // Unsigned, for another stream, or with its version or agent changed: ignored.
-        assert_eq!(job.verified("policy", announced.to_string().as_bytes()), None);
+        assert_eq!(job.verified("policy", announced.text().as_bytes()), None);
         assert_eq!(job.verified("other", signed.as_bytes()), None);
         let mut forged: Value = serde_json::from_str(&signed).unwrap();
         forged["version"] = json!(1u64 << 40);
@@ -698,6 +700,6 @@ mod tests {
         assert_eq!(job.verified("policy", forged.to_string().as_bytes()), None);
         // Signed with another token: ignored.
         let stranger = remote(b"a stranger's token, not the job's own one");
-        assert_eq!(job.verified("policy", stranger.signed("policy", announced).to_string().as_bytes()), None);
+        assert_eq!(job.verified("policy", stranger.signed("policy", announced).text().as_bytes()), None);
     }
 }
