@@ -350,7 +350,7 @@ fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migration
 /// Whether the oldest pending file (of those migrated to `roots`) waits for the program to pause (see
 /// [`QUIET`], [`MAX_HOLD`]).
 fn held(j: &Journal, roots: &[PathBuf]) -> bool {
-    let now = tierstore_core::writeback::journal::now_ns();
+    let now = tierstore_core::clock::now_ns();
     let since = |ns: u64| Duration::from_nanos(now.saturating_sub(ns));
     let busy = j.last_change_ns().map(|t| since(t) < QUIET).unwrap_or(false);
     busy && j

@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 
 pub mod cache;
+pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod counters;

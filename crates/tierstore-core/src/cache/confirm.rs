@@ -24,8 +24,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::engine::{now_ns, Inner};
+use super::engine::Inner;
 use super::flight::Role;
+use crate::clock::now_ns;
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
 

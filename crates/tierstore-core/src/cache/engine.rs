@@ -8,7 +8,6 @@
 use std::fs::File;
 use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::faults::Faults;
 use super::flight::{Flights, Outcome, Role};
@@ -16,17 +15,13 @@ use super::job::{FetchJob, Purpose};
 use super::lock::FetchLocks;
 use super::lookup::{Look, Lookup};
 use super::pool::Pool;
+use crate::clock::now_ns;
 use crate::cluster::remote::Remote;
 use crate::config::{Config, Revalidate};
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{PosixSource, Source, SourceFile};
-
-/// Nanoseconds since the epoch.
-pub(super) fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
-}
 
 /// The state that every handle, copy job and prefetch worker of one cache shares.
 pub(super) struct Inner {

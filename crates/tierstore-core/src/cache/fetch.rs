@@ -10,11 +10,12 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{no_descriptor, now_ns, Fetched, Inner};
+use super::engine::{no_descriptor, Fetched, Inner};
 use super::flight::{Lead, Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
 use super::lookup::Look;
+use crate::clock::now_ns;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
 use crate::hash::Pieces;

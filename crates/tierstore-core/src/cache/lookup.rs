@@ -8,9 +8,9 @@ use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::engine::now_ns;
 use super::faults::Faults;
 use super::lock::lock_shared;
+use crate::clock::now_ns;
 use crate::config::Verify;
 use crate::counters::tier as tier_slot;
 use crate::index::{Entry, Index, Key, SourceId};

@@ -29,11 +29,12 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::engine::{now_ns, Fetched, Inner};
+use super::engine::{Fetched, Inner};
 use super::flight::{Lead, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
 use super::lookup::Look;
+use crate::clock::now_ns;
 use crate::error::Error;
 use crate::index::{key_of, Key, SourceId};
 use crate::marks::ReadMarks;

@@ -39,12 +39,13 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::engine::{memory_file, now_ns, Fetched, Inner, Native};
+use super::engine::{memory_file, Fetched, Inner, Native};
 use super::fetch::fail_flight;
 use super::flight::{Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::{lock_shared, FetchGuard};
 use super::lookup::Look;
+use crate::clock::now_ns;
 use crate::cluster::remote::{Remote, WINDOW};
 use crate::cluster::transfer::{Dest, RemoteError, Transfer};
 use crate::cluster::Sharing;

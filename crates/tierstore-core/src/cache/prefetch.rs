@@ -19,10 +19,11 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::engine::{now_ns, Fetched, Inner};
+use super::engine::{Fetched, Inner};
 use super::flight::Role;
 use super::job::{FetchJob, Purpose};
 use super::lookup::Look;
+use crate::clock::now_ns;
 use crate::config::Revalidate;
 use crate::error::Error;
 use crate::index::{key_of, Key, SourceId};

@@ -14,7 +14,8 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::engine::{now_ns, Inner};
+use super::engine::Inner;
+use crate::clock::now_ns;
 use crate::config::Revalidate;
 use crate::counters::source as src_slot;
 use crate::error::Error;

@@ -11,8 +11,8 @@
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::clock::now_ns;
 use crate::hash::hash_file;
 use crate::lmdb::{Db, Env, LmdbError};
 
@@ -146,11 +146,6 @@ pub enum Finish {
     /// The program changed the file meanwhile (renamed, rewrote, truncated or deleted it): the copy
     /// made is not what it wants, and the newer entry (if any) is migrated in its turn.
     Superseded,
-}
-
-/// Nanoseconds since the epoch.
-pub fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
 /// The journal of one stage directory.
