@@ -1,9 +1,9 @@
 //! The engine behind a [`Cache`](super::Cache): the state that every handle, copy job and prefetch
 //! worker of one cache shares ([`Inner`]), and its read path. A read finds the version of the file to
-//! serve, opens a current copy that a tier holds (a hit, checked by size and mtime, or by checksum), or
-//! joins the key's flight: it waits for the leader's bytes, or leads the fetch itself (`fetch.rs`), after
-//! asking the owner's agent when nodes share (`peers.rs`). Any fault falls back to the source, counted and
-//! said once.
+//! serve, asks the lookup for a current copy that a tier holds (`lookup.rs`: a hit, checked by size and
+//! mtime, or by checksum), or joins the key's flight: it waits for the leader's bytes, or leads the fetch
+//! itself (`fetch.rs`), after asking the owner's agent when nodes share (`peers.rs`). Any fault falls back
+//! to the source, counted and said once (`faults.rs`).
 
 use std::fs::File;
 use std::io;
@@ -29,6 +29,7 @@ pub(super) struct Inner {
     pub(super) source: Arc<dyn Source>,
     /// The tiers and their published copies.
     pub(super) lookup: Lookup,
+    /// Where a cache fault is counted and said (shared with the lookup).
     pub(super) faults: Arc<Faults>,
     pub(super) locks: Arc<FetchLocks>,
     pub(super) flights: Flights,
@@ -38,9 +39,9 @@ pub(super) struct Inner {
     pub(super) prefetch_idle: Condvar,
     /// The process that opened the cache; a forked child must open its own.
     pub(super) pid: u32,
-    /// The job's other members, when nodes share their caches (not in the agent's own cache).
     /// Blocks of the files whose parts this node's agent serves (`blocks.rs`; empty in other processes).
     pub(super) blocks: super::blocks::Blocks,
+    /// The job's other members, when nodes share their caches (not in the agent's own cache).
     pub(super) remote: Option<Remote>,
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
