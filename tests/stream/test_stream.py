@@ -91,6 +91,11 @@ def test_a_wrong_request_fails_in_the_client_naming_its_fault_and_the_connection
         with pytest.raises(ValueError, match=r"missing field `version`"):
             conn.call({"op": "release", "name": "policy"})
         assert conn.call({"op": "list"})["streams"] == []  # the same connection, still in step
+        # A publish given up is answered by its number, and is then no longer in progress.
+        begun = conn.call({"op": "begin", "name": "policy"})
+        assert conn.call({"op": "abort", "publish": begun["publish"]}) == {"aborted": begun["publish"]}
+        with pytest.raises(stream.StreamError, match=f"publish {begun['publish']} is not in progress"):
+            conn.call({"op": "abort", "publish": begun["publish"]})
     finally:
         conn.close()
 

@@ -170,7 +170,7 @@ fn held_notice(name: &str, version: u64, k: &Kept) -> VersionNotice {
 }
 
 /// An answer (`Begun`, `Committed`, a notice, ...) as the JSON value a request is answered with.
-fn answer(typed: impl serde::Serialize) -> Value {
+pub(super) fn answer(typed: impl serde::Serialize) -> Value {
     serde_json::to_value(typed).expect("an answer is JSON")
 }
 

@@ -7,12 +7,12 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
+use tierstore_core::models::requests::Aborted;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::{mpsc, watch};
 
 use super::consumers::Notice;
-use super::{Conn, StreamError, Streams, Subscribing};
+use super::{answer, Conn, StreamError, Streams, Subscribing};
 use crate::protocol::{self, ErrorCode, Frame};
 pub use tierstore_core::models::requests::Request;
 
@@ -160,7 +160,7 @@ pub async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
                 Request::Abort { publish } => match h.conn.pending.take() {
                     Some(p) if p.id == publish => {
                         streams.abort_pending(&mut h.conn, p);
-                        Ok(json!({"aborted": publish}))
+                        Ok(answer(Aborted { aborted: publish }))
                     }
                     other => {
                         h.conn.pending = other;

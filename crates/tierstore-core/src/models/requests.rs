@@ -105,6 +105,13 @@ pub struct Committed {
     pub manifest: PathBuf,
 }
 
+/// The answer to `abort`: the publish given up (its placed tensors are freed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Aborted {
+    /// The publish's number, as `begin` gave it.
+    pub aborted: u64,
+}
+
 /// The answer to `subscribe`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Subscribed {
