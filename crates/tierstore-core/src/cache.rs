@@ -41,7 +41,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 
-use crate::config::{Config, Revalidate, Verify};
+use crate::cluster::remote::Remote;
+use crate::config::{Config, Revalidate, TierConfig, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
 use crate::index::key_of;
@@ -90,6 +91,46 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
     g
 }
 
+impl Registry {
+    /// This process's handle of tier `t` of `config`'s source, opened (and its leftover temporaries
+    /// swept) the first time.
+    fn tier(&mut self, t: &TierConfig, config: &Config) -> Result<Arc<Tier>, Error> {
+        let existing = self.tiers.get(&t.path).and_then(Weak::upgrade);
+        if let Some(tier) = existing.filter(|tier| tier.root == crate::tier::namespace_dir(&t.path, &config.source)) {
+            return Ok(tier);
+        }
+        let tier = Arc::new(Tier::open(t, &config.source, config.policy).map_err(|e| Error::io(&t.path, e))?);
+        tier.sweep_temps();
+        self.tiers.insert(t.path.clone(), Arc::downgrade(&tier));
+        Ok(tier)
+    }
+
+    /// This process's handle of the fetch lock file at `path`.
+    fn locks(&mut self, path: PathBuf) -> Result<Arc<FetchLocks>, Error> {
+        if let Some(l) = self.locks.get(&path).and_then(Weak::upgrade) {
+            return Ok(l);
+        }
+        let l = Arc::new(FetchLocks::open(&path).map_err(|e| Error::io(&path, e))?);
+        self.locks.insert(path, Arc::downgrade(&l));
+        Ok(l)
+    }
+}
+
+/// The link to the job's other members when nodes share their caches and this cache asks them (not the
+/// agent's own cache, which serves peers and never forwards a request).
+fn peer_link(config: &Config, ask_peers: bool) -> Result<Option<Remote>, Error> {
+    if !ask_peers || config.cluster.sharing == crate::cluster::Sharing::Off {
+        return Ok(None);
+    }
+    // The configuration makes sure of a token whenever sharing is on.
+    let f = config.cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
+    let token = crate::cluster::read_token(&f).map_err(|problem| Error::Tier {
+        path: f.clone(),
+        message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
+    })?;
+    Ok(Some(Remote::new(&config.cluster, &config.source.to_string_lossy(), token)))
+}
+
 /// A tiered, node-local cache of one source directory.
 pub struct Cache {
     inner: Arc<Inner>,
@@ -110,18 +151,7 @@ impl Cache {
     }
 
     fn open_with(config: Config, ask_peers: bool) -> Result<Cache, Error> {
-        let remote = match (ask_peers, config.cluster.sharing) {
-            (false, _) | (_, crate::cluster::Sharing::Off) => None,
-            _ => {
-                // The configuration makes sure of a token whenever sharing is on.
-                let f = config.cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
-                let token = crate::cluster::read_token(&f).map_err(|problem| Error::Tier {
-                    path: f.clone(),
-                    message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
-                })?;
-                Some(crate::cluster::remote::Remote::new(&config.cluster, &config.source.to_string_lossy(), token))
-            }
-        };
+        let remote = peer_link(&config, ask_peers)?;
         let record_checksums =
             config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
         let state_dir = crate::tier::namespace_dir(&config.tiers[0].path, &config.source);
@@ -129,32 +159,11 @@ impl Cache {
         let source_counters =
             Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
         let source = open_source(&config, Arc::new(source_counters))?;
-        let mut reg = registry();
-        let mut tiers = Vec::new();
-        for t in &config.tiers {
-            let existing = reg.tiers.get(&t.path).and_then(Weak::upgrade);
-            let tier = match existing {
-                Some(tier) if tier.root == crate::tier::namespace_dir(&t.path, &config.source) => tier,
-                _ => {
-                    let tier =
-                        Arc::new(Tier::open(t, &config.source, config.policy).map_err(|e| Error::io(&t.path, e))?);
-                    tier.sweep_temps();
-                    reg.tiers.insert(t.path.clone(), Arc::downgrade(&tier));
-                    tier
-                }
-            };
-            tiers.push(tier);
-        }
-        let lock_path = state_dir.join("fetch.lock");
-        let locks = match reg.locks.get(&lock_path).and_then(Weak::upgrade) {
-            Some(l) => l,
-            None => {
-                let l = Arc::new(FetchLocks::open(&lock_path).map_err(|e| Error::io(&lock_path, e))?);
-                reg.locks.insert(lock_path, Arc::downgrade(&l));
-                l
-            }
+        let (tiers, locks) = {
+            let mut reg = registry();
+            let tiers = config.tiers.iter().map(|t| reg.tier(t, &config)).collect::<Result<Vec<_>, _>>()?;
+            (tiers, reg.locks(state_dir.join("fetch.lock"))?)
         };
-        drop(reg);
         let pool = Arc::new(Pool::new(config.threads));
         let faults = Arc::new(Faults::new(source.counters().clone()));
         let inner = Arc::new(Inner {
