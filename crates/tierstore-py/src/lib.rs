@@ -78,10 +78,15 @@ fn path_arg(p: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
 }
 
 fn size_text(v: &Bound<'_, PyAny>) -> PyResult<String> {
+    int_or_text(v, || "a size is an int (bytes) or a string like \"8G\"".to_string())
+}
+
+/// An int as its decimal text, or a string as it is; anything else is a `TypeError` saying `what`.
+fn int_or_text(v: &Bound<'_, PyAny>, what: impl FnOnce() -> String) -> PyResult<String> {
     if let Ok(n) = v.extract::<i64>() {
         return Ok(n.to_string());
     }
-    v.extract::<String>().map_err(|_| PyTypeError::new_err("a size is an int (bytes) or a string like \"8G\""))
+    v.extract::<String>().map_err(|_| PyTypeError::new_err(what()))
 }
 
 /// A keyword of `Cache(...)` that gives a top-level setting (`source`, `policy`, `threads`, ...), as the
@@ -94,12 +99,7 @@ fn keyword_value(keyword: &str, v: &Bound<'_, PyAny>) -> PyResult<(String, Strin
     let text = match setting.ty {
         Type::Path => path_arg(v)?.to_string_lossy().into_owned(),
         Type::Size => size_text(v)?,
-        Type::Count { .. } => match v.extract::<i64>() {
-            Ok(n) => n.to_string(),
-            Err(_) => v
-                .extract::<String>()
-                .map_err(|_| PyTypeError::new_err(format!("{keyword}= takes a whole number, like 8")))?,
-        },
+        Type::Count { .. } => int_or_text(v, || format!("{keyword}= takes a whole number, like 8"))?,
         _ => v.extract::<String>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "{keyword}= takes a string, not {}",
