@@ -281,15 +281,7 @@ impl Cache {
         } else {
             None
         };
-        for tier in self.inner.lookup.tiers() {
-            let Ok(index) = &tier.index else { continue };
-            if let Ok(Some(e)) = index.lookup(&key) {
-                if e.ready && e.rel == rel && sid.is_none_or(|s| s == e.source) {
-                    return Ok(Some(tier.data_path(&key)));
-                }
-            }
-        }
-        Ok(None)
+        Ok(self.inner.lookup.copy_path(&key, &rel, sid.as_ref()))
     }
 
     /// Warms the cache with `paths` (files, or directories walked recursively), fetching

@@ -1,10 +1,12 @@
 //! Lookup: which tier holds a published copy of a file, and opening it checked. It owns the cache's tiers,
 //! the hits not yet written to their indexes (for an evicting policy), and what `fstat` reported for each
-//! copy this process opened (for the shim's replay of it, see `trusted.rs`). The other components ask it
-//! for copies; none walks the tiers' indexes for a copy itself.
+//! copy this process opened (for the shim's replay of it, see `trusted.rs`). The open, the fetch, the peers,
+//! the prefetches and `Cache::lookup` ask it for published copies. (The shim's `fstat` replay reads the entry
+//! of a copy it already holds, and an agent's sibling read a reservation, from the tier's index directly.)
 
 use std::collections::HashMap;
 use std::io;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -94,6 +96,15 @@ impl Lookup {
     /// The first published entry of `key` in tier order.
     pub(super) fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
         self.published_in(key, rel).map(|(_, e)| e)
+    }
+
+    /// The path of the first published copy of `key` in tier order, of version `version` when given (a
+    /// tier holding another version is passed over for the next).
+    pub(super) fn copy_path(&self, key: &Key, rel: &str, version: Option<&SourceId>) -> Option<PathBuf> {
+        self.tiers.iter().find_map(|t| {
+            let e = t.index.as_ref().ok()?.lookup(key).ok()??;
+            (e.ready && e.rel == rel && version.is_none_or(|v| *v == e.source)).then(|| t.data_path(key))
+        })
     }
 
     /// The index that records the source's directories: the first tier's that is available.
