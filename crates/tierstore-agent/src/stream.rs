@@ -195,13 +195,19 @@ struct Subscribing {
     label: Option<String>,
 }
 
+/// A version held here; as the `list` report shows it, less its manifest's path and its tensors' hashes.
+#[derive(serde::Serialize)]
 struct Kept {
+    #[serde(skip)]
     manifest: PathBuf,
+    #[serde(skip)]
     hashes: Vec<String>,
     nbytes: u64,
+    /// Bytes this version added to what the versions before it held.
     new_bytes: u64,
     tensors: usize,
     step: Option<i64>,
+    /// When it was committed (seconds since the epoch).
     created: f64,
     leases: usize,
 }
@@ -736,6 +742,11 @@ mod tests {
         assert_eq!(publish(&s, &mut publisher, "m", &[("a", b"three"), ("b", b"same")]), 3);
         assert_eq!(blobs(), 2);
         assert_eq!(s.list()["streams"][0]["versions"].as_array().unwrap().len(), 1);
+        // The report's keys of a version, as `tierstore stream list` reads them (no path, no hashes).
+        let version = s.list()["streams"][0]["versions"][0].clone();
+        let mut keys: Vec<&str> = version.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, ["created", "leases", "nbytes", "new_bytes", "step", "tensors", "version"]);
         // The files dropped ("one", then "two") are unlinked by the reaper, after the commit returned.
         let trash = || std::fs::read_dir(dir.path().join("s/trash")).unwrap().count();
         let end = std::time::Instant::now() + std::time::Duration::from_secs(5);

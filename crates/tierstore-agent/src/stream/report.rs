@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::consumers::ConsumerReport;
-use super::{answer, now, Streams};
+use super::{answer, now, Kept, Streams};
 
 /// What the agent holds of every stream.
 #[derive(Serialize)]
@@ -36,7 +36,7 @@ struct StreamReport<'a> {
     published: u64,
     subscribers: usize,
     consumers: Vec<ConsumerReport<'a>>,
-    versions: Vec<VersionReport>,
+    versions: Vec<VersionReport<'a>>,
     pulled: u64,
     pulled_bytes: u64,
     relayed: u64,
@@ -46,16 +46,10 @@ struct StreamReport<'a> {
 
 /// One version held here.
 #[derive(Serialize)]
-struct VersionReport {
+struct VersionReport<'a> {
     version: u64,
-    nbytes: u64,
-    /// Bytes this version added to what the versions before it held.
-    new_bytes: u64,
-    tensors: usize,
-    step: Option<i64>,
-    /// When it was committed (seconds since the epoch).
-    created: f64,
-    leases: usize,
+    #[serde(flatten)]
+    kept: &'a Kept,
 }
 
 impl Streams {
@@ -69,19 +63,7 @@ impl Streams {
             .into_iter()
             .map(|name| {
                 let s = &st.streams[name];
-                let versions = s
-                    .versions
-                    .iter()
-                    .map(|(&version, k)| VersionReport {
-                        version,
-                        nbytes: k.nbytes,
-                        new_bytes: k.new_bytes,
-                        tensors: k.tensors,
-                        step: k.step,
-                        created: k.created,
-                        leases: k.leases,
-                    })
-                    .collect();
+                let versions = s.versions.iter().map(|(&version, kept)| VersionReport { version, kept }).collect();
                 let newest = s.latest.max(s.relayed);
                 let mut ids: Vec<&u64> = s.subscribers.keys().collect();
                 ids.sort();
