@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cluster import SIZES, dataset, job_token, node_env
+from tests.helpers.cluster import SIZES, dataset, job_token, node_env, owners_by_env
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tierstore.testing.netns import Nodes
@@ -157,7 +157,11 @@ def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
     tmp_path: Path, slow_store: tuple[Path, Path]
 ) -> None:
     """The link of one node is taken down (its peers see it vanish, no reset): every read on the others
-    completes, correct, none waits more than 2 s, and the failures are counted."""
+    completes, correct, none waits more than 2 s, and the failures are counted.
+
+    The node taken down is the one that owns the most files: the members' addresses change from run to
+    run, and once in about two thousand runs a fixed node owned none of them (then no read ever asked it,
+    and no failure could be counted)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
     backing, mount = slow_store
@@ -173,8 +177,10 @@ def test_a_node_whose_link_goes_down_is_read_around_within_two_seconds(
             envs.append(env)
             start = n.cmd(sys.executable, "-m", "tierstore.cli", "agent", "start")
             subprocess.run(start, env=env, check=True, capture_output=True, timeout=60)
-        nodes.link_down(NODES - 1)
-        for i in range(NODES - 1):
+        owned = list(owners_by_env(envs, rels).values())
+        down = max(range(NODES), key=owned.count)
+        nodes.link_down(down)
+        for i in (i for i in range(NODES) if i != down):
             p = subprocess.run(nodes.nodes[i].cmd(sys.executable, "-c", READER, *rels), env=envs[i],
                                capture_output=True, text=True, timeout=120)  # fmt: skip
             assert p.returncode == 0, p.stderr[-3000:]

@@ -186,19 +186,23 @@ def owner_of(job: list[Node], rel: str) -> int:
 
 def owners_of(job: list[Node], rels: list[str]) -> dict[str, int]:
     """`owner_of` for each of `rels`, the job's members asked for once (one process, not one a path)."""
+    return owners_by_env([node.env for node in job], rels)
+
+
+def owners_by_env(envs: list[dict[str, str]], rels: list[str]) -> dict[str, int]:
+    """The place in `envs` (each node's environment, as `node_env` makes it) of the node that owns each of
+    `rels` while every node is up, by the agents' own rendezvous hashing over the configured members."""
     from tierstore import _core
 
     code = "import json, tierstore; print(json.dumps(tierstore.Cache().config()['cluster'][0]['members']))"
-    p = subprocess.run(
-        [sys.executable, "-c", code], env=job[0].env, capture_output=True, text=True, timeout=60
-    )
+    p = subprocess.run([sys.executable, "-c", code], env=envs[0], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     owners = _core.owners(json.loads(p.stdout), rels)
     assert len(owners) == len(rels), (owners, rels)
     places: dict[str, int] = {}
     for rel, owner in zip(rels, owners, strict=True):
         # A member is `host:port`; a node's TIERSTORE_NODE names its host, and its port where not the default.
-        at = [i for i, node in enumerate(job) if f"{owner}:".startswith(f"{node.env['TIERSTORE_NODE']}:")]
+        at = [i for i, env in enumerate(envs) if f"{owner}:".startswith(f"{env['TIERSTORE_NODE']}:")]
         assert len(at) == 1, f"the owner {owner} of {rel} is none of the job's nodes"
         places[rel] = at[0]
     return places
