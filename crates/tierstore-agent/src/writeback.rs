@@ -37,6 +37,10 @@ pub const QUIET: Duration = Duration::from_millis(150);
 /// ...or until the oldest pending file is this old (a program that never pauses still gets its files
 /// migrated).
 pub const MAX_HOLD: Duration = Duration::from_secs(2);
+/// A buffered close reaches the fsynced journal this long after it returned, at most, while this agent
+/// runs (the bound the write-back guide states); sooner once the program has closed nothing for
+/// [`QUIET`], so that a checkpoint's closes are folded in one commit after its burst, not one by one.
+pub const FOLD_WITHIN: Duration = Duration::from_secs(1);
 /// The migration thread's nice value: while the job writes its next checkpoint (or computes on the CPU),
 /// its threads come first; a core the job leaves idle still migrates at full speed.
 pub const MIGRATION_NICE: libc::c_int = 10;
@@ -286,7 +290,19 @@ fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migration
                     log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display());
                 }
             }
-            if s.retry_at.is_some_and(|t| Instant::now() < t) {
+            // The log of buffered closes is folded into the journal (an fsync) once the program paused
+            // its closes, or its oldest nears the bound; every look at the journal below folds it too, so
+            // none is taken while the program is still closing a checkpoint's files.
+            let settling = s.journal.closes_settling(QUIET, FOLD_WITHIN - POLL);
+            if !settling {
+                if let Err(e) = s.journal.fold() {
+                    if !s.logged {
+                        log::warn!("stage {}: {e}", dir.display());
+                        s.logged = true;
+                    }
+                }
+            }
+            if settling || s.retry_at.is_some_and(|t| Instant::now() < t) {
                 pending = true;
                 continue;
             }
@@ -467,6 +483,41 @@ mod tests {
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].dest, victim);
         assert!(j.staged_path(&left[0].staged).exists());
+    }
+
+    #[test]
+    fn buffered_closes_reach_the_journal_within_the_bound_while_the_program_never_pauses() {
+        let t = tempfile::tempdir().unwrap();
+        let (stage, store) = (t.path().join("stage/0"), t.path().join("store"));
+        std::fs::create_dir(&store).unwrap();
+        let j = Journal::open(&stage).unwrap();
+        let log = stage.join("journal").join(tierstore_core::writeback::closes::LOG);
+        let _m = start_listed_in(vec![(stage.clone(), store.clone())], t.path().join("writeback-stages"));
+        // A close every 50 ms for 3 s: the program never pauses for QUIET, so only the bound folds.
+        let mut oldest_seen = Duration::ZERO;
+        let mut names = Vec::new();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) {
+            let name = new_staged_name();
+            std::fs::write(j.staged_path(&name), name.as_bytes()).unwrap();
+            let (size, hash) = tierstore_core::hash::hash_file(&j.staged_path(&name)).unwrap();
+            j.close_buffered(&store.join(format!("{:03}", names.len())), &name, size, hash).unwrap();
+            names.push(name);
+            let now = tierstore_core::clock::now_ns();
+            let waiting = tierstore_core::writeback::closes::parse(&std::fs::read(&log).unwrap());
+            if let Some(first) = waiting.first() {
+                oldest_seen = oldest_seen.max(Duration::from_nanos(now.saturating_sub(first.entry.created_ns)));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            oldest_seen < FOLD_WITHIN + Duration::from_millis(500),
+            "a buffered close waited {oldest_seen:?} in the log (bound {FOLD_WITHIN:?})"
+        );
+        wait_for("every file is on the store", || store.join(format!("{:03}", names.len() - 1)).exists());
+        for (i, name) in names.iter().enumerate() {
+            assert_eq!(std::fs::read(store.join(format!("{i:03}"))).unwrap(), name.as_bytes());
+        }
     }
 
     #[test]

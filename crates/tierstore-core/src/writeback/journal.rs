@@ -5,13 +5,16 @@
 //! or truncated) the file: the agent migrates in key order, so a file closed after another reaches the
 //! store after it (a checkpoint's metadata file, written last, appears last). Any change to a pending
 //! file re-keys it with a new number, which also tells a migration in flight that its copy is stale.
-//! Each commit is synchronous (no `MDB_NOSYNC`, unlike the read cache's index): an entry exists on disk
-//! before the close that made it returns.
+//! Each commit is synchronous (no `MDB_NOSYNC`, unlike the read cache's index): an entry committed here
+//! exists on disk before the close that made it returns. A close with `durability = "buffered"` appends
+//! its entry to the log of closes instead ([`super::closes`]), and every operation here folds that log in
+//! first, so that the journal's order and answers include every close that returned.
 
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use super::closes::{Closes, Record};
 use crate::clock::now_ns;
 use crate::hash::hash_file;
 use crate::lmdb::{Db, Env, LmdbError};
@@ -81,7 +84,7 @@ pub struct Entry {
 const ENTRY_VERSION: u8 = 2;
 
 impl Entry {
-    fn encode(&self) -> Vec<u8> {
+    pub(super) fn encode(&self) -> Vec<u8> {
         let mut out = vec![ENTRY_VERSION];
         out.extend_from_slice(&self.size.to_be_bytes());
         out.extend_from_slice(&self.hash);
@@ -95,7 +98,7 @@ impl Entry {
         out
     }
 
-    fn decode(seq: u64, b: &[u8]) -> Option<Entry> {
+    pub(super) fn decode(seq: u64, b: &[u8]) -> Option<Entry> {
         let mut r = b;
         let mut take = |n: usize| -> Option<&[u8]> {
             let (head, rest) = (r.get(..n)?, r.get(n..)?);
@@ -156,11 +159,14 @@ pub struct Journal {
     entries: Db,
     paths: Db,
     meta: Db,
+    closes: Closes,
 }
 
 const NEXT_SEQ: &[u8] = b"next_seq";
 const BYTES: &[u8] = b"bytes";
 const LAST_CHANGE: &[u8] = b"last_change_ns";
+/// The id of the last record of the log of closes folded in (see [`Journal::fold`]).
+const LAST_FOLDED: &[u8] = b"last_folded";
 
 fn get_u64(t: &crate::lmdb::Txn<'_>, db: Db, k: &[u8]) -> Result<u64, LmdbError> {
     Ok(t.get(db, k)?.and_then(|v| v.try_into().ok()).map(u64::from_be_bytes).unwrap_or(0))
@@ -201,7 +207,71 @@ impl Journal {
         }
         let env = Env::open_durable(&dir, 1 << 30, &["entries", "paths", "meta"])
             .map_err(|source| JournalError::Lmdb { dir: dir.clone(), source })?;
-        Ok(Journal { entries: env.db(0), paths: env.db(1), meta: env.db(2), env, dir, data })
+        let log = dir.join(super::closes::LOG);
+        let closes = Closes::open(&journal_dir, log.clone()).map_err(|source| JournalError::Io {
+            what: "cannot open the log of buffered closes",
+            path: log,
+            source,
+        })?;
+        Ok(Journal { entries: env.db(0), paths: env.db(1), meta: env.db(2), env, dir, data, closes })
+    }
+
+    fn log_error(&self, what: &'static str) -> impl Fn(io::Error) -> JournalError + '_ {
+        move |source| JournalError::Io { what, path: self.closes.path().to_path_buf(), source }
+    }
+
+    /// Moves the buffered closes appended to the log into the journal, in their order, in one fsynced
+    /// commit, then empties the log. Costs one `fstat` when the log is empty. Records up to the last one
+    /// a fold already committed are passed over (a fold cut short before it emptied the log), and so is a
+    /// record whose staged file is gone (nothing is left to migrate).
+    pub fn fold(&self) -> Result<usize, JournalError> {
+        if self.closes.is_empty().map_err(self.log_error("cannot read"))? {
+            return Ok(0);
+        }
+        let log = self.closes.hold().map_err(self.log_error("cannot lock"))?;
+        let records = log.records().map_err(self.log_error("cannot read"))?;
+        let Some(last) = records.last().map(|r| r.id) else {
+            log.clear().map_err(self.log_error("cannot empty"))?;
+            return Ok(0);
+        };
+        let mut t = self.env.write().map_err(self.lmdb())?;
+        let folded_before = t.get(self.meta, LAST_FOLDED).map_err(self.lmdb())?.map(<[u8]>::to_vec);
+        let new = match records.iter().position(|r| Some(&r.id[..]) == folded_before.as_deref()) {
+            Some(i) => &records[i + 1..],
+            None => &records[..],
+        };
+        let mut superseded = Vec::new();
+        let mut folded = 0;
+        for Record { entry, .. } in new {
+            if !self.staged_path(&entry.staged).exists() {
+                log::warn!(
+                    "{}: the close of {} names a staged file that is gone; passed over",
+                    log.path().display(),
+                    entry.dest.display()
+                );
+                continue;
+            }
+            let old = self.drop_path(&mut t, &entry.dest).map_err(self.lmdb())?;
+            superseded.extend(old.filter(|o| o.staged != entry.staged));
+            self.insert(&mut t, entry.clone()).map_err(self.lmdb())?;
+            folded += 1;
+        }
+        t.put(self.meta, LAST_FOLDED, &last).map_err(self.lmdb())?;
+        t.commit().map_err(self.lmdb())?;
+        self.remove_staged(superseded);
+        log.clear().map_err(self.log_error("cannot empty"))?;
+        Ok(folded)
+    }
+
+    /// Whether buffered closes wait in the log while the program is still closing files: the last was
+    /// appended less than `quiet` ago and the oldest less than `within` ago. The agent folds the log
+    /// once this is false, so a checkpoint's closes are folded in one commit, after it.
+    pub fn closes_settling(&self, quiet: std::time::Duration, within: std::time::Duration) -> bool {
+        let Ok((records, modified)) = self.closes.peek() else { return false };
+        let Some(first) = records.first() else { return false };
+        let recent = modified.and_then(|m| m.elapsed().ok()).is_some_and(|age| age < quiet);
+        let young = now_ns().saturating_sub(first.entry.created_ns) < within.as_nanos() as u64;
+        recent && young
     }
 
     fn lmdb(&self) -> impl Fn(LmdbError) -> JournalError + '_ {
@@ -224,19 +294,24 @@ impl Journal {
     }
 
     /// Bytes of the files waiting for migration.
+    /// (The closes not yet folded count too, without a fold: a new file's `begin` asks this.)
     pub fn staged_bytes(&self) -> Result<u64, JournalError> {
+        let buffered: u64 =
+            self.closes.peek().map_err(self.log_error("cannot read"))?.0.iter().map(|r| r.entry.size).sum();
         let t = self.env.read().map_err(self.lmdb())?;
-        get_u64(&t, self.meta, BYTES).map_err(self.lmdb())
+        Ok(get_u64(&t, self.meta, BYTES).map_err(self.lmdb())? + buffered)
     }
 
     /// When a file was last closed, renamed or truncated (ns since the epoch; 0 if never).
     pub fn last_change_ns(&self) -> Result<u64, JournalError> {
+        self.fold()?;
         let t = self.env.read().map_err(self.lmdb())?;
         get_u64(&t, self.meta, LAST_CHANGE).map_err(self.lmdb())
     }
 
     /// The pending entry for `dest`, if any.
     pub fn lookup(&self, dest: &Path) -> Result<Option<Entry>, JournalError> {
+        self.fold()?;
         let t = self.env.read().map_err(self.lmdb())?;
         let Some(seq) = t.get(self.paths, dest.as_os_str().as_bytes()).map_err(self.lmdb())? else { return Ok(None) };
         let seq: [u8; 8] = seq.try_into().map_err(|_| JournalError::Corrupt(self.dir.clone()))?;
@@ -250,6 +325,7 @@ impl Journal {
 
     /// The entry migrated next (the lowest sequence number), if any.
     pub fn first(&self) -> Result<Option<Entry>, JournalError> {
+        self.fold()?;
         let t = self.env.read().map_err(self.lmdb())?;
         let mut found = None;
         t.scan(self.entries, &[], |k, v| {
@@ -266,6 +342,7 @@ impl Journal {
     /// The first entry in migration order for which `pick` holds, if any (`first` with a filter: the
     /// agent skips entries whose destination it refuses).
     pub fn first_where(&self, mut pick: impl FnMut(&Entry) -> bool) -> Result<Option<Entry>, JournalError> {
+        self.fold()?;
         let t = self.env.read().map_err(self.lmdb())?;
         let mut found = None;
         let mut bad = false;
@@ -291,6 +368,7 @@ impl Journal {
 
     /// Every pending entry, in migration order.
     pub fn entries(&self) -> Result<Vec<Entry>, JournalError> {
+        self.fold()?;
         let t = self.env.read().map_err(self.lmdb())?;
         let mut out = Vec::new();
         let mut bad = false;
@@ -362,12 +440,24 @@ impl Journal {
     }
 
     /// Like [`Journal::commit`], for a staged file whose bytes may still be only in the page cache
-    /// (`durability = "buffered"`): the entry, fsynced like every other, names this boot of the node.
-    pub fn commit_unflushed(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<u64, JournalError> {
-        self.record(dest, staged, size, hash, crate::process::boot_id())
+    /// (`durability = "buffered"`): the entry names this boot of the node, and is appended to the log of
+    /// closes without waiting for the disk ([`super::closes`]); the next operation folds it in.
+    pub fn close_buffered(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<(), JournalError> {
+        let entry = Entry {
+            seq: 0,
+            dest: dest.to_path_buf(),
+            staged: staged.to_string(),
+            size,
+            hash,
+            created_ns: now_ns(),
+            attempts: 0,
+            error: String::new(),
+            unflushed_in: crate::process::boot_id(),
+        };
+        self.closes.append(&entry).map_err(self.log_error("cannot append to"))
     }
 
-    /// [`Journal::commit`] and [`Journal::commit_unflushed`]; the tests also name an earlier boot.
+    /// [`Journal::commit`]; the tests also name an earlier boot.
     pub(super) fn record(
         &self,
         dest: &Path,
@@ -376,6 +466,7 @@ impl Journal {
         hash: [u8; 32],
         unflushed_in: Option<[u8; 16]>,
     ) -> Result<u64, JournalError> {
+        self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
         let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
         let created_ns = now_ns();
@@ -400,6 +491,7 @@ impl Journal {
     /// place in the order, after everything closed before the rename) and `to`'s pending entry, if any,
     /// is superseded. Returns whether `from` was pending.
     pub fn rename(&self, from: &Path, to: &Path) -> Result<bool, JournalError> {
+        self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
         let Some(mut e) = self.drop_path(&mut t, from).map_err(self.lmdb())? else { return Ok(false) };
         let replaced = self.drop_path(&mut t, to).map_err(self.lmdb())?;
@@ -414,6 +506,7 @@ impl Journal {
 
     /// The program deleted `dest`: its pending entry and staged copy go. Returns whether it was pending.
     pub fn remove(&self, dest: &Path) -> Result<bool, JournalError> {
+        self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
         let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
         t.commit().map_err(self.lmdb())?;
@@ -425,6 +518,7 @@ impl Journal {
     /// The program truncated the pending file `dest` to `len`: its staged copy is cut, fsynced and
     /// re-hashed, and it takes a new place in the order. Returns whether it was pending.
     pub fn truncate(&self, dest: &Path, len: u64) -> Result<bool, JournalError> {
+        self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
         let Some(mut e) = self.drop_path(&mut t, dest).map_err(self.lmdb())? else { return Ok(false) };
         let path = self.staged_path(&e.staged);
@@ -472,6 +566,7 @@ impl Journal {
         entry: &Entry,
         publish: impl FnOnce() -> io::Result<()>,
     ) -> Result<Result<Finish, io::Error>, JournalError> {
+        self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
         let key = entry.seq.to_be_bytes();
         let current = t.get(self.entries, &key).map_err(self.lmdb())?.and_then(|v| Entry::decode(entry.seq, v));
@@ -530,12 +625,98 @@ mod tests {
     }
 
     #[test]
+    fn buffered_closes_take_their_place_in_close_order_before_any_answer() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let (a, b, c, a2) = (staged(&j, b"a"), staged(&j, b"bb"), staged(&j, b"ccc"), staged(&j, b"a2"));
+        j.close_buffered(Path::new("/s/a"), &a, 1, [1; 32]).unwrap();
+        j.close_buffered(Path::new("/s/b"), &b, 2, [2; 32]).unwrap();
+        // Not folded yet, yet counted against the stage's quota and seen by a read of /s/a.
+        assert_eq!(j.staged_bytes().unwrap(), 3);
+        assert!(!j.closes.is_empty().unwrap());
+        assert_eq!(j.lookup(Path::new("/s/a")).unwrap().map(|e| e.staged), Some(a.clone()));
+        assert!(j.closes.is_empty().unwrap(), "the lookup folded the log");
+        // A fsynced close after them comes after them; a buffered rewrite of /s/a supersedes its copy.
+        j.commit(Path::new("/s/c"), &c, 3, [3; 32]).unwrap();
+        j.close_buffered(Path::new("/s/a"), &a2, 2, [4; 32]).unwrap();
+        let order: Vec<String> = j.entries().unwrap().into_iter().map(|e| e.staged).collect();
+        assert_eq!(order, vec![b.clone(), c, a2]);
+        assert!(!j.staged_path(&a).exists(), "the superseded copy is deleted");
+        assert_eq!(j.staged_bytes().unwrap(), 2 + 3 + 2);
+    }
+
+    #[test]
+    fn a_fold_cut_short_before_the_log_was_emptied_is_not_applied_twice() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let (a, a2) = (staged(&j, b"a"), staged(&j, b"a2"));
+        j.close_buffered(Path::new("/s/a"), &a, 1, [1; 32]).unwrap();
+        j.close_buffered(Path::new("/s/a"), &a2, 2, [2; 32]).unwrap();
+        let log = d.path().join("journal").join(super::super::closes::LOG);
+        let appended = std::fs::read(&log).unwrap();
+        assert_eq!(j.fold().unwrap(), 2);
+        // The folder was killed after its commit and before it emptied the log; the first copy's file
+        // was not deleted yet either. A later fold must not bring the first close back over the second.
+        std::fs::write(&log, &appended).unwrap();
+        std::fs::write(j.staged_path(&a), b"a").unwrap();
+        let b = staged(&j, b"b");
+        j.close_buffered(Path::new("/s/b"), &b, 1, [3; 32]).unwrap();
+        assert_eq!(j.fold().unwrap(), 1, "only the close appended since");
+        let got: Vec<(PathBuf, String)> = j.entries().unwrap().into_iter().map(|e| (e.dest, e.staged)).collect();
+        assert_eq!(got, vec![(PathBuf::from("/s/a"), a2), (PathBuf::from("/s/b"), b)]);
+    }
+
+    #[test]
+    fn closes_appended_by_several_processes_while_others_fold_are_each_journaled_once_in_order() {
+        let d = tempfile::tempdir().unwrap();
+        // One handle per writer: each has its own descriptor of the log, as a process has.
+        let writers: Vec<Journal> = (0..3).map(|_| Journal::open(d.path()).unwrap()).collect();
+        let folder = Journal::open(d.path()).unwrap();
+        let per_writer = 200;
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = writers
+                .iter()
+                .enumerate()
+                .map(|(w, j)| {
+                    s.spawn(move || {
+                        for i in 0..per_writer {
+                            let name = staged(j, b"x");
+                            j.close_buffered(Path::new(&format!("/s/{w}/{i}")), &name, 1, [0; 32]).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            s.spawn(|| {
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    folder.fold().unwrap();
+                }
+            });
+            for h in handles {
+                h.join().unwrap();
+            }
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let entries = folder.entries().unwrap();
+        assert_eq!(entries.len(), 3 * per_writer);
+        for w in 0..3 {
+            let mine: Vec<String> = entries
+                .iter()
+                .map(|e| e.dest.to_string_lossy().into_owned())
+                .filter(|p| p.starts_with(&format!("/s/{w}/")))
+                .collect();
+            let expected: Vec<String> = (0..per_writer).map(|i| format!("/s/{w}/{i}")).collect();
+            assert_eq!(mine, expected, "writer {w}'s closes, in the order it made them");
+        }
+    }
+
+    #[test]
     fn an_unflushed_close_names_this_boot_and_an_entry_of_the_first_layout_still_decodes() {
         let d = tempfile::tempdir().unwrap();
         let j = Journal::open(d.path()).unwrap();
         let (a, b) = (staged(&j, b"a"), staged(&j, b"b"));
         j.commit(Path::new("/s/fsynced"), &a, 1, [1; 32]).unwrap();
-        j.commit_unflushed(Path::new("/s/buffered"), &b, 1, [2; 32]).unwrap();
+        j.close_buffered(Path::new("/s/buffered"), &b, 1, [2; 32]).unwrap();
         let entries = j.entries().unwrap();
         assert_eq!(entries[0].unflushed_in, None);
         assert_eq!(entries[1].unflushed_in, crate::process::boot_id());

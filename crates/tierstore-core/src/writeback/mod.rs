@@ -9,6 +9,7 @@
 //! migrates ([`migrate::step`]); the journal ([`journal`]) is the only thing the two share, so a writer
 //! never waits for the agent unless it asked for remote durability, and either can be killed at any time.
 
+pub mod closes;
 pub mod config;
 pub mod journal;
 pub mod migrate;
@@ -448,10 +449,11 @@ impl Writeback {
     }
 
     /// Journals the staged file `name`, written for `dest`, once the program closed it: its bytes are
-    /// hashed and recorded, and fsynced first unless the destination's durability is `buffered`; with
-    /// remote durability, also waits until the agent put it on the store. A file that cannot be journaled (the stage's disk filled up under the
-    /// fsync, say) is removed at once: its close fails, nothing was acknowledged, and its space is the
-    /// next file's.
+    /// hashed and recorded. With `buffered` durability the record is appended to the log of buffered
+    /// closes and nothing waits for the disk ([`closes`]); otherwise the bytes are fsynced and the entry
+    /// committed, and with remote durability the close also waits until the agent put the file on the
+    /// store. A file that cannot be journaled (the stage's disk filled up under the fsync, say) is
+    /// removed at once: its close fails, nothing was acknowledged, and its space is the next file's.
     pub fn commit(&self, dest: &Path, name: &str) -> Result<(), WritebackError> {
         let d = self.destination_of(dest)?;
         let j = self.journal(d)?;
@@ -461,11 +463,12 @@ impl Writeback {
             move |source| WritebackError::Io { what, path, source }
         };
         let journaled = if d.durability == Durability::Buffered {
-            // As a local disk's close: the bytes stay in the page cache for the kernel to write back. The
-            // hash is taken now, so that bytes a crash of the node tears are known (see `migrate`).
+            // As a local disk's close: the bytes and the record stay in the page cache for the kernel to
+            // write back. The hash is taken now, so that bytes a crash of the node tears are known (see
+            // `migrate`).
             crate::hash::hash_file_now(&path)
                 .map_err(io("cannot read the staged file"))
-                .and_then(|(size, hash)| Ok(j.commit_unflushed(dest, name, size, hash)?))
+                .and_then(|(size, hash)| Ok(j.close_buffered(dest, name, size, hash)?))
         } else {
             // The fsync waits for the disk and the hash for the CPU: both at once, the close costs the
             // longer.
@@ -477,7 +480,7 @@ impl Writeback {
             synced
                 .map_err(io("cannot fsync the staged file"))
                 .and_then(|()| hashed.map_err(io("cannot read the staged file")))
-                .and_then(|(size, hash)| Ok(j.commit(dest, name, size, hash)?))
+                .and_then(|(size, hash)| Ok(j.commit(dest, name, size, hash).map(|_| ())?))
         };
         if let Err(e) = journaled {
             let _ = std::fs::remove_file(&path);
