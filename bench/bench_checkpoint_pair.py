@@ -11,7 +11,8 @@ the agent migrates. Each round gives one paired ratio of the two write throughpu
 
 A checkpoint is `torch.save` of 34 files, 268 MiB (DLIO's llama3-8b-shaped checkpoint divided by 400: the
 embeddings and the head, 32 layer files, the optimizer's states). The time spent in the closes is reported
-apart: a staged close adds the file's blake3 and the journal's commit. The store is a directory in
+apart: a staged close appends one record to the stage's log of closes (the agent hashes the file and
+commits the journal after the burst). The store is a directory in
 /dev/shm (a cluster's store takes none of the node's CPU; a FUSE stand-in would). After the job, every
 file staged must be on the store, whole.
 
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "",
         f"Median of the paired ratios: **{med:.2f}x** (rounds {min(ratios):.2f}-{max(ratios):.2f}). The staged "
-        f"closes (blake3 and the journal's commit) take {close_share:.0%} of a staged checkpoint's time (median).",
+        f"closes (a record appended to the log of closes) take {close_share:.0%} of a staged checkpoint's time "
+        "(median).",
         f"After the job, `tierstore sync` took {synced:.1f} s more; every staged file is on the store, whole: "
         f"{'yes' if whole else 'NO'}.",
     ]

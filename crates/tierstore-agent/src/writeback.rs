@@ -84,6 +84,15 @@ impl Migrations {
         for j in journals {
             for _ in 0..3 {
                 let Ok(Some(e)) = j.lookup(path) else { break };
+                if e.seq == 0 {
+                    // A close still in the log of closes (it has no place, nor maybe a hash, yet): the fold
+                    // gives it both, and the copy is vouched for by the journal's hash.
+                    if let Err(err) = j.fold() {
+                        log::warn!("the staged copy of {} cannot be looked up: {err}", path.display());
+                        break;
+                    }
+                    continue;
+                }
                 match std::fs::File::open(j.staged_path(&e.staged)) {
                     Ok(f) => return Some((e, f)),
                     Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
@@ -500,8 +509,8 @@ mod tests {
         while start.elapsed() < Duration::from_secs(3) {
             let name = new_staged_name();
             std::fs::write(j.staged_path(&name), name.as_bytes()).unwrap();
-            let (size, hash) = tierstore_core::hash::hash_file(&j.staged_path(&name)).unwrap();
-            j.close_buffered(&store.join(format!("{:03}", names.len())), &name, size, hash).unwrap();
+            // Unhashed, as the shim closes it: the fold hashes it.
+            j.close_buffered(&store.join(format!("{:03}", names.len())), &name, name.len() as u64, None).unwrap();
             names.push(name);
             let now = tierstore_core::clock::now_ns();
             let waiting = tierstore_core::writeback::closes::parse(&std::fs::read(&log).unwrap());

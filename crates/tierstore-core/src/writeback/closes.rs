@@ -1,13 +1,14 @@
 //! The log of buffered closes: how a close with `durability = "buffered"` returns without waiting for a
 //! disk, as a close on a local disk does.
 //!
-//! The close appends one record (the journal entry it would have committed) to `journal/closes.log` with
-//! one `write`, and does not fsync: the record is in the node's page cache, so it outlives the writing
-//! process at once, whatever kills it. The next journal operation of any process (the agent's, within
-//! a second of the close: see `tierstore-agent`'s write-back loop) folds the records into the fsynced
-//! journal in the order they were appended, then empties the log. A crash of the node before the fold
-//! may lose the record, as it may lose the file's bytes; a record that survives a crash is still checked
-//! against the bytes before migration (`migrate.rs`: its hash and its boot).
+//! The close appends one record (the journal entry it would have committed, without the file's hash) to
+//! `journal/closes.log` with one `write`, and does not fsync: the record is in the node's page cache, so
+//! it outlives the writing process at once, whatever kills it. The next journal operation of any process
+//! (the agent's, within a second of the close: see `tierstore-agent`'s write-back loop) hashes the files
+//! and folds the records into the fsynced journal in the order they were appended, then empties the log.
+//! A crash of the node before the fold may lose the record, as it may lose the file's bytes; an unhashed
+//! record that survives such a crash is dropped (its bytes may be torn, and nothing would tell), and a
+//! folded entry is still checked against the bytes before migration (`migrate.rs`: its hash and its boot).
 //!
 //! Each record carries its own checksum and a random id. A record torn by a crash of the node is
 //! skipped (the parser finds the next whole one), and the journal keeps the id of the last record it
@@ -22,7 +23,7 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use super::journal::Entry;
 
@@ -32,8 +33,11 @@ pub const LOG: &str = "closes.log";
 /// The first bytes of every record.
 const MAGIC: [u8; 4] = *b"TSCL";
 
-/// Magic, body length, id.
-const HEAD: usize = 4 + 4 + 16;
+/// Magic, body length, id, flags.
+const HEAD: usize = 4 + 4 + 16 + 1;
+
+/// The flag of a record whose entry carries the file's blake3 (else the fold takes it).
+const HASHED: u8 = 1;
 
 /// The checksum after the body.
 const CHECK: usize = 16;
@@ -48,6 +52,9 @@ pub struct Record {
     pub id: RecordId,
     /// The journal entry it stands for (`seq` 0: the fold gives it its place).
     pub entry: Entry,
+    /// Whether `entry.hash` is the file's blake3; if not, the fold hashes the staged file (in the boot
+    /// of the close: after a crash of the node its bytes could be torn, and nothing would tell).
+    pub hashed: bool,
 }
 
 fn checksum(length_and_id: &[u8], body: &[u8]) -> [u8; CHECK] {
@@ -68,12 +75,13 @@ fn new_id() -> RecordId {
     h.finalize().as_bytes()[..16].try_into().expect("16 bytes")
 }
 
-fn encode(id: &RecordId, entry: &Entry) -> Vec<u8> {
+fn encode(id: &RecordId, entry: &Entry, hashed: bool) -> Vec<u8> {
     let body = entry.encode();
     let mut out = Vec::with_capacity(HEAD + body.len() + CHECK);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&(body.len() as u32).to_be_bytes());
     out.extend_from_slice(id);
+    out.push(if hashed { HASHED } else { 0 });
     out.extend_from_slice(&body);
     let check = checksum(&out[4..HEAD], &body);
     out.extend_from_slice(&check);
@@ -86,14 +94,15 @@ fn decode(b: &[u8]) -> Option<(Record, usize)> {
         return None;
     }
     let len = u32::from_be_bytes(b.get(4..8)?.try_into().ok()?) as usize;
-    let id: RecordId = b.get(8..HEAD)?.try_into().ok()?;
+    let id: RecordId = b.get(8..24)?.try_into().ok()?;
+    let flags = b[24];
     let body = b.get(HEAD..HEAD + len)?;
     let check = b.get(HEAD + len..HEAD + len + CHECK)?;
     if check != checksum(&b[4..HEAD], body) {
         return None;
     }
     let entry = Entry::decode(0, body)?;
-    Some((Record { id, entry }, HEAD + len + CHECK))
+    Some((Record { id, entry, hashed: flags & HASHED != 0 }, HEAD + len + CHECK))
 }
 
 /// Every whole record of `log`, in order. Bytes that are not one (a record torn by a crash of the node)
@@ -117,6 +126,8 @@ pub fn parse(log: &[u8]) -> Vec<Record> {
 pub struct Closes {
     path: PathBuf,
     file: Mutex<File>,
+    /// How long to wait for the log ([`LOCK_WITHIN`]; shorter in tests).
+    within: Duration,
 }
 
 /// The log held for a fold: no process appends meanwhile.
@@ -125,17 +136,44 @@ pub struct Folding<'a> {
     path: &'a Path,
 }
 
-fn flock(file: &File, op: libc::c_int) -> io::Result<()> {
+/// How long an append or a fold waits for the log (a process stopped in the middle of its append, say)
+/// before it fails with an error that says so, rather than hang.
+pub const LOCK_WITHIN: Duration = Duration::from_secs(10);
+
+/// Takes `op` (`LOCK_SH` or `LOCK_EX`) on `file` within `within`.
+fn flock(file: &File, op: libc::c_int, path: &Path, within: Duration) -> io::Result<()> {
+    let start = Instant::now();
+    let mut nap = Duration::from_micros(100);
     loop {
         // SAFETY: flock on a descriptor this process owns.
-        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
             return Ok(());
         }
         let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) if start.elapsed() < within => {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(5));
+            }
+            Some(libc::EWOULDBLOCK) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "{} stayed locked for {within:?}: a process of yours is stopped in the middle of \
+                         an append or a fold (continue or kill it)",
+                        path.display()
+                    ),
+                ))
+            }
+            Some(libc::EINTR) => {}
+            _ => return Err(e),
         }
     }
+}
+
+fn unlock(file: &File) {
+    // SAFETY: flock on a descriptor this process owns.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
 }
 
 impl Closes {
@@ -148,7 +186,7 @@ impl Closes {
         if flags < 0 || unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags | libc::O_APPEND) } < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Closes { path, file: Mutex::new(file) })
+        Ok(Closes { path, file: Mutex::new(file), within: LOCK_WITHIN })
     }
 
     /// The log's path, for errors.
@@ -160,14 +198,15 @@ impl Closes {
         self.file.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Appends the close of `entry`, with no fsync: once this returns, the record outlives this process.
-    pub fn append(&self, entry: &Entry) -> io::Result<()> {
-        let record = encode(&new_id(), entry);
+    /// Appends the close of `entry` (whose `hash` is the file's when `hashed`), with no fsync: once this
+    /// returns, the record outlives this process.
+    pub fn append(&self, entry: &Entry, hashed: bool) -> io::Result<()> {
+        let record = encode(&new_id(), entry, hashed);
         let mut file = self.lock();
-        flock(&file, libc::LOCK_SH)?;
+        flock(&file, libc::LOCK_SH, &self.path, self.within)?;
         // One write: appenders never interleave inside a record (and a short one is torn, and skipped).
         let written = file.write(&record);
-        let _ = flock(&file, libc::LOCK_UN);
+        unlock(&file);
         match written? {
             n if n == record.len() => Ok(()),
             n => {
@@ -193,7 +232,7 @@ impl Closes {
     /// Holds the log for a fold: waits for the appends under way, and keeps others out until dropped.
     pub fn hold(&self) -> io::Result<Folding<'_>> {
         let file = self.lock();
-        flock(&file, libc::LOCK_EX)?;
+        flock(&file, libc::LOCK_EX, &self.path, self.within)?;
         Ok(Folding { file, path: &self.path })
     }
 }
@@ -230,7 +269,7 @@ impl Folding<'_> {
 
 impl Drop for Folding<'_> {
     fn drop(&mut self) {
-        let _ = flock(&self.file, libc::LOCK_UN);
+        unlock(&self.file);
     }
 }
 
@@ -255,7 +294,9 @@ mod tests {
     #[test]
     fn records_read_back_in_order_and_torn_bytes_are_passed_over() {
         let (a, b, c) = (entry("/s/a", "1.0.1"), entry("/s/b", "1.1.1"), entry("/s/c", "1.2.1"));
-        let (ra, rb, rc) = (encode(&new_id(), &a), encode(&new_id(), &b), encode(&new_id(), &c));
+        let (ra, rb, rc) = (encode(&new_id(), &a, true), encode(&new_id(), &b, false), encode(&new_id(), &c, false));
+        let flags: Vec<bool> = parse(&[ra.clone(), rb.clone()].concat()).into_iter().map(|r| r.hashed).collect();
+        assert_eq!(flags, vec![true, false]);
         // b torn in its middle (a crash of the node wrote its first page only), then c whole.
         let mut log = [ra.clone(), rb[..rb.len() / 2].to_vec(), rc.clone()].concat();
         let got: Vec<Entry> = parse(&log).into_iter().map(|r| r.entry).collect();
@@ -267,5 +308,26 @@ mod tests {
         assert_eq!(got, vec![a]);
         // A tail too short for any record.
         assert!(parse(&rc[..HEAD]).is_empty());
+    }
+
+    #[test]
+    fn a_process_stopped_holding_the_log_fails_an_append_and_a_fold_within_the_deadline() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = File::open(d.path()).unwrap();
+        let mut closes = Closes::open(&dir, d.path().join(LOG)).unwrap();
+        closes.within = Duration::from_millis(200);
+        // Another process's descriptor, held as a fold holds it (a stopped folder, say).
+        let other = crate::private::open_file(&dir, LOG).unwrap();
+        flock(&other, libc::LOCK_EX, d.path(), LOCK_WITHIN).unwrap();
+        let start = Instant::now();
+        let e = closes.append(&entry("/s/a", "1.0.1"), false).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("stayed locked") && e.to_string().contains(LOG), "{e}");
+        assert!(closes.hold().is_err());
+        assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+        // Once it goes on, both work.
+        unlock(&other);
+        closes.append(&entry("/s/a", "1.0.1"), false).unwrap();
+        assert_eq!(closes.hold().unwrap().records().unwrap().len(), 1);
     }
 }

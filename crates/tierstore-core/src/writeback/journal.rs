@@ -223,7 +223,8 @@ impl Journal {
     /// Moves the buffered closes appended to the log into the journal, in their order, in one fsynced
     /// commit, then empties the log. Costs one `fstat` when the log is empty. Records up to the last one
     /// a fold already committed are passed over (a fold cut short before it emptied the log), and so is a
-    /// record whose staged file is gone (nothing is left to migrate).
+    /// record whose staged file is gone (nothing is left to migrate). A close appended without its hash
+    /// is hashed here, before the commit.
     pub fn fold(&self) -> Result<usize, JournalError> {
         if self.closes.is_empty().map_err(self.log_error("cannot read"))? {
             return Ok(0);
@@ -234,33 +235,76 @@ impl Journal {
             log.clear().map_err(self.log_error("cannot empty"))?;
             return Ok(0);
         };
-        let mut t = self.env.write().map_err(self.lmdb())?;
-        let folded_before = t.get(self.meta, LAST_FOLDED).map_err(self.lmdb())?.map(<[u8]>::to_vec);
+        // Only folds change it, and no other fold runs while the log is held.
+        let folded_before = {
+            let t = self.env.read().map_err(self.lmdb())?;
+            t.get(self.meta, LAST_FOLDED).map_err(self.lmdb())?.map(<[u8]>::to_vec)
+        };
         let new = match records.iter().position(|r| Some(&r.id[..]) == folded_before.as_deref()) {
             Some(i) => &records[i + 1..],
             None => &records[..],
         };
+        // Hashed before the journal's write lock is taken: the other writers of the journal wait for the
+        // commit only.
+        let ready: Vec<Entry> = new.iter().filter_map(|r| self.ready(r, log.path())).collect();
+        let mut t = self.env.write().map_err(self.lmdb())?;
         let mut superseded = Vec::new();
-        let mut folded = 0;
-        for Record { entry, .. } in new {
-            if !self.staged_path(&entry.staged).exists() {
-                log::warn!(
-                    "{}: the close of {} names a staged file that is gone; passed over",
-                    log.path().display(),
-                    entry.dest.display()
-                );
-                continue;
-            }
+        for entry in &ready {
             let old = self.drop_path(&mut t, &entry.dest).map_err(self.lmdb())?;
             superseded.extend(old.filter(|o| o.staged != entry.staged));
             self.insert(&mut t, entry.clone()).map_err(self.lmdb())?;
-            folded += 1;
         }
         t.put(self.meta, LAST_FOLDED, &last).map_err(self.lmdb())?;
         t.commit().map_err(self.lmdb())?;
         self.remove_staged(superseded);
         log.clear().map_err(self.log_error("cannot empty"))?;
-        Ok(folded)
+        Ok(ready.len())
+    }
+
+    /// The entry a record of the log stands for, hashed; `None` (said) when there is nothing to migrate:
+    /// its staged file is gone, unreadable, or was closed unhashed before a crash of the node (its bytes
+    /// may be torn, and nothing would tell: it is removed, and the store keeps what it held before).
+    fn ready(&self, r: &Record, log: &Path) -> Option<Entry> {
+        let mut e = r.entry.clone();
+        let staged = self.staged_path(&e.staged);
+        if r.hashed {
+            if staged.exists() {
+                return Some(e);
+            }
+            log::warn!(
+                "{}: the close of {} names a staged file that is gone; passed over",
+                log.display(),
+                e.dest.display()
+            );
+            return None;
+        }
+        if e.unflushed_in != crate::process::boot_id() {
+            log::error!(
+                "{} was lost: it was closed just before a crash of the node, before its staged copy {} was hashed \
+                 (durability \"buffered\"); the store keeps what it held before",
+                e.dest.display(),
+                staged.display()
+            );
+            let _ = std::fs::remove_file(&staged);
+            return None;
+        }
+        match crate::hash::hash_file_now(&staged) {
+            Ok((size, hash)) => {
+                (e.size, e.hash) = (size, hash);
+                Some(e)
+            }
+            Err(err) => {
+                let how = if err.kind() == io::ErrorKind::NotFound { log::Level::Warn } else { log::Level::Error };
+                log::log!(
+                    how,
+                    "{}: the staged copy {} of {} cannot be hashed ({err}); passed over",
+                    log.display(),
+                    staged.display(),
+                    e.dest.display()
+                );
+                None
+            }
+        }
     }
 
     /// Whether buffered closes wait in the log while the program is still closing files: the last was
@@ -310,8 +354,15 @@ impl Journal {
     }
 
     /// The pending entry for `dest`, if any.
+    /// A close still in the log of closes is the newest for its path (everything that changes the
+    /// journal folds the log first), so it answers without a fold: a checkpoint's next `open` asks this,
+    /// and must not wait for an fsync. Its `seq` is 0 until the fold gives it its place.
     pub fn lookup(&self, dest: &Path) -> Result<Option<Entry>, JournalError> {
-        self.fold()?;
+        let (buffered, _) = self.closes.peek().map_err(self.log_error("cannot read"))?;
+        let newest = buffered.into_iter().rev().map(|r| r.entry).find(|e| e.dest == dest);
+        if let Some(e) = newest.filter(|e| self.staged_path(&e.staged).exists()) {
+            return Ok(Some(e));
+        }
         let t = self.env.read().map_err(self.lmdb())?;
         let Some(seq) = t.get(self.paths, dest.as_os_str().as_bytes()).map_err(self.lmdb())? else { return Ok(None) };
         let seq: [u8; 8] = seq.try_into().map_err(|_| JournalError::Corrupt(self.dir.clone()))?;
@@ -441,20 +492,27 @@ impl Journal {
 
     /// Like [`Journal::commit`], for a staged file whose bytes may still be only in the page cache
     /// (`durability = "buffered"`): the entry names this boot of the node, and is appended to the log of
-    /// closes without waiting for the disk ([`super::closes`]); the next operation folds it in.
-    pub fn close_buffered(&self, dest: &Path, staged: &str, size: u64, hash: [u8; 32]) -> Result<(), JournalError> {
+    /// closes without waiting for the disk ([`super::closes`]); the next operation folds it in, and
+    /// hashes the file then when `hash` is not given.
+    pub fn close_buffered(
+        &self,
+        dest: &Path,
+        staged: &str,
+        size: u64,
+        hash: Option<[u8; 32]>,
+    ) -> Result<(), JournalError> {
         let entry = Entry {
             seq: 0,
             dest: dest.to_path_buf(),
             staged: staged.to_string(),
             size,
-            hash,
+            hash: hash.unwrap_or_default(),
             created_ns: now_ns(),
             attempts: 0,
             error: String::new(),
             unflushed_in: crate::process::boot_id(),
         };
-        self.closes.append(&entry).map_err(self.log_error("cannot append to"))
+        self.closes.append(&entry, hash.is_some()).map_err(self.log_error("cannot append to"))
     }
 
     /// [`Journal::commit`]; the tests also name an earlier boot.
@@ -629,16 +687,18 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let j = Journal::open(d.path()).unwrap();
         let (a, b, c, a2) = (staged(&j, b"a"), staged(&j, b"bb"), staged(&j, b"ccc"), staged(&j, b"a2"));
-        j.close_buffered(Path::new("/s/a"), &a, 1, [1; 32]).unwrap();
-        j.close_buffered(Path::new("/s/b"), &b, 2, [2; 32]).unwrap();
-        // Not folded yet, yet counted against the stage's quota and seen by a read of /s/a.
+        j.close_buffered(Path::new("/s/a"), &a, 1, Some([1; 32])).unwrap();
+        j.close_buffered(Path::new("/s/b"), &b, 2, Some([2; 32])).unwrap();
+        // Not folded yet, yet counted against the stage's quota and seen by a read of /s/a, which folds
+        // nothing (a checkpoint's next open asks it).
         assert_eq!(j.staged_bytes().unwrap(), 3);
-        assert!(!j.closes.is_empty().unwrap());
         assert_eq!(j.lookup(Path::new("/s/a")).unwrap().map(|e| e.staged), Some(a.clone()));
-        assert!(j.closes.is_empty().unwrap(), "the lookup folded the log");
+        assert!(!j.closes.is_empty().unwrap(), "the lookup folded nothing");
+        assert_eq!(j.lookup(Path::new("/s/none")).unwrap(), None);
         // A fsynced close after them comes after them; a buffered rewrite of /s/a supersedes its copy.
         j.commit(Path::new("/s/c"), &c, 3, [3; 32]).unwrap();
-        j.close_buffered(Path::new("/s/a"), &a2, 2, [4; 32]).unwrap();
+        j.close_buffered(Path::new("/s/a"), &a2, 2, Some([4; 32])).unwrap();
+        assert_eq!(j.lookup(Path::new("/s/a")).unwrap().map(|e| e.staged), Some(a2.clone()), "the newest close");
         let order: Vec<String> = j.entries().unwrap().into_iter().map(|e| e.staged).collect();
         assert_eq!(order, vec![b.clone(), c, a2]);
         assert!(!j.staged_path(&a).exists(), "the superseded copy is deleted");
@@ -646,12 +706,38 @@ mod tests {
     }
 
     #[test]
+    fn a_close_appended_unhashed_is_hashed_by_the_fold_unless_a_crash_of_the_node_came_first() {
+        let d = tempfile::tempdir().unwrap();
+        let j = Journal::open(d.path()).unwrap();
+        let (a, b) = (staged(&j, b"the bytes closed"), staged(&j, b"closed before the crash"));
+        j.close_buffered(Path::new("/s/a"), &a, 16, None).unwrap();
+        // As a record that a crash of the node left in the log: appended in another boot, unhashed.
+        let earlier = Entry {
+            seq: 0,
+            dest: PathBuf::from("/s/b"),
+            staged: b.clone(),
+            size: 23,
+            hash: [0; 32],
+            created_ns: 1,
+            attempts: 0,
+            error: String::new(),
+            unflushed_in: Some([7; 16]),
+        };
+        j.closes.append(&earlier, false).unwrap();
+        let entries = j.entries().unwrap();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(entries[0].staged, a);
+        assert_eq!(entries[0].hash, crate::hash::hash(b"the bytes closed"));
+        assert!(!j.staged_path(&b).exists(), "the copy of the lost close is removed");
+    }
+
+    #[test]
     fn a_fold_cut_short_before_the_log_was_emptied_is_not_applied_twice() {
         let d = tempfile::tempdir().unwrap();
         let j = Journal::open(d.path()).unwrap();
         let (a, a2) = (staged(&j, b"a"), staged(&j, b"a2"));
-        j.close_buffered(Path::new("/s/a"), &a, 1, [1; 32]).unwrap();
-        j.close_buffered(Path::new("/s/a"), &a2, 2, [2; 32]).unwrap();
+        j.close_buffered(Path::new("/s/a"), &a, 1, Some([1; 32])).unwrap();
+        j.close_buffered(Path::new("/s/a"), &a2, 2, Some([2; 32])).unwrap();
         let log = d.path().join("journal").join(super::super::closes::LOG);
         let appended = std::fs::read(&log).unwrap();
         assert_eq!(j.fold().unwrap(), 2);
@@ -660,7 +746,7 @@ mod tests {
         std::fs::write(&log, &appended).unwrap();
         std::fs::write(j.staged_path(&a), b"a").unwrap();
         let b = staged(&j, b"b");
-        j.close_buffered(Path::new("/s/b"), &b, 1, [3; 32]).unwrap();
+        j.close_buffered(Path::new("/s/b"), &b, 1, Some([3; 32])).unwrap();
         assert_eq!(j.fold().unwrap(), 1, "only the close appended since");
         let got: Vec<(PathBuf, String)> = j.entries().unwrap().into_iter().map(|e| (e.dest, e.staged)).collect();
         assert_eq!(got, vec![(PathBuf::from("/s/a"), a2), (PathBuf::from("/s/b"), b)]);
@@ -682,7 +768,7 @@ mod tests {
                     s.spawn(move || {
                         for i in 0..per_writer {
                             let name = staged(j, b"x");
-                            j.close_buffered(Path::new(&format!("/s/{w}/{i}")), &name, 1, [0; 32]).unwrap();
+                            j.close_buffered(Path::new(&format!("/s/{w}/{i}")), &name, 1, None).unwrap();
                         }
                     })
                 })
@@ -716,7 +802,7 @@ mod tests {
         let j = Journal::open(d.path()).unwrap();
         let (a, b) = (staged(&j, b"a"), staged(&j, b"b"));
         j.commit(Path::new("/s/fsynced"), &a, 1, [1; 32]).unwrap();
-        j.close_buffered(Path::new("/s/buffered"), &b, 1, [2; 32]).unwrap();
+        j.close_buffered(Path::new("/s/buffered"), &b, 1, Some([2; 32])).unwrap();
         let entries = j.entries().unwrap();
         assert_eq!(entries[0].unflushed_in, None);
         assert_eq!(entries[1].unflushed_in, crate::process::boot_id());

@@ -440,7 +440,7 @@ mod tests {
             std::fs::write(j.staged_path(&s), b"right").unwrap();
             let (size, hash) = hash_file(&j.staged_path(&s)).unwrap();
             if buffered {
-                j.close_buffered(&store.join("f"), &s, size, hash).unwrap();
+                j.close_buffered(&store.join("f"), &s, size, Some(hash)).unwrap();
             } else {
                 j.commit(&store.join("f"), &s, size, hash).unwrap();
             }
