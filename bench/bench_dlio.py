@@ -577,8 +577,9 @@ def ckpt_report(rounds: list[dict[str, Ckpt]], store_bw: str) -> tuple[list[str]
         f"took {synced:.1f} s more until every checkpoint was on the store (median).",
         "",
         'With the default durability ("buffered") a close leaves the bytes in the page cache, as the local-disk '
-        "job's `torch.save` does, and costs the file's blake3 and the journal's commit; with \"local\" each close "
-        "also fsyncs the file, so it runs at the disk's write speed rather than the page cache's.",
+        "job's `torch.save` does, and costs one record appended to the stage's log of closes (the agent hashes "
+        "the files and commits the journal after the burst); with \"local\" each close also hashes and fsyncs "
+        "the file and commits the journal, so it runs at the disk's write speed rather than the page cache's.",
         "",
         "Read: DLIO 2.0.0, the release on PyPI, has no checkpoint-read phase (DLIO's main branch added one with "
         "the llama workloads, not released), so the script reads the last checkpoint's files itself, whole, "
