@@ -105,35 +105,48 @@ impl Blocks {
                 count += 1;
             }
             drop(st);
-            let read = read(index, count);
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            let bytes = match read {
-                Ok(bytes) => bytes,
-                Err(e) => {
-                    for i in index..index + count {
-                        st.blocks.remove(&key(i));
-                    }
-                    self.arrived.notify_all();
-                    return Err(e);
-                }
-            };
-            let mut first = None;
-            for (n, piece) in bytes.chunks(BLOCK as usize).enumerate().take(count as usize) {
-                let data = Arc::new(piece.to_vec());
-                first.get_or_insert_with(|| data.clone());
-                st.bytes += data.len() as u64;
-                st.blocks.insert(key(index + n as u64), Block { data: Some(data), used: tick });
-            }
-            // A read shorter than the run (the file ended) leaves no claim behind.
-            for i in index + (bytes.len() as u64).div_ceil(BLOCK)..index + count {
-                st.blocks.remove(&key(i));
-            }
-            self.evict(&mut st);
-            self.arrived.notify_all();
-            return first.ok_or_else(|| {
-                io::Error::new(io::ErrorKind::UnexpectedEof, format!("{} ends before block {index}", version.rel))
-            });
+            return self.keep_run(version, index..index + count, tick, read(index, count));
         }
+    }
+
+    /// Keeps the blocks of `run`, which this asker claimed and read from the store (`read`: their bytes,
+    /// the last block short at the end of the file), wakes the askers waiting for them, and returns the
+    /// first. A failed read releases the claims (a waiter then reads them itself).
+    fn keep_run(
+        &self,
+        version: &Version,
+        run: std::ops::Range<u64>,
+        tick: u64,
+        read: io::Result<Vec<u8>>,
+    ) -> io::Result<Arc<Vec<u8>>> {
+        let key = |i: u64| (version.clone(), i);
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                for i in run {
+                    st.blocks.remove(&key(i));
+                }
+                self.arrived.notify_all();
+                return Err(e);
+            }
+        };
+        let mut first = None;
+        for (n, piece) in bytes.chunks(BLOCK as usize).enumerate().take((run.end - run.start) as usize) {
+            let data = Arc::new(piece.to_vec());
+            first.get_or_insert_with(|| data.clone());
+            st.bytes += data.len() as u64;
+            st.blocks.insert(key(run.start + n as u64), Block { data: Some(data), used: tick });
+        }
+        // A read shorter than the run (the file ended) leaves no claim behind.
+        for i in run.start + (bytes.len() as u64).div_ceil(BLOCK)..run.end {
+            st.blocks.remove(&key(i));
+        }
+        self.evict(&mut st);
+        self.arrived.notify_all();
+        first.ok_or_else(|| {
+            io::Error::new(io::ErrorKind::UnexpectedEof, format!("{} ends before block {}", version.rel, run.start))
+        })
     }
 
     /// Forgets every block of `rel` (an asker found bytes served from them wrong).

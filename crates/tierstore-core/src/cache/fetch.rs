@@ -18,7 +18,7 @@ use super::lookup::Look;
 use crate::clock::now_ns;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
-use crate::hash::Pieces;
+use crate::hash::{Hash, Pieces};
 use crate::index::{Entry, Key, Reservation, SourceId};
 use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
@@ -75,6 +75,21 @@ impl Pending<'_> {
             g.fail_source(e);
         }
         self.fail(None);
+    }
+
+    /// Publishes the copy, whole and checked against version `sid` (with its blake3 `hash` when
+    /// recorded), and lets its readers reach the end; false (counted) when it could not be.
+    fn publish(&self, sid: SourceId, hash: Option<Hash>) -> bool {
+        if let Err(e) = self.inner.finish_publish(self.t, self.key, &self.temp, &self.file, sid, hash) {
+            let tier_path = self.inner.lookup.tiers()[self.t].config.path.display();
+            self.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
+            return false;
+        }
+        if let Some(g) = &self.growing {
+            g.advance(sid.size);
+            g.finish();
+        }
+        true
     }
 }
 
@@ -426,6 +441,11 @@ impl Inner {
         self.record_checksums.then(|| crate::hash::hash_serial(bytes))
     }
 
+    /// Publishes the finished copy of version `sid` at `temp` (written through `file`) in tier `t` as
+    /// `key`'s: its mtime set to the source's, renamed into place, its index entry made ready with its
+    /// blake3 `sum` (when recorded), and counted. A reservation cleared meanwhile leaves no copy behind.
+    // The copy's place (tier, key), its file (path, descriptor) and what it holds (version, hash): every
+    // caller has them apart, and a bundle would only rename them.
     pub(super) fn finish_publish(
         &self,
         t: usize,
@@ -507,7 +527,6 @@ impl Inner {
                 }
             }
         };
-        let tier_path = self.lookup.tiers()[t].config.path.display();
         let (copied, after) = match self.source.copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
             Ok(x) => x,
             Err(CopyFault::Source(e)) => {
@@ -518,6 +537,7 @@ impl Inner {
                 return Err(Error::io(&self.source.path_of(rel), e));
             }
             Err(CopyFault::Tier(e)) => {
+                let tier_path = self.lookup.tiers()[t].config.path.display();
                 pending.fail(Some(("tier-write", format!("cannot write a copy into {tier_path}: {e}"))));
                 return Ok(false);
             }
@@ -527,16 +547,7 @@ impl Inner {
             pending.fail(None);
             return Ok(false);
         }
-        let hash = hasher.map(|h| h.finalize());
-        if let Err(e) = self.finish_publish(t, key, &pending.temp, &pending.file, sid, hash) {
-            pending.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
-            return Ok(false);
-        }
-        if let Some(g) = &pending.growing {
-            g.advance(sid.size);
-            g.finish();
-        }
-        Ok(true)
+        Ok(pending.publish(sid, hasher.map(|h| h.finalize())))
     }
 
     /// The temporary copy of `key` in tier `t`: the one the caller `started`, or a new one (None, counted

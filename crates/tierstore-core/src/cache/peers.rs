@@ -68,6 +68,32 @@ struct Received {
     fault: Option<RemoteError>,
 }
 
+/// A file its owner has begun to send: which version, from whom, and the tier its copy goes to (none:
+/// private memory).
+struct Incoming {
+    key: Key,
+    rel: String,
+    who: String,
+    sid: SourceId,
+    transfer: Transfer,
+    tier: Option<usize>,
+}
+
+/// A large file received in the background while its readers follow it: where its bytes go.
+struct Followed {
+    key: Key,
+    rel: String,
+    who: String,
+    sid: SourceId,
+    tier: Option<usize>,
+    /// Its temporary path in the tier, if it goes to one.
+    temp: Option<PathBuf>,
+    /// The file written.
+    file: File,
+    /// What its readers follow.
+    growing: Arc<Growing>,
+}
+
 /// A file this node's agent serves to a peer: an open descriptor of exactly the version `identity`.
 pub struct Served {
     /// The tier copy (or the source file, when no tier had room).
@@ -385,61 +411,39 @@ impl Inner {
         known: &mut Option<SourceId>,
     ) -> Result<Fetched, FetchJob<'a>> {
         let (key, rel, purpose) = (*job.key(), job.rel, job.purpose);
-        let key = &key;
         let Some(remote) = self.remote.as_ref() else { return Err(job) };
         let Some(who) = remote.owner(rel) else { return Err(job) };
         // Node-wide single flight: one process of this node asks the owner, the others find its copy.
-        let Ok(guard) = self.locks.lock(key) else { return Err(job) };
-        let published = known.or_else(|| self.lookup.published(key, rel).map(|e| e.source));
-        if let Some(sid) = published {
-            if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
-                return Ok(match purpose {
-                    Purpose::Prefetch | Purpose::Peer => Fetched::Cached,
-                    Purpose::Read | Purpose::Native => Fetched::Reader(r),
-                });
-            }
+        let Ok(guard) = self.locks.lock(&key) else { return Err(job) };
+        if let Some(fetched) = self.published_meanwhile(&key, rel, *known, purpose) {
+            return Ok(fetched);
         }
-        let keep = self.config.cluster.sharing == Sharing::Inclusive;
-        if purpose == Purpose::Prefetch && !keep {
+        if purpose == Purpose::Prefetch && self.config.cluster.sharing != Sharing::Inclusive {
             // Partitioned: the owner keeps it; make sure it does, and keep nothing here.
             let kept = self.kept_by_owner(remote, &who, rel, known);
             drop(guard);
             return if kept { Ok(Fetched::Cached) } else { Err(job) };
         }
-        let transfer = match remote.open(&who, rel, WINDOW) {
-            Ok(t) => t,
-            Err(e) => {
-                self.peer_failed(&who, rel, &e);
-                return Err(job);
-            }
-        };
-        let sid = transfer.found;
-        if known.is_some_and(|k| k != sid) {
-            // The owner has another version than the source showed this process: take the source's.
-            let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
-            self.peer_failed(&who, rel, &stale);
-            return Err(job);
-        }
-        // The owner vouches for the version, not for when the source last showed it: a copy kept here is
-        // confirmed against the source before `revalidate = "<duration>"` trusts it.
-        let tier = if keep { self.place(key, rel, sid, 0) } else { None };
+        let Some(incoming) = self.ask_owner(who, &key, rel, *known) else { return Err(job) };
+        let sid = incoming.sid;
         // A large file is followed as it arrives: the reader reads each chunk once it is checked, while the
         // rest comes. (Not a program's descriptor: following a copy, it would need one of the store's file
         // as well, and the job opens each file on the store once.)
         let large = sid.size > self.config.inline_max.max(crate::hash::PIECE as u64);
         if large && purpose == Purpose::Read {
-            return self.follow_peer(job, sid, tier, transfer, guard, who);
+            return self.follow_peer(job, incoming, guard);
         }
-        let result = match tier {
-            Some(t) => self.receive_into_tier(t, key, rel, sid, transfer, &who),
-            None => self.receive_private(rel, sid, transfer, purpose).map(|fetched| Received {
+        let who = incoming.who.clone();
+        let result = match incoming.tier {
+            Some(t) => self.receive_into_tier(t, incoming),
+            None => self.receive_private(rel, sid, incoming.transfer, purpose).map(|fetched| Received {
                 fetched,
                 from_peer: sid.size,
                 fault: None,
             }),
         };
         drop(guard);
-        let Some(fetched) = self.count_received(remote, &who, rel, sid, result) else { return Err(job) };
+        let Some(fetched) = self.count_received(&who, rel, sid, result) else { return Err(job) };
         *known = Some(sid);
         if let Fetched::Reader(r) = &fetched {
             if let Backing::Memory(bytes) = r.backing() {
@@ -447,6 +451,35 @@ impl Inner {
             }
         }
         Ok(fetched)
+    }
+
+    /// The copy of `rel` another process of this node published while this one waited for the fetch lock.
+    fn published_meanwhile(&self, key: &Key, rel: &str, known: Option<SourceId>, purpose: Purpose) -> Option<Fetched> {
+        let sid = known.or_else(|| self.lookup.published(key, rel).map(|e| e.source))?;
+        let r = self.hit(key, rel, &sid, Look::Quiet)?;
+        Some(match purpose {
+            Purpose::Prefetch | Purpose::Peer => Fetched::Cached,
+            Purpose::Read | Purpose::Native => Fetched::Reader(r),
+        })
+    }
+
+    /// Asks the owner `who` for `rel`, and places the copy (in a tier, with inclusive sharing). `None`,
+    /// counted: the owner failed, or has another version than `known` (the one the source showed this
+    /// process, which is the one served).
+    fn ask_owner(&self, who: String, key: &Key, rel: &str, known: Option<SourceId>) -> Option<Incoming> {
+        let remote = self.remote.as_ref()?;
+        let transfer = remote.open(&who, rel, WINDOW).map_err(|e| self.peer_failed(&who, rel, &e)).ok()?;
+        let sid = transfer.found;
+        if known.is_some_and(|k| k != sid) {
+            let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
+            self.peer_failed(&who, rel, &stale);
+            return None;
+        }
+        // The owner vouches for the version, not for when the source last showed it: a copy kept here is
+        // confirmed against the source before `revalidate = "<duration>"` trusts it.
+        let keep = self.config.cluster.sharing == Sharing::Inclusive;
+        let tier = if keep { self.place(key, rel, sid, 0) } else { None };
+        Some(Incoming { key: *key, rel: rel.to_string(), who, sid, transfer, tier })
     }
 
     /// Whether the owner `who` holds `rel` (it copies it from the store if it did not): a partitioned
@@ -464,7 +497,6 @@ impl Inner {
     /// did. `None` when nothing usable came.
     fn count_received(
         &self,
-        remote: &Remote,
         who: &str,
         rel: &str,
         sid: SourceId,
@@ -476,7 +508,9 @@ impl Inner {
             self.peer_failed(who, rel, &e);
         }
         if from_peer == sid.size {
-            remote.mark_up(who);
+            if let Some(remote) = &self.remote {
+                remote.mark_up(who);
+            }
             c.add(src_slot::PEER_HITS, 1);
             log::debug!("{rel}: received from peer {who} ({} B)", sid.size);
         }
@@ -484,7 +518,7 @@ impl Inner {
         Some(fetched)
     }
 
-    /// Receives a large file from its owner `who` in the background, into a copy in tier `t` (published at
+    /// Receives a large file from its owner in the background, into a copy in its tier (published at
     /// the end) or into private memory, while the caller reads it as it grows ([`Growing`]): each chunk
     /// once it is written and checked. If the transfer fails, the copy fails, and its readers go on from
     /// the source at the same offset (of the same version). The fetch lock and the flight are held until
@@ -492,75 +526,77 @@ impl Inner {
     fn follow_peer<'a>(
         self: &Arc<Self>,
         job: FetchJob<'a>,
-        sid: SourceId,
-        tier: Option<usize>,
-        transfer: Transfer,
+        incoming: Incoming,
         guard: FetchGuard,
-        who: String,
     ) -> Result<Fetched, FetchJob<'a>> {
-        let (key, rel) = (*job.key(), job.rel);
-        let key = &key;
-        let (temp, file, follower) = match self.follow_target(tier, key, rel) {
+        let Incoming { key, rel, who, sid, transfer, tier } = incoming;
+        let (temp, file, follower) = match self.follow_target(tier, &key, &rel) {
             Ok(d) => d,
             Err(e) => {
                 if let Some(t) = tier {
-                    self.abort(t, key);
+                    self.abort(t, &key);
                 }
-                self.peer_failed(&who, rel, &RemoteError::Sink(e));
+                self.peer_failed(&who, &rel, &RemoteError::Sink(e));
                 return Err(job);
             }
         };
         let growing = Arc::new(Growing::new(follower, sid));
         let lead = job.lead;
         lead.deliver(Outcome::Growing(growing.clone()));
-        let fetched =
-            Fetched::Reader(Reader::new(Backing::Growing(growing.clone()), sid.size, rel.into(), self.source.clone()));
+        let backing = Backing::Growing(growing.clone());
+        let fetched = Fetched::Reader(Reader::new(backing, sid.size, rel.as_str().into(), self.source.clone()));
+        let copy = Followed { key, rel, who, sid, tier, temp, file, growing };
         let inner = self.clone();
-        let (key, rel) = (*key, rel.to_string());
-        let receive = move || {
-            let mut checked = 0;
-            let mut usable = |end: u64| {
-                checked = end;
-                growing.advance(end);
-            };
-            let received = transfer.receive_into(Dest::Growing(&file, &mut usable));
-            let kept = received.and_then(|hash| match (tier, &temp) {
-                (Some(t), Some(path)) => {
-                    inner.finish_publish(t, &key, path, &file, sid, Some(hash)).map_err(RemoteError::Sink)
-                }
-                _ => Ok(()),
-            });
-            match kept {
-                Ok(()) => {
-                    if let Some(remote) = inner.remote.as_ref() {
-                        remote.mark_up(&who);
-                    }
-                    let c = inner.source.counters();
-                    c.add(src_slot::PEER_HITS, 1);
-                    c.add(src_slot::PEER_BYTES, sid.size);
-                    // The last chunk only now: a reader that reached the end finds the whole file checked,
-                    // published and counted.
-                    growing.advance(sid.size);
-                    growing.finish();
-                }
-                Err(e) => {
-                    // Its readers go on from the source after the bytes checked: those came from the peer.
-                    inner.source.counters().add(src_slot::PEER_BYTES, checked);
-                    growing.fail();
-                    if let Some(path) = &temp {
-                        let _ = std::fs::remove_file(path);
-                    }
-                    if let Some(t) = tier {
-                        inner.abort(t, &key);
-                    }
-                    inner.peer_failed(&who, &rel, &e);
-                }
-            }
+        self.in_pool(move || {
+            inner.receive_followed(copy, transfer);
             drop(guard);
             drop(lead);
-        };
-        self.in_pool(receive);
+        });
         Ok(fetched)
+    }
+
+    /// The background half of [`Inner::follow_peer`]: receives the chunks into the copy its readers
+    /// follow, then publishes it (in a tier) and counts the peer's hit, or fails it and counts the fault.
+    fn receive_followed(&self, c: Followed, transfer: Transfer) {
+        let mut checked = 0;
+        let growing = &c.growing;
+        let mut usable = |end: u64| {
+            checked = end;
+            growing.advance(end);
+        };
+        let received = transfer.receive_into(Dest::Growing(&c.file, &mut usable));
+        let kept = received.and_then(|hash| match (c.tier, &c.temp) {
+            (Some(t), Some(path)) => {
+                self.finish_publish(t, &c.key, path, &c.file, c.sid, Some(hash)).map_err(RemoteError::Sink)
+            }
+            _ => Ok(()),
+        });
+        match kept {
+            Ok(()) => {
+                if let Some(remote) = self.remote.as_ref() {
+                    remote.mark_up(&c.who);
+                }
+                let counters = self.source.counters();
+                counters.add(src_slot::PEER_HITS, 1);
+                counters.add(src_slot::PEER_BYTES, c.sid.size);
+                // The last chunk only now: a reader that reached the end finds the whole file checked,
+                // published and counted.
+                growing.advance(c.sid.size);
+                growing.finish();
+            }
+            Err(e) => {
+                // Its readers go on from the source after the bytes checked: those came from the peer.
+                self.source.counters().add(src_slot::PEER_BYTES, checked);
+                growing.fail();
+                if let Some(path) = &c.temp {
+                    let _ = std::fs::remove_file(path);
+                }
+                if let Some(t) = c.tier {
+                    self.abort(t, &c.key);
+                }
+                self.peer_failed(&c.who, &c.rel, &e);
+            }
+        }
     }
 
     /// Where a followed copy is written (its temporary path in tier `tier`, or none in private memory), the
@@ -598,15 +634,9 @@ impl Inner {
     /// than the whole file being read from the source again. The caller counts the peer's failure once:
     /// the error when the copy failed (the peer's own, when going on from the source failed too), else the
     /// `fault` of the copy finished from the source.
-    fn receive_into_tier(
-        &self,
-        t: usize,
-        key: &Key,
-        rel: &str,
-        sid: SourceId,
-        transfer: Transfer,
-        who: &str,
-    ) -> Result<Received, RemoteError> {
+    fn receive_into_tier(&self, t: usize, incoming: Incoming) -> Result<Received, RemoteError> {
+        let Incoming { key, rel, who, sid, transfer, .. } = incoming;
+        let (key, rel, who) = (&key, rel.as_str(), who.as_str());
         let tier = &self.lookup.tiers()[t];
         let (temp, file) = match tier.create_temp(key) {
             Ok(x) => x,
