@@ -578,7 +578,7 @@ def ckpt_report(rounds: list[dict[str, Ckpt]], store_bw: str) -> tuple[list[str]
         "",
         'With the default durability ("buffered") a close leaves the bytes in the page cache, as the local-disk '
         "job's `torch.save` does, and costs one record appended to the stage's log of closes (the agent hashes "
-        "the files and commits the journal after the burst); with \"local\" each close also hashes and fsyncs "
+        'the files and commits the journal after the burst); with "local" each close also hashes and fsyncs '
         "the file and commits the journal, so it runs at the disk's write speed rather than the page cache's.",
         "",
         "Read: DLIO 2.0.0, the release on PyPI, has no checkpoint-read phase (DLIO's main branch added one with "
