@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
-use super::journal::Entry;
+use super::entry::Entry;
 
 /// The log's name in the journal's directory.
 pub const LOG: &str = "closes.log";

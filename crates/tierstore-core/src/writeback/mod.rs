@@ -11,6 +11,7 @@
 
 pub mod closes;
 pub mod config;
+pub mod entry;
 pub mod journal;
 pub mod migrate;
 pub mod peers;
