@@ -8,8 +8,9 @@ half-written (see docs/design/architecture.md, "Write-back staging").
     tierstore.sync("/lustre/ckpt/step_1000")                             # on the store, checked
 
 With `durability = "buffered"` (the default), `close()` returns once the bytes are in the node's page cache
-and their journal entry is fsynced, as a local disk's close; with `"local"`, once the bytes are fsynced on
-the node too; with `"remote"`, once the file is fsynced and checked on the shared store. The node's agent
+and their journal entry is appended to the stage's log of closes, as a local disk's close (the agent hashes
+the file and commits the entry to the fsynced journal within 1 s); with `"local"`, once the bytes and the
+entry are fsynced on the node; with `"remote"`, once the file is fsynced and checked on the shared store. The node's agent
 migrates (it is started on demand); `sync()` waits for it and raises if the files cannot reach the store.
 """
 
