@@ -278,17 +278,7 @@ mod tests {
     use super::*;
 
     fn entry(dest: &str, staged: &str) -> Entry {
-        Entry {
-            seq: 0,
-            dest: PathBuf::from(dest),
-            staged: staged.into(),
-            size: 7,
-            hash: [3; 32],
-            created_ns: 42,
-            attempts: 0,
-            error: String::new(),
-            unflushed_in: Some([9; 16]),
-        }
+        Entry::closed(Path::new(dest), staged, 7, [3; 32], Some([9; 16]))
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! tierstore still decode).
 
 use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// A staged file waiting for migration.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +34,22 @@ pub struct Entry {
 const ENTRY_VERSION: u8 = 2;
 
 impl Entry {
+    /// The entry of `staged`, closed now for `dest`: no place in the order yet (the journal gives it
+    /// one), no migration attempted. `unflushed_in`: see the field.
+    pub fn closed(dest: &Path, staged: &str, size: u64, hash: [u8; 32], unflushed_in: Option<[u8; 16]>) -> Entry {
+        Entry {
+            seq: 0,
+            dest: dest.to_path_buf(),
+            staged: staged.to_string(),
+            size,
+            hash,
+            created_ns: crate::clock::now_ns(),
+            attempts: 0,
+            error: String::new(),
+            unflushed_in,
+        }
+    }
+
     pub(super) fn encode(&self) -> Vec<u8> {
         let mut out = vec![ENTRY_VERSION];
         out.extend_from_slice(&self.size.to_be_bytes());

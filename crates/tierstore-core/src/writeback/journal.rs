@@ -180,9 +180,7 @@ impl Journal {
         let mut t = self.env.write().map_err(self.lmdb())?;
         let mut superseded = Vec::new();
         for entry in &ready {
-            let old = self.drop_path(&mut t, &entry.dest).map_err(self.lmdb())?;
-            superseded.extend(old.filter(|o| o.staged != entry.staged));
-            self.insert(&mut t, entry.clone()).map_err(self.lmdb())?;
+            superseded.extend(self.supersede(&mut t, entry.clone()).map_err(self.lmdb())?.1);
         }
         t.put(self.meta, LAST_FOLDED, &last).map_err(self.lmdb())?;
         t.commit().map_err(self.lmdb())?;
@@ -407,6 +405,13 @@ impl Journal {
         Ok(old)
     }
 
+    /// Makes `e` the pending entry of its path, next in the order, inside `t`: returns its sequence number
+    /// and the entry it replaced, if any, whose staged file (another) is to be deleted after commit.
+    fn supersede(&self, t: &mut crate::lmdb::Txn<'_>, e: Entry) -> Result<(u64, Option<Entry>), LmdbError> {
+        let old = self.drop_path(t, &e.dest)?.filter(|o| o.staged != e.staged);
+        Ok((self.insert(t, e)?, old))
+    }
+
     fn insert(&self, t: &mut crate::lmdb::Txn<'_>, mut e: Entry) -> Result<u64, LmdbError> {
         let seq = get_u64(t, self.meta, NEXT_SEQ)?.max(1);
         t.put(self.meta, NEXT_SEQ, &(seq + 1).to_be_bytes())?;
@@ -443,17 +448,7 @@ impl Journal {
         size: u64,
         hash: Option<[u8; 32]>,
     ) -> Result<(), JournalError> {
-        let entry = Entry {
-            seq: 0,
-            dest: dest.to_path_buf(),
-            staged: staged.to_string(),
-            size,
-            hash: hash.unwrap_or_default(),
-            created_ns: now_ns(),
-            attempts: 0,
-            error: String::new(),
-            unflushed_in: crate::process::boot_id(),
-        };
+        let entry = Entry::closed(dest, staged, size, hash.unwrap_or_default(), crate::process::boot_id());
         self.closes.append(&entry, hash.is_some()).map_err(self.log_error("cannot append to"))
     }
 
@@ -468,22 +463,10 @@ impl Journal {
     ) -> Result<u64, JournalError> {
         self.fold()?;
         let mut t = self.env.write().map_err(self.lmdb())?;
-        let old = self.drop_path(&mut t, dest).map_err(self.lmdb())?;
-        let created_ns = now_ns();
-        let e = Entry {
-            seq: 0,
-            dest: dest.to_path_buf(),
-            staged: staged.to_string(),
-            size,
-            hash,
-            created_ns,
-            attempts: 0,
-            error: String::new(),
-            unflushed_in,
-        };
-        let seq = self.insert(&mut t, e).map_err(self.lmdb())?;
+        let e = Entry::closed(dest, staged, size, hash, unflushed_in);
+        let (seq, superseded) = self.supersede(&mut t, e).map_err(self.lmdb())?;
         t.commit().map_err(self.lmdb())?;
-        self.remove_staged(old.filter(|o| o.staged != staged));
+        self.remove_staged(superseded);
         Ok(seq)
     }
 
@@ -654,17 +637,7 @@ mod tests {
         let (a, b) = (staged(&j, b"the bytes closed"), staged(&j, b"closed before the crash"));
         j.close_buffered(Path::new("/s/a"), &a, 16, None).unwrap();
         // As a record that a crash of the node left in the log: appended in another boot, unhashed.
-        let earlier = Entry {
-            seq: 0,
-            dest: PathBuf::from("/s/b"),
-            staged: b.clone(),
-            size: 23,
-            hash: [0; 32],
-            created_ns: 1,
-            attempts: 0,
-            error: String::new(),
-            unflushed_in: Some([7; 16]),
-        };
+        let earlier = Entry::closed(Path::new("/s/b"), &b, 23, [0; 32], Some([7; 16]));
         j.closes.append(&earlier, false).unwrap();
         let entries = j.entries().unwrap();
         assert_eq!(entries.len(), 1, "{entries:?}");
