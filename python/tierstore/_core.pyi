@@ -189,9 +189,7 @@ class Cache:
         paths: Sequence[_Path],
         budget: int,
         jobs: int | None = None,
-        marks: _Path | None = None,
-        slots: Sequence[int] | None = None,
-        tag: int = 1,
+        reads: tuple[_Path, Sequence[int], int] | None = None,
     ) -> OrderPrefetch: ...
     def create_read_marks(self, slots: int) -> str: ...
     def wait_idle(self) -> None: ...

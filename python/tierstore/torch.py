@@ -262,9 +262,7 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
             [self.paths(i) for i in indices],
             self.budget,
             self.jobs,
-            self.marks_path,
-            [i + 1 for i in indices],
-            self.epoch_tag,
+            (self.marks_path, [i + 1 for i in indices], self.epoch_tag),
         )
         yield from order
 

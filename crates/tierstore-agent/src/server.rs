@@ -618,17 +618,9 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
                 (Frame::StatusReport { json }, false)
             }
             Frame::Fetch { id, source, rel, credit } => {
-                match crate::transfer::serve_fetch(
-                    &mut stream,
-                    shared.options.cache.clone(),
-                    deadline,
-                    id,
-                    &source,
-                    &rel,
-                    credit,
-                )
-                .await
-                {
+                let cache = shared.options.cache.clone();
+                let asked = crate::transfer::Whole { source: &source, rel: &rel, credit };
+                match crate::transfer::serve_fetch(&mut stream, cache, deadline, id, asked).await {
                     Ok(()) => continue,
                     Err(e) => {
                         log::warn!("sending {rel} to a {side:?} client failed: {e}");

@@ -41,10 +41,9 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     cache: Option<Arc<Cache>>,
     deadline: Duration,
     id: u32,
-    source: &str,
-    rel: &str,
-    credit: u32,
+    asked: Whole<'_>,
 ) -> io::Result<()> {
+    let Whole { source, rel, credit } = asked;
     let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
     let cache = match serving(cache, source) {
         Ok(c) => c,
@@ -209,6 +208,16 @@ pub async fn send_chunks<S: AsyncRead + AsyncWrite + Unpin>(
         credit -= 1;
     }
     Ok(Ok(*hasher.finalize().as_bytes()))
+}
+
+/// What a `Fetch` asks for.
+pub struct Whole<'a> {
+    /// The source directory, as every node mounts it.
+    pub source: &'a str,
+    /// The file, relative to the source.
+    pub rel: &'a str,
+    /// Chunks the asker takes before it grants more.
+    pub credit: u32,
 }
 
 /// What a `FetchRanges` asks for.

@@ -120,6 +120,28 @@ fn rank_key(rank: &[u8; 16], key: &Key) -> [u8; 32] {
 /// Called by eviction for each candidate: remove its copy if no reader holds it, and say whether it did.
 pub type TryRemove<'a> = &'a mut dyn FnMut(&Key, &Entry) -> bool;
 
+/// What a reservation is for: one version of one file, as the source showed it.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The file's key (see [`key_of`]).
+    pub key: &'a Key,
+    /// The file's path under the source.
+    pub rel: &'a str,
+    /// The version being fetched.
+    pub source: SourceId,
+    /// When the source showed that version (the copy's revalidation clock starts there).
+    pub confirmed_ns: u64,
+}
+
+/// How a reservation may make room: the quota it must stay within, and, when it may evict, how to
+/// remove a victim's copy.
+pub struct Room<'a> {
+    /// The bytes this source may hold in the tier.
+    pub quota: u64,
+    /// Whether to evict by the policy when the tier is full, and how; `None` takes only free room.
+    pub evict: Option<TryRemove<'a>>,
+}
+
 impl Index {
     /// Opens (creating if needed) the index in directory `dir`.
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
@@ -170,23 +192,12 @@ impl Index {
         txn.put(self.meta, USED, &used.to_le_bytes())
     }
 
-    /// Reserves room for `rel` (a fetch of `source`, which the source showed at `confirmed_ns`) as a
-    /// pending entry of this process, evicting by the policy if `evict` is set and the tier is full. An
-    /// existing entry of the key is replaced (the caller holds the key's fetch lock, so it is stale or
-    /// left by a dead fetcher).
-    // The arguments are one reservation's (what, which version, since when, where, how) and the eviction
-    // callback; bundling them would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn reserve(
-        &self,
-        key: &Key,
-        rel: &str,
-        source: SourceId,
-        confirmed_ns: u64,
-        quota: u64,
-        evict: bool,
-        try_remove: TryRemove<'_>,
-    ) -> Result<Reservation, IndexError> {
+    /// Reserves room for the claimed file as a pending entry of this process, evicting by the policy when
+    /// `room` allows it and the tier is full. An existing entry of the key is replaced (the caller holds
+    /// the key's fetch lock, so it is stale or left by a dead fetcher).
+    pub fn reserve(&self, claim: Claim<'_>, room: Room<'_>) -> Result<Reservation, IndexError> {
+        let Claim { key, rel, source, confirmed_ns } = claim;
+        let Room { quota, evict } = room;
         let mut txn = self.env.write()?;
         if let Some(old) = txn.get(self.entries, key)?.map(|b| Entry::decode(b).ok_or(IndexError::Damaged)) {
             self.delete(&mut txn, key, &old?)?;
@@ -194,7 +205,7 @@ impl Index {
         let size = source.size;
         let mut used = get_u64(&txn, self.meta, USED)?;
         let mut evicted = 0;
-        if used + size > quota && evict && size <= quota {
+        if let Some(try_remove) = evict.filter(|_| used + size > quota && size <= quota) {
             let mut from = Vec::new();
             'outer: loop {
                 let mut batch: Vec<(Vec<u8>, Key)> = Vec::new();
@@ -648,9 +659,12 @@ mod tests {
     fn confirming_a_listing_touches_only_published_entries_of_the_listed_version() {
         let dir = tempfile::tempdir().unwrap();
         let idx = Index::open(dir.path(), Policy::Fill).unwrap();
-        let mut yes = |_: &Key, _: &Entry| true;
         for (name, size) in [("d/same", 10), ("d/changed", 20), ("d/pending", 30)] {
-            idx.reserve(&key_of(name), name, sid(size), 5, 1000, false, &mut yes).unwrap();
+            idx.reserve(
+                Claim { key: &key_of(name), rel: name, source: sid(size), confirmed_ns: 5 },
+                Room { quota: 1000, evict: None },
+            )
+            .unwrap();
         }
         idx.publish(&key_of("d/same"), None, 1).unwrap();
         idx.publish(&key_of("d/changed"), None, 1).unwrap();
@@ -683,10 +697,14 @@ mod tests {
     fn quota_is_never_exceeded_and_eviction_follows_the_policy() {
         let dir = tempfile::tempdir().unwrap();
         let idx = Index::open(dir.path(), Policy::Fifo).unwrap();
-        let mut keep_all = |_: &Key, _: &Entry| true;
         for i in 0..3 {
             let k = key_of(&format!("f{i}"));
-            let r = idx.reserve(&k, &format!("f{i}"), sid(40), 0, 100, false, &mut keep_all).unwrap();
+            let r = idx
+                .reserve(
+                    Claim { key: &k, rel: &format!("f{i}"), source: sid(40), confirmed_ns: 0 },
+                    Room { quota: 100, evict: None },
+                )
+                .unwrap();
             if i < 2 {
                 assert_eq!(r, Reservation::Reserved { evicted: 0 });
                 assert!(idx.publish(&k, None, i).unwrap());
@@ -702,7 +720,11 @@ mod tests {
         };
         let k = key_of("f2");
         assert_eq!(
-            idx.reserve(&k, "f2", sid(40), 0, 100, true, &mut remove).unwrap(),
+            idx.reserve(
+                Claim { key: &k, rel: "f2", source: sid(40), confirmed_ns: 0 },
+                Room { quota: 100, evict: Some(&mut remove) }
+            )
+            .unwrap(),
             Reservation::Reserved { evicted: 1 }
         );
         assert_eq!(removed, vec!["f0".to_string()]);
@@ -713,15 +735,23 @@ mod tests {
     fn locked_victims_are_skipped() {
         let dir = tempfile::tempdir().unwrap();
         let idx = Index::open(dir.path(), Policy::Lru).unwrap();
-        let mut yes = |_: &Key, _: &Entry| true;
         for i in 0..2 {
             let k = key_of(&format!("f{i}"));
-            idx.reserve(&k, &format!("f{i}"), sid(50), 0, 100, false, &mut yes).unwrap();
+            idx.reserve(
+                Claim { key: &k, rel: &format!("f{i}"), source: sid(50), confirmed_ns: 0 },
+                Room { quota: 100, evict: None },
+            )
+            .unwrap();
             idx.publish(&k, None, 10 + i).unwrap();
         }
         // f0 is older, but a reader holds it: f1 goes instead.
         let mut busy_f0 = |_: &Key, e: &Entry| e.rel != "f0";
-        let r = idx.reserve(&key_of("n"), "n", sid(50), 0, 100, true, &mut busy_f0).unwrap();
+        let r = idx
+            .reserve(
+                Claim { key: &key_of("n"), rel: "n", source: sid(50), confirmed_ns: 0 },
+                Room { quota: 100, evict: Some(&mut busy_f0) },
+            )
+            .unwrap();
         assert_eq!(r, Reservation::Reserved { evicted: 1 });
         assert!(idx.lookup(&key_of("f0")).unwrap().is_some());
         assert!(idx.lookup(&key_of("f1")).unwrap().is_none());

@@ -16,8 +16,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::config::{TierConfig, TierKind};
-use crate::counters::Counters;
-use crate::index::{Index, IndexError, Key};
+use crate::counters::{tier as tier_slot, Counters};
+use crate::hash::Hash;
+use crate::index::{Index, IndexError, Key, SourceId};
 use crate::placement::Policy;
 use crate::usage::TierUsage;
 
@@ -209,6 +210,33 @@ impl Tier {
         }
     }
 
+    /// Publishes the finished copy of version `sid` at `temp` (written through `file`) as `key`'s: its
+    /// mtime set to the source's, renamed into place, its index entry made ready with its blake3 `sum`
+    /// (when recorded), and counted. A reservation cleared meanwhile leaves no copy behind.
+    pub fn publish_copy(
+        &self,
+        key: &Key,
+        temp: &Path,
+        file: &File,
+        sid: SourceId,
+        sum: Option<Hash>,
+    ) -> io::Result<()> {
+        set_mtime(file, sid.mtime_ns)?;
+        self.publish_file(temp, key)?;
+        let published = match &self.index {
+            Ok(ix) => ix.publish(key, sum, crate::clock::now_ns()).unwrap_or(false),
+            Err(_) => false,
+        };
+        if published {
+            self.counters.add(tier_slot::INSERTS, 1);
+            self.counters.add(tier_slot::BYTES_WRITTEN, sid.size);
+        } else {
+            // The reservation vanished (the cache was cleared meanwhile): leave no unaccounted copy.
+            let _ = std::fs::remove_file(self.data_path(key));
+        }
+        Ok(())
+    }
+
     /// The temporary copy of `key` that another live process of this node is writing now, if there is one
     /// (the newest, should there be several).
     pub fn temp_of_another(&self, key: &Key) -> Option<PathBuf> {
@@ -240,5 +268,19 @@ impl Tier {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
+    }
+}
+
+/// Sets a copy's modification time to the source's, so that a copy keeps the source's mtime and a
+/// write into the copy (which changes its mtime) is detected on the next open.
+fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let ts = libc::timespec { tv_sec: mtime_ns.div_euclid(1_000_000_000), tv_nsec: mtime_ns.rem_euclid(1_000_000_000) };
+    let times = [ts, ts];
+    // SAFETY: futimens on an open descriptor with two valid timespecs.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }

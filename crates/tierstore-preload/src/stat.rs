@@ -17,32 +17,55 @@ unsafe fn cached_stat(dirfd: c_int, path: *const c_char, nofollow: bool) -> Opti
     s.cache()?.trusted().cached_stat(&abs, nofollow).ok().flatten()
 }
 
+/// A buffer the stat family fills: `stat` itself, or `statx`.
+trait StatForm {
+    /// The answer in this form for a `stat` the cache recorded.
+    fn answer(st: &libc::stat) -> Self;
+    /// What the real call wrote, as a `stat` for the cache's notes.
+    fn record(&self) -> libc::stat;
+}
+
+impl StatForm for libc::stat {
+    fn answer(st: &libc::stat) -> Self {
+        *st
+    }
+    fn record(&self) -> libc::stat {
+        *self
+    }
+}
+
+impl StatForm for libc::statx {
+    fn answer(st: &libc::stat) -> Self {
+        statx_of(st)
+    }
+    fn record(&self) -> libc::stat {
+        stat_of(self)
+    }
+}
+
 /// The stat family by path: the cache's answer, or the source's, which the cache takes note of (a
-/// trusted source's directories are answered from the cache the next time). `record` turns what the
-/// real call wrote into a `stat`.
-unsafe fn stat_path<T>(
+/// trusted source's directories are answered from the cache the next time).
+unsafe fn stat_path<T: StatForm>(
     dirfd: c_int,
     path: *const c_char,
     buf: *mut T,
     nofollow: bool,
-    answer: impl FnOnce(&libc::stat) -> T,
-    record: impl FnOnce(&T) -> libc::stat,
     real: impl FnOnce() -> c_int,
 ) -> c_int {
     let Some(_busy) = Busy::enter() else { return real() };
     if let Some(st) = writes::staged_stat(dirfd, path) {
-        *buf = answer(&st);
+        *buf = T::answer(&st);
         return 0;
     }
     let Some((s, abs)) = shim().and_then(|s| Some((s, s.source_path(dirfd, path)?))) else { return real() };
     let Some(cache) = s.cache() else { return real() };
     if let Ok(Some(st)) = cache.trusted().cached_stat(&abs, nofollow) {
-        *buf = answer(&st);
+        *buf = T::answer(&st);
         return 0;
     }
     let rc = real();
     if rc == 0 && !buf.is_null() {
-        cache.trusted().note_stat(&abs, &record(&*buf), nofollow);
+        cache.trusted().note_stat(&abs, &(*buf).record(), nofollow);
     }
     rc
 }
@@ -54,7 +77,7 @@ unsafe fn stat_common(
     nofollow: bool,
     real: impl FnOnce() -> c_int,
 ) -> c_int {
-    stat_path(dirfd, path, buf, nofollow, |st| *st, |st| *st, real)
+    stat_path(dirfd, path, buf, nofollow, real)
 }
 
 /// After the real `fstat` of `fd` filled `buf`: a tier copy this process's cache handed out is reported
@@ -307,7 +330,7 @@ pub unsafe extern "C" fn statx(
         }
         return rc;
     }
-    stat_path(dirfd, path, buf, flags & libc::AT_SYMLINK_NOFOLLOW != 0, statx_of, stat_of, real)
+    stat_path(dirfd, path, buf, flags & libc::AT_SYMLINK_NOFOLLOW != 0, real)
 }
 
 /// The `stat` that carries what `statx` answered (for the cache's notes). An answer without every basic

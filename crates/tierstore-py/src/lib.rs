@@ -239,31 +239,27 @@ impl PyCache {
     }
 
     /// Starts fetching `paths` in order, `budget` bytes ahead of their reads, `jobs` files at a time. Reads
-    /// are recorded in the marks file `marks` (slot `slots[i]` for position `i`, value `tag`), or, without
-    /// it, in a new marks file with one slot per distinct path.
-    #[pyo3(signature = (paths, budget, jobs=None, marks=None, slots=None, tag=1))]
-    #[allow(clippy::too_many_arguments)]
+    /// are recorded as `reads` says, `(marks file, slot of each position, value)`, or, without it, in a
+    /// new marks file with one slot per distinct path.
+    #[pyo3(signature = (paths, budget, jobs=None, reads=None))]
     fn prefetch_order(
         &self,
         py: Python<'_>,
         paths: Vec<Bound<'_, PyAny>>,
         budget: u64,
         jobs: Option<usize>,
-        marks: Option<Bound<'_, PyAny>>,
-        slots: Option<Vec<u32>>,
-        tag: u32,
+        reads: Option<(Bound<'_, PyAny>, Vec<u32>, u32)>,
     ) -> PyResult<PyOrderPrefetch> {
         let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
-        let marks = marks.as_ref().map(path_arg).transpose()?;
+        let reads = reads.map(|(marks, slots, tag)| path_arg(&marks).map(|m| (m, slots, tag))).transpose()?;
         let engine = self.engine(py)?;
         let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
         let handle = crate::exiting::without_gil(py, || {
-            let log = match marks {
+            let log = match reads {
                 None => None,
-                Some(m) => {
+                Some((m, slots, tag)) => {
                     let opened =
                         tierstore_core::marks::ReadMarks::open(&m).map_err(|e| tierstore_core::Error::io(&m, e))?;
-                    let slots = slots.unwrap_or_else(|| (0..paths.len() as u32).collect());
                     Some(ReadLog { marks: Arc::new(opened), slots, tag })
                 }
             };

@@ -6,8 +6,7 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::engine::{no_descriptor, Fetched, Inner};
@@ -19,7 +18,7 @@ use crate::clock::now_ns;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
 use crate::hash::{Hash, Pieces};
-use crate::index::{Entry, Key, Reservation, SourceId};
+use crate::index::{Claim, Entry, Key, Reservation, Room, SourceId, TryRemove};
 use crate::placement::plan;
 use crate::reader::{Backing, Growing, Reader};
 use crate::source::{CopyFault, SourceFile};
@@ -80,7 +79,7 @@ impl Pending<'_> {
     /// Publishes the copy, whole and checked against version `sid` (with its blake3 `hash` when
     /// recorded), and lets its readers reach the end; false (counted) when it could not be.
     fn publish(&self, sid: SourceId, hash: Option<Hash>) -> bool {
-        if let Err(e) = self.inner.finish_publish(self.t, self.key, &self.temp, &self.file, sid, hash) {
+        if let Err(e) = self.inner.lookup.tiers()[self.t].publish_copy(self.key, &self.temp, &self.file, sid, hash) {
             let tier_path = self.inner.lookup.tiers()[self.t].config.path.display();
             self.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
             return false;
@@ -409,7 +408,9 @@ impl Inner {
                     Err(e) => e.kind() == io::ErrorKind::NotFound,
                 }
             };
-            match ix.reserve(key, rel, sid, seen, quotas[i], evict, &mut try_remove) {
+            let claim = Claim { key, rel, source: sid, confirmed_ns: seen };
+            let room = Room { quota: quotas[i], evict: evict.then_some(&mut try_remove as TryRemove<'_>) };
+            match ix.reserve(claim, room) {
                 Ok(Reservation::Reserved { evicted }) => {
                     tier.counters.add(tier_slot::EVICTIONS, evicted);
                     if let Ok(used) = ix.usage_bytes() {
@@ -441,43 +442,11 @@ impl Inner {
         self.record_checksums.then(|| crate::hash::hash_serial(bytes))
     }
 
-    /// Publishes the finished copy of version `sid` at `temp` (written through `file`) in tier `t` as
-    /// `key`'s: its mtime set to the source's, renamed into place, its index entry made ready with its
-    /// blake3 `sum` (when recorded), and counted. A reservation cleared meanwhile leaves no copy behind.
-    // The copy's place (tier, key), its file (path, descriptor) and what it holds (version, hash): every
-    // caller has them apart, and a bundle would only rename them.
-    pub(super) fn finish_publish(
-        &self,
-        t: usize,
-        key: &Key,
-        temp: &Path,
-        file: &File,
-        sid: SourceId,
-        sum: Option<[u8; 32]>,
-    ) -> io::Result<()> {
-        let tier = &self.lookup.tiers()[t];
-        set_mtime(file, sid.mtime_ns)?;
-        tier.publish_file(temp, key)?;
-        let published = match &tier.index {
-            Ok(ix) => ix.publish(key, sum, now_ns()).unwrap_or(false),
-            Err(_) => false,
-        };
-        if published {
-            tier.counters.add(tier_slot::INSERTS, 1);
-            tier.counters.add(tier_slot::BYTES_WRITTEN, sid.size);
-        } else {
-            // The reservation vanished (the cache was cleared meanwhile): leave no unaccounted copy.
-            let _ = std::fs::remove_file(tier.data_path(key));
-        }
-        Ok(())
-    }
-
     /// Writes fetched bytes into tier `t` and publishes them.
     pub(super) fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
         let tier = &self.lookup.tiers()[t];
         let r = tier.create_temp(key).and_then(|(path, mut f)| {
-            let result =
-                f.write_all(bytes).and_then(|_| self.finish_publish(t, key, &path, &f, sid, self.checksum(bytes)));
+            let result = f.write_all(bytes).and_then(|_| tier.publish_copy(key, &path, &f, sid, self.checksum(bytes)));
             if result.is_err() {
                 let _ = std::fs::remove_file(&path);
             }
@@ -636,19 +605,6 @@ impl Inner {
             Ok(None) => Ok(Fetched::Skipped),
             Err(e) => Err(Error::io(&self.source.path_of(rel), e)),
         }
-    }
-}
-
-/// Sets the copy's modification time to the source's, so that a copy keeps the source's mtime and a
-/// write into the copy (which changes its mtime) is detected on the next open.
-fn set_mtime(file: &File, mtime_ns: i64) -> io::Result<()> {
-    let ts = libc::timespec { tv_sec: mtime_ns.div_euclid(1_000_000_000), tv_nsec: mtime_ns.rem_euclid(1_000_000_000) };
-    let times = [ts, ts];
-    // SAFETY: futimens on an open descriptor with two valid timespecs.
-    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
     }
 }
 

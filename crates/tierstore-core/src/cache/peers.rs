@@ -567,7 +567,7 @@ impl Inner {
         let received = transfer.receive_into(Dest::Growing(&c.file, &mut usable));
         let kept = received.and_then(|hash| match (c.tier, &c.temp) {
             (Some(t), Some(path)) => {
-                self.finish_publish(t, &c.key, path, &c.file, c.sid, Some(hash)).map_err(RemoteError::Sink)
+                self.lookup.tiers()[t].publish_copy(&c.key, path, &c.file, c.sid, Some(hash)).map_err(RemoteError::Sink)
             }
             _ => Ok(()),
         });
@@ -666,8 +666,9 @@ impl Inner {
             }
             other => other,
         };
-        let published = received
-            .and_then(|hash| self.finish_publish(t, key, &temp, &file, sid, Some(hash)).map_err(RemoteError::Sink));
+        let published = received.and_then(|hash| {
+            self.lookup.tiers()[t].publish_copy(key, &temp, &file, sid, Some(hash)).map_err(RemoteError::Sink)
+        });
         if let Err(e) = published {
             let _ = std::fs::remove_file(&temp);
             self.abort(t, key);

@@ -336,13 +336,10 @@ pub fn copy_streams() -> usize {
 fn copy_ranged(
     source: &PosixSource,
     src: &File,
-    mut to: &File,
     size: u64,
     streams: usize,
-    mut hasher: Option<&mut crate::hash::Pieces<'_>>,
-    progress: &mut dyn FnMut(u64),
+    out: &mut CopyOut<'_, '_>,
 ) -> Result<u64, CopyFault> {
-    use std::io::Write;
     use std::sync::mpsc;
     let chunks = size.div_ceil(COPY_CHUNK as u64);
     let streams = streams.min(chunks as usize).max(1);
@@ -380,12 +377,8 @@ fn copy_ranged(
                 Ok(Err(e)) => return Err(CopyFault::Source(e)),
                 Err(_) => return Err(CopyFault::Source(io::Error::other("a copy reader stopped"))),
             };
-            to.write_all(&buf[..n]).map_err(CopyFault::Tier)?;
-            if let Some(h) = hasher.as_mut() {
-                h.update(&buf[..n]);
-            }
+            out.take(&buf[..n])?;
             copied += n as u64;
-            progress(copied);
             let _ = spare[r].send(buf);
             if n < COPY_CHUNK && copied < size {
                 // Shorter than asked before the end: the file shrank. Stop; the identity says so.
@@ -397,6 +390,30 @@ fn copy_ranged(
         let grown = source.read_file_at(src, &mut probe, size).map_err(CopyFault::Source)?;
         Ok(copied + grown as u64)
     })
+}
+
+/// Where a copy's bytes go, in order: the tier's file, the hash of the copy (when recorded), and the
+/// progress its readers follow.
+struct CopyOut<'a, 'h> {
+    to: &'a File,
+    hasher: Option<&'a mut crate::hash::Pieces<'h>>,
+    progress: &'a mut dyn FnMut(u64),
+    written: u64,
+}
+
+impl CopyOut<'_, '_> {
+    /// Writes the next bytes of the copy, hashes them and reports the bytes written so far.
+    fn take(&mut self, bytes: &[u8]) -> Result<(), CopyFault> {
+        use std::io::Write;
+        let mut to = self.to;
+        to.write_all(bytes).map_err(CopyFault::Tier)?;
+        if let Some(h) = self.hasher.as_mut() {
+            h.update(bytes);
+        }
+        self.written += bytes.len() as u64;
+        (self.progress)(self.written);
+        Ok(())
+    }
 }
 
 /// Reads `buf.len()` bytes at `offset`, fewer only at the end of the file.
@@ -480,7 +497,8 @@ impl Source for PosixSource {
         use std::io::Write;
         let src = posix_file(from).map_err(CopyFault::Source)?;
         if size >= PARALLEL_COPY_MIN && copy_streams() > 1 {
-            let copied = copy_ranged(self, src, to, size, copy_streams(), hasher, progress)?;
+            let mut out = CopyOut { to, hasher, progress, written: 0 };
+            let copied = copy_ranged(self, src, size, copy_streams(), &mut out)?;
             let after = src.metadata().map(|m| SourceId::of(&m)).ok();
             return Ok((copied, after));
         }
@@ -633,8 +651,9 @@ mod tests {
             let mut to = tempfile::tempfile().unwrap();
             let mut hasher = crate::hash::Pieces::new(size);
             let mut seen = Vec::new();
-            let copied = copy_ranged(&s, &src, &to, size, 3, Some(&mut hasher), &mut |n| seen.push(n))
-                .unwrap_or_else(|_| panic!("the copy failed"));
+            let mut report = |n| seen.push(n);
+            let mut out = CopyOut { to: &to, hasher: Some(&mut hasher), progress: &mut report, written: 0 };
+            let copied = copy_ranged(&s, &src, size, 3, &mut out).unwrap_or_else(|_| panic!("the copy failed"));
             assert_eq!(copied, size + grown, "one byte more tells a file longer than asked");
             assert!(seen.windows(2).all(|w| w[0] < w[1]) && seen.last() == Some(&size), "progress in order");
             to.seek(SeekFrom::Start(0)).unwrap();
