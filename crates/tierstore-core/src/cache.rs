@@ -11,7 +11,7 @@
 //! done by the engine every handle shares (`engine.rs`: its state and the read path, a hit or a flight),
 //! one concept per file beside it: `fetch.rs` (a miss fetched under the node's lock, placed, copied and
 //! published), `trusted.rs` (the metadata a trusted source replays), `stats.rs` (the counters),
-//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes), `sibling.rs` (a peer served from another process's copy), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
+//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes, asked through `link.rs`), `sibling.rs` (a peer served from another process's copy), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
 //! staleness), `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the
 //! copy pool).
 
@@ -22,6 +22,7 @@ mod faults;
 mod fetch;
 mod flight;
 mod job;
+mod link;
 mod lock;
 mod lookup;
 mod order;
@@ -41,7 +42,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 
-use crate::cluster::remote::Remote;
 use crate::config::{Config, Revalidate, TierConfig, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
@@ -52,6 +52,7 @@ use crate::tier::Tier;
 use engine::Inner;
 use faults::Faults;
 use flight::Flights;
+use link::PeerLink;
 use lock::FetchLocks;
 use lookup::Lookup;
 use pool::Pool;
@@ -116,21 +117,6 @@ impl Registry {
     }
 }
 
-/// The link to the job's other members when nodes share their caches and this cache asks them (not the
-/// agent's own cache, which serves peers and never forwards a request).
-fn peer_link(config: &Config, ask_peers: bool) -> Result<Option<Remote>, Error> {
-    if !ask_peers || config.cluster.sharing == crate::cluster::Sharing::Off {
-        return Ok(None);
-    }
-    // The configuration makes sure of a token whenever sharing is on.
-    let f = config.cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
-    let token = crate::cluster::read_token(&f).map_err(|problem| Error::Tier {
-        path: f.clone(),
-        message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
-    })?;
-    Ok(Some(Remote::new(&config.cluster, &config.source.to_string_lossy(), token)))
-}
-
 /// A tiered, node-local cache of one source directory.
 pub struct Cache {
     inner: Arc<Inner>,
@@ -151,7 +137,6 @@ impl Cache {
     }
 
     fn open_with(config: Config, ask_peers: bool) -> Result<Cache, Error> {
-        let remote = peer_link(&config, ask_peers)?;
         let record_checksums =
             config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
         let state_dir = crate::tier::namespace_dir(&config.tiers[0].path, &config.source);
@@ -166,6 +151,7 @@ impl Cache {
         };
         let pool = Arc::new(Pool::new(config.threads));
         let faults = Arc::new(Faults::new(source.counters().clone()));
+        let link = PeerLink::open(&config, ask_peers, source.counters().clone(), faults.clone())?;
         let inner = Arc::new(Inner {
             lookup: Lookup::new(tiers, config.policy, config.verify, faults.clone()),
             config,
@@ -177,7 +163,7 @@ impl Cache {
             prefetches: Mutex::new(0),
             prefetch_idle: Condvar::new(),
             pid: crate::process::pid(),
-            remote,
+            link,
             record_checksums,
             blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
             sweep: Default::default(),

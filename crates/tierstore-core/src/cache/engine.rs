@@ -12,11 +12,11 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use super::faults::Faults;
 use super::flight::{Flights, Outcome, Role};
 use super::job::{FetchJob, Purpose};
+use super::link::PeerLink;
 use super::lock::FetchLocks;
 use super::lookup::{Look, Lookup};
 use super::pool::Pool;
 use crate::clock::now_ns;
-use crate::cluster::remote::Remote;
 use crate::config::{Config, Revalidate};
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
@@ -41,8 +41,8 @@ pub(super) struct Inner {
     pub(super) pid: u32,
     /// Blocks of the files whose parts this node's agent serves (`blocks.rs`; empty in other processes).
     pub(super) blocks: super::blocks::Blocks,
-    /// The job's other members, when nodes share their caches (not in the agent's own cache).
-    pub(super) remote: Option<Remote>,
+    /// The line to the job's other members, when nodes share their caches (not in the agent's own cache).
+    pub(super) link: Option<Arc<PeerLink>>,
     /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
     /// the bytes served to peers.
     pub(super) record_checksums: bool,

@@ -12,11 +12,11 @@ use std::sync::Arc;
 
 use super::blocks::{Version, BLOCK};
 use super::engine::Inner;
+use super::link::PeerLink;
 use super::lookup::Look;
 use super::peers::Beneath;
 use super::Cache;
 use crate::cluster::transfer::Transfer;
-use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::index::{key_of, SourceId};
 use crate::source::SourceFile;
@@ -26,7 +26,7 @@ pub struct Parts {
     transfer: Transfer,
     who: String,
     rel: String,
-    inner: Arc<Inner>,
+    link: Arc<PeerLink>,
 }
 
 impl Cache {
@@ -35,20 +35,13 @@ impl Cache {
     /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
     pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
         let inner = &self.inner;
-        let Some(remote) = inner.remote.as_ref() else { return Ok(None) };
+        let Some(link) = inner.link.as_ref() else { return Ok(None) };
         if ranges.len() > crate::cluster::wire::MAX_RANGES {
             return Ok(None);
         }
         let rel = inner.source.relative(path)?;
-        let Some(who) = remote.parts_owner(&rel) else { return Ok(None) };
-        // The caller checks every byte against its own hashes: the owner need not hash them.
-        match remote.open_ranges(&who, &rel, ranges, false) {
-            Ok(transfer) => Ok(Some(Parts { transfer, who, rel, inner: inner.clone() })),
-            Err(e) => {
-                inner.peer_failed(&who, &rel, &e);
-                Ok(None)
-            }
-        }
+        let Some((who, transfer)) = link.ask_ranges(&rel, ranges) else { return Ok(None) };
+        Ok(Some(Parts { transfer, who, rel, link: link.clone() }))
     }
 }
 
@@ -67,28 +60,17 @@ impl Parts {
         dests: &mut [(u64, &mut [u8])],
         check: impl FnOnce(&mut [(u64, &mut [u8])]) -> Result<(), E>,
     ) -> Result<bool, E> {
-        let counters = self.inner.source.counters().clone();
+        let link = &self.link;
         if let Err(e) = self.transfer.receive_ranges(dests, false) {
-            self.inner.peer_failed(&self.who, &self.rel, &e);
+            link.failed(&self.who, &self.rel, &e);
             return Ok(false);
         }
         if let Err(e) = check(dests) {
             let said = self.transfer.damaged();
-            counters.add(src_slot::PEER_FAULTS, 1);
-            self.inner.log_once(
-                &format!("parts-{}", self.who),
-                &format!(
-                    "parts of {} from the agent of {} failed their check ({said}); reading the store instead",
-                    self.rel, self.who
-                ),
-            );
+            link.parts_damaged(&self.who, &self.rel, &said);
             return Err(e);
         }
-        if let Some(remote) = self.inner.remote.as_ref() {
-            remote.mark_up(&self.who);
-        }
-        counters.add(src_slot::PEER_HITS, 1);
-        counters.add(src_slot::PEER_BYTES, dests.iter().map(|(_, d)| d.len() as u64).sum());
+        link.served_whole(&self.who, &self.rel, dests.iter().map(|(_, d)| d.len() as u64).sum());
         Ok(true)
     }
 }

@@ -43,10 +43,10 @@ use super::engine::{memory_file, Fetched, Inner, Native};
 use super::fetch::fail_flight;
 use super::flight::{Outcome, Role};
 use super::job::{FetchJob, Purpose};
+use super::link::PeerLink;
 use super::lock::{lock_shared, FetchGuard};
 use super::lookup::Look;
 use crate::clock::now_ns;
-use crate::cluster::remote::{Remote, WINDOW};
 use crate::cluster::transfer::{Dest, RemoteError, Transfer};
 use crate::cluster::Sharing;
 use crate::counters::source as src_slot;
@@ -411,8 +411,8 @@ impl Inner {
         known: &mut Option<SourceId>,
     ) -> Result<Fetched, FetchJob<'a>> {
         let (key, rel, purpose) = (*job.key(), job.rel, job.purpose);
-        let Some(remote) = self.remote.as_ref() else { return Err(job) };
-        let Some(who) = remote.owner(rel) else { return Err(job) };
+        let Some(link) = self.link.as_ref() else { return Err(job) };
+        let Some(who) = link.owner(rel) else { return Err(job) };
         // Node-wide single flight: one process of this node asks the owner, the others find its copy.
         let Ok(guard) = self.locks.lock(&key) else { return Err(job) };
         if let Some(fetched) = self.published_meanwhile(&key, rel, *known, purpose) {
@@ -420,11 +420,11 @@ impl Inner {
         }
         if purpose == Purpose::Prefetch && self.config.cluster.sharing != Sharing::Inclusive {
             // Partitioned: the owner keeps it; make sure it does, and keep nothing here.
-            let kept = self.kept_by_owner(remote, &who, rel, known);
+            let kept = link.kept_by_owner(&who, rel, known);
             drop(guard);
             return if kept { Ok(Fetched::Cached) } else { Err(job) };
         }
-        let Some(incoming) = self.ask_owner(who, &key, rel, *known) else { return Err(job) };
+        let Some(incoming) = self.ask_owner(link, who, &key, rel, *known) else { return Err(job) };
         let sid = incoming.sid;
         // A large file is followed as it arrives: the reader reads each chunk once it is checked, while the
         // rest comes. (Not a program's descriptor: following a copy, it would need one of the store's file
@@ -443,7 +443,7 @@ impl Inner {
             }),
         };
         drop(guard);
-        let Some(fetched) = self.count_received(&who, rel, sid, result) else { return Err(job) };
+        let Some(fetched) = count_received(link, &who, rel, sid, result) else { return Err(job) };
         *known = Some(sid);
         if let Fetched::Reader(r) = &fetched {
             if let Backing::Memory(bytes) = r.backing() {
@@ -463,59 +463,23 @@ impl Inner {
         })
     }
 
-    /// Asks the owner `who` for `rel`, and places the copy (in a tier, with inclusive sharing). `None`,
-    /// counted: the owner failed, or has another version than `known` (the one the source showed this
-    /// process, which is the one served).
-    fn ask_owner(&self, who: String, key: &Key, rel: &str, known: Option<SourceId>) -> Option<Incoming> {
-        let remote = self.remote.as_ref()?;
-        let transfer = remote.open(&who, rel, WINDOW).map_err(|e| self.peer_failed(&who, rel, &e)).ok()?;
+    /// Asks the owner `who` for `rel` (see [`PeerLink::ask`]), and places the copy (in a tier, with
+    /// inclusive sharing). `None`, counted: the owner failed, or has another version than `known`.
+    fn ask_owner(
+        &self,
+        link: &PeerLink,
+        who: String,
+        key: &Key,
+        rel: &str,
+        known: Option<SourceId>,
+    ) -> Option<Incoming> {
+        let transfer = link.ask(&who, rel, known)?;
         let sid = transfer.found;
-        if known.is_some_and(|k| k != sid) {
-            let stale = RemoteError::Corrupt { at: who.clone(), detail: "another version".into() };
-            self.peer_failed(&who, rel, &stale);
-            return None;
-        }
         // The owner vouches for the version, not for when the source last showed it: a copy kept here is
         // confirmed against the source before `revalidate = "<duration>"` trusts it.
         let keep = self.config.cluster.sharing == Sharing::Inclusive;
         let tier = if keep { self.place(key, rel, sid, 0) } else { None };
         Some(Incoming { key: *key, rel: rel.to_string(), who, sid, transfer, tier })
-    }
-
-    /// Whether the owner `who` holds `rel` (it copies it from the store if it did not): a partitioned
-    /// prefetch keeps nothing on this node. `known` learns the version the owner holds.
-    fn kept_by_owner(&self, remote: &Remote, who: &str, rel: &str, known: &mut Option<SourceId>) -> bool {
-        let confirmed = remote.open(who, rel, 0).and_then(|t| {
-            *known = Some(t.found);
-            t.confirmed()
-        });
-        confirmed.map_err(|e| self.peer_failed(who, rel, &e)).is_ok()
-    }
-
-    /// Counts what a receive of `rel` (`sid`) from `who` gave: the peer's bytes; a hit when the owner sent
-    /// all of them (it answers again); a fault once, whether the owner failed or going on from the store
-    /// did. `None` when nothing usable came.
-    fn count_received(
-        &self,
-        who: &str,
-        rel: &str,
-        sid: SourceId,
-        result: Result<Received, RemoteError>,
-    ) -> Option<Fetched> {
-        let Received { fetched, from_peer, fault } = result.map_err(|e| self.peer_failed(who, rel, &e)).ok()?;
-        let c = self.source.counters();
-        if let Some(e) = fault {
-            self.peer_failed(who, rel, &e);
-        }
-        if from_peer == sid.size {
-            if let Some(remote) = &self.remote {
-                remote.mark_up(who);
-            }
-            c.add(src_slot::PEER_HITS, 1);
-            log::debug!("{rel}: received from peer {who} ({} B)", sid.size);
-        }
-        c.add(src_slot::PEER_BYTES, from_peer);
-        Some(fetched)
     }
 
     /// Receives a large file from its owner in the background, into a copy in its tier (published at
@@ -536,7 +500,9 @@ impl Inner {
                 if let Some(t) = tier {
                     self.abort(t, &key);
                 }
-                self.peer_failed(&who, &rel, &RemoteError::Sink(e));
+                if let Some(link) = &self.link {
+                    link.failed(&who, &rel, &RemoteError::Sink(e));
+                }
                 return Err(job);
             }
         };
@@ -558,6 +524,7 @@ impl Inner {
     /// The background half of [`Inner::follow_peer`]: receives the chunks into the copy its readers
     /// follow, then publishes it (in a tier) and counts the peer's hit, or fails it and counts the fault.
     fn receive_followed(&self, c: Followed, transfer: Transfer) {
+        let link = self.link.as_ref();
         let mut checked = 0;
         let growing = &c.growing;
         let mut usable = |end: u64| {
@@ -573,12 +540,9 @@ impl Inner {
         });
         match kept {
             Ok(()) => {
-                if let Some(remote) = self.remote.as_ref() {
-                    remote.mark_up(&c.who);
+                if let Some(link) = link {
+                    link.served_whole(&c.who, &c.rel, c.sid.size);
                 }
-                let counters = self.source.counters();
-                counters.add(src_slot::PEER_HITS, 1);
-                counters.add(src_slot::PEER_BYTES, c.sid.size);
                 // The last chunk only now: a reader that reached the end finds the whole file checked,
                 // published and counted.
                 growing.advance(c.sid.size);
@@ -586,7 +550,9 @@ impl Inner {
             }
             Err(e) => {
                 // Its readers go on from the source after the bytes checked: those came from the peer.
-                self.source.counters().add(src_slot::PEER_BYTES, checked);
+                if let Some(link) = link {
+                    link.served_part(checked);
+                }
                 growing.fail();
                 if let Some(path) = &c.temp {
                     let _ = std::fs::remove_file(path);
@@ -594,7 +560,9 @@ impl Inner {
                 if let Some(t) = c.tier {
                     self.abort(t, &c.key);
                 }
-                self.peer_failed(&c.who, &c.rel, &e);
+                if let Some(link) = link {
+                    link.failed(&c.who, &c.rel, &e);
+                }
             }
         }
     }
@@ -614,19 +582,6 @@ impl Inner {
                 Ok((None, f, follower))
             }),
         }
-    }
-
-    /// Counts a failed peer read, says so once, and leaves a failed member out for a while.
-    pub(super) fn peer_failed(&self, who: &str, rel: &str, e: &RemoteError) {
-        let Some(remote) = self.remote.as_ref() else { return };
-        if e.member_failed() {
-            remote.mark_down(who);
-        }
-        self.source.counters().add(src_slot::PEER_FAULTS, 1);
-        self.log_once(
-            &format!("peer-{who}"),
-            &format!("{e} while reading {rel}; reading from the source instead. Further failures are counted, not logged: see `tierstore status`"),
-        );
     }
 
     /// Receives the file into a copy in tier `t` and publishes it there (inclusive sharing). When the owner
@@ -726,4 +681,26 @@ impl Inner {
         transfer.receive_into(Dest::File(&file))?;
         Ok(Fetched::Reader(Reader::new(Backing::Private(file), sid.size, rel.into(), self.source.clone())))
     }
+}
+
+/// Counts what a receive of `rel` (`sid`) from `who` gave: the peer's bytes; a hit when the owner sent
+/// all of them; a fault once, whether the owner failed or going on from the store did. `None` when
+/// nothing usable came.
+fn count_received(
+    link: &PeerLink,
+    who: &str,
+    rel: &str,
+    sid: SourceId,
+    result: Result<Received, RemoteError>,
+) -> Option<Fetched> {
+    let Received { fetched, from_peer, fault } = result.map_err(|e| link.failed(who, rel, &e)).ok()?;
+    if let Some(e) = fault {
+        link.failed(who, rel, &e);
+    }
+    if from_peer == sid.size {
+        link.served_whole(who, rel, from_peer);
+    } else {
+        link.served_part(from_peer);
+    }
+    Some(fetched)
 }

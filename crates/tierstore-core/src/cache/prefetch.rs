@@ -434,7 +434,7 @@ impl Walk {
     /// asked by the caller.
     fn served_by_owner(&self, key: &Key, rel: &str) -> bool {
         let inner = &self.inner;
-        if inner.remote.is_none() {
+        if inner.link.is_none() {
             return false;
         }
         let Role::Leader(lead) = inner.flights.join(key) else { return false };
