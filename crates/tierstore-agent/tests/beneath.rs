@@ -61,7 +61,8 @@ fn world() -> World {
 }
 
 fn config(w: &World, sharing: Sharing) -> Config {
-    let o = Overrides { tiers: Some(vec![(w.tier.display().to_string(), Some("256M".into()))]), ..Default::default() }
+    let o = Overrides::default()
+        .with_tiers(&[(w.tier.display().to_string(), Some("256M".into()))])
         .with("source", w.source.display().to_string())
         .with("inline_max", "64KiB");
     let mut c = Config::load_with_env(&o, &Default::default()).unwrap();

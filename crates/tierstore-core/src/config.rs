@@ -101,22 +101,37 @@ pub struct Config {
 pub struct Overrides {
     /// A TOML file to read instead of `$TIERSTORE_CONFIG` or `./tierstore.toml`.
     pub config_file: Option<PathBuf>,
-    /// Tiers as `(path, quota)` pairs; quota `None` means "derive from free space".
-    pub tiers: Option<Vec<(String, Option<String>)>>,
-    /// Top-level settings of one value each, by their key (`("source", "/data")`, `("policy", "lru")`),
-    /// as the file would write them: any setting of the table whose value is one string or number.
-    pub settings: Vec<(String, String)>,
-    /// `[object_store]` settings (key, value), over the file's.
-    pub object_store: Vec<(String, String)>,
-    /// `[s3]` settings (key, value), the older name of `object_store`.
-    pub s3: Vec<(String, String)>,
+    /// Top-level keys of the file and their values, as the file would write them, read by the same
+    /// code: `("policy", "lru")`, `("tiers", [{path = "/dev/shm/t", quota = "8G"}])`, `("object_store",
+    /// {endpoint = "..."})`. Given later, a key wins: a list (`tiers`) replaces the file's, a table
+    /// (`object_store`) is laid key by key over it.
+    pub settings: Vec<(String, toml::Value)>,
 }
 
 impl Overrides {
-    /// These overrides with the top-level setting `key` given as `value`.
-    pub fn with(mut self, key: &str, value: impl Into<String>) -> Overrides {
-        self.settings.push((key.to_string(), value.into()));
+    /// These overrides with the top-level setting `key` given as `value` (one string or number).
+    pub fn with(self, key: &str, value: impl Into<String>) -> Overrides {
+        self.with_value(key, toml::Value::String(value.into()))
+    }
+
+    /// These overrides with the top-level key `key` given as `value`, as the file would write it.
+    pub fn with_value(mut self, key: &str, value: toml::Value) -> Overrides {
+        self.settings.push((key.to_string(), value));
         self
+    }
+
+    /// These overrides with the tiers given as `(path, quota)` pairs, fastest first; a quota of `None`
+    /// is derived from the free space.
+    pub fn with_tiers(self, tiers: &[(String, Option<String>)]) -> Overrides {
+        let list = tiers.iter().map(|(path, quota)| {
+            let mut t = toml::Table::new();
+            t.insert("path".into(), toml::Value::String(path.clone()));
+            if let Some(q) = quota {
+                t.insert("quota".into(), toml::Value::String(q.clone()));
+            }
+            toml::Value::Table(t)
+        });
+        self.with_value("tiers", toml::Value::Array(list.collect()))
     }
 }
 
@@ -170,52 +185,59 @@ fn read_file(path: &Path, raw: &mut Raw) -> Result<(), ConfigError> {
     })?;
     let table: toml::Table = text.parse().map_err(|e: toml::de::Error| syntax_error(&origin, &text, &e))?;
     for (key, value) in &table {
-        let text_of = |v: &toml::Value| -> Result<String, ConfigError> {
-            match v {
-                toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Float(_) => Ok(scalar(v)),
-                _ => Err(bad(&origin, key, v, "must be a string or a number", "write a single value")),
-            }
-        };
-        if let Some(s) = settings::find(Table::Top, key).filter(|s| s.is_scalar()) {
-            raw.top.insert(s.key, (text_of(value)?, origin.clone()));
-            continue;
+        read_value(raw, &origin, key, value)?;
+    }
+    Ok(())
+}
+
+/// One top-level key of the file and its value, from `origin`: the file's own, or the same key given
+/// through [`Overrides`].
+fn read_value(raw: &mut Raw, origin: &Origin, key: &str, value: &toml::Value) -> Result<(), ConfigError> {
+    let text_of = |v: &toml::Value| -> Result<String, ConfigError> {
+        match v {
+            toml::Value::String(_) | toml::Value::Integer(_) | toml::Value::Float(_) => Ok(scalar(v)),
+            _ => Err(bad(origin, key, v, "must be a string or a number", "write a single value")),
         }
-        match key.as_str() {
-            "tiers" => raw.tiers = Some((tiers::from_toml(&origin, key, value)?, origin.clone())),
-            "cluster" => {
-                let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
-                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
-                for (ck, cv) in t {
-                    let Some(s) = settings::find(Table::Cluster, ck) else {
-                        return Err(unknown_key(&origin, &format!("cluster.{ck}"), cv, &keys_of(Table::Cluster)));
-                    };
-                    raw.cluster.insert(s.key, (cv.clone(), origin.clone()));
-                }
+    };
+    if let Some(s) = settings::find(Table::Top, key).filter(|s| s.is_scalar()) {
+        raw.top.insert(s.key, (text_of(value)?, origin.clone()));
+        return Ok(());
+    }
+    match key {
+        "tiers" => raw.tiers = Some((tiers::from_toml(origin, key, value)?, origin.clone())),
+        "cluster" => {
+            let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
+            let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", fix))?;
+            for (ck, cv) in t {
+                let Some(s) = settings::find(Table::Cluster, ck) else {
+                    return Err(unknown_key(origin, &format!("cluster.{ck}"), cv, &keys_of(Table::Cluster)));
+                };
+                raw.cluster.insert(s.key, (cv.clone(), origin.clone()));
             }
-            "object_store" | "s3" => {
-                let table: &'static str = if key == "s3" { "s3" } else { "object_store" };
-                let fix = format!("write an [{table}] table: timeout = \"30s\", aws_region = \"us-east-1\"");
-                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", &fix))?;
-                for (sk, sv) in t {
-                    if sv.is_table() || sv.is_array() {
-                        return Err(bad(&origin, &format!("{table}.{sk}"), sv, "must be a string or a number", &fix));
-                    }
-                    raw.object_store.insert(sk.clone(), (sv.clone(), origin.clone(), table));
-                }
-            }
-            "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
-            "stream" => {
-                let fix = "write a [stream] table: redis = \"redis://head-node:6379\", keep = 2";
-                let t = value.as_table().ok_or_else(|| bad(&origin, key, value, "must be a table", fix))?;
-                for (sk, sv) in t {
-                    let Some(s) = settings::find(Table::Stream, sk) else {
-                        return Err(unknown_key(&origin, &format!("stream.{sk}"), sv, &keys_of(Table::Stream)));
-                    };
-                    raw.stream.insert(s.key, (sv.clone(), origin.clone()));
-                }
-            }
-            other => return Err(unknown_key(&origin, other, value, &keys_of(Table::Top))),
         }
+        "object_store" | "s3" => {
+            let table: &'static str = if key == "s3" { "s3" } else { "object_store" };
+            let fix = format!("write an [{table}] table: timeout = \"30s\", aws_region = \"us-east-1\"");
+            let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", &fix))?;
+            for (sk, sv) in t {
+                if sv.is_table() || sv.is_array() {
+                    return Err(bad(origin, &format!("{table}.{sk}"), sv, "must be a string or a number", &fix));
+                }
+                raw.object_store.insert(sk.clone(), (sv.clone(), origin.clone(), table));
+            }
+        }
+        "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
+        "stream" => {
+            let fix = "write a [stream] table: redis = \"redis://head-node:6379\", keep = 2";
+            let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", fix))?;
+            for (sk, sv) in t {
+                let Some(s) = settings::find(Table::Stream, sk) else {
+                    return Err(unknown_key(origin, &format!("stream.{sk}"), sv, &keys_of(Table::Stream)));
+                };
+                raw.stream.insert(s.key, (sv.clone(), origin.clone()));
+            }
+        }
+        other => return Err(unknown_key(origin, other, value, &keys_of(Table::Top))),
     }
     Ok(())
 }
@@ -378,27 +400,8 @@ impl Config {
                 raw.object_store.insert(k, (v, env_origin("TIERSTORE_OBJECT_STORE"), "object_store"));
             }
         }
-        for (table, given) in [("s3", &overrides.s3), ("object_store", &overrides.object_store)] {
-            for (k, v) in given {
-                raw.object_store.insert(k.clone(), (toml::Value::String(v.clone()), Origin::Argument, table));
-            }
-        }
-        if let Some(t) = &overrides.tiers {
-            let tiers = t.iter().map(|(p, q)| RawTier { path: p.clone(), quota: q.clone(), kind: None }).collect();
-            raw.tiers = Some((tiers, Origin::Argument));
-        }
         for (key, value) in &overrides.settings {
-            let setting = settings::top_values().find(|s| s.key == key).ok_or_else(|| {
-                let keys: Vec<&str> = settings::top_values().map(|s| s.key).collect();
-                bad(
-                    &Origin::Argument,
-                    key,
-                    value,
-                    "not a setting of one value",
-                    &format!("give one of {}", keys.join(", ")),
-                )
-            })?;
-            raw.top.insert(setting.key, (value.clone(), Origin::Argument));
+            read_value(&mut raw, &Origin::Argument, key, value)?;
         }
         if let Some(v) = env.get("TIERSTORE_WRITEBACK") {
             let o = env_origin("TIERSTORE_WRITEBACK");
@@ -716,23 +719,23 @@ mod tests {
         let base = Overrides::default().with("source", src.display().to_string());
         let err = |o: Overrides, e: &[(&str, &str)]| Config::load_with_env(&o, &env(e)).unwrap_err().to_string();
 
-        let e = err(Overrides { tiers: Some(vec![(t0.clone(), Some("80X".into()))]), ..base.clone() }, &[]);
+        let e = err(base.clone().with_tiers(&[(t0.clone(), Some("80X".into()))]), &[]);
         assert!(e.contains("tiers[0].quota") && e.contains("80X") && e.contains("use a size like"), "{e}");
         let e = err(base.clone().with("policy", "lfru"), &[]);
         assert!(e.contains("policy") && e.contains("lfru") && e.contains("\"fill\""), "{e}");
         let e = err(base.clone().with("threads", "0"), &[]);
         assert!(e.contains("threads = 0"), "{e}");
         let e = err(base.clone().with("polcy", "lru"), &[]);
-        assert!(e.contains("polcy") && e.contains("not a setting of one value") && e.contains("policy"), "{e}");
+        assert!(e.contains("polcy") && e.contains("unknown key") && e.contains("did you mean \"policy\""), "{e}");
         let e = err(base.clone().with("tiers", "/tmp/t"), &[]);
-        assert!(e.contains("not a setting of one value"), "{e}");
+        assert!(e.contains("tiers") && e.contains("must be a list of tables"), "{e}");
         let e = err(base.clone(), &[("TIERSTORE_POLCY", "lru")]);
         assert!(e.contains("did you mean TIERSTORE_POLICY"), "{e}");
         // The test suite's own variables, which its README tells contributors to set, are not refused.
         let tools = env(&[("TIERSTORE_WEED", "/opt/weed"), ("TIERSTORE_TEST_WRITEBACK_KILLS", "20")]);
         assert!(Config::load_with_env(&base, &tools).is_ok());
         let inside = src.join("cache").display().to_string();
-        let e = err(Overrides { tiers: Some(vec![(inside, Some("1M".into()))]), ..base.clone() }, &[]);
+        let e = err(base.clone().with_tiers(&[(inside, Some("1M".into()))]), &[]);
         assert!(e.contains("overlaps the source"), "{e}");
         let e = err(Overrides::default(), &[]);
         assert!(e.contains("no source directory"), "{e}");

@@ -122,30 +122,25 @@ impl PyCache {
         s3: Option<BTreeMap<String, Bound<'_, PyAny>>>,
         object_store: Option<BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
-        let store_table = |table: Option<BTreeMap<String, Bound<'_, PyAny>>>| {
-            table
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| Ok((k, v.str()?.to_string())))
-                .collect::<PyResult<Vec<_>>>()
-        };
-        let tiers = match tiers {
-            None => None,
-            Some(list) => Some(
-                list.iter()
-                    .map(|(p, q)| {
-                        Ok((path_arg(p)?.to_string_lossy().into_owned(), q.as_ref().map(size_text).transpose()?))
-                    })
-                    .collect::<PyResult<Vec<_>>>()?,
-            ),
-        };
-        let overrides = Overrides {
-            config_file: config_file.as_ref().map(path_arg).transpose()?,
-            tiers,
-            settings: settings.unwrap_or_default().iter().map(|(k, v)| keyword_value(k, v)).collect::<PyResult<_>>()?,
-            s3: store_table(s3)?,
-            object_store: store_table(object_store)?,
-        };
+        // Every keyword becomes the key the file would write, read by the same code as the file's.
+        let mut overrides =
+            Overrides { config_file: config_file.as_ref().map(path_arg).transpose()?, ..Default::default() };
+        if let Some(list) = tiers {
+            let tiers = list
+                .iter()
+                .map(|(p, q)| Ok((path_arg(p)?.to_string_lossy().into_owned(), q.as_ref().map(size_text).transpose()?)))
+                .collect::<PyResult<Vec<_>>>()?;
+            overrides = overrides.with_tiers(&tiers);
+        }
+        for (key, table) in [("s3", s3), ("object_store", object_store)] {
+            let Some(table) = table else { continue };
+            let values = table.into_iter().map(|(k, v)| Ok((k, toml::Value::String(v.str()?.to_string()))));
+            overrides = overrides.with_value(key, toml::Value::Table(values.collect::<PyResult<_>>()?));
+        }
+        for (keyword, v) in settings.unwrap_or_default() {
+            let (key, text) = keyword_value(&keyword, &v)?;
+            overrides = overrides.with(&key, text);
+        }
         let config = crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from))
             .map_err(to_py)?;
         let engine = open_engine(py, &config)?;

@@ -42,14 +42,14 @@ fn world(kind: &str) -> World {
 }
 
 fn cache(w: &World, policy: &str, quota: &str, kind: &str) -> Cache {
-    let o =
-        Overrides { tiers: Some(vec![(w.tier.display().to_string(), Some(quota.to_string()))]), ..Default::default() }
-            .with("source", w.source.display().to_string())
-            .with("policy", policy)
-            .with("threads", "4")
-            .with("inline_max", "64KiB")
-            // The suite rewrites source files and expects the next open to see it: "always", not the default.
-            .with("revalidate", "always");
+    let o = Overrides::default()
+        .with_tiers(&[(w.tier.display().to_string(), Some(quota.to_string()))])
+        .with("source", w.source.display().to_string())
+        .with("policy", policy)
+        .with("threads", "4")
+        .with("inline_max", "64KiB")
+        // The suite rewrites source files and expects the next open to see it: "always", not the default.
+        .with("revalidate", "always");
     let c = Config::load_with_env(&o, &Default::default()).unwrap();
     assert_eq!(c.tiers[0].kind.name(), kind);
     Cache::new(c).unwrap()
