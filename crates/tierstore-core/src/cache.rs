@@ -434,6 +434,22 @@ impl Cache {
         Ok(())
     }
 
+    /// Asks the agent of the node that owns `path` (this node's own when it owns it) for `ranges` of it,
+    /// `(offset, length)` each. `Ok(None)` when the cache shares nothing across nodes, no member is up,
+    /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
+    pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
+        Parts::ask(&self.inner, path, ranges)
+    }
+
+    /// Opens `rel` for parts a peer asked for: the copy a tier holds whole when there is a current one,
+    /// else the store's file, read by the blocks this agent keeps ([`PartsServed::read`]). No whole copy is
+    /// fetched for parts. On a POSIX source the path is resolved beneath the source, as for a whole file
+    /// (see `peers.rs`): the copy is served only when its version is vouched for, and the store's file is
+    /// the descriptor opened beneath it; a path that leaves the source is refused.
+    pub fn open_parts_for_peer(&self, rel: &str) -> Result<PartsServed, Error> {
+        PartsServed::open(&self.inner, rel)
+    }
+
     /// Opens `rel` for a peer that asked this node's agent for it: fetched from the source first if no tier
     /// holds it (once per node, as for any reader of this node). The agent's own cache reads only local
     /// tiers and the source, never another peer, so requests cannot chase each other around the job.
@@ -498,5 +514,15 @@ fn open_source(config: &Config, counters: Arc<Counters>) -> Result<Arc<dyn Sourc
                 ),
             ),
         )),
+    }
+}
+
+impl crate::models::load::PartsSource for Cache {
+    fn open_parts(
+        &self,
+        path: &Path,
+        ranges: &[(u64, u64)],
+    ) -> Result<Option<Box<dyn crate::models::load::ReceivedParts>>, Error> {
+        Ok(Cache::open_parts(self, path, ranges)?.map(|p| Box::new(p) as Box<dyn crate::models::load::ReceivedParts>))
     }
 }

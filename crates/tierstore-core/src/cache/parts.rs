@@ -15,7 +15,6 @@ use super::engine::Inner;
 use super::link::PeerLink;
 use super::lookup::Look;
 use super::peers::Beneath;
-use super::Cache;
 use crate::cluster::transfer::Transfer;
 use crate::error::Error;
 use crate::index::{key_of, SourceId};
@@ -29,12 +28,9 @@ pub struct Parts {
     link: Arc<PeerLink>,
 }
 
-impl Cache {
-    /// Asks the agent of the node that owns `path` (this node's own when it owns it) for `ranges` of it,
-    /// `(offset, length)` each. `Ok(None)` when the cache shares nothing across nodes, no member is up,
-    /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
-    pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
-        let inner = &self.inner;
+impl Parts {
+    /// See [`Cache::open_parts`](super::Cache::open_parts).
+    pub(super) fn ask(inner: &Inner, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
         let Some(link) = inner.link.as_ref() else { return Ok(None) };
         if ranges.len() > crate::cluster::wire::MAX_RANGES {
             return Ok(None);
@@ -43,9 +39,7 @@ impl Cache {
         let Some((who, transfer)) = link.ask_ranges(&rel, ranges) else { return Ok(None) };
         Ok(Some(Parts { transfer, who, rel, link: link.clone() }))
     }
-}
 
-impl Parts {
     /// The size of the version the parts come from.
     pub fn size(&self) -> u64 {
         self.transfer.found.size
@@ -75,16 +69,6 @@ impl Parts {
     }
 }
 
-impl crate::models::load::PartsSource for Cache {
-    fn open_parts(
-        &self,
-        path: &Path,
-        ranges: &[(u64, u64)],
-    ) -> Result<Option<Box<dyn crate::models::load::ReceivedParts>>, Error> {
-        Ok(Cache::open_parts(self, path, ranges)?.map(|p| Box::new(p) as Box<dyn crate::models::load::ReceivedParts>))
-    }
-}
-
 impl crate::models::load::ReceivedParts for Parts {
     fn size(&self) -> u64 {
         Parts::size(self)
@@ -99,7 +83,8 @@ impl crate::models::load::ReceivedParts for Parts {
     }
 }
 
-/// A file whose parts this node's agent serves to a node that asked ([`Cache::open_parts_for_peer`]).
+/// A file whose parts this node's agent serves to a node that asked
+/// ([`Cache::open_parts_for_peer`](super::Cache::open_parts_for_peer)).
 pub struct PartsServed {
     /// The version the parts come from.
     pub identity: SourceId,
@@ -116,14 +101,9 @@ enum From {
     Store(SourceFile),
 }
 
-impl Cache {
-    /// Opens `rel` for parts a peer asked for: the copy a tier holds whole when there is a current one,
-    /// else the store's file, read by the blocks this agent keeps ([`PartsServed::read`]). No whole copy is
-    /// fetched for parts. On a POSIX source the path is resolved beneath the source, as for a whole file
-    /// (see `peers.rs`): the copy is served only when its version is vouched for, and the store's file is
-    /// the descriptor opened beneath it; a path that leaves the source is refused.
-    pub fn open_parts_for_peer(&self, rel: &str) -> Result<PartsServed, Error> {
-        let inner = &self.inner;
+impl PartsServed {
+    /// See [`Cache::open_parts_for_peer`](super::Cache::open_parts_for_peer).
+    pub(super) fn open(inner: &Arc<Inner>, rel: &str) -> Result<PartsServed, Error> {
         let key = key_of(rel);
         let mut beneath = Beneath::new(inner, rel);
         if let Some(sid) = inner.known_identity(&key, rel)? {
@@ -143,9 +123,7 @@ impl Cache {
         };
         Ok(PartsServed { identity: sid, from: From::Store(file), rel: rel.into(), inner: inner.clone() })
     }
-}
 
-impl PartsServed {
     /// The `len` bytes at `offset` (within one block: `offset % BLOCK + len <= BLOCK`), of a part that ends
     /// at `until`. Read from the store, a missing block comes with the missing ones after it up to the one
     /// holding `until - 1`.
