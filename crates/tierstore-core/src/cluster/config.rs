@@ -128,26 +128,53 @@ pub(crate) fn validate(
     slurm_nodes: Option<&str>,
     slurm_job: Option<&str>,
 ) -> Result<ClusterConfig, ConfigError> {
-    // An unset key with a default in the settings table (sharing, port, listen, encrypt) reads as that
-    // default, through the same check as a written one.
-    let default = Origin::Default;
-    let text = |k: &str| {
-        keys.get(k)
+    let written = Written { keys, default: Origin::Default };
+    let mut c = one_value_keys(&written, slurm_job)?;
+    if c.sharing == Sharing::Off {
+        return Ok(c);
+    }
+    check_token(&mut c, written.text("token_file"))?;
+    if c.registry.is_some() && !keys.contains_key("peers") {
+        // The members are whoever registered: the agent keeps the list, and every process asks it.
+        c.node = written.text("node").map_or_else(hostname, |(v, _)| v);
+        return Ok(c);
+    }
+    members(&mut c, &written, slurm_nodes)?;
+    Ok(c)
+}
+
+/// The `[cluster]` keys as set. An unset key with a default in the settings table (sharing, port,
+/// listen, encrypt) reads as that default, through the same check as a written one.
+struct Written<'a> {
+    keys: &'a BTreeMap<&'static str, (toml::Value, Origin)>,
+    default: Origin,
+}
+
+impl Written<'_> {
+    /// Key `k`'s value as text, and where it came from.
+    fn text(&self, k: &str) -> Option<(String, &Origin)> {
+        self.keys
+            .get(k)
             .map(|(v, o)| (scalar(v), o))
-            .or_else(|| settings::default_value(settings::Table::Cluster, k).map(|v| (v.to_string(), &default)))
-    };
+            .or_else(|| settings::default_value(settings::Table::Cluster, k).map(|v| (v.to_string(), &self.default)))
+    }
+}
+
+/// The keys of one value each: the sharing mode, the agent's port and address, encryption, the token
+/// file's path, the registry and the job's name (`slurm_job`'s, unless set).
+fn one_value_keys(written: &Written<'_>, slurm_job: Option<&str>) -> Result<ClusterConfig, ConfigError> {
     let mut c = ClusterConfig::default();
-    if let Some((v, o)) = text("sharing") {
+    if let Some((v, o)) = written.text("sharing") {
         c.sharing = Sharing::parse(&v).ok_or_else(|| {
             bad(o, "cluster.sharing", &v, "is not a sharing mode", "use \"off\", \"inclusive\" or \"partitioned\"")
         })?;
     }
-    if let Some((v, o)) = text("port") {
+    if let Some((v, o)) = written.text("port") {
         c.port = v.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
             bad(o, "cluster.port", &v, "is not a TCP port", "use a number from 1 to 65535, e.g. 7078")
         })?;
     }
-    if let Some((v, o)) = text("listen") {
+    if let Some((v, o)) = written.text("listen") {
         if v.parse::<std::net::IpAddr>().is_err() {
             return Err(bad(
                 o,
@@ -159,41 +186,38 @@ pub(crate) fn validate(
         }
         c.listen = v;
     }
-    if let Some((v, o)) = text("encrypt") {
+    if let Some((v, o)) = written.text("encrypt") {
         c.encrypt = match v.trim().to_ascii_lowercase().as_str() {
             "true" | "1" | "yes" | "on" => true,
             "false" | "0" | "no" | "off" => false,
             _ => return Err(bad(o, "cluster.encrypt", &v, "is not true or false", "write encrypt = true or false")),
         };
     }
-    let token_origin = text("token_file").map(|(v, o)| {
-        c.token_file = Some(expand_home(&v));
-        (v, o.clone())
-    });
-    if let Some((v, o)) = text("registry") {
+    c.token_file = written.text("token_file").map(|(v, _)| expand_home(&v));
+    if let Some((v, o)) = written.text("registry") {
         if !(v.starts_with("redis://") || v.starts_with("rediss://") || v.starts_with("redis+unix://")) {
             return Err(bad(o, "cluster.registry", &v, "is not a Redis URL", "write redis://HOST:6379"));
         }
         c.registry = Some(v);
     }
-    c.job = match text("job") {
+    c.job = match written.text("job") {
         Some((v, _)) => v,
         None => slurm_job.map_or_else(|| "tierstore".to_string(), |id| format!("slurm-{id}")),
     };
-    if c.sharing == Sharing::Off {
-        return Ok(c);
-    }
-    // Sharing on means a token, on loopback too. Read now, so that a bad token is one message at start
-    // rather than a failure deep in the first read that crosses nodes; with none configured, this user's
-    // default one, made on first use.
-    match &token_origin {
-        Some((v, o)) => {
-            let path = c.token_file.as_deref().expect("set with its origin");
+    Ok(c)
+}
+
+/// Sharing on means a token, on loopback too. Read now, so that a bad token is one message at start
+/// rather than a failure deep in the first read that crosses nodes; with none configured (`given`),
+/// this user's default one, made on first use.
+fn check_token(c: &mut ClusterConfig, given: Option<(String, &Origin)>) -> Result<(), ConfigError> {
+    match (given, c.token_file.as_deref()) {
+        (Some((v, o)), Some(path)) => {
             if let Err(problem) = read_token(path) {
-                return Err(bad(o, "cluster.token_file", v, &problem, TOKEN_FIX));
+                return Err(bad(o, "cluster.token_file", &v, &problem, TOKEN_FIX));
             }
         }
-        None => {
+        _ => {
             let path = default_token_file();
             if let Err(problem) = ensure_token(&path) {
                 let shown = path.display().to_string();
@@ -202,16 +226,13 @@ pub(crate) fn validate(
             c.token_file = Some(path);
         }
     }
-    if c.registry.is_some() && !keys.contains_key("peers") {
-        // The members are whoever registered: the agent keeps the list, and every process asks it.
-        c.node = match text("node") {
-            Some((v, _)) => v,
-            None => hostname(),
-        };
-        return Ok(c);
-    }
+    Ok(())
+}
+
+/// The job's members, from `peers` or Slurm's node list, and which of them this node is.
+fn members(c: &mut ClusterConfig, written: &Written<'_>, slurm_nodes: Option<&str>) -> Result<(), ConfigError> {
     let fix = "list the job's nodes in [cluster] peers, TIERSTORE_PEERS (e.g. \"gpu[001-016]\"), or run under Slurm";
-    let (entries, origin) = match keys.get("peers") {
+    let (entries, origin) = match written.keys.get("peers") {
         Some((toml::Value::Array(list), o)) => (list.iter().map(scalar).collect(), o.clone()),
         Some((toml::Value::String(s), o)) => (vec![s.clone()], o.clone()),
         Some((other, o)) => return Err(bad(o, "cluster.peers", scalar(other), "must be a list of hosts", fix)),
@@ -230,7 +251,7 @@ pub(crate) fn validate(
     };
     c.members =
         members_of(&entries, c.port).map_err(|e| bad(&origin, "cluster.peers", entries.join(","), &e.problem, fix))?;
-    let (node, node_origin) = match text("node") {
+    let (node, node_origin) = match written.text("node") {
         Some((v, o)) => (v, o.clone()),
         None => (hostname(), Origin::Default),
     };
@@ -246,7 +267,7 @@ pub(crate) fn validate(
         ));
     }
     c.node = node;
-    Ok(c)
+    Ok(())
 }
 
 /// The Unix socket of this user's agent: in the user's runtime directory, or in a private directory

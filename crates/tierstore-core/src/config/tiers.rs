@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use super::settings::{self, keys_of, Table};
 use super::values::{
-    bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, ConfigError, Origin,
+    bad, expand_home, format_size, fs_info, home_dir, parse_size, scalar, unknown_key, At, ConfigError, FsInfo, Origin,
 };
 
 /// Whether a tier lives in RAM or on a local disk.
@@ -144,127 +144,118 @@ pub(crate) fn validate(
     }
     let mut tiers: Vec<TierConfig> = Vec::new();
     for (i, rt) in raw_tiers.iter().enumerate() {
-        let key = format!("tiers[{i}]");
-        let path = expand_home(&rt.path);
-        let path = std::path::absolute(&path).unwrap_or(path);
-        // The tier path may be shared by several users (`/dev/shm/tierstore`): this user's copies live in
-        // a directory of their own beneath it, created 0700 or checked (see `private`).
-        let mine = crate::private::user_dir(&path);
-        crate::private::ensure_dir(&mine).map_err(|e| {
-            // `ensure_dir` says "cannot create" when mkdir failed, and why it refused a directory otherwise.
-            let (problem, fix) = if e.to_string().starts_with("cannot create") {
-                ("cannot be created", "give a directory you can write to")
-            } else {
-                ("cannot be used", "give a directory only you can write to, or one that root shares sticky (mode 1777)")
-            };
-            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("{problem} ({e})"), fix)
-        })?;
-        let path = std::fs::canonicalize(&path).unwrap_or(path);
-        let probe = crate::private::user_dir(&path).join(format!(".tierstore-probe-{}", crate::process::pid()));
-        if let Err(e) = std::fs::write(&probe, b"") {
-            return Err(bad(
-                tiers_origin,
-                &format!("{key}.path"),
-                &rt.path,
-                &format!("is not writable ({e})"),
-                "give a directory you can write to",
-            ));
-        }
-        let _ = std::fs::remove_file(&probe);
-        if path.starts_with(source) || source.starts_with(&path) {
-            return Err(bad(
-                tiers_origin,
-                &format!("{key}.path"),
-                &rt.path,
-                &format!("overlaps the source {}", source.display()),
-                "put cache tiers outside the source directory",
-            ));
-        }
-        if let Some(prev) = tiers.iter().position(|t| t.path == path) {
-            return Err(bad(
-                tiers_origin,
-                &format!("{key}.path"),
-                &rt.path,
-                &format!("is the same directory as tiers[{prev}]"),
-                "give each tier its own directory",
-            ));
-        }
-        let info = fs_info(&path).map_err(|e| {
-            bad(tiers_origin, &format!("{key}.path"), &rt.path, &format!("statfs failed ({e})"), "check the path")
-        })?;
-        let kind = match rt.kind.as_deref() {
-            None => {
-                if info.in_memory {
-                    TierKind::Memory
-                } else {
-                    TierKind::Local
-                }
-            }
-            Some("memory") if info.in_memory => TierKind::Memory,
-            Some("memory") => {
-                return Err(bad(
-                    tiers_origin,
-                    &format!("{key}.kind"),
-                    "memory",
-                    &format!("{} is not on a RAM-backed file system", path.display()),
-                    "use a directory under /dev/shm, or kind = \"local\"",
-                ))
-            }
-            Some("local") => TierKind::Local,
-            Some(other) => {
-                return Err(bad(
-                    tiers_origin,
-                    &format!("{key}.kind"),
-                    other,
-                    "unknown tier kind",
-                    "use \"memory\" or \"local\" (or leave it out to detect it)",
-                ))
-            }
-        };
-        let quota = match &rt.quota {
-            // Half of what is free now: leaves room for everything else on the node.
-            None => (info.free / 2).max(1),
-            // A share of the file system's size: one configuration fits nodes of any size.
-            Some(q) if share(q).is_some() => {
-                if info.total == 0 {
-                    return Err(bad(
-                        tiers_origin,
-                        &format!("{key}.quota"),
-                        format!("\"{q}\""),
-                        &format!("cannot be a share: the size of the file system of {} is unknown", path.display()),
-                        "give a size such as \"8G\"",
-                    ));
-                }
-                ((info.total as f64 * share(q).unwrap_or_default() / 100.0) as u64).max(1)
-            }
-            Some(q) => {
-                let quota = parse_size(q).ok_or_else(|| {
-                    let why =
-                        if q.trim().ends_with('%') { "not a share above 0% and at most 100%" } else { "not a size" };
-                    bad(tiers_origin, &format!("{key}.quota"), format!("\"{q}\""), why, QUOTA_FIX)
-                })?;
-                if quota == 0 {
-                    return Err(bad(
-                        tiers_origin,
-                        &format!("{key}.quota"),
-                        format!("\"{q}\""),
-                        "a tier of zero bytes caches nothing",
-                        "give a positive size, or remove the tier",
-                    ));
-                }
-                if info.total > 0 && quota > info.total {
-                    return Err(bad(
-                        tiers_origin,
-                        &format!("{key}.quota"),
-                        format!("\"{q}\""),
-                        &format!("exceeds the size of the file system ({})", format_size(info.total)),
-                        &format!("use at most {}", format_size(info.total)),
-                    ));
-                }
-                quota
-            }
-        };
+        let at = At { origin: tiers_origin, key: format!("tiers[{i}]") };
+        let path = tier_dir(&at, &rt.path, source, &tiers)?;
+        let info =
+            fs_info(&path).map_err(|e| at.bad("path", &rt.path, &format!("statfs failed ({e})"), "check the path"))?;
+        let kind = tier_kind(&at, rt.kind.as_deref(), &path, &info)?;
+        let quota = tier_quota(&at, rt.quota.as_deref(), &path, &info)?;
         tiers.push(TierConfig { path, quota, kind });
     }
     Ok(tiers)
+}
+
+/// A tier's directory, absolute and resolved: this user's directory beneath it created 0700 (or
+/// checked), writable, outside the source and not one of the `earlier` tiers'.
+fn tier_dir(at: &At<'_>, written: &str, source: &Path, earlier: &[TierConfig]) -> Result<PathBuf, ConfigError> {
+    let path = expand_home(written);
+    let path = std::path::absolute(&path).unwrap_or(path);
+    // The tier path may be shared by several users (`/dev/shm/tierstore`): this user's copies live in
+    // a directory of their own beneath it, created 0700 or checked (see `private`).
+    let mine = crate::private::user_dir(&path);
+    crate::private::ensure_dir(&mine).map_err(|e| {
+        // `ensure_dir` says "cannot create" when mkdir failed, and why it refused a directory otherwise.
+        let (problem, fix) = if e.to_string().starts_with("cannot create") {
+            ("cannot be created", "give a directory you can write to")
+        } else {
+            ("cannot be used", "give a directory only you can write to, or one that root shares sticky (mode 1777)")
+        };
+        at.bad("path", written, &format!("{problem} ({e})"), fix)
+    })?;
+    let path = std::fs::canonicalize(&path).unwrap_or(path);
+    let probe = crate::private::user_dir(&path).join(format!(".tierstore-probe-{}", crate::process::pid()));
+    if let Err(e) = std::fs::write(&probe, b"") {
+        return Err(at.bad("path", written, &format!("is not writable ({e})"), "give a directory you can write to"));
+    }
+    let _ = std::fs::remove_file(&probe);
+    if path.starts_with(source) || source.starts_with(&path) {
+        return Err(at.bad(
+            "path",
+            written,
+            &format!("overlaps the source {}", source.display()),
+            "put cache tiers outside the source directory",
+        ));
+    }
+    if let Some(prev) = earlier.iter().position(|t| t.path == path) {
+        return Err(at.bad(
+            "path",
+            written,
+            &format!("is the same directory as tiers[{prev}]"),
+            "give each tier its own directory",
+        ));
+    }
+    Ok(path)
+}
+
+/// A tier's kind as written, checked against its file system; detected when not written.
+fn tier_kind(at: &At<'_>, written: Option<&str>, path: &Path, info: &FsInfo) -> Result<TierKind, ConfigError> {
+    match written {
+        None if info.in_memory => Ok(TierKind::Memory),
+        None => Ok(TierKind::Local),
+        Some("memory") if info.in_memory => Ok(TierKind::Memory),
+        Some("memory") => Err(at.bad(
+            "kind",
+            "memory",
+            &format!("{} is not on a RAM-backed file system", path.display()),
+            "use a directory under /dev/shm, or kind = \"local\"",
+        )),
+        Some("local") => Ok(TierKind::Local),
+        Some(other) => Err(at.bad(
+            "kind",
+            other,
+            "unknown tier kind",
+            "use \"memory\" or \"local\" (or leave it out to detect it)",
+        )),
+    }
+}
+
+/// A tier's quota in bytes: a size, or a share of its file system, within the file system's size.
+fn tier_quota(at: &At<'_>, written: Option<&str>, path: &Path, info: &FsInfo) -> Result<u64, ConfigError> {
+    let Some(q) = written else {
+        // Half of what is free now: leaves room for everything else on the node.
+        return Ok((info.free / 2).max(1));
+    };
+    if let Some(pct) = share(q) {
+        // A share of the file system's size: one configuration fits nodes of any size.
+        if info.total == 0 {
+            return Err(at.bad(
+                "quota",
+                format!("\"{q}\""),
+                &format!("cannot be a share: the size of the file system of {} is unknown", path.display()),
+                "give a size such as \"8G\"",
+            ));
+        }
+        return Ok(((info.total as f64 * pct / 100.0) as u64).max(1));
+    }
+    let quota = parse_size(q).ok_or_else(|| {
+        let why = if q.trim().ends_with('%') { "not a share above 0% and at most 100%" } else { "not a size" };
+        at.bad("quota", format!("\"{q}\""), why, QUOTA_FIX)
+    })?;
+    if quota == 0 {
+        return Err(at.bad(
+            "quota",
+            format!("\"{q}\""),
+            "a tier of zero bytes caches nothing",
+            "give a positive size, or remove the tier",
+        ));
+    }
+    if info.total > 0 && quota > info.total {
+        return Err(at.bad(
+            "quota",
+            format!("\"{q}\""),
+            &format!("exceeds the size of the file system ({})", format_size(info.total)),
+            &format!("use at most {}", format_size(info.total)),
+        ));
+    }
+    Ok(quota)
 }

@@ -58,6 +58,21 @@ pub(crate) fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem:
     }
 }
 
+/// Which entry of a list of tables a value belongs to (`tiers[1]`, `writeback[0]`), and where the list
+/// was set, for the messages of its keys.
+pub(crate) struct At<'a> {
+    pub(crate) origin: &'a Origin,
+    /// The entry: `tiers[1]`.
+    pub(crate) key: String,
+}
+
+impl At<'_> {
+    /// The error of this entry's `field`.
+    pub(crate) fn bad(&self, field: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
+        bad(self.origin, &format!("{}.{field}", self.key), value, problem, fix)
+    }
+}
+
 /// How to write a size, for the errors of every key that takes one.
 pub(crate) const SIZE_FIX: &str = "use a size like \"800G\", \"512MiB\" or a number of bytes";
 

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::config::settings::{default_value, keys_of, Table};
-use crate::config::values::{bad, expand_home, fs_info, parse_duration, parse_size, scalar, ConfigError, Origin};
+use crate::config::values::{bad, expand_home, fs_info, parse_duration, parse_size, scalar, At, ConfigError, Origin};
 
 /// When `close()` (and `fsync`) of a staged file returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,132 +126,109 @@ pub fn validate(raw: Option<&(toml::Value, Origin)>) -> Result<Vec<Destination>,
     let mut out: Vec<Destination> = Vec::new();
     let keys = keys_of(Table::Writeback);
     for (i, item) in list.iter().enumerate() {
-        let k = format!("writeback[{i}]");
-        let t = item.as_table().ok_or_else(|| bad(origin, &k, scalar(item), "must be a table", FIX))?;
-        for (key, v) in t {
-            if !keys.contains(&key.as_str()) {
-                return Err(bad(
-                    origin,
-                    &format!("{k}.{key}"),
-                    scalar(v),
-                    "unknown key",
-                    &format!("known keys: {}", keys.join(", ")),
-                ));
-            }
+        let at = At { origin, key: format!("writeback[{i}]") };
+        let t = item.as_table().ok_or_else(|| bad(origin, &at.key, scalar(item), "must be a table", FIX))?;
+        if let Some((key, v)) = t.iter().find(|(key, _)| !keys.contains(&key.as_str())) {
+            return Err(at.bad(key, scalar(v), "unknown key", &format!("known keys: {}", keys.join(", "))));
         }
         let get = |key: &str| t.get(key).map(scalar);
         // An unset key reads as the settings table's default, through the same check as a written one.
         let or_default = |key: &str| get(key).or_else(|| default_value(Table::Writeback, key).map(str::to_string));
-        let path_text = get("path")
-            .ok_or_else(|| bad(origin, &format!("{k}.path"), "(missing)", "every destination needs a path", FIX))?;
-        let path = absolute(&path_text);
-        if path == Path::new("/") {
-            return Err(bad(
-                origin,
-                &format!("{k}.path"),
-                &path_text,
-                "is the root directory",
-                "name the directory checkpoints go to",
-            ));
-        }
-        match std::fs::metadata(&path) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(bad(
-                    origin,
-                    &format!("{k}.path"),
-                    &path_text,
-                    "is not a directory",
-                    "give a directory on the shared store",
-                ))
-            }
-            Err(e) => {
-                return Err(bad(
-                    origin,
-                    &format!("{k}.path"),
-                    &path_text,
-                    &format!("cannot be read ({e})"),
-                    "create the destination directory on the shared store first (mkdir -p), or fix the path",
-                ))
-            }
-        }
-        let stage_text = get("stage").ok_or_else(|| {
-            bad(origin, &format!("{k}.stage"), "(missing)", "every destination needs a node-local stage directory", FIX)
-        })?;
-        let stage = absolute(&stage_text);
-        if stage.starts_with(&path) || path.starts_with(&stage) {
-            return Err(bad(
-                origin,
-                &format!("{k}.stage"),
-                &stage_text,
-                &format!("overlaps the destination {}", path.display()),
-                "put the stage on node-local storage (an NVMe or SSD directory), outside the destination",
-            ));
-        }
-        // The stage path may be given by several users of the node (`/scratch/stage`): this user's staged
-        // bytes and journal live in a directory of their own beneath it, created 0700 or checked.
-        let stage = stage_dir(&stage);
-        crate::private::ensure_dir(&stage).map_err(|e| {
-            let fix = if e.kind() == std::io::ErrorKind::PermissionDenied {
-                "give a local directory only you can write to, or one under a shared sticky directory such as \
-                 /tmp (tierstore keeps your staged files in a directory of your own beneath it, mode 0700)"
-            } else {
-                "give a writable local directory"
-            };
-            bad(origin, &format!("{k}.stage"), &stage_text, &format!("cannot be used ({e})"), fix)
-        })?;
-        let quota = match get("quota") {
-            Some(q) => parse_size(&q).filter(|n| *n > 0).ok_or_else(|| {
-                bad(
-                    origin,
-                    &format!("{k}.quota"),
-                    format!("\"{q}\""),
-                    "is not a size",
-                    "use a size like \"100G\" or \"512MiB\"",
-                )
-            })?,
-            // The stage's free space when the job starts, less a tenth for everything else on the disk.
-            None => fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
-        };
-        let durability = match or_default("durability").as_deref() {
-            Some("buffered") => Durability::Buffered,
-            Some("local") => Durability::Local,
-            Some("remote") => Durability::Remote,
-            other => {
-                let other = other.unwrap_or_default();
-                return Err(bad(
-                    origin,
-                    &format!("{k}.durability"),
-                    format!("\"{other}\""),
-                    "unknown durability",
-                    "use \"buffered\" (close returns with the bytes in the node's page cache, as on a local \
-                     disk), \"local\" (once they are fsynced on the node) or \"remote\" (once they are fsynced \
-                     and checked on the shared store)",
-                ));
-            }
-        };
-        let timeout_text = or_default("timeout").unwrap_or_default();
-        let timeout = parse_duration(&timeout_text).ok_or_else(|| {
-            bad(
-                origin,
-                &format!("{k}.timeout"),
-                format!("\"{timeout_text}\""),
-                "is not a duration",
-                "use seconds or \"90s\", \"10m\", \"1h\"",
-            )
-        })?;
+        let path_text =
+            get("path").ok_or_else(|| at.bad("path", "(missing)", "every destination needs a path", FIX))?;
+        let path = destination_dir(&at, &path_text)?;
         if let Some(other) = out.iter().find(|d| d.path.starts_with(&path) || path.starts_with(&d.path)) {
-            return Err(bad(
-                origin,
-                &format!("{k}.path"),
+            return Err(at.bad(
+                "path",
                 &path_text,
                 &format!("overlaps the destination {}", other.path.display()),
                 "give each destination its own directory, none inside another",
             ));
         }
+        let stage_text = get("stage")
+            .ok_or_else(|| at.bad("stage", "(missing)", "every destination needs a node-local stage directory", FIX))?;
+        let stage = stage_of(&at, &stage_text, &path)?;
+        let quota = match get("quota") {
+            Some(q) => parse_size(&q).filter(|n| *n > 0).ok_or_else(|| {
+                at.bad("quota", format!("\"{q}\""), "is not a size", "use a size like \"100G\" or \"512MiB\"")
+            })?,
+            // The stage's free space when the job starts, less a tenth for everything else on the disk.
+            None => fs_info(&stage).map(|f| f.free / 10 * 9).unwrap_or(0),
+        };
+        let durability = durability_of(&at, or_default("durability").as_deref())?;
+        let timeout_text = or_default("timeout").unwrap_or_default();
+        let timeout = parse_duration(&timeout_text).ok_or_else(|| {
+            at.bad(
+                "timeout",
+                format!("\"{timeout_text}\""),
+                "is not a duration",
+                "use seconds or \"90s\", \"10m\", \"1h\"",
+            )
+        })?;
         out.push(Destination { path, stage, quota, durability, timeout });
     }
     Ok(out)
+}
+
+/// A destination's directory on the shared store, absolute: it must exist, and not be the root.
+fn destination_dir(at: &At<'_>, written: &str) -> Result<PathBuf, ConfigError> {
+    let path = absolute(written);
+    if path == Path::new("/") {
+        return Err(at.bad("path", written, "is the root directory", "name the directory checkpoints go to"));
+    }
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => Ok(path),
+        Ok(_) => Err(at.bad("path", written, "is not a directory", "give a directory on the shared store")),
+        Err(e) => Err(at.bad(
+            "path",
+            written,
+            &format!("cannot be read ({e})"),
+            "create the destination directory on the shared store first (mkdir -p), or fix the path",
+        )),
+    }
+}
+
+/// This user's stage directory beneath the stage path given, created 0700 or checked; outside the
+/// destination `path`.
+fn stage_of(at: &At<'_>, written: &str, path: &Path) -> Result<PathBuf, ConfigError> {
+    let stage = absolute(written);
+    if stage.starts_with(path) || path.starts_with(&stage) {
+        return Err(at.bad(
+            "stage",
+            written,
+            &format!("overlaps the destination {}", path.display()),
+            "put the stage on node-local storage (an NVMe or SSD directory), outside the destination",
+        ));
+    }
+    // The stage path may be given by several users of the node (`/scratch/stage`): this user's staged
+    // bytes and journal live in a directory of their own beneath it, created 0700 or checked.
+    let stage = stage_dir(&stage);
+    crate::private::ensure_dir(&stage).map_err(|e| {
+        let fix = if e.kind() == std::io::ErrorKind::PermissionDenied {
+            "give a local directory only you can write to, or one under a shared sticky directory such as \
+             /tmp (tierstore keeps your staged files in a directory of your own beneath it, mode 0700)"
+        } else {
+            "give a writable local directory"
+        };
+        at.bad("stage", written, &format!("cannot be used ({e})"), fix)
+    })?;
+    Ok(stage)
+}
+
+fn durability_of(at: &At<'_>, written: Option<&str>) -> Result<Durability, ConfigError> {
+    match written {
+        Some("buffered") => Ok(Durability::Buffered),
+        Some("local") => Ok(Durability::Local),
+        Some("remote") => Ok(Durability::Remote),
+        other => Err(at.bad(
+            "durability",
+            format!("\"{}\"", other.unwrap_or_default()),
+            "unknown durability",
+            "use \"buffered\" (close returns with the bytes in the node's page cache, as on a local \
+             disk), \"local\" (once they are fsynced on the node) or \"remote\" (once they are fsynced \
+             and checked on the shared store)",
+        )),
+    }
 }
 
 #[cfg(test)]
