@@ -519,7 +519,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::S
 /// hello's bytes are read and for at most [`HANDSHAKE_DEADLINE`]), then its requests. `pending` counts
 /// the handshake against the peer's address until it ends.
 async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
-    mut stream: S,
+    stream: S,
     side: Side,
     shared: Arc<Shared>,
     pending: Option<Handshaking>,
@@ -529,18 +529,49 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
     shared.touch();
     let _open = Open(shared.clone());
     let mut stop = shared.stop.subscribe();
-    let deadline = shared.options.deadline;
-    let n = session::nonce();
-    if protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await.is_err() {
-        return;
+    let Some(mut stream) = handshake(stream, side, &shared).await else { return };
+    drop(pending);
+    loop {
+        let Some(frame) = next_request(&mut stream, &shared, &mut stop).await else { return };
+        shared.touch();
+        if side == Side::Peer && !stream.seals.encrypted() {
+            match frame {
+                Frame::KeyShare { .. } => {
+                    if let Err(e) = answer_key_share(&mut stream, frame, shared.options.deadline).await {
+                        log::warn!("a peer's key exchange failed: {e}");
+                        return;
+                    }
+                    continue;
+                }
+                _ if shared.options.encrypt => {
+                    shared.refused.fetch_add(1, Ordering::Relaxed);
+                    let message = "this agent encrypts every connection ([cluster] encrypt = true): a peer sends its \
+                                   key share first; run the same tierstore on every node"
+                        .to_string();
+                    let _ = stream.write_frame(&Frame::Error { code: ErrorCode::Unauthorized, message }).await;
+                    return;
+                }
+                _ => {}
+            }
+        }
+        if !serve_request(&mut stream, frame, side, &shared, &stop).await {
+            return;
+        }
     }
-    let within = deadline.min(HANDSHAKE_DEADLINE);
+}
+
+/// The handshake: a challenge, the client's hello within the deadline, and this agent's welcome (or
+/// its refusal, counted). `None` when the connection ends there.
+async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side: Side, shared: &Shared) -> Option<Conn<S>> {
+    let n = session::nonce();
+    protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await.ok()?;
+    let within = shared.options.deadline.min(HANDSHAKE_DEADLINE);
     let hello = match tokio::time::timeout(within, protocol::read_frame_within(&mut stream, MAX_HELLO)).await {
         Ok(Ok(Some(f))) => f,
-        Ok(_) => return,
+        Ok(_) => return None,
         Err(_) => {
             shared.timeouts.fetch_add(1, Ordering::Relaxed);
-            return;
+            return None;
         }
     };
     let token = match side {
@@ -559,142 +590,115 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
             shared.refused.fetch_add(1, Ordering::Relaxed);
             log::warn!("refused a {side:?} connection: {message}");
             let _ = protocol::write_frame(&mut stream, &Frame::Error { code, message }).await;
-            return;
+            return None;
         }
     };
-    if protocol::write_frame(&mut stream, &welcome).await.is_err() {
-        return;
-    }
-    drop(pending);
-    let mut stream = Conn { stream, seals };
-    loop {
-        let request = tokio::select! {
-            r = tokio::time::timeout(shared.options.idle_connection, stream.read_frame()) => r,
-            _ = stopping(&mut stop) => {
-                let _ = stream.write_frame(&Frame::Error {
-                    code: ErrorCode::ShuttingDown,
-                    message: "the agent is shutting down".into(),
-                }).await;
-                return;
-            }
-        };
-        let frame = match request {
-            Ok(Ok(Some(f))) => f,
-            Ok(Ok(None)) => return,
-            Ok(Err(e)) => {
-                let _ = stream.write_frame(&Frame::Error { code: ErrorCode::BadRequest, message: e.to_string() }).await;
-                return;
-            }
-            Err(_) => {
-                shared.timeouts.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-        };
-        shared.touch();
-        if side == Side::Peer && !stream.seals.encrypted() {
-            match frame {
-                Frame::KeyShare { .. } => {
-                    if let Err(e) = answer_key_share(&mut stream, frame, deadline).await {
-                        log::warn!("a peer's key exchange failed: {e}");
-                        return;
-                    }
-                    continue;
-                }
-                _ if shared.options.encrypt => {
-                    shared.refused.fetch_add(1, Ordering::Relaxed);
-                    let message = "this agent encrypts every connection ([cluster] encrypt = true): a peer sends its \
-                                   key share first; run the same tierstore on every node"
-                        .to_string();
-                    let _ = stream.write_frame(&Frame::Error { code: ErrorCode::Unauthorized, message }).await;
-                    return;
-                }
-                _ => {}
-            }
+    protocol::write_frame(&mut stream, &welcome).await.ok()?;
+    Some(Conn { stream, seals })
+}
+
+/// The connection's next request, read within the idle limit. `None` when the connection ends: closed,
+/// idle too long (counted), a frame that does not parse (answered), or the agent stopping (said).
+async fn next_request<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut Conn<S>,
+    shared: &Shared,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<Frame> {
+    let request = tokio::select! {
+        r = tokio::time::timeout(shared.options.idle_connection, stream.read_frame()) => r,
+        _ = stopping(stop) => {
+            let _ = stream.write_frame(&Frame::Error {
+                code: ErrorCode::ShuttingDown,
+                message: "the agent is shutting down".into(),
+            }).await;
+            return None;
         }
-        let (answer, then_stop) = match frame {
-            Frame::Ping { nonce } => (Frame::Pong { nonce }, false),
-            Frame::Status => {
-                let json = serde_json::to_string(&shared.status()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
-                (Frame::StatusReport { json }, false)
-            }
-            Frame::Fetch { id, source, rel, credit } => {
-                let cache = shared.options.cache.clone();
-                let asked = crate::transfer::Whole { source: &source, rel: &rel, credit };
-                match crate::transfer::serve_fetch(&mut stream, cache, deadline, id, asked).await {
-                    Ok(()) => continue,
-                    Err(e) => {
-                        log::warn!("sending {rel} to a {side:?} client failed: {e}");
-                        return;
-                    }
-                }
-            }
-            Frame::FetchRanges { id, source, rel, ranges, credit, unhashed } => {
-                let cache = shared.options.cache.clone();
-                let asked = crate::transfer::Parts { source: &source, rel: &rel, ranges: &ranges, credit, unhashed };
-                match crate::transfer::serve_ranges(&mut stream, cache, deadline, id, asked).await {
-                    Ok(()) => continue,
-                    Err(e) => {
-                        log::warn!("sending parts of {rel} to a {side:?} client failed: {e}");
-                        return;
-                    }
-                }
-            }
-            Frame::Damaged { id, source, rel } => {
-                let cache = shared.options.cache.clone();
-                match crate::transfer::serve_damaged(&mut stream, cache, deadline, id, &source, &rel).await {
-                    Ok(()) => continue,
-                    Err(_) => return,
-                }
-            }
-            Frame::StagedFetch { id, path, credit } => {
-                let wb = shared.options.writeback.clone();
-                match crate::transfer::serve_staged(&mut stream, wb, deadline, id, &path, credit).await {
-                    Ok(()) => continue,
-                    Err(e) => {
-                        log::warn!("sending the staged {path} to a {side:?} client failed: {e}");
-                        return;
-                    }
-                }
-            }
-            // Credit a finished transfer did not need.
-            Frame::Credit { .. } => continue,
-            Frame::Members => {
-                (Frame::MemberList { members: shared.job_members.lock().expect("members lock").clone() }, false)
-            }
-            Frame::StreamRequest { json } if side == Side::Local => {
-                // The node's socket: its frames are plain, so the stream loop reads and writes them itself.
-                debug_assert!(!stream.seals.send.is_keyed());
-                let local = &mut stream.stream;
-                crate::stream::serve(local, json, shared.streams.clone(), stop.clone(), deadline).await;
-                return;
-            }
-            // Another node's agent pulling a version's tensors.
-            Frame::StreamRequest { json } => {
-                if let Err(e) = crate::stream::serve_peer(&mut stream, json, shared.streams.clone(), deadline).await {
-                    log::warn!("sending stream tensors to a peer failed: {e}");
-                }
-                return;
-            }
-            Frame::Stop if side == Side::Local => (Frame::Stopping, true),
-            Frame::Stop => (
-                Frame::Error {
-                    code: ErrorCode::BadRequest,
-                    message: "only processes of the agent's node may stop it".into(),
-                },
-                false,
-            ),
-            other => {
-                (Frame::Error { code: ErrorCode::BadRequest, message: format!("not a request: {other:?}") }, false)
-            }
-        };
-        let sent = tokio::time::timeout(deadline, stream.write_frame(&answer)).await;
-        if then_stop {
-            let _ = shared.stop.send(true);
+    };
+    match request {
+        Ok(Ok(Some(f))) => Some(f),
+        Ok(Ok(None)) => None,
+        Ok(Err(e)) => {
+            let _ = stream.write_frame(&Frame::Error { code: ErrorCode::BadRequest, message: e.to_string() }).await;
+            None
         }
-        if !matches!(sent, Ok(Ok(()))) {
-            return;
+        Err(_) => {
+            shared.timeouts.fetch_add(1, Ordering::Relaxed);
+            None
         }
     }
+}
+
+/// Serves one request of a connection past its handshake (and its key exchange, where one is due);
+/// false when the connection ends with it.
+async fn serve_request<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
+    stream: &mut Conn<S>,
+    frame: Frame,
+    side: Side,
+    shared: &Arc<Shared>,
+    stop: &watch::Receiver<bool>,
+) -> bool {
+    let deadline = shared.options.deadline;
+    let (answer, then_stop) = match frame {
+        Frame::Ping { nonce } => (Frame::Pong { nonce }, false),
+        Frame::Status => {
+            let json = serde_json::to_string(&shared.status()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+            (Frame::StatusReport { json }, false)
+        }
+        Frame::Fetch { id, source, rel, credit } => {
+            let cache = shared.options.cache.clone();
+            let asked = crate::transfer::Whole { source: &source, rel: &rel, credit };
+            let sent = crate::transfer::serve_fetch(stream, cache, deadline, id, asked).await;
+            return sent.map_err(|e| log::warn!("sending {rel} to a {side:?} client failed: {e}")).is_ok();
+        }
+        Frame::FetchRanges { id, source, rel, ranges, credit, unhashed } => {
+            let cache = shared.options.cache.clone();
+            let asked = crate::transfer::Parts { source: &source, rel: &rel, ranges: &ranges, credit, unhashed };
+            let sent = crate::transfer::serve_ranges(stream, cache, deadline, id, asked).await;
+            return sent.map_err(|e| log::warn!("sending parts of {rel} to a {side:?} client failed: {e}")).is_ok();
+        }
+        Frame::Damaged { id, source, rel } => {
+            let cache = shared.options.cache.clone();
+            return crate::transfer::serve_damaged(stream, cache, deadline, id, &source, &rel).await.is_ok();
+        }
+        Frame::StagedFetch { id, path, credit } => {
+            let wb = shared.options.writeback.clone();
+            let sent = crate::transfer::serve_staged(stream, wb, deadline, id, &path, credit).await;
+            return sent.map_err(|e| log::warn!("sending the staged {path} to a {side:?} client failed: {e}")).is_ok();
+        }
+        // Credit a finished transfer did not need.
+        Frame::Credit { .. } => return true,
+        Frame::Members => {
+            (Frame::MemberList { members: shared.job_members.lock().expect("members lock").clone() }, false)
+        }
+        Frame::StreamRequest { json } if side == Side::Local => {
+            // The node's socket: its frames are plain, so the stream loop reads and writes them itself.
+            debug_assert!(!stream.seals.send.is_keyed());
+            let local = &mut stream.stream;
+            crate::stream::serve(local, json, shared.streams.clone(), stop.clone(), deadline).await;
+            return false;
+        }
+        // Another node's agent pulling a version's tensors.
+        Frame::StreamRequest { json } => {
+            if let Err(e) = crate::stream::serve_peer(stream, json, shared.streams.clone(), deadline).await {
+                log::warn!("sending stream tensors to a peer failed: {e}");
+            }
+            return false;
+        }
+        Frame::Stop if side == Side::Local => (Frame::Stopping, true),
+        Frame::Stop => (
+            Frame::Error {
+                code: ErrorCode::BadRequest,
+                message: "only processes of the agent's node may stop it".into(),
+            },
+            false,
+        ),
+        other => (Frame::Error { code: ErrorCode::BadRequest, message: format!("not a request: {other:?}") }, false),
+    };
+    let sent = tokio::time::timeout(deadline, stream.write_frame(&answer)).await;
+    if then_stop {
+        let _ = shared.stop.send(true);
+    }
+    matches!(sent, Ok(Ok(())))
 }
 
 /// Answers a peer's key share with this agent's own, and switches the connection to encrypted frames

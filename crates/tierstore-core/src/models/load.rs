@@ -504,6 +504,9 @@ impl BlockFetch {
 /// The pipeline under `read_into` and `map_verified`: `fetch` brings a piece of a request into its
 /// destination (false when the pack ends first), and every piece is hashed as soon as it is there.
 /// `populate_destinations` maps fresh destination memory ahead of the fetches.
+// One function of about 145 lines on purpose: its closures (`read`, `verify`, `hash_next`) and scoped
+// threads all borrow the callers' destination buffers and one failure slot; split into functions,
+// each would need those borrows handed to it, and the lifetimes would say more than the code.
 fn fetch_and_verify(
     path: &Path,
     requests: &mut [ReadInto<'_>],
