@@ -6,6 +6,7 @@ use std::fmt::Write;
 use crate::status::Status;
 
 /// The exposition text of `status` (format 0.0.4).
+// Long on purpose: one call per metric, the list a scrape returns, in the order it returns them.
 pub fn render(status: &Status) -> String {
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
