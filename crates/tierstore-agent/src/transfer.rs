@@ -24,7 +24,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tierstore_core::Cache;
+use tierstore_core::cache::Served;
+use tierstore_core::{Cache, Growing};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::protocol::{Conn, ErrorCode, Frame, CHUNK};
@@ -44,105 +45,166 @@ pub async fn serve_fetch<S: AsyncRead + AsyncWrite + Unpin + Socket>(
     asked: Whole<'_>,
 ) -> io::Result<()> {
     let Whole { source, rel, credit } = asked;
-    let refuse = |code: ErrorCode, message: String| Frame::Error { code, message };
     let cache = match serving(cache, source) {
         Ok(c) => c,
         Err(refusal) => return write(stream, &refusal, deadline).await,
     };
-    let opener = cache.clone();
-    let wanted = rel.to_string();
-    // A reader that takes the bytes can have a large file while this node's copy of it is still being
-    // made; one that only asks this node to hold the file is answered once the copy is whole.
-    let follow = credit > 0;
-    let opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted, follow));
-    // Fetching a large file from the store may take longer than the asker's deadline on a frame (its own
-    // TIERSTORE_PEER_DEADLINE_MS): say every STILL_FETCHING that the file is still coming, so that the
-    // asker keeps waiting for this one fetch rather than reading the store itself.
-    let mut nonce = 0;
-    let served = match while_pinging(stream, deadline, &mut nonce, opening).await? {
-        Ok(s) => s,
-        Err(e) => {
-            let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
-            return write(stream, &refuse(code, e.to_string()), deadline).await;
-        }
-    };
+    let mut answer = Answer { stream, cache: cache.clone(), id, credit, deadline, nonce: 0 };
+    let Some(served) = answer.open(rel).await? else { return Ok(()) };
     let size = served.identity.size;
-    write(stream, &Frame::Found { id, identity: served.identity }, deadline).await?;
+    answer.write(&Frame::Found { id, identity: served.identity }).await?;
     if credit == 0 {
         // Asked only to hold the file.
-        return write(stream, &Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }, deadline).await;
+        return answer.write(&Frame::Done { id, hash: served.checksum.unwrap_or([0; 32]) }).await;
     }
-    if let (Some(copy), Some(socket)) = (served.copy.clone(), zero_copy(stream)) {
-        // The copy is still being made: each chunk goes out once written, with the chaining value the copy
-        // recorded for it; the whole file's blake3 follows from those values.
-        let socket = socket.try_clone_to_owned()?;
-        let (file, following) = (served.file, copy.clone());
-        let seals = std::mem::take(&mut stream.seals);
+    let sent = if let Some(copy) = served.copy.clone() {
+        if zero_copy(answer.stream).is_some() {
+            answer.send_growing(served.file, copy, size).await?
+        } else if answer.await_whole(&copy, rel).await? {
+            // No socket to hand to `sendfile` (an in-memory pipe): the copy goes out once it is whole.
+            answer.send_hashed(served.file, size, None, rel).await?
+        } else {
+            false
+        }
+    } else {
+        match served.checksum {
+            Some(recorded) if zero_copy(answer.stream).is_some() => {
+                answer.send_recorded(served.file, size, recorded).await?
+            }
+            recorded => answer.send_hashed(served.file, size, recorded, rel).await?,
+        }
+    };
+    if sent {
+        cache.count_served(size);
+    }
+    Ok(())
+}
+
+/// One `Fetch` being answered: the connection, the cache serving it, the transfer's id and the credit
+/// the asker granted first, the deadline on each frame, and the pings sent while the asker waits.
+struct Answer<'s, S> {
+    stream: &'s mut Conn<S>,
+    cache: Arc<Cache>,
+    id: u32,
+    credit: u32,
+    deadline: Duration,
+    nonce: u64,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Socket> Answer<'_, S> {
+    async fn write(&mut self, frame: &Frame) -> io::Result<()> {
+        write(self.stream, frame, self.deadline).await
+    }
+
+    async fn refuse(&mut self, code: ErrorCode, message: String) -> io::Result<()> {
+        self.write(&Frame::Error { code, message }).await
+    }
+
+    /// The copy of `rel` to serve, opened on the blocking pool; `None` when it could not be (refused).
+    /// A reader that takes the bytes can have a large file while this node's copy of it is still being
+    /// made; one that only asks this node to hold the file is answered once the copy is whole.
+    async fn open(&mut self, rel: &str) -> io::Result<Option<Served>> {
+        let (opener, wanted, follow) = (self.cache.clone(), rel.to_string(), self.credit > 0);
+        let opening = tokio::task::spawn_blocking(move || opener.open_for_peer(&wanted, follow));
+        // Fetching a large file from the store may take longer than the asker's deadline on a frame (its
+        // own TIERSTORE_PEER_DEADLINE_MS): say every STILL_FETCHING that the file is still coming, so that
+        // the asker keeps waiting for this one fetch rather than reading the store itself.
+        match while_pinging(self.stream, self.deadline, &mut self.nonce, opening).await? {
+            Ok(served) => Ok(Some(served)),
+            Err(e) => {
+                let code = if e.is_not_found() { ErrorCode::NotFound } else { ErrorCode::Failed };
+                self.refuse(code, e.to_string()).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Sends a copy still being made: each chunk goes out once written, with the chaining value the copy
+    /// recorded for it; the whole file's blake3 follows from those values. True when all of it went.
+    async fn send_growing(&mut self, file: std::fs::File, copy: Arc<Growing>, size: u64) -> io::Result<bool> {
+        let socket = zero_copy(self.stream).expect("checked by the caller").try_clone_to_owned()?;
+        let seals = std::mem::take(&mut self.stream.seals);
+        let (following, deadline, id, credit) = (copy.clone(), self.deadline, self.id, self.credit);
         let (sent, seals) = tokio::task::spawn_blocking(move || {
             let copy = Some((&*following, STILL_FETCHING));
             crate::sendfile::send_chunks(Polled::new(socket, seals, deadline), &file, size, id, credit, copy)
         })
         .await
         .map_err(io::Error::other)??;
-        stream.seals = seals;
+        self.stream.seals = seals;
         if let Err(why) = sent {
-            return write(stream, &refuse(ErrorCode::Failed, why), deadline).await;
+            self.refuse(ErrorCode::Failed, why).await?;
+            return Ok(false);
         }
         let hash = tierstore_core::hash::root_of_pieces(&copy.pieces(), size, tierstore_core::hash::PIECE);
-        write(stream, &Frame::Done { id, hash }, deadline).await?;
-        cache.count_served(size);
-        return Ok(());
+        self.write(&Frame::Done { id, hash }).await?;
+        Ok(true)
     }
-    if let Some(copy) = served.copy.clone() {
-        // No socket to hand to `sendfile` (an in-memory pipe): the copy goes out once it is whole.
+
+    /// Waits until a copy whose readers cannot follow it is whole, pinging the asker meanwhile. False
+    /// (refused) when the copy stopped short.
+    async fn await_whole(&mut self, copy: &Arc<Growing>, rel: &str) -> io::Result<bool> {
         loop {
             let c = copy.clone();
             match tokio::task::spawn_blocking(move || c.ended(STILL_FETCHING)).await.map_err(io::Error::other)? {
-                Some(tierstore_core::CopyState::Finished) => break,
+                Some(tierstore_core::CopyState::Finished) => return Ok(true),
                 Some(_) => {
-                    let f =
-                        refuse(ErrorCode::Failed, format!("this node's copy of {rel} from the store stopped short"));
-                    return write(stream, &f, deadline).await;
+                    let why = format!("this node's copy of {rel} from the store stopped short");
+                    self.refuse(ErrorCode::Failed, why).await?;
+                    return Ok(false);
                 }
                 None => {
-                    nonce += 1;
-                    write(stream, &Frame::Ping { nonce }, deadline).await?;
+                    self.nonce += 1;
+                    self.write(&Frame::Ping { nonce: self.nonce }).await?;
                 }
             }
         }
     }
-    if let (Some(recorded), Some(socket)) = (served.checksum, zero_copy(stream)) {
-        // The copy as it was recorded: straight from its descriptor, unhashed (the reader checks it).
-        let socket = socket.try_clone_to_owned()?;
-        let (file, seals) = (served.file, std::mem::take(&mut stream.seals));
+
+    /// Sends the copy as it was recorded: straight from its descriptor, unhashed (the reader checks it
+    /// against the `recorded` blake3).
+    async fn send_recorded(&mut self, file: std::fs::File, size: u64, recorded: [u8; 32]) -> io::Result<bool> {
+        let socket = zero_copy(self.stream).expect("checked by the caller").try_clone_to_owned()?;
+        let seals = std::mem::take(&mut self.stream.seals);
+        let (deadline, id, credit) = (self.deadline, self.id, self.credit);
         let (sent, seals) = tokio::task::spawn_blocking(move || {
             crate::sendfile::send_chunks(Polled::new(socket, seals, deadline), &file, size, id, credit, None)
         })
         .await
         .map_err(io::Error::other)??;
         sent.map_err(io::Error::other)?;
-        stream.seals = seals;
-        write(stream, &Frame::Done { id, hash: recorded }, deadline).await?;
-        cache.count_served(size);
-        return Ok(());
+        self.stream.seals = seals;
+        self.write(&Frame::Done { id, hash: recorded }).await?;
+        Ok(true)
     }
-    let hash = match send_chunks(stream, Arc::new(served.file), size, id, credit, deadline).await? {
-        Ok(hash) => hash,
-        Err(e) => {
-            let f = refuse(ErrorCode::Failed, format!("reading the copy of {rel} failed: {e}"));
-            return write(stream, &f, deadline).await;
+
+    /// Sends the copy through this process, hashing it as it goes. A copy whose hash differs from the
+    /// `recorded` one is damaged: it is removed, and the reader told.
+    async fn send_hashed(
+        &mut self,
+        file: std::fs::File,
+        size: u64,
+        recorded: Option<[u8; 32]>,
+        rel: &str,
+    ) -> io::Result<bool> {
+        let (id, credit, deadline) = (self.id, self.credit, self.deadline);
+        let hash = match send_chunks(self.stream, Arc::new(file), size, id, credit, deadline).await? {
+            Ok(hash) => hash,
+            Err(e) => {
+                self.refuse(ErrorCode::Failed, format!("reading the copy of {rel} failed: {e}")).await?;
+                return Ok(false);
+            }
+        };
+        if recorded.is_some_and(|recorded| recorded != hash) {
+            let (c, wanted) = (self.cache.clone(), rel.to_string());
+            let _ = tokio::task::spawn_blocking(move || c.drop_damaged(&wanted)).await;
+            self.refuse(ErrorCode::Failed, format!("the copy of {rel} on this node is damaged; it was removed"))
+                .await?;
+            return Ok(false);
         }
-    };
-    if served.checksum.is_some_and(|recorded| recorded != hash) {
-        let c = cache.clone();
-        let wanted = rel.to_string();
-        let _ = tokio::task::spawn_blocking(move || c.drop_damaged(&wanted)).await;
-        let f = refuse(ErrorCode::Failed, format!("the copy of {rel} on this node is damaged; it was removed"));
-        return write(stream, &f, deadline).await;
+        self.write(&Frame::Done { id, hash }).await?;
+        Ok(true)
     }
-    write(stream, &Frame::Done { id, hash }, deadline).await?;
-    cache.count_served(size);
-    Ok(())
 }
 
 /// Serves one [`Frame::Damaged`]: a reader found that the bytes of `rel` it was sent do not hash to the
