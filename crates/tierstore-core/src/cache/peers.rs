@@ -68,11 +68,12 @@ struct Received {
     fault: Option<RemoteError>,
 }
 
-/// A file its owner has begun to send: which version, from whom, and the tier its copy goes to (none:
-/// private memory).
+/// A file its owner has begun to send: which version, from whom (and the link it came by, where what it
+/// gives is counted), and the tier its copy goes to (none: private memory).
 struct Incoming {
     key: Key,
     rel: String,
+    link: Arc<PeerLink>,
     who: String,
     sid: SourceId,
     transfer: Transfer,
@@ -83,6 +84,8 @@ struct Incoming {
 struct Followed {
     key: Key,
     rel: String,
+    /// The link it comes by.
+    link: Arc<PeerLink>,
     who: String,
     sid: SourceId,
     tier: Option<usize>,
@@ -467,7 +470,7 @@ impl Inner {
     /// inclusive sharing). `None`, counted: the owner failed, or has another version than `known`.
     fn ask_owner(
         &self,
-        link: &PeerLink,
+        link: &Arc<PeerLink>,
         who: String,
         key: &Key,
         rel: &str,
@@ -479,7 +482,7 @@ impl Inner {
         // confirmed against the source before `revalidate = "<duration>"` trusts it.
         let keep = self.config.cluster.sharing == Sharing::Inclusive;
         let tier = if keep { self.place(key, rel, sid, 0) } else { None };
-        Some(Incoming { key: *key, rel: rel.to_string(), who, sid, transfer, tier })
+        Some(Incoming { key: *key, rel: rel.to_string(), link: link.clone(), who, sid, transfer, tier })
     }
 
     /// Receives a large file from its owner in the background, into a copy in its tier (published at
@@ -493,16 +496,14 @@ impl Inner {
         incoming: Incoming,
         guard: FetchGuard,
     ) -> Result<Fetched, FetchJob<'a>> {
-        let Incoming { key, rel, who, sid, transfer, tier } = incoming;
+        let Incoming { key, rel, link, who, sid, transfer, tier } = incoming;
         let (temp, file, follower) = match self.follow_target(tier, &key, &rel) {
             Ok(d) => d,
             Err(e) => {
                 if let Some(t) = tier {
                     self.abort(t, &key);
                 }
-                if let Some(link) = &self.link {
-                    link.failed(&who, &rel, &RemoteError::Sink(e));
-                }
+                link.failed(&who, &rel, &RemoteError::Sink(e));
                 return Err(job);
             }
         };
@@ -511,7 +512,7 @@ impl Inner {
         lead.deliver(Outcome::Growing(growing.clone()));
         let backing = Backing::Growing(growing.clone());
         let fetched = Fetched::Reader(Reader::new(backing, sid.size, rel.as_str().into(), self.source.clone()));
-        let copy = Followed { key, rel, who, sid, tier, temp, file, growing };
+        let copy = Followed { key, rel, link, who, sid, tier, temp, file, growing };
         let inner = self.clone();
         self.in_pool(move || {
             inner.receive_followed(copy, transfer);
@@ -524,7 +525,7 @@ impl Inner {
     /// The background half of [`Inner::follow_peer`]: receives the chunks into the copy its readers
     /// follow, then publishes it (in a tier) and counts the peer's hit, or fails it and counts the fault.
     fn receive_followed(&self, c: Followed, transfer: Transfer) {
-        let link = self.link.as_ref();
+        let link = &c.link;
         let mut checked = 0;
         let growing = &c.growing;
         let mut usable = |end: u64| {
@@ -540,9 +541,7 @@ impl Inner {
         });
         match kept {
             Ok(()) => {
-                if let Some(link) = link {
-                    link.served_whole(&c.who, &c.rel, c.sid.size);
-                }
+                link.served_whole(&c.who, &c.rel, c.sid.size);
                 // The last chunk only now: a reader that reached the end finds the whole file checked,
                 // published and counted.
                 growing.advance(c.sid.size);
@@ -550,9 +549,7 @@ impl Inner {
             }
             Err(e) => {
                 // Its readers go on from the source after the bytes checked: those came from the peer.
-                if let Some(link) = link {
-                    link.served_part(checked);
-                }
+                link.served_part(checked);
                 growing.fail();
                 if let Some(path) = &c.temp {
                     let _ = std::fs::remove_file(path);
@@ -560,9 +557,7 @@ impl Inner {
                 if let Some(t) = c.tier {
                     self.abort(t, &c.key);
                 }
-                if let Some(link) = link {
-                    link.failed(&c.who, &c.rel, &e);
-                }
+                link.failed(&c.who, &c.rel, &e);
             }
         }
     }

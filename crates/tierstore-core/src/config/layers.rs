@@ -81,6 +81,9 @@ fn not_ours(name: &str) -> bool {
     name.starts_with("TIERSTORE_TEST_") || name == "TIERSTORE_WEED"
 }
 
+/// A key's value as written, and where it was set.
+pub(super) type Set = (toml::Value, Origin);
+
 /// The raw, unvalidated values of the TOML file.
 #[derive(Default)]
 pub(super) struct Raw {
@@ -91,7 +94,7 @@ pub(super) struct Raw {
     /// The source as resolved by the parent process, with the spelling it was resolved from.
     pub(super) resolved: Option<(String, String)>,
     /// `[cluster]` keys, each with where it was set.
-    pub(super) cluster: BTreeMap<&'static str, (toml::Value, Origin)>,
+    pub(super) cluster: BTreeMap<&'static str, Set>,
     /// `[object_store]` (or `[s3]`) keys, each with where it was set and under which name.
     pub(super) object_store: BTreeMap<String, TableKey>,
     /// Slurm's node list of the job, when the process runs under Slurm.
@@ -101,7 +104,7 @@ pub(super) struct Raw {
     /// `[[writeback]]` tables, or `$TIERSTORE_WRITEBACK` in their form (see `crate::writeback::config`).
     pub(super) writeback: Option<(toml::Value, Origin)>,
     /// `[stream]` keys, each with where it was set.
-    pub(super) stream: BTreeMap<&'static str, (toml::Value, Origin)>,
+    pub(super) stream: BTreeMap<&'static str, Set>,
 }
 
 /// A TOML syntax error as one that names the line, what is written there and the column (the path is the
@@ -146,13 +149,7 @@ fn read_value(raw: &mut Raw, origin: &Origin, key: &str, value: &toml::Value) ->
         "tiers" => raw.tiers = Some((tiers::from_toml(origin, key, value)?, origin.clone())),
         "cluster" => {
             let fix = "write a [cluster] table: sharing = \"partitioned\", peers = [\"gpu[001-016]\"]";
-            let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", fix))?;
-            for (ck, cv) in t {
-                let Some(s) = settings::find(Table::Cluster, ck) else {
-                    return Err(unknown_key(origin, &format!("cluster.{ck}"), cv, &keys_of(Table::Cluster)));
-                };
-                raw.cluster.insert(s.key, (cv.clone(), origin.clone()));
-            }
+            raw.cluster.extend(section(origin, key, value, Table::Cluster, fix)?);
         }
         "object_store" | "s3" => {
             let table: &'static str = if key == "s3" { "s3" } else { "object_store" };
@@ -168,13 +165,7 @@ fn read_value(raw: &mut Raw, origin: &Origin, key: &str, value: &toml::Value) ->
         "writeback" => raw.writeback = Some((value.clone(), origin.clone())),
         "stream" => {
             let fix = "write a [stream] table: redis = \"redis://head-node:6379\", keep = 2";
-            let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", fix))?;
-            for (sk, sv) in t {
-                let Some(s) = settings::find(Table::Stream, sk) else {
-                    return Err(unknown_key(origin, &format!("stream.{sk}"), sv, &keys_of(Table::Stream)));
-                };
-                raw.stream.insert(s.key, (sv.clone(), origin.clone()));
-            }
+            raw.stream.extend(section(origin, key, value, Table::Stream, fix)?);
         }
         other => return Err(unknown_key(origin, other, value, &keys_of(Table::Top))),
     }
@@ -208,6 +199,24 @@ fn object_store_from_env(text: &str) -> Result<Vec<(String, toml::Value)>, Confi
                 }
             };
             Ok((k, value))
+        })
+        .collect()
+}
+
+/// The keys of a table the settings table declares key by key (`[cluster]`, `[stream]`: `key` is its
+/// name), each with its value and `origin`; an unknown key fails with the keys it takes.
+fn section(
+    origin: &Origin,
+    key: &str,
+    value: &toml::Value,
+    table: Table,
+    fix: &str,
+) -> Result<Vec<(&'static str, Set)>, ConfigError> {
+    let t = value.as_table().ok_or_else(|| bad(origin, key, value, "must be a table", fix))?;
+    t.iter()
+        .map(|(k, v)| match settings::find(table, k) {
+            Some(s) => Ok((s.key, (v.clone(), origin.clone()))),
+            None => Err(unknown_key(origin, &format!("{key}.{k}"), v, &keys_of(table))),
         })
         .collect()
 }

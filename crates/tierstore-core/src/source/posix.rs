@@ -369,7 +369,6 @@ fn copy_ranged(
             filled.push(full_rx);
             spare.push(free_tx);
         }
-        let mut copied = 0u64;
         for chunk in 0..chunks {
             let r = (chunk % streams as u64) as usize;
             let (buf, n) = match filled[r].recv() {
@@ -378,17 +377,16 @@ fn copy_ranged(
                 Err(_) => return Err(CopyFault::Source(io::Error::other("a copy reader stopped"))),
             };
             out.take(&buf[..n])?;
-            copied += n as u64;
             let _ = spare[r].send(buf);
-            if n < COPY_CHUNK && copied < size {
+            if n < COPY_CHUNK && out.written < size {
                 // Shorter than asked before the end: the file shrank. Stop; the identity says so.
-                return Ok(copied);
+                return Ok(out.written);
             }
         }
         // One byte past the end tells a file that grew meanwhile.
         let mut probe = [0u8; 1];
         let grown = source.read_file_at(src, &mut probe, size).map_err(CopyFault::Source)?;
-        Ok(copied + grown as u64)
+        Ok(out.written + grown as u64)
     })
 }
 
