@@ -31,3 +31,25 @@ def make_files(root: Path, n: int, size: int = 4096, prefix: str = "f") -> dict[
         p.write_bytes(b)
         files[p] = b
     return files
+
+
+def odd_names(changed_by_server: str = "") -> list[str]:
+    """Object names a dataset may hold that a URL or an object store client treats as special: every
+    printable ASCII character but `/` in one name, `%`, `#`, `?`, `~`, `[`, `]`, `+` and spaces, text that
+    already looks percent-encoded, and names outside ASCII. A store must list, open and read each by itself.
+    `changed_by_server`: characters the server under test stores as others (SeaweedFS: a backslash becomes
+    `/`), left out."""
+    printable = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) not in "/" + changed_by_server)
+    return [
+        printable,
+        "hash#1.bin",
+        "50%.bin",
+        "a%2Fb%20c.bin",
+        "what?.bin",
+        "~home.bin",
+        "[0-9].bin",
+        "one + two.bin",
+        "naïve café.bin",
+        "日本語/クラス.bin",
+        "🙂.bin",
+    ]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import tierstore
-from tests.helpers.data import blob
+from tests.helpers.data import blob, odd_names
 from tierstore.testing.s3server import S3Server
 
 
@@ -317,6 +317,21 @@ def test_a_dataloader_over_a_prefix(server: S3Server, bucket: str, tier: str) ->
     for _epoch in range(2):
         assert sum(int(b.sum()) for b in loader) == 64 * 3000
     assert gets(cache) == 64  # the second epoch came from the tier
+
+
+def test_every_object_name_is_read_as_listed(server: S3Server, bucket: str, tier: str) -> None:
+    """Names with characters a URL or object_store encodes are keys byte for byte, not encoded twice."""
+    from tierstore.torch import CachedDataset
+
+    # SeaweedFS stores a backslash in a key as `/` (its objects are a file tree): a limit of that server.
+    objects = {f"odd/{name}": blob(name, 500 + i) for i, name in enumerate(odd_names("\\"))}
+    put(server, bucket, objects)
+    cache = cache_of(server, f"s3://{bucket}/odd", tier, revalidate="never")
+    ds = CachedDataset(f"s3://{bucket}/odd", cache=cache, decode=lambda f: f.read())
+    assert sorted(ds.paths) == sorted(f"s3://{bucket}/{key}" for key in objects)
+    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds)))):
+        assert body == objects[path.removeprefix(f"s3://{bucket}/")], path
+    assert gets(cache) == len(objects)
 
 
 def test_tierstore_run_refuses_an_object_store(server: S3Server, bucket: str, tier: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import tierstore
-from tests.helpers.data import blob
+from tests.helpers.data import blob, odd_names
 from tierstore.testing.gcsserver import GCSServer
 from tierstore.testing.webdavserver import WebDAVServer
 
@@ -138,6 +138,21 @@ def test_a_dataloader_over_the_prefix(store: Store, tier: str) -> None:
     for _epoch in range(2):
         assert sum(int(b.sum()) for b in loader) == 32 * 3000
     assert source_stats(cache)["reads"] == 32  # the second epoch came from the tier
+
+
+def test_every_object_name_is_read_as_listed(store: Store, tier: str) -> None:
+    """Names with characters a URL or object_store encodes are read by the name the listing gave."""
+    from tierstore.torch import CachedDataset
+
+    objects = {f"odd/{name}": blob(name, 500 + i) for i, name in enumerate(odd_names())}
+    for key, body in objects.items():
+        store.put(key, body)
+    cache = store.cache(tier, revalidate="never")
+    ds = CachedDataset(f"{store.url}/odd", cache=cache, decode=lambda f: f.read())
+    assert sorted(ds.paths) == sorted(f"{store.url}/{key}" for key in objects)
+    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds)))):
+        assert body == objects[path.removeprefix(f"{store.url}/")], path
+    assert source_stats(cache)["reads"] == len(objects)
 
 
 def test_errors_name_the_object_the_store_and_the_fix(store: Store, tier: str) -> None:

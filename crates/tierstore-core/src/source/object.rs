@@ -354,8 +354,32 @@ impl ObjectSource {
         Ok(&self.runtime.get_or_init(|| (crate::process::pid(), rt)).1)
     }
 
-    fn key(&self, rel: &str) -> Key {
-        Key::from(self.config.key_of(rel))
+    /// The object key of `rel`: the name itself, byte for byte. `Key::from` would percent-encode the
+    /// characters object_store calls unsafe (`%`, `#`, `?`, `~`, `[`, `]`, every non-ASCII byte), so an object
+    /// listed as `hash#1.bin` would be asked for as `hash%231.bin` and not be found; `Key::parse` keeps the
+    /// name, and refuses only what no key can hold here (an empty, `.` or `..` part, a control character).
+    fn key(&self, rel: &str) -> io::Result<Key> {
+        Self::key_named(&self.config.key_of(rel), || self.config.url_of(rel))
+    }
+
+    /// The prefix key a listing of `rel` asks for; `None` for the whole bucket.
+    fn prefix_key(&self, rel: &str) -> io::Result<(String, Option<Key>)> {
+        let raw = self.config.key_of(rel);
+        let key = if raw.is_empty() { None } else { Some(Self::key_named(&raw, || self.config.url_of(rel))?) };
+        Ok((raw, key))
+    }
+
+    fn key_named(raw: &str, url: impl FnOnce() -> String) -> io::Result<Key> {
+        Key::parse(raw).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: not a name an object store key can hold ({e}); rename the object without empty, \".\" \
+                     or \"..\" parts and control characters",
+                    url()
+                ),
+            )
+        })
     }
 
     /// An `object_store` error as an I/O error of the same kind, naming the object, the store, the endpoint
@@ -567,7 +591,7 @@ impl Source for ObjectSource {
 
     fn identify(&self, rel: &str) -> io::Result<SourceId> {
         self.counters.add(slot::STATS, 1);
-        let key = self.key(rel);
+        let key = self.key(rel)?;
         let store = self.store.clone();
         let meta = self.runtime()?.block_on(async move { store.head(&key).await }).map_err(|e| self.error(rel, e))?;
         Ok(identity(&meta))
@@ -575,7 +599,7 @@ impl Source for ObjectSource {
 
     fn open(&self, rel: &str) -> io::Result<SourceFile> {
         self.counters.add(slot::OPENS, 1);
-        let key = self.key(rel);
+        let key = self.key(rel)?;
         let rt = self.runtime()?;
         let first = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(0..self.config.range_size));
         let (meta, head) = match rt.block_on(first) {
@@ -598,7 +622,7 @@ impl Source for ObjectSource {
     fn reopen(&self, rel: &str, sid: &SourceId) -> io::Result<SourceFile> {
         // No request: the first read asks for its range and checks the version.
         Ok(SourceFile::Object(Box::new(ObjectFile {
-            key: self.key(rel),
+            key: self.key(rel)?,
             rel: rel.to_string(),
             sid: *sid,
             head: bytes::Bytes::new(),
@@ -693,8 +717,7 @@ impl Source for ObjectSource {
     }
 
     fn list(&self, rel: &str) -> io::Result<Vec<ListedEntry>> {
-        let prefix_key = self.config.key_of(rel);
-        let prefix = (!prefix_key.is_empty()).then(|| Key::from(prefix_key.as_str()));
+        let (prefix_key, prefix) = self.prefix_key(rel)?;
         let store = self.store.clone();
         let metas: Vec<ObjectMeta> = self
             .runtime()?
@@ -715,8 +738,7 @@ impl Source for ObjectSource {
     }
 
     fn identities(&self, dir: &str) -> io::Result<Vec<(String, SourceId)>> {
-        let prefix_key = self.config.key_of(dir);
-        let prefix = (!prefix_key.is_empty()).then(|| Key::from(prefix_key.as_str()));
+        let (prefix_key, prefix) = self.prefix_key(dir)?;
         let store = self.store.clone();
         let listed = self
             .runtime()?

@@ -293,6 +293,8 @@ struct ObjectStore {
     prefix: String,
     outside: PathBuf,
     scratch: tempfile::TempDir,
+    /// SeaweedFS keeps its objects in a file tree and stores a backslash in a key as a `/`; the others keep both.
+    changes_in_names: &'static str,
     _server: Box<dyn std::any::Any>,
 }
 
@@ -314,7 +316,7 @@ impl ObjectStore {
         let scheme = url.split_once("://").unwrap().0;
         let outside = PathBuf::from(format!("{scheme}://another-bucket/data/set/a.bin"));
         let source = tierstore_core::source::ObjectSource::new(config, counters).unwrap();
-        ObjectStore { source, put, prefix, outside, scratch, _server: server }
+        ObjectStore { source, put, prefix, outside, scratch, changes_in_names: "", _server: server }
     }
 
     /// The S3 source over a SeaweedFS server started here.
@@ -332,10 +334,12 @@ impl ObjectStore {
         ];
         let client = server.client(bucket);
         let put: Put = Box::new(move |key, bytes| {
-            let key = object_store::path::Path::from(key);
+            // The key as written, byte for byte (`Path::from` would percent-encode some characters).
+            let key = object_store::path::Path::parse(key).unwrap();
             rt.block_on(object_store::ObjectStoreExt::put(client.as_ref(), &key, bytes.to_vec().into())).unwrap();
         });
-        ObjectStore::new(&format!("s3://{bucket}/data/set"), &settings, put, Box::new(server))
+        let store = ObjectStore::new(&format!("s3://{bucket}/data/set"), &settings, put, Box::new(server));
+        ObjectStore { changes_in_names: "\\", ..store }
     }
 
     /// The GCS source over a fake-gcs-server started here, reached as an emulator is: a service account
@@ -392,6 +396,10 @@ fn conforms_if_installed(name: &str, binary: Result<PathBuf, String>, store: fn(
     match binary {
         Ok(bin) => source::conforms(name, &store(&bin)),
         Err(why) => eprintln!("{name}_source: skipped: {why}"),
+    }
+
+    fn changes_in_names(&self) -> &'static str {
+        self.changes_in_names
     }
 }
 

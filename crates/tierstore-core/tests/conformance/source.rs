@@ -29,6 +29,11 @@ pub trait Store {
     fn has_directories(&self) -> bool;
     /// Where the cases may write temporary files (tier copies).
     fn scratch(&self) -> PathBuf;
+    /// Characters the store's server itself does not keep in a name (it stores another in their place),
+    /// left out of the names the cases write: a limit of that server, not of the source.
+    fn changes_in_names(&self) -> &'static str {
+        ""
+    }
 }
 
 /// One clause of the contract, checked against a store.
@@ -36,8 +41,9 @@ type Case = fn(&dyn Store);
 
 /// Every case, in order; `name` says which implementation runs them.
 pub fn conforms(name: &str, store: &dyn Store) {
-    let cases: [(&str, Case); 9] = [
+    let cases: [(&str, Case); 10] = [
         ("paths", paths),
+        ("names_byte_for_byte", names_byte_for_byte),
         ("identity", identity),
         ("identify_opened", identify_opened),
         ("whole_and_ranged_reads", whole_and_ranged_reads),
@@ -96,6 +102,46 @@ fn paths(store: &dyn Store) {
     assert_eq!(refused.path, outside);
     assert!(refused.to_string().contains("outside the cached source"), "{refused}");
     assert!(src.relative_or_root(&outside).is_err());
+}
+
+/// Every name a dataset may hold, as the store lists it: each printable ASCII character but `/`, the
+/// characters URLs and object_store treat as special (`%`, `#`, `?`, `~`, `[`, `]`, `+`, a space), text that
+/// looks percent-encoded already, and names outside ASCII. Each is listed as it was written, identified,
+/// opened and read by that name, and its bytes are its own.
+fn names_byte_for_byte(store: &dyn Store) {
+    let src = store.source();
+    let kept = |c: &char| *c != '/' && !store.changes_in_names().contains(*c);
+    let printable: String = (0x20u8..0x7f).map(char::from).filter(kept).collect();
+    let names = [
+        printable.as_str(),
+        "hash#1.bin",
+        "50%.bin",
+        "a%2Fb%20c.bin",
+        "what?.bin",
+        "~home.bin",
+        "[0-9].bin",
+        "one + two.bin",
+        "naïve café.bin",
+        "日本語.bin",
+        "🙂.bin",
+    ];
+    for (i, name) in names.iter().enumerate() {
+        store.put(&format!("names/{name}"), &bytes(40 + i as u8, 100 + i));
+    }
+    let listed: Vec<String> = src.list("names").unwrap().into_iter().map(|e| e.name.into_string().unwrap()).collect();
+    let ids: BTreeMap<String, SourceId> = src.identities("names").unwrap().into_iter().collect();
+    for (i, name) in names.iter().enumerate() {
+        let rel = format!("names/{name}");
+        assert!(listed.iter().any(|n| n == name), "{name:?} is not listed as itself: {listed:?}");
+        let id = src.identify(&rel).unwrap_or_else(|e| panic!("identify {rel:?}: {e}"));
+        assert_eq!(id.size, 100 + i as u64, "{rel:?}");
+        assert_eq!(ids.get(*name), Some(&id), "{rel:?}: the listing's identity is identify's");
+        let f = src.open(&rel).unwrap_or_else(|e| panic!("open {rel:?}: {e}"));
+        let mut buf = vec![0u8; 100 + i];
+        assert_eq!(read_fully_at(src, &f, &mut buf, 0).unwrap(), buf.len(), "{rel:?}");
+        assert_eq!(buf, bytes(40 + i as u8, 100 + i), "{rel:?}: another object's bytes");
+        assert_eq!(src.relative(&src.path_of(&rel)).unwrap(), rel, "{rel:?}: its path names it back");
+    }
 }
 
 /// One counted request says the identity; equal identities are the same bytes, and another version of
