@@ -75,9 +75,8 @@ class OrderPrefetch:
         Returns:
             files_total, files_done, files_fetched (copied from the store by this prefetch),
             bytes_fetched, files_cached (found cached or being fetched by another process),
-            files_read_first (read before the prefetch reached them), files_failed, files_let_go (opened,
-            then let go while the budget was full: a reader that came for one opened it again), bytes_ahead
-            (fetched, not read yet), max_bytes_ahead, position (every file before it is read) and errors.
+            files_read_first (read before the prefetch reached them), files_failed, bytes_ahead (fetched,
+            not read yet), max_bytes_ahead, position (every file before it is read) and errors.
         """
         return self._core.progress()
 

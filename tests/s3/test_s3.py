@@ -334,6 +334,33 @@ def test_every_object_name_is_read_as_listed(server: S3Server, bucket: str, tier
     assert gets(cache) == len(objects)
 
 
+@pytest.mark.slow
+def test_prefetching_gets_each_object_once(server: S3Server, bucket: str, tier: str) -> None:
+    """The sampler-ordered prefetch with a budget smaller than what the loader keeps in flight: a worker
+    often reaches an object the prefetch is about to fetch, and still each object costs one GET (an
+    object's open is its GET, so the prefetch waits for room before it opens, never after)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from tierstore.torch import CachedDataset, prefetching
+
+    size = 16 << 10
+    objects = {f"p/{i:04d}.bin": blob(f"object {i}", size) for i in range(240)}
+    put(server, bucket, objects)
+    cache = cache_of(server, f"s3://{bucket}/p", tier, revalidate="never")
+    ds = CachedDataset(f"s3://{bucket}/p", cache=cache, decode=lambda f: len(f.read()))
+    sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    wrapped = prefetching(loader, budget=8 * size, jobs=8)
+    assert sum(int(b.sum()) for b in wrapped) == len(objects) * size
+    assert wrapped.ordered_sampler.prefetch.wait(30)
+    cache.wait()
+    progress = wrapped.ordered_sampler.progress()
+    assert progress["files_failed"] == 0, progress["errors"]
+    assert gets(cache) == len(objects), (gets(cache), progress)
+    assert server.requests(bucket).get("GET", 0) == len(objects), server.requests(bucket)
+
+
 def test_tierstore_run_refuses_an_object_store(server: S3Server, bucket: str, tier: str) -> None:
     import subprocess
     import sys

@@ -11,15 +11,19 @@
 //!   earlier position, and only while the bytes admitted and not yet read, plus its own, fit the budget
 //!   (a file larger than the whole budget is admitted alone, or it would never be). So tier use ahead of
 //!   the readers stays inside the budget and what is fetched is what is read next.
+//! - **Room before the open.** A file's size is known only once it is opened, and opening an object is
+//!   already a `GET`; so a position is admitted on the mean size of the files opened before it (the first
+//!   alone), then counted at its own size once opened. A file this prefetch opened is always fetched by it:
+//!   were it let go while the budget was full, a reader would open it a second time.
 //! - **Reads are learnt from read marks** (see `marks.rs`): readers in any process mark the files they
 //!   open; a mark frees the file's bytes from the budget. A file read before the prefetch reached it is
 //!   skipped, and the prefetch jumps to the first position not read yet.
 //! - **Through the engine's fetch path, claimed before it is opened.** A worker leads the file's in-process
 //!   flight and takes its node-wide fetch lock (with `try_lock` only: a file another process is fetching is
-//!   left to it) before it opens the file, so a reader that comes while it is opened, or waits its turn,
-//!   waits for this one fetch instead of opening the file again. The claim is let go while the budget is
-//!   full (a reader never waits on the budget) and taken again once there is room; then the copy is the
-//!   engine's own (`Inner::fetch_locked`). A reader that waits on it waits for one copy, never a queue.
+//!   left to it) after its admission and before it opens the file, so a reader that comes while it is
+//!   opened waits for this one fetch instead of opening the file again; a reader never waits on the budget,
+//!   which is waited for with nothing claimed. The copy is the engine's own (`Inner::fetch_locked`). A
+//!   reader that waits on it waits for one copy, never a queue.
 //! - **Never ahead of a waiting reader.** The copies run on the prefetch's own threads, not on the copy
 //!   pool, so the pool's `urgent` queue (what readers wait on) never waits behind a warm-up.
 
@@ -61,14 +65,12 @@ pub struct OrderProgress {
     pub files_cached: AtomicU64,
     /// Files a reader opened before the prefetch reached them.
     pub files_read_first: AtomicU64,
-    /// Files the prefetch had opened and then let go while the budget was full (a reader never waits on
-    /// the budget): a reader that comes for one meanwhile opens it again, the only second open there is.
-    pub files_let_go: AtomicU64,
     /// Files that could not be prefetched (each in `errors`).
     pub files_failed: AtomicU64,
     /// Bytes admitted ahead of the readers and not read yet, now.
     pub bytes_ahead: AtomicU64,
-    /// The most bytes ever ahead of the readers (at most the budget, or one file larger than it).
+    /// The most bytes ever ahead of the readers: at most the budget (or one file larger than it), where
+    /// files are as large as the mean of those before them (see the module's rules).
     pub max_bytes_ahead: AtomicU64,
     /// Positions before this one have all been read.
     pub position: AtomicU64,
@@ -119,9 +121,18 @@ struct State {
     ahead: u64,
     /// Positions before this one are all read.
     low: usize,
-    /// The position whose turn it is waits for room in the budget: every later one waits as long.
-    blocked: bool,
+    /// Files opened so far, and their bytes: their mean is what a position is admitted on.
+    sized: u64,
+    sized_bytes: u64,
     stopped: bool,
+}
+
+impl State {
+    /// The bytes a position not opened yet is admitted on: the mean size of the files opened so far;
+    /// `None` before the first.
+    fn estimate(&self) -> Option<u64> {
+        (self.sized > 0).then(|| self.sized_bytes / self.sized)
+    }
 }
 
 /// Which of `rels` need no fetch: published in a tier and trusted now, or left to the reader's open (see
@@ -306,15 +317,16 @@ impl Shared {
         }
     }
 
-    /// Waits for `position`'s turn in order; with `size`, also for room in the budget, and admits it.
-    /// While the budget is full, `claim` is let go (see the module's rules). Returns false when the
-    /// position no longer needs fetching (read meanwhile, or the prefetch stopped).
-    fn admit(&self, position: usize, size: Option<u64>, claim: &mut Option<Claim>) -> bool {
+    /// Waits for `position`'s turn in order. With `wanted`, also for room in the budget, and admits it on
+    /// its estimated size (see the module's rules), returning the bytes reserved; without, passes it.
+    /// `None` when the position needs no fetch (read meanwhile, or the prefetch stopped). Nothing is
+    /// claimed while this waits, so a reader never waits on the budget.
+    fn admit(&self, position: usize, wanted: bool) -> Option<u64> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             self.refresh(&mut s);
             if s.stopped {
-                return false;
+                return None;
             }
             // Positions the readers passed, and those cached at the start, are never waited for.
             s.admitted = s.admitted.max(s.low);
@@ -322,40 +334,51 @@ impl Shared {
                 s.admitted += 1;
             }
             if s.admitted > position {
-                return false;
+                return None;
             }
             if s.admitted == position {
-                let Some(size) = size else {
+                if !wanted || self.read(position) {
                     s.admitted += 1;
                     self.turn.notify_all();
-                    return false;
-                };
-                if self.read(position) {
-                    s.admitted += 1;
-                    s.blocked = false;
-                    self.turn.notify_all();
-                    return false;
+                    return None;
                 }
-                if s.ahead == 0 || s.ahead + size <= self.budget {
+                // Before the first size is known, one file at a time: its open tells the mean.
+                let room = match s.estimate() {
+                    Some(size) => s.ahead == 0 || s.ahead + size <= self.budget,
+                    None => s.held.is_empty(),
+                };
+                if room {
+                    let size = s.estimate().unwrap_or(0);
                     s.admitted += 1;
-                    s.blocked = false;
                     s.held.push_back((self.log.slots[position], size));
                     s.ahead += size;
-                    self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
-                    self.progress.max_bytes_ahead.fetch_max(s.ahead, Ordering::Relaxed);
+                    self.show_ahead(&s);
                     self.turn.notify_all();
-                    return true;
-                }
-                s.blocked = true;
-            }
-            if s.blocked {
-                if let Some(c) = claim.take() {
-                    drop(c);
-                    self.progress.files_let_go.fetch_add(1, Ordering::Relaxed);
+                    return Some(size);
                 }
             }
             s = self.turn.wait_timeout(s, POLL).unwrap_or_else(|p| p.into_inner()).0;
         }
+    }
+
+    /// Counts an admitted file at its own size, now that its open said it, instead of the `reserved`
+    /// estimate; the size joins the mean later positions are admitted on.
+    fn settle(&self, position: usize, reserved: u64, size: u64) {
+        let slot = self.log.slots[position];
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.sized += 1;
+        s.sized_bytes += size;
+        if let Some(held) = s.held.iter_mut().find(|(sl, sz)| *sl == slot && *sz == reserved) {
+            held.1 = size;
+            s.ahead = s.ahead - reserved + size;
+            self.show_ahead(&s);
+        }
+        self.turn.notify_all();
+    }
+
+    fn show_ahead(&self, s: &State) {
+        self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
+        self.progress.max_bytes_ahead.fetch_max(s.ahead, Ordering::Relaxed);
     }
 
     /// Leads the in-process flight of `key` and holds its node-wide fetch lock; `None` when another
@@ -406,7 +429,7 @@ impl Shared {
         }
     }
 
-    /// Handles one position of the order.
+    /// Handles one position of the order: admitted, then claimed, opened and copied.
     fn one(&self, position: usize) {
         let inner = &self.inner;
         let p = &self.progress;
@@ -414,7 +437,7 @@ impl Shared {
         let key = key_of(rel);
         let skip = |counter: &AtomicU64| {
             counter.fetch_add(1, Ordering::Relaxed);
-            self.admit(position, None, &mut None);
+            self.admit(position, false);
         };
         if self.read(position) {
             return skip(&p.files_read_first);
@@ -422,33 +445,35 @@ impl Shared {
         if self.held(&key, rel) {
             return skip(&p.files_cached);
         }
-        let mut claim = self.claim(&key);
-        if claim.is_none() {
-            return skip(&p.files_cached); // being fetched by a reader or another process
-        }
-        // Identified from the open descriptor (one open), before admission: the budget needs the size.
-        let seen = now_ns();
-        let (sid, file) = match inner.open_identified(rel) {
-            Ok(x) => x,
-            Err(e) => {
-                drop(claim.take());
-                p.fail(describe(&e));
-                self.admit(position, None, &mut None);
-                return;
-            }
-        };
-        if !self.admit(position, Some(sid.size), &mut claim) {
-            drop(claim.take());
+        let Some(reserved) = self.admit(position, true) else {
             if self.read(position) {
                 p.files_read_first.fetch_add(1, Ordering::Relaxed);
             }
             return;
-        }
-        let Some(Claim { lead, guard }) = claim.or_else(|| self.claim(&key)) else {
-            // A reader took it while the budget was full: it lands ahead all the same.
+        };
+        let Some(Claim { lead, guard }) = self.claim(&key) else {
+            // Being fetched by a reader or another process: it lands ahead all the same.
             p.files_cached.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        if self.held(&key, rel) {
+            // A reader fetched it while this waited for room: it is published, and the claim came after.
+            drop((guard, lead));
+            p.files_cached.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        // Identified from the open descriptor (one open): the budget counts the file at its size.
+        let seen = now_ns();
+        let (sid, file) = match inner.open_identified(rel) {
+            Ok(x) => x,
+            Err(e) => {
+                self.release(position, reserved);
+                drop((guard, lead));
+                p.fail(describe(&e));
+                return;
+            }
+        };
+        self.settle(position, reserved, sid.size);
         let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
         self.copy(position, job, sid, guard, file);
     }
