@@ -9,6 +9,7 @@ the identity of a version (ETag, size, last-modified) from a read and from a lis
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -187,6 +188,26 @@ def test_an_unreachable_store_fails_within_the_deadline(tmp_path: Path, tier: st
     with pytest.raises(TimeoutError, match=f"cannot reach Google Cloud Storage at http://127.0.0.1:{port}"):
         cache.open("a.bin")
     assert time.monotonic() - t0 < 15
+
+
+def test_gcs_without_credentials_is_refused_at_once(
+    tmp_path: Path, tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key, no gcloud default credentials, no Compute Engine: the client would ask the metadata server
+    (its host, then its address, each with every retry); tierstore says what to set instead, at once, and
+    sends nothing. A key file that is missing or malformed is named, not a bare OSError."""
+    for var in [v for v in os.environ if v.startswith(("GOOGLE_", "GCE_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.config/gcloud/application_default_credentials.json
+    t0 = time.monotonic()
+    with pytest.raises(PermissionError, match=r"no credentials for gs://bucket/d .*GOOGLE_SERVICE_ACCOUNT"):
+        tierstore.Cache(source="gs://bucket/d", tiers=[tier])
+    assert time.monotonic() - t0 < 2
+    bad = tmp_path / "key.json"
+    bad.write_text("this is no service account key")
+    for key in (bad, tmp_path / "missing.json"):
+        with pytest.raises(PermissionError, match=r"service account key could not be used.*GOOGLE_SERVICE_ACCOUNT"):
+            tierstore.Cache(source="gs://bucket/d", tiers=[tier], object_store={"google_service_account": str(key)})
 
 
 def re_escape(text: str) -> str:

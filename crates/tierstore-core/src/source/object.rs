@@ -231,9 +231,56 @@ fn gcs_store(
         .get_config_value(&GoogleConfigKey::BaseUrl)
         .or_else(key_base)
         .unwrap_or_else(|| "https://storage.googleapis.com".into());
+    gcs_credentials_usable(config, &builder, &endpoint)?;
     let builder =
         builder.with_config(GoogleConfigKey::Client(ClientConfigKey::AllowHttp), allow_http(config, &endpoint));
-    Ok((Box::new(builder.with_retry(retry).build().map_err(|e| built(config, e))?), endpoint))
+    let store = builder.with_retry(retry).build().map_err(|e| match e {
+        // A key file that is missing or is no service account key: the client says only that it failed.
+        object_store::Error::Generic { .. }
+            if ["credential", "service account"].iter().any(|w| e.to_string().contains(w)) =>
+        {
+            gcs_no_credentials(config, &endpoint, &format!("the service account key could not be used ({e})"))
+        }
+        e => built(config, e),
+    })?;
+    Ok((Box::new(store), endpoint))
+}
+
+/// Refuses at once, naming what to set, a GCS client that has no credentials but the metadata server of a
+/// Compute Engine VM, on a machine that is none: the client would ask that server's host, then its
+/// address, each with every retry (four minutes with the defaults), and then blame the endpoint.
+fn gcs_credentials_usable(config: &StoreConfig, builder: &GoogleCloudStorageBuilder, endpoint: &str) -> io::Result<()> {
+    let set = |k: GoogleConfigKey| builder.get_config_value(&k).is_some_and(|v| !v.is_empty());
+    let explicit = set(GoogleConfigKey::ServiceAccount)
+        || set(GoogleConfigKey::ServiceAccountKey)
+        || set(GoogleConfigKey::ApplicationCredentials)
+        || builder.get_config_value(&GoogleConfigKey::SkipSignature).is_some_and(|v| v == "true");
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let gcloud_default = home.join(".config/gcloud/application_default_credentials.json").exists();
+    if explicit || gcloud_default || on_compute_engine() {
+        return Ok(());
+    }
+    Err(gcs_no_credentials(config, endpoint, "no credentials were found, and this machine is no Compute Engine VM"))
+}
+
+/// Whether the metadata server of a Compute Engine VM may answer here: a host named for it, or the VM's
+/// firmware says Google (as google-auth decides, without a request).
+fn on_compute_engine() -> bool {
+    std::env::var_os("GCE_METADATA_HOST").is_some()
+        || std::env::var_os("GCE_METADATA_ROOT").is_some()
+        || std::fs::read_to_string("/sys/class/dmi/id/product_name").is_ok_and(|p| p.trim().starts_with("Google"))
+}
+
+fn gcs_no_credentials(config: &StoreConfig, endpoint: &str, why: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "no credentials for {} at {endpoint}: {why}; set {} (or run `gcloud auth application-default login`), \
+             or `skip_signature = \"true\"` in [object_store] for a public bucket",
+            config.url,
+            StoreKind::Gcs.credentials()
+        ),
+    )
 }
 
 /// The Azure Blob Storage client: the `[object_store]` table over the `AZURE_*` variables; the account
