@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-Check = tuple[str, bool, str]  # the target, whether it is met, what was measured
+# The target, whether it is met (None: undecided, the rounds straddle it), what was measured.
+Check = tuple[str, bool | None, str]
 
 
 def verdict(ratios: list[float], target: float) -> str:
@@ -18,16 +19,24 @@ def verdict(ratios: list[float], target: float) -> str:
     return f"undecided (rounds {min(ratios):.2f}-{max(ratios):.2f} straddle {target}x)"
 
 
+def met(ratios: list[float], target: float) -> bool | None:
+    """Whether every round's ratio is at least `target`: True or False when the rounds agree, None (the
+    "met" column says undecided) when they straddle it."""
+    return {"met": True, "missed": False}.get(verdict(ratios, target))
+
+
 def targets(checks: list[Check]) -> list[str]:
     """The table of `checks`, with a blank line before it."""
-    rows = [f"| {name} | {'yes' if ok else 'no'} | {value} |" for name, ok, value in checks]
+    said = {True: "yes", False: "no", None: "undecided"}
+    rows = [f"| {name} | {said[ok]} | {value} |" for name, ok, value in checks]
     return ["", "| target | met | measured |", "| --- | --- | --- |", *rows]
 
 
 def finish(lines: list[str], checks: list[Check], out: str | Path | None) -> int:
-    """Prints the page of `lines`, writes it to `out` when given; 0 when every check is met, else 1."""
+    """Prints the page of `lines`, writes it to `out` when given; 0 when no check is missed (met or
+    undecided), else 1."""
     text = "\n".join(lines) + "\n"
     print(text)
     if out:
         Path(out).write_text(text)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    return 0 if all(ok is not False for _, ok, _ in checks) else 1
