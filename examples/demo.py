@@ -133,7 +133,7 @@ def main() -> int:
     manifest = generate()
     try:
         with shared_store() as (source, stand_in):
-            return run(source, stand_in, manifest)
+            return run(source, stand_in, manifest, args.keep)
     finally:
         # After the stand-in store is unmounted: the dataset (about 150 MiB) and the tier go, unless kept.
         if not args.keep:
@@ -141,7 +141,23 @@ def main() -> int:
             shutil.rmtree(TIER_DIR, ignore_errors=True)
 
 
-def run(source: Path, stand_in: bool, manifest: dict[str, int]) -> int:
+def status_command(source: Path) -> str:
+    """The `tierstore status` of the demo's cache."""
+    return f"tierstore --source {source} --tier {TIER_SPEC} status"
+
+
+def rerun_hint(source: Path, keep: bool) -> str:
+    """How to see the demo's cache again once it has ended: its `tierstore status` stands only while the
+    tier and the source directory do, which the demo removes unless --keep."""
+    if keep:
+        return f"the dataset and the tier stay (--keep): `{status_command(source)}` shows this table again"
+    return (
+        "the demo removes its dataset and tier as it ends, so the command above has nothing to show "
+        "afterwards: run `.venv/bin/python examples/demo.py --keep` to keep them, then that command"
+    )
+
+
+def run(source: Path, stand_in: bool, manifest: dict[str, int], keep: bool = False) -> int:
     if stand_in:
         print(f"store:   {DATA} served at {source} by the stand-in shared store (1 ms per metadata op, "
               "0.5 ms per read, 200 MiB/s)")  # fmt: skip
@@ -196,7 +212,7 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int]) -> int:
             f"{d['hits']:>9,}   (mean pixel {brightness / max(int(seen.sum()), 1):.2f})"
         )
 
-    print(f"\n$ tierstore --source {source} --tier {TIER_SPEC} status")
+    print(f"\n$ {status_command(source)}")
     sys.stdout.flush()
     # rich draws tables 80 columns wide when the output is not a terminal (make piped to tee, CI logs),
     # which squeezes the tier table into truncated cells; give it room there. A terminal keeps its width.
@@ -208,6 +224,7 @@ def run(source: Path, stand_in: bool, manifest: dict[str, int]) -> int:
         check=True,
         env=env,
     )
+    print(rerun_hint(source, keep))
 
     if wrong:
         print(f"\nFAILED: {len(wrong)} problems with the samples:", *wrong[:10], sep="\n  ")

@@ -1,7 +1,8 @@
 """tierstore: the I/O layer between deep-learning jobs and a cluster's storage.
 
 Files of a slow shared store are served from the fastest tier of the node that holds a copy (RAM, then
-local disks), fetched from the store at most once per node, and never served stale.
+local disks), fetched from the store at most once per node, never partially; a file changed on the store
+is seen within 60s by default (`revalidate`).
 
     import tierstore
     tierstore.configure(source="/lustre/datasets/imagenet", tiers=["/dev/shm/tierstore:50%"])

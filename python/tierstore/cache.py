@@ -51,9 +51,9 @@ class Cache:
             ("s3://bucket/prefix", "gs://bucket/prefix", "az://container/prefix",
             "https://host/prefix"). Overrides `source` of the config file and `$TIERSTORE_SOURCE`.
         tiers: Cache tiers, fastest first: "PATH:QUOTA" strings, (path, quota) pairs or
-            {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB"), a number of
-            bytes or a share of the tier's file system ("50%"); leave it out to use half of the free
-            space.
+            {"path": ..., "quota": ...} mappings. A quota is a size ("64G", "512MiB", "50000B"), a
+            number of bytes (1 MiB at least: a smaller one is taken for a forgotten unit) or a share of
+            the tier's file system ("50%"); leave it out to use half of the free space.
         policy: "fill" (fill tiers in order, never evict: the default, right for datasets read every
             epoch), "lru", "lfu" or "fifo".
         threads: Threads of the background copy pool.

@@ -218,7 +218,7 @@ def test_checksum_mode_catches_silent_corruption(source: Path, tier: str) -> Non
 
 def test_quota_full_tier_still_serves_every_read(source: Path, tier: str) -> None:
     files = make_files(source, 40, size=10_000)
-    cache = tierstore.Cache(source, [f"{tier}:50000"])  # room for 4 files
+    cache = tierstore.Cache(source, [f"{tier}:50000B"])  # room for 4 files
     for _ in range(2):
         for p, b in files.items():
             assert cache.open(p).read() == b
@@ -279,7 +279,7 @@ def test_disk_full_under_the_tier_falls_back(source: Path, shm_dir: Path) -> Non
 def test_eviction_under_quota_with_concurrent_readers(source: Path, tier: str, policy: str) -> None:
     files = make_files(source, 120, size=8_000)
     quota = 200_000  # about a fifth of the data
-    cache = tierstore.Cache(source, [f"{tier}:{quota}"], policy=policy)
+    cache = tierstore.Cache(source, [f"{tier}:{quota}B"], policy=policy)
     pinned = next(iter(files))
     held = cache.open(pinned)  # a reader that holds its copy open across all the churn
     cache.wait()
@@ -314,7 +314,7 @@ def test_eviction_under_quota_with_concurrent_readers(source: Path, tier: str, p
 def test_reader_holding_a_copy_blocks_its_eviction(source: Path, tier: str) -> None:
     files = make_files(source, 3, size=40_000)
     a, b, c = files
-    cache = tierstore.Cache(source, [f"{tier}:100000"], policy="fifo")
+    cache = tierstore.Cache(source, [f"{tier}:100000B"], policy="fifo")
     for p in (a, b):
         cache.open(p).read()
         cache.wait()

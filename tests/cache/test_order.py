@@ -375,14 +375,15 @@ def test_tierstore_run_prefetches_the_order_file_and_learns_reads_from_the_shim(
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     m = re.search(
-        r"prefetched (\d+) of (\d+) files .* (\d+) read before .* at most (\d+) bytes ahead", r.stderr
+        r"prefetched (\d+) of (\d+) files .* (\d+) read before .* at most (.+) ahead, budget (.+)\)", r.stderr
     )
     assert m, r.stderr
-    fetched, total, _, ahead = (int(g) for g in m.groups())
+    fetched, total, _ = (int(g) for g in m.groups()[:3])
+    ahead, said_budget = (tierstore.parse_size(g) for g in m.groups()[3:])  # sizes for people: "160.0 KiB"
     assert total == len(order)
     # Only reads marked by the shim free the budget: without them the prefetch would stop after 5 files.
     assert fetched >= 0.8 * len(order), r.stderr
-    assert ahead <= budget
+    assert ahead is not None and said_budget is not None and ahead <= said_budget, r.stderr
     after = store_stats(mount)
     assert after.get("open", 0) - before.get("open", 0) == len(order)
     assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(order) * SIZE

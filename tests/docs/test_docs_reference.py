@@ -424,9 +424,9 @@ def click_default(param: click.Option, help_text: str, words: frozenset[str]) ->
     """The default of an option as the code and --help give it, as `values_of` names it, and whether it is
     the code's own value (`param.default`) rather than words of the help (a default that the configuration
     or the agent decides)."""
-    if param.is_flag and param.secondary_opts:
+    if param.is_flag and param.secondary_opts and _given(param.default):
         return {param.opts[0] if param.default else param.secondary_opts[0]}, True
-    if param.is_flag or param.count:
+    if (param.is_flag and not param.secondary_opts) or param.count:
         return None, False
     if _given(param.default):
         given = param.default if isinstance(param.default, (list, tuple)) else [param.default]
@@ -552,14 +552,14 @@ def test_every_command_answers_help() -> None:
     from click.testing import CliRunner
 
     runner = CliRunner()
-    for path, _, _ in _contexts():
+    for path, cmd, ctx in _contexts():
         for flag in ("--help", "-h"):
             args = [*path.split()[1:], flag]
             r = runner.invoke(
                 tierstore_command(), args, prog_name="tierstore", env={"TIERSTORE_MODELS": None}
             )
             assert r.exit_code == 0, f"{path} {flag}: exit {r.exit_code}\n{r.output}"
-            assert r.output.startswith(f"Usage: {path}"), f"{path} {flag}:\n{r.output}"
+            assert r.output.startswith(f"Usage: {usage_line(cmd, ctx)}"), f"{path} {flag}:\n{r.output}"
 
 
 def test_tierstore_agent_answers_help() -> None:
@@ -578,6 +578,117 @@ def test_tierstore_agent_answers_help() -> None:
         assert shown - {"--help"} == documented - {"--help"}, (
             f"tierstore-agent {' '.join(args)} shows {sorted(shown)}, cli.md's section {sorted(documented)}"
         )
+
+
+def usage_line(cmd: click.Command, ctx: click.Context) -> str:
+    """The usage --help prints for a command, without `Usage: `."""
+    return " ".join([ctx.command_path, *cmd.collect_usage_pieces(ctx)])
+
+
+def page_usage(text: str) -> str | None:
+    """The first line of a section's first ```text block, its spaces collapsed; None when it has none."""
+    m = re.search(r"```text\n([^\n]*)", text)
+    return None if m is None else " ".join(m[1].split())
+
+
+def _stem(word: str) -> str:
+    """A word without the ending of a verb's third person or a plural: the page says "Copies files", the
+    help "Copy files"."""
+    w = word.lower()
+    if w.endswith("ies") and len(w) > 4:
+        return w[:-3] + "y"
+    if w.endswith("es") and w[:-2].endswith(("sh", "ch", "ss", "x")):
+        return w[:-2]
+    if w.endswith("s") and not w.endswith("ss") and len(w) > 3:
+        return w[:-1]
+    return w
+
+
+def first_sentence(text: str) -> list[str]:
+    """The first sentence of the first paragraph of prose (not a code block, a table or a heading) of
+    `text`, as stemmed words, without what it says in parentheses (where the page may say more than the
+    help, and the help name its defaults) and without Markdown; [] when there is no prose."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"\s*\[default: [^\]]*\]", "", text)  # click's show_default
+    for para in re.split(r"\n\s*\n", text):
+        para = para.replace("\b", "").strip()
+        if not para or para.startswith(("|", "#", ":::")):
+            continue
+        para = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", para).replace("`", "")
+        while re.search(r"\([^()]*\)", para):
+            para = re.sub(r"\s*\([^()]*\)", "", para)
+        sentence = re.split(r"(?<=[.!?])\s", " ".join(para.split()), maxsplit=1)[0]
+        return [_stem(w.rstrip(".")) for w in re.findall(r"[\w$.@/-]+", sentence) if w.rstrip(".")]
+    return []
+
+
+def says(page: list[str], helps: list[str]) -> bool:
+    """Whether the page's words begin with all of the help's: the page may say more, not less."""
+    return page[: len(helps)] == helps
+
+
+def wording_problems() -> list[str]:
+    """Where cli.md and --help say different things: each command's usage line; the first sentence of
+    what it does (the page in the third person, "Copies", the help in the imperative, "Copy"), which the
+    page's begins with; and each option's row, which begins with what --help says of the option."""
+    page = sections(CLI)
+    problems = []
+    for path, cmd, ctx in _contexts():
+        text = page.get(path)
+        if text is None:
+            continue  # test_cli_reference_agrees_with_the_help says so
+        shown, usage = usage_line(cmd, ctx), page_usage(text)
+        if usage is None and not isinstance(cmd, click.Group):
+            problems.append(f"'{path}' has no usage line; --help's: {shown}")
+        elif usage is not None and usage != shown:
+            problems.append(f"'{path}': the usage is {usage!r}, --help's {shown!r}")
+        said, helps = first_sentence(text), first_sentence(cmd.help or "")
+        if not says(said, helps):
+            problems.append(f"'{path}' begins {' '.join(said)!r}, --help {' '.join(helps)!r}")
+        rows = option_rows(text)
+        for param in [p for p in cmd.params if isinstance(p, click.Option)]:
+            names = {*param.opts, *param.secondary_opts}
+            row = next((r for r in rows if names & set(r.values)), None)
+            if row is None or row.meaning.startswith("As for") or not param.help:
+                continue
+            meaning, helps = first_sentence(row.meaning), first_sentence(param.help)
+            if not says(meaning, helps):
+                problems.append(
+                    f"'{path}' {param.opts[-1]}: the row says {' '.join(meaning)!r}, --help {' '.join(helps)!r}"
+                )
+    return problems
+
+
+def test_cli_reference_says_what_the_help_says() -> None:
+    """cli.md and --help agree in wording, not only in values (issue #49: `--source` takes URLs, `clear`
+    asks first, the agent also migrates and streams, the `models` usage needs --repo): each command's
+    usage line is --help's, its first sentence says what --help's says, and each option's row begins with
+    what --help says of it."""
+    problems = wording_problems()
+    assert not problems, f"{CLI.relative_to(ROOT)} and --help say different things:\n  " + "\n  ".join(
+        problems
+    )
+
+
+def test_the_wording_check_sees_a_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above fails on the drifts of issue #49, put back into a copy of the page."""
+    text = CLI.read_text()
+    source = next(x for x in text.splitlines() if x.startswith("| `--source TEXT` |"))
+    drifts = [
+        (source, "| `--source TEXT` | The source directory to cache. |", "'tierstore' --source"),
+        (
+            "Removes every cached copy of the source from every tier, asking first on a terminal",
+            "Removes every cached copy of the source from every tier",
+            "'tierstore clear' begins",
+        ),
+        ("tierstore models --repo DIRECTORY ls [OPTIONS]", "tierstore models ls [OPTIONS]", "usage"),
+    ]
+    for i, (right, wrong, named) in enumerate(drifts):
+        assert right in text, right
+        page = tmp_path / f"cli{i}.md"
+        page.write_text(text.replace(right, wrong))
+        monkeypatch.setattr(sys.modules[__name__], "CLI", page)
+        assert any(named in p for p in wording_problems()), (named, wording_problems())
 
 
 def test_cli_documents_no_command_that_does_not_exist() -> None:

@@ -350,7 +350,7 @@ def test_models_verify_cli(repo: Repository) -> None:
         return subprocess.run([sys.executable, "-m", "tierstore.cli", "models", "--repo", str(repo.root), *args],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
-    r = run("verify")
+    r = run("verify", "--progress")  # off a terminal only when asked
     assert r.returncode == 0 and "checked 3 tensors of 2 versions" in r.stdout and "no damage" in r.stdout
     assert "verify" in r.stderr and "KiB" in r.stderr  # rich's progress bar
     flip_byte(repo, next(t for t in repo.manifest("v")["tensors"] if t["name"] == "b"), 99)

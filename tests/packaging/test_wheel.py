@@ -115,8 +115,8 @@ def interpreter(version: str) -> Path:
 
 
 def copy_pure_dependencies(wheel: Path, version: str, dest: Path) -> None:
-    """Copies the wheel's dependencies (click, rich) and theirs, as CPython `version` would need them, from
-    the project venv into `dest`: all pure Python, so they serve every CPython."""
+    """Copies the wheel's dependencies (click, rich; not numpy) and theirs, as CPython `version` would need
+    them, from the project venv into `dest`: all pure Python, so they serve every CPython."""
     with zipfile.ZipFile(wheel) as z:
         (meta,) = (n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode().splitlines()
@@ -127,6 +127,10 @@ def copy_pure_dependencies(wheel: Path, version: str, dest: Path) -> None:
     while todo:
         req = Requirement(todo.pop())
         if (req.marker is not None and not req.marker.evaluate(markers)) or req.name.lower() in seen:
+            continue
+        if req.name.lower() == "numpy":
+            # The project venv's is built for its own CPython: the others' venvs go without, as what they
+            # run here (the buffer protocol, the CLI, the agent) imports none.
             continue
         seen.add(req.name.lower())
         dist = importlib.metadata.distribution(req.name)

@@ -216,6 +216,16 @@ fn object_store_of(
     settings: &BTreeMap<String, TableKey>,
 ) -> Result<Option<StoreConfig>, ConfigError> {
     if is_url(source_text) {
+        if let Some(shown) = values::without_password(source_text) {
+            return Err(bad(
+                source_origin,
+                "source",
+                shown,
+                "carries a password in the URL, which tierstore does not take",
+                "give the URL without it, and the store's credentials in [object_store] or its variables \
+                 (AWS_*, GOOGLE_*, AZURE_*)",
+            ));
+        }
         let c = StoreConfig::parse(source_text).map_err(|e| bad(source_origin, "source", source_text, &e.0, ""))?;
         return store_config::validate(c, settings).map(Some);
     }
@@ -493,6 +503,11 @@ mod tests {
 
         let e = err(base.clone().with_tiers(&[(t0.clone(), Some("80X".into()))]), &[]);
         assert!(e.contains("tiers[0].quota") && e.contains("80X") && e.contains("use a size like"), "{e}");
+        // A number without its unit is bytes: too few for a tier, and surely not what was meant.
+        let e = err(base.clone().with_tiers(&[(t0.clone(), Some("50".into()))]), &[]);
+        assert!(e.contains("quota = \"50\"") && e.contains("did you mean \"50%\" or \"50G\"?"), "{e}");
+        let e = err(base.clone(), &[("TIERSTORE_TIERS", &format!("{t0}:4096"))]);
+        assert!(e.contains("$TIERSTORE_TIERS") && e.contains("\"4096B\" if bytes are meant"), "{e}");
         let e = err(base.clone().with("policy", "lfru"), &[]);
         assert!(e.contains("policy") && e.contains("lfru") && e.contains("\"fill\""), "{e}");
         let e = err(base.clone().with("threads", "0"), &[]);

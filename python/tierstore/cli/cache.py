@@ -12,7 +12,7 @@ import click
 
 from tierstore import _core
 from tierstore.cache import check_jobs
-from tierstore.cli.main import human, main
+from tierstore.cli.main import human, main, os_error
 from tierstore.cli.writeback import print_writeback, writeback_status
 
 
@@ -51,7 +51,15 @@ def prefetch(make: Any, paths: tuple[str, ...], progress: bool, jobs: int | None
             raise click.ClickException(str(e)) from e
     try:
         result = cache.prefetch(list(paths), progress=progress, jobs=jobs)
-    except (OSError, _core.TierstoreError) as e:
+    except FileNotFoundError as e:
+        missing = os.fsdecode(e.filename) if e.filename is not None else " ".join(paths)
+        raise click.ClickException(
+            f"{missing} does not exist under the source {cache.source}; give files or directories of the "
+            "source (`ls` it to check the name)"
+        ) from e
+    except OSError as e:
+        raise click.ClickException(os_error(e)) from e
+    except _core.TierstoreError as e:
         raise click.ClickException(str(e)) from e
     failed = result["files_failed"]
     click.echo(
@@ -75,9 +83,10 @@ _SHOWN_ERRORS = 20
 @click.option("--json", "as_json", is_flag=True, help="Print the counters as JSON.")
 @click.pass_obj
 def status(make: Any, as_json: bool) -> None:
-    """Show what the cache holds and did: per tier and for the source, node-wide; with sharing on, every
-    member of the job too (up or down, what it holds, read from the store, served and received); with
-    write-back destinations, the files waiting for the store (files, bytes, oldest age, errors)."""
+    """Show what the cache holds and did, node-wide: per tier and for the source, with the revalidate mode.
+    With sharing on, every member of the job too (up or down, what it holds, read from the store, served
+    and received); with write-back destinations, the files waiting for the store (files, bytes, oldest
+    age, errors)."""
     writeback = writeback_status(make)
     try:
         cache = make()
@@ -211,7 +220,7 @@ def status(make: Any, as_json: bool) -> None:
 @click.option("--counters", is_flag=True, help="Reset the counters too.")
 @click.pass_obj
 def clear(make: Any, yes: bool, counters: bool) -> None:
-    """Remove every cached copy of the source from every tier."""
+    """Remove every cached copy of the source from every tier, asking first on a terminal (--yes does not)."""
     cache = make()
     if not yes and sys.stdin.isatty():
         click.confirm(f"remove every cached copy of {cache.source}?", abort=True)
@@ -232,6 +241,10 @@ def config() -> None:
 def config_show(make: Any, as_json: bool) -> None:
     """Print the effective configuration and where each value came from."""
     cfg = make().config()
+    cluster = cfg.get("cluster")
+    if cluster is not None and cluster[0].get("registry"):
+        # A Redis URL may carry the server's password: shown as ***, like every secret here.
+        cluster[0]["registry"] = without_password(cluster[0]["registry"])
     config_file = make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG")
     if cfg["source"][0].startswith("s3://"):
         cfg["s3"] = s3_settings(config_file)
@@ -283,6 +296,16 @@ def config_show(make: Any, as_json: bool) -> None:
         else:
             shown = human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
+
+
+def without_password(url: str) -> str:
+    """`url` with the password of its userinfo (`redis://user:password@host`) written `***`, hidden up to
+    the last `@` as the engine hides it (`without_password`, crates/tierstore-core/src/config/values.rs)."""
+    scheme, sep, rest = url.partition("://")
+    user, colon, _ = rest.partition("@")[0].partition(":")
+    if not sep or "@" not in rest or not colon or "/" in user:
+        return url
+    return f"{scheme}://{user}:***@{rest.rpartition('@')[2]}"
 
 
 def _node_origin(origin: str) -> str:
@@ -349,34 +372,62 @@ def _store_table(file: Path | None) -> dict[str, Any] | None:
     return None if old is None or new is None else {**old, **new}
 
 
+# The variable that lays `[object_store]` settings over the file's, as one JSON object (config/layers.rs).
+STORE_VARIABLE = "TIERSTORE_OBJECT_STORE"
+
+
+def _store_given(file: Path | None) -> tuple[dict[str, Any], dict[str, str], bool]:
+    """The store's settings as the engine layers them: the file's table, then $TIERSTORE_OBJECT_STORE over
+    it, key by key. Returns (the settings, where each came from, whether the file's table could be read:
+    False when no TOML reader is installed)."""
+    table = _store_table(file)
+    given = dict(table or {})
+    origins = dict.fromkeys(given, str(file))
+    try:
+        variable = json.loads(os.environ.get(STORE_VARIABLE) or "{}")
+    except ValueError:
+        variable = {}  # the engine has refused it already, naming the variable
+    for key, value in (variable if isinstance(variable, dict) else {}).items():
+        # As TOML would write it: a count as its number, a flag as true or false.
+        given[key] = json.dumps(value) if isinstance(value, bool) else value
+        origins[key] = f"${STORE_VARIABLE}"
+    return given, origins, table is not None
+
+
+def _came_from(origins: dict[str, str]) -> str:
+    """Where a store's settings came from as a whole: the file, the variable, both, or the defaults."""
+    return ", ".join(dict.fromkeys(sorted(origins.values()))) or "default"
+
+
 def store_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     """The settings a gs://, az:// or http(s):// source is reached with, as `config show` prints them: the
-    keys of the `[object_store]` table (secrets as "set"), then tierstore's own keys with their defaults.
+    keys of the `[object_store]` table with $TIERSTORE_OBJECT_STORE over it (secrets as "set"), then
+    tierstore's own keys with their defaults.
     The store's environment (GOOGLE_*, AZURE_*) is read by its client and not repeated here."""
     path = Path(config_file) if config_file else Path("tierstore.toml")
     file = path.absolute() if path.exists() else None
-    given = _store_table(file) or {}
+    given, came, _ = _store_given(file)
     settings: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for key, value in given.items():
         settings[key] = "set" if _core.is_secret(key) else value
-        origins[key] = str(file)
+        origins[key] = came[key]
     for key, default in S3_DEFAULTS.items():
         if key not in given:
             settings[key], origins[key] = default, "default"
     settings["origins"] = origins
-    return settings, str(file) if given else "default"
+    return settings, _came_from(came)
 
 
 def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     """The settings an s3:// source is reached with and where each came from, as the source resolves them
-    (ObjectSource::new): the `[s3]` table of the configuration file, then the AWS variables, then the
+    (ObjectSource::new): the `[s3]` table of the configuration file with $TIERSTORE_OBJECT_STORE over it,
+    then the AWS variables, then the
     profile's section of the AWS shared files, then the defaults. Credentials are "set" or "not set",
     never their value. Returns (settings with their "origins", where the table came from)."""
     path = Path(config_file) if config_file else Path("tierstore.toml")
     file = path.absolute() if path.exists() else None
-    table = _store_table(file)
-    given = table or {}
+    given, came, readable = _store_given(file)
 
     def env(name: str) -> str | None:
         return os.environ.get(name) or None
@@ -384,7 +435,7 @@ def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
     home = Path(os.environ.get("HOME", ""))
     picked: dict[str, tuple[Any, str]] = {}
     if "profile" in given:
-        picked["profile"] = (given["profile"], str(file))
+        picked["profile"] = (given["profile"], came["profile"])
     elif env("AWS_PROFILE"):
         picked["profile"] = (env("AWS_PROFILE"), "$AWS_PROFILE")
     else:
@@ -400,7 +451,7 @@ def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
         key: str, variables: tuple[str, ...], from_profile: tuple[dict[str, str], Path, str] | None
     ) -> None:
         if key in given:
-            picked[key] = (given[key], str(file))
+            picked[key] = (given[key], came[key])
             return
         for name in variables:
             if env(name):
@@ -429,9 +480,9 @@ def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
         value, origin = picked.get(key, (None, "default"))
         picked[key] = ("not set" if value is None else "set", origin)
     for key, default in S3_DEFAULTS.items():
-        picked[key] = (given[key], str(file)) if key in given else (default, "default")
+        picked[key] = (given[key], came[key]) if key in given else (default, "default")
     settings: dict[str, Any] = {k: picked[k][0] for k in S3_SHOWN}
     settings["origins"] = {k: picked[k][1] for k in S3_SHOWN}
-    settings["table"] = None if table is None else sorted(given)
+    settings["table"] = sorted(given) if readable else None
     settings["file"] = None if file is None else str(file)
-    return settings, str(file) if given else "default"
+    return settings, _came_from(came)

@@ -23,6 +23,14 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def os_error(e: OSError) -> str:
+    """An OSError as one line: the file and what is wrong with it, without Python's `[Errno N]`."""
+    what = e.strerror or str(e)
+    if e.filename is None:
+        return what
+    return f"{os.fsdecode(e.filename)}: {what[:1].lower()}{what[1:]}"
+
+
 def _setting(name: str) -> dict[str, Any]:
     """The setting `name` of the settings table (`_core.SETTINGS`): what its option takes and says."""
     return next(s for s in _core.SETTINGS if s["name"] == name)
@@ -36,10 +44,16 @@ VERBOSITY = ("info", "debug", "trace")
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False),
-    help="TOML configuration file (default: $TIERSTORE_CONFIG, then ./tierstore.toml).",
+    # Checked here, where the message can name the flag (the engine would blame $TIERSTORE_CONFIG, which
+    # `status` and `run` pass the file on in).
+    type=click.Path(exists=True, dir_okay=False),
+    help="The TOML configuration file (default: $TIERSTORE_CONFIG, then ./tierstore.toml).",
 )
-@click.option("--source", help="Source directory to cache (overrides the file and $TIERSTORE_SOURCE).")
+@click.option(
+    "--source",
+    help="The source to cache: a directory, or an object store URL (s3://, gs://, az://, http(s)://) "
+    "(overrides the file and $TIERSTORE_SOURCE).",
+)
 @click.option(
     "--tier",
     "tiers",
@@ -67,7 +81,8 @@ def main(
     verbose: int,
 ) -> None:
     """tierstore serves training data from the fastest tier of the node (RAM, local NVMe) instead of
-    the shared store, fetching each file at most once per node and never serving stale bytes.
+    the shared store, fetching each file at most once per node. It never serves partial bytes, and sees
+    a file changed on the store within 60s by default (revalidate).
 
     \b
     Configuration comes from a TOML file, then TIERSTORE_* variables, then these options:
@@ -93,15 +108,19 @@ def main(
         try:
             # Commands that only inspect or manage the cache start no agent; `run` starts one itself.
             return Cache(source, list(tiers) or None, policy=policy, config=config_file, start_agent=False)
-        except _core.ConfigError as e:
+        except _core.TierstoreError as e:
+            # A value refused (ConfigError), or a source its settings cannot reach (credentials that are
+            # missing or unreadable): the engine's message says which and what to do.
             raise click.ClickException(str(e)) from e
+        except OSError as e:
+            raise click.ClickException(os_error(e)) from e
 
     # `run` hands the same options to the shim through the environment.
     make.env = {  # type: ignore[attr-defined]
         k: v
         for k, v in {
             "TIERSTORE_CONFIG": config_file and os.path.abspath(config_file),
-            "TIERSTORE_SOURCE": source and os.path.abspath(source),
+            "TIERSTORE_SOURCE": source and (source if "://" in source else os.path.abspath(source)),
             "TIERSTORE_TIERS": ",".join(tiers) or None,
             "TIERSTORE_POLICY": policy,
         }.items()

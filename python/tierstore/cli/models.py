@@ -13,11 +13,22 @@ import click
 from tierstore.cli.main import human, main
 
 
-@main.group()
+class _RepoOption(click.Option):
+    """`--repo`, which every command of the group needs: shown in their usage lines too
+    (`tierstore models --repo DIRECTORY ls [OPTIONS]`), where click shows only a group's arguments."""
+
+    def get_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [f"{self.opts[0]} {self.metavar}"]
+
+
+# The group's usage is its --repo and the command: `tierstore models --repo DIRECTORY COMMAND [ARGS]...`.
+@main.group(options_metavar="")
 @click.option(
     "--repo",
+    cls=_RepoOption,
     envvar="TIERSTORE_MODELS",
     type=click.Path(file_okay=False),
+    metavar="DIRECTORY",
     help="The model repository directory (or $TIERSTORE_MODELS). Required.",
 )
 @click.pass_context
@@ -51,6 +62,11 @@ def _pass_repository(f: Callable[..., None]) -> Callable[..., None]:
         f(open_repository(), *args, **kwargs)
 
     return wrapper
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 version`, `2 versions`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _split_ref(ref: str) -> tuple[str, str]:
@@ -141,11 +157,13 @@ def models_export(repo: Any, ref: str, path: str) -> None:
     help="Quarantine damaged stored tensors, so that the next save of them writes them anew.",
 )
 @click.option(
-    "--progress/--no-progress", default=True, show_default=True, help="Show bytes checked, rate and ETA."
+    "--progress/--no-progress",
+    default=None,
+    help="Show bytes checked, rate and ETA on stderr (default: --progress on a terminal, else --no-progress).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_pass_repository
-def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_json: bool) -> None:
+def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool | None, as_json: bool) -> None:
     """Check the hash of every stored tensor: of every model, of every version of NAME, or of NAME@VERSION.
 
     \b
@@ -168,17 +186,17 @@ def models_verify(repo: Any, ref: str | None, repair: bool, progress: bool, as_j
         copies = len({(d.pack, d.offset, d.hash) for d in report.damaged})
         broken = ", ".join(report.broken_versions)
         click.echo(
-            f"checked {report.tensors} tensors of {report.versions} versions ({report.blobs} stored, "
-            f"{human(report.nbytes)}): "
-            + (f"{copies} stored tensors damaged, in {broken}" if copies else "no damage")
+            f"checked {_count(report.tensors, 'tensor')} of {_count(report.versions, 'version')} "
+            f"({report.blobs} stored, {human(report.nbytes)}): "
+            + (f"{_count(copies, 'stored tensor')} damaged, in {broken}" if copies else "no damage")
         )
         if report.released:
-            click.echo(f"released {report.released} quarantined tensors found intact again")
+            click.echo(f"released {_count(report.released, 'quarantined tensor')} found intact again")
         if report.damaged:
             if repair:
                 already = copies - report.quarantined
                 click.echo(
-                    f"quarantined {report.quarantined} damaged stored tensors"
+                    f"quarantined {_count(report.quarantined, 'damaged stored tensor')}"
                     + (f" ({already} already were)" if already else "")
                     + ": the next save of these tensors writes them anew"
                 )

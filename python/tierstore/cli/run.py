@@ -11,7 +11,7 @@ import click
 
 from tierstore import _core
 from tierstore.cache import Cache
-from tierstore.cli.main import main
+from tierstore.cli.main import human, main
 
 
 def preload_library() -> str:
@@ -180,7 +180,7 @@ def _run_ordered(cache: Any, order: Path, budget: str, command: tuple[str, ...],
     click.echo(
         f"tierstore run: prefetched {p['files_fetched']} of {p['files_total']} files of the order "
         f"({p['files_cached']} already cached, {p['files_read_first']} read before the prefetch reached "
-        f"them, {p['files_failed']} failed; at most {p['max_bytes_ahead']} bytes ahead, budget {n})",
+        f"them, {p['files_failed']} failed; at most {human(p['max_bytes_ahead'])} ahead, budget {human(n)})",
         err=True,
     )
     for message in p["errors"][:5]:

@@ -79,7 +79,8 @@ def stream_ls(socket: Path | None, as_json: bool) -> None:
 @socket_option
 @click.argument("name")
 def stream_show(socket: Path | None, name: str) -> None:
-    """Show a stream's kept versions: size, bytes new in each, leases (consumers still using it)."""
+    """Show a stream's kept versions (size, bytes new in each, leases, age) and its consumers, each with
+    the version it serves and its lag."""
     report = _streams(socket)
     found = [s for s in report["streams"] if s["name"] == name]
     if not found:
@@ -109,15 +110,31 @@ def stream_show(socket: Path | None, name: str) -> None:
 @stream.command("watch")
 @socket_option
 @click.argument("name")
-@click.option("--count", type=int, default=0, help="Exit after this many versions (0: until Ctrl-C).")
+@click.option(
+    "--count",
+    type=click.IntRange(min=0),
+    metavar="N",
+    default=0,
+    help="Exit after this many new versions, not counting the one already latest when the watch starts "
+    "(default 0: until Ctrl-C).",
+)
 @click.option(
     "--interval", type=float, default=0.5, show_default=True, help="Seconds between looks at the consumers."
 )
 def stream_watch(socket: Path | None, name: str, count: int, interval: float) -> None:
     """Print each new version of a stream as the agent announces it, then every consumer's lag; and each
-    consumer's swap (or departure) as the agent learns of it."""
+    consumer's swap (or departure) as the agent learns of it. The version already latest is printed first;
+    --count counts only the versions after it."""
     from tierstore import stream as stream_mod
 
+    # The versions there were before the watch: the subscription announces the latest of them first, and
+    # --count waits for as many new ones. Read before subscribing, so that a version committed meanwhile
+    # counts as new.
+    try:
+        before = _streams(socket)["streams"]
+    except click.ClickException:
+        before = []  # no agent yet: the subscription starts one
+    existing = next((s["latest"] or 0 for s in before if s["name"] == name), 0)
     arrived: queue.Queue[Any] = queue.Queue()
     try:
         sub = stream_mod.Subscriber(
@@ -160,7 +177,8 @@ def stream_watch(socket: Path | None, name: str, count: int, interval: float) ->
             except queue.Empty:
                 consumers(every=False)
                 continue
-            seen += 1
+            if v.version > existing:
+                seen += 1
             click.echo(
                 f"{v} step {v.step} {human(v.nbytes)} ({human(v.new_bytes)} new), "
                 f"{(time.time() - v.created) * 1e3:.1f} ms after its commit"

@@ -112,6 +112,10 @@ pub(crate) fn from_env(text: &str, origin: &Origin) -> Result<Vec<RawTier>, Conf
 const QUOTA_FIX: &str =
     "use a size like \"800G\", \"512MiB\" or a number of bytes, or a share of the file system like \"50%\"";
 
+/// A quota written as a bare number below this is refused: one without its unit (`:50` for `:50G` or
+/// `:50%`) is bytes, too few for a tier. `"50000B"` says bytes are meant.
+const BARE_QUOTA_MIN: u64 = 1 << 20;
+
 /// The percentage a quota like `"50%"` gives: above 0, at most 100.
 fn share(text: &str) -> Option<f64> {
     let n: f64 = text.trim().strip_suffix('%')?.trim().parse().ok()?;
@@ -247,6 +251,17 @@ fn tier_quota(at: &At<'_>, written: Option<&str>, path: &Path, info: &FsInfo) ->
             format!("\"{q}\""),
             "a tier of zero bytes caches nothing",
             "give a positive size, or remove the tier",
+        ));
+    }
+    let number = q.trim();
+    if quota < BARE_QUOTA_MIN && number.bytes().all(|b| b.is_ascii_digit()) {
+        // `--tier /dev/shm/t:50` is 50 bytes: a share or gigabytes were surely meant.
+        let meant = if quota <= 100 { format!("\"{number}%\" or \"{number}G\"") } else { format!("\"{number}G\"") };
+        return Err(at.bad(
+            "quota",
+            format!("\"{q}\""),
+            &format!("is {number} bytes, as a number without a unit is: too small for a cache tier"),
+            &format!("did you mean {meant}? write the unit (\"{number}B\" if bytes are meant)"),
         ));
     }
     if info.total > 0 && quota > info.total {

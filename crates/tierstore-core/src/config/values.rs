@@ -58,6 +58,21 @@ pub(crate) fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem:
     }
 }
 
+/// `text` with the password of a URL's userinfo (`scheme://user:password@host/...`) written `***`, or
+/// `None` when it carries none: a secret is never printed, not even by the error that refuses it.
+pub(crate) fn without_password(text: &str) -> Option<String> {
+    let (scheme, rest) = text.split_once("://")?;
+    let at = rest.find('@')?;
+    let (user, _) = rest[..at].split_once(':')?;
+    if user.contains('/') {
+        return None; // an `@` in the path (`s3://bucket/a:b@c`), not a userinfo
+    }
+    // Hidden up to the last `@`: a password may hold an `@` or a `/` of its own, and hiding a part of the
+    // path too costs less than showing a part of the password.
+    let last = rest.rfind('@').unwrap_or(at);
+    Some(format!("{scheme}://{user}:***@{}", &rest[last + 1..]))
+}
+
 /// Which entry of a list of tables a value belongs to (`tiers[1]`, `writeback[0]`), and where the list
 /// was set, for the messages of its keys.
 pub(crate) struct At<'a> {
@@ -231,6 +246,19 @@ pub fn fs_info(path: &Path) -> std::io::Result<FsInfo> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_password_in_a_url_is_never_shown() {
+        let shown = |t: &str| without_password(t);
+        assert_eq!(shown("https://ann:hunter2@host:8080/data").as_deref(), Some("https://ann:***@host:8080/data"));
+        // A password with an `@` or a `/` of its own is hidden whole.
+        assert_eq!(shown("s3://ann:p@ss/w@bucket/x").as_deref(), Some("s3://ann:***@bucket/x"));
+        // A user without a password, an `@` in the path, and a plain URL are not userinfo with a secret.
+        assert_eq!(shown("https://ann@host/x"), None);
+        assert_eq!(shown("s3://bucket/model:v@2"), None);
+        assert_eq!(shown("az://container@account.dfs.core.windows.net/x"), None);
+        assert_eq!(shown("/data/set"), None);
+    }
 
     #[test]
     fn sizes() {

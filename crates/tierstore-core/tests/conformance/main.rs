@@ -153,7 +153,7 @@ fn suite(kind: &str, policy: &str) {
             (write(&w3.source, &format!("f{i}"), &b), b)
         })
         .collect();
-    let c3 = cache(&w3, policy, "100000", kind);
+    let c3 = cache(&w3, policy, "100000B", kind);
     for _ in 0..2 {
         for (p, b) in &files {
             assert_eq!(&read_all(&c3, p), b);
