@@ -50,6 +50,9 @@ pub fn read_token(path: &Path) -> Result<Vec<u8>, String> {
         Err(e) => return Err(format!("cannot be read ({e})")),
     };
     let meta = file.metadata().map_err(|e| format!("cannot be read ({e})"))?;
+    if meta.is_dir() {
+        return Err("is a directory; give the token file itself (for example the file token in it)".into());
+    }
     if meta.mode() & 0o077 != 0 {
         return Err(format!(
             "can be read by other users (mode {:04o}): anyone who reads it can read the job's files; run chmod 600 {}",
@@ -144,6 +147,16 @@ mod tests {
         assert!(e.contains("chmod 600"), "{e}");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         read_token(&p).unwrap();
+    }
+
+    #[test]
+    fn a_directory_is_no_token_and_is_not_told_to_chmod() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("tokens");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = read_token(&dir).unwrap_err();
+        assert!(e.contains("is a directory") && !e.contains("chmod"), "{e}");
     }
 
     #[test]
