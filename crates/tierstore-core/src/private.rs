@@ -117,20 +117,17 @@ fn open_checked(dir: &Path) -> io::Result<File> {
                 dir.display()
             )));
         }
+        // Another user's directory this user may not even enter (0700): say whose it is, as below.
+        if let Some(owner) = std::fs::symlink_metadata(dir).ok().map(|m| m.uid()).filter(|&u| u != euid()) {
+            return Err(foreign_dir(dir, owner));
+        }
         return Err(io::Error::new(e.kind(), format!("cannot open {}: {e}", dir.display())));
     }
     // SAFETY: `fd` was just opened and is owned by nobody else.
     let file = unsafe { File::from_raw_fd(fd) };
     let meta = file.metadata()?;
-    let me = euid();
-    if meta.uid() != me {
-        return Err(refused(format!(
-            "{} belongs to uid {}, not to you (uid {me}): another user could read or plant the bytes \
-             tierstore keeps there. Choose another path; if the directory is yours to remove, remove it and \
-             tierstore creates it again, mode 0700",
-            dir.display(),
-            meta.uid()
-        )));
+    if meta.uid() != euid() {
+        return Err(foreign_dir(dir, meta.uid()));
     }
     if writable_by_others(meta.mode()) {
         return Err(refused(format!(
@@ -149,6 +146,39 @@ fn open_checked(dir: &Path) -> io::Result<File> {
         }
     }
     Ok(file)
+}
+
+/// The refusal of a directory `owner` (not this user) made.
+fn foreign_dir(dir: &Path, owner: u32) -> io::Error {
+    refused(format!(
+        "{} belongs to uid {owner}, not to you (uid {}): another user could read or plant the bytes tierstore \
+         keeps there. Choose another path; if the directory is yours to remove, remove it and tierstore creates \
+         it again, mode 0700",
+        dir.display(),
+        euid()
+    ))
+}
+
+/// Why the directory `dir` is not this user's own, without opening or changing anything: `None` when it
+/// is one (owned by the effective user, writable by nobody else, not a link) or does not exist yet (this
+/// user makes it), else what was found. For a path chosen by default, so that another one can be chosen
+/// where another user made this one first.
+pub fn why_not_own(dir: &Path) -> Option<String> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(format!("{} cannot be checked: {e}", dir.display())),
+    };
+    let me = euid();
+    if !meta.is_dir() {
+        Some(format!("{} is a symbolic link or not a directory", dir.display()))
+    } else if meta.uid() != me {
+        Some(format!("{} belongs to uid {}, not to you (uid {me})", dir.display(), meta.uid()))
+    } else if writable_by_others(meta.mode()) {
+        Some(format!("{} is writable by other users (mode {:04o})", dir.display(), meta.mode() & 0o7777))
+    } else {
+        None
+    }
 }
 
 /// Makes `dir` (and any missing directory above it, each 0700) a directory of this user's own, or checks
@@ -223,6 +253,45 @@ pub fn open_nofollow(path: &Path, append: bool, create: bool) -> io::Result<File
         Some(libc::ELOOP) => refused(format!("{} is a symbolic link: it is never followed; remove it", path.display())),
         _ => e,
     })
+}
+
+/// Opens (creating 0600 if absent) the file at `path` for reading and writing, never through a symbolic
+/// link, and checks it through its descriptor as a private directory is checked: a plain file owned by
+/// the effective user that nobody else can write, else refused with the path, what was found and the
+/// fix. One that others may only read (made with the umask's 0644 by an older tierstore) is narrowed to
+/// 0600, since nobody else could have changed it.
+pub fn open_own_file(path: &Path) -> io::Result<File> {
+    let file = open_nofollow(path, false, true)?;
+    let meta = file.metadata()?;
+    let me = euid();
+    let remove = |what: String| {
+        refused(format!("{what}. Remove it (rm {}); tierstore creates it again, mode 0600", path.display()))
+    };
+    if !meta.is_file() {
+        return Err(remove(format!("{} is not a plain file", path.display())));
+    }
+    if meta.uid() != me {
+        return Err(remove(format!(
+            "{} belongs to uid {}, not to you (uid {me}): another user made it, and could change it",
+            path.display(),
+            meta.uid()
+        )));
+    }
+    if writable_by_others(meta.mode()) {
+        return Err(remove(format!(
+            "{} is writable by other users (mode {:04o})",
+            path.display(),
+            meta.mode() & 0o7777
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        // SAFETY: fchmod of a descriptor we own.
+        if unsafe { libc::fchmod(file.as_raw_fd(), 0o600) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(e.kind(), format!("cannot make {} private (chmod 600): {e}", path.display())));
+        }
+    }
+    Ok(file)
 }
 
 /// Creates a new file at `path` (which must not exist), mode 0600, never through a symbolic link.
@@ -327,6 +396,59 @@ mod tests {
         assert!(e.to_string().contains("not sticky"), "{e}");
         std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
         ensure_dir(&shared.join("mine")).unwrap();
+    }
+
+    #[test]
+    fn a_file_of_ones_own_is_made_0600_narrowed_or_refused_with_its_fix() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("fetch.lock");
+        open_own_file(&p).unwrap();
+        assert_eq!(mode(&p), 0o600);
+        // An older tierstore's, made with the umask's 0644: narrowed.
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        open_own_file(&p).unwrap();
+        assert_eq!(mode(&p), 0o600);
+        // One others can write: refused, with the path and the fix.
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = open_own_file(&p).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} is writable by other users (mode 0666)", p.display())), "{e}");
+        assert!(e.contains(&format!("rm {}", p.display())), "{e}");
+        // A link: never followed, whatever it points at.
+        std::fs::remove_file(&p).unwrap();
+        let target = t.path().join("victim");
+        std::fs::write(&target, b"keep").unwrap();
+        std::os::unix::fs::symlink(&target, &p).unwrap();
+        assert!(open_own_file(&p).unwrap_err().to_string().contains("symbolic link"));
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        // Another user's (only root can make one here).
+        if euid() == 0 {
+            std::fs::remove_file(&p).unwrap();
+            std::fs::write(&p, b"").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+            std::os::unix::fs::chown(&p, Some(65534), None).unwrap();
+            let e = open_own_file(&p).unwrap_err().to_string();
+            assert!(e.contains("belongs to uid 65534, not to you (uid 0)"), "{e}");
+        }
+    }
+
+    #[test]
+    fn why_not_own_names_what_another_user_made_first() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("run");
+        assert_eq!(why_not_own(&d), None, "a missing directory is made by this user");
+        ensure_dir(&d).unwrap();
+        assert_eq!(why_not_own(&d), None);
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(why_not_own(&d).unwrap().contains("writable by other users (mode 0777)"));
+        std::fs::remove_dir(&d).unwrap();
+        std::os::unix::fs::symlink(t.path(), &d).unwrap();
+        assert!(why_not_own(&d).unwrap().contains("symbolic link"));
+        if euid() == 0 {
+            std::fs::remove_file(&d).unwrap();
+            std::fs::create_dir(&d).unwrap();
+            std::os::unix::fs::chown(&d, Some(65534), None).unwrap();
+            assert!(why_not_own(&d).unwrap().contains("belongs to uid 65534"));
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! *Read locks* keep an entry from being evicted under its reader: a reader holds a shared `flock` on the
 //! copy it opened; eviction takes the exclusive lock without waiting and skips entries it cannot get.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
@@ -47,8 +47,12 @@ fn record_lock(fd: i32, kind: i32, offset: i64, wait: bool) -> io::Result<()> {
 impl FetchLocks {
     /// Opens (creating if needed) the lock file. Keep one per process and path: closing any descriptor of
     /// the file would drop every POSIX lock the process holds on it.
+    ///
+    /// It is the user's own, as every file beside the copies is: made 0600, never opened through a link,
+    /// and refused (with the fix) when another user owns it or can write to it, since whoever can lock it
+    /// can hold back every fetch of the node ([`crate::private::open_own_file`]).
     pub fn open(path: &Path) -> io::Result<FetchLocks> {
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
+        let file = crate::private::open_own_file(path)?;
         Ok(FetchLocks { file })
     }
 
@@ -123,6 +127,23 @@ mod tests {
         assert!(!try_lock_exclusive(&evictor));
         drop(reader);
         assert!(try_lock_exclusive(&evictor));
+    }
+
+    #[test]
+    fn the_lock_file_is_private_and_never_opened_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("fetch.lock");
+        FetchLocks::open(&p).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = FetchLocks::open(&p).err().expect("a lock file others can write was used").to_string();
+        assert!(e.contains(&p.display().to_string()) && e.contains("writable by other users"), "{e}");
+        std::fs::remove_file(&p).unwrap();
+        let elsewhere = dir.path().join("elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, &p).unwrap();
+        assert!(FetchLocks::open(&p).is_err());
+        assert!(!elsewhere.exists(), "the lock file was made through a link");
     }
 
     #[test]
