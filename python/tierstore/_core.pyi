@@ -2,6 +2,7 @@
 
 from collections.abc import Mapping, Sequence
 from os import PathLike
+from pathlib import Path
 from typing import Any, Literal, final
 
 _Path = str | bytes | PathLike[str] | PathLike[bytes]
@@ -30,6 +31,7 @@ __all__ = [
     "TierstoreError",
     "Writeback",
     "__version__",
+    "default_socket",
     "hash_buffers",
     "interpreter_exiting",
     "is_secret",
@@ -87,6 +89,7 @@ class AgentLink:
 
 def parse_size(text: str) -> int | None: ...
 def private_dir(path: _Path) -> None: ...
+def default_socket() -> Path: ...
 def set_log_level(level: str) -> None: ...
 def interpreter_exiting() -> None: ...
 def is_secret(key: str) -> bool: ...

@@ -50,11 +50,10 @@ def executable() -> str:
 
 
 def default_socket() -> Path:
-    """This user's agent socket: in $XDG_RUNTIME_DIR, or in a private directory under /tmp."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "tierstore" / "agent.sock"
-    return Path(f"/tmp/tierstore-{os.getuid()}") / "agent.sock"
+    """This user's agent socket: in $XDG_RUNTIME_DIR, or in a private directory under /tmp, or, where
+    another user made /tmp/tierstore-UID first, in ~/.tierstore/run-HOST (the agent's own rule, from
+    `_core`)."""
+    return Path(_core.default_socket())
 
 
 def run_args(
@@ -124,12 +123,13 @@ def start(
             carries the end of its log.
     """
     log = log or socket.parent / "agent.log"
-    logged = log.stat().st_size if log.exists() else 0
     # The runtime directory is this user's own (made 0700, or checked: never one another user made
-    # first), and the log is never opened through a link another user planted.
+    # first), and the log is never opened through a link another user planted. Nothing in it is looked
+    # at before the check: another user's directory may not even be searchable.
     try:
         _core.private_dir(socket.parent)
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        logged = os.fstat(fd).st_size
     except OSError as e:
         raise AgentError(f"cannot start an agent on {socket}: {e}") from e
     with open(fd, "ab") as out:

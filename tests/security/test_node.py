@@ -4,16 +4,23 @@ sticky one as /dev/shm and /tmp are. Every attempt is refused, and the job's byt
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tierstore
+from tests.helpers.agents import start_agent, stop_agent
 from tests.helpers.cli import agent_cli
 from tests.helpers.users import User, shared_dir, throwaway_user
+from tests.helpers.wait import wait_for
+from tierstore import stream
 
 pytestmark = pytest.mark.root
 
@@ -129,6 +136,88 @@ def test_the_agent_directory_another_user_made_first_is_refused(shared: Path, at
     )
     assert Path("/etc/passwd").read_bytes() == before
     assert not (runtime / "tierstore" / "agent.sock").exists()
+
+
+def test_a_stream_directory_another_user_made_first_leaves_the_agent_starting(
+    tmp_path: Path, attacker: User, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B makes the stream directory of A's agent (/dev/shm/tierstore-UID-stream-TAG, a name anyone can
+    foresee) before the agent starts (issue #49, item 2): the agent starts all the same, keeps its versions
+    in a fresh directory beside it whose name B could not foresee, and never writes into B's."""
+    sock = tmp_path / "run" / "tierstore" / "agent.sock"
+    sock.parent.mkdir(parents=True)
+    proc = start_agent(sock)
+    default = Path(json.loads(agent_cli("status", "--json", "--socket", str(sock)).stdout)["stream_dir"])
+    stop_agent(proc)
+    assert not default.exists(), "a stopped agent removes its stream directory"
+    assert attacker.run(["mkdir", "-m", "0777", str(default)]).returncode == 0
+    proc = start_agent(sock)
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+        v = stream.publish("m", {"t": np.full(1000, 7.0, dtype=np.float32)}, step=1)
+        assert isinstance(v, stream.StreamVersion) and v.version == 1
+        assert not list(default.iterdir()), "the agent wrote into a directory another user made"
+        (fresh,) = default.parent.glob(default.name + ".*")
+        assert fresh.stat().st_uid == os.geteuid() and fresh.stat().st_mode & 0o777 == 0o700
+        assert list((fresh / "blobs").iterdir()), "the version is not in the agent's own directory"
+    finally:
+        stop_agent(proc)
+    wait_for("the agent's own stream directory removed when it stops", lambda: not fresh.exists(), timeout=10)
+
+
+# Run in a mount namespace of its own, with a /tmp of its own (the machine's /tmp/tierstore-0 is left
+# alone): B makes /tmp/tierstore-UID (0700) before A starts an agent with XDG_RUNTIME_DIR unset. A runs
+# without root's power to enter other users' directories, as any other user would. Prints what each
+# `tierstore agent` command did, as JSON.
+PLANTED_TMP = """
+import json, os, subprocess, sys
+attacker, gid, home = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/tmp"], check=True)
+planted = f"/tmp/tierstore-{os.getuid()}"
+subprocess.run(["mkdir", "-m", "0700", planted], user=attacker, group=gid, extra_groups=[], check=True)
+as_a_user = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+def agent(*args, env=env):
+    p = subprocess.run([*as_a_user, sys.executable, "-m", "tierstore.cli", "agent", *args], env=env,
+                       capture_output=True, text=True, timeout=60)
+    return {"rc": p.returncode, "out": p.stdout, "err": p.stderr}
+out = {"homeless": agent("start", env={k: v for k, v in env.items() if k != "HOME"})}
+out["start"] = agent("start", env={**env, "HOME": home})
+out["status"] = agent("status", "--json", env={**env, "HOME": home})
+out["stop"] = agent("stop", env={**env, "HOME": home})
+out["planted"] = os.listdir(planted)
+print(json.dumps(out))
+"""
+
+
+def test_a_runtime_directory_another_user_made_first_in_tmp_leaves_the_agent_starting(
+    shared: Path, attacker: User
+) -> None:
+    """With XDG_RUNTIME_DIR unset the agent's directory is /tmp/tierstore-UID, which another user can make
+    first (issue #49, item 2): `tierstore agent start` still starts an agent, in ~/.tierstore/run-HOST, and
+    every command finds it there; without a home it says in one line what is wrong and what to do, and
+    nothing is ever written into the planted directory."""
+    home = shared / "home"
+    home.mkdir(mode=0o700)
+    unshared = ["unshare", "--mount", "--propagation", "private"]
+    p = subprocess.run(
+        [*unshared, sys.executable, "-c", PLANTED_TMP, str(attacker.uid), str(attacker.gid), str(home)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    planted = f"/tmp/tierstore-{os.getuid()}"
+    homeless = out["homeless"]
+    assert homeless["rc"] != 0 and "Traceback" not in homeless["err"], homeless
+    assert f"{planted} belongs to uid {attacker.uid}" in homeless["err"], homeless
+    assert len(homeless["err"].strip().splitlines()) == 1, homeless
+    sock = home / ".tierstore" / f"run-{socket.gethostname()}" / "agent.sock"
+    assert out["start"]["rc"] == 0 and str(sock) in out["start"]["out"], out["start"]
+    assert out["status"]["rc"] == 0 and json.loads(out["status"]["out"])["socket"] == str(sock), out["status"]
+    assert out["stop"]["rc"] == 0, out["stop"]
+    assert out["planted"] == [], "something was written into the directory another user made"
 
 
 # A fake agent of the attacker's on a Unix socket: it welcomes whoever connects and would serve anything.

@@ -45,7 +45,7 @@ mod report;
 mod requests;
 
 pub use directory::default_dir;
-use directory::{reaper, remove_dead_siblings, LIVE, SUBDIRS};
+use directory::{default_or_fresh, own_dir, reaper, remove_dead_siblings, LIVE, SUBDIRS};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
@@ -273,11 +273,10 @@ pub struct Streams {
 impl Streams {
     /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
     pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
-        let dir = options.dir.clone().unwrap_or_else(|| default_dir(socket));
-        // This user's own, 0700, never through a link: another user may have made the path first.
-        let live = tierstore_core::private::ensure_dir(&dir)
-            .and_then(|d| tierstore_core::private::open_file(&d, LIVE))
-            .map_err(io_err("cannot create the stream directory", &dir))?;
+        let (dir, live) = match &options.dir {
+            Some(dir) => (dir.clone(), own_dir(dir).map_err(io_err("cannot create the stream directory", dir))?),
+            None => default_or_fresh(&default_dir(socket))?,
+        };
         // Held while this agent lives, so that another agent's sweep knows the directory is in use. An
         // agent of this socket that was just stopped may still be exiting: it is given a few seconds.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);

@@ -647,6 +647,13 @@ fn private_dir(path: std::path::PathBuf) -> PyResult<()> {
     tierstore_core::private::ensure_dir(&path).map(drop).map_err(|e| error::io_to_py(e, None))
 }
 
+/// The Unix socket of this user's agent when none is given (`tierstore_core::cluster::default_socket`):
+/// one rule for the agent, the core and Python.
+#[pyfunction]
+fn default_socket() -> std::path::PathBuf {
+    tierstore_core::cluster::default_socket()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tierstore_core::logging::init();
@@ -657,6 +664,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(is_secret, m)?)?;
     m.add_function(wrap_pyfunction!(private_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(exiting::interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(owners, m)?)?;

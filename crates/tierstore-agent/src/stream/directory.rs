@@ -5,6 +5,8 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use super::{io_err, StreamError};
+
 /// The stream directory of the agent on `socket`: on /dev/shm (memory) when there is one, private to the
 /// user, one per socket (agents of several nodes may share a machine in tests).
 pub fn default_dir(socket: &Path) -> PathBuf {
@@ -15,6 +17,46 @@ pub fn default_dir(socket: &Path) -> PathBuf {
     let base =
         if shm.is_dir() { shm.to_path_buf() } else { socket.parent().unwrap_or(Path::new("/tmp")).to_path_buf() };
     base.join(format!("tierstore-{uid}-stream-{tag}"))
+}
+
+/// The stream directory `dir`, this user's own (0700, never through a link), and its `LIVE` file.
+pub(super) fn own_dir(dir: &Path) -> std::io::Result<std::fs::File> {
+    tierstore_core::private::ensure_dir(dir).and_then(|d| tierstore_core::private::open_file(&d, LIVE))
+}
+
+/// The default stream directory `dir`, or, when another user made its foreseeable name first (a
+/// directory or link of theirs, or one others can write: refused by [`own_dir`], never used), a fresh
+/// one beside it whose name nobody can foresee (`<name>.<random>`, made 0700 by this agent), so that the
+/// agent still starts. Its readers learn where it is from the agent's answers; the next agent of the
+/// user removes it once its agent is gone, as any other (`remove_dead_siblings`).
+pub(super) fn default_or_fresh(dir: &Path) -> Result<(PathBuf, std::fs::File), StreamError> {
+    let refused = match own_dir(dir) {
+        Ok(live) => return Ok((dir.to_path_buf(), live)),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => e,
+        Err(e) => return Err(io_err("cannot create the stream directory", dir)(e)),
+    };
+    let name = dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
+    let mut last = None;
+    for _ in 0..8 {
+        let nonce = tierstore_core::cluster::session::nonce();
+        let fresh = dir.with_file_name(format!("{name}.{}", &tierstore_core::hash::hex(&nonce)[..16]));
+        // Made here, now: a name that exists already (nobody could have foreseen it) is passed over.
+        let c = std::ffi::CString::new(fresh.as_os_str().as_encoded_bytes()).expect("no NUL in a path we made");
+        // SAFETY: mkdir with a NUL-terminated path.
+        if unsafe { libc::mkdir(c.as_ptr(), 0o700) } != 0 {
+            last = Some(std::io::Error::last_os_error());
+            continue;
+        }
+        let live = own_dir(&fresh).map_err(io_err("cannot create the stream directory", &fresh))?;
+        log::warn!(
+            "{refused}; the agent keeps its stream versions in {} instead (to use {} again, have its owner or \
+             root remove it)",
+            fresh.display(),
+            dir.display()
+        );
+        return Ok((fresh, live));
+    }
+    Err(io_err("cannot create a stream directory beside", dir)(last.unwrap_or(refused)))
 }
 
 fn hex8(bytes: &[u8]) -> String {

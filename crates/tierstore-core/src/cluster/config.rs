@@ -271,13 +271,39 @@ fn members(c: &mut ClusterConfig, written: &Written<'_>, slurm_nodes: Option<&st
 }
 
 /// The Unix socket of this user's agent: in the user's runtime directory, or in a private directory
-/// under /tmp.
+/// under /tmp, or, where another user made that one first, in `~/.tierstore/run-<host>`.
 pub fn default_socket() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(d) if !d.is_empty() => PathBuf::from(d).join("tierstore").join("agent.sock"),
-        // SAFETY: getuid cannot fail.
-        _ => PathBuf::from(format!("/tmp/tierstore-{}", unsafe { libc::getuid() })).join("agent.sock"),
+        _ => runtime_dir_without_xdg().join("agent.sock"),
     }
+}
+
+/// The agent's runtime directory when `XDG_RUNTIME_DIR` is unset: `/tmp/tierstore-<uid>`. Its name is
+/// foreseeable, so another user can make it first; one that is not this user's own
+/// ([`crate::private::why_not_own`]) is never used, and the directory is `~/.tierstore/run-<host>`
+/// instead, which no other user can make: the agent still starts, and every process of the user finds
+/// it by the same rule. Said once per process. Without a home, the directory stays the one in /tmp, which
+/// is then refused with its owner and the fix.
+fn runtime_dir_without_xdg() -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let plain = PathBuf::from(format!("/tmp/tierstore-{}", unsafe { libc::getuid() }));
+    let Some(why) = crate::private::why_not_own(&plain) else { return plain };
+    let home = match std::env::var_os("HOME") {
+        Some(h) if !h.is_empty() => PathBuf::from(h),
+        _ => return plain,
+    };
+    let instead = home.join(".tierstore").join(format!("run-{}", hostname()));
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        log::warn!(
+            "{why}, so it is not used (another user may have made it first): the agent's socket and log are \
+             in {} instead. To use {} again, have its owner (or root) remove it",
+            instead.display(),
+            plain.display()
+        )
+    });
+    instead
 }
 
 /// The member that `node` names: written as `host:port`, or as a host (with the default `port`) that
