@@ -3,9 +3,11 @@
 Each "node" is only an environment: its own runtime directory (so its own agent and socket), its own tier,
 its own member address 127.0.0.1:PORT, and the job's member list and token, exactly what each node of a real
 job would have. The demo writes a small dataset (200 files of 64 KiB and one of 8 MiB) to a fresh
-temporary directory that stands in for the shared store, starts both agents, reads every file on node 0,
-then on node 1, checks every byte against the files it wrote, prints `tierstore status` for node 1, and
-stops both agents and removes everything. It exits with status 1 if a byte differs or node 1 read the store.
+temporary directory that stands in for the shared store, starts both agents, reads every file on node 0
+(the job's first read: it prints the job-wide hit rate, 0, and what node 1 counted for the files it
+fetched from the store for node 0), then on node 1, checks every byte against the files it wrote, prints
+`tierstore status` for node 1, and stops both agents and removes everything. It exits with status 1 if a
+byte differs or node 1 read the store.
 
 The sharing mode is "inclusive" (the default, "off", shares nothing): a node keeps what a peer sent it, as a
 data-parallel job wants for its next epoch. `--sharing partitioned` keeps each file on its owner only.
@@ -45,6 +47,15 @@ for rel in sys.argv[1:]:
 after = cache.stats()["source"]
 counters = {k: v - before[k] for k, v in after.items() if type(v) is int}
 print(json.dumps({"digests": digests, "counters": counters}))
+"""
+
+
+# What a node's tiers and store counted so far (node-wide: every process of the node and its agent).
+COUNTS = """
+import json, tierstore
+s = tierstore.Cache().stats()
+print(json.dumps({"hits": sum(t["hits"] for t in s["tiers"]), "misses": sum(t["misses"] for t in s["tiers"]),
+                  "store_opens": s["source"]["opens"]}))
 """
 
 
@@ -126,6 +137,14 @@ def read_all(env: dict[str, str], rels: list[str]) -> dict[str, Any]:
     return out
 
 
+def counts(env: dict[str, str]) -> dict[str, int]:
+    p = run(env, [sys.executable, "-c", COUNTS], timeout=60)
+    if p.returncode != 0:
+        raise Failed(f"reading the counters failed:\n{p.stderr[-3000:]}")
+    out: dict[str, int] = json.loads(p.stdout)
+    return out
+
+
 def stop_agents(envs: list[dict[str, str]], pids: list[int]) -> None:
     """Stops each agent, and waits for it to exit, so that nothing outlives the demo."""
     for env in envs:
@@ -162,11 +181,23 @@ def demo(root: Path, sharing: str, envs: list[dict[str, str]], pids: list[int]) 
 
     # Every file has an owner (rendezvous hashing over the member list). Node 0 reads the files node 1 owns
     # through node 1's agent, which reads them from the store once and keeps them.
+    before = [counts(env) for env in envs]
     first = read_all(envs[0], rels)
     c0 = first["counters"]
     print(
         f"node 0: read {len(rels)} files: {c0['bytes_read'] / MiB:.1f} MiB from the store, "
         f"{c0['peer_hits']} files ({c0['peer_bytes'] / MiB:.1f} MiB) from node 1",
+        flush=True,
+    )
+    # A cold run is all misses, on every node: node 1 fetched from the store what it sent node 0 (a miss
+    # there), and node 0 missed in its own tier before it received each file (a peer hit).
+    cold = [{k: v - b[k] for k, v in counts(env).items()} for env, b in zip(envs, before, strict=True)]
+    hits = sum(c["hits"] for c in cold)
+    looks = hits + sum(c["misses"] for c in cold)
+    print(
+        f"job-wide: {hits} hits of {looks} looks in the tiers ({100 * hits / max(looks, 1):.1f}%); node 1 "
+        f"fetched from the store the {c0['peer_hits']} files it sent node 0: {cold[1]['misses']} misses, "
+        f"{cold[1]['store_opens']} store opens",
         flush=True,
     )
 
@@ -196,6 +227,8 @@ def demo(root: Path, sharing: str, envs: list[dict[str, str]], pids: list[int]) 
         "files": len(rels),
         "bytes": total,
         "node0_store_bytes": c0["bytes_read"],
+        "node0_peer_hits": c0["peer_hits"],
+        "cold": {"node0": cold[0], "node1": cold[1]},
         "node1_store_bytes": c1["bytes_read"],
         "node1_peer_hits": c1["peer_hits"],
         "node1_peer_bytes": c1["peer_bytes"],

@@ -31,6 +31,13 @@ def test_two_nodes_example_shares_the_cache_and_cleans_up(tmp_path: Path) -> Non
     assert summary["node1_peer_hits"] > 0 and summary["node1_store_bytes"] == 0, summary
     # ... and what it received is what node 0 had read from the store: each file left the store once.
     assert summary["node1_peer_bytes"] == summary["node0_store_bytes"] > 0, summary
+    # Node 0's read was the job's first: every look in every tier of the job missed (hit rate 0), and
+    # node 1, which fetched from the store the files it sent node 0, counted each as a miss and an open.
+    cold = summary["cold"]
+    assert cold["node0"]["hits"] == cold["node1"]["hits"] == 0, cold
+    assert cold["node0"]["misses"] == summary["files"], cold
+    assert cold["node1"]["misses"] == summary["node0_peer_hits"] > 0, cold
+    assert cold["node1"]["store_opens"] >= cold["node1"]["misses"], cold
     assert "cluster (inclusive)" in p.stdout, "no cluster table in `tierstore status`"
     # Nothing outlives the demo: its temporary directory and both agents are gone.
     assert not Path(summary["root"]).exists(), f"{summary['root']} was left behind"

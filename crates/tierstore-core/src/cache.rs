@@ -454,6 +454,11 @@ impl Cache {
     /// holds it (once per node, as for any reader of this node). The agent's own cache reads only local
     /// tiers and the source, never another peer, so requests cannot chase each other around the job.
     /// With `follow`, a large file is served while its copy is still being made ([`Served::copy`]).
+    ///
+    /// With `follow` the asker reads the bytes: its request counts in this node's tiers as an open of this
+    /// node's does, one hit, or one miss when the file is fetched from the store for it. Without, it only
+    /// asks this node to hold the file (a partitioned prefetch), which counts no hit or miss, as a
+    /// prefetch does not.
     pub fn open_for_peer(&self, rel: &str, follow: bool) -> Result<Served, Error> {
         self.inner.open_for_peer(rel, follow)
     }

@@ -178,15 +178,15 @@ impl Inner {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
-        for attempt in 0..3 {
+        let mut look = Look::First;
+        for _ in 0..3 {
             match known {
                 Some(sid) => {
-                    if let Some(r) = self.hit(&key, rel, &sid, Look::on_attempt(attempt)) {
+                    if let Some(r) = self.hit(&key, rel, &sid, look.take()) {
                         return Ok(r);
                     }
                 }
-                None if attempt == 0 => self.lookup.count_misses(rel),
-                None => {}
+                None => self.lookup.count_misses(look.take(), rel),
             }
             match self.flights.join(&key) {
                 Role::Leader(lead) => {
@@ -249,6 +249,17 @@ impl Inner {
 
     /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
     pub(super) fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
+        self.open_native_looked(rel, stream, Look::First)
+    }
+
+    /// [`Inner::open_native_rel`] whose first look at the tiers is `look` (one already counted by the
+    /// caller, a peer's request, counts nothing more).
+    pub(super) fn open_native_looked(
+        self: &Arc<Self>,
+        rel: &str,
+        stream: bool,
+        mut look: Look,
+    ) -> Result<Native, Error> {
         // A program can follow a growing copy only beside a descriptor of the source itself.
         let stream = stream && self.posix().is_some();
         let seen = now_ns();
@@ -256,17 +267,14 @@ impl Inner {
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
         let purpose = if stream { Purpose::Native } else { Purpose::Prefetch };
-        for attempt in 0..3 {
+        for _ in 0..3 {
             match known {
                 Some(sid) => {
-                    if let Some(f) =
-                        self.hit(&key, rel, &sid, Look::on_attempt(attempt)).and_then(Reader::into_served_file)
-                    {
+                    if let Some(f) = self.hit(&key, rel, &sid, look.take()).and_then(Reader::into_served_file) {
                         return Ok(Native::Whole(f));
                     }
                 }
-                None if attempt == 0 => self.lookup.count_misses(rel),
-                None => {}
+                None => self.lookup.count_misses(look.take(), rel),
             }
             match self.flights.join(&key) {
                 // Small files (and every file without `stream`) are fetched whole in this thread, so the

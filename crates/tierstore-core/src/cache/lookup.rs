@@ -32,25 +32,30 @@ const ACCESS_BATCH: usize = 512;
 const ACCESS_FLUSH_MS: u128 = 500;
 
 /// What a look for a published copy counts: `tierstore status`'s hits and misses are the job's first
-/// look at each open, so a cold open is one miss, not a miss and then a hit of the copy just fetched.
+/// look at each open, so a cold open is one miss, not a miss and then a hit of the copy just fetched. A
+/// peer's request for a file's bytes is such an open on the node that owns it: one hit there, or one miss
+/// when that node fetches the file from the store for it (the asker counts a miss of its own tiers, and a
+/// peer hit), so that a job's first epoch is all misses, on every node.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Look {
     /// The job's first look: a hit or a miss in each tier it reaches, and an access of the copy.
     First,
     /// The job's look at the copy fetched for it after its miss: an access of the copy, no hit.
     AfterFetch,
-    /// The cache's own look (under the fetch lock, for a prefetch or a peer): counts nothing.
+    /// The cache's own look (under the fetch lock, for a prefetch, or for a peer that only asks this node
+    /// to hold a file): counts nothing.
     Quiet,
 }
 
 impl Look {
-    /// The job's look on its `attempt`th pass (0 first) through an open's loop.
-    pub(super) fn on_attempt(attempt: usize) -> Look {
-        if attempt == 0 {
-            Look::First
-        } else {
-            Look::AfterFetch
+    /// This look, leaving the open's next one in its place: every look after the first is
+    /// [`Look::AfterFetch`] (a quiet open stays quiet).
+    pub(super) fn take(&mut self) -> Look {
+        let this = *self;
+        if this == Look::First {
+            *self = Look::AfterFetch;
         }
+        this
     }
 }
 
@@ -112,8 +117,12 @@ impl Lookup {
         self.tiers.iter().find_map(|t| t.index.as_ref().ok())
     }
 
-    /// Counts a miss in every available tier (a trusted file that no tier holds).
-    pub(super) fn count_misses(&self, rel: &str) {
+    /// Counts a miss in every available tier (a trusted file that no tier holds), when `look` is the
+    /// open's first (see [`Look::take`]).
+    pub(super) fn count_misses(&self, look: Look, rel: &str) {
+        if look != Look::First {
+            return;
+        }
         log::debug!("{rel}: miss, no tier holds a copy");
         for t in &self.tiers {
             if t.index.is_ok() {

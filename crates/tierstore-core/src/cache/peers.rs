@@ -189,15 +189,18 @@ impl Inner {
     /// vouched for by [`Beneath`]: a path that leaves the source is refused before anything is read.
     pub(super) fn open_for_peer(self: &Arc<Self>, rel: &str, follow: bool) -> Result<Served, Error> {
         let mut beneath = Beneath::new(self, rel);
+        // The asker's read is an open of this node's: its first look counts here, a hit or (fetched from
+        // the store for it) a miss. Asked only to hold the file, this node prefetches it: nothing counts.
+        let mut look = if follow { Look::First } else { Look::Quiet };
         if follow && self.record_checksums {
-            if let Some(served) = self.follow_for_peer(rel, &mut beneath)? {
+            if let Some(served) = self.follow_for_peer(rel, &mut beneath, &mut look)? {
                 return Ok(served);
             }
         }
         if beneath.applies() {
-            return self.whole_for_peer(rel, &mut beneath);
+            return self.whole_for_peer(rel, &mut beneath, look);
         }
-        let Native::Whole(file) = self.open_native_rel(rel, false)? else {
+        let Native::Whole(file) = self.open_native_looked(rel, false, look)? else {
             unreachable!("a whole-file open never streams")
         };
         let path = self.source.path_of(rel);
@@ -218,14 +221,17 @@ impl Inner {
     /// is vouched for, else the copy fetched under the node's fetch lock ([`Inner::lead_for_peer`]: from
     /// the file opened beneath the source, unless another process published a vouched copy meanwhile),
     /// else the file opened beneath the source itself (no tier had room).
-    fn whole_for_peer(self: &Arc<Self>, rel: &str, beneath: &mut Beneath<'_>) -> Result<Served, Error> {
+    fn whole_for_peer(self: &Arc<Self>, rel: &str, beneath: &mut Beneath<'_>, mut look: Look) -> Result<Served, Error> {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
-        for attempt in 0..3 {
-            if let Some(sid) = known.filter(|sid| beneath.vouched(sid)) {
-                if let Some(file) = self.hit(&key, rel, &sid, Look::on_attempt(attempt)).and_then(Reader::into_file) {
-                    return Ok(self.served_copy(&key, rel, file, sid));
+        for _ in 0..3 {
+            match known.filter(|sid| beneath.vouched(sid)) {
+                Some(sid) => {
+                    if let Some(file) = self.hit(&key, rel, &sid, look.take()).and_then(Reader::into_file) {
+                        return Ok(self.served_copy(&key, rel, file, sid));
+                    }
                 }
+                None => self.lookup.count_misses(look.take(), rel),
             }
             match self.flights.join(&key) {
                 Role::Leader(lead) => {
@@ -313,19 +319,28 @@ impl Inner {
     /// whole. `None` when the file is small (copied whole now) or no copy could be made, and the caller
     /// serves it whole. Every version served is vouched for by `beneath`; a copy this request starts is
     /// made from the file opened beneath the source.
-    fn follow_for_peer(self: &Arc<Self>, rel: &str, beneath: &mut Beneath<'_>) -> Result<Option<Served>, Error> {
+    /// `look` is the request's first look at the tiers, taken here (see [`Look::take`]).
+    fn follow_for_peer(
+        self: &Arc<Self>,
+        rel: &str,
+        beneath: &mut Beneath<'_>,
+        look: &mut Look,
+    ) -> Result<Option<Served>, Error> {
         let key = key_of(rel);
         let mut known = self.known_identity(&key, rel)?;
-        if let Some(sid) = known {
-            // Whole in a tier: served as it is (asking the store for the version again is for the
-            // whole-file path alone, not both).
-            if let Some(file) = self.hit(&key, rel, &sid, Look::Quiet).and_then(Reader::into_file) {
-                if beneath.vouches(&sid)? {
-                    let checksum =
-                        self.lookup.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
-                    return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
+        match known {
+            Some(sid) => {
+                // Whole in a tier: served as it is (asking the store for the version again is for the
+                // whole-file path alone, not both).
+                if let Some(file) = self.hit(&key, rel, &sid, look.take()).and_then(Reader::into_file) {
+                    if beneath.vouches(&sid)? {
+                        let checksum =
+                            self.lookup.published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
+                        return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
+                    }
                 }
             }
+            None => self.lookup.count_misses(look.take(), rel),
         }
         let copy = match self.flights.join(&key) {
             Role::Leader(lead) => {

@@ -227,6 +227,46 @@ conformance! {
     local_fifo: "local", "fifo";
 }
 
+/// A peer's read of a file is one look of the job's at this node's tiers, as a local open is: a miss when
+/// the file is fetched from the store for it (one open), a hit when a tier holds it. A peer that only asks
+/// this node to hold a file (a partitioned prefetch) counts nothing, as a prefetch does not. Both ways a
+/// node serves a peer: with blake3s recorded (sharing on: a large file is served as it is copied) and
+/// without.
+#[test]
+fn a_peers_read_is_one_miss_cold_and_one_hit_warm_on_the_node_that_serves_it() {
+    for verify in ["checksum", "metadata"] {
+        let w = world("local");
+        write(&w.source, "peer/small", &content(6, 10_000));
+        write(&w.source, "peer/large", &content(7, 3 << 20));
+        write(&w.source, "peer/held", &content(8, 10_000));
+        let o = Overrides::default()
+            .with_tiers(&[(w.tier.display().to_string(), Some("100M".to_string()))])
+            .with("source", w.source.display().to_string())
+            .with("verify", verify);
+        let c = Cache::serving(Config::load_with_env(&o, &Default::default()).unwrap()).unwrap();
+        let counted = |c: &Cache| {
+            let s = c.stats();
+            (s.tiers[0].hits, s.tiers[0].misses, s.source.opens)
+        };
+        let before = counted(&c);
+        c.open_for_peer("peer/small", true).unwrap();
+        c.wait_idle();
+        let cold = counted(&c);
+        assert_eq!((cold.0 - before.0, cold.1 - before.1, cold.2 - before.2), (0, 1, 1), "{verify}: a cold read");
+        c.open_for_peer("peer/small", true).unwrap();
+        let warm = counted(&c);
+        assert_eq!((warm.0 - cold.0, warm.1 - cold.1), (1, 0), "{verify}: a warm read");
+        c.open_for_peer("peer/large", true).unwrap();
+        c.wait_idle();
+        let large = counted(&c);
+        assert_eq!((large.0 - warm.0, large.1 - warm.1), (0, 1), "{verify}: a large cold read");
+        c.open_for_peer("peer/held", false).unwrap();
+        c.wait_idle();
+        let held = counted(&c);
+        assert_eq!((held.0 - large.0, held.1 - large.1), (0, 0), "{verify}: held for a peer's prefetch");
+    }
+}
+
 /// The POSIX source over a directory.
 struct PosixStore {
     dir: tempfile::TempDir,
@@ -388,6 +428,10 @@ impl source::Store for ObjectStore {
     fn scratch(&self) -> PathBuf {
         self.scratch.path().to_path_buf()
     }
+
+    fn changes_in_names(&self) -> &'static str {
+        self.changes_in_names
+    }
 }
 
 /// Runs the suite against a store whose server `binary` finds, or says why it passes over it.
@@ -396,10 +440,6 @@ fn conforms_if_installed(name: &str, binary: Result<PathBuf, String>, store: fn(
     match binary {
         Ok(bin) => source::conforms(name, &store(&bin)),
         Err(why) => eprintln!("{name}_source: skipped: {why}"),
-    }
-
-    fn changes_in_names(&self) -> &'static str {
-        self.changes_in_names
     }
 }
 
