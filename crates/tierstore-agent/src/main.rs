@@ -53,14 +53,17 @@ impl log::Log for Logger {
     }
     fn log(&self, r: &log::Record) {
         if self.enabled(r.metadata()) {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            let _ = writeln!(std::io::stderr(), "{:.3} tierstore-agent {}: {}", t.as_secs_f64(), r.level(), r.args());
+            let t = humantime::format_rfc3339_millis(std::time::SystemTime::now());
+            let _ = writeln!(std::io::stderr(), "{t} tierstore-agent {}: {}", r.level(), r.args());
         }
     }
     fn flush(&self) {}
 }
 
 static LOGGER: Logger = Logger;
+
+/// The commands `tierstore-agent` takes.
+const COMMANDS: [&str; 3] = ["run", "status", "stop"];
 
 struct Args {
     command: String,
@@ -93,10 +96,19 @@ fn token_source(
 }
 
 fn parse_args() -> Result<Args, String> {
-    // `--help` or `-h` anywhere (`tierstore-agent --help`, `tierstore-agent run -h`): the usage, exit 0.
+    // `--help` or `-h` anywhere (`tierstore-agent --help`, `tierstore-agent run -h`): the usage, exit 0;
+    // after a command that does not exist, the usage is an error (exit 1), as the command alone is.
     if std::env::args().skip(1).any(|a| a == "--help" || a == "-h") {
-        println!("{USAGE}");
-        std::process::exit(0);
+        match std::env::args().nth(1).filter(|c| !c.starts_with('-')) {
+            Some(c) if !COMMANDS.contains(&c.as_str()) => {
+                eprintln!("tierstore-agent: unknown command {c:?}\n{USAGE}");
+                std::process::exit(1);
+            }
+            _ => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+        }
     }
     let mut it = std::env::args().skip(1);
     let command = it.next().ok_or("no command given")?;
@@ -148,7 +160,34 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
+/// Raises the soft limit on open files to the hard one: the agent holds a descriptor for every connection
+/// (its budgets allow a few thousand at once, see `server.rs`) besides its cache's files, and many systems
+/// start processes with a soft limit of 1,024, which a flood of connections would exhaust.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `limit`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        log::debug!("cannot read the limit on open files: {}", std::io::Error::last_os_error());
+        return;
+    }
+    let was = limit.rlim_cur;
+    // No process may open more than fs.nr_open (2^20 unless raised), whatever its hard limit says.
+    let most = if limit.rlim_max == libc::RLIM_INFINITY { 1 << 20 } else { limit.rlim_max };
+    if was >= most {
+        log::debug!("open files: {was} at most");
+        return;
+    }
+    limit.rlim_cur = most;
+    // SAFETY: setrlimit reads one rlimit from `limit`.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
+        log::debug!("raised the limit on open files from {was} to {most}");
+    } else {
+        log::debug!("cannot raise the limit on open files from {was}: {}", std::io::Error::last_os_error());
+    }
+}
+
 async fn run(a: Args) -> Result<(), String> {
+    raise_open_file_limit();
     let config = job_config()?;
     let cluster = config.as_ref().map(|c| c.cluster.clone()).filter(|c| c.sharing != Sharing::Off);
     let me = cluster.as_ref().and_then(|c| c.me.map(|i| c.members[i].clone()));

@@ -23,7 +23,7 @@ pub fn render(status: &Status) -> String {
     metric(
         "agent_refused_total",
         "counter",
-        "Connections refused (wrong token or protocol version).",
+        "Connections refused (wrong token or protocol version), or closed before their handshake for newer ones.",
         &plain(status.refused as f64),
     );
     metric(

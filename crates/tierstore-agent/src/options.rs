@@ -32,7 +32,8 @@ pub struct Options {
     pub deadline: Duration,
     /// The longest a connection may stay silent between requests before it is closed.
     pub idle_connection: Duration,
-    /// Connections served at once; more wait to be accepted.
+    /// Connections that proved the token (or, on the node's socket, finished their handshake) served at once;
+    /// one more gets an error after its handshake, and its client reads from the store.
     pub max_connections: usize,
     /// The other members' agents (`host:port`), pinged every `heartbeat`.
     pub peers: Vec<String>,

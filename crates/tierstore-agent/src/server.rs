@@ -1,12 +1,15 @@
 //! The agent's server: a Unix socket for the processes of its node, TCP for its peers, one task per
 //! connection, every read under a deadline, and a graceful stop (a local `Stop`, SIGTERM, or idleness).
 //!
-//! Shape after mini-redis's server: `run(options, shutdown)` binds, accepts under a semaphore with
-//! back-off on accept errors, and a watch channel tells every connection to finish its request and close.
+//! Shape after mini-redis's server: `run(options, shutdown)` binds, accepts with back-off on accept
+//! errors, and a watch channel tells every connection to finish its request and close. Every connection
+//! is accepted at once and then counted against its door's [`budget`]: a bounded number may still be in
+//! their handshake (the oldest closed first when a new one needs the place), and those that completed it
+//! have a reserve of their own.
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,12 +17,16 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
 use crate::members::Members;
 use tierstore_core::cluster::session;
 
 use crate::protocol::{self, Conn, ErrorCode, Frame, MAX_HELLO, VERSION};
+
+mod budget;
+
+use budget::{Budget, Limits, NoSession, Session, Unproven};
 
 pub use crate::options::Options;
 pub use crate::status::{CacheView, Status};
@@ -75,8 +82,8 @@ struct Shared {
     /// The addresses peers may dial this agent at, which their proofs must name (see
     /// `tierstore_core::cluster::session`): as the members name it, as it listens, as its host and node.
     names: Vec<String>,
-    /// Handshakes in progress on the TCP port, per address (see [`Handshaking`]).
-    handshaking: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    /// When a refused handshake was last logged at `warn` (see [`Shared::refusal`]).
+    refusal_logged: Mutex<Option<Instant>>,
     last_activity: Mutex<Instant>,
     stop: watch::Sender<bool>,
     /// The job's members, this node included (the registry's list when there is one).
@@ -104,11 +111,11 @@ impl Shared {
             members: self.members.view(),
             cache: self.options.cache.as_deref().map(CacheView::of),
             registry_job: self.options.registry.as_ref().map(|_| self.options.job.clone()),
-            registry_errors: self.registry_errors.load(Ordering::Relaxed),
-            stream_dir: (self.options.stream.dir.clone())
-                .unwrap_or_else(|| crate::stream::default_dir(&self.options.socket))
-                .display()
-                .to_string(),
+            // Failed calls, and the entries the registry held that were refused (issue #49).
+            registry_errors: self.registry_errors.load(Ordering::Relaxed)
+                + self.options.registry.as_ref().map_or(0, |r| r.refused()),
+            // Where the versions are: a fresh directory when another user made the default first.
+            stream_dir: self.streams.dir().display().to_string(),
             stream_keep: self.options.stream.keep,
             stream_redis: self.options.stream.redis.clone(),
             writeback: self.options.writeback.as_deref().map(crate::status::WritebackView::of),
@@ -117,6 +124,26 @@ impl Shared {
 
     fn touch(&self) {
         *self.last_activity.lock().expect("activity lock") = Instant::now();
+    }
+
+    /// Counts a refused handshake and logs why: at `warn` once a second at most, the others at `debug`,
+    /// so that a stranger sending hellos in a loop (or a job past its sessions) does not fill the log.
+    fn refusal(&self, why: std::fmt::Arguments<'_>) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let mut last = self.refusal_logged.lock().expect("refusal log lock");
+        let now = Instant::now();
+        let due = match *last {
+            Some(t) => now.duration_since(t) >= Duration::from_secs(1),
+            None => true,
+        };
+        if due {
+            *last = Some(now);
+            drop(last);
+            log::warn!("{why} (further refusals within a second are logged at debug)");
+        } else {
+            drop(last);
+            log::debug!("{why}");
+        }
     }
 }
 
@@ -171,7 +198,7 @@ impl Agent {
             refused: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
             names,
-            handshaking: Mutex::new(std::collections::HashMap::new()),
+            refusal_logged: Mutex::new(None),
             last_activity: Mutex::new(Instant::now()),
             stop,
             job_members: Mutex::new(options_members),
@@ -200,15 +227,16 @@ impl Agent {
     /// `idle_exit`. Open connections finish their current request; the socket file is removed.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
         let Agent { shared, unix, tcp, metrics } = self;
-        // One cap for each door, so that a flood of connections on the TCP port never keeps the node's
+        // One budget for each door, so that a flood of connections on the TCP port never keeps the node's
         // own processes out (and the other way round).
-        let local_limit = Arc::new(Semaphore::new(shared.options.max_connections));
-        let peer_limit = Arc::new(Semaphore::new(shared.options.max_connections));
+        let sessions = shared.options.max_connections;
+        let local_budget = Budget::new(Limits { unproven: UNPROVEN_LOCAL, per_address: UNPROVEN_LOCAL, sessions });
+        let peer_budget = Budget::new(Limits { unproven: UNPROVEN_PEERS, per_address: UNPROVEN_PER_ADDRESS, sessions });
         let mut stopped = shared.stop.subscribe();
-        let unix_loop = accept_unix(unix, shared.clone(), local_limit);
+        let unix_loop = accept_unix(unix, shared.clone(), local_budget);
         let tcp_loop = async {
             match tcp {
-                Some(l) => accept_tcp(l, shared.clone(), peer_limit).await,
+                Some(l) => accept_tcp(l, shared.clone(), peer_budget).await,
                 None => std::future::pending().await,
             }
         };
@@ -228,7 +256,10 @@ impl Agent {
             _ = tcp_loop => {}
             _ = metrics_loop => {}
             _ = registration => {}
-            _ = idle => log::info!("idle for {:?} with nothing pending: exiting", shared.options.idle_exit),
+            _ = idle => log::info!(
+                "idle for {} s with nothing pending: exiting",
+                shared.options.idle_exit.map_or(0.0, |d| d.as_secs_f64())
+            ),
             _ = shutdown => log::info!("asked to stop"),
             _ = stopping(&mut stopped) => log::info!("stopped by a local client"),
         }
@@ -252,7 +283,8 @@ impl Agent {
 }
 
 /// The addresses a peer may dial this agent at: as the members name it (`me`), as it listens, and as
-/// `host:port` and `node:port` for its port.
+/// `host:port` and `node:port` for its port (a node named by its address, port included, as it is), each
+/// once.
 fn dialed_names(options: &Options, listen: Option<SocketAddr>) -> Vec<String> {
     let mut names = Vec::new();
     if !options.me.is_empty() {
@@ -260,15 +292,31 @@ fn dialed_names(options: &Options, listen: Option<SocketAddr>) -> Vec<String> {
     }
     if let Some(l) = listen {
         names.push(l.to_string());
-        names.push(format!("{}:{}", tierstore_core::cluster::hostname(), l.port()));
-        names.push(format!("{}:{}", options.node, l.port()));
+        names.push(at_port(&tierstore_core::cluster::hostname(), l.port()));
+        names.push(at_port(&options.node, l.port()));
         if l.ip().is_loopback() || l.ip().is_unspecified() {
             names.push(format!("localhost:{}", l.port()));
             names.push(format!("127.0.0.1:{}", l.port()));
         }
     }
-    names.dedup();
+    let mut seen = std::collections::HashSet::new();
+    names.retain(|n| seen.insert(n.clone()));
     names
+}
+
+/// `host` as dialed at `port`: `host:port`, `[v6]:port`, or `host` itself when it already names a port
+/// (`127.0.0.1:7078`, `[::1]:7078`, `node:7078`).
+fn at_port(host: &str, port: u16) -> String {
+    if host.parse::<SocketAddr>().is_ok() {
+        return host.to_string();
+    }
+    if let Ok(IpAddr::V6(v6)) = host.parse::<IpAddr>() {
+        return SocketAddr::from((v6, port)).to_string();
+    }
+    match host.rsplit_once(':') {
+        Some((name, p)) if !name.contains(':') && p.parse::<u16>().is_ok() => host.to_string(),
+        _ => format!("{host}:{port}"),
+    }
 }
 
 /// Binds the Unix socket in a directory of this user's own (made 0700, or checked: see
@@ -292,10 +340,9 @@ async fn bind_unix(path: &Path) -> Result<UnixListener, AgentError> {
     Ok(l)
 }
 
-async fn accept_unix(l: UnixListener, shared: Arc<Shared>, limit: Arc<Semaphore>) {
+async fn accept_unix(l: UnixListener, shared: Arc<Shared>, budget: Arc<Budget<()>>) {
     let mut backoff = Duration::from_millis(1);
     loop {
-        let Ok(permit) = limit.clone().acquire_owned().await else { return };
         match l.accept().await {
             Ok((stream, _)) => {
                 backoff = Duration::from_millis(1);
@@ -306,46 +353,52 @@ async fn accept_unix(l: UnixListener, shared: Arc<Shared>, limit: Arc<Semaphore>
                     log::warn!("refused a local connection: {e}");
                     continue;
                 }
+                let (unproven, closed) = budget.admit(());
+                shared.refused.fetch_add(closed as u64, Ordering::Relaxed);
                 let shared = shared.clone();
-                tokio::spawn(async move {
-                    serve_connection(stream, Side::Local, shared).await;
-                    drop(permit);
-                });
+                tokio::spawn(serve_connection(stream, Side::Local, "the node's socket".into(), shared, unproven));
             }
-            Err(e) => {
-                log::warn!("accept on the socket failed ({e}); retrying in {backoff:?}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
+            Err(e) => backoff = accept_failed(e, backoff, "on the socket", &budget).await,
         }
     }
 }
 
-async fn accept_tcp(l: TcpListener, shared: Arc<Shared>, limit: Arc<Semaphore>) {
+/// Accepts every connection of a peer as it arrives (never waiting on a budget, so that the kernel's
+/// accept queue never fills and a member's connection is never dropped behind a flood) and counts it
+/// against `budget`, which closes the oldest unproven connections when the new one needs their place.
+async fn accept_tcp(l: TcpListener, shared: Arc<Shared>, budget: Arc<Budget<IpAddr>>) {
     let mut backoff = Duration::from_millis(1);
     loop {
-        let Ok(permit) = limit.clone().acquire_owned().await else { return };
         match l.accept().await {
             Ok((stream, from)) => {
                 backoff = Duration::from_millis(1);
-                let Some(pending) = Handshaking::begin(&shared, from.ip()) else {
-                    shared.refused.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                };
+                let (unproven, closed) = budget.admit(from.ip());
+                shared.refused.fetch_add(closed as u64, Ordering::Relaxed);
                 let _ = stream.set_nodelay(true);
                 let shared = shared.clone();
-                tokio::spawn(async move {
-                    serve_connection_from(stream, Side::Peer, shared, Some(pending)).await;
-                    drop(permit);
-                });
+                tokio::spawn(serve_connection(stream, Side::Peer, from.to_string(), shared, unproven));
             }
-            Err(e) => {
-                log::warn!("accept of a peer failed ({e}); retrying in {backoff:?}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
-            }
+            Err(e) => backoff = accept_failed(e, backoff, "of a peer", &budget).await,
         }
     }
+}
+
+/// After a failed accept: when the process is out of descriptors, closes the oldest unproven connection
+/// to free one; waits `backoff` (doubled for the next failure, up to a second) and returns the next.
+async fn accept_failed<A: Copy + Eq + std::hash::Hash>(
+    e: io::Error,
+    backoff: Duration,
+    what: &str,
+    budget: &Budget<A>,
+) -> Duration {
+    let out_of_descriptors = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+    if out_of_descriptors && budget.close_oldest() {
+        log::debug!("accept {what} failed ({e}): closed the oldest connection not past its handshake");
+    } else {
+        log::warn!("accept {what} failed ({e}); retrying in {backoff:?}");
+    }
+    tokio::time::sleep(backoff).await;
+    (backoff * 2).min(Duration::from_secs(1))
 }
 
 /// Answers every HTTP request on `l` with the metrics (scrapes are not activity: they do not keep an
@@ -470,67 +523,38 @@ impl Drop for Open {
     }
 }
 
-/// The most handshakes one address may have in progress on the TCP port; more are closed at once.
-const PENDING_PER_ADDRESS: usize = 64;
+/// Connections on the TCP port that have not proved the token yet, at most; past it the oldest is closed
+/// for the newest. A member's handshake takes one round trip, so it completes long before this many newer
+/// connections arrive; the descriptors (with the sessions') stay well below the open-file limit the agent
+/// raises at start (see `main.rs`).
+const UNPROVEN_PEERS: usize = 512;
 
-/// The longest a connection may take to prove the token: a stranger holds a slot no longer than this.
-const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(2);
+/// The same from one address: one host cannot take all of them; past it, that address's oldest goes. A
+/// node whose processes all connect at once (a DataLoader's workers) stays well below it.
+const UNPROVEN_PER_ADDRESS: usize = 64;
 
-/// A handshake in progress on the TCP port, counted against its address until it ends (in `Drop`).
-struct Handshaking {
-    shared: Arc<Shared>,
-    from: std::net::IpAddr,
-}
+/// Connections on the node's socket that have not completed their handshake yet, at most (they are the
+/// user's own processes, which answer the challenge at once).
+const UNPROVEN_LOCAL: usize = 128;
 
-impl Handshaking {
-    /// Counts a new handshake from `from`, or `None` when that address already has its share in progress.
-    fn begin(shared: &Arc<Shared>, from: std::net::IpAddr) -> Option<Handshaking> {
-        let mut pending = shared.handshaking.lock().expect("handshaking lock");
-        let n = pending.entry(from).or_insert(0);
-        if *n >= PENDING_PER_ADDRESS {
-            return None;
-        }
-        *n += 1;
-        Some(Handshaking { shared: shared.clone(), from })
-    }
-}
-
-impl Drop for Handshaking {
-    fn drop(&mut self) {
-        let mut pending = self.shared.handshaking.lock().expect("handshaking lock");
-        if let Some(n) = pending.get_mut(&self.from) {
-            *n -= 1;
-            if *n == 0 {
-                pending.remove(&self.from);
-            }
-        }
-    }
-}
-
-async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
-    stream: S,
-    side: Side,
-    shared: Arc<Shared>,
-) {
-    serve_connection_from(stream, side, shared, None).await
-}
+/// The longest a connection may take to answer the challenge with its hello: a stranger holds its place
+/// no longer than this (a member answers within a round trip).
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(1);
 
 /// Serves one connection: the handshake (see `tierstore_core::cluster::session`; before it, at most a
-/// hello's bytes are read and for at most [`HANDSHAKE_DEADLINE`]), then its requests. `pending` counts
-/// the handshake against the peer's address until it ends.
-async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
-    stream: S,
-    side: Side,
-    shared: Arc<Shared>,
-    pending: Option<Handshaking>,
-) {
+/// hello's bytes are read and for at most [`HANDSHAKE_DEADLINE`], and the connection is closed as soon as
+/// its door's budget needs its place), then, as a session of that budget, its requests.
+async fn serve_connection<S, A>(stream: S, side: Side, from: String, shared: Arc<Shared>, unproven: Unproven<A>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket,
+    A: Copy + Eq + std::hash::Hash,
+{
     shared.open.fetch_add(1, Ordering::AcqRel);
     shared.total.fetch_add(1, Ordering::Relaxed);
     shared.touch();
     let _open = Open(shared.clone());
     let mut stop = shared.stop.subscribe();
-    let Some(mut stream) = handshake(stream, side, &shared).await else { return };
-    drop(pending);
+    let Some((mut stream, _session)) = handshake(stream, side, &from, &shared, unproven).await else { return };
     loop {
         let Some(frame) = next_request(&mut stream, &shared, &mut stop).await else { return };
         shared.touch();
@@ -560,19 +584,37 @@ async fn serve_connection_from<S: AsyncRead + AsyncWrite + Unpin + crate::sendfi
     }
 }
 
-/// The handshake: a challenge, the client's hello within the deadline, and this agent's welcome (or
-/// its refusal, counted). `None` when the connection ends there.
-async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side: Side, shared: &Shared) -> Option<Conn<S>> {
+/// The handshake: a challenge, the client's hello within the deadline (unless the budget closes the
+/// connection first), and this agent's welcome with a session of the budget (or its refusal, counted).
+/// `None` when the connection ends there. A refused client is told only what it needs; why, with the
+/// names this agent goes by, stays in the agent's log.
+async fn handshake<S, A>(
+    mut stream: S,
+    side: Side,
+    from: &str,
+    shared: &Shared,
+    mut unproven: Unproven<A>,
+) -> Option<(Conn<S>, Session<A>)>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    A: Copy + Eq + std::hash::Hash,
+{
     let n = session::nonce();
-    protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await.ok()?;
     let within = shared.options.deadline.min(HANDSHAKE_DEADLINE);
-    let hello = match tokio::time::timeout(within, protocol::read_frame_within(&mut stream, MAX_HELLO)).await {
-        Ok(Ok(Some(f))) => f,
-        Ok(_) => return None,
-        Err(_) => {
-            shared.timeouts.fetch_add(1, Ordering::Relaxed);
-            return None;
-        }
+    let challenged = async {
+        protocol::write_frame(&mut stream, &Frame::Challenge { version: VERSION, nonce: n }).await?;
+        protocol::read_frame_within(&mut stream, MAX_HELLO).await
+    };
+    let hello = tokio::select! {
+        read = tokio::time::timeout(within, challenged) => match read {
+            Ok(Ok(Some(f))) => f,
+            Ok(_) => return None,
+            Err(_) => {
+                shared.timeouts.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        },
+        _ = unproven.closed() => return None,
     };
     let token = match side {
         Side::Peer => shared.options.token.as_deref(),
@@ -587,14 +629,28 @@ async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, side: Side,
     let (welcome, seals) = match session::welcome(&hello, &n, &agent) {
         Ok(w) => w,
         Err((code, message)) => {
-            shared.refused.fetch_add(1, Ordering::Relaxed);
-            log::warn!("refused a {side:?} connection: {message}");
+            let names = match code {
+                ErrorCode::Unauthorized => format!("; this agent goes by {}", shared.names.join(", ")),
+                _ => String::new(),
+            };
+            shared.refusal(format_args!("refused a {side:?} connection from {from}: {message}{names}"));
             let _ = protocol::write_frame(&mut stream, &Frame::Error { code, message }).await;
             return None;
         }
     };
+    let session = match unproven.prove() {
+        Ok(s) => s,
+        Err(NoSession::Closed) => return None,
+        Err(NoSession::Full(n)) => {
+            shared
+                .refusal(format_args!("refused a {side:?} connection from {from}: {n} connections are served already"));
+            let message = format!("this agent serves {n} connections already: read from the store, try it later");
+            let _ = protocol::write_frame(&mut stream, &Frame::Error { code: ErrorCode::Failed, message }).await;
+            return None;
+        }
+    };
     protocol::write_frame(&mut stream, &welcome).await.ok()?;
-    Some(Conn { stream, seals })
+    Some((Conn { stream, seals }, session))
 }
 
 /// The connection's next request, read within the idle limit. `None` when the connection ends: closed,
@@ -713,4 +769,32 @@ async fn answer_key_share<S: AsyncRead + AsyncWrite + Unpin>(
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the peer took nothing in time"))??;
     share.finish(theirs, &mut stream.seals).map_err(io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agent_named_by_its_address_goes_by_each_name_once_and_each_well_formed() {
+        let mut o = Options::new("127.0.0.1:7078", "/nonexistent/agent.sock");
+        o.me = "127.0.0.1:7078".into();
+        let names = dialed_names(&o, Some("127.0.0.1:7078".parse().unwrap()));
+        let mut once = names.clone();
+        once.sort();
+        once.dedup();
+        assert_eq!(once.len(), names.len(), "a name twice: {names:?}");
+        assert!(names.iter().all(|n| n.matches(':').count() == 1), "a malformed name: {names:?}");
+        assert!(names.contains(&"localhost:7078".to_string()), "{names:?}");
+    }
+
+    #[test]
+    fn a_host_is_dialed_at_the_port_unless_it_names_one() {
+        assert_eq!(at_port("node-a", 7078), "node-a:7078");
+        assert_eq!(at_port("10.0.0.2", 7078), "10.0.0.2:7078");
+        assert_eq!(at_port("::1", 7078), "[::1]:7078");
+        assert_eq!(at_port("node-a:7079", 7078), "node-a:7079");
+        assert_eq!(at_port("10.0.0.2:7079", 7078), "10.0.0.2:7079");
+        assert_eq!(at_port("[::1]:7079", 7078), "[::1]:7079");
+    }
 }

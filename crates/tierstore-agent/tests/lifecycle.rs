@@ -182,7 +182,25 @@ fn the_executable_starts_answers_and_a_killed_agent_never_hangs_its_client() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("idle"), "{}", String::from_utf8_lossy(&out.stderr));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("idle for 0.2 s with nothing pending"), "{log}");
+    // Each line starts with its time in RFC 3339, UTC: 2026-12-02T00:15:03.123Z.
+    let line = log.lines().find(|l| l.contains("idle for")).unwrap();
+    let stamp = line.split(' ').next().unwrap();
+    assert!(stamp.len() == 24 && stamp.ends_with('Z') && stamp.as_bytes()[10] == b'T', "{line}");
+}
+
+#[test]
+fn help_after_a_command_that_does_not_exist_is_an_error() {
+    let run = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_tierstore-agent")).args(args).output().unwrap();
+    let out = run(&["start", "--help"]);
+    assert_eq!(out.status.code(), Some(1), "tierstore-agent start --help");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown command \"start\""));
+    for args in [&["--help"][..], &["run", "--help"], &["status", "-h"]] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("run"), "{args:?}: the usage");
+    }
 }
 
 fn free_port() -> u16 {

@@ -252,12 +252,13 @@ pub fn welcome(hello: &Frame, server: &[u8; 32], agent: &AgentSide<'_>) -> Resul
             let role = Role::Server { encrypt };
             Ok((Frame::Welcome { node: me.to_string(), proof: proof(t, role, to), encrypt }, seals(t, role, to)))
         }
+        // What a stranger may be told, no more: the name its own hello gave, never this agent's host name
+        // or addresses (the agent logs them with the refusal).
         None => Err((
             ErrorCode::Unauthorized,
             format!(
-                "node {node:?}: wrong token, or this agent was dialed at an address it does not go by ({}); every \
-                 agent of a job must be given the same token",
-                names.join(", ")
+                "node {node:?}: wrong token, or dialed at an address this agent does not go by; every agent of a \
+                 job must be given the same token"
             ),
         )),
     }
@@ -351,6 +352,8 @@ mod tests {
         let refused = welcome(&hello, &server, &agent(Some(TOKEN), &names())).unwrap_err();
         assert_eq!(refused.0, ErrorCode::Unauthorized);
         assert!(refused.1.contains("wrong token"), "{}", refused.1);
+        // A stranger learns nothing of the agent: neither its names nor its addresses.
+        assert!(!refused.1.contains("7078") && !refused.1.contains("10.0.0.2"), "{}", refused.1);
         // An agent without the token cannot make a welcome the client accepts.
         let (server, c) = challenge();
         let (client, hello) = ClientHello::answer(c, "b:7078", "a", Some(TOKEN)).unwrap();
