@@ -129,3 +129,75 @@ def test_two_slurm_jobs_on_one_redis_never_see_each_other(
             stop_cluster(second)
     finally:
         stop_cluster(first)
+
+
+def redis_cli(url: str, *args: str) -> str:
+    """A command to the test's Redis at `url`, as anyone who reaches it may send one."""
+    port = url.rsplit(":", 1)[1].strip("/")
+    return subprocess.run(
+        ["redis-cli", "-p", port, *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+
+
+MEMBERS = "tierstore:test-job:members"
+
+
+def test_forged_registry_entries_are_refused_and_counted_once(tmp_path: Path, redis_url: str) -> None:
+    """Anyone who reaches the Redis can write into the job's key (issue #49, item 2): five members written
+    there are never members, and the agent's status counts each once among its registry errors, however
+    many heartbeats list them again; `tierstore status` shows the count."""
+    source = tmp_path / "src"
+    source.mkdir()
+    cluster = registry_cluster(tmp_path, source, 1, redis_url)
+    try:
+        (node,) = cluster.nodes
+        for i in range(5):
+            redis_cli(redis_url, "ZADD", MEMBERS, str(int(time.time() * 1000) + 60_000), f"10.6.6.{i}:7078")
+        time.sleep(1.5)  # a few heartbeats: each lists the five again
+        status = cluster.agent_status(node)
+        assert status["members"] == [], status["members"]
+        assert status["registry_errors"] == 5, status
+        shown = subprocess.run(
+            [sys.executable, "-m", "tierstore.cli", "status"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"{node.env['TIERSTORE_NODE']}: 5 registry errors" in shown.stdout, shown.stdout + shown.stderr
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.mark.slow
+def test_the_entry_of_a_member_that_left_put_back_far_ahead_is_refused(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The MAC of a member's entry covers its end, not only its address (issue #49, item 2): the entry of
+    a member that left, put back into Redis with a score a day ahead, is a member until the end it was
+    written with (10 s, the registration's life) and never after; then it is counted as refused. Slow:
+    that end is 10 s away."""
+    source = tmp_path / "src"
+    source.mkdir()
+    cluster = registry_cluster(tmp_path, source, 2, redis_url)
+    try:
+        stays, leaving = cluster.nodes
+        address = leaving.env["TIERSTORE_NODE"]
+        (entry,) = [
+            e for e in redis_cli(redis_url, "ZRANGE", MEMBERS, "0", "-1").split() if e.startswith(address)
+        ]
+        subprocess.run([sys.executable, "-m", "tierstore.cli", "agent", "stop"], env=leaving.env, check=True)
+        cluster.nodes.pop()
+        deadline = time.monotonic() + 10
+        while cluster.agent_status(stays)["members"]:
+            assert time.monotonic() < deadline, "a stopped agent is still a member"
+            time.sleep(0.1)
+        redis_cli(redis_url, "ZADD", MEMBERS, str(int(time.time() * 1000) + 86_400_000), entry)
+        fields = entry.split("#")
+        ends = int(fields[1]) / 1000 if len(fields) == 3 else time.time() + 10
+        time.sleep(max(0.0, ends - time.time()) + 3)  # past its end, and the 2 s a listing may lag it
+        status = cluster.agent_status(stays)
+        assert status["members"] == [], f"a member that left is listed again: {status['members']}"
+        assert status["registry_errors"] == 1, status
+    finally:
+        stop_cluster(cluster)

@@ -40,6 +40,11 @@ pub trait Registry: Send + Sync {
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>, RegistryError>;
     /// Removes `key`; whether it was set.
     fn remove(&self, key: &str) -> Result<bool, RegistryError>;
+    /// Entries found in the registry and refused, each counted once: not written with the job's token,
+    /// or claiming an end they cannot have (see [`Signed`]). None for a registry that checks nothing.
+    fn refused(&self) -> u64 {
+        0
+    }
 }
 
 /// A registry shared with other owners (a test keeps one to write into it as a stranger would).
@@ -61,6 +66,9 @@ impl<R: Registry> Registry for std::sync::Arc<R> {
     }
     fn remove(&self, key: &str) -> Result<bool, RegistryError> {
         (**self).remove(key)
+    }
+    fn refused(&self) -> u64 {
+        (**self).refused()
     }
 }
 

@@ -27,7 +27,8 @@ pub struct Status {
     pub connections: u64,
     /// Connections accepted since start.
     pub connections_total: u64,
-    /// Connections refused for a wrong or missing token, or another protocol version.
+    /// Connections refused for a wrong or missing token or another protocol version, and connections
+    /// closed before their handshake to make room for newer ones (a flood's; see `server/budget.rs`).
     pub refused: u64,
     /// Connections closed for missing a deadline.
     pub timeouts: u64,
@@ -39,7 +40,8 @@ pub struct Status {
     pub cache: Option<CacheView>,
     /// The job's name in the registry, if the members register in one.
     pub registry_job: Option<String>,
-    /// Registry calls that failed.
+    /// Registry calls that failed, and entries found in the registry and refused (each once: not written
+    /// with the job's token, or claiming an end they cannot have; see [`crate::registry::Registry::refused`]).
     pub registry_errors: u64,
     /// Where model stream versions are kept.
     pub stream_dir: String,

@@ -96,6 +96,44 @@ fn signed_registries_conform_and_ignore_what_a_stranger_writes_into_redis() {
     assert_eq!(job.members().unwrap(), vec!["10.0.0.1:7078".to_string()]);
 }
 
+/// What a stranger writes into the job's registry is never a member, and the agent's status counts each
+/// such entry once among its registry errors, however many heartbeats list it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_counts_each_refused_registry_entry_once_in_its_status() {
+    use std::sync::Arc;
+    use tierstore_agent::client::Client;
+    use tierstore_agent::server::{Agent, Options};
+
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(Embedded::default());
+    for i in 0..5 {
+        registry.join(&format!("10.6.6.{i}:7078"), Duration::from_secs(30)).unwrap();
+    }
+    let mut o = Options::new("node-a", dir.path().join("agent.sock"));
+    o.token = Some(TOKEN.to_vec());
+    o.me = "127.0.0.1:7078".into();
+    o.heartbeat = Duration::from_millis(20);
+    o.registry = Some(Arc::new(Signed::new(Box::new(registry.clone()), "job", TOKEN)));
+    let agent = Agent::bind(o.clone()).await.unwrap();
+    let served = tokio::spawn(agent.serve(std::future::pending()));
+    let mut local = Client::local(&o.socket, Duration::from_secs(2)).await.unwrap();
+    let status = |text: String| serde_json::from_str::<serde_json::Value>(&text).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = status(local.status().await.unwrap());
+        if s["registry_errors"] == 5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the refused entries are not counted: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // ten heartbeats more
+    let s = status(local.status().await.unwrap());
+    assert_eq!(s["registry_errors"], 5, "{s}");
+    assert_eq!(s["members"], serde_json::json!([]), "{s}");
+    served.abort();
+}
+
 #[test]
 fn jobs_sharing_a_redis_do_not_see_each_other() {
     let server = Server::start();

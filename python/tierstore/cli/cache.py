@@ -211,6 +211,12 @@ def status(make: Any, as_json: bool) -> None:
             if not m["up"]:
                 # Whole, on a line of its own: the reason (an errno, a refusal) must not be cut or wrapped.
                 console.print(f"[red]{m['address']} is down:[/] {m['error']}", soft_wrap=True)
+            elif c["registry"] and m["report"].get("registry_errors"):
+                console.print(
+                    f"[yellow]{m['address']}: {m['report']['registry_errors']} registry errors[/] (calls to "
+                    f"{c['registry']} that failed, and entries there not written with the job's token)",
+                    soft_wrap=True,
+                )
     if writeback:
         print_writeback(writeback, False)
 
