@@ -85,12 +85,14 @@ def test_a_killed_owner_sends_its_readers_to_the_store(
     try:
         dead = cluster.nodes[2]
         os.kill(dead.pid, signal.SIGKILL)
-        out = cluster.read_all(cluster.nodes[0], rels, timeout=60)
+        out = cluster.read_all(cluster.nodes[0], rels, timeout=60, log="debug")
         assert out["got"] == digests
         # The dead node's files were rerouted after one failed attempt, not one per file.
         assert out["stats"]["peer_faults"] >= 1
         assert out["seconds"] < 10, f"reading with a dead owner took {out['seconds']:.1f} s"
         assert "cannot be reached" in out["stderr"] or "did not answer" in out["stderr"], out["stderr"]
+        # At -vv, each later file of the dead owner says where it is read instead, and why.
+        assert f"its owner {dead.env['TIERSTORE_NODE']} is marked down" in out["stderr"], out["stderr"]
     finally:
         stop_cluster(cluster)
 

@@ -56,9 +56,10 @@ class Cluster:
     mount: Path
     nodes: list[Node] = field(default_factory=list)
 
-    def read_all(self, node: Node, rels: list[str], timeout: float = 120) -> dict:
-        """Reads every file through `tierstore.Cache` in a process of `node`; returns the digests it
-        read, its counters and how long it took."""
+    def read_all(self, node: Node, rels: list[str], timeout: float = 120, log: str | None = None) -> dict:
+        """Reads every file through `tierstore.Cache` in a process of `node` (logging at `log`, a
+        `TIERSTORE_LOG` level, when given); returns the digests it read, its counters, how long it took
+        and what it wrote to stderr."""
         code = (
             "import hashlib, json, os, sys, time, tierstore\n"
             "c = tierstore.Cache()\n"
@@ -67,7 +68,11 @@ class Cluster:
             "print(json.dumps({'got': got, 'seconds': time.monotonic() - t, 'stats': c.stats()['source']}))\n"
         )
         p = subprocess.run(
-            [sys.executable, "-c", code, *rels], env=node.env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-c", code, *rels],
+            env={**node.env, **({"TIERSTORE_LOG": log} if log else {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         assert p.returncode == 0, f"reader on {node.name} failed: {p.stderr[-3000:]}"
         out = json.loads(p.stdout)

@@ -120,6 +120,19 @@ impl Remote {
         let out = |m: usize| down.get(&names[m]).is_some_and(|(until, _)| *until > now);
         let up = |m: usize| (!mine_too && Some(m) == view.me) || !out(m);
         let owner = view.owners.owner(rel.as_bytes(), up)?;
+        if log::log_enabled!(log::Level::Debug) && !down.is_empty() {
+            // Said at -vv: which file is read elsewhere than at its owner, and why.
+            if let Some(first) = view.owners.owner(rel.as_bytes(), |_| true).filter(|&m| m != owner && out(m)) {
+                let (until, strikes) = down[&names[first]];
+                let instead = if Some(owner) == view.me && !mine_too { "the store" } else { names[owner].as_str() };
+                log::debug!(
+                    "{rel}: its owner {} is marked down for {:.1} s more (failed {strikes} time(s)); reading from \
+                     {instead} instead",
+                    names[first],
+                    until.saturating_duration_since(now).as_secs_f64()
+                );
+            }
+        }
         (mine_too || Some(owner) != view.me).then(|| names[owner].clone())
     }
 
