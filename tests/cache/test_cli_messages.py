@@ -141,6 +141,16 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_refused_node_list_makes_no_token(tmp_path: Path, source: Path, tier: str) -> None:
+    """A configuration refused for its members leaves no token behind: the token is checked after them."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "TIERSTORE_SHARING": "partitioned", "TIERSTORE_PEERS": "gpu[001-"}
+    r = cli("--source", str(source), "--tier", f"{tier}:16M", "config", "show", env=env)
+    assert r.returncode != 0 and "cluster.peers" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (home / ".tierstore").exists()
+
+
 def test_the_help_and_the_readme_say_how_stale_a_copy_may_be() -> None:
     """The default revalidate trusts a copy confirmed within 60s: neither --help nor the README may say
     "never stale"; both say within how long a change is seen, the settings table's default."""

@@ -329,7 +329,7 @@ def test_every_object_name_is_read_as_listed(server: S3Server, bucket: str, tier
     cache = cache_of(server, f"s3://{bucket}/odd", tier, revalidate="never")
     ds = CachedDataset(f"s3://{bucket}/odd", cache=cache, decode=lambda f: f.read())
     assert sorted(ds.paths) == sorted(f"s3://{bucket}/{key}" for key in objects)
-    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds)))):
+    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds))), strict=True):
         assert body == objects[path.removeprefix(f"s3://{bucket}/")], path
     assert gets(cache) == len(objects)
 

@@ -151,7 +151,7 @@ def test_every_object_name_is_read_as_listed(store: Store, tier: str) -> None:
     cache = store.cache(tier, revalidate="never")
     ds = CachedDataset(f"{store.url}/odd", cache=cache, decode=lambda f: f.read())
     assert sorted(ds.paths) == sorted(f"{store.url}/{key}" for key in objects)
-    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds)))):
+    for path, body in zip(ds.paths, (ds[i] for i in range(len(ds))), strict=True):
         assert body == objects[path.removeprefix(f"{store.url}/")], path
     assert source_stats(cache)["reads"] == len(objects)
 
@@ -206,8 +206,12 @@ def test_gcs_without_credentials_is_refused_at_once(
     bad = tmp_path / "key.json"
     bad.write_text("this is no service account key")
     for key in (bad, tmp_path / "missing.json"):
-        with pytest.raises(PermissionError, match=r"service account key could not be used.*GOOGLE_SERVICE_ACCOUNT"):
-            tierstore.Cache(source="gs://bucket/d", tiers=[tier], object_store={"google_service_account": str(key)})
+        with pytest.raises(
+            PermissionError, match=r"service account key could not be used.*GOOGLE_SERVICE_ACCOUNT"
+        ):
+            tierstore.Cache(
+                source="gs://bucket/d", tiers=[tier], object_store={"google_service_account": str(key)}
+            )
 
 
 def re_escape(text: str) -> str:

@@ -215,8 +215,14 @@ async fn run(a: Args) -> Result<(), String> {
     }
     let token_file = token_source(a.token_file.as_deref(), cluster.as_ref().and_then(|c| c.token_file.as_deref()));
     if let Some((f, named)) = &token_file {
-        let token = tierstore_core::cluster::read_token(f)
-            .map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?;
+        // A token the flag names must exist; the configuration's (this user's default one when none is
+        // configured) is made here at its first use.
+        let read = match *named {
+            "--token-file" => tierstore_core::cluster::read_token,
+            _ => tierstore_core::cluster::ensure_token,
+        };
+        let token =
+            read(f).map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?;
         options.token = Some(token);
     }
     if let Some(c) = &cluster {

@@ -135,5 +135,6 @@ socket_option = click.option(
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="The agent's Unix socket (default: $XDG_RUNTIME_DIR/tierstore/agent.sock, or "
-    "/tmp/tierstore-UID/agent.sock).",
+    "/tmp/tierstore-UID/agent.sock, or ~/.tierstore/run-HOST/agent.sock where another user made "
+    "/tmp/tierstore-UID first).",
 )

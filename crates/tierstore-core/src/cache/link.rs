@@ -36,9 +36,10 @@ impl PeerLink {
         if !ask_peers || config.cluster.sharing == crate::cluster::Sharing::Off {
             return Ok(None);
         }
-        // The configuration makes sure of a token whenever sharing is on.
+        // The configuration checked the token whenever sharing is on; this user's default one is made at
+        // its first use.
         let f = config.cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
-        let token = crate::cluster::read_token(&f).map_err(|problem| Error::Tier {
+        let token = crate::cluster::ensure_token(&f).map_err(|problem| Error::Tier {
             path: f.clone(),
             message: format!("[cluster] token_file: {problem}; {}", crate::cluster::TOKEN_FIX),
         })?;

@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
-use super::token::{default_token_file, ensure_token, read_token, TOKEN_FIX};
+use super::token::{default_token_file, read_token, TOKEN_FIX};
 use crate::config::settings;
 use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
 
@@ -133,13 +133,14 @@ pub(crate) fn validate(
     if c.sharing == Sharing::Off {
         return Ok(c);
     }
-    check_token(&mut c, written.text("token_file"))?;
     if c.registry.is_some() && !keys.contains_key("peers") {
         // The members are whoever registered: the agent keeps the list, and every process asks it.
         c.node = written.text("node").map_or_else(hostname, |(v, _)| v);
-        return Ok(c);
+    } else {
+        members(&mut c, &written, slurm_nodes)?;
     }
-    members(&mut c, &written, slurm_nodes)?;
+    // After the members: a configuration refused for them has no token to show for it.
+    check_token(&mut c, written.text("token_file"))?;
     Ok(c)
 }
 
@@ -209,7 +210,8 @@ fn one_value_keys(written: &Written<'_>, slurm_job: Option<&str>) -> Result<Clus
 
 /// Sharing on means a token, on loopback too. Read now, so that a bad token is one message at start
 /// rather than a failure deep in the first read that crosses nodes; with none configured (`given`),
-/// this user's default one, made on first use.
+/// this user's default one, checked when it exists and otherwise made where it is first used (the agent,
+/// a read across nodes: `ensure_token`), never by reading the configuration (`config show` writes nothing).
 fn check_token(c: &mut ClusterConfig, given: Option<(String, &Origin)>) -> Result<(), ConfigError> {
     match (given, c.token_file.as_deref()) {
         (Some((v, o)), Some(path)) => {
@@ -219,7 +221,8 @@ fn check_token(c: &mut ClusterConfig, given: Option<(String, &Origin)>) -> Resul
         }
         _ => {
             let path = default_token_file();
-            if let Err(problem) = ensure_token(&path) {
+            let made = std::fs::symlink_metadata(&path).is_ok();
+            if let Err(problem) = if made { read_token(&path).map(drop) } else { Ok(()) } {
                 let shown = path.display().to_string();
                 return Err(bad(&Origin::Default, "cluster.token_file", &shown, &problem, TOKEN_FIX));
             }

@@ -52,7 +52,7 @@ impl PeerReads {
             return None;
         }
         let f = cluster.token_file.clone().unwrap_or_else(crate::cluster::default_token_file);
-        let token = match crate::cluster::read_token(&f) {
+        let token = match crate::cluster::ensure_token(&f) {
             Ok(t) => t,
             Err(problem) => {
                 log::warn!("the token file {} {problem}; staged files of other nodes are not read", f.display());
