@@ -58,7 +58,7 @@ test-python: setup
 	$(PY) -m pytest tests --durations=20
 
 # The Python tests without the slow ones (soaks, kill loops, over ~5 s, variants of a case kept) and without
-# network namespaces: about 4.5 minutes on 2 idle cores (tests/README.md).
+# network namespaces: about 6.5 minutes on 2 idle cores (tests/README.md).
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow and not netns" --durations=20
 
