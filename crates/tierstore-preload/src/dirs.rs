@@ -94,27 +94,29 @@ fn with_stream<R>(dirp: *mut DIR, f: impl FnOnce(&mut Stream) -> R) -> Option<R>
     streams().get_mut(&(dirp as usize)).map(f)
 }
 
-/// `stat` of the source directory `abs`, from the cache or else from the store (noted); `None` when it
-/// is not a directory or cannot be asked.
-unsafe fn dir_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::stat> {
-    let st = match cache.trusted().cached_stat(abs, nofollow).ok().flatten() {
-        Some(st) => st,
-        None => {
-            let c = CString::new(abs.as_os_str().as_bytes()).ok()?;
-            let mut st: libc::stat = std::mem::zeroed();
-            let rc = if nofollow {
-                real!("lstat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(c.as_ptr(), &mut st)
-            } else {
-                real!("stat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(c.as_ptr(), &mut st)
-            };
-            if rc != 0 {
-                return None;
-            }
-            cache.trusted().note_stat(abs, &st, nofollow);
-            st
-        }
+/// `stat` of `abs` under the source, from the cache or else from the store (noted); `None` when it cannot
+/// be asked.
+unsafe fn source_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::stat> {
+    if let Some(st) = cache.trusted().cached_stat(abs, nofollow).ok().flatten() {
+        return Some(st);
+    }
+    let c = CString::new(abs.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::stat = std::mem::zeroed();
+    let rc = if nofollow {
+        real!("lstat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(c.as_ptr(), &mut st)
+    } else {
+        real!("stat", unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int)(c.as_ptr(), &mut st)
     };
-    (st.st_mode & libc::S_IFMT == libc::S_IFDIR).then_some(st)
+    if rc != 0 {
+        return None;
+    }
+    cache.trusted().note_stat(abs, &st, nofollow);
+    Some(st)
+}
+
+/// `stat` of the source directory `abs` (see `source_stat`); `None` when it is not a directory.
+unsafe fn dir_stat(cache: &Cache, abs: &Path, nofollow: bool) -> Option<libc::stat> {
+    source_stat(cache, abs, nofollow).filter(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR)
 }
 
 /// The listing of the source directory `abs`: the record, or else the store's, recorded.
@@ -153,10 +155,22 @@ pub(crate) unsafe fn read_listing(abs: &Path) -> Option<Vec<Listed>> {
 
 /// A descriptor of the shadow of the source directory `abs`, opened with `flags` (a read-only open
 /// with O_DIRECTORY), when the source is trusted and `abs` is a directory whose listing is (now)
-/// recorded; `None`: the real call must open the source.
+/// recorded; -1 with ENOTDIR when `abs` is a file; `None`: the real call must open the source.
 pub(crate) unsafe fn open_shadow(cache: &Cache, abs: &Path, flags: c_int) -> Option<c_int> {
+    if !cache.trusted().records_metadata() {
+        return None;
+    }
+    match source_stat(cache, abs, flags & libc::O_NOFOLLOW != 0)?.st_mode & libc::S_IFMT {
+        libc::S_IFDIR => {}
+        // A file is not a directory: ENOTDIR, as the kernel would answer, without a lookup on the store
+        // when the file is known (rsync 3.5 probes every path it opens with O_PATH|O_DIRECTORY|O_NOFOLLOW).
+        libc::S_IFREG => {
+            crate::set_errno(libc::ENOTDIR);
+            return Some(-1);
+        }
+        _ => return None,
+    }
     let shadow = cache.trusted().shadow_dir(abs)?;
-    dir_stat(cache, abs, flags & libc::O_NOFOLLOW != 0)?;
     listing(cache, abs)?;
     let c = CString::new(shadow.as_os_str().as_bytes()).ok()?;
     // O_NOATIME would need the shadow's owner; O_NOFOLLOW has been checked on the source.

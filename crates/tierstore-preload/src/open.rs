@@ -27,18 +27,9 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
     if opens_to_write(flags) {
         return None;
     }
-    // A directory of a trusted source: a descriptor of its shadow (see `dirs`). A file the trusted cache
-    // knows is not one: ENOTDIR, as the kernel would answer, without a lookup on the store (rsync 3.5
-    // probes every path it opens with O_PATH|O_DIRECTORY|O_NOFOLLOW first).
+    // A directory of a trusted source: a descriptor of its shadow (see `dirs`).
     if flags & libc::O_DIRECTORY != 0 {
-        let cache = s.cache()?;
-        let nofollow = flags & libc::O_NOFOLLOW != 0;
-        let stat = cache.trusted().cached_stat(&abs, nofollow).ok().flatten();
-        if stat.is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG) {
-            set_errno(libc::ENOTDIR);
-            return Some(-1);
-        }
-        return dirs::open_shadow(cache, &abs, flags);
+        return dirs::open_shadow(s.cache()?, &abs, flags);
     }
     // O_PATH handles and direct I/O (which tmpfs refuses) are the source's business.
     if flags & (libc::O_PATH | libc::O_DIRECT) != 0 {

@@ -41,7 +41,7 @@ impl<'a> Trusted<'a> {
 
     /// Whether metadata records (`stat`s of files and directories, listings) are kept and replayed:
     /// not with `revalidate = "always"`, which asks the store every time.
-    fn records_metadata(&self) -> bool {
+    pub fn records_metadata(&self) -> bool {
         self.inner.config.revalidate != Revalidate::Always
     }
 
