@@ -114,13 +114,7 @@ class Cache:
                 "object_store": None if object_store is None else dict(object_store),
             },
         )
-        self._core = _core.Cache(
-            config_file=config,
-            tiers=None if tiers is None else [_tier(t) for t in tiers],
-            settings=values,
-            s3=None if s3 is None else {k: str(v) for k, v in s3.items()},
-            object_store=None if object_store is None else {k: str(v) for k, v in object_store.items()},
-        )
+        self._core = _core.Cache(**_core_arguments(tiers, values, config, s3, object_store))
         _live.add(self)
         cluster = self._core.config().get("cluster")
         if start_agent and cluster is not None and cluster[0].get("sharing", "off") != "off":
@@ -317,6 +311,39 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
             {**json.loads(env.get("TIERSTORE_OBJECT_STORE", "{}")), **store}
         )
     return env
+
+
+def effective_config(
+    source: PathLike | None = None,
+    tiers: Sequence[TierSpec] | None = None,
+    *,
+    config: PathLike | None = None,
+    s3: Mapping[str, Any] | None = None,
+    object_store: Mapping[str, Any] | None = None,
+    **values: Any,
+) -> dict[str, tuple[Any, str]]:
+    """The configuration `Cache(source, tiers, ...)` would open with, as `{key: (value, origin)}`, without
+    opening the cache: no store is asked, no credential read, no job token made (`tierstore config show`)."""
+    given = {"source": source, **values}
+    settings = {k: v for k, v in given.items() if v is not None}
+    return _core.effective_config(**_core_arguments(tiers, settings, config, s3, object_store))
+
+
+def _core_arguments(
+    tiers: Sequence[TierSpec] | None,
+    values: dict[str, Any],
+    config: PathLike | None,
+    s3: Mapping[str, Any] | None,
+    object_store: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The keywords of `_core.Cache` and `_core.effective_config` for `Cache`'s arguments."""
+    return {
+        "config_file": config,
+        "tiers": None if tiers is None else [_tier(t) for t in tiers],
+        "settings": values,
+        "s3": None if s3 is None else {k: str(v) for k, v in s3.items()},
+        "object_store": None if object_store is None else {k: str(v) for k, v in object_store.items()},
+    }
 
 
 def _rebuild(source: Any, tiers: Any, kwargs: dict[str, Any]) -> Cache:

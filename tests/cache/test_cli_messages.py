@@ -82,7 +82,7 @@ def test_config_show_of_another_store_shows_the_variable_too(tmp_path: Path) -> 
     )
 
 
-@pytest.mark.parametrize("command", ["status", "config show", "clear --yes", "prefetch gs://bucket/x"])
+@pytest.mark.parametrize("command", ["status", "clear --yes", "prefetch gs://bucket/x"])
 def test_a_credential_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path: Path, command: str) -> None:
     """GOOGLE_SERVICE_ACCOUNT naming a file that does not exist, or a key that is not one: the command says
     so in one line, names the file or setting, and exits 1."""
@@ -98,6 +98,15 @@ def test_a_credential_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path: 
     r = run_tierstore("--source", "gs://bucket/train", "--tier", tier, *command.split(), env=env)
     one_line_error(r)
     assert r.returncode == 1
+
+
+def test_config_show_prints_the_settings_of_a_credential_that_cannot_be_read(tmp_path: Path) -> None:
+    """`config show` reads the configuration only: it asks no store and reads no key, so it still shows
+    what is set when the key cannot be read (`status` is what says so)."""
+    env = env_without_aws(tmp_path, GOOGLE_SERVICE_ACCOUNT=str(tmp_path / "nope.json"))
+    tier = f"{tmp_path / 'tier'}:16M"
+    r = run_tierstore("--source", "gs://bucket/train", "--tier", tier, "config", "show", env=env)
+    assert r.returncode == 0 and "object_store  gs://bucket/train" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(
@@ -148,6 +157,24 @@ def test_a_refused_node_list_makes_no_token(tmp_path: Path, source: Path, tier: 
     env = {"HOME": str(home), "TIERSTORE_SHARING": "partitioned", "TIERSTORE_PEERS": "gpu[001-"}
     r = cli("--source", str(source), "--tier", f"{tier}:16M", "config", "show", env=env)
     assert r.returncode != 0 and "cluster.peers" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (home / ".tierstore").exists()
+
+
+def test_config_show_makes_no_token(tmp_path: Path, source: Path) -> None:
+    """`config show` reads the configuration only: with sharing on it names the token file the job would
+    use, and does not make it (a cache makes it when it first asks a peer)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    tier = tmp_path / "tier"
+    env = {
+        "HOME": str(home),
+        "TIERSTORE_SHARING": "partitioned",
+        "TIERSTORE_PEERS": "127.0.0.1:7001,127.0.0.2:7001",
+    }
+    env["TIERSTORE_NODE"] = "127.0.0.1:7001"
+    r = cli("--source", str(source), "--tier", f"{tier}:16M", "config", "show", env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"token {home / '.tierstore' / 'token'}" in r.stdout and "2 members" in r.stdout, r.stdout
     assert not (home / ".tierstore").exists()
 
 

@@ -122,27 +122,7 @@ impl PyCache {
         s3: Option<BTreeMap<String, Bound<'_, PyAny>>>,
         object_store: Option<BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
-        // Every keyword becomes the key the file would write, read by the same code as the file's.
-        let mut overrides =
-            Overrides { config_file: config_file.as_ref().map(path_arg).transpose()?, ..Default::default() };
-        if let Some(list) = tiers {
-            let tiers = list
-                .iter()
-                .map(|(p, q)| Ok((path_arg(p)?.to_string_lossy().into_owned(), q.as_ref().map(size_text).transpose()?)))
-                .collect::<PyResult<Vec<_>>>()?;
-            overrides = overrides.with_tiers(&tiers);
-        }
-        for (key, table) in [("s3", s3), ("object_store", object_store)] {
-            let Some(table) = table else { continue };
-            let values = table.into_iter().map(|(k, v)| Ok((k, toml::Value::String(v.str()?.to_string()))));
-            overrides = overrides.with_value(key, toml::Value::Table(values.collect::<PyResult<_>>()?));
-        }
-        for (keyword, v) in settings.unwrap_or_default() {
-            let (key, text) = keyword_value(&keyword, &v)?;
-            overrides = overrides.with(&key, text);
-        }
-        let config = crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from))
-            .map_err(to_py)?;
+        let config = load_config(py, config_file, tiers, settings, s3, object_store)?;
         let engine = open_engine(py, &config)?;
         Ok(PyCache { config, engine: Mutex::new((tierstore_core::pid(), engine)) })
     }
@@ -341,45 +321,7 @@ impl PyCache {
 
     /// The effective configuration: {key: (value, origin)}.
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = &self.config;
-        let out = PyDict::new(py);
-        let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
-        out.set_item("source", (c.source.to_string_lossy(), origin("source")))?;
-        let tiers = PyList::empty(py);
-        for t in &c.tiers {
-            let d = PyDict::new(py);
-            d.set_item("path", t.path.to_string_lossy())?;
-            d.set_item("quota", t.quota)?;
-            d.set_item("kind", t.kind.name())?;
-            tiers.append(d)?;
-        }
-        out.set_item("tiers", (tiers, origin("tiers")))?;
-        out.set_item("policy", (c.policy.name(), origin("policy")))?;
-        out.set_item("threads", (c.threads, origin("threads")))?;
-        out.set_item("inline_max", (c.inline_max, origin("inline_max")))?;
-        let verify = match c.verify {
-            tierstore_core::Verify::Metadata => "metadata",
-            tierstore_core::Verify::Checksum => "checksum",
-        };
-        out.set_item("verify", (verify, origin("verify")))?;
-        out.set_item("revalidate", (c.revalidate.name(), origin("revalidate")))?;
-        let cluster = PyDict::new(py);
-        cluster.set_item("sharing", c.cluster.sharing.name())?;
-        cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
-        cluster.set_item("port", c.cluster.port)?;
-        cluster.set_item("listen", &c.cluster.listen)?;
-        cluster.set_item("token_file", c.cluster.token_file.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
-        cluster.set_item("encrypt", c.cluster.encrypt)?;
-        cluster.set_item("registry", c.cluster.registry.as_deref())?;
-        cluster.set_item("job", &c.cluster.job)?;
-        cluster.set_item("node", c.cluster.my_address())?;
-        let origins = PyDict::new(py);
-        for key in ["peers", "node", "registry", "job", "token_file", "encrypt", "port", "listen"] {
-            origins.set_item(key, origin(&format!("cluster.{key}")))?;
-        }
-        cluster.set_item("origins", origins)?;
-        out.set_item("cluster", (cluster, origin("cluster")))?;
-        Ok(out)
+        config_dict(py, &self.config)
     }
 
     /// The source directory.
@@ -393,6 +335,95 @@ impl PyCache {
     fn resolved_env(&self) -> Vec<(String, String)> {
         self.config.resolved_env().into_iter().map(|(k, v)| (k.to_string(), v.to_string_lossy().into_owned())).collect()
     }
+}
+
+/// The configuration `Cache(...)` would open with: every keyword becomes the key the file would write,
+/// read by the same code as the file's.
+fn load_config(
+    py: Python<'_>,
+    config_file: Option<Bound<'_, PyAny>>,
+    tiers: Option<Vec<TierArg<'_>>>,
+    settings: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+    s3: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+    object_store: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+) -> PyResult<Config> {
+    let mut overrides =
+        Overrides { config_file: config_file.as_ref().map(path_arg).transpose()?, ..Default::default() };
+    if let Some(list) = tiers {
+        let tiers = list
+            .iter()
+            .map(|(p, q)| Ok((path_arg(p)?.to_string_lossy().into_owned(), q.as_ref().map(size_text).transpose()?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        overrides = overrides.with_tiers(&tiers);
+    }
+    for (key, table) in [("s3", s3), ("object_store", object_store)] {
+        let Some(table) = table else { continue };
+        let values = table.into_iter().map(|(k, v)| Ok((k, toml::Value::String(v.str()?.to_string()))));
+        overrides = overrides.with_value(key, toml::Value::Table(values.collect::<PyResult<_>>()?));
+    }
+    for (keyword, v) in settings.unwrap_or_default() {
+        let (key, text) = keyword_value(&keyword, &v)?;
+        overrides = overrides.with(&key, text);
+    }
+    crate::exiting::without_gil(py, || Config::load(&overrides).map_err(tierstore_core::Error::from)).map_err(to_py)
+}
+
+/// The effective configuration of `Cache(...)` with these arguments, `{key: (value, origin)}`, without
+/// opening the cache: no store is asked, no credential read and no job token made (`tierstore config
+/// show`); the configuration's own checks still make each tier's private directory.
+#[pyfunction]
+#[pyo3(signature = (*, config_file=None, tiers=None, settings=None, s3=None, object_store=None))]
+fn effective_config<'py>(
+    py: Python<'py>,
+    config_file: Option<Bound<'py, PyAny>>,
+    tiers: Option<Vec<TierArg<'py>>>,
+    settings: Option<BTreeMap<String, Bound<'py, PyAny>>>,
+    s3: Option<BTreeMap<String, Bound<'py, PyAny>>>,
+    object_store: Option<BTreeMap<String, Bound<'py, PyAny>>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    config_dict(py, &load_config(py, config_file, tiers, settings, s3, object_store)?)
+}
+
+/// A configuration as `{key: (value, origin)}`, what `Cache.config()` and `effective_config` return.
+fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
+    out.set_item("source", (c.source.to_string_lossy(), origin("source")))?;
+    let tiers = PyList::empty(py);
+    for t in &c.tiers {
+        let d = PyDict::new(py);
+        d.set_item("path", t.path.to_string_lossy())?;
+        d.set_item("quota", t.quota)?;
+        d.set_item("kind", t.kind.name())?;
+        tiers.append(d)?;
+    }
+    out.set_item("tiers", (tiers, origin("tiers")))?;
+    out.set_item("policy", (c.policy.name(), origin("policy")))?;
+    out.set_item("threads", (c.threads, origin("threads")))?;
+    out.set_item("inline_max", (c.inline_max, origin("inline_max")))?;
+    let verify = match c.verify {
+        tierstore_core::Verify::Metadata => "metadata",
+        tierstore_core::Verify::Checksum => "checksum",
+    };
+    out.set_item("verify", (verify, origin("verify")))?;
+    out.set_item("revalidate", (c.revalidate.name(), origin("revalidate")))?;
+    let cluster = PyDict::new(py);
+    cluster.set_item("sharing", c.cluster.sharing.name())?;
+    cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
+    cluster.set_item("port", c.cluster.port)?;
+    cluster.set_item("listen", &c.cluster.listen)?;
+    cluster.set_item("token_file", c.cluster.token_file.as_ref().map(|p| p.to_string_lossy().into_owned()))?;
+    cluster.set_item("encrypt", c.cluster.encrypt)?;
+    cluster.set_item("registry", c.cluster.registry.as_deref())?;
+    cluster.set_item("job", &c.cluster.job)?;
+    cluster.set_item("node", c.cluster.my_address())?;
+    let origins = PyDict::new(py);
+    for key in ["peers", "node", "registry", "job", "token_file", "encrypt", "port", "listen"] {
+        origins.set_item(key, origin(&format!("cluster.{key}")))?;
+    }
+    cluster.set_item("origins", origins)?;
+    out.set_item("cluster", (cluster, origin("cluster")))?;
+    Ok(out)
 }
 
 /// A file opened through the cache (wrapped by `tierstore.CachedFile`).
@@ -661,6 +692,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
+    m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(is_secret, m)?)?;
     m.add_function(wrap_pyfunction!(private_dir, m)?)?;

@@ -245,8 +245,12 @@ def config() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_obj
 def config_show(make: Any, as_json: bool) -> None:
-    """Print the effective configuration and where each value came from."""
-    cfg = make().config()
+    """Print the effective configuration and where each value came from.
+
+    It reads the configuration only: it asks no store, reads no credential and makes no job token
+    (`tierstore status` opens the cache and says what is wrong with the source).
+    """
+    cfg = make.settings()
     cluster = cfg.get("cluster")
     if cluster is not None and cluster[0].get("registry"):
         # A Redis URL may carry the server's password: shown as ***, like every secret here.

@@ -4,14 +4,17 @@ shares. Each group of commands is a module of its own beside this one."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 import tierstore
 from tierstore import _core
-from tierstore.cache import Cache
+from tierstore.cache import Cache, effective_config
+
+T = TypeVar("T")
 
 
 def human(n: int) -> str:
@@ -104,10 +107,9 @@ def main(
         os.environ["TIERSTORE_LOG"] = level
         _core.set_log_level(level)
 
-    def make() -> Cache:
+    def engine_errors(call: Callable[[], T]) -> T:
         try:
-            # Commands that only inspect or manage the cache start no agent; `run` starts one itself.
-            return Cache(source, list(tiers) or None, policy=policy, config=config_file, start_agent=False)
+            return call()
         except _core.TierstoreError as e:
             # A value refused (ConfigError), or a source its settings cannot reach (credentials that are
             # missing or unreadable): the engine's message says which and what to do.
@@ -115,6 +117,16 @@ def main(
         except OSError as e:
             raise click.ClickException(os_error(e)) from e
 
+    def make() -> Cache:
+        # Commands that only inspect or manage the cache start no agent; `run` starts one itself.
+        return engine_errors(
+            lambda: Cache(source, list(tiers) or None, policy=policy, config=config_file, start_agent=False)
+        )
+
+    # What `make()` would open, read without opening it: `config show` makes nothing on disk.
+    make.settings = lambda: engine_errors(  # type: ignore[attr-defined]
+        lambda: effective_config(source, list(tiers) or None, policy=policy, config=config_file)
+    )
     # `run` hands the same options to the shim through the environment.
     make.env = {  # type: ignore[attr-defined]
         k: v
