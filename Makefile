@@ -54,13 +54,18 @@ test: setup test-rust test-python
 test-rust:
 	cargo test --workspace --quiet
 
+# The test files spread over every core (pytest-xdist): a file's tests run in one worker, in order, with its
+# fixtures; TEST_WORKERS=0 runs them all in this process.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=20
+
 test-python: setup
-	$(PY) -m pytest tests --durations=20
+	$(PYTEST)
 
 # The Python tests without the slow ones (soaks, kill loops, over ~5 s, variants of a case kept) and without
 # network namespaces: about 6.5 minutes on 2 idle cores (tests/README.md).
 test-fast: setup
-	$(PY) -m pytest tests -m "not slow and not netns" --durations=20
+	$(PYTEST) -m "not slow and not netns"
 
 # What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside. rclone and s3fs-fuse
 # are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it skipped
