@@ -13,7 +13,8 @@ shared store. Every tierstore setup gets a fresh tier directory, which is a fres
 
   * source-read amplification 1.0 under concurrency (every source byte read once per node);
   * epochs 2 and 3 of `fit` read nothing from the source, at >= 90% of the throughput of reading the cached
-    copies directly (this machine's limit, measured in the same run, best of 5 interleaved passes);
+    copies directly (this machine's limit, measured in the same run: 7 interleaved pairs of passes, by
+    time and by CPU time, met when every pair meets it);
   * `half`: source bytes per later epoch <= (dataset - quota) + 1% of the dataset;
   * `Cache.lookup(p, validate=False)` of a cached entry under 5 us from Python.
 
@@ -30,6 +31,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import sys
 import time
 import zlib
@@ -48,10 +50,9 @@ MiB = 1024 * KiB
 
 EPOCHS = 3
 PROCS = 4
-# Passes over the epoch-2 order for the throughput ratio: tierstore and the raw copies alternate, and the
-# best of each is compared, so that a hiccup of the machine (2 cores shared with the copy pool and the
-# kernel) does not decide the ratio.
-RATIO_PASSES = 5
+# Passes over the epoch-2 order for the throughput ratio: tierstore and the raw copies alternate, and each
+# tierstore pass is compared with the raw pass beside it, by time and by CPU time; every pair is reported.
+RATIO_PASSES = 7
 LOOKUP_CALLS = 100_000
 LOOKUP_ROUNDS = 3
 
@@ -103,6 +104,9 @@ class Epoch:
     reads: int | None
     bytes_read: int | None
     hits: int | None = None
+    #: CPU seconds of this process over the epoch (time.process_time: the reading thread and the cache's
+    #: copy threads), which the load of this shared machine does not stretch as it stretches `seconds`.
+    cpu: float = 0.0
 
     @property
     def mib_s(self) -> float:
@@ -126,7 +130,10 @@ class Target:
     name: str
     goal: str
     measured: str
-    ok: bool
+    ok: bool | None  # None: undecided, the passes fall on both sides of the goal
+
+
+RESULT = {True: "PASS", False: "FAIL", None: "UNDECIDED"}
 
 
 # ---------------------------------------------------------------------------------------------- dataset
@@ -221,9 +228,9 @@ def read_cached(cache: tierstore.Cache, order: Sequence[str]) -> int:
 def plain_epoch(label: str, order: Sequence[str]) -> Epoch:
     """One epoch of plain open(); its operations are the read syscalls and bytes of this process."""
     before = proc_io()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     nbytes = read_plain(order)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = proc_io()
     return Epoch(
         label,
@@ -233,25 +240,28 @@ def plain_epoch(label: str, order: Sequence[str]) -> Epoch:
         stats=None,
         reads=after["syscr"] - before["syscr"],
         bytes_read=after["rchar"] - before["rchar"],
+        cpu=cpu,
     )
 
 
 def cached_epoch(cache: tierstore.Cache, label: str, order: Sequence[str], wait: bool = False) -> Epoch:
     """One epoch through the cache; the source operations are deltas of the node-wide counters."""
     before = cache.stats()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     nbytes = read_cached(cache, order)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if wait:
         # Outside the timing: the copy pool writes small files into the tier after the job has their
         # bytes. Waiting for it makes the epoch's counters complete and the next epoch start from a
         # settled tier.
         cache.wait()
     after = cache.stats()
-    return delta_epoch(label, seconds, nbytes, before, after)
+    return delta_epoch(label, seconds, nbytes, before, after, cpu)
 
 
-def delta_epoch(label: str, seconds: float, nbytes: int, before: dict, after: dict) -> Epoch:
+def delta_epoch(
+    label: str, seconds: float, nbytes: int, before: dict, after: dict, cpu: float = 0.0
+) -> Epoch:
     """An epoch's row from the cache counters before and after it."""
     src0, src1 = before["source"], after["source"]
     return Epoch(
@@ -263,6 +273,7 @@ def delta_epoch(label: str, seconds: float, nbytes: int, before: dict, after: di
         reads=src1["reads"] - src0["reads"],
         bytes_read=src1["bytes_read"] - src0["bytes_read"],
         hits=sum(t["hits"] for t in after["tiers"]) - sum(t["hits"] for t in before["tiers"]),
+        cpu=cpu,
     )
 
 
@@ -318,8 +329,23 @@ def interleaved(
     return ts, raw
 
 
-def best(epochs: Sequence[Epoch]) -> Epoch:
-    return max(epochs, key=lambda e: e.mib_s)
+def pairs(ts: Sequence[Epoch], raw: Sequence[Epoch]) -> tuple[list[float], list[float]]:
+    """Each pass pair's (tierstore's speed / the raw copies'), and (the raw copies' CPU time /
+    tierstore's): 1.0 is as fast, and as cheap, as reading the copies directly."""
+    speed = [t.mib_s / r.mib_s for t, r in zip(ts, raw, strict=True)]
+    cpu = [r.cpu / t.cpu for t, r in zip(ts, raw, strict=True)]
+    return speed, cpu
+
+
+def each(ratios: Sequence[float]) -> str:
+    """The median of `ratios` as a percentage, with every pass's."""
+    return f"{100 * statistics.median(ratios):.1f}% (passes {', '.join(f'{100 * r:.0f}' for r in ratios)})"
+
+
+def judged(ratios: Sequence[float], threshold: float) -> bool | None:
+    """Met when every pass meets `threshold`, missed when none does, undecided (None) when they straddle it."""
+    met = [r >= threshold for r in ratios]
+    return True if all(met) else False if not any(met) else None
 
 
 def run_fit(
@@ -343,11 +369,12 @@ def run_fit(
     s.notes.append(
         f"Throughput ratio: {RATIO_PASSES} tierstore passes (the first is epoch 2) and {RATIO_PASSES} "
         "passes of plain `open(copy, 'rb').read()` over the cached copies (paths from "
-        "`lookup(p, validate=False)`), alternating, all in the epoch-2 order; best against best. Tierstore: "
-        + ", ".join(f"{e.mib_s:,.0f}" for e in ts)
-        + " MiB/s; raw copies: "
-        + ", ".join(f"{e.mib_s:,.0f}" for e in raw)
-        + " MiB/s."
+        "`lookup(p, validate=False)`), alternating, all in the epoch-2 order; each tierstore pass against "
+        "the raw pass beside it. Tierstore: "
+        + ", ".join(f"{e.mib_s:,.0f} MiB/s ({e.cpu:.2f} CPU s)" for e in ts)
+        + "; raw copies: "
+        + ", ".join(f"{e.mib_s:,.0f} MiB/s ({e.cpu:.2f} CPU s)" for e in raw)
+        + "."
     )
 
     # The same comparison per file size, to show where the difference comes from: a per-open cost
@@ -358,26 +385,26 @@ def run_fit(
         sub = [p for p in order2 if ds.size[p] == size]
         sub_ts, sub_raw = interleaved(cache, sub, copies, RATIO_PASSES, "")
         later += sub_ts
-        bt, br = best(sub_ts), best(sub_raw)
-        per_file = (bt.seconds - br.seconds) / len(sub) * 1e6
+        speed, cpu = pairs(sub_ts, sub_raw)
+        per_file = (
+            statistics.median(t.cpu - r.cpu for t, r in zip(sub_ts, sub_raw, strict=True)) / len(sub) * 1e6
+        )
         parts.append(
-            f"{len(sub)} files of {human(size)}: {bt.mib_s:,.0f} vs {br.mib_s:,.0f} MiB/s = "
-            f"{bt.mib_s / br.mib_s:.1%} ({per_file:+.1f} us per file)"
+            f"{len(sub)} files of {human(size)}: speed {each(speed)}, CPU {each(cpu)}, "
+            f"{per_file:+.1f} CPU us per file (median)"
         )
     s.notes.append(
-        "By file size (best of each, epoch-2 order), tierstore vs raw copies: " + "; ".join(parts) + "."
+        "By file size (paired passes, epoch-2 order), tierstore vs raw copies: " + "; ".join(parts) + "."
     )
     if missing:
         s.notes.append(f"{len(missing)} files had no cached copy after epoch 1 (e.g. {missing[0]}).")
 
-    best_ts, best_raw = best(ts), best(raw)
+    speed, cpu = pairs(ts, raw)
     result = {
         "later_reads": sum(e.reads or 0 for e in later),
         "later_bytes": sum(e.bytes_read or 0 for e in later),
-        "epoch2_ratio": ts[0].mib_s / best_raw.mib_s,
-        "best_ratio": best_ts.mib_s / best_raw.mib_s,
-        "best_ts": best_ts.mib_s,
-        "best_raw": best_raw.mib_s,
+        "speed": speed,
+        "cpu": cpu,
         "lookup_us": lookup_latency(cache, ds.paths),
     }
     del cache
@@ -572,7 +599,7 @@ def report(
         "",
         "| target | goal | measured | result |",
         "|---|---|---|---|",
-        *(f"| {t.name} | {t.goal} | {t.measured} | {'PASS' if t.ok else 'FAIL'} |" for t in targets),
+        *(f"| {t.name} | {t.goal} | {t.measured} | {RESULT[t.ok]} |" for t in targets),
         "",
     ]
     for s in setups:
@@ -665,10 +692,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         Target(
             "fit: throughput vs. reading the cached copies directly",
-            ">= 90%",
-            f"{100 * fit['best_ratio']:.1f}% best of {RATIO_PASSES} ({fit['best_ts']:,.0f} / "
-            f"{fit['best_raw']:,.0f} MiB/s); epoch 2 alone {100 * fit['epoch2_ratio']:.1f}%",
-            fit["best_ratio"] >= 0.90,
+            ">= 90% in every pass",
+            each(fit["speed"]),
+            judged(fit["speed"], 0.90),
+        ),
+        Target(
+            "fit: CPU time of reading the cached copies directly vs. tierstore's",
+            ">= 90% in every pass",
+            each(fit["cpu"]),
+            judged(fit["cpu"], 0.90),
         ),
         *(
             Target(
@@ -696,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")
-    return 0 if all(t.ok for t in targets) else 1
+    return 0 if all(t.ok is not False for t in targets) else 1
 
 
 if __name__ == "__main__":

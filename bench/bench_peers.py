@@ -8,7 +8,7 @@ A SeaweedFS server on loopback (`tierstore.testing.s3server`) holds `--small` ob
 `tierstore.testing.s3server.LatencyProxy`, which holds each one `--latency` (10 ms) and counts them by kind
 (GET, HEAD, LIST, PUT...). In one process, `--rounds` times and in a new order each round, the same job
 (bench/s3_job.py: a DataLoader with `--workers` persistent workers reading every small object whole,
-shuffled, and every large one in 1 MiB records, for 3 epochs) runs in these setups:
+shuffled, and every large one in 1 MiB records, for 3 epochs by default) runs in these setups:
 
   local                 plain open() of a copy of every object on /dev/shm: the bar
   tierstore 60s         tierstore.Cache(source="s3://bench/data"), a tier on /dev/shm, no revalidate setting:
@@ -30,7 +30,7 @@ after; every tierstore and simplecache job starts with an empty cache too. Also 
 dataset is warmed into an empty cache by `tierstore prefetch s3://bench/data`, by `juicefs warmup` of a fresh
 mount and, as the floor, by boto3 downloading every object from 32 threads (bench/peers_job.py).
 
-Reported per setup: epoch 1 in seconds, warm epochs (2-3) against the local copy (the median of the rounds'
+Reported per setup: epoch 1 in seconds, warm epochs (2 on) against the local copy, by time and by CPU time (the median of the rounds'
 paired ratios), the proxy's requests per object per epoch by kind (epoch 1 and warm), each warm-up's time,
 and the cache directory's size at the end of each job. Then a POSIX source: the stand-in shared store
 (`tierstore.slowfs` over a directory, its default latencies) read by tierstore and by JuiceFS with its data
@@ -323,14 +323,16 @@ class Bench:
     def job(
         self, setup: Setup, read: Path | None = None, source: str = "", stats: Path | None = None
     ) -> dict[str, Any]:
-        """One 3-epoch job: seconds and requests (the proxy's, or the stand-in store's at `stats`) per epoch."""
+        """One job of `--epochs` epochs: seconds, CPU seconds and requests (the proxy's, or the stand-in store's
+        at `stats`) per epoch."""
         a = self.args
         tier = fresh(self.base / "tier")
         mode = "local" if setup.kind in ("local", "juicefs", "rclone", "s3fs-fuse") else setup.kind
         cmd = [PY, JOB, "--mode", mode, "--bucket", f"{BUCKET}/{PREFIX}", "--source", source,
                "--tier", f"{tier}:8G" if setup.kind == "tierstore" else str(tier),
                "--local", str(read or self.local), "--small", str(a.small), "--large", str(a.large),
-               "--workers", str(a.workers), "--revalidate", setup.revalidate, "--handshake"]  # fmt: skip
+               "--workers", str(a.workers), "--revalidate", setup.revalidate, "--handshake",
+               "--epochs", str(a.epochs)]  # fmt: skip
         if setup.prefetch:
             cmd += ["--prefetch", setup.prefetch]
         env = tool_env(BENCH_S3=json.dumps(self.settings))
@@ -343,7 +345,7 @@ class Bench:
         watchdog.start()
         epochs = []
         try:
-            for _ in range(3):
+            for _ in range(a.epochs):
                 line = p.stdout.readline()
                 if not line:
                     raise RuntimeError(f"the {setup.name} job failed (exit {p.wait()})")
@@ -429,6 +431,12 @@ def warm(job: dict[str, Any]) -> float:
     return statistics.mean(e["seconds"] for e in job["epochs"][1:])
 
 
+def warm_cpu(job: dict[str, Any]) -> float:
+    """CPU seconds of the job's processes in a warm epoch (bench/cpu.py): the load of this shared machine
+    stretches wall time, not this."""
+    return statistics.mean(e["cpu"] for e in job["epochs"][1:])
+
+
 def paired(results: dict[str, list[Any]], over: str, under: str, measure: Any) -> list[float]:
     """measure(over) / measure(under), round by round (each round's jobs ran back to back)."""
     return [measure(a) / measure(b) for a, b in zip(results[over], results[under], strict=True)]
@@ -468,16 +476,26 @@ def epoch_tables(
         lines.append(f"| {m} | {statistics.median(e1):.2f} | {', '.join(f'{s:.2f}' for s in e1)} | {vs} |")
     lines += [
         "",
-        "### Warm epochs (2-3)",
+        f"### Warm epochs (2-{len(results[present[0]][0]['epochs'])})",
         "",
-        "| setup | warm epoch (s), median | speed vs local (median of paired ratios) | each round |",
-        "| --- | ---: | ---: | --- |",
+        "Speed is the local copy's time over the setup's; CPU is the local copy's CPU seconds over the "
+        "setup's, counting the job's processes only (a FUSE tool's daemon is not counted, so a mounted "
+        "tool's CPU figure flatters it).",
+        "",
+        "| setup | warm epoch (s), median | speed vs local (median of paired ratios) | each round | CPU s, median | CPU vs local | each round |",
+        "| --- | ---: | ---: | --- | ---: | ---: | --- |",
     ]
     for m in present:
         ratios = paired(results, "local", m, warm) if results.get("local") else []
         speed = f"{statistics.median(ratios):.2f}x" if ratios else "n/a"
         each = ", ".join(f"{r:.2f}x" for r in ratios)
-        lines.append(f"| {m} | {statistics.median(warm(j) for j in results[m]):.3f} | {speed} | {each} |")
+        cpu = paired(results, "local", m, warm_cpu) if results.get("local") else []
+        cpu_each = ", ".join(f"{r:.2f}x" for r in cpu)
+        cpu_vs = f"{statistics.median(cpu):.2f}x" if cpu else "n/a"
+        lines.append(
+            f"| {m} | {statistics.median(warm(j) for j in results[m]):.3f} | {speed} | {each} | "
+            f"{statistics.median(warm_cpu(j) for j in results[m]):.3f} | {cpu_vs} | {cpu_each} |"
+        )
     lines += [
         "",
         f"### {what} per object per epoch, by kind",
@@ -626,6 +644,7 @@ def main() -> int:
     ap.add_argument("--large-size", type=size, default="64M")
     ap.add_argument("--latency", type=float, default=0.010, help="seconds the proxy adds to each request")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of each job: the first cold, the rest warm")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pfs-rounds", type=int, default=3, help="rounds of the POSIX source part (0: none)")
     ap.add_argument("--only", default="", help="comma-separated setups and warm-ups of the S3 part to run")
@@ -767,6 +786,8 @@ def targets(
           lambda x: x > 1.0, "JuiceFS's time {} tierstore's")  # fmt: skip
     ratio("warm epochs >= 0.95x a local copy (tierstore's defaults)", "local", ts, warm,
           lambda x: x >= 0.95, "{}")  # fmt: skip
+    ratio("warm epochs' CPU time at most 1/0.95 of a local copy's (tierstore's defaults)", "local", ts,
+          warm_cpu, lambda x: x >= 0.95, "the local copy's CPU time {} tierstore's")  # fmt: skip
     ahead("warm epochs ahead of every peer, each with its defaults", PEER_DEFAULTS, warm)
     for m in ("tierstore never", "tierstore never +prefetch"):
         if m not in ran:
@@ -844,10 +865,11 @@ def report(
         f"{human(args.large_size)} ({human(dataset)}) under s3://bench/data/. Requests per object divide by "
         f"{objects} objects; tierstore fetches a large object as {human(RANGE)} ranges, so one fetch of the "
         f"dataset is {fetches} GETs.",
-        f"- The job (`bench/s3_job.py`): 3 epochs of a DataLoader with {args.workers} persistent workers, the "
+        f"- The job (`bench/s3_job.py`): {args.epochs} epochs of a DataLoader with {args.workers} persistent workers, the "
         "small objects one per sample (shuffled, batch 32), the large ones in 1 MiB records; it reads "
         "`open()`ed files of the local copy or of a tool's mount, `tierstore.Cache.open`, or fsspec's "
-        "`simplecache::s3://`. Warm epochs are epochs 2-3.",
+        f"`simplecache::s3://`. Warm epochs are epochs 2-{args.epochs}; each epoch's CPU time is that of the job's "
+        "processes (the main one and its loader workers, bench/cpu.py).",
         "- Setups: `local` a copy on /dev/shm (the bar); `tierstore R` a tier on /dev/shm with revalidate R: "
         f'`{DEFAULT_MODE}` sets none and gets the default, "{DEFAULT_MODE}" (checked before the jobs: '
         f'`Cache.config()["revalidate"]` is {args.default_revalidate}), which trusts a copy confirmed within a minute and '
