@@ -190,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tier, ignore_errors=True)
     seconds = time.perf_counter() - t_start
-    ratio = cold.median() / xargs.median()
+    # Each round's cold prefetch over that round's cold xargs (they alternate which runs first).
+    pairs = [c / x for c, x in zip(cold.seconds, xargs.seconds, strict=True)]
+    ratio = statistics.median(pairs)
+    each = ", ".join(f"{r:.2f}" for r in pairs)
     dirs = spec.files // spec.per_dir + 1  # and the tree itself
     targets = [
-        ("prefetch cold vs xargs -P8 cat cold", "<= 1.20x", f"{ratio:.2f}x", ratio <= 1.20),
+        (
+            "prefetch cold vs xargs -P8 cat cold",
+            "<= 1.20x in every round",
+            f"{ratio:.2f}x (rounds {each})",
+            all(r <= 1.20 for r in pairs),
+        ),
         ("prefetch warm, revalidate never", "< 1 s", f"{never.median():.2f} s", never.median() < 1.0),
         (
             "store operations per file, warm, revalidate never (open, read; getattr beyond 5 per directory)",
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- `xargs`: `{xargs_cmd.replace(str(mnt), 'MNT')}`. `prefetch`: "
         f"`tierstore --source MNT --tier /dev/shm/...:4G prefetch --no-progress{f' --jobs {args.jobs}' if args.jobs else ''} MNT/tree` "
         '(the whole command: Python start, walk, copies), cold into a fresh tier with revalidate = "always" '
-        '(the default), then warm on the filled tier with revalidate = "never" and "always".',
+        '(set; the default is "60s"), then warm on the filled tier with revalidate = "never" and "always".',
         "- Each cold run gets a freshly mounted store; the two cold setups alternate which runs first. "
         + (
             "Before each, the backing files are evicted from the page cache (`posix_fadvise(DONTNEED)`)."
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        f"Ratio prefetch cold / xargs cold: {ratio:.2f}x. Warm, revalidate never: {never.median():.2f} s; "
+        f"Ratio prefetch cold / xargs cold, each round's: {each} (median {ratio:.2f}x). Warm, revalidate never: "
+        f"{never.median():.2f} s; "
         f"always: {always.median():.2f} s.",
         "",
         "Output of the last cold prefetch:",
