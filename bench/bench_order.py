@@ -7,7 +7,7 @@ per batch in the main process (a sleep, standing in for a GPU step: it takes no 
 In one run, each round measures epoch 1 of five setups, in an order that rotates from round to round:
 
   no prefetch   `CachedDataset` over the store through a fresh RAM tier: each file fetched on first read,
-                with revalidate = "always" (the default: one `stat` of the store per open) and "never"
+                with revalidate = "always" (one `stat` of the store per open; the default is "60s") and "never"
                 (a read-only data set: an open of a cached file asks the store nothing).
   prefetch      the same loaders wrapped by `tierstore.torch.prefetching(loader, budget=...)`, both modes.
   local copy    the same job reading a plain copy of the files on a local directory with `open()`
@@ -333,7 +333,8 @@ def write(args: Any, spec: Spec, runs: dict[str, Runs], same: bool, ok: bool, el
         f"{spec.step_ms:g} ms sleep per batch in the main process standing in for a GPU step. Epoch 1 is timed "
         "from `iter(loader)` to the last batch (worker start-up included).",
         "- **no prefetch**: `CachedDataset` over the store through a fresh RAM tier (`/dev/shm`), with "
-        '`revalidate="always"` (the default: each open `stat`s the store, so a changed file is never served) '
+        '`revalidate="always"` (set: each open `stat`s the store, so a changed file is never served; the default '
+        'is "60s") '
         'and `"never"` (a read-only data set). '
         f'**prefetch**: the same loaders through `tierstore.torch.prefetching(loader, budget="{spec.budget}")` '
         "(32 files in flight). **local copy**: the same job reading a plain copy of the files with `open()`, "

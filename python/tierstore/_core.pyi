@@ -32,6 +32,7 @@ __all__ = [
     "Writeback",
     "__version__",
     "default_socket",
+    "effective_config",
     "hash_buffers",
     "interpreter_exiting",
     "is_secret",
