@@ -17,8 +17,16 @@ import pytest
 
 from tests.helpers.cli import tierstore
 from tests.helpers.stores import mounted_store
+from tests.helpers.wait import wait_for
 
 PART = ".tierstore-part"
+
+
+def staged_copies_go(stage: Path) -> None:
+    """Waits until the stage holds no staged copy. `sync` returns once the store has every file; the
+    agent removes a staged copy just after it drops the file's journal entry (an unlink the crash-safe
+    order puts last), which a busy machine can delay past `sync`'s return."""
+    wait_for("the staged copies to go", lambda: not list((stage / "data").iterdir()), timeout=10)
 
 
 def user_stage(dest: Path) -> Path:

@@ -10,7 +10,7 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 
 use super::faults::Faults;
-use super::flight::{Flights, Outcome, Role};
+use super::flight::{Flight, Flights, Outcome, Role};
 use super::job::{FetchJob, Purpose};
 use super::link::PeerLink;
 use super::lock::FetchLocks;
@@ -204,8 +204,10 @@ impl Inner {
                         | Fetched::Streaming(..) => {}
                     }
                 }
-                Role::Follower(flight) => match flight.wait() {
-                    Outcome::Bytes(b) => {
+                Role::Follower(flight) => match self.follow(&flight, rel, seen, &mut known)? {
+                    // The flight fetched another version than this open confirmed: never its bytes.
+                    ref other if other.of_another_version(known.as_ref()) => {}
+                    Outcome::Bytes(b, _) => {
                         let size = b.len() as u64;
                         return Ok(Reader::new(Backing::Memory(b), size, rel.into(), self.source.clone()));
                     }
@@ -230,6 +232,19 @@ impl Inner {
             }
         };
         self.direct(rel, sid, &mut pre)
+    }
+
+    /// What another thread's flight of `rel` delivers to an open that began at `seen`. With `revalidate =
+    /// "always"` every open asks the source: one that began after the flight had read the source (the
+    /// flight lives on while its copy is published) asks it now, into `known`, as it would have asked
+    /// of a published copy, and the caller takes the flight's bytes only if they are that version.
+    fn follow(&self, flight: &Flight, rel: &str, seen: u64, known: &mut Option<SourceId>) -> Result<Outcome, Error> {
+        let outcome = flight.wait();
+        if known.is_none() && self.config.revalidate == Revalidate::Always && flight.delivered_before(seen) {
+            let current = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
+            *known = Some(current);
+        }
+        Ok(outcome)
     }
 
     /// A reader of the source itself (through `pre` when the source is already open).
@@ -297,13 +312,14 @@ impl Inner {
                         Fetched::Cached | Fetched::Skipped => {}
                     }
                 }
-                Role::Follower(flight) => match flight.wait() {
+                Role::Follower(flight) => match self.follow(&flight, rel, seen, &mut known)? {
+                    ref other if other.of_another_version(known.as_ref()) => {}
                     Outcome::Growing(copy) if stream => {
                         let source = self.source_descriptor(rel, None)?;
                         return Ok(Native::Copying { source, copy });
                     }
                     Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
-                    Outcome::Growing(_) | Outcome::Bytes(_) | Outcome::Retry => {}
+                    Outcome::Growing(_) | Outcome::Bytes(..) | Outcome::Retry => {}
                 },
             }
             if known.is_none() {

@@ -264,7 +264,7 @@ impl Inner {
             }
         };
         let bytes = Arc::new(bytes);
-        lead.deliver(Outcome::Bytes(bytes.clone()));
+        lead.deliver(Outcome::Bytes(bytes.clone(), sid));
         let reader = Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
         let inner = self.clone();
         self.in_pool(move || {

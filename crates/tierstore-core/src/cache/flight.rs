@@ -5,16 +5,17 @@
 //! waiting for the copy to be published. Across processes, the fetch lock in `lock.rs` plays this role.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::index::Key;
+use crate::index::{Key, SourceId};
 use crate::reader::Growing;
 
 /// What a flight delivers to the threads that wait on it.
 #[derive(Clone)]
 pub enum Outcome {
-    /// The whole file, read from the source.
-    Bytes(Arc<Vec<u8>>),
+    /// The whole file, read from the source, and the version they are of.
+    Bytes(Arc<Vec<u8>>, SourceId),
     /// A large file being copied into a tier; readers follow the copy.
     Growing(Arc<Growing>),
     /// Nothing to share: look the file up again (it was published, or must be read from the source).
@@ -25,6 +26,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Whether this outcome's bytes are of another version than `known`, the one the waiter's open
+    /// confirmed with the source. A flight outlives its delivery while its copy is published, so a
+    /// waiter that joins after the file changed (a `revalidate = "always"` open that saw the new version)
+    /// must not be handed the old bytes.
+    pub fn of_another_version(&self, known: Option<&SourceId>) -> bool {
+        let version = match self {
+            Outcome::Bytes(_, v) => v,
+            Outcome::Growing(g) => g.version(),
+            Outcome::Retry | Outcome::Failed(..) => return false,
+        };
+        known.is_some_and(|k| k != version)
+    }
+
     /// The outcome of a source request that failed with `e`.
     pub fn failed(e: &std::io::Error) -> Outcome {
         Outcome::Failed(e.kind(), e.to_string().into())
@@ -35,13 +49,23 @@ impl Outcome {
 pub struct Flight {
     outcome: Mutex<Option<Outcome>>,
     ready: Condvar,
+    /// When the leader delivered (`clock::now_ns`), 0 before.
+    delivered_ns: AtomicU64,
 }
 
 impl Flight {
     /// Hands `outcome` to every waiter, present and future, until the flight is removed.
     fn deliver(&self, outcome: Outcome) {
         *self.outcome.lock().expect("flight lock") = Some(outcome);
+        self.delivered_ns.store(crate::clock::now_ns(), Ordering::Release);
         self.ready.notify_all();
+    }
+
+    /// Whether the leader had delivered before `t_ns`: a waiter whose open began at `t_ns` then joined
+    /// a flight that read the source before it was asked, as it would join a published copy.
+    pub fn delivered_before(&self, t_ns: u64) -> bool {
+        let at = self.delivered_ns.load(Ordering::Acquire);
+        at != 0 && at < t_ns
     }
 
     /// Blocks until the leader delivers.
@@ -120,7 +144,7 @@ impl Flights {
         if let Some(f) = map.get(key) {
             return Role::Follower(f.clone());
         }
-        let f = Arc::new(Flight { outcome: Mutex::new(None), ready: Condvar::new() });
+        let f = Arc::new(Flight { outcome: Mutex::new(None), ready: Condvar::new(), delivered_ns: AtomicU64::new(0) });
         map.insert(*key, f.clone());
         Role::Leader(Lead { map: self.map.clone(), key: *key, flight: f })
     }
@@ -151,11 +175,36 @@ mod tests {
         let key = [7u8; 16];
         let lead = lead(&flights, &key);
         let waiter = follow(&flights, &key);
-        lead.deliver(Outcome::Bytes(Arc::new(b"abc".to_vec())));
-        assert!(matches!(waiter.wait(), Outcome::Bytes(b) if b.as_slice() == b"abc"));
+        lead.deliver(Outcome::Bytes(Arc::new(b"abc".to_vec()), SourceId::default()));
+        assert!(matches!(waiter.wait(), Outcome::Bytes(b, _) if b.as_slice() == b"abc"));
         drop(lead);
         // Landed: the next miss leads a flight of its own.
         assert!(matches!(flights.join(&key), Role::Leader(_)));
+    }
+
+    #[test]
+    fn a_flight_tells_whether_it_delivered_before_an_open_began() {
+        let flights = Flights::default();
+        let key = [9u8; 16];
+        let lead = lead(&flights, &key);
+        let waiter = follow(&flights, &key);
+        let before = crate::clock::now_ns();
+        assert!(!waiter.delivered_before(before + 1), "nothing delivered yet");
+        lead.deliver(Outcome::Bytes(Arc::new(b"v".to_vec()), SourceId::default()));
+        let after = crate::clock::now_ns() + 1;
+        assert!(!waiter.delivered_before(before), "an open begun before the delivery shares it");
+        assert!(waiter.delivered_before(after), "an open begun after it asks the source under \"always\"");
+    }
+
+    #[test]
+    fn a_waiter_that_confirmed_another_version_is_not_handed_the_flights_bytes() {
+        let old = SourceId { size: 3, ..SourceId::default() };
+        let new = SourceId { size: 3, mtime_ns: 1, ..SourceId::default() };
+        let bytes = Outcome::Bytes(Arc::new(b"old".to_vec()), old);
+        assert!(bytes.of_another_version(Some(&new)), "the file changed after the flight's read");
+        assert!(!bytes.of_another_version(Some(&old)));
+        assert!(!bytes.of_another_version(None), "a waiter that asked the source nothing takes the flight's");
+        assert!(!Outcome::Retry.of_another_version(Some(&new)));
     }
 
     #[test]

@@ -465,7 +465,7 @@ impl Inner {
         *known = Some(sid);
         if let Fetched::Reader(r) = &fetched {
             if let Backing::Memory(bytes) = r.backing() {
-                job.lead.deliver(Outcome::Bytes(bytes.clone()));
+                job.lead.deliver(Outcome::Bytes(bytes.clone(), sid));
             }
         }
         Ok(fetched)
