@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+import page
 import tierstore
 from units import human
 
@@ -340,12 +341,6 @@ def pairs(ts: Sequence[Epoch], raw: Sequence[Epoch]) -> tuple[list[float], list[
 def each(ratios: Sequence[float]) -> str:
     """The median of `ratios` as a percentage, with every pass's."""
     return f"{100 * statistics.median(ratios):.1f}% (passes {', '.join(f'{100 * r:.0f}' for r in ratios)})"
-
-
-def judged(ratios: Sequence[float], threshold: float) -> bool | None:
-    """Met when every pass meets `threshold`, missed when none does, undecided (None) when they straddle it."""
-    met = [r >= threshold for r in ratios]
-    return True if all(met) else False if not any(met) else None
 
 
 def run_fit(
@@ -694,13 +689,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fit: throughput vs. reading the cached copies directly",
             ">= 90% in every pass",
             each(fit["speed"]),
-            judged(fit["speed"], 0.90),
+            page.met(fit["speed"], 0.90),
         ),
         Target(
             "fit: CPU time of reading the cached copies directly vs. tierstore's",
             ">= 90% in every pass",
             each(fit["cpu"]),
-            judged(fit["cpu"], 0.90),
+            page.met(fit["cpu"], 0.90),
         ),
         *(
             Target(

@@ -155,9 +155,6 @@ def main() -> int:
             warm(a, measure) / warm(b, measure) for a, b in zip(results[against], results[m], strict=True)
         ]
 
-    def rounds(ratios: list[float]) -> str:
-        return f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
-
     warm_epochs = args.epochs - 1
 
     lines = [
@@ -183,7 +180,7 @@ def main() -> int:
         e1 = statistics.median(j["epochs"][0]["seconds"] for j in jobs)
         w = statistics.median(warm(j) for j in jobs)
         speed = statistics.median(ratio(m, "local")) if "local" in results else float("nan")
-        cpu = rounds(ratio(m, "local", "cpu")) if "local" in results else "n/a"
+        cpu = page.rounds(ratio(m, "local", "cpu")) if "local" in results else "n/a"
         first: dict[str, int] = {}
         later: dict[str, int] = {}
         for j in jobs:
@@ -195,7 +192,7 @@ def main() -> int:
         summary[m] = {"speed": speed, "first": sum(first.values()) / len(jobs) / args.objects}
         summary[m]["first_get"] = first.get("GET", 0) / len(jobs) / args.objects
         summary[m]["warm_requests"] = sum(later.values()) / len(jobs) / warm_epochs / args.objects
-        each = rounds(ratio(m, "local")) if "local" in results else f"{speed:.2f}x"
+        each = page.rounds(ratio(m, "local")) if "local" in results else f"{speed:.2f}x"
         lines.append(
             f"| {m} | {e1:.2f} | {w:.3f} | {each} | {cpu} | {per_object(first, args.objects, len(jobs))} | "
             f"{per_object(later, args.objects, warm_epochs * len(jobs))} |"
@@ -207,16 +204,16 @@ def main() -> int:
             checks.append((f"{m}: epoch 1 costs one GET per object", ok, f"{summary[m]['first']:.3f}"))
     if "60s" in summary and "local" in summary:
         r = ratio("60s", "local")
-        checks.append(("60s: warm epochs >= 0.90x local", page.met(r, 0.90), rounds(r)))
+        checks.append(("60s: warm epochs >= 0.90x local", page.met(r, 0.90), page.rounds(r)))
     if "default" in summary and "local" in summary:
         r = ratio("default", "local")
-        checks.append(("default: warm epochs >= 0.95x local", page.met(r, 0.95), rounds(r)))
+        checks.append(("default: warm epochs >= 0.95x local", page.met(r, 0.95), page.rounds(r)))
         r = ratio("default", "local", "cpu")
         checks.append(("default: warm epochs' CPU time >= 0.95x local's (local's over tierstore's)",
-                       page.met(r, 0.95), rounds(r)))  # fmt: skip
+                       page.met(r, 0.95), page.rounds(r)))  # fmt: skip
     if "60s" in summary and "never" in summary:
         r = ratio("60s", "never")
-        checks.append(("60s: warm epochs >= 0.95x never", page.met(r, 0.95), rounds(r)))
+        checks.append(("60s: warm epochs >= 0.95x never", page.met(r, 0.95), page.rounds(r)))
     if "always" in summary:
         checks.append(("always: one request per open", abs(summary["always"]["warm_requests"] - 1.0) < 0.005,
                        f"{summary['always']['warm_requests']:.3f}"))  # fmt: skip
@@ -224,7 +221,7 @@ def main() -> int:
         if with_p in summary and without in summary:
             r = ratio(with_p, without)
             checks.append((f"{with_p}: warm epochs >= 0.95x {without} (at most 1.05x its time)", page.met(r, 0.95),
-                           rounds(r)))  # fmt: skip
+                           page.rounds(r)))  # fmt: skip
     lines += page.targets(checks)
     lines += ["", "Per round (epoch seconds, CPU seconds, then the proxy's requests per epoch):", ""]
     for m in modes:

@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
+import page
 from tierstore.testing.s3server import S3Server
 from units import blob, human, size
 
@@ -161,16 +162,6 @@ def warm(job: dict[str, Any], measure: str = "seconds") -> float:
     return statistics.mean(e[measure] for e in job["epochs"][1:])
 
 
-def judged(ratios: list[float], threshold: float) -> bool | None:
-    """Met when every round meets `threshold`, missed when none does, undecided (None) when they straddle."""
-    met = [r >= threshold for r in ratios]
-    return True if all(met) else False if not any(met) else None
-
-
-def each(ratios: list[float]) -> str:
-    return f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
-
-
 def plot(jobs: dict[str, dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -262,9 +253,9 @@ def main() -> int:
          f"(simplecache: {together['simplecache']['gets']})", together["tierstore"]["gets"] == once),
         (f"epochs 2-{n}: GETs ({args.rounds} jobs)", "0", str(ts_later_gets), ts_later_gets == 0),
         (f"epochs 2-{n}: throughput vs reading the cached copies directly", ">= 0.90x in every round",
-         each(round_ratios), judged(round_ratios, 0.90)),
+         page.rounds(round_ratios), page.met(round_ratios, 0.90)),
         (f"epochs 2-{n}: CPU time of reading the cached copies directly vs tierstore's (the job's processes)",
-         ">= 0.90x in every round", each(cpu_ratios), judged(cpu_ratios, 0.90)),
+         ">= 0.90x in every round", page.rounds(cpu_ratios), page.met(cpu_ratios, 0.90)),
         ("a cold large object vs boto3's managed transfer", ">= 0.90x", f"{large_ratio:.2f}x", large_ratio >= 0.90),
     ]  # fmt: skip
     total = args.small * args.small_size + args.large * args.large_size

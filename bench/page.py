@@ -3,6 +3,7 @@ exit status of 1 when a target is missed; and how a target is judged from noisy 
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 # The target, whether it is met (None: undecided, the rounds straddle it), what was measured.
@@ -17,6 +18,11 @@ def verdict(ratios: list[float], target: float) -> str:
     if all(r < target for r in ratios):
         return "missed"
     return f"undecided (rounds {min(ratios):.2f}-{max(ratios):.2f} straddle {target}x)"
+
+
+def rounds(ratios: list[float]) -> str:
+    """The median of `ratios` with every round's: "0.95x (rounds 0.94, 0.88, 0.97)"."""
+    return f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
 
 
 def met(ratios: list[float], target: float) -> bool | None:
