@@ -74,6 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import machine
+import page
 from tierstore.testing import slowfs
 from tierstore.testing.s3server import ACCESS_KEY, SECRET_KEY, LatencyProxy, S3Server
 from units import blob, human, size
@@ -730,10 +731,6 @@ def verdict(ratios: list[float], ok: Any) -> str:
     return "yes" if all(met) else "no" if not any(met) else "undecided"
 
 
-def rounds(ratios: list[float]) -> str:
-    return f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
-
-
 def targets(
     results: dict[str, list[dict[str, Any]]],
     warmups: dict[str, list[dict[str, Any]]],
@@ -755,7 +752,7 @@ def targets(
         """measure(over) / measure(under), round by round, against the target's threshold `ok`."""
         if {over, under} <= ran:
             r = paired(results, over, under, measure)
-            checks.append((name, verdict(r, ok), text.format(rounds(r))))
+            checks.append((name, verdict(r, ok), text.format(page.rounds(r))))
         else:
             checks.append((name, "no", missing(over, under)))
 
@@ -764,15 +761,15 @@ def targets(
 
         Missed if one peer is behind in none of the rounds, undecided if one is ahead in some rounds only;
         the page names that peer, or the one with the smallest margin when every peer is behind."""
-        if ts in ran and set(peers) <= ran:
+        if ts in ran and peers and set(peers) <= ran:
             margin = {p: paired(results, p, ts, measure) for p in peers}
             each = {p: verdict(margin[p], lambda r: r > 1.0) for p in peers}
             status = next((v for v in ("no", "undecided") if v in each.values()), "yes")
             near = min((p for p in peers if each[p] == status), key=lambda p: statistics.median(margin[p]))
             label = "smallest margin, " if status == "yes" else ""
-            checks.append((name, status, f"{label}{near}: {rounds(margin[near])} tierstore's time"))
+            checks.append((name, status, f"{label}{near}: {page.rounds(margin[near])} tierstore's time"))
         else:
-            checks.append((name, "no", missing(ts, *peers)))
+            checks.append((name, "no", missing(ts, *peers) if peers else "not measured: no peer was run"))
 
     peers = [m for m in results if m != "local" and not m.startswith("tierstore")]
     ahead("epoch 1 ahead of every peer (tierstore's defaults)", peers, e1)
@@ -802,7 +799,7 @@ def targets(
     name = "`tierstore prefetch` of the dataset at most the boto3 floor's time"
     if warmups.get("tierstore prefetch") and warmups.get("boto3 floor"):
         r = paired(warmups, "tierstore prefetch", "boto3 floor", lambda w: w["seconds"])
-        checks.append((name, verdict(r, lambda x: x <= 1.0), f"{rounds(r)} the floor's time"))
+        checks.append((name, verdict(r, lambda x: x <= 1.0), f"{page.rounds(r)} the floor's time"))
     else:
         checks.append((name, "no", missing("tierstore prefetch", "boto3 floor")))
     return checks
@@ -816,13 +813,11 @@ def other_modes(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             continue
         e1 = paired(results, m, DEFAULTS, lambda j: j["epochs"][0]["seconds"])
         local = paired(results, "local", m, warm)
-        line = (
-            f"`{m}`: epoch 1 {rounds(e1)} the time of `{DEFAULTS}`; warm epochs {rounds(local)} a local copy"
-        )
+        line = f"`{m}`: epoch 1 {page.rounds(e1)} the time of `{DEFAULTS}`; warm epochs {page.rounds(local)} a local copy"
         if all(results.get(p) for p in PEER_DEFAULTS):
             margin = {p: paired(results, p, m, warm) for p in PEER_DEFAULTS}
             near = min(margin, key=lambda p: statistics.median(margin[p]))
-            line += f"; smallest warm margin over a peer's defaults, {near}: {rounds(margin[near])} tierstore's time"
+            line += f"; smallest warm margin over a peer's defaults, {near}: {page.rounds(margin[near])} tierstore's time"
         lines.append(line + ".")
     return lines
 
