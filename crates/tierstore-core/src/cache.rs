@@ -123,6 +123,8 @@ pub struct Cache {
     pool: Arc<Pool>,
 }
 
+// Every call that may touch the source or the tiers first exempts its thread from a shim loaded in the same
+// process (`interposer`): the engine's file calls must reach the file system, not the shim's cache.
 impl Cache {
     /// Opens the cache described by `config`: creates tier directories, opens indexes (an index that
     /// cannot be opened leaves its tier out and is reported, reads go on), maps counters.
@@ -137,6 +139,7 @@ impl Cache {
     }
 
     fn open_with(config: Config, ask_peers: bool) -> Result<Cache, Error> {
+        let _exempt = crate::interposer::calls();
         let record_checksums =
             config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
         let state_dir = crate::tier::namespace_dir(&config.tiers[0].path, &config.source);
@@ -185,6 +188,7 @@ impl Cache {
 
     /// Opens `path` (a file under the source) for reading through the cache.
     pub fn open(&self, path: &Path) -> Result<Reader, Error> {
+        let _exempt = crate::interposer::calls();
         let rel = self.followed(path)?;
         self.inner.open_rel(&rel)
     }
@@ -194,6 +198,7 @@ impl Cache {
     /// This is what the LD_PRELOAD shim hands to unmodified programs, so that read, pread, mmap and fstat
     /// need no further interception.
     pub fn open_file(&self, path: &Path) -> Result<File, Error> {
+        let _exempt = crate::interposer::calls();
         let rel = self.followed(path)?;
         match self.inner.open_native_rel(&rel, false)? {
             Native::Whole(f) => Ok(f),
@@ -206,6 +211,7 @@ impl Cache {
     /// background, so the program's first byte costs what it costs without the cache. The source is read
     /// once: by the copy, whose reader the caller can follow.
     pub fn open_native(&self, path: &Path) -> Result<Native, Error> {
+        let _exempt = crate::interposer::calls();
         let rel = self.followed(path)?;
         self.inner.open_native_rel(&rel, true)
     }
@@ -239,6 +245,7 @@ impl Cache {
 
     /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).
     pub fn invalidate(&self, path: &Path) -> Result<(), Error> {
+        let _exempt = crate::interposer::calls();
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
         if let Some(ix) = self.inner.lookup.directories() {
@@ -256,6 +263,7 @@ impl Cache {
     /// The path of a current cached copy of `path`, if a tier holds one. With `validate`, the source is
     /// `stat`ed and a copy of an older version does not count; without it, this is the index lookup alone.
     pub fn lookup(&self, path: &Path, validate: bool) -> Result<Option<PathBuf>, Error> {
+        let _exempt = crate::interposer::calls();
         let rel = self.inner.source.relative(path)?;
         let key = key_of(&rel);
         let sid = if validate {
@@ -281,6 +289,7 @@ impl Cache {
     /// (1 to [`MAX_PREFETCH_JOBS`]; out of range is brought into it). The paths named are checked here: one
     /// that is missing or outside the source is an error before anything starts.
     pub fn prefetch_with(&self, paths: &[PathBuf], jobs: usize) -> Result<Arc<PrefetchProgress>, Error> {
+        let _exempt = crate::interposer::calls();
         let walk = Arc::new(prefetch::Walk::new(self.inner.clone()));
         for p in paths {
             // A relative path is relative to the current directory on a file system, to the prefix on
@@ -310,6 +319,7 @@ impl Cache {
     /// Every file under `path` (a directory of the source, an object store prefix, or the source itself),
     /// by its full name, sorted. One listing per directory (POSIX) or per thousand keys (an object store).
     pub fn list_files(&self, path: &Path) -> Result<Vec<PathBuf>, Error> {
+        let _exempt = crate::interposer::calls();
         let src = &self.inner.source;
         let mut out = Vec::new();
         let mut dirs = vec![src.relative_or_root(path)?];
@@ -351,6 +361,7 @@ impl Cache {
         jobs: usize,
         log: Option<ReadLog>,
     ) -> Result<OrderedPrefetch, Error> {
+        let _exempt = crate::interposer::calls();
         let rels = paths.iter().map(|p| self.inner.source.relative(p)).collect::<Result<Vec<_>, _>>()?;
         let log = match log {
             Some(log) => log,
@@ -384,6 +395,7 @@ impl Cache {
     /// A new read-marks file of `slots` slots next to the node's cache state, for the readers of an
     /// ordered prefetch in other processes.
     pub fn read_marks(&self, slots: usize) -> Result<crate::marks::ReadMarks, Error> {
+        let _exempt = crate::interposer::calls();
         let dir = crate::tier::namespace_dir(&self.inner.config.tiers[0].path, &self.inner.config.source).join("order");
         crate::marks::ReadMarks::create_in(&dir, slots).map_err(|e| Error::io(&dir, e))
     }
@@ -420,6 +432,7 @@ impl Cache {
     /// Removes every cached copy and index entry of this source from every tier. Readers that have a
     /// copy open keep reading it (the file is unlinked, not truncated).
     pub fn clear(&self) -> Result<(), Error> {
+        let _exempt = crate::interposer::calls();
         self.pool.wait_idle();
         for t in self.inner.lookup.tiers() {
             if let Ok(ix) = &t.index {
@@ -438,6 +451,7 @@ impl Cache {
     /// `(offset, length)` each. `Ok(None)` when the cache shares nothing across nodes, no member is up,
     /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
     pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
+        let _exempt = crate::interposer::calls();
         Parts::ask(&self.inner, path, ranges)
     }
 
@@ -447,6 +461,7 @@ impl Cache {
     /// (see `peers.rs`): the copy is served only when its version is vouched for, and the store's file is
     /// the descriptor opened beneath it; a path that leaves the source is refused.
     pub fn open_parts_for_peer(&self, rel: &str) -> Result<PartsServed, Error> {
+        let _exempt = crate::interposer::calls();
         PartsServed::open(&self.inner, rel)
     }
 
@@ -460,6 +475,7 @@ impl Cache {
     /// asks this node to hold the file (a partitioned prefetch), which counts no hit or miss, as a
     /// prefetch does not.
     pub fn open_for_peer(&self, rel: &str, follow: bool) -> Result<Served, Error> {
+        let _exempt = crate::interposer::calls();
         self.inner.open_for_peer(rel, follow)
     }
 
@@ -470,6 +486,7 @@ impl Cache {
 
     /// Forgets this node's copy of `rel`, which was found damaged while it was served.
     pub fn drop_damaged(&self, rel: &str) {
+        let _exempt = crate::interposer::calls();
         self.inner.drop_damaged(rel)
     }
 
@@ -477,6 +494,7 @@ impl Cache {
     /// that the bytes it was sent do not match it; a damaged copy is removed (and the fault logged).
     /// Returns whether it was. A copy with no recorded blake3, or none at all, is left as it is.
     pub fn check_served(&self, rel: &str) -> Result<bool, Error> {
+        let _exempt = crate::interposer::calls();
         self.inner.check_served(rel)
     }
 }

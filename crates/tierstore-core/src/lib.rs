@@ -14,6 +14,7 @@ pub mod counters;
 pub mod error;
 pub mod hash;
 pub mod index;
+pub mod interposer;
 pub mod lmdb;
 pub mod logging;
 pub mod marks;

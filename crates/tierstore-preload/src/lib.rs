@@ -68,6 +68,15 @@ impl Drop for Busy {
     }
 }
 
+/// Sets the calling thread's flag (`on` nonzero: its calls go straight to the real functions) and returns
+/// its previous value. A second engine in this process (the Python binding's, when a job under
+/// `tierstore run` imports tierstore) finds it by name and exempts its own file calls with it, see
+/// `tierstore_core::interposer`.
+#[no_mangle]
+pub extern "C" fn tierstore_preload_exempt(on: c_int) -> c_int {
+    BUSY.with(|b| b.replace(on != 0) as c_int)
+}
+
 /// Resolves (once) and calls the next definition of a libc function.
 macro_rules! real {
     ($name:literal, $ty:ty) => {{
@@ -128,6 +137,8 @@ fn shim() -> Option<&'static Shim> {
         }
     }
     tierstore_core::logging::init();
+    // The engine's own threads (copies, prefetches, sweeps) are exempt for their whole life.
+    tierstore_core::interposer::register(tierstore_preload_exempt);
     // `tierstore run` for a job that only stages what it writes has no source to read through: nothing
     // to load, and nothing to warn every process of the job about.
     let config = if std::env::var_os(WRITEBACK_ONLY).is_some() {

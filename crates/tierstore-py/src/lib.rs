@@ -688,6 +688,8 @@ fn default_socket() -> std::path::PathBuf {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tierstore_core::logging::init();
+    // Under `tierstore run` the shim is loaded in this process too: keep this engine's file calls from it.
+    tierstore_core::interposer::find();
     m.add_class::<PyCache>()?;
     m.add_class::<PyReader>()?;
     m.add_class::<PyPrefetch>()?;

@@ -159,7 +159,7 @@ impl Inner {
             });
             inner.sweep.done();
         };
-        if std::thread::Builder::new().name("tierstore-confirm".into()).spawn(sweep).is_err() {
+        if crate::interposer::spawn("tierstore-confirm".into(), sweep).is_err() {
             self.sweep.done();
         }
     }

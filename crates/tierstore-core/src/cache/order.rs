@@ -151,7 +151,7 @@ fn spawn_workers(shared: &Arc<Shared>, jobs: usize) -> Result<(), Error> {
     shared.progress.running.store(jobs, Ordering::Release);
     for i in 0..jobs {
         let s = shared.clone();
-        let spawned = std::thread::Builder::new().name(format!("tierstore-order-{i}")).spawn(move || {
+        let spawned = crate::interposer::spawn(format!("tierstore-order-{i}"), move || {
             // A panic must not leave the prefetch running forever in the eyes of its handle.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.work()));
             s.leave();

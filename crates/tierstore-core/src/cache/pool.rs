@@ -47,10 +47,8 @@ impl Pool {
         }
         for i in 0..self.size {
             let s = self.shared.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("tierstore-copy-{i}"))
-                .spawn(move || worker(&s))
-                .expect("spawn copy thread");
+            let t =
+                crate::interposer::spawn(format!("tierstore-copy-{i}"), move || worker(&s)).expect("spawn copy thread");
             threads.push(t);
         }
     }

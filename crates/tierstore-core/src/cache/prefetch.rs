@@ -212,7 +212,7 @@ impl Walk {
         let mut failure = None;
         for i in 0..jobs {
             let walk = self.clone();
-            match std::thread::Builder::new().name(format!("tierstore-prefetch-{i}")).spawn(move || walk.work()) {
+            match crate::interposer::spawn(format!("tierstore-prefetch-{i}"), move || walk.work()) {
                 Ok(_) => started += 1,
                 Err(e) => {
                     failure = Some(e);

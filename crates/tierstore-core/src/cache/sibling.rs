@@ -78,7 +78,7 @@ impl Inner {
         let copy = Arc::new(Growing::new(reader, sid));
         lead.deliver(Outcome::Growing(copy.clone()));
         let (inner, k, r, following) = (self.clone(), key, rel.to_string(), copy.clone());
-        let spawned = std::thread::Builder::new().name("tierstore-sibling".into()).spawn(move || {
+        let spawned = crate::interposer::spawn("tierstore-sibling".into(), move || {
             match inner.watch_sibling(&k, &r, &file, &following) {
                 Ok(()) => following.finish(),
                 Err(why) => {

@@ -1,0 +1,111 @@
+//! The LD_PRELOAD shim of `tierstore run`, seen from an engine that may share its process.
+//!
+//! Under `tierstore run` every process of the job has the shim loaded, and a Python job that imports
+//! tierstore opens a second engine (the binding's) beside it. The shim serves that process's file calls
+//! under the source from the cache, so without care it would also serve the second engine's own calls:
+//! an ordered prefetch opening a file of the source would be handed the shim's tier copy instead, see an
+//! identity that is not the source's, and drop the copy ("it changed while it was copied"). And the
+//! engine's threads would reach the shim's engine through every `stat` and listing.
+//!
+//! The shim exports `tierstore_preload_exempt`, which sets the thread-local flag it uses to recognise its
+//! own calls. The engine raises that flag for the length of each public call ([`calls`]) and for the
+//! life of each thread it starts ([`spawn`]); in a process without the shim both cost one atomic load.
+//! The shim's own engine registers the function directly ([`register`]); the Python binding looks it up
+//! once at import ([`find`]).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// `tierstore_preload_exempt(on)`: sets the calling thread's flag, returns its previous value.
+pub type ExemptFn = extern "C" fn(libc::c_int) -> libc::c_int;
+
+/// The name the shim exports its function under.
+pub const SYMBOL: &std::ffi::CStr = c"tierstore_preload_exempt";
+
+static EXEMPT: AtomicUsize = AtomicUsize::new(0);
+
+/// Uses `f` to exempt the engine's calls (the shim registers its own).
+pub fn register(f: ExemptFn) {
+    EXEMPT.store(f as usize, Ordering::Release);
+}
+
+/// Looks the shim's function up in the process (`dlsym(RTLD_DEFAULT)`) and registers it when found;
+/// returns whether it was. Call once, outside any path the shim intercepts.
+pub fn find() -> bool {
+    // SAFETY: dlsym with a NUL-terminated name; a found symbol is the shim's function of this type.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, SYMBOL.as_ptr()) };
+    if !p.is_null() {
+        register(unsafe { std::mem::transmute::<*mut libc::c_void, ExemptFn>(p) });
+    }
+    !p.is_null()
+}
+
+fn exempt_fn() -> Option<ExemptFn> {
+    let p = EXEMPT.load(Ordering::Acquire);
+    // SAFETY: only `register` stores here, and only an `ExemptFn`.
+    (p != 0).then(|| unsafe { std::mem::transmute::<usize, ExemptFn>(p) })
+}
+
+/// Raised for as long as it lives: the shim passes this thread's calls to the file system. Restores the
+/// flag it found on drop, so nested calls (and the shim's own, already flagged) are left as they were.
+pub struct Exempt {
+    restore: Option<ExemptFn>,
+}
+
+/// Exempts the calling thread until the guard is dropped.
+pub fn calls() -> Exempt {
+    match exempt_fn() {
+        Some(f) if f(1) == 0 => Exempt { restore: Some(f) },
+        _ => Exempt { restore: None },
+    }
+}
+
+impl Drop for Exempt {
+    fn drop(&mut self) {
+        if let Some(f) = self.restore {
+            f(0);
+        }
+    }
+}
+
+/// Starts a thread of the engine named `name`, exempt for its whole life.
+pub fn spawn<F, T>(name: String, f: F) -> std::io::Result<std::thread::JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    std::thread::Builder::new().name(name).spawn(move || {
+        let _exempt = calls();
+        f()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    thread_local! {
+        static FLAG: Cell<libc::c_int> = const { Cell::new(0) };
+    }
+
+    extern "C" fn flag(on: libc::c_int) -> libc::c_int {
+        FLAG.with(|f| f.replace(on))
+    }
+
+    #[test]
+    fn a_guard_raises_the_flag_and_restores_what_it_found() {
+        register(flag);
+        {
+            let _outer = calls();
+            assert_eq!(FLAG.with(Cell::get), 1);
+            {
+                let _inner = calls();
+                assert_eq!(FLAG.with(Cell::get), 1);
+            }
+            assert_eq!(FLAG.with(Cell::get), 1, "a nested guard leaves the outer one's flag up");
+        }
+        assert_eq!(FLAG.with(Cell::get), 0);
+        let seen = spawn("t".into(), || FLAG.with(Cell::get)).unwrap().join().unwrap();
+        assert_eq!(seen, 1, "an engine thread is exempt for its life");
+    }
+}
