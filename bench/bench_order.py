@@ -138,6 +138,8 @@ def epoch(dataset: Any, spec: Spec, prefetch_budget: str | None) -> tuple[float,
     from tierstore.torch import prefetching
 
     g = torch.Generator().manual_seed(2026)
+    # "no prefetch" is a loader nobody prefetches: tierstore's own hook (tierstore.auto_order) is off for it.
+    os.environ["TIERSTORE_SAMPLER_PREFETCH"] = "auto" if prefetch_budget is not None else "off"
     loader = DataLoader(dataset, batch_size=spec.batch, sampler=RandomSampler(dataset, generator=g),
                         num_workers=spec.workers, multiprocessing_context="fork", collate_fn=collate)  # fmt: skip
     if prefetch_budget is not None:

@@ -20,9 +20,14 @@ from tierstore._core import ConfigError, OutsideSourceError, TierstoreError, __v
 # crates/tierstore-py/src/exiting.rs).
 atexit.register(_core.interpreter_exiting)
 
+# Every DataLoader of this process prefetches its epochs in its sampler's order, where its dataset names
+# its files (tierstore.auto_order; TIERSTORE_SAMPLER_PREFETCH=off turns it off).
+from tierstore import auto_order  # noqa: E402
 from tierstore._file import CachedFile  # noqa: E402
 from tierstore.cache import Cache, configure, default_cache, open, prefetch, stats  # noqa: E402
 from tierstore.writeback import sync  # noqa: E402
+
+auto_order.install()
 
 __all__ = [
     "Cache",

@@ -175,17 +175,6 @@ class _MarkReads(torch.utils.data.Dataset):
         return getattr(self.dataset, name)
 
 
-def _flat(order: list[Any]) -> list[int]:
-    """The indices of an epoch, from a sampler's indices or a batch sampler's batches."""
-    out: list[int] = []
-    for item in order:
-        if isinstance(item, (list, tuple)) or (isinstance(item, torch.Tensor) and item.dim() > 0):
-            out.extend(int(i) for i in item)
-        else:
-            out.append(int(item))
-    return out
-
-
 def _paths_of(
     dataset: Any, paths: Sequence[PathLike] | Callable[[int], PathLike] | None
 ) -> Callable[[int], str]:
@@ -231,17 +220,21 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         marks_path: str,
         jobs: int | None = None,
     ) -> None:
-        from tierstore.order import ReadMarker
+        from tierstore.auto_order import LoaderPrefetch
 
         self.sampler = sampler
-        self.paths = paths
-        self.cache = cache
-        self.budget = budget
-        self.jobs = jobs
         self.marks_path = marks_path
-        self.marker = ReadMarker(marks_path)
-        self.epoch_tag = 0
-        self.prefetch: Any = None
+        self.epochs = LoaderPrefetch(cache, paths, "paths=", "prefetching", budget, jobs, marks_path)
+
+    @property
+    def epoch_tag(self) -> int:
+        """The current epoch's tag in the read-marks file (slot 0)."""
+        return self.epochs.tag
+
+    @property
+    def prefetch(self) -> Any:
+        """The current epoch's ordered prefetch (`tierstore.order.OrderPrefetch`'s core), None before."""
+        return self.epochs.prefetch
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -251,29 +244,19 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Any:
+        from tierstore.auto_order import flat
+
         order = list(iter(self.sampler))  # every RNG draw the epoch makes, in the same order
-        indices = _flat(order)
-        if self.prefetch is not None:
-            self.prefetch.stop()
-        # A new tag per epoch: slots of the last epoch no longer count as read. Never 0 (unread).
-        self.epoch_tag = self.epoch_tag % 0xFFFF_FFFE + 1
-        self.marker.mark(0, self.epoch_tag)
-        self.prefetch = self.cache._core.prefetch_order(
-            [self.paths(i) for i in indices],
-            self.budget,
-            self.jobs,
-            (self.marks_path, [i + 1 for i in indices], self.epoch_tag),
-        )
+        self.epochs.start(flat(order))
         yield from order
 
     def progress(self) -> dict[str, Any] | None:
         """The current epoch's prefetch progress (see `OrderPrefetch.progress`), None before the first."""
-        return None if self.prefetch is None else self.prefetch.progress()
+        return self.epochs.progress()
 
     def stop(self) -> None:
         """Stops the current epoch's prefetch."""
-        if self.prefetch is not None:
-            self.prefetch.stop()
+        self.epochs.stop()
 
 
 def _unlink(path: str) -> None:

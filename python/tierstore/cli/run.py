@@ -29,6 +29,13 @@ def preload_library() -> str:
     return found[0]
 
 
+def site_directory() -> str:
+    """The directory whose `sitecustomize` hooks torch's DataLoader in every Python process of the job."""
+    import tierstore
+
+    return os.path.join(os.path.dirname(os.path.abspath(tierstore.__file__)), "_site")
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option(
     "--revalidate",
@@ -130,6 +137,9 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
                 if not agent_mod.answers(socket):
                     raise click.ClickException(str(e)) from e
     env["LD_PRELOAD"] = " ".join(p for p in (preload_library(), env.get("LD_PRELOAD")) if p)
+    if cache is not None:
+        # Python processes of the job hook torch's DataLoader for sampler-aware prefetch (tierstore.auto_order).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_directory(), env.get("PYTHONPATH")) if p)
     if cache is not None and order is not None:
         sys.exit(_run_ordered(cache, order, budget, command, env))
     try:

@@ -453,6 +453,14 @@ pub const SETTINGS: &[Setting] = &[
     .env("TIERSTORE_ORDER_MARKS"),
     Setting::new(
         Environment,
+        "TIERSTORE_SAMPLER_PREFETCH",
+        Text,
+        Value("auto"),
+        "DataLoaders prefetch in their sampler's order: auto, off, or a budget.",
+    )
+    .env("TIERSTORE_SAMPLER_PREFETCH"),
+    Setting::new(
+        Environment,
         "TIERSTORE_WRITEBACK_ONLY",
         Bool,
         Unset,

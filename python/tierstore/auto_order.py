@@ -1,0 +1,455 @@
+"""Sampler-aware prefetch for a DataLoader nobody changed.
+
+`tierstore.torch.prefetching(loader)` gives each epoch's order to an ordered prefetch, but only to a job
+whose script wraps its loader. This module does the same for every PyTorch `DataLoader` of a process
+that imported tierstore, and of every Python process under `tierstore run` (its `sitecustomize` installs
+the hook when torch's DataLoader is imported), with no line of the job changed:
+
+- **The order.** As an epoch's first index is drawn, the loader's sampler is iterated once, whole, at the
+  moment the loader would have drawn its first index, and its indices are handed out one by one as
+  before: the same samples in the same order, the same random draws. Only samplers known to draw
+  nothing lazily from the global generator are drawn ahead (torch's Sequential, Random, SubsetRandom,
+  WeightedRandom and Distributed samplers, alone or in a BatchSampler); any other leaves the loader as
+  it was.
+- **The files.** Each index is mapped to its file by what the dataset says of its samples: a list of
+  `len(dataset)` paths (or of tuples whose first element is a path) under the cache's source, such as
+  torchvision's `DatasetFolder.samples`, `CachedDataset.paths` or a custom dataset's list of `.npy`
+  files; `Subset` is followed. A dataset that says nothing (or an iterable dataset) is left alone.
+- **The reads.** Each loader gets a read-marks file (slot 0: the epoch's tag; slot i + 1: the tag of the
+  epoch in which index i was last fetched), named to the workers by an attribute set on the dataset
+  before they start; the index fetcher marks each index it has fetched, in every worker, so every read
+  frees its file's bytes from the budget.
+- **The budget.** `$TIERSTORE_SAMPLER_PREFETCH`: `auto` (the default: a quarter of the tiers' free room
+  as the epoch starts, and at least a sixteenth of their room, so a dataset larger than the tiers is
+  still prefetched every epoch), a size (`4G`), or `off`.
+
+Nothing here may change what the job computes or stop it: any failure to map or to prefetch is one line
+at `-v` (`TIERSTORE_LOG=info`) and a loader that runs as it would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+# The setting: auto, off, or a budget.
+VARIABLE = "TIERSTORE_SAMPLER_PREFETCH"
+OFF = ("off", "0", "false", "no")
+# An automatic budget: a quarter of the tiers' free room, and never less than a sixteenth of their room.
+FREE_SHARE = 4
+FULL_SHARE = 16
+# The attribute on a dataset that names its read-marks file to the loader's workers.
+MARKS_ATTRIBUTE = "_tierstore_read_marks"
+
+
+def _say(message: str) -> None:
+    """One line on stderr at `-v` (`TIERSTORE_LOG` info or more), as the engine writes its own."""
+    if os.environ.get("TIERSTORE_LOG", "").strip().lower() in ("info", "debug", "trace"):
+        print(f"tierstore[{os.getpid()}] info: {message}", file=sys.stderr, flush=True)
+
+
+def budget_setting() -> int | None:
+    """The budget `$TIERSTORE_SAMPLER_PREFETCH` asks for: 0 when off, None for auto, else bytes.
+
+    A value that is none of these turns the prefetch off and says so: the job runs as before."""
+    value = os.environ.get(VARIABLE, "auto").strip()
+    if value.lower() in ("", "auto", "on", "1", "true", "yes"):
+        return None
+    if value.lower() in OFF:
+        return 0
+    from tierstore import _core
+
+    n = _core.parse_size(value)
+    if n is None or n <= 0:
+        _say(f"${VARIABLE}={value!r} is not auto, off or a size such as 4G; sampler-aware prefetch is off")
+        return 0
+    return int(n)
+
+
+# Which samplers are drawn ahead ---------------------------------------------------------------------
+
+
+def _drawn_whole_at_start(sampler: Any) -> bool:
+    """Whether iterating `sampler` makes all its random draws at its first index (or none), so drawing it
+    whole at that moment changes nothing the job sees."""
+    import torch.utils.data as tud
+
+    known: list[Any] = [
+        tud.SequentialSampler,
+        tud.RandomSampler,
+        tud.SubsetRandomSampler,
+        tud.WeightedRandomSampler,
+    ]
+    with contextlib.suppress(ImportError):
+        from torch.utils.data.distributed import DistributedSampler
+
+        known.append(DistributedSampler)
+    if type(sampler).__iter__ is tud.BatchSampler.__iter__:
+        return _drawn_whole_at_start(sampler.sampler)
+    return any(type(sampler).__iter__ is k.__iter__ for k in known)
+
+
+def flat(order: list[Any]) -> list[int]:
+    """The indices of an epoch, from a sampler's indices or a batch sampler's batches."""
+    out: list[int] = []
+    for item in order:
+        if isinstance(item, (list, tuple)) or (hasattr(item, "dim") and item.dim() > 0):
+            out.extend(int(i) for i in item)
+        else:
+            out.append(int(item))
+    return out
+
+
+# Which file each index reads ------------------------------------------------------------------------
+
+# Attributes that hold a dataset's samples, looked at first, in this order; then any other of the right
+# length.
+SAMPLE_ATTRIBUTES = ("samples", "imgs", "paths", "files", "image_paths", "file_paths", "filenames")
+
+
+def _as_path(item: Any) -> str | None:
+    if isinstance(item, tuple) and item:
+        item = item[0]
+    if isinstance(item, (str, os.PathLike)):
+        return os.fsdecode(item)
+    return None
+
+
+def find_paths(dataset: Any, under: Callable[[str], bool]) -> tuple[Callable[[int], str], str] | None:
+    """The file of each index of `dataset` and where that was found (`"samples"`, `"Subset of samples"`),
+    or None when the dataset does not say. `under(path)` tells whether a path is in the cache's source."""
+    import torch.utils.data as tud
+
+    if isinstance(dataset, tud.Subset):
+        inner = find_paths(dataset.dataset, under)
+        if inner is None:
+            return None
+        path_of, found = inner
+        indices = dataset.indices
+        return (lambda i: path_of(int(indices[i]))), f"Subset of {found}"
+    try:
+        n = len(dataset)
+        attributes = vars(dataset)
+    except TypeError:
+        return None
+    if n == 0:
+        return None
+    names = [a for a in SAMPLE_ATTRIBUTES if a in attributes] + sorted(
+        a for a in attributes if a not in SAMPLE_ATTRIBUTES
+    )
+    for name in names:
+        value = attributes[name]
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            continue
+        ends = [_as_path(value[0]), _as_path(value[-1])]
+        if all(p is not None and under(p) for p in ends):
+            return _reader(value), f"dataset.{name}"
+    inner = getattr(dataset, "dataset", None)  # a wrapper that reads another dataset (tierstore's Routed)
+    if inner is not None and inner is not dataset and _length(inner) == n:
+        return find_paths(inner, under)
+    return None
+
+
+def _reader(samples: list[Any] | tuple[Any, ...]) -> Callable[[int], str]:
+    """The path of sample `i` of a list of paths, or of tuples whose first element is one."""
+    if isinstance(samples[0], tuple):
+        return lambda i: os.fsdecode(samples[i][0])
+    return lambda i: os.fsdecode(samples[i])
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _within(source: str) -> Callable[[str], bool]:
+    """Whether a path is under `source` (a directory, either spelling of it, or an object store prefix)."""
+    if "://" in source:
+        prefix = source.rstrip("/") + "/"
+        return lambda p: p.startswith(prefix)
+    prefixes = tuple({source.rstrip("/") + "/", os.path.realpath(source).rstrip("/") + "/"})
+    return lambda p: os.path.abspath(p).startswith(prefixes)
+
+
+# One loader's prefetch ------------------------------------------------------------------------------
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class LoaderPrefetch:
+    """The ordered prefetch of one DataLoader, started again as each
+    epoch draws its order (here, and in `tierstore.torch.OrderedSampler`).
+
+    Args:
+        cache: The cache the samples are read through.
+        path_of: The file of each dataset index.
+        found: Where `path_of` came from, for the log ("dataset.samples").
+        name: The loader, for the log.
+        budget: Bytes fetched ahead of the reads at most; None: `$TIERSTORE_SAMPLER_PREFETCH`'s.
+        jobs: Files fetched at once; None: the default.
+        marks: The read-marks file (slot 0: the epoch's tag; slot i + 1: index i's), or the dataset's
+            length, to make one that lives as long as this prefetch.
+    """
+
+    def __init__(
+        self,
+        cache: Any,
+        path_of: Callable[[int], str],
+        found: str,
+        name: str,
+        budget: int | None,
+        jobs: int | None,
+        marks: str | int,
+    ) -> None:
+        from tierstore.order import ReadMarker
+
+        self.cache = cache
+        self.path_of = path_of
+        self.found = found
+        self.name = name
+        self.fixed_budget = budget
+        self.jobs = jobs
+        if isinstance(marks, int):
+            self.marks_path: str = cache._core.create_read_marks(marks + 1)
+            weakref.finalize(self, _unlink, self.marks_path)
+        else:
+            self.marks_path = marks
+        self.marker = ReadMarker(self.marks_path)
+        self.epoch = 0
+        self.tag = 0
+        self.prefetch: Any = None
+
+    def budget(self) -> int:
+        """The fixed budget, or `$TIERSTORE_SAMPLER_PREFETCH`'s: a size, or auto."""
+        fixed = self.fixed_budget or budget_setting()
+        if fixed:
+            return fixed
+        tiers = self.cache.stats()["tiers"]
+        quota = sum(t.get("quota") or 0 for t in tiers)
+        free = sum(max(0, (t.get("quota") or 0) - t.get("bytes_used", 0)) for t in tiers)
+        # Full tiers (a dataset larger than they are) still get a share of their room: eviction makes it.
+        return max(free // FREE_SHARE, quota // FULL_SHARE, 1)
+
+    def start(self, indices: list[int]) -> None:
+        """Stops the last epoch's prefetch and starts this one's, in the order of `indices`."""
+        if self.prefetch is not None:
+            self.prefetch.stop()
+            p = self.prefetch.progress()
+            _say(
+                f"{self.name}, epoch {self.epoch}: prefetched {p['files_fetched']} of {p['files_total']} files "
+                f"({p['files_cached']} already cached, {p['files_read_first']} read first, {p['files_failed']} failed)"
+            )
+        self.epoch += 1
+        # A new tag per epoch: slots of the last epoch no longer count as read. Never 0, which is "unread".
+        self.tag = self.tag % 0xFFFF_FFFE + 1
+        self.marker.mark(0, self.tag)
+        budget = self.budget()
+        self.prefetch = self.cache._core.prefetch_order(
+            [self.path_of(i) for i in indices],
+            budget,
+            self.jobs,
+            (self.marks_path, [i + 1 for i in indices], self.tag),
+        )
+        _say(
+            f"{self.name}, epoch {self.epoch}: prefetching {len(indices)} files in the sampler's order "
+            f"(files from {self.found}), {budget >> 20} MiB ahead of the reads at most"
+        )
+
+    def progress(self) -> dict[str, Any] | None:
+        """The current epoch's prefetch progress (see `OrderPrefetch.progress`), None before the first."""
+        return None if self.prefetch is None else self.prefetch.progress()
+
+    def stop(self) -> None:
+        """Stops the current epoch's prefetch."""
+        if self.prefetch is not None:
+            self.prefetch.stop()
+
+
+# The loaders' prefetches, by loader; None where a loader has none (and why was said once).
+_prefetches: weakref.WeakKeyDictionary[Any, LoaderPrefetch | None] = weakref.WeakKeyDictionary()
+
+
+def prefetch_of(loader: Any) -> LoaderPrefetch | None:
+    """The prefetch of `loader`, made on its first iterator; None when it gets none."""
+    try:
+        return _prefetches[loader]
+    except (KeyError, TypeError):
+        pass
+    made: LoaderPrefetch | None = None
+    try:
+        made = _make(loader)
+    except Exception as e:
+        _say(f"{_name(loader)}: no sampler-aware prefetch: {e}")
+    with contextlib.suppress(TypeError):
+        _prefetches[loader] = made
+    return made
+
+
+def _name(loader: Any) -> str:
+    return f"DataLoader over {type(getattr(loader, 'dataset', None)).__name__}"
+
+
+def _make(loader: Any) -> LoaderPrefetch | None:
+    from torch.utils.data.dataloader import _DatasetKind
+
+    name = _name(loader)
+    if budget_setting() == 0:
+        return None
+    if loader._dataset_kind != _DatasetKind.Map:
+        _say(f"{name}: no sampler-aware prefetch: an iterable dataset has no sampler order")
+        return None
+    dataset = loader.dataset
+    from tierstore.torch import _MarkReads
+
+    if isinstance(dataset, _MarkReads):
+        return None  # tierstore.torch.prefetching already prefetches this loader's epochs
+    sampler = loader._index_sampler
+    if not _drawn_whole_at_start(sampler):
+        _say(
+            f"{name}: no sampler-aware prefetch: {type(sampler).__name__} may draw lazily, so it is not drawn ahead"
+        )
+        return None
+    cache = _cache_of(dataset)
+    found = find_paths(dataset, _within(cache.source))
+    if found is None:
+        _say(f"{name}: no sampler-aware prefetch: the dataset names no file per sample under {cache.source}")
+        return None
+    made = LoaderPrefetch(cache, found[0], found[1], name, None, None, len(dataset))
+    try:
+        setattr(dataset, MARKS_ATTRIBUTE, made.marks_path)
+    except (AttributeError, TypeError) as e:
+        _say(f"{name}: no sampler-aware prefetch: the workers' reads cannot be recorded ({e})")
+        return None
+    return made
+
+
+def _cache_of(dataset: Any) -> Any:
+    from tierstore.cache import Cache, default_cache
+
+    own = getattr(dataset, "cache", None)
+    return own if isinstance(own, Cache) else default_cache()
+
+
+# The hooks into torch -------------------------------------------------------------------------------
+
+
+class _Drawn(Iterator[Any]):
+    """An epoch's order, drawn whole, handed out as the sampler's iterator would have."""
+
+    def __init__(self, order: list[Any]) -> None:
+        self._it = iter(order)
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+
+def _begin_epoch(loader_iter: Any, it: Any) -> Any:
+    """The iterator of the epoch `it` begins: `it` itself, or its order drawn whole and prefetched."""
+    prefetch = loader_iter.__dict__.get("_tierstore_prefetch")
+    if prefetch is None:
+        return it
+    order = list(it)  # every draw of the epoch, at the moment of its first
+    try:
+        prefetch.start(flat(order))
+    except Exception as e:
+        _say(f"{prefetch.name}: the epoch's prefetch did not start: {e}")
+    return _Drawn(order)
+
+
+def _mark_fetched(dataset: Any, index: Any) -> None:
+    """Records, in the dataset's read-marks file, that the indices of `index` are fetched."""
+    try:
+        path = getattr(dataset, MARKS_ATTRIBUTE, None)
+    except Exception:
+        return
+    if not isinstance(path, str):
+        return
+    marker = _markers.get(path)
+    if marker is None:
+        from tierstore.order import ReadMarker
+
+        marker = _markers[path] = ReadMarker(path)
+    tag = marker.get(0)
+    for i in index if isinstance(index, (list, tuple)) else (index,):
+        with contextlib.suppress(TypeError, ValueError):
+            marker.mark(int(i) + 1, tag)
+
+
+_markers: dict[str, Any] = {}
+
+
+def patch(dataloader: Any) -> None:
+    """Hooks `torch.utils.data.dataloader` (the module): once per process."""
+    base = dataloader._BaseDataLoaderIter
+    if getattr(base, "_tierstore_hooked", False):
+        return
+    from torch.utils.data._utils import fetch
+
+    init, next_index, fetch_map = base.__init__, base._next_index, fetch._MapDatasetFetcher.fetch
+
+    def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+        # Before the workers start: they learn the dataset's read-marks file from the dataset.
+        self._tierstore_prefetch = prefetch_of(loader)
+        init(self, loader, *args, **kwargs)
+
+    def _next_index(self: Any) -> Any:
+        it = self._sampler_iter
+        if it is not self.__dict__.get("_tierstore_epoch"):
+            it = self._sampler_iter = self._tierstore_epoch = _begin_epoch(self, it)
+        return next_index(self)
+
+    def fetch_and_mark(self: Any, possibly_batched_index: Any) -> Any:
+        data = fetch_map(self, possibly_batched_index)
+        _mark_fetched(self.dataset, possibly_batched_index)
+        return data
+
+    base.__init__ = __init__  # type: ignore[method-assign]
+    base._next_index = _next_index
+    fetch._MapDatasetFetcher.fetch = fetch_and_mark  # type: ignore[method-assign]
+    base._tierstore_hooked = True
+
+
+def install() -> None:
+    """Hooks torch's DataLoader now if it is imported, else as soon as it is; nothing when turned off."""
+    if os.environ.get(VARIABLE, "").strip().lower() in OFF:
+        return
+    module = sys.modules.get("torch.utils.data.dataloader")
+    if module is not None and hasattr(module, "_BaseDataLoaderIter"):
+        patch(module)
+        return
+    if not any(isinstance(f, AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport())
+
+
+class AfterImport:
+    """A meta path finder that lets torch's DataLoader module load as usual, then hooks it."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch.utils.data.dataloader":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            try:
+                patch(module)
+            except Exception as e:
+                _say(f"sampler-aware prefetch is off: torch's DataLoader could not be hooked ({e})")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec

@@ -1,0 +1,245 @@
+"""Sampler-aware prefetch for a job nobody changed (`tierstore.auto_order`): an unmodified DataLoader, in a
+process that imported tierstore or under `tierstore run`, yields exactly the batches and random draws it
+would without tierstore, and its epochs are fetched ahead in the sampler's order from the paths its
+dataset names; a job that hands an order to `Cache.prefetch_order` itself under `tierstore run` gets it
+prefetched; and what cannot be mapped is left as it was."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+import tierstore
+from tests.helpers.marks import needs
+from tests.helpers.stores import mounted_store, store_stats
+from tierstore import auto_order
+from tierstore.torch import CachedDataset
+
+SIZE = 16 << 10
+
+
+def write_folder(root: Path, classes: int, per_class: int) -> None:
+    """An ImageFolder-like tree: `root/classN/imgM.bin`, each file's bytes saying which it is."""
+    for c in range(classes):
+        for i in range(per_class):
+            p = root / f"class{c}" / f"img{i:03d}.bin"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes((c * 1000 + i).to_bytes(4, "little") * (SIZE // 4))
+
+
+@pytest.fixture
+@needs("fuse")
+def store(tmp_path: Path) -> Any:
+    """The stand-in store, 1 ms per metadata operation and per read, with 4 classes of 15 files."""
+    with mounted_store(tmp_path, meta_latency="1ms", data_latency="1ms") as (backing, mount):
+        write_folder(backing, 4, 15)
+        yield backing, mount
+
+
+# The job: a torchvision-style folder dataset that reads with plain open(), a shuffled loader with no
+# generator of its own (the global one), and a random draw of the model's between batches. It prints
+# what it saw, so two runs can be compared, and changes nothing for tierstore.
+JOB = textwrap.dedent(
+    """
+    import hashlib, os, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Folder(Dataset):
+        def __init__(self, root):
+            classes = sorted(d for d in os.listdir(root) if not d.startswith("."))
+            self.samples = [(os.path.join(root, c, f), k) for k, c in enumerate(classes)
+                            for f in sorted(os.listdir(os.path.join(root, c)))]
+        def __len__(self):
+            return len(self.samples)
+        def __getitem__(self, i):
+            path, label = self.samples[i]
+            with open(path, "rb") as f:
+                return int.from_bytes(f.read()[:4], "little"), label
+
+    torch.manual_seed(0)
+    loader = DataLoader(Folder(sys.argv[1]), batch_size=4, shuffle=True, num_workers=2)
+    digest = hashlib.sha256()
+    for epoch in range(int(sys.argv[2])):
+        for ids, labels in loader:
+            digest.update(repr((ids.tolist(), labels.tolist(), torch.rand(1).item())).encode())
+    print("digest", digest.hexdigest())
+    """
+)
+
+
+def run_job(
+    mount: Path, tier: str, tmp_path: Path, epochs: int, **env: str
+) -> subprocess.CompletedProcess[str]:
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "-v", "--source", str(mount), "--tier", f"{tier}:1G", "run",
+         "--revalidate", "never", "--", sys.executable, str(job), str(mount), str(epochs)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_an_unchanged_job_under_tierstore_run_is_prefetched_and_sees_the_same_batches(
+    store: Any, tier: str, tmp_path: Path
+) -> None:
+    backing, mount = store
+    files = 60
+    plain = subprocess.run(
+        [sys.executable, "-c", JOB, str(backing), "2"], capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    off = run_job(mount, tier + "-off", tmp_path, 2, TIERSTORE_SAMPLER_PREFETCH="off")
+    assert off.returncode == 0, off.stderr
+    assert "sampler's order" not in off.stderr
+    before = store_stats(mount)
+    on = run_job(mount, tier, tmp_path, 2)
+    after = store_stats(mount)
+    assert on.returncode == 0, on.stderr
+    # The same samples, in the same order, and the same random draws: with and without tierstore.
+    assert on.stdout == off.stdout == plain.stdout.replace(str(backing), str(mount))
+    assert re.search(
+        rf"epoch 1: prefetching {files} files in the sampler's order \(files from dataset\.samples\)",
+        on.stderr,
+    ), on.stderr
+    m = re.search(
+        r"epoch 1: prefetched (\d+) of (\d+) files \((\d+) already cached, (\d+) read first, (\d+) failed\)",
+        on.stderr,
+    )
+    assert m, on.stderr
+    fetched, total, _, read_first, failed = map(int, m.groups())
+    assert total == files and failed == 0, on.stderr
+    assert fetched + read_first >= files - 8 and fetched >= files // 2, on.stderr  # the prefetch ran ahead
+    # Each file read from the store once for the whole job, prefetch and readers together.
+    assert after["open"] - before["open"] == files, (before, after)
+    assert after["bytes_read"] - before["bytes_read"] == files * SIZE
+
+
+def test_a_job_that_hands_its_order_over_under_tierstore_run_gets_it_prefetched(
+    store: Any, tier: str, tmp_path: Path
+) -> None:
+    # Before the engines' own calls were kept from the shim, every file of this order failed with "it
+    # changed while it was copied": the shim in the job's process served the prefetch its own copy.
+    _, mount = store
+    job = textwrap.dedent(
+        """
+        import glob, sys, tierstore
+        paths = sorted(glob.glob(sys.argv[1] + "/class*/*.bin"))
+        handle = tierstore.Cache().prefetch_order(paths, budget="1G")
+        assert handle.wait(60)
+        p = handle.progress()
+        print(p["files_fetched"], p["files_failed"], p["errors"][:1])
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "--source", str(mount), "--tier", f"{tier}:1G", "run",
+         "--", sys.executable, "-c", job, str(mount)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["60", "0"], r.stdout + r.stderr
+
+
+def test_a_python_job_that_imported_tierstore_gets_its_loader_prefetched(store: Any, tier: str) -> None:
+    _, mount = store
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    ds = CachedDataset(mount, cache=cache, pattern="class*/*.bin")
+    torch.manual_seed(1)
+    loader = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2)
+    with_hook = [b for b in loader]
+    prefetch = auto_order.prefetch_of(loader)
+    assert prefetch is not None and prefetch.found == "dataset.paths"
+    assert prefetch.prefetch.wait(30)
+    p = prefetch.progress()
+    assert p is not None and p["files_total"] == 60 and p["files_failed"] == 0
+    # The workers' reads were recorded: every index of the epoch carries its tag.
+    assert prefetch.marker.count(prefetch.tag, 1) == 60
+    torch.manual_seed(1)
+    os.environ[auto_order.VARIABLE] = "off"
+    try:
+        plain = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2)
+        without = [b for b in plain]
+        assert auto_order.prefetch_of(plain) is None
+    finally:
+        del os.environ[auto_order.VARIABLE]
+    assert all(
+        bytes(a) == bytes(b)
+        for x, y in zip(with_hook, without, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+
+
+class Lazy(Sampler[int]):
+    """A sampler that draws from the global generator as it goes: drawing it ahead would change the
+    draws the job sees, so it is left alone."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        for _ in range(self.n):
+            yield int(torch.randint(self.n, ()).item())
+
+
+class Listed(Dataset[int]):
+    def __init__(self, paths: list[Any]) -> None:
+        self.files = paths
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_only_what_can_be_mapped_is_prefetched(store: Any, tier: str, tmp_path: Path) -> None:
+    _, mount = store
+    cache = tierstore.configure(mount, [f"{tier}:1G"])
+    paths = sorted(str(p) for p in mount.glob("class*/*.bin"))
+    under = auto_order._within(cache.source)
+    # A list of paths, of (path, label) tuples, a Subset of either; not paths outside the source.
+    path_of, found = auto_order.find_paths(Listed(paths), under)
+    assert (path_of(3), found) == (paths[3], "dataset.files")
+    path_of, found = auto_order.find_paths(Listed([(Path(p), 0) for p in paths]), under)
+    assert path_of(5) == paths[5]
+    path_of, found = auto_order.find_paths(Subset(Listed(paths), [7, 2]), under)
+    assert (path_of(1), found) == (paths[2], "Subset of dataset.files")
+    outside = [str(tmp_path / f"x{i}") for i in range(3)]
+    assert auto_order.find_paths(Listed(outside), under) is None
+    assert auto_order.find_paths(Listed(list(range(5))), under) is None
+    # A lazy sampler is not drawn ahead: the same draws as without tierstore, and no prefetch.
+    torch.manual_seed(2)
+    lazy = DataLoader(Listed(paths), sampler=Lazy(len(paths)), batch_size=4)
+    seen = [b.tolist() for b in lazy] + [torch.rand(1).item()]
+    assert auto_order.prefetch_of(lazy) is None
+    os.environ[auto_order.VARIABLE] = "off"
+    try:
+        torch.manual_seed(2)
+        assert [b.tolist() for b in DataLoader(Listed(paths), sampler=Lazy(len(paths)), batch_size=4)] + [
+            torch.rand(1).item()
+        ] == seen
+    finally:
+        del os.environ[auto_order.VARIABLE]
+    # A known sampler over the mapped dataset is prefetched from the configured (default) cache.
+    known = DataLoader(Listed(paths), batch_size=4, shuffle=True)
+    assert [i for b in known for i in b.tolist()] != []
+    made = auto_order.prefetch_of(known)
+    assert made is not None and made.prefetch.wait(30) and made.progress()["files_failed"] == 0
+    # A budget that is not a size turns the prefetch off rather than stop the job.
+    os.environ[auto_order.VARIABLE] = "2X"
+    try:
+        assert auto_order.budget_setting() == 0
+    finally:
+        del os.environ[auto_order.VARIABLE]
