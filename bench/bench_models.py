@@ -61,6 +61,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import page
 import tierstore
 from tierstore import _core
 from tierstore.models import Repository, layer_ids
@@ -734,55 +735,71 @@ class Target:
     workload: str
     goal: str
     measured: str
-    ok: bool
+    ok: bool | None  # None: undecided, the rounds straddle the goal
+
+
+def at_most(ratios: list[float], limit: float) -> bool | None:
+    """A target of `ratios <= limit`, judged round by round (page.met, on the inverse ratios)."""
+    return page.met([1 / x for x in ratios], 1 / limit)
 
 
 def targets_of(results: list[Result], ids: dict[str, float]) -> list[Target]:
+    """Every timed target from each round's paired ratio: round i of tierstore against round i of the
+    baseline (one round runs every system back to back, in a rotating order)."""
     out = []
     for r in results:
         w = r.workload.name
+
+        def paired(table: dict[str, list[float]], base: str | list[float]) -> list[float]:
+            other = table[base] if isinstance(base, str) else base
+            return [t / b for t, b in zip(table["tierstore"], other, strict=True)]
+
         ts_save, raw_save, st_save = (r.med(r.save, s) for s in ("tierstore", "raw", "safetensors"))
         ts_full, st_full = r.med(r.full, "tierstore"), r.med(r.full, "safetensors")
-        raw_full = min(r.med(r.full, "raw"), r.med(r.full, "raw-par"))
-        raw_which = "raw" if r.med(r.full, "raw") <= r.med(r.full, "raw-par") else "raw-par"
+        # The load limit of each round: the faster of that round's raw and raw-par.
+        raw_rounds = [min(a, b) for a, b in zip(r.full["raw"], r.full["raw-par"], strict=True)]
+        raw_full = statistics.median(raw_rounds)
         ts_part = r.med(r.partial, "tierstore")
         written = r.second_written["tierstore"] / r.workload.nbytes
+        save_raw, save_st = paired(r.save, "raw"), paired(r.save, "safetensors")
+        full_raw, full_st = paired(r.full, raw_rounds), paired(r.full, "safetensors")
+        part = [p / f for p, f in zip(r.partial["tierstore"], r.full["tierstore"], strict=True)]
         out += [
             Target(
                 "save within 1.3x of raw write+fsync",
                 w,
                 f"<= {RAW_FACTOR}x",
-                f"{ts_save / raw_save:.2f}x ({ts_save:.2f} s vs {raw_save:.2f} s)",
-                ts_save <= RAW_FACTOR * raw_save,
+                f"{page.rounds(save_raw)} (medians {ts_save:.2f} s vs {raw_save:.2f} s)",
+                at_most(save_raw, RAW_FACTOR),
             ),
             Target(
                 "save no slower than safetensors",
                 w,
                 "<= 1.00x",
-                f"{ts_save / st_save:.2f}x ({ts_save:.2f} s vs {st_save:.2f} s)",
-                ts_save <= st_save,
+                f"{page.rounds(save_st)} (medians {ts_save:.2f} s vs {st_save:.2f} s)",
+                at_most(save_st, 1.0),
             ),
             Target(
-                "cold full load within 1.3x of raw read (the faster of raw, raw-par)",
+                "cold full load within 1.3x of raw read (the faster of raw, raw-par in each round)",
                 w,
                 f"<= {RAW_FACTOR}x",
-                f"{ts_full / raw_full:.2f}x ({ts_full:.2f} s vs {raw_full:.2f} s {raw_which})",
-                ts_full <= RAW_FACTOR * raw_full,
+                f"{page.rounds(full_raw)} (medians {ts_full:.2f} s vs {raw_full:.2f} s)",
+                at_most(full_raw, RAW_FACTOR),
             ),
             Target(
                 "cold full load no slower than safetensors",
                 w,
                 "<= 1.00x",
-                f"{ts_full / st_full:.2f}x ({ts_full:.2f} s vs {st_full:.2f} s)",
-                ts_full <= st_full,
+                f"{page.rounds(full_st)} (medians {ts_full:.2f} s vs {st_full:.2f} s)",
+                at_most(full_st, 1.0),
             ),
             Target(
                 "25% partial load / full load",
                 w,
                 f"<= {PARTIAL_RATIO}",
-                f"{ts_part / ts_full:.2f} ({ts_part:.2f} s / {ts_full:.2f} s; "
+                f"{page.rounds(part).replace('x', '')} (medians {ts_part:.2f} s / {ts_full:.2f} s; "
                 f"{r.partial_bytes / r.workload.nbytes:.1%} of the bytes)",
-                ts_part <= PARTIAL_RATIO * ts_full,
+                at_most(part, PARTIAL_RATIO),
             ),
             Target(
                 "second save, 10% of tensors changed: bytes written",
@@ -970,7 +987,11 @@ def report(
         "",
         "Produced by `bench/bench_models.py`; every number below is measured by that run.",
         "",
-        f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, {seconds:.0f} s)",
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds:.0f} s)",
+        "",
+        "Load average at the end: {:.2f}, {:.2f}, {:.2f} (1, 5, 15 min); the machine is shared.".format(
+            *os.getloadavg()
+        ),
         "",
         "## Machine",
         "",
@@ -1029,10 +1050,16 @@ def report(
         "",
         "## Targets",
         "",
-        "| target | workload | goal | measured (medians) | result |",
+        f"Every timed target is judged from each round's paired ratio (tierstore's time over the baseline's "
+        f"in the same round, the systems run back to back): PASS when all {reps} rounds meet it, FAIL when "
+        "none does, undecided when the rounds straddle it. Measured: the median of those ratios, every "
+        "round's in parentheses.",
+        "",
+        "| target | workload | goal | measured (paired per round) | result |",
         "|---|---|---|---|---|",
         *(
-            f"| {t.name} | {t.workload} | {t.goal} | {t.measured} | {'PASS' if t.ok else 'FAIL'} |"
+            f"| {t.name} | {t.workload} | {t.goal} | {t.measured} | "
+            f"{ {True: 'PASS', False: 'FAIL', None: 'undecided'}[t.ok] } |"
             for t in targets
         ),
         "",
@@ -1250,7 +1277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
         print(f"wrote {args.out}")
-    return 0 if all(t.ok for t in targets) else 1
+    return 0 if all(t.ok is not False for t in targets) else 1
 
 
 if __name__ == "__main__":
