@@ -318,12 +318,13 @@ def _make(loader: Any) -> LoaderPrefetch | None:
             f"{name}: no sampler-aware prefetch: {type(sampler).__name__} may draw lazily, so it is not drawn ahead"
         )
         return None
-    cache = _cache_of(dataset)
-    found = find_paths(dataset, _within(cache.source))
-    if found is None:
-        _say(f"{name}: no sampler-aware prefetch: the dataset names no file per sample under {cache.source}")
+    source = _Source(dataset)
+    found = find_paths(dataset, source)
+    if found is None or source.cache is None:
+        where = f" under {source.cache.source}" if source.cache is not None else ""
+        _say(f"{name}: no sampler-aware prefetch: the dataset names no file per sample{where}")
         return None
-    made = LoaderPrefetch(cache, found[0], found[1], name, None, None, len(dataset))
+    made = LoaderPrefetch(source.cache, found[0], found[1], name, None, None, len(dataset))
     try:
         setattr(dataset, MARKS_ATTRIBUTE, made.marks_path)
     except (AttributeError, TypeError) as e:
@@ -332,11 +333,28 @@ def _make(loader: Any) -> LoaderPrefetch | None:
     return made
 
 
-def _cache_of(dataset: Any) -> Any:
-    from tierstore.cache import Cache, default_cache
+class _Source:
+    """Whether a path is under the source of the cache `dataset` reads through. The cache (the dataset's
+    own, else the default one) is made on the first path asked about: a loader whose dataset holds no list
+    of paths makes none, and starts no agent."""
 
-    own = getattr(dataset, "cache", None)
-    return own if isinstance(own, Cache) else default_cache()
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.cache: Any = None
+        self._within: Callable[[str], bool] | None = None
+
+    def __call__(self, path: str) -> bool:
+        if self._within is None:
+            from tierstore.cache import Cache, default_cache
+
+            # The dataset's own cache, or that of the dataset it wraps (a Subset of a CachedDataset).
+            own, depth = self.dataset, 0
+            while own is not None and not isinstance(getattr(own, "cache", None), Cache) and depth < 8:
+                own, depth = getattr(own, "dataset", None), depth + 1
+            found = getattr(own, "cache", None)
+            self.cache = found if isinstance(found, Cache) else default_cache()
+            self._within = _within(self.cache.source)
+        return self._within(path)
 
 
 # The hooks into torch -------------------------------------------------------------------------------
