@@ -112,4 +112,8 @@ def test_route_sends_an_existing_datasets_reads_through_the_cache(
         assert torch.equal(torch.cat(list(loader)), expected)
         cache.wait()
     s = cache.stats()
-    assert s["source"]["opens"] == len(paths) and s["tiers"][0]["hits"] == len(paths)
+    # Every read looked in the cache: the first epoch's files came from the store once (fetched by a read,
+    # or ahead of it by the sampler-aware prefetch, which makes the read a hit), the second's were hits.
+    t = s["tiers"][0]
+    assert s["source"]["opens"] == len(paths)
+    assert t["hits"] + t["misses"] == 2 * len(paths) and t["hits"] >= len(paths)

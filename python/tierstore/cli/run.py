@@ -69,6 +69,11 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
     and deletes through the source invalidate what they change.
 
     \b
+    Every PyTorch DataLoader of the job prefetches each epoch in its sampler's order when its dataset
+    names its files (TIERSTORE_SAMPLER_PREFETCH=off turns it off; -v says what it found). --order gives
+    the order of any other program.
+
+    \b
       tierstore --source /lustre/data --tier /dev/shm/ts:50% run -- python train.py --epochs 90
       tierstore run --order epoch1.txt --budget 4G -- python train.py   # prefetch in the job's order
     """
