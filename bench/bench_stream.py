@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+import page
 from tierstore.testing import slowfs
 from units import human
 
@@ -725,6 +726,9 @@ def main() -> None:
     ap.add_argument("--requests", action="store_true")
     ap.add_argument("--sizes", default="100MB,1GB")
     ap.add_argument("--baseline-updates", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the same-node updates and their baselines, paired"
+    )
     ap.add_argument("--cross-sizes", default="100MB,1GB", help="model sizes across nodes (needs root)")
     ap.add_argument("--trainer-size", default="100MB")
     ap.add_argument(
@@ -744,6 +748,7 @@ def main() -> None:
         "baselines; its report goes to --out",
     )
     args = ap.parse_args()
+    args.started = time.time()
     if args.consumer:
         consumer_main(args)
         return
@@ -771,9 +776,27 @@ def main() -> None:
             results = {}
             for size in args.sizes.split(","):
                 total = parse_size(size)
-                r = update_run(total, env)
-                r["baseline"] = baseline_run(total, tmp / f"b{total}", args.baseline_updates)
-                r["baseline_h5"] = baseline_run(total, tmp / f"h{total}", args.baseline_updates, "h5py")
+                rounds = []
+                for i in range(args.rounds):
+                    # A round: tierstore's updates and both baselines, back to back (every other round the
+                    # baselines first); each round's ratios compare its own runs.
+                    r: dict[str, Any] = {}
+                    for part in ("tierstore", "baselines") if i % 2 == 0 else ("baselines", "tierstore"):
+                        if part == "tierstore":
+                            r |= update_run(total, env)
+                        else:
+                            tag = f"{total}-{i}"
+                            r["baseline"] = baseline_run(total, tmp / f"b{tag}", args.baseline_updates)
+                            r["baseline_h5"] = baseline_run(
+                                total, tmp / f"h{tag}", args.baseline_updates, "h5py"
+                            )
+                    rounds.append(r)
+                    print(
+                        f"{size} round {i}: delta p50 {ms(statistics.median(r['delta']))}, torch.save+poll+load "
+                        f"p50 {ms(statistics.median(r['baseline']))}",
+                        flush=True,
+                    )
+                r = merge_rounds(rounds)
                 results[size] = r
                 print(
                     f"{size}: delta update p50 {ms(statistics.median(r['delta']))} "
@@ -874,6 +897,23 @@ def group_main(sizes: str) -> None:
             )
 
 
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one size as one result: every sample of every round, the median of the single
+    measurements (memcpy, hashing), and the rounds themselves (for the per-round ratios)."""
+    out: dict[str, Any] = {"rounds": rounds}
+    for k, v in rounds[0].items():
+        if isinstance(v, list):
+            out[k] = [x for r in rounds for x in r[k]]
+        else:
+            out[k] = statistics.median(r[k] for r in rounds)
+    return out
+
+
+def per_round(r: dict[str, Any], base: str, key: str) -> list[float]:
+    """Each round's p50 of `base` over its p50 of `key`: how many times sooner tierstore served."""
+    return [statistics.median(x[base]) / statistics.median(x[key]) for x in r["rounds"]]
+
+
 def write_report(
     args: argparse.Namespace,
     command: str,
@@ -885,7 +925,8 @@ def write_report(
     lines = [
         "# Model streaming: same-node updates against memcpy and against file-and-poll",
         "",
-        f"Command: `{command}` (run by `make bench`).",
+        f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(args.started))}, "
+        f"{time.time() - args.started:.0f} s).",
         "",
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, Python "
         f"{platform.python_version()}; load average at the end {os.getloadavg()[0]:.1f} (the machine is shared). Publisher in the benchmark's process, consumer (`HotModel`, requests on "
@@ -922,14 +963,20 @@ def write_report(
             e2e, place, load = (statistics.median(r[k]) for k in (key, "place_" + key, "load_" + key))
             lines.append(
                 f"| {size} | {label} | {ms(e2e)} | {ms(place)} | {ms(load)} | {ms(r[mc])} | {load / r[mc]:.1f}x | "
-                f"{e2e / r[mc]:.1f}x | {ms(base)} | {base / e2e:.1f}x | {ms(h5)} | {h5 / e2e:.1f}x |"
+                f"{e2e / r[mc]:.1f}x | {ms(base)} | {page.rounds(per_round(r, 'baseline', key))} | {ms(h5)} | "
+                f"{page.rounds(per_round(r, 'baseline_h5', key))} |"
             )
     lines += [
         "",
-        "Baseline runs per size: "
-        + ", ".join(f"{s}: {len(r['baseline'])}" for s, r in results.items())
+        f"{args.rounds} rounds per size, each round tierstore's updates and both baselines back to back (every "
+        "other round the baselines first); a round: "
+        + ", ".join(
+            f"{s}: {len(r['rounds'][0]['baseline'])} baseline runs of each" for s, r in results.items()
+        )
         + "; "
-        "tierstore: 6 updates of 3% (sync), 6 of 3% with the hint, 6 of 3% (`sync=False`), 4 of 100% per size. In a `sync=False` "
+        "tierstore: 6 updates of 3% (sync), 6 of 3% with the hint, 6 of 3% (`sync=False`), 4 of 100% per size. "
+        "Times: p50 of every round's runs together; \"/ tierstore\": each round's baseline p50 over its tierstore "
+        "p50, their median first, then every round's. In a `sync=False` "
         "publish the trainer waits only for the snapshot into the staging buffer (compared as it copies): "
         + ", ".join(f"{s}: {ms(statistics.median(r['async_block']))}" for s, r in results.items())
         + "; `place` is then the background part.",
