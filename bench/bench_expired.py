@@ -22,13 +22,14 @@ for before the next pass.
 
     .venv/bin/python bench/bench_expired.py --out docs/benchmarks/expired.md
 
-The exit status is 1 when a target is missed: a due pass at most 1.25x a `never` pass (median of the
-rounds), and no due pass opens a file on the store.
+The exit status is 1 when a target is missed: a due pass at most 1.25x a `never` pass (in every round, by
+time and by the reading thread's CPU time), and no due pass opens a file on the store.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -54,12 +55,14 @@ def populate(root: Path, files: int, dirs: int, size: int) -> list[str]:
     return names
 
 
-def one_pass(cache: tierstore.Cache, mount: Path, names: list[str]) -> float:
-    start = time.perf_counter()
+def one_pass(cache: tierstore.Cache, mount: Path, names: list[str]) -> tuple[float, float]:
+    """The pass's wall time, and the reading thread's CPU time (the reader's path: what the machine's other
+    work does not stretch; the background confirmation runs on other threads)."""
+    start, cpu = time.perf_counter(), time.thread_time()
     for rel in names:
         with cache.open(mount / rel) as f:
             f.read()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.thread_time() - cpu
 
 
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -85,6 +88,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    started = time.time()
     d = args.duration
     base = Path(tempfile.mkdtemp(prefix="bench-expired-", dir="/dev/shm"))
     rows: list[dict[str, Any]] = []
@@ -109,16 +113,16 @@ def main() -> int:
                 row: dict[str, Any] = {"round": r + 1}
                 for mode, wait in (("expired", d + 0.2), ("due", d / 2 + 0.2)):
                     time.sleep(max(0.0, confirmed + wait - time.monotonic()))
-                    row[f"never-{mode}"] = one_pass(never, mount, names)
+                    row[f"never-{mode}"], row[f"never-{mode}-cpu"] = one_pass(never, mount, names)
                     lists = timed.stats()["source"]["lists"]
                     before = read_stats(str(mount))
-                    row[mode] = one_pass(timed, mount, names)
+                    row[mode], row[f"{mode}-cpu"] = one_pass(timed, mount, names)
                     row[f"{mode}-ops"] = delta(before, read_stats(str(mount)))
                     settle(timed, lists, args.dirs)
                     confirmed = time.monotonic()
                     row[f"{mode}-all-ops"] = delta(before, read_stats(str(mount)))
                 before = read_stats(str(mount))
-                row["always"] = one_pass(always, mount, names)
+                row["always"], row["always-cpu"] = one_pass(always, mount, names)
                 row["always-ops"] = delta(before, read_stats(str(mount)))
                 rows.append(row)
                 print(
@@ -136,16 +140,27 @@ def main() -> int:
     due = [r["due"] / r["never-due"] for r in rows]
     expired = [r["expired"] / r["never-expired"] for r in rows]
     always_x = [r["always"] / r["never-due"] for r in rows]
+    due_cpu = [r["due-cpu"] / r["never-due-cpu"] for r in rows]
+    expired_cpu = [r["expired-cpu"] / r["never-expired-cpu"] for r in rows]
+    always_cpu = [r["always-cpu"] / r["never-due-cpu"] for r in rows]
     due_opens = sum(r["due-ops"].get("open", 0) for r in rows)
-    checks = [
-        ("a due pass <= 1.25x a never pass (median)", statistics.median(due) <= 1.25,
-         f"{statistics.median(due):.2f}x"),
+    load = os.getloadavg()
+
+    def at_most(ratios: list[float], limit: float) -> bool | None:
+        return page.met([1 / x for x in ratios], 1 / limit)
+
+    checks: list[page.Check] = [
+        ("a due pass <= 1.25x a never pass, every round", at_most(due, 1.25), page.rounds(due)),
+        ("a due pass's reading thread <= 1.25x the never pass's CPU time, every round", at_most(due_cpu, 1.25),
+         page.rounds(due_cpu)),
         ("the due passes open nothing on the store", due_opens == 0, f"{due_opens} opens"),
     ]  # fmt: skip
     lines = [
         "# An expired warm pass on a POSIX store",
         "",
-        f"`{' '.join(['.venv/bin/python', *sys.argv])}`",
+        f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {time.time() - started:.0f} s); load "
+        f"average at the end {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (1, 5, 15 min; the machine is shared).",
         "",
         f"{args.files} files of {args.size >> 10} KiB in {args.dirs} directories on the stand-in parallel file "
         f"system with {args.meta_latency} per metadata operation; one process reads every file whole through "
@@ -153,17 +168,21 @@ def main() -> int:
         f"pass runs {d / 2 + 0.2:g} s after the last confirmation (past half the duration, within it), an "
         f"*expired* one {d + 0.2:g} s after (past the duration); each is paired with a "
         '`revalidate = "never"` pass just before it. Ratios are the mode\'s time over the paired `never` '
-        "pass's (1.00x: as fast as trusting the cache).",
+        "pass's (1.00x: as fast as trusting the cache), each taken within one round; beside the time, the CPU "
+        "time of the reading thread (`time.thread_time`: the reader's path, which the machine's other work "
+        "does not stretch; the background confirmation and the store's daemon run elsewhere). A target is met "
+        "when every round meets it, undecided when the rounds straddle it.",
         "",
-        "| pass | median time (s) | vs never (median of the rounds' ratios) | per round |",
-        "| --- | --- | --- | --- |",
-        f"| never | {statistics.median(r['never-due'] for r in rows):.3f} | 1.00x | |",
-        f"| due | {statistics.median(r['due'] for r in rows):.3f} | {statistics.median(due):.2f}x | "
-        f"{', '.join(f'{x:.2f}x' for x in due)} |",
-        f"| expired | {statistics.median(r['expired'] for r in rows):.3f} | {statistics.median(expired):.2f}x | "
-        f"{', '.join(f'{x:.2f}x' for x in expired)} |",
-        f"| always | {statistics.median(r['always'] for r in rows):.3f} | {statistics.median(always_x):.2f}x | "
-        f"{', '.join(f'{x:.2f}x' for x in always_x)} |",
+        "| pass | median time (s) | vs never, per round | reading thread's CPU (s) | vs never, per round |",
+        "| --- | --- | --- | --- | --- |",
+        f"| never | {statistics.median(r['never-due'] for r in rows):.3f} | 1.00x | "
+        f"{statistics.median(r['never-due-cpu'] for r in rows):.3f} | 1.00x |",
+        f"| due | {statistics.median(r['due'] for r in rows):.3f} | {page.rounds(due)} | "
+        f"{statistics.median(r['due-cpu'] for r in rows):.3f} | {page.rounds(due_cpu)} |",
+        f"| expired | {statistics.median(r['expired'] for r in rows):.3f} | {page.rounds(expired)} | "
+        f"{statistics.median(r['expired-cpu'] for r in rows):.3f} | {page.rounds(expired_cpu)} |",
+        f"| always | {statistics.median(r['always'] for r in rows):.3f} | {page.rounds(always_x)} | "
+        f"{statistics.median(r['always-cpu'] for r in rows):.3f} | {page.rounds(always_cpu)} |",
         "",
         "What the store saw (its own counters), round 1: during the pass itself, and until the background "
         "confirmation was over:",
