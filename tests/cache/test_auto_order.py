@@ -243,3 +243,29 @@ def test_only_what_can_be_mapped_is_prefetched(store: Any, tier: str, tmp_path: 
         assert auto_order.budget_setting() == 0
     finally:
         del os.environ[auto_order.VARIABLE]
+
+
+def test_a_data_set_twice_the_tier_is_prefetched_in_every_epoch(
+    store: Any, tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default placement keeps what it placed: a full tier would leave the prefetch no room after
+    # epoch 1, and every later epoch would wait on the store for the half it does not hold. The prefetch
+    # lets go of copies the epoch has read instead.
+    _, mount = store
+    cache = tierstore.Cache(mount, [f"{tier}:{30 * SIZE}B"])  # half of the 60 files
+    # 8 files ahead: the automatic budget of so small a tier (a sixteenth of it) is under 2 files.
+    monkeypatch.setenv(auto_order.VARIABLE, str(8 * SIZE))
+    ds = CachedDataset(mount, cache=cache, pattern="class*/*.bin")
+    torch.manual_seed(3)
+    loader = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2)
+    expected = sorted(bytes(p.read_bytes()) for p in mount.glob("class*/*.bin"))
+    fetched = []
+    for _ in range(3):
+        seen = sorted(bytes(b) for batch in loader for b in batch)
+        assert seen == expected  # every sample, whole, every epoch
+        made = auto_order.prefetch_of(loader)
+        assert made is not None and made.prefetch.wait(30)
+        fetched.append((made.progress()["files_fetched"], made.progress()["files_failed"], made.progress()["errors"][:2]))
+        assert cache.stats()["tiers"][0]["bytes_used"] <= 30 * SIZE
+    # Epochs 2 and 3 fetched ahead of their readers too, into room their read copies left.
+    assert fetched[1][0] >= 10 and fetched[2][0] >= 10, fetched

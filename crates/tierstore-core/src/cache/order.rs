@@ -191,6 +191,8 @@ struct Shared {
     state: Mutex<State>,
     turn: Condvar,
     progress: Arc<OrderProgress>,
+    /// Positions before this one were looked at for copies to let go of (`let_go`).
+    let_go_from: Mutex<usize>,
 }
 
 /// A running ordered prefetch. Dropping the handle stops it (files under way finish).
@@ -217,7 +219,9 @@ impl OrderedPrefetch {
         let cold = rels.len() - warm as usize;
         let jobs = jobs.clamp(1, super::prefetch::MAX_JOBS).min(cold.max(1));
         let state = Mutex::new(State::default());
-        let shared = Arc::new(Shared { inner, rels, cached, log, budget, state, turn: Condvar::new(), progress });
+        let let_go_from = Mutex::new(0);
+        let shared =
+            Arc::new(Shared { inner, rels, cached, log, budget, state, turn: Condvar::new(), progress, let_go_from });
         spawn_workers(&shared, jobs)?;
         Ok(OrderedPrefetch { shared })
     }
@@ -494,8 +498,25 @@ impl Shared {
     /// Copies the file at `position`, admitted to the budget, and counts what came of it; a copy that
     /// did not land gives its bytes back to the budget.
     fn copy(&self, position: usize, job: FetchJob<'_>, sid: SourceId, guard: FetchGuard, file: SourceFile) {
-        let (inner, p, rel) = (&self.inner, &self.progress, job.rel);
-        match inner.fetch_locked(job, sid, guard, &mut Some(file)) {
+        let (inner, p, rel, seen) = (&self.inner, &self.progress, job.rel, job.seen);
+        // The file stays open through a first attempt that finds no room: the second copies from it.
+        let mut file = Some(file);
+        let mut fetched = inner.fetch_locked(job, sid, guard, &mut file);
+        // Tiers that keep what they hold and are full: wait for the readers to pass copies this epoch has
+        // read, let go of them and try again; until a reader gets to the file first, or the prefetch is
+        // stopped, or room let go of was taken three times over by others.
+        let mut taken = 0;
+        while matches!(fetched, Ok(Fetched::NoRoom)) && taken < 3 && !self.read(position) && !self.stopped() {
+            if !self.let_go(position, sid.size) {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            let Some(Claim { lead, guard }) = self.claim(&key_of(rel)) else { break };
+            let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
+            fetched = inner.fetch_locked(job, sid, guard, &mut file);
+            taken += 1;
+        }
+        match fetched {
             Ok(Fetched::Cached) => {
                 p.files_fetched.fetch_add(1, Ordering::Relaxed);
                 p.bytes_fetched.fetch_add(sid.size, Ordering::Relaxed);
@@ -522,6 +543,49 @@ impl Shared {
                 p.fail(describe(&e));
             }
         }
+    }
+}
+
+impl Shared {
+    /// The tiers have no room for `size` more bytes and keep what they hold (the default placement,
+    /// `fill`, never evicts): lets go of copies of files this epoch has already read, earliest in the
+    /// order first, until `size` bytes are freed. An epoch in a random order reads each file once, so
+    /// those are the copies it needs least, and a data set larger than the tiers is still fetched ahead
+    /// of its readers in every epoch (MONARCH's one exception to keeping what it placed). A copy being
+    /// fetched, or held by another process's fetch lock, is passed over. Returns whether any was let go.
+    fn stopped(&self) -> bool {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped
+    }
+
+    fn let_go(&self, position: usize, size: u64) -> bool {
+        let inner = &self.inner;
+        let mut from = self.let_go_from.lock().unwrap_or_else(|p| p.into_inner());
+        let mut freed = 0;
+        // Positions before `from` are settled (let go, or not held); an unread one is looked at again
+        // next time, since the readers are about to reach it.
+        let mut unread = None;
+        for p in *from..position {
+            if freed >= size {
+                unread = unread.or(Some(p));
+                break;
+            }
+            if !self.read(p) {
+                unread = unread.or(Some(p));
+                continue;
+            }
+            let rel = &self.rels[p];
+            let key = key_of(rel);
+            let Some((tier, held)) = inner.lookup.published_in(&key, rel) else { continue };
+            let Ok(Some(_guard)) = inner.locks.try_lock(&key) else { continue };
+            inner.remove_entries(&key);
+            inner.lookup.tiers()[tier].counters.add(crate::counters::tier::EVICTIONS, 1);
+            freed += held.source.size;
+        }
+        *from = unread.unwrap_or(position.max(*from));
+        if freed > 0 {
+            log::debug!("ordered prefetch: let go of {freed} B of copies read this epoch, for room");
+        }
+        freed > 0
     }
 }
 
