@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from cpu import tree_seconds
+
 
 class PerSample(Dataset):
     """Sample i is file i, opened by path in the worker that loads it."""
@@ -58,12 +60,20 @@ def main() -> None:
         multiprocessing_context=context,
     )
     for epoch in range(1, epochs + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), tree_seconds()
         samples = 0
         for batch in loader:
             samples += len(batch)
         print(
-            json.dumps({"epoch": epoch, "seconds": time.perf_counter() - t0, "samples": samples}), flush=True
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "seconds": time.perf_counter() - t0,
+                    "cpu": tree_seconds() - c0,
+                    "samples": samples,
+                }
+            ),
+            flush=True,
         )
         sys.stdin.readline()
 

@@ -18,6 +18,8 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from cpu import tree_seconds
+
 
 def opener(mode: str):
     if mode == "cache":
@@ -73,13 +75,21 @@ def main() -> None:
         ds = Shards(paths, 256 << 10, mode)
         loader = DataLoader(ds, batch_size=8, num_workers=workers)
     for epoch in range(1, epochs + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), tree_seconds()
         samples = 0
         for batch in loader:
             samples += len(batch)
             time.sleep(compute_ms / 1000)  # the model's step
         print(
-            json.dumps({"epoch": epoch, "seconds": time.perf_counter() - t0, "samples": samples}), flush=True
+            json.dumps(
+                {
+                    "epoch": epoch,
+                    "seconds": time.perf_counter() - t0,
+                    "cpu": tree_seconds() - c0,
+                    "samples": samples,
+                }
+            ),
+            flush=True,
         )
         sys.stdin.readline()
 
