@@ -19,7 +19,7 @@ readers in the same round.
     .venv/bin/python bench/bench_ranged.py --out docs/benchmarks/ranged.md
 
 The exit status is 1 when a target is missed: with the default number of streams, a first read at least
-0.9x the store's bandwidth measured by 4 parallel readers (median of the rounds' paired ratios).
+0.9x the store's bandwidth measured by 4 parallel readers, in every round (each round's paired ratio).
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def main() -> int:
     )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    started = time.time()
     streams = [int(s) for s in args.streams.split(",")]
     setups = ["store, 1 reader", "store, 4 readers", *(f"tierstore, {k}" for k in streams)]
     seconds: dict[str, list[float]] = {s: [] for s in setups}
@@ -141,6 +142,8 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
+    load = os.getloadavg()
+
     def rate(s: str) -> float:
         return statistics.median(args.size / MIB / t for t in seconds[s])
 
@@ -150,7 +153,9 @@ def main() -> int:
     lines = [
         "# A large file's first read from a POSIX store",
         "",
-        f"`{' '.join(['.venv/bin/python', *sys.argv])}`",
+        f"Command: `{' '.join(['.venv/bin/python', *sys.argv])}` "
+        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {time.time() - started:.0f} s); load "
+        f"average at the end {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (1, 5, 15 min; the machine is shared).",
         "",
         f"One {args.size // MIB} MiB file on the stand-in parallel file system ("
         + (
@@ -162,22 +167,21 @@ def main() -> int:
         "order each round. *store, N readers*: N threads read the file with 4 MiB `pread`s, each its share. "
         "*tierstore, K*: a new process reads the file whole through `tierstore.Cache` (an empty tier on "
         "/dev/shm) while the cache copies it with K ranged readers (`TIERSTORE_COPY_STREAMS`; 1 is one "
-        "sequential reader). Ratios are the 4-reader store read's time over the setup's, paired by round.",
+        "sequential reader). Ratios are the 4-reader store read's time over the setup's, paired by round; a "
+        "target is met when every round meets it, undecided when the rounds straddle it.",
         "",
         "| setup | MiB/s (median) | vs the store read by 4 readers (median, per round) |",
         "| --- | ---: | --- |",
     ]
     for s in setups:
         ratios = paired(s)
-        lines.append(
-            f"| {s} | {rate(s):.0f} | {statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}x' for x in ratios)}) |"
-        )
+        lines.append(f"| {s} | {rate(s):.0f} | {page.rounds(ratios)} |")
     checks = []
     default = f"tierstore, {DEFAULT_STREAMS}"
     if default in seconds:
-        x = statistics.median(paired(default))
-        checks.append((f"{DEFAULT_STREAMS} streams (the default) >= 0.9x the store's 4-reader bandwidth", x >= 0.9,
-                       f"{x:.2f}x"))  # fmt: skip
+        x = paired(default)
+        checks.append((f"{DEFAULT_STREAMS} streams (the default) >= 0.9x the store's 4-reader bandwidth, every round",
+                       page.met(x, 0.9), page.rounds(x)))  # fmt: skip
     lines += page.targets(checks)
     return page.finish(lines, checks, args.out)
 
