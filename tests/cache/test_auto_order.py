@@ -265,7 +265,8 @@ def test_a_data_set_twice_the_tier_is_prefetched_in_every_epoch(
         assert seen == expected  # every sample, whole, every epoch
         made = auto_order.prefetch_of(loader)
         assert made is not None and made.prefetch.wait(30)
-        fetched.append((made.progress()["files_fetched"], made.progress()["files_failed"], made.progress()["errors"][:2]))
+        p = made.progress()
+        fetched.append((p["files_fetched"], p["files_failed"], p["errors"][:2]))
         assert cache.stats()["tiers"][0]["bytes_used"] <= 30 * SIZE
     # Epochs 2 and 3 fetched ahead of their readers too, into room their read copies left.
     assert fetched[1][0] >= 10 and fetched[2][0] >= 10, fetched
