@@ -294,6 +294,13 @@ def prefetch_of(loader: Any) -> LoaderPrefetch | None:
     return made
 
 
+def _shim_loaded() -> bool:
+    """Whether `tierstore run`'s shim is loaded in this process."""
+    import ctypes
+
+    return hasattr(ctypes.CDLL(None), "tierstore_preload_exempt")
+
+
 def _name(loader: Any) -> str:
     return f"DataLoader over {type(getattr(loader, 'dataset', None)).__name__}"
 
@@ -312,6 +319,11 @@ def _make(loader: Any) -> LoaderPrefetch | None:
 
     if isinstance(dataset, _MarkReads):
         return None  # tierstore.torch.prefetching already prefetches this loader's epochs
+    if loader.num_workers == 0 and _shim_loaded():
+        # The reads would go through the shim's engine in this very process, whose POSIX fetch locks this
+        # process's prefetch shares and cannot tell from its own: a file could be fetched twice.
+        _say(f"{name}: no sampler-aware prefetch: with no workers under tierstore run; give num_workers >= 1")
+        return None
     sampler = loader._index_sampler
     if not _drawn_whole_at_start(sampler):
         _say(
