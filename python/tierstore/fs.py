@@ -200,7 +200,7 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
         infos = []
         for info in super().ls(p, detail=True, **kwargs):
             name = info["name"].rsplit("/", 1)[-1]
-            if _migrating(name):
+            if writeback.migrating(name):
                 continue
             if staged.pop(name, None) is not None:
                 # An older copy is on the store: listed once, with the staged copy's details.
@@ -354,14 +354,6 @@ def _writeback_destination(path: str) -> bool:
     from tierstore import writeback
 
     return writeback.destination(path) is not None
-
-
-def _migrating(name: str) -> bool:
-    """Whether the file `name` of the store is a file on its way there under a hidden name: the copy of a
-    file being migrated (`.NAME.tierstore-part`, renamed to NAME once checked; listed under its own name
-    meanwhile, from the journal), or one written through a full stage (`.NAME.tierstore-through-PID-N`,
-    renamed to NAME at its close)."""
-    return name.startswith(".") and (name.endswith(".tierstore-part") or ".tierstore-through-" in name)
 
 
 def _strip_s3(path: Any) -> str:

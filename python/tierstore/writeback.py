@@ -21,7 +21,9 @@ import errno
 import io
 import os
 import shutil
+import sys
 import threading
+import time
 from typing import IO, Any
 
 from tierstore import _core
@@ -321,12 +323,69 @@ def rmtree(path: PathLike) -> None:
     # while the tree was walked: on the store, they go with the rest.
     if any(p["files"] for p in wb.pending(top)):
         sync(top)
-    shutil.rmtree(top)
+    _rmtree_past_migrations(top)
     _forget_dirs(top)
 
 
 def _raise(e: OSError) -> None:
     raise e
+
+
+def migrating(name: str) -> bool:
+    """Whether the file `name` of the store is a file on its way there under a hidden name: the copy of a
+    file being migrated (`.NAME.tierstore-part`, renamed to NAME once checked; listed under its own name
+    meanwhile, from the journal), or one written through a full stage (`.NAME.tierstore-through-PID-N`,
+    renamed to NAME at its close)."""
+    return name.startswith(".") and (name.endswith(".tierstore-part") or ".tierstore-through-" in name)
+
+
+# The names FUSE and NFS give a file removed while a process still has it open, until it is closed: a
+# temporary copy the walk removed while the agent was still writing it.
+_KEPT_WHILE_OPEN = (".fuse_hidden", ".nfs")
+
+# How long `rmtree` waits for the agent to drop the temporary copy of a file whose migration was under
+# way when the file was removed: the agent sees the file gone within a tenth of a second of copying, or
+# after reading the copy back (seconds for a large checkpoint), and deletes the copy.
+_MIGRATION_WAIT_S = 120.0
+
+
+def _rmtree_past_migrations(top: str) -> None:
+    """`shutil.rmtree(top)` while the agent may still be migrating files just removed from the journal:
+    a temporary copy that vanishes under the walk was deleted by the agent; a directory left holding
+    only temporary copies is removed again once the agent has deleted them.
+
+    Raises:
+        OSError: the tree could not be removed, or a temporary copy was still there after
+            `_MIGRATION_WAIT_S` (the agent is stuck: `tierstore status` shows its errors).
+    """
+
+    def vanished_is_gone(exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+
+    deadline = time.monotonic() + _MIGRATION_WAIT_S
+    while True:
+        try:
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(top, onexc=lambda _f, _p, exc: vanished_is_gone(exc))
+            else:
+                shutil.rmtree(top, onerror=lambda _f, _p, info: vanished_is_gone(info[1]))
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise
+            left = [n for _, _, names in os.walk(top) for n in names]
+            if not all(migrating(n) or n.startswith(_KEPT_WHILE_OPEN) for n in left):
+                raise  # a file written meanwhile: rmtree's own error
+            if time.monotonic() > deadline:
+                raise OSError(
+                    errno.ENOTEMPTY,
+                    f"cannot remove {top}: tierstore's temporary copies {left[:3]} are still there "
+                    f"{_MIGRATION_WAIT_S:.0f} s after their files were removed; the agent is stuck "
+                    "(`tierstore status` shows its errors)",
+                    top,
+                ) from e
+            time.sleep(0.02)
 
 
 def _forget_dirs(path: str) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import itertools
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ import tierstore  # noqa: E402
 from tests.helpers.listing import described, tree  # noqa: E402
 from tests.helpers.marks import needs  # noqa: E402
 from tests.helpers.stores import mounted_store  # noqa: E402
+from tests.helpers.wait import wait_for  # noqa: E402
 from tests.helpers.writeback import staged_copies_go, user_stage  # noqa: E402
 from tierstore import agent, writeback  # noqa: E402
 from tierstore.fs import TierstoreFileSystem  # noqa: E402
@@ -125,6 +127,29 @@ def test_rm_recursive_removes_staged_and_stored_files_for_good(slow_wb: Destinat
     # A write into the removed directory fails as it does on disk: the stage does not bring it back.
     with pytest.raises(FileNotFoundError, match="step"):
         fs.pipe_file(str(d / "late.bin"), b"late")
+
+
+def test_rm_recursive_during_a_migration_leaves_nothing_and_fails_nothing(
+    slow_wb: Destination, tmp_path: Path
+) -> None:
+    """A step's directory removed while the agent copies one of its files to the store (under its
+    temporary name, inside that directory): the tree goes whole, nothing comes back, and the agent counts
+    no failed attempt, so the next file migrates without a back-off."""
+    wb = slow_wb
+    fs = TierstoreFileSystem(skip_instance_cache=True)
+    d = wb.dest / "step"
+    fs.makedirs(str(d))
+    fs.pipe_file(str(d / "big.bin"), b"x" * (3 << 20))  # three seconds at the store's 1 MiB/s
+    wait_for("the migration to start", (wb.backing / "step" / ".big.bin.tierstore-part").exists, timeout=30)
+    fs.rm(str(d), recursive=True)
+    assert not fs.exists(str(d)) and not (wb.backing / "step").exists()
+    fs.pipe_file(str(wb.dest / "after.bin"), b"after")
+    tierstore.sync(timeout=60)
+    assert tree(wb.backing) == ["after.bin"], "a removed file, or its temporary copy, came back"
+    said = agent.status(tmp_path / "run" / "tierstore" / "agent.sock")
+    assert said is not None, "the agent that migrated the files no longer answers"
+    assert json.loads(said)["writeback"]["failures"] == 0, said
+    staged_copies_go(wb.stage)
 
 
 def test_the_destination_itself_lists_its_staged_files_and_once_removed_stays_removed(

@@ -70,7 +70,14 @@ pub fn refused(j: &Journal, roots: &[PathBuf]) -> Result<Vec<Entry>, JournalErro
 
 const BUF: usize = 1 << 20;
 
-fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
+/// How often a copy asks whether its file is still wanted: a removed checkpoint stops being copied within
+/// this, and its temporary copy goes (see [`copy_hashed`]).
+const WANTED_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Copies `from` to the fresh file `to`, hashing on the way; `None` when `wanted` said no (asked every
+/// [`WANTED_EVERY`]): the program removed or replaced the file meanwhile, and `rm -r` of its directory
+/// waits for the copy to go rather than for a multi-gigabyte copy to end.
+fn copy_hashed(from: &Path, to: &Path, wanted: impl Fn() -> bool) -> io::Result<Option<(u64, Hash)>> {
     let mut src = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(from)?;
     // A fresh file under the temporary name, never through a link planted there (a destination directory
     // other users can write): what a killed attempt left is removed first.
@@ -86,7 +93,14 @@ fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
     let mut h = Hasher::new();
     let mut buf = vec![0u8; BUF];
     let mut n = 0u64;
+    let mut asked = std::time::Instant::now();
     loop {
+        if asked.elapsed() >= WANTED_EVERY {
+            if !wanted() {
+                return Ok(None);
+            }
+            asked = std::time::Instant::now();
+        }
         let got = src.read(&mut buf)?;
         if got == 0 {
             break;
@@ -96,7 +110,7 @@ fn copy_hashed(from: &Path, to: &Path) -> io::Result<(u64, Hash)> {
         n += got as u64;
     }
     dst.sync_all()?;
-    Ok((n, *h.finalize().as_bytes()))
+    Ok(Some((n, *h.finalize().as_bytes())))
 }
 
 /// The directory `dest` goes in, opened from the destination root (among `roots`) that holds it, one
@@ -176,18 +190,24 @@ fn torn_by_a_crash(e: &Entry) -> bool {
     e.unflushed_in.is_some_and(|boot| Some(boot) != crate::process::boot_id())
 }
 
+/// Whether `e` is still the journal's entry for its file: not removed, renamed or rewritten since.
+fn current(j: &Journal, e: &Entry) -> bool {
+    matches!(j.lookup(&e.dest), Ok(Some(now)) if now.seq == e.seq)
+}
+
 /// Uploads `e` under its temporary name and checks it.
 fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Uploaded, String> {
     let staged = j.staged_path(&e.staged);
     if !staged.exists() {
         // Renamed or rewritten since it was read from the journal (its staged copy went with it)?
-        return match j.lookup(&e.dest) {
-            Ok(Some(now)) if now.seq == e.seq => Err(format!(
+        return if current(j, e) {
+            Err(format!(
                 "the staged copy {} of {} is missing: the stage was altered",
                 staged.display(),
                 e.dest.display()
-            )),
-            _ => Ok(Uploaded::Superseded),
+            ))
+        } else {
+            Ok(Uploaded::Superseded)
         };
     }
     if e.unflushed_in.is_some() {
@@ -198,9 +218,13 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Uploaded, String>
     let dir = dest_dir(&e.dest, roots).map_err(context("cannot open the directory of", &e.dest))?;
     let name = e.dest.file_name().ok_or_else(|| format!("{} has no file name", e.dest.display()))?;
     let part = through(&dir, part_path(&e.dest).file_name().expect("a part has a name"));
-    let copied = copy_hashed(&staged, &part);
+    let copied = copy_hashed(&staged, &part, || current(j, e));
     let (size, hash) = match copied {
-        Ok(v) => v,
+        Ok(Some(v)) => v,
+        Ok(None) => {
+            let _ = std::fs::remove_file(&part);
+            return Ok(Uploaded::Superseded);
+        }
         Err(err) if err.kind() == io::ErrorKind::NotFound && !staged.exists() => {
             let _ = std::fs::remove_file(&part);
             return Ok(Uploaded::Superseded);
@@ -212,7 +236,7 @@ fn upload(j: &Journal, e: &Entry, roots: &[PathBuf]) -> Result<Uploaded, String>
     };
     if (size, hash) != (e.size, e.hash) {
         let _ = std::fs::remove_file(&part);
-        if !matches!(j.lookup(&e.dest), Ok(Some(now)) if now.seq == e.seq) {
+        if !current(j, e) {
             return Ok(Uploaded::Superseded);
         }
         if torn_by_a_crash(e) {
@@ -262,6 +286,9 @@ pub fn step(j: &Journal, roots: &[PathBuf]) -> Result<Step, JournalError> {
                 _ => Step::Superseded,
             });
         }
+        // The program removed or replaced the file while it was copied (`rm -r` of a step's directory
+        // takes the temporary copy with it): nothing failed, and the stage goes on without a back-off.
+        Err(_) if !current(j, &e) => return Ok(Step::Superseded),
         Err(msg) => {
             j.note_error(e.seq, &msg)?;
             return Ok(Step::Failed(e, msg));
