@@ -1,10 +1,11 @@
 """The training job of bench/bench_auto_order.py: an ordinary PyTorch script that knows nothing of tierstore.
 
-    python bench/auto_order_job.py ROOT --dataset folder|npy --epochs N [--wrap BUDGET]
+    python bench/auto_order_job.py ROOT --dataset folder|npy|computed --epochs N [--wrap BUDGET]
 
 `folder`: a torchvision-style `DatasetFolder` (its `samples`: (path, class) per image, decoded with PIL;
 torchvision's own is not installed here, its layout and attributes are the same). `npy`: a custom Dataset
-holding its list of `.npy` paths (`self.files`), read with `numpy.load`. A shuffled DataLoader (batch 16, 2
+holding its list of `.npy` paths (`self.files`), read with `numpy.load`. `computed`: the same files, the
+dataset building each name from its index and holding no list. A shuffled DataLoader (batch 16, 2
 fork workers, a seeded generator) and a fixed 5 ms step per batch standing in for the model. `--wrap` is
 the one line a user would add for the explicit wrapper, `tierstore.torch.prefetching`.
 
@@ -65,6 +66,25 @@ class Arrays(Dataset):
         return torch.from_numpy(np.load(self.files[i])).float().mean(0)
 
 
+class Computed(Dataset):
+    """A custom dataset that builds each file's name from its index and keeps no list of names: it says
+    nothing of its files, so tierstore learns them from what each sample opens in the first epoch. The
+    same files, in the same order, as `Arrays`."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.n = sum(1 for f in os.listdir(root) if f.endswith(".npy"))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.load(os.path.join(self.root, f"a{i:04d}.npy"))).float().mean(0)
+
+
+DATASETS = {"folder": Folder, "npy": Arrays, "computed": Computed}
+
+
 def loader_for(dataset: Dataset) -> DataLoader:
     g = torch.Generator().manual_seed(SEED)
     return DataLoader(dataset, batch_size=16, shuffle=True, num_workers=2, generator=g,
@@ -74,12 +94,12 @@ def loader_for(dataset: Dataset) -> DataLoader:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
-    ap.add_argument("--dataset", choices=("folder", "npy"), default="folder")
+    ap.add_argument("--dataset", choices=tuple(DATASETS), default="folder")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--wrap", metavar="BUDGET", help="the explicit wrapper, tierstore.torch.prefetching")
     args = ap.parse_args()
-    dataset = Folder(args.root) if args.dataset == "folder" else Arrays(args.root)
+    dataset = DATASETS[args.dataset](args.root)
     loader = loader_for(dataset)
     if args.wrap:
         import tierstore.torch

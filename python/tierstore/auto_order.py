@@ -14,7 +14,9 @@ the hook when torch's DataLoader is imported), with no line of the job changed:
 - **The files.** Each index is mapped to its file by what the dataset says of its samples: a list of
   `len(dataset)` paths (or of tuples whose first element is a path) under the cache's source, such as
   torchvision's `DatasetFolder.samples`, `CachedDataset.paths` or a custom dataset's list of `.npy`
-  files; `Subset` is followed. A dataset that says nothing (or an iterable dataset) is left alone.
+  files; `Subset` is followed. A dataset that says nothing has them learned from what each sample
+  opened in the loader's first epoch (`tierstore.learned_order`), under `tierstore run` or through the
+  dataset's own Cache, and its later epochs are prefetched. An iterable dataset is left alone.
 - **The reads.** Each loader gets a read-marks file (slot 0: the epoch's tag; slot i + 1: the tag of the
   epoch in which index i was last fetched), named to the workers by an attribute set on the dataset
   before they start; the index fetcher marks each index it has fetched, in every worker, so every read
@@ -33,8 +35,14 @@ import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tierstore import prefetch_report
+from tierstore.learned_order import LOG_ATTRIBUTE
+
+if TYPE_CHECKING:
+    from tierstore.learned_order import LearnedOrder
 
 # The setting: auto, off, or a budget.
 VARIABLE = "TIERSTORE_SAMPLER_PREFETCH"
@@ -191,29 +199,32 @@ class LoaderPrefetch:
 
     Args:
         cache: The cache the samples are read through.
-        path_of: The file of each dataset index.
-        found: Where `path_of` came from, for the log ("dataset.samples").
+        files_of: The files of each dataset index (none where they are not known).
+        found: Where `files_of` came from, for the log ("dataset.samples").
         name: The loader, for the log.
         budget: Bytes fetched ahead of the reads at most; None: `$TIERSTORE_SAMPLER_PREFETCH`'s.
         jobs: Files fetched at once; None: the default.
         marks: The read-marks file (slot 0: the epoch's tag; slot i + 1: index i's), or the dataset's
             length, to make one that lives as long as this prefetch.
+        learned: The order `files_of` reads, brought up to date as each epoch starts; None if it is fixed.
     """
 
     def __init__(
         self,
         cache: Any,
-        path_of: Callable[[int], str],
+        files_of: Callable[[int], Sequence[str]],
         found: str,
         name: str,
         budget: int | None,
         jobs: int | None,
         marks: str | int,
+        learned: LearnedOrder | None = None,
     ) -> None:
         from tierstore.order import ReadMarker
 
         self.cache = cache
-        self.path_of = path_of
+        self.files_of = files_of
+        self.learned = learned
         self.found = found
         self.name = name
         self.fixed_budget = budget
@@ -224,6 +235,7 @@ class LoaderPrefetch:
         else:
             self.marks_path = marks
         self.marker = ReadMarker(self.marks_path)
+        weakref.finalize(self, prefetch_report.remove, self.marks_path)
         self.epoch = 0
         self.tag = 0
         self.prefetch: Any = None
@@ -241,27 +253,55 @@ class LoaderPrefetch:
 
     def start(self, indices: list[int]) -> None:
         """Stops the last epoch's prefetch and starts this one's, in the order of `indices`."""
+        last = None
         if self.prefetch is not None:
             self.prefetch.stop()
             p = self.prefetch.progress()
+            last = {
+                k: p[k]
+                for k in ("files_total", "files_fetched", "files_cached", "files_read_first", "files_failed")
+            }
             _say(
                 f"{self.name}, epoch {self.epoch}: prefetched {p['files_fetched']} of {p['files_total']} files "
                 f"({p['files_cached']} already cached, {p['files_read_first']} read first, {p['files_failed']} failed)"
+                + (f"; the first failure: {p['errors'][0]}" if p["errors"] else "")
             )
         self.epoch += 1
         # A new tag per epoch: slots of the last epoch no longer count as read. Never 0, which is "unread".
         self.tag = self.tag % 0xFFFF_FFFE + 1
         self.marker.mark(0, self.tag)
+        self.prefetch = None
+        if self.learned is not None:
+            self.learned.update()
+        paths: list[str] = []
+        slots: list[int] = []
+        for i in indices:
+            for path in self.files_of(i):
+                paths.append(path)
+                slots.append(i + 1)
+        report = {
+            "pid": os.getpid(),
+            "loader": self.name,
+            "found": self.found,
+            "epoch": self.epoch,
+            "tag": self.tag,
+            "samples": len(indices),
+            "files": len(paths),
+            "budget": None,
+            "last_epoch": last,
+        }
+        if not paths:
+            prefetch_report.write(self.marks_path, report)
+            _say(f"{self.name}, epoch {self.epoch}: no file of its samples known yet; learning them")
+            return
         budget = self.budget()
         self.prefetch = self.cache._core.prefetch_order(
-            [self.path_of(i) for i in indices],
-            budget,
-            self.jobs,
-            (self.marks_path, [i + 1 for i in indices], self.tag),
+            paths, budget, self.jobs, (self.marks_path, slots, self.tag)
         )
+        prefetch_report.write(self.marks_path, {**report, "budget": budget})
         _say(
-            f"{self.name}, epoch {self.epoch}: prefetching {len(indices)} files in the sampler's order "
-            f"(files from {self.found}), {budget >> 20} MiB ahead of the reads at most"
+            f"{self.name}, epoch {self.epoch}: prefetching {len(paths)} files of {len(indices)} samples in the "
+            f"sampler's order (files from {self.found}), {budget >> 20} MiB ahead of the reads at most"
         )
 
     def progress(self) -> dict[str, Any] | None:
@@ -332,17 +372,40 @@ def _make(loader: Any) -> LoaderPrefetch | None:
         return None
     source = _Source(dataset)
     found = find_paths(dataset, source)
-    if found is None or source.cache is None:
+    if found is not None and source.cache is not None:
+        path_of = found[0]
+        made = LoaderPrefetch(source.cache, lambda i: (path_of(i),), found[1], name, None, None, len(dataset))
+        return made if _name_to_workers(dataset, name, {MARKS_ATTRIBUTE: made.marks_path}) else None
+    if not (_shim_loaded() or source.own_cache() is not None):
+        # Learned only where tierstore sees the reads: under `tierstore run`, or through the dataset's
+        # own Cache.
         where = f" under {source.cache.source}" if source.cache is not None else ""
         _say(f"{name}: no sampler-aware prefetch: the dataset names no file per sample{where}")
         return None
-    made = LoaderPrefetch(source.cache, found[0], found[1], name, None, None, len(dataset))
+    from tierstore.learned_order import LearnedLog, LearnedOrder
+
+    cache = source.made()
+    marks = cache._core.create_read_marks(len(dataset) + 1)
+    log = LearnedLog.create(marks + ".learned")
+    learned = LearnedOrder(log, _within(cache.source))
+    found_where = "the files each sample opened in the first epoch"
+    made = LoaderPrefetch(cache, learned.files_of, found_where, name, None, None, marks, learned)
+    weakref.finalize(made, _unlink, marks)
+    weakref.finalize(made, _unlink, log.path)
+    attributes = {MARKS_ATTRIBUTE: marks, LOG_ATTRIBUTE: log.path}
+    return made if _name_to_workers(dataset, name, attributes) else None
+
+
+def _name_to_workers(dataset: Any, name: str, attributes: dict[str, str]) -> bool:
+    """Sets `attributes` on `dataset`, which the loader's workers get a copy of; False (and said) when the
+    dataset takes no attribute."""
     try:
-        setattr(dataset, MARKS_ATTRIBUTE, made.marks_path)
+        for key, value in attributes.items():
+            setattr(dataset, key, value)
     except (AttributeError, TypeError) as e:
         _say(f"{name}: no sampler-aware prefetch: the workers' reads cannot be recorded ({e})")
-        return None
-    return made
+        return False
+    return True
 
 
 class _Source:
@@ -357,16 +420,26 @@ class _Source:
 
     def __call__(self, path: str) -> bool:
         if self._within is None:
-            from tierstore.cache import Cache, default_cache
-
-            # The dataset's own cache, or that of the dataset it wraps (a Subset of a CachedDataset).
-            own, depth = self.dataset, 0
-            while own is not None and not isinstance(getattr(own, "cache", None), Cache) and depth < 8:
-                own, depth = getattr(own, "dataset", None), depth + 1
-            found = getattr(own, "cache", None)
-            self.cache = found if isinstance(found, Cache) else default_cache()
-            self._within = _within(self.cache.source)
+            self._within = _within(self.made().source)
         return self._within(path)
+
+    def own_cache(self) -> Any:
+        """The dataset's own cache, or that of the dataset it wraps (a Subset of a CachedDataset); None."""
+        from tierstore.cache import Cache
+
+        own, depth = self.dataset, 0
+        while own is not None and not isinstance(getattr(own, "cache", None), Cache) and depth < 8:
+            own, depth = getattr(own, "dataset", None), depth + 1
+        found = getattr(own, "cache", None)
+        return found if isinstance(found, Cache) else None
+
+    def made(self) -> Any:
+        """The dataset's own cache, else the default one: made now if it was not."""
+        if self.cache is None:
+            from tierstore.cache import default_cache
+
+            self.cache = self.own_cache() or default_cache()
+        return self.cache
 
 
 # The hooks into torch -------------------------------------------------------------------------------
@@ -395,19 +468,47 @@ def _begin_epoch(loader_iter: Any, it: Any) -> Any:
     return _Drawn(order)
 
 
-def _mark_fetched(dataset: Any, index: Any) -> None:
-    """Records, in the dataset's read-marks file, that the indices of `index` are fetched."""
+def _marker_of(dataset: Any) -> Any:
+    """The ReadMarker of the dataset's read-marks file, if its loader has one."""
     try:
         path = getattr(dataset, MARKS_ATTRIBUTE, None)
     except Exception:
-        return
+        return None
     if not isinstance(path, str):
-        return
+        return None
     marker = _markers.get(path)
     if marker is None:
         from tierstore.order import ReadMarker
 
         marker = _markers[path] = ReadMarker(path)
+    return marker
+
+
+def _learning(dataset: Any) -> Any:
+    """The dataset's learned-order log while its loader's first epoch runs (tag 1 in its read marks); else
+    None."""
+    try:
+        path = getattr(dataset, LOG_ATTRIBUTE, None)
+    except Exception:
+        return None
+    if not isinstance(path, str):
+        return None
+    marker = _marker_of(dataset)
+    if marker is None or marker.get(0) != 1:
+        return None
+    log = _logs.get(path)
+    if log is None:
+        from tierstore.learned_order import LearnedLog
+
+        log = _logs[path] = LearnedLog(path)
+    return log
+
+
+def _mark_fetched(dataset: Any, index: Any) -> None:
+    """Records, in the dataset's read-marks file, that the indices of `index` are fetched."""
+    marker = _marker_of(dataset)
+    if marker is None:
+        return
     tag = marker.get(0)
     for i in index if isinstance(index, (list, tuple)) else (index,):
         with contextlib.suppress(TypeError, ValueError):
@@ -415,6 +516,7 @@ def _mark_fetched(dataset: Any, index: Any) -> None:
 
 
 _markers: dict[str, Any] = {}
+_logs: dict[str, Any] = {}
 
 
 def patch(dataloader: Any) -> None:
@@ -438,7 +540,13 @@ def patch(dataloader: Any) -> None:
         return next_index(self)
 
     def fetch_and_mark(self: Any, possibly_batched_index: Any) -> Any:
-        data = fetch_map(self, possibly_batched_index)
+        log = _learning(self.dataset)
+        if log is None:
+            data = fetch_map(self, possibly_batched_index)
+        else:
+            from tierstore.learned_order import fetch_learning
+
+            data = fetch_learning(self, possibly_batched_index, fetch_map, log)
         _mark_fetched(self.dataset, possibly_batched_index)
         return data
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstore import _core
 from tierstore._file import CachedFile
+from tierstore.learned_order import opened as _opened
 
 if TYPE_CHECKING:
     from tierstore.order import OrderPrefetch
@@ -159,9 +160,21 @@ class Cache:
             )
         name = os.fsdecode(path)
         raw = CachedFile(self._core.open(path), name)
+        learning = getattr(_opened, "paths", None)
+        if learning is not None:  # a DataLoader worker learning its samples' files (learned_order)
+            learning.append(self._absolute(name))
         if "b" in mode:
             return raw
         return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding)
+
+    def _absolute(self, name: str) -> str:
+        """`name` as `open` took it, spelled as the source's paths are: absolute, or a full object URL."""
+        if "://" in name:
+            return name
+        source = self.source
+        if "://" in source:
+            return source.rstrip("/") + "/" + name.lstrip("/")
+        return os.path.abspath(name)
 
     def lookup(self, path: PathLike, *, validate: bool = True) -> str | None:
         """The path of a current cached copy of `path`, or None if no tier holds one.

@@ -224,7 +224,9 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
 
         self.sampler = sampler
         self.marks_path = marks_path
-        self.epochs = LoaderPrefetch(cache, paths, "paths=", "prefetching", budget, jobs, marks_path)
+        self.epochs = LoaderPrefetch(
+            cache, lambda i: (paths(i),), "paths=", "prefetching", budget, jobs, marks_path
+        )
 
     @property
     def epoch_tag(self) -> int:

@@ -1,11 +1,13 @@
 """Sampler-aware prefetch for a job nobody changed (`tierstore.auto_order`): an unmodified DataLoader, in a
 process that imported tierstore or under `tierstore run`, yields exactly the batches and random draws it
 would without tierstore, and its epochs are fetched ahead in the sampler's order from the paths its
-dataset names; a job that hands an order to `Cache.prefetch_order` itself under `tierstore run` gets it
-prefetched; and what cannot be mapped is left as it was."""
+dataset names, or from the second epoch on from the files each sample opened in the first; a job that
+hands an order to `Cache.prefetch_order` itself under `tierstore run` gets it prefetched; and what cannot
+be mapped is left as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -108,7 +110,7 @@ def test_an_unchanged_job_under_tierstore_run_is_prefetched_and_sees_the_same_ba
     # The same samples, in the same order, and the same random draws: with and without tierstore.
     assert on.stdout == off.stdout == plain.stdout.replace(str(backing), str(mount))
     assert re.search(
-        rf"epoch 1: prefetching {files} files in the sampler's order \(files from dataset\.samples\)",
+        rf"epoch 1: prefetching {files} files of {files} samples in the sampler's order \(files from dataset\.samples\)",
         on.stderr,
     ), on.stderr
     m = re.search(
@@ -270,3 +272,109 @@ def test_a_data_set_twice_the_tier_is_prefetched_in_every_epoch(
         assert cache.stats()["tiers"][0]["bytes_used"] <= 30 * SIZE
     # Epochs 2 and 3 fetched ahead of their readers too, into room their read copies left.
     assert fetched[1][0] >= 10 and fetched[2][0] >= 10, fetched
+
+
+# A job whose dataset builds each path from its index: it names no file per sample, so the files are
+# learned from what each sample opens in the first epoch, and the epochs after it are prefetched.
+COMPUTED_JOB = textwrap.dedent(
+    """
+    import hashlib, sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Computed(Dataset):
+        def __init__(self, root):
+            self.root = root
+        def __len__(self):
+            return 60
+        def __getitem__(self, i):
+            c, k = divmod(i, 15)
+            with open(f"{self.root}/class{c}/img{k:03d}.bin", "rb") as f:
+                return int.from_bytes(f.read()[:4], "little")
+
+    torch.manual_seed(0)
+    loader = DataLoader(Computed(sys.argv[1]), batch_size=4, shuffle=True, num_workers=2)
+    digest = hashlib.sha256()
+    for epoch in range(3):
+        for ids in loader:
+            digest.update(repr((ids.tolist(), torch.rand(1).item())).encode())
+    print("digest", digest.hexdigest())
+    """
+)
+
+
+def test_a_dataset_that_names_no_files_is_learned_and_prefetched_from_epoch_two(
+    store: Any, tier: str, tmp_path: Path
+) -> None:
+    backing, mount = store
+    job = tmp_path / "computed.py"
+    job.write_text(COMPUTED_JOB)
+    plain = subprocess.run(
+        [sys.executable, str(job), str(backing)], capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    # A tier for half the files: each epoch reads part of the data set from the store again.
+    r = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "-v", "--source", str(mount), "--tier", f"{tier}:{30 * SIZE}B",
+         "run", "--revalidate", "never", "--", sys.executable, str(job), str(mount)],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, auto_order.VARIABLE: str(8 * SIZE)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout  # the same samples, in the same order, and the same random draws
+    assert "epoch 1: no file of its samples known yet; learning them" in r.stderr, r.stderr
+    for epoch in (2, 3):
+        assert re.search(
+            rf"epoch {epoch}: prefetching 60 files of 60 samples in the sampler's order \(files from the "
+            r"files each sample opened in the first epoch\)",
+            r.stderr,
+        ), r.stderr
+    # Epoch 2's prefetch (reported as epoch 3 starts) fetched files its readers had not read yet. (Files
+    # it found no room for, the tier full of copies not read yet, are counted failed and read as before.)
+    m = re.search(r"epoch 2: prefetched (\d+) of 60 files \((\d+) already cached, (\d+) read first", r.stderr)
+    assert m and int(m.group(1)) >= 10, r.stderr
+
+
+def test_a_dataset_reading_through_its_own_cache_is_learned_in_process(store: Any, tier: str) -> None:
+    _, mount = store
+
+    class ThroughCache(Dataset[bytes]):
+        """Reads `class{c}/img{k}.bin` through its cache, from the index alone."""
+
+        def __init__(self, cache: tierstore.Cache) -> None:
+            self.cache = cache
+
+        def __len__(self) -> int:
+            return 60
+
+        def __getitem__(self, i: int) -> bytes:
+            c, k = divmod(i, 15)
+            with self.cache.open(f"{mount}/class{c}/img{k:03d}.bin") as f:
+                return bytes(f.read(4))
+
+    cache = tierstore.Cache(mount, [f"{tier}:1G"])
+    loader = DataLoader(ThroughCache(cache), batch_size=6, shuffle=True, num_workers=2)
+    first = sorted(bytes(b) for batch in loader for b in batch)
+    made = auto_order.prefetch_of(loader)
+    assert made is not None and made.prefetch is None and made.learned is not None
+    second = sorted(bytes(b) for batch in loader for b in batch)
+    assert first == second and len(first) == 60
+    # Every index learned its one file; epoch 2 was prefetched from them (all cached by epoch 1's reads).
+    assert made.learned.files == {i: (f"{mount}/class{i // 15}/img{i % 15:03d}.bin",) for i in range(60)}
+    assert made.prefetch is not None and made.prefetch.wait(30)
+    p = made.progress()
+    assert p is not None and p["files_total"] == 60 and p["files_failed"] == 0, p
+    # `tierstore status`, from another process, shows the loader: its order's source, epoch and reads.
+    status = [sys.executable, "-m", "tierstore.cli", "--source", str(mount), "--tier", f"{tier}:1G", "status"]
+    shown = subprocess.run([*status, "--json"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    mine = [r for r in json.loads(shown.stdout)["loaders"] if r["pid"] == os.getpid()]
+    assert len(mine) == 1, shown.stdout
+    assert (mine[0]["found"], mine[0]["epoch"], mine[0]["files"], mine[0]["read"]) == (
+        "the files each sample opened in the first epoch",
+        2,
+        60,
+        60,
+    ), mine
+    table = subprocess.run(status, capture_output=True, text=True, timeout=60)
+    assert "sampler-aware prefetch" in table.stdout and "60 / 60" in table.stdout, table.stdout

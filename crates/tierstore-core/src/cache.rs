@@ -396,8 +396,15 @@ impl Cache {
     /// ordered prefetch in other processes.
     pub fn read_marks(&self, slots: usize) -> Result<crate::marks::ReadMarks, Error> {
         let _exempt = crate::interposer::calls();
-        let dir = crate::tier::namespace_dir(&self.inner.config.tiers[0].path, &self.inner.config.source).join("order");
+        let dir = self.order_dir();
         crate::marks::ReadMarks::create_in(&dir, slots).map_err(|e| Error::io(&dir, e))
+    }
+
+    /// The directory of the ordered prefetches' read-marks files (and of what the Python side keeps beside
+    /// them: each loader's learned order and progress, which `tierstore status` shows). Private to the
+    /// user once a marks file was made in it; it may not exist yet.
+    pub fn order_dir(&self) -> PathBuf {
+        crate::tier::namespace_dir(&self.inner.config.tiers[0].path, &self.inner.config.source).join("order")
     }
 
     /// Blocks until every prefetch has finished and every queued copy is published (and access

@@ -67,7 +67,7 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
                 streams::register(fd, copy);
             }
             if let Some(rel) = s.relative(abs.as_os_str().as_bytes()) {
-                order::note_open(rel);
+                order::note_open(abs.as_os_str().as_bytes(), rel);
             }
             Some(fd)
         }

@@ -244,6 +244,11 @@ impl PyCache {
         Ok(PyOrderPrefetch { handle })
     }
 
+    /// The directory of the read-marks files (see `create_read_marks`); it may not exist yet.
+    fn order_dir(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.engine(py)?.order_dir().to_string_lossy().into_owned())
+    }
+
     /// Creates a read-marks file of `slots` slots next to the node's cache state; returns its path.
     fn create_read_marks(&self, py: Python<'_>, slots: usize) -> PyResult<String> {
         let engine = self.engine(py)?;

@@ -86,7 +86,9 @@ def status(make: Any, as_json: bool) -> None:
     """Show what the cache holds and did, node-wide: per tier and for the source, with the revalidate mode.
     With sharing on, every member of the job too (up or down, what it holds, read from the store, served
     and received); with write-back destinations, the files waiting for the store (files, bytes, oldest
-    age, errors)."""
+    age, errors); for each running DataLoader with sampler-aware prefetch, where its files came from
+    (the dataset's list, or learned from the first epoch), its epoch, how far its readers are and what
+    its last epoch's prefetch did."""
     writeback = writeback_status(make)
     try:
         cache = make()
@@ -119,6 +121,9 @@ def status(make: Any, as_json: bool) -> None:
         }
     if writeback:
         stats["writeback"] = writeback
+    from tierstore import prefetch_report
+
+    stats["loaders"] = prefetch_report.read_all(cache._core.order_dir())
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -176,6 +181,8 @@ def status(make: Any, as_json: bool) -> None:
     console.print(tiers)
     console.print(source)
     console.print(f"revalidate {stats['revalidate']}: {checked}", soft_wrap=True)
+    if stats["loaders"]:
+        console.print(loaders_table(stats["loaders"]))
     for t in stats["tiers"]:
         if t["error"]:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
@@ -219,6 +226,43 @@ def status(make: Any, as_json: bool) -> None:
                 )
     if writeback:
         print_writeback(writeback, False)
+
+
+def loaders_table(loaders: list[dict[str, Any]]) -> Any:
+    """The running DataLoaders' sampler-aware prefetches: where each found its files, its epoch, how far
+    its readers are, and what the epoch before did."""
+    from rich.table import Table
+
+    table = Table(title="sampler-aware prefetch (DataLoaders)", title_justify="left")
+    for col in (
+        "process",
+        "loader",
+        "files from",
+        "epoch",
+        "samples read",
+        "files ahead",
+        "budget",
+        "last epoch",
+    ):
+        table.add_column(col, justify="right" if col in ("process", "epoch", "samples read") else "left")
+    for r in loaders:
+        last = r.get("last_epoch") or {}
+        table.add_row(
+            str(r.get("pid")),
+            str(r.get("loader")),
+            str(r.get("found")),
+            str(r.get("epoch")),
+            f"{r.get('read', '?')} / {r.get('samples')}",
+            f"{r.get('files')} files" if r.get("files") else "none yet (learning)",
+            human(r["budget"]) if isinstance(r.get("budget"), int) else "-",
+            (
+                f"{last['files_fetched']} of {last['files_total']} fetched, {last['files_read_first']} read first, "
+                f"{last['files_failed']} failed"
+                if last
+                else "-"
+            ),
+        )
+    return table
 
 
 @main.command()

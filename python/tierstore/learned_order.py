@@ -1,0 +1,211 @@
+"""The learned order: the files each index of a dataset opened in the loader's first epoch, so that the
+epochs after it are prefetched in the sampler's order for a dataset that does not say where its samples
+are (a custom `Dataset` that builds a path from the index, opens an index file first, and so on).
+
+- **Recording.** While a loader's first epoch runs, each DataLoader worker reads each sample inside a
+  record of the files its thread opens through tierstore: the shim's under `tierstore run`
+  (`tierstore_preload_record_start` and `_take`, one thread-local buffer) and the Python API's
+  (`Cache.open`). A batch is read one sample at a time, as torch's own fetcher does, so that each index
+  gets its own files; a dataset with `__getitems__` reads a batch in one call, and teaches nothing.
+- **The log.** Every worker appends `[index, [path, ...]]` as one JSON line, in one `write` to the
+  loader's log opened with `O_APPEND` (a file the loader's process made, 0600, beside its read-marks file;
+  a worker writes only to a file of its own user that no one else can write).
+- **Learning.** As each later epoch starts, the loader's process reads the lines added since, keeps the
+  files under the cache's source, and prefetches the epoch's indices whose files it knows.
+
+What an index opened in the first epoch is what it is taken to open in every epoch: a sample that picks
+its file at random is prefetched wrong (its reads go on as they would have), never read wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+# The attribute on a dataset that names the loader's learned-order log to its workers.
+LOG_ATTRIBUTE = "_tierstore_learned_order"
+
+# The Python API's record: `Cache.open` adds each path it opens to this thread's list while one runs.
+opened = threading.local()
+
+
+# Recording, in a worker ----------------------------------------------------------------------------
+
+
+class _Shim:
+    """The record functions of `tierstore run`'s shim, when it is loaded in this process."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL(None)
+        self.start: Callable[[], None] | None = getattr(lib, "tierstore_preload_record_start", None)
+        self.take: Any = getattr(lib, "tierstore_preload_record_take", None)
+        if self.take is not None:
+            self.take.restype = ctypes.c_size_t
+            self.take.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        self.buffer = ctypes.create_string_buffer(1 << 16)
+
+    def taken(self) -> list[str]:
+        """The record's paths, and the record ended."""
+        import ctypes
+
+        if self.take is None:
+            return []
+        n = self.take(self.buffer, len(self.buffer))
+        if n > len(self.buffer):
+            self.buffer = ctypes.create_string_buffer(n)
+            n = self.take(self.buffer, n)
+        return [os.fsdecode(p) for p in self.buffer.raw[:n].split(b"\0") if p]
+
+
+_shims: dict[int, _Shim] = {}  # by process: a forked worker loads nothing anew, but keeps its own buffer
+
+
+def _shim() -> _Shim:
+    s = _shims.get(os.getpid())
+    if s is None:
+        s = _shims[os.getpid()] = _Shim()
+    return s
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[str]]:
+    """The files this thread opens through tierstore within the block (shim and Python API), in the list
+    given, filled as the block ends."""
+    shim = _shim()
+    if shim.start is not None:
+        shim.start()
+    outer = getattr(opened, "paths", None)
+    opened.paths = []
+    files: list[str] = []
+    try:
+        yield files
+    finally:
+        files.extend(shim.taken())
+        files.extend(opened.paths)
+        opened.paths = outer
+
+
+def fetch_learning(fetcher: Any, index: Any, fetch: Callable[[Any, Any], Any], log: LearnedLog) -> Any:
+    """What torch's `_MapDatasetFetcher.fetch(index)` returns, each sample read inside a record whose
+    files go to `log`."""
+    if not fetcher.auto_collation:
+        key = _key(index)
+        if key is None:
+            return fetch(fetcher, index)
+        with recording() as files:
+            data = fetch(fetcher, index)
+        log.append(key, files)
+        return data
+    if getattr(fetcher.dataset, "__getitems__", None):
+        return fetch(fetcher, index)  # a batch read in one call: no file is any one sample's
+    samples = []
+    for i in index:
+        with recording() as files:
+            samples.append(fetcher.dataset[i])
+        key = _key(i)
+        if key is not None:
+            log.append(key, files)
+    return fetcher.collate_fn(samples)
+
+
+def _key(index: Any) -> int | None:
+    """A sampler's index as an int (it may be a 0-d tensor); None for anything else."""
+    try:
+        return int(index)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+# The log -------------------------------------------------------------------------------------------
+
+
+class LearnedLog:
+    """One loader's learned-order log: appended to by its workers, read by its own process.
+
+    Args:
+        path: The log, made by `LearnedLog.create` in the loader's process.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._pid = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+
+    @classmethod
+    def create(cls, path: str) -> LearnedLog:
+        """A new, empty log at `path` (refused if anything is there), readable and writable by this user
+        only."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        return cls(path)
+
+    def append(self, index: int, files: Sequence[str]) -> None:
+        """Records that sample `index` opened `files`. Never raises: a record lost is a file not prefetched."""
+        if not files:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            fd = self._writer()
+            if fd is not None:
+                os.write(fd, (json.dumps([index, list(files)]) + "\n").encode())
+
+    def _writer(self) -> int | None:
+        if self._pid != os.getpid():
+            self._pid, self._fd = os.getpid(), None
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            # The loader's own file, which no one else can write: never another user's file in its place.
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                os.close(fd)
+                return None
+            self._fd = fd
+        return self._fd
+
+
+class LearnedOrder:
+    """The files of each index, as the log has taught them so far (the loader's process).
+
+    Args:
+        log: The loader's log.
+        within: Whether a path is under the cache's source: other files are not the cache's to prefetch.
+    """
+
+    def __init__(self, log: LearnedLog, within: Callable[[str], bool]) -> None:
+        self.log = log
+        self.within = within
+        self.files: dict[int, tuple[str, ...]] = {}
+        self._read = 0
+
+    def update(self) -> int:
+        """Reads the lines the workers added since the last update; returns how many indices are known."""
+        try:
+            with open(self.log.path, "rb") as f:
+                f.seek(self._read)
+                added = f.read()
+        except OSError:
+            return len(self.files)
+        whole = added.rfind(b"\n") + 1  # a line a worker is still writing is read next time
+        self._read += whole
+        for line in added[:whole].splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                index, files = json.loads(line)
+                kept = tuple(p for p in files if isinstance(p, str) and self.within(p))
+                if kept and isinstance(index, int):
+                    self.files[index] = tuple(dict.fromkeys(kept))  # each file once, in the order opened
+        return len(self.files)
+
+    def files_of(self, index: int) -> tuple[str, ...]:
+        """The files index `index` opened when it was learned; none if it was not."""
+        return self.files.get(index, ())
