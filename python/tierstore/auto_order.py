@@ -292,7 +292,14 @@ class LoaderPrefetch:
         }
         if not paths:
             prefetch_report.write(self.marks_path, report)
-            _say(f"{self.name}, epoch {self.epoch}: no file of its samples known yet; learning them")
+            _say(
+                f"{self.name}, epoch {self.epoch}: "
+                + (
+                    "no file of its samples known yet; learning them"
+                    if self.epoch == 1
+                    else "no prefetch: epoch 1 taught no file of its samples (they are not read through tierstore)"
+                )
+            )
             return
         budget = self.budget()
         self.prefetch = self.cache._core.prefetch_order(

@@ -378,3 +378,35 @@ def test_a_dataset_reading_through_its_own_cache_is_learned_in_process(store: An
     ), mine
     table = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert "sampler-aware prefetch" in table.stdout and "60 / 60" in table.stdout, table.stdout
+
+
+def test_a_dataset_whose_reads_tierstore_does_not_see_learns_nothing_and_says_so(
+    store: Any, tier: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, mount = store
+    monkeypatch.setenv("TIERSTORE_LOG", "info")
+
+    class Plain(Dataset[bytes]):
+        """Holds a Cache, but reads with the built-in open (no shim in this process): nothing to learn."""
+
+        def __init__(self, cache: tierstore.Cache) -> None:
+            self.cache = cache
+
+        def __len__(self) -> int:
+            return 60
+
+        def __getitem__(self, i: int) -> bytes:
+            with open(f"{mount}/class{i // 15}/img{i % 15:03d}.bin", "rb") as f:
+                return f.read(4)
+
+    loader = DataLoader(
+        Plain(tierstore.Cache(mount, [f"{tier}:1G"])), batch_size=6, shuffle=True, num_workers=2
+    )
+    assert [len(list(loader)) for _ in range(2)] == [10, 10]
+    made = auto_order.prefetch_of(loader)
+    assert (
+        made is not None and made.learned is not None and made.learned.files == {} and made.prefetch is None
+    )
+    err = capfd.readouterr().err
+    assert "epoch 1: no file of its samples known yet; learning them" in err, err
+    assert "epoch 2: no prefetch: epoch 1 taught no file of its samples" in err, err
