@@ -257,6 +257,16 @@ def report_dcp(d: dict[str, Any]) -> list[str]:
             f"{med['tierstore run'] / med['store']:.2f}x | {med['tierstore run'] / med['local disk']:.2f}x | "
             f"{wait['store']:.2f} s | {wait['tierstore run']:.2f} s | {durable:.2f} s |"
         )
+    lines += ["", "Every round, the same round's jobs paired (job time, `tierstore run` over the other):", ""]
+    for ratio, row in d["ratios"].items():
+        runs = zip(row["local disk"], row["store"], row["tierstore run"], strict=True)
+        pairs = [(t["total"] / s["total"], t["total"] / loc["total"]) for loc, s, t in runs]
+        lines.append(
+            f"- compute/save {ratio:g}: over the store "
+            + ", ".join(f"{a:.2f}x" for a, _ in pairs)
+            + "; over the local disk "
+            + ", ".join(f"{b:.2f}x" for _, b in pairs)
+        )
     return lines
 
 
