@@ -153,8 +153,9 @@ def test_kills_of_the_writer_and_the_agent_lose_nothing_and_keep_order(
                     if agent_pid:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(agent_pid, signal.SIGKILL)
-                    # Dead once its socket refuses connections (a killed process takes a moment to go).
-                    wait_for("the killed agent is gone", lambda: not answers(s.socket), 10)
+                    # Dead once its socket refuses connections. A killed process takes a moment to go, and
+                    # longer while it waits on the loaded FUSE store (10 s was once too little in `make test`).
+                    wait_for("the killed agent is gone", lambda: not answers(s.socket), 30)
                     agent_pid = s.start_agent()
             elapsed = time.monotonic() - start
         finally:
@@ -177,7 +178,7 @@ def test_kills_of_the_writer_and_the_agent_lose_nothing_and_keep_order(
         # What is left in the stage are the files of writers killed before their close (never acknowledged):
         # a new agent sweeps them at start.
         os.kill(s.agent_pid() or 0, signal.SIGKILL)
-        wait_for("the killed agent is gone", lambda: not answers(s.socket), 10)
+        wait_for("the killed agent is gone", lambda: not answers(s.socket), 30)
         s.start_agent()
         wait_for("the orphans are swept", lambda: not list((s.stage / "data").iterdir()), 5)
         print(f"{mode}: {kills} kills ({kinds}) in {elapsed:.1f} s, {len(acked)} acknowledged files")
