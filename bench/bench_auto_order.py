@@ -186,22 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     # The data set twice the tier: 3 epochs of the arrays, off against auto.
     data_bytes = sum(p.stat().st_size for p in (backing / "arrays").iterdir())
     quota = str(data_bytes // 2)
-    larger: dict[str, list[dict[str, Any]]] = {}
-    for r in range(args.rounds):
-        for setup in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
-            out = run(setup, backing, args.root, "npy", 3, quota)
-            larger.setdefault(setup, []).append(out)
-            print(f"round {r + 1} 2x tier {setup:5} epochs {[round(s, 2) for s in out['seconds']]} "
-                  f"opens {out['opens']}", flush=True)  # fmt: skip
 
-    # A data set that names no files, twice the tier: 3 epochs, off against auto (learned from epoch 1).
-    learned: dict[str, list[dict[str, Any]]] = {}
-    for r in range(args.rounds):
-        for setup in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
-            out = run(setup, backing, args.root, "computed", 3, quota)
-            learned.setdefault(setup, []).append(out)
-            print(f"round {r + 1} learned {setup:5} epochs {[round(s, 2) for s in out['seconds']]} "
-                  f"opens {out['opens']}", flush=True)  # fmt: skip
+    def three_epochs(dataset: str, label: str) -> dict[str, list[dict[str, Any]]]:
+        """3 epochs of `dataset` on a tier half the data set, `off` against `auto`, every round."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for r in range(args.rounds):
+            for setup in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
+                o = run(setup, backing, args.root, dataset, 3, quota)
+                out.setdefault(setup, []).append(o)
+                print(f"round {r + 1} {label} {setup:5} epochs {[round(s, 2) for s in o['seconds']]} "
+                      f"opens {o['opens']}", flush=True)  # fmt: skip
+        return out
+
+    larger = three_epochs("npy", "2x tier")
+    # A data set that names no files, twice the tier: its files learned from epoch 1.
+    learned = three_epochs("computed", "learned")
 
     def ratios(dataset: str, base: str, than: str) -> list[float]:
         """Per round: `base`'s epoch 1 over `than`'s (above 1: `than` is faster)."""

@@ -475,13 +475,19 @@ def _begin_epoch(loader_iter: Any, it: Any) -> Any:
     return _Drawn(order)
 
 
-def _marker_of(dataset: Any) -> Any:
-    """The ReadMarker of the dataset's read-marks file, if its loader has one."""
+def _named_file(dataset: Any, attribute: str) -> str | None:
+    """The file the dataset's `attribute` names to the loader's workers; None (never raising) otherwise."""
     try:
-        path = getattr(dataset, MARKS_ATTRIBUTE, None)
+        path = getattr(dataset, attribute, None)
     except Exception:
         return None
-    if not isinstance(path, str):
+    return path if isinstance(path, str) else None
+
+
+def _marker_of(dataset: Any) -> Any:
+    """The ReadMarker of the dataset's read-marks file, if its loader has one."""
+    path = _named_file(dataset, MARKS_ATTRIBUTE)
+    if path is None:
         return None
     marker = _markers.get(path)
     if marker is None:
@@ -494,11 +500,8 @@ def _marker_of(dataset: Any) -> Any:
 def _learning(dataset: Any) -> Any:
     """The dataset's learned-order log while its loader's first epoch runs (tag 1 in its read marks); else
     None."""
-    try:
-        path = getattr(dataset, LOG_ATTRIBUTE, None)
-    except Exception:
-        return None
-    if not isinstance(path, str):
+    path = _named_file(dataset, LOG_ATTRIBUTE)
+    if path is None:
         return None
     marker = _marker_of(dataset)
     if marker is None or marker.get(0) != 1:
