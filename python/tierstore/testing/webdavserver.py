@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -45,17 +47,20 @@ class WebDAVServer(LoopbackServer):
     Args:
         root: A directory for the served files (`root/files`, which is `self.directory`) and the log.
         start: Start it now (else call `start()`).
+        tls: Serve HTTPS with a self-signed certificate for 127.0.0.1, made here with the `openssl`
+            command (`settings()` then tells the client to take it: `allow_invalid_certificates`).
     """
 
     name = "rclone"
     log_name = "rclone.log"
 
-    def __init__(self, root: str | os.PathLike[str], *, start: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, start: bool = True, tls: bool = False) -> None:
         self.root = Path(root)
         self.directory = self.root / "files"
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.port,) = free_ports(1)
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         if start:
             self.start()
 
@@ -72,11 +77,42 @@ class WebDAVServer(LoopbackServer):
             # No user configuration: the run must not depend on (or read remotes from) ~/.config/rclone.
             "--config", "/dev/null",
         ]  # fmt: skip
+        if self.tls:
+            args += ["--cert", str(self.root / "cert.pem"), "--key", str(self.root / "key.pem")]
+            self._make_certificate()
         self._launch(args, timeout)
 
+    def _make_certificate(self) -> None:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise FileNotFoundError("openssl is not installed; `apt-get install openssl`")
+        key, cert = str(self.root / "key.pem"), str(self.root / "cert.pem")
+        subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+        subprocess.run(
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                *subject,
+                "-keyout",
+                key,
+                "-out",
+                cert,
+            ],
+            check=True,
+            capture_output=True,
+        )
+
     def _answers(self) -> bool:
+        # The self-signed certificate is ours: the probe only asks whether the server answers.
+        context = ssl._create_unverified_context() if self.tls else None
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.endpoint}/", timeout=2, context=context) as r:
                 return r.status == 200
         except urllib.error.HTTPError:
             return True  # it answered, if not with a listing
@@ -85,6 +121,8 @@ class WebDAVServer(LoopbackServer):
 
     def settings(self, **extra: Any) -> dict[str, str]:
         """object_store's HTTP options that reach this server (`HttpBuilder::with_config` keys)."""
+        if self.tls:
+            return {"allow_invalid_certificates": "true", **extra}
         return {"allow_http": "true", **extra}
 
     def put_object(self, key: str, data: bytes) -> Path:

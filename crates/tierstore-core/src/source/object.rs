@@ -355,6 +355,9 @@ impl ObjectSource {
     /// until a file is asked for; a configuration that cannot work (no credentials for a custom S3
     /// endpoint, an option the store's client does not take) is an error here, naming what to set.
     pub fn new(config: StoreConfig, counters: Arc<Counters>) -> io::Result<ObjectSource> {
+        // reqwest is built without a TLS provider of its own (Cargo.toml): ring's, for the whole process.
+        // An error means one is installed already (another ObjectSource, or the embedding program's).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = ClientOptions::new()
             .with_timeout(config.timeout)
             .with_connect_timeout(config.connect_timeout)
@@ -436,6 +439,7 @@ impl ObjectSource {
         let kind = self.config.kind;
         let at = format!("{} at {}", kind.name(), self.endpoint);
         let detail = e.to_string();
+        let tls = tls_refusal(&e);
         let no_bucket = || {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -483,6 +487,13 @@ impl ObjectSource {
                 refused("credentials refused")
             }
             _ if detail.contains("NoSuchBucket") || detail.contains("ContainerNotFound") => no_bucket(),
+            _ if tls.is_some() => io::Error::other(format!(
+                "{url}: the TLS connection to {at} was refused: {}: the server's certificate is not one this \
+                 machine trusts; check the endpoint ({}) and the system's CA certificates (a test server's \
+                 self-signed certificate needs the store option allow_invalid_certificates = true)",
+                tls.unwrap_or_default(),
+                kind.endpoint_setting()
+            )),
             _ if detail.contains("error sending request")
                 || detail.contains("onnect")
                 || detail.contains("timed out")
@@ -597,6 +608,24 @@ impl ObjectSource {
 
 /// Whether a ranged `GET` failed because the object has no byte in the range (an empty object): 416 Range
 /// Not Satisfiable, in each store's words.
+/// The TLS error among `e`'s causes, if the request failed there: a certificate this machine does not trust
+/// is not a server it cannot reach, and no retry changes it.
+fn tls_refusal(e: &object_store::Error) -> Option<String> {
+    // hyper hands the connector's failure over as an `io::Error` around tokio-rustls's `io::Error` around the
+    // `rustls::Error`, and an `io::Error`'s `source()` skips the error it wraps: hence `get_ref`, recursively.
+    fn tls_in<'a>(c: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+        c.downcast_ref::<rustls::Error>().or_else(|| tls_in(c.downcast_ref::<io::Error>()?.get_ref()?))
+    }
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(tls) = tls_in(c) {
+            return Some(tls.to_string());
+        }
+        cause = c.source();
+    }
+    None
+}
+
 fn range_refused(e: &object_store::Error) -> bool {
     let text = e.to_string();
     ["416", "InvalidRange", "Range Not Satisfiable", "not satisfiable"].iter().any(|w| text.contains(w))
