@@ -65,7 +65,7 @@ test-python: setup
 	$(PYTEST)
 
 # The Python tests without the slow ones (soaks, kill loops, over ~5 s, variants of a case kept) and without
-# network namespaces: about 3.5 minutes on 2 idle cores (tests/README.md).
+# network namespaces: about 2.5 minutes on 2 idle cores (tests/README.md).
 test-fast: setup
 	$(PYTEST) -m "not slow and not netns"
 
