@@ -571,6 +571,21 @@ def ckpt_report(rounds: list[dict[str, Ckpt]], store_bw: str) -> tuple[list[str]
         )
     lines += [
         "",
+        "Every round (write MiB/s, the median of the job's checkpoints; the ratios are to the same round's "
+        "local disk):",
+        "",
+        "| round | " + " | ".join(CKPT_SETUPS) + ' | tierstore run / local disk | "local" / local disk |',
+        "|---:|" + "---:|" * (len(CKPT_SETUPS) + 2),
+    ]
+    for i, r in enumerate(rounds):
+        mibs = " | ".join(f"{median(r[s].write) / MIB:.0f}" for s in CKPT_SETUPS)
+        local_disk = median(r["local disk"].write)
+        lines.append(
+            f"| {i + 1} | {mibs} | {median(r['tierstore run'].write) / local_disk:.2f}x "
+            f"| {median(r['tierstore run, local'].write) / local_disk:.2f}x |"
+        )
+    lines += [
+        "",
         f"Target: write throughput through staging with the default durability >= {WRITE_TARGET}x the local "
         f"disk's (median of the rounds' paired ratios: {ratio:.2f}x): **{judged}**. With "
         f'durability "local" (recorded, no target): {ratio_local:.2f}x. After the staged job, `tierstore sync` '
