@@ -259,11 +259,19 @@ class LoaderPrefetch:
             p = self.prefetch.progress()
             last = {
                 k: p[k]
-                for k in ("files_total", "files_fetched", "files_cached", "files_read_first", "files_failed")
+                for k in (
+                    "files_total",
+                    "files_fetched",
+                    "files_cached",
+                    "files_read_first",
+                    "files_no_room",
+                    "files_failed",
+                )
             }
             _say(
                 f"{self.name}, epoch {self.epoch}: prefetched {p['files_fetched']} of {p['files_total']} files "
-                f"({p['files_cached']} already cached, {p['files_read_first']} read first, {p['files_failed']} failed)"
+                f"({p['files_cached']} already cached, {p['files_read_first']} read first, "
+                f"{p['files_no_room']} left to the readers for want of room, {p['files_failed']} failed)"
                 + (f"; the first failure: {p['errors'][0]}" if p["errors"] else "")
             )
         self.epoch += 1

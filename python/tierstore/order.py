@@ -75,7 +75,9 @@ class OrderPrefetch:
         Returns:
             files_total, files_done, files_fetched (copied from the store by this prefetch),
             bytes_fetched, files_cached (found cached or being fetched by another process),
-            files_read_first (read before the prefetch reached them), files_failed, bytes_ahead (fetched,
+            files_read_first (read before the prefetch reached them), files_failed, files_no_room (left to
+            their readers: the tiers had no room, even after letting go of copies the epoch had read; not an
+            error, expected of a data set larger than the tiers), bytes_ahead (fetched,
             not read yet), max_bytes_ahead, position (every file before it is read) and errors.
         """
         return self._core.progress()

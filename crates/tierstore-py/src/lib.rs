@@ -602,6 +602,7 @@ impl PyOrderPrefetch {
         d.set_item("files_cached", p.files_cached.load(Relaxed))?;
         d.set_item("files_read_first", p.files_read_first.load(Relaxed))?;
         d.set_item("files_failed", p.files_failed.load(Relaxed))?;
+        d.set_item("files_no_room", p.files_no_room.load(Relaxed))?;
         d.set_item("bytes_ahead", p.bytes_ahead.load(Relaxed))?;
         d.set_item("max_bytes_ahead", p.max_bytes_ahead.load(Relaxed))?;
         d.set_item("position", p.position.load(Relaxed))?;

@@ -257,7 +257,7 @@ def loaders_table(loaders: list[dict[str, Any]]) -> Any:
             human(r["budget"]) if isinstance(r.get("budget"), int) else "-",
             (
                 f"{last['files_fetched']} of {last['files_total']} fetched, {last['files_read_first']} read first, "
-                f"{last['files_failed']} failed"
+                f"{last.get('files_no_room', 0)} no room, {last['files_failed']} failed"
                 if last
                 else "-"
             ),

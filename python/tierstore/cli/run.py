@@ -195,7 +195,7 @@ def _run_ordered(cache: Any, order: Path, budget: str, command: tuple[str, ...],
     click.echo(
         f"tierstore run: prefetched {p['files_fetched']} of {p['files_total']} files of the order "
         f"({p['files_cached']} already cached, {p['files_read_first']} read before the prefetch reached "
-        f"them, {p['files_failed']} failed; at most {human(p['max_bytes_ahead'])} ahead, budget {human(n)})",
+        f"them, {p['files_no_room']} left to the readers for want of room, {p['files_failed']} failed; at most {human(p['max_bytes_ahead'])} ahead, budget {human(n)})",
         err=True,
     )
     for message in p["errors"][:5]:

@@ -55,7 +55,7 @@ const MAX_ERRORS: usize = 1000;
 pub struct OrderProgress {
     /// Positions in the order.
     pub files_total: AtomicU64,
-    /// Positions handled (fetched, already cached, read first, or failed).
+    /// Positions handled (fetched, already cached, read first, left for want of room, or failed).
     pub files_done: AtomicU64,
     /// Files this prefetch fetched from the source into a tier.
     pub files_fetched: AtomicU64,
@@ -67,6 +67,10 @@ pub struct OrderProgress {
     pub files_read_first: AtomicU64,
     /// Files that could not be prefetched (each in `errors`).
     pub files_failed: AtomicU64,
+    /// Files left to their readers because the tiers had no room for them, even after letting go of copies
+    /// this epoch had read: expected of a data set larger than the tiers, so counted, not an error (a
+    /// reader fetches such a file itself, as without a prefetch).
+    pub files_no_room: AtomicU64,
     /// Bytes admitted ahead of the readers and not read yet, now.
     pub bytes_ahead: AtomicU64,
     /// The most bytes ever ahead of the readers: at most the budget (or one file larger than it), where
@@ -526,10 +530,7 @@ impl Shared {
             }
             Ok(Fetched::NoRoom) => {
                 self.release(position, sid.size);
-                p.fail(format!(
-                    "{}: not prefetched, no tier has room (quota reached); raise a tier's quota or lower the budget",
-                    inner.source.path_of(rel).display()
-                ));
+                p.files_no_room.fetch_add(1, Ordering::Relaxed);
             }
             Ok(Fetched::Uncached) => {
                 self.release(position, sid.size);
