@@ -18,10 +18,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use tierstore_agent::client::Client;
-use tierstore_agent::options::Options;
+use tierstore_agent::options::{Options, StreamOptions};
 use tierstore_agent::protocol::Frame;
 use tierstore_agent::server::Agent;
-use tierstore_core::cluster::{hostname, Sharing};
+use tierstore_core::cluster::{hostname, ClusterConfig, Member, Sharing};
 use tierstore_core::config::{Config, Overrides};
 use tierstore_core::Cache;
 
@@ -95,6 +95,7 @@ fn token_source(
     }
 }
 
+// Long on purpose: one arm per flag, as `--help` lists them.
 fn parse_args() -> Result<Args, String> {
     // `--help` or `-h` anywhere (`tierstore-agent --help`, `tierstore-agent run -h`): the usage, exit 0;
     // after a command that does not exist, the usage is an error (exit 1), as the command alone is.
@@ -188,24 +189,35 @@ fn raise_open_file_limit() {
 
 async fn run(a: Args) -> Result<(), String> {
     raise_open_file_limit();
+    let options = options(a)?;
+    let agent = Agent::bind(options.clone()).await.map_err(|e| e.to_string())?;
+    log::info!(
+        "node {} serving on {}{}; files of {}",
+        options.node,
+        options.socket.display(),
+        agent.peer_address().map(|p| format!(" and peers on {p}")).unwrap_or_default(),
+        options.cache.as_ref().map_or("no source".into(), |c| c.config().source.display().to_string()),
+    );
+    if let Some(m) = agent.metrics_address() {
+        log::info!("metrics on http://{m}/metrics");
+    }
+    // The line tierstore's launcher waits for: the agent is ready once it is printed.
+    println!("ready {}", agent.peer_address().map(|p| p.to_string()).unwrap_or_default());
+    let _ = std::io::stdout().flush();
+    agent.serve(terminated()).await;
+    log::info!("stopped");
+    Ok(())
+}
+
+/// The agent's options: the flags over the job's configuration (its cluster and token, the cache of its
+/// source, model streams, write-back stages); the write-back migrations start here.
+fn options(a: Args) -> Result<Options, String> {
     let config = job_config()?;
     let cluster = config.as_ref().map(|c| c.cluster.clone()).filter(|c| c.sharing != Sharing::Off);
     let me = cluster.as_ref().and_then(|c| c.me.map(|i| c.members[i].clone()));
     let node = a.node.clone().or_else(|| cluster.as_ref().map(|c| c.node.clone())).unwrap_or_else(hostname);
-    let mut options = Options::new(node, a.socket);
-    let listen = match (&a.listen, &cluster) {
-        (Some(l), _) => Some(l.clone()),
-        // A member listens where the others will look for it.
-        (None, Some(c)) => {
-            let port = me.as_ref().map_or_else(
-                || c.my_address().rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(c.port),
-                |m| m.port,
-            );
-            Some(format!("{}:{port}", c.listen))
-        }
-        (None, None) => None,
-    };
-    if let Some(l) = &listen {
+    let mut options = Options::new(node, a.socket.clone());
+    if let Some(l) = listen_address(&a, cluster.as_ref(), me.as_ref()) {
         options.listen =
             Some(l.parse().map_err(|_| format!("--listen {l:?}: give ADDRESS:PORT, e.g. 127.0.0.1:7078"))?);
     }
@@ -213,28 +225,9 @@ async fn run(a: Args) -> Result<(), String> {
         options.metrics =
             Some(m.parse().map_err(|_| format!("--metrics {m:?}: give ADDRESS:PORT, e.g. 127.0.0.1:9478"))?);
     }
-    let token_file = token_source(a.token_file.as_deref(), cluster.as_ref().and_then(|c| c.token_file.as_deref()));
-    if let Some((f, named)) = &token_file {
-        // A token the flag names must exist; the configuration's (this user's default one when none is
-        // configured) is made here at its first use.
-        let read = match *named {
-            "--token-file" => tierstore_core::cluster::read_token,
-            _ => tierstore_core::cluster::ensure_token,
-        };
-        let token =
-            read(f).map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?;
-        options.token = Some(token);
-    }
+    options.token = job_token(&a, cluster.as_ref())?;
     if let Some(c) = &cluster {
-        options.encrypt = c.encrypt;
-        options.me = c.my_address();
-        options.job_members = c.members.iter().map(|m| m.address()).collect();
-        options.job = c.job.clone();
-        if let Some(url) = &c.registry {
-            let token = options.token.as_deref().ok_or("a registry needs the job's token: set [cluster] token_file")?;
-            let r = tierstore_agent::registry::open(Some(url), &c.job, token).map_err(|e| e.to_string())?;
-            options.registry = Some(std::sync::Arc::from(r));
-        }
+        join(&mut options, c)?;
     }
     let peers = match (&a.peers, &cluster) {
         (p, _) if !p.is_empty() => p.clone(),
@@ -247,23 +240,81 @@ async fn run(a: Args) -> Result<(), String> {
         options.cache = Some(std::sync::Arc::new(cache));
     }
     options.idle_exit = a.idle_exit.map(Duration::from_secs_f64);
-    // Model streams: the flags, then [stream] (TIERSTORE_STREAM_*), then the defaults; they cross nodes
-    // through the job's Redis registry, unless another one is named.
+    options.stream = stream_options(&a, cluster.as_ref())?;
+    start_writeback(&mut options);
+    // Every agent is given the whole list; it pings the others.
+    let me = options.listen.map(|l| l.to_string());
+    let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);
+    options.peers = peers.into_iter().filter(|p| !is_me(p)).collect();
+    Ok(options)
+}
+
+/// Where the agent listens for peers: `--listen`, else a member's own address in the job (where the
+/// others will look for it), else nowhere.
+fn listen_address(a: &Args, cluster: Option<&ClusterConfig>, me: Option<&Member>) -> Option<String> {
+    match (&a.listen, cluster) {
+        (Some(l), _) => Some(l.clone()),
+        (None, Some(c)) => {
+            let port = me.map_or_else(
+                || c.my_address().rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or(c.port),
+                |m| m.port,
+            );
+            Some(format!("{}:{port}", c.listen))
+        }
+        (None, None) => None,
+    }
+}
+
+/// The job's token: a file `--token-file` names must exist; the configuration's (this user's default
+/// one when none is configured) is made here at its first use.
+fn job_token(a: &Args, cluster: Option<&ClusterConfig>) -> Result<Option<Vec<u8>>, String> {
+    let Some((f, named)) = token_source(a.token_file.as_deref(), cluster.and_then(|c| c.token_file.as_deref())) else {
+        return Ok(None);
+    };
+    let read = match named {
+        "--token-file" => tierstore_core::cluster::read_token,
+        _ => tierstore_core::cluster::ensure_token,
+    };
+    let token =
+        read(&f).map_err(|p| format!("{named} {}: {p}; {}", f.display(), tierstore_core::cluster::TOKEN_FIX))?;
+    Ok(Some(token))
+}
+
+/// This agent as a member of the job `c`: its address, the others', encryption, and the registry.
+fn join(options: &mut Options, c: &ClusterConfig) -> Result<(), String> {
+    options.encrypt = c.encrypt;
+    options.me = c.my_address();
+    options.job_members = c.members.iter().map(|m| m.address()).collect();
+    options.job = c.job.clone();
+    if let Some(url) = &c.registry {
+        let token = options.token.as_deref().ok_or("a registry needs the job's token: set [cluster] token_file")?;
+        let r = tierstore_agent::registry::open(Some(url), &c.job, token).map_err(|e| e.to_string())?;
+        options.registry = Some(std::sync::Arc::from(r));
+    }
+    Ok(())
+}
+
+/// Model streams: the flags, then `[stream]` (TIERSTORE_STREAM_*), then the defaults; they cross nodes
+/// through the job's Redis registry, unless another one is named.
+fn stream_options(a: &Args, cluster: Option<&ClusterConfig>) -> Result<StreamOptions, String> {
     let configured = tierstore_core::config::load_stream(&Overrides::default()).map_err(|e| e.to_string())?;
-    options.stream = a.stream.clone();
-    if options.stream.dir.is_none() {
-        options.stream.dir = configured.dir;
+    let mut stream = a.stream.clone();
+    if stream.dir.is_none() {
+        stream.dir = configured.dir;
     }
     if a.stream_keep.is_none() {
-        options.stream.keep = configured.keep.unwrap_or(options.stream.keep);
+        stream.keep = configured.keep.unwrap_or(stream.keep);
     }
-    if options.stream.redis.is_none() {
-        options.stream.redis = configured
-            .redis
-            .or_else(|| cluster.as_ref().and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis")));
+    if stream.redis.is_none() {
+        stream.redis =
+            configured.redis.or_else(|| cluster.and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis")));
     }
-    // Write-back: the stages of the configuration's destinations (each with the destination it serves),
-    // and those writers list.
+    Ok(stream)
+}
+
+/// Write-back: starts migrating the stages of the configuration's destinations (each with the destination
+/// it serves) and those writers list; the agent is busy while any is pending.
+fn start_writeback(options: &mut Options) {
     let stages = match tierstore_core::config::load_writeback(&Overrides::default()) {
         Ok(dests) => dests.into_iter().map(|d| (d.stage, d.path)).collect(),
         Err(e) => {
@@ -274,39 +325,20 @@ async fn run(a: Args) -> Result<(), String> {
     let migrations = tierstore_agent::writeback::start(stages);
     options.writeback = Some(migrations.clone());
     options.busy = Some(std::sync::Arc::new(move || migrations.pending.load(std::sync::atomic::Ordering::Acquire)));
-    // Every agent is given the whole list; it pings the others.
-    let me = options.listen.map(|l| l.to_string());
-    let is_me = |p: &String| Some(p) == me.as_ref() || p.rsplit_once(':').is_some_and(|(host, _)| host == options.node);
-    options.peers = peers.into_iter().filter(|p| !is_me(p)).collect();
-    let agent = Agent::bind(options.clone()).await.map_err(|e| e.to_string())?;
-    log::info!(
-        "node {} serving on {}{}; files of {}",
-        options.node,
-        options.socket.display(),
-        agent.peer_address().map(|p| format!(" and peers on {p}")).unwrap_or_default(),
-        options.cache.as_ref().map_or("no source".into(), |c| c.config().source.display().to_string()),
-    );
-    // The line tierstore's launcher waits for: the agent is ready once it is printed.
-    if let Some(m) = agent.metrics_address() {
-        log::info!("metrics on http://{m}/metrics");
-    }
-    println!("ready {}", agent.peer_address().map(|p| p.to_string()).unwrap_or_default());
-    let _ = std::io::stdout().flush();
-    let signals = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
+}
+
+/// Resolves on SIGTERM or SIGINT (never, where they cannot be caught).
+async fn terminated() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
             }
-            _ => std::future::pending().await,
         }
-    };
-    agent.serve(signals).await;
-    log::info!("stopped");
-    Ok(())
+        _ => std::future::pending().await,
+    }
 }
 
 async fn status(a: Args) -> Result<(), String> {

@@ -588,6 +588,8 @@ where
 /// connection first), and this agent's welcome with a session of the budget (or its refusal, counted).
 /// `None` when the connection ends there. A refused client is told only what it needs; why, with the
 /// names this agent goes by, stays in the agent's log.
+// Long on purpose: its four steps (challenge, hello, welcome or refusal, a session of the budget) in the
+// order they happen on the wire, each one's way out beside it.
 async fn handshake<S, A>(
     mut stream: S,
     side: Side,
@@ -686,6 +688,8 @@ async fn next_request<S: AsyncRead + AsyncWrite + Unpin>(
 
 /// Serves one request of a connection past its handshake (and its key exchange, where one is due);
 /// false when the connection ends with it.
+// Long on purpose: one arm per request a connection may send, each a line or a call to the module that
+// serves it, so that what an agent answers (and to which side) reads in one place.
 async fn serve_request<S: AsyncRead + AsyncWrite + Unpin + crate::sendfile::Socket>(
     stream: &mut Conn<S>,
     frame: Frame,

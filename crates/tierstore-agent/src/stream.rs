@@ -132,6 +132,42 @@ pub enum StreamError {
     },
 }
 
+/// The tensors of `m` that its publish placed in `tmp` (hash and bytes, each hash once), after checking
+/// that every tensor is either held already (`st.blobs`) or was placed there whole; else what is wrong.
+fn placed_tensors<'m>(st: &State, m: &'m Manifest, tmp: &Path) -> Result<Vec<(&'m str, u64)>, String> {
+    let mut new: Vec<(&str, u64)> = Vec::new();
+    for t in &m.tensors {
+        if !check_hash(&t.hash) {
+            return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
+        }
+        if st.blobs.contains_key(&t.hash) || new.iter().any(|(h, _)| *h == t.hash) {
+            continue;
+        }
+        match std::fs::metadata(tmp.join(&t.hash)) {
+            Ok(md) if md.len() == t.nbytes => new.push((&t.hash, t.nbytes)),
+            Ok(md) => return Err(format!("tensor {:?} was placed with {} bytes, not {}", t.name, md.len(), t.nbytes)),
+            Err(_) => return Err(format!("tensor {:?} ({}) was neither placed nor held", t.name, t.hash)),
+        }
+    }
+    Ok(new)
+}
+
+/// Queues `notice` of a version held here to `stream`'s subscribers not told of it or a newer one, and
+/// forgets those gone. Each is leased the version with its notice, under the state's lock, so that it
+/// cannot be dropped before the subscriber has seen it: returns how many leases were taken.
+fn tell_subscribers(stream: &mut Stream, notice: Notice) -> usize {
+    let mut leases = 0;
+    stream.subscribers.retain(|_, c| match c.tell(&notice) {
+        Told::Sent => {
+            leases += 1;
+            true
+        }
+        Told::Skipped => true,
+        Told::Gone => false,
+    });
+    leases
+}
+
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> StreamError {
     let path = path.display().to_string();
     move |source| StreamError::Io { what, path, source }
@@ -462,38 +498,8 @@ impl Streams {
         let text = std::fs::read(tmp.join("manifest.json")).map_err(|e| bad(format!("no manifest ({e})")))?;
         let mut m: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
         let mut st = self.lock();
-        // Every tensor is either held already or was placed by this publish, whole.
-        let mut new: Vec<(&str, u64)> = Vec::new();
-        for t in &m.tensors {
-            if !check_hash(&t.hash) {
-                return Err(bad(format!("tensor {:?} has no blake3 hex hash", t.name)));
-            }
-            if st.blobs.contains_key(&t.hash) || new.iter().any(|(h, _)| *h == t.hash) {
-                continue;
-            }
-            let placed = tmp.join(&t.hash);
-            match std::fs::metadata(&placed) {
-                Ok(md) if md.len() == t.nbytes => new.push((&t.hash, t.nbytes)),
-                Ok(md) => {
-                    return Err(bad(format!(
-                        "tensor {:?} was placed with {} bytes, not {}",
-                        t.name,
-                        md.len(),
-                        t.nbytes
-                    )))
-                }
-                Err(_) => return Err(bad(format!("tensor {:?} ({}) was neither placed nor held", t.name, t.hash))),
-            }
-        }
-        for (h, _) in &new {
-            let to = self.blob(h);
-            std::fs::rename(tmp.join(h), &to).map_err(io_err("cannot place", &to))?;
-            st.blobs.insert(h.to_string(), 0);
-        }
-        let new_bytes = new.iter().map(|(_, n)| n).sum();
-        for t in &m.tensors {
-            *st.blobs.get_mut(&t.hash).expect("placed or held") += 1;
-        }
+        let new = placed_tensors(&st, &m, &tmp).map_err(bad)?;
+        let new_bytes = self.hold_blobs(&mut st, &m, &tmp, &new)?;
         let stream = st.streams.entry(name.to_string()).or_default();
         // A pulled version may be older than the latest (a `fetch` of one relayed earlier), never held twice.
         let version = match version {
@@ -504,14 +510,7 @@ impl Streams {
         m.name = name.to_string();
         m.version = version;
         m.created = now();
-        let vdir = self.dir.join("versions").join(name);
-        std::fs::create_dir_all(&vdir).map_err(io_err("cannot create", &vdir))?;
-        let manifest = vdir.join(format!("{version}.json"));
-        let part = vdir.join(format!("{version}.json.part"));
-        let body = serde_json::to_vec(&m).map_err(|e| bad(e.to_string()))?;
-        std::fs::write(&part, body)
-            .and_then(|()| std::fs::rename(&part, &manifest))
-            .map_err(io_err("cannot write", &manifest))?;
+        let manifest = self.write_manifest(id, &m)?;
         let nbytes = m.tensors.iter().map(|t| t.nbytes).sum();
         let mut kept = Kept {
             manifest,
@@ -524,7 +523,6 @@ impl Streams {
             leases: usize::from(leased),
         };
         let notice = held_notice(name, version, &kept);
-        let text = notice_json(&notice);
         stream.latest = stream.latest.max(version);
         if version_given.is_some() {
             stream.pulled += 1;
@@ -532,27 +530,58 @@ impl Streams {
         stream.published += 1;
         stream.pulled_bytes += pulled;
         remember_commit(stream, version, m.created);
-        // Each subscriber is leased the version with its notice, under the lock: it cannot be dropped
-        // before the subscriber has seen it.
-        let queued = Notice { name: name.to_string(), version, held: true, json: text };
-        stream.subscribers.retain(|_, c| match c.tell(&queued) {
-            Told::Sent => {
-                kept.leases += 1;
-                true
-            }
-            Told::Skipped => true,
-            Told::Gone => false,
-        });
+        kept.leases += tell_subscribers(
+            stream,
+            Notice { name: name.to_string(), version, held: true, json: notice_json(&notice) },
+        );
         stream.versions.insert(version, kept);
         self.evict(&mut st, name);
         drop(st);
-        if let (None, Some((remote, tx))) = (version_given, self.remote.get()) {
-            let _ = tx.send((
-                name.to_string(),
-                Announcement { name: name.to_string(), version, agent: remote.me.clone(), nbytes, mac: None },
-            ));
+        if version_given.is_none() {
+            self.announce(name, version, nbytes);
         }
         Ok(answer(Committed { version, nbytes, new_bytes, manifest: notice.manifest }))
+    }
+
+    /// Moves the tensors a publish placed in `tmp` (`new`, from [`placed_tensors`]) among the blobs, and
+    /// counts one more holder of every tensor of `m`; the bytes that were new.
+    fn hold_blobs(&self, st: &mut State, m: &Manifest, tmp: &Path, new: &[(&str, u64)]) -> Result<u64, StreamError> {
+        for (h, _) in new {
+            let to = self.blob(h);
+            std::fs::rename(tmp.join(h), &to).map_err(io_err("cannot place", &to))?;
+            st.blobs.insert(h.to_string(), 0);
+        }
+        for t in &m.tensors {
+            *st.blobs.get_mut(&t.hash).expect("placed or held") += 1;
+        }
+        Ok(new.iter().map(|(_, n)| n).sum())
+    }
+
+    /// Tells the other nodes (through the job's Redis, where streams cross nodes) of a version published here.
+    fn announce(&self, name: &str, version: u64, nbytes: u64) {
+        if let Some((remote, tx)) = self.remote.get() {
+            let announcement =
+                Announcement { name: name.to_string(), version, agent: remote.me.clone(), nbytes, mac: None };
+            let _ = tx.send((name.to_string(), announcement));
+        }
+    }
+
+    /// Writes `m`, a version of its stream, as `versions/NAME/VERSION.json` (beside it first, then renamed
+    /// in, so that a reader sees a manifest whole or not at all).
+    fn write_manifest(&self, publish: u64, m: &Manifest) -> Result<PathBuf, StreamError> {
+        let vdir = self.dir.join("versions").join(&m.name);
+        std::fs::create_dir_all(&vdir).map_err(io_err("cannot create", &vdir))?;
+        let manifest = vdir.join(format!("{}.json", m.version));
+        let part = vdir.join(format!("{}.json.part", m.version));
+        let body = serde_json::to_vec(m).map_err(|e| StreamError::BadPublish {
+            publish,
+            name: m.name.clone(),
+            detail: e.to_string(),
+        })?;
+        std::fs::write(&part, body)
+            .and_then(|()| std::fs::rename(&part, &manifest))
+            .map_err(io_err("cannot write", &manifest))?;
+        Ok(manifest)
     }
 
     /// Drops the versions of `name` beyond the last `keep` that nobody leases, and the files only they held.

@@ -301,6 +301,8 @@ pub struct Parts<'a> {
 /// asker ([`Cache::open_parts_for_peer`]); never a whole-file fetch. Each part goes out in order, as
 /// chunks that never cross a block, under the asker's credit; the blake3 of all the bytes sent ends it
 /// (unless the asker checks them itself).
+// Long on purpose: one pass of awaits over the connection that threads the asker's credit, the running
+// hash and the keep-alive pings' nonce through every part; split, each step would take all three.
 pub async fn serve_ranges<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut Conn<S>,
     cache: Option<Arc<Cache>>,

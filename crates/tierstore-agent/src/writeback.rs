@@ -177,54 +177,9 @@ impl Stages {
             if !configured && !dir.join("journal").exists() {
                 continue;
             }
-            if let Err(e) = private::ensure_dir(&dir) {
-                if self.failed.insert(dir.clone()) {
-                    if e.kind() == std::io::ErrorKind::PermissionDenied {
-                        m.refused_stages.fetch_add(1, Ordering::Relaxed);
-                        log::warn!(
-                            "refusing to migrate the stage {} (for {}): it is not a directory of yours only you \
-                             can write, so its journal could name any file: {e}",
-                            dir.display(),
-                            dest.display()
-                        );
-                    } else {
-                        log::warn!("cannot open the stage {}: {e}", dir.display());
-                    }
-                }
-                continue;
-            }
-            match Journal::open(&dir) {
-                Ok(journal) => {
-                    match journal.sweep_orphans() {
-                        Ok(0) => {}
-                        Ok(n) => log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display()),
-                        Err(e) => log::warn!("stage {}: {e}", dir.display()),
-                    }
-                    let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
-                    log::info!(
-                        "migrating the stage {} to {} ({pending} file(s) pending)",
-                        dir.display(),
-                        dest.display()
-                    );
-                    self.failed.remove(&dir);
-                    let journal = Arc::new(journal);
-                    m.journals.lock().unwrap_or_else(|p| p.into_inner()).push(journal.clone());
-                    let stage = Stage {
-                        journal,
-                        roots: vec![dest],
-                        refused: BTreeSet::new(),
-                        swept: Instant::now(),
-                        failures: 0,
-                        retry_at: None,
-                        logged: false,
-                    };
-                    self.open.insert(dir, stage);
-                }
-                Err(e) => {
-                    if self.failed.insert(dir.clone()) {
-                        log::warn!("cannot open the stage {}: {e}", dir.display());
-                    }
-                }
+            if let Some(stage) = self.open_stage(&dir, dest, m) {
+                self.failed.remove(&dir);
+                self.open.insert(dir, stage);
             }
         }
         for (dir, s) in self.open.iter_mut() {
@@ -233,6 +188,54 @@ impl Stages {
                 report_refused(dir, s, m);
             }
         }
+    }
+
+    /// The stage in `dir` (migrated to `dest`), opened after checking that it is a directory of the user's
+    /// own, its orphans swept; None when it cannot be (logged once per stage until it can).
+    fn open_stage(&mut self, dir: &Path, dest: PathBuf, m: &Migrations) -> Option<Stage> {
+        if let Err(e) = private::ensure_dir(dir) {
+            if self.failed.insert(dir.to_path_buf()) {
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    m.refused_stages.fetch_add(1, Ordering::Relaxed);
+                    log::warn!(
+                        "refusing to migrate the stage {} (for {}): it is not a directory of yours only you can \
+                         write, so its journal could name any file: {e}",
+                        dir.display(),
+                        dest.display()
+                    );
+                } else {
+                    log::warn!("cannot open the stage {}: {e}", dir.display());
+                }
+            }
+            return None;
+        }
+        let journal = match Journal::open(dir) {
+            Ok(journal) => journal,
+            Err(e) => {
+                if self.failed.insert(dir.to_path_buf()) {
+                    log::warn!("cannot open the stage {}: {e}", dir.display());
+                }
+                return None;
+            }
+        };
+        match journal.sweep_orphans() {
+            Ok(0) => {}
+            Ok(n) => log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display()),
+            Err(e) => log::warn!("stage {}: {e}", dir.display()),
+        }
+        let pending = journal.entries().map(|e| e.len()).unwrap_or(0);
+        log::info!("migrating the stage {} to {} ({pending} file(s) pending)", dir.display(), dest.display());
+        let journal = Arc::new(journal);
+        m.journals.lock().unwrap_or_else(|p| p.into_inner()).push(journal.clone());
+        Some(Stage {
+            journal,
+            roots: vec![dest],
+            refused: BTreeSet::new(),
+            swept: Instant::now(),
+            failures: 0,
+            retry_at: None,
+            logged: false,
+        })
     }
 }
 
@@ -279,98 +282,110 @@ fn run(configured: Vec<(PathBuf, PathBuf)>, stages_file: &Path, m: Arc<Migration
     loop {
         if scanned.is_none_or(|t| t.elapsed() >= RESCAN) {
             scanned = Some(Instant::now());
-            let mut wanted: Vec<(PathBuf, PathBuf, bool)> =
-                configured.iter().map(|(s, d)| (s.clone(), d.clone(), true)).collect();
-            for line in listed_stages_in(stages_file) {
-                match line {
-                    Ok((s, d)) => wanted.push((s, d, false)),
-                    Err(e) => {
-                        if stages.bad_lines.insert(e.clone()) {
-                            log::warn!("{}: {e}", stages_file.display());
-                        }
-                    }
-                }
-            }
-            stages.scan(wanted, &m);
+            rescan(&configured, stages_file, &mut stages, &m);
         }
-        let mut worked = false;
-        let mut pending = false;
+        let (mut worked, mut pending) = (false, false);
         for (dir, s) in stages.open.iter_mut() {
-            if s.swept.elapsed() >= SWEEP {
-                s.swept = Instant::now();
-                if let Ok(n @ 1..) = s.journal.sweep_orphans() {
-                    log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display());
-                }
-            }
-            // The log of buffered closes is folded into the journal (an fsync) once the program paused
-            // its closes, or its oldest nears the bound; every look at the journal below folds it too, so
-            // none is taken while the program is still closing a checkpoint's files.
-            let settling = s.journal.closes_settling(QUIET, FOLD_WITHIN - POLL);
-            if !settling {
-                if let Err(e) = s.journal.fold() {
-                    if !s.logged {
-                        log::warn!("stage {}: {e}", dir.display());
-                        s.logged = true;
-                    }
-                }
-            }
-            if settling || s.retry_at.is_some_and(|t| Instant::now() < t) {
-                pending = true;
-                continue;
-            }
-            if held(&s.journal, &s.roots) {
-                pending = true;
-                continue;
-            }
-            match migrate::step(&s.journal, &s.roots) {
-                Ok(migrate::Step::Idle) => {}
-                Ok(migrate::Step::Migrated(e)) => {
-                    worked = true;
-                    m.files.fetch_add(1, Ordering::Relaxed);
-                    m.bytes.fetch_add(e.size, Ordering::Relaxed);
-                    if s.failures > 0 {
-                        log::info!("stage {}: the store answers again after {} failure(s)", dir.display(), s.failures);
-                    }
-                    s.failures = 0;
-                    s.retry_at = None;
-                    s.logged = false;
-                }
-                Ok(migrate::Step::Superseded) => worked = true,
-                Ok(migrate::Step::Torn(_, msg)) => {
-                    worked = true;
-                    m.failures.fetch_add(1, Ordering::Relaxed);
-                    log::error!("stage {}: {msg}", dir.display());
-                }
-                Ok(migrate::Step::Failed(_, msg)) => {
-                    m.failures.fetch_add(1, Ordering::Relaxed);
-                    s.failures += 1;
-                    let wait = backoff(s.failures);
-                    s.retry_at = Some(Instant::now() + wait);
-                    if !s.logged {
-                        log::warn!(
-                            "stage {}: {msg}; retrying with back-off (at most {BACKOFF_CAP:?} apart)",
-                            dir.display()
-                        );
-                        s.logged = true;
-                    }
-                }
-                Err(e) => {
-                    m.failures.fetch_add(1, Ordering::Relaxed);
-                    s.failures += 1;
-                    s.retry_at = Some(Instant::now() + backoff(s.failures));
-                    if !s.logged {
-                        log::warn!("stage {}: {e}", dir.display());
-                        s.logged = true;
-                    }
-                }
-            }
-            // Refused entries are not pending: nothing will migrate them, and they keep no agent up.
-            let roots = &s.roots;
-            pending |= s.journal.first_where(|e| migrate::beneath(&e.dest, roots)).map(|e| e.is_some()).unwrap_or(true);
+            let (w, p) = tend(dir, s, &m);
+            worked |= w;
+            pending |= p;
         }
         m.pending.store(pending, Ordering::Release);
         if !worked {
             std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// Opens the stages of the configuration and of the writers' list (`stages_file`) not open yet, closes
+/// those gone; a bad line of the list is logged once.
+fn rescan(configured: &[(PathBuf, PathBuf)], stages_file: &Path, stages: &mut Stages, m: &Migrations) {
+    let mut wanted: Vec<(PathBuf, PathBuf, bool)> =
+        configured.iter().map(|(s, d)| (s.clone(), d.clone(), true)).collect();
+    for line in listed_stages_in(stages_file) {
+        match line {
+            Ok((s, d)) => wanted.push((s, d, false)),
+            Err(e) => {
+                if stages.bad_lines.insert(e.clone()) {
+                    log::warn!("{}: {e}", stages_file.display());
+                }
+            }
+        }
+    }
+    stages.scan(wanted, m);
+}
+
+/// One look at the stage in `dir`: sweeps its orphans now and then, folds its log of closes into the
+/// journal once the program paused its closes, and migrates its oldest file unless it is held or backing
+/// off. Returns (whether a file was migrated or let go, whether any file is still pending).
+fn tend(dir: &Path, s: &mut Stage, m: &Migrations) -> (bool, bool) {
+    if s.swept.elapsed() >= SWEEP {
+        s.swept = Instant::now();
+        if let Ok(n @ 1..) = s.journal.sweep_orphans() {
+            log::info!("stage {}: removed {n} staged file(s) no program finished", dir.display());
+        }
+    }
+    // The log of buffered closes is folded into the journal (an fsync) once the program paused its
+    // closes, or its oldest nears the bound; every look at the journal below folds it too, so none is
+    // taken while the program is still closing a checkpoint's files.
+    let settling = s.journal.closes_settling(QUIET, FOLD_WITHIN - POLL);
+    if !settling {
+        if let Err(e) = s.journal.fold() {
+            s.warn_once(dir, &e.to_string());
+        }
+    }
+    if settling || s.retry_at.is_some_and(|t| Instant::now() < t) || held(&s.journal, &s.roots) {
+        return (false, true);
+    }
+    let worked = match migrate::step(&s.journal, &s.roots) {
+        Ok(migrate::Step::Idle) => false,
+        Ok(migrate::Step::Migrated(e)) => {
+            m.files.fetch_add(1, Ordering::Relaxed);
+            m.bytes.fetch_add(e.size, Ordering::Relaxed);
+            if s.failures > 0 {
+                log::info!("stage {}: the store answers again after {} failure(s)", dir.display(), s.failures);
+            }
+            s.failures = 0;
+            s.retry_at = None;
+            s.logged = false;
+            true
+        }
+        Ok(migrate::Step::Superseded) => true,
+        Ok(migrate::Step::Torn(_, msg)) => {
+            m.failures.fetch_add(1, Ordering::Relaxed);
+            log::error!("stage {}: {msg}", dir.display());
+            true
+        }
+        Ok(migrate::Step::Failed(_, msg)) => {
+            s.back_off(m);
+            s.warn_once(dir, &format!("{msg}; retrying with back-off (at most {BACKOFF_CAP:?} apart)"));
+            false
+        }
+        Err(e) => {
+            s.back_off(m);
+            s.warn_once(dir, &e.to_string());
+            false
+        }
+    };
+    // Refused entries are not pending: nothing will migrate them, and they keep no agent up.
+    let roots = &s.roots;
+    let pending = s.journal.first_where(|e| migrate::beneath(&e.dest, roots)).map(|e| e.is_some()).unwrap_or(true);
+    (worked, pending)
+}
+
+impl Stage {
+    /// A failed migration: counted, and the next try waits longer.
+    fn back_off(&mut self, m: &Migrations) {
+        m.failures.fetch_add(1, Ordering::Relaxed);
+        self.failures += 1;
+        self.retry_at = Some(Instant::now() + backoff(self.failures));
+    }
+
+    /// Logs a problem of the stage in `dir` once, until a migration succeeds again.
+    fn warn_once(&mut self, dir: &Path, message: &str) {
+        if !self.logged {
+            log::warn!("stage {}: {message}", dir.display());
+            self.logged = true;
         }
     }
 }

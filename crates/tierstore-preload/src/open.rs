@@ -51,21 +51,7 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
     let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
     match opened {
         Ok(native) => {
-            let (f, copy) = match native {
-                Native::Whole(f) => (f, None),
-                Native::Copying { source, copy } => (source, Some(copy)),
-            };
-            let fd = f.into_raw_fd();
-            if flags & libc::O_CLOEXEC == 0 {
-                // Rust opens with O_CLOEXEC; the program did not ask for it and may exec with this fd.
-                libc::fcntl(fd, libc::F_SETFD, 0);
-            }
-            if flags & libc::O_NONBLOCK != 0 {
-                libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
-            }
-            if let Some(copy) = copy {
-                streams::register(fd, copy);
-            }
+            let fd = descriptor_of(native, flags);
             if let Some(rel) = s.relative(abs.as_os_str().as_bytes()) {
                 order::note_open(abs.as_os_str().as_bytes(), rel);
             }
@@ -81,6 +67,27 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
         },
         Err(_) => None,
     }
+}
+
+/// The program's descriptor of an opened copy (or of the source while it is copied, registered with its
+/// copy), with the descriptor flags the program asked for rather than Rust's.
+unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
+    let (f, copy) = match native {
+        Native::Whole(f) => (f, None),
+        Native::Copying { source, copy } => (source, Some(copy)),
+    };
+    let fd = f.into_raw_fd();
+    if flags & libc::O_CLOEXEC == 0 {
+        // Rust opens with O_CLOEXEC; the program did not ask for it and may exec with this fd.
+        libc::fcntl(fd, libc::F_SETFD, 0);
+    }
+    if flags & libc::O_NONBLOCK != 0 {
+        libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK);
+    }
+    if let Some(copy) = copy {
+        streams::register(fd, copy);
+    }
+    fd
 }
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {

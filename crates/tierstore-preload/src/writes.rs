@@ -175,34 +175,11 @@ fn dir_on_store(dir: &Path) -> bool {
 pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_int> {
     let wb = writeback()?;
     let abs = dest_path(wb, dirfd, path)?;
-    let writing = crate::opens_to_write(flags);
     if flags & (libc::O_DIRECTORY | libc::O_PATH) != 0 {
         return None;
     }
-    if !writing {
-        // Read-your-writes: a pending file reads from the stage.
-        if let Some(staged) = staged_copy(wb, &abs) {
-            let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
-            let fd = libc::open(c.as_ptr(), flags);
-            if fd >= 0 {
-                return Some(fd);
-            } // gone meanwhile: migrated, the store has it
-        }
-        // A file another node staged and has not yet put on the store: received whole from its agent.
-        return match wb.peer_copy(&abs) {
-            Ok(Some(copy)) => {
-                let c = std::ffi::CString::new(copy.as_os_str().as_bytes()).ok()?;
-                let fd = libc::open(c.as_ptr(), flags);
-                let _ = std::fs::remove_file(&copy); // the open descriptor keeps the bytes
-                Some(fd)
-            }
-            Ok(None) => None,
-            Err(e) => {
-                eprintln!("tierstore run: {e}");
-                set_errno(e.errno());
-                Some(-1)
-            }
-        };
+    if !crate::opens_to_write(flags) {
+        return open_to_read(wb, &abs, flags);
     }
     if flags & libc::O_DIRECT != 0 {
         static WARNED: AtomicBool = AtomicBool::new(false);
@@ -213,23 +190,61 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     }
     let excl = flags & (libc::O_CREAT | libc::O_EXCL) == libc::O_CREAT | libc::O_EXCL;
     if excl && abs.file_name().is_some_and(|n| n.as_bytes().starts_with(b".tmp")) {
-        // The temporary file of Rust's `tempfile` crate (safetensors' `save_file`, Hugging Face tools): it
-        // is renamed into place by a raw system call (rustix), which no LD_PRELOAD shim sees, so it goes
-        // to the store itself, once the files closed before it in its directory are there (order holds).
-        static WARNED: AtomicBool = AtomicBool::new(false);
-        warn_once(&WARNED, || {
-            format!(
-                "{} looks like a `tempfile` crate temporary (renamed by raw system calls the shim cannot \
-                 follow): such files are written straight to the store",
-                abs.display()
-            )
-        });
-        let timeout = wb.destination(&abs).map(|d| d.timeout)?;
-        if let Err(e) = wb.wait(abs.parent(), timeout) {
-            eprintln!("tierstore run: {e}");
-        }
-        return None;
+        return write_temporary_to_store(wb, &abs);
     }
+    open_to_stage(wb, abs, flags, excl)
+}
+
+/// A read of a file under a destination. Read-your-writes: a pending file reads from the stage; a file
+/// another node staged and has not yet put on the store is received whole from its agent; anything else
+/// is the store's (`None`).
+unsafe fn open_to_read(wb: &Writeback, abs: &Path, flags: c_int) -> Option<c_int> {
+    if let Some(staged) = staged_copy(wb, abs) {
+        let c = std::ffi::CString::new(staged.as_os_str().as_bytes()).ok()?;
+        let fd = libc::open(c.as_ptr(), flags);
+        if fd >= 0 {
+            return Some(fd);
+        } // gone meanwhile: migrated, the store has it
+    }
+    match wb.peer_copy(abs) {
+        Ok(Some(copy)) => {
+            let c = std::ffi::CString::new(copy.as_os_str().as_bytes()).ok()?;
+            let fd = libc::open(c.as_ptr(), flags);
+            let _ = std::fs::remove_file(&copy); // the open descriptor keeps the bytes
+            Some(fd)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            eprintln!("tierstore run: {e}");
+            set_errno(e.errno());
+            Some(-1)
+        }
+    }
+}
+
+/// The temporary file of Rust's `tempfile` crate (safetensors' `save_file`, Hugging Face tools): it is
+/// renamed into place by a raw system call (rustix), which no LD_PRELOAD shim sees, so it goes to the store
+/// itself (`None`), once the files closed before it in its directory are there (order holds).
+fn write_temporary_to_store(wb: &Writeback, abs: &Path) -> Option<c_int> {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    warn_once(&WARNED, || {
+        format!(
+            "{} looks like a `tempfile` crate temporary (renamed by raw system calls the shim cannot follow): \
+             such files are written straight to the store",
+            abs.display()
+        )
+    });
+    let timeout = wb.destination(abs).map(|d| d.timeout)?;
+    if let Err(e) = wb.wait(abs.parent(), timeout) {
+        eprintln!("tierstore run: {e}");
+    }
+    None
+}
+
+/// A write of a file under a destination: the open's checks against what is pending and what the store
+/// has (the errno the store would give), then a file in the stage (or, the stage full, a hidden one on the
+/// store) with the current bytes first unless truncated, opened and remembered until its close.
+unsafe fn open_to_stage(wb: &Writeback, abs: PathBuf, flags: c_int, excl: bool) -> Option<c_int> {
     let pending = wb.lookup(&abs);
     let on_store = if pending.is_none() { real_exists(&abs) } else { None };
     let exists = pending.is_some() || on_store.is_some();
@@ -261,17 +276,7 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     if flags & libc::O_TRUNC == 0 && exists {
         // The file's current bytes come first (an append, or an update in place).
         let from = pending.as_ref().map(|(p, _)| p.clone()).unwrap_or_else(|| abs.clone());
-        // A staged file keeps the mode it was created with (0600: the stage is the user's alone), where
-        // `std::fs::copy` would give it the source's; a file written through takes the source's, as before.
-        let copied = if through.is_some() {
-            std::fs::copy(&from, &staged)
-        } else {
-            std::fs::File::open(&from).and_then(|mut src| {
-                let mut dst = std::fs::OpenOptions::new().write(true).truncate(true).open(&staged)?;
-                std::io::copy(&mut src, &mut dst)
-            })
-        };
-        if let Err(e) = copied {
+        if let Err(e) = copy_current_bytes(&from, &staged, through.is_some()) {
             let _ = std::fs::remove_file(&staged);
             set_errno(e.raw_os_error().unwrap_or(libc::EIO));
             return Some(-1);
@@ -295,6 +300,18 @@ pub unsafe fn open(dirfd: c_int, path: *const c_char, flags: c_int) -> Option<c_
     });
     OPEN_COUNT.store(open.len(), Ordering::Relaxed);
     Some(fd)
+}
+
+/// Copies a file's current bytes (`from`: its pending copy, or the store's) into the new `staged` one. A
+/// staged file keeps the mode it was created with (0600: the stage is the user's alone), where
+/// `std::fs::copy` would give it the source's; a file written through takes the source's, as before.
+fn copy_current_bytes(from: &Path, staged: &Path, through: bool) -> std::io::Result<u64> {
+    if through {
+        return std::fs::copy(from, staged);
+    }
+    let mut src = std::fs::File::open(from)?;
+    let mut dst = std::fs::OpenOptions::new().write(true).truncate(true).open(staged)?;
+    std::io::copy(&mut src, &mut dst)
 }
 
 /// The `open` flags of a stdio mode.

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,7 +32,7 @@ use super::{
 };
 use crate::client::Client;
 use crate::protocol::Frame;
-use tierstore_core::models::manifest::{check_hash, Manifest};
+use tierstore_core::models::manifest::{check_hash, Manifest, Tensor};
 use tierstore_core::models::requests::VersionNotice;
 
 /// How a node's streams reach the other nodes.
@@ -290,89 +290,110 @@ pub(super) fn announcer(remote: Remote) -> mpsc::Sender<(String, Announcement)> 
     let (tx, rx) = mpsc::channel::<(String, Announcement)>();
     std::thread::Builder::new()
         .name("tierstore-stream-announce".into())
-        .spawn(move || {
-            let client = match redis::Client::open(remote.redis.as_str()) {
-                Ok(c) => c,
-                Err(e) => {
-                    log::warn!(
-                        "stream announcements: {} is not a Redis URL ({e}); versions stay on this node",
-                        remote.redis
-                    );
-                    return;
-                }
-            };
-            let mut latest: HashMap<String, Announcement> = HashMap::new();
-            let mut unsent: HashMap<String, Announcement> = HashMap::new();
-            let mut con: Option<redis::Connection> = None;
-            let mut failing = false;
-            let mut refreshed = Instant::now();
-            loop {
-                match rx.recv_timeout(if unsent.is_empty() { REFRESH } else { Duration::from_millis(200) }) {
-                    Ok((name, v)) => {
-                        let v = remote.signed(&name, v);
-                        latest.insert(name.clone(), v.clone());
-                        unsent.insert(name, v);
-                        while let Ok((name, v)) = rx.try_recv() {
-                            let v = remote.signed(&name, v);
-                            latest.insert(name.clone(), v.clone());
-                            unsent.insert(name, v);
-                        }
-                    }
-                    Err(mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                }
-                let refresh = refreshed.elapsed() >= REFRESH;
-                if unsent.is_empty() && !refresh {
-                    continue;
-                }
-                let result = (|| -> redis::RedisResult<()> {
-                    if con.is_none() {
-                        con = Some(remote.connect(&client)?);
-                    }
-                    let c = con.as_mut().expect("connected");
-                    for (name, v) in &unsent {
-                        let text = v.text();
-                        redis::pipe()
-                            .cmd("SET")
-                            .arg(remote.latest_key(name))
-                            .arg(&text)
-                            .ignore()
-                            .cmd("PUBLISH")
-                            .arg(remote.channel(name))
-                            .arg(&text)
-                            .ignore()
-                            .query::<()>(c)?;
-                    }
-                    if refresh {
-                        for (name, v) in &latest {
-                            redis::cmd("SET").arg(remote.latest_key(name)).arg(v.text()).query::<()>(c)?;
-                        }
-                    }
-                    Ok(())
-                })();
-                match result {
-                    Ok(()) => {
-                        unsent.clear();
-                        if refresh {
-                            refreshed = Instant::now();
-                        }
-                        if failing {
-                            log::info!("stream announcements: {} answers again", remote.redis);
-                            failing = false;
-                        }
-                    }
-                    Err(e) => {
-                        con = None;
-                        if !failing {
-                            log::warn!("stream announcements: {} failed ({e}); retrying", remote.redis);
-                            failing = true;
-                        }
-                    }
-                }
-            }
-        })
+        .spawn(move || announce(&remote, &rx))
         .expect("spawn the announcer");
     tx
+}
+
+/// The announcer's loop, until the agent drops its sender: each version received is signed, set as its
+/// stream's `latest` and published (those received together in one pass); every [`REFRESH`] every
+/// stream's `latest` is set again. Redis failing: the unsent ones are retried every 200 ms, the failure
+/// logged once.
+fn announce(remote: &Remote, rx: &mpsc::Receiver<(String, Announcement)>) {
+    let client = match redis::Client::open(remote.redis.as_str()) {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("stream announcements: {} is not a Redis URL ({e}); versions stay on this node", remote.redis);
+            return;
+        }
+    };
+    let mut latest: HashMap<String, Announcement> = HashMap::new();
+    let mut unsent: HashMap<String, Announcement> = HashMap::new();
+    let mut con: Option<redis::Connection> = None;
+    let mut failing = false;
+    let mut refreshed = Instant::now();
+    loop {
+        let wait = if unsent.is_empty() { REFRESH } else { Duration::from_millis(200) };
+        let mut take = |(name, v): (String, Announcement)| {
+            let v = remote.signed(&name, v);
+            latest.insert(name.clone(), v.clone());
+            unsent.insert(name, v);
+        };
+        match rx.recv_timeout(wait) {
+            Ok(first) => {
+                take(first);
+                while let Ok(next) = rx.try_recv() {
+                    take(next);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        let refresh = refreshed.elapsed() >= REFRESH;
+        if unsent.is_empty() && !refresh {
+            continue;
+        }
+        let sent = connected(remote, &client, &mut con)
+            .and_then(|c| send_announcements(remote, c, &unsent, refresh.then_some(&latest)));
+        match sent {
+            Ok(()) => {
+                unsent.clear();
+                if refresh {
+                    refreshed = Instant::now();
+                }
+                if failing {
+                    log::info!("stream announcements: {} answers again", remote.redis);
+                    failing = false;
+                }
+            }
+            Err(e) => {
+                con = None;
+                if !failing {
+                    log::warn!("stream announcements: {} failed ({e}); retrying", remote.redis);
+                    failing = true;
+                }
+            }
+        }
+    }
+}
+
+/// The announcer's Redis connection, made when there is none.
+fn connected<'c>(
+    remote: &Remote,
+    client: &redis::Client,
+    con: &'c mut Option<redis::Connection>,
+) -> redis::RedisResult<&'c mut redis::Connection> {
+    if con.is_none() {
+        *con = Some(remote.connect(client)?);
+    }
+    Ok(con.as_mut().expect("connected"))
+}
+
+/// Sets each of `unsent` as its stream's `latest` and publishes it on the stream's channel (one round trip
+/// each); with `refresh`, sets every stream's `latest` again.
+fn send_announcements(
+    remote: &Remote,
+    c: &mut redis::Connection,
+    unsent: &HashMap<String, Announcement>,
+    refresh: Option<&HashMap<String, Announcement>>,
+) -> redis::RedisResult<()> {
+    for (name, v) in unsent {
+        let text = v.text();
+        redis::pipe()
+            .cmd("SET")
+            .arg(remote.latest_key(name))
+            .arg(&text)
+            .ignore()
+            .cmd("PUBLISH")
+            .arg(remote.channel(name))
+            .arg(&text)
+            .ignore()
+            .query::<()>(c)?;
+    }
+    for (name, v) in refresh.into_iter().flatten() {
+        redis::cmd("SET").arg(remote.latest_key(name)).arg(v.text()).query::<()>(c)?;
+    }
+    Ok(())
 }
 
 /// Starts following stream `name` in Redis: every version announced by another node's agent is pulled
@@ -385,72 +406,94 @@ pub(super) fn follow(
     rt: tokio::runtime::Handle,
     listening: tokio::sync::oneshot::Sender<()>,
 ) {
-    let mut listening = Some(listening);
-    let spawned = std::thread::Builder::new().name(format!("tierstore-stream-follow-{name}")).spawn(move || {
-        let client = match redis::Client::open(remote.redis.as_str()) {
-            Ok(c) => c,
-            Err(e) => {
-                streams.record_error(&name, format!("{} is not a Redis URL ({e})", remote.redis));
-                return;
-            }
-        };
-        let mut backoff = Duration::from_millis(50);
-        let mut failing = false;
-        loop {
-            let mut con = match remote.connect(&client) {
-                Ok(c) => c,
-                Err(e) => {
-                    if !failing {
-                        streams
-                            .record_error(&name, format!("cannot follow {name} in {} ({e}); retrying", remote.redis));
-                        failing = true;
-                    }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    continue;
-                }
-            };
-            let mut reader = match remote.connect(&client) {
-                Ok(c) => c,
-                Err(_) => continue,
-            };
-            let _ = con.set_read_timeout(Some(Duration::from_millis(250)));
-            let mut ps = con.as_pubsub();
-            if ps.subscribe(remote.channel(&name)).is_err() {
-                continue;
-            }
-            if let Some(tx) = listening.take() {
-                let _ = tx.send(());
-            }
-            if failing {
-                log::info!("following {name} in {} again", remote.redis);
-                failing = false;
-            }
-            backoff = Duration::from_millis(50);
-            let mut checked = Instant::now() - REFRESH;
-            loop {
-                if checked.elapsed() >= REFRESH {
-                    checked = Instant::now();
-                    match redis::cmd("GET").arg(remote.latest_key(&name)).query::<Option<Vec<u8>>>(&mut reader) {
-                        Ok(Some(v)) => arrived(&streams, &remote, &name, &v, &rt),
-                        Ok(None) => {}
-                        Err(_) => break,
-                    }
-                }
-                match ps.get_message() {
-                    Ok(msg) => arrived(&streams, &remote, &name, msg.get_payload_bytes(), &rt),
-                    Err(e) if e.is_timeout() => {}
-                    Err(e) => {
-                        streams.record_error(&name, format!("lost {} ({e}); reconnecting", remote.redis));
-                        failing = true;
-                        break;
-                    }
-                }
-            }
-        }
-    });
+    let spawned = std::thread::Builder::new()
+        .name(format!("tierstore-stream-follow-{name}"))
+        .spawn(move || keep_following(&streams, &remote, &name, &rt, listening));
     if let Err(e) = spawned {
         log::warn!("cannot follow a stream: {e}");
+    }
+}
+
+/// The follower's loop: two connections to Redis (one subscribed to the stream's channel, one to read its
+/// `latest`), `listening` told once it first listens; a lost connection is made again with back-off (50 ms,
+/// doubling to 1 s), an outage recorded once.
+fn keep_following(
+    streams: &Arc<Streams>,
+    remote: &Remote,
+    name: &str,
+    rt: &tokio::runtime::Handle,
+    listening: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut listening = Some(listening);
+    let client = match redis::Client::open(remote.redis.as_str()) {
+        Ok(c) => c,
+        Err(e) => {
+            streams.record_error(name, format!("{} is not a Redis URL ({e})", remote.redis));
+            return;
+        }
+    };
+    let mut backoff = Duration::from_millis(50);
+    let mut failing = false;
+    loop {
+        let mut con = match remote.connect(&client) {
+            Ok(c) => c,
+            Err(e) => {
+                if !failing {
+                    streams.record_error(name, format!("cannot follow {name} in {} ({e}); retrying", remote.redis));
+                    failing = true;
+                }
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let Ok(mut reader) = remote.connect(&client) else { continue };
+        let _ = con.set_read_timeout(Some(Duration::from_millis(250)));
+        let mut ps = con.as_pubsub();
+        if ps.subscribe(remote.channel(name)).is_err() {
+            continue;
+        }
+        if let Some(tx) = listening.take() {
+            let _ = tx.send(());
+        }
+        if failing {
+            log::info!("following {name} in {} again", remote.redis);
+            failing = false;
+        }
+        backoff = Duration::from_millis(50);
+        if let Some(e) = listen(streams, remote, name, rt, &mut ps, &mut reader) {
+            streams.record_error(name, format!("lost {} ({e}); reconnecting", remote.redis));
+            failing = true;
+        }
+    }
+}
+
+/// Takes `name`'s announcements until a connection fails: every one published on its channel, and its
+/// `latest` read every [`REFRESH`] (a lost message costs at most that). The subscription's error, or None
+/// when the reading connection failed (made again quietly).
+fn listen(
+    streams: &Arc<Streams>,
+    remote: &Remote,
+    name: &str,
+    rt: &tokio::runtime::Handle,
+    ps: &mut redis::PubSub<'_>,
+    reader: &mut redis::Connection,
+) -> Option<redis::RedisError> {
+    let mut checked = Instant::now() - REFRESH;
+    loop {
+        if checked.elapsed() >= REFRESH {
+            checked = Instant::now();
+            match redis::cmd("GET").arg(remote.latest_key(name)).query::<Option<Vec<u8>>>(reader) {
+                Ok(Some(v)) => arrived(streams, remote, name, &v, rt),
+                Ok(None) => {}
+                Err(_) => return None,
+            }
+        }
+        match ps.get_message() {
+            Ok(msg) => arrived(streams, remote, name, msg.get_payload_bytes(), rt),
+            Err(e) if e.is_timeout() => {}
+            Err(e) => return Some(e),
+        }
     }
 }
 
@@ -534,45 +577,7 @@ pub(super) async fn pull(
             if streams.holds(&t.hash) || fetched.contains(&t.hash.as_str()) {
                 continue;
             }
-            if !check_hash(&t.hash) {
-                return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
-            }
-            let ask = PeerAsk::Blob { hash: t.hash.clone(), credit: WINDOW };
-            match c.call(&Frame::StreamRequest { json: ask.text() }).await.map_err(|e| e.to_string())? {
-                Frame::StreamEvent { json } => {
-                    let offer: BlobOffer =
-                        serde_json::from_str(&json).map_err(|e| format!("tensor {:?}: its offer: {e}", t.name))?;
-                    if offer.size != t.nbytes {
-                        return Err(format!(
-                            "tensor {:?}: {} bytes offered, {} expected",
-                            t.name, offer.size, t.nbytes
-                        ));
-                    }
-                }
-                other => return Err(format!("unexpected answer {other:?}")),
-            }
-            let path = tmp.join(&t.hash);
-            let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let mut hasher = tierstore_core::hash::Hasher::new();
-            let mut offset = 0u64;
-            loop {
-                match c.receive_frame().await.map_err(|e| e.to_string())? {
-                    Frame::Chunk { offset: at, data, .. } if at == offset => {
-                        hasher.update(&data);
-                        file.write_all_at(&data, offset).map_err(|e| format!("{}: {e}", path.display()))?;
-                        offset += data.len() as u64;
-                        c.send_frame(&Frame::Credit { id: 0, more: 1 }).await.map_err(|e| e.to_string())?;
-                    }
-                    Frame::Done { .. } => break,
-                    Frame::Error { message, .. } => return Err(message),
-                    other => return Err(format!("unexpected frame {other:?} at byte {offset} of {:?}", t.name)),
-                }
-            }
-            let got = tierstore_core::hash::hex(hasher.finalize().as_bytes());
-            if offset != t.nbytes || got != t.hash {
-                return Err(format!("tensor {:?} arrived damaged ({offset} bytes, blake3 {got}); not used", t.name));
-            }
-            bytes += offset;
+            bytes += pull_tensor(&mut c, t, &tmp).await?;
             fetched.push(&t.hash);
         }
         let body = serde_json::to_vec(&m).map_err(|e| e.to_string())?;
@@ -595,6 +600,47 @@ pub(super) async fn pull(
             Err(e)
         }
     }
+}
+
+/// Receives tensor `t` from the other agent into `tmp/HASH`, under a window of [`WINDOW`] chunks, hashing
+/// each chunk as it lands; its bytes, or why it is not used (an offer of another size, a damaged copy).
+async fn pull_tensor(c: &mut Client<tokio::net::TcpStream>, t: &Tensor, tmp: &Path) -> Result<u64, String> {
+    if !check_hash(&t.hash) {
+        return Err(format!("tensor {:?} has no blake3 hex hash", t.name));
+    }
+    let ask = PeerAsk::Blob { hash: t.hash.clone(), credit: WINDOW };
+    match c.call(&Frame::StreamRequest { json: ask.text() }).await.map_err(|e| e.to_string())? {
+        Frame::StreamEvent { json } => {
+            let offer: BlobOffer =
+                serde_json::from_str(&json).map_err(|e| format!("tensor {:?}: its offer: {e}", t.name))?;
+            if offer.size != t.nbytes {
+                return Err(format!("tensor {:?}: {} bytes offered, {} expected", t.name, offer.size, t.nbytes));
+            }
+        }
+        other => return Err(format!("unexpected answer {other:?}")),
+    }
+    let path = tmp.join(&t.hash);
+    let file = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut hasher = tierstore_core::hash::Hasher::new();
+    let mut offset = 0u64;
+    loop {
+        match c.receive_frame().await.map_err(|e| e.to_string())? {
+            Frame::Chunk { offset: at, data, .. } if at == offset => {
+                hasher.update(&data);
+                file.write_all_at(&data, offset).map_err(|e| format!("{}: {e}", path.display()))?;
+                offset += data.len() as u64;
+                c.send_frame(&Frame::Credit { id: 0, more: 1 }).await.map_err(|e| e.to_string())?;
+            }
+            Frame::Done { .. } => break,
+            Frame::Error { message, .. } => return Err(message),
+            other => return Err(format!("unexpected frame {other:?} at byte {offset} of {:?}", t.name)),
+        }
+    }
+    let got = tierstore_core::hash::hex(hasher.finalize().as_bytes());
+    if offset != t.nbytes || got != t.hash {
+        return Err(format!("tensor {:?} arrived damaged ({offset} bytes, blake3 {got}); not used", t.name));
+    }
+    Ok(offset)
 }
 
 /// Answers another agent's stream requests on a peer connection: a version's manifest, a tensor's bytes.
