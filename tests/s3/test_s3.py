@@ -19,7 +19,7 @@ import pytest
 
 import tierstore
 from tests.helpers.data import blob, odd_names
-from tierstore.testing.s3server import S3Server
+from tierstore.testing.s3server import LatencyProxy, S3Server
 
 
 @pytest.fixture
@@ -248,14 +248,16 @@ def test_eight_processes_fetch_each_object_once(server: S3Server, bucket: str, t
 @pytest.mark.slow
 def test_a_server_killed_mid_read_fails_the_reader_within_its_deadline(tmp_path: Path, tier: str) -> None:
     size = 48 * 1024 * 1024
-    with S3Server(tmp_path / "weed") as s3:
+    # 30 ms before each request (48 ranges, one at a time: about 1.5 s for the object), so that the kill
+    # lands mid-read: straight to the server on loopback, the whole object could be fetched in the moment
+    # between the first read and the kill, and nothing would fail (seen once in CI).
+    with S3Server(tmp_path / "weed") as s3, LatencyProxy(s3.endpoint, latency=0.030) as proxy:
         s3.create_bucket("bkt")
         put(s3, "bkt", {"d/big.bin": blob("object 7", size)})
-        cache = tierstore.Cache(
-            source="s3://bkt/d",
-            tiers=[tier],
-            s3=s3.settings(range_size="1M", ranges_in_flight=1, timeout="2s", retries=1),
+        settings = s3.settings(
+            endpoint=proxy.endpoint, range_size="1M", ranges_in_flight=1, timeout="2s", retries=1
         )
+        cache = tierstore.Cache(source="s3://bkt/d", tiers=[tier], s3=settings)
         f = cache.open("big.bin")
         first = f.read(1024 * 1024)
         assert first == blob("object 7", size)[: 1024 * 1024]
