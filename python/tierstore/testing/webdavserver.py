@@ -78,11 +78,11 @@ class WebDAVServer(LoopbackServer):
             "--config", "/dev/null",
         ]  # fmt: skip
         if self.tls:
-            args += ["--cert", str(self.root / "cert.pem"), "--key", str(self.root / "key.pem")]
-            self._make_certificate()
+            args += self._make_certificate()
         self._launch(args, timeout)
 
-    def _make_certificate(self) -> None:
+    def _make_certificate(self) -> list[str]:
+        """Writes the key and the certificate under `root`; rclone's arguments that serve them."""
         openssl = shutil.which("openssl")
         if openssl is None:
             raise FileNotFoundError("openssl is not installed; `apt-get install openssl`")
@@ -107,6 +107,7 @@ class WebDAVServer(LoopbackServer):
             check=True,
             capture_output=True,
         )
+        return ["--cert", cert, "--key", key]
 
     def _answers(self) -> bool:
         # The self-signed certificate is ours: the probe only asks whether the server answers.

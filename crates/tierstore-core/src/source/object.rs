@@ -439,7 +439,15 @@ impl ObjectSource {
         let kind = self.config.kind;
         let at = format!("{} at {}", kind.name(), self.endpoint);
         let detail = e.to_string();
-        let tls = tls_refusal(&e);
+        // A failed handshake has no answer from the store, so it can be no other case below.
+        if let Some(tls) = tls_refusal(&e) {
+            return io::Error::other(format!(
+                "{url}: the TLS connection to {at} was refused: {tls}: the server's certificate is not one this \
+                 machine trusts; check the endpoint ({}) and the system's CA certificates (a test server's \
+                 self-signed certificate needs the store option allow_invalid_certificates = true)",
+                kind.endpoint_setting()
+            ));
+        }
         let no_bucket = || {
             io::Error::new(
                 io::ErrorKind::NotFound,
@@ -487,13 +495,6 @@ impl ObjectSource {
                 refused("credentials refused")
             }
             _ if detail.contains("NoSuchBucket") || detail.contains("ContainerNotFound") => no_bucket(),
-            _ if tls.is_some() => io::Error::other(format!(
-                "{url}: the TLS connection to {at} was refused: {}: the server's certificate is not one this \
-                 machine trusts; check the endpoint ({}) and the system's CA certificates (a test server's \
-                 self-signed certificate needs the store option allow_invalid_certificates = true)",
-                tls.unwrap_or_default(),
-                kind.endpoint_setting()
-            )),
             _ if detail.contains("error sending request")
                 || detail.contains("onnect")
                 || detail.contains("timed out")
