@@ -8,12 +8,17 @@
 //! by the pool while readers follow the copy. Any cache fault falls back to the source.
 //!
 //! This file is the cache's face: [`Cache`] and every public method, each documented here. The work is
-//! done by the engine every handle shares (`engine.rs`: its state and the read path, a hit or a flight),
-//! one concept per file beside it: `fetch.rs` (a miss fetched under the node's lock, placed, copied and
-//! published), `trusted.rs` (the metadata a trusted source replays), `stats.rs` (the counters),
-//! `prefetch.rs` and `order.rs` (warming the cache), `peers.rs` (the other nodes, asked through `link.rs`), `sibling.rs` (a peer served from another process's copy), `parts.rs` (parts of a file through its owner), `confirm.rs` (bounded
-//! staleness), `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the
-//! copy pool).
+//! done by components, one concept per file, each owning its state and calling only those below it:
+//!
+//! - `engine.rs`: the read path from top to bottom, and the state of the process that opened the cache;
+//! - `peers.rs`: the peers step (a miss asked of the owner's agent, through `link.rs`);
+//! - `fetch.rs`: the fetch step (a miss fetched under the node's lock, placed, copied and published), with
+//!   `flight.rs`, `lock.rs` and `pool.rs` (single flight in a process and on a node, and the copy pool);
+//! - `storage.rs`: the source, the tiers (`lookup.rs`) and the settings, which every step stands on;
+//! - above the read path: `serve.rs` (this node's agent serving its peers), `sibling.rs` (a peer served
+//!   from another process's copy), `parts.rs` (parts of a file through its owner), `prefetch.rs` and
+//!   `order.rs` (warming the cache), `confirm.rs` (bounded staleness);
+//! - beside it: `trusted.rs` (the metadata a trusted source replays) and `stats.rs` (the counters).
 
 mod blocks;
 mod confirm;
@@ -30,8 +35,11 @@ mod parts;
 mod peers;
 mod pool;
 mod prefetch;
+mod serve;
+mod serve_parts;
 mod sibling;
 mod stats;
+mod storage;
 mod sweep;
 mod trusted;
 
@@ -40,7 +48,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::config::{Config, Revalidate, TierConfig, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
@@ -51,17 +59,20 @@ use crate::source::{PosixSource, Source};
 use crate::tier::Tier;
 use engine::Inner;
 use faults::Faults;
-use flight::Flights;
+use fetch::Fetcher;
 use link::PeerLink;
 use lock::FetchLocks;
 use lookup::Lookup;
+use peers::Peers;
 use pool::Pool;
+use storage::Storage;
 
 pub use blocks::BLOCK as PART_BLOCK;
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
-pub use parts::{Parts, PartsServed};
-pub use peers::Served;
+pub use parts::Parts;
+pub use serve_parts::PartsServed;
+pub use serve::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 pub use stats::{SourceStats, Stats, TierStats};
 pub use trusted::Trusted;
@@ -119,7 +130,10 @@ impl Registry {
 
 /// A tiered, node-local cache of one source directory.
 pub struct Cache {
+    /// The read path and its components.
     inner: Arc<Inner>,
+    /// The source, the tiers and the settings (the engine's own, held here for what needs no more).
+    storage: Arc<Storage>,
     pool: Arc<Pool>,
 }
 
@@ -155,35 +169,25 @@ impl Cache {
         let pool = Arc::new(Pool::new(config.threads));
         let faults = Arc::new(Faults::new(source.counters().clone()));
         let link = PeerLink::open(&config, ask_peers, source.counters().clone(), faults.clone())?;
-        let inner = Arc::new(Inner {
-            lookup: Lookup::new(tiers, config.policy, config.verify, faults.clone()),
-            config,
-            faults,
-            source,
-            locks,
-            flights: Flights::default(),
-            pool: OnceLock::new(),
-            prefetches: Mutex::new(0),
-            prefetch_idle: Condvar::new(),
-            pid: crate::process::pid(),
-            link,
-            record_checksums,
-            blocks: if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() },
-            sweep: Default::default(),
-        });
-        let _ = inner.pool.set(Arc::downgrade(&pool));
-        for (i, t) in inner.lookup.tiers().iter().enumerate() {
+        let blocks = if ask_peers { blocks::Blocks::new(0) } else { blocks::Blocks::from_env() };
+        let lookup = Lookup::new(tiers, config.policy, config.verify, faults.clone());
+        let storage = Arc::new(Storage::new(config, source, lookup, faults));
+        let fetcher = Arc::new(Fetcher::new(storage.clone(), locks, record_checksums));
+        fetcher.set_pool(&pool);
+        let peers = link.map(|link| Arc::new(Peers::new(storage.clone(), fetcher.clone(), link)));
+        let inner = Arc::new(Inner::new(storage.clone(), fetcher, peers, blocks));
+        for (i, t) in storage.lookup().tiers().iter().enumerate() {
             if let Err(e) = &t.index {
                 t.counters.add(tier_slot::FAULTS, 1);
-                inner.log_once(&format!("index{i}"), &format!("index of tier {} cannot be opened ({e}); the tier is skipped and reads go to the source. `tierstore clear` rebuilds it", t.config.path.display()));
+                storage.log_once(&format!("index{i}"), &format!("index of tier {} cannot be opened ({e}); the tier is skipped and reads go to the source. `tierstore clear` rebuilds it", t.config.path.display()));
             }
         }
-        Ok(Cache { inner, pool })
+        Ok(Cache { inner, storage, pool })
     }
 
     /// The effective configuration.
     pub fn config(&self) -> &Config {
-        &self.inner.config
+        self.storage.config()
     }
 
     /// Opens `path` (a file under the source) for reading through the cache.
@@ -220,10 +224,10 @@ impl Cache {
     /// trusted and it leads into the source (so a file reached by its link and by its own name is one
     /// cached copy, and an open through the link asks the store nothing), else `path`'s own.
     fn followed(&self, path: &Path) -> Result<String, Error> {
-        let rel = self.inner.source.relative(path)?;
-        if self.inner.config.revalidate == Revalidate::Never {
-            if let Some(to) = self.inner.link(&rel).and_then(|l| l.resolved) {
-                if let Ok(target) = self.inner.source.relative(Path::new(OsStr::from_bytes(&to))) {
+        let rel = self.storage.source().relative(path)?;
+        if self.storage.config().revalidate == Revalidate::Never {
+            if let Some(to) = self.storage.symlink(&rel).and_then(|l| l.resolved) {
+                if let Ok(target) = self.storage.source().relative(Path::new(OsStr::from_bytes(&to))) {
                     return Ok(target);
                 }
             }
@@ -235,28 +239,28 @@ impl Cache {
     /// `realpath`, `statfs`, listings, extended attributes, shadow directories and the `fstat` of a copy
     /// (see [`Trusted`]).
     pub fn trusted(&self) -> Trusted<'_> {
-        Trusted::of(&self.inner)
+        Trusted::of(&self.storage)
     }
 
     /// The source directory (symlinks resolved).
     pub fn source_root(&self) -> &Path {
-        self.inner.source.root()
+        self.storage.source().root()
     }
 
     /// Forgets every cached copy of `path` (it is being written, renamed or removed through the source).
     pub fn invalidate(&self, path: &Path) -> Result<(), Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.storage.source().relative(path)?;
         let key = key_of(&rel);
-        if let Some(ix) = self.inner.lookup.directories() {
+        if let Some(ix) = self.storage.lookup().directories() {
             let _ = ix.forget_path(&key);
             // A name appeared, went or changed in its directory; a directory itself may have gone.
             let parent = rel.rsplit_once('/').map_or("", |(dir, _)| dir);
             let _ = ix.forget_listing(&key_of(parent));
             let _ = ix.forget_listing(&key);
         }
-        let _guard = self.inner.locks.lock(&key).map_err(|e| Error::io(&self.inner.source.path_of(&rel), e))?;
-        self.inner.remove_entries(&key);
+        let _guard = self.inner.fetcher().lock(&key).map_err(|e| self.storage.error(&rel, e))?;
+        self.inner.fetcher().remove_entries(&key);
         Ok(())
     }
 
@@ -264,7 +268,7 @@ impl Cache {
     /// `stat`ed and a copy of an older version does not count; without it, this is the index lookup alone.
     pub fn lookup(&self, path: &Path, validate: bool) -> Result<Option<PathBuf>, Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.storage.source().relative(path)?;
         let key = key_of(&rel);
         let sid = if validate {
             let known = self.inner.known_identity(&key, &rel)?;
@@ -275,7 +279,7 @@ impl Cache {
         } else {
             None
         };
-        Ok(self.inner.lookup.copy_path(&key, &rel, sid.as_ref()))
+        Ok(self.storage.lookup().copy_path(&key, &rel, sid.as_ref()))
     }
 
     /// Warms the cache with `paths` (files, or directories walked recursively), fetching
@@ -294,10 +298,10 @@ impl Cache {
         for p in paths {
             // A relative path is relative to the current directory on a file system, to the prefix on
             // an object store.
-            let named = if self.inner.posix().is_some() { normalize_abs(p) } else { p.clone() };
-            let rel = self.inner.source.relative_or_root(&named)?;
-            let full = self.inner.source.path_of(&rel);
-            let Some(posix) = self.inner.posix() else {
+            let named = if self.storage.posix().is_some() { normalize_abs(p) } else { p.clone() };
+            let rel = self.storage.source().relative_or_root(&named)?;
+            let full = self.storage.source().path_of(&rel);
+            let Some(posix) = self.storage.posix() else {
                 // An object store has no directories: a prefix names every object under it.
                 walk.add_listing(rel);
                 continue;
@@ -320,7 +324,7 @@ impl Cache {
     /// by its full name, sorted. One listing per directory (POSIX) or per thousand keys (an object store).
     pub fn list_files(&self, path: &Path) -> Result<Vec<PathBuf>, Error> {
         let _exempt = crate::interposer::calls();
-        let src = &self.inner.source;
+        let src = &self.storage.source();
         let mut out = Vec::new();
         let mut dirs = vec![src.relative_or_root(path)?];
         while let Some(dir) = dirs.pop() {
@@ -362,7 +366,7 @@ impl Cache {
         log: Option<ReadLog>,
     ) -> Result<OrderedPrefetch, Error> {
         let _exempt = crate::interposer::calls();
-        let rels = paths.iter().map(|p| self.inner.source.relative(p)).collect::<Result<Vec<_>, _>>()?;
+        let rels = paths.iter().map(|p| self.storage.source().relative(p)).collect::<Result<Vec<_>, _>>()?;
         let log = match log {
             Some(log) => log,
             None => {
@@ -404,7 +408,7 @@ impl Cache {
     /// them: each loader's learned order and progress, which `tierstore status` shows). Private to the
     /// user once a marks file was made in it; it may not exist yet.
     pub fn order_dir(&self) -> PathBuf {
-        crate::tier::namespace_dir(&self.inner.config.tiers[0].path, &self.inner.config.source).join("order")
+        crate::tier::namespace_dir(&self.storage.config().tiers[0].path, &self.storage.config().source).join("order")
     }
 
     /// Blocks until every prefetch has finished and every queued copy is published (and access
@@ -412,13 +416,10 @@ impl Cache {
     pub fn wait_idle(&self) {
         if self.inner.pid_matches() {
             // A forked child inherits the count but not the threads: it has no prefetch to wait for.
-            let mut running = self.inner.prefetches.lock().unwrap_or_else(|p| p.into_inner());
-            while *running > 0 {
-                running = self.inner.prefetch_idle.wait(running).unwrap_or_else(|p| p.into_inner());
-            }
+            self.inner.wait_prefetches();
         }
         self.pool.wait_idle();
-        self.inner.lookup.flush_access();
+        self.storage.lookup().flush_access();
     }
 
     /// Copies queued or running in the pool.
@@ -428,12 +429,12 @@ impl Cache {
 
     /// A snapshot of all counters.
     pub fn stats(&self) -> Stats {
-        self.inner.stats()
+        self.storage.stats()
     }
 
     /// Sets every counter of this cache (node-wide) back to zero.
     pub fn reset_counters(&self) {
-        self.inner.reset_counters()
+        self.storage.reset_counters()
     }
 
     /// Removes every cached copy and index entry of this source from every tier. Readers that have a
@@ -441,7 +442,7 @@ impl Cache {
     pub fn clear(&self) -> Result<(), Error> {
         let _exempt = crate::interposer::calls();
         self.pool.wait_idle();
-        for t in self.inner.lookup.tiers() {
+        for t in self.storage.lookup().tiers() {
             if let Ok(ix) = &t.index {
                 ix.clear().map_err(|e| Error::Tier { path: t.config.path.clone(), message: e.to_string() })?;
             }
@@ -459,7 +460,9 @@ impl Cache {
     /// or the owner could not be asked (counted as a peer fault, and said once): read the store instead.
     pub fn open_parts(&self, path: &Path, ranges: &[(u64, u64)]) -> Result<Option<Parts>, Error> {
         let _exempt = crate::interposer::calls();
-        Parts::ask(&self.inner, path, ranges)
+        let Some(peers) = self.inner.peers() else { return Ok(None) };
+        let rel = self.storage.source().relative(path)?;
+        Ok(peers.ask_parts(&rel, ranges))
     }
 
     /// Opens `rel` for parts a peer asked for: the copy a tier holds whole when there is a current one,
@@ -510,7 +513,7 @@ impl Drop for Cache {
     fn drop(&mut self) {
         if self.inner.pid_matches() {
             self.pool.wait_idle();
-            self.inner.lookup.flush_access();
+            self.storage.lookup().flush_access();
         }
     }
 }

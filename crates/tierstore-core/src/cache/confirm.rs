@@ -52,16 +52,6 @@ fn fresh(confirmed_ns: u64, within: Duration, now: u64) -> bool {
 const DIRECTORIES_AT_ONCE: usize = 8;
 
 impl Inner {
-    /// Whether the copy `e` may be served now without asking the source: the dataset is trusted
-    /// (`revalidate = "never"`), or the copy was confirmed within the duration.
-    pub(super) fn trusted_now(&self, e: &Entry) -> bool {
-        match self.config.revalidate {
-            crate::config::Revalidate::Never => true,
-            crate::config::Revalidate::Within(d) => fresh(e.confirmed_ns, d, now_ns()),
-            crate::config::Revalidate::Always => false,
-        }
-    }
-
     /// The version of `rel` to serve when a tier holds the copy `e` of it and copies are trusted for
     /// `bound`: `e`'s own when it was confirmed within half that long, or within that long (its
     /// directory is then confirmed in the background), or once its directory is confirmed now; the
@@ -82,7 +72,7 @@ impl Inner {
         }
         let dir = parent(rel);
         let dkey = directory_key(dir);
-        let index = self.lookup.directories();
+        let index = self.storage().lookup().directories();
         let listed_at = index.and_then(|ix| ix.directory_confirmed(&dkey).ok()).unwrap_or(0);
         if fresh(listed_at, within, now) && listed_at > e.confirmed_ns {
             // The directory was listed since this copy was confirmed, and the listing did not confirm it:
@@ -92,7 +82,7 @@ impl Inner {
                     return Ok(sid);
                 }
             }
-            return self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err));
+            return self.storage().identify(rel);
         }
         self.confirm_in_background(dir, within);
         if fresh(e.confirmed_ns, bound, now) {
@@ -100,7 +90,7 @@ impl Inner {
             return Ok(e.source);
         }
         log::debug!("{rel}: confirmed more than {bound:?} ago: waits for its directory's confirmation");
-        let listed = match self.flights.join(&dkey) {
+        let listed = match self.fetcher().join(&dkey) {
             Role::Follower(flight) => {
                 // Another thread of this process (the background sweep, say) confirmed (or failed to
                 // confirm) the directory.
@@ -117,12 +107,12 @@ impl Inner {
         }
         // Confirmed by another thread or process meanwhile, or the listing left the file out (created or
         // replaced since, or not a file any more) or failed: ask about this file alone.
-        if let Some(now) = self.lookup.published(key, rel) {
+        if let Some(now) = self.storage().lookup().published(key, rel) {
             if now.source == e.source && fresh(now.confirmed_ns, within, now_ns()) {
                 return Ok(now.source);
             }
         }
-        self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err))
+        self.storage().identify(rel)
     }
 
     /// Confirms `dir` and every directory whose copies the index last confirmed more than `within` ago
@@ -130,7 +120,7 @@ impl Inner {
     /// `DIRECTORIES_AT_ONCE` at a time, on a thread of its own; nothing when this process's sweep
     /// already runs. A directory another thread confirms meanwhile is left to it.
     fn confirm_in_background(self: &Arc<Self>, dir: &str, within: Duration) {
-        if !self.sweep.start() {
+        if !self.sweep().start() {
             return;
         }
         let inner = self.clone();
@@ -138,7 +128,8 @@ impl Inner {
         let sweep = move || {
             let before = now_ns().saturating_sub(within.as_nanos() as u64);
             let mut dirs = inner
-                .lookup
+                .storage()
+                .lookup()
                 .directories()
                 .and_then(|ix| ix.directories_confirmed_before(before).ok())
                 .unwrap_or_default();
@@ -150,17 +141,17 @@ impl Inner {
                     s.spawn(|| {
                         while let Some(dir) = dirs.get(next.fetch_add(1, Ordering::Relaxed)) {
                             let dkey = directory_key(dir);
-                            if let Role::Leader(_lead) = inner.flights.join(&dkey) {
+                            if let Role::Leader(_lead) = inner.fetcher().join(&dkey) {
                                 let _ = inner.confirm_directory(dir, &dkey, within);
                             }
                         }
                     });
                 }
             });
-            inner.sweep.done();
+            inner.sweep().done();
         };
         if crate::interposer::spawn("tierstore-confirm".into(), sweep).is_err() {
-            self.sweep.done();
+            self.sweep().done();
         }
     }
 
@@ -173,20 +164,20 @@ impl Inner {
         dkey: &Key,
         within: Duration,
     ) -> Option<std::io::Result<Vec<(String, SourceId)>>> {
-        let _guard = match self.locks.lock(dkey) {
+        let _guard = match self.fetcher().lock(dkey) {
             Ok(g) => g,
             Err(e) => {
-                self.fault(None, "fetch-lock", &format!("confirmation lock failed: {e}"));
+                self.storage().fault(None, "fetch-lock", &format!("confirmation lock failed: {e}"));
                 return None;
             }
         };
-        let listed_at = self.lookup.directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
+        let listed_at = self.storage().lookup().directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
         if fresh(listed_at, within, now_ns()) {
             return None;
         }
         // The time before the request: what it shows was true at least then.
         let seen = now_ns();
-        let listed = match self.source.identities(dir) {
+        let listed = match self.storage().source().identities(dir) {
             Ok(l) => l,
             Err(e) => {
                 log::debug!("directory {dir:?}: confirmation failed ({e}); its files are asked about one by one");
@@ -197,10 +188,10 @@ impl Inner {
         let prefix = if dir.is_empty() { String::new() } else { format!("{dir}/") };
         let keys: Vec<(Key, SourceId)> =
             listed.iter().map(|(name, sid)| (key_of(&format!("{prefix}{name}")), *sid)).collect();
-        for (i, tier) in self.lookup.tiers().iter().enumerate() {
+        for (i, tier) in self.storage().lookup().tiers().iter().enumerate() {
             let Ok(ix) = &tier.index else { continue };
             if let Err(e) = ix.confirm(dkey, dir, &keys, seen) {
-                self.fault(
+                self.storage().fault(
                     Some(i),
                     "index-write",
                     &format!("index of {} not writable: {e}", tier.config.path.display()),

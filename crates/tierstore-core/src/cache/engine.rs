@@ -1,53 +1,57 @@
 //! The engine behind a [`Cache`](super::Cache): the state that every handle, copy job and prefetch
-//! worker of one cache shares ([`Inner`]), and its read path. A read finds the version of the file to
-//! serve, asks the lookup for a current copy that a tier holds (`lookup.rs`: a hit, checked by size and
-//! mtime, or by checksum), or joins the key's flight: it waits for the leader's bytes, or leads the fetch
-//! itself (`fetch.rs`), after asking the owner's agent when nodes share (`peers.rs`). Any fault falls back
-//! to the source, counted and said once (`faults.rs`).
+//! worker of one cache shares ([`Inner`]), and its read path, which reads top to bottom here
+//! ([`Inner::open_as`]). An open
+//!
+//! 1. finds the version of the file to serve ([`Inner::known_identity`]; with `revalidate = "<duration>"`,
+//!    an old copy's directory is confirmed, `confirm.rs`);
+//! 2. asks the lookup for a current copy that a tier holds (`lookup.rs`: a hit, checked by size and mtime,
+//!    or by checksum);
+//! 3. joins the key's in-process flight: it waits for the leader's bytes, or leads the fetch itself, and
+//!    then
+//! 4. asks the owner's agent when nodes share (the [`Peers`] step, `peers.rs`), and else
+//! 5. fetches from the store under the node-wide fetch lock (the [`Fetcher`] step, `fetch.rs`);
+//! 6. reads the source itself when three rounds found nothing to share.
+//!
+//! Each step is a component that owns its state and hands a [`FetchJob`] down, never back up: the engine
+//! holds the [`Storage`] (the source, the tiers, the settings), the [`Fetcher`] and the [`Peers`]. Any fault
+//! falls back to the source, counted and said once (`faults.rs`).
 
 use std::fs::File;
-use std::io;
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex};
 
-use super::faults::Faults;
-use super::flight::{Flight, Flights, Outcome, Role};
-use super::job::{FetchJob, Purpose};
-use super::link::PeerLink;
-use super::lock::FetchLocks;
-use super::lookup::{Look, Lookup};
-use super::pool::Pool;
+use super::blocks::Blocks;
+use super::fetch::{fail_flight, Fetcher};
+use super::flight::{Flight, Outcome, Role};
+use super::job::{FetchJob, Fetched, Purpose};
+use super::lookup::Look;
+use super::peers::Peers;
+use super::storage::Storage;
+use super::sweep::Sweep;
 use crate::clock::now_ns;
-use crate::config::{Config, Revalidate};
+use crate::config::Revalidate;
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
 use crate::reader::{Backing, Growing, Reader};
-use crate::source::{PosixSource, Source, SourceFile};
+use crate::source::SourceFile;
 
-/// The state that every handle, copy job and prefetch worker of one cache shares.
+/// The state that every handle, copy job and prefetch worker of one cache shares: its components, and
+/// what belongs to the process that opened it.
 pub(super) struct Inner {
-    pub(super) config: Config,
-    pub(super) source: Arc<dyn Source>,
-    /// The tiers and their published copies.
-    pub(super) lookup: Lookup,
-    /// Where a cache fault is counted and said (shared with the lookup).
-    pub(super) faults: Arc<Faults>,
-    pub(super) locks: Arc<FetchLocks>,
-    pub(super) flights: Flights,
-    pub(super) pool: OnceLock<Weak<Pool>>,
+    /// The source, the tiers and the settings.
+    storage: Arc<Storage>,
+    /// The fetch step.
+    fetcher: Arc<Fetcher>,
+    /// The peers step, when nodes share their caches (not in the agent's own cache).
+    peers: Option<Arc<Peers>>,
     /// Prefetches whose workers are still running, for [`Cache::wait_idle`](super::Cache::wait_idle).
-    pub(super) prefetches: Mutex<usize>,
-    pub(super) prefetch_idle: Condvar,
+    prefetches: Mutex<usize>,
+    prefetch_idle: Condvar,
     /// The process that opened the cache; a forked child must open its own.
-    pub(super) pid: u32,
+    pid: u32,
     /// Blocks of the files whose parts this node's agent serves (`blocks.rs`; empty in other processes).
-    pub(super) blocks: super::blocks::Blocks,
-    /// The line to the job's other members, when nodes share their caches (not in the agent's own cache).
-    pub(super) link: Option<Arc<PeerLink>>,
-    /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
-    /// the bytes served to peers.
-    pub(super) record_checksums: bool,
+    blocks: Blocks,
     /// This process's right to the background confirmation of expired directories (`confirm.rs`).
-    pub(super) sweep: super::sweep::Sweep,
+    sweep: Sweep,
 }
 
 /// A file opened for a program that reads it with system calls (see [`Cache::open_native`](super::Cache::open_native)).
@@ -66,46 +70,180 @@ pub enum Native {
     },
 }
 
-/// What a fetch under the lock produced.
-pub(super) enum Fetched {
-    Reader(Reader),
-    /// A large file whose copy has started: a descriptor of the source for the program, and the copy.
-    Streaming(File, Arc<Growing>),
-    Cached,
-    Uncached,
-    /// A prefetch found no tier with room.
-    NoRoom,
-    /// Already cached, or being fetched by another thread or process.
-    Skipped,
+/// What an open wants of the read path, and what it makes of each step's answer: a [`Reader`]
+/// ([`ForReader`]) or a descriptor for a program ([`ForProgram`]). The one loop of [`Inner::open_as`]
+/// takes either.
+trait Want {
+    type Opened;
+    /// What the job is for when it asks a peer, and when it fetches from the store.
+    fn purposes(&self) -> (Purpose, Purpose);
+    /// A current copy a tier holds, as this open takes it (`None`: not so; the open goes on as a miss).
+    fn on_copy(&self, copy: Reader) -> Option<Self::Opened>;
+    /// What a fetch this open led produced.
+    fn on_fetch(&self, fetched: Fetched) -> Next<Self::Opened>;
+    /// What another thread's flight delivered, of the version this open serves (`None`: look again).
+    fn on_flight(&self, storage: &Storage, rel: &str, outcome: Outcome) -> Result<Option<Self::Opened>, Error>;
+    /// The source itself: three rounds found nothing to share, or no tier will take the file. `known`:
+    /// its version, when found; `pre`: its file, when open.
+    fn on_source(
+        &self,
+        storage: &Storage,
+        rel: &str,
+        known: Option<SourceId>,
+        pre: Option<SourceFile>,
+    ) -> Result<Self::Opened, Error>;
 }
 
-/// The error of asking a descriptor of a source that has none (an object store).
-pub(super) fn no_descriptor() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::Unsupported,
-        "an object store has no file descriptors; read it through tierstore.open",
-    )
+/// After a fetch step: the open has its answer, looks again, or reads the source.
+enum Next<T> {
+    Opened(T),
+    Again,
+    Source,
 }
 
-/// An anonymous file in memory, read-only once written is up to its user (a program gets a descriptor).
-pub(super) fn memory_file(rel: &str) -> io::Result<File> {
-    use std::os::fd::FromRawFd;
-    let name = std::ffi::CString::new(format!("tierstore:{}", rel.rsplit('/').next().unwrap_or(rel)))
-        .unwrap_or_else(|_| c"tierstore".to_owned());
-    // SAFETY: memfd_create takes a NUL-terminated name and flags; a valid descriptor is owned by the File.
-    let fd = unsafe { crate::sys::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
+/// An open through the API: a [`Reader`] of a copy, of the bytes a flight shares, or of the source.
+struct ForReader;
+
+impl Want for ForReader {
+    type Opened = Reader;
+
+    fn purposes(&self) -> (Purpose, Purpose) {
+        (Purpose::Read, Purpose::Read)
     }
-    // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    Ok(unsafe { File::from_raw_fd(fd) })
+
+    fn on_copy(&self, copy: Reader) -> Option<Reader> {
+        Some(copy)
+    }
+
+    fn on_fetch(&self, fetched: Fetched) -> Next<Reader> {
+        match fetched {
+            Fetched::Reader(r) => Next::Opened(r),
+            Fetched::Cached | Fetched::Uncached | Fetched::NoRoom | Fetched::Skipped | Fetched::Streaming(..) => {
+                Next::Again
+            }
+        }
+    }
+
+    fn on_flight(&self, storage: &Storage, rel: &str, outcome: Outcome) -> Result<Option<Reader>, Error> {
+        Ok(match outcome {
+            Outcome::Bytes(b, _) => {
+                let size = b.len() as u64;
+                Some(storage.reader(Backing::Memory(b), size, rel))
+            }
+            Outcome::Growing(g) => {
+                let size = g.size();
+                Some(storage.reader(Backing::Growing(g), size, rel))
+            }
+            Outcome::Retry | Outcome::Failed(..) => None,
+        })
+    }
+
+    fn on_source(
+        &self,
+        storage: &Storage,
+        rel: &str,
+        known: Option<SourceId>,
+        mut pre: Option<SourceFile>,
+    ) -> Result<Reader, Error> {
+        let sid = match known {
+            Some(sid) => sid,
+            None => {
+                let (sid, f) = storage.open_identified(rel)?;
+                pre = Some(f);
+                sid
+            }
+        };
+        storage.direct(rel, sid, &mut pre)
+    }
+}
+
+/// An open for a program that reads with system calls ([`Native`]): a descriptor of a whole copy, or
+/// (`stream`, on a POSIX source) of the source beside a large copy being made.
+struct ForProgram {
+    stream: bool,
+}
+
+impl Want for ForProgram {
+    type Opened = Native;
+
+    fn purposes(&self) -> (Purpose, Purpose) {
+        // A peer is asked for the file whole (a program's descriptor), whatever `stream` says; small files
+        // (and every file without `stream`) are fetched whole in this thread, so the caller gets a
+        // complete copy.
+        (Purpose::Native, if self.stream { Purpose::Native } else { Purpose::Prefetch })
+    }
+
+    fn on_copy(&self, copy: Reader) -> Option<Native> {
+        copy.into_served_file().map(Native::Whole)
+    }
+
+    fn on_fetch(&self, fetched: Fetched) -> Next<Native> {
+        match fetched {
+            Fetched::Uncached | Fetched::NoRoom => Next::Source,
+            Fetched::Reader(r) => r.into_file().map_or(Next::Again, |f| Next::Opened(Native::Whole(f))),
+            Fetched::Streaming(source, copy) => Next::Opened(Native::Copying { source, copy }),
+            Fetched::Cached | Fetched::Skipped => Next::Again,
+        }
+    }
+
+    fn on_flight(&self, storage: &Storage, rel: &str, outcome: Outcome) -> Result<Option<Native>, Error> {
+        match outcome {
+            Outcome::Growing(copy) if self.stream => {
+                let source = storage.source_descriptor(rel, None)?;
+                Ok(Some(Native::Copying { source, copy }))
+            }
+            Outcome::Growing(_) | Outcome::Bytes(..) | Outcome::Retry | Outcome::Failed(..) => Ok(None),
+        }
+    }
+
+    fn on_source(
+        &self,
+        storage: &Storage,
+        rel: &str,
+        _known: Option<SourceId>,
+        pre: Option<SourceFile>,
+    ) -> Result<Native, Error> {
+        storage.source_descriptor(rel, pre).map(Native::Whole)
+    }
 }
 
 impl Inner {
-    /// The source as a POSIX directory, for what only a file system has (descriptors for programs,
-    /// directory walks, symlinks); `None` for an object store.
-    pub(super) fn posix(&self) -> Option<&PosixSource> {
-        self.source.posix()
+    pub(super) fn new(storage: Arc<Storage>, fetcher: Arc<Fetcher>, peers: Option<Arc<Peers>>, blocks: Blocks) -> Inner {
+        Inner {
+            storage,
+            fetcher,
+            peers,
+            prefetches: Mutex::new(0),
+            prefetch_idle: Condvar::new(),
+            pid: crate::process::pid(),
+            blocks,
+            sweep: Sweep::default(),
+        }
+    }
+
+    /// The source, the tiers and the settings.
+    pub(super) fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// The fetch step (for the prefetches, which claim and fetch files themselves).
+    pub(super) fn fetcher(&self) -> &Arc<Fetcher> {
+        &self.fetcher
+    }
+
+    /// The peers step, when nodes share their caches.
+    pub(super) fn peers(&self) -> Option<&Arc<Peers>> {
+        self.peers.as_ref()
+    }
+
+    /// The blocks this node's agent serves parts from.
+    pub(super) fn blocks(&self) -> &Blocks {
+        &self.blocks
+    }
+
+    /// This process's right to the background confirmation of expired directories.
+    pub(super) fn sweep(&self) -> &Sweep {
+        &self.sweep
     }
 
     pub(super) fn pid_matches(&self) -> bool {
@@ -124,17 +262,12 @@ impl Inner {
         }
     }
 
-    pub(super) fn pool(&self) -> Option<Arc<Pool>> {
-        self.pool.get().and_then(Weak::upgrade)
-    }
-
-    /// Counts a cache fault in tier `tier` and says so once (see `faults.rs`).
-    pub(super) fn fault(&self, tier: Option<usize>, kind: &str, detail: &str) {
-        self.faults.count(tier.map(|i| &*self.lookup.tiers()[i]), kind, detail);
-    }
-
-    pub(super) fn log_once(&self, kind: &str, message: &str) {
-        self.faults.log_once(kind, message);
+    /// Blocks until no prefetch's workers run.
+    pub(super) fn wait_prefetches(&self) {
+        let mut running = self.prefetches.lock().unwrap_or_else(|p| p.into_inner());
+        while *running > 0 {
+            running = self.prefetch_idle.wait(running).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// The version of the source file to serve, when a tier holds a copy of it to check: see
@@ -143,7 +276,7 @@ impl Inner {
     /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
     /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
     pub(super) fn known_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
-        match self.lookup.published(key, rel) {
+        match self.storage.lookup().published(key, rel) {
             Some(e) => self.current_identity(key, rel, &e).map(Some),
             None => Ok(None),
         }
@@ -154,84 +287,132 @@ impl Inner {
     /// directory is confirmed now, see `cache/confirm.rs`), or the source's current one, asked with one
     /// `stat` or `HEAD` (`"always"`).
     pub(super) fn current_identity(self: &Arc<Self>, key: &Key, rel: &str, e: &Entry) -> Result<SourceId, Error> {
-        match self.config.revalidate {
+        match self.storage.config().revalidate {
             Revalidate::Never => Ok(e.source),
             Revalidate::Within(d) => self.confirmed_identity(key, rel, e, d),
-            Revalidate::Always => self.source.identify(rel).map_err(|err| Error::io(&self.source.path_of(rel), err)),
+            Revalidate::Always => self.storage.identify(rel),
         }
     }
 
-    /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
-    /// open fetched).
-    pub(super) fn open_identified(&self, rel: &str) -> Result<(SourceId, SourceFile), Error> {
-        let path = self.source.path_of(rel);
-        let f = self.source.open(rel).map_err(|e| Error::io(&path, e))?;
-        let (sid, is_dir) = self.source.identify_opened(&f, rel).map_err(|e| Error::io(&path, e))?;
-        if is_dir {
-            return Err(Error::io(&path, io::Error::from_raw_os_error(libc::EISDIR)));
-        }
-        Ok((sid, f))
-    }
-
+    /// See [`Cache::open`](super::Cache::open).
     pub(super) fn open_rel(self: &Arc<Self>, rel: &str) -> Result<Reader, Error> {
+        self.open_as(rel, ForReader, Look::First)
+    }
+
+    /// See [`Cache::open_file`](super::Cache::open_file) (`stream` false) and
+    /// [`Cache::open_native`](super::Cache::open_native) (`stream` true).
+    pub(super) fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
+        self.open_native_looked(rel, stream, Look::First)
+    }
+
+    /// [`Inner::open_native_rel`] whose first look at the tiers is `look` (one already counted by the
+    /// caller, a peer's request, counts nothing more).
+    pub(super) fn open_native_looked(self: &Arc<Self>, rel: &str, stream: bool, look: Look) -> Result<Native, Error> {
+        // A program can follow a growing copy only beside a descriptor of the source itself.
+        let stream = stream && self.storage.posix().is_some();
+        self.open_as(rel, ForProgram { stream }, look)
+    }
+
+    /// The read path (see the module), for what `want` wants; `look` is its first look at the tiers.
+    fn open_as<W: Want>(self: &Arc<Self>, rel: &str, want: W, mut look: Look) -> Result<W::Opened, Error> {
         let seen = now_ns();
         let key = key_of(rel);
+        let (asks_peer_for, fetches_for) = want.purposes();
+        // 1. The version to serve, when a tier holds a copy to check.
         let mut known = self.known_identity(&key, rel)?;
         let mut pre = None;
-        let mut look = Look::First;
         for _ in 0..3 {
+            // 2. A current copy in a tier.
             match known {
                 Some(sid) => {
-                    if let Some(r) = self.hit(&key, rel, &sid, look.take()) {
-                        return Ok(r);
+                    if let Some(opened) = self.storage.hit(&key, rel, &sid, look.take()).and_then(|r| want.on_copy(r)) {
+                        return Ok(opened);
                     }
                 }
-                None => self.lookup.count_misses(look.take(), rel),
+                None => self.storage.lookup().count_misses(look.take(), rel),
             }
-            match self.flights.join(&key) {
+            // 3. The key's flight: lead the fetch, or wait for the thread that does.
+            match self.fetcher.join(&key) {
                 Role::Leader(lead) => {
-                    let job = FetchJob { rel, purpose: Purpose::Read, seen, lead };
-                    let fetched = match self.from_peer(job, &mut known) {
+                    let job = FetchJob { rel, purpose: asks_peer_for, seen, lead };
+                    // 4. The owner's agent; 5. the store, under the node's fetch lock.
+                    let fetched = match self.ask_peers(job, &mut known) {
                         Ok(fetched) => fetched,
-                        Err(job) => self.lead_flight(job, &mut known, &mut pre)?,
+                        Err(job) => {
+                            self.lead_flight(FetchJob { purpose: fetches_for, ..job }, &mut known, &mut pre)?
+                        }
                     };
-                    match fetched {
-                        Fetched::Reader(r) => return Ok(r),
-                        Fetched::Cached
-                        | Fetched::Uncached
-                        | Fetched::NoRoom
-                        | Fetched::Skipped
-                        | Fetched::Streaming(..) => {}
+                    match want.on_fetch(fetched) {
+                        Next::Opened(opened) => return Ok(opened),
+                        Next::Again => {}
+                        Next::Source => break,
                     }
                 }
                 Role::Follower(flight) => match self.follow(&flight, rel, seen, &mut known)? {
                     // The flight fetched another version than this open confirmed: never its bytes.
                     ref other if other.of_another_version(known.as_ref()) => {}
-                    Outcome::Bytes(b, _) => {
-                        let size = b.len() as u64;
-                        return Ok(Reader::new(Backing::Memory(b), size, rel.into(), self.source.clone()));
+                    Outcome::Failed(kind, message) => return Err(self.storage.flight_failed(rel, kind, &message)),
+                    outcome => {
+                        if let Some(opened) = want.on_flight(&self.storage, rel, outcome)? {
+                            return Ok(opened);
+                        }
                     }
-                    Outcome::Growing(g) => {
-                        let size = g.size();
-                        return Ok(Reader::new(Backing::Growing(g), size, rel.into(), self.source.clone()));
-                    }
-                    Outcome::Retry => {}
-                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
                 },
             }
             if known.is_none() {
                 known = self.known_identity(&key, rel)?;
             }
         }
-        let sid = match known {
-            Some(sid) => sid,
-            None => {
-                let (sid, f) = self.open_identified(rel)?;
-                pre = Some(f);
-                sid
+        // 6. The source itself.
+        want.on_source(&self.storage, rel, known, pre)
+    }
+
+    /// Step 4: a miss served by the agent of the node that owns the file, when nodes share (see
+    /// [`Peers::from_peer`]); `Err` hands the job back for the store.
+    pub(super) fn ask_peers<'a>(
+        &self,
+        job: FetchJob<'a>,
+        known: &mut Option<SourceId>,
+    ) -> Result<Fetched, FetchJob<'a>> {
+        match &self.peers {
+            Some(peers) => peers.from_peer(job, known),
+            None => Err(job),
+        }
+    }
+
+    /// Step 5: leads a fetch from the store. A `known` version is fetched under the node's fetch lock
+    /// ([`Fetcher::lead`]). Otherwise the lock is taken before the source is opened: processes racing
+    /// for the same cold file then send the store one open (one `GET`) between them, whatever the
+    /// `revalidate` mode, and the ones that waited find it published and check it as any copy. The leader
+    /// alone opens the file and records its version in `known`; the open file is kept in `pre`.
+    pub(super) fn lead_flight(
+        self: &Arc<Self>,
+        job: FetchJob<'_>,
+        known: &mut Option<SourceId>,
+        pre: &mut Option<SourceFile>,
+    ) -> Result<Fetched, Error> {
+        if let Some(sid) = *known {
+            return self.fetcher.lead(job, sid, pre);
+        }
+        let (key, rel) = (*job.key(), job.rel);
+        let guard = self.fetcher.lock_or_fault(&key);
+        let published = self.storage.lookup().published(&key, rel).map(|e| self.current_identity(&key, rel, &e));
+        let (sid, job) = match published {
+            Some(Ok(sid)) => (sid, job),
+            Some(Err(e)) => {
+                fail_flight(job.lead, &e);
+                return Err(e);
             }
+            None => self.fetcher.open_for_flight(job, pre)?,
         };
-        self.direct(rel, sid, &mut pre)
+        *known = Some(sid);
+        match guard {
+            Some(guard) => self.fetcher.fetch_locked(job, sid, guard, pre),
+            None => {
+                drop(job);
+                Ok(Fetched::Reader(self.storage.direct(rel, sid, pre)?))
+            }
+        }
     }
 
     /// What another thread's flight of `rel` delivers to an open that began at `seen`. With `revalidate =
@@ -240,114 +421,12 @@ impl Inner {
     /// of a published copy, and the caller takes the flight's bytes only if they are that version.
     fn follow(&self, flight: &Flight, rel: &str, seen: u64, known: &mut Option<SourceId>) -> Result<Outcome, Error> {
         let outcome = flight.wait();
-        if known.is_none() && self.config.revalidate == Revalidate::Always && flight.delivered_before(seen) {
-            let current = self.source.identify(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?;
-            *known = Some(current);
+        if known.is_none()
+            && self.storage.config().revalidate == Revalidate::Always
+            && flight.delivered_before(seen)
+        {
+            *known = Some(self.storage.identify(rel)?);
         }
         Ok(outcome)
-    }
-
-    /// A reader of the source itself (through `pre` when the source is already open).
-    pub(super) fn direct(&self, rel: &str, sid: SourceId, pre: &mut Option<SourceFile>) -> Result<Reader, Error> {
-        let f = match pre.take() {
-            Some(f) => f,
-            None => self.source.open(rel).map_err(|e| Error::io(&self.source.path_of(rel), e))?,
-        };
-        Ok(Reader::new(Backing::Source(f), sid.size, rel.into(), self.source.clone()))
-    }
-
-    /// A reader of a valid published copy of version `sid` of `key`, if a tier has one.
-    pub(super) fn hit(&self, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Reader> {
-        let backing = self.lookup.hit(key, rel, sid, look)?;
-        Some(Reader::new(backing, sid.size, rel.into(), self.source.clone()))
-    }
-
-    /// See [`Cache::open_file`] (`stream` false) and [`Cache::open_native`] (`stream` true).
-    pub(super) fn open_native_rel(self: &Arc<Self>, rel: &str, stream: bool) -> Result<Native, Error> {
-        self.open_native_looked(rel, stream, Look::First)
-    }
-
-    /// [`Inner::open_native_rel`] whose first look at the tiers is `look` (one already counted by the
-    /// caller, a peer's request, counts nothing more).
-    pub(super) fn open_native_looked(
-        self: &Arc<Self>,
-        rel: &str,
-        stream: bool,
-        mut look: Look,
-    ) -> Result<Native, Error> {
-        // A program can follow a growing copy only beside a descriptor of the source itself.
-        let stream = stream && self.posix().is_some();
-        let seen = now_ns();
-        let key = key_of(rel);
-        let mut known = self.known_identity(&key, rel)?;
-        let mut pre = None;
-        let purpose = if stream { Purpose::Native } else { Purpose::Prefetch };
-        for _ in 0..3 {
-            match known {
-                Some(sid) => {
-                    if let Some(f) = self.hit(&key, rel, &sid, look.take()).and_then(Reader::into_served_file) {
-                        return Ok(Native::Whole(f));
-                    }
-                }
-                None => self.lookup.count_misses(look.take(), rel),
-            }
-            match self.flights.join(&key) {
-                // Small files (and every file without `stream`) are fetched whole in this thread, so the
-                // caller gets a complete copy.
-                Role::Leader(lead) => {
-                    // A peer is asked for the file whole (a program's descriptor), whatever `stream` says.
-                    let job = FetchJob { rel, purpose: Purpose::Native, seen, lead };
-                    let fetched = match self.from_peer(job, &mut known) {
-                        Ok(fetched) => fetched,
-                        Err(job) => self.lead_flight(FetchJob { purpose, ..job }, &mut known, &mut pre)?,
-                    };
-                    match fetched {
-                        Fetched::Uncached | Fetched::NoRoom => break,
-                        Fetched::Reader(r) => {
-                            if let Some(f) = r.into_file() {
-                                return Ok(Native::Whole(f));
-                            }
-                        }
-                        Fetched::Streaming(source, copy) => return Ok(Native::Copying { source, copy }),
-                        Fetched::Cached | Fetched::Skipped => {}
-                    }
-                }
-                Role::Follower(flight) => match self.follow(&flight, rel, seen, &mut known)? {
-                    ref other if other.of_another_version(known.as_ref()) => {}
-                    Outcome::Growing(copy) if stream => {
-                        let source = self.source_descriptor(rel, None)?;
-                        return Ok(Native::Copying { source, copy });
-                    }
-                    Outcome::Failed(kind, message) => return Err(self.flight_failed(rel, kind, &message)),
-                    Outcome::Growing(_) | Outcome::Bytes(..) | Outcome::Retry => {}
-                },
-            }
-            if known.is_none() {
-                known = self.known_identity(&key, rel)?;
-            }
-        }
-        self.source_descriptor(rel, pre.take()).map(Native::Whole)
-    }
-
-    /// A descriptor holding a source file's bytes for a program: the file's own on a POSIX source (`pre`
-    /// when already open); for an object store, which has no descriptors, its bytes in a memory file.
-    pub(super) fn source_descriptor(&self, rel: &str, pre: Option<SourceFile>) -> Result<File, Error> {
-        let path = self.source.path_of(rel);
-        if self.posix().is_some() {
-            return match pre {
-                Some(f) => f.into_file().ok_or_else(|| Error::io(&path, no_descriptor())),
-                None => self
-                    .source
-                    .open(rel)
-                    .map_err(|e| Error::io(&path, e))?
-                    .into_file()
-                    .ok_or_else(|| Error::io(&path, no_descriptor())),
-            };
-        }
-        let (bytes, _) = self.source.read_whole(rel, 0, pre).map_err(|e| Error::io(&path, e))?;
-        let file = memory_file(rel).map_err(|e| Error::io(&path, e))?;
-        use std::os::unix::fs::FileExt;
-        file.write_all_at(&bytes, 0).map_err(|e| Error::io(&path, e))?;
-        Ok(file)
     }
 }

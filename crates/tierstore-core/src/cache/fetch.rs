@@ -7,20 +7,21 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 
-use super::engine::{no_descriptor, Fetched, Inner};
-use super::flight::{Lead, Outcome, Role};
-use super::job::{FetchJob, Purpose};
-use super::lock::{lock_shared, try_lock_exclusive, FetchGuard};
+use super::flight::{Flights, Lead, Outcome, Role};
+use super::job::{FetchJob, Fetched, Purpose};
+use super::lock::{lock_shared, try_lock_exclusive, FetchGuard, FetchLocks};
 use super::lookup::Look;
+use super::pool::Pool;
+use super::storage::{no_descriptor, Storage};
 use crate::clock::now_ns;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::error::Error;
 use crate::hash::{Hash, Pieces};
 use crate::index::{Claim, Entry, Key, Reservation, Room, SourceId, TryRemove};
 use crate::placement::plan;
-use crate::reader::{Backing, Growing, Reader};
+use crate::reader::{Backing, Growing};
 use crate::source::{CopyFault, SourceFile};
 
 /// A fetch under the node-wide lock `guard`, leading the key's flight, with room reserved in tier `t` for
@@ -46,7 +47,7 @@ type Started = (PathBuf, File, Arc<Growing>);
 
 /// A copy under way into tier `t`: its temporary file, and what its readers follow, if any.
 struct Pending<'a> {
-    inner: &'a Inner,
+    fetcher: &'a Fetcher,
     t: usize,
     key: &'a Key,
     temp: PathBuf,
@@ -62,9 +63,9 @@ impl Pending<'_> {
             g.fail();
         }
         let _ = std::fs::remove_file(&self.temp);
-        self.inner.abort(self.t, self.key);
+        self.fetcher.abort(self.t, self.key);
         if let Some((kind, detail)) = why {
-            self.inner.fault(Some(self.t), kind, &detail);
+            self.fetcher.storage.fault(Some(self.t), kind, &detail);
         }
     }
 
@@ -79,8 +80,8 @@ impl Pending<'_> {
     /// Publishes the copy, whole and checked against version `sid` (with its blake3 `hash` when
     /// recorded), and lets its readers reach the end; false (counted) when it could not be.
     fn publish(&self, sid: SourceId, hash: Option<Hash>) -> bool {
-        if let Err(e) = self.inner.lookup.tiers()[self.t].publish_copy(self.key, &self.temp, &self.file, sid, hash) {
-            let tier_path = self.inner.lookup.tiers()[self.t].config.path.display();
+        if let Err(e) = self.fetcher.storage.lookup().tiers()[self.t].publish_copy(self.key, &self.temp, &self.file, sid, hash) {
+            let tier_path = self.fetcher.storage.lookup().tiers()[self.t].config.path.display();
             self.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
             return false;
         }
@@ -92,18 +93,61 @@ impl Pending<'_> {
     }
 }
 
-impl Inner {
-    /// Leads a fetch: identifies the file if its version is not `known` (the leader alone opens it, and
-    /// records the version in `known`), then fetches. The source's file, once open, is kept in `pre`.
-    pub(super) fn lead_flight(
-        self: &Arc<Self>,
-        job: FetchJob<'_>,
-        known: &mut Option<SourceId>,
-        pre: &mut Option<SourceFile>,
-    ) -> Result<Fetched, Error> {
-        match *known {
-            Some(sid) => self.lead(job, sid, pre),
-            None => self.lead_unknown_flight(job, known, pre),
+/// The fetch step of the read path, and what it owns: the node-wide fetch locks, the in-process flights,
+/// the copy pool and whether copies record their blake3. It stands on [`Storage`] and calls nothing above
+/// it: the engine (and the peers step) hand it a [`FetchJob`], and it hands back what it [`Fetched`].
+pub(super) struct Fetcher {
+    storage: Arc<Storage>,
+    locks: Arc<FetchLocks>,
+    flights: Flights,
+    pool: OnceLock<Weak<Pool>>,
+    /// Whether copies record their blake3: asked for (`verify = "checksum"`), or needed to vouch for
+    /// the bytes served to peers.
+    record_checksums: bool,
+}
+
+impl Fetcher {
+    pub(super) fn new(storage: Arc<Storage>, locks: Arc<FetchLocks>, record_checksums: bool) -> Fetcher {
+        Fetcher { storage, locks, flights: Flights::default(), pool: OnceLock::new(), record_checksums }
+    }
+
+    /// Gives the fetcher the copy pool its background copies run in (held weakly: the cache owns it).
+    pub(super) fn set_pool(&self, pool: &Arc<Pool>) {
+        let _ = self.pool.set(Arc::downgrade(pool));
+    }
+
+    fn pool(&self) -> Option<Arc<Pool>> {
+        self.pool.get().and_then(Weak::upgrade)
+    }
+
+    /// Whether copies record their blake3 (see [`Fetcher::checksum`]).
+    pub(super) fn records_checksums(&self) -> bool {
+        self.record_checksums
+    }
+
+    /// Joins the in-process flight of `key`: leads it, or follows the thread that does.
+    pub(super) fn join(&self, key: &Key) -> Role {
+        self.flights.join(key)
+    }
+
+    /// The node-wide fetch lock of `key`, waited for.
+    pub(super) fn lock(&self, key: &Key) -> io::Result<FetchGuard> {
+        self.locks.lock(key)
+    }
+
+    /// The node-wide fetch lock of `key` if nobody holds it (`None` when another process does).
+    pub(super) fn try_lock(&self, key: &Key) -> io::Result<Option<FetchGuard>> {
+        self.locks.try_lock(key)
+    }
+
+    /// [`Fetcher::lock`], with a failure counted as a fault (the caller then reads the source uncached).
+    pub(super) fn lock_or_fault(&self, key: &Key) -> Option<FetchGuard> {
+        match self.locks.lock(key) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                self.storage.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
+                None
+            }
         }
     }
 
@@ -114,7 +158,7 @@ impl Inner {
         job: FetchJob<'a>,
         pre: &mut Option<SourceFile>,
     ) -> Result<(SourceId, FetchJob<'a>), Error> {
-        match self.open_identified(job.rel) {
+        match self.storage.open_identified(job.rel) {
             Ok((sid, f)) => {
                 *pre = Some(f);
                 Ok((sid, job))
@@ -126,49 +170,6 @@ impl Inner {
         }
     }
 
-    /// [`Inner::lead_flight`] for a file no tier held when the open began. The node-wide fetch lock is
-    /// taken before the source is opened: processes racing for the same cold file then send the store one
-    /// open (one `GET`) between them, whatever the `revalidate` mode, and the ones that waited find it
-    /// published and check it as any copy.
-    fn lead_unknown_flight(
-        self: &Arc<Self>,
-        job: FetchJob<'_>,
-        known: &mut Option<SourceId>,
-        pre: &mut Option<SourceFile>,
-    ) -> Result<Fetched, Error> {
-        let (key, rel) = (*job.key(), job.rel);
-        let key = &key;
-        let guard = match self.locks.lock(key) {
-            Ok(g) => Some(g),
-            Err(e) => {
-                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                None
-            }
-        };
-        let published = self.lookup.published(key, rel).map(|e| self.current_identity(key, rel, &e));
-        let (sid, job) = match published {
-            Some(Ok(sid)) => (sid, job),
-            Some(Err(e)) => {
-                fail_flight(job.lead, &e);
-                return Err(e);
-            }
-            None => self.open_for_flight(job, pre)?,
-        };
-        *known = Some(sid);
-        match guard {
-            Some(guard) => self.fetch_locked(job, sid, guard, pre),
-            None => {
-                drop(job);
-                Ok(Fetched::Reader(self.direct(rel, sid, pre)?))
-            }
-        }
-    }
-
-    /// The waiter's side of [`fail_flight`].
-    pub(super) fn flight_failed(&self, rel: &str, kind: io::ErrorKind, message: &str) -> Error {
-        Error::io(&self.source.path_of(rel), io::Error::new(kind, message.to_string()))
-    }
-
     /// Fetches version `sid` under the node-wide fetch lock, which it takes (the job leads the in-process
     /// flight).
     pub(super) fn lead(
@@ -177,14 +178,10 @@ impl Inner {
         sid: SourceId,
         pre: &mut Option<SourceFile>,
     ) -> Result<Fetched, Error> {
-        let guard = match self.locks.lock(job.key()) {
-            Ok(g) => g,
-            Err(e) => {
-                self.fault(None, "fetch-lock", &format!("fetch lock failed: {e}"));
-                let rel = job.rel;
-                drop(job);
-                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
-            }
+        let Some(guard) = self.lock_or_fault(job.key()) else {
+            let rel = job.rel;
+            drop(job);
+            return Ok(Fetched::Reader(self.storage.direct(rel, sid, pre)?));
         };
         self.fetch_locked(job, sid, guard, pre)
     }
@@ -204,7 +201,7 @@ impl Inner {
         let key = *lead.key();
         let key = &key;
         // Another process may have published while this one waited for the lock.
-        if let Some(r) = self.hit(key, rel, &sid, Look::Quiet) {
+        if let Some(r) = self.storage.hit(key, rel, &sid, Look::Quiet) {
             return Ok(match purpose {
                 Purpose::Read => Fetched::Reader(r),
                 Purpose::Prefetch | Purpose::Native | Purpose::Peer => Fetched::Cached,
@@ -213,22 +210,22 @@ impl Inner {
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
         self.remove_entries(key);
         let Some(t) = self.place(key, rel, sid, seen) else {
-            self.source.counters().add(src_slot::UNCACHED, 1);
+            self.storage.source().counters().add(src_slot::UNCACHED, 1);
             log::debug!("{rel}: no tier has room for {} B; read from the store, not cached", sid.size);
             drop(guard);
             drop(lead);
             return Ok(match purpose {
-                Purpose::Read | Purpose::Native => Fetched::Reader(self.direct(rel, sid, pre)?),
+                Purpose::Read | Purpose::Native => Fetched::Reader(self.storage.direct(rel, sid, pre)?),
                 Purpose::Prefetch | Purpose::Peer => Fetched::NoRoom,
             });
         };
         log::debug!(
             "{rel}: fetching {} B from the store into {}{}",
             sid.size,
-            self.lookup.tiers()[t].config.path.display(),
+            self.storage.lookup().tiers()[t].config.path.display(),
             if purpose == Purpose::Prefetch { " (prefetch)" } else { "" }
         );
-        let small = sid.size <= self.config.inline_max;
+        let small = sid.size <= self.storage.config().inline_max;
         let placed = Placed { t, rel, sid, guard, lead };
         match purpose {
             // A small file for a program or a peer is fetched whole in this thread, as a prefetch is.
@@ -254,18 +251,18 @@ impl Inner {
     fn read_small(self: &Arc<Self>, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
         let Placed { t, rel, sid, guard, lead } = placed;
         let key = *lead.key();
-        let (bytes, after) = match self.source.read_whole(rel, sid.size, pre.take()) {
+        let (bytes, after) = match self.storage.source().read_whole(rel, sid.size, pre.take()) {
             Ok(x) => x,
             Err(e) => {
                 self.abort(t, &key);
                 drop(guard);
                 lead.fail(&e);
-                return Err(Error::io(&self.source.path_of(rel), e));
+                return Err(self.storage.error(rel, e));
             }
         };
         let bytes = Arc::new(bytes);
         lead.deliver(Outcome::Bytes(bytes.clone(), sid));
-        let reader = Reader::new(Backing::Memory(bytes.clone()), bytes.len() as u64, rel.into(), self.source.clone());
+        let reader = self.storage.reader(Backing::Memory(bytes.clone()), bytes.len() as u64, rel);
         let inner = self.clone();
         self.in_pool(move || {
             if after == sid && bytes.len() as u64 == sid.size {
@@ -282,7 +279,7 @@ impl Inner {
     /// A large file for a program: its descriptor shares the copy's open file (a dup: no second open on
     /// the store); the copy reads with pread, so the program's file offset is its own.
     fn copy_for_program(self: &Arc<Self>, placed: Placed<'_>, pre: &mut Option<SourceFile>) -> Result<Fetched, Error> {
-        let opened = pre.take().map_or_else(|| self.source.open(placed.rel), Ok).and_then(|f| {
+        let opened = pre.take().map_or_else(|| self.storage.source().open(placed.rel), Ok).and_then(|f| {
             let program = f.as_file().ok_or_else(no_descriptor)?.try_clone()?;
             Ok((f, program))
         });
@@ -296,7 +293,7 @@ impl Inner {
                 self.abort(t, lead.key());
                 drop(guard);
                 drop(lead);
-                Err(Error::io(&self.source.path_of(rel), e))
+                Err(self.storage.error(rel, e))
             }
         }
     }
@@ -312,7 +309,7 @@ impl Inner {
     ) -> Result<Fetched, Error> {
         let Placed { t, rel, sid, guard, lead } = placed;
         let key = *lead.key();
-        let tier = &self.lookup.tiers()[t];
+        let tier = &self.storage.lookup().tiers()[t];
         let temp = tier.create_temp(&key).and_then(|(path, f)| {
             let reader = File::open(&path)?;
             lock_shared(&reader)?;
@@ -321,7 +318,7 @@ impl Inner {
         let (path, file, read_handle) = match temp {
             Ok(x) => x,
             Err(e) => {
-                self.fault(
+                self.storage.fault(
                     Some(t),
                     "tier-write",
                     &format!("cannot create a copy in {}: {e}", tier.config.path.display()),
@@ -329,19 +326,14 @@ impl Inner {
                 self.abort(t, &key);
                 drop(guard);
                 drop(lead);
-                return Ok(Fetched::Reader(self.direct(rel, sid, pre)?));
+                return Ok(Fetched::Reader(self.storage.direct(rel, sid, pre)?));
             }
         };
         let growing = Arc::new(Growing::new(read_handle, sid));
         lead.deliver(Outcome::Growing(growing.clone()));
         let fetched = match program {
             Some(f) => Fetched::Streaming(f, growing.clone()),
-            None => Fetched::Reader(Reader::new(
-                Backing::Growing(growing.clone()),
-                sid.size,
-                rel.into(),
-                self.source.clone(),
-            )),
+            None => Fetched::Reader(self.storage.reader(Backing::Growing(growing.clone()), sid.size, rel)),
         };
         let inner = self.clone();
         let (rel, src) = (rel.to_string(), pre.take());
@@ -363,7 +355,7 @@ impl Inner {
 
     /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
     pub(super) fn remove_entries(&self, key: &Key) {
-        for tier in self.lookup.tiers() {
+        for tier in self.storage.lookup().tiers() {
             if let Ok(ix) = &tier.index {
                 if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
                     if old.ready {
@@ -379,26 +371,23 @@ impl Inner {
     pub(super) fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
         // Each tier's quota bounds every source of the user in it together: this source's share is the
         // quota less what the others hold (see `usage`).
-        let quotas: Vec<u64> = self
-            .lookup
-            .tiers()
+        let tiers = self.storage.lookup().tiers();
+        let quotas: Vec<u64> = tiers
             .iter()
             .map(|t| {
                 let used = t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok());
                 used.map_or(t.config.quota, |used| t.quota_left_by_others(used))
             })
             .collect();
-        let free: Vec<Option<u64>> = self
-            .lookup
-            .tiers()
+        let free: Vec<Option<u64>> = tiers
             .iter()
             .zip(&quotas)
             .map(|(t, quota)| {
                 t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok()).map(|used| quota.saturating_sub(used))
             })
             .collect();
-        for (i, evict) in plan(self.config.policy, sid.size, &free, &quotas) {
-            let tier = &self.lookup.tiers()[i];
+        for (i, evict) in plan(self.storage.config().policy, sid.size, &free, &quotas) {
+            let tier = &tiers[i];
             let Ok(ix) = &tier.index else { continue };
             let mut try_remove = |victim: &Key, _: &Entry| {
                 let path = tier.data_path(victim);
@@ -419,7 +408,7 @@ impl Inner {
                     return Some(i);
                 }
                 Ok(Reservation::NoRoom { evicted }) => tier.counters.add(tier_slot::EVICTIONS, evicted),
-                Err(e) => self.fault(
+                Err(e) => self.storage.fault(
                     Some(i),
                     "index-write",
                     &format!("index of {} not writable: {e}", tier.config.path.display()),
@@ -430,7 +419,7 @@ impl Inner {
     }
 
     pub(super) fn abort(&self, t: usize, key: &Key) {
-        if let Ok(ix) = &self.lookup.tiers()[t].index {
+        if let Ok(ix) = &self.storage.lookup().tiers()[t].index {
             let pid = crate::process::pid();
             let _ = ix.remove_if(key, |e| !e.ready && e.pid == pid);
         }
@@ -444,7 +433,7 @@ impl Inner {
 
     /// Writes fetched bytes into tier `t` and publishes them.
     pub(super) fn publish_bytes(&self, t: usize, key: &Key, bytes: &[u8], sid: SourceId) {
-        let tier = &self.lookup.tiers()[t];
+        let tier = &self.storage.lookup().tiers()[t];
         let r = tier.create_temp(key).and_then(|(path, mut f)| {
             let result = f.write_all(bytes).and_then(|_| tier.publish_copy(key, &path, &f, sid, self.checksum(bytes)));
             if result.is_err() {
@@ -453,7 +442,7 @@ impl Inner {
             result
         });
         if let Err(e) = r {
-            self.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
+            self.storage.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
             self.abort(t, key);
         }
     }
@@ -477,7 +466,7 @@ impl Inner {
             }
             Err(e) => {
                 pending.fail_source(&e);
-                return Err(Error::io(&self.source.path_of(rel), e));
+                return Err(self.storage.error(rel, e));
             }
         };
         // A copy that others follow records each piece's chaining value as it is written: the agent sends a
@@ -496,17 +485,17 @@ impl Inner {
                 }
             }
         };
-        let (copied, after) = match self.source.copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
+        let (copied, after) = match self.storage.source().copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
             Ok(x) => x,
             Err(CopyFault::Source(e)) => {
                 // The store failed (timed out, went away): its readers fail with it now, rather than ask
                 // the store again and wait as long a second time. A tier fault, below, sends them to the
                 // source instead.
                 pending.fail_source(&e);
-                return Err(Error::io(&self.source.path_of(rel), e));
+                return Err(self.storage.error(rel, e));
             }
             Err(CopyFault::Tier(e)) => {
-                let tier_path = self.lookup.tiers()[t].config.path.display();
+                let tier_path = self.storage.lookup().tiers()[t].config.path.display();
                 pending.fail(Some(("tier-write", format!("cannot write a copy into {tier_path}: {e}"))));
                 return Ok(false);
             }
@@ -524,27 +513,27 @@ impl Inner {
     fn pending_copy<'a>(&'a self, t: usize, key: &'a Key, started: Option<Started>) -> Option<Pending<'a>> {
         let (temp, file, growing) = match started {
             Some((p, f, g)) => (p, f, Some(g)),
-            None => match self.lookup.tiers()[t].create_temp(key) {
+            None => match self.storage.lookup().tiers()[t].create_temp(key) {
                 Ok((p, f)) => (p, f, None),
                 Err(e) => {
-                    let tier_path = self.lookup.tiers()[t].config.path.display();
-                    self.fault(Some(t), "tier-write", &format!("cannot create a copy in {tier_path}: {e}"));
+                    let tier_path = self.storage.lookup().tiers()[t].config.path.display();
+                    self.storage.fault(Some(t), "tier-write", &format!("cannot create a copy in {tier_path}: {e}"));
                     self.abort(t, key);
                     return None;
                 }
             },
         };
-        Some(Pending { inner: self, t, key, temp, file, growing })
+        Some(Pending { fetcher: self, t, key, temp, file, growing })
     }
 
     /// The source's file to copy version `sid` of `rel` from (`given`, or opened now); None when it is not
     /// the file the version names. A copy is read from a descriptor of the very file its version names,
     /// checked before the first byte (the device and inode, which the kernel knows without asking the
     /// store), not only at the end: this node's agent sends a copy to peers while it grows, and vouches for
-    /// it by its version (`peers.rs`), so it must never hold the bytes of another file, such as the one a
+    /// it by its version (`serve.rs`), so it must never hold the bytes of another file, such as the one a
     /// symlink was switched to between reading the version and opening the path here.
     fn open_to_copy(&self, rel: &str, sid: SourceId, given: Option<SourceFile>) -> io::Result<Option<SourceFile>> {
-        let src = given.map(Ok).unwrap_or_else(|| self.source.open(rel))?;
+        let src = given.map(Ok).unwrap_or_else(|| self.storage.source().open(rel))?;
         if let Some(f) = src.as_file() {
             if crate::source::posix::inode_of(f).ok() != Some((sid.dev, sid.ino)) {
                 return Ok(None);
@@ -565,10 +554,10 @@ impl Inner {
         let guard = match self.locks.try_lock(key) {
             Ok(Some(guard)) => guard,
             Ok(None) => return Ok(None),
-            Err(e) => return Err(Error::io(&self.source.path_of(rel), e)),
+            Err(e) => return Err(self.storage.error(rel, e)),
         };
-        if let Some(e) = self.lookup.published(key, rel) {
-            if self.trusted_now(&e) && self.hit(key, rel, &e.source, Look::Quiet).is_some() {
+        if let Some(e) = self.storage.lookup().published(key, rel) {
+            if self.storage.trusted_now(&e) && self.storage.hit(key, rel, &e.source, Look::Quiet).is_some() {
                 return Ok(None);
             }
         }
@@ -589,7 +578,7 @@ impl Inner {
         file: SourceFile,
         seen: u64,
     ) -> Result<Fetched, Error> {
-        if self.hit(key, rel, &sid, Look::Quiet).is_some() {
+        if self.storage.hit(key, rel, &sid, Look::Quiet).is_some() {
             return Ok(Fetched::Skipped);
         }
         let Role::Leader(lead) = self.flights.join(key) else {
@@ -603,7 +592,7 @@ impl Inner {
                 self.fetch_locked(job, sid, guard, &mut Some(file))
             }
             Ok(None) => Ok(Fetched::Skipped),
-            Err(e) => Err(Error::io(&self.source.path_of(rel), e)),
+            Err(e) => Err(self.storage.error(rel, e)),
         }
     }
 }

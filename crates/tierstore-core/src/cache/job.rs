@@ -1,9 +1,26 @@
-//! What one fetch is, as it goes down the read path: why it is fetched ([`Purpose`]) and the job its leader
-//! carries ([`FetchJob`]). Below the engine and the fetch, which both take them, so that neither imports
-//! the other for them.
+//! What one fetch is, as it goes down the read path: why it is fetched ([`Purpose`]), the job its leader
+//! carries ([`FetchJob`]) and what a step hands back ([`Fetched`]). Below the engine, the peers step and the
+//! fetch step, which all take them, so that none imports another for them.
+
+use std::fs::File;
+use std::sync::Arc;
 
 use super::flight::Lead;
 use crate::index::Key;
+use crate::reader::{Growing, Reader};
+
+/// What a fetch step (the peers', or the fetch under the lock) produced.
+pub(super) enum Fetched {
+    Reader(Reader),
+    /// A large file whose copy has started: a descriptor of the source for the program, and the copy.
+    Streaming(File, Arc<Growing>),
+    Cached,
+    Uncached,
+    /// A prefetch found no tier with room.
+    NoRoom,
+    /// Already cached, or being fetched by another thread or process.
+    Skipped,
+}
 
 /// What the fetch under the lock is for.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! asking its agent, and what each answer counts. Every request to a peer and every peer read's outcome
 //! passes here, so the peer counters (`tierstore status`: peer hits, bytes, faults) and the rule that a
 //! failed member is left out for a while are kept in one place. What the engine does with the bytes (a
-//! tier copy, a reader following them, the source after a failure) is `peers.rs`'s.
+//! tier copy, a reader following them, the source after a failure) is `peers.rs`'s; serving them is `serve.rs`'s.
 
 use std::sync::Arc;
 

@@ -22,7 +22,7 @@
 //!   flight and takes its node-wide fetch lock (with `try_lock` only: a file another process is fetching is
 //!   left to it) after its admission and before it opens the file, so a reader that comes while it is
 //!   opened waits for this one fetch instead of opening the file again; a reader never waits on the budget,
-//!   which is waited for with nothing claimed. The copy is the engine's own (`Inner::fetch_locked`). A
+//!   which is waited for with nothing claimed. The copy is the engine's own (`Fetcher::fetch_locked`). A
 //!   reader that waits on it waits for one copy, never a queue.
 //! - **Never ahead of a waiting reader.** The copies run on the prefetch's own threads, not on the copy
 //!   pool, so the pool's `urgent` queue (what readers wait on) never waits behind a warm-up.
@@ -33,7 +33,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::engine::{Fetched, Inner};
+use super::engine::Inner;
+use super::job::Fetched;
 use super::flight::{Lead, Role};
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
@@ -144,7 +145,7 @@ impl State {
 fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
     rels.iter()
         .map(|rel| {
-            inner.lookup.published(&key_of(rel), rel).is_some_and(|e| inner.trusted_now(&e) || left_to_reader(inner))
+            inner.storage().lookup().published(&key_of(rel), rel).is_some_and(|e| inner.storage().trusted_now(&e) || left_to_reader(inner))
         })
         .collect()
 }
@@ -166,7 +167,7 @@ fn spawn_workers(shared: &Arc<Shared>, jobs: usize) -> Result<(), Error> {
             }
             if i == 0 {
                 return Err(Error::Tier {
-                    path: shared.inner.config.tiers[0].path.clone(),
+                    path: shared.inner.storage().config().tiers[0].path.clone(),
                     message: format!("cannot start a prefetch thread: {e}"),
                 });
             }
@@ -180,7 +181,7 @@ fn spawn_workers(shared: &Arc<Shared>, jobs: usize) -> Result<(), Error> {
 /// per open is what that mode promises): the prefetch leaves cached files to it rather than asking a second
 /// time. A copy the source has replaced is then fetched by the reader's open, not ahead of it.
 fn left_to_reader(inner: &Inner) -> bool {
-    inner.config.revalidate == crate::config::Revalidate::Always
+    inner.storage().config().revalidate == crate::config::Revalidate::Always
 }
 
 struct Shared {
@@ -392,8 +393,8 @@ impl Shared {
     /// Leads the in-process flight of `key` and holds its node-wide fetch lock; `None` when another
     /// thread or process is fetching it.
     fn claim(&self, key: &Key) -> Option<Claim> {
-        let Role::Leader(lead) = self.inner.flights.join(key) else { return None };
-        match self.inner.locks.try_lock(key) {
+        let Role::Leader(lead) = self.inner.fetcher().join(key) else { return None };
+        match self.inner.fetcher().try_lock(key) {
             Ok(Some(guard)) => Some(Claim { lead, guard }),
             _ => None,
         }
@@ -472,7 +473,7 @@ impl Shared {
         }
         // Identified from the open descriptor (one open): the budget counts the file at its size.
         let seen = now_ns();
-        let (sid, file) = match inner.open_identified(rel) {
+        let (sid, file) = match inner.storage().open_identified(rel) {
             Ok(x) => x,
             Err(e) => {
                 self.release(position, reserved);
@@ -490,13 +491,13 @@ impl Shared {
     /// revalidated), not a fetch, and no budget.
     fn held(&self, key: &Key, rel: &str) -> bool {
         let inner = &self.inner;
-        inner.lookup.published(key, rel).is_some()
+        inner.storage().lookup().published(key, rel).is_some()
             && (left_to_reader(inner)
                 || inner
                     .known_identity(key, rel)
                     .ok()
                     .flatten()
-                    .is_some_and(|sid| inner.hit(key, rel, &sid, Look::Quiet).is_some()))
+                    .is_some_and(|sid| inner.storage().hit(key, rel, &sid, Look::Quiet).is_some()))
     }
 
     /// Copies the file at `position`, admitted to the budget, and counts what came of it; a copy that
@@ -505,7 +506,7 @@ impl Shared {
         let (inner, p, rel, seen) = (&self.inner, &self.progress, job.rel, job.seen);
         // The file stays open through a first attempt that finds no room: the second copies from it.
         let mut file = Some(file);
-        let mut fetched = inner.fetch_locked(job, sid, guard, &mut file);
+        let mut fetched = inner.fetcher().fetch_locked(job, sid, guard, &mut file);
         // Tiers that keep what they hold and are full: wait for the readers to pass copies this epoch has
         // read, let go of them and try again; until a reader gets to the file first, or the prefetch is
         // stopped, or room let go of was taken three times over by others.
@@ -517,7 +518,7 @@ impl Shared {
             }
             let Some(Claim { lead, guard }) = self.claim(&key_of(rel)) else { break };
             let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
-            fetched = inner.fetch_locked(job, sid, guard, &mut file);
+            fetched = inner.fetcher().fetch_locked(job, sid, guard, &mut file);
             taken += 1;
         }
         match fetched {
@@ -536,7 +537,7 @@ impl Shared {
                 self.release(position, sid.size);
                 p.fail(format!(
                     "{}: not prefetched: it changed while it was copied, or a tier failed (see `tierstore status`)",
-                    inner.source.path_of(rel).display()
+                    inner.storage().source().path_of(rel).display()
                 ));
             }
             Err(e) => {
@@ -576,10 +577,10 @@ impl Shared {
             }
             let rel = &self.rels[p];
             let key = key_of(rel);
-            let Some((tier, held)) = inner.lookup.published_in(&key, rel) else { continue };
-            let Ok(Some(_guard)) = inner.locks.try_lock(&key) else { continue };
-            inner.remove_entries(&key);
-            inner.lookup.tiers()[tier].counters.add(crate::counters::tier::EVICTIONS, 1);
+            let Some((tier, held)) = inner.storage().lookup().published_in(&key, rel) else { continue };
+            let Ok(Some(_guard)) = inner.fetcher().try_lock(&key) else { continue };
+            inner.fetcher().remove_entries(&key);
+            inner.storage().lookup().tiers()[tier].counters.add(crate::counters::tier::EVICTIONS, 1);
             freed += held.source.size;
         }
         *from = unread.unwrap_or(position.max(*from));

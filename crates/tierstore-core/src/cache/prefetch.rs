@@ -19,7 +19,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use super::engine::{Fetched, Inner};
+use super::engine::Inner;
+use super::job::Fetched;
 use super::flight::Role;
 use super::job::{FetchJob, Purpose};
 use super::lookup::Look;
@@ -226,7 +227,7 @@ impl Walk {
         }
         match failure {
             Some(e) if started == 0 => Err(Error::Tier {
-                path: self.inner.config.tiers[0].path.clone(),
+                path: self.inner.storage().config().tiers[0].path.clone(),
                 message: format!("cannot start a prefetch thread: {e}"),
             }),
             _ => Ok(()),
@@ -298,12 +299,12 @@ impl Walk {
             Job::Listing(rel) => self.list_objects(rel),
             Job::Dir { parent, name } => {
                 let rel = parent.child(&name);
-                let Some(posix) = self.inner.posix() else { return };
+                let Some(posix) = self.inner.storage().posix() else { return };
                 match posix.open_in(&parent.file, &name) {
                     Ok(f) => self.list(self.handle(f, rel)),
                     Err(e) => self.fail_dir(format!(
                         "{}: cannot open the directory ({e}); its files were not prefetched",
-                        self.inner.source.path_of(&rel).display()
+                        self.inner.storage().source().path_of(&rel).display()
                     )),
                 }
             }
@@ -322,12 +323,12 @@ impl Walk {
     /// Lists an object store's prefix (paged by the store: one LIST request per thousand keys) and
     /// queues each object under it; a name with nothing under it is an object of its own.
     fn list_objects(&self, rel: String) {
-        let entries = match self.inner.source.list(&rel) {
+        let entries = match self.inner.storage().source().list(&rel) {
             Ok(entries) => entries,
             Err(e) => {
                 self.fail_dir(format!(
                     "{}: cannot list ({e}); nothing under it was prefetched",
-                    self.inner.source.path_of(&rel).display()
+                    self.inner.storage().source().path_of(&rel).display()
                 ));
                 return;
             }
@@ -355,7 +356,7 @@ impl Walk {
             Err(e) => {
                 self.fail_dir(format!(
                     "{}: cannot list the directory ({e}); its files were not prefetched",
-                    self.inner.source.path_of(&h.rel).display()
+                    self.inner.storage().source().path_of(&h.rel).display()
                 ));
                 return;
             }
@@ -395,7 +396,7 @@ impl Walk {
         if self.served_by_owner(&key, &rel) {
             return;
         }
-        if self.inner.posix().is_none() {
+        if self.inner.storage().posix().is_none() {
             return self.object(&key, &rel);
         }
         self.posix_file(parent, name, &key, rel);
@@ -405,28 +406,28 @@ impl Walk {
     /// its directory's listing, a `stat`, or not at all); `None` when it must be copied.
     fn cached(&self, parent: Option<&DirHandle>, name: &OsString, key: &Key, rel: &str) -> Result<Option<u64>, String> {
         let inner = &self.inner;
-        let Some(e) = inner.lookup.published(key, rel) else { return Ok(None) };
-        let current = match inner.config.revalidate {
+        let Some(e) = inner.storage().lookup().published(key, rel) else { return Ok(None) };
+        let current = match inner.storage().config().revalidate {
             Revalidate::Never => Some(e.source),
             // One listing confirms the copies of the whole directory.
             Revalidate::Within(d) => {
                 Some(inner.confirmed_identity(key, rel, &e, d).map_err(|err| describe_error(&err))?)
             }
             Revalidate::Always => {
-                let st = match (parent, inner.posix()) {
+                let st = match (parent, inner.storage().posix()) {
                     (Some(d), Some(posix)) => posix
                         .stat_in(&d.file, name)
                         .map(|st| (st.st_mode & libc::S_IFMT == libc::S_IFREG).then(|| SourceId::of_stat(&st))),
-                    _ => inner.source.identify(rel).map(Some),
+                    _ => inner.storage().source().identify(rel).map(Some),
                 };
                 match st {
                     Ok(sid) => sid, // None: no longer a file, the open that follows says what it is
                     Err(err) if err.raw_os_error() == Some(libc::EISDIR) => None,
-                    Err(err) => return Err(describe(&inner.source.path_of(rel), &err)),
+                    Err(err) => return Err(describe(&inner.storage().source().path_of(rel), &err)),
                 }
             }
         };
-        Ok(current.filter(|sid| inner.hit(key, rel, sid, Look::Quiet).is_some()).map(|sid| sid.size))
+        Ok(current.filter(|sid| inner.storage().hit(key, rel, sid, Look::Quiet).is_some()).map(|sid| sid.size))
     }
 
     /// Whether another node's agent, the file's owner, served it (which caches it, reading the store once
@@ -434,14 +435,14 @@ impl Walk {
     /// asked by the caller.
     fn served_by_owner(&self, key: &Key, rel: &str) -> bool {
         let inner = &self.inner;
-        if inner.link.is_none() {
+        if inner.peers().is_none() {
             return false;
         }
-        let Role::Leader(lead) = inner.flights.join(key) else { return false };
+        let Role::Leader(lead) = inner.fetcher().join(key) else { return false };
         let mut known = None;
         // Not served: the lead drops here, before the store is asked.
         let job = FetchJob { rel, purpose: Purpose::Prefetch, seen: now_ns(), lead };
-        if inner.from_peer(job, &mut known).is_err() {
+        if inner.ask_peers(job, &mut known).is_err() {
             return false;
         }
         let p = &self.progress;
@@ -455,8 +456,8 @@ impl Walk {
     /// An object of an object store: claimed before it is opened, as opening one is a `GET`.
     fn object(&self, key: &Key, rel: &str) {
         let p = &self.progress;
-        let path = self.inner.source.path_of(rel);
-        match self.inner.prefetch_object(key, rel) {
+        let path = self.inner.storage().source().path_of(rel);
+        match self.inner.fetcher().prefetch_object(key, rel) {
             Ok(Some((sid, fetched))) => {
                 p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
                 self.record(&path, Ok(fetched));
@@ -474,14 +475,14 @@ impl Walk {
     /// open descriptor, and copied; a directory the listing did not type is walked.
     fn posix_file(&self, parent: Option<Arc<DirHandle>>, name: &OsString, key: &Key, rel: String) {
         let (inner, p) = (&self.inner, &self.progress);
-        let path = inner.source.path_of(&rel);
+        let path = inner.storage().source().path_of(&rel);
         let seen = now_ns();
-        let opened = match (&parent, inner.posix()) {
+        let opened = match (&parent, inner.storage().posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
-            _ => inner.source.open(&rel),
+            _ => inner.storage().source().open(&rel),
         };
         let identified =
-            opened.and_then(|f| inner.source.identify_opened(&f, &rel).map(|(sid, is_dir)| (f, sid, is_dir)));
+            opened.and_then(|f| inner.storage().source().identify_opened(&f, &rel).map(|(sid, is_dir)| (f, sid, is_dir)));
         let (file, sid, is_dir) = match identified {
             Ok(x) => x,
             Err(err) => {
@@ -502,7 +503,7 @@ impl Walk {
             return p.not_a_file();
         }
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-        self.record(&path, inner.prefetch_file(key, &rel, sid, file, seen));
+        self.record(&path, inner.fetcher().prefetch_file(key, &rel, sid, file, seen));
         p.handled(sid.size);
     }
 

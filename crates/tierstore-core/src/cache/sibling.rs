@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::engine::Inner;
 use super::flight::{Lead, Outcome};
-use super::peers::{Beneath, Served};
+use super::serve::{Beneath, Served};
 use crate::error::Error;
 use crate::hash::{root_of_pieces, subtree, PIECE};
 use crate::index::Key;
@@ -50,14 +50,14 @@ impl Inner {
         let key = *lead.key();
         let Some((t, temp)) = self.sibling_temp(&key) else { return Ok(Err(lead)) };
         let Ok(file) = File::open(&temp) else { return Ok(Err(lead)) };
-        let path = self.source.path_of(rel);
+        let path = self.storage().source().path_of(rel);
         // The version the other process copies: its copy is checked against it once published. (A store
         // that fails to say is left to the usual path, which reports it.)
         let sid = if beneath.applies() {
             // On a POSIX source, the version the other process reserved its copy for: it reads the copy
             // from a descriptor of exactly that version, so a version vouched for is a file beneath the
             // source (and the copy of a file a local open reached through a symlink out of it never is).
-            let reserved = self.lookup.tiers()[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
+            let reserved = self.storage().lookup().tiers()[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
             let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else {
                 return Ok(Err(lead));
             };
@@ -67,7 +67,7 @@ impl Inner {
                 Err(e) => return Err(e),
             }
         } else {
-            let Ok(sid) = self.source.identify(rel) else { return Ok(Err(lead)) };
+            let Ok(sid) = self.storage().source().identify(rel) else { return Ok(Err(lead)) };
             sid
         };
         if sid.size <= PIECE as u64 {
@@ -129,7 +129,7 @@ impl Inner {
         }
         let merged = root_of_pieces(&copy.pieces(), size, PIECE);
         loop {
-            if let Some(e) = self.lookup.published(key, rel) {
+            if let Some(e) = self.storage().lookup().published(key, rel) {
                 return if e.source == sid && e.checksum == Some(merged) {
                     copy.advance(size);
                     Ok(())
@@ -137,7 +137,7 @@ impl Inner {
                     Err("the other process published another version, or other bytes".into())
                 };
             }
-            if self.sibling_gave_up(key) && self.lookup.published(key, rel).is_none() {
+            if self.sibling_gave_up(key) && self.storage().lookup().published(key, rel).is_none() {
                 return Err("the other process ended its copy without publishing it".into());
             }
             if moved.elapsed() > STALLED {
@@ -155,11 +155,11 @@ impl Inner {
     fn sibling_temp(&self, key: &Key) -> Option<(usize, std::path::PathBuf)> {
         let since = Instant::now();
         loop {
-            if !matches!(self.locks.try_lock(key), Ok(None)) {
+            if !matches!(self.fetcher().try_lock(key), Ok(None)) {
                 return None;
             }
             if let Some(found) =
-                self.lookup.tiers().iter().enumerate().find_map(|(i, t)| Some((i, t.temp_of_another(key)?)))
+                self.storage().lookup().tiers().iter().enumerate().find_map(|(i, t)| Some((i, t.temp_of_another(key)?)))
             {
                 return Some(found);
             }
@@ -172,6 +172,6 @@ impl Inner {
 
     /// Whether no process holds the fetch lock of `key` any more (taken and let go at once).
     fn sibling_gave_up(&self, key: &Key) -> bool {
-        matches!(self.locks.try_lock(key), Ok(Some(_)))
+        matches!(self.fetcher().try_lock(key), Ok(Some(_)))
     }
 }

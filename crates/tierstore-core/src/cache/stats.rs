@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use super::engine::Inner;
+use super::storage::Storage;
 use crate::counters::{source as src_slot, tier as tier_slot};
 use crate::index::Usage;
 
@@ -75,10 +75,10 @@ pub struct Stats {
     pub tiers: Vec<TierStats>,
 }
 
-impl Inner {
+impl Storage {
     /// See [`Cache::stats`](super::Cache::stats).
     pub(super) fn stats(&self) -> Stats {
-        let c = self.source.counters();
+        let c = self.source().counters();
         let source = SourceStats {
             opens: c.get(src_slot::OPENS),
             stats: c.get(src_slot::STATS),
@@ -94,7 +94,7 @@ impl Inner {
             lists: c.get(src_slot::LISTS),
         };
         let tiers = self
-            .lookup
+            .lookup()
             .tiers()
             .iter()
             .map(|t| {
@@ -126,8 +126,8 @@ impl Inner {
 
     /// See [`Cache::reset_counters`](super::Cache::reset_counters).
     pub(super) fn reset_counters(&self) {
-        self.source.counters().reset();
-        for t in self.lookup.tiers() {
+        self.source().counters().reset();
+        for t in self.lookup().tiers() {
             t.counters.reset();
         }
     }

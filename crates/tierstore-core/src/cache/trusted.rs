@@ -14,41 +14,41 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use super::engine::Inner;
+use super::storage::Storage;
 use crate::clock::now_ns;
 use crate::config::Revalidate;
 use crate::counters::source as src_slot;
 use crate::error::Error;
 use crate::index::{key_of, Entry, Link, Listed, SourceId, XattrAnswer, XattrQuery};
 
-impl Inner {
+impl Storage {
     /// The record of the symlink `rel`, if one was made.
-    pub(super) fn link(&self, rel: &str) -> Option<Link> {
-        self.lookup.directories()?.link(&key_of(rel), rel).ok().flatten()
+    pub(super) fn symlink(&self, rel: &str) -> Option<Link> {
+        self.lookup().directories()?.link(&key_of(rel), rel).ok().flatten()
     }
 }
 
 /// The shim's face of the cache: what a trusted source's metadata replays (see the module). Had from
 /// [`Cache::trusted`](super::Cache::trusted); it borrows the engine for the call.
 pub struct Trusted<'a> {
-    inner: &'a Inner,
+    storage: &'a Storage,
 }
 
 impl<'a> Trusted<'a> {
-    pub(super) fn of(inner: &'a Inner) -> Trusted<'a> {
-        Trusted { inner }
+    pub(super) fn of(storage: &'a Storage) -> Trusted<'a> {
+        Trusted { storage }
     }
 
     /// Whether metadata records (`stat`s of files and directories, listings) are kept and replayed:
     /// not with `revalidate = "always"`, which asks the store every time.
     pub fn records_metadata(&self) -> bool {
-        self.inner.config.revalidate != Revalidate::Always
+        self.storage.config().revalidate != Revalidate::Always
     }
 
     /// Whether a metadata record taken at `at_ns` may answer now: always with `"never"`, within the
     /// duration with one.
     fn record_fresh(&self, at_ns: u64) -> bool {
-        match self.inner.config.revalidate {
+        match self.storage.config().revalidate {
             Revalidate::Never => true,
             Revalidate::Within(d) => at_ns.saturating_add(d.as_nanos() as u64) > now_ns(),
             Revalidate::Always => false,
@@ -65,15 +65,15 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return Ok(None);
         }
-        let rel = self.inner.source.relative_or_root(path)?;
+        let rel = self.storage.source().relative_or_root(path)?;
         let known = match self.known_path(&rel, nofollow) {
             Some(sid) => Some(sid),
-            None if self.inner.config.revalidate != Revalidate::Never => None,
-            None => self.inner.link(&rel).and_then(|link| {
+            None if self.storage.config().revalidate != Revalidate::Never => None,
+            None => self.storage.symlink(&rel).and_then(|link| {
                 if nofollow {
                     return Some(link.lstat);
                 }
-                let to = self.inner.source.relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
+                let to = self.storage.source().relative_or_root(Path::new(OsStr::from_bytes(&link.resolved?))).ok()?;
                 self.known_path(&to, false)
             }),
         };
@@ -89,18 +89,18 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return;
         }
-        let Some(ix) = self.inner.lookup.directories() else { return };
-        let Ok(rel) = self.inner.source.relative_or_root(path) else { return };
+        let Some(ix) = self.storage.lookup().directories() else { return };
+        let Ok(rel) = self.storage.source().relative_or_root(path) else { return };
         let key = key_of(&rel);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {}
-            libc::S_IFLNK if nofollow && !rel.is_empty() && self.inner.config.revalidate == Revalidate::Never => {
+            libc::S_IFLNK if nofollow && !rel.is_empty() && self.storage.config().revalidate == Revalidate::Never => {
                 let lstat = SourceId::of_stat(st);
                 if ix.link(&key, &rel).ok().flatten().is_some_and(|l| l.lstat == lstat) {
                     return;
                 }
-                let own = self.inner.source.path_of(&rel);
-                self.inner.source.counters().add(src_slot::STATS, 2);
+                let own = self.storage.source().path_of(&rel);
+                self.storage.source().counters().add(src_slot::STATS, 2);
                 let Ok(target) = std::fs::read_link(&own) else { return };
                 let resolved = std::fs::canonicalize(&own).ok().map(|p| p.into_os_string().into_vec());
                 let _ =
@@ -116,7 +116,7 @@ impl<'a> Trusted<'a> {
             a.canonical = canonical;
         }
         // Under a duration the record's time moves on with every answer of the store.
-        let again = self.inner.config.revalidate != Revalidate::Never;
+        let again = self.storage.config().revalidate != Revalidate::Never;
         if again || before.is_none_or(|(b, _)| b != sid || b.attrs.map(|a| a.canonical) != Some(canonical)) {
             let _ = ix.record_directory(&key, &rel, sid, now_ns());
         }
@@ -124,37 +124,37 @@ impl<'a> Trusted<'a> {
 
     /// What `readlink` of `path` returns, when it is a symlink under a trusted source that was recorded.
     pub fn cached_link(&self, path: &Path) -> Result<Option<Vec<u8>>, Error> {
-        if self.inner.config.revalidate != Revalidate::Never {
+        if self.storage.config().revalidate != Revalidate::Never {
             return Ok(None);
         }
-        let rel = self.inner.source.relative(path)?;
-        Ok(self.inner.link(&rel).map(|l| l.target))
+        let rel = self.storage.source().relative(path)?;
+        Ok(self.storage.symlink(&rel).map(|l| l.target))
     }
 
     /// The path of a cached file, or of a recorded symlink, with every symlink resolved (`realpath`),
     /// without asking the source; `None` when only the source can tell.
     pub fn cached_real_path(&self, path: &Path) -> Result<Option<PathBuf>, Error> {
         let Some((rel, e)) = self.trusted_entry(path)? else {
-            if self.inner.config.revalidate != Revalidate::Never {
+            if self.storage.config().revalidate != Revalidate::Never {
                 return Ok(None);
             }
-            let rel = self.inner.source.relative(path)?;
-            return Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
+            let rel = self.storage.source().relative(path)?;
+            return Ok(self.storage.symlink(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
         };
         if e.source.attrs.is_some_and(|a| a.canonical) {
-            return Ok(Some(self.inner.source.path_of(&rel)));
+            return Ok(Some(self.storage.source().path_of(&rel)));
         }
-        Ok(self.inner.link(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
+        Ok(self.storage.symlink(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))))
     }
 
     /// What `statfs` said of the source's file system, recorded the first time it was asked, when the
     /// source is trusted (`revalidate = "never"`); `None` otherwise. One record stands for the whole
     /// source, so a file system mounted inside the source would be reported as the source's.
     pub fn cached_statfs(&self) -> Option<libc::statfs64> {
-        if self.inner.config.revalidate != Revalidate::Never {
+        if self.storage.config().revalidate != Revalidate::Never {
             return None;
         }
-        let raw = self.inner.lookup.directories()?.statfs().ok()??;
+        let raw = self.storage.lookup().directories()?.statfs().ok()??;
         if raw.len() != std::mem::size_of::<libc::statfs64>() {
             return None;
         }
@@ -164,10 +164,10 @@ impl<'a> Trusted<'a> {
 
     /// Takes note of what the source answered to `statfs` (only when the source is trusted).
     pub fn note_statfs(&self, st: &libc::statfs64) {
-        if self.inner.config.revalidate != Revalidate::Never {
+        if self.storage.config().revalidate != Revalidate::Never {
             return;
         }
-        let Some(ix) = self.inner.lookup.directories() else { return };
+        let Some(ix) = self.storage.lookup().directories() else { return };
         // SAFETY: the bytes of a plain C struct.
         let raw = unsafe {
             std::slice::from_raw_parts(st as *const libc::statfs64 as *const u8, std::mem::size_of::<libc::statfs64>())
@@ -181,11 +181,11 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return None;
         }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
-        let ix = self.inner.lookup.directories()?;
+        let rel = self.storage.source().relative_or_root(path).ok()?;
+        let ix = self.storage.lookup().directories()?;
         let key = key_of(&rel);
         let (at, entries) = ix.listing(&key).ok()??;
-        if self.inner.config.revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
+        if self.storage.config().revalidate != Revalidate::Never && !self.record_fresh(ix.listed_at(&key).ok()?) {
             return None;
         }
         (at == rel).then_some(entries)?
@@ -196,10 +196,10 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.inner.lookup.directories(), self.inner.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path)) else {
             return;
         };
-        self.inner.source.counters().add(src_slot::STATS, 1);
+        self.storage.source().counters().add(src_slot::STATS, 1);
         let _ = ix.record_listing(&key_of(&rel), &rel, Some(entries), now_ns());
     }
 
@@ -210,9 +210,9 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return None;
         }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
+        let rel = self.storage.source().relative_or_root(path).ok()?;
         let key = key_of(&rel);
-        let tier = self.inner.lookup.tiers().iter().find(|t| t.index.is_ok())?;
+        let tier = self.storage.lookup().tiers().iter().find(|t| t.index.is_ok())?;
         let ix = tier.index.as_ref().ok()?;
         if ix.listing(&key).ok()?.is_none_or(|(at, _)| at != rel) {
             ix.record_listing(&key, &rel, None, 0).ok()?;
@@ -223,10 +223,10 @@ impl<'a> Trusted<'a> {
     /// The source directory that the shadow directory `name` (as /proc names an open descriptor) stands
     /// for, if it is one.
     pub fn shadowed(&self, name: &Path) -> Option<PathBuf> {
-        let tier = self.inner.lookup.tiers().iter().find(|t| t.index.is_ok())?;
+        let tier = self.storage.lookup().tiers().iter().find(|t| t.index.is_ok())?;
         let key = tier.key_of_shadow(name)?;
         let (rel, _) = tier.index.as_ref().ok()?.listing(&key).ok()??;
-        Some(self.inner.source.path_of(&rel))
+        Some(self.storage.source().path_of(&rel))
     }
 
     /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
@@ -234,7 +234,7 @@ impl<'a> Trusted<'a> {
     /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
     /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
     pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
-        let tier = self.inner.lookup.tiers().iter().find(|t| t.holds_device(st.st_dev))?;
+        let tier = self.storage.lookup().tiers().iter().find(|t| t.holds_device(st.st_dev))?;
         // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
         // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
         // found for it once is remembered in this process: Python's `open` calls `fstat` on every file.
@@ -242,7 +242,7 @@ impl<'a> Trusted<'a> {
         let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
         let remembered = st.st_nlink > 0 && st.st_ino != 0;
         if remembered {
-            if let Some(known) = self.inner.lookup.remembered_copy(&incarnation) {
+            if let Some(known) = self.storage.lookup().remembered_copy(&incarnation) {
                 return (known.st_size == st.st_size).then_some(known);
             }
         }
@@ -254,7 +254,7 @@ impl<'a> Trusted<'a> {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            self.inner.lookup.remember_copy(incarnation, rewritten);
+            self.storage.lookup().remember_copy(incarnation, rewritten);
         }
         Some(rewritten)
     }
@@ -265,18 +265,18 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return Ok(None);
         }
-        let rel = self.inner.source.relative(path)?;
+        let rel = self.storage.source().relative(path)?;
         let key = key_of(&rel);
-        Ok(self.inner.lookup.published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
+        Ok(self.storage.lookup().published(&key, &rel).filter(|e| self.record_fresh(e.confirmed_ns)).map(|e| (rel, e)))
     }
 
     /// What a published entry or a directory record says of `rel`, when it may answer now (see
-    /// [`Inner::record_fresh`]); with `nofollow`, only one recorded as the path's own (`lstat`).
+    /// [`Trusted::record_fresh`]); with `nofollow`, only one recorded as the path's own (`lstat`).
     fn known_path(&self, rel: &str, nofollow: bool) -> Option<SourceId> {
         let key = key_of(rel);
-        let (known, at) = match self.inner.lookup.published(&key, rel) {
+        let (known, at) = match self.storage.lookup().published(&key, rel) {
             Some(e) => (e.source, e.confirmed_ns),
-            None => self.inner.lookup.directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
+            None => self.storage.lookup().directories().and_then(|ix| ix.directory(&key, rel).ok().flatten())?,
         };
         (self.record_fresh(at) && (!nofollow || known.attrs.is_some_and(|a| a.canonical))).then_some(known)
     }
@@ -284,21 +284,21 @@ impl<'a> Trusted<'a> {
     /// The store's recorded answer to `query` about `path`, when the source is trusted
     /// (`revalidate = "never"`) and the question was asked since the path last changed through tierstore.
     pub fn cached_xattr(&self, path: &Path, query: &XattrQuery) -> Option<XattrAnswer> {
-        if self.inner.config.revalidate != Revalidate::Never {
+        if self.storage.config().revalidate != Revalidate::Never {
             return None;
         }
-        let rel = self.inner.source.relative_or_root(path).ok()?;
-        self.inner.lookup.directories()?.xattr(&key_of(&rel), &rel, query).ok()?
+        let rel = self.storage.source().relative_or_root(path).ok()?;
+        self.storage.lookup().directories()?.xattr(&key_of(&rel), &rel, query).ok()?
     }
 
     /// Records the store's answer to `query` about `path` (only when the source is trusted). An answer
     /// asked without following a symlink at `path` also answers the following question whenever `path`
     /// is no symlink: the caller asks that way once it knows.
     pub fn note_xattr(&self, path: &Path, query: &XattrQuery, answer: &XattrAnswer) {
-        if self.inner.config.revalidate != Revalidate::Never {
+        if self.storage.config().revalidate != Revalidate::Never {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.inner.lookup.directories(), self.inner.source.relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path)) else {
             return;
         };
         let _ = ix.record_xattr(&key_of(&rel), &rel, query, answer);
@@ -306,14 +306,14 @@ impl<'a> Trusted<'a> {
 
     /// The source file that `name` (a tier copy, as /proc names an open descriptor) is a copy of.
     pub fn copy_source(&self, name: &Path) -> Option<PathBuf> {
-        self.inner.lookup.tiers().iter().find_map(|t| {
+        self.storage.lookup().tiers().iter().find_map(|t| {
             let e = t.index.as_ref().ok()?.lookup(&t.key_of_copy(name)?).ok()??;
-            e.ready.then(|| self.inner.source.path_of(&e.rel))
+            e.ready.then(|| self.storage.source().path_of(&e.rel))
         })
     }
 
     /// Whether `path` (the name of an open descriptor) is a copy in one of the tiers.
     pub fn is_copy(&self, path: &Path) -> bool {
-        self.inner.lookup.tiers().iter().any(|t| t.key_of_copy(path).is_some())
+        self.storage.lookup().tiers().iter().any(|t| t.key_of_copy(path).is_some())
     }
 }
