@@ -275,11 +275,9 @@ fn parse_policy(text: &str, origin: &Origin) -> Result<Policy, ConfigError> {
 }
 
 fn parse_threads(text: &str, origin: &Origin) -> Result<usize, ConfigError> {
-    text.trim()
-        .parse()
-        .ok()
-        .filter(|n| (1..=256).contains(n))
-        .ok_or_else(|| bad(origin, "threads", text, "not a thread count", "use a whole number from 1 to 256"))
+    settings::parse_count(Table::Top, "threads", text)
+        .map(|n| n as usize)
+        .map_err(|fix| bad(origin, "threads", text, "not a thread count", &fix))
 }
 
 fn parse_verify(text: &str, origin: &Origin) -> Result<Verify, ConfigError> {

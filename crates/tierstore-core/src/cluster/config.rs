@@ -171,9 +171,9 @@ fn one_value_keys(written: &Written<'_>, slurm_job: Option<&str>) -> Result<Clus
         })?;
     }
     if let Some((v, o)) = written.text("port") {
-        c.port = v.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
-            bad(o, "cluster.port", &v, "is not a TCP port", "use a number from 1 to 65535, e.g. 7078")
-        })?;
+        let port = settings::parse_count(settings::Table::Cluster, "port", &v)
+            .map_err(|fix| bad(o, "cluster.port", &v, "is not a TCP port", &format!("{fix}, e.g. 7078")))?;
+        c.port = port as u16;
     }
     if let Some((v, o)) = written.text("listen") {
         if v.parse::<std::net::IpAddr>().is_err() {

@@ -504,24 +504,32 @@ pub fn env_vars() -> Vec<&'static str> {
     SETTINGS.iter().filter_map(|s| s.env).collect()
 }
 
+/// The value of the whole-number setting `key` of `table`, read within its declared bounds, which are
+/// written nowhere else: `Err` is the fix to give ("use a whole number from 1 to 256").
+pub fn parse_count(table: Table, key: &str, text: &str) -> Result<u64, String> {
+    let Some(&Setting { ty: Count { min, max }, .. }) = find(table, key) else {
+        panic!("{}.{key} is not a whole-number setting", table.name())
+    };
+    text.trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|n| (min..=max).contains(n))
+        .ok_or_else(|| format!("use a whole number from {min} to {max}"))
+}
+
 /// A whole-number knob only the environment sets (`TIERSTORE_PEER_DEADLINE_MS`, `TIERSTORE_COPY_STREAMS`):
 /// the variable's value within the setting's bounds, else its default. A value that is not one is said in
 /// the log with the bounds, once per read, and the default is used: these tune, and a job must not stop
 /// for a typo in one.
 pub fn tuning(var: &str) -> u64 {
     let setting = SETTINGS.iter().find(|s| s.env == Some(var)).unwrap_or_else(|| panic!("{var} is not a setting"));
-    let (Count { min, max }, Value(default)) = (setting.ty, setting.default) else {
-        panic!("{var} is not a whole number with a default")
-    };
+    let Value(default) = setting.default else { panic!("{var} has no default") };
     let default: u64 = default.parse().expect("a count's default is a number");
     let Ok(text) = std::env::var(var) else { return default };
-    match text.trim().parse::<u64>() {
-        Ok(n) if (min..=max).contains(&n) => n,
-        _ => {
-            log::warn!("{var}={text:?} is not a whole number from {min} to {max}; using {default}");
-            default
-        }
-    }
+    parse_count(setting.table, setting.key, &text).unwrap_or_else(|fix| {
+        log::warn!("{var}={text:?} is not taken: {fix}; using {default}");
+        default
+    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! An object store as the source, through the `object_store` crate: S3 and S3-compatible servers, Google
 //! Cloud Storage, Azure Blob Storage, and HTTP servers that list through WebDAV, each behind the crate's one
-//! `ObjectStore` trait. Only the constructor knows the kind (one arm per store, `new`); everything after
-//! it, and every cost below, is the same for all of them.
+//! `ObjectStore` trait. Only the constructor knows the kind (the builder of the store's row of
+//! [`STORES`](super::store_config::STORES)); everything after it, and every cost below, is the same for all
+//! of them.
 //!
 //! What each operation costs the store:
 //! - **open** of an object no tier holds: one `GET` of its first range ([`StoreConfig::range_size`]), which
@@ -106,6 +107,22 @@ fn identity(meta: &ObjectMeta) -> SourceId {
     SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
 }
 
+/// The client of one kind of store, its part of the store's row ([`STORES`](super::store_config::STORES)).
+pub struct Client {
+    /// Whether `key` is an option the client takes: its typed config-key enum parses it.
+    pub takes: fn(&str) -> bool,
+    /// The client over a source's configuration, and the endpoint it talks to (for messages).
+    pub build: fn(&StoreConfig, ClientOptions, RetryConfig) -> Built,
+}
+
+/// A client built: the store, and the endpoint it talks to.
+pub type Built = io::Result<(Box<dyn ObjectStore>, String)>;
+
+pub(super) const S3_CLIENT: Client = Client { takes: |k| k.parse::<AmazonS3ConfigKey>().is_ok(), build: s3_store };
+pub(super) const GCS_CLIENT: Client = Client { takes: |k| k.parse::<GoogleConfigKey>().is_ok(), build: gcs_store };
+pub(super) const AZURE_CLIENT: Client = Client { takes: |k| k.parse::<AzureConfigKey>().is_ok(), build: azure_store };
+pub(super) const HTTP_CLIENT: Client = Client { takes: |k| k.parse::<ClientConfigKey>().is_ok(), build: http_store };
+
 /// Reads an INI-style AWS file (`~/.aws/credentials`, `~/.aws/config`): section → key → value.
 fn read_aws_file(path: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
     let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
@@ -157,7 +174,7 @@ fn s3_store(
     config: &StoreConfig,
     client: ClientOptions,
     retry: RetryConfig,
-) -> io::Result<(Box<dyn ObjectStore>, String)> {
+) -> Built {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let profile = profile_settings(config.settings.get("profile").map(String::as_str));
     // Precedence: the table, then the environment (read by `from_env`), then the profile files.
@@ -200,7 +217,7 @@ fn s3_store(
                 "no credentials for {} at {}: set {}, or a profile in ~/.aws/credentials",
                 config.url,
                 endpoint.as_deref().unwrap_or(""),
-                StoreKind::S3.credentials()
+                StoreKind::S3.store().credentials
             ),
         ));
     }
@@ -214,7 +231,7 @@ fn gcs_store(
     config: &StoreConfig,
     client: ClientOptions,
     retry: RetryConfig,
-) -> io::Result<(Box<dyn ObjectStore>, String)> {
+) -> Built {
     let mut builder =
         GoogleCloudStorageBuilder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
@@ -278,7 +295,7 @@ fn gcs_no_credentials(config: &StoreConfig, endpoint: &str, why: &str) -> io::Er
             "no credentials for {} at {endpoint}: {why}; set {} (or run `gcloud auth application-default login`), \
              or `skip_signature = \"true\"` in [object_store] for a public bucket",
             config.url,
-            StoreKind::Gcs.credentials()
+            StoreKind::Gcs.store().credentials
         ),
     )
 }
@@ -289,7 +306,7 @@ fn azure_store(
     config: &StoreConfig,
     client: ClientOptions,
     retry: RetryConfig,
-) -> io::Result<(Box<dyn ObjectStore>, String)> {
+) -> Built {
     let mut builder = MicrosoftAzureBuilder::from_env().with_container_name(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
         builder = builder.with_config(key, value);
@@ -313,7 +330,7 @@ fn http_store(
     config: &StoreConfig,
     client: ClientOptions,
     retry: RetryConfig,
-) -> io::Result<(Box<dyn ObjectStore>, String)> {
+) -> Built {
     let mut builder = HttpBuilder::new().with_url(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
         builder = builder.with_config(key, value);
@@ -371,12 +388,7 @@ impl ObjectSource {
             max_retries: config.retries,
             retry_timeout: (config.timeout + Duration::from_secs(5)) * (config.retries as u32 + 1),
         };
-        let (store, endpoint) = match config.kind {
-            StoreKind::S3 => s3_store(&config, client, retry)?,
-            StoreKind::Gcs => gcs_store(&config, client, retry)?,
-            StoreKind::Azure => azure_store(&config, client, retry)?,
-            StoreKind::Http => http_store(&config, client, retry)?,
-        };
+        let (store, endpoint) = (config.kind.store().client.build)(&config, client, retry)?;
         Ok(ObjectSource {
             root: PathBuf::from(&config.url),
             config,
@@ -445,7 +457,7 @@ impl ObjectSource {
                 "{url}: the TLS connection to {at} was refused: {tls}: the server's certificate is not one this \
                  machine trusts; check the endpoint ({}) and the system's CA certificates (a test server's \
                  self-signed certificate needs the store option allow_invalid_certificates = true)",
-                kind.endpoint_setting()
+                kind.store().endpoint_setting
             ));
         }
         let no_bucket = || {
@@ -453,9 +465,9 @@ impl ObjectSource {
                 io::ErrorKind::NotFound,
                 format!(
                     "the {} {} does not exist on {at}: check it in the source, and the endpoint ({})",
-                    kind.bucket_word(),
+                    kind.store().bucket_word,
                     self.config.bucket,
-                    kind.endpoint_setting()
+                    kind.store().endpoint_setting
                 ),
             )
         };
@@ -464,7 +476,7 @@ impl ObjectSource {
                 io::ErrorKind::PermissionDenied,
                 format!(
                     "{url}: {how} by {at}: check the credentials ({}) and that they may read it ({detail})",
-                    kind.credentials()
+                    kind.store().credentials
                 ),
             )
         };
@@ -507,7 +519,7 @@ impl ObjectSource {
                          server is up and the endpoint ({}); {detail}",
                         humantime(self.config.timeout),
                         self.config.retries,
-                        kind.endpoint_setting()
+                        kind.store().endpoint_setting
                     ),
                 )
             }
@@ -803,7 +815,7 @@ impl Source for ObjectSource {
             .collect::<Result<_, _>>()
             .map_err(|e| self.error(rel, e))?;
         // A store answers a listing a page of keys at a time, so that is the number of requests it took.
-        self.counters.add(slot::LISTS, (metas.len() as u64).div_ceil(self.config.kind.list_page()).max(1));
+        self.counters.add(slot::LISTS, (metas.len() as u64).div_ceil(self.config.kind.store().list_page).max(1));
         let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
         Ok(metas
             .into_iter()
@@ -822,7 +834,7 @@ impl Source for ObjectSource {
             .block_on(async move { store.list_with_delimiter(prefix.as_ref()).await })
             .map_err(|e| self.error(dir, e))?;
         let keys = listed.objects.len() + listed.common_prefixes.len();
-        self.counters.add(slot::LISTS, (keys as u64).div_ceil(self.config.kind.list_page()).max(1));
+        self.counters.add(slot::LISTS, (keys as u64).div_ceil(self.config.kind.store().list_page).max(1));
         let base = if prefix_key.is_empty() { String::new() } else { format!("{prefix_key}/") };
         Ok(listed
             .objects

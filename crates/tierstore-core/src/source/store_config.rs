@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::config::settings::{default_value, keys_of, Table};
+use crate::config::settings::{default_value, keys_of, parse_count, Table};
 use crate::config::values::{bad, parse_duration, parse_size, scalar, ConfigError, Origin};
 
 /// tierstore's own keys of the `[object_store]` table, the same for every kind of store: deadlines,
@@ -27,7 +27,8 @@ fn default_of(key: &str) -> &'static str {
     default_value(Table::ObjectStore, key).expect("every own key of [object_store] has a default")
 }
 
-/// The kind of object store a source URL names.
+/// The kind of object store a source URL names; everything tierstore knows of it is its row of
+/// [`STORES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreKind {
     /// Amazon S3 or an S3-compatible server: `s3://bucket/prefix`.
@@ -40,63 +41,126 @@ pub enum StoreKind {
     Http,
 }
 
+/// What the part of a source URL after the scheme names first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Authority {
+    /// A bucket: lower-case letters, digits, hyphens and `punctuation`, 3 to 63 characters (`dotted_max`
+    /// when it has dots).
+    Bucket {
+        /// The characters besides letters, digits and hyphens a bucket's name may hold.
+        punctuation: &'static [u8],
+        /// The longest name with a dot.
+        dotted_max: usize,
+    },
+    /// A container, alone or with its storage account (`container@account.dfs.core.windows.net`).
+    ContainerAtAccount,
+    /// A server, `host[:port]`: the URL's scheme and authority are the client's base URL.
+    Server,
+}
+
+/// One kind of object store, whole: adding a store is adding a row to [`STORES`] (and a testing server
+/// and a conformance run; see the contributing page).
+pub struct Store {
+    /// Which store it is.
+    pub kind: StoreKind,
+    /// The URL schemes that name it.
+    pub schemes: &'static [&'static str],
+    /// Its name, as messages give it.
+    pub name: &'static str,
+    /// What its buckets are called, for messages.
+    pub bucket_word: &'static str,
+    /// What a source URL names after its scheme.
+    pub authority: Authority,
+    /// Where credentials come from, for the message of a refused or missing one.
+    pub credentials: &'static str,
+    /// Where the endpoint is set, for the message of an unreachable store.
+    pub endpoint_setting: &'static str,
+    /// Keys one listing request returns at most, to count the requests a listing took.
+    pub list_page: u64,
+    /// Option keys of its client, for the message of a key it does not take.
+    pub option_examples: &'static str,
+    /// Its client: which option keys it takes (its typed config-key enum) and its builder. A build
+    /// without object stores (the shim) reads the configuration without one.
+    #[cfg(feature = "object-store")]
+    pub client: super::object::Client,
+}
+
+/// Every kind of object store a source may be.
+pub static STORES: [Store; 4] = [
+    Store {
+        kind: StoreKind::S3,
+        schemes: &["s3"],
+        name: "S3",
+        bucket_word: "bucket",
+        authority: Authority::Bucket { punctuation: b".", dotted_max: 63 },
+        credentials: "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or [object_store] aws_access_key_id \
+                      and aws_secret_access_key",
+        endpoint_setting: "AWS_ENDPOINT_URL or [object_store] endpoint",
+        list_page: 1000,
+        option_examples: "endpoint, region, aws_access_key_id, aws_secret_access_key, \
+                          aws_virtual_hosted_style_request",
+        #[cfg(feature = "object-store")]
+        client: super::object::S3_CLIENT,
+    },
+    Store {
+        kind: StoreKind::Gcs,
+        schemes: &["gs"],
+        name: "Google Cloud Storage",
+        bucket_word: "bucket",
+        authority: Authority::Bucket { punctuation: b"._", dotted_max: 222 },
+        credentials: "GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or GOOGLE_APPLICATION_CREDENTIALS, or \
+                      [object_store] google_service_account",
+        endpoint_setting: "[object_store] google_base_url",
+        list_page: 1000,
+        option_examples: "google_service_account, google_service_account_key, google_base_url, google_skip_signature",
+        #[cfg(feature = "object-store")]
+        client: super::object::GCS_CLIENT,
+    },
+    Store {
+        kind: StoreKind::Azure,
+        schemes: &["az", "azure", "abfs", "abfss"],
+        name: "Azure Blob Storage",
+        bucket_word: "container",
+        authority: Authority::ContainerAtAccount,
+        credentials: "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY, or \
+                      [object_store] azure_storage_account_name and azure_storage_account_key",
+        endpoint_setting: "[object_store] azure_storage_endpoint, or azure_storage_use_emulator",
+        list_page: 5000,
+        option_examples: "azure_storage_account_name, azure_storage_account_key, azure_storage_sas_key, \
+                          azure_storage_endpoint, azure_storage_use_emulator",
+        #[cfg(feature = "object-store")]
+        client: super::object::AZURE_CLIENT,
+    },
+    Store {
+        kind: StoreKind::Http,
+        schemes: &["http", "https"],
+        name: "HTTP (WebDAV)",
+        bucket_word: "server",
+        authority: Authority::Server,
+        credentials: "the server's own access rules (the HTTP source sends no credentials)",
+        endpoint_setting: "the source URL",
+        // WebDAV answers a PROPFIND of any depth in one response.
+        list_page: u64::MAX,
+        option_examples: "allow_http, allow_invalid_certificates, proxy_url, user_agent",
+        #[cfg(feature = "object-store")]
+        client: super::object::HTTP_CLIENT,
+    },
+];
+
 impl StoreKind {
+    /// Everything tierstore knows of this kind of store.
+    pub fn store(self) -> &'static Store {
+        STORES.iter().find(|s| s.kind == self).expect("every kind of store has its row")
+    }
+
+    /// The kind of store the URL scheme `scheme` names.
+    pub fn of_scheme(scheme: &str) -> Option<StoreKind> {
+        STORES.iter().find(|s| s.schemes.contains(&scheme)).map(|s| s.kind)
+    }
+
     /// The store's name, as messages give it.
     pub fn name(self) -> &'static str {
-        match self {
-            StoreKind::S3 => "S3",
-            StoreKind::Gcs => "Google Cloud Storage",
-            StoreKind::Azure => "Azure Blob Storage",
-            StoreKind::Http => "HTTP (WebDAV)",
-        }
-    }
-
-    /// What a bucket is called in this store, for messages.
-    pub fn bucket_word(self) -> &'static str {
-        match self {
-            StoreKind::S3 | StoreKind::Gcs => "bucket",
-            StoreKind::Azure => "container",
-            StoreKind::Http => "server",
-        }
-    }
-
-    /// Where credentials come from, for the message of a refused or missing one.
-    pub fn credentials(self) -> &'static str {
-        match self {
-            StoreKind::S3 => {
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or [object_store] aws_access_key_id and \
-                 aws_secret_access_key"
-            }
-            StoreKind::Gcs => {
-                "GOOGLE_SERVICE_ACCOUNT (a service account's JSON file) or GOOGLE_APPLICATION_CREDENTIALS, or \
-                 [object_store] google_service_account"
-            }
-            StoreKind::Azure => {
-                "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY, or \
-                 [object_store] azure_storage_account_name and azure_storage_account_key"
-            }
-            StoreKind::Http => "the server's own access rules (the HTTP source sends no credentials)",
-        }
-    }
-
-    /// Where the endpoint is set, for the message of an unreachable store.
-    pub fn endpoint_setting(self) -> &'static str {
-        match self {
-            StoreKind::S3 => "AWS_ENDPOINT_URL or [object_store] endpoint",
-            StoreKind::Gcs => "[object_store] google_base_url",
-            StoreKind::Azure => "[object_store] azure_storage_endpoint, or azure_storage_use_emulator",
-            StoreKind::Http => "the source URL",
-        }
-    }
-
-    /// Keys one listing request returns at most, to count the requests a listing took.
-    pub fn list_page(self) -> u64 {
-        match self {
-            StoreKind::S3 | StoreKind::Gcs => 1000,
-            StoreKind::Azure => 5000,
-            // WebDAV answers a PROPFIND of any depth in one response.
-            StoreKind::Http => u64::MAX,
-        }
+        self.store().name
     }
 }
 
@@ -162,36 +226,25 @@ pub fn is_url(source: &str) -> bool {
 const FORMS: &str = "s3://BUCKET/PREFIX (any S3-compatible store), gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, \
                      abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/PREFIX, http(s)://HOST[:PORT]/PREFIX, or a directory";
 
-/// Whether `name` is a valid bucket of `kind`: lower-case letters, digits, dots and hyphens (GCS also
-/// underscores), 3 to 63 characters (GCS up to 222 with dots).
-fn valid_bucket(kind: StoreKind, name: &str) -> bool {
-    let max = if kind == StoreKind::Gcs && name.contains('.') { 222 } else { 63 };
+/// Whether `name` is a valid bucket: lower-case letters, digits, hyphens and the store's `punctuation`,
+/// 3 to 63 characters (`dotted_max` with dots).
+fn valid_bucket(name: &str, punctuation: &[u8], dotted_max: usize) -> bool {
+    let max = if name.contains('.') { dotted_max } else { 63 };
     (3..=max).contains(&name.len())
-        && name.bytes().all(|b| {
-            b.is_ascii_lowercase()
-                || b.is_ascii_digit()
-                || b == b'-'
-                || (b == b'.' && kind != StoreKind::Azure)
-                || (b == b'_' && kind == StoreKind::Gcs)
-        })
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || punctuation.contains(&b))
 }
 
 impl StoreConfig {
     /// Parses a source URL with the defaults for everything else.
     pub fn parse(url: &str) -> Result<StoreConfig, BadUrl> {
         let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-        let kind = match scheme {
-            "s3" => StoreKind::S3,
-            "gs" => StoreKind::Gcs,
-            "az" | "azure" | "abfs" | "abfss" => StoreKind::Azure,
-            "http" | "https" => StoreKind::Http,
-            _ => {
-                return Err(BadUrl(format!("the object store scheme {scheme:?} is not supported; give {FORMS}")));
-            }
+        let Some(kind) = StoreKind::of_scheme(scheme) else {
+            return Err(BadUrl(format!("the object store scheme {scheme:?} is not supported; give {FORMS}")));
         };
+        let store = kind.store();
         let (authority, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        let (bucket, account) = match (kind, authority.split_once('@')) {
-            (StoreKind::Azure, Some((container, host))) => {
+        let (bucket, account) = match (store.authority, authority.split_once('@')) {
+            (Authority::ContainerAtAccount, Some((container, host))) => {
                 let account = host.split('.').next().unwrap_or("");
                 if account.is_empty() {
                     return Err(BadUrl(format!(
@@ -200,7 +253,7 @@ impl StoreConfig {
                 }
                 (container.to_string(), Some(account.to_string()))
             }
-            (StoreKind::Http, _) => {
+            (Authority::Server, _) => {
                 if authority.is_empty() || authority.contains('@') {
                     return Err(BadUrl(format!(
                         "{url:?} names no server; write {scheme}://HOST[:PORT]/PREFIX (credentials in the URL are \
@@ -211,13 +264,18 @@ impl StoreConfig {
             }
             _ => (authority.to_string(), None),
         };
-        if kind != StoreKind::Http && !valid_bucket(kind, &bucket) {
-            let word = kind.bucket_word();
+        let (punctuation, dotted_max) = match store.authority {
+            Authority::Bucket { punctuation, dotted_max } => (punctuation, dotted_max),
+            Authority::ContainerAtAccount => (&b""[..], 63),
+            Authority::Server => (&b""[..], usize::MAX),
+        };
+        if store.authority != Authority::Server && !valid_bucket(&bucket, punctuation, dotted_max) {
+            let word = store.bucket_word;
             return Err(BadUrl(format!(
                 "{bucket:?} is not a {word} name; write {scheme}://{}/PREFIX with a {word} of 3 to 63 lower-case \
                  letters, digits{} and hyphens",
                 word.to_uppercase(),
-                if kind == StoreKind::Azure { "" } else { ", dots" }
+                if punctuation.contains(&b'.') { ", dots" } else { "" }
             )));
         }
         let prefix = prefix.trim_matches('/');
@@ -305,10 +363,8 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
                 }
             }
             "retries" => {
-                c.retries =
-                    text.parse().ok().filter(|n| *n <= 100).ok_or_else(|| {
-                        bad(o, &key, &text, "is not a retry count", "use a whole number from 0 to 100")
-                    })?;
+                c.retries = parse_count(Table::ObjectStore, "retries", &text)
+                    .map_err(|fix| bad(o, &key, &text, "is not a retry count", &fix))? as usize;
             }
             "range_size" => {
                 c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
@@ -316,9 +372,8 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
                 })?;
             }
             "ranges_in_flight" => {
-                c.ranges_in_flight = text.parse().ok().filter(|n| (1..=256).contains(n)).ok_or_else(|| {
-                    bad(o, &key, &text, "is not a number of ranges", "use a whole number from 1 to 256")
-                })?;
+                c.ranges_in_flight = parse_count(Table::ObjectStore, "ranges_in_flight", &text)
+                    .map_err(|fix| bad(o, &key, &text, "is not a number of ranges", &fix))? as usize;
             }
             _ if *table == "s3" && c.kind != StoreKind::S3 => {
                 return Err(bad(
@@ -347,20 +402,13 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
 }
 
 /// Why `key` is not an option of the client of a `kind` store (`None`: it is), asked of the client's own
-/// key types when the configuration is read, so that a misspelt key is an error naming it rather than a
+/// key type when the configuration is read, so that a misspelt key is an error naming it rather than a
 /// setting ignored. A build without object stores cannot tell, and leaves the question to the build that
 /// reads the store.
 fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
     #[cfg(feature = "object-store")]
     {
-        use object_store::{aws::AmazonS3ConfigKey, azure::AzureConfigKey, gcp::GoogleConfigKey, ClientConfigKey};
-        let known = match kind {
-            StoreKind::S3 => key.parse::<AmazonS3ConfigKey>().is_ok(),
-            StoreKind::Gcs => key.parse::<GoogleConfigKey>().is_ok(),
-            StoreKind::Azure => key.parse::<AzureConfigKey>().is_ok(),
-            StoreKind::Http => key.parse::<ClientConfigKey>().is_ok(),
-        };
-        (!known).then(|| format!("is not an option of the {} client", kind.name()))
+        (!(kind.store().client.takes)(key)).then(|| format!("is not an option of the {} client", kind.name()))
     }
     #[cfg(not(feature = "object-store"))]
     {
@@ -371,19 +419,11 @@ fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
 
 /// What to write instead of a key the store's client does not take.
 fn option_fix(kind: StoreKind) -> String {
-    let examples = match kind {
-        StoreKind::S3 => "endpoint, region, aws_access_key_id, aws_secret_access_key, aws_virtual_hosted_style_request",
-        StoreKind::Gcs => "google_service_account, google_service_account_key, google_base_url, google_skip_signature",
-        StoreKind::Azure => {
-            "azure_storage_account_name, azure_storage_account_key, azure_storage_sas_key, azure_storage_endpoint, \
-             azure_storage_use_emulator"
-        }
-        StoreKind::Http => "allow_http, allow_invalid_certificates, proxy_url, user_agent",
-    };
     format!(
-        "use one of tierstore's keys ({}) or an option of the object_store crate for {} such as {examples}",
+        "use one of tierstore's keys ({}) or an option of the object_store crate for {} such as {}",
         store_keys().join(", "),
-        kind.name()
+        kind.name(),
+        kind.store().option_examples
     )
 }
 
@@ -417,6 +457,25 @@ mod tests {
         secret.settings.insert("access_key_id".into(), "public-id".into());
         let shown = format!("{secret:?}");
         assert!(!shown.contains("sekrit") && shown.contains("public-id"), "{shown}");
+    }
+
+    #[test]
+    fn each_store_is_one_row_and_each_scheme_names_one_store() {
+        for kind in [StoreKind::S3, StoreKind::Gcs, StoreKind::Azure, StoreKind::Http] {
+            assert_eq!(STORES.iter().filter(|s| s.kind == kind).count(), 1, "{kind:?} has one row");
+            for scheme in kind.store().schemes {
+                assert_eq!(StoreKind::of_scheme(scheme), Some(kind), "{scheme}");
+                let url = format!("{scheme}://data-set/train");
+                let url = if kind == StoreKind::Http { url } else { url.replace("data-set", "dataset") };
+                assert_eq!(StoreConfig::parse(&url).map(|c| c.kind).ok(), Some(kind), "{url}");
+            }
+        }
+        let schemes: Vec<&str> = STORES.iter().flat_map(|s| s.schemes.iter().copied()).collect();
+        let mut unique = schemes.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), schemes.len(), "a scheme names two stores");
+        assert!(StoreConfig::parse("ftp://host/x").is_err_and(|e| e.0.contains("\"ftp\" is not supported")));
     }
 
     #[test]
