@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstore import _core
+from tierstore.types import ClusterConfig
 
 
 class AgentError(_core.TierstoreError, RuntimeError):
@@ -238,7 +239,7 @@ def answers(socket: Path) -> bool:
     return uid in (os.geteuid(), 0)
 
 
-def ensure(cluster: dict[str, Any], env: dict[str, str] | None = None, socket: Path | None = None) -> None:
+def ensure(cluster: ClusterConfig, env: dict[str, str] | None = None, socket: Path | None = None) -> None:
     """Starts this node's agent on demand when the configuration shares the cache across nodes (once per
     process): the node's files must be served to its peers while the job runs. It exits after
     ON_DEMAND_IDLE_EXIT seconds without a client.

@@ -42,7 +42,10 @@ from tierstore import prefetch_report
 from tierstore.learned_order import LOG_ATTRIBUTE
 
 if TYPE_CHECKING:
+    from tierstore import _core
+    from tierstore.cache import Cache
     from tierstore.learned_order import LearnedOrder
+    from tierstore.types import OrderProgress
 
 # The setting: auto, off, or a budget.
 VARIABLE = "TIERSTORE_SAMPLER_PREFETCH"
@@ -211,7 +214,7 @@ class LoaderPrefetch:
 
     def __init__(
         self,
-        cache: Any,
+        cache: Cache,
         files_of: Callable[[int], Sequence[str]],
         found: str,
         name: str,
@@ -238,7 +241,7 @@ class LoaderPrefetch:
         weakref.finalize(self, prefetch_report.remove, self.marks_path)
         self.epoch = 0
         self.tag = 0
-        self.prefetch: Any = None
+        self.prefetch: _core.OrderPrefetch | None = None
 
     def budget(self) -> int:
         """The fixed budget, or `$TIERSTORE_SAMPLER_PREFETCH`'s: a size, or auto."""
@@ -319,7 +322,7 @@ class LoaderPrefetch:
             f"sampler's order (files from {self.found}), {budget >> 20} MiB ahead of the reads at most"
         )
 
-    def progress(self) -> dict[str, Any] | None:
+    def progress(self) -> OrderProgress | None:
         """The current epoch's prefetch progress (see `OrderPrefetch.progress`), None before the first."""
         return None if self.prefetch is None else self.prefetch.progress()
 
@@ -327,6 +330,22 @@ class LoaderPrefetch:
         """Stops the current epoch's prefetch."""
         if self.prefetch is not None:
             self.prefetch.stop()
+
+
+# The datasets that `tierstore.torch.prefetching` wrapped: their loaders' epochs are prefetched already.
+_explicit: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def prefetched_explicitly(dataset: Any) -> None:
+    """Leaves the loaders over `dataset` to the explicit prefetch that wrapped it."""
+    _explicit.add(dataset)
+
+
+def _wrapped_explicitly(dataset: Any) -> bool:
+    try:
+        return dataset in _explicit
+    except TypeError:
+        return False  # not hashable or not weakly referable: never a dataset tierstore wrapped
 
 
 # The loaders' prefetches, by loader; None where a loader has none (and why was said once).
@@ -370,9 +389,7 @@ def _make(loader: Any) -> LoaderPrefetch | None:
         _say(f"{name}: no sampler-aware prefetch: an iterable dataset has no sampler order")
         return None
     dataset = loader.dataset
-    from tierstore.torch import _MarkReads
-
-    if isinstance(dataset, _MarkReads):
+    if _wrapped_explicitly(dataset):
         return None  # tierstore.torch.prefetching already prefetches this loader's epochs
     if loader.num_workers == 0 and _shim_loaded():
         # The reads would go through the shim's engine in this very process, whose POSIX fetch locks this

@@ -13,11 +13,12 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tierstore import _core
 from tierstore._file import CachedFile
 from tierstore.learned_order import opened as _opened
+from tierstore.types import CacheConfig, CacheStats, PrefetchProgress, Setting
 
 if TYPE_CHECKING:
     from tierstore.order import OrderPrefetch
@@ -192,7 +193,7 @@ class Cache:
         progress: bool | None = None,
         wait: bool = True,
         jobs: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> PrefetchProgress:
         """Warms the cache with files and directories (walked recursively), many at a time.
 
         Directories are listed concurrently and up to `jobs` files are fetched at once, so a store's
@@ -207,8 +208,9 @@ class Cache:
             jobs: Files (and directory listings) in flight at once, 1 to 1024; default 32.
 
         Returns:
-            Counts: files_total, files_done, files_copied, files_failed, bytes_total, bytes_done,
-            first_error (None if none) and errors (every problem, up to 1000, each naming its file).
+            Counts (`tierstore.types.PrefetchProgress`): files_total, files_done, files_copied,
+            files_failed, bytes_total, bytes_done, first_error (None if none) and errors (every problem, up
+            to 1000, each naming its file).
 
         Raises:
             ValueError: `jobs` is not a whole number from 1 to 1024.
@@ -264,9 +266,10 @@ class Cache:
         check_jobs(jobs)
         return OrderPrefetch(self._core.prefetch_order(list(paths), n, jobs))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         """Every counter, node-wide: `source` (opens, stats, reads, bytes_read, fallbacks, uncached) and
-        `tiers` (hits, misses, bytes_served, entries, bytes_used, evictions, faults, … per tier)."""
+        `tiers` (hits, misses, bytes_served, entries, bytes_used, evictions, faults, … per tier); every key
+        is in `tierstore.types.CacheStats`."""
         return self._core.stats()
 
     def reset_counters(self) -> None:
@@ -281,18 +284,22 @@ class Cache:
         """Removes every cached copy of this source from every tier."""
         self._core.clear()
 
-    def config(self) -> dict[str, tuple[Any, str]]:
-        """The effective configuration: {key: (value, where it came from)}."""
+    def config(self) -> CacheConfig:
+        """The effective configuration: {key: (value, where it came from)} (`tierstore.types.CacheConfig`)."""
         return self._core.config()
 
     def __repr__(self) -> str:
         return f"tierstore.Cache(source={self.source!r})"
 
 
-# The settings a keyword of Cache and a variable both set, one value each: handed to an agent as they are.
-# `source`, `tiers`, `config` and the object store's table are handed over by _agent_env's own rules.
+# The settings a keyword of Cache and a variable both set, one value each, as (keyword, variable): handed
+# to an agent as they are. `source`, `tiers`, `config` and the object store's table are handed over by
+# _agent_env's own rules.
 _ARGUMENT_VARIABLES = tuple(
-    s for s in _core.SETTINGS if s["argument"] and s["env"] and s["type"] not in ("section", "json", "path")
+    (s["argument"], s["env"])
+    # The stub gives the rows as plain dicts (see _core.pyi); each is a Setting.
+    for s in cast("tuple[Setting, ...]", _core.SETTINGS)
+    if s["argument"] and s["env"] and s["type"] not in ("section", "json", "path")
 )
 
 
@@ -310,9 +317,9 @@ def _agent_env(args: tuple[Any, Any, dict[str, Any]]) -> dict[str, str]:
         )
     # Each other keyword of one value that a variable also sets (policy, threads, ...), as the settings
     # table pairs them.
-    for setting in _ARGUMENT_VARIABLES:
-        if kwargs.get(setting["argument"]) is not None:
-            env[setting["env"]] = str(kwargs[setting["argument"]])
+    for keyword, variable in _ARGUMENT_VARIABLES:
+        if kwargs.get(keyword) is not None:
+            env[variable] = str(kwargs[keyword])
     if kwargs.get("config") is not None:
         env["TIERSTORE_CONFIG"] = os.path.abspath(os.fspath(kwargs["config"]))
     # The object store's settings given here, over any the environment gives (the agent reads them as a
@@ -334,7 +341,7 @@ def effective_config(
     s3: Mapping[str, Any] | None = None,
     object_store: Mapping[str, Any] | None = None,
     **values: Any,
-) -> dict[str, tuple[Any, str]]:
+) -> CacheConfig:
     """The configuration `Cache(source, tiers, ...)` would open with, as `{key: (value, origin)}`, without
     opening the cache: no store is asked, no credential read, no job token made (`tierstore config show`)."""
     given = {"source": source, **values}
@@ -493,11 +500,11 @@ def prefetch(
     progress: bool | None = None,
     wait: bool = True,
     jobs: int | None = None,
-) -> dict[str, Any]:
+) -> PrefetchProgress:
     """Warms the default cache (see `Cache.prefetch`)."""
     return default_cache().prefetch(paths, progress=progress, wait=wait, jobs=jobs)
 
 
-def stats() -> dict[str, Any]:
+def stats() -> CacheStats:
     """Counters of the default cache (see `Cache.stats`)."""
     return default_cache().stats()

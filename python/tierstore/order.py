@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from tierstore import _core
+from tierstore.types import OrderProgress
 
 
 def parse_budget(budget: int | str) -> int:
@@ -69,12 +70,12 @@ class OrderPrefetch:
         """Records that every file before `position` has been read."""
         self._core.advance(position)
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> OrderProgress:
         """Counts so far.
 
         Returns:
-            files_total, files_done, files_fetched (copied from the store by this prefetch),
-            bytes_fetched, files_cached (found cached or being fetched by another process),
+            `tierstore.types.OrderProgress`: files_total, files_done, files_fetched (copied from the store
+            by this prefetch), bytes_fetched, files_cached (found cached or being fetched by another process),
             files_read_first (read before the prefetch reached them), files_failed, files_no_room (left to
             their readers: the tiers had no room, even after letting go of copies the epoch had read; not an
             error, expected of a data set larger than the tiers), bytes_ahead (fetched,

@@ -18,7 +18,10 @@ from typing import Any
 
 import torch.utils.data
 
+from tierstore import _core
+from tierstore.auto_order import LoaderPrefetch, flat, prefetched_explicitly
 from tierstore.cache import Cache, PathLike, default_cache
+from tierstore.types import OrderProgress
 
 
 def _read_all(f: Any) -> bytes:
@@ -220,8 +223,6 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         marks_path: str,
         jobs: int | None = None,
     ) -> None:
-        from tierstore.auto_order import LoaderPrefetch
-
         self.sampler = sampler
         self.marks_path = marks_path
         self.epochs = LoaderPrefetch(
@@ -234,7 +235,7 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         return self.epochs.tag
 
     @property
-    def prefetch(self) -> Any:
+    def prefetch(self) -> _core.OrderPrefetch | None:
         """The current epoch's ordered prefetch (`tierstore.order.OrderPrefetch`'s core), None before."""
         return self.epochs.prefetch
 
@@ -246,13 +247,11 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Any:
-        from tierstore.auto_order import flat
-
         order = list(iter(self.sampler))  # every RNG draw the epoch makes, in the same order
         self.epochs.start(flat(order))
         yield from order
 
-    def progress(self) -> dict[str, Any] | None:
+    def progress(self) -> OrderProgress | None:
         """The current epoch's prefetch progress (see `OrderPrefetch.progress`), None before the first."""
         return self.epochs.progress()
 
@@ -324,6 +323,7 @@ def prefetching(
         ) from e
     marks_path = cache._core.create_read_marks(size + 1)
     marked = _MarkReads(dataset, marks_path)
+    prefetched_explicitly(marked)
     custom_batches = loader.batch_size is None and loader.batch_sampler is not None
     wrapped = OrderedSampler(
         loader.batch_sampler if custom_batches else loader.sampler, path_of, cache, n, marks_path, jobs

@@ -27,6 +27,7 @@ import time
 from typing import IO, Any
 
 from tierstore import _core
+from tierstore.types import WritebackPending
 
 PathLike = str | os.PathLike[str]
 
@@ -258,7 +259,7 @@ def sync(path: PathLike | None = None, timeout: float | None = None) -> None:
     wb.sync(None if path is None else os.fspath(path), timeout)
 
 
-def pending(path: PathLike | None = None) -> list[dict[str, Any]]:
+def pending(path: PathLike | None = None) -> list[WritebackPending]:
     """What waits for migration, per destination: path, stage, files, bytes, oldest_ns (when the oldest
     pending file was closed, ns since the epoch), errors [(file, attempts, last error)]."""
     return _writeback().pending(None if path is None else os.fspath(path))

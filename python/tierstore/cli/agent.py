@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from tierstore.cli.main import main, socket_option
+from tierstore.types import ClusterConfig
 
 
 @main.group()
@@ -117,18 +118,17 @@ def check_ports(make: Any, settings: dict[str, Any]) -> None:
     taken = "the port is in use (by another agent of this node, or another program): stop that, or"
     listen = settings.get("listen")
     if listen is None:
+        cluster: ClusterConfig | None
         try:
-            cluster = make().config().get("cluster")
+            cluster = make().config()["cluster"][0]
         except click.ClickException:
             cluster = None  # no cache configured: the agent reports what it needs
-        view = cluster[0] if cluster else {}
-        if view.get("sharing", "off") != "off":
-            origins = view.get("origins", {})
-            listen = f"{view['listen']}:{view['port']}"
+        if cluster is not None and cluster["sharing"] != "off":
+            listen = f"{cluster['listen']}:{cluster['port']}"
             if _in_use(listen):
                 raise click.ClickException(
                     f"cannot listen on {listen} for peers: {taken} give another port with [cluster] port or "
-                    f"$TIERSTORE_PORT (now from {origins.get('port', 'default')}), or --listen ADDR:PORT"
+                    f"$TIERSTORE_PORT (now from {cluster['origins']['port']}), or --listen ADDR:PORT"
                 )
     elif _in_use(listen):
         host = listen.rpartition(":")[0]

@@ -11,9 +11,10 @@ from typing import Any
 import click
 
 from tierstore import _core
-from tierstore.cache import check_jobs
+from tierstore.cache import Cache, check_jobs
 from tierstore.cli.main import human, main, os_error
 from tierstore.cli.writeback import print_writeback, writeback_status
+from tierstore.types import CacheConfig, ClusterConfig, TierConfig
 
 
 @main.command()
@@ -39,7 +40,7 @@ def prefetch(make: Any, paths: tuple[str, ...], progress: bool, jobs: int | None
         check_jobs(jobs)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--jobs") from e
-    cache = make()
+    cache: Cache = make()
     cluster = cache.config().get("cluster")
     if cluster is not None:
         from tierstore import agent as agent_mod
@@ -91,7 +92,7 @@ def status(make: Any, as_json: bool) -> None:
     its last epoch's prefetch did."""
     writeback = writeback_status(make)
     try:
-        cache = make()
+        cache: Cache = make()
     except click.ClickException:
         if not writeback:  # a job that only writes back has no source
             raise
@@ -99,7 +100,8 @@ def status(make: Any, as_json: bool) -> None:
         return
     stats = cache.stats()
     config = cache.config()
-    stats["revalidate"] = config["revalidate"][0]
+    # The counters, and what else the command shows: printed whole by --json.
+    report: dict[str, Any] = {**stats, "revalidate": config["revalidate"][0]}
     cluster = config.get("cluster")
     if cluster is not None and cluster[0].get("sharing", "off") != "off":
         from tierstore import agent as agent_mod
@@ -114,18 +116,18 @@ def status(make: Any, as_json: bool) -> None:
                 local = None  # not this user's agent: its members are not to be believed
             known = json.loads(local)["members"] if local else []
             members = sorted({cluster[0]["node"], *(m["address"] for m in known)})
-        stats["cluster"] = {
+        report["cluster"] = {
             "sharing": cluster[0]["sharing"],
             "registry": cluster[0].get("registry"),
             "members": agent_mod.cluster_status(members, env),
         }
     if writeback:
-        stats["writeback"] = writeback
+        report["writeback"] = writeback
     from tierstore import prefetch_report
 
-    stats["loaders"] = prefetch_report.read_all(cache._core.order_dir())
+    report["loaders"] = prefetch_report.read_all(cache._core.order_dir())
     if as_json:
-        click.echo(json.dumps(stats, indent=2))
+        click.echo(json.dumps(report, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -164,7 +166,7 @@ def status(make: Any, as_json: bool) -> None:
     checked = {
         "always": "every open asks the store",
         "never": "copies are trusted, the store is never asked",
-    }.get(stats["revalidate"], f"a copy confirmed within {stats['revalidate']} is trusted")
+    }.get(report["revalidate"], f"a copy confirmed within {report['revalidate']} is trusted")
     source = Table(title=f"source {s['path']}", title_justify="left")
     for col in ("opens", "stats", "reads", "bytes read", "fallbacks", "uncached opens"):
         source.add_column(col, justify="right")
@@ -180,14 +182,14 @@ def status(make: Any, as_json: bool) -> None:
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(tiers)
     console.print(source)
-    console.print(f"revalidate {stats['revalidate']}: {checked}", soft_wrap=True)
-    if stats["loaders"]:
-        console.print(loaders_table(stats["loaders"]))
+    console.print(f"revalidate {report['revalidate']}: {checked}", soft_wrap=True)
+    if report["loaders"]:
+        console.print(loaders_table(report["loaders"]))
     for t in stats["tiers"]:
         if t["error"]:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
-    if "cluster" in stats:
-        c = stats["cluster"]
+    if "cluster" in report:
+        c = report["cluster"]
         table = Table(title=f"cluster ({c['sharing']})", title_justify="left")
         for col in (
             "member",
@@ -294,11 +296,13 @@ def config_show(make: Any, as_json: bool) -> None:
     It reads the configuration only: it asks no store, reads no credential and makes no job token
     (`tierstore status` opens the cache and says what is wrong with the source).
     """
-    cfg = make.settings()
-    cluster = cfg.get("cluster")
-    if cluster is not None and cluster[0].get("registry"):
+    config: CacheConfig = make.settings()
+    registry = config["cluster"][0]["registry"]
+    if registry:
         # A Redis URL may carry the server's password: shown as ***, like every secret here.
-        cluster[0]["registry"] = without_password(cluster[0]["registry"])
+        config["cluster"][0]["registry"] = without_password(registry)
+    # Each key as (value, origin), and the settings of the store the source is on.
+    cfg: dict[str, Any] = {**config}
     config_file = make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG")
     if cfg["source"][0].startswith("s3://"):
         cfg["s3"] = s3_settings(config_file)
@@ -310,29 +314,12 @@ def config_show(make: Any, as_json: bool) -> None:
     width = max(len(k) for k in cfg)
     for key, (value, origin) in cfg.items():
         if key == "tiers":
+            tiers: list[TierConfig] = value
             click.echo(f"{key:<{width}}  (from {origin})")
-            for i, t in enumerate(value):
+            for i, t in enumerate(tiers):
                 click.echo(f"  [{i}] {t['path']}  quota {human(t['quota'])}  {t['kind']}")
         elif key == "cluster":
-            click.echo(f"{key:<{width}}  sharing {value['sharing']}  (from {origin})")
-            came = value.get("origins", {})
-            node = f"  this node: {value['node']}  (from {_node_origin(came.get('node', 'default'))})"
-            if value["sharing"] != "off" and value.get("registry") and not value["members"]:
-                click.echo(
-                    f"  members: whoever registers in {value['registry']} as job {value['job']!r}  "
-                    f"(registry from {came.get('registry')}, job from {came.get('job')})"
-                )
-                click.echo(node)
-            elif value["sharing"] != "off":
-                members = value["members"]
-                shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
-                click.echo(f"  {len(members)} members: {shown}  (from {came.get('peers')})")
-                click.echo(node)
-                frames = "encrypted" if value.get("encrypt") else "tagged, not encrypted"
-                click.echo(
-                    f"  agents listen on {value['listen']}:{value['port']}, token {value['token_file']}, "
-                    f"frames {frames}"
-                )
+            _echo_cluster(value, origin, width)
         elif key == "object_store":
             click.echo(f"{key:<{width}}  {cfg['source'][0]}  (from {origin})")
             pad = max(len(k) for k in value["origins"])
@@ -350,6 +337,29 @@ def config_show(make: Any, as_json: bool) -> None:
         else:
             shown = human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
+
+
+def _echo_cluster(cluster: ClusterConfig, origin: str, width: int) -> None:
+    """The `cluster` lines of `config show`: how the nodes share, who the members are, this node."""
+    click.echo(f"{'cluster':<{width}}  sharing {cluster['sharing']}  (from {origin})")
+    came = cluster["origins"]
+    node = f"  this node: {cluster['node']}  (from {_node_origin(came['node'])})"
+    if cluster["sharing"] != "off" and cluster["registry"] and not cluster["members"]:
+        click.echo(
+            f"  members: whoever registers in {cluster['registry']} as job {cluster['job']!r}  "
+            f"(registry from {came['registry']}, job from {came['job']})"
+        )
+        click.echo(node)
+    elif cluster["sharing"] != "off":
+        members = cluster["members"]
+        shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+        click.echo(f"  {len(members)} members: {shown}  (from {came['peers']})")
+        click.echo(node)
+        frames = "encrypted" if cluster["encrypt"] else "tagged, not encrypted"
+        click.echo(
+            f"  agents listen on {cluster['listen']}:{cluster['port']}, token {cluster['token_file']}, "
+            f"frames {frames}"
+        )
 
 
 def without_password(url: str) -> str:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 import click
 
 import tierstore
 from tierstore import _core
 from tierstore.cache import Cache, effective_config
+from tierstore.types import Setting
 
 T = TypeVar("T")
 
@@ -34,9 +35,18 @@ def os_error(e: OSError) -> str:
     return f"{os.fsdecode(e.filename)}: {what[:1].lower()}{what[1:]}"
 
 
-def _setting(name: str) -> dict[str, Any]:
+def _setting(name: str) -> Setting:
     """The setting `name` of the settings table (`_core.SETTINGS`): what its option takes and says."""
-    return next(s for s in _core.SETTINGS if s["name"] == name)
+    # The stub gives the rows as plain dicts (see _core.pyi); each is a Setting.
+    return cast(Setting, next(s for s in _core.SETTINGS if s["name"] == name))
+
+
+def _choices(name: str) -> list[str]:
+    """The words the setting `name` takes, for its option's `click.Choice`."""
+    choices = _setting(name)["choices"]
+    if choices is None:
+        raise TypeError(f"the setting {name} is not a choice in the settings table (config/settings.rs)")
+    return choices
 
 
 # The level of $TIERSTORE_LOG each -v asks for.
@@ -64,7 +74,7 @@ VERBOSITY = ("info", "debug", "trace")
     metavar="PATH[:QUOTA]",
     help="A cache tier, fastest first; repeat for more (overrides the file and $TIERSTORE_TIERS).",
 )
-@click.option("--policy", type=click.Choice(_setting("policy")["choices"]), help=_setting("policy")["doc"])
+@click.option("--policy", type=click.Choice(_choices("policy")), help=_setting("policy")["doc"])
 @click.option(
     "-v",
     "--verbose",

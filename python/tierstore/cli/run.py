@@ -153,7 +153,9 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
         raise click.ClickException(f"cannot run {command[0]!r}: {e.strerror}") from e
 
 
-def _run_ordered(cache: Any, order: Path, budget: str, command: tuple[str, ...], env: dict[str, str]) -> int:
+def _run_ordered(
+    cache: Cache, order: Path, budget: str, command: tuple[str, ...], env: dict[str, str]
+) -> int:
     """Runs `command` as a child while this process prefetches the files of `order` ahead of its reads.
 
     The child's opens (through the shim, in any of its processes) mark what they read in the prefetch's

@@ -12,9 +12,16 @@ import click
 
 from tierstore import _core
 from tierstore.cli.main import human, main
+from tierstore.types import WritebackPending
 
 
-def writeback_status(make: Any) -> list[dict[str, Any]]:
+class WritebackRow(WritebackPending):
+    """A destination's row of `tierstore status`: what waits, and for how long."""
+
+    oldest_age_s: float | None  # seconds since the oldest pending file was closed
+
+
+def writeback_status(make: Any) -> list[WritebackRow]:
     """What waits for migration per write-back destination ([] when none is configured)."""
 
     saved = dict(os.environ)
@@ -29,12 +36,15 @@ def writeback_status(make: Any) -> list[dict[str, Any]]:
         os.environ.clear()
         os.environ.update(saved)
     now = time.time_ns()
-    for r in rows:
-        r["oldest_age_s"] = None if r["oldest_ns"] is None else round((now - r["oldest_ns"]) / 1e9, 3)
-    return rows
+    return [
+        WritebackRow(
+            **r, oldest_age_s=None if r["oldest_ns"] is None else round((now - r["oldest_ns"]) / 1e9, 3)
+        )
+        for r in rows
+    ]
 
 
-def print_writeback(rows: list[dict[str, Any]], as_json: bool) -> None:
+def print_writeback(rows: list[WritebackRow], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"writeback": rows}, indent=2))
         return
