@@ -21,9 +21,7 @@ __all__ = [
     "DEFAULT_PREFETCH_JOBS",
     "MAX_PREFETCH_JOBS",
     "REPOSITORY_FORMAT",
-    "S3_KEYS",
     "SETTINGS",
-    "STORE_DEFAULTS",
     "STORE_KEYS",
     "VALUE_KEYWORDS",
     "AgentLink",
@@ -64,9 +62,7 @@ __version__: str
 DEFAULT_PREFETCH_JOBS: int
 MAX_PREFETCH_JOBS: int
 REPOSITORY_FORMAT: int  # the format of a model repository's manifests and marker
-S3_KEYS: tuple[str, ...]  # the short keys of an s3:// source's table ([s3]), in the reference's order
 STORE_KEYS: tuple[str, ...]  # tierstore's own keys of the [object_store] table, for every kind of store
-STORE_DEFAULTS: dict[str, str]  # the defaults of STORE_KEYS, as the reference writes them
 # Every setting (crates/tierstore-core/src/config/settings.rs), in the reference's order, each a
 # `tierstore.types.Setting`. Plain dicts here: stubtest checks a constant against its runtime value and
 # cannot take a dict inside a tuple for a TypedDict. Readers cast the rows, and tests/cache/test_types.py

@@ -343,7 +343,7 @@ def effective_config(
     **values: Any,
 ) -> CacheConfig:
     """The configuration `Cache(source, tiers, ...)` would open with, as `{key: (value, origin)}`, without
-    opening the cache: no store is asked, no credential read, no job token made (`tierstore config show`)."""
+    opening the cache: no store is asked, no credential printed, no job token made (`tierstore config show`)."""
     given = {"source": source, **values}
     settings = {k: v for k, v in given.items() if v is not None}
     return _core.effective_config(**_core_arguments(tiers, settings, config, s3, object_store))

@@ -15,7 +15,7 @@ The dicts are built in Rust (`crates/tierstore-py/src/lib.rs` and `writeback.rs`
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias, TypedDict, TypeVar
+from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 __all__ = [
     "CacheConfig",
@@ -173,9 +173,7 @@ class ClusterConfig(TypedDict):
     origins: ClusterOrigins
 
 
-class CacheConfig(TypedDict):
-    """What `Cache.config()` and `tierstore.cache.effective_config` return: each key with its origin."""
-
+class _ConfigOfEverySource(TypedDict):
     source: Sourced[str]
     tiers: Sourced[list[TierConfig]]
     policy: Sourced[str]
@@ -184,6 +182,15 @@ class CacheConfig(TypedDict):
     verify: Sourced[Literal["metadata", "checksum"]]
     revalidate: Sourced[str]  # "always", "never", or how long a confirmed copy is trusted ("60s")
     cluster: Sourced[ClusterConfig]
+
+
+class CacheConfig(_ConfigOfEverySource, total=False):
+    """What `Cache.config()` and `tierstore.cache.effective_config` return: each key with its origin."""
+
+    # Only for an object store source: each setting it is reached with (a secret as "set" or "not set"; a
+    # count as a number, anything else as text) and, under "origins", where each came from; with where
+    # the store's table came from.
+    object_store: Sourced[dict[str, Any]]
 
 
 class WritebackDestination(TypedDict):

@@ -64,7 +64,7 @@ def test_config_show_shows_the_object_store_variable_the_engine_uses(tmp_path: P
     assert shown["region"] == f"region             eu-west-1  (from {config})"
     assert shown["secret_access_key"] == "secret_access_key  set  (from $TIERSTORE_OBJECT_STORE)"
     as_json = json.loads(run_tierstore(*base, "--json", env=env).stdout)
-    assert as_json["s3"]["from"] == f"$TIERSTORE_OBJECT_STORE, {config}"
+    assert as_json["object_store"]["from"] == f"$TIERSTORE_OBJECT_STORE, {config}"
 
 
 def test_config_show_of_another_store_shows_the_variable_too(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""`tierstore config show` of an object store source (s3://, and gs:// for the others): the settings it is reached with (the `[s3]` table, the AWS
+"""`tierstore config show` of an object store source (s3://, and gs:// for the others): the settings it is
+reached with as the engine resolves them (`StoreConfig::shown`: the `[s3]` or `[object_store]` table, the AWS
 variables, the profile files, the defaults), each with where it came from; credentials only as set or not
 set. No server is needed: nothing is sent to the store until a file is read."""
 
@@ -11,7 +12,18 @@ from pathlib import Path
 
 from tests.docs.test_docs_reference import CONFIGURATION, sections
 from tests.helpers.cli import tierstore
-from tierstore.cli.cache import S3_DEFAULTS, S3_SHOWN
+from tierstore import _core
+
+# What an s3:// source with no other option keys shows, in order: the AWS settings, then tierstore's own keys.
+S3_SHOWN = (
+    "endpoint",
+    "region",
+    "profile",
+    "access_key_id",
+    "secret_access_key",
+    "session_token",
+    *_core.STORE_KEYS,
+)
 
 SECRET = "secret-value-never-printed"
 TOKEN = "token-value-never-printed"
@@ -63,7 +75,9 @@ def test_config_show_prints_the_s3_table_and_hides_the_credentials(tmp_path: Pat
         TIERSTORE_CONFIG=str(config),
     )
     text, shown = show(tmp_path, env=env)
-    assert re.search(r"^s3\s+s3://bucket/train\s+\(from " + re.escape(str(config)) + r"\)$", text, re.M), text
+    assert re.search(
+        r"^object_store\s+s3://bucket/train\s+\(from " + re.escape(str(config)) + r"\)$", text, re.M
+    ), text
     assert line(text, "endpoint") == f"endpoint           http://127.0.0.1:8333  (from {config})"
     assert line(text, "region") == f"region             eu-west-1  (from {config})"
     assert line(text, "access_key_id") == f"access_key_id      set  (from {config})"
@@ -73,8 +87,9 @@ def test_config_show_prints_the_s3_table_and_hides_the_credentials(tmp_path: Pat
     assert line(text, "timeout") == f"timeout            10s  (from {config})"
     assert line(text, "connect_timeout") == "connect_timeout    5s  (from default)"
     assert line(text, "profile") == "profile            default  (from default)"
-    s3 = shown["s3"]
+    s3 = shown["object_store"]
     assert s3["from"] == str(config)
+    assert list(s3["value"]["origins"]) == list(S3_SHOWN)
     assert {k: s3["value"][k] for k in S3_SHOWN} == {
         "endpoint": "http://127.0.0.1:8333",
         "region": "eu-west-1",
@@ -106,7 +121,7 @@ def test_config_show_s3_from_the_variables_and_the_profile(tmp_path: Path) -> No
     source = ("--source", "s3://bucket/train")
 
     text, shown = show(tmp_path, *source, env=environment(tmp_path, AWS_PROFILE="train", **files))
-    assert shown["s3"]["from"] == "default"  # no [s3] table
+    assert shown["object_store"]["from"] == "default"  # no [s3] table
     assert line(text, "profile") == "profile            train  (from $AWS_PROFILE)"
     assert line(text, "region") == f"region             ap-south-1  (from profile train of {aws / 'config'})"
     assert (
@@ -137,23 +152,26 @@ def test_config_show_s3_from_the_variables_and_the_profile(tmp_path: Path) -> No
     assert line(text, "access_key_id") == "access_key_id      set  (from $AWS_ACCESS_KEY_ID)"
     assert line(text, "secret_access_key") == "secret_access_key  set  (from $AWS_SECRET_ACCESS_KEY)"
     assert line(text, "session_token") == "session_token      not set  (from default)"
-    assert shown["s3"]["value"]["session_token"] == "not set"
+    assert shown["object_store"]["value"]["session_token"] == "not set"
 
 
 def test_config_show_prints_no_s3_settings_for_a_directory(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     text, shown = show(tmp_path, "--source", str(tmp_path / "data"), env=environment(tmp_path))
-    assert "s3" not in shown and not re.search(r"^s3\s", text, re.M)
+    assert "object_store" not in shown and not re.search(r"^object_store\s", text, re.M)
 
 
-def test_the_s3_defaults_config_show_prints_are_the_references() -> None:
+def test_the_defaults_config_show_prints_are_the_references(tmp_path: Path) -> None:
+    _, shown = show(tmp_path, "--source", "s3://bucket/train", env=environment(tmp_path))
+    store = shown["object_store"]["value"]
+    defaults = {k: store[k] for k in _core.STORE_KEYS if store["origins"][k] == "default"}
+    assert set(defaults) == set(_core.STORE_KEYS)
     rows = {}
     for row in sections(CONFIGURATION)["[s3]"].splitlines():
         cells = [c.strip() for c in row.split("|")[1:-1]]
         if len(cells) == 4 and cells[0].startswith("`"):
             rows[cells[0].strip("`")] = cells[2]
-    assert set(S3_DEFAULTS) <= set(rows)
-    for key, default in S3_DEFAULTS.items():
+    for key, default in defaults.items():
         assert rows[key] == (f'`"{default}"`' if isinstance(default, str) else f"`{default}`"), (
             key,
             rows[key],
@@ -182,7 +200,7 @@ def test_config_show_prints_the_object_store_table_of_another_store(tmp_path: Pa
     assert line(text, "timeout") == f"timeout                     10s  (from {config})"
     assert line(text, "retries") == "retries                     3  (from default)"
     assert shown["object_store"]["value"]["range_size"] == "8M"
-    assert "s3" not in shown
+    assert shown["object_store"]["from"] == str(config)
 
     config.write_text('source = "gs://bucket/train"\n[s3]\nregion = "x"\n')
     refused = tierstore(

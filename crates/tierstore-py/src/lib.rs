@@ -374,7 +374,7 @@ fn load_config(
 }
 
 /// The effective configuration of `Cache(...)` with these arguments, `{key: (value, origin)}`, without
-/// opening the cache: no store is asked, no credential read and no job token made (`tierstore config
+/// opening the cache: no store is asked, no credential printed and no job token made (`tierstore config
 /// show`); the configuration's own checks still make each tier's private directory.
 #[pyfunction]
 #[pyo3(signature = (*, config_file=None, tiers=None, settings=None, s3=None, object_store=None))]
@@ -428,7 +428,30 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     }
     cluster.set_item("origins", origins)?;
     out.set_item("cluster", (cluster, origin("cluster")))?;
+    if let Some(store) = &c.object_store {
+        out.set_item("object_store", store_dict(py, store)?)?;
+    }
     Ok(out)
+}
+
+/// An object store's settings as `config show` prints them (`StoreConfig::shown`): `({key: value, ...,
+/// "origins": {key: where}}, where the table came from)`, secrets as "set" or "not set".
+fn store_dict<'py>(
+    py: Python<'py>,
+    store: &tierstore_core::source::store_config::StoreConfig,
+) -> PyResult<(Bound<'py, PyDict>, String)> {
+    let shown = store.shown();
+    let (values, origins) = (PyDict::new(py), PyDict::new(py));
+    for s in &shown.settings {
+        match &s.value {
+            serde_json::Value::Number(n) => values.set_item(&s.key, n.as_u64())?,
+            serde_json::Value::String(text) => values.set_item(&s.key, text)?,
+            other => values.set_item(&s.key, other.to_string())?,
+        }
+        origins.set_item(&s.key, &s.origin)?;
+    }
+    values.set_item("origins", origins)?;
+    Ok((values, shown.came_from))
 }
 
 /// A file opened through the cache (wrapped by `tierstore.CachedFile`).
@@ -734,13 +757,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SETTINGS", settings_table(m.py())?)?;
     let keywords: Vec<&str> = settings::top_values().filter_map(|s| s.argument).collect();
     m.add("VALUE_KEYWORDS", pyo3::types::PyTuple::new(m.py(), keywords)?)?;
-    m.add("S3_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::S3))?)?;
     m.add("STORE_KEYS", pyo3::types::PyTuple::new(m.py(), settings::keys_of(Table::ObjectStore))?)?;
-    let defaults: BTreeMap<_, _> = settings::keys_of(Table::ObjectStore)
-        .into_iter()
-        .filter_map(|k| Some((k, settings::default_value(Table::ObjectStore, k)?)))
-        .collect();
-    m.add("STORE_DEFAULTS", defaults)?;
     error::register(m)
 }
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -293,7 +292,7 @@ def config() -> None:
 def config_show(make: Any, as_json: bool) -> None:
     """Print the effective configuration and where each value came from.
 
-    It reads the configuration only: it asks no store, reads no credential and makes no job token
+    It reads the configuration only: it asks no store, prints no credential and makes no job token
     (`tierstore status` opens the cache and says what is wrong with the source).
     """
     config: CacheConfig = make.settings()
@@ -301,13 +300,8 @@ def config_show(make: Any, as_json: bool) -> None:
     if registry:
         # A Redis URL may carry the server's password: shown as ***, like every secret here.
         config["cluster"][0]["registry"] = without_password(registry)
-    # Each key as (value, origin), and the settings of the store the source is on.
+    # Each key as (value, origin); an object store's settings as the engine resolves them.
     cfg: dict[str, Any] = {**config}
-    config_file = make.env.get("TIERSTORE_CONFIG") or os.environ.get("TIERSTORE_CONFIG")
-    if cfg["source"][0].startswith("s3://"):
-        cfg["s3"] = s3_settings(config_file)
-    elif "://" in cfg["source"][0]:
-        cfg["object_store"] = store_settings(config_file)
     if as_json:
         click.echo(json.dumps({k: {"value": v, "from": o} for k, (v, o) in cfg.items()}, indent=2))
         return
@@ -325,15 +319,6 @@ def config_show(make: Any, as_json: bool) -> None:
             pad = max(len(k) for k in value["origins"])
             for k, where in value["origins"].items():
                 click.echo(f"  {k:<{pad}}  {value[k]}  (from {where})")
-        elif key == "s3":
-            click.echo(f"{key:<{width}}  {cfg['source'][0]}  (from {origin})")
-            if value["table"] is None:
-                click.echo(
-                    f"  the [s3] table of {value['file']} is left out: reading it needs the tomli package"
-                )
-            pad = max(len(k) for k in S3_SHOWN)
-            for k in S3_SHOWN:
-                click.echo(f"  {k:<{pad}}  {value[k]}  (from {value['origins'][k]})")
         else:
             shown = human(value) if key == "inline_max" else value
             click.echo(f"{key:<{width}}  {shown}  (from {origin})")
@@ -374,179 +359,3 @@ def without_password(url: str) -> str:
 
 def _node_origin(origin: str) -> str:
     return "default: the host name" if origin == "default" else origin
-
-
-# The settings of an s3:// source that `config show` prints, in order, and the defaults of tierstore's own
-# keys: views of the settings table (crates/tierstore-core/src/config/settings.rs), which StoreConfig::parse
-# starts from.
-# A count is shown as the number it is in TOML (retries = 3), a duration or size as its text ("30s").
-S3_SHOWN: tuple[str, ...] = _core.S3_KEYS
-S3_DEFAULTS: dict[str, Any] = {k: int(v) if v.isdigit() else v for k, v in _core.STORE_DEFAULTS.items()}
-S3_CREDENTIALS = ("access_key_id", "secret_access_key", "session_token")
-
-
-def _toml_table(path: Path, name: str) -> dict[str, Any] | None:
-    """Table `name` of a TOML file ({} when it has none); None when no TOML reader is installed (Python
-    3.10 without tomli)."""
-    import importlib
-
-    for module in ("tomllib", "tomli"):
-        try:
-            toml = importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        with path.open("rb") as f:
-            table = toml.load(f).get(name, {})
-        return dict(table) if isinstance(table, dict) else {}
-    return None
-
-
-def _aws_profiles(path: Path) -> dict[str, dict[str, str]]:
-    """The sections of an AWS shared config or credentials file, as the S3 source reads them
-    (`read_aws_file`, crates/tierstore-core/src/source/object.rs): `[profile NAME]` or `[NAME]`, keys
-    lower-cased; {} for a file that cannot be read."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return {}
-    out: dict[str, dict[str, str]] = {}
-    section = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            name = line[1:-1].strip()
-            while name.startswith("profile "):
-                name = name[len("profile ") :]
-            section = name.strip()
-            continue
-        if "=" in line:
-            k, _, v = line.partition("=")
-            out.setdefault(section, {})[k.strip().lower()] = v.strip()
-    return out
-
-
-def _store_table(file: Path | None) -> dict[str, Any] | None:
-    """The store's table of a configuration file: `[object_store]` over `[s3]`, its older name; None when
-    no TOML reader is installed."""
-    if file is None:
-        return {}
-    old, new = _toml_table(file, "s3"), _toml_table(file, "object_store")
-    return None if old is None or new is None else {**old, **new}
-
-
-# The variable that lays `[object_store]` settings over the file's, as one JSON object (config/layers.rs).
-STORE_VARIABLE = "TIERSTORE_OBJECT_STORE"
-
-
-def _store_given(file: Path | None) -> tuple[dict[str, Any], dict[str, str], bool]:
-    """The store's settings as the engine layers them: the file's table, then $TIERSTORE_OBJECT_STORE over
-    it, key by key. Returns (the settings, where each came from, whether the file's table could be read:
-    False when no TOML reader is installed)."""
-    table = _store_table(file)
-    given = dict(table or {})
-    origins = dict.fromkeys(given, str(file))
-    try:
-        variable = json.loads(os.environ.get(STORE_VARIABLE) or "{}")
-    except ValueError:
-        variable = {}  # the engine has refused it already, naming the variable
-    for key, value in (variable if isinstance(variable, dict) else {}).items():
-        # As TOML would write it: a count as its number, a flag as true or false.
-        given[key] = json.dumps(value) if isinstance(value, bool) else value
-        origins[key] = f"${STORE_VARIABLE}"
-    return given, origins, table is not None
-
-
-def _came_from(origins: dict[str, str]) -> str:
-    """Where a store's settings came from as a whole: the file, the variable, both, or the defaults."""
-    return ", ".join(dict.fromkeys(sorted(origins.values()))) or "default"
-
-
-def store_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
-    """The settings a gs://, az:// or http(s):// source is reached with, as `config show` prints them: the
-    keys of the `[object_store]` table with $TIERSTORE_OBJECT_STORE over it (secrets as "set"), then
-    tierstore's own keys with their defaults.
-    The store's environment (GOOGLE_*, AZURE_*) is read by its client and not repeated here."""
-    path = Path(config_file) if config_file else Path("tierstore.toml")
-    file = path.absolute() if path.exists() else None
-    given, came, _ = _store_given(file)
-    settings: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-    for key, value in given.items():
-        settings[key] = "set" if _core.is_secret(key) else value
-        origins[key] = came[key]
-    for key, default in S3_DEFAULTS.items():
-        if key not in given:
-            settings[key], origins[key] = default, "default"
-    settings["origins"] = origins
-    return settings, _came_from(came)
-
-
-def s3_settings(config_file: str | None) -> tuple[dict[str, Any], str]:
-    """The settings an s3:// source is reached with and where each came from, as the source resolves them
-    (ObjectSource::new): the `[s3]` table of the configuration file with $TIERSTORE_OBJECT_STORE over it,
-    then the AWS variables, then the
-    profile's section of the AWS shared files, then the defaults. Credentials are "set" or "not set",
-    never their value. Returns (settings with their "origins", where the table came from)."""
-    path = Path(config_file) if config_file else Path("tierstore.toml")
-    file = path.absolute() if path.exists() else None
-    given, came, readable = _store_given(file)
-
-    def env(name: str) -> str | None:
-        return os.environ.get(name) or None
-
-    home = Path(os.environ.get("HOME", ""))
-    picked: dict[str, tuple[Any, str]] = {}
-    if "profile" in given:
-        picked["profile"] = (given["profile"], came["profile"])
-    elif env("AWS_PROFILE"):
-        picked["profile"] = (env("AWS_PROFILE"), "$AWS_PROFILE")
-    else:
-        picked["profile"] = ("default", "default")
-    profile = str(picked["profile"][0])
-    config_path = Path(env("AWS_CONFIG_FILE") or home / ".aws" / "config")
-    credentials_path = Path(env("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials")
-    conf = _aws_profiles(config_path).get(profile, {})
-    creds = _aws_profiles(credentials_path).get(profile, {})
-    keys_from_env = bool(env("AWS_ACCESS_KEY_ID") or env("AWS_SECRET_ACCESS_KEY"))
-
-    def first(
-        key: str, variables: tuple[str, ...], from_profile: tuple[dict[str, str], Path, str] | None
-    ) -> None:
-        if key in given:
-            picked[key] = (given[key], came[key])
-            return
-        for name in variables:
-            if env(name):
-                picked[key] = (env(name), f"${name}")
-                return
-        if from_profile is not None and from_profile[2] in from_profile[0]:
-            section, where, k = from_profile
-            picked[key] = (section[k], f"profile {profile} of {where}")
-
-    # [s3] endpoint is the client's S3 endpoint, before $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the profile's.
-    first(
-        "endpoint",
-        ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
-        (conf, config_path, "endpoint_url"),
-    )
-    first("region", ("AWS_REGION", "AWS_DEFAULT_REGION"), (conf, config_path, "region"))
-    picked.setdefault("region", ("us-east-1", "default"))
-    picked.setdefault("endpoint", (f"https://s3.{picked['region'][0]}.amazonaws.com", "default: AWS"))
-    for key, variables in (
-        ("access_key_id", ("AWS_ACCESS_KEY_ID",)),
-        ("secret_access_key", ("AWS_SECRET_ACCESS_KEY",)),
-        ("session_token", ("AWS_SESSION_TOKEN", "AWS_TOKEN")),
-    ):
-        # The profile's credentials count only when no key comes from the environment.
-        first(key, variables, None if keys_from_env else (creds, credentials_path, f"aws_{key}"))
-        value, origin = picked.get(key, (None, "default"))
-        picked[key] = ("not set" if value is None else "set", origin)
-    for key, default in S3_DEFAULTS.items():
-        picked[key] = (given[key], came[key]) if key in given else (default, "default")
-    settings: dict[str, Any] = {k: picked[k][0] for k in S3_SHOWN}
-    settings["origins"] = {k: picked[k][1] for k in S3_SHOWN}
-    settings["table"] = sorted(given) if readable else None
-    settings["file"] = None if file is None else str(file)
-    return settings, _came_from(came)

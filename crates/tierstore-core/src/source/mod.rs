@@ -36,7 +36,9 @@ use crate::index::SourceId;
 #[cfg(feature = "object-store")]
 pub mod object;
 pub mod posix;
+pub mod aws_profile;
 pub mod store_config;
+pub mod store_shown;
 
 #[cfg(feature = "object-store")]
 pub use object::{ObjectFile, ObjectSource};

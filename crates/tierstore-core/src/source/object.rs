@@ -22,7 +22,6 @@
 //! `[object_store]` `timeout` per try, `connect_timeout`), and failures the store calls transient (5xx, resets,
 //! time-outs) are retried `retries` times with capped exponential back-off and jitter.
 
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::ops::Range;
@@ -123,52 +122,6 @@ pub(super) const GCS_CLIENT: Client = Client { takes: |k| k.parse::<GoogleConfig
 pub(super) const AZURE_CLIENT: Client = Client { takes: |k| k.parse::<AzureConfigKey>().is_ok(), build: azure_store };
 pub(super) const HTTP_CLIENT: Client = Client { takes: |k| k.parse::<ClientConfigKey>().is_ok(), build: http_store };
 
-/// Reads an INI-style AWS file (`~/.aws/credentials`, `~/.aws/config`): section → key → value.
-fn read_aws_file(path: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
-    let mut out: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-    let Ok(text) = std::fs::read_to_string(path) else { return out };
-    let mut section = String::new();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.starts_with('#') || line.starts_with(';') || line.is_empty() {
-            continue;
-        }
-        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
-            section = name.trim().trim_start_matches("profile ").trim().to_string();
-            continue;
-        }
-        if let Some((k, v)) = line.split_once('=') {
-            out.entry(section.clone()).or_default().insert(k.trim().to_lowercase(), v.trim().to_string());
-        }
-    }
-    out
-}
-
-/// The settings of the AWS profile (`[object_store] profile`, `AWS_PROFILE`, else `default`) from the shared files,
-/// as `object_store` configuration keys.
-fn profile_settings(profile: Option<&str>) -> BTreeMap<String, String> {
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-    let file = |var: &str, default: &str| std::env::var_os(var).map_or_else(|| home.join(default), PathBuf::from);
-    let name = profile.map(str::to_string).or_else(|| std::env::var("AWS_PROFILE").ok()).unwrap_or("default".into());
-    let mut out = BTreeMap::new();
-    for (path, keys) in [
-        (file("AWS_CONFIG_FILE", ".aws/config"), &["region", "endpoint_url"][..]),
-        (
-            file("AWS_SHARED_CREDENTIALS_FILE", ".aws/credentials"),
-            &["aws_access_key_id", "aws_secret_access_key", "aws_session_token"][..],
-        ),
-    ] {
-        if let Some(section) = read_aws_file(&path).remove(&name) {
-            for k in keys {
-                if let Some(v) = section.get(*k) {
-                    out.insert(k.to_string(), v.clone());
-                }
-            }
-        }
-    }
-    out
-}
-
 /// The S3 client: the `[object_store]` table over the AWS variables over the profile files.
 fn s3_store(
     config: &StoreConfig,
@@ -176,7 +129,7 @@ fn s3_store(
     retry: RetryConfig,
 ) -> Built {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let profile = profile_settings(config.settings.get("profile").map(String::as_str));
+    let profile = super::aws_profile::profile_settings(config.settings.get("profile").map(String::as_str)).settings;
     // Precedence: the table, then the environment (read by `from_env`), then the profile files.
     let mut builder = AmazonS3Builder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
     let from_env = |keys: &[&str]| keys.iter().any(|k| env(k).is_some());

@@ -179,6 +179,9 @@ pub struct StoreConfig {
     pub prefix: String,
     /// Keys of the table that are the store's own options (or the short `[s3]` names): key → value.
     pub settings: BTreeMap<String, String>,
+    /// Every key of the table as it was given, tierstore's own keys included: its text, and where it was
+    /// set (a file, `$TIERSTORE_OBJECT_STORE`, an argument). What `config show` says of them.
+    pub given: BTreeMap<String, (String, Origin)>,
     /// The deadline of one request, body included; a dead server never holds a reader longer (per try).
     pub timeout: Duration,
     /// The deadline of connecting to the endpoint.
@@ -293,6 +296,7 @@ impl StoreConfig {
             account,
             prefix: prefix.to_string(),
             settings: BTreeMap::new(),
+            given: BTreeMap::new(),
             timeout: parse_duration(default_of("timeout")).expect("a duration"),
             connect_timeout: parse_duration(default_of("connect_timeout")).expect("a duration"),
             retries: default_of("retries").parse().expect("a count"),
@@ -351,6 +355,7 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
     for (k, (v, o, table)) in keys {
         let text = scalar(v);
         let key = format!("{table}.{k}");
+        c.given.insert(k.clone(), (text.clone(), o.clone()));
         match k.as_str() {
             "timeout" | "connect_timeout" => {
                 let d = parse_duration(&text).ok_or_else(|| {
