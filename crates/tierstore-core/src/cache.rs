@@ -71,9 +71,9 @@ pub use blocks::BLOCK as PART_BLOCK;
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
 pub use parts::Parts;
-pub use serve_parts::PartsServed;
-pub use serve::Served;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
+pub use serve::Served;
+pub use serve_parts::PartsServed;
 pub use stats::{SourceStats, Stats, TierStats};
 pub use trusted::Trusted;
 

@@ -171,7 +171,8 @@ impl Inner {
                 return None;
             }
         };
-        let listed_at = self.storage().lookup().directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
+        let listed_at =
+            self.storage().lookup().directories().and_then(|ix| ix.directory_confirmed(dkey).ok()).unwrap_or(0);
         if fresh(listed_at, within, now_ns()) {
             return None;
         }

@@ -208,7 +208,12 @@ impl Want for ForProgram {
 }
 
 impl Inner {
-    pub(super) fn new(storage: Arc<Storage>, fetcher: Arc<Fetcher>, peers: Option<Arc<Peers>>, blocks: Blocks) -> Inner {
+    pub(super) fn new(
+        storage: Arc<Storage>,
+        fetcher: Arc<Fetcher>,
+        peers: Option<Arc<Peers>>,
+        blocks: Blocks,
+    ) -> Inner {
         Inner {
             storage,
             fetcher,
@@ -338,9 +343,7 @@ impl Inner {
                     // 4. The owner's agent; 5. the store, under the node's fetch lock.
                     let fetched = match self.ask_peers(job, &mut known) {
                         Ok(fetched) => fetched,
-                        Err(job) => {
-                            self.lead_flight(FetchJob { purpose: fetches_for, ..job }, &mut known, &mut pre)?
-                        }
+                        Err(job) => self.lead_flight(FetchJob { purpose: fetches_for, ..job }, &mut known, &mut pre)?,
                     };
                     match want.on_fetch(fetched) {
                         Next::Opened(opened) => return Ok(opened),
@@ -421,10 +424,7 @@ impl Inner {
     /// of a published copy, and the caller takes the flight's bytes only if they are that version.
     fn follow(&self, flight: &Flight, rel: &str, seen: u64, known: &mut Option<SourceId>) -> Result<Outcome, Error> {
         let outcome = flight.wait();
-        if known.is_none()
-            && self.storage.config().revalidate == Revalidate::Always
-            && flight.delivered_before(seen)
-        {
+        if known.is_none() && self.storage.config().revalidate == Revalidate::Always && flight.delivered_before(seen) {
             *known = Some(self.storage.identify(rel)?);
         }
         Ok(outcome)

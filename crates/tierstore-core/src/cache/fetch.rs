@@ -80,7 +80,9 @@ impl Pending<'_> {
     /// Publishes the copy, whole and checked against version `sid` (with its blake3 `hash` when
     /// recorded), and lets its readers reach the end; false (counted) when it could not be.
     fn publish(&self, sid: SourceId, hash: Option<Hash>) -> bool {
-        if let Err(e) = self.fetcher.storage.lookup().tiers()[self.t].publish_copy(self.key, &self.temp, &self.file, sid, hash) {
+        if let Err(e) =
+            self.fetcher.storage.lookup().tiers()[self.t].publish_copy(self.key, &self.temp, &self.file, sid, hash)
+        {
             let tier_path = self.fetcher.storage.lookup().tiers()[self.t].config.path.display();
             self.fail(Some(("tier-write", format!("cannot publish a copy in {tier_path}: {e}"))));
             return false;
@@ -442,7 +444,11 @@ impl Fetcher {
             result
         });
         if let Err(e) = r {
-            self.storage.fault(Some(t), "tier-write", &format!("cannot write a copy into {}: {e}", tier.config.path.display()));
+            self.storage.fault(
+                Some(t),
+                "tier-write",
+                &format!("cannot write a copy into {}: {e}", tier.config.path.display()),
+            );
             self.abort(t, key);
         }
     }
@@ -485,21 +491,22 @@ impl Fetcher {
                 }
             }
         };
-        let (copied, after) = match self.storage.source().copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
-            Ok(x) => x,
-            Err(CopyFault::Source(e)) => {
-                // The store failed (timed out, went away): its readers fail with it now, rather than ask
-                // the store again and wait as long a second time. A tier fault, below, sends them to the
-                // source instead.
-                pending.fail_source(&e);
-                return Err(self.storage.error(rel, e));
-            }
-            Err(CopyFault::Tier(e)) => {
-                let tier_path = self.storage.lookup().tiers()[t].config.path.display();
-                pending.fail(Some(("tier-write", format!("cannot write a copy into {tier_path}: {e}"))));
-                return Ok(false);
-            }
-        };
+        let (copied, after) =
+            match self.storage.source().copy(&src, &pending.file, sid.size, hasher.as_mut(), &mut progress) {
+                Ok(x) => x,
+                Err(CopyFault::Source(e)) => {
+                    // The store failed (timed out, went away): its readers fail with it now, rather than ask
+                    // the store again and wait as long a second time. A tier fault, below, sends them to the
+                    // source instead.
+                    pending.fail_source(&e);
+                    return Err(self.storage.error(rel, e));
+                }
+                Err(CopyFault::Tier(e)) => {
+                    let tier_path = self.storage.lookup().tiers()[t].config.path.display();
+                    pending.fail(Some(("tier-write", format!("cannot write a copy into {tier_path}: {e}"))));
+                    return Ok(false);
+                }
+            };
         // A file rewritten during the copy is never published.
         if copied != sid.size || after != Some(sid) {
             pending.fail(None);

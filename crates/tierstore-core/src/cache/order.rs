@@ -34,8 +34,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::engine::Inner;
-use super::job::Fetched;
 use super::flight::{Lead, Role};
+use super::job::Fetched;
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
 use super::lookup::Look;
@@ -145,7 +145,11 @@ impl State {
 fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
     rels.iter()
         .map(|rel| {
-            inner.storage().lookup().published(&key_of(rel), rel).is_some_and(|e| inner.storage().trusted_now(&e) || left_to_reader(inner))
+            inner
+                .storage()
+                .lookup()
+                .published(&key_of(rel), rel)
+                .is_some_and(|e| inner.storage().trusted_now(&e) || left_to_reader(inner))
         })
         .collect()
 }

@@ -224,9 +224,9 @@ impl Peers {
         };
         let received = transfer.receive_into(Dest::Growing(&c.file, &mut usable));
         let kept = received.and_then(|hash| match (c.tier, &c.temp) {
-            (Some(t), Some(path)) => {
-                self.storage.lookup().tiers()[t].publish_copy(&c.key, path, &c.file, c.sid, Some(hash)).map_err(RemoteError::Sink)
-            }
+            (Some(t), Some(path)) => self.storage.lookup().tiers()[t]
+                .publish_copy(&c.key, path, &c.file, c.sid, Some(hash))
+                .map_err(RemoteError::Sink),
             _ => Ok(()),
         });
         match kept {

@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::engine::Inner;
-use super::job::Fetched;
 use super::flight::Role;
+use super::job::Fetched;
 use super::job::{FetchJob, Purpose};
 use super::lookup::Look;
 use crate::clock::now_ns;
@@ -481,8 +481,8 @@ impl Walk {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.storage().source().open(&rel),
         };
-        let identified =
-            opened.and_then(|f| inner.storage().source().identify_opened(&f, &rel).map(|(sid, is_dir)| (f, sid, is_dir)));
+        let identified = opened
+            .and_then(|f| inner.storage().source().identify_opened(&f, &rel).map(|(sid, is_dir)| (f, sid, is_dir)));
         let (file, sid, is_dir) = match identified {
             Ok(x) => x,
             Err(err) => {

@@ -84,7 +84,8 @@ impl<'a> Beneath<'a> {
     pub(super) fn open(&mut self) -> Result<&(SourceId, File), Error> {
         if self.opened.is_none() {
             let path = self.inner.storage().source().path_of(self.rel);
-            let posix = self.inner.storage().posix().ok_or_else(|| Error::io(&path, super::storage::no_descriptor()))?;
+            let posix =
+                self.inner.storage().posix().ok_or_else(|| Error::io(&path, super::storage::no_descriptor()))?;
             let file = posix.open_beneath(self.rel).map_err(|e| Error::io(&path, e))?;
             let (sid, is_dir) = posix.identify_file(&file, self.rel).map_err(|e| Error::io(&path, e))?;
             if is_dir {
@@ -275,8 +276,12 @@ impl Inner {
                 // whole-file path alone, not both).
                 if let Some(file) = self.storage().hit(&key, rel, &sid, look.take()).and_then(Reader::into_file) {
                     if beneath.vouches(&sid)? {
-                        let checksum =
-                            self.storage().lookup().published(&key, rel).filter(|e| e.source == sid).and_then(|e| e.checksum);
+                        let checksum = self
+                            .storage()
+                            .lookup()
+                            .published(&key, rel)
+                            .filter(|e| e.source == sid)
+                            .and_then(|e| e.checksum);
                         return Ok(Some(Served { file, identity: sid, checksum, copy: None }));
                     }
                 }
@@ -332,7 +337,11 @@ impl Inner {
         if let Ok(_guard) = self.fetcher().lock(&key) {
             self.fetcher().remove_entries(&key);
         }
-        self.storage().fault(None, "peer-damaged-copy", &format!("the copy of {rel} served to a peer was damaged; removed"));
+        self.storage().fault(
+            None,
+            "peer-damaged-copy",
+            &format!("the copy of {rel} served to a peer was damaged; removed"),
+        );
     }
 
     /// See [`Cache::check_served`](super::Cache::check_served).
@@ -359,5 +368,4 @@ impl Inner {
         self.drop_damaged(rel);
         Ok(true)
     }
-
 }

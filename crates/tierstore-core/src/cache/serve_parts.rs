@@ -40,7 +40,9 @@ impl PartsServed {
         let key = key_of(rel);
         let mut beneath = Beneath::new(inner, rel);
         if let Some(sid) = inner.known_identity(&key, rel)? {
-            if let Some(file) = inner.storage().hit(&key, rel, &sid, Look::Quiet).and_then(crate::reader::Reader::into_file) {
+            if let Some(file) =
+                inner.storage().hit(&key, rel, &sid, Look::Quiet).and_then(crate::reader::Reader::into_file)
+            {
                 if beneath.vouches(&sid)? {
                     let served =
                         PartsServed { identity: sid, from: From::Copy(file), rel: rel.into(), inner: inner.clone() };

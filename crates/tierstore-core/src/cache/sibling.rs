@@ -57,7 +57,8 @@ impl Inner {
             // On a POSIX source, the version the other process reserved its copy for: it reads the copy
             // from a descriptor of exactly that version, so a version vouched for is a file beneath the
             // source (and the copy of a file a local open reached through a symlink out of it never is).
-            let reserved = self.storage().lookup().tiers()[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
+            let reserved =
+                self.storage().lookup().tiers()[t].index.as_ref().ok().and_then(|ix| ix.lookup(&key).ok().flatten());
             let Some(sid) = reserved.filter(|e| !e.ready && e.rel == rel).map(|e| e.source) else {
                 return Ok(Err(lead));
             };

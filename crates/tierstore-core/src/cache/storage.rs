@@ -138,7 +138,10 @@ impl Storage {
 
 /// The error of asking a descriptor of a source that has none (an object store).
 pub(super) fn no_descriptor() -> io::Error {
-    io::Error::new(io::ErrorKind::Unsupported, "an object store has no file descriptors; read it through tierstore.open")
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        "an object store has no file descriptors; read it through tierstore.open",
+    )
 }
 
 /// An anonymous file in memory, read-only once written is up to its user (a program gets a descriptor).

@@ -139,7 +139,11 @@ impl<'a> Trusted<'a> {
                 return Ok(None);
             }
             let rel = self.storage.source().relative(path)?;
-            return Ok(self.storage.symlink(&rel).and_then(|l| l.resolved).map(|p| PathBuf::from(OsStr::from_bytes(&p))));
+            return Ok(self
+                .storage
+                .symlink(&rel)
+                .and_then(|l| l.resolved)
+                .map(|p| PathBuf::from(OsStr::from_bytes(&p))));
         };
         if e.source.attrs.is_some_and(|a| a.canonical) {
             return Ok(Some(self.storage.source().path_of(&rel)));
@@ -196,7 +200,8 @@ impl<'a> Trusted<'a> {
         if !self.records_metadata() {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path))
+        else {
             return;
         };
         self.storage.source().counters().add(src_slot::STATS, 1);
@@ -298,7 +303,8 @@ impl<'a> Trusted<'a> {
         if self.storage.config().revalidate != Revalidate::Never {
             return;
         }
-        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path)) else {
+        let (Some(ix), Ok(rel)) = (self.storage.lookup().directories(), self.storage.source().relative_or_root(path))
+        else {
             return;
         };
         let _ = ix.record_xattr(&key_of(&rel), &rel, query, answer);

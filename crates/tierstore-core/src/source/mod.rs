@@ -33,10 +33,10 @@ use std::sync::Arc;
 use crate::counters::Counters;
 use crate::index::SourceId;
 
+pub mod aws_profile;
 #[cfg(feature = "object-store")]
 pub mod object;
 pub mod posix;
-pub mod aws_profile;
 pub mod store_config;
 pub mod store_shown;
 

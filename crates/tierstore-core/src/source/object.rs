@@ -123,11 +123,7 @@ pub(super) const AZURE_CLIENT: Client = Client { takes: |k| k.parse::<AzureConfi
 pub(super) const HTTP_CLIENT: Client = Client { takes: |k| k.parse::<ClientConfigKey>().is_ok(), build: http_store };
 
 /// The S3 client: the `[object_store]` table over the AWS variables over the profile files.
-fn s3_store(
-    config: &StoreConfig,
-    client: ClientOptions,
-    retry: RetryConfig,
-) -> Built {
+fn s3_store(config: &StoreConfig, client: ClientOptions, retry: RetryConfig) -> Built {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let profile = super::aws_profile::profile_settings(config.settings.get("profile").map(String::as_str)).settings;
     // Precedence: the table, then the environment (read by `from_env`), then the profile files.
@@ -180,11 +176,7 @@ fn s3_store(
 }
 
 /// The Google Cloud Storage client: the `[object_store]` table over the `GOOGLE_*` variables.
-fn gcs_store(
-    config: &StoreConfig,
-    client: ClientOptions,
-    retry: RetryConfig,
-) -> Built {
+fn gcs_store(config: &StoreConfig, client: ClientOptions, retry: RetryConfig) -> Built {
     let mut builder =
         GoogleCloudStorageBuilder::from_env().with_bucket_name(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
@@ -255,11 +247,7 @@ fn gcs_no_credentials(config: &StoreConfig, endpoint: &str, why: &str) -> io::Er
 
 /// The Azure Blob Storage client: the `[object_store]` table over the `AZURE_*` variables; the account
 /// named in an `abfs://` URL over both.
-fn azure_store(
-    config: &StoreConfig,
-    client: ClientOptions,
-    retry: RetryConfig,
-) -> Built {
+fn azure_store(config: &StoreConfig, client: ClientOptions, retry: RetryConfig) -> Built {
     let mut builder = MicrosoftAzureBuilder::from_env().with_container_name(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
         builder = builder.with_config(key, value);
@@ -279,11 +267,7 @@ fn azure_store(
 }
 
 /// The HTTP client of a WebDAV server (a plain one serves reads; listing needs `PROPFIND`).
-fn http_store(
-    config: &StoreConfig,
-    client: ClientOptions,
-    retry: RetryConfig,
-) -> Built {
+fn http_store(config: &StoreConfig, client: ClientOptions, retry: RetryConfig) -> Built {
     let mut builder = HttpBuilder::new().with_url(&config.bucket).with_client_options(client);
     for (key, value) in options(config)? {
         builder = builder.with_config(key, value);

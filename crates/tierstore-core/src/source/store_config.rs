@@ -369,7 +369,8 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
             }
             "retries" => {
                 c.retries = parse_count(Table::ObjectStore, "retries", &text)
-                    .map_err(|fix| bad(o, &key, &text, "is not a retry count", &fix))? as usize;
+                    .map_err(|fix| bad(o, &key, &text, "is not a retry count", &fix))?
+                    as usize;
             }
             "range_size" => {
                 c.range_size = parse_size(&text).filter(|n| *n >= 64 << 10).ok_or_else(|| {
@@ -378,7 +379,8 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
             }
             "ranges_in_flight" => {
                 c.ranges_in_flight = parse_count(Table::ObjectStore, "ranges_in_flight", &text)
-                    .map_err(|fix| bad(o, &key, &text, "is not a number of ranges", &fix))? as usize;
+                    .map_err(|fix| bad(o, &key, &text, "is not a number of ranges", &fix))?
+                    as usize;
             }
             _ if *table == "s3" && c.kind != StoreKind::S3 => {
                 return Err(bad(
