@@ -10,12 +10,25 @@ listings, metadata, reads and copies see the files staged on this node and not y
     fs = fsspec.filesystem("tierstore", source="/lustre/data", tiers=["/dev/shm/ts:50%"])
     with fs.open("/lustre/data/train/0001.npy") as f: ...
 
-Objects of an S3 bucket are read through the cache by chaining, as fsspec users write it for its own
-caches (`simplecache::s3://...`); the `s3` options are s3fs's (key, secret, token, endpoint_url,
-client_kwargs) and the `tierstore` ones a `tierstore.Cache`'s:
+Objects of every store the engine reads are read through the cache by chaining, as fsspec users write it
+for its own caches (`simplecache::gs://...`): `tierstore::s3://` (or `s3a`), `tierstore::gs://` (or
+`gcs`), `tierstore::az://` (or `abfs`, `abfss`) and `tierstore::http(s)://` (a WebDAV server). One cache
+is made per bucket, container or server, on first use; the `tierstore` options are a `tierstore.Cache`'s,
+and the target's options are its fsspec implementation's, translated into the store's settings where
+they have an equivalent: s3fs's `key`, `secret`, `token`, `endpoint_url`, `client_kwargs`, `profile`,
+`anon`, `requester_pays`; gcsfs's `token` (a key file, a key as a dict, "anon") and `endpoint_url`;
+adlfs's `account_name`, `account_key`, `sas_token`, `connection_string`, `client_id`, `client_secret`,
+`tenant_id`, `anon`, `account_host`; none of HTTP's. An option without one is refused, naming it: give
+the store's own settings as `tierstore={"object_store": {...}}` instead.
 
-    with fsspec.open("tierstore::s3://bucket/train/0001.npy", s3={"endpoint_url": "http://..."},
+    with fsspec.open("tierstore::gs://bucket/train/0001.npy", gs={"token": "/etc/gcs/reader.json"},
                      tierstore={"tiers": ["/dev/shm/ts:50%"]}) as f: ...
+
+fsspec resolves a chain by importing every protocol's own filesystem class, so `tierstore::gs://` needs
+gcsfs installed and `tierstore::az://` adlfs (which also registers `abfss`), though neither is used to
+read; `http(s)` is fsspec's own (with aiohttp). The S3, GCS and HTTP chains are tested against real
+servers; no Azure one is (no Azure Blob server installs here: docs/guide/object-stores.md), so only the
+translation of adlfs's options is.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
+from tierstore._fsspec_stores import chained_store
 from tierstore.cache import Cache, default_cache
 
 
@@ -44,11 +58,29 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
     Args:
         cache: An existing cache; otherwise one is built from the other arguments (see `tierstore.Cache`),
             or the default cache is used when there are none.
+        target_protocol: The store a chain reads (`tierstore::gs://...` sets it): s3, s3a, gs, gcs, az,
+            abfs, abfss, http or https. Its caches are then made from the other arguments, one per
+            bucket, container or server.
+        target_options: The target's options, its fsspec implementation's, translated into the store's
+            settings (see the module's docstring).
+        fo: The path a chain opened first; unused, as each open names its own.
         auto_mkdir: Whether a write creates the directories it needs (as for fsspec's `file` filesystem).
+
+    Attributes:
+        caches: The caches made so far for a chained store, by source URL ("gs://bucket",
+            "http://host:port"): their `stats()` tell what the store was asked.
+
+    Raises:
+        ValueError: A target protocol of no store tierstore reads, or an option of the target that has no
+            equivalent in the store's settings; the message says what to write instead.
     """
 
     protocol = "tierstore"
     root_marker = "/"
+    # A chain hands the path it opens as `fo`; left out of the instance's token (as fsspec's own caches
+    # leave it), every path of a chain with the same options gets the same filesystem, and so the same
+    # cache per bucket, rather than a new one per file opened.
+    _strip_tokenize_options = ("fo",)
 
     def __init__(
         self,
@@ -61,20 +93,20 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
     ) -> None:
         super().__init__(auto_mkdir=auto_mkdir)
         del fo  # the chained path; each open names its own
-        # Chained over s3:// (`tierstore::s3://bucket/key`): one cache per bucket, made on first use.
+        # Chained over an object store (`tierstore::gs://bucket/key`): one cache per bucket, container or
+        # server, made on first use, with the target's options translated into the store's settings.
         self.target = target_protocol
-        if target_protocol not in (None, "file", "local", "s3", "s3a"):
-            raise ValueError(
-                f"tierstore:: chains over s3:// only, not {target_protocol}://; for files on a mount use "
-                "tierstore:///path"
-            )
-        self.s3 = _s3_settings(target_options or {})
+        self.store = chained_store(target_protocol)
+        self.store_settings = (
+            {} if self.store is None else self.store.settings(str(target_protocol), target_options or {})
+        )
         self.cache_args = cache_args
-        self.buckets: dict[str, Cache] = {}
-        if self.target in ("s3", "s3a"):
-            # Paths are bucket/key, not local paths to make absolute.
-            self._strip_protocol = _strip_s3  # type: ignore[method-assign]
-        if cache is None and self.target not in ("s3", "s3a") and cache_args:
+        self.caches: dict[str, Cache] = {}
+        if self.store is not None:
+            # Paths are as the target's implementation strips them (bucket/key, or a whole http URL), not
+            # local paths to make absolute.
+            self._strip_protocol = self.store.strip  # type: ignore[method-assign]
+        if cache is None and self.store is None and cache_args:
             cache = Cache(**cache_args)
         # The default cache is made on the first read it serves: writes under a [[writeback]]
         # destination need no source configured.
@@ -91,7 +123,7 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     def _objects(self, path: str) -> bool:
         """Whether `path` (protocol stripped) names objects of a store rather than files of a mount."""
-        return self.target in ("s3", "s3a") or "://" in path
+        return self.store is not None or "://" in path
 
     def _staging(self, path: str) -> bool:
         """Whether `path` (protocol stripped) is under a `[[writeback]]` destination: its files may be
@@ -115,20 +147,23 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     def _cache_of(self, path: str) -> tuple[Cache, str]:
         """The cache that serves `path`, and the name to open in it."""
-        if self.target not in ("s3", "s3a"):
+        if self.store is None:
             if self.cache is None:
                 self.cache = default_cache()
             return self.cache, path
-        url = path if "://" in path else f"s3://{path.lstrip('/')}"
-        url = "s3://" + url.split("://", 1)[1]
+        url = self.store.url(path, str(self.target))
         if self.cache is not None:
             return self.cache, url
-        bucket = url[len("s3://") :].split("/", 1)[0]
-        if bucket not in self.buckets:
+        scheme, rest = url.split("://", 1)
+        source = f"{scheme}://{rest.split('/', 1)[0]}"  # the bucket, container or server
+        if source not in self.caches:
             args = dict(self.cache_args)
-            args["s3"] = {**self.s3, **(args.get("s3") or {})}
-            self.buckets[bucket] = Cache(source=f"s3://{bucket}", **args)
-        return self.buckets[bucket], url
+            # The cache's own settings of the store, if given, over those translated from the target's.
+            settings = {**self.store_settings, **(args.get(self.store.keyword) or {})}
+            if settings:
+                args[self.store.keyword] = settings
+            self.caches[source] = Cache(source=source, **args)
+        return self.caches[source], url
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         p = self._strip_protocol(path)
@@ -354,22 +389,3 @@ def _writeback_destination(path: str) -> bool:
     from tierstore import writeback
 
     return writeback.destination(path) is not None
-
-
-def _strip_s3(path: Any) -> str:
-    path = str(path).removeprefix("tierstore://")
-    return path.split("://", 1)[1] if "://" in path else path.lstrip("/")
-
-
-def _s3_settings(options: dict[str, Any]) -> dict[str, str]:
-    """s3fs's options (key, secret, token, endpoint_url, client_kwargs) as `tierstore.Cache`'s `s3=`."""
-    client = options.get("client_kwargs") or {}
-    pairs = {
-        "access_key_id": options.get("key") or client.get("aws_access_key_id"),
-        "secret_access_key": options.get("secret") or client.get("aws_secret_access_key"),
-        "session_token": options.get("token") or client.get("aws_session_token"),
-        "endpoint": options.get("endpoint_url") or client.get("endpoint_url"),
-        "region": client.get("region_name"),
-        "profile": options.get("profile"),
-    }
-    return {k: str(v) for k, v in pairs.items() if v}

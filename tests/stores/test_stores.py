@@ -4,11 +4,14 @@
 The S3 source's own suite (tests/s3) shows the guarantees in depth; the engine behind every store is the
 same, so this one shows what could differ from store to store: the URL, the settings, the request counts,
 the identity of a version (ETag, size, last-modified) from a read and from a listing alike, and the errors.
+So do fsspec's chains over each (`tierstore::gs://`, `tierstore::http://`; the S3 one is in tests/s3): the
+target's options as its fsspec implementation's, and adlfs's, for Azure, which has no server here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import fsspec.core
 import pytest
 
 import tierstore
@@ -236,3 +241,133 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def chained_cache(url: str, options: dict[str, Any]) -> tierstore.Cache:
+    """The cache a chain with these options reads through: fsspec hands every path of a chain the same
+    filesystem, which holds one cache per bucket or server (here, one)."""
+    fs, _ = fsspec.core.url_to_fs(url, **options)
+    (cache,) = fs.caches.values()
+    return cache
+
+
+@pytest.mark.gcs
+def test_fsspec_chained_over_gcs(gcs_server: GCSServer, tier: str, tmp_path: Path) -> None:
+    """`tierstore::gs://bucket/key` as gcsfs users write it: gcsfs's `token` (a key as a dict, or its file)
+    and `endpoint_url` reach the engine; each object is read from the store once, then from the tier; the
+    prefix lists."""
+    bucket = "chained-gcs"
+    gcs_server.create_bucket(bucket)
+    objects = {f"d/{i}.bin": blob(f"object {i}", 5000 + i) for i in range(5)}
+    for name, body in objects.items():
+        gcs_server.put_object(bucket, name, body)
+    key = json.loads(gcs_server.settings()["google_service_account_key"])  # names the emulator, no OAuth
+    options = {
+        # `project` and `block_size` are gcsfs's own business: taken, and left out.
+        "gs": {"token": key, "endpoint_url": gcs_server.endpoint, "project": "p", "block_size": 1 << 20},
+        "tierstore": {"tiers": [f"{tier}:1G"], "revalidate": "never"},
+    }
+    for _round in range(2):
+        for name, body in objects.items():
+            with fsspec.open(f"tierstore::gs://{bucket}/{name}", "rb", **options) as f:
+                assert f.read() == body
+        cache = chained_cache(f"tierstore::gs://{bucket}/d", options)
+        cache.wait()
+    s = cache.stats()
+    assert s["source"]["reads"] == len(objects) and s["tiers"][0]["hits"] == len(objects), s
+    fs, path = fsspec.core.url_to_fs(f"tierstore::gs://{bucket}/d", **options)
+    assert path == f"{bucket}/d"  # as gcsfs strips it
+    assert sorted(fs.ls(path, detail=False)) == sorted(f"gs://{bucket}/{k}" for k in objects)
+    # The key as gcsfs users mostly give it, the path of its file; and gcsfs's other name, gcs://.
+    key_file = tmp_path / "key.json"
+    key_file.write_text(json.dumps(key))
+    from_file = {
+        "gcs": {"token": str(key_file), "endpoint_url": gcs_server.endpoint},
+        "tierstore": {"tiers": [str(tmp_path / "t2")]},
+    }
+    with fsspec.open(f"tierstore::gcs://{bucket}/d/0.bin", "rb", **from_file) as f:
+        assert f.read() == objects["d/0.bin"]
+
+
+@pytest.mark.webdav
+def test_fsspec_chained_over_http(webdav_server: WebDAVServer, tier: str) -> None:
+    """`tierstore::http://HOST:PORT/prefix/key`: one cache for the server, each object read from it once,
+    then from the tier; the prefix lists (through WebDAV)."""
+    objects = {f"chained/d/{i}.bin": blob(f"object {i}", 5000 + i) for i in range(5)}
+    for name, body in objects.items():
+        webdav_server.put_object(name, body)
+    options = {"http": {"block_size": 1 << 20}, "tierstore": {"tiers": [f"{tier}:1G"], "revalidate": "never"}}
+    for _round in range(2):
+        for name, body in objects.items():
+            with fsspec.open(f"tierstore::{webdav_server.endpoint}/{name}", "rb", **options) as f:
+                assert f.read() == body
+        cache = chained_cache(f"tierstore::{webdav_server.endpoint}/chained/d", options)
+        cache.wait()
+    assert cache.source == webdav_server.endpoint
+    s = cache.stats()
+    assert s["source"]["reads"] == len(objects) and s["tiers"][0]["hits"] == len(objects), s
+    fs, url = fsspec.core.url_to_fs(f"tierstore::{webdav_server.endpoint}/chained/d", **options)
+    assert url == f"{webdav_server.endpoint}/chained/d"  # fsspec's HTTP paths are whole URLs
+    assert sorted(fs.ls(url, detail=False)) == sorted(f"{webdav_server.endpoint}/{k}" for k in objects)
+
+
+def test_fsspec_chains_refuse_what_they_cannot_pass_on() -> None:
+    """A protocol of no store, and an option with no equivalent, are refused as the chain is made, with
+    what to write instead; nothing is asked of a store."""
+    with pytest.raises(
+        ValueError, match=r"chains over s3://, s3a://, gs://.*az://.*https:// .*not memory://"
+    ):
+        fsspec.core.url_to_fs("tierstore::memory://x/y")
+    refused = {
+        "gs": ({"requester_pays": True}, r"gcsfs's option requester_pays"),
+        "http": ({"client_kwargs": {"headers": {"a": "b"}}}, r"option client_kwargs .*Python client"),
+        "s3": ({"client_kwargs": {"verify": False}}, r"s3fs's option client_kwargs\['verify'\]"),
+    }
+    for protocol, (target, message) in refused.items():
+        with pytest.raises(ValueError, match=message + r".*tierstore=\{'object_store': \{\.\.\.\}\}"):
+            fsspec.core.url_to_fs(f"tierstore::{protocol}://127.0.0.1/b/k", **{protocol: target})
+    with pytest.raises(ValueError, match=r"version_aware .*current version"):
+        fsspec.core.url_to_fs("tierstore::gs://bucket/k#1700000000")  # gcsfs: a generation
+
+
+def test_fsspec_adlfs_options_are_azure_settings(tier: str) -> None:
+    """adlfs's options as object_store's Azure keys, which the engine takes. Only the translation is tested:
+    no Azure Blob server installs here (docs/guide/object-stores.md), and fsspec resolves az:// only with
+    adlfs installed, so no chain over Azure runs."""
+    from tierstore.fs import TierstoreFileSystem
+
+    def settings(options: dict[str, Any]) -> dict[str, str]:
+        fs = TierstoreFileSystem(target_protocol="abfs", target_options=options, skip_instance_cache=True)
+        return fs.store_settings
+
+    given = {"account_name": "lab", "sas_token": "?sv=2024&sig=x", "anon": False, "max_concurrency": 4}
+    assert settings(given) == {"azure_storage_account_name": "lab", "azure_storage_sas_key": "sv=2024&sig=x"}
+    emulator = (
+        "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=a2V5MQ==;"
+        "BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;QueueEndpoint=http://127.0.0.1:10001/x"
+    )
+    # As in adlfs, the connection string overrides the other options.
+    assert settings({"connection_string": emulator, "account_name": "other"}) == {
+        "azure_storage_account_name": "devstoreaccount1",
+        "azure_storage_account_key": "a2V5MQ==",
+        "azure_storage_endpoint": "http://127.0.0.1:10000/devstoreaccount1",
+    }
+    sovereign = "AccountName=lab;AccountKey=a2V5MQ==;EndpointSuffix=core.chinacloudapi.cn"
+    assert settings({"connection_string": sovereign})["azure_storage_endpoint"] == (
+        "https://lab.blob.core.chinacloudapi.cn"
+    )
+    principal = {"account_name": "lab", "client_id": "c", "client_secret": "s", "tenant_id": "t"}
+    assert settings(principal) == {
+        "azure_storage_account_name": "lab",
+        "azure_storage_client_id": "c",
+        "azure_storage_client_secret": "s",
+        "azure_storage_tenant_id": "t",
+    }
+    # The engine takes every key: a misspelt one would be refused here, before any request.
+    for i, options in enumerate((given, {"connection_string": emulator}, {"connection_string": sovereign})):
+        tierstore.Cache(source="az://weights", tiers=[f"{tier}{i}"], object_store=settings(options))
+    tierstore.Cache(source="az://weights", tiers=[f"{tier}-sp"], object_store=settings(principal))
+    with pytest.raises(ValueError, match=r"adlfs's option credential .*Python client"):
+        settings({"account_name": "lab", "credential": object()})
+    with pytest.raises(ValueError, match=r"connection_string \(its part Bogus=\)"):
+        settings({"connection_string": "AccountName=lab;Bogus=1"})
