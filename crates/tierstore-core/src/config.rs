@@ -33,6 +33,25 @@ pub enum Verify {
     Checksum,
 }
 
+impl Verify {
+    /// How the mode is written in the configuration.
+    pub fn name(self) -> &'static str {
+        match self {
+            Verify::Metadata => "metadata",
+            Verify::Checksum => "checksum",
+        }
+    }
+}
+
+/// A value of the top of the configuration, as `Cache.config()` and `config show` show it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Shown {
+    /// Text, as the file would write it (`"lru"`, `"60s"`, a path or URL).
+    Text(String),
+    /// A number (`threads`, `inline_max` in bytes).
+    Count(u64),
+}
+
 /// When a cached copy is checked against the source's current version.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Revalidate {
@@ -136,6 +155,22 @@ fn check_source_dir(source: &Path, origin: &Origin, text: &str) -> Result<(), Co
 const SLURM_VARS: &[&str] = &["SLURM_JOB_NODELIST", "SLURM_JOB_ID"];
 
 impl Config {
+    /// The value of `key`, one of the settings of one value at the top of the file (`settings::SETTINGS`,
+    /// `Table::Top`, not a section): what `Cache.config()` shows beside its origin. `None` for any other
+    /// key. The binding iterates the settings table and asks this for each; a test checks that every such
+    /// setting has its value here.
+    pub fn shown(&self, key: &str) -> Option<Shown> {
+        Some(match key {
+            "source" => Shown::Text(self.source.to_string_lossy().into_owned()),
+            "policy" => Shown::Text(self.policy.name().to_string()),
+            "threads" => Shown::Count(self.threads as u64),
+            "inline_max" => Shown::Count(self.inline_max),
+            "verify" => Shown::Text(self.verify.name().to_string()),
+            "revalidate" => Shown::Text(self.revalidate.name()),
+            _ => return None,
+        })
+    }
+
     /// The environment that lets child processes skip checking and resolving the source again (see
     /// [`RESOLVED_FROM_ENV`]).
     pub fn resolved_env(&self) -> Vec<(&'static str, PathBuf)> {
@@ -422,6 +457,22 @@ mod tests {
         assert_eq!(c.origins["policy"], Origin::Env("TIERSTORE_POLICY".into()));
         assert_eq!(c.origins["threads"], Origin::Argument);
         assert_eq!(c.origins["tiers"], Origin::File(file));
+    }
+
+    #[test]
+    fn every_value_at_the_top_of_the_file_is_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let o = Overrides::default()
+            .with("source", src.display().to_string())
+            .with_tiers(&[(dir.path().join("t0").display().to_string(), Some("1M".into()))]);
+        let c = Config::load_with_env(&o, &env(&[])).unwrap();
+        for s in settings::SETTINGS.iter().filter(|s| s.table == Table::Top && s.is_scalar()) {
+            assert!(c.shown(s.key).is_some(), "Config::shown has no value for the setting {}", s.key);
+        }
+        assert_eq!(c.shown("threads"), Some(Shown::Count(c.threads as u64)));
+        assert_eq!(c.shown("tiers"), None, "a section");
     }
 
     #[test]

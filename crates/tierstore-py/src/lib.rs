@@ -391,9 +391,38 @@ fn effective_config<'py>(
 
 /// A configuration as `{key: (value, origin)}`, what `Cache.config()` and `effective_config` return.
 fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>> {
+    use tierstore_core::config::settings::{Table, SETTINGS};
+    use tierstore_core::config::Shown;
     let out = PyDict::new(py);
     let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
-    out.set_item("source", (c.source.to_string_lossy(), origin("source")))?;
+    // The settings of the top of the file, in the table's order: each value as `Config::shown` gives it,
+    // each section as its own builder does.
+    for setting in SETTINGS.iter().filter(|s| s.table == Table::Top) {
+        let key = setting.key;
+        match key {
+            "tiers" => out.set_item(key, (tiers_list(py, c)?, origin(key)))?,
+            "cluster" => out.set_item(key, (cluster_dict(py, c)?, origin(key)))?,
+            "object_store" => {
+                if let Some(store) = &c.object_store {
+                    out.set_item(key, store_dict(py, store)?)?;
+                }
+            }
+            // The older name of `object_store`, shown under it; write-back and streams have their own
+            // APIs (`Writeback.destinations()`, the stream's connection).
+            "s3" | "writeback" | "stream" => {}
+            _ => match c.shown(key) {
+                Some(Shown::Text(text)) => out.set_item(key, (text, origin(key)))?,
+                Some(Shown::Count(n)) => out.set_item(key, (n, origin(key)))?,
+                // Every value of the top has one (`every_value_at_the_top_of_the_file_is_shown`).
+                None => {}
+            },
+        }
+    }
+    Ok(out)
+}
+
+/// The tiers as `config()` shows them: path, quota in bytes, kind.
+fn tiers_list<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyList>> {
     let tiers = PyList::empty(py);
     for t in &c.tiers {
         let d = PyDict::new(py);
@@ -402,16 +431,13 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
         d.set_item("kind", t.kind.name())?;
         tiers.append(d)?;
     }
-    out.set_item("tiers", (tiers, origin("tiers")))?;
-    out.set_item("policy", (c.policy.name(), origin("policy")))?;
-    out.set_item("threads", (c.threads, origin("threads")))?;
-    out.set_item("inline_max", (c.inline_max, origin("inline_max")))?;
-    let verify = match c.verify {
-        tierstore_core::Verify::Metadata => "metadata",
-        tierstore_core::Verify::Checksum => "checksum",
-    };
-    out.set_item("verify", (verify, origin("verify")))?;
-    out.set_item("revalidate", (c.revalidate.name(), origin("revalidate")))?;
+    Ok(tiers)
+}
+
+/// The cluster as `config()` shows it: sharing, members, this node, the agents' port and listen address,
+/// the token file, encryption, the registry and the job, and where each came from.
+fn cluster_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>> {
+    let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
     let cluster = PyDict::new(py);
     cluster.set_item("sharing", c.cluster.sharing.name())?;
     cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
@@ -427,11 +453,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
         origins.set_item(key, origin(&format!("cluster.{key}")))?;
     }
     cluster.set_item("origins", origins)?;
-    out.set_item("cluster", (cluster, origin("cluster")))?;
-    if let Some(store) = &c.object_store {
-        out.set_item("object_store", store_dict(py, store)?)?;
-    }
-    Ok(out)
+    Ok(cluster)
 }
 
 /// An object store's settings as `config show` prints them (`StoreConfig::shown`): `({key: value, ...,
