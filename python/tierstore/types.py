@@ -1,5 +1,6 @@
 """The shapes of the dicts tierstore's engine hands to Python: `Cache.stats()`, `Cache.config()`, a
-prefetch's counts, write-back's destinations and what waits in them, and the settings table.
+prefetch's counts, write-back's destinations and what waits in them, the settings table, and the manifests
+of model versions (a repository's and a stream's).
 
 Each is a `TypedDict`, so code that reads them can be type-checked; annotate with them:
 
@@ -10,7 +11,9 @@ Each is a `TypedDict`, so code that reads them can be type-checked; annotate wit
         return tier["hits"] / max(1, tier["hits"] + tier["misses"])
 
 The dicts are built in Rust (`crates/tierstore-py/src/lib.rs` and `writeback.rs`);
-`tests/cache/test_types.py` checks each one returned at runtime against its type here, key for key.
+`tests/cache/test_types.py` checks each one returned at runtime against its type here, key for key. The
+manifests are JSON whose one schema is `crates/tierstore-core/src/models/manifest.rs`;
+`tests/models/test_manifest_types.py` checks a saved one and a published one.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ __all__ = [
     "CacheStats",
     "ClusterConfig",
     "ClusterOrigins",
+    "ManifestTensor",
     "OrderProgress",
     "PrefetchProgress",
+    "RepositoryManifest",
     "Setting",
     "SourceStats",
     "Sourced",
+    "StoredTensor",
+    "StreamManifest",
     "TierConfig",
     "TierKind",
     "TierStats",
@@ -212,3 +219,48 @@ class WritebackPending(TypedDict):
     bytes: int
     oldest_ns: int | None  # when the oldest pending file was closed, ns since the epoch
     errors: list[tuple[str, int, str]]  # (file, failed attempts, last error)
+
+
+class ManifestTensor(TypedDict):
+    """One tensor of a stream's version (`StreamManifest`): `Tensor` of `manifest.rs`, which a repository's
+    tensor (`StoredTensor`) extends."""
+
+    name: str  # the state-dict key
+    dtype: str  # torch's or numpy's name
+    shape: list[int]
+    hash: str  # blake3 of the bytes, lowercase hex: the name of its file
+    nbytes: int
+
+
+class StoredTensor(ManifestTensor):
+    """One tensor of a repository's version (`RepositoryManifest`): where its bytes are kept."""
+
+    pack: str  # a file name in the repository's packs/
+    offset: int  # where the bytes start in the pack
+
+
+class RepositoryManifest(TypedDict):
+    """A version of a model in the repository (`models/<name>/v<N>.json`), as `_core.model_manifest_read`
+    gives it and `_core.model_manifest_write` takes it."""
+
+    format: int  # `_core.REPOSITORY_FORMAT`
+    name: str
+    version: int  # from 1
+    created: float  # seconds since the epoch when it was saved
+    framework: str  # what the state dict was made of ("torch", "numpy"): what a load builds by default
+    metadata: Any  # the user's metadata, as JSON holds it
+    graph: Any  # the layer graph (`tierstore.models.layers.describe`); None when saved without one
+    tensors: list[StoredTensor]  # in the state dict's order
+    written_bytes: int  # bytes this save wrote to packs (what deduplication did not spare)
+
+
+class StreamManifest(TypedDict):
+    """A version of a model stream, as `_core.stream_manifest_read` gives it: what the publisher wrote,
+    completed by the agent at commit (name, version, created)."""
+
+    name: str
+    version: int
+    created: float  # seconds since the epoch at commit
+    step: int | None  # the trainer's step, if it gave one
+    metadata: Any  # the publisher's metadata, as JSON holds it
+    tensors: list[ManifestTensor]  # in the publisher's order

@@ -10,19 +10,19 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from tierstore import _core
+from tierstore.types import RepositoryManifest
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> RepositoryManifest:
     """The manifest at `path`, checked against its schema: a hash that is not a blake3 or a pack that is not
     a file of `packs/` raises ValueError naming the file; a file deleted meanwhile, FileNotFoundError."""
-    manifest: dict[str, Any] = json.loads(_core.model_manifest_read(path))
+    manifest: RepositoryManifest = json.loads(_core.model_manifest_read(path))
     return manifest
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(path: Path, manifest: RepositoryManifest) -> None:
     """Writes `manifest` at `path` whole and durably, after checking it against its schema."""
     _core.model_manifest_write(path, json.dumps(manifest, separators=(",", ":")))
 

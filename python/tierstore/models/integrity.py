@@ -17,13 +17,13 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tierstore import _core
 from tierstore.models.files import flock, fsync_dir, read_manifest
+from tierstore.types import RepositoryManifest, StoredTensor
 
 QUARANTINE = "quarantine"
 
@@ -109,7 +109,7 @@ def quarantined(root: Path) -> frozenset[BlobKey]:
     return frozenset(k for k in map(_parse_entry, names) if k is not None)
 
 
-def is_quarantined(root: Path, t: dict[str, Any]) -> bool:
+def is_quarantined(root: Path, t: StoredTensor) -> bool:
     """True when the stored copy a manifest entry refers to is quarantined."""
     return (root / QUARANTINE / entry_name((t["pack"], t["offset"], t["hash"]))).exists()
 
@@ -152,7 +152,7 @@ def verify(root: Path, chosen: list[Path], *, repair: bool, progress: bool | Non
     return report
 
 
-def _read_manifest(path: Path) -> dict[str, Any] | None:
+def _read_manifest(path: Path) -> RepositoryManifest | None:
     try:
         return read_manifest(path)
     except FileNotFoundError:
@@ -251,7 +251,7 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[int], None]]:
 
 
 @contextlib.contextmanager
-def named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) -> Iterator[None]:
+def named_damage(m: RepositoryManifest, path: Path, tensors: Sequence[StoredTensor]) -> Iterator[None]:
     """Turns the engine's IntegrityError (message, index of the request, kind) into one that names the
     tensor, the version and the pack, and says what to do."""
     try:
@@ -276,7 +276,7 @@ def named_damage(m: dict[str, Any], path: Path, tensors: list[dict[str, Any]]) -
         ) from e
 
 
-def repair_advice(m: dict[str, Any], pack: Path, t: dict[str, Any] | None) -> str:
+def repair_advice(m: RepositoryManifest, pack: Path, t: StoredTensor | None) -> str:
     """What to do about a damaged tensor of version `m` in `pack`: a save of the same tensors would refer to
     the damaged copy (dedup) until `verify --repair` quarantines it."""
     root = pack.parent.parent

@@ -50,6 +50,7 @@ from tierstore.models.tensors import (
     spec_and_bytes,
     writable_bytes,
 )
+from tierstore.types import ManifestTensor, RepositoryManifest, StoredTensor
 
 FORMAT = _core.REPOSITORY_FORMAT
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -199,7 +200,7 @@ class Repository:
         raw, metadata = safetensors_io.read_file(path)
         return self._save_raw(name, raw, metadata=metadata)
 
-    def manifest(self, name: str, version: int | str = "latest") -> dict[str, Any]:
+    def manifest(self, name: str, version: int | str = "latest") -> RepositoryManifest:
         """The manifest of a version, as stored."""
         v = self._resolve(name, version)
         return read_manifest(self._manifest_path(name, v))
@@ -326,7 +327,7 @@ class Repository:
                 if writer is not None:
                     writer.abort()
                 raise
-            table = []
+            table: list[StoredTensor] = []
             for (key, spec, _), h in zip(entries, hashes, strict=True):
                 pack, offset, nbytes = self._blobs.get(h) or locations[h]
                 table.append(
@@ -344,7 +345,7 @@ class Repository:
             with flock(model_dir / ".lock", exclusive=True):
                 numbers = self._version_numbers(name)
                 version = numbers[-1] + 1 if numbers else 1
-                manifest = {
+                manifest: RepositoryManifest = {
                     "format": FORMAT,
                     "name": name,
                     "version": version,
@@ -361,7 +362,7 @@ class Repository:
         return self._version_of(manifest)
 
     @staticmethod
-    def _version_of(m: dict[str, Any]) -> Version:
+    def _version_of(m: RepositoryManifest) -> Version:
         return Version(
             name=m["name"],
             version=m["version"],
@@ -375,13 +376,13 @@ class Repository:
     # -- loading ------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _select(m: dict[str, Any], keys: str | Iterable[str] | None) -> list[dict[str, Any]]:
+    def _select(m: RepositoryManifest, keys: str | Iterable[str] | None) -> list[StoredTensor]:
         tensors = m["tensors"]
         if keys is None:
             return tensors
         patterns = [keys] if isinstance(keys, str) else list(keys)
         by_name = {t["name"]: t for t in tensors}
-        chosen: dict[str, dict[str, Any]] = {}
+        chosen: dict[str, StoredTensor] = {}
         for pat in patterns:
             if pat in by_name:  # an exact name: a lookup, not a scan (partial loads name hundreds of tensors)
                 chosen[pat] = by_name[pat]
@@ -465,10 +466,10 @@ class Repository:
         self._read(m, chosen, targets)
         return targets
 
-    def _read(self, m: dict[str, Any], chosen: list[dict[str, Any]], targets: dict[str, Any]) -> None:
+    def _read(self, m: RepositoryManifest, chosen: list[StoredTensor], targets: dict[str, Any]) -> None:
         """Reads the chosen tensors into their targets, pack by pack, verifying every hash."""
-        by_pack: dict[str, list[tuple[dict[str, Any], np.ndarray]]] = defaultdict(list)
-        staged: list[tuple[dict[str, Any], Any]] = []
+        by_pack: dict[str, list[tuple[StoredTensor, np.ndarray]]] = defaultdict(list)
+        staged: list[tuple[StoredTensor, Any]] = []
         shares = _shares(m, chosen)
         for t in chosen:
             _spec_of(t)  # the destination has the manifest's dtype and shape: their bytes must agree
@@ -490,9 +491,9 @@ class Repository:
 
     def _read_pack(
         self,
-        m: dict[str, Any],
+        m: RepositoryManifest,
         pack: str,
-        items: list[tuple[dict[str, Any], np.ndarray]],
+        items: list[tuple[StoredTensor, np.ndarray]],
         share: float,
     ) -> None:
         requests = [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items]
@@ -505,9 +506,9 @@ class Repository:
                 parts=lambda cache, path: None if cache.read_parts(path, requests) else NOT_SERVED,
             )
 
-    def _map(self, m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, Any]:
+    def _map(self, m: RepositoryManifest, chosen: list[StoredTensor]) -> dict[str, Any]:
         """The chosen tensors as views of their packs, mapped and checked (see `load`'s `mmap`)."""
-        by_pack: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        by_pack: dict[str, list[StoredTensor]] = defaultdict(list)
         specs: dict[str, TensorSpec] = {}
         shares = _shares(m, chosen)
         for t in chosen:
@@ -705,7 +706,7 @@ def _map_parts(cache: _core.Cache, path: Path, spans: list[tuple[int, int, bytes
     return NOT_SERVED if mapping is None else mapping
 
 
-def _shares(m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, float]:
+def _shares(m: RepositoryManifest, chosen: list[StoredTensor]) -> dict[str, float]:
     """For each pack, the part of the version's bytes in it that a load of `chosen` reads (the whole load's,
     also when its tensors are read one at a time through the staging buffer)."""
     held: Counter[str] = Counter()
@@ -717,7 +718,7 @@ def _shares(m: dict[str, Any], chosen: list[dict[str, Any]]) -> dict[str, float]
     return {pack: read[pack] / held[pack] if held[pack] else 1.0 for pack in read}
 
 
-def _spec_of(t: dict[str, Any]) -> TensorSpec:
+def _spec_of(t: ManifestTensor) -> TensorSpec:
     """A manifest entry's dtype and shape, checked against the byte count it records (a manifest edited
     by hand, or written by a different program, must not make a load read the wrong range)."""
     spec = TensorSpec(t["dtype"], tuple(t["shape"]))

@@ -15,6 +15,7 @@ import numpy as np
 
 from tierstore import _core
 from tierstore.models.integrity import named_damage
+from tierstore.types import RepositoryManifest
 
 TO_SAFETENSORS = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -26,7 +27,7 @@ TO_SAFETENSORS = {
 FROM_SAFETENSORS = {v: k for k, v in TO_SAFETENSORS.items()}
 
 
-def export(m: dict[str, Any], packs: Path, path: str | os.PathLike[str]) -> Path:
+def export(m: RepositoryManifest, packs: Path, path: str | os.PathLike[str]) -> Path:
     """Writes the version whose manifest is `m` (its tensors in the packs of directory `packs`) as a
     safetensors file, each tensor verified as it is read."""
     name = m["name"]

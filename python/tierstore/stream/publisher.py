@@ -21,6 +21,7 @@ from tierstore import _core
 from tierstore.models.tensors import TensorSpec, spec_and_bytes
 from tierstore.stream.connection import DEFAULT_DEADLINE, StreamError, _connect, _socket_path
 from tierstore.stream.version import StreamTensor, StreamVersion, _mapped_state
+from tierstore.types import StreamManifest
 
 
 def _said_unchanged(model_or_state_dict: Any, names: list[str], changed: Any) -> set[str]:
@@ -229,7 +230,7 @@ class Publisher:
                 if self._last is not None and self._last[0] == bv:
                     base = self._last[1]
                 else:
-                    m = json.loads(_core.stream_manifest_read(begun["base"]["manifest"]))
+                    m: StreamManifest = json.loads(_core.stream_manifest_read(begun["base"]["manifest"]))
                     base = {t["name"]: (t["hash"], int(t["nbytes"])) for t in m["tensors"]}
             known: dict[int, bytes] = {}
             if unchanged and begun.get("base") and unchanged_since == int(begun["base"]["version"]):

@@ -14,6 +14,7 @@ import numpy as np
 from tierstore import _core
 from tierstore.models.tensors import TensorSpec, mapped
 from tierstore.stream.connection import StreamError
+from tierstore.types import StreamManifest
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _mapped_state(v: StreamVersion) -> dict[str, Any]:
 
 def _version_of(event: Mapping[str, Any]) -> StreamVersion:
     path = Path(event["manifest"])
-    m = json.loads(_core.stream_manifest_read(path))
+    m: StreamManifest = json.loads(_core.stream_manifest_read(path))
     tensors = tuple(
         StreamTensor(t["name"], t["dtype"], tuple(t["shape"]), t["hash"], int(t["nbytes"]))
         for t in m["tensors"]
