@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io::{self, SeekFrom};
+use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex};
@@ -239,6 +240,30 @@ pub enum Backing {
     Private(File),
 }
 
+/// Reads `file` from `offset` into `buf` until it is full or the file ends (retrying a short or interrupted
+/// read), without forming a reference to the unwritten memory; returns the bytes written.
+fn pread_uninit(file: &File, buf: &mut [MaybeUninit<u8>], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let at = offset + done as u64;
+        // SAFETY: the kernel writes at most `buf.len() - done` bytes at the pointer, inside `buf`.
+        let n = unsafe {
+            libc::pread(file.as_raw_fd(), buf[done..].as_mut_ptr().cast(), buf.len() - done, at as libc::off_t)
+        };
+        match n {
+            0 => break,
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
 /// A read-only file opened through the cache.
 pub struct Reader {
     backing: Backing,
@@ -348,6 +373,35 @@ impl Reader {
         Ok(done)
     }
 
+    /// [`Reader::read_full`] into memory nobody has written yet (a Python `bytes` being made), without
+    /// zeroing it first: the kernel reads a tier copy (or a private file) straight into it, and a copy
+    /// in memory is copied in; any other backing (a growing copy, the source) is zeroed first and read
+    /// as usual. Returns how many bytes, from the start of `buf`, are now written.
+    pub fn read_full_uninit(&mut self, buf: &mut [MaybeUninit<u8>]) -> io::Result<usize> {
+        let want = buf.len().min(self.size.saturating_sub(self.pos) as usize);
+        let buf = &mut buf[..want];
+        let done = match &self.backing {
+            Backing::Copy(f, _) | Backing::Private(f) => pread_uninit(f, buf, self.pos)?,
+            Backing::Memory(bytes) => {
+                let start = (self.pos as usize).min(bytes.len());
+                let n = want.min(bytes.len() - start);
+                // SAFETY: `n` bytes from `bytes[start..]` into the first `n` of `buf`, which does not
+                // overlap it (a fresh buffer of the caller's).
+                unsafe { std::ptr::copy_nonoverlapping(bytes[start..].as_ptr(), buf.as_mut_ptr().cast::<u8>(), n) };
+                n
+            }
+            Backing::Growing(_) | Backing::Source(_) => {
+                buf.fill(MaybeUninit::new(0));
+                // SAFETY: every byte of `buf` was written just above.
+                let buf = unsafe { &mut *(buf as *mut [MaybeUninit<u8>] as *mut [u8]) };
+                return self.read_full(buf);
+            }
+        };
+        self.count_served(done);
+        self.pos += done as u64;
+        Ok(done)
+    }
+
     /// Reads at `offset` without moving the position.
     pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         if offset >= self.size || buf.is_empty() {
@@ -417,5 +471,42 @@ impl Reader {
             }
         }
         Ok(line)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::counters::Counters;
+    use crate::source::PosixSource;
+
+    /// A reader of `bytes` over `backing`, whose source is a directory that is never read.
+    fn reader(dir: &std::path::Path, backing: Backing, size: u64) -> Reader {
+        let counters = Arc::new(Counters::open(&dir.join("counters")).unwrap());
+        Reader::new(backing, size, "f".into(), Arc::new(PosixSource::new(dir, None, counters)))
+    }
+
+    #[test]
+    fn an_unzeroed_read_gives_what_a_zeroed_one_gives() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let path = dir.path().join("copy");
+        std::fs::write(&path, &bytes).unwrap();
+        let backings = || [Backing::Private(File::open(&path).unwrap()), Backing::Memory(Arc::new(bytes.clone()))];
+        for backing in backings() {
+            let mut r = reader(dir.path(), backing, bytes.len() as u64);
+            r.seek(SeekFrom::Start(1000)).unwrap();
+            let mut buf = vec![MaybeUninit::<u8>::uninit(); 200_000];
+            assert_eq!(r.read_full_uninit(&mut buf).unwrap(), 200_000);
+            // SAFETY: all 200,000 bytes were written, as the call said.
+            let got = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), 200_000) };
+            assert_eq!(got, &bytes[1000..201_000]);
+            assert_eq!(r.tell(), 201_000);
+            // Past what is left: only the rest is written, and the position reaches the end.
+            let mut rest = vec![MaybeUninit::<u8>::uninit(); 200_000];
+            assert_eq!(r.read_full_uninit(&mut rest).unwrap(), bytes.len() - 201_000);
+            assert_eq!(r.read_full_uninit(&mut rest).unwrap(), 0);
+            assert_eq!(r.tell(), bytes.len() as u64);
+        }
     }
 }

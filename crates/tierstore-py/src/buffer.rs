@@ -219,3 +219,31 @@ unsafe extern "C" fn pack_map_dealloc(obj: *mut ffi::PyObject) {
     // Instances of a heap type hold a reference to it.
     ffi::Py_DECREF(ty.cast());
 }
+
+/// A new `bytes` of at most `len` bytes, filled by `fill` without zeroing its memory first (as CPython's
+/// own `read` makes its result): `fill` is handed the object's memory, not yet written, and returns how
+/// many bytes it wrote from the start. When that is fewer than `len`, the bytes written are copied into
+/// a `bytes` of their length (a file that ended early), so that no unwritten byte is ever seen.
+pub(crate) fn bytes_filled<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> PyResult<usize>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    // SAFETY: a NULL source asks CPython for a bytes object of `len` bytes whose contents are not yet
+    // written; the new reference is owned by `object` (or the error set is taken).
+    let object = unsafe {
+        Bound::from_owned_ptr_or_err(py, ffi::PyBytes_FromStringAndSize(std::ptr::null(), len as ffi::Py_ssize_t))?
+    };
+    // SAFETY: the object is a bytes of `len` bytes that nothing else refers to yet; its memory is viewed as
+    // not yet written, which any content is.
+    let memory = unsafe {
+        std::slice::from_raw_parts_mut(ffi::PyBytes_AsString(object.as_ptr()).cast::<MaybeUninit<u8>>(), len)
+    };
+    let written = fill(memory)?.min(len);
+    if written < len {
+        // SAFETY: the first `written` bytes were written by `fill`.
+        let part = unsafe { std::slice::from_raw_parts(memory.as_ptr().cast::<u8>(), written) };
+        return Ok(pyo3::types::PyBytes::new(py, part));
+    }
+    Ok(object.downcast_into::<pyo3::types::PyBytes>()?)
+}

@@ -503,16 +503,10 @@ impl PyReader {
         self.with(|r| {
             let left = r.size().saturating_sub(r.tell());
             let n = if size >= 0 { (size as u64).min(left) } else { left } as usize;
-            let mut got = 0;
-            let bytes = PyBytes::new_with(py, n, |buf| {
+            crate::buffer::bytes_filled(py, n, |buf| {
                 // The new bytes object is not visible to any other thread yet: fill it without the GIL.
-                got = crate::exiting::without_gil(py, || r.read_full(buf)).map_err(|e| io_to_py(e, Some(name)))?;
-                Ok(())
-            })?;
-            if got < n {
-                return Ok(PyBytes::new(py, &bytes.as_bytes()[..got]));
-            }
-            Ok(bytes)
+                crate::exiting::without_gil(py, || r.read_full_uninit(buf)).map_err(|e| io_to_py(e, Some(name)))
+            })
         })
     }
 
