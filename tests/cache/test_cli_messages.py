@@ -375,3 +375,27 @@ def test_models_verify_draws_no_bar_off_a_terminal_and_counts_in_words(tmp_path:
     assert r.returncode == 0, r.stderr
     assert r.stderr == "", r.stderr  # no progress bar: stderr is not a terminal
     assert "checked 1 tensor of 1 version (" in r.stdout, r.stdout
+
+
+def test_status_says_when_a_memory_tier_reads_4_kib_at_a_time(tmp_path: Path) -> None:
+    """A memory tier on a tmpfs mounted without huge pages (Debian's /dev/shm) reads a copy page by page,
+    at about twice a local read's CPU (docs/benchmarks/warm-read.md): `status` says so and how to mount
+    it; a tier that reads in large folios (a local disk's page cache) gets no such line."""
+    import tempfile
+
+    from tierstore.cli.cache import small_pages
+
+    (tmp_path / "data").mkdir()
+    shm = Path(tempfile.mkdtemp(prefix="tierstore-test-", dir="/dev/shm"))
+    try:
+        for tier, expected in ((shm / "tier", small_pages(str(shm))), (tmp_path / "tier", False)):
+            r = run_tierstore("--source", str(tmp_path / "data"), "--tier", f"{tier}:16M", "status")
+            assert r.returncode == 0, r.stderr
+            said = "mounted without huge pages" in r.stdout
+            assert said == expected, r.stdout
+            if said:
+                assert "mount -o remount,huge=within_size /dev/shm" in r.stdout.replace("\n", ""), r.stdout
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -187,6 +188,14 @@ def status(make: Any, as_json: bool) -> None:
     for t in stats["tiers"]:
         if t["error"]:
             console.print(f"[yellow]tier {t['path']} is unavailable: {t['error']}[/]")
+        elif t["kind"] == "memory" and small_pages(t["path"]):
+            console.print(
+                f"tier {t['path']} is on a tmpfs mounted without huge pages, which reads a copy 4 KiB at a "
+                "time: a warm read costs about twice the CPU of a local file's (docs/benchmarks/warm-read.md). "
+                f"Mounted with huge=within_size (as root: mount -o remount,huge=within_size {mount_of(t['path'])}), "
+                "it reads as the page cache does.",
+                soft_wrap=True,
+            )
     if "cluster" in report:
         c = report["cluster"]
         table = Table(title=f"cluster ({c['sharing']})", title_justify="left")
@@ -345,6 +354,35 @@ def _echo_cluster(cluster: ClusterConfig, origin: str, width: int) -> None:
             f"  agents listen on {cluster['listen']}:{cluster['port']}, token {cluster['token_file']}, "
             f"frames {frames}"
         )
+
+
+def mount_of(path: str) -> str:
+    """The mount point `path` is on (the longest that holds it)."""
+    return max(
+        (m for m, _, _ in _mounts() if path == m or path.startswith(m.rstrip("/") + "/")),
+        key=len,
+        default="/",
+    )
+
+
+def small_pages(path: str) -> bool:
+    """Whether `path` is on a tmpfs that reads its files a 4 KiB page at a time: mounted without `huge=`,
+    or with `huge=never` (Debian's /dev/shm)."""
+    where = mount_of(path)
+    for mount, fstype, options in _mounts():
+        if mount == where:
+            huge = next((o for o in options.split(",") if o.startswith("huge=")), "huge=never")
+            return fstype == "tmpfs" and huge in ("huge=never", "huge=deny")
+    return False
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """Every mount of this process's namespace: mount point, file system type, options."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return []
+    return [(f[1], f[2], f[3]) for f in (ln.split() for ln in lines) if len(f) >= 4]
 
 
 def without_password(url: str) -> str:
