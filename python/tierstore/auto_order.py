@@ -544,10 +544,9 @@ def _mark_fetched(dataset: Any, index: Any) -> None:
     marker = _marker_of(dataset)
     if marker is None:
         return
-    tag = marker.get(0)
     for i in index if isinstance(index, (list, tuple)) else (index,):
         with contextlib.suppress(TypeError, ValueError):
-            marker.mark(int(i) + 1, tag)
+            marker.mark_read(int(i) + 1)
 
 
 _markers: dict[str, Any] = {}

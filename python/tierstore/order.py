@@ -102,6 +102,19 @@ class OrderPrefetch:
         self.stop()
 
 
+# How many times this process was forked into (counted in the child): a marker maps its file again in a
+# forked child, which must not write through its parent's mapping, without asking getpid per read.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 class ReadMarker:
     """Records reads into a read-marks file from any process of the node (a DataLoader worker, say).
 
@@ -114,7 +127,7 @@ class ReadMarker:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._pid = 0
+        self._mapped_after = -1  # the fork count when this process mapped the file (-1: not yet)
         self._view: memoryview | None = None
         self._map: mmap.mmap | None = None
 
@@ -125,8 +138,8 @@ class ReadMarker:
         self.__init__(state["path"])  # type: ignore[misc]
 
     def _slots(self) -> memoryview | None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
+        if self._mapped_after != _forks:
+            self._mapped_after = _forks
             try:
                 with open(self.path, "r+b") as f:
                     self._map = mmap.mmap(f.fileno(), 0)
@@ -140,6 +153,12 @@ class ReadMarker:
         view = self._slots()
         if view is not None and 0 <= slot < len(view):
             view[slot] = tag
+
+    def mark_read(self, slot: int) -> None:
+        """Stores the current epoch's tag (slot 0) into `slot`: what a read of its sample records."""
+        view = self._slots()
+        if view is not None and 0 < slot < len(view):
+            view[slot] = view[0]
 
     def get(self, slot: int) -> int:
         """The value in `slot` (0 when unreadable)."""

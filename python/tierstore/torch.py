@@ -159,7 +159,7 @@ class _MarkReads(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Any:
         item = self.dataset[index]
         # After the read: bytes being read still count as ahead until the sample is in memory.
-        self.marker.mark(int(index) + 1, self.marker.get(0))
+        self.marker.mark_read(int(index) + 1)
         return item
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
@@ -167,9 +167,8 @@ class _MarkReads(torch.utils.data.Dataset):
         # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded.
         batched = getattr(self.dataset, "__getitems__", None)
         items = batched(indices) if batched is not None else [self.dataset[i] for i in indices]
-        tag = self.marker.get(0)
         for i in indices:
-            self.marker.mark(int(i) + 1, tag)
+            self.marker.mark_read(int(i) + 1)
         return list(items)
 
     def __getattr__(self, name: str) -> Any:

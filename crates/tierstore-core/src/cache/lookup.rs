@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -70,6 +71,9 @@ pub(super) struct Lookup {
     last_access_flush: Mutex<Instant>,
     /// What `fstat` of each copy incarnation this process opened reports, rewritten as its source file's.
     copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
+    /// Whether anything asked for a remembered `fstat` (the shim does): until then, opens remember none,
+    /// and a process that reads through the Python API pays no lock and no insert per open for it.
+    copy_stats_asked: AtomicBool,
 }
 
 impl Lookup {
@@ -82,6 +86,7 @@ impl Lookup {
             access: Mutex::new(HashMap::new()),
             last_access_flush: Mutex::new(Instant::now()),
             copy_stats: Mutex::new(HashMap::new()),
+            copy_stats_asked: AtomicBool::new(false),
         }
     }
 
@@ -217,10 +222,13 @@ impl Lookup {
         if mtime != e.source.mtime_ns {
             return Err("modified copy (its mtime changed)".into());
         }
-        // The reader's `fstat` of the copy comes next (Python's `open` asks it of every file): remember
-        // its answer from what was just read, rather than find the entry again through /proc then.
-        if let Some(st) = e.source.to_stat() {
-            self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+        // The reader's `fstat` of the copy comes next under the shim (Python's `open` asks it of every
+        // file): remember its answer from what was just read, rather than find the entry again through
+        // /proc then. Only once the shim has asked for one: nothing else reads them.
+        if self.copy_stats_asked.load(Ordering::Relaxed) {
+            if let Some(st) = e.source.to_stat() {
+                self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+            }
         }
         if self.verify == Verify::Checksum {
             // A copy published without a checksum (while verification was by metadata) cannot be
@@ -288,6 +296,7 @@ impl Lookup {
 
     /// What was remembered of a copy's incarnation.
     pub(super) fn remembered_copy(&self, incarnation: &CopyIncarnation) -> Option<libc::stat> {
+        self.copy_stats_asked.store(true, Ordering::Relaxed);
         self.copy_stats.lock().expect("copy stats lock").get(incarnation).copied()
     }
 }
