@@ -1,8 +1,7 @@
 //! An object store as the source, through the `object_store` crate: S3 and S3-compatible servers, Google
 //! Cloud Storage, Azure Blob Storage, and HTTP servers that list through WebDAV, each behind the crate's one
-//! `ObjectStore` trait. Only the constructor knows the kind (the builder of the store's row of
-//! [`STORES`](super::store_config::STORES)); everything after it, and every cost below, is the same for all
-//! of them.
+//! `ObjectStore` trait. Only the constructor knows the kind (the store's builder, in [`BUILDERS`]);
+//! everything after it, and every cost below, is the same for all of them.
 //!
 //! What each operation costs the store:
 //! - **open** of an object no tier holds: one `GET` of its first range ([`StoreConfig::range_size`]), which
@@ -106,21 +105,24 @@ fn identity(meta: &ObjectMeta) -> SourceId {
     SourceId { size: meta.size, mtime_ns: secs * 1_000_000_000, ctime_ns: 0, ino: word(0), dev: word(8), attrs: None }
 }
 
-/// The client of one kind of store, its part of the store's row ([`STORES`](super::store_config::STORES)).
-pub struct Client {
-    /// Whether `key` is an option the client takes: its typed config-key enum parses it.
-    pub takes: fn(&str) -> bool,
-    /// The client over a source's configuration, and the endpoint it talks to (for messages).
-    pub build: fn(&StoreConfig, ClientOptions, RetryConfig) -> Built,
-}
+/// A store's builder: its client over a source's configuration (see [`Built`]).
+type Build = fn(&StoreConfig, ClientOptions, RetryConfig) -> Built;
 
-/// A client built: the store, and the endpoint it talks to.
+/// A client built: the store, and the endpoint it talks to (for messages).
 pub type Built = io::Result<(Box<dyn ObjectStore>, String)>;
 
-pub(super) const S3_CLIENT: Client = Client { takes: |k| k.parse::<AmazonS3ConfigKey>().is_ok(), build: s3_store };
-pub(super) const GCS_CLIENT: Client = Client { takes: |k| k.parse::<GoogleConfigKey>().is_ok(), build: gcs_store };
-pub(super) const AZURE_CLIENT: Client = Client { takes: |k| k.parse::<AzureConfigKey>().is_ok(), build: azure_store };
-pub(super) const HTTP_CLIENT: Client = Client { takes: |k| k.parse::<ClientConfigKey>().is_ok(), build: http_store };
+/// The builder of each kind of store, beside its row of [`STORES`](super::store_config::STORES).
+const BUILDERS: [(StoreKind, Build); 4] = [
+    (StoreKind::S3, s3_store),
+    (StoreKind::Gcs, gcs_store),
+    (StoreKind::Azure, azure_store),
+    (StoreKind::Http, http_store),
+];
+
+/// The builder of `kind`'s client.
+fn builder(kind: StoreKind) -> Build {
+    BUILDERS.iter().find(|(k, _)| *k == kind).map(|(_, b)| *b).expect("every kind of store has its builder")
+}
 
 /// The S3 client: the `[object_store]` table over the AWS variables over the profile files.
 fn s3_store(config: &StoreConfig, client: ClientOptions, retry: RetryConfig) -> Built {
@@ -325,7 +327,7 @@ impl ObjectSource {
             max_retries: config.retries,
             retry_timeout: (config.timeout + Duration::from_secs(5)) * (config.retries as u32 + 1),
         };
-        let (store, endpoint) = (config.kind.store().client.build)(&config, client, retry)?;
+        let (store, endpoint) = builder(config.kind)(&config, client, retry)?;
         Ok(ObjectSource {
             root: PathBuf::from(&config.url),
             config,
@@ -778,5 +780,17 @@ impl Source for ObjectSource {
             .iter()
             .filter_map(|m| Some((m.location.as_ref().strip_prefix(base.as_str())?.to_string(), identity(m))))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_store_has_one_builder() {
+        for store in super::super::store_config::STORES.iter() {
+            assert_eq!(BUILDERS.iter().filter(|(k, _)| *k == store.kind).count(), 1, "{}", store.name);
+        }
     }
 }

@@ -58,8 +58,8 @@ pub enum Authority {
     Server,
 }
 
-/// One kind of object store, whole: adding a store is adding a row to [`STORES`] (and a testing server
-/// and a conformance run; see the contributing page).
+/// One kind of object store: adding a store is adding a row to [`STORES`] and its builder to `object.rs`'s
+/// `BUILDERS` (and a testing server and a conformance run; see the contributing page).
 pub struct Store {
     /// Which store it is.
     pub kind: StoreKind,
@@ -79,10 +79,11 @@ pub struct Store {
     pub list_page: u64,
     /// Option keys of its client, for the message of a key it does not take.
     pub option_examples: &'static str,
-    /// Its client: which option keys it takes (its typed config-key enum) and its builder. A build
-    /// without object stores (the shim) reads the configuration without one.
+    /// Whether `key` is an option its client takes: the client's typed config-key enum parses it. (Its
+    /// builder is its line of `object.rs`'s `BUILDERS`.) A build without object stores (the shim) reads
+    /// the configuration without it.
     #[cfg(feature = "object-store")]
-    pub client: super::object::Client,
+    pub takes: fn(&str) -> bool,
 }
 
 /// Every kind of object store a source may be.
@@ -100,7 +101,7 @@ pub static STORES: [Store; 4] = [
         option_examples: "endpoint, region, aws_access_key_id, aws_secret_access_key, \
                           aws_virtual_hosted_style_request",
         #[cfg(feature = "object-store")]
-        client: super::object::S3_CLIENT,
+        takes: |k| k.parse::<object_store::aws::AmazonS3ConfigKey>().is_ok(),
     },
     Store {
         kind: StoreKind::Gcs,
@@ -114,7 +115,7 @@ pub static STORES: [Store; 4] = [
         list_page: 1000,
         option_examples: "google_service_account, google_service_account_key, google_base_url, google_skip_signature",
         #[cfg(feature = "object-store")]
-        client: super::object::GCS_CLIENT,
+        takes: |k| k.parse::<object_store::gcp::GoogleConfigKey>().is_ok(),
     },
     Store {
         kind: StoreKind::Azure,
@@ -129,7 +130,7 @@ pub static STORES: [Store; 4] = [
         option_examples: "azure_storage_account_name, azure_storage_account_key, azure_storage_sas_key, \
                           azure_storage_endpoint, azure_storage_use_emulator",
         #[cfg(feature = "object-store")]
-        client: super::object::AZURE_CLIENT,
+        takes: |k| k.parse::<object_store::azure::AzureConfigKey>().is_ok(),
     },
     Store {
         kind: StoreKind::Http,
@@ -143,7 +144,7 @@ pub static STORES: [Store; 4] = [
         list_page: u64::MAX,
         option_examples: "allow_http, allow_invalid_certificates, proxy_url, user_agent",
         #[cfg(feature = "object-store")]
-        client: super::object::HTTP_CLIENT,
+        takes: |k| k.parse::<object_store::ClientConfigKey>().is_ok(),
     },
 ];
 
@@ -415,7 +416,7 @@ pub(crate) fn validate(mut c: StoreConfig, keys: &BTreeMap<String, TableKey>) ->
 fn option_problem(kind: StoreKind, key: &str) -> Option<String> {
     #[cfg(feature = "object-store")]
     {
-        (!(kind.store().client.takes)(key)).then(|| format!("is not an option of the {} client", kind.name()))
+        (!(kind.store().takes)(key)).then(|| format!("is not an option of the {} client", kind.name()))
     }
     #[cfg(not(feature = "object-store"))]
     {
