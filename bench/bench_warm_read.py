@@ -33,6 +33,9 @@ from bench.page import Check, finish, met, rounds, targets
 
 TARGET = 0.97  # a warm read through the cache at least 0.97x as fast as a local read (#51)
 
+# How the cached side opens a file.
+VIAS = {"api": "Cache.open", "fsspec": "fsspec tierstore://", "run": "open() under tierstore run"}
+
 
 def make_dataset(root: Path, files: int, size: int) -> list[str]:
     root.mkdir(parents=True, exist_ok=True)
@@ -85,30 +88,49 @@ def passes(paths: list[str], opener, n: int) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(args: argparse.Namespace) -> None:
-    """The child of `--measure`: rounds of local and cached passes for one tier, printed one per line."""
+def cached_opener(args: argparse.Namespace):
+    """How the child opens a source file, by `--via`: `Cache.open`; fsspec's `tierstore://` over the same
+    cache; or the built-in `open` (under `tierstore run`, whose shim serves it from the tier). The copies
+    are made and read back once before it returns."""
+    paths = Path(args.paths_file).read_text().split("\n")
+    if args.via == "run":
+        opener = local_open
+        passes(paths, opener, 2)  # the shim copies them into the tier; the second pass finds them there
+        time.sleep(1)
+        return opener
     import tierstore
 
-    paths = Path(args.paths_file).read_text().split("\n")
     cache = tierstore.Cache(source=args.source, tiers=[f"{args.tier}:4G"], revalidate="never")
-    passes(paths, cache.open, 1)  # copies every file into the tier
+    opener = cache.open
+    if args.via == "fsspec":
+        import fsspec
+
+        fs = fsspec.filesystem("tierstore", cache=cache)
+
+        def opener(path: str):
+            return fs.open(path, "rb")
+
+    passes(paths, opener, 1)  # copies every file into the tier
     cache.wait()
-    passes(paths, cache.open, 1)  # and reads it back once, warm
+    passes(paths, opener, 1)  # and reads it back once, warm
+    return opener
+
+
+def measure(args: argparse.Namespace) -> None:
+    """The child of `--measure`: rounds of local and cached passes, printed one per line."""
+    paths = Path(args.paths_file).read_text().split("\n")
+    local_paths = [p.replace(args.source, args.local, 1) for p in paths]
+    opener = cached_opener(args)
     for _ in range(args.rounds):
-        local = passes(paths, local_open, args.passes)
-        cached = passes(paths, cache.open, args.passes)
+        local = passes(local_paths, local_open, args.passes)
+        cached = passes(paths, opener, args.passes)
         print(f"ROUND {local[0]:.4f} {local[1]:.4f} {cached[0]:.4f} {cached[1]:.4f}", flush=True)
 
 
 def profile(args: argparse.Namespace) -> None:
     """The child of `--profile`: the cached passes alone, for `perf record`."""
-    import tierstore
-
     paths = Path(args.paths_file).read_text().split("\n")
-    cache = tierstore.Cache(source=args.source, tiers=[f"{args.tier}:4G"], revalidate="never")
-    passes(paths, cache.open, 1)
-    cache.wait()
-    passes(paths, cache.open, args.passes * 2)
+    passes(paths, cached_opener(args), args.passes * 2)
 
 
 def perf_top(data: Path, dso_kernel: bool) -> list[tuple[str, float]]:
@@ -161,6 +183,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--source", help=argparse.SUPPRESS)
     ap.add_argument("--tier", help=argparse.SUPPRESS)
+    ap.add_argument("--local", help=argparse.SUPPRESS)
+    ap.add_argument("--via", default="api", help=argparse.SUPPRESS)
     ap.add_argument("--paths-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
@@ -175,20 +199,38 @@ def main() -> int:
     shm = Path(tempfile.mkdtemp(prefix="tierstore-warm-", dir="/dev/shm"))
     huge, why_no_huge = huge_tmpfs(huge_at)
     try:
-        source = base / "data"
+        source, local = base / "data", base / "local"
         paths = make_dataset(source, args.files, args.size)
+        shutil.copytree(source, local)
         listing = base / "paths"
         listing.write_text("\n".join(paths))
-        tiers = {
-            "/dev/shm (" + shm_huge_setting() + ")": shm / "tier",
-            "local disk (page cache)": base / "tier",
-        }
-        if huge is not None:
-            tiers["tmpfs huge=within_size"] = huge / "tier"
+        shm_name = "/dev/shm (" + shm_huge_setting() + ")"
+        # The Python API on every tier; fsspec and `tierstore run` on the tier whose kernel reads as the
+        # page cache does (the large-folio tmpfs, else the local disk), so that their rows show our part.
+        large = ("tmpfs huge=within_size", huge / "tier") if huge is not None else None
+        disk = ("local disk (page cache)", base / "tier")
+        cases = [(shm_name, shm / "tier", "api"), (*disk, "api")]
+        if large is not None:
+            cases.append((*large, "api"))
+        fast = large or disk
+        cases += [
+            (fast[0], Path(str(fast[1]) + "-fsspec"), "fsspec"),
+            (fast[0], Path(str(fast[1]) + "-run"), "run"),
+        ]
         results: dict[str, list[tuple[float, float, float, float]]] = {}
         profiles: dict[str, Path] = {}
-        for name, tier in tiers.items():
-            child = [sys.executable, __file__, "--source", str(source), "--tier", str(tier)]
+        for tier_name, tier, via in cases:
+            name = f"{VIAS[via]}, tier on {tier_name}"
+            child = [
+                sys.executable,
+                __file__,
+                "--source",
+                str(source),
+                "--local",
+                str(local),
+                "--tier",
+                str(tier),
+            ]
             child += [
                 "--paths-file",
                 str(listing),
@@ -197,23 +239,32 @@ def main() -> int:
                 "--rounds",
                 str(args.rounds),
             ]
-            out = subprocess.run([*child, "--measure"], capture_output=True, text=True, check=True).stdout
+            child += ["--via", via]
+            env = dict(os.environ)
+            if via == "run":
+                tierstore_cli = str(Path(sys.executable).with_name("tierstore"))
+                child = [tierstore_cli, "--source", str(source), "--tier", f"{tier}:4G", "run", "--", *child]
+                env["TIERSTORE_REVALIDATE"] = "never"
+            out = subprocess.run(
+                [*child, "--measure"], capture_output=True, text=True, check=True, env=env
+            ).stdout
             results[name] = [
                 tuple(map(float, ln.split()[1:])) for ln in out.splitlines() if ln.startswith("ROUND")
             ]
-            if args.perf and shutil.which("perf"):
+            if args.perf and shutil.which("perf") and via == "api":
                 data = base / f"perf-{len(profiles)}.data"
                 subprocess.run(
                     ["perf", "record", "-F", "2000", "-g", "-o", str(data), "--", *child, "--profile"],
                     capture_output=True,
                     check=True,
+                    env=env,
                 )
-                profiles[name] = data
+                profiles[tier_name] = data
         lines = page(args, results, profiles, why_no_huge)
         checks: list[Check] = []
         for name, rows in results.items():
             cpu = [lc / cc for _, lc, _, cc in rows]
-            goal = f"a warm read through the Python API, tier on {name}: >= {TARGET}x a local read (CPU)"
+            goal = f"a warm read, {name}: >= {TARGET}x a local read (CPU)"
             checks.append((goal, met(cpu, TARGET), rounds(cpu)))
         lines += targets(checks)
         return finish(lines, checks, args.out)
@@ -235,9 +286,10 @@ def page(
     lines = [
         "# Warm reads: a cached file against a local one",
         "",
-        f"`tierstore.Cache.open(path).read()` of {args.files} files of {args.size >> 10} KiB ({mib:.0f} MiB) that "
-        "the tier already holds, against `open(path, 'rb').read()` of the same files on the local disk (in the "
-        f"page cache), {args.passes} passes per side and round, alternating in one process, {args.rounds} rounds. "
+        f"A read of {args.files} whole files of {args.size >> 10} KiB ({mib:.0f} MiB) that the tier already holds, "
+        "through `tierstore.Cache.open`, fsspec's `tierstore://` or the built-in `open` under `tierstore run`, "
+        "against `open(path, 'rb').read()` of a copy of the same files on the local disk (in the page cache), "
+        f"{args.passes} passes per side and round, alternating in one process, {args.rounds} rounds. "
         "The ratio is local time / cached time: above 1, the cache is faster. CPU time is the process's "
         "(user + system), which the shared machine's load does not stretch; wall time is given beside it.",
         "",
@@ -256,12 +308,12 @@ def page(
             lines.append(
                 f"| {name} | {i} | {lc:.3f} | {cc:.3f} | {lc / cc:.2f} | {lw:.3f} | {cw:.3f} | {lw / cw:.2f} |"
             )
-    lines += ["", "| tier | CPU ratio, median (rounds) | per file, cached CPU |", "| --- | --- | --- |"]
+    lines += ["", "| read | CPU ratio, median (rounds) | per file, cached CPU |", "| --- | --- | --- |"]
     for name, rows in results.items():
         per_file = statistics.median(cc for *_, cc in rows) / (args.passes * args.files) * 1e6
         lines.append(f"| {name} | {rounds([lc / cc for _, lc, _, cc in rows])} | {per_file:.1f} µs |")
     if profiles:
-        lines += ["", "## Where the time goes (perf record -g of the cached passes)", ""]
+        lines += ["", "## Where the time goes (perf record -g of the cached passes through Cache.open)", ""]
         for name, data in profiles.items():
             kernel, user = perf_split(data)
             lines += [f"**{name}**: kernel {kernel:.0f}%, user space {user:.0f}% of the samples.", ""]
