@@ -329,7 +329,7 @@ def page(
             "(`_copy_to_iter`), as for the local read. On a tmpfs without huge pages the kernel also looks "
             "up every 4 KiB page of the copy (`filemap_get_entry`, `shmem_file_read_iter`), and its copy is "
             "slower: that, not tierstore, is the gap between its row and the others. tierstore's own work in "
-            "user space (the index lookup `mdb_node_search`, `Lookup::hit` and `remember_copy`, the key's "
+            "user space (the index lookup `mdb_node_search`, `Lookup::hit`, the key's "
             "blake3) is a few percent of the samples; the rest of user space is the interpreter running the "
             "loop, as it does for the local read. The memset of a zero-filled `bytes`, 3-4% of the samples "
             "before issue #51's first change, is gone.",
