@@ -394,7 +394,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     use tierstore_core::config::settings::{Table, SETTINGS};
     use tierstore_core::config::Shown;
     let out = PyDict::new(py);
-    let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
+    let origin = |k: &str| origin_of(c, k);
     // The settings of the top of the file, in the table's order: each value as `Config::shown` gives it,
     // each section as its own builder does.
     for setting in SETTINGS.iter().filter(|s| s.table == Table::Top) {
@@ -421,6 +421,11 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     Ok(out)
 }
 
+/// Where the configuration's value of `key` came from, as `config()` says it (`default` when unset).
+fn origin_of(c: &Config, key: &str) -> String {
+    c.origins.get(key).map_or_else(|| "default".into(), |o| o.to_string())
+}
+
 /// The tiers as `config()` shows them: path, quota in bytes, kind.
 fn tiers_list<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyList>> {
     let tiers = PyList::empty(py);
@@ -437,7 +442,6 @@ fn tiers_list<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyList>> 
 /// The cluster as `config()` shows it: sharing, members, this node, the agents' port and listen address,
 /// the token file, encryption, the registry and the job, and where each came from.
 fn cluster_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>> {
-    let origin = |k: &str| c.origins.get(k).map(|o| o.to_string()).unwrap_or_else(|| "default".into());
     let cluster = PyDict::new(py);
     cluster.set_item("sharing", c.cluster.sharing.name())?;
     cluster.set_item("members", c.cluster.members.iter().map(|m| m.address()).collect::<Vec<_>>())?;
@@ -450,7 +454,7 @@ fn cluster_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>
     cluster.set_item("node", c.cluster.my_address())?;
     let origins = PyDict::new(py);
     for key in ["peers", "node", "registry", "job", "token_file", "encrypt", "port", "listen"] {
-        origins.set_item(key, origin(&format!("cluster.{key}")))?;
+        origins.set_item(key, origin_of(c, &format!("cluster.{key}")))?;
     }
     cluster.set_item("origins", origins)?;
     Ok(cluster)

@@ -358,22 +358,22 @@ def _echo_cluster(cluster: ClusterConfig, origin: str, width: int) -> None:
 
 def mount_of(path: str) -> str:
     """The mount point `path` is on (the longest that holds it)."""
-    return max(
-        (m for m, _, _ in _mounts() if path == m or path.startswith(m.rstrip("/") + "/")),
-        key=len,
-        default="/",
-    )
+    return _mount(path)[0]
 
 
 def small_pages(path: str) -> bool:
     """Whether `path` is on a tmpfs that reads its files a 4 KiB page at a time: mounted without `huge=`,
     or with `huge=never` (Debian's /dev/shm)."""
-    where = mount_of(path)
-    for mount, fstype, options in _mounts():
-        if mount == where:
-            huge = next((o for o in options.split(",") if o.startswith("huge=")), "huge=never")
-            return fstype == "tmpfs" and huge in ("huge=never", "huge=deny")
-    return False
+    _, fstype, options = _mount(path)
+    huge = next((o for o in options.split(",") if o.startswith("huge=")), "huge=never")
+    return fstype == "tmpfs" and huge in ("huge=never", "huge=deny")
+
+
+def _mount(path: str) -> tuple[str, str, str]:
+    """The mount `path` is on, the longest that holds it (the latest, where one was mounted over another):
+    mount point, file system type, options."""
+    holding = [m for m in _mounts() if path == m[0] or path.startswith(m[0].rstrip("/") + "/")]
+    return max(reversed(holding), key=lambda m: len(m[0]), default=("/", "", ""))
 
 
 def _mounts() -> list[tuple[str, str, str]]:

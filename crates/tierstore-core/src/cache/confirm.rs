@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use super::engine::Inner;
 use super::flight::Role;
-use crate::clock::now_ns;
+// `fresh`: the bound is called `within` here, as in the module text.
+use crate::clock::{now_ns, within as fresh};
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
 
@@ -39,11 +40,6 @@ fn parent(rel: &str) -> &str {
 /// flights: never the key of a file, whose path cannot start with a NUL byte.
 fn directory_key(dir: &str) -> Key {
     key_of(&format!("\0confirm\0{dir}"))
-}
-
-/// Whether an entry confirmed at `confirmed_ns` may still be used at `now` without asking the source.
-fn fresh(confirmed_ns: u64, within: Duration, now: u64) -> bool {
-    confirmed_ns.saturating_add(within.as_nanos() as u64) > now
 }
 
 /// How many directories are confirmed at once in the background (each, on a file system, with parallel

@@ -151,8 +151,7 @@ impl Inner {
         let Native::Whole(file) = self.open_native_looked(rel, false, look)? else {
             unreachable!("a whole-file open never streams")
         };
-        let path = self.storage().source().path_of(rel);
-        let m = file.metadata().map_err(|e| Error::io(&path, e))?;
+        let m = file.metadata().map_err(|e| self.storage().error(rel, e))?;
         let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
         if let Some(e) = self.storage().lookup().published(&key_of(rel), rel) {
             if e.source.size == m.size() && e.source.mtime_ns == mtime {
@@ -161,7 +160,7 @@ impl Inner {
         }
         // Not cached (no tier had room): an object store's bytes in a memory file; its identity is the
         // object's.
-        let identity = self.storage().source().identify(rel).map_err(|e| Error::io(&path, e))?;
+        let identity = self.storage().identify(rel)?;
         Ok(Served { file, identity, checksum: None, copy: None })
     }
 

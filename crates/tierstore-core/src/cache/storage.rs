@@ -66,12 +66,17 @@ impl Storage {
         self.faults.log_once(kind, message);
     }
 
-    /// Whether the copy `e` may be served now without asking the source: the dataset is trusted
-    /// (`revalidate = "never"`), or the copy was confirmed within the duration.
+    /// Whether the copy `e` may be served now without asking the source (see [`Storage::trusts`]).
     pub(super) fn trusted_now(&self, e: &Entry) -> bool {
+        self.trusts(e.confirmed_ns)
+    }
+
+    /// Whether what the source showed at `at_ns` may answer now without asking it again: always when the
+    /// dataset is trusted (`revalidate = "never"`), within the duration with one, never with `"always"`.
+    pub(super) fn trusts(&self, at_ns: u64) -> bool {
         match self.config.revalidate {
             Revalidate::Never => true,
-            Revalidate::Within(d) => e.confirmed_ns.saturating_add(d.as_nanos() as u64) > now_ns(),
+            Revalidate::Within(d) => crate::clock::within(at_ns, d, now_ns()),
             Revalidate::Always => false,
         }
     }

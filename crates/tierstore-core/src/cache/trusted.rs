@@ -48,11 +48,7 @@ impl<'a> Trusted<'a> {
     /// Whether a metadata record taken at `at_ns` may answer now: always with `"never"`, within the
     /// duration with one.
     fn record_fresh(&self, at_ns: u64) -> bool {
-        match self.storage.config().revalidate {
-            Revalidate::Never => true,
-            Revalidate::Within(d) => at_ns.saturating_add(d.as_nanos() as u64) > now_ns(),
-            Revalidate::Always => false,
-        }
+        self.storage.trusts(at_ns)
     }
 
     /// `stat` of a cached file, of a source directory or of a symlink under the source, as the source gave
