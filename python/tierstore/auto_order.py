@@ -16,7 +16,8 @@ the hook when torch's DataLoader is imported), with no line of the job changed:
   torchvision's `DatasetFolder.samples`, `CachedDataset.paths` or a custom dataset's list of `.npy`
   files; `Subset` is followed. A dataset that says nothing has them learned from what each sample
   opened in the loader's first epoch (`tierstore.learned_order`), under `tierstore run` or through the
-  dataset's own Cache, and its later epochs are prefetched. An iterable dataset is left alone.
+  dataset's own Cache, and its later epochs are prefetched. An iterable dataset is read ahead by shard
+  instead (`tierstore.shard_order`).
 - **The reads.** Each loader gets a read-marks file (slot 0: the epoch's tag; slot i + 1: the tag of the
   epoch in which index i was last fetched), named to the workers by an attribute set on the dataset
   before they start; the index fetcher marks each index it has fetched, in every worker, so every read
@@ -39,12 +40,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierstore import prefetch_report
+from tierstore._log import info as _say
 from tierstore.learned_order import LOG_ATTRIBUTE
 
 if TYPE_CHECKING:
     from tierstore import _core
     from tierstore.cache import Cache
     from tierstore.learned_order import LearnedOrder
+    from tierstore.shard_order import ShardReadAhead
     from tierstore.types import OrderProgress
 
 # The setting: auto, off, or a budget.
@@ -55,12 +58,6 @@ FREE_SHARE = 4
 FULL_SHARE = 16
 # The attribute on a dataset that names its read-marks file to the loader's workers.
 MARKS_ATTRIBUTE = "_tierstore_read_marks"
-
-
-def _say(message: str) -> None:
-    """One line on stderr at `-v` (`TIERSTORE_LOG` info or more), as the engine writes its own."""
-    if os.environ.get("TIERSTORE_LOG", "").strip().lower() in ("info", "debug", "trace"):
-        print(f"tierstore[{os.getpid()}] info: {message}", file=sys.stderr, flush=True)
 
 
 def budget_setting() -> int | None:
@@ -188,6 +185,18 @@ def _within(source: str) -> Callable[[str], bool]:
     return lambda p: os.path.abspath(p).startswith(prefixes)
 
 
+def budget_of(cache: Cache, fixed: int | None = None) -> int:
+    """`fixed`, else `$TIERSTORE_SAMPLER_PREFETCH`'s budget: a size, or auto (from the tiers' room now)."""
+    fixed = fixed or budget_setting()
+    if fixed:
+        return fixed
+    tiers = cache.stats()["tiers"]
+    quota = sum(t.get("quota") or 0 for t in tiers)
+    free = sum(max(0, (t.get("quota") or 0) - t.get("bytes_used", 0)) for t in tiers)
+    # Full tiers (a dataset larger than they are) still get a share of their room: eviction makes it.
+    return max(free // FREE_SHARE, quota // FULL_SHARE, 1)
+
+
 # One loader's prefetch ------------------------------------------------------------------------------
 
 
@@ -245,14 +254,7 @@ class LoaderPrefetch:
 
     def budget(self) -> int:
         """The fixed budget, or `$TIERSTORE_SAMPLER_PREFETCH`'s: a size, or auto."""
-        fixed = self.fixed_budget or budget_setting()
-        if fixed:
-            return fixed
-        tiers = self.cache.stats()["tiers"]
-        quota = sum(t.get("quota") or 0 for t in tiers)
-        free = sum(max(0, (t.get("quota") or 0) - t.get("bytes_used", 0)) for t in tiers)
-        # Full tiers (a dataset larger than they are) still get a share of their room: eviction makes it.
-        return max(free // FREE_SHARE, quota // FULL_SHARE, 1)
+        return budget_of(self.cache, self.fixed_budget)
 
     def start(self, indices: list[int]) -> None:
         """Stops the last epoch's prefetch and starts this one's, in the order of `indices`."""
@@ -349,16 +351,19 @@ def _wrapped_explicitly(dataset: Any) -> bool:
 
 
 # The loaders' prefetches, by loader; None where a loader has none (and why was said once).
-_prefetches: weakref.WeakKeyDictionary[Any, LoaderPrefetch | None] = weakref.WeakKeyDictionary()
+_prefetches: weakref.WeakKeyDictionary[Any, LoaderPrefetch | ShardReadAhead | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def prefetch_of(loader: Any) -> LoaderPrefetch | None:
-    """The prefetch of `loader`, made on its first iterator; None when it gets none."""
+def prefetch_of(loader: Any) -> LoaderPrefetch | ShardReadAhead | None:
+    """The prefetch of `loader`, made on its first iterator: the sampler's order of a map-style dataset,
+    the shard order of an iterable one; None when it gets none."""
     try:
         return _prefetches[loader]
     except (KeyError, TypeError):
         pass
-    made: LoaderPrefetch | None = None
+    made: LoaderPrefetch | ShardReadAhead | None = None
     try:
         made = _make(loader)
     except Exception as e:
@@ -379,14 +384,11 @@ def _name(loader: Any) -> str:
     return f"DataLoader over {type(getattr(loader, 'dataset', None)).__name__}"
 
 
-def _make(loader: Any) -> LoaderPrefetch | None:
+def _make(loader: Any) -> LoaderPrefetch | ShardReadAhead | None:
     from torch.utils.data.dataloader import _DatasetKind
 
     name = _name(loader)
     if budget_setting() == 0:
-        return None
-    if loader._dataset_kind != _DatasetKind.Map:
-        _say(f"{name}: no sampler-aware prefetch: an iterable dataset has no sampler order")
         return None
     dataset = loader.dataset
     if _wrapped_explicitly(dataset):
@@ -396,6 +398,8 @@ def _make(loader: Any) -> LoaderPrefetch | None:
         # process's prefetch shares and cannot tell from its own: a file could be fetched twice.
         _say(f"{name}: no sampler-aware prefetch: with no workers under tierstore run; give num_workers >= 1")
         return None
+    if loader._dataset_kind != _DatasetKind.Map:
+        return _shard_read_ahead(loader, name)
     sampler = loader._index_sampler
     if not _drawn_whole_at_start(sampler):
         _say(
@@ -426,6 +430,18 @@ def _make(loader: Any) -> LoaderPrefetch | None:
     weakref.finalize(made, _unlink, log.path)
     attributes = {MARKS_ATTRIBUTE: marks, LOG_ATTRIBUTE: log.path}
     return made if _name_to_workers(dataset, name, attributes) else None
+
+
+def _shard_read_ahead(loader: Any, name: str) -> ShardReadAhead | None:
+    """An iterable dataset's read-ahead by shard, where tierstore sees its opens."""
+    from tierstore import shard_order
+
+    source = _Source(loader.dataset)
+    if not (_shim_loaded() or source.own_cache() is not None):
+        _say(f"{name}: no shard read-ahead: its opens are not seen (run it under tierstore run)")
+        return None
+    cache = source.made()
+    return shard_order.make(loader, cache, _within(cache.source), name, lambda: budget_of(cache))
 
 
 def _name_to_workers(dataset: Any, name: str, attributes: dict[str, str]) -> bool:
@@ -491,6 +507,9 @@ def _begin_epoch(loader_iter: Any, it: Any) -> Any:
     """The iterator of the epoch `it` begins: `it` itself, or its order drawn whole and prefetched."""
     prefetch = loader_iter.__dict__.get("_tierstore_prefetch")
     if prefetch is None:
+        return it
+    if not isinstance(prefetch, LoaderPrefetch):
+        prefetch.begin_epoch()  # an iterable dataset's: its sampler draws nothing worth drawing ahead
         return it
     order = list(it)  # every draw of the epoch, at the moment of its first
     try:
@@ -561,6 +580,7 @@ def patch(dataloader: Any) -> None:
     from torch.utils.data._utils import fetch
 
     init, next_index, fetch_map = base.__init__, base._next_index, fetch._MapDatasetFetcher.fetch
+    fetch_iterable = fetch._IterableDatasetFetcher.fetch
 
     def __init__(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
         # Before the workers start: they learn the dataset's read-marks file from the dataset.
@@ -584,9 +604,15 @@ def patch(dataloader: Any) -> None:
         _mark_fetched(self.dataset, possibly_batched_index)
         return data
 
+    def fetch_and_record(self: Any, possibly_batched_index: Any) -> Any:
+        from tierstore.shard_order import fetch_recording
+
+        return fetch_recording(self, possibly_batched_index, fetch_iterable)
+
     base.__init__ = __init__  # type: ignore[method-assign]
     base._next_index = _next_index
     fetch._MapDatasetFetcher.fetch = fetch_and_mark  # type: ignore[method-assign]
+    fetch._IterableDatasetFetcher.fetch = fetch_and_record  # type: ignore[method-assign]
     base._tierstore_hooked = True
 
 

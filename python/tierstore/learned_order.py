@@ -137,6 +137,7 @@ class LearnedLog:
         self.path = path
         self._fd: int | None = None
         self._pid = 0
+        self._read = 0  # how far `added` has read
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -160,6 +161,33 @@ class LearnedLog:
             fd = self._writer()
             if fd is not None:
                 os.write(fd, (json.dumps([index, list(files)]) + "\n").encode())
+
+    def mark_epoch(self) -> None:
+        """Records that the loader's next epoch begins (`[-1, []]`): its process writes it before the
+        workers are given the epoch's first batch, so it comes before every record of that epoch."""
+        with contextlib.suppress(OSError, ValueError):
+            fd = self._writer()
+            if fd is not None:
+                os.write(fd, b"[-1, []]\n")
+
+    def added(self) -> list[tuple[int, list[str]]]:
+        """The records appended since the last call (in this process), in the order they were written; a
+        line a worker is still writing is read next time, a line that is not a record is skipped."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._read)
+                data = f.read()
+        except OSError:
+            return []
+        whole = data.rfind(b"\n") + 1
+        self._read += whole
+        records = []
+        for line in data[:whole].splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                index, files = json.loads(line)
+                if isinstance(index, int) and isinstance(files, list):
+                    records.append((index, [p for p in files if isinstance(p, str)]))
+        return records
 
     def _writer(self) -> int | None:
         if self._pid != os.getpid():
@@ -186,24 +214,13 @@ class LearnedOrder:
         self.log = log
         self.within = within
         self.files: dict[int, tuple[str, ...]] = {}
-        self._read = 0
 
     def update(self) -> int:
         """Reads the lines the workers added since the last update; returns how many indices are known."""
-        try:
-            with open(self.log.path, "rb") as f:
-                f.seek(self._read)
-                added = f.read()
-        except OSError:
-            return len(self.files)
-        whole = added.rfind(b"\n") + 1  # a line a worker is still writing is read next time
-        self._read += whole
-        for line in added[:whole].splitlines():
-            with contextlib.suppress(ValueError, TypeError):
-                index, files = json.loads(line)
-                kept = tuple(p for p in files if isinstance(p, str) and self.within(p))
-                if kept and isinstance(index, int):
-                    self.files[index] = tuple(dict.fromkeys(kept))  # each file once, in the order opened
+        for index, files in self.log.added():
+            kept = tuple(p for p in files if self.within(p))
+            if kept and index >= 0:
+                self.files[index] = tuple(dict.fromkeys(kept))  # each file once, in the order opened
         return len(self.files)
 
     def files_of(self, index: int) -> tuple[str, ...]:

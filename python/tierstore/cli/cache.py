@@ -262,8 +262,16 @@ def loaders_table(loaders: list[dict[str, Any]]) -> Any:
             str(r.get("loader")),
             str(r.get("found")),
             str(r.get("epoch")),
-            f"{r.get('read', '?')} / {r.get('samples')}",
-            f"{r.get('files')} files" if r.get("files") else "none yet (learning)",
+            (
+                f"{r['shards_opened']} shards opened"
+                if "shards_opened" in r
+                else f"{r.get('read', '?')} / {r.get('samples')}"
+            ),
+            f"{r.get('files')} files"
+            if r.get("files")
+            else "none yet"
+            if "shards_opened" in r
+            else "none yet (learning)",
             human(r["budget"]) if isinstance(r.get("budget"), int) else "-",
             (
                 f"{last['files_fetched']} of {last['files_total']} fetched, {last['files_read_first']} read first, "

@@ -549,14 +549,11 @@ impl Fetcher {
         Ok(Some(src))
     }
 
-    /// One object of a prefetch: claimed before it is opened (opening an object is a GET), so that a
-    /// prefetch racing another process's fetch of it sends no request. `None`: cached, or being fetched.
-    pub(super) fn prefetch_object(
-        self: &Arc<Self>,
-        key: &Key,
-        rel: &str,
-    ) -> Result<Option<(SourceId, Fetched)>, Error> {
-        let seen = now_ns();
+    /// A prefetch's claim on `rel` before the store is asked: its in-process flight and its node-wide
+    /// fetch lock, both taken without waiting. `None` when it is being fetched (in this process or
+    /// another) or is cached and current, so that a prefetch racing a reader's fetch never opens the
+    /// file (on an object store, opening it is a `GET`) and never reads it a second time.
+    pub(super) fn claim(&self, key: &Key, rel: &str) -> Result<Option<Claimed>, Error> {
         let Role::Leader(lead) = self.flights.join(key) else { return Ok(None) };
         let guard = match self.locks.try_lock(key) {
             Ok(Some(guard)) => guard,
@@ -568,40 +565,42 @@ impl Fetcher {
                 return Ok(None);
             }
         }
-        let mut pre = None;
-        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
-        let (sid, job) = self.open_for_flight(job, &mut pre)?;
-        let fetched = self.fetch_locked(job, sid, guard, &mut pre)?;
-        Ok(Some((sid, fetched)))
+        Ok(Some(Claimed { lead, guard }))
     }
 
-    /// One file of a prefetch, opened and identified by the caller (at `seen` or after): copy it unless
-    /// it is cached or being fetched by someone else.
+    /// One object of a prefetch, claimed (`claim`) before it was opened.
+    pub(super) fn prefetch_object(self: &Arc<Self>, claimed: Claimed, rel: &str) -> Result<(SourceId, Fetched), Error> {
+        let seen = now_ns();
+        let mut pre = None;
+        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead: claimed.lead };
+        let (sid, job) = self.open_for_flight(job, &mut pre)?;
+        let fetched = self.fetch_locked(job, sid, claimed.guard, &mut pre)?;
+        Ok((sid, fetched))
+    }
+
+    /// One file of a prefetch, claimed (`claim`) before the caller opened and identified it (at `seen` or
+    /// after): copied unless that version is cached.
     pub(super) fn prefetch_file(
         self: &Arc<Self>,
-        key: &Key,
+        claimed: Claimed,
         rel: &str,
         sid: SourceId,
         file: SourceFile,
         seen: u64,
     ) -> Result<Fetched, Error> {
-        if self.storage.hit(key, rel, &sid, Look::Quiet).is_some() {
+        let key = *claimed.lead.key();
+        if self.storage.hit(&key, rel, &sid, Look::Quiet).is_some() {
             return Ok(Fetched::Skipped);
         }
-        let Role::Leader(lead) = self.flights.join(key) else {
-            return Ok(Fetched::Skipped);
-        };
-        // Never block a prefetch worker on another process's fetch: it is being done, which is all a
-        // prefetch wants.
-        match self.locks.try_lock(key) {
-            Ok(Some(guard)) => {
-                let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
-                self.fetch_locked(job, sid, guard, &mut Some(file))
-            }
-            Ok(None) => Ok(Fetched::Skipped),
-            Err(e) => Err(self.storage.error(rel, e)),
-        }
+        let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead: claimed.lead };
+        self.fetch_locked(job, sid, claimed.guard, &mut Some(file))
     }
+}
+
+/// A file a prefetch may fetch: it leads the file's flight and holds its fetch lock.
+pub(super) struct Claimed {
+    lead: Lead,
+    guard: FetchGuard,
 }
 
 /// Lands a flight whose source request failed with `e`, handing the error to its waiters (an error that is

@@ -457,7 +457,8 @@ impl Walk {
     fn object(&self, key: &Key, rel: &str) {
         let p = &self.progress;
         let path = self.inner.storage().source().path_of(rel);
-        match self.inner.fetcher().prefetch_object(key, rel) {
+        let fetcher = self.inner.fetcher();
+        match fetcher.claim(key, rel).and_then(|c| c.map(|c| fetcher.prefetch_object(c, rel)).transpose()) {
             Ok(Some((sid, fetched))) => {
                 p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
                 self.record(&path, Ok(fetched));
@@ -471,12 +472,22 @@ impl Walk {
         }
     }
 
-    /// A POSIX entry: opened (beneath its directory's handle when the walk has one), identified from the
-    /// open descriptor, and copied; a directory the listing did not type is walked.
+    /// A POSIX entry: claimed, opened (beneath its directory's handle when the walk has one), identified
+    /// from the open descriptor, and copied; a directory the listing did not type is walked.
     fn posix_file(&self, parent: Option<Arc<DirHandle>>, name: &OsString, key: &Key, rel: String) {
         let (inner, p) = (&self.inner, &self.progress);
         let path = inner.storage().source().path_of(&rel);
         let seen = now_ns();
+        // Claimed before it is opened: a file a reader is fetching, or fetched since `entry` looked, is
+        // left alone rather than opened again.
+        let claimed = match inner.fetcher().claim(key, &rel) {
+            Ok(Some(claimed)) => claimed,
+            Ok(None) => return p.handled(0),
+            Err(e) => {
+                self.record(&path, Err(e));
+                return p.handled(0);
+            }
+        };
         let opened = match (&parent, inner.storage().posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.storage().source().open(&rel),
@@ -492,6 +503,7 @@ impl Walk {
         };
         let canonical = sid.attrs.is_some_and(|a| a.canonical);
         if is_dir {
+            drop(claimed);
             p.not_a_file();
             // A directory the listing did not type is walked; a symlink to one is not (no loops).
             if let (true, Some(_), Some(dir)) = (canonical, &parent, file.into_file()) {
@@ -503,7 +515,7 @@ impl Walk {
             return p.not_a_file();
         }
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
-        self.record(&path, inner.fetcher().prefetch_file(key, &rel, sid, file, seen));
+        self.record(&path, inner.fetcher().prefetch_file(claimed, &rel, sid, file, seen));
         p.handled(sid.size);
     }
 

@@ -1,0 +1,408 @@
+"""Read-ahead by shard for an iterable dataset nobody changed.
+
+An `IterableDataset` (webdataset tars, TFRecord files, a reader of shard files of its own) has no sampler,
+so its DataLoader cannot say the epoch's order ahead. But such a dataset reads whole shards one after
+another, in the order of its shard list split between the workers (webdataset's `split_by_worker` gives
+worker w of W the shards w, w + W, w + 2W, ...), or in the order it read them last epoch. So as each
+worker opens a shard, the loader's process fetches the shards that worker will open next:
+
+- **What the workers open.** Each worker reads each batch inside a record of the files its thread opens
+  through tierstore (the shim's under `tierstore run`, `Cache.open`'s through the Python API) and appends
+  `[worker, [path, ...]]` to the loader's log (`tierstore.learned_order.LearnedLog`); the loader's
+  process appends `[-1, []]` as each epoch begins, before any worker is given the epoch's first batch.
+- **The shard list.** A list of two or more paths under the cache's source held by the dataset
+  (webdataset's `SimpleShardList.urls`, a custom dataset's `self.files`), looked for a few attributes
+  deep; else the files of the first shard's directory that end as it does, in name order.
+- **The next shards.** For a worker whose last two shards sit at positions a and b of the list, those at
+  b + (b - a), b + 2(b - a), ...; after its first shard, the step `split_by_worker` takes (the workers times
+  the ranks). A worker whose steps disagree (a shuffled shard list) gets nothing read ahead. A worker that
+  has so far opened, in order, the first shards it opened last epoch is taken to go on as it did then,
+  so a fixed order that no list describes is read ahead from the second epoch on.
+- **The budget.** `$TIERSTORE_SAMPLER_PREFETCH`, as for map-style datasets (`auto`: a quarter of the
+  tiers' free room, at least a sixteenth of their room): at most `AHEAD` shards per worker (`GUESSED`
+  while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. A shard
+  there is no room for is left to its reader.
+
+A prediction never changes what the job reads: a wrong one is a shard fetched early (it is read later in
+the epoch, or not at all), never a byte served wrong. Any failure is one line at `-v` and a loader that
+runs as it would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tierstore import prefetch_report
+from tierstore._log import info as _say
+
+if TYPE_CHECKING:
+    from tierstore import _core
+    from tierstore.cache import Cache
+    from tierstore.learned_order import LearnedLog
+
+# The attribute on a dataset that names its loader's log of opened shards to the workers.
+LOG_ATTRIBUTE = "_tierstore_shard_log"
+# Shards fetched ahead of each worker at most: once its order is known (two steps of the list that agree,
+# or the last epoch's order repeated), and while it is only guessed (after its first shard). A shard is
+# large and read whole, so a few fetches in flight per worker hide a store's latency: with 8, a shard
+# that takes 8 times as long to fetch as to consume still arrives in time.
+AHEAD = 8
+GUESSED = 2
+# How often the loader's process reads what the workers added to the log, seconds.
+POLL = 0.01
+# How deep into the dataset's attributes the shard list is looked for, and how many objects at most.
+DEPTH = 3
+VISITS = 256
+
+
+# The shard list ------------------------------------------------------------------------------------
+
+
+def find_shards(dataset: Any, under: Callable[[str], bool]) -> tuple[list[str], str] | None:
+    """A list of two or more paths under the source that `dataset` holds, and where it was found
+    (`"dataset.pipeline[0].urls"`); None when it holds none. Attributes are searched breadth first,
+    `DEPTH` deep, through objects and lists of objects (webdataset's pipeline of stages)."""
+    level: list[tuple[Any, str]] = [(dataset, "dataset")]
+    seen: set[int] = set()
+    for _ in range(DEPTH + 1):
+        deeper: list[tuple[Any, str]] = []
+        for obj, where in level:
+            if id(obj) in seen or len(seen) >= VISITS:
+                continue
+            seen.add(id(obj))
+            for name, value in _attributes(obj):
+                found = _paths(value, under)
+                if found is not None:
+                    return found, f"{where}.{name}"
+                if isinstance(value, (list, tuple)):
+                    deeper.extend((v, f"{where}.{name}[{i}]") for i, v in enumerate(value[:64]) if _object(v))
+                elif _object(value):
+                    deeper.append((value, f"{where}.{name}"))
+        level = deeper
+    return None
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    try:
+        return sorted(vars(obj).items())
+    except TypeError:
+        return []
+
+
+def _object(value: Any) -> bool:
+    """Whether `value` is an instance worth looking into: not a plain value, class, module or function."""
+    import types
+
+    plain = (str, bytes, int, float, bool, type(None), dict, set, frozenset, type, types.ModuleType)
+    return not isinstance(value, plain) and not callable(value) and hasattr(value, "__dict__")
+
+
+def _paths(value: Any, under: Callable[[str], bool]) -> list[str] | None:
+    """`value` as a list of paths if it is a list of two or more paths under the source."""
+    if not isinstance(value, (list, tuple)) or len(value) < 2:
+        return None
+    if not all(isinstance(v, (str, os.PathLike)) for v in value):
+        return None
+    paths = [os.fsdecode(v) for v in value]
+    return paths if under(paths[0]) and under(paths[-1]) else None
+
+
+def directory_shards(path: str) -> list[str] | None:
+    """The files of `path`'s directory that end as it does (`.tar`, `.tfrecord`), in name order; None if
+    the directory cannot be listed or holds no other."""
+    directory, name = os.path.split(path)
+    ending = name[name.find(".") :] if "." in name else ""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(ending) and not n.startswith("."))
+    except OSError:
+        return None
+    return [os.path.join(directory, n) for n in names] if len(names) >= 2 else None
+
+
+# What each worker opens next -----------------------------------------------------------------------
+
+
+def next_shards(
+    opened: Sequence[str],
+    shards: Sequence[str] | None,
+    position: dict[str, int],
+    last_epoch: Sequence[str] | None,
+    step: int,
+    ahead: int = AHEAD,
+) -> list[str]:
+    """The shards a worker that opened `opened` this epoch (in order) will open next: at most `ahead`, or
+    `GUESSED` when the step is only guessed.
+
+    Args:
+        opened: The worker's shards so far this epoch, in the order it opened them (not empty).
+        shards: The shard list, if one is known; `position` maps each of its paths to its place.
+        last_epoch: The worker's shards of the last epoch, in order.
+        step: The step after a worker's first shard: how many readers split the list.
+    """
+    n = len(opened)
+    if last_epoch and n < len(last_epoch) and list(last_epoch[:n]) == list(opened):
+        return list(last_epoch[n : n + ahead])
+    if not shards:
+        return []
+    here = position.get(opened[-1])
+    if here is None:
+        return []
+    if n == 1:
+        stride, ahead = step, min(ahead, GUESSED)
+    else:
+        before = position.get(opened[-2])
+        if before is None or before == here:
+            return []
+        stride = here - before
+        if n >= 3 and (position.get(opened[-3]) is None or before - position[opened[-3]] != stride):
+            return []  # steps that disagree: a shuffled list, nothing to read ahead
+    places = (here + k * stride for k in range(1, ahead + 1))
+    return [shards[p] for p in places if 0 <= p < len(shards)]
+
+
+def readers_of_the_list(num_workers: int) -> int:
+    """The step between one worker's shards in `split_by_worker` after `split_by_node`: workers x ranks."""
+    ranks = 1
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_world_size()
+    return max(1, num_workers) * ranks
+
+
+# One loader's read-ahead, in the loader's process ---------------------------------------------------
+
+
+class ShardReadAhead:
+    """Reads one iterable loader's log as its workers write it, and fetches each worker's next shards.
+
+    Args:
+        cache: The cache the shards are read through.
+        log: The loader's log of opened shards.
+        within: Whether a path is under the cache's source.
+        shards: The shard list and where it was found, if the dataset holds one.
+        name: The loader, for the log and `tierstore status`.
+        step: The step after a worker's first shard (`readers_of_the_list`).
+        report: The read-marks file whose name `tierstore status` finds this loader's report by.
+        budget: The budget as an epoch starts (`tierstore.auto_order.budget_of`).
+    """
+
+    def __init__(
+        self,
+        cache: Cache,
+        log: LearnedLog,
+        within: Callable[[str], bool],
+        shards: tuple[list[str], str] | None,
+        name: str,
+        step: int,
+        report: str,
+        budget: Callable[[], int],
+    ) -> None:
+        self.cache = cache
+        self.budget_now = budget
+        self.log = log
+        self.within = within
+        self.shards: list[str] | None = shards[0] if shards is not None else None
+        self.found = shards[1] if shards is not None else ""
+        self.position = {p: i for i, p in enumerate(self.shards or ())}
+        self.name = name
+        self.step = step
+        self.report_path = report
+        self.epoch = 0
+        self.budget = 0
+        self.now: dict[int, list[str]] = {}  # this epoch's shards, per worker
+        self.last: dict[int, list[str]] = {}  # the last epoch's
+        self.opened: set[str] = set()  # this epoch's, every worker's
+        self.ahead: dict[str, _core.Prefetch] = {}  # fetched ahead, not yet opened
+        self.sizes: dict[str, int] = {}  # of the shards fetched ahead, for the budget
+        self.counts = {"opened": 0, "fetched_ahead": 0, "opened_ahead": 0, "no_room": 0, "failed": 0}
+        self.last_counts: dict[str, int] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin_epoch(self) -> None:
+        """Marks the epoch's start in the log; starts reading the log on the first epoch."""
+        self.log.mark_epoch()
+        self.budget = self.budget_now()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tierstore-shard-read-ahead", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL):
+            try:
+                self.update()
+            except Exception as e:  # a read-ahead that fails leaves the loader as it was
+                _say(f"{self.name}: shard read-ahead stopped: {e}")
+                return
+
+    def update(self) -> None:
+        """Takes in what the workers added to the log, and fetches what they will open next."""
+        with self._lock:
+            for worker, files in self.log.added():
+                if worker < 0:
+                    self._new_epoch()
+                    continue
+                for path in dict.fromkeys(files):
+                    if self.within(path):
+                        self._opened(worker, path)
+
+    def _new_epoch(self) -> None:
+        if self.epoch:
+            self._say_epoch()
+        self.last_counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        self.last.update(self.now)
+        self.now, self.opened = {}, set()
+        self.ahead = {p: h for p, h in self.ahead.items() if not h.done}
+        self.epoch += 1
+        self._report()
+
+    def _opened(self, worker: int, path: str) -> None:
+        mine = self.now.setdefault(worker, [])
+        if mine and mine[-1] == path:
+            return
+        mine.append(path)
+        self.opened.add(path)
+        self.counts["opened"] += 1
+        if self.ahead.pop(path, None) is not None:
+            self.counts["opened_ahead"] += 1
+        if self.shards is None and len(mine) == 1 and self.found == "":
+            listed = directory_shards(path)
+            self.found = "the files of the first shard's directory, in name order"
+            if listed is not None:
+                self.shards = listed
+                self.position = {p: i for i, p in enumerate(listed)}
+        for shard in next_shards(mine, self.shards, self.position, self.last.get(worker), self.step):
+            if shard in self.opened or shard in self.ahead:
+                continue
+            if not self._room():
+                self.counts["no_room"] += 1
+                break
+            self.ahead[shard] = self.cache._core.prefetch([shard], 1)
+            self.counts["fetched_ahead"] += 1
+        self._report()
+
+    def _room(self) -> bool:
+        """Whether one more shard fits the budget, counting each shard ahead at the mean size so far."""
+        for path, handle in list(self.ahead.items()):
+            if handle.done and path not in self.sizes:
+                p = handle.progress()
+                if p["files_failed"]:
+                    self.counts["failed"] += 1
+                    del self.ahead[path]
+                else:
+                    self.sizes[path] = p["bytes_total"]
+        if not self.ahead:
+            return True
+        mean = sum(self.sizes.values()) // len(self.sizes) if self.sizes else 0
+        return (len(self.ahead) + 1) * mean <= self.budget
+
+    def _say_epoch(self) -> None:
+        c = self.counts
+        _say(
+            f"{self.name}, epoch {self.epoch}: {c['opened']} shards opened, {c['opened_ahead']} of them read "
+            f"ahead; {c['fetched_ahead']} fetched ahead, {c['no_room']} times no room, {c['failed']} failed"
+        )
+
+    def _report(self) -> None:
+        last = self.last_counts
+        prefetch_report.write(
+            self.report_path,
+            {
+                "pid": os.getpid(),
+                "loader": self.name,
+                "found": f"shard order ({self.found or 'the order the workers open them'})",
+                "epoch": self.epoch,
+                "shards_opened": self.counts["opened"],
+                "files": self.counts["fetched_ahead"],
+                "budget": self.budget,
+                "last_epoch": None
+                if last is None or self.epoch <= 1
+                else {
+                    "files_total": last["opened"],
+                    "files_fetched": last["fetched_ahead"],
+                    "files_read_first": last["opened"] - last["opened_ahead"],
+                    "files_no_room": last["no_room"],
+                    "files_failed": last["failed"],
+                },
+            },
+        )
+
+
+def make(
+    loader: Any, cache: Cache, within: Callable[[str], bool], name: str, budget: Callable[[], int]
+) -> ShardReadAhead | None:
+    """The shard read-ahead of an iterable `loader` (its dataset is told the log's name); None, and said,
+    when the dataset takes no attribute."""
+    from tierstore.learned_order import LearnedLog
+
+    dataset = loader.dataset
+    shards = find_shards(dataset, within)
+    marks = cache._core.create_read_marks(1)  # a private name in the order directory, for the report
+    log = LearnedLog.create(marks + ".shards")
+    step = readers_of_the_list(loader.num_workers)
+    made = ShardReadAhead(cache, log, within, shards, name, step, marks, budget)
+    for path in (marks, log.path):
+        weakref.finalize(made, _unlink, path)
+    weakref.finalize(made, prefetch_report.remove, marks)
+    weakref.finalize(loader, made.stop)
+    try:
+        setattr(dataset, LOG_ATTRIBUTE, log.path)
+    except (AttributeError, TypeError) as e:
+        _say(f"{name}: no shard read-ahead: the workers' opens cannot be recorded ({e})")
+        return None
+    _say(
+        f"{name}: reading ahead by shard, "
+        + (
+            f"in the order of {shards[1]} ({len(shards[0])} shards)"
+            if shards
+            else "in the order the workers open them"
+        )
+    )
+    return made
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+# Recording, in a worker -----------------------------------------------------------------------------
+
+_logs: dict[str, LearnedLog] = {}
+
+
+def fetch_recording(fetcher: Any, index: Any, fetch: Callable[[Any, Any], Any]) -> Any:
+    """What torch's `_IterableDatasetFetcher.fetch(index)` returns; the files the batch opened go to the
+    loader's log, when its dataset names one."""
+    path = getattr(fetcher.dataset, LOG_ATTRIBUTE, None)
+    if not isinstance(path, str):
+        return fetch(fetcher, index)
+    from tierstore.learned_order import LearnedLog, recording
+
+    log = _logs.get(path)
+    if log is None:
+        log = _logs[path] = LearnedLog(path)
+    files: list[str] = []
+    try:
+        with recording() as files:
+            return fetch(fetcher, index)
+    finally:
+        log.append(_worker(), files)  # the record is filled as the `with` ends, even by StopIteration
+
+
+def _worker() -> int:
+    import torch.utils.data as tud
+
+    info = tud.get_worker_info()
+    return 0 if info is None else int(info.id)
