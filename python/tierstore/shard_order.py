@@ -6,10 +6,11 @@ another, in the order of its shard list split between the workers (webdataset's 
 worker w of W the shards w, w + W, w + 2W, ...), or in the order it read them last epoch. So as each
 worker opens a shard, the loader's process fetches the shards that worker will open next:
 
-- **What the workers open.** Each worker reads each batch inside a record of the files its thread opens
+- **What the workers open.** Each worker draws each sample inside a record of the files its thread opens
   through tierstore (the shim's under `tierstore run`, `Cache.open`'s through the Python API) and appends
-  `[worker, [path, ...]]` to the loader's log (`tierstore.learned_order.LearnedLog`); the loader's
-  process appends `[-1, []]` as each epoch begins, before any worker is given the epoch's first batch.
+  `[worker, [path, ...]]` to the loader's log (`tierstore.learned_order.LearnedLog`) as soon as the
+  sample is drawn; the loader's process appends `[-1, []]` as each epoch begins, before any worker is
+  given the epoch's first batch.
 - **The shard list.** A list of two or more paths under the cache's source held by the dataset
   (webdataset's `SimpleShardList.urls`, a custom dataset's `self.files`), looked for a few attributes
   deep; else the files of the first shard's directory that end as it does, in name order.
@@ -18,6 +19,9 @@ worker opens a shard, the loader's process fetches the shards that worker will o
   the ranks). A worker whose steps disagree (a shuffled shard list) gets nothing read ahead. A worker that
   has so far opened, in order, the first shards it opened last epoch is taken to go on as it did then,
   so a fixed order that no list describes is read ahead from the second epoch on.
+- **A head start.** As an epoch begins, each worker's first `GUESSED` shards (those it opened first last
+  epoch, else those its split gives it) are fetched before it opens any: a worker consumes its first
+  shard in about the time the next takes to fetch, so a fetch that waits for the first open is late.
 - **The budget.** `$TIERSTORE_SAMPLER_PREFETCH`, as for map-style datasets (`auto`: a quarter of the
   tiers' free room, at least a sixteenth of their room): at most `AHEAD` shards per worker (`GUESSED`
   while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. A shard
@@ -31,10 +35,12 @@ runs as it would have.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tierstore import prefetch_report
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
     from tierstore import _core
     from tierstore.cache import Cache
     from tierstore.learned_order import LearnedLog
+    from tierstore.types import PrefetchProgress
 
 # The attribute on a dataset that names its loader's log of opened shards to the workers.
 LOG_ATTRIBUTE = "_tierstore_shard_log"
@@ -165,15 +172,34 @@ def next_shards(
     return [shards[p] for p in places if 0 <= p < len(shards)]
 
 
-def readers_of_the_list(num_workers: int) -> int:
-    """The step between one worker's shards in `split_by_worker` after `split_by_node`: workers x ranks."""
-    ranks = 1
-    with contextlib.suppress(Exception):
-        import torch.distributed as dist
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How the shard list is split between the job's readers, as webdataset's `split_by_node` then
+    `split_by_worker` split it: worker w of rank r reads the shards at r + ranks * w, stepping by
+    `step`."""
 
-        if dist.is_available() and dist.is_initialized():
-            ranks = dist.get_world_size()
-    return max(1, num_workers) * ranks
+    workers: int
+    rank: int = 0
+    ranks: int = 1
+
+    @classmethod
+    def of(cls, num_workers: int) -> Split:
+        """This process's split: its loader's workers, and its rank among the job's ranks."""
+        rank, ranks = 0, 1
+        with contextlib.suppress(Exception):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                rank, ranks = dist.get_rank(), dist.get_world_size()
+        return cls(max(1, num_workers), rank, ranks)
+
+    @property
+    def step(self) -> int:
+        return self.workers * self.ranks
+
+    def first(self, worker: int) -> int:
+        """Where `worker`'s first shard sits in the list."""
+        return self.rank + self.ranks * worker
 
 
 # One loader's read-ahead, in the loader's process ---------------------------------------------------
@@ -188,7 +214,8 @@ class ShardReadAhead:
         within: Whether a path is under the cache's source.
         shards: The shard list and where it was found, if the dataset holds one.
         name: The loader, for the log and `tierstore status`.
-        step: The step after a worker's first shard (`readers_of_the_list`).
+        split: How the list is split between the readers: each worker's first shard, and the step
+            after it.
         report: The read-marks file whose name `tierstore status` finds this loader's report by.
         budget: The budget as an epoch starts (`tierstore.auto_order.budget_of`).
     """
@@ -200,7 +227,7 @@ class ShardReadAhead:
         within: Callable[[str], bool],
         shards: tuple[list[str], str] | None,
         name: str,
-        step: int,
+        split: Split,
         report: str,
         budget: Callable[[], int],
     ) -> None:
@@ -212,14 +239,17 @@ class ShardReadAhead:
         self.found = shards[1] if shards is not None else ""
         self.position = {p: i for i, p in enumerate(self.shards or ())}
         self.name = name
-        self.step = step
+        self.split = split
         self.report_path = report
         self.epoch = 0
         self.budget = 0
         self.now: dict[int, list[str]] = {}  # this epoch's shards, per worker
         self.last: dict[int, list[str]] = {}  # the last epoch's
         self.opened: set[str] = set()  # this epoch's, every worker's
-        self.ahead: dict[str, _core.Prefetch] = {}  # fetched ahead, not yet opened
+        # Fetched ahead, not yet opened. Each fetch starts on a thread of its own: starting one asks the
+        # store what the path is, and a tail of asks in a row would be a store round trip each.
+        self.ahead: dict[str, Future[_core.Prefetch]] = {}
+        self._starts = ThreadPoolExecutor(AHEAD, thread_name_prefix="tierstore-shard-fetch")
         self.sizes: dict[str, int] = {}  # of the shards fetched ahead, for the budget
         self.counts = {"opened": 0, "fetched_ahead": 0, "opened_ahead": 0, "no_room": 0, "failed": 0}
         self.last_counts: dict[str, int] | None = None
@@ -237,6 +267,7 @@ class ShardReadAhead:
 
     def stop(self) -> None:
         self._stop.set()
+        self._starts.shutdown(wait=False)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL):
@@ -263,9 +294,38 @@ class ShardReadAhead:
         self.last_counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.last.update(self.now)
         self.now, self.opened = {}, set()
-        self.ahead = {p: h for p, h in self.ahead.items() if not h.done}
+        self.ahead = {p: f for p, f in self.ahead.items() if _landed(f) is None}
         self.epoch += 1
+        self._fetch_ahead(self._head_start())
         self._report()
+
+    def _head_start(self) -> list[str]:
+        """The shards each worker will open first this epoch, fetched before any opens one: the first it
+        opened last epoch, else those its split gives it, `GUESSED` each. A worker reads its first shard
+        in the time it takes to fetch it, so what is fetched only once the first is opened arrives too
+        late for the second."""
+        firsts: list[str] = []
+        for worker in range(self.split.workers):
+            last = self.last.get(worker)
+            if last:
+                firsts += last[:GUESSED]
+            elif self.shards:
+                at = self.split.first(worker)
+                firsts += self.shards[at : at + GUESSED * self.split.step : self.split.step]
+        return firsts
+
+    def _fetch_ahead(self, shards: list[str]) -> None:
+        """Fetches each of `shards` not opened or fetched ahead yet this epoch, while the budget has room."""
+        for shard in shards:
+            if shard in self.opened or shard in self.ahead:
+                continue
+            if self.cache._core.lookup(shard, False) is not None:
+                continue  # cached already (from the index alone): a warm epoch starts no fetch
+            if not self._room():
+                self.counts["no_room"] += 1
+                return
+            self.ahead[shard] = self._starts.submit(self.cache._core.prefetch, [shard], 1)
+            self.counts["fetched_ahead"] += 1
 
     def _opened(self, worker: int, path: str) -> None:
         mine = self.now.setdefault(worker, [])
@@ -282,26 +342,24 @@ class ShardReadAhead:
             if listed is not None:
                 self.shards = listed
                 self.position = {p: i for i, p in enumerate(listed)}
-        for shard in next_shards(mine, self.shards, self.position, self.last.get(worker), self.step):
-            if shard in self.opened or shard in self.ahead:
-                continue
-            if not self._room():
-                self.counts["no_room"] += 1
-                break
-            self.ahead[shard] = self.cache._core.prefetch([shard], 1)
-            self.counts["fetched_ahead"] += 1
+        self._fetch_ahead(
+            next_shards(mine, self.shards, self.position, self.last.get(worker), self.split.step)
+        )
         self._report()
 
     def _room(self) -> bool:
         """Whether one more shard fits the budget, counting each shard ahead at the mean size so far."""
-        for path, handle in list(self.ahead.items()):
-            if handle.done and path not in self.sizes:
-                p = handle.progress()
-                if p["files_failed"]:
-                    self.counts["failed"] += 1
-                    del self.ahead[path]
-                else:
-                    self.sizes[path] = p["bytes_total"]
+        for path, started in list(self.ahead.items()):
+            if path in self.sizes:
+                continue
+            landed = _landed(started)
+            if landed is None:
+                continue
+            if landed["files_failed"]:
+                self.counts["failed"] += 1
+                del self.ahead[path]
+            else:
+                self.sizes[path] = landed["bytes_total"]
         if not self.ahead:
             return True
         mean = sum(self.sizes.values()) // len(self.sizes) if self.sizes else 0
@@ -339,6 +397,19 @@ class ShardReadAhead:
         )
 
 
+def _landed(started: Future[_core.Prefetch]) -> PrefetchProgress | None:
+    """The progress of a fetch ahead that has ended (a start that failed counts as one file failed);
+    None while it runs."""
+    if not started.done():
+        return None
+    try:
+        handle = started.result()
+    except Exception as e:
+        return {"files_total": 1, "files_done": 1, "files_copied": 0, "files_failed": 1, "bytes_total": 0,
+                "bytes_done": 0, "first_error": str(e), "errors": [str(e)]}  # fmt: skip
+    return handle.progress() if handle.done else None
+
+
 def make(
     loader: Any, cache: Cache, within: Callable[[str], bool], name: str, budget: Callable[[], int]
 ) -> ShardReadAhead | None:
@@ -350,8 +421,7 @@ def make(
     shards = find_shards(dataset, within)
     marks = cache._core.create_read_marks(1)  # a private name in the order directory, for the report
     log = LearnedLog.create(marks + ".shards")
-    step = readers_of_the_list(loader.num_workers)
-    made = ShardReadAhead(cache, log, within, shards, name, step, marks, budget)
+    made = ShardReadAhead(cache, log, within, shards, name, Split.of(loader.num_workers), marks, budget)
     for path in (marks, log.path):
         weakref.finalize(made, _unlink, path)
     weakref.finalize(made, prefetch_report.remove, marks)
@@ -383,22 +453,40 @@ _logs: dict[str, LearnedLog] = {}
 
 
 def fetch_recording(fetcher: Any, index: Any, fetch: Callable[[Any, Any], Any]) -> Any:
-    """What torch's `_IterableDatasetFetcher.fetch(index)` returns; the files the batch opened go to the
-    loader's log, when its dataset names one."""
+    """What torch's `_IterableDatasetFetcher.fetch(index)` returns; when the dataset names a log, each
+    sample is drawn inside a record of the files it opened (`_Recorded`)."""
+    it = getattr(fetcher, "dataset_iter", None)
     path = getattr(fetcher.dataset, LOG_ATTRIBUTE, None)
-    if not isinstance(path, str):
-        return fetch(fetcher, index)
-    from tierstore.learned_order import LearnedLog, recording
+    if isinstance(path, str) and it is not None and not isinstance(it, _Recorded):
+        log = _logs.get(path)
+        if log is None:
+            from tierstore.learned_order import LearnedLog
 
-    log = _logs.get(path)
-    if log is None:
-        log = _logs[path] = LearnedLog(path)
-    files: list[str] = []
-    try:
-        with recording() as files:
-            return fetch(fetcher, index)
-    finally:
-        log.append(_worker(), files)  # the record is filled as the `with` ends, even by StopIteration
+            log = _logs[path] = LearnedLog(path)
+        fetcher.dataset_iter = _Recorded(it, log, _worker())
+    return fetch(fetcher, index)
+
+
+class _Recorded:
+    """A worker's iterator of its dataset, each sample drawn inside a record of the files it opened,
+    which go to the log as soon as the sample is drawn: a shard is known to the loader's process at its
+    first sample, not at the end of the batch (which may be the shard's end)."""
+
+    def __init__(self, it: Any, log: LearnedLog, worker: int) -> None:
+        self.it, self.log, self.worker = it, log, worker
+
+    def __iter__(self) -> _Recorded:
+        return self
+
+    def __next__(self) -> Any:
+        from tierstore.learned_order import recording
+
+        files: list[str] = []
+        try:
+            with recording() as files:
+                return next(self.it)
+        finally:
+            self.log.append(self.worker, files)  # filled as the `with` ends, even by StopIteration
 
 
 def _worker() -> int:

@@ -87,8 +87,32 @@ def test_a_worker_that_repeats_its_last_epoch_is_read_ahead_in_that_order() -> N
     assert next_shards(last[:3], LIST, POSITION, last, step=1) == last[3:]
     # Once it departs from last epoch's order, only the list can say.
     assert next_shards([LIST[7], LIST[3], LIST[5]], LIST, POSITION, last, step=1) == []  # steps disagree
-    assert next_shards([LIST[1], LIST[3], LIST[5]], LIST, POSITION, last, step=1) == [LIST[7], LIST[9], LIST[11]]
+    assert next_shards([LIST[1], LIST[3], LIST[5]], LIST, POSITION, last, step=1) == [
+        LIST[7],
+        LIST[9],
+        LIST[11],
+    ]
     assert next_shards([LIST[7], LIST[3]], None, {}, last, step=1) == []
+
+
+def test_each_worker_gets_a_head_start_from_its_split_then_from_its_last_epoch(
+    tmp_path: Path, tier: str
+) -> None:
+    from tierstore.learned_order import LearnedLog
+    from tierstore.shard_order import Split
+
+    cache = tierstore.Cache(str(tmp_path), [f"{tier}:1G"])
+    log = LearnedLog.create(str(tmp_path / "log"))
+    # Rank 1 of 2, 3 workers: worker w reads 1 + 2w, stepping by 6 (webdataset's split_by_node, then _worker).
+    split = Split(workers=3, rank=1, ranks=2)
+    assert (split.step, [split.first(w) for w in range(3)]) == (6, [1, 3, 5])
+    made = ShardReadAhead(
+        cache, log, lambda p: True, (LIST, "dataset.urls"), "loader", split, "", lambda: 1 << 30
+    )
+    assert made._head_start() == [LIST[1], LIST[7], LIST[3], LIST[9], LIST[5], LIST[11]]
+    made.last = {0: [LIST[4], LIST[2], LIST[0]], 2: [LIST[8]]}  # what epoch 1 saw: its order, not the split's
+    assert made._head_start() == [LIST[4], LIST[2], LIST[3], LIST[9], LIST[8]]
+    made.stop()
 
 
 def test_the_shard_list_is_found_in_a_webdataset_pipeline_and_a_custom_dataset(tmp_path: Path) -> None:

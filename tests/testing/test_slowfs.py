@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from tests.helpers.marks import needs
 from tierstore.testing import slowfs
 
 
@@ -48,3 +52,16 @@ def test_no_cap_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(10):
         throttle.take(2**30)
     assert clock.now == 1000.0
+
+
+@needs("fuse")
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's FUSE queue is set through fusectl, which takes root")
+def test_the_store_can_be_mounted_with_a_deeper_kernel_queue(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    with slowfs.mounted(tmp_path / "src", tmp_path / "mnt", queue=48) as mnt:
+        conn = Path("/sys/fs/fuse/connections") / str(os.minor(os.stat(mnt).st_dev))
+        assert (conn / "max_background").read_text().split() == ["48"]
+        assert (conn / "congestion_threshold").read_text().split() == ["36"]
+    with slowfs.mounted(tmp_path / "src", tmp_path / "mnt") as mnt:  # the kernel's own, unless asked
+        conn = Path("/sys/fs/fuse/connections") / str(os.minor(os.stat(mnt).st_dev))
+        assert (conn / "max_background").read_text().split() == ["12"]

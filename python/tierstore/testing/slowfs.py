@@ -332,11 +332,14 @@ def mounted(
     fail_file: str | os.PathLike[str] | None = None,
     access_log: str | os.PathLike[str] | None = None,
     direct_io: bool = False,
+    queue: int | None = None,
     timeout: float = 30.0,
 ) -> Iterator[Path]:
     """The stand-in store over `source`, mounted at `mountpoint` by a child process for the duration.
 
-    Options left as None keep the command's defaults (`python -m tierstore.slowfs --help`). A mount left
+    Options left as None keep the command's defaults (`python -m tierstore.slowfs --help`). `queue` sets
+    how many requests the kernel sends the store at once before it stops reading ahead (`set_queue`); by
+    default the kernel's own. A mount left
     behind at `mountpoint` by a killed run is detached first. On the way out the unmount is retried for
     five seconds, because processes of a job that just ended may still be closing files there, then the
     mount is detached.
@@ -375,6 +378,8 @@ def mounted(
                 )
             time.sleep(0.05)
         try:
+            if queue is not None:
+                set_queue(mnt, queue)
             yield mnt
         finally:
             for _ in range(50):
@@ -388,6 +393,33 @@ def mounted(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def set_queue(mountpoint: str | os.PathLike[str], queue: int) -> None:
+    """Lets the kernel keep `queue` requests in flight to the store mounted at `mountpoint`, and read
+    ahead until three quarters of them are queued.
+
+    The kernel's FUSE client keeps at most 12 background requests (readahead among them) per mount, and
+    once 9 are queued it drops readahead and reads page by page: with a dozen files fetched at once, each
+    4 KiB page of a file is then a round trip to the store. A Lustre or GPFS client has no such limit;
+    a benchmark of many fetches at once mounts the stand-in with a deeper queue. Needs root, and the
+    fusectl file system (mounted here if it is not).
+
+    Raises:
+        RuntimeError: the queue could not be set; the message says why and what it needs.
+    """
+    connections = Path("/sys/fs/fuse/connections")
+    conn = connections / str(os.minor(os.stat(mountpoint).st_dev))
+    if not conn.exists():
+        subprocess.run(["mount", "-t", "fusectl", "none", str(connections)], capture_output=True)
+    try:
+        (conn / "max_background").write_text(f"{queue}\n")
+        (conn / "congestion_threshold").write_text(f"{max(1, queue * 3 // 4)}\n")
+    except OSError as e:
+        raise RuntimeError(
+            f"cannot let the kernel queue {queue} requests to the store at {mountpoint} ({e}): it takes root "
+            f"and the fusectl file system at {connections} (mount -t fusectl none {connections})"
+        ) from e
 
 
 def main(argv: list[str] | None = None) -> int:
