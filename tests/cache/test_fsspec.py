@@ -95,3 +95,14 @@ def test_a_cached_file_refuses_writes_as_a_read_only_file_does(source: Path, tie
     for f in (cached, plain):
         with pytest.raises(ValueError):  # io.UnsupportedOperation is one too
             f.write(b"x")
+
+
+def test_paths_are_stripped_as_the_local_file_system_strips_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An absolute path takes a short way (it is on every open); every path ends as LocalFileSystem has it.
+    monkeypatch.chdir(tmp_path)
+    for path in ("/a/b.bin", "/a/b/", "/", "//a", "/a/./b", "/a//b", "/a/../b", "a/b", "./a", "~/a",
+                 "local:/a/b", "/a b/ç.bin", Path("/a/b"), "tierstore:///a/b"):  # fmt: skip
+        expected = LocalFileSystem._strip_protocol(str(path).removeprefix("tierstore://"))
+        assert TierstoreFileSystem._strip_protocol(path) == expected, path
