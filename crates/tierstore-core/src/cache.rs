@@ -220,6 +220,15 @@ impl Cache {
         self.inner.open_native_rel(&rel, true)
     }
 
+    /// The copy [`Cache::open_native`] would open for `path` when the first tier holds a current one,
+    /// found without asking the store or a peer; `None` (nothing counted) otherwise, for `open_native` to
+    /// take the whole way. The shim tries it first, so that a warm open skips the checks only a miss needs.
+    pub fn open_native_cached(&self, path: &Path) -> Result<Option<Native>, Error> {
+        let _exempt = crate::interposer::calls();
+        let rel = self.followed(path)?;
+        self.inner.open_native_hit(&rel)
+    }
+
     /// The source-relative path to open for `path`: the file a recorded symlink leads to when copies are
     /// trusted and it leads into the source (so a file reached by its link and by its own name is one
     /// cached copy, and an open through the link asks the store nothing), else `path`'s own.

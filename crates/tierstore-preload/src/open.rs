@@ -10,12 +10,13 @@
 use std::ffi::CStr;
 use std::os::fd::IntoRawFd;
 use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 
 use libc::{c_char, c_int, mode_t, FILE};
 use tierstore_core::Native;
 
 use crate::dirs::{self, at, unshadow};
-use crate::{invalidate, opens_to_write, order, set_errno, shim, streams, writes, Busy};
+use crate::{invalidate, opens_to_write, order, set_errno, shim, streams, writes, Busy, Shim};
 
 /// The heart of the open family: a read-only open of a file under the source gets a descriptor of its
 /// tier copy, or with `stream`, of the source while a large file is copied (stdio reads through its own
@@ -36,9 +37,16 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
         return None;
     }
     let cache = s.cache()?;
+    // A warm open: the first tier's copy, found with one index read. (O_NOFOLLOW asks about the link
+    // itself, which the long way below answers.)
+    let nofollow = flags & libc::O_NOFOLLOW != 0;
+    if !nofollow {
+        if let Ok(Some(native)) = cache.open_native_cached(&abs) {
+            return Some(opened(s, &abs, native, flags));
+        }
+    }
     // A directory opened without O_DIRECTORY (tar opens whatever it meets that way, then reads it as a
     // directory if it is one).
-    let nofollow = flags & libc::O_NOFOLLOW != 0;
     if cache
         .trusted()
         .cached_stat(&abs, nofollow)
@@ -48,15 +56,9 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
     {
         return dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY);
     }
-    let opened = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
-    match opened {
-        Ok(native) => {
-            let fd = descriptor_of(native, flags);
-            if let Some(rel) = s.relative(abs.as_os_str().as_bytes()) {
-                order::note_open(abs.as_os_str().as_bytes(), rel);
-            }
-            Some(fd)
-        }
+    let native = if stream { cache.open_native(&abs) } else { cache.open_file(&abs).map(Native::Whole) };
+    match native {
+        Ok(native) => Some(opened(s, &abs, native, flags)),
         Err(tierstore_core::Error::Io { source, .. }) => match source.raw_os_error() {
             Some(libc::EISDIR) => dirs::open_shadow(cache, &abs, flags | libc::O_DIRECTORY),
             None => None,
@@ -67,6 +69,15 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
         },
         Err(_) => None,
     }
+}
+
+/// The program's descriptor of what was opened for `abs`, its open noted for an order's read marks.
+unsafe fn opened(s: &Shim, abs: &Path, native: Native, flags: c_int) -> c_int {
+    let fd = descriptor_of(native, flags);
+    if let Some(rel) = s.relative(abs.as_os_str().as_bytes()) {
+        order::note_open(abs.as_os_str().as_bytes(), rel);
+    }
+    fd
 }
 
 /// The program's descriptor of an opened copy (or of the source while it is copied, registered with its

@@ -310,6 +310,22 @@ impl Inner {
         self.open_native_looked(rel, stream, Look::First)
     }
 
+    /// Step 2 alone, for the shim's warm opens: the first tier's current copy of `rel` opened for a
+    /// program, or `None` (nothing counted) for [`Inner::open_native_rel`] to take the whole way.
+    pub(super) fn open_native_hit(self: &Arc<Self>, rel: &str) -> Result<Option<Native>, Error> {
+        if self.storage.config().revalidate == Revalidate::Always {
+            return Ok(None); // its `stat` of the source would be asked again by the whole way
+        }
+        let key = key_of(rel);
+        let Some(found) = self.storage.lookup().published_in(&key, rel) else { return Ok(None) };
+        let sid = self.current_identity(&key, rel, &found.1)?;
+        let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
+            return Ok(None);
+        };
+        let want = ForProgram { stream: false };
+        Ok(want.on_copy(self.storage.reader(backing, sid.size, rel)))
+    }
+
     /// [`Inner::open_native_rel`] whose first look at the tiers is `look` (one already counted by the
     /// caller, a peer's request, counts nothing more).
     pub(super) fn open_native_looked(self: &Arc<Self>, rel: &str, stream: bool, look: Look) -> Result<Native, Error> {
@@ -324,13 +340,21 @@ impl Inner {
         let key = key_of(rel);
         let (asks_peer_for, fetches_for) = want.purposes();
         // 1. The version to serve, when a tier holds a copy to check.
-        let mut known = self.known_identity(&key, rel)?;
+        let mut found = self.storage.lookup().published_in(&key, rel);
+        let mut known = match &found {
+            Some((_, e)) => Some(self.current_identity(&key, rel, e)?),
+            None => None,
+        };
         let mut pre = None;
         for _ in 0..3 {
-            // 2. A current copy in a tier.
+            // 2. A current copy in a tier (the first time, the entry step 1 read).
             match known {
                 Some(sid) => {
-                    if let Some(opened) = self.storage.hit(&key, rel, &sid, look.take()).and_then(|r| want.on_copy(r)) {
+                    let copy = match found.take() {
+                        Some(f) => self.storage.hit_found(&f, &key, rel, &sid, look.take()),
+                        None => self.storage.hit(&key, rel, &sid, look.take()),
+                    };
+                    if let Some(opened) = copy.and_then(|r| want.on_copy(r)) {
                         return Ok(opened);
                     }
                 }

@@ -103,6 +103,47 @@ impl Lookup {
         })
     }
 
+    /// [`Lookup::hit`] for the entry [`Lookup::published_in`] just found, `found`: the same copy and the
+    /// same counts, without reading the index again when that entry is in the first tier and of version
+    /// `sid` (a warm open's second index read). Anything else takes `hit`'s own way.
+    pub(super) fn hit_found(
+        &self,
+        found: &(usize, Entry),
+        key: &Key,
+        rel: &str,
+        sid: &SourceId,
+        look: Look,
+    ) -> Option<Backing> {
+        self.first_tier_copy(found, key, rel, sid, look).or_else(|| self.hit(key, rel, sid, look))
+    }
+
+    /// The copy of `found` when it is the first tier's entry, of version `sid`, and opens and checks
+    /// cleanly: counted as `hit` counts a hit. `None`, counting nothing, in every other case (another
+    /// tier, another version, evicted or damaged meanwhile), which `hit` then looks into and counts.
+    pub(super) fn first_tier_copy(
+        &self,
+        found: &(usize, Entry),
+        key: &Key,
+        rel: &str,
+        sid: &SourceId,
+        look: Look,
+    ) -> Option<Backing> {
+        let (i, e) = found;
+        if *i != 0 || e.source != *sid || e.rel != rel {
+            return None;
+        }
+        let tier = &self.tiers[0];
+        let backing = self.open_copy(tier, key, e).ok()??;
+        if look == Look::First {
+            tier.counters.add(tier_slot::HITS, 1);
+            log::debug!("{rel}: hit in {}", tier.config.path.display());
+        }
+        if look != Look::Quiet {
+            self.note_access(0, key);
+        }
+        Some(backing)
+    }
+
     /// The first published entry of `key` in tier order.
     pub(super) fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
         self.published_in(key, rel).map(|(_, e)| e)

@@ -92,6 +92,19 @@ impl Storage {
         Some(self.reader(backing, sid.size, rel))
     }
 
+    /// [`Storage::hit`] for the entry just found published (see [`Lookup::hit_found`]).
+    pub(super) fn hit_found(
+        &self,
+        found: &(usize, Entry),
+        key: &Key,
+        rel: &str,
+        sid: &SourceId,
+        look: Look,
+    ) -> Option<Reader> {
+        let backing = self.lookup.hit_found(found, key, rel, sid, look)?;
+        Some(self.reader(backing, sid.size, rel))
+    }
+
     /// Opens a source file and identifies it from the open descriptor (one open, and the attributes the
     /// open fetched).
     pub(super) fn open_identified(&self, rel: &str) -> Result<(SourceId, SourceFile), Error> {
