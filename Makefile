@@ -129,6 +129,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_auto_order.py --out docs/benchmarks/auto-order.md
 	$(PY) bench/bench_shard_order.py --out docs/benchmarks/shard-order.md
 	$(PY) bench/bench_warm_prefetch.py --out docs/benchmarks/warm-prefetch.md
+	$(PY) bench/bench_startup.py --out docs/benchmarks/startup.md
 	$(PY) bench/bench_stream.py --out docs/benchmarks/stream.md --plot docs/benchmarks/stream.png
 	$(PY) bench/bench_stream.py --large 4GB --out docs/benchmarks/stream-4gb.md
 	$(PY) bench/bench_writeback.py --no-dcp --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png
