@@ -55,7 +55,9 @@ def test_no_cap_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs("fuse")
-@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's FUSE queue is set through fusectl, which takes root")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="the kernel's FUSE queue is set through fusectl, which takes root"
+)
 def test_the_store_can_be_mounted_with_a_deeper_kernel_queue(tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
     with slowfs.mounted(tmp_path / "src", tmp_path / "mnt", queue=48) as mnt:
