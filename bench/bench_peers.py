@@ -16,6 +16,9 @@ shuffled, and every large one in 1 MiB records, for 3 epochs by default) runs in
   tierstore always      the same with revalidate "always" (one HEAD per open of a cached copy)
   tierstore never       revalidate "never"
   ... +prefetch         each of the three with tierstore.torch.prefetching (the sampler's order fetched ahead)
+  tierstore 60s +auto   the defaults, no line of tierstore's in the job beyond its Cache: the datasets hold
+                        each object's full name (`files`), and the DataLoader hook (tierstore.auto_order)
+                        finds the sampler's order and the shards' by itself
   juicefs               JuiceFS CE mounted with --cache-dir on /dev/shm, metadata in a local redis-server
                         (sqlite without one), data on the same bucket through the proxy. JuiceFS keeps files
                         in its own chunked format, so the dataset is copied in through a mount once, before
@@ -42,7 +45,7 @@ other revalidate modes, measured beside it without a target of their own.
     .venv/bin/python bench/bench_peers.py --out docs/benchmarks/peers.md --plot docs/benchmarks/peers.png
 
 The targets: epoch 1 ahead of every peer, at least 3x JuiceFS's with sampler-aware prefetch and ahead of it
-without; warm epochs at least 0.95x the local copy and ahead of every peer, with the defaults each tool gives
+without; with the order found by the DataLoader hook (`+auto`) within 1.15x of the explicit wrapper's; warm epochs at least 0.95x the local copy and ahead of every peer, with the defaults each tool gives
 a user; with revalidate "never", one fetch per object in epoch 1 and no request in later epochs; `tierstore
 prefetch` of the dataset at most the boto3 floor's time. A target measured by a ratio is met when every
 round's paired ratio meets it, missed when none does, and undecided when the rounds' ratios fall on both
@@ -101,12 +104,14 @@ class Setup:
     revalidate: str = "never"  # tierstore's setting; "" sets none (the default)
     prefetch: str = ""
     options: tuple[str, ...] = ()
+    names: bool = False  # the job's datasets hold each object's full name (s3_job.py --names)
 
 
 S3_SETUPS = [
     Setup("local", "local"),
     *(Setup(f"tierstore {r}", "tierstore", MODES[r]) for r in MODES),
     *(Setup(f"tierstore {r} +prefetch", "tierstore", MODES[r], "1G") for r in MODES),
+    Setup(f"tierstore {DEFAULT_MODE} +auto", "tierstore", MODES[DEFAULT_MODE], names=True),
     Setup("juicefs", "juicefs"),
     Setup("rclone modtime", "rclone", options=("--use-server-modtime",)),
     Setup("rclone", "rclone"),
@@ -336,6 +341,8 @@ class Bench:
                "--epochs", str(a.epochs)]  # fmt: skip
         if setup.prefetch:
             cmd += ["--prefetch", setup.prefetch]
+        if setup.names:
+            cmd.append("--names")
         env = tool_env(BENCH_S3=json.dumps(self.settings))
         counts = (lambda: store_ops(stats)) if stats else self.proxy.counts
         self.proxy.reset()
@@ -779,6 +786,8 @@ def targets(
         default = ", the default" if r == DEFAULT_MODE else ""
         name = f'epoch 1 >= 3x JuiceFS CE\'s speed with sampler-aware prefetch (revalidate "{r}"{default})'
         ratio(name, "juicefs", setup, e1, lambda x: x >= 3.0, "JuiceFS's time {} tierstore's")
+    ratio(f"epoch 1 of {ts} +auto within 1.15x of {ts} +prefetch (the order found by itself)", f"{ts} +prefetch",
+          f"{ts} +auto", e1, lambda x: x >= 1 / 1.15, "the wrapper's time {} the hook's")  # fmt: skip
     ratio("epoch 1 ahead of JuiceFS CE without prefetch (tierstore's defaults)", "juicefs", ts, e1,
           lambda x: x > 1.0, "JuiceFS's time {} tierstore's")  # fmt: skip
     ratio("warm epochs >= 0.95x a local copy (tierstore's defaults)", "local", ts, warm,

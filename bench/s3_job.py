@@ -5,7 +5,8 @@ The same program in every mode; only how a sample's object is opened differs:
 - s3fs: `s3fs.S3FileSystem.open` (every epoch reads the store);
 - simplecache: fsspec's `simplecache::s3://` over s3fs, its cache directory shared by every process;
 - tierstore: `tierstore.Cache(source="s3://bucket").open(key)`, or with `--source` any source (a
-  directory of the stand-in shared store: bench/bench_peers.py);
+  directory of the stand-in shared store: bench/bench_peers.py); with `--names`, the datasets hold the
+  cache and each object's full name, as a dataset that lists its files does;
 - local: plain `open()` of a local copy of every object (the baseline: what reading cached copies costs),
   or of the files of another tool's mount (bench/bench_peers.py).
 
@@ -63,15 +64,22 @@ def opener(args: argparse.Namespace) -> Any:
 
 
 class Objects(Dataset):
-    """One sample per small object, read whole."""
+    """One sample per small object, read whole. With `--names` (tierstore mode), a dataset as many are
+    written: it holds its cache and the full name of every object (`files`), and opens by that name."""
 
     def __init__(self, keys: list[str], args: argparse.Namespace) -> None:
         self.keys, self.args, self._open = keys, args, None
+        if args.names:
+            self.cache = tierstore_cache(args)
+            self.files = [f"{source(args)}/{k}" for k in keys]
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if self.args.names:
+            with self.cache.open(self.files[i]) as f:
+                return torch.tensor([len(f.read())], dtype=torch.int64)
         if self._open is None:
             self._open = opener(self.args)
         with self._open(self.keys[i]) as f:
@@ -84,13 +92,17 @@ class Large(IterableDataset):
 
     def __init__(self, keys: list[str], args: argparse.Namespace) -> None:
         self.keys, self.args, self._open = keys, args, None
+        if args.names:
+            self.cache = tierstore_cache(args)
+            self.files = [f"{source(args)}/{k}" for k in keys]
 
     def __iter__(self):
         info = get_worker_info()
-        mine = self.keys[info.id :: info.num_workers] if info else self.keys
+        names = self.files if self.args.names else self.keys
+        mine = names[info.id :: info.num_workers] if info else names
         # Made once per worker, as for the small objects: persistent workers keep it between epochs.
         if self._open is None:
-            self._open = opener(self.args)
+            self._open = self.cache.open if self.args.names else opener(self.args)
         for k in mine:
             with self._open(k) as f:
                 total = 0
@@ -118,6 +130,12 @@ def main() -> None:
     )
     p.add_argument(
         "--prefetch", default="", help="tierstore mode: wrap the loader in tierstore.torch.prefetching"
+    )
+    p.add_argument(
+        "--names",
+        action="store_true",
+        help="tierstore mode: the datasets hold their cache and every object's full name (`files`), so "
+        "that the DataLoader hook (tierstore.auto_order) can map each sample, as for a job nobody changed",
     )
     args = p.parse_args()
     keys = [f"small/{i:05d}.bin" for i in range(args.small)]
