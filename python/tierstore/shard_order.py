@@ -19,9 +19,10 @@ worker opens a shard, the loader's process fetches the shards that worker will o
   the ranks). A worker whose steps disagree (a shuffled shard list) gets nothing read ahead. A worker that
   has so far opened, in order, the first shards it opened last epoch is taken to go on as it did then,
   so a fixed order that no list describes is read ahead from the second epoch on.
-- **A head start.** As an epoch begins, each worker's first `GUESSED` shards (those it opened first last
-  epoch, else those its split gives it) are fetched before it opens any: a worker consumes its first
+- **A head start.** As an epoch begins, the `GUESSED` shards each worker opens after its first (in its
+  last epoch's order, else its split's) are fetched before it opens any: a worker consumes its first
   shard in about the time the next takes to fetch, so a fetch that waits for the first open is late.
+  The first is the worker's own to fetch, as it opens it at once.
 - **The budget.** `$TIERSTORE_SAMPLER_PREFETCH`, as for map-style datasets (`auto`: a quarter of the
   tiers' free room, at least a sixteenth of their room): at most `AHEAD` shards per worker (`GUESSED`
   while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. A shard
@@ -300,19 +301,23 @@ class ShardReadAhead:
         self._report()
 
     def _head_start(self) -> list[str]:
-        """The shards each worker will open first this epoch, fetched before any opens one: the first it
-        opened last epoch, else those its split gives it, `GUESSED` each. A worker reads its first shard
-        in the time it takes to fetch it, so what is fetched only once the first is opened arrives too
-        late for the second."""
-        firsts: list[str] = []
+        """The shards each worker will open next after its first this epoch, fetched before it opens any:
+        those after the first it opened last epoch, else those its split gives it, `GUESSED` each.
+
+        A worker consumes its first shard in about the time the next takes to fetch, so a fetch that
+        waits for the first open is late for the second. The first itself is left to the worker, which
+        opens it at once: fetched here, the worker would wait on the fetch lock for the whole shard,
+        where its own fetch lets it read a large one as it lands."""
+        seconds: list[str] = []
         for worker in range(self.split.workers):
             last = self.last.get(worker)
             if last:
-                firsts += last[:GUESSED]
+                seconds += last[1 : 1 + GUESSED]
             elif self.shards:
-                at = self.split.first(worker)
-                firsts += self.shards[at : at + GUESSED * self.split.step : self.split.step]
-        return firsts
+                step = self.split.step
+                at = self.split.first(worker) + step
+                seconds += self.shards[at : at + GUESSED * step : step]
+        return seconds
 
     def _fetch_ahead(self, shards: list[str]) -> None:
         """Fetches each of `shards` not opened or fetched ahead yet this epoch, while the budget has room."""
