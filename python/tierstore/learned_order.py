@@ -58,10 +58,13 @@ class _Shim:
         if self.take is None:
             return []
         n = self.take(self.buffer, len(self.buffer))
+        if n == 0:
+            return []  # most samples open nothing new: no copy of the buffer for them
         if n > len(self.buffer):
             self.buffer = ctypes.create_string_buffer(n)
             n = self.take(self.buffer, n)
-        return [os.fsdecode(p) for p in self.buffer.raw[:n].split(b"\0") if p]
+        # The first n bytes only: `.raw` would copy the whole 64 KiB buffer on every record.
+        return [os.fsdecode(p) for p in ctypes.string_at(self.buffer, n).split(b"\0") if p]
 
 
 _shims: dict[int, _Shim] = {}  # by process: a forked worker loads nothing anew, but keeps its own buffer
