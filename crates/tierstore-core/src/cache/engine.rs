@@ -23,7 +23,7 @@ use super::blocks::Blocks;
 use super::fetch::{fail_flight, Fetcher};
 use super::flight::{Flight, Outcome, Role};
 use super::job::{FetchJob, Fetched, Purpose};
-use super::lookup::Look;
+use super::lookup::{Found, Look};
 use super::peers::Peers;
 use super::storage::Storage;
 use super::sweep::Sweep;
@@ -281,10 +281,15 @@ impl Inner {
     /// open (`fstat`, or the `GET`'s own response). A miss costs the store that one open in every
     /// `revalidate` mode, and the threads and processes that wait for the fetch send the store nothing.
     pub(super) fn known_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<SourceId>, Error> {
-        match self.storage.lookup().published(key, rel) {
-            Some(e) => self.current_identity(key, rel, &e).map(Some),
-            None => Ok(None),
-        }
+        Ok(self.published_identity(key, rel)?.map(|(_, sid)| sid))
+    }
+
+    /// [`Inner::known_identity`], with the published entry it was read from and that entry's tier, for a
+    /// look at the copy that need not read the index again ([`Lookup::hit_found`]).
+    fn published_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<(Found, SourceId)>, Error> {
+        let Some(found) = self.storage.lookup().published_in(key, rel) else { return Ok(None) };
+        let sid = self.current_identity(key, rel, &found.1)?;
+        Ok(Some((found, sid)))
     }
 
     /// The version of `rel` to serve when a tier holds the copy `e`: the copy's own when the dataset is
@@ -317,8 +322,7 @@ impl Inner {
             return Ok(None); // its `stat` of the source would be asked again by the whole way
         }
         let key = key_of(rel);
-        let Some(found) = self.storage.lookup().published_in(&key, rel) else { return Ok(None) };
-        let sid = self.current_identity(&key, rel, &found.1)?;
+        let Some((found, sid)) = self.published_identity(&key, rel)? else { return Ok(None) };
         let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
             return Ok(None);
         };
@@ -340,11 +344,7 @@ impl Inner {
         let key = key_of(rel);
         let (asks_peer_for, fetches_for) = want.purposes();
         // 1. The version to serve, when a tier holds a copy to check.
-        let mut found = self.storage.lookup().published_in(&key, rel);
-        let mut known = match &found {
-            Some((_, e)) => Some(self.current_identity(&key, rel, e)?),
-            None => None,
-        };
+        let (mut found, mut known) = self.published_identity(&key, rel)?.unzip();
         let mut pre = None;
         for _ in 0..3 {
             // 2. A current copy in a tier (the first time, the entry step 1 read).

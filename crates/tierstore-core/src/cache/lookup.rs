@@ -60,6 +60,9 @@ impl Look {
     }
 }
 
+/// A published entry, and the index of the tier that holds it.
+pub(super) type Found = (usize, Entry);
+
 /// The tiers' published copies (see the module).
 pub(super) struct Lookup {
     tiers: Vec<Arc<Tier>>,
@@ -96,7 +99,7 @@ impl Lookup {
     }
 
     /// The first published entry of `key` in tier order, with the tier's index.
-    pub(super) fn published_in(&self, key: &Key, rel: &str) -> Option<(usize, Entry)> {
+    pub(super) fn published_in(&self, key: &Key, rel: &str) -> Option<Found> {
         self.tiers.iter().enumerate().find_map(|(i, t)| {
             let e = t.index.as_ref().ok()?.lookup(key).ok()??;
             (e.ready && e.rel == rel).then_some((i, e))
@@ -106,14 +109,7 @@ impl Lookup {
     /// [`Lookup::hit`] for the entry [`Lookup::published_in`] just found, `found`: the same copy and the
     /// same counts, without reading the index again when that entry is in the first tier and of version
     /// `sid` (a warm open's second index read). Anything else takes `hit`'s own way.
-    pub(super) fn hit_found(
-        &self,
-        found: &(usize, Entry),
-        key: &Key,
-        rel: &str,
-        sid: &SourceId,
-        look: Look,
-    ) -> Option<Backing> {
+    pub(super) fn hit_found(&self, found: &Found, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Backing> {
         self.first_tier_copy(found, key, rel, sid, look).or_else(|| self.hit(key, rel, sid, look))
     }
 
@@ -122,7 +118,7 @@ impl Lookup {
     /// tier, another version, evicted or damaged meanwhile), which `hit` then looks into and counts.
     pub(super) fn first_tier_copy(
         &self,
-        found: &(usize, Entry),
+        found: &Found,
         key: &Key,
         rel: &str,
         sid: &SourceId,

@@ -9,7 +9,7 @@ use std::io;
 use std::sync::Arc;
 
 use super::faults::Faults;
-use super::lookup::{Look, Lookup};
+use super::lookup::{Found, Look, Lookup};
 use crate::clock::now_ns;
 use crate::config::{Config, Revalidate};
 use crate::error::Error;
@@ -93,14 +93,7 @@ impl Storage {
     }
 
     /// [`Storage::hit`] for the entry just found published (see [`Lookup::hit_found`]).
-    pub(super) fn hit_found(
-        &self,
-        found: &(usize, Entry),
-        key: &Key,
-        rel: &str,
-        sid: &SourceId,
-        look: Look,
-    ) -> Option<Reader> {
+    pub(super) fn hit_found(&self, found: &Found, key: &Key, rel: &str, sid: &SourceId, look: Look) -> Option<Reader> {
         let backing = self.lookup.hit_found(found, key, rel, sid, look)?;
         Some(self.reader(backing, sid.size, rel))
     }
