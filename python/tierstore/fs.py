@@ -179,7 +179,7 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
         # A plain read, the call a data loader makes per sample: straight to `_open`, without the steps
         # of fsspec's `open` that only text, compression or a write's transaction need (~2 us an open).
         if mode == "rb" and compression is None and not kwargs:
-            return self._open(self._strip_protocol(path), mode)
+            return self._open(path, mode)  # which strips the path, once
         return super().open(path, mode, block_size, cache_options, compression, **kwargs)
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:

@@ -158,20 +158,20 @@ class LearnedLog:
 
     def append(self, index: int, files: Sequence[str]) -> None:
         """Records that sample `index` opened `files`. Never raises: a record lost is a file not prefetched."""
-        if not files:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            fd = self._writer()
-            if fd is not None:
-                os.write(fd, (json.dumps([index, list(files)]) + "\n").encode())
+        if files:
+            self._write((json.dumps([index, list(files)]) + "\n").encode())
 
     def mark_epoch(self) -> None:
         """Records that the loader's next epoch begins (`[-1, []]`): its process writes it before the
         workers are given the epoch's first batch, so it comes before every record of that epoch."""
+        self._write(b"[-1, []]\n")
+
+    def _write(self, line: bytes) -> None:
+        """Appends one line in one `write`. Never raises: a record lost is a file not prefetched."""
         with contextlib.suppress(OSError, ValueError):
             fd = self._writer()
             if fd is not None:
-                os.write(fd, b"[-1, []]\n")
+                os.write(fd, line)
 
     def added(self) -> list[tuple[int, list[str]]]:
         """The records appended since the last call (in this process), in the order they were written; a

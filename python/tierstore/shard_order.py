@@ -341,11 +341,11 @@ class ShardReadAhead:
         self.counts["opened"] += 1
         if self.ahead.pop(path, None) is not None:
             self.counts["opened_ahead"] += 1
-        if self.shards is None and len(mine) == 1 and self.found == "":
+        if not self.found:  # no list held by the dataset: the first shard's directory, listed once
             listed = directory_shards(path)
-            self.found = "the files of the first shard's directory, in name order"
+            self.found = "the order the workers open them"
             if listed is not None:
-                self.shards = listed
+                self.shards, self.found = listed, "the files of the first shard's directory, in name order"
                 self.position = {p: i for i, p in enumerate(listed)}
         self._fetch_ahead(
             next_shards(mine, self.shards, self.position, self.last.get(worker), self.split.step)
