@@ -16,17 +16,15 @@ the job's processes; and a digest of every batch, so that setups can be checked 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
-import time
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from cpu import tree_seconds
+from cpu import timed_epochs
 
 SEED = 2026
 
@@ -106,19 +104,11 @@ def main() -> None:
 
         files = [p for p, _ in dataset.samples] if args.dataset == "folder" else dataset.files
         loader = tierstore.torch.prefetching(loader, budget=args.wrap, paths=files)
-    digest = hashlib.sha256()
-    seconds, cpu = [], []
-    for _ in range(args.epochs):
-        c0, t0 = tree_seconds(), time.perf_counter()
-        for batch in loader:
-            summary = (
-                (batch[0].sum().item(), batch[1].tolist()) if args.dataset == "folder" else batch.sum().item()
-            )
-            digest.update(repr(summary).encode())
-            time.sleep(args.step_ms / 1000)
-        seconds.append(time.perf_counter() - t0)
-        cpu.append(tree_seconds() - c0)
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "digest": digest.hexdigest()}), flush=True)
+
+    def summary(batch: Any) -> object:
+        return (batch[0].sum().item(), batch[1].tolist()) if args.dataset == "folder" else batch.sum().item()
+
+    timed_epochs(loader, args.epochs, summary, args.step_ms)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,7 @@ def epoch_order(root: Path, dataset: str) -> list[str]:
 def run(setup: str, backing: Path, root: Path, dataset: str, epochs: int, quota: str) -> dict[str, Any]:
     """One job of `setup`: its JSON report, plus the store's operations and the run's wall seconds."""
     sub = "images" if dataset == "folder" else "arrays"  # npy and computed read the same arrays
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
-    env["PYTHONPATH"] = str(HERE)
+    env = job_env()
     job = [sys.executable, str(JOB), "ROOT", "--dataset", dataset, "--epochs", str(epochs)]
     if setup == "local":
         local = root / "local"
@@ -145,14 +144,27 @@ def run(setup: str, backing: Path, root: Path, dataset: str, epochs: int, quota:
                     cmd += ["--wrap", "64M"]
                 env["TIERSTORE_SAMPLER_PREFETCH"] = "off" if setup in ("off", "order", "wrapper") else "auto"
                 cmd = [*front, "--", *cmd]
-            before = read_stats(mnt)
-            out = _run(cmd, env, None)
-            after = read_stats(mnt)
-            out["opens"] = after.get("open", 0) - before.get("open", 0)
-            out["bytes_read"] = after.get("bytes_read", 0) - before.get("bytes_read", 0)
-            return out
+            return run_counted(cmd, env, mnt)
         finally:
             shutil.rmtree(tier, ignore_errors=True)
+
+
+def job_env() -> dict[str, str]:
+    """The environment of a benchmark's job: no setting of tierstore's from the caller's, the jobs'
+    modules (bench/) importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    env["PYTHONPATH"] = str(HERE)
+    return env
+
+
+def run_counted(cmd: list[str], env: dict[str, str], mnt: Path) -> dict[str, Any]:
+    """`_run(cmd)`'s report, with what the stand-in store at `mnt` was asked meanwhile: opens, bytes read."""
+    before = read_stats(mnt)
+    out = _run(cmd, env, None)
+    after = read_stats(mnt)
+    out["opens"] = after.get("open", 0) - before.get("open", 0)
+    out["bytes_read"] = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    return out
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path | None) -> dict[str, Any]:

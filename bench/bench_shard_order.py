@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_auto_order import _run, drop_cache
+from bench_auto_order import _run, drop_cache, job_env, run_counted
 from page import Check, finish, met, rounds, targets
-from tierstore.testing.slowfs import mounted, read_stats
+from tierstore.testing.slowfs import mounted
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "shard_order_job.py"
@@ -75,8 +75,7 @@ def run(setup: str, backing: Path, root: Path, queue: int | None = QUEUE) -> dic
     """One job of `setup`: its JSON report, plus the store's operations."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
-    env["PYTHONPATH"] = str(HERE)
+    env = job_env()
     job = [sys.executable, str(JOB), "ROOT", "--epochs", "2"]
     if setup == "local":
         local = root / "local"
@@ -97,12 +96,7 @@ def run(setup: str, backing: Path, root: Path, queue: int | None = QUEUE) -> dic
                 env["TIERSTORE_SAMPLER_PREFETCH"] = "off" if setup == "off" else "auto"
                 cmd = [sys.executable, "-m", "tierstore.cli", "--source", str(mnt), "--tier", f"{tier}:1G",
                        "run", "--revalidate", "never", "--", *cmd]  # fmt: skip
-            before = read_stats(mnt)
-            out = _run(cmd, env, None)
-            after = read_stats(mnt)
-            out["opens"] = after.get("open", 0) - before.get("open", 0)
-            out["bytes_read"] = after.get("bytes_read", 0) - before.get("bytes_read", 0)
-            return out
+            return run_counted(cmd, env, mnt)
         finally:
             shutil.rmtree(tier, ignore_errors=True)
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_auto_order import _run
+from bench_auto_order import _run, job_env
 from page import Check, finish, met, rounds, targets
 
 HERE = Path(__file__).resolve().parent
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     arrays = generate(args.root)
     tier = Path("/dev/shm") / f"tierstore-bench-warm-prefetch-{os.getpid()}"
     front = [sys.executable, "-m", "tierstore.cli", "--source", str(arrays), "--tier", f"{tier}:1G"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
-    env["PYTHONPATH"] = str(HERE)
+    env = job_env()
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
         subprocess.run(
@@ -81,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                        "--dataset", "npy", "--epochs", str(EPOCHS), "--step-ms", "0"]  # fmt: skip
                 if setup == "wrapper":
                     cmd += ["--wrap", "64M"]
-                job_env = {**env, "TIERSTORE_SAMPLER_PREFETCH": "auto" if setup == "auto" else "off"}
-                out = _run(cmd, job_env, None)
+                setup_env = {**env, "TIERSTORE_SAMPLER_PREFETCH": "auto" if setup == "auto" else "off"}
+                out = _run(cmd, setup_env, None)
                 out["warm_seconds"] = sum(out["seconds"][1:])
                 out["warm_cpu"] = sum(out["cpu"][1:])
                 runs.setdefault(setup, []).append(out)

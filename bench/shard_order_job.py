@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
-import json
 import os
-import time
 
 import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
 
-from cpu import tree_seconds
+from cpu import timed_epochs
 
 
 def main() -> None:
@@ -46,16 +43,7 @@ def main() -> None:
     loader = DataLoader(
         dataset, batch_size=16, num_workers=2, multiprocessing_context="fork", persistent_workers=True
     )
-    digest = hashlib.sha256()
-    seconds, cpu = [], []
-    for _ in range(args.epochs):
-        c0, t0 = tree_seconds(), time.perf_counter()
-        for means, classes in loader:
-            digest.update(repr((round(means.sum().item(), 3), classes.tolist())).encode())
-            time.sleep(args.step_ms / 1000)
-        seconds.append(time.perf_counter() - t0)
-        cpu.append(tree_seconds() - c0)
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "digest": digest.hexdigest()}), flush=True)
+    timed_epochs(loader, args.epochs, lambda b: (round(b[0].sum().item(), 3), b[1].tolist()), args.step_ms)
 
 
 if __name__ == "__main__":
