@@ -280,8 +280,11 @@ class LoaderPrefetch:
                 + (f"; the first failure: {p['errors'][0]}" if p["errors"] else "")
             )
         self.epoch += 1
-        # A new tag per epoch: slots of the last epoch no longer count as read. Never 0, which is "unread".
-        self.tag = self.tag % 0xFFFF_FFFE + 1
+        # A new tag per epoch: slots of the last epoch no longer count as read. Never 0, which is "unread",
+        # and below `STARTED`, the bit a sample begun sets beside it.
+        from tierstore.order import STARTED
+
+        self.tag = self.tag % (STARTED - 1) + 1
         self.marker.mark(0, self.tag)
         self.prefetch = None
         if self.learned is not None:
@@ -558,6 +561,36 @@ def _learning(dataset: Any) -> Any:
     return log
 
 
+def _marking_begun(dataset: Any, index: Any) -> Any:
+    """`index` (a batch's list of indices, or one index), marked begun in the dataset's read-marks file as
+    the fetch reaches each: from then on the prefetch leaves that sample's files to this worker, which may
+    read them from the store itself (when the tiers have no room), rather than read them a second time."""
+    marker = _marker_of(dataset)
+    if marker is None:
+        return index
+    if type(index) is list:
+        return _Begun(index, marker)
+    for i in index if isinstance(index, (list, tuple)) else (index,):
+        with contextlib.suppress(TypeError, ValueError):
+            marker.mark_started(int(i) + 1)
+    return index
+
+
+class _Begun(list):  # type: ignore[type-arg]
+    """A batch's indices that marks each begun as the fetch's loop comes to it (`[dataset[i] for i in
+    batch]`): the samples after it in the batch are not begun yet, and may still be fetched ahead."""
+
+    def __init__(self, indices: list[Any], marker: Any) -> None:
+        super().__init__(indices)
+        self.marker = marker
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in list.__iter__(self):
+            with contextlib.suppress(TypeError, ValueError):
+                self.marker.mark_started(int(i) + 1)
+            yield i
+
+
 def _mark_fetched(dataset: Any, index: Any) -> None:
     """Records, in the dataset's read-marks file, that the indices of `index` are fetched."""
     marker = _marker_of(dataset)
@@ -594,6 +627,7 @@ def patch(dataloader: Any) -> None:
         return next_index(self)
 
     def fetch_and_mark(self: Any, possibly_batched_index: Any) -> Any:
+        possibly_batched_index = _marking_begun(self.dataset, possibly_batched_index)
         log = _learning(self.dataset)
         if log is None:
             data = fetch_map(self, possibly_batched_index)

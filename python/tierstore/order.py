@@ -102,6 +102,10 @@ class OrderPrefetch:
         self.stop()
 
 
+# The high bit of a slot: its sample begun, not yet read, in the epoch of the tag in the other bits (the
+# core's `marks::STARTED`). Tags are below it.
+STARTED = 1 << 31
+
 # How many times this process was forked into (counted in the child): a marker maps its file again in a
 # forked child, which must not write through its parent's mapping, without asking getpid per read.
 _forks = 0
@@ -159,6 +163,14 @@ class ReadMarker:
         view = self._slots()
         if view is not None and 0 < slot < len(view):
             view[slot] = view[0]
+
+    def mark_started(self, slot: int) -> None:
+        """Stores the current epoch's tag with `STARTED` into `slot`, as its sample begins: the prefetch
+        leaves the sample's files to this reader from then on, rather than fetch a file the reader may
+        already be reading from the store. `mark_read` follows once the sample is read."""
+        view = self._slots()
+        if view is not None and 0 < slot < len(view):
+            view[slot] = view[0] | STARTED
 
     def get(self, slot: int) -> int:
         """The value in `slot` (0 when unreadable)."""

@@ -157,6 +157,8 @@ class _MarkReads(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
+        # Begun before the read: the prefetch leaves this sample's files to this reader from now on.
+        self.marker.mark_started(int(index) + 1)
         item = self.dataset[index]
         # After the read: bytes being read still count as ahead until the sample is in memory.
         self.marker.mark_read(int(index) + 1)
@@ -166,7 +168,11 @@ class _MarkReads(torch.utils.data.Dataset):
         # The DataLoader calls this instead of __getitem__ when the dataset has it (Subset does): it must
         # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded.
         batched = getattr(self.dataset, "__getitems__", None)
-        items = batched(indices) if batched is not None else [self.dataset[i] for i in indices]
+        if batched is None:
+            return [self[i] for i in indices]
+        for i in indices:
+            self.marker.mark_started(int(i) + 1)
+        items = batched(indices)
         for i in indices:
             self.marker.mark_read(int(i) + 1)
         return list(items)

@@ -15,6 +15,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+/// The high bit of a slot: its sample has been begun, not yet read, in the epoch of the tag in the other
+/// bits. A reader that fetches a sample's files itself (a `DataLoader` worker) stores it as it starts the
+/// sample, and the tag alone once the sample is read. Tags are below it.
+pub const STARTED: u32 = 1 << 31;
+
 /// A shared array of `u32` read marks.
 pub struct ReadMarks {
     ptr: *mut AtomicU32,
@@ -126,6 +131,12 @@ impl ReadMarks {
     pub fn is_marked(&self, slot: usize, tag: u32) -> bool {
         self.slot(slot).is_some_and(|s| s.load(Ordering::Acquire) == tag)
     }
+
+    /// Whether a reader began the sample of `slot` in the epoch tagged `tag` ([`STARTED`] with the tag), or
+    /// read it: either way its reader opens the file itself, and a fetch ahead of it would come second.
+    pub fn is_started(&self, slot: usize, tag: u32) -> bool {
+        self.slot(slot).is_some_and(|s| s.load(Ordering::Acquire) & !STARTED == tag)
+    }
 }
 
 impl Drop for ReadMarks {
@@ -173,6 +184,19 @@ mod tests {
         drop(b);
         drop(a);
         assert!(!path.exists(), "the maker removes the file");
+    }
+
+    #[test]
+    fn a_sample_begun_is_started_but_not_read_until_its_tag_alone_is_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = ReadMarks::create_in(dir.path(), 4).unwrap();
+        m.mark(1, 7 | STARTED);
+        assert!(m.is_started(1, 7) && !m.is_marked(1, 7));
+        assert!(!m.is_started(1, 6) && !m.is_started(2, 7)); // another epoch's, another slot
+        m.mark(1, 7);
+        assert!(m.is_started(1, 7) && m.is_marked(1, 7)); // read: started as well
+        m.mark(2, 7);
+        assert!(m.is_started(2, 7)); // a reader that marks only reads (the shim) is never behind
     }
 
     #[test]

@@ -371,23 +371,8 @@ impl Fetcher {
     /// Reserves room for the entry by policy; returns the tier that took it. `seen`: when the source showed
     /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
     pub(super) fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
-        // Each tier's quota bounds every source of the user in it together: this source's share is the
-        // quota less what the others hold (see `usage`).
         let tiers = self.storage.lookup().tiers();
-        let quotas: Vec<u64> = tiers
-            .iter()
-            .map(|t| {
-                let used = t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok());
-                used.map_or(t.config.quota, |used| t.quota_left_by_others(used))
-            })
-            .collect();
-        let free: Vec<Option<u64>> = tiers
-            .iter()
-            .zip(&quotas)
-            .map(|(t, quota)| {
-                t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok()).map(|used| quota.saturating_sub(used))
-            })
-            .collect();
+        let (free, quotas) = self.room();
         for (i, evict) in plan(self.storage.config().policy, sid.size, &free, &quotas) {
             let tier = &tiers[i];
             let Ok(ix) = &tier.index else { continue };
@@ -418,6 +403,42 @@ impl Fetcher {
             }
         }
         None
+    }
+
+    /// Lets go of the published copy of `rel` (key `key`) for room, when no fetch holds its lock; returns
+    /// the bytes freed. For copies a reader has passed (read this epoch, by an ordered prefetch's marks or
+    /// a shard read-ahead's log), which a placement that keeps what it placed would otherwise hold until
+    /// the tiers are emptied; a reader that holds the copy open keeps reading it.
+    pub(super) fn let_go(&self, key: &Key, rel: &str) -> u64 {
+        let Some((tier, held)) = self.storage.lookup().published_in(key, rel) else { return 0 };
+        let Ok(Some(_guard)) = self.try_lock(key) else { return 0 };
+        self.remove_entries(key);
+        self.storage.lookup().tiers()[tier].counters.add(crate::counters::tier::EVICTIONS, 1);
+        held.source.size
+    }
+
+    /// Whether [`Fetcher::place`] would find room for `size` bytes now (free room, or an evicting policy
+    /// whose quota holds it), without reserving any: a prefetch asks before it opens a file, so that a
+    /// file it cannot copy is not opened only to be opened again by its reader.
+    pub(super) fn has_room(&self, size: u64) -> bool {
+        let (free, quotas) = self.room();
+        !plan(self.storage.config().policy, size, &free, &quotas).is_empty()
+    }
+
+    /// Each tier's free room (None: its index is unusable) and this source's quota in it. Each tier's
+    /// quota bounds every source of the user in it together: this source's share is the quota less what
+    /// the others hold (see `usage`).
+    fn room(&self) -> (Vec<Option<u64>>, Vec<u64>) {
+        let tiers = self.storage.lookup().tiers();
+        let used: Vec<Option<u64>> =
+            tiers.iter().map(|t| t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok())).collect();
+        let quotas: Vec<u64> = tiers
+            .iter()
+            .zip(&used)
+            .map(|(t, used)| used.map_or(t.config.quota, |used| t.quota_left_by_others(used)))
+            .collect();
+        let free = used.iter().zip(&quotas).map(|(used, quota)| used.map(|u| quota.saturating_sub(u))).collect();
+        (free, quotas)
     }
 
     pub(super) fn abort(&self, t: usize, key: &Key) {
