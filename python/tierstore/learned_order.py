@@ -24,6 +24,7 @@ import json
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -141,6 +142,7 @@ class LearnedLog:
         self._fd: int | None = None
         self._pid = 0
         self._read = 0  # how far `added` has read
+        self._reader: int | None = None  # `added`'s descriptor, in the loader's process
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -177,9 +179,7 @@ class LearnedLog:
         """The records appended since the last call (in this process), in the order they were written; a
         line a worker is still writing is read next time, a line that is not a record is skipped."""
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._read)
-                data = f.read()
+            data = self._read_from(self._read)
         except OSError:
             return []
         whole = data.rfind(b"\n") + 1
@@ -192,17 +192,35 @@ class LearnedLog:
                     records.append((index, [p for p in files if isinstance(p, str)]))
         return records
 
+    def _read_from(self, offset: int) -> bytes:
+        """What the log holds from `offset` on, read through a descriptor kept open in this process."""
+        if self._reader is None:
+            self._reader = _open_own(self.path, os.O_RDONLY)
+            if self._reader is None:
+                raise OSError(f"{self.path} is not this user's private log")
+            weakref.finalize(self, os.close, self._reader)
+        chunks = []
+        while chunk := os.pread(self._reader, 1 << 20, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
+
     def _writer(self) -> int | None:
         if self._pid != os.getpid():
-            self._pid, self._fd = os.getpid(), None
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            # The loader's own file, which no one else can write: never another user's file in its place.
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-                os.close(fd)
-                return None
-            self._fd = fd
+            self._pid, self._fd = os.getpid(), _open_own(self.path, os.O_WRONLY | os.O_APPEND)
         return self._fd
+
+
+def _open_own(path: str, flags: int) -> int | None:
+    """`path` opened with `flags`, if it is a regular file of this user's that no one else can write; never
+    through a link. The log sits in the cache's private directory, but a file another user could swap in
+    must never be read as this loader's records, nor written to."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        os.close(fd)
+        return None
+    return fd
 
 
 class LearnedOrder:

@@ -25,8 +25,10 @@ worker opens a shard, the loader's process fetches the shards that worker will o
   The first is the worker's own to fetch, as it opens it at once.
 - **The budget.** `$TIERSTORE_SAMPLER_PREFETCH`, as for map-style datasets (`auto`: a quarter of the
   tiers' free room, at least a sixteenth of their room): at most `AHEAD` shards per worker (`GUESSED`
-  while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. A shard
-  there is no room for is left to its reader.
+  while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. When the
+  tiers are full (a data set larger than they are), the shards the workers have moved on from this epoch
+  are let go of, earliest first, to make room for the next; a shard there is still no room for is left
+  to its reader.
 
 A prediction never changes what the job reads: a wrong one is a shard fetched early (it is read later in
 the epoch, or not at all), never a byte served wrong. Any failure is one line at `-v` and a loader that
@@ -35,13 +37,13 @@ runs as it would have.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tierstore import prefetch_report
@@ -247,12 +249,21 @@ class ShardReadAhead:
         self.now: dict[int, list[str]] = {}  # this epoch's shards, per worker
         self.last: dict[int, list[str]] = {}  # the last epoch's
         self.opened: set[str] = set()  # this epoch's, every worker's
-        # Fetched ahead, not yet opened. Each fetch starts on a thread of its own: starting one asks the
-        # store what the path is, and a tail of asks in a row would be a store round trip each.
-        self.ahead: dict[str, Future[_core.Prefetch]] = {}
-        self._starts = ThreadPoolExecutor(AHEAD, thread_name_prefix="tierstore-shard-fetch")
+        # Fetched ahead, not yet opened. Each is named as the file it is (`prefetch_files`): starting one
+        # asks the store nothing, and on an object store the fetch is the shard's `GET` alone, no `LIST`.
+        self.ahead: dict[str, _core.Prefetch] = {}
         self.sizes: dict[str, int] = {}  # of the shards fetched ahead, for the budget
-        self.counts = {"opened": 0, "fetched_ahead": 0, "opened_ahead": 0, "no_room": 0, "failed": 0}
+        self.counts = {
+            "opened": 0,
+            "fetched_ahead": 0,
+            "opened_ahead": 0,
+            "no_room": 0,
+            "let_go": 0,
+            "failed": 0,
+        }
+        # Shards a worker opened this epoch and then moved on from, earliest first: the copies a full tier
+        # may let go of for the next (`_tier_room`).
+        self.passed: collections.deque[str] = collections.deque()
         self.last_counts: dict[str, int] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -268,7 +279,6 @@ class ShardReadAhead:
 
     def stop(self) -> None:
         self._stop.set()
-        self._starts.shutdown(wait=False)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL):
@@ -294,7 +304,7 @@ class ShardReadAhead:
             self._say_epoch()
         self.last_counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.last.update(self.now)
-        self.now, self.opened = {}, set()
+        self.now, self.opened, self.passed = {}, set(), collections.deque()
         self.ahead = {p: f for p, f in self.ahead.items() if _landed(f) is None}
         self.epoch += 1
         self._fetch_ahead(self._head_start())
@@ -326,16 +336,23 @@ class ShardReadAhead:
                 continue
             if self.cache._core.lookup(shard, False) is not None:
                 continue  # cached already (from the index alone): a warm epoch starts no fetch
-            if not self._room():
+            if not self._room() or not self._tier_room():
                 self.counts["no_room"] += 1
                 return
-            self.ahead[shard] = self._starts.submit(self.cache._core.prefetch, [shard], 1)
+            try:
+                self.ahead[shard] = self.cache._core.prefetch_files([shard], 1)
+            except Exception as e:  # outside the source, or no thread to fetch with: left to its reader
+                self.counts["failed"] += 1
+                _say(f"{self.name}: {shard}: not read ahead: {e}")
+                continue
             self.counts["fetched_ahead"] += 1
 
     def _opened(self, worker: int, path: str) -> None:
         mine = self.now.setdefault(worker, [])
         if mine and mine[-1] == path:
             return
+        if mine:
+            self.passed.append(mine[-1])  # the worker has moved on from it
         mine.append(path)
         self.opened.add(path)
         self.counts["opened"] += 1
@@ -352,6 +369,28 @@ class ShardReadAhead:
         )
         self._report()
 
+    def _tier_room(self) -> bool:
+        """Whether the tiers have room for one more shard (at the mean size so far). When they are full,
+        lets go of shards the workers have moved on from this epoch, earliest first, until they have: a
+        placement that keeps what it placed (the default) would otherwise fill up in the first epoch and
+        leave every later one to the store, where a data set larger than the tiers needs reading ahead
+        most. The same exception to keeping what was placed as the ordered prefetch's (MONARCH's); a
+        worker that holds a shard open keeps reading it."""
+        core = self.cache._core
+        landing = sum(1 for started in self.ahead.values() if not started.done)  # their room is taken
+        need = self._mean() * (1 + landing)
+        while not core.has_room(need):
+            if not self.passed:
+                return False
+            passed = self.passed.popleft()
+            if core.let_go(passed):
+                self.counts["let_go"] += 1
+        return True
+
+    def _mean(self) -> int:
+        """The mean size of the shards fetched ahead so far (0 before the first lands)."""
+        return sum(self.sizes.values()) // len(self.sizes) if self.sizes else 0
+
     def _room(self) -> bool:
         """Whether one more shard fits the budget, counting each shard ahead at the mean size so far."""
         for path, started in list(self.ahead.items()):
@@ -367,14 +406,14 @@ class ShardReadAhead:
                 self.sizes[path] = landed["bytes_total"]
         if not self.ahead:
             return True
-        mean = sum(self.sizes.values()) // len(self.sizes) if self.sizes else 0
-        return (len(self.ahead) + 1) * mean <= self.budget
+        return (len(self.ahead) + 1) * self._mean() <= self.budget
 
     def _say_epoch(self) -> None:
         c = self.counts
         _say(
             f"{self.name}, epoch {self.epoch}: {c['opened']} shards opened, {c['opened_ahead']} of them read "
-            f"ahead; {c['fetched_ahead']} fetched ahead, {c['no_room']} times no room, {c['failed']} failed"
+            f"ahead; {c['fetched_ahead']} fetched ahead, {c['no_room']} times no room, {c['let_go']} passed "
+            f"shards let go of for room, {c['failed']} failed"
         )
 
     def _report(self) -> None:
@@ -402,17 +441,9 @@ class ShardReadAhead:
         )
 
 
-def _landed(started: Future[_core.Prefetch]) -> PrefetchProgress | None:
-    """The progress of a fetch ahead that has ended (a start that failed counts as one file failed);
-    None while it runs."""
-    if not started.done():
-        return None
-    try:
-        handle = started.result()
-    except Exception as e:
-        return {"files_total": 1, "files_done": 1, "files_copied": 0, "files_failed": 1, "bytes_total": 0,
-                "bytes_done": 0, "first_error": str(e), "errors": [str(e)]}  # fmt: skip
-    return handle.progress() if handle.done else None
+def _landed(started: _core.Prefetch) -> PrefetchProgress | None:
+    """The progress of a fetch ahead that has ended; None while it runs."""
+    return started.progress() if started.done else None
 
 
 def make(

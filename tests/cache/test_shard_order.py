@@ -256,3 +256,65 @@ def test_an_iterable_dataset_reading_through_its_own_cache_is_read_ahead_and_sho
     assert mine[0]["epoch"] == 2 and mine[0]["shards_opened"] == SHARDS, mine
     table = subprocess.run(status, capture_output=True, text=True, timeout=60)
     assert f"{SHARDS} shards opened" in table.stdout, table.stdout
+
+
+def test_shards_twice_the_tier_are_read_ahead_past_a_full_tier_and_read_once_each(
+    store: Any, tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default placement keeps what it placed: once the tier is full, a shard read ahead finds room
+    # only in the copies of shards the workers have moved on from, which the read-ahead lets go of.
+    _, mount = store
+    shards = sorted(mount.glob("shard-*.tar"))
+    size = {str(p): p.stat().st_size for p in shards}
+    quota = sum(size.values()) // 2
+    cache = tierstore.Cache(str(mount), [f"{tier}:{quota}B"])
+    monkeypatch.setenv(auto_order.VARIABLE, str(4 * max(size.values())))  # the tier is too small for auto
+    loader = DataLoader(ThroughCache(cache, sorted(size)), batch_size=5, num_workers=2)
+    expected = sorted((s * 100 + k).to_bytes(4, "little") for s in range(SHARDS) for k in range(SAMPLES))
+    for epoch in range(3):
+        uncached = [p for p in size if cache._core.lookup(p, False) is None]
+        before = store_stats(mount)
+        assert sorted(bytes(b) for batch in loader for b in batch) == expected
+        cache.wait()  # the fetches ahead of the epoch's last shards land
+        after = store_stats(mount)
+        opens, read = (after.get(k, 0) - before.get(k, 0) for k in ("open", "bytes_read"))
+        # Each shard the tier did not hold as the epoch began read from the store once, by its worker or
+        # ahead of it, and none twice. An open may find no room after all (a worker's own fetch took it
+        # between the read-ahead's look and its copy) and leave the shard to the worker: no bytes.
+        assert read == sum(size[p] for p in uncached), (epoch, read, len(uncached))
+        assert len(uncached) <= opens < 1.5 * len(uncached), (epoch, opens, len(uncached))
+        assert cache.stats()["tiers"][0]["bytes_used"] <= quota
+        made = auto_order.prefetch_of(loader)
+        assert isinstance(made, ShardReadAhead)
+        if epoch == 0:
+            made.update()
+            # More shards fetched ahead than the tier holds: the later ones into room let go of.
+            assert made.counts["let_go"] >= 1 and made.counts["fetched_ahead"] > SHARDS // 2, made.counts
+
+
+def test_a_log_another_could_have_swapped_is_neither_read_nor_written(tmp_path: Path) -> None:
+    from tierstore.learned_order import LearnedLog
+
+    log = LearnedLog.create(str(tmp_path / "log"))
+    log.append(3, ["/data/a"])
+    assert log.added() == [(3, ["/data/a"])]
+    log.append(4, ["/data/b"])
+    assert log.added() == [(4, ["/data/b"])]  # only what was added since, from the descriptor kept open
+
+    # A link in the log's place (to a file of records this user wrote) is not followed, by the loader's
+    # reader nor by a worker's writer.
+    real = tmp_path / "elsewhere"
+    real.write_bytes(b'[7, ["/data/forged"]]\n')
+    (tmp_path / "linked").symlink_to(real)
+    linked = LearnedLog(str(tmp_path / "linked"))
+    assert linked.added() == []
+    linked.append(8, ["/data/c"])
+    assert real.read_bytes() == b'[7, ["/data/forged"]]\n'
+
+    # A log others may write is not this loader's either.
+    shared = LearnedLog.create(str(tmp_path / "shared"))
+    os.chmod(shared.path, 0o666)
+    shared.append(9, ["/data/d"])
+    assert Path(shared.path).read_bytes() == b""
+    Path(shared.path).write_bytes(b'[9, ["/data/forged"]]\n')
+    assert shared.added() == []

@@ -19,6 +19,7 @@ import pytest
 
 import tierstore
 from tests.helpers.data import blob, odd_names
+from tests.helpers.wait import wait_for
 from tierstore.testing.s3server import LatencyProxy, S3Server
 
 
@@ -304,6 +305,32 @@ def test_prefetch_of_a_prefix(server: S3Server, bucket: str, tier: str) -> None:
     other = cache_of(server, f"s3://{bucket}/ds", str(Path(tier).parent / "t-sub"))
     assert other.prefetch(["sub1"], progress=False)["files_copied"] == 50
     assert other.prefetch(["sub2/0002.bin"], progress=False)["files_copied"] == 1
+
+
+def test_files_named_as_files_are_fetched_with_one_get_and_no_listing(
+    server: S3Server, bucket: str, tier: str
+) -> None:
+    # What the shard read-ahead asks for: shards by their full names, each one GET, never listed as a
+    # prefix (a LIST each, before).
+    objects = {f"ds/shard-{i}.tar": blob(f"shard {i}", 70_000 + i) for i in range(3)}
+    objects["ds/shard-1.tar.idx"] = b"a name that the prefix shard-1.tar would also list"
+    put(server, bucket, objects)
+    cache = cache_of(server, f"s3://{bucket}/ds", tier, revalidate="never")
+    started = cache._core.prefetch_files([f"s3://{bucket}/ds/shard-{i}.tar" for i in range(3)], 2)
+    wait_for("the shards fetched", lambda: started.done, 30)
+    progress = started.progress()
+    assert (progress["files_copied"], progress["files_failed"]) == (3, 0), progress
+    s = cache.stats()["source"]
+    assert (s["lists"], s["reads"]) == (0, 3), s
+    cache.reset_counters()
+    for i in range(3):
+        assert cache.open(f"shard-{i}.tar").read() == objects[f"ds/shard-{i}.tar"]
+    assert gets(cache) == 0
+    assert cache._core.lookup(f"s3://{bucket}/ds/shard-1.tar.idx", False) is None  # not fetched
+    # A name with no object is a failure of its own in the progress, not an error of the call.
+    missing = cache._core.prefetch_files([f"s3://{bucket}/ds/shard-9.tar"], 1)
+    wait_for("the missing shard's end", lambda: missing.done, 30)
+    assert missing.progress()["files_failed"] == 1
 
 
 def test_a_dataloader_over_a_prefix(server: S3Server, bucket: str, tier: str) -> None:

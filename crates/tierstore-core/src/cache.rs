@@ -329,6 +329,38 @@ impl Cache {
         Ok(progress)
     }
 
+    /// Like [`Cache::prefetch_with`] for paths the caller knows to be files: each is fetched as the file
+    /// (on an object store, the object) of that name, with no `stat` or listing first. On an object store
+    /// `prefetch_with` lists a name as a prefix, one `LIST` more per name; a read-ahead that names the
+    /// shards it wants asks for each with its `GET` alone. A name that is missing or a directory is counted
+    /// as failed or skipped in the progress, not an error here.
+    pub fn prefetch_files(&self, paths: &[PathBuf], jobs: usize) -> Result<Arc<PrefetchProgress>, Error> {
+        let _exempt = crate::interposer::calls();
+        let walk = Arc::new(prefetch::Walk::new(self.inner.clone()));
+        for p in paths {
+            let named = if self.storage.posix().is_some() { normalize_abs(p) } else { p.clone() };
+            walk.add_file(self.storage.source().relative(&named)?);
+        }
+        let progress = walk.progress();
+        walk.start(jobs)?;
+        Ok(progress)
+    }
+
+    /// Whether a tier has room for `size` more bytes now (free room, or an evicting policy whose quota
+    /// holds it); nothing is reserved.
+    pub fn has_room(&self, size: u64) -> bool {
+        self.inner.fetcher().has_room(size)
+    }
+
+    /// Lets go of the cached copy of `path` for room (the read-ahead's: a shard its reader has passed),
+    /// unless a fetch of it is under way; returns the bytes freed (0: no copy, or a fetch held it). A
+    /// reader with the copy open keeps reading it; a later open fetches the file again.
+    pub fn let_go(&self, path: &Path) -> Result<u64, Error> {
+        let _exempt = crate::interposer::calls();
+        let rel = self.storage.source().relative(path)?;
+        Ok(self.inner.fetcher().let_go(&key_of(&rel), &rel))
+    }
+
     /// Every file under `path` (a directory of the source, an object store prefix, or the source itself),
     /// by its full name, sorted. One listing per directory (POSIX) or per thousand keys (an object store).
     pub fn list_files(&self, path: &Path) -> Result<Vec<PathBuf>, Error> {
@@ -390,11 +422,12 @@ impl Cache {
                 ReadLog { marks: Arc::new(marks), slots, tag: 1 }
             }
         };
-        if log.slots.len() != rels.len() || log.slots.iter().any(|&s| s as usize >= log.marks.len()) || log.tag == 0 {
+        let tag_ok = log.tag != 0 && log.tag & crate::marks::STARTED == 0;
+        if log.slots.len() != rels.len() || log.slots.iter().any(|&s| s as usize >= log.marks.len()) || !tag_ok {
             return Err(Error::Tier {
                 path: log.marks.path().to_path_buf(),
                 message: format!(
-                    "read log does not fit the order ({} positions, {} slots, {} marks, tag {}): give one slot per position, each below the number of marks, and a tag other than 0",
+                    "read log does not fit the order ({} positions, {} slots, {} marks, tag {}): give one slot per position, each below the number of marks, and a tag from 1 to 2^31 - 1",
                     rels.len(),
                     log.slots.len(),
                     log.marks.len(),

@@ -213,6 +213,35 @@ impl PyCache {
         Ok(PyPrefetch { progress })
     }
 
+    /// Starts fetching `paths`, each the name of one file (an object, on an object store: never listed as
+    /// a prefix), `jobs` at a time; returns a progress handle.
+    #[pyo3(signature = (paths, jobs=None))]
+    fn prefetch_files(
+        &self,
+        py: Python<'_>,
+        paths: Vec<Bound<'_, PyAny>>,
+        jobs: Option<usize>,
+    ) -> PyResult<PyPrefetch> {
+        let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
+        let engine = self.engine(py)?;
+        let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
+        let progress = crate::exiting::without_gil(py, || engine.prefetch_files(&paths, jobs)).map_err(to_py)?;
+        Ok(PyPrefetch { progress })
+    }
+
+    /// Whether a tier has room for `size` more bytes now; nothing is reserved.
+    fn has_room(&self, py: Python<'_>, size: u64) -> PyResult<bool> {
+        let engine = self.engine(py)?;
+        Ok(crate::exiting::without_gil(py, || engine.has_room(size)))
+    }
+
+    /// Lets go of the cached copy of `path` for room, unless a fetch of it is under way; the bytes freed.
+    fn let_go(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        crate::exiting::without_gil(py, || engine.let_go(&p)).map_err(to_py)
+    }
+
     /// Starts fetching `paths` in order, `budget` bytes ahead of their reads, `jobs` files at a time. Reads
     /// are recorded as `reads` says, `(marks file, slot of each position, value)`, or, without it, in a
     /// new marks file with one slot per distinct path.
