@@ -44,6 +44,7 @@ from fsspec.implementations.chained import ChainedFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractFileSystem
 
+from tierstore import writeback
 from tierstore._fsspec_stores import chained_store
 from tierstore.cache import Cache, default_cache
 
@@ -401,8 +402,6 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
 
 def _writeback_destination(path: str) -> bool:
-    """Whether `path` is under a configured `[[writeback]]` destination (asked for every entry a listing
-    stats: one call, no list of the destinations built)."""
-    from tierstore import writeback
-
+    """Whether `path` is under a configured `[[writeback]]` destination (asked for every file opened and
+    every entry a listing stats: one call, no list of the destinations built, nothing imported)."""
     return writeback.destination(path) is not None

@@ -34,7 +34,8 @@ PathLike = str | os.PathLike[str]
 _lock = threading.Lock()
 # Directories of the store seen to exist (a checkpoint directory is checked once, not once per file).
 _dirs_seen: set[str] = set()
-_state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False}
+# "any": whether the configuration read names any destination at all.
+_state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False, "any": False}
 
 
 def _writeback() -> _core.Writeback:
@@ -44,6 +45,7 @@ def _writeback() -> _core.Writeback:
             _state["wb"] = _core.Writeback()
             _state["pid"] = os.getpid()
             _state["agent"] = False
+            _state["any"] = bool(_state["wb"].destinations())
         wb: _core.Writeback = _state["wb"]
         return wb
 
@@ -72,12 +74,19 @@ def _ensure_agent() -> None:
 
 def configured() -> bool:
     """Whether any write-back destination is configured."""
-    return bool(_writeback().destinations())
+    _writeback()
+    return bool(_state["any"])
 
 
 def destination(path: PathLike) -> str | None:
     """The write-back destination holding `path`, or None if writes to it go straight to the store."""
-    return _writeback().destination(os.fspath(path))
+    if _state["wb"] is not None and _state["pid"] == os.getpid():
+        wb: _core.Writeback = _state["wb"]  # read once in this process: no lock to take
+    else:
+        wb = _writeback()
+    if not _state["any"]:
+        return None  # asked for every file an fsspec `tierstore://` opens: no call into the core for nothing
+    return wb.destination(os.fspath(path))
 
 
 class _StagedRaw(io.FileIO):
