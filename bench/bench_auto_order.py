@@ -288,6 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         rs = [a["seconds"][e] / b["seconds"][e] for a, b in zip(larger["off"], larger["auto"], strict=True)]
         lines.append(f"\n- epoch {e + 1}, `off` over `auto`: {rounds(rs)}")
         checks.append((f"2x the tier, epoch {e + 1}: `auto` faster than `off`", met(rs, 1.0), rounds(rs)))
+    # "Never more store bytes than without prefetch": `off`'s bytes over `auto`'s at least 1.00 in every round.
+    rs = [a["bytes_read"] / b["bytes_read"] for a, b in zip(larger["off"], larger["auto"], strict=True)]
+    more = ", ".join(
+        f"{(b['bytes_read'] / a['bytes_read'] - 1) * 100:+.2f}%"
+        for a, b in zip(larger["off"], larger["auto"], strict=True)
+    )
+    checks.append(
+        ("2x the tier: `auto` reads no more from the store than `off`", met(rs, 1.0), f"{more} (rounds)")
+    )
     lines += [
         "",
         "## A data set that names no files, twice the tier: 3 epochs, files learned from epoch 1",
