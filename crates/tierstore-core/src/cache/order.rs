@@ -582,10 +582,11 @@ impl Shared {
         // The file stays open through a first attempt that finds no room: the second copies from it.
         let mut file = Some(file);
         let mut fetched = inner.fetcher().fetch_locked(job, sid, guard, &mut file);
-        drop(opening); // placed, or found no room: what it saw is the index's to say now
-                       // Tiers that keep what they hold and are full: wait for the readers to pass copies this epoch has
-                       // read, let go of them and try again; until a reader gets to the file first, or the prefetch is
-                       // stopped, or room let go of was taken three times over by others.
+        // Placed, or found no room: the room this worker saw is the index's to say now.
+        drop(opening);
+        // Tiers that keep what they hold and are full: wait for the readers to pass copies this epoch has
+        // read, let go of them and try again; until a reader gets to the file first, or the prefetch is
+        // stopped, or room let go of was taken three times over by others.
         let mut taken = 0;
         while matches!(fetched, Ok(Fetched::NoRoom)) && taken < 3 && !self.started(position) && !self.stopped() {
             if !self.let_go(position, sid.size) {
