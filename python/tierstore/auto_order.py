@@ -570,9 +570,8 @@ def _marking_begun(dataset: Any, index: Any) -> Any:
         return index
     if type(index) is list:
         return _Begun(index, marker)
-    for i in index if isinstance(index, (list, tuple)) else (index,):
-        with contextlib.suppress(TypeError, ValueError):
-            marker.mark_started(int(i) + 1)
+    for slot in _slots(index):
+        marker.mark_started(slot)
     return index
 
 
@@ -586,8 +585,9 @@ class _Begun(list):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:
         for i in list.__iter__(self):
-            with contextlib.suppress(TypeError, ValueError):
-                self.marker.mark_started(int(i) + 1)
+            slot = _slot(i)
+            if slot is not None:
+                self.marker.mark_started(slot)
             yield i
 
 
@@ -596,9 +596,28 @@ def _mark_fetched(dataset: Any, index: Any) -> None:
     marker = _marker_of(dataset)
     if marker is None:
         return
-    for i in index if isinstance(index, (list, tuple)) else (index,):
-        with contextlib.suppress(TypeError, ValueError):
-            marker.mark_read(int(i) + 1)
+    for slot in _slots(index):
+        marker.mark_read(slot)
+
+
+def _slots(index: Any) -> Iterator[int]:
+    """The read-marks slots of `index`, a batch's list or tuple of indices or one index. A `_Begun` batch
+    is walked as the plain list it is, so walking it marks nothing begun a second time."""
+    items = (
+        list.__iter__(index) if isinstance(index, list) else index if isinstance(index, tuple) else (index,)
+    )
+    for i in items:
+        slot = _slot(i)
+        if slot is not None:
+            yield slot
+
+
+def _slot(i: Any) -> int | None:
+    """The read-marks slot of the index `i` (i + 1); None for an index that is not an integer."""
+    try:
+        return int(i) + 1
+    except (TypeError, ValueError):
+        return None
 
 
 _markers: dict[str, Any] = {}

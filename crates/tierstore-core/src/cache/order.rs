@@ -323,6 +323,17 @@ impl Shared {
         self.log.marks.is_started(self.log.slots[position] as usize, self.log.tag)
     }
 
+    /// The counter for a position the prefetch gave up: read first when its reader has begun it (and
+    /// opens it itself), else left for want of room.
+    fn left_counter(&self, position: usize) -> &AtomicU64 {
+        let p = &self.progress;
+        if self.started(position) {
+            &p.files_read_first
+        } else {
+            &p.files_no_room
+        }
+    }
+
     /// Frees the bytes of held files that have been read, and moves the read position (and the next
     /// position to take, so that a prefetch the readers overtook goes on ahead of them).
     fn refresh(&self, s: &mut State) {
@@ -492,8 +503,7 @@ impl Shared {
         };
         let Some(opening) = self.room_before_open(position, reserved) else {
             self.release(position, reserved);
-            let left = if self.started(position) { &p.files_read_first } else { &p.files_no_room };
-            left.fetch_add(1, Ordering::Relaxed);
+            self.left_counter(position).fetch_add(1, Ordering::Relaxed);
             return;
         };
         let Some(Claim { lead, guard }) = self.claim(&key) else {
@@ -611,8 +621,7 @@ impl Shared {
             }
             Ok(Fetched::NoRoom) => {
                 self.release(position, sid.size);
-                let left = if self.started(position) { &p.files_read_first } else { &p.files_no_room };
-                left.fetch_add(1, Ordering::Relaxed);
+                self.left_counter(position).fetch_add(1, Ordering::Relaxed);
             }
             Ok(Fetched::Uncached) => {
                 self.release(position, sid.size);
