@@ -154,12 +154,12 @@ class Cache:
             FileNotFoundError, PermissionError, IsADirectoryError: As `open()` raises them.
             ValueError: A mode that writes.
         """
-        if mode not in ("rb", "br", "r", "rt", "tr"):
+        if mode != "rb" and mode not in ("br", "r", "rt", "tr"):
             raise ValueError(
                 f"tierstore.open({os.fsdecode(path)!r}, mode={mode!r}): the cache serves reads only; "
                 "use mode 'rb' or 'r', and open files you write with the built-in open()"
             )
-        name = os.fsdecode(path)
+        name = path if type(path) is str else os.fsdecode(path)
         raw = CachedFile(self._core.open(path), name)
         learning = getattr(_opened, "paths", None)
         if learning is not None:  # a DataLoader worker learning its samples' files (learned_order)

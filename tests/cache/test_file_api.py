@@ -84,10 +84,28 @@ def test_closed_file_refuses_io(cache: tierstore.Cache, source: Path) -> None:
     p = source / "c"
     p.write_bytes(b"abc")
     f = cache.open(p)
+    assert not f.closed
     f.close()
     assert f.closed
+    f.close()  # a second close does nothing, as for any file
     with pytest.raises(ValueError):
         f.read()
+    with pytest.raises(ValueError, match="closed file"):
+        f.__enter__()
+    with pytest.raises(ValueError, match="closed file"):
+        next(iter(f))
+
+
+def test_a_file_dropped_unclosed_lets_go_of_its_copy(cache: tierstore.Cache, source: Path) -> None:
+    import gc
+
+    p = source / "d"
+    p.write_bytes(b"abc")
+    f = cache.open(p)
+    reader = f._reader
+    del f
+    gc.collect()
+    assert reader.closed  # IOBase's finalizer closed it, through CachedFile.close
 
 
 def test_text_mode_and_refused_write_modes(cache: tierstore.Cache, source: Path) -> None:

@@ -59,9 +59,14 @@ pub fn without_gil<T: Send, F: Send + FnOnce() -> T>(py: Python<'_>, f: F) -> T 
 /// Parks this thread for good if the interpreter is exiting and it is not the main thread (which runs
 /// the finalization itself, and takes the GIL safely).
 fn park_if_exiting() {
+    if !EXITING.load(Ordering::SeqCst) {
+        return;
+    }
+    // Asked only once exiting: two system calls, which a warm open and its read (each through here)
+    // would otherwise pay every time.
     // SAFETY: getpid takes no arguments and cannot fail.
     let main = tierstore_core::sys::gettid() == unsafe { libc::getpid() };
-    if EXITING.load(Ordering::SeqCst) && !main {
+    if !main {
         RETURNING.fetch_sub(1, Ordering::SeqCst);
         log::debug!("a thread came back from the engine while the interpreter exits: it waits for the end");
         loop {
