@@ -182,9 +182,13 @@ def test_past_the_duration_a_warm_run_asks_the_store_again_and_sees_a_change(
     assert sent.get("readdir", 0) >= 1 and sent.get("getattr", 0) >= 1, sent
 
 
+@pytest.mark.parametrize("revalidate", ["never", None], ids=["never", "default"])
 def test_symlinks_inside_the_source_are_still_reported_as_symlinks(
-    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path, revalidate: str | None
 ) -> None:
+    """A link and its target read the target's bytes, and the link is reported as a link. With
+    `revalidate = "never"`, where an open of the link is served its target's copy, a warm run asks the
+    store nothing."""
     backing, mount = slow_store
     (backing / "real.bin").write_bytes(b"x" * 100)
     (backing / "link.bin").symlink_to("real.bin")
@@ -192,12 +196,13 @@ def test_symlinks_inside_the_source_are_still_reported_as_symlinks(
         """
         import json, os, stat, sys
         link, real = sys.argv[1], sys.argv[2]
-        open(link, "rb").read(); open(real, "rb").read()
+        same = open(link, "rb").read() == open(real, "rb").read() == b"x" * 100
         print(json.dumps([stat.S_ISLNK(os.lstat(link).st_mode), os.readlink(link), os.path.realpath(link),
-                          os.stat(link).st_ino == os.stat(real).st_ino]))
+                          os.stat(link).st_ino == os.stat(real).st_ino, same]))
         """
     )
-    for _ in range(2):  # cold, then warm
+    for run in ("cold", "warm"):
+        before = store_stats(mount)
         p = tierstore_run(
             mount,
             f"{tier}:64M",
@@ -206,10 +211,14 @@ def test_symlinks_inside_the_source_are_still_reported_as_symlinks(
             script,
             str(mount / "link.bin"),
             str(mount / "real.bin"),
+            revalidate=revalidate,
         )
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        assert json.loads(out) == [True, "real.bin", str(mount / "real.bin"), True]
+        assert json.loads(out) == [True, "real.bin", str(mount / "real.bin"), True, True]
+        sent = {op: n - before.get(op, 0) for op, n in store_stats(mount).items() if n != before.get(op, 0)}
+        if run == "warm" and revalidate == "never":
+            assert sent == {}, f"a warm run through the link sent operations to the store: {sent}"
 
 
 def test_a_source_reached_through_a_symlinked_path_is_cached(

@@ -318,6 +318,16 @@ impl Inner {
     /// Step 2 alone, for the shim's warm opens: the first tier's current copy of `rel` opened for a
     /// program, or `None` (nothing counted) for [`Inner::open_native_rel`] to take the whole way.
     pub(super) fn open_native_hit(self: &Arc<Self>, rel: &str) -> Result<Option<Native>, Error> {
+        self.open_hit(rel, ForProgram { stream: false })
+    }
+
+    /// Step 2 alone, for the API's warm opens: a reader of the first tier's current copy of `rel`, or
+    /// `None` (nothing counted) for [`Inner::open_rel`] to take the whole way.
+    pub(super) fn open_reader_hit(self: &Arc<Self>, rel: &str) -> Result<Option<Reader>, Error> {
+        self.open_hit(rel, ForReader)
+    }
+
+    fn open_hit<W: Want>(self: &Arc<Self>, rel: &str, want: W) -> Result<Option<W::Opened>, Error> {
         if self.storage.config().revalidate == Revalidate::Always {
             return Ok(None); // its `stat` of the source would be asked again by the whole way
         }
@@ -326,7 +336,6 @@ impl Inner {
         let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
             return Ok(None);
         };
-        let want = ForProgram { stream: false };
         Ok(want.on_copy(self.storage.reader(backing, sid.size, rel)))
     }
 
