@@ -115,7 +115,8 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
-        path = str(path.path if isinstance(path, os.DirEntry) else path)
+        if type(path) is not str:  # a str, what a data loader opens per sample, takes no call here
+            path = str(path.path if isinstance(path, os.DirEntry) else path)
         if path.startswith("tierstore://"):
             path = path[len("tierstore://") :]
         if "://" in path or not path:
@@ -130,8 +131,9 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     def _staging(self, path: str) -> bool:
         """Whether `path` (protocol stripped) is under a `[[writeback]]` destination: its files may be
-        staged on this node and not on the store yet."""
-        return not self._objects(path) and _writeback_destination(path)
+        staged on this node and not on the store yet. Asked for every file opened and every entry a
+        listing stats, so in one expression: not objects (`_objects`), and a destination holds it."""
+        return self.store is None and "://" not in path and writeback.destination(path) is not None
 
     def _staged_info(self, path: str) -> dict[str, Any] | None:
         """`info` of the staged copy of `path` (protocol stripped, under a destination), named `path`;
@@ -399,9 +401,3 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
                 writeback.rmtree(p)
             else:
                 self.rm_file(p)
-
-
-def _writeback_destination(path: str) -> bool:
-    """Whether `path` is under a configured `[[writeback]]` destination (asked for every file opened and
-    every entry a listing stats: one call, no list of the destinations built, nothing imported)."""
-    return writeback.destination(path) is not None

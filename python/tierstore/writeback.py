@@ -38,6 +38,18 @@ _dirs_seen: set[str] = set()
 _state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False, "any": False}
 
 
+def _forget_in_child() -> None:
+    """After a fork: the child reads the configuration again and makes its own write-back (the parent's
+    engine state is not its to use), under a lock of its own (another thread may have held the parent's
+    at the fork). So `destination` need not compare process ids on every call."""
+    global _lock
+    _lock = threading.Lock()
+    _state.update(wb=None, pid=0, agent=False, any=False)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _writeback() -> _core.Writeback:
     """This process's write-back (configuration read once per process)."""
     with _lock:
@@ -80,9 +92,9 @@ def configured() -> bool:
 
 def destination(path: PathLike) -> str | None:
     """The write-back destination holding `path`, or None if writes to it go straight to the store."""
-    if _state["wb"] is not None and _state["pid"] == os.getpid():
-        wb: _core.Writeback = _state["wb"]  # read once in this process: no lock to take
-    else:
+    # Read once in this process (a fork forgets it): no lock to take, no process id to ask.
+    wb: _core.Writeback | None = _state["wb"]
+    if wb is None:
         wb = _writeback()
     if not _state["any"]:
         return None  # asked for every file an fsspec `tierstore://` opens: no call into the core for nothing

@@ -291,3 +291,30 @@ def test_resume_after_an_agent_restart_is_prompt(tmp_path: Path, monkeypatch: py
         for i in range(3):
             assert s.stored(f"r{i}").read_bytes() == blob(f"r{i}", 100_000)
         print(f"migrated 3 files {took:.2f} s after the agent restarted")
+
+
+def test_a_forked_child_makes_its_own_write_back_and_finds_the_same_destinations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`destination` trusts the write-back it read once in this process, without asking the process id
+    on every call: a fork makes the child forget the parent's (its engine state is not the child's to
+    use), and the child reads the configuration again, under a lock of its own."""
+    from tierstore import writeback
+
+    (tmp_path / "d").mkdir()
+    monkeypatch.setenv("TIERSTORE_WRITEBACK", f"{tmp_path}/d:{tmp_path}/stage:1G:buffered")
+    writeback.reload()
+    assert writeback.destination(tmp_path / "d" / "x.bin") is not None
+    parents = writeback._state["wb"]
+    assert parents is not None
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if every check holds
+        ok = writeback._state["wb"] is None
+        ok = ok and writeback.destination(tmp_path / "d" / "x.bin") is not None
+        ok = ok and writeback.destination(tmp_path / "elsewhere.bin") is None
+        ok = ok and writeback._state["wb"] is not None and writeback._state["wb"] is not parents
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert writeback._state["wb"] is parents  # the parent's is untouched
+    writeback.reload()
