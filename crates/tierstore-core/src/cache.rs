@@ -44,13 +44,11 @@ mod sweep;
 mod trusted;
 
 use std::collections::HashMap;
-use std::ffi::OsStr;
 use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::config::{Config, Revalidate, TierConfig, Verify};
+use crate::config::{Config, TierConfig, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
 use crate::index::key_of;
@@ -193,14 +191,7 @@ impl Cache {
     /// Opens `path` (a file under the source) for reading through the cache.
     pub fn open(&self, path: &Path) -> Result<Reader, Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.storage.source().relative(path)?;
-        if self.storage.config().revalidate == Revalidate::Never {
-            // The path's own copy first (see `followed`).
-            if let Some(reader) = self.inner.open_reader_hit(&rel)? {
-                return Ok(reader);
-            }
-        }
-        self.inner.open_rel(&self.followed(rel))
+        self.inner.open_rel(&self.storage.source().relative(path)?)
     }
 
     /// Opens `path` as a real file descriptor holding exactly its bytes: the tier copy (fetched whole
@@ -209,8 +200,7 @@ impl Cache {
     /// need no further interception.
     pub fn open_file(&self, path: &Path) -> Result<File, Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.followed(self.storage.source().relative(path)?);
-        match self.inner.open_native_rel(&rel, false)? {
+        match self.inner.open_native_rel(&self.storage.source().relative(path)?, false)? {
             Native::Whole(f) => Ok(f),
             Native::Copying { .. } => unreachable!("only open_native streams"),
         }
@@ -222,8 +212,7 @@ impl Cache {
     /// once: by the copy, whose reader the caller can follow.
     pub fn open_native(&self, path: &Path) -> Result<Native, Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.followed(self.storage.source().relative(path)?);
-        self.inner.open_native_rel(&rel, true)
+        self.inner.open_native_rel(&self.storage.source().relative(path)?, true)
     }
 
     /// The copy [`Cache::open_native`] would open for `path` when the first tier holds a current one,
@@ -231,36 +220,7 @@ impl Cache {
     /// take the whole way. The shim tries it first, so that a warm open skips the checks only a miss needs.
     pub fn open_native_cached(&self, path: &Path) -> Result<Option<Native>, Error> {
         let _exempt = crate::interposer::calls();
-        let rel = self.storage.source().relative(path)?;
-        // The path's own copy first (see `followed`).
-        if let Some(native) = self.inner.open_native_hit(&rel)? {
-            return Ok(Some(native));
-        }
-        let to = self.followed(rel.clone());
-        if to == rel {
-            return Ok(None);
-        }
-        self.inner.open_native_hit(&to)
-    }
-
-    /// The source-relative path to open for `rel`: the file a recorded symlink leads to when copies are
-    /// trusted and it leads into the source (so a file reached by its link and by its own name is one
-    /// cached copy, and an open through the link asks the store nothing), else `rel` itself.
-    ///
-    /// The link's record is a second index read. So a warm open looks for the path's own copy first,
-    /// and follows a link only when there is none: one read for a file, as without links. A link with
-    /// a copy of its own (made while copies were revalidated, when links are not followed) is served
-    /// that copy: its target's bytes as they were when it was copied, which is what `never` promises of
-    /// every copy.
-    fn followed(&self, rel: String) -> String {
-        if self.storage.config().revalidate == Revalidate::Never {
-            if let Some(to) = self.storage.symlink(&rel).and_then(|l| l.resolved) {
-                if let Ok(target) = self.storage.source().relative(Path::new(OsStr::from_bytes(&to))) {
-                    return target;
-                }
-            }
-        }
-        rel
+        self.inner.open_native_hit(&self.storage.source().relative(path)?)
     }
 
     /// What the LD_PRELOAD shim answers from the cache without asking the store: `stat`s, links,

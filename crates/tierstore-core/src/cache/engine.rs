@@ -16,7 +16,10 @@
 //! holds the [`Storage`] (the source, the tiers, the settings), the [`Fetcher`] and the [`Peers`]. Any fault
 //! falls back to the source, counted and said once (`faults.rs`).
 
+use std::ffi::OsStr;
 use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::blocks::Blocks;
@@ -93,6 +96,10 @@ trait Want {
         pre: Option<SourceFile>,
     ) -> Result<Self::Opened, Error>;
 }
+
+/// What an open's first look found (see [`Inner::first_look`]): the link's target when it followed one,
+/// and the published copy to serve with its version, when a tier holds one.
+type FirstLook = (Option<String>, Option<(Found, SourceId)>);
 
 /// After a fetch step: the open has its answer, looks again, or reads the source.
 enum Next<T> {
@@ -284,6 +291,34 @@ impl Inner {
         Ok(self.published_identity(key, rel)?.map(|(_, sid)| sid))
     }
 
+    /// Step 1 of every open of `rel`: the version to serve of its own copy, when a tier holds one. With
+    /// none, and copies trusted (`revalidate = "never"`), that of the file a recorded symlink `rel` leads
+    /// to inside the source, whose path comes back too: a file reached by its link and by its own name is
+    /// one cached copy, and an open through the link asks the store nothing.
+    ///
+    /// The path's own copy is looked for first because the link's record is a second index read: only a
+    /// path without a copy pays it, and a warm open of a file reads the index once. A link with a copy of
+    /// its own (made while copies were revalidated, when links are not followed) is served that copy: its
+    /// target's bytes as they were when it was copied, which is what `never` promises of every copy.
+    fn first_look(self: &Arc<Self>, rel: &str) -> Result<FirstLook, Error> {
+        if let Some(found) = self.published_identity(&key_of(rel), rel)? {
+            return Ok((None, Some(found)));
+        }
+        let Some(target) = self.link_target(rel) else { return Ok((None, None)) };
+        let found = self.published_identity(&key_of(&target), &target)?;
+        Ok((Some(target), found))
+    }
+
+    /// The source-relative path a recorded symlink `rel` leads to, when copies are trusted and it leads
+    /// into the source.
+    fn link_target(&self, rel: &str) -> Option<String> {
+        if self.storage.config().revalidate != Revalidate::Never {
+            return None;
+        }
+        let to = self.storage.symlink(rel)?.resolved?;
+        self.storage.source().relative(Path::new(OsStr::from_bytes(&to))).ok()
+    }
+
     /// [`Inner::known_identity`], with the published entry it was read from and that entry's tier, for a
     /// look at the copy that need not read the index again ([`Lookup::hit_found`]).
     fn published_identity(self: &Arc<Self>, key: &Key, rel: &str) -> Result<Option<(Found, SourceId)>, Error> {
@@ -321,18 +356,14 @@ impl Inner {
         self.open_hit(rel, ForProgram { stream: false })
     }
 
-    /// Step 2 alone, for the API's warm opens: a reader of the first tier's current copy of `rel`, or
-    /// `None` (nothing counted) for [`Inner::open_rel`] to take the whole way.
-    pub(super) fn open_reader_hit(self: &Arc<Self>, rel: &str) -> Result<Option<Reader>, Error> {
-        self.open_hit(rel, ForReader)
-    }
-
     fn open_hit<W: Want>(self: &Arc<Self>, rel: &str, want: W) -> Result<Option<W::Opened>, Error> {
         if self.storage.config().revalidate == Revalidate::Always {
             return Ok(None); // its `stat` of the source would be asked again by the whole way
         }
+        let (target, first) = self.first_look(rel)?;
+        let Some((found, sid)) = first else { return Ok(None) };
+        let rel = target.as_deref().unwrap_or(rel);
         let key = key_of(rel);
-        let Some((found, sid)) = self.published_identity(&key, rel)? else { return Ok(None) };
         let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
             return Ok(None);
         };
@@ -350,10 +381,12 @@ impl Inner {
     /// The read path (see the module), for what `want` wants; `look` is its first look at the tiers.
     fn open_as<W: Want>(self: &Arc<Self>, rel: &str, want: W, mut look: Look) -> Result<W::Opened, Error> {
         let seen = now_ns();
+        // 1. The version to serve, when a tier holds a copy to check; the file to open (a link's target).
+        let (target, first) = self.first_look(rel)?;
+        let rel = target.as_deref().unwrap_or(rel);
         let key = key_of(rel);
         let (asks_peer_for, fetches_for) = want.purposes();
-        // 1. The version to serve, when a tier holds a copy to check.
-        let (mut found, mut known) = self.published_identity(&key, rel)?.unzip();
+        let (mut found, mut known) = first.unzip();
         let mut pre = None;
         for _ in 0..3 {
             // 2. A current copy in a tier (the first time, the entry step 1 read).
