@@ -97,9 +97,15 @@ trait Want {
     ) -> Result<Self::Opened, Error>;
 }
 
-/// What an open's first look found (see [`Inner::first_look`]): the link's target when it followed one,
-/// and the published copy to serve with its version, when a tier holds one.
-type FirstLook = (Option<String>, Option<(Found, SourceId)>);
+/// What an open's first look found (see [`Inner::first_look`]).
+struct FirstLook {
+    /// The link's target, when it followed one: the file to open.
+    target: Option<String>,
+    /// The key of the file to open, hashed once for the whole open.
+    key: Key,
+    /// The published copy to serve, with its version, when a tier holds one.
+    found: Option<(Found, SourceId)>,
+}
 
 /// After a fetch step: the open has its answer, looks again, or reads the source.
 enum Next<T> {
@@ -301,12 +307,14 @@ impl Inner {
     /// its own (made while copies were revalidated, when links are not followed) is served that copy: its
     /// target's bytes as they were when it was copied, which is what `never` promises of every copy.
     fn first_look(self: &Arc<Self>, rel: &str) -> Result<FirstLook, Error> {
-        if let Some(found) = self.published_identity(&key_of(rel), rel)? {
-            return Ok((None, Some(found)));
+        let key = key_of(rel);
+        if let Some(found) = self.published_identity(&key, rel)? {
+            return Ok(FirstLook { target: None, key, found: Some(found) });
         }
-        let Some(target) = self.link_target(rel) else { return Ok((None, None)) };
-        let found = self.published_identity(&key_of(&target), &target)?;
-        Ok((Some(target), found))
+        let Some(target) = self.link_target(rel) else { return Ok(FirstLook { target: None, key, found: None }) };
+        let key = key_of(&target);
+        let found = self.published_identity(&key, &target)?;
+        Ok(FirstLook { target: Some(target), key, found })
     }
 
     /// The source-relative path a recorded symlink `rel` leads to, when copies are trusted and it leads
@@ -360,10 +368,9 @@ impl Inner {
         if self.storage.config().revalidate == Revalidate::Always {
             return Ok(None); // its `stat` of the source would be asked again by the whole way
         }
-        let (target, first) = self.first_look(rel)?;
-        let Some((found, sid)) = first else { return Ok(None) };
+        let FirstLook { target, key, found } = self.first_look(rel)?;
+        let Some((found, sid)) = found else { return Ok(None) };
         let rel = target.as_deref().unwrap_or(rel);
-        let key = key_of(rel);
         let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
             return Ok(None);
         };
@@ -382,11 +389,10 @@ impl Inner {
     fn open_as<W: Want>(self: &Arc<Self>, rel: &str, want: W, mut look: Look) -> Result<W::Opened, Error> {
         let seen = now_ns();
         // 1. The version to serve, when a tier holds a copy to check; the file to open (a link's target).
-        let (target, first) = self.first_look(rel)?;
+        let FirstLook { target, key, found } = self.first_look(rel)?;
         let rel = target.as_deref().unwrap_or(rel);
-        let key = key_of(rel);
         let (asks_peer_for, fetches_for) = want.purposes();
-        let (mut found, mut known) = first.unzip();
+        let (mut found, mut known) = found.unzip();
         let mut pre = None;
         for _ in 0..3 {
             // 2. A current copy in a tier (the first time, the entry step 1 read).
