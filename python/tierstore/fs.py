@@ -131,9 +131,8 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
 
     def _staging(self, path: str) -> bool:
         """Whether `path` (protocol stripped) is under a `[[writeback]]` destination: its files may be
-        staged on this node and not on the store yet. Asked for every file opened and every entry a
-        listing stats, so in one expression: not objects (`_objects`), and a destination holds it."""
-        return self.store is None and "://" not in path and writeback.destination(path) is not None
+        staged on this node and not on the store yet."""
+        return not self._objects(path) and writeback.destination(path) is not None
 
     def _staged_info(self, path: str) -> dict[str, Any] | None:
         """`info` of the staged copy of `path` (protocol stripped, under a destination), named `path`;
