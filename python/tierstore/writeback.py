@@ -35,7 +35,7 @@ _lock = threading.Lock()
 # Directories of the store seen to exist (a checkpoint directory is checked once, not once per file).
 _dirs_seen: set[str] = set()
 # "any": whether the configuration read names any destination at all.
-_state: dict[str, Any] = {"wb": None, "pid": 0, "agent": False, "any": False}
+_state: dict[str, Any] = {"wb": None, "agent": False, "any": False}
 
 
 def _forget_in_child() -> None:
@@ -44,7 +44,7 @@ def _forget_in_child() -> None:
     at the fork). So `destination` need not compare process ids on every call."""
     global _lock
     _lock = threading.Lock()
-    _state.update(wb=None, pid=0, agent=False, any=False)
+    _state.update(wb=None, agent=False, any=False)
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -53,12 +53,11 @@ os.register_at_fork(after_in_child=_forget_in_child)
 def _writeback() -> _core.Writeback:
     """This process's write-back (configuration read once per process)."""
     with _lock:
-        if _state["wb"] is None or _state["pid"] != os.getpid():
-            _state["wb"] = _core.Writeback()
-            _state["pid"] = os.getpid()
+        wb: _core.Writeback | None = _state["wb"]
+        if wb is None:  # a forked child starts with none (`_forget_in_child`)
+            wb = _state["wb"] = _core.Writeback()
             _state["agent"] = False
-            _state["any"] = bool(_state["wb"].destinations())
-        wb: _core.Writeback = _state["wb"]
+            _state["any"] = bool(wb.destinations())
         return wb
 
 
