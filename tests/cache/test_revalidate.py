@@ -8,7 +8,11 @@ on (the reader does not wait), on the reader's path past the duration."""
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -201,6 +205,71 @@ def test_one_expired_directory_sends_every_expired_directory_to_be_confirmed_at_
         assert after == before, (before, after)
         assert after["lists"] == 6 and after["opens"] == 0, after
         del cache
+
+
+# The job of the test below: reads every file of its directories, pauses as it is told, and prints a
+# marker line on stderr before each part (TIERSTORE_LOG=debug says on stderr what each open did).
+_PAUSING_JOB = """
+import json, sys, time
+import tierstore
+
+mount, tier, bound = sys.argv[1], sys.argv[2], float(sys.argv[3])
+names = json.loads(sys.argv[4])
+cache = tierstore.Cache(mount, [tier], revalidate=f"{bound:g}s")
+lists = lambda: cache.stats()["source"]["lists"]
+
+def epoch(part):
+    print(f"=== {part}", file=sys.stderr, flush=True)
+    for name, data in names.items():
+        assert cache.open(f"{mount}/{name}").read() == data.encode(), name
+
+epoch("cold")
+cache.wait()
+time.sleep(1.1 * bound)  # expired: each directory is listed as the pass reaches it
+epoch("expired")
+deadline = time.monotonic() + 30
+while lists() < 3:
+    assert time.monotonic() < deadline, "the directories were not confirmed"
+    time.sleep(0.01)
+before_pause = lists()
+time.sleep(1.2 * bound)  # a pause longer than the duration
+during_pause = lists() - before_pause
+epoch("after a pause of 1.2 durations")
+time.sleep(1.75 * bound)  # past the last round of the keeper, which stops a duration after the last read
+stopped = lists()
+time.sleep(0.6 * bound)  # nothing read for 2.35 durations: the keeper has stopped, the copies expired
+print(json.dumps({"during_pause": during_pause, "after_stop": lists() - stopped}), flush=True)
+epoch("after the keeper stopped")
+"""
+
+
+@pytest.mark.fuse
+@pytest.mark.slow  # it pauses for 4.65 durations of 1.5 s in all: about 8 s
+def test_a_reader_that_pauses_for_longer_than_the_duration_finds_its_copies_confirmed(
+    tmp_path: Path, tier: str
+) -> None:
+    """While a process reads, its keeper renews the confirmations that fall due, so a pass after a pause
+    longer than the duration is served from the copies without waiting for the store; a duration after
+    the process last read, the keeper stops, and a pass after that waits for its directory again."""
+    with mounted_store(tmp_path, meta_latency="2ms") as (backing, mount):
+        names = {}
+        for d in range(3):
+            (backing / f"d{d}").mkdir()
+            for i in range(4):
+                names[f"d{d}/{i}.bin"] = f"file {i} of directory {d}" * (d + 1)
+                (backing / f"d{d}/{i}.bin").write_text(names[f"d{d}/{i}.bin"])
+        p = subprocess.run(
+            [sys.executable, "-c", _PAUSING_JOB, str(mount), f"{tier}:1G", "1.5", json.dumps(names)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "TIERSTORE_LOG": "debug"},
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        counts = json.loads(p.stdout)
+        assert counts["during_pause"] >= 3, ("no directory was confirmed during the pause", counts)
+        assert counts["after_stop"] == 0, ("the keeper went on after the reads stopped", counts)
+        parts = dict(part.split("\n", 1) for part in p.stderr.split("=== ")[1:])
+        waited = "waits for its directory's confirmation"
+        assert waited not in parts["after a pause of 1.2 durations"], parts["after a pause of 1.2 durations"]
+        assert waited in parts["after the keeper stopped"], parts["after the keeper stopped"]
 
 
 @pytest.mark.fuse

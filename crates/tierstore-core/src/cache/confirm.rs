@@ -13,6 +13,13 @@
 //! copies of that are due is confirmed too, several at once, in the background: an epoch's next
 //! directories are confirmed before it reaches them, not one after another on the reader's path.
 //!
+//! While a process reads, its keeper (a thread that wakes every eighth of the duration) confirms in the
+//! same way every directory that would fall due before its next round: the reader finds its copies
+//! fresh, and a job that pauses for longer than the duration (an evaluation, a checkpoint) comes back to
+//! confirmed copies instead of waiting for the store. A duration after the process last served a copy,
+//! the keeper stops. The bound is the same either way: no copy is served that the source did not show
+//! to be current within the duration.
+//!
 //! The time of the last confirmation lives in each entry of the tier's index, so every process of the
 //! node shares it. One process of the node confirms a directory at a time (the fetch lock of the
 //! directory's own key), one thread of it (the in-process flight of that key); the others wait, then find
@@ -47,6 +54,9 @@ fn directory_key(dir: &str) -> Key {
 /// file system or an object store takes without queueing.
 const DIRECTORIES_AT_ONCE: usize = 8;
 
+/// The shortest time the keeper sleeps between its rounds, for a very short duration.
+const KEEPER_PERIOD_MIN: Duration = Duration::from_millis(50);
+
 impl Inner {
     /// The version of `rel` to serve when a tier holds the copy `e` of it and copies are trusted for
     /// `bound`: `e`'s own when it was confirmed within half that long, or within that long (its
@@ -62,6 +72,9 @@ impl Inner {
         // Confirmations are due at half the bound, so that there is time to make them in the background.
         let within = bound / 2;
         let now = now_ns();
+        if self.sweep().used(now) {
+            self.keep_confirmed(bound);
+        }
         if fresh(e.confirmed_ns, within, now) {
             log::trace!("{rel}: trusted (confirmed {} ms ago)", now.saturating_sub(e.confirmed_ns) / 1_000_000);
             return Ok(e.source);
@@ -112,9 +125,8 @@ impl Inner {
     }
 
     /// Confirms `dir` and every directory whose copies the index last confirmed more than `within` ago
-    /// (half the bound: those due),
-    /// `DIRECTORIES_AT_ONCE` at a time, on a thread of its own; nothing when this process's sweep
-    /// already runs. A directory another thread confirms meanwhile is left to it.
+    /// (half the bound: those due), on a thread of its own; nothing when this process's sweep already
+    /// runs.
     fn confirm_in_background(self: &Arc<Self>, dir: &str, within: Duration) {
         if !self.sweep().start() {
             return;
@@ -122,33 +134,82 @@ impl Inner {
         let inner = self.clone();
         let first = dir.to_string();
         let sweep = move || {
-            let before = now_ns().saturating_sub(within.as_nanos() as u64);
-            let mut dirs = inner
-                .storage()
-                .lookup()
-                .directories()
-                .and_then(|ix| ix.directories_confirmed_before(before).ok())
-                .unwrap_or_default();
-            dirs.retain(|d| *d != first);
-            dirs.insert(0, first);
-            let next = AtomicUsize::new(0);
-            std::thread::scope(|s| {
-                for _ in 0..DIRECTORIES_AT_ONCE.min(dirs.len()) {
-                    s.spawn(|| {
-                        while let Some(dir) = dirs.get(next.fetch_add(1, Ordering::Relaxed)) {
-                            let dkey = directory_key(dir);
-                            if let Role::Leader(_lead) = inner.fetcher().join(&dkey) {
-                                let _ = inner.confirm_directory(dir, &dkey, within);
-                            }
-                        }
-                    });
-                }
-            });
+            inner.sweep_due(Some(first), within);
             inner.sweep().done();
         };
         if crate::interposer::spawn("tierstore-confirm".into(), sweep).is_err() {
             self.sweep().done();
         }
+    }
+
+    /// Renews, on a thread of its own, the confirmations of this process's copies before they fall due:
+    /// every eighth of `bound` it confirms each directory that would be due (half `bound` old) before its
+    /// next round, so that a reader finds its copies fresh and no open starts a confirmation of its own.
+    /// It stops once `bound` has passed since this process last served a copy (the next such open starts
+    /// it again), so a job that stops reading costs the store at most two more confirmations of each
+    /// directory; a dropped cache stops its keeper at once.
+    fn keep_confirmed(self: &Arc<Self>, bound: Duration) {
+        if !self.sweep().start_keeper() {
+            return;
+        }
+        let cache = Arc::downgrade(self);
+        let bell = self.sweep().bell();
+        let period = (bound / 8).max(KEEPER_PERIOD_MIN);
+        // Renewed a round ahead of falling due: each directory every 3/8 to 1/2 of `bound`, at most a third
+        // more confirmations than an open finding them due would make (never more often than every
+        // quarter, for a duration so short that the period is at its minimum).
+        let ahead = (bound / 2).saturating_sub(period).max(bound / 4);
+        let idle_limit = bound.as_nanos() as u64;
+        let keeper = move || {
+            while bell.sleep(period) {
+                let Some(inner) = cache.upgrade() else { return };
+                let sweep = inner.sweep();
+                if now_ns().saturating_sub(sweep.last_use_ns()) >= idle_limit {
+                    sweep.keeper_done();
+                    // An open between the look and the stop found the keeper running and left it to it.
+                    if now_ns().saturating_sub(sweep.last_use_ns()) >= idle_limit || !sweep.start_keeper() {
+                        return;
+                    }
+                }
+                if sweep.start() {
+                    inner.sweep_due(None, ahead);
+                    inner.sweep().done();
+                }
+            }
+        };
+        if crate::interposer::spawn("tierstore-keeper".into(), keeper).is_err() {
+            self.sweep().keeper_done();
+        }
+    }
+
+    /// Confirms `first` (when given) and every directory whose copies the index last confirmed more than
+    /// `within` ago, `DIRECTORIES_AT_ONCE` at a time. A directory another thread confirms meanwhile is left
+    /// to it. The caller holds this process's right to sweep.
+    fn sweep_due(&self, first: Option<String>, within: Duration) {
+        let before = now_ns().saturating_sub(within.as_nanos() as u64);
+        let mut dirs = self
+            .storage()
+            .lookup()
+            .directories()
+            .and_then(|ix| ix.directories_confirmed_before(before).ok())
+            .unwrap_or_default();
+        if let Some(first) = first {
+            dirs.retain(|d| *d != first);
+            dirs.insert(0, first);
+        }
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..DIRECTORIES_AT_ONCE.min(dirs.len()) {
+                s.spawn(|| {
+                    while let Some(dir) = dirs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let dkey = directory_key(dir);
+                        if let Role::Leader(_lead) = self.fetcher().join(&dkey) {
+                            let _ = self.confirm_directory(dir, &dkey, within);
+                        }
+                    }
+                });
+            }
+        });
     }
 
     /// Lists the identities of the files of `dir` and confirms every copy of the listed version, under the
