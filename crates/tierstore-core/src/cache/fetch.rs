@@ -199,6 +199,21 @@ impl Fetcher {
         guard: FetchGuard,
         pre: &mut Option<SourceFile>,
     ) -> Result<Fetched, Error> {
+        self.fetch_locked_then(job, sid, guard, pre, || {})
+    }
+
+    /// [`Fetcher::fetch_locked`], calling `placed` once a tier's room is reserved for the file or found
+    /// missing, before the file is copied: an ordered prefetch stops counting the room it saw for the
+    /// file there, since the index counts the reservation from then on (counted twice for the length of
+    /// a copy, the room made other workers let go of copies that the epoch's end left unused).
+    pub(super) fn fetch_locked_then(
+        self: &Arc<Self>,
+        job: FetchJob<'_>,
+        sid: SourceId,
+        guard: FetchGuard,
+        pre: &mut Option<SourceFile>,
+        placed: impl FnOnce(),
+    ) -> Result<Fetched, Error> {
         let FetchJob { rel, purpose, seen, lead } = job;
         let key = *lead.key();
         let key = &key;
@@ -211,7 +226,9 @@ impl Fetcher {
         }
         // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
         self.remove_entries(key);
-        let Some(t) = self.place(key, rel, sid, seen) else {
+        let place = self.place(key, rel, sid, seen);
+        placed();
+        let Some(t) = place else {
             self.storage.source().counters().add(src_slot::UNCACHED, 1);
             log::debug!("{rel}: no tier has room for {} B; read from the store, not cached", sid.size);
             drop(guard);

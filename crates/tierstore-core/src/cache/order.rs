@@ -24,7 +24,9 @@
 //!   DataLoader worker does, as it comes to each index) opens its files itself, from the store when the
 //!   tiers have no room; the prefetch never fetches a begun position, and looks again once it holds the
 //!   claim. Without this, a prefetch that waited for room copied files their reader had just read from
-//!   the store: 0.6-1.6% more store bytes than no prefetch for a data set twice the tiers.
+//!   the store: 0.6-1.6% more store bytes than no prefetch for a data set twice the tiers. For the same
+//!   reason a file is claimed before copies are let go of for it: room let go of for a file its reader
+//!   then read from the store stayed empty, and the next epoch began with one copy fewer.
 //! - **Through the engine's fetch path, claimed before it is opened.** A worker leads the file's in-process
 //!   flight and takes its node-wide fetch lock (with `try_lock` only: a file another process is fetching is
 //!   left to it) after its admission and before it opens the file, so a reader that comes while it is
@@ -501,12 +503,20 @@ impl Shared {
             }
             return;
         };
-        let Some(opening) = self.room_before_open(position, reserved) else {
-            self.release(position, reserved);
-            self.left_counter(position).fetch_add(1, Ordering::Relaxed);
-            return;
+        let (opening, claim) = match self.room_before_open(position, &key, reserved) {
+            Room::Found(opening, claim) => (opening, claim),
+            Room::ReadFirst => {
+                self.release(position, reserved);
+                self.left_counter(position).fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            Room::Claimed => {
+                // Being fetched by a reader or another process: it lands ahead all the same.
+                p.files_cached.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
         };
-        let Some(Claim { lead, guard }) = self.claim(&key) else {
+        let Some(Claim { lead, guard }) = claim.or_else(|| self.claim(&key)) else {
             // Being fetched by a reader or another process: it lands ahead all the same.
             p.files_cached.fetch_add(1, Ordering::Relaxed);
             return;
@@ -542,26 +552,43 @@ impl Shared {
         self.copy(position, job, sid, guard, file, opening);
     }
 
-    /// Waits, with nothing claimed or opened, until a tier has room for about `size` bytes (the
-    /// position's estimate), letting go of copies this epoch has read; false when its reader begins it
-    /// first, or the prefetch stops. Opening first and finding no room would cost the store an open that
-    /// the reader then makes again.
-    fn room_before_open(&self, position: usize, size: u64) -> Option<Opening<'_>> {
+    /// Waits until a tier has room for about `size` bytes (the position's estimate), with nothing opened:
+    /// opening first and finding no room would cost the store an open that the reader then makes again.
+    /// While the tiers have room, nothing is claimed either. When they have none, the file is claimed
+    /// before copies this epoch has read are let go of for it, and it is looked at once more: a reader that
+    /// began it meanwhile reads it itself, and nothing was let go of for it (room freed for a file its
+    /// reader then reads from the store would stay empty to the end of the epoch, and the next epoch would
+    /// begin with one copy fewer than the tiers hold without a prefetch); a reader that begins it after
+    /// waits for this one fetch. The claim is held only while letting go, never while waiting.
+    fn room_before_open(&self, position: usize, key: &Key, size: u64) -> Room<'_> {
         loop {
             if self.started(position) || self.stopped() {
-                return None;
+                return Room::ReadFirst;
             }
-            {
-                let mut opening = self.opening.lock().unwrap_or_else(|p| p.into_inner());
-                if self.inner.fetcher().has_room(*opening + size) {
-                    *opening += size;
-                    return Some(Opening { shared: self, size });
+            if let Some(opening) = self.opening(size) {
+                return Room::Found(opening, None);
+            }
+            let Some(claim) = self.claim(key) else { return Room::Claimed };
+            if self.started(position) {
+                return Room::ReadFirst;
+            }
+            if self.let_go(position, size) {
+                if let Some(opening) = self.opening(size) {
+                    return Room::Found(opening, Some(claim));
                 }
             }
-            if !self.let_go(position, size) {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            drop(claim);
+            std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Room for about `size` more bytes than the workers about to open files already counted on.
+    fn opening(&self, size: u64) -> Option<Opening<'_>> {
+        let mut opening = self.opening.lock().unwrap_or_else(|p| p.into_inner());
+        self.inner.fetcher().has_room(*opening + size).then(|| {
+            *opening += size;
+            Opening { shared: self, size }
+        })
     }
 
     /// Whether a tier holds `rel` already: that costs the index lookup (and one `stat` when copies are
@@ -591,21 +618,22 @@ impl Shared {
         let (inner, p, rel, seen) = (&self.inner, &self.progress, job.rel, job.seen);
         // The file stays open through a first attempt that finds no room: the second copies from it.
         let mut file = Some(file);
-        let mut fetched = inner.fetcher().fetch_locked(job, sid, guard, &mut file);
-        // Placed, or found no room: the room this worker saw is the index's to say now.
-        drop(opening);
+        // Once placed, or found no room, the room this worker saw is the index's to say.
+        let mut fetched = inner.fetcher().fetch_locked_then(job, sid, guard, &mut file, || drop(opening));
         // Tiers that keep what they hold and are full: wait for the readers to pass copies this epoch has
         // read, let go of them and try again; until a reader gets to the file first, or the prefetch is
         // stopped, or room let go of was taken three times over by others.
+        // Claimed before letting go, as in `room_before_open`.
         let mut taken = 0;
         while matches!(fetched, Ok(Fetched::NoRoom)) && taken < 3 && !self.started(position) && !self.stopped() {
-            if !self.let_go(position, sid.size) {
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
             let Some(Claim { lead, guard }) = self.claim(&key_of(rel)) else { break };
             if self.started(position) {
                 break; // its reader began it meanwhile, and reads it from the store itself (see `one`)
+            }
+            if !self.let_go(position, sid.size) {
+                drop((guard, lead));
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
             }
             let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead };
             fetched = inner.fetcher().fetch_locked(job, sid, guard, &mut file);
@@ -674,6 +702,16 @@ impl Shared {
         }
         freed > 0
     }
+}
+
+/// What a worker found when it looked for room for a file it is about to open.
+enum Room<'a> {
+    /// Room, and the file's claim when it was taken to let copies go for it.
+    Found(Opening<'a>, Option<Claim>),
+    /// Its reader began the file first (or the prefetch stopped).
+    ReadFirst,
+    /// Another thread or process is fetching the file.
+    Claimed,
 }
 
 /// Room a worker found for a file it is about to open and place, counted in `Shared::opening` until it
