@@ -172,7 +172,16 @@ def test_a_stream_directory_another_user_made_first_leaves_the_agent_starting(
 PLANTED_TMP = """
 import json, os, subprocess, sys
 attacker, gid, home = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import tierstore
+old_tmp = os.open("/tmp", os.O_PATH)
 subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/tmp"], check=True)
+# A checkout or a venv under /tmp (a CI clone, say) stays where it was: bound back from the /tmp the new
+# one covers (`--no-canonicalize`, or mount would resolve the old /tmp's descriptor to the new /tmp).
+kept = {os.path.relpath(p, "/tmp").split(os.sep)[0] for p in (sys.prefix, tierstore.__file__)}
+for top in kept - {".", ".."}:
+    os.makedirs(f"/tmp/{top}", exist_ok=True)
+    subprocess.run(["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{old_tmp}/{top}", f"/tmp/{top}"],
+                   pass_fds=[old_tmp], check=True)
 planted = f"/tmp/tierstore-{os.getuid()}"
 subprocess.run(["mkdir", "-m", "0700", planted], user=attacker, group=gid, extra_groups=[], check=True)
 as_a_user = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
