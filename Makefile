@@ -125,6 +125,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_expired.py --out docs/benchmarks/expired.md
 	$(PY) bench/bench_peers.py --out docs/benchmarks/peers.md --plot docs/benchmarks/peers.png
 	$(PY) bench/bench_tags.py --out docs/benchmarks/tags.md
+	$(PY) bench/bench_receive_into.py --out docs/benchmarks/receive-into.md
 	$(PY) bench/bench_order.py --out docs/benchmarks/order.md --plot docs/benchmarks/order.png
 	$(PY) bench/bench_order.py --step-ms 80 --out docs/benchmarks/order-step80.md
 	$(PY) bench/bench_auto_order.py --out docs/benchmarks/auto-order.md
