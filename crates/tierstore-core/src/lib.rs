@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod config;
 pub mod counters;
 pub mod error;
+pub mod flock;
 pub mod hash;
 pub mod index;
 pub mod interposer;

@@ -5,11 +5,21 @@
 //! environment inherited through `fork()` must not be used, and the child must open its own. heed gives no
 //! way to forget the inherited handle, so the child could never reopen the index. This wrapper exposes
 //! exactly the calls the index uses, and [`Env::forget`] leaks an inherited handle instead of closing it.
+//!
+//! A deadline on the write lock. LMDB's writer lock is a mutex in the shared lock file with no timed
+//! wait: a process stopped (SIGSTOP, a debugger) or stuck inside a write transaction would leave every
+//! other process of the node waiting on it forever. So every write transaction is taken under a `flock`
+//! of `writer.lock` beside the environment first, waited for at most [`WRITE_WITHIN`]: LMDB's own mutex
+//! is then only ever contended between threads of one process. Opening an environment whose databases
+//! exist takes no write lock at all (the handles are opened in a read transaction).
 
 use std::ffi::CString;
+use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::ptr;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use lmdb_master_sys as ffi;
 
@@ -30,6 +40,10 @@ impl LmdbError {
         // SAFETY: mdb_strerror returns a pointer to a static string for every code.
         let message = unsafe { std::ffi::CStr::from_ptr(ffi::mdb_strerror(code)) }.to_string_lossy().into_owned();
         LmdbError { op, code, message }
+    }
+
+    fn locked(e: std::io::Error) -> Self {
+        LmdbError { op: "writer_lock", code: e.raw_os_error().unwrap_or(libc::ETIMEDOUT), message: e.to_string() }
     }
 
     /// True when the environment's map is full (the index needs a larger map).
@@ -54,10 +68,31 @@ pub struct Env {
     /// takes a slot under a mutex shared by every process of the node (all the workers of a DataLoader
     /// contend for it on every lookup), renewing a reset one does not (LMDB's `mdb_txn_reset` /
     /// `mdb_txn_renew`).
-    spare: std::sync::Mutex<Vec<SpareTxn>>,
+    spare: Mutex<Vec<SpareTxn>>,
     /// The process that opened the environment: only it may renew the spare transactions (a reset
     /// transaction's reader slot belongs to its process; one inherited through `fork()` is never used).
     pid: u32,
+    /// `writer.lock`, held (`flock`) through every write transaction; the mutex keeps this process's
+    /// threads in turn, since they share the descriptor and with it the lock.
+    writer: Mutex<File>,
+    writer_path: PathBuf,
+}
+
+/// How long a write transaction waits for another process's (see the module's documentation) before it
+/// fails with an error that names the lock file: far longer than any commit takes, even one fsynced on a
+/// busy disk.
+pub const WRITE_WITHIN: Duration = Duration::from_secs(30);
+
+/// The name of the write lock's file in the environment's directory.
+pub const WRITER_LOCK: &str = "writer.lock";
+
+/// The write lock held for a write transaction; released when the transaction has ended.
+struct Writing<'env>(MutexGuard<'env, File>);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        crate::flock::unlock(&self.0);
+    }
 }
 
 /// A reset read transaction (see [`Env::spare`]).
@@ -93,12 +128,25 @@ impl Env {
     }
 
     fn open_flags(dir: &Path, map_size: usize, names: &[&str], sync: u32) -> Result<Env, LmdbError> {
+        let writer_path = dir.join(WRITER_LOCK);
+        // 0600, this user's own, never through a link, like the directory (see `private`).
+        let writer = crate::private::open_own_file(&writer_path).map_err(|e| LmdbError {
+            op: "writer_lock",
+            code: e.raw_os_error().unwrap_or(libc::EIO),
+            message: e.to_string(),
+        })?;
         let mut raw = ptr::null_mut();
         // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
         unsafe {
             check("env_create", ffi::mdb_env_create(&mut raw))?;
-            let env =
-                Env { raw, dbs: Vec::new(), spare: std::sync::Mutex::new(Vec::new()), pid: crate::process::pid() };
+            let mut env = Env {
+                raw,
+                dbs: Vec::new(),
+                spare: Mutex::new(Vec::new()),
+                pid: crate::process::pid(),
+                writer: Mutex::new(writer),
+                writer_path,
+            };
             check("env_set_mapsize", ffi::mdb_env_set_mapsize(raw, map_size))?;
             check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
@@ -106,31 +154,37 @@ impl Env {
             let flags = sync | ffi::MDB_NOTLS;
             // 0600: an index names every file its user cached (its directory is private too, see `private`).
             check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600))?;
-            let mut env = env;
-            let mut rc = 0;
-            let mut dbs = Vec::with_capacity(names.len());
-            let mut txn = ptr::null_mut();
-            check("txn_begin", ffi::mdb_txn_begin(raw, ptr::null_mut(), 0, &mut txn))?;
-            for name in names {
-                let c_name = CString::new(*name).expect("database name without NUL bytes");
-                let mut dbi = 0;
-                rc = ffi::mdb_dbi_open(txn, c_name.as_ptr(), ffi::MDB_CREATE, &mut dbi);
-                if rc != 0 {
-                    break;
-                }
-                dbs.push(dbi);
-            }
-            if rc != 0 {
-                ffi::mdb_txn_abort(txn);
-                return Err(LmdbError::new("dbi_open", rc));
-            }
-            check("txn_commit", ffi::mdb_txn_commit(txn))?;
-            env.dbs = dbs;
+            // Databases that exist are opened in a read transaction, without the write lock, so that
+            // opening never waits for another process's write; only creating them takes it.
+            env.dbs = match env.open_dbs(names, ffi::MDB_RDONLY, 0)? {
+                Some(dbs) => dbs,
+                None => env.open_dbs(names, 0, ffi::MDB_CREATE)?.expect("created"),
+            };
             // Readers left by processes that died (SIGKILL) would pin old pages forever.
             let mut dead = 0;
             ffi::mdb_reader_check(raw, &mut dead);
             Ok(env)
         }
+    }
+
+    /// Opens the named databases in one transaction (`txn_flags`: read-only or the write lock's), with
+    /// `dbi_flags`; `None` when one does not exist and `dbi_flags` does not create it.
+    fn open_dbs(&self, names: &[&str], txn_flags: u32, dbi_flags: u32) -> Result<Option<Vec<ffi::MDB_dbi>>, LmdbError> {
+        let txn = if txn_flags & ffi::MDB_RDONLY != 0 { self.begin(txn_flags)? } else { self.write()? };
+        let mut dbs = Vec::with_capacity(names.len());
+        for name in names {
+            let c_name = CString::new(*name).expect("database name without NUL bytes");
+            let mut dbi = 0;
+            // SAFETY: a live transaction of this environment; the name is NUL-terminated.
+            match unsafe { ffi::mdb_dbi_open(txn.raw, c_name.as_ptr(), dbi_flags, &mut dbi) } {
+                0 => dbs.push(dbi),
+                ffi::MDB_NOTFOUND => return Ok(None), // the transaction aborts, and its handles close
+                rc => return Err(LmdbError::new("dbi_open", rc)),
+            }
+        }
+        // A commit, read-only too, keeps the handles opened in the transaction for the environment.
+        txn.commit()?;
+        Ok(Some(dbs))
     }
 
     /// Leaks this handle without closing it: the only safe thing to do with an environment inherited
@@ -154,7 +208,7 @@ impl Env {
         if let Some(SpareTxn(raw)) = spare {
             // SAFETY: a transaction of this environment, reset by `Txn::drop` and owned by nobody else.
             if unsafe { ffi::mdb_txn_renew(raw) } == 0 {
-                return Ok(Txn { raw, env: Some(self), _env: std::marker::PhantomData });
+                return Ok(Txn { raw, env: Some(self), writer: None, _env: std::marker::PhantomData });
             }
             // SAFETY: as above; a handle that cannot be renewed is freed.
             unsafe { ffi::mdb_txn_abort(raw) };
@@ -164,16 +218,28 @@ impl Env {
         Ok(txn)
     }
 
-    /// Starts the write transaction; blocks while another thread or process holds it.
+    /// Starts the write transaction; waits while another thread or process holds it, for at most
+    /// [`WRITE_WITHIN`] when it is another process.
     pub fn write(&self) -> Result<Txn<'_>, LmdbError> {
-        self.begin(0)
+        self.write_within(WRITE_WITHIN)
+    }
+
+    /// [`Env::write`], waiting for another process's write for at most `within`.
+    pub fn write_within(&self, within: Duration) -> Result<Txn<'_>, LmdbError> {
+        let file = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        crate::flock::lock_within(&file, libc::LOCK_EX, &self.writer_path, within, "a write to this database")
+            .map_err(LmdbError::locked)?;
+        let writing = Writing(file);
+        let mut txn = self.begin(0)?;
+        txn.writer = Some(writing);
+        Ok(txn)
     }
 
     fn begin(&self, flags: u32) -> Result<Txn<'_>, LmdbError> {
         let mut txn = ptr::null_mut();
         // SAFETY: the environment is open for the lifetime of `self`.
         check("txn_begin", unsafe { ffi::mdb_txn_begin(self.raw, ptr::null_mut(), flags, &mut txn) })?;
-        Ok(Txn { raw: txn, env: None, _env: std::marker::PhantomData })
+        Ok(Txn { raw: txn, env: None, writer: None, _env: std::marker::PhantomData })
     }
 }
 
@@ -202,6 +268,8 @@ pub struct Txn<'env> {
     raw: *mut ffi::MDB_txn,
     /// The environment of a read transaction.
     env: Option<&'env Env>,
+    /// The write lock of a write transaction, released after it ends (the fields drop after `drop`).
+    writer: Option<Writing<'env>>,
     _env: std::marker::PhantomData<&'env Env>,
 }
 
@@ -296,11 +364,14 @@ impl<'env> Txn<'env> {
     }
 
     /// Makes the transaction's writes durable and visible.
-    pub fn commit(self) -> Result<(), LmdbError> {
+    pub fn commit(mut self) -> Result<(), LmdbError> {
         let raw = self.raw;
-        std::mem::forget(self);
-        // SAFETY: commit consumes the transaction handle.
-        check("txn_commit", unsafe { ffi::mdb_txn_commit(raw) })
+        let writer = self.writer.take();
+        std::mem::forget(self); // nothing else it holds needs dropping
+                                // SAFETY: commit consumes the transaction handle.
+        let committed = check("txn_commit", unsafe { ffi::mdb_txn_commit(raw) });
+        drop(writer);
+        committed
     }
 }
 
@@ -350,5 +421,36 @@ mod tests {
         let held: Vec<_> = (0..SPARE_MAX + 2).map(|_| env.read().unwrap()).collect();
         drop(held);
         assert_eq!(env.spare.lock().unwrap().len(), SPARE_MAX);
+    }
+
+    #[test]
+    fn a_process_stopped_inside_a_write_delays_no_open_and_fails_a_write_within_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let env = Env::open(dir.path(), 1 << 20, &["t"]).unwrap();
+            let mut w = env.write().unwrap();
+            w.put(env.db(0), b"k", b"v").unwrap();
+            w.commit().unwrap();
+        }
+        // Another process's descriptor, holding the lock as a process stopped inside a write would.
+        let other = File::open(dir.path().join(WRITER_LOCK)).unwrap();
+        crate::flock::lock_within(&other, libc::LOCK_EX, dir.path(), WRITE_WITHIN, "a test").unwrap();
+        let start = std::time::Instant::now();
+        let env = Env::open(dir.path(), 1 << 20, &["t"]).unwrap();
+        assert_eq!(env.read().unwrap().get(env.db(0), b"k").unwrap(), Some(&b"v"[..]));
+        let e = env.write_within(Duration::from_millis(200)).err().expect("the write waits for the lock");
+        assert_eq!(e.code, libc::ETIMEDOUT, "{e}");
+        assert!(e.to_string().contains("writer.lock") && e.to_string().contains("kill -CONT"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        // Once it goes on, writes go on; and a write's end releases the lock for the next process.
+        crate::flock::unlock(&other);
+        let mut w = env.write_within(Duration::from_millis(200)).unwrap();
+        w.put(env.db(0), b"k", b"w").unwrap();
+        w.commit().unwrap();
+        crate::flock::lock_within(&other, libc::LOCK_EX | libc::LOCK_NB, dir.path(), Duration::ZERO, "a test")
+            .expect("the commit released the lock");
+        crate::flock::unlock(&other);
+        drop(env.write().unwrap()); // an aborted write releases it too
+        crate::flock::lock_within(&other, libc::LOCK_EX, dir.path(), Duration::ZERO, "a test").unwrap();
     }
 }

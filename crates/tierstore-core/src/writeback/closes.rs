@@ -23,7 +23,7 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use super::entry::Entry;
 
@@ -140,41 +140,12 @@ pub struct Folding<'a> {
 /// before it fails with an error that says so, rather than hang.
 pub const LOCK_WITHIN: Duration = Duration::from_secs(10);
 
-/// Takes `op` (`LOCK_SH` or `LOCK_EX`) on `file` within `within`.
+/// Takes `op` on the log within `within` (see [`crate::flock`]).
 fn flock(file: &File, op: libc::c_int, path: &Path, within: Duration) -> io::Result<()> {
-    let start = Instant::now();
-    let mut nap = Duration::from_micros(100);
-    loop {
-        // SAFETY: flock on a descriptor this process owns.
-        if unsafe { libc::flock(file.as_raw_fd(), op | libc::LOCK_NB) } == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) if start.elapsed() < within => {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(5));
-            }
-            Some(libc::EWOULDBLOCK) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "{} stayed locked for {within:?}: a process of yours is stopped in the middle of \
-                         an append or a fold (continue or kill it)",
-                        path.display()
-                    ),
-                ))
-            }
-            Some(libc::EINTR) => {}
-            _ => return Err(e),
-        }
-    }
+    crate::flock::lock_within(file, op, path, within, "an append or a fold")
 }
 
-fn unlock(file: &File) {
-    // SAFETY: flock on a descriptor this process owns.
-    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
-}
+use crate::flock::unlock;
 
 impl Closes {
     /// Opens (creating, 0600, never through a link) the log in the journal's directory `dir` (its
@@ -276,6 +247,7 @@ impl Drop for Folding<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn entry(dest: &str, staged: &str) -> Entry {
         Entry::closed(Path::new(dest), staged, 7, [3; 32], Some([9; 16]))

@@ -702,7 +702,7 @@ mod tests {
             assert_eq!(mode(&dir), 0o700, "{}", dir.display());
         }
         assert_eq!(mode(&path), 0o600, "the staged file");
-        for f in ["data.mdb", "lock.mdb"] {
+        for f in ["data.mdb", "lock.mdb", crate::lmdb::WRITER_LOCK] {
             assert_eq!(mode(&d.stage.join("journal").join(f)), 0o600, "the journal's {f}");
         }
         let (staged, _) = wb.lookup(&d.path.join("ckpt.bin")).unwrap();
