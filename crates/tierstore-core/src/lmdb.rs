@@ -6,12 +6,17 @@
 //! way to forget the inherited handle, so the child could never reopen the index. This wrapper exposes
 //! exactly the calls the index uses, and [`Env::forget`] leaks an inherited handle instead of closing it.
 //!
-//! A deadline on the write lock. LMDB's writer lock is a mutex in the shared lock file with no timed
-//! wait: a process stopped (SIGSTOP, a debugger) or stuck inside a write transaction would leave every
-//! other process of the node waiting on it forever. So every write transaction is taken under a `flock`
-//! of `writer.lock` beside the environment first, waited for at most [`WRITE_WITHIN`]: LMDB's own mutex
-//! is then only ever contended between threads of one process. Opening an environment whose databases
-//! exist takes no write lock at all (the handles are opened in a read transaction).
+//! A deadline on the write lock of a durable environment (the write-back journal). LMDB's writer lock is
+//! a mutex in the shared lock file with no timed wait: a process stopped (SIGSTOP, a debugger) or stuck
+//! inside a write transaction would leave every other process of the node waiting on it forever, and the
+//! journal's writers do I/O inside theirs (the agent publishes a file on the store under the lock). So
+//! each of its write transactions is taken under a `flock` of `writer.lock` beside the environment
+//! first, waited for at most [`WRITE_WITHIN`]: LMDB's own mutex is then only ever contended between
+//! threads of one process. The index's write transactions touch only the map and the node's own tier
+//! (an evicted copy's unlink) and are the densest (one or two per fetch, from every worker of a job at
+//! once): there the second lock cost 4 processes fetching 1 KiB files 1.08-1.47x the CPU time (10 paired
+//! rounds), so the index keeps LMDB's mutex alone, without a deadline. Opening an environment whose databases exist takes no write lock at all (the handles are opened in a
+//! read transaction).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -72,10 +77,15 @@ pub struct Env {
     /// The process that opened the environment: only it may renew the spare transactions (a reset
     /// transaction's reader slot belongs to its process; one inherited through `fork()` is never used).
     pid: u32,
-    /// `writer.lock`, held (`flock`) through every write transaction; the mutex keeps this process's
-    /// threads in turn, since they share the descriptor and with it the lock.
-    writer: Mutex<File>,
-    writer_path: PathBuf,
+    /// A durable environment's `writer.lock`, held through every write transaction.
+    writer: Option<WriterLock>,
+}
+
+/// `writer.lock` (see the module's documentation); the mutex keeps this process's threads in turn, since
+/// they share the descriptor and with it the `flock`.
+struct WriterLock {
+    file: Mutex<File>,
+    path: PathBuf,
 }
 
 /// How long a write transaction waits for another process's (see the module's documentation) before it
@@ -118,35 +128,36 @@ impl Env {
     /// entries are validated against the source and their own size on every open); a process crash loses
     /// nothing because LMDB writes land in the page cache.
     pub fn open(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
-        Self::open_flags(dir, map_size, names, ffi::MDB_NOSYNC)
+        Self::open_flags(dir, map_size, names, ffi::MDB_NOSYNC, None)
     }
 
     /// Like [`Env::open`], but every commit is fsynced before it returns: for records that must survive
     /// a power cut (the write-back journal, whose entries stand for bytes the program was told are safe).
+    /// Its write transactions wait for another process's at most [`WRITE_WITHIN`].
     pub fn open_durable(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
-        Self::open_flags(dir, map_size, names, 0)
-    }
-
-    fn open_flags(dir: &Path, map_size: usize, names: &[&str], sync: u32) -> Result<Env, LmdbError> {
-        let writer_path = dir.join(WRITER_LOCK);
+        let path = dir.join(WRITER_LOCK);
         // 0600, this user's own, never through a link, like the directory (see `private`).
-        let writer = crate::private::open_own_file(&writer_path).map_err(|e| LmdbError {
+        let file = crate::private::open_own_file(&path).map_err(|e| LmdbError {
             op: "writer_lock",
             code: e.raw_os_error().unwrap_or(libc::EIO),
             message: e.to_string(),
         })?;
+        Self::open_flags(dir, map_size, names, 0, Some(WriterLock { file: Mutex::new(file), path }))
+    }
+
+    fn open_flags(
+        dir: &Path,
+        map_size: usize,
+        names: &[&str],
+        sync: u32,
+        writer: Option<WriterLock>,
+    ) -> Result<Env, LmdbError> {
         let mut raw = ptr::null_mut();
         // SAFETY: plain FFI calls on a handle we own; on failure the handle is closed before returning.
         unsafe {
             check("env_create", ffi::mdb_env_create(&mut raw))?;
-            let mut env = Env {
-                raw,
-                dbs: Vec::new(),
-                spare: Mutex::new(Vec::new()),
-                pid: crate::process::pid(),
-                writer: Mutex::new(writer),
-                writer_path,
-            };
+            let mut env =
+                Env { raw, dbs: Vec::new(), spare: Mutex::new(Vec::new()), pid: crate::process::pid(), writer };
             check("env_set_mapsize", ffi::mdb_env_set_mapsize(raw, map_size))?;
             check("env_set_maxdbs", ffi::mdb_env_set_maxdbs(raw, names.len() as u32 + 1))?;
             check("env_set_maxreaders", ffi::mdb_env_set_maxreaders(raw, 1024))?;
@@ -218,16 +229,17 @@ impl Env {
         Ok(txn)
     }
 
-    /// Starts the write transaction; waits while another thread or process holds it, for at most
-    /// [`WRITE_WITHIN`] when it is another process.
+    /// Starts the write transaction; waits while another thread or process holds it (for at most
+    /// [`WRITE_WITHIN`] when it is another process, in a durable environment).
     pub fn write(&self) -> Result<Txn<'_>, LmdbError> {
         self.write_within(WRITE_WITHIN)
     }
 
-    /// [`Env::write`], waiting for another process's write for at most `within`.
+    /// [`Env::write`], waiting for another process's write for at most `within` in a durable environment.
     pub fn write_within(&self, within: Duration) -> Result<Txn<'_>, LmdbError> {
-        let file = self.writer.lock().unwrap_or_else(|p| p.into_inner());
-        crate::flock::lock_within(&file, libc::LOCK_EX, &self.writer_path, within, "a write to this database")
+        let Some(lock) = &self.writer else { return self.begin(0) };
+        let file = lock.file.lock().unwrap_or_else(|p| p.into_inner());
+        crate::flock::lock_within(&file, libc::LOCK_EX, &lock.path, within, "a write to this database")
             .map_err(LmdbError::locked)?;
         let writing = Writing(file);
         let mut txn = self.begin(0)?;
@@ -427,7 +439,7 @@ mod tests {
     fn a_process_stopped_inside_a_write_delays_no_open_and_fails_a_write_within_the_deadline() {
         let dir = tempfile::tempdir().unwrap();
         {
-            let env = Env::open(dir.path(), 1 << 20, &["t"]).unwrap();
+            let env = Env::open_durable(dir.path(), 1 << 20, &["t"]).unwrap();
             let mut w = env.write().unwrap();
             w.put(env.db(0), b"k", b"v").unwrap();
             w.commit().unwrap();
@@ -436,7 +448,7 @@ mod tests {
         let other = File::open(dir.path().join(WRITER_LOCK)).unwrap();
         crate::flock::lock_within(&other, libc::LOCK_EX, dir.path(), WRITE_WITHIN, "a test").unwrap();
         let start = std::time::Instant::now();
-        let env = Env::open(dir.path(), 1 << 20, &["t"]).unwrap();
+        let env = Env::open_durable(dir.path(), 1 << 20, &["t"]).unwrap();
         assert_eq!(env.read().unwrap().get(env.db(0), b"k").unwrap(), Some(&b"v"[..]));
         let e = env.write_within(Duration::from_millis(200)).err().expect("the write waits for the lock");
         assert_eq!(e.code, libc::ETIMEDOUT, "{e}");
