@@ -503,7 +503,7 @@ impl Shared {
             }
             return;
         };
-        let (opening, claim) = match self.room_before_open(position, &key, reserved) {
+        let (opening, Claim { lead, guard }) = match self.room_before_open(position, &key, reserved) {
             Room::Found(opening, claim) => (opening, claim),
             Room::ReadFirst => {
                 self.release(position, reserved);
@@ -515,11 +515,6 @@ impl Shared {
                 p.files_cached.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-        };
-        let Some(Claim { lead, guard }) = claim.or_else(|| self.claim(&key)) else {
-            // Being fetched by a reader or another process: it lands ahead all the same.
-            p.files_cached.fetch_add(1, Ordering::Relaxed);
-            return;
         };
         if self.started(position) {
             // Its reader began it while this waited for room: it opens the file itself, as it may have
@@ -559,14 +554,15 @@ impl Shared {
     /// began it meanwhile reads it itself, and nothing was let go of for it (room freed for a file its
     /// reader then reads from the store would stay empty to the end of the epoch, and the next epoch would
     /// begin with one copy fewer than the tiers hold without a prefetch); a reader that begins it after
-    /// waits for this one fetch. The claim is held only while letting go, never while waiting.
+    /// waits for this one fetch. The claim is held only while letting go, never while waiting. Room found,
+    /// the file is claimed (when it was not to let go): `Claimed` when another thread or process has it.
     fn room_before_open(&self, position: usize, key: &Key, size: u64) -> Room<'_> {
         loop {
             if self.started(position) || self.stopped() {
                 return Room::ReadFirst;
             }
             if let Some(opening) = self.opening(size) {
-                return Room::Found(opening, None);
+                return self.claim(key).map_or(Room::Claimed, |claim| Room::Found(opening, claim));
             }
             let Some(claim) = self.claim(key) else { return Room::Claimed };
             if self.started(position) {
@@ -574,7 +570,7 @@ impl Shared {
             }
             if self.let_go(position, size) {
                 if let Some(opening) = self.opening(size) {
-                    return Room::Found(opening, Some(claim));
+                    return Room::Found(opening, claim);
                 }
             }
             drop(claim);
@@ -706,8 +702,8 @@ impl Shared {
 
 /// What a worker found when it looked for room for a file it is about to open.
 enum Room<'a> {
-    /// Room, and the file's claim when it was taken to let copies go for it.
-    Found(Opening<'a>, Option<Claim>),
+    /// Room, and the file's claim.
+    Found(Opening<'a>, Claim),
     /// Its reader began the file first (or the prefetch stopped).
     ReadFirst,
     /// Another thread or process is fetching the file.
