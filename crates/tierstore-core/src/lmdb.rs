@@ -15,8 +15,8 @@
 //! threads of one process. The index's write transactions touch only the map and the node's own tier
 //! (an evicted copy's unlink) and are the densest (one or two per fetch, from every worker of a job at
 //! once): there the second lock cost 4 processes fetching 1 KiB files 1.08-1.47x the CPU time (10 paired
-//! rounds), so the index keeps LMDB's mutex alone, without a deadline. Opening an environment whose databases exist takes no write lock at all (the handles are opened in a
-//! read transaction).
+//! rounds), so the index keeps LMDB's mutex alone, without a deadline. Opening an environment whose
+//! databases exist takes no write lock at all (the handles are opened in a read transaction).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -47,8 +47,11 @@ impl LmdbError {
         LmdbError { op, code, message }
     }
 
-    fn locked(e: std::io::Error) -> Self {
-        LmdbError { op: "writer_lock", code: e.raw_os_error().unwrap_or(libc::ETIMEDOUT), message: e.to_string() }
+    /// A failure to open or take `writer.lock`: its errno, else `ETIMEDOUT` for a deadline passed and
+    /// `EIO` for a file refused (not the user's own, say).
+    fn writer_lock(e: std::io::Error) -> Self {
+        let fallback = if e.kind() == std::io::ErrorKind::TimedOut { libc::ETIMEDOUT } else { libc::EIO };
+        LmdbError { op: "writer_lock", code: e.raw_os_error().unwrap_or(fallback), message: e.to_string() }
     }
 
     /// True when the environment's map is full (the index needs a larger map).
@@ -137,11 +140,7 @@ impl Env {
     pub fn open_durable(dir: &Path, map_size: usize, names: &[&str]) -> Result<Env, LmdbError> {
         let path = dir.join(WRITER_LOCK);
         // 0600, this user's own, never through a link, like the directory (see `private`).
-        let file = crate::private::open_own_file(&path).map_err(|e| LmdbError {
-            op: "writer_lock",
-            code: e.raw_os_error().unwrap_or(libc::EIO),
-            message: e.to_string(),
-        })?;
+        let file = crate::private::open_own_file(&path).map_err(LmdbError::writer_lock)?;
         Self::open_flags(dir, map_size, names, 0, Some(WriterLock { file: Mutex::new(file), path }))
     }
 
@@ -167,9 +166,9 @@ impl Env {
             check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600))?;
             // Databases that exist are opened in a read transaction, without the write lock, so that
             // opening never waits for another process's write; only creating them takes it.
-            env.dbs = match env.open_dbs(names, ffi::MDB_RDONLY, 0)? {
+            env.dbs = match env.open_dbs(names, false)? {
                 Some(dbs) => dbs,
-                None => env.open_dbs(names, 0, ffi::MDB_CREATE)?.expect("created"),
+                None => env.open_dbs(names, true)?.expect("created"),
             };
             // Readers left by processes that died (SIGKILL) would pin old pages forever.
             let mut dead = 0;
@@ -178,10 +177,11 @@ impl Env {
         }
     }
 
-    /// Opens the named databases in one transaction (`txn_flags`: read-only or the write lock's), with
-    /// `dbi_flags`; `None` when one does not exist and `dbi_flags` does not create it.
-    fn open_dbs(&self, names: &[&str], txn_flags: u32, dbi_flags: u32) -> Result<Option<Vec<ffi::MDB_dbi>>, LmdbError> {
-        let txn = if txn_flags & ffi::MDB_RDONLY != 0 { self.begin(txn_flags)? } else { self.write()? };
+    /// Opens the named databases in one transaction: a read-only one, or with `create` a write
+    /// transaction that creates those missing. `None` when one does not exist and `create` is false.
+    fn open_dbs(&self, names: &[&str], create: bool) -> Result<Option<Vec<ffi::MDB_dbi>>, LmdbError> {
+        let (txn, dbi_flags) =
+            if create { (self.write()?, ffi::MDB_CREATE) } else { (self.begin(ffi::MDB_RDONLY)?, 0) };
         let mut dbs = Vec::with_capacity(names.len());
         for name in names {
             let c_name = CString::new(*name).expect("database name without NUL bytes");
@@ -240,7 +240,7 @@ impl Env {
         let Some(lock) = &self.writer else { return self.begin(0) };
         let file = lock.file.lock().unwrap_or_else(|p| p.into_inner());
         crate::flock::lock_within(&file, libc::LOCK_EX, &lock.path, within, "a write to this database")
-            .map_err(LmdbError::locked)?;
+            .map_err(LmdbError::writer_lock)?;
         let writing = Writing(file);
         let mut txn = self.begin(0)?;
         txn.writer = Some(writing);
@@ -379,8 +379,9 @@ impl<'env> Txn<'env> {
     pub fn commit(mut self) -> Result<(), LmdbError> {
         let raw = self.raw;
         let writer = self.writer.take();
-        std::mem::forget(self); // nothing else it holds needs dropping
-                                // SAFETY: commit consumes the transaction handle.
+        // Nothing else it holds needs dropping.
+        std::mem::forget(self);
+        // SAFETY: commit consumes the transaction handle.
         let committed = check("txn_commit", unsafe { ffi::mdb_txn_commit(raw) });
         drop(writer);
         committed

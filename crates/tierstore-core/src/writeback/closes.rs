@@ -26,6 +26,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use super::entry::Entry;
+use crate::flock::unlock;
 
 /// The log's name in the journal's directory.
 pub const LOG: &str = "closes.log";
@@ -144,8 +145,6 @@ pub const LOCK_WITHIN: Duration = Duration::from_secs(10);
 fn flock(file: &File, op: libc::c_int, path: &Path, within: Duration) -> io::Result<()> {
     crate::flock::lock_within(file, op, path, within, "an append or a fold")
 }
-
-use crate::flock::unlock;
 
 impl Closes {
     /// Opens (creating, 0600, never through a link) the log in the journal's directory `dir` (its
