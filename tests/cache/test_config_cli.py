@@ -148,6 +148,44 @@ def test_cli_help_reads_well() -> None:
     assert cli("prefetch", "--help").returncode == 0
 
 
+def test_each_command_is_found_by_the_module_named_for_it() -> None:
+    # The root imports a command's module only when the command is asked for, by its own table: a command
+    # added to a module and not to the table would be missing from `tierstore --help` and unknown to run.
+    import importlib
+    import pkgutil
+
+    import tierstore.cli
+    from tierstore.cli.main import COMMAND_MODULES, main
+
+    for m in pkgutil.iter_modules(tierstore.cli.__path__):
+        if m.name != "__main__":  # runs the command line
+            importlib.import_module(f"tierstore.cli.{m.name}")
+    assert set(main.commands) == set(COMMAND_MODULES)
+    for name, command in main.commands.items():
+        assert command.callback is not None
+        assert command.callback.__module__ == f"tierstore.cli.{COMMAND_MODULES[name]}", name
+
+
+def test_run_imports_no_other_command() -> None:
+    # `tierstore run` starts every job: the models, stream, agent and cache commands' imports are not its cost.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tierstore.cli import main\n"
+        "try:\n"
+        "    main(['run', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('tierstore.cli.'))))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Run COMMAND with its reads of the source served from the cache" in r.stdout
+    assert r.stdout.split("\n")[-2].split() == ["tierstore.cli.main", "tierstore.cli.run"]
+
+
 def test_cli_prefetch_status_clear_and_config(source: Path, tier: str) -> None:
     for i in range(30):
         (source / f"{i}.bin").write_bytes(os.urandom(1000))

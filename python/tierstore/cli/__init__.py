@@ -1,9 +1,8 @@
-"""The `tierstore` command line: `main` is the root (cli/main.py); each group of commands is a module that
-adds its commands to it when imported here."""
+"""The `tierstore` command line: `main` is the root (cli/main.py). Each group of commands is a module of its own
+that adds its commands to the root when imported, which the root does when one of them is asked for."""
 
 from __future__ import annotations
 
-from tierstore.cli import agent, cache, models, run, stream, writeback
 from tierstore.cli.main import main
 
-__all__ = ["agent", "cache", "main", "models", "run", "stream", "writeback"]
+__all__ = ["main"]

@@ -3,6 +3,7 @@ shares. Each group of commands is a module of its own beside this one."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +54,37 @@ def _choices(name: str) -> list[str]:
 VERBOSITY = ("info", "debug", "trace")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# The module of `tierstore.cli` that adds each command to the root as it is imported (`@main.command`).
+COMMAND_MODULES = {
+    "agent": "agent",
+    "clear": "cache",
+    "config": "cache",
+    "models": "models",
+    "prefetch": "cache",
+    "run": "run",
+    "status": "cache",
+    "stream": "stream",
+    "sync": "writeback",
+}
+
+
+class _Commands(click.Group):
+    """The root group. Each command's module is imported only when the command is asked for: `tierstore run`
+    starts every job, and should not first import the models, stream, agent and cache commands."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMAND_MODULES)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        module = COMMAND_MODULES.get(name)
+        if module is not None and name not in self.commands:
+            importlib.import_module(f"tierstore.cli.{module}")
+        return super().get_command(ctx, name)
+
+
+@click.group(
+    cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.option(
     "--config",
     "config_file",
