@@ -319,16 +319,7 @@ def tierstore_command() -> click.Command:
 
 def commands() -> list[tuple[str, click.Command]]:
     """Every command of `tierstore`, groups included, as (its path, the command)."""
-    out: list[tuple[str, click.Command]] = []
-
-    def walk(cmd: click.Command, path: str) -> None:
-        out.append((path, cmd))
-        if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
-                walk(sub, f"{path} {name}")
-
-    walk(tierstore_command(), "tierstore")
-    return out
+    return [(path, cmd) for path, cmd, _ in _contexts()]
 
 
 def _contexts() -> list[tuple[str, click.Command, click.Context]]:
@@ -339,7 +330,11 @@ def _contexts() -> list[tuple[str, click.Command, click.Context]]:
         ctx = click.Context(cmd, info_name=path.split()[-1], parent=parent, **cmd.context_settings)
         out.append((path, cmd, ctx))
         if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
+            # Through click's own lookup, as --help finds them: the root imports a command's module only
+            # when the command is asked for, so its `commands` holds only those asked for so far.
+            for name in sorted(cmd.list_commands(ctx)):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None, f"{path} lists {name} and does not find it"
                 walk(sub, f"{path} {name}", ctx)
 
     walk(tierstore_command(), "tierstore", None)
