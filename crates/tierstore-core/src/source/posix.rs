@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 mod descriptors;
 
 use descriptors::{c_path, open_at_flags, openat2_beneath, stat_at_c, walk_nofollow, Walked};
-pub use descriptors::{inode_of, list_dir, open_at, open_dir, stat_at};
+pub use descriptors::{inode_of, list_dir, open_at, open_at_c, open_dir, stat_at};
 
 use super::{CopyFault, ListedEntry, OutsideSource, Source, SourceFile};
 use crate::counters::{source as slot, Counters};
@@ -32,6 +32,12 @@ pub struct PosixSource {
 
 /// Lexically normalizes an absolute path (`.` and `..` removed) without touching the file system.
 pub fn normalize(path: &Path) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    // Every open under the source by a program under `tierstore run` comes here. A path spelled plainly
+    // is its own normal form: copied, not rebuilt component by component (6% of a warm open's CPU, `perf`).
+    if plain_absolute(path.as_os_str().as_bytes()) {
+        return path.to_path_buf();
+    }
     let mut out = PathBuf::from("/");
     for c in path.components() {
         match c {
@@ -43,6 +49,15 @@ pub fn normalize(path: &Path) -> PathBuf {
         }
     }
     out
+}
+
+/// Whether `path` is `/` and names with no empty, `.` or `..` among them and no `/` at the end: what
+/// [`normalize`] would give back unchanged.
+fn plain_absolute(path: &[u8]) -> bool {
+    match path.strip_prefix(b"/") {
+        Some(rest) => !rest.is_empty() && rest.split(|&b| b == b'/').all(|name| !matches!(name, b"" | b"." | b"..")),
+        None => false,
+    }
 }
 
 /// The part of `path` below `root` (normalized), when `path` spells it plainly: `root`, a `/`, then
@@ -675,6 +690,41 @@ mod tests {
                 rel.ok().filter(|r| !r.as_os_str().is_empty()).map(|r| r.to_string_lossy().into_owned())
             };
             assert_eq!(s.relative(Path::new(path)).ok(), slow, "{path}");
+        }
+    }
+
+    #[test]
+    fn a_plain_path_is_its_own_normal_form_and_any_other_is_rebuilt() {
+        // The way every path took before plain ones were returned as they are.
+        let rebuilt = |path: &Path| {
+            let mut out = PathBuf::from("/");
+            for c in path.components() {
+                match c {
+                    Component::ParentDir => {
+                        out.pop();
+                    }
+                    Component::Normal(part) => out.push(part),
+                    Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+                }
+            }
+            out
+        };
+        for (path, plain) in [
+            ("/a", true),
+            ("/data/set/d/e/f.bin", true),
+            ("/data/.hidden/..x/...", true),
+            ("/", false),
+            ("//a", false),
+            ("/a//b", false),
+            ("/a/./b", false),
+            ("/a/b/../c", false),
+            ("/a/b/", false),
+            ("/a/b/.", false),
+            ("/a/..", false),
+            ("/../a", false),
+        ] {
+            assert_eq!(plain_absolute(path.as_bytes()), plain, "{path}");
+            assert_eq!(normalize(Path::new(path)), rebuilt(Path::new(path)), "{path}");
         }
     }
 

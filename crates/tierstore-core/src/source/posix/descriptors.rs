@@ -19,8 +19,12 @@ pub fn open_dir(path: &Path) -> io::Result<File> {
 
 /// Opens `rel` (relative to `dir`) read-only.
 pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
+    open_at_c(dir, &c_path(rel)?)
+}
+
+/// [`open_at`] of a path already NUL-terminated (a tier's copy, named on the stack).
+pub fn open_at_c(dir: &File, c: &std::ffi::CStr) -> io::Result<File> {
     use std::os::fd::{AsRawFd, FromRawFd};
-    let c = c_path(rel)?;
     // SAFETY: openat with a valid directory descriptor and NUL-terminated path; the new descriptor is owned.
     let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
     if fd < 0 {
