@@ -1,0 +1,200 @@
+"""What the LD_PRELOAD shim adds to a warm open, with no interpreter around it: a C program opens, `fstat`s,
+reads whole and closes small files round robin (bench/shim_open_loop.c), over a copy of them on the local
+disk and over the source under the shim, whose tier holds every one.
+
+    .venv/bin/python bench/bench_shim_open.py --out docs/benchmarks/shim-open.md --perf
+
+The source, the local copy and the tier sit on the same file system (a temporary directory), so the two
+sides differ by the shim alone. The program runs with the environment `tierstore run --revalidate never`
+gives it (captured once), not under the command itself, whose own start would be counted. Each round runs
+every side once, in an order that alternates; the figure is the CPU time the kernel reports for the
+program (`wait4`), user and system apart, per file. The ratio is per round: local over shim, so below 1
+the shim costs more.
+
+`--shim NAME=PATH` (repeatable) adds other builds of the shim, each paired with the one before it in the
+list (the installed one first): how a change to the open path is measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_warm_read import perf_split, perf_top
+from machine import describe
+from page import Check, finish, met, rounds, targets
+
+HERE = Path(__file__).resolve().parent
+TARGET = 0.97  # issue #51: a warm read under `tierstore run` at 0.97x a local one
+
+
+def build_loop(where: Path) -> Path:
+    exe = where / "shim_open_loop"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        sys.exit("bench_shim_open: no C compiler (cc); install build-essential")
+    subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / "shim_open_loop.c")], check=True)
+    return exe
+
+
+def shim_env(source: Path, tier: Path) -> dict[str, str]:
+    """The environment `tierstore run --revalidate never` hands its command (LD_PRELOAD included)."""
+    tierstore = Path(sys.executable).with_name("tierstore")
+    out = subprocess.run(
+        [str(tierstore), "--source", str(source), "--tier", f"{tier}:1G", "run", "--revalidate", "never",
+         "--", "env", "-0"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
+    return dict(item.decode().split("=", 1) for item in out.split(b"\0") if b"=" in item)
+
+
+def run_loop(exe: Path, directory: Path, files: int, count: int, env: dict[str, str]) -> tuple[float, float]:
+    """The loop's user and system CPU seconds."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child execs at once
+        try:
+            os.execve(str(exe), [str(exe), str(directory), str(files), str(count)], env)
+        finally:
+            os._exit(127)
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"bench_shim_open: {exe} {directory} failed (status {status})")
+    return usage.ru_utime, usage.ru_stime
+
+
+def copies_held(tier: Path) -> int:
+    return sum(1 for p in tier.glob("*/*/data/*/*") if p.is_file())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=200)
+    ap.add_argument("--size", type=int, default=4096, help="bytes of each file")
+    ap.add_argument("--count", type=int, default=200_000, help="opens per side and round")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--shim", action="append", default=[], metavar="NAME=PATH", help="another build to compare"
+    )
+    ap.add_argument("--perf", action="store_true", help="profile the (first) shim's loop with perf")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="tierstore-bench-shim-open-"))
+    try:
+        source, local, tier = root / "source", root / "local", root / "tier"
+        for d in (source, local, tier):
+            d.mkdir()
+        for i in range(args.files):
+            data = os.urandom(args.size)
+            (source / str(i)).write_bytes(data)
+            (local / str(i)).write_bytes(data)
+        exe = build_loop(root)
+        env = shim_env(source, tier)
+        installed = env["LD_PRELOAD"].split()[0]
+        shims = [("shim", installed)] + [tuple(s.split("=", 1)) for s in args.shim]  # type: ignore[misc]
+        plain = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+        sides: list[tuple[str, Path, dict[str, str]]] = [("local", local, plain)]
+        sides += [(name, source, {**env, "LD_PRELOAD": path}) for name, path in shims]
+        run_loop(exe, source, args.files, args.files, sides[1][2])  # warms the tier
+        held = copies_held(tier)
+        if held != args.files:
+            sys.exit(
+                f"bench_shim_open: the tier holds {held} copies of the {args.files} files after the warm pass"
+            )
+
+        cpu: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+        for r in range(args.rounds):
+            for name, directory, e in sides if r % 2 == 0 else sides[::-1]:
+                cpu[name].append(run_loop(exe, directory, args.files, args.count, e))
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{n} {sum(cpu[n][-1]) * 1e6 / args.count:.2f} us" for n in cpu)
+            )
+
+        us = {n: [(u * 1e6 / args.count, s * 1e6 / args.count) for u, s in xs] for n, xs in cpu.items()}
+        lines = [
+            "# The shim's warm open, from C",
+            "",
+            f"Command: `.venv/bin/python bench/bench_shim_open.py{' --perf' if args.perf else ''}"
+            f"{''.join(f' --shim {s}' for s in args.shim)} --out docs/benchmarks/shim-open.md`",
+            "",
+            describe(),
+            "",
+            (__doc__ or "").split("\n\n")[0].replace("\n", " "),
+            "",
+            f"{args.files} files of {args.size} bytes, {args.count:,} opens per side and round, {args.rounds} "
+            "rounds; CPU microseconds per file (user + system).",
+            "",
+            "| round | " + " | ".join(f"{n} user | {n} sys" for n in us) + " | "
+            + " | ".join(f"local / {n}" for n, _ in shims) + " |",
+            "| ---: | " + " | ".join("---: | ---:" for _ in us) + " | " + " | ".join("---:" for _ in shims) + " |",
+        ]  # fmt: skip
+        ratio = {n: [sum(a) / sum(b) for a, b in zip(us["local"], us[n], strict=True)] for n, _ in shims}
+        for r in range(args.rounds):
+            cells = [f"{us[n][r][0]:.3f} | {us[n][r][1]:.3f}" for n in us]
+            lines.append(
+                f"| {r + 1} | "
+                + " | ".join(cells)
+                + " | "
+                + " | ".join(f"{ratio[n][r]:.3f}" for n, _ in shims)
+                + " |"
+            )
+        lines.append("")
+        for n, _ in shims:
+            user_extra = [b[0] - a[0] for a, b in zip(us["local"], us[n], strict=True)]
+            sys_extra = [b[1] - a[1] for a, b in zip(us["local"], us[n], strict=True)]
+            lines.append(
+                f"- {n}: {rounds(ratio[n])} a local read's speed by CPU; it spends "
+                f"{statistics.median(user_extra):.2f} us more user time and {statistics.median(sys_extra):.2f} us "
+                "more system time per file (medians of the rounds)"
+            )
+        for (a_name, _), (b_name, _) in itertools.pairwise(shims):  # each build over the one before it
+            user = [b[0] / a[0] for a, b in zip(us[a_name], us[b_name], strict=True)]
+            both = [sum(b) / sum(a) for a, b in zip(us[a_name], us[b_name], strict=True)]
+            lines.append(
+                f"- {b_name} over {a_name}, paired: user CPU {rounds(user)}, user + system {rounds(both)}"
+            )
+
+        if args.perf and shutil.which("perf"):
+            data = root / "perf.data"
+            subprocess.run(
+                ["perf", "record", "-F", "2000", "-g", "-o", str(data), "--",
+                 str(exe), str(source), str(args.files), str(args.count)],
+                env=sides[1][2], check=True, capture_output=True,
+            )  # fmt: skip
+            kernel, user = perf_split(data)
+            lines += [
+                "",
+                f"## Where the time goes (`perf record -g` of the {shims[0][0]} loop)",
+                "",
+                f"Kernel {kernel:.0f}%, user space {user:.0f}% of the samples.",
+                "",
+                "| kernel symbol | % | user-space symbol | % |",
+                "| --- | --- | --- | --- |",
+            ]
+            for (ks, kp), (us_, up) in zip(perf_top(data, True), perf_top(data, False), strict=False):
+                lines.append(f"| `{ks}` | {kp:.1f} | `{us_}` | {up:.1f} |")
+
+        checks: list[Check] = [
+            (
+                f"open+fstat+read+close of a warm {args.size}-byte file under the shim at least {TARGET}x a "
+                "local read's speed (CPU)",
+                met(ratio[shims[0][0]], TARGET),
+                rounds(ratio[shims[0][0]]),
+            )
+        ]
+        lines += targets(checks)
+        return finish(lines, checks, args.out)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
