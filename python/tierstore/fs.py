@@ -181,6 +181,19 @@ class TierstoreFileSystem(LocalFileSystem, ChainedFileSystem):
         # A plain read, the call a data loader makes per sample: straight to `_open`, without the steps
         # of fsspec's `open` that only text, compression or a write's transaction need (~2 us an open).
         if mode == "rb" and compression is None and not kwargs:
+            if (
+                self.store is None
+                and self.cache is not None
+                and type(path) is str
+                and path[:1] == "/"
+                and path[-1:] != "/"
+                and "://" not in path
+                and writeback.destination(path) is None
+            ):
+                # An absolute path of the mount, outside every [[writeback]] destination: what `_open`
+                # opens once its steps (strip, staging, which cache) find nothing to do. Their calls were
+                # half of what fsspec added to `Cache.open` (0.5 of 1.1 us, timeit).
+                return self.cache.open(path)
             return self._open(path, mode)  # which strips the path, once
         return super().open(path, mode, block_size, cache_options, compression, **kwargs)
 
