@@ -12,6 +12,10 @@ Each round runs both commands, in an order that alternates from round to round; 
 start to exit (wall), with the CPU time of the process and its children (`wait4`'s rusage). The ratio
 is per round: with `tierstore run` over without.
 
+A third setup in each round runs the job with the environment `tierstore run` gives it (the shim
+preloaded, the DataLoader hook's sitecustomize on the path) but not under the command: what the shim
+and the hook cost the job itself, apart from the command's own start.
+
     .venv/bin/python bench/bench_startup.py --out docs/benchmarks/startup.md
 """
 
@@ -21,6 +25,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,22 +82,29 @@ def main(argv: list[str] | None = None) -> int:
     # The command's own start, beside: `tierstore run` of a job that does nothing (`true`), whose CPU time
     # is steadier than the import's.
     commands["alone"] = [*tierstore, "true"]
-    results: dict[str, list[tuple[float, float]]] = {"plain": [], "run": [], "alone": []}
+    # The job with the environment the command hands it (`env -0` run by the command), without the command.
+    given = subprocess.run([*tierstore, "env", "-0"], env=env, check=True, capture_output=True).stdout
+    shim_env = dict(item.decode().split("=", 1) for item in given.split(b"\0") if b"=" in item)
+    commands["shim"] = job
+    envs = {"plain": env, "run": env, "shim": shim_env, "alone": env}
+    results: dict[str, list[tuple[float, float]]] = {"plain": [], "run": [], "shim": [], "alone": []}
+    setups = ["plain", "run", "shim"]
     try:
-        timed(commands["plain"], env)  # the first import fills the page cache for both
-        timed(commands["run"], env)
+        for name in setups:  # the first import fills the page cache for all
+            timed(commands[name], envs[name])
         for r in range(args.rounds):
-            for name in ("plain", "run") if r % 2 == 0 else ("run", "plain"):
-                results[name].append(timed(commands[name], env))
+            for name in setups[r % 3 :] + setups[: r % 3]:  # each setup first in turn
+                results[name].append(timed(commands[name], envs[name]))
             results["alone"].append(timed(commands["alone"], env))
-            (p_wall, p_cpu), (r_wall, r_cpu) = results["plain"][-1], results["run"][-1]
-            print(f"round {r + 1}: plain {p_wall:.2f} s ({p_cpu:.2f} CPU), run {r_wall:.2f} s ({r_cpu:.2f} CPU)",
+            print(f"round {r + 1}: " + ", ".join(f"{n} {results[n][-1][0]:.2f} s ({results[n][-1][1]:.2f} CPU)" for n in setups),
                   flush=True)  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(tier, ignore_errors=True)
     wall = [r[0] / p[0] for p, r in zip(results["plain"], results["run"], strict=True)]
     cpu = [r[1] / p[1] for p, r in zip(results["plain"], results["run"], strict=True)]
+    shim_wall = [s[0] / p[0] for p, s in zip(results["plain"], results["shim"], strict=True)]
+    shim_cpu = [s[1] / p[1] for p, s in zip(results["plain"], results["shim"], strict=True)]
     checks: list[Check] = [
         (f"`import torch` under `tierstore run` at most {TARGET}x without (wall)", met([TARGET / w for w in wall], 1.0), rounds(wall)),
         (f"`import torch` under `tierstore run` at most {TARGET}x without (CPU)", met([TARGET / c for c in cpu], 1.0), rounds(cpu)),
@@ -109,18 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Every round",
         "",
-        "| round | plain, s | plain CPU s | under `tierstore run`, s | its CPU s | wall ratio | CPU ratio |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| round | plain, s | plain CPU s | under `tierstore run`, s | its CPU s | wall ratio | CPU ratio "
+        "| shim alone, s | its CPU s | CPU ratio |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for i, ((pw, pc), (rw, rc)) in enumerate(zip(results["plain"], results["run"], strict=True)):
+    rows = zip(results["plain"], results["run"], results["shim"], strict=True)
+    for i, ((pw, pc), (rw, rc), (sw, sc)) in enumerate(rows):
         lines.append(
-            f"| {i + 1} | {pw:.3f} | {pc:.3f} | {rw:.3f} | {rc:.3f} | {rw / pw:.3f} | {rc / pc:.3f} |"
+            f"| {i + 1} | {pw:.3f} | {pc:.3f} | {rw:.3f} | {rc:.3f} | {rw / pw:.3f} | {rc / pc:.3f} "
+            f"| {sw:.3f} | {sc:.3f} | {sc / pc:.3f} |"
         )
     lines += [
         "",
         f"- wall: {rounds(wall)}; medians {statistics.median(r[0] for r in results['plain']):.3f} s and "
         f"{statistics.median(r[0] for r in results['run']):.3f} s",
         f"- CPU: {rounds(cpu)}",
+        f"- the shim and the hook alone (the job with the environment `tierstore run` gives it, not under the "
+        f"command): wall {rounds(shim_wall)}; CPU {rounds(shim_cpu)}",
         f"- `tierstore run -- true` alone: {statistics.median(a[1] for a in results['alone']) * 1000:.0f} ms of CPU "
         f"(median; rounds {', '.join(f'{a[1] * 1000:.0f}' for a in results['alone'])}), "
         f"{statistics.median(a[1] / p[1] for a, p in zip(results['alone'], results['plain'], strict=True)):.3f}x "
