@@ -44,14 +44,10 @@ def build_loop(where: Path) -> Path:
     return exe
 
 
-def shim_env(source: Path, tier: Path) -> dict[str, str]:
-    """The environment `tierstore run --revalidate never` hands its command (LD_PRELOAD included)."""
-    tierstore = Path(sys.executable).with_name("tierstore")
-    out = subprocess.run(
-        [str(tierstore), "--source", str(source), "--tier", f"{tier}:1G", "run", "--revalidate", "never",
-         "--", "env", "-0"],
-        check=True, capture_output=True,
-    ).stdout  # fmt: skip
+def run_env(run: list[str], env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a `tierstore ... run --` command line (`run`, ending in its `--`) hands the command
+    it starts: LD_PRELOAD, the DataLoader hook's path, the resolved source. Read by having it run `env -0`."""
+    out = subprocess.run([*run, "env", "-0"], env=env, check=True, capture_output=True).stdout
     return dict(item.decode().split("=", 1) for item in out.split(b"\0") if b"=" in item)
 
 
@@ -96,7 +92,10 @@ def main() -> int:
             (source / str(i)).write_bytes(data)
             (local / str(i)).write_bytes(data)
         exe = build_loop(root)
-        env = shim_env(source, tier)
+        tierstore = str(Path(sys.executable).with_name("tierstore"))
+        env = run_env(
+            [tierstore, "--source", str(source), "--tier", f"{tier}:1G", "run", "--revalidate", "never", "--"]
+        )
         installed = env["LD_PRELOAD"].split()[0]
         shims = [("shim", installed)] + [tuple(s.split("=", 1)) for s in args.shim]  # type: ignore[misc]
         plain = {k: v for k, v in env.items() if k != "LD_PRELOAD"}

@@ -25,12 +25,12 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench_shim_open import run_env
 from page import Check, finish, met, rounds, targets
 
 TARGET = 1.05
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # is steadier than the import's.
     commands["alone"] = [*tierstore, "true"]
     # The job with the environment the command hands it (`env -0` run by the command), without the command.
-    given = subprocess.run([*tierstore, "env", "-0"], env=env, check=True, capture_output=True).stdout
-    shim_env = dict(item.decode().split("=", 1) for item in given.split(b"\0") if b"=" in item)
+    shim_env = run_env(tierstore, env)
     commands["shim"] = job
     envs = {"plain": env, "run": env, "shim": shim_env, "alone": env}
     results: dict[str, list[tuple[float, float]]] = {"plain": [], "run": [], "shim": [], "alone": []}
