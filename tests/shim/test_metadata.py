@@ -99,6 +99,46 @@ def test_stat_lstat_and_fstat_of_a_cached_file_describe_the_source_file(
     assert p.returncode == 0, err
 
 
+# Files on the tier's device that are no copy: a file beside the tier, and the same file once unlinked (what
+# a DataLoader's batches arrive in: torch's shared memory, unlinked files of /dev/shm).
+BESIDE = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(sys.argv[1], "rb") as f:
+        f.read()  # the cache is open in this process from here on
+    own = os.path.join(sys.argv[2], "beside.bin")
+    with open(own, "wb") as f:
+        f.write(b"x" * 1234)
+    fd = os.open(own, os.O_RDONLY)
+    named = os.fstat(fd)
+    os.unlink(own)
+    gone = os.fstat(fd)
+    os.close(fd)
+    print(json.dumps({"named": [named.st_ino, named.st_size, named.st_nlink],
+                      "gone": [gone.st_ino, gone.st_size, gone.st_nlink]}))
+    """
+)
+
+
+def test_fstat_of_other_files_on_the_tiers_device_is_their_own(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    (backing / "a.bin").write_bytes(content(3, 5_000))
+    beside = Path(tier).parent / "beside"
+    beside.mkdir()
+    assert os.stat(beside).st_dev == os.stat(Path(tier).parent).st_dev
+    job = tmp_path / "beside.py"
+    job.write_text(BESIDE)
+    p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount / "a.bin"), str(beside))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    seen = json.loads(out)
+    ino = seen["named"][0]
+    assert seen["named"] == [ino, 1234, 1]
+    assert seen["gone"] == [ino, 1234, 0], "an unlinked file on the tier's device must report itself"
+
+
 # A per-sample reader's metadata calls: what libhdf5, numpy and Python's path helpers ask of a file.
 PER_SAMPLE = textwrap.dedent(
     """

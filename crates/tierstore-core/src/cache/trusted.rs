@@ -233,8 +233,15 @@ impl<'a> Trusted<'a> {
     /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
     /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
     /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
-    /// nothing for files on other devices than the tiers', and one `readlink` in /proc for the rest.
+    /// nothing for files on other devices than the tiers' or with no name left, a lookup in this
+    /// process's memo for a copy it opened, and one `readlink` in /proc for the rest.
     pub fn copy_stat(&self, fd: i32, st: &libc::stat) -> Option<libc::stat> {
+        // A file with no name left is no published copy: an evicted copy's /proc name ends in
+        // " (deleted)", which no key matches. Said here without that `readlink`, because such files are
+        // common on a tier's device: a DataLoader's batches arrive in unlinked files of /dev/shm.
+        if st.st_ino != 0 && st.st_nlink == 0 {
+            return None;
+        }
         let tier = self.storage.lookup().tiers().iter().find(|t| t.holds_device(st.st_dev))?;
         // A copy is never changed in place: one incarnation (device, inode, ctime) always stands for the
         // same source version, and a removed copy (evicted, invalidated) has no link left. So what was
