@@ -26,6 +26,8 @@ Measured:
   requests    request latency (a 256x256 matmul over one of the model's tensors) while 3%-changed updates
               arrive continuously, against steady state, in the consumer.
 
+  --full      only full updates (every tensor changed) of one size, printed (not in the report): publish()
+              to served and its parts, with the consumer idle and with it serving requests, alternated.
   --group     only this, printed (not in the report): 3%-changed updates, publish() to served, through a
               gloo process group of 2 against shared memory (two copies) and shared memory in place, in
               turn on the same versions; and the in-place mode's pause per update.
@@ -742,6 +744,11 @@ def main() -> None:
         "--group", default="", help="only the process-group and in-place comparison, at these sizes"
     )
     ap.add_argument(
+        "--full",
+        default="",
+        help="only full updates of a model of this size, the consumer idle and serving requests, printed",
+    )
+    ap.add_argument(
         "--large",
         default="",
         help="only a model that fills memory (e.g. 4GB), lean (see update_run), with the torch.save and h5py "
@@ -758,6 +765,9 @@ def main() -> None:
     command = "python bench/bench_stream.py " + " ".join(sys.argv[1:])
     if args.group:
         group_main(args.group)
+        return
+    if args.full:
+        full_main(args.full, args.rounds)
         return
     if args.large:
         large_main(args, command)
@@ -895,6 +905,61 @@ def group_main(sizes: str) -> None:
                 f"{ms(statistics.median(r['pause']))} max {ms(max(r['pause']))}",
                 flush=True,
             )
+
+
+def full_run(total: int, env: dict[str, str], requests: bool, updates: int = 4) -> list[dict[str, float]]:
+    """Full updates of a `total`-byte model (every tensor changed), same node, the consumer serving requests
+    on its thread or idle: for each, publish() to served and its two parts, and the CPU seconds this
+    process (the publisher) spent in publish()."""
+    from tierstore import stream
+
+    counts = shapes(total)
+    rng = np.random.default_rng(0)
+    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    argv = ["--consumer", "--name", "m", "--shapes", ",".join(map(str, counts))]
+    c = Consumer([*argv, "--requests"] if requests else argv, env)
+    pub = stream.Publisher("m")
+    out = []
+    for i in range(updates + 2):  # the first two fill the consumer's two copies
+        for a in model.values():
+            a += 1.0
+        t0, c0 = time.time(), time.process_time()
+        v = pub.publish(model)
+        t1, c1 = time.time(), time.process_time()
+        assert isinstance(v, stream.StreamVersion) and v.new_bytes == total
+        served = c.wait(lambda e, n=v.version: e["event"] == "served" and e["version"] == n, 300)
+        notified = c.wait(lambda e, n=v.version: e["event"] == "notified" and e["version"] == n, 10)
+        if i >= 2:
+            out.append(
+                {
+                    "served": served["t"] - t0,
+                    "place": t1 - t0,
+                    "load": served["t"] - notified["t"],
+                    "place_cpu": c1 - c0,
+                }
+            )
+        time.sleep(max(0.2, 3 * (served["t"] - notified["t"])))
+    c.close()
+    pub.close()
+    return out
+
+
+def full_main(size: str, rounds: int) -> None:
+    """`--full`: full updates with the consumer idle and serving, alternated, each round printed."""
+    total = parse_size(size)
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d, private_agent(Path(d)) as env:
+        print(f"memcpy of {size}: {ms(memcpy_time(total))}", flush=True)
+        for r in range(rounds):
+            for requests in (False, True) if r % 2 == 0 else (True, False):
+                runs = full_run(total, env, requests)
+                p50 = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+                print(
+                    f"round {r + 1} {'serving' if requests else 'idle   '}: publish->served p50 "
+                    f"{ms(p50['served'])} (each: {', '.join(ms(x['served']) for x in runs)}), place "
+                    f"{ms(p50['place'])} ({p50['place_cpu'] * 1e3:.0f} ms of the publisher's CPU), "
+                    f"notified->served {ms(p50['load'])}",
+                    flush=True,
+                )
 
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
