@@ -14,6 +14,8 @@ The workloads, scaled to this 2-core machine (the scaling is printed on the page
   resnet50  MLPerf's resnet50_h100 has 114,660-byte samples read by TensorFlow; here the PyTorch loader
             reads npz files of one such sample each (many small files), batch 32 instead of 400 with
             the step's 0.224 s kept, so one accelerator wants 143 samples/s instead of 1,786
+  resnet50-hdf5  the same samples in HDF5 files (DLIO's `hdf5` format, one sample per file), read with
+            h5py in the DataLoader's workers, which DLIO forks and keeps across epochs
 
 each for 3 epochs, 2 DataLoader workers (`read_threads`), in three setups of one round:
 
@@ -106,6 +108,12 @@ class Training:
     extra: tuple[str, ...] = ()
 
     @property
+    def format(self) -> str:
+        """The files' format: the `dataset.format` override, else the base config's (npz for both)."""
+        given = [o.split("=", 1)[1] for o in self.extra if o.startswith("++workload.dataset.format=")]
+        return given[0] if given else "npz"
+
+    @property
     def demand(self) -> float:
         """Samples per second one accelerator consumes at 100% AU."""
         return self.batch / self.compute
@@ -150,6 +158,25 @@ RESNET50 = Training(
         "++workload.framework=pytorch",
         "++workload.reader.data_loader=pytorch",
         "++workload.dataset.format=npz",
+    ),
+)
+# The same samples in HDF5, one per file, read with h5py by the PyTorch loader's workers, which DLIO forks
+# and keeps across epochs (`persistent_workers`): the reader of issue #51 item 5.
+RESNET50_HDF5 = Training(
+    name="resnet50-hdf5",
+    base="resnet50_h100",
+    files=1600,
+    record=114660,
+    stdev=0,
+    batch=32,
+    compute=0.224,
+    extra=(
+        "++workload.framework=pytorch",
+        "++workload.reader.data_loader=pytorch",
+        "++workload.dataset.format=hdf5",
+        # DLIO's HDF5 generator draws this many bytes of random samples for every file (2 GB by default:
+        # seconds per file of 112 KiB).
+        "++workload.dataset.generation_buffer_size=1048576",
     ),
 )
 
@@ -515,7 +542,7 @@ def train_report(w: Training, rounds: list[dict[str, dict[str, Epochs]]]) -> tup
     lines = [
         f"## {w.name}",
         "",
-        f"{w.files} npz files of one sample, {mb:.2f} MiB mean{f' (sd {w.stdev / MIB:.2f} MiB)' if w.stdev else ''}; "
+        f"{w.files} {w.format} files of one sample, {mb:.2f} MiB mean{f' (sd {w.stdev / MIB:.2f} MiB)' if w.stdev else ''}; "
         f"batch {w.batch}, {w.compute} s of compute per step: one accelerator consumes D = {w.demand:.1f} samples/s "
         f"({w.demand * mb:.0f} MiB/s) at 100% AU. {w.threads} DataLoader workers, {w.epochs} epochs. Medians over the "
         f"{len(rounds)} rounds.",
@@ -661,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
         help="MPI ranks of the multi-process cross-check of each training workload (0: none)",
     )
     ap.add_argument(
-        "--only", choices=("unet3d", "resnet50", "checkpoint"), help="one workload (while iterating)"
+        "--only",
+        choices=("unet3d", "resnet50", "resnet50-hdf5", "checkpoint"),
+        help="one workload (while iterating)",
     )
     args = ap.parse_args(argv)
     # A stopped run still unmounts its stores and stops its agent (their `finally` blocks).
@@ -677,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in (backing, local):
         d.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    workloads = [w for w in (UNET3D, RESNET50) if args.only in (None, w.name)]
+    workloads = [w for w in (UNET3D, RESNET50, RESNET50_HDF5) if args.only in (None, w.name)]
     trained: dict[str, tuple[Training, list[dict[str, dict[str, Epochs]]]]] = {}
     mpi: dict[str, dict[str, Epochs]] = {}
     mpi_failed: dict[str, str] = {}
