@@ -45,7 +45,7 @@ mod report;
 mod requests;
 
 pub use directory::default_dir;
-use directory::{default_or_fresh, own_dir, reaper, remove_dead_siblings, LIVE, SUBDIRS};
+use directory::{default_or_fresh, own_dir, reaper, remove_dead_siblings, still_in, LIVE, SUBDIRS};
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
@@ -309,21 +309,7 @@ pub struct Streams {
 impl Streams {
     /// Opens the stream directory, emptied: versions live only as long as the agent that numbered them.
     pub fn open(options: &StreamOptions, socket: &Path) -> Result<Streams, StreamError> {
-        let (dir, live) = match &options.dir {
-            Some(dir) => (dir.clone(), own_dir(dir).map_err(io_err("cannot create the stream directory", dir))?),
-            None => default_or_fresh(&default_dir(socket))?,
-        };
-        // Held while this agent lives, so that another agent's sweep knows the directory is in use. An
-        // agent of this socket that was just stopped may still be exiting: it is given a few seconds.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        // SAFETY: flock on a descriptor we own.
-        while unsafe { libc::flock(live.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            if std::time::Instant::now() > deadline {
-                let e = io::Error::other("another agent uses it; give each agent its own --stream-dir");
-                return Err(io_err("cannot use the stream directory", &dir)(e));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        let (dir, live) = Self::claim(options, socket)?;
         for sub in SUBDIRS {
             let d = dir.join(sub);
             if d.exists() {
@@ -349,6 +335,39 @@ impl Streams {
             reaper: reaper(),
             trashed: AtomicU64::new(0),
         })
+    }
+
+    /// The stream directory and its `LIVE` file, locked by this agent: held while it lives, so that another
+    /// agent's sweep (`remove_dead_siblings`) knows the directory is in use. That sweep may lock and remove
+    /// the directory between the file's open here and this agent's lock (a fresh directory, or the
+    /// default one after a restart); the lock is then on a file no longer in it, and the directory is
+    /// claimed again.
+    fn claim(options: &StreamOptions, socket: &Path) -> Result<(PathBuf, std::fs::File), StreamError> {
+        let mut tries = 0;
+        loop {
+            let (dir, live) = match &options.dir {
+                Some(dir) => (dir.clone(), own_dir(dir).map_err(io_err("cannot create the stream directory", dir))?),
+                None => default_or_fresh(&default_dir(socket))?,
+            };
+            // An agent of this socket that was just stopped may still be exiting: it is given a few seconds.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            // SAFETY: flock on a descriptor we own.
+            while unsafe { libc::flock(live.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                if std::time::Instant::now() > deadline {
+                    let e = io::Error::other("another agent uses it; give each agent its own --stream-dir");
+                    return Err(io_err("cannot use the stream directory", &dir)(e));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            tries += 1;
+            if still_in(&dir, &live) {
+                return Ok((dir, live));
+            }
+            if tries == 4 {
+                let e = io::Error::other("another agent removed it four times while this one started");
+                return Err(io_err("cannot use the stream directory", &dir)(e));
+            }
+        }
     }
 
     fn latest(&self, name: &str) -> u64 {

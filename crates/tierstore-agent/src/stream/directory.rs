@@ -59,6 +59,14 @@ pub(super) fn default_or_fresh(dir: &Path) -> Result<(PathBuf, std::fs::File), S
     Err(io_err("cannot create a stream directory beside", dir)(last.unwrap_or(refused)))
 }
 
+/// Whether `live`, the `LIVE` file this agent opened and locked, is still the one in `dir`: a sweep may
+/// have removed the directory before the lock was taken.
+pub(super) fn still_in(dir: &Path, live: &std::fs::File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(held), Ok(named)) = (live.metadata(), std::fs::symlink_metadata(dir.join(LIVE))) else { return false };
+    held.nlink() > 0 && held.dev() == named.dev() && held.ino() == named.ino()
+}
+
 fn hex8(bytes: &[u8]) -> String {
     tierstore_core::hash::hex(&tierstore_core::hash::hash(bytes))[..8].to_string()
 }
@@ -115,4 +123,23 @@ pub(super) fn reaper() -> std::sync::mpsc::Sender<PathBuf> {
         })
         .expect("spawning a thread");
     tx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_file_is_still_in_its_directory_until_a_sweep_removes_or_replaces_it() {
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("tierstore-0-stream-test");
+        let live = own_dir(&dir).unwrap();
+        assert!(still_in(&dir, &live));
+        // What a sweep that locked it first does: the directory goes, and an agent starting may make a new
+        // one with a new LIVE file before this one looks.
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(!still_in(&dir, &live));
+        let _again = own_dir(&dir).unwrap();
+        assert!(!still_in(&dir, &live));
+    }
 }
