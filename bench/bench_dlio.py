@@ -74,7 +74,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -162,14 +162,9 @@ RESNET50 = Training(
 )
 # The same samples in HDF5, one per file, read with h5py by the PyTorch loader's workers, which DLIO forks
 # and keeps across epochs (`persistent_workers`): the reader of issue #51 item 5.
-RESNET50_HDF5 = Training(
+RESNET50_HDF5 = replace(
+    RESNET50,
     name="resnet50-hdf5",
-    base="resnet50_h100",
-    files=1600,
-    record=114660,
-    stdev=0,
-    batch=32,
-    compute=0.224,
     extra=(
         "++workload.framework=pytorch",
         "++workload.reader.data_loader=pytorch",

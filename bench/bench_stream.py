@@ -83,6 +83,12 @@ def shapes(total: int) -> list[int]:
     return [total // 4 // TENSORS] * TENSORS
 
 
+def random_model(counts: list[int]) -> dict[str, np.ndarray]:
+    """Float32 tensors t000, t001, ... of `counts` elements, the same seeded values every time."""
+    rng = np.random.default_rng(0)
+    return {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+
+
 # ---------------------------------------------------------------------------------------------- consumer
 
 
@@ -335,8 +341,7 @@ def update_run(total: int, env: dict[str, str], updates: int = 6, lean: bool = F
     from tierstore import stream
 
     counts = shapes(total)
-    rng = np.random.default_rng(0)
-    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    model = random_model(counts)
     nbytes = sum(a.nbytes for a in model.values())
     c = Consumer(["--consumer", "--name", "m", "--shapes", ",".join(map(str, counts)), "--requests"], env)
     pub = stream.Publisher("m")
@@ -447,8 +452,7 @@ def group_run(total: int, env: dict[str, str], updates: int = 5) -> dict[str, An
             Consumer(["--consumer", "--name", "inp", "--shapes", arg, "--mode", "in-place"], env),
         ),
     }
-    rng = np.random.default_rng(0)
-    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    model = random_model(counts)
     res: dict[str, Any] = {"nbytes": sum(a.nbytes for a in model.values()), "pause": [], "received": []}
     res |= {k: [] for k in ways}
     for u in range(updates + 2):  # the first two versions fill both copies
@@ -559,8 +563,7 @@ def cross_node_run(total: int, work: Path, fulls: int, deltas: int = 3) -> dict[
             srv.wait(timeout=20)
             res["iperf_bps"] = float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"])
             counts = shapes(total)
-            rng = np.random.default_rng(0)
-            model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+            model = random_model(counts)
             res["nbytes"] = sum(a.nbytes for a in model.values())
             env = {**os.environ, "XDG_RUNTIME_DIR": str(socks[1].parent.parent)}
             c = Consumer(["--consumer", "--name", "x", "--shapes", ",".join(map(str, counts))], env, n1.cmd())
@@ -914,8 +917,7 @@ def full_run(total: int, env: dict[str, str], requests: bool, updates: int = 4) 
     from tierstore import stream
 
     counts = shapes(total)
-    rng = np.random.default_rng(0)
-    model = {f"t{i:03d}": rng.random(n, dtype=np.float32) for i, n in enumerate(counts)}
+    model = random_model(counts)
     argv = ["--consumer", "--name", "m", "--shapes", ",".join(map(str, counts))]
     c = Consumer([*argv, "--requests"] if requests else argv, env)
     pub = stream.Publisher("m")
