@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,7 +145,11 @@ def test_a_stream_directory_another_user_made_first_leaves_the_agent_starting(
     """B makes the stream directory of A's agent (/dev/shm/tierstore-UID-stream-TAG, a name anyone can
     foresee) before the agent starts (issue #49, item 2): the agent starts all the same, keeps its versions
     in a fresh directory beside it whose name B could not foresee, and never writes into B's."""
-    sock = tmp_path / "run" / "tierstore" / "agent.sock"
+    # The directory's name comes from the socket's path: one no other run repeats (pytest's tmp_path is
+    # the same in every CI run on a machine), so that a directory B planted in an earlier run that died
+    # before its cleanup is not taken for this run's.
+    run = tmp_path / f"run-{uuid.uuid4().hex[:8]}"
+    sock = run / "tierstore" / "agent.sock"
     sock.parent.mkdir(parents=True)
     proc = start_agent(sock)
     default = Path(json.loads(agent_cli("status", "--json", "--socket", str(sock)).stdout)["stream_dir"])
@@ -153,7 +158,7 @@ def test_a_stream_directory_another_user_made_first_leaves_the_agent_starting(
     assert attacker.run(["mkdir", "-m", "0777", str(default)]).returncode == 0
     proc = start_agent(sock)
     try:
-        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
         v = stream.publish("m", {"t": np.full(1000, 7.0, dtype=np.float32)}, step=1)
         assert isinstance(v, stream.StreamVersion) and v.version == 1
         assert not list(default.iterdir()), "the agent wrote into a directory another user made"
@@ -162,6 +167,8 @@ def test_a_stream_directory_another_user_made_first_leaves_the_agent_starting(
         assert list((fresh / "blobs").iterdir()), "the version is not in the agent's own directory"
     finally:
         stop_agent(proc)
+        # B's directory outlives B (the fixture removes the user, not what it made in /dev/shm).
+        default.rmdir()
     wait_for("the agent's own stream directory removed when it stops", lambda: not fresh.exists(), timeout=10)
 
 
