@@ -272,6 +272,48 @@ def test_threads_fork_exec_signals_relative_paths(
     assert store_stats(mount)["bytes_read"] == sum(50_000 + i for i in range(30)), "a file was fetched twice"
 
 
+FORK_KEEPS_CONFIG_JOB = textwrap.dedent(
+    """
+    import os, sys
+    files = sys.argv[1:]
+    with open(files[0], "rb") as f:                  # the parent's engine starts, configured
+        first = f.read()
+    os.environ["TIERSTORE_REVALIDATE"] = "sometimes"  # no such mode: a configuration read now is an error
+    pid = os.fork()
+    if pid == 0:
+        ok = True
+        for name in files[1:]:
+            with open(name, "rb") as f:
+                ok &= f.read() == bytes([int(os.path.basename(name)[:2])]) * 1000
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), first == bytes([0]) * 1000)
+    """
+)
+
+
+def test_a_forked_child_keeps_the_configuration_its_parent_read(tmp_path: Path, tier: str) -> None:
+    """A forked worker builds an engine of its own but does not read the configuration again (issue #51,
+    item 5): its parent's, read before the fork, serves it. Shown by an environment the parent spoiled
+    after its first read: read again, it would leave the child without the cache."""
+    source = tmp_path / "src"
+    source.mkdir()
+    files = [source / f"{i:02d}.bin" for i in range(10)]
+    for i, f in enumerate(files):
+        f.write_bytes(bytes([i]) * 1000)
+    job = tmp_path / "fork.py"
+    job.write_text(FORK_KEEPS_CONFIG_JOB)
+    tiers = f"{tier}:16M"
+    p = tierstore_run(source, tiers, sys.executable, str(job), *map(str, files))
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert out.split() == ["0", "True"], (out, err)
+    assert "running without the cache" not in err, err
+    status = tierstore("--source", str(source), "--tier", tiers, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["tiers"][0]["misses"] == 10, "the child's reads did not go through the cache"
+
+
 def test_symlink_into_the_source_reads_correct_bytes(
     slow_store: tuple[Path, Path], tier: str, tmp_path: Path
 ) -> None:

@@ -131,10 +131,16 @@ fn shim() -> Option<&'static Shim> {
         }
     }
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(s) = unsafe { SHIM.load(Ordering::Acquire).as_ref() } {
+    let inherited = unsafe { SHIM.load(Ordering::Acquire).as_ref() };
+    if let Some(s) = inherited {
         if s.pid == pid {
             return s.config.as_ref().map(|_| s);
         }
+        // A forked child (a DataLoader worker) keeps its parent's configuration: the same environment
+        // and files gave it, and reading them again costs each worker about half a millisecond. Only the
+        // engine, whose threads, locks and LMDB handles stayed with the parent, is built anew.
+        let (config, root, alias) = (s.config.clone(), s.root.clone(), s.alias.clone());
+        return install(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias });
     }
     tierstore_core::logging::init();
     // The engine's own threads (copies, prefetches, sweeps) are exempt for their whole life.
@@ -158,7 +164,13 @@ fn shim() -> Option<&'static Shim> {
         Some(c) => (with_slash(&c.source), c.source_alias.as_deref().map(with_slash).unwrap_or_default()),
         None => (Vec::new(), Vec::new()),
     };
-    let s: &'static Shim = Box::leak(Box::new(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias }));
+    install(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias })
+}
+
+/// Makes `shim` this process's engine (leaked: a forked child may still hold the one before) and returns
+/// it if it is configured.
+fn install(shim: Shim) -> Option<&'static Shim> {
+    let s: &'static Shim = Box::leak(Box::new(shim));
     SHIM.store(s as *const Shim as *mut Shim, Ordering::Release);
     s.config.as_ref().map(|_| s)
 }
