@@ -44,8 +44,7 @@ fn writable_by_others(mode: u32) -> bool {
 }
 
 /// Checks one directory (or link) above a private directory: see the module's second rule.
-fn check_above(above: &Path, meta: &std::fs::Metadata, below: &Path) -> io::Result<()> {
-    let me = euid();
+fn check_above(above: &Path, meta: &std::fs::Metadata, below: &Path, me: u32) -> io::Result<()> {
     let owner = meta.uid();
     if owner != 0 && owner != me {
         return Err(refused(format!(
@@ -77,9 +76,15 @@ fn check_ancestors(dir: &Path) -> io::Result<()> {
     let mut chains = vec![absolute.clone()];
     if let Some(parent) = absolute.parent() {
         if let Ok(real) = std::fs::canonicalize(parent) {
-            chains.push(real.join(absolute.file_name().unwrap_or_default()));
+            let resolved = real.join(absolute.file_name().unwrap_or_default());
+            // A path with no link above it resolves to itself: checked once (each engine a forked worker
+            // starts opens half a dozen private directories, and each check costs a `statx` a component).
+            if resolved != absolute {
+                chains.push(resolved);
+            }
         }
     }
+    let me = euid();
     for chain in chains {
         let mut prefix = PathBuf::new();
         let components: Vec<Component> = chain.components().collect();
@@ -90,7 +95,7 @@ fn check_ancestors(dir: &Path) -> io::Result<()> {
                 continue;
             }
             match std::fs::symlink_metadata(&prefix) {
-                Ok(meta) => check_above(&prefix, &meta, dir)?,
+                Ok(meta) => check_above(&prefix, &meta, dir, me)?,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => break,
                 Err(e) => return Err(io::Error::new(e.kind(), format!("{}: {e}", prefix.display()))),
             }
@@ -107,6 +112,12 @@ fn open_checked(dir: &Path) -> io::Result<File> {
     let c = c_path(dir)?;
     // SAFETY: open with a NUL-terminated path; the new descriptor is owned below.
     let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+    checked(fd, dir)
+}
+
+/// The directory `dir` just opened as `fd` (or the failure to open it, when `fd` < 0), checked through
+/// the descriptor as [`open_checked`] says.
+fn checked(fd: libc::c_int, dir: &Path) -> io::Result<File> {
     if fd < 0 {
         let e = io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR) {
@@ -146,6 +157,31 @@ fn open_checked(dir: &Path) -> io::Result<File> {
         }
     }
     Ok(file)
+}
+
+/// Makes `name` in `parent`, a directory [`ensure_dir`] returned, a directory of this user's own (0700),
+/// or checks that it is one, and returns a descriptor of it. Nothing above it needs checking again: the
+/// parent is this user's alone, so nobody else can have put or replaced anything in it. The error names
+/// `parent_path`/`name`, what was found and the fix.
+pub fn ensure_subdir(parent: &File, parent_path: &Path, name: &str) -> io::Result<File> {
+    let dir = parent_path.join(name);
+    if name.contains('/') || name.is_empty() || name == "." || name == ".." {
+        let what = format!("{}: not a plain directory name", dir.display());
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, what));
+    }
+    let c = c_path(Path::new(name))?;
+    // SAFETY: mkdirat and openat with a valid directory descriptor and a NUL-terminated name; the new
+    // descriptor is owned by `checked`.
+    if unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o700) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            return Err(io::Error::new(e.kind(), format!("cannot create {}: {e}", dir.display())));
+        }
+    }
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: as above.
+    let fd = unsafe { libc::openat(parent.as_raw_fd(), c.as_ptr(), flags) };
+    checked(fd, &dir)
 }
 
 /// The refusal of a directory `owner` (not this user) made.
@@ -384,6 +420,44 @@ mod tests {
         std::os::unix::fs::symlink(&real, t.path().join("link")).unwrap();
         let e = ensure_dir(&t.path().join("link")).unwrap_err();
         assert!(e.to_string().contains("symbolic link"), "{e}");
+    }
+
+    #[test]
+    fn a_directory_reached_through_a_link_above_is_checked_where_it_really_is() {
+        // The path as written is clean; where it resolves to sits in a directory anyone can write.
+        let t = tempfile::tempdir().unwrap();
+        let shared = t.path().join("shared");
+        std::fs::create_dir_all(shared.join("real")).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::symlink(shared.join("real"), t.path().join("alias")).unwrap();
+        let e = ensure_dir(&t.path().join("alias").join("mine")).unwrap_err();
+        assert!(e.to_string().contains("not sticky"), "{e}");
+    }
+
+    #[test]
+    fn a_subdirectory_is_made_0700_narrowed_or_refused_beneath_a_checked_one() {
+        let t = tempfile::tempdir().unwrap();
+        let root_path = t.path().join("root");
+        let root = ensure_dir(&root_path).unwrap();
+        ensure_subdir(&root, &root_path, "new").unwrap();
+        assert_eq!(mode(&root_path.join("new")), 0o700);
+        let readable = root_path.join("readable");
+        std::fs::create_dir(&readable).unwrap();
+        std::fs::set_permissions(&readable, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ensure_subdir(&root, &root_path, "readable").unwrap();
+        assert_eq!(mode(&readable), 0o700);
+        let open = root_path.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = ensure_subdir(&root, &root_path, "open").unwrap_err();
+        assert!(e.to_string().contains("writable by other users (mode 0777)"), "{e}");
+        std::os::unix::fs::symlink(t.path(), root_path.join("link")).unwrap();
+        let e = ensure_subdir(&root, &root_path, "link").unwrap_err();
+        assert!(e.to_string().contains("symbolic link") && e.to_string().contains("root/link"), "{e}");
+        for name in ["a/b", "..", ""] {
+            let e = ensure_subdir(&root, &root_path, name).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{name:?}: {e}");
+        }
     }
 
     #[test]

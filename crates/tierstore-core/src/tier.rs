@@ -97,9 +97,9 @@ impl Tier {
         let root = namespace_dir(&config.path, source);
         // Checked private (owner, mode, no link, nothing above it another user can replace): every path
         // below is then this user's alone, and path-based opens beneath it cannot be redirected.
-        crate::private::ensure_dir(&root)?;
+        let root_dir = crate::private::ensure_dir(&root)?;
         for sub in ["index", "tmp", "data", "shadow"] {
-            crate::private::ensure_dir(&root.join(sub))?;
+            crate::private::ensure_subdir(&root_dir, &root, sub)?;
         }
         let counters = Counters::open(&root.join("counters"))?;
         let index = Index::open(&root.join("index"), policy).map_err(|e: IndexError| e.to_string());
