@@ -335,3 +335,41 @@ def test_a_checkpoint_asks_the_store_for_its_directory_once_not_for_each_file(
         for n in (30, 60):
             for i in range(n):
                 assert s.stored(f"step-{n}/shard-{i}.pt").read_bytes() == b"shard %d" % i
+
+
+# Under `tierstore run`: the parent writes a file (its write-back starts, configured), spoils the
+# configuration in its environment, and forks a child that writes another.
+FORKED_WRITER = r"""
+import os, sys
+out = sys.argv[1]
+with open(os.path.join(out, "parent.bin"), "wb") as f:
+    f.write(b"p" * 100_000)
+os.environ["TIERSTORE_WRITEBACK"] = "not a destination"
+pid = os.fork()
+if pid == 0:
+    with open(os.path.join(out, "child.bin"), "wb") as f:
+        f.write(b"c" * 100_000)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.fuse
+def test_a_forked_writer_stages_to_the_destinations_its_parent_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked child under `tierstore run` keeps the write-back destinations its parent read (issue #51,
+    item 5: no configuration read again per worker), with journal handles of its own: both files are
+    staged and reach the store whole."""
+    with setup(tmp_path, monkeypatch) as s:
+        (s.dest / "fork").mkdir()
+        s.fail_file.touch()  # the store takes no write: a file written straight to it fails the writer
+        p = s.python(FORKED_WRITER, str(s.dest / "fork"), run=True)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "writes go straight to the store" not in p.stderr, p.stderr
+        s.fail_file.unlink()
+        p = s.cli("sync", str(s.dest), "--timeout", "60")
+        assert p.returncode == 0, p.stderr
+        for name, byte in (("parent.bin", b"p"), ("child.bin", b"c")):
+            assert s.stored(f"fork/{name}").read_bytes() == byte * 100_000, name

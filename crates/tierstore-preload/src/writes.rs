@@ -52,18 +52,24 @@ pub(crate) fn writeback() -> Option<&'static Writeback> {
         }
     }
     let _g = INIT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(w) = unsafe { WRITES.load(Ordering::Acquire).as_ref() } {
+    let inherited = unsafe { WRITES.load(Ordering::Acquire).as_ref() };
+    if let Some(w) = inherited {
         if w.pid == pid {
             return w.wb.as_ref();
         }
     }
-    let wb = match Writeback::load() {
-        Ok(wb) if !wb.destinations().is_empty() => Some(wb),
-        Ok(_) => None,
-        Err(e) => {
-            eprintln!("tierstore run: {e}; writes go straight to the store");
-            None
-        }
+    let wb = match inherited {
+        // A forked child stages to the destinations its parent read (none, most often), without reading
+        // the configuration again; its journal handles are its own.
+        Some(parent) => parent.wb.as_ref().map(|wb| Writeback::new(wb.destinations().to_vec())),
+        None => match Writeback::load() {
+            Ok(wb) if !wb.destinations().is_empty() => Some(wb),
+            Ok(_) => None,
+            Err(e) => {
+                eprintln!("tierstore run: {e}; writes go straight to the store");
+                None
+            }
+        },
     };
     // A forked child leaks its parent's (its journal handles must not be used or closed here).
     let w: &'static Writes = Box::leak(Box::new(Writes { pid, wb }));
