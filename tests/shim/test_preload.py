@@ -311,7 +311,9 @@ def test_a_forked_child_keeps_the_configuration_its_parent_read(tmp_path: Path, 
     assert "running without the cache" not in err, err
     status = tierstore("--source", str(source), "--tier", tiers, "status", "--json")
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["tiers"][0]["misses"] == 10, "the child's reads did not go through the cache"
+    assert json.loads(status.stdout)["tiers"][0]["misses"] == 10, (
+        "the child's reads did not go through the cache"
+    )
 
 
 def test_symlink_into_the_source_reads_correct_bytes(

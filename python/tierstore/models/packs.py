@@ -4,9 +4,10 @@ A repository kept on the shared store is read by every node that loads a version
 from one checkpoint read it 64 times. When the repository lives under a cache's source, a load reads each
 pack through that cache instead: the first reader of the node fetches it (from the peer that owns it when
 the cache is shared across the job's nodes, else from the store), and every later load of the node reads
-the fast tier's copy. Packs are named by their content and never change, so a copy found in a tier is used
-without asking the store again. The bytes are checked against each tensor's hash as always: a damaged copy
-is dropped from the cache and fetched once more, and the store's own pack is read if that fails too.
+the fast tier's copy. A pack is written once, under a random name no other pack gets, and never changes,
+so a copy found in a tier is used without asking the store again. The bytes are checked against each
+tensor's hash as always: a damaged copy is dropped from the cache and fetched once more, and the store's
+own pack is read if that fails too.
 
 A partial load of a pack that no tier holds never has the whole pack fetched for a few of its tensors.
 When the cache is shared across the job's nodes, it asks the agent of the node that owns the pack for
