@@ -13,9 +13,11 @@ fault tests. Nothing listens beyond loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -76,6 +78,9 @@ class S3Server(LoopbackServer):
         args += [
             "-filer",
             "-s3",
+            # Its local sockets in its own directory rather than /tmp, where they outlived every run.
+            f"-filer.localSocket={self.root / 'filer.sock'}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
             f"-s3.config={self.root / 's3.json'}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
@@ -90,6 +95,17 @@ class S3Server(LoopbackServer):
         # one at a time lets a test make many buckets.
         env = {**os.environ, "WEED_MASTER_VOLUME_GROWTH_COPY_1": "1"}
         self._launch(args, timeout, env)
+
+    def kill(self) -> None:
+        """SIGKILLs the server, and removes the gRPC sockets it made in /tmp (SeaweedFS names them
+        `/tmp/seaweedfs-<part>-grpc-<port>.sock`, with no flag to move them): only sockets of this user."""
+        super().kill()
+        for part, (_, grpc) in self.ports.items():
+            sock = Path(f"/tmp/seaweedfs-{part}-grpc-{grpc}.sock")
+            with contextlib.suppress(OSError):
+                st = sock.lstat()
+                if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+                    sock.unlink()
 
     def _answers(self) -> bool:
         """Whether the S3 gateway answers a listing of buckets (it needs the filer and volume behind it)."""
