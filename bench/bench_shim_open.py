@@ -13,6 +13,11 @@ the shim costs more.
 
 `--shim NAME=PATH` (repeatable) adds other builds of the shim, each paired with the one before it in the
 list (the installed one first): how a change to the open path is measured in one run.
+
+`--forks N` (default 2,000) also measures a forked worker's start: the program reads one file, then forks N
+children that each read one file and exit (its `fork` mode), every side in every round; the figure is the
+CPU time per child, children included. Under the shim each child builds an engine of its own (the
+parent's threads, locks and LMDB handles stay with the parent); what it costs is the extra over `local`.
 """
 
 from __future__ import annotations
@@ -51,18 +56,51 @@ def run_env(run: list[str], env: dict[str, str] | None = None) -> dict[str, str]
     return dict(item.decode().split("=", 1) for item in out.split(b"\0") if b"=" in item)
 
 
-def run_loop(exe: Path, directory: Path, files: int, count: int, env: dict[str, str]) -> tuple[float, float]:
-    """The loop's user and system CPU seconds."""
+def run_loop(
+    exe: Path, directory: Path, files: int, count: int, env: dict[str, str], fork: bool = False
+) -> tuple[float, float]:
+    """The loop's user and system CPU seconds (its forked readers' included, with `fork`)."""
+    argv = [str(exe), str(directory), str(files), str(count), *(["fork"] if fork else [])]
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child execs at once
         try:
-            os.execve(str(exe), [str(exe), str(directory), str(files), str(count)], env)
+            os.execve(str(exe), argv, env)
         finally:
             os._exit(127)
     _, status, usage = os.wait4(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"bench_shim_open: {exe} {directory} failed (status {status})")
     return usage.ru_utime, usage.ru_stime
+
+
+def forked_section(forked: dict[str, list[float]], forks: int, shims: list[str]) -> list[str]:
+    """The page's section on forked workers: CPU per child, each round, and the paired figures."""
+    us = {n: [t * 1e6 / forks for t in ts] for n, ts in forked.items()}
+    lines = [
+        "",
+        "## A forked worker's first read",
+        "",
+        f"{forks:,} children forked per side and round, each reading one file; CPU microseconds per child "
+        "(user + system, the fork and the exit included).",
+        "",
+        "| round | " + " | ".join(us) + " |",
+        "| ---: | " + " | ".join("---:" for _ in us) + " |",
+    ]
+    for r in range(len(us["local"])):
+        lines.append(f"| {r + 1} | " + " | ".join(f"{us[n][r]:.0f}" for n in us) + " |")
+    lines.append("")
+    for n in shims:
+        extra = [b - a for a, b in zip(us["local"], us[n], strict=True)]
+        lines.append(
+            f"- {n}: {statistics.median(extra):.0f} us more per child than local (median of the rounds)"
+        )
+    for a, b in itertools.pairwise(shims):
+        ratio = [y / x for x, y in zip(us[a], us[b], strict=True)]
+        extra = [(y - loc) / (x - loc) for x, y, loc in zip(us[a], us[b], us["local"], strict=True)]
+        lines.append(
+            f"- {b} over {a}, paired: CPU per child {rounds(ratio)}; the shim's extra over local {rounds(extra)}"
+        )
+    return lines
 
 
 def copies_held(tier: Path) -> int:
@@ -78,6 +116,7 @@ def main() -> int:
     ap.add_argument(
         "--shim", action="append", default=[], metavar="NAME=PATH", help="another build to compare"
     )
+    ap.add_argument("--forks", type=int, default=2000, help="forked readers per side and round (0: none)")
     ap.add_argument("--perf", action="store_true", help="profile the (first) shim's loop with perf")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -109,12 +148,18 @@ def main() -> int:
             )
 
         cpu: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in sides}
+        forked: dict[str, list[float]] = {name: [] for name, _, _ in sides}
         for r in range(args.rounds):
             for name, directory, e in sides if r % 2 == 0 else sides[::-1]:
                 cpu[name].append(run_loop(exe, directory, args.files, args.count, e))
+                if args.forks:
+                    forked[name].append(sum(run_loop(exe, directory, args.files, args.forks, e, fork=True)))
             print(
                 f"round {r + 1}: "
                 + ", ".join(f"{n} {sum(cpu[n][-1]) * 1e6 / args.count:.2f} us" for n in cpu)
+                + "".join(
+                    f"; forked {n} {forked[n][-1] * 1e6 / args.forks:.0f} us" for n in forked if args.forks
+                )
             )
 
         us = {n: [(u * 1e6 / args.count, s * 1e6 / args.count) for u, s in xs] for n, xs in cpu.items()}
@@ -160,6 +205,9 @@ def main() -> int:
             lines.append(
                 f"- {b_name} over {a_name}, paired: user CPU {rounds(user)}, user + system {rounds(both)}"
             )
+
+        if args.forks:
+            lines += forked_section(forked, args.forks, [n for n, _ in shims])
 
         if args.perf and shutil.which("perf"):
             data = root / "perf.data"
