@@ -154,16 +154,17 @@ impl Cache {
         let _exempt = crate::interposer::calls();
         let record_checksums =
             config.verify == Verify::Checksum || config.cluster.sharing != crate::cluster::Sharing::Off;
-        let state_dir = crate::tier::namespace_dir(&config.tiers[0].path, &config.source);
-        crate::private::ensure_dir(&state_dir).map_err(|e| Error::io(&state_dir, e))?;
+        // The engine's own files live in the first tier's directory for this source, which opening the
+        // tier makes or checks (private: see `private.rs`); it is not checked a second time here.
+        let (tiers, locks, state_dir) = {
+            let mut reg = registry();
+            let tiers = config.tiers.iter().map(|t| reg.tier(t, &config)).collect::<Result<Vec<_>, _>>()?;
+            let state_dir = tiers[0].root.clone();
+            (tiers, reg.locks(state_dir.join("fetch.lock"))?, state_dir)
+        };
         let source_counters =
             Counters::open(&state_dir.join("source-counters")).map_err(|e| Error::io(&state_dir, e))?;
         let source = open_source(&config, Arc::new(source_counters))?;
-        let (tiers, locks) = {
-            let mut reg = registry();
-            let tiers = config.tiers.iter().map(|t| reg.tier(t, &config)).collect::<Result<Vec<_>, _>>()?;
-            (tiers, reg.locks(state_dir.join("fetch.lock"))?)
-        };
         let pool = Arc::new(Pool::new(config.threads));
         let faults = Arc::new(Faults::new(source.counters().clone()));
         let link = PeerLink::open(&config, ask_peers, source.counters().clone(), faults.clone())?;
