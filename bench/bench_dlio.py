@@ -244,6 +244,14 @@ def dlio(
     return out
 
 
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's waited-for children and their waited-for descendants."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
 
@@ -261,6 +269,7 @@ def cache_env(source: Path, tier: Path) -> dict[str, str]:
 class Epochs:
     au: list[float]  # percent, per epoch
     samples: list[float]  # samples/s, per epoch
+    cpu: float = 0.0  # CPU seconds of the whole job: DLIO, its workers and the tierstore run wrapper
 
 
 def summary(out: Path) -> Epochs:
@@ -284,11 +293,13 @@ def train_round(
             shutil.rmtree(tier, ignore_errors=True)
             wrap = setup == "tierstore run"
             env = cache_env(mount, tier) if wrap else clean_env()
+            before = children_cpu()
             out = dlio(
                 dlio_bin, overrides, root / "out" / f"{w.name}-{kind}-{setup.replace(' ', '-')}", env, wrap
             )
+            cpu = children_cpu() - before
             shutil.rmtree(tier, ignore_errors=True)
-            result[setup][kind] = summary(out)
+            result[setup][kind] = replace(summary(out), cpu=cpu)
             print(f"{w.name} {setup} {kind}: {result[setup][kind]}", file=sys.stderr, flush=True)
     return result
 
@@ -559,6 +570,17 @@ def train_report(w: Training, rounds: list[dict[str, dict[str, Epochs]]]) -> tup
         f"(median of the rounds' paired ratios: {median(ratios):.2f}x; rounds "
         f"{', '.join(f'{r:.2f}' for r in ratios)}): **{verdict(ratios, ACCEL_TARGET)}**.",
     ]
+    if all(r[s]["capacity"].cpu > 0 for r in rounds for s in SETUPS):
+        cpu = {s: [r[s]["capacity"].cpu for r in rounds] for s in SETUPS}
+        cpu_ratios = [a / b for a, b in zip(cpu["tierstore run"], cpu["local copy"], strict=True)]
+        lines += [
+            "",
+            "CPU of each round's capacity job (no compute; DLIO, its workers and the `tierstore run` wrapper, all "
+            f"{w.epochs} epochs: epoch 1 of `tierstore run` copies every file into the tier): "
+            + "; ".join(f"{s} {median(cpu[s]):.1f} s" for s in SETUPS)
+            + f" (medians). `tierstore run` over the local copy, per round: {median(cpu_ratios):.2f}x (rounds "
+            f"{', '.join(f'{r:.2f}' for r in cpu_ratios)}).",
+        ]
     return lines, ok
 
 
