@@ -53,6 +53,8 @@ fn free_ports(n: usize) -> Vec<u16> {
 pub struct Seaweed {
     child: Child,
     dir: tempfile::TempDir,
+    /// The gRPC ports, whose sockets SeaweedFS makes in /tmp (a path it hard-codes), removed at drop.
+    grpc_sockets: Vec<PathBuf>,
     /// The S3 endpoint, `http://127.0.0.1:PORT`.
     pub endpoint: String,
 }
@@ -75,13 +77,18 @@ impl Seaweed {
             "-ip.bind=127.0.0.1".into(),
             format!("-dir={}", data.display()),
         ];
+        let mut grpc_sockets = Vec::new();
         for (i, part) in ["master", "volume", "filer", "s3"].iter().enumerate() {
             args.push(format!("-{part}.port={}", ports[2 * i]));
             args.push(format!("-{part}.port.grpc={}", ports[2 * i + 1]));
+            grpc_sockets.push(PathBuf::from(format!("/tmp/seaweedfs-{part}-grpc-{}.sock", ports[2 * i + 1])));
         }
         args.extend([
             "-filer".to_string(),
             "-s3".into(),
+            // Its local sockets in its own directory rather than /tmp, where they outlived every run.
+            format!("-filer.localSocket={}", dir.path().join("filer.sock").display()),
+            format!("-s3.localSocket={}", dir.path().join("s3.sock").display()),
             format!("-s3.config={}", config.display()),
             "-s3.port.iceberg=0".into(),
             "-s3.port.lance=0".into(),
@@ -110,7 +117,7 @@ impl Seaweed {
             });
         }
         let child = command.spawn().unwrap_or_else(|e| panic!("starting {}: {e}", weed.display()));
-        Seaweed { child, dir, endpoint: format!("http://127.0.0.1:{}", ports[6]) }
+        Seaweed { child, dir, grpc_sockets, endpoint: format!("http://127.0.0.1:{}", ports[6]) }
     }
 
     /// The last lines of the server's log, for a failure's message.
@@ -161,6 +168,15 @@ impl Drop for Seaweed {
         // SAFETY: signals the process group the server leads (it was started with `process_group(0)`).
         unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
+        for sock in &self.grpc_sockets {
+            use std::os::unix::fs::{FileTypeExt, MetadataExt};
+            // Only a socket of this user's: another user may have put something of theirs at that name.
+            // SAFETY: geteuid cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if std::fs::symlink_metadata(sock).is_ok_and(|m| m.file_type().is_socket() && m.uid() == me) {
+                let _ = std::fs::remove_file(sock);
+            }
+        }
     }
 }
 
