@@ -245,7 +245,8 @@ def dlio(
 
 
 def children_cpu() -> float:
-    """User + system CPU seconds of this process's waited-for children and their waited-for descendants."""
+    """User + system CPU seconds of this process's waited-for children and their waited-for descendants.
+    Not `cpu.tree_seconds`: that also counts live children, and the stand-in store serving the job is one."""
     import resource
 
     r = resource.getrusage(resource.RUSAGE_CHILDREN)

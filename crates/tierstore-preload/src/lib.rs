@@ -139,8 +139,7 @@ fn shim() -> Option<&'static Shim> {
         // A forked child (a DataLoader worker) keeps its parent's configuration: the same environment
         // and files gave it, and reading them again costs each worker about half a millisecond. Only the
         // engine, whose threads, locks and LMDB handles stayed with the parent, is built anew.
-        let (config, root, alias) = (s.config.clone(), s.root.clone(), s.alias.clone());
-        return install(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias });
+        return install(pid, s.config.clone(), s.root.clone(), s.alias.clone());
     }
     tierstore_core::logging::init();
     // The engine's own threads (copies, prefetches, sweeps) are exempt for their whole life.
@@ -164,12 +163,13 @@ fn shim() -> Option<&'static Shim> {
         Some(c) => (with_slash(&c.source), c.source_alias.as_deref().map(with_slash).unwrap_or_default()),
         None => (Vec::new(), Vec::new()),
     };
-    install(Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias })
+    install(pid, config, root, alias)
 }
 
-/// Makes `shim` this process's engine (leaked: a forked child may still hold the one before) and returns
-/// it if it is configured.
-fn install(shim: Shim) -> Option<&'static Shim> {
+/// Makes a shim of this configuration process `pid`'s engine, its cache not yet opened (leaked: a forked
+/// child may still hold the one before), and returns it if it is configured.
+fn install(pid: u32, config: Option<Config>, root: Vec<u8>, alias: Vec<u8>) -> Option<&'static Shim> {
+    let shim = Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias };
     let s: &'static Shim = Box::leak(Box::new(shim));
     SHIM.store(s as *const Shim as *mut Shim, Ordering::Release);
     s.config.as_ref().map(|_| s)

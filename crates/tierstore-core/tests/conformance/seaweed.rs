@@ -168,11 +168,11 @@ impl Drop for Seaweed {
         // SAFETY: signals the process group the server leads (it was started with `process_group(0)`).
         unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        // SAFETY: geteuid cannot fail.
+        let me = unsafe { libc::geteuid() };
         for sock in &self.grpc_sockets {
-            use std::os::unix::fs::{FileTypeExt, MetadataExt};
             // Only a socket of this user's: another user may have put something of theirs at that name.
-            // SAFETY: geteuid cannot fail.
-            let me = unsafe { libc::geteuid() };
             if std::fs::symlink_metadata(sock).is_ok_and(|m| m.file_type().is_socket() && m.uid() == me) {
                 let _ = std::fs::remove_file(sock);
             }
