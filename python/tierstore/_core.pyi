@@ -118,6 +118,7 @@ def stream_place(
     dir: _Path,
     threads: int | None = None,
     heads_only: Sequence[bool] | None = None,
+    spares: _Path | None = None,
 ) -> list[tuple[bytes, bool]]: ...
 def stream_read(paths: Sequence[_Path], buffers: Sequence[Any]) -> None: ...
 def stream_manifest_write(

@@ -590,6 +590,38 @@ def test_an_agent_that_stops_frees_the_shared_memory_of_its_versions(tmp_path: P
     assert not held.exists(), f"{held} left behind"
 
 
+def test_a_publish_writes_its_changed_tensors_into_the_spares_the_agent_allocated_after_the_last(
+    sock: Path,
+) -> None:
+    big = 1 << 18  # float32s: 1 MiB tensors, above the size spares are kept for; "small" is below it
+    m = {
+        "a": np.full(big, 1.0, np.float32),
+        "b": np.full(big, 2.0, np.float32),
+        "small": np.ones(10, np.float32),
+    }
+    v1 = stream.publish("spared", m)
+    assert isinstance(v1, stream.StreamVersion)
+    spares = Path(stream.streams()["dir"]) / "spares"
+    # One spare per size written new at or above 256 KiB: both 1 MiB tensors, not the small one.
+    wait_for(
+        "two spares", lambda: sorted(p.name.split("-")[0] for p in spares.iterdir()) == [str(4 * big)] * 2
+    )
+    inodes = {p.stat().st_ino for p in spares.iterdir()}
+    m["a"][:] = 5.0
+    v2 = stream.publish("spared", m)
+    assert isinstance(v2, stream.StreamVersion)
+    assert v2.new_bytes == 4 * big, "only the changed tensor is placed"
+    blobs = Path(stream.streams()["dir"]) / "blobs"
+    placed = blobs / next(t.hash for t in v2.tensors if t.name == "a")
+    assert placed.stat().st_ino in inodes, "the changed tensor was written into a spare"
+    got = stream.StreamVersion.state_dict(v2, "numpy")
+    assert float(got["a"].min()) == float(got["a"].max()) == 5.0
+    assert float(got["b"].min()) == 2.0 and got["small"].tolist() == [1.0] * 10
+    # After that publish the spares follow its sizes: one 1 MiB spare, none left of the one taken.
+    wait_for("one spare", lambda: len(list(spares.iterdir())) == 1)
+    assert all(p.stat().st_size == 4 * big for p in spares.iterdir())
+
+
 def test_the_stream_directory_of_a_killed_agent_goes_when_the_next_agent_starts(tmp_path: Path) -> None:
     """A killed agent cannot remove its stream directory (shared memory): the next agent of the user
     removes it, and never one whose agent lives."""

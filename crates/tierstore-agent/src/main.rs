@@ -305,6 +305,7 @@ fn stream_options(a: &Args, cluster: Option<&ClusterConfig>) -> Result<StreamOpt
     if a.stream_keep.is_none() {
         stream.keep = configured.keep.unwrap_or(stream.keep);
     }
+    stream.spares = configured.spares.unwrap_or(stream.spares);
     if stream.redis.is_none() {
         stream.redis =
             configured.redis.or_else(|| cluster.and_then(|c| c.registry.clone()).filter(|r| r.starts_with("redis")));

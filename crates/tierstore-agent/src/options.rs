@@ -103,10 +103,12 @@ pub struct StreamOptions {
     /// The job's Redis (`redis://host:port`), where versions are announced to other nodes and followed
     /// from them (none: streams stay on this node).
     pub redis: Option<String>,
+    /// Whether spare files are allocated for the next publish (`stream/spares.rs`).
+    pub spares: bool,
 }
 
 impl Default for StreamOptions {
     fn default() -> Self {
-        StreamOptions { dir: None, keep: DEFAULT_KEEP, redis: None }
+        StreamOptions { dir: None, keep: DEFAULT_KEEP, redis: None, spares: true }
     }
 }

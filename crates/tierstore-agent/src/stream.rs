@@ -43,6 +43,7 @@ mod follow;
 mod peers;
 mod report;
 mod requests;
+mod spares;
 
 pub use directory::default_dir;
 use directory::{default_or_fresh, own_dir, reaper, remove_dead_siblings, still_in, LIVE, SUBDIRS};
@@ -304,6 +305,9 @@ pub struct Streams {
     /// own: freeing shared memory costs about 0.25 ms a MiB, which no commit should wait for.
     reaper: std::sync::mpsc::Sender<PathBuf>,
     trashed: AtomicU64,
+    /// The sizes each publish wrote new, to the thread that allocates spares of them for the next one
+    /// (`spares.rs`); none when `[stream] spares` is off.
+    spares: Option<spares::Keeper>,
 }
 
 impl Streams {
@@ -324,7 +328,6 @@ impl Streams {
             remove_dead_siblings(&dir);
         }
         Ok(Streams {
-            dir,
             _live: live,
             keep: options.keep.max(1),
             state: Mutex::new(State::default()),
@@ -334,6 +337,8 @@ impl Streams {
             served_bytes: AtomicU64::new(0),
             reaper: reaper(),
             trashed: AtomicU64::new(0),
+            spares: options.spares.then(|| spares::Keeper::start(dir.join("spares"))),
+            dir,
         })
     }
 
@@ -423,6 +428,9 @@ impl Streams {
     /// Frees the shared memory of every version (an agent that stops): consumers keep the tensors they
     /// mapped or copied; nothing new can be opened.
     pub fn remove(&self) {
+        if let Some(spares) = &self.spares {
+            spares.close();
+        }
         for sub in SUBDIRS {
             let _ = std::fs::remove_dir_all(self.dir.join(sub));
         }
@@ -475,7 +483,8 @@ impl Streams {
         conn.pending = Some(Pending { id, name: name.to_string(), base: base.as_ref().map(|b| b.0) });
         std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
         let base = base.map(|(version, manifest)| Base { version, manifest });
-        Ok(answer(Begun { publish: id, dir: tmp, blobs: self.dir.join("blobs"), base }))
+        let spares = self.spares.as_ref().map(|_| self.dir.join("spares"));
+        Ok(answer(Begun { publish: id, dir: tmp, blobs: self.dir.join("blobs"), base, spares }))
     }
 
     fn abort_pending(&self, conn: &mut Conn, p: Pending) {
@@ -518,6 +527,8 @@ impl Streams {
         let mut m: Manifest = serde_json::from_slice(&text).map_err(|e| bad(format!("manifest: {e}")))?;
         let mut st = self.lock();
         let new = placed_tensors(&st, &m, &tmp).map_err(bad)?;
+        // A publish of this node's wrote these sizes; the next one most likely writes them again.
+        let sizes: Vec<u64> = if version_given.is_none() { new.iter().map(|(_, n)| *n).collect() } else { Vec::new() };
         let new_bytes = self.hold_blobs(&mut st, &m, &tmp, &new)?;
         let stream = st.streams.entry(name.to_string()).or_default();
         // A pulled version may be older than the latest (a `fetch` of one relayed earlier), never held twice.
@@ -557,6 +568,9 @@ impl Streams {
         self.evict(&mut st, name);
         drop(st);
         if version_given.is_none() {
+            if let Some(spares) = &self.spares {
+                spares.publish_wrote(sizes);
+            }
             self.announce(name, version, nbytes);
         }
         Ok(answer(Committed { version, nbytes, new_bytes, manifest: notice.manifest }))
@@ -769,9 +783,11 @@ mod tests {
     #[test]
     fn versions_beyond_keep_are_freed_once_no_lease_holds_them() {
         let dir = tempfile::tempdir().unwrap();
-        let s =
-            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 1, redis: None }, Path::new("/x"))
-                .unwrap();
+        let s = Streams::open(
+            &StreamOptions { dir: Some(dir.path().join("s")), keep: 1, redis: None, spares: true },
+            Path::new("/x"),
+        )
+        .unwrap();
         let mut publisher = Conn::default();
         let mut consumer = Conn::default();
         s.subscribe(&mut consumer, "m", 0, Subscribing::default()).unwrap();
@@ -806,9 +822,11 @@ mod tests {
     #[test]
     fn a_publish_whose_connection_ends_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let s =
-            Streams::open(&StreamOptions { dir: Some(dir.path().join("s")), keep: 2, redis: None }, Path::new("/x"))
-                .unwrap();
+        let s = Streams::open(
+            &StreamOptions { dir: Some(dir.path().join("s")), keep: 2, redis: None, spares: true },
+            Path::new("/x"),
+        )
+        .unwrap();
         let mut c = Conn::default();
         let begun = s.begin(&mut c, "m").unwrap();
         let tmp = PathBuf::from(begun["dir"].as_str().unwrap());

@@ -397,6 +397,8 @@ pub struct StreamConfig {
     pub keep: Option<usize>,
     /// Where the versions' tensors are kept (memory: a directory on /dev/shm).
     pub dir: Option<PathBuf>,
+    /// Whether the agent allocates the memory of the next publish's changed tensors ahead.
+    pub spares: Option<bool>,
 }
 
 /// Only the `[stream]` settings of the configuration, with no source required (an agent that only
@@ -418,6 +420,13 @@ pub fn load_stream(overrides: &Overrides) -> Result<StreamConfig, ConfigError> {
                 c.keep = Some(text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
                     bad(o, "stream.keep", &text, "is not a count of versions", "use a whole number from 1 up, e.g. 2")
                 })?);
+            }
+            "spares" => {
+                c.spares = Some(match text.trim().to_ascii_lowercase().as_str() {
+                    "true" | "1" | "yes" | "on" => true,
+                    "false" | "0" | "no" | "off" => false,
+                    _ => return Err(bad(o, "stream.spares", &text, "is not true or false", "write spares = false")),
+                });
             }
             _ => c.dir = Some(expand_home(&text)),
         }

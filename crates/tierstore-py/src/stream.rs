@@ -25,9 +25,10 @@ fn checks(heads_only: Option<Vec<bool>>) -> Vec<stream::Check> {
 
 /// Places tensors into the directory of a publish: `bases[i]` is `(file, hash)` of tensor `i` in the
 /// version before, or None. Returns `(hash, written)` per tensor. `threads`: at most this many threads
-/// (None: every core). `heads_only`: see [`checks`].
+/// (None: every core). `heads_only`: see [`checks`]. `spares`: the agent's directory of spare files,
+/// written into instead of new files where one has a tensor's size.
 #[pyfunction]
-#[pyo3(signature = (buffers, bases, dir, threads=None, heads_only=None))]
+#[pyo3(signature = (buffers, bases, dir, threads=None, heads_only=None, spares=None))]
 pub fn stream_place<'py>(
     py: Python<'py>,
     buffers: Vec<Bound<'py, PyAny>>,
@@ -35,6 +36,7 @@ pub fn stream_place<'py>(
     dir: PathBuf,
     threads: Option<usize>,
     heads_only: Option<Vec<bool>>,
+    spares: Option<PathBuf>,
 ) -> PyResult<Vec<(Bound<'py, PyBytes>, bool)>> {
     let checks = checks(heads_only);
     let views = buffers.iter().map(|b| View::of(b, false)).collect::<PyResult<Vec<_>>>()?;
@@ -49,8 +51,8 @@ pub fn stream_place<'py>(
         // SAFETY: the views hold their buffers exported for this call.
         let slices: Vec<&[u8]> = views.iter().map(|v| unsafe { v.bytes() }).collect();
         match threads {
-            Some(n) => stream::place_on(n, &slices, &bases, &checks, &dir),
-            None => stream::place(&slices, &bases, &checks, &dir),
+            Some(n) => stream::place_on(n, &slices, &bases, &checks, &dir, spares.as_deref()),
+            None => stream::place(&slices, &bases, &checks, &dir, spares.as_deref()),
         }
     })
     .map_err(|e| io_to_py(e, Some(&dir.to_string_lossy())))?;

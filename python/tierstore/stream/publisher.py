@@ -248,7 +248,9 @@ class Publisher:
             heads_only = None
             if said and begun.get("base") and said_since == int(begun["base"]["version"]):
                 heads_only = [names[i] in said and b is not None for i, b in zip(todo, bases, strict=True)]
-            placed_todo = _core.stream_place([views[i] for i in todo], bases, tmp, threads, heads_only)
+            placed_todo = _core.stream_place(
+                [views[i] for i in todo], bases, tmp, threads, heads_only, begun.get("spares")
+            )
             if heads_only is not None:
                 self._note_misses(
                     [names[i] for i, h, (_, w) in zip(todo, heads_only, placed_todo, strict=True) if h and w]

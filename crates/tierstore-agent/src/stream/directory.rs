@@ -72,8 +72,9 @@ fn hex8(bytes: &[u8]) -> String {
 }
 
 /// The directories under the stream directory: tensor files, manifests, publishes in progress, manifests
-/// of versions relayed without their tensors, and tensor files dropped but not yet freed.
-pub(super) const SUBDIRS: [&str; 5] = ["blobs", "versions", "tmp", "notices", "trash"];
+/// of versions relayed without their tensors, tensor files dropped but not yet freed, and spare files
+/// allocated for the next publish (`spares.rs`).
+pub(super) const SUBDIRS: [&str; 6] = ["blobs", "versions", "tmp", "notices", "trash", "spares"];
 
 /// The file of a stream directory its agent holds locked while it lives.
 pub(super) const LIVE: &str = "live.lock";

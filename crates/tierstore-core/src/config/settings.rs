@@ -369,6 +369,14 @@ pub const SETTINGS: &[Setting] = &[
         .env("TIERSTORE_STREAM_KEEP"),
     Setting::new(Stream, "dir", Path, Value("/dev/shm"), "Where the versions' tensors are kept.")
         .env("TIERSTORE_STREAM_DIR"),
+    Setting::new(
+        Stream,
+        "spares",
+        Bool,
+        Value("true"),
+        "Allocate the memory of the next publish's changed tensors ahead (at most the last publish's new bytes).",
+    )
+    .env("TIERSTORE_STREAM_SPARES"),
     // Only in the environment.
     Setting::new(Environment, "TIERSTORE_CONFIG", Path, Derived("./tierstore.toml when it exists"), "The TOML file.")
         .env("TIERSTORE_CONFIG")

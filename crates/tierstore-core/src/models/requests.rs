@@ -81,6 +81,11 @@ pub struct Begun {
     pub blobs: PathBuf,
     /// The latest version, leased to the publish until it ends: what "changed" is measured against.
     pub base: Option<Base>,
+    /// The agent's spare files, allocated ahead for the sizes the last publish wrote: a tensor of such a
+    /// size is written into one instead of a new file (see `models::stream::Spares`). None from an agent
+    /// that keeps none.
+    #[serde(default)]
+    pub spares: Option<PathBuf>,
 }
 
 /// The version a publish starts from.
@@ -186,7 +191,7 @@ mod tests {
         assert!(text.starts_with(r#"{"event":"version","name":"policy""#) && !text.contains("agent"), "{text}");
         assert_eq!(serde_json::from_str::<VersionNotice>(&text).unwrap(), notice);
         // A first publish has no base: the client reads `null` there, as it always has.
-        let begun = Begun { publish: 1, dir: "/t/1".into(), blobs: "/t/blobs".into(), base: None };
+        let begun = Begun { publish: 1, dir: "/t/1".into(), blobs: "/t/blobs".into(), base: None, spares: None };
         assert_eq!(
             serde_json::to_string(&begun).unwrap(),
             r#"{"publish":1,"dir":"/t/1","blobs":"/t/blobs","base":null}"#

@@ -13,11 +13,18 @@
 //! Comparing is still reading the whole model. A publisher told which tensors may have changed
 //! (`publish(changed=…)`, say a LoRA's adapters over a frozen base) compares only the first bytes of the
 //! others ([`Check::Head`]): a guard against a wrong hint, not a proof.
+//!
+//! Fresh shared memory costs more than the bytes written into it: the kernel allocates and zeroes each
+//! page as a write first touches it, which took more time than the copy itself (100 MB: 51 ms into new
+//! files, 24 ms into files allocated before). So the agent keeps [`Spares`], files it allocated after
+//! the last publish for the sizes that publish wrote, and a publish writes into them when their size fits.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -72,20 +79,80 @@ fn one_check_per_tensor(checks: &[Check], n: usize) -> io::Result<()> {
     }
 }
 
+/// Tensors smaller than this are written into new files: allocating ahead would save them little.
+pub const SPARE_MIN: u64 = 256 << 10;
+
+/// The name of spare number `n`, of `len` bytes.
+pub fn spare_name(len: u64, n: u64) -> String {
+    format!("{len}-{n}")
+}
+
+/// The size a spare's name gives, when `name` is one.
+pub fn spare_len(name: &str) -> Option<u64> {
+    let (len, n) = name.split_once('-')?;
+    n.parse::<u64>().ok()?;
+    len.parse().ok()
+}
+
+/// The spare files in the agent's directory for them, as a publish found them when it began: each taken
+/// at most once, by renaming it into the publish's own directory. The agent makes them (see
+/// `tierstore_agent::stream::spares`) and may remove one at any time: a spare gone is a new file instead.
+pub struct Spares {
+    dir: PathBuf,
+    by_len: Mutex<HashMap<u64, Vec<String>>>,
+}
+
+impl Spares {
+    /// The spares in `dir` (none when it cannot be read).
+    pub fn list(dir: &Path) -> Spares {
+        let mut by_len: HashMap<u64, Vec<String>> = HashMap::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(len) = spare_len(&name) {
+                by_len.entry(len).or_default().push(name);
+            }
+        }
+        Spares { dir: dir.to_path_buf(), by_len: Mutex::new(by_len) }
+    }
+
+    /// A spare of exactly `len` bytes renamed to `to` and open for writing, if one is left.
+    fn take(&self, len: usize, to: &Path) -> Option<File> {
+        if (len as u64) < SPARE_MIN {
+            return None;
+        }
+        loop {
+            let name = self.by_len.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&(len as u64))?.pop()?;
+            if std::fs::rename(self.dir.join(&name), to).is_err() {
+                continue; // the agent removed it meanwhile
+            }
+            let opened = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(to);
+            match opened {
+                Ok(f) if f.metadata().is_ok_and(|m| m.is_file() && m.len() == len as u64) => return Some(f),
+                // Not what its name says: never written into.
+                _ => {
+                    let _ = std::fs::remove_file(to);
+                }
+            }
+        }
+    }
+}
+
 /// Places tensors for a new version: `bases[i]` is the file and hash of tensor `i` in the version before
 /// (if it had one of the same size); a tensor equal to it (by `checks[i]`) keeps that hash, any other is
-/// hashed and written to `dir/<hex hash>` (created new; a file already there with that name holds the same
-/// bytes).
+/// hashed and written to `dir/<hex hash>` (created new, or a spare of the agent's from `spares` renamed;
+/// a file already there with that name holds the same bytes).
 pub fn place(
     tensors: &[&[u8]],
     bases: &[Option<(PathBuf, Hash)>],
     checks: &[Check],
     dir: &Path,
+    spares: Option<&Path>,
 ) -> io::Result<Vec<Placed>> {
     if tensors.len() != bases.len() {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "one base (or none) per tensor"));
     }
     one_check_per_tensor(checks, tensors.len())?;
+    let spares = spares.map(Spares::list);
     tensors
         .par_iter()
         .zip(bases.par_iter())
@@ -96,7 +163,7 @@ pub fn place(
                     return Ok(Placed { hash: *h, written: false });
                 }
             }
-            let hash = hash_and_write(bytes, dir, i)?;
+            let hash = hash_and_write(bytes, dir, i, spares.as_ref())?;
             Ok(Placed { hash, written: true })
         })
         .collect()
@@ -110,13 +177,14 @@ pub fn place_on(
     bases: &[Option<(PathBuf, Hash)>],
     checks: &[Check],
     dir: &Path,
+    spares: Option<&Path>,
 ) -> io::Result<Vec<Placed>> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(|i| format!("tierstore-place-{i}"))
         .build()
         .map_err(io::Error::other)?;
-    pool.install(|| place(tensors, bases, checks, dir))
+    pool.install(|| place(tensors, bases, checks, dir, spares))
 }
 
 /// Whether the file at `path` holds exactly `bytes` (a missing file holds nothing), or with
@@ -150,24 +218,33 @@ fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
     Ok(map.par_chunks(PIECE).zip(bytes[HEAD..].par_chunks(PIECE)).all(|(a, b)| a == b))
 }
 
-/// Writes `bytes` to `dir/<hex blake3>` (created new; a file already there with that name holds the same
-/// bytes) and returns the hash, reading the bytes once: each piece is hashed, then written while it is
-/// still in cache. A large tensor's file takes its name only once written whole (`n` makes the name it is
-/// written under unique in `dir`), so a name in `dir` never holds part of its bytes.
-fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
+/// Writes `bytes` to `dir/<hex blake3>` (created new, or one of `spares`; a file already there with that
+/// name holds the same bytes) and returns the hash, reading the bytes once: each piece is hashed, then
+/// written while it is still in cache. A tensor's file takes its name only once written whole (`n` makes
+/// the name it is written under unique in `dir`), so a name in `dir` never holds part of its bytes; a
+/// small tensor in a new file is the exception, created under its name and written at once.
+fn hash_and_write(bytes: &[u8], dir: &Path, n: usize, spares: Option<&Spares>) -> io::Result<Hash> {
+    let part = dir.join(format!(".part-{n}"));
+    let spare = spares.and_then(|s| s.take(bytes.len(), &part));
     if bytes.len() <= SUBTREE {
         // Small enough to stay in cache between hashing and writing, and a model may have tens of
-        // thousands of them: no rename.
+        // thousands of them: no rename unless a spare is written.
         let hash = hash::hash(bytes);
         let to = dir.join(hex(&hash));
-        return match File::create_new(&to) {
-            Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| at(&to, e)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(hash),
-            Err(e) => Err(at(&to, e)),
+        let Some(f) = spare else {
+            return match File::create_new(&to) {
+                Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| at(&to, e)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(hash),
+                Err(e) => Err(at(&to, e)),
+            };
         };
+        let written = f.write_all_at(bytes, 0).map_err(|e| at(&part, e));
+        return name_written(written, &part, &to).map(|()| hash);
     }
-    let part = dir.join(format!(".part-{n}"));
-    let f = File::create_new(&part).map_err(|e| at(&part, e))?;
+    let f = match spare {
+        Some(f) => f,
+        None => File::create_new(&part).map_err(|e| at(&part, e))?,
+    };
     // The root of blake3's tree is finalized differently from every other node.
     let hash = match halves(&f, bytes, 0) {
         Ok((l, r)) => hash::merge_root(&l, &r),
@@ -176,13 +253,19 @@ fn hash_and_write(bytes: &[u8], dir: &Path, n: usize) -> io::Result<Hash> {
             return Err(at(&part, e));
         }
     };
-    let to = dir.join(hex(&hash));
-    let linked = match std::fs::hard_link(&part, &to) {
-        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(at(&to, e)),
+    name_written(Ok(()), &part, &dir.join(hex(&hash)))?;
+    Ok(hash)
+}
+
+/// Gives the file written at `part` its name `to` (kept as it is when `to` exists: it holds the same
+/// bytes) once `written` says it was written whole, and removes `part` in every case.
+fn name_written(written: io::Result<()>, part: &Path, to: &Path) -> io::Result<()> {
+    let named = written.and_then(|()| match std::fs::hard_link(part, to) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => Err(at(to, e)),
         _ => Ok(()),
-    };
-    std::fs::remove_file(&part).map_err(|e| at(&part, e))?;
-    linked.map(|()| hash)
+    });
+    let removed = std::fs::remove_file(part).map_err(|e| at(part, e));
+    named.and(removed)
 }
 
 /// The chaining value of the non-root subtree `bytes`, which starts at `offset` of its tensor, written at
@@ -307,11 +390,11 @@ mod tests {
         ];
         for (n, len) in sizes.into_iter().enumerate() {
             let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + i / 4099) as u8).collect();
-            let h = hash_and_write(&bytes, dir.path(), n).unwrap();
+            let h = hash_and_write(&bytes, dir.path(), n, None).unwrap();
             assert_eq!(h, hash::hash(&bytes), "hash of {len} bytes");
             assert_eq!(std::fs::read(dir.path().join(hex(&h))).unwrap(), bytes, "file of {len} bytes");
             // The same bytes again (another tensor of the version): the file there is kept.
-            assert_eq!(hash_and_write(&bytes, dir.path(), n).unwrap(), h);
+            assert_eq!(hash_and_write(&bytes, dir.path(), n, None).unwrap(), h);
         }
         let names: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -320,24 +403,60 @@ mod tests {
     }
 
     #[test]
+    fn a_spare_of_the_size_is_written_into_and_one_that_is_not_is_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let spares = tempfile::tempdir().unwrap();
+        let spare = |len: u64, n: u64, real: u64| {
+            let f = File::create_new(spares.path().join(spare_name(len, n))).unwrap();
+            f.set_len(real).unwrap();
+        };
+        let small = vec![3u8; SPARE_MIN as usize];
+        let large = (0..SUBTREE + 3 * 1024).map(|i| (i % 251) as u8).collect::<Vec<u8>>();
+        let large2: Vec<u8> = large.iter().map(|b| b ^ 1).collect();
+        let tiny = vec![4u8; 100];
+        spare(small.len() as u64, 1, small.len() as u64);
+        spare(large.len() as u64, 2, large.len() as u64);
+        // Its name says the size of `large`, its file does not: whichever tensor of that size comes to it
+        // leaves it out (and writes into the other spare, or a new file).
+        spare(large.len() as u64, 3, 10);
+        spare(100, 4, 100); // below SPARE_MIN: never used
+        let tensors = [&small[..], &large, &large2, &tiny];
+        let placed = place(&tensors, &[None, None, None, None], &[], dir.path(), Some(spares.path())).unwrap();
+        for (bytes, p) in tensors.iter().zip(&placed) {
+            assert_eq!(p.hash, hash::hash(bytes));
+            assert_eq!(&std::fs::read(dir.path().join(hex(&p.hash))).unwrap(), *bytes);
+        }
+        let mut left: Vec<String> =
+            std::fs::read_dir(spares.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        left.sort();
+        // Two spares taken, the wrong one taken out of the pool and removed, the one below SPARE_MIN kept.
+        assert_eq!(left, [spare_name(100, 4)]);
+        let names: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names.len(), 4, "{names:?}");
+        assert_eq!(spare_len(&spare_name(7, 9)), Some(7));
+        assert_eq!(spare_len(".new-3"), None);
+    }
+
+    #[test]
     fn only_changed_tensors_are_written_and_read_back_whole() {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![1u8; 3 * PIECE + 5];
         let b = vec![2u8; 100];
-        let first = place(&[&a, &b], &[None, None], &[], dir.path()).unwrap();
+        let first = place(&[&a, &b], &[None, None], &[], dir.path(), None).unwrap();
         assert!(first.iter().all(|p| p.written));
         assert_eq!(first[0].hash, hash::hash(&a));
         let base = |i: usize| Some((dir.path().join(hex(&first[i].hash)), first[i].hash));
         let mut b2 = b.clone();
         b2[7] = 9;
-        let second = place(&[&a, &b2], &[base(0), base(1)], &[], dir.path()).unwrap();
+        let second = place(&[&a, &b2], &[base(0), base(1)], &[], dir.path(), None).unwrap();
         assert_eq!(second[0], Placed { hash: first[0].hash, written: false });
         assert!(second[1].written && second[1].hash == hash::hash(&b2));
         // A change past the first bytes read, and one in them, are both seen.
         for at in [HEAD + PIECE + 1, 3] {
             let mut a2 = a.clone();
             a2[at] = 7;
-            let p = place(&[&a2], &[base(0)], &[], dir.path()).unwrap();
+            let p = place(&[&a2], &[base(0)], &[], dir.path(), None).unwrap();
             assert!(p[0].written && p[0].hash == hash::hash(&a2), "a change at byte {at} was missed");
         }
         let mut ra = vec![0u8; a.len()];
@@ -349,7 +468,7 @@ mod tests {
         let e = read_into(&paths[1..], &mut [&mut short[..]]).unwrap_err();
         assert!(e.to_string().contains("holds 100 bytes"), "{e}");
         // An empty tensor (a 0-element buffer) has an empty file, read as nothing.
-        let empty = place(&[&[]], &[None], &[], dir.path()).unwrap();
+        let empty = place(&[&[]], &[None], &[], dir.path(), None).unwrap();
         read_into(&[dir.path().join(hex(&empty[0].hash))], &mut [&mut [][..]]).unwrap();
     }
 
@@ -368,7 +487,7 @@ mod tests {
     fn a_tensor_said_unchanged_is_compared_at_its_head_only() {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![1u8; HEAD + PIECE];
-        let first = place(&[&a], &[None], &[], dir.path()).unwrap();
+        let first = place(&[&a], &[None], &[], dir.path(), None).unwrap();
         let base = Some((dir.path().join(hex(&first[0].hash)), first[0].hash));
         let mut tail = a.clone();
         tail[HEAD + 1] = 2;
@@ -376,16 +495,16 @@ mod tests {
         head[1] = 2;
         // The hint is trusted past the head: a change there keeps the base's hash (the documented cost of
         // a wrong hint)...
-        let p = place(&[&tail], std::slice::from_ref(&base), &[Check::Head], dir.path()).unwrap();
+        let p = place(&[&tail], std::slice::from_ref(&base), &[Check::Head], dir.path(), None).unwrap();
         assert_eq!(p[0], Placed { hash: first[0].hash, written: false });
         // ...and a change in the head is seen, hint or not.
-        let p = place(&[&head], &[base], &[Check::Head], dir.path()).unwrap();
+        let p = place(&[&head], &[base], &[Check::Head], dir.path(), None).unwrap();
         assert!(p[0].written && p[0].hash == hash::hash(&head));
         let mut staged = a.clone();
         let changed = copy_changed(&[&tail], &mut [&mut staged[..]], &[Check::Head]).unwrap();
         assert_eq!((changed, staged == a), (vec![false], true), "a tail change past a head check is not copied");
         let changed = copy_changed(&[&head], &mut [&mut staged[..]], &[Check::Head]).unwrap();
         assert_eq!((changed, staged == head), (vec![true], true));
-        assert!(place(&[&a], &[None], &[Check::Head, Check::Head], dir.path()).is_err());
+        assert!(place(&[&a], &[None], &[Check::Head, Check::Head], dir.path(), None).is_err());
     }
 }
