@@ -250,12 +250,14 @@ class Consumer:
 
 
 @contextlib.contextmanager
-def private_agent(base: Path) -> Iterator[dict[str, str]]:
+def private_agent(base: Path, spares: bool = True) -> Iterator[dict[str, str]]:
     """A node agent of the benchmark's own under `base`, made every client's default (a client's socket is
-    $XDG_RUNTIME_DIR/tierstore/agent.sock), stopped on the way out; yields the environment for children."""
+    $XDG_RUNTIME_DIR/tierstore/agent.sock), stopped on the way out; yields the environment for children.
+    `spares`: its `[stream] spares` (allocating the next publish's memory ahead)."""
     from tierstore import agent
 
     sock = base / "run" / "tierstore" / "agent.sock"
+    os.environ["TIERSTORE_STREAM_SPARES"] = "true" if spares else "false"
     agent.start(sock, node="bench")
     os.environ["XDG_RUNTIME_DIR"] = str(sock.parent.parent)
     try:
@@ -310,6 +312,34 @@ def shm_floor_times(nbytes: int, reps: int = 5) -> tuple[float, float]:
             writes.append(t1 - t0)
             path.unlink()
     return statistics.median(writes), statistics.median(reads)
+
+
+def shm_allocation_times(nbytes: int, tensors: int = TENSORS, reps: int = 5) -> list[tuple[float, float]]:
+    """What the kernel's allocation of new pages costs a publish, alone: writing `nbytes` as `tensors` files
+    in /dev/shm that are new, then into files of the same sizes allocated before (`posix_fallocate`, as the
+    agent's spares are), each rep: (new, allocated before) seconds."""
+    piece = np.random.default_rng(3).integers(0, 255, nbytes // tensors, dtype=np.uint8)
+    out = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-stream-alloc-") as d:
+        for r in range(reps):
+            times = []
+            for allocated in (False, True):
+                paths = [Path(d) / f"{r}-{allocated}-{i}" for i in range(tensors)]
+                if allocated:
+                    for p in paths:
+                        fd = os.open(p, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+                        os.posix_fallocate(fd, 0, piece.nbytes)
+                        os.close(fd)
+                t0 = time.perf_counter()
+                for p in paths:
+                    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o600)
+                    os.pwrite(fd, piece, 0)
+                    os.close(fd)
+                times.append(time.perf_counter() - t0)
+                for p in paths:
+                    p.unlink()
+            out.append((times[0], times[1]))
+    return out
 
 
 def notify_run(env: dict[str, str], n: int = 300) -> list[float]:
@@ -947,21 +977,44 @@ def full_run(total: int, env: dict[str, str], requests: bool, updates: int = 4) 
 
 
 def full_main(size: str, rounds: int) -> None:
-    """`--full`: full updates with the consumer idle and serving, alternated, each round printed."""
+    """`--full`: full updates with the consumer idle and serving, alternated, each round printed; in every
+    round with the agent's spares (`[stream] spares`, the default) and without them, in alternating order,
+    and each round's ratio of the two."""
     total = parse_size(size)
-    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d, private_agent(Path(d)) as env:
-        print(f"memcpy of {size}: {ms(memcpy_time(total))}", flush=True)
+    print(f"memcpy of {size}: {ms(memcpy_time(total))}", flush=True)
+    alloc = shm_allocation_times(total)
+    print(
+        f"writing {size} as {TENSORS} files in /dev/shm, new / allocated before, each rep: "
+        + ", ".join(f"{ms(a)} / {ms(b)}" for a, b in alloc),
+        flush=True,
+    )
+    p50s: dict[tuple[bool, bool], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         for r in range(rounds):
-            for requests in (False, True) if r % 2 == 0 else (True, False):
-                runs = full_run(total, env, requests)
-                p50 = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-                print(
-                    f"round {r + 1} {'serving' if requests else 'idle   '}: publish->served p50 "
-                    f"{ms(p50['served'])} (each: {', '.join(ms(x['served']) for x in runs)}), place "
-                    f"{ms(p50['place'])} ({p50['place_cpu'] * 1e3:.0f} ms of the publisher's CPU), "
-                    f"notified->served {ms(p50['load'])}",
-                    flush=True,
-                )
+            for spares in (True, False) if r % 2 == 0 else (False, True):
+                with private_agent(Path(d) / f"{r}-{spares}", spares=spares) as env:
+                    for requests in (False, True) if r % 2 == 0 else (True, False):
+                        runs = full_run(total, env, requests)
+                        p50 = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+                        p50s.setdefault((spares, requests), []).append(p50)
+                        print(
+                            f"round {r + 1} {'spares   ' if spares else 'no spares'} "
+                            f"{'serving' if requests else 'idle   '}: publish->served p50 "
+                            f"{ms(p50['served'])} (each: {', '.join(ms(x['served']) for x in runs)}), place "
+                            f"{ms(p50['place'])} ({p50['place_cpu'] * 1e3:.0f} ms of the publisher's CPU), "
+                            f"notified->served {ms(p50['load'])}",
+                            flush=True,
+                        )
+    for requests in (False, True):
+        on, off = p50s[(True, requests)], p50s[(False, requests)]
+        for key, what in (("served", "publish->served"), ("place_cpu", "the publisher's CPU")):
+            ratios = [b[key] / a[key] for a, b in zip(on, off, strict=True)]
+            print(
+                f"{'serving' if requests else 'idle'}: {what} without spares / with them, each round: "
+                f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}); with spares "
+                f"p50 {', '.join(ms(a[key]) if key == 'served' else f'{a[key] * 1e3:.0f} ms' for a in on)}",
+                flush=True,
+            )
 
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
