@@ -192,10 +192,11 @@ mod tests {
         assert_eq!(serde_json::from_str::<VersionNotice>(&text).unwrap(), notice);
         // A first publish has no base: the client reads `null` there, as it always has.
         let begun = Begun { publish: 1, dir: "/t/1".into(), blobs: "/t/blobs".into(), base: None, spares: None };
-        assert_eq!(
-            serde_json::to_string(&begun).unwrap(),
-            r#"{"publish":1,"dir":"/t/1","blobs":"/t/blobs","base":null}"#
-        );
+        let text = r#"{"publish":1,"dir":"/t/1","blobs":"/t/blobs","base":null,"spares":null}"#;
+        assert_eq!(serde_json::to_string(&begun).unwrap(), text);
+        // An agent from before spares says nothing of them: none.
+        let older = r#"{"publish":1,"dir":"/t/1","blobs":"/t/blobs","base":null}"#;
+        assert_eq!(serde_json::from_str::<Begun>(older).unwrap(), begun);
         assert!(e.contains("unknown variant `fecth`") && e.contains("`fetch`"), "{e}");
     }
 }
