@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use rustc_hash::FxHashMap;
+
 use super::faults::Faults;
 use super::lock::lock_shared;
 use crate::clock::now_ns;
@@ -70,10 +72,10 @@ pub(super) struct Lookup {
     verify: Verify,
     faults: Arc<Faults>,
     /// Hits not yet written to the index: (tier, key) -> (hits, last access).
-    access: Mutex<HashMap<(usize, Key), (u64, u64)>>,
+    access: Mutex<FxHashMap<(usize, Key), (u64, u64)>>,
     last_access_flush: Mutex<Instant>,
     /// What `fstat` of each copy incarnation this process opened reports, rewritten as its source file's.
-    copy_stats: Mutex<HashMap<CopyIncarnation, libc::stat>>,
+    copy_stats: Mutex<FxHashMap<CopyIncarnation, libc::stat>>,
     /// Whether anything asked for a remembered `fstat` (the shim does): until then, opens remember none,
     /// and a process that reads through the Python API pays no lock and no insert per open for it.
     copy_stats_asked: AtomicBool,
@@ -86,9 +88,9 @@ impl Lookup {
             policy,
             verify,
             faults,
-            access: Mutex::new(HashMap::new()),
+            access: Mutex::new(FxHashMap::default()),
             last_access_flush: Mutex::new(Instant::now()),
-            copy_stats: Mutex::new(HashMap::new()),
+            copy_stats: Mutex::new(FxHashMap::default()),
             copy_stats_asked: AtomicBool::new(false),
         }
     }

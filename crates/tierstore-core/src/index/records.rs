@@ -262,7 +262,9 @@ impl Entry {
             },
             stats: AccessStats { inserted_seq: field(4), last_access_ns: field(5), hits: field(6) },
             checksum: has_sum.then_some(sum),
-            rel: String::from_utf8_lossy(&b[rel_at..]).into_owned(),
+            // Valid UTF-8 nearly always: checked by the fast validator, lossy only when it is not.
+            rel: std::str::from_utf8(&b[rel_at..])
+                .map_or_else(|_| String::from_utf8_lossy(&b[rel_at..]).into_owned(), str::to_owned),
             confirmed_ns,
         })
     }

@@ -148,7 +148,10 @@ impl PosixSource {
         // Every open of a program under `tierstore run` comes here: a path spelled plainly under the root
         // is cut, not rebuilt component by component (a few percent of a warm open's CPU, `perf`).
         if let Some(rel) = plain_relative(path.as_os_str().as_bytes(), self.root.as_os_str().as_bytes()) {
-            return Ok(String::from_utf8_lossy(rel).into_owned());
+            // Valid UTF-8 nearly always: checked by the fast validator, lossy only when it is not.
+            return Ok(
+                std::str::from_utf8(rel).map_or_else(|_| String::from_utf8_lossy(rel).into_owned(), str::to_owned)
+            );
         }
         let abs = if path.is_absolute() {
             normalize(path)
