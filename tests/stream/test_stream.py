@@ -620,6 +620,10 @@ def test_a_publish_writes_its_changed_tensors_into_the_spares_the_agent_allocate
     # After that publish the spares follow its sizes: one 1 MiB spare, none left of the one taken.
     wait_for("one spare", lambda: len(list(spares.iterdir())) == 1)
     assert all(p.stat().st_size == 4 * big for p in spares.iterdir())
+    # What they hold is reported beside the versions' memory.
+    assert stream.streams()["spare_bytes"] == 4 * big
+    shown = stream_cli(sock, "ls")
+    assert shown.returncode == 0 and "allocated ahead for the next publish" in shown.stdout, shown
 
 
 def test_the_stream_directory_of_a_killed_agent_goes_when_the_next_agent_starts(tmp_path: Path) -> None:

@@ -72,7 +72,11 @@ def stream_ls(socket: Path | None, as_json: bool) -> None:
             f"{s['name']:<24} {s['latest']:>7} {len(s['versions']):>5} {human(size):>10} "
             f"{s['subscribers']:>11} {s['pulled']:>7}"
         )
-    click.echo(f"shared memory held: {human(report['held_bytes'])} in {report['tensor_files']} tensor files")
+    spares = report.get("spare_bytes", 0)
+    ahead = f", and {human(spares)} allocated ahead for the next publish" if spares else ""
+    click.echo(
+        f"shared memory held: {human(report['held_bytes'])} in {report['tensor_files']} tensor files{ahead}"
+    )
 
 
 @stream.command("show")

@@ -18,6 +18,8 @@ struct Report<'a> {
     /// Bytes of the tensor files held.
     held_bytes: u64,
     tensor_files: usize,
+    /// Bytes of the spare files allocated for the next publish (`spares.rs`).
+    spare_bytes: u64,
     streams: Vec<StreamReport<'a>>,
     /// Bytes served to other nodes' agents.
     served_bytes: u64,
@@ -86,11 +88,14 @@ impl Streams {
             })
             .collect();
         let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
+        let spares = std::fs::read_dir(self.dir.join("spares")).into_iter().flatten().flatten();
+        let spare_bytes = spares.filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum();
         answer(Report {
             dir: &self.dir,
             keep: self.keep,
             held_bytes: held,
             tensor_files: st.blobs.len(),
+            spare_bytes,
             streams,
             served_bytes: self.served_bytes.load(Ordering::Relaxed),
             redis: self.remote.get().map(|(r, _)| r.redis.as_str()),
