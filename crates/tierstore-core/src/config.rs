@@ -22,7 +22,7 @@ use crate::writeback::config::{self as writeback, Destination};
 use layers::Raw;
 pub use layers::{Overrides, RESOLVED_ENV, RESOLVED_FROM_ENV};
 use settings::{default_value, keys_of, Table};
-use values::{bad, expand_home, parse_duration, scalar, SIZE_FIX};
+use values::{bad, boolean, expand_home, parse_duration, scalar, SIZE_FIX};
 
 /// How a cached copy is checked when it is opened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -421,13 +421,7 @@ pub fn load_stream(overrides: &Overrides) -> Result<StreamConfig, ConfigError> {
                     bad(o, "stream.keep", &text, "is not a count of versions", "use a whole number from 1 up, e.g. 2")
                 })?);
             }
-            "spares" => {
-                c.spares = Some(match text.trim().to_ascii_lowercase().as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => return Err(bad(o, "stream.spares", &text, "is not true or false", "write spares = false")),
-                });
-            }
+            "spares" => c.spares = Some(boolean(o, "stream.spares", &text, "write spares = false")?),
             _ => c.dir = Some(expand_home(&text)),
         }
     }

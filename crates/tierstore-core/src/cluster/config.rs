@@ -25,7 +25,7 @@ use std::path::PathBuf;
 
 use super::token::{default_token_file, read_token, TOKEN_FIX};
 use crate::config::settings;
-use crate::config::values::{bad, expand_home, scalar, ConfigError, Origin};
+use crate::config::values::{bad, boolean, expand_home, scalar, ConfigError, Origin};
 
 /// The port agents listen on for peers when none is configured.
 pub const DEFAULT_PORT: u16 = 7078;
@@ -188,11 +188,7 @@ fn one_value_keys(written: &Written<'_>, slurm_job: Option<&str>) -> Result<Clus
         c.listen = v;
     }
     if let Some((v, o)) = written.text("encrypt") {
-        c.encrypt = match v.trim().to_ascii_lowercase().as_str() {
-            "true" | "1" | "yes" | "on" => true,
-            "false" | "0" | "no" | "off" => false,
-            _ => return Err(bad(o, "cluster.encrypt", &v, "is not true or false", "write encrypt = true or false")),
-        };
+        c.encrypt = boolean(o, "cluster.encrypt", &v, "write encrypt = true or false")?;
     }
     c.token_file = written.text("token_file").map(|(v, _)| expand_home(&v));
     if let Some((v, o)) = written.text("registry") {

@@ -47,6 +47,16 @@ pub struct ConfigError {
     pub fix: String,
 }
 
+/// A boolean key's value (`true`, `false`, and the words the environment spells them with), or the error
+/// naming `key` and the `fix`.
+pub(crate) fn boolean(origin: &Origin, key: &str, text: &str, fix: &str) -> Result<bool, ConfigError> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(bad(origin, key, text, "is not true or false", fix)),
+    }
+}
+
 /// The one way every section builds its errors: where, which key, which value, what is wrong, the fix.
 pub(crate) fn bad(origin: &Origin, key: &str, value: impl fmt::Display, problem: &str, fix: &str) -> ConfigError {
     ConfigError {
