@@ -159,11 +159,10 @@ class Cache:
                 f"tierstore.open({os.fsdecode(path)!r}, mode={mode!r}): the cache serves reads only; "
                 "use mode 'rb' or 'r', and open files you write with the built-in open()"
             )
-        name = path if type(path) is str else os.fsdecode(path)
-        raw = CachedFile(self._core.open(path), name)
-        learning = getattr(_opened, "paths", None)
+        raw = self._core.open(path)
+        learning = _opened.paths
         if learning is not None:  # a DataLoader worker learning its samples' files (learned_order)
-            learning.append(self._absolute(name))
+            learning.append(self._absolute(raw.name))
         if "b" in mode:
             return raw
         return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding)

@@ -31,8 +31,16 @@ from typing import Any
 # The attribute on a dataset that names the loader's learned-order log to its workers.
 LOG_ATTRIBUTE = "_tierstore_learned_order"
 
-# The Python API's record: `Cache.open` adds each path it opens to this thread's list while one runs.
-opened = threading.local()
+
+class _Opened(threading.local):
+    """The Python API's record: `Cache.open` adds each path it opens to this thread's list while one runs.
+    None outside a record, as a class attribute: `opened.paths` is then a plain lookup, where `getattr` of
+    a thread-local's missing attribute raises and catches an AttributeError (0.55 µs of every warm open)."""
+
+    paths: list[str] | None = None
+
+
+opened = _Opened()
 
 
 # Recording, in a worker ----------------------------------------------------------------------------
@@ -85,14 +93,15 @@ def recording() -> Iterator[list[str]]:
     shim = _shim()
     if shim.start is not None:
         shim.start()
-    outer = getattr(opened, "paths", None)
-    opened.paths = []
+    outer = opened.paths
+    record: list[str] = []
+    opened.paths = record
     files: list[str] = []
     try:
         yield files
     finally:
         files.extend(shim.taken())
-        files.extend(opened.paths)
+        files.extend(record)
         opened.paths = outer
 
 

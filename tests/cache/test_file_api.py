@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 
@@ -67,8 +68,6 @@ def test_readinto_fills_the_callers_buffer(cache: tierstore.Cache, source: Path)
 
 
 def test_fileno_is_a_real_descriptor_of_the_copy(cache: tierstore.Cache, source: Path) -> None:
-    import os
-
     p = source / "x.bin"
     p.write_bytes(content(2, 5000))
     with cache.open(p) as f:
@@ -101,11 +100,42 @@ def test_a_file_dropped_unclosed_lets_go_of_its_copy(cache: tierstore.Cache, sou
 
     p = source / "d"
     p.write_bytes(b"abc")
+    cache.open(p).read()
+    cache.wait()
     f = cache.open(p)
-    reader = f._reader
+    assert f.backing == "tier"
+    held = f"/proc/self/fd/{f.fileno()}"
+    copy = os.readlink(held)
+    assert copy != str(p) and Path(copy).read_bytes() == b"abc"
     del f
     gc.collect()
-    assert reader.closed  # IOBase's finalizer closed it, through CachedFile.close
+    assert not os.path.exists(held) or os.readlink(held) != copy  # its descriptor of the copy is closed
+
+
+def test_it_is_an_io_raw_file_with_a_files_answers(cache: tierstore.Cache, source: Path) -> None:
+    p = source / "r"
+    p.write_bytes(b"abc\ndef")
+    with cache.open(p) as f:
+        assert isinstance(f, io.RawIOBase) and isinstance(f, io.IOBase)
+        assert f.name == str(p) and f.mode == "rb" and f.size == 7
+        assert f.readable() and f.seekable() and not f.writable() and not f.isatty()
+        assert f.flush() is None
+        assert f.read(None) == b"abc\ndef" and f.read() == b""
+        f.seek(0)
+        assert f.readall() == b"abc\ndef"
+        f.seek(0)
+        assert f.readlines(2) == [b"abc\n"] and f.readline(None) == b"def"
+        assert repr(f) == f"<tierstore.CachedFile name={str(p)!r} backing={f.backing}>"
+        for write in (lambda: f.write(b"x"), lambda: f.writelines([b"x"]), f.truncate):
+            with pytest.raises(io.UnsupportedOperation, match="open for reading only"):
+                write()
+    assert repr(f).endswith("backing=closed>")
+    with pytest.raises(ValueError, match="closed file"):
+        f.write(b"x")
+    with pytest.raises(ValueError, match="closed file"):
+        f.flush()
+    with cache.open(os.fsencode(p)) as f:  # a bytes path is named as os.fsdecode spells it
+        assert f.name == str(p)
 
 
 def test_text_mode_and_refused_write_modes(cache: tierstore.Cache, source: Path) -> None:

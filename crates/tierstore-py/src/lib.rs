@@ -5,23 +5,23 @@ mod agent_link;
 mod buffer;
 mod error;
 mod exiting;
+mod file;
 mod pack;
 mod stream;
 mod writeback;
 
 use std::collections::BTreeMap;
-use std::io::SeekFrom;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 use tierstore_core::cache::{OrderedPrefetch, ReadLog};
 use tierstore_core::config::settings::{self, Type};
-use tierstore_core::{Cache, Config, Overrides, PrefetchProgress, Reader};
+use tierstore_core::{Cache, Config, Overrides, PrefetchProgress};
 
-use crate::error::{io_to_py, to_py};
+use crate::error::to_py;
 
 /// A tiered cache of one source directory (see `tierstore.Cache`).
 #[pyclass(name = "Cache", module = "tierstore._core", frozen)]
@@ -128,11 +128,11 @@ impl PyCache {
     }
 
     /// Opens a file under the source for reading.
-    fn open(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<PyReader> {
+    fn open(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<file::PyCachedFile> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
         let reader = crate::exiting::without_gil(py, || engine.open(&p)).map_err(to_py)?;
-        Ok(PyReader { inner: Mutex::new(Some(reader)), name: p.to_string_lossy().into_owned() })
+        Ok(file::PyCachedFile::new(py, reader, path, &p))
     }
 
     /// The path of a current cached copy of `path`, or None.
@@ -509,118 +509,6 @@ fn store_dict<'py>(
     Ok((values, shown.came_from))
 }
 
-/// A file opened through the cache (wrapped by `tierstore.CachedFile`).
-#[pyclass(name = "Reader", module = "tierstore._core", frozen)]
-struct PyReader {
-    inner: Mutex<Option<Reader>>,
-    name: String,
-}
-
-fn closed() -> PyErr {
-    PyValueError::new_err("I/O operation on closed file")
-}
-
-impl PyReader {
-    fn with<T>(&self, f: impl FnOnce(&mut Reader) -> PyResult<T>) -> PyResult<T> {
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        f(g.as_mut().ok_or_else(closed)?)
-    }
-}
-
-#[pymethods]
-impl PyReader {
-    /// Reads up to `size` bytes (all that is left if negative).
-    #[pyo3(signature = (size=-1), text_signature = "(self, size=-1)")]
-    fn read<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
-        let name = &self.name;
-        self.with(|r| {
-            let left = r.size().saturating_sub(r.tell());
-            let n = if size >= 0 { (size as u64).min(left) } else { left } as usize;
-            crate::buffer::bytes_filled(py, n, |buf| {
-                // The new bytes object is not visible to any other thread yet: fill it without the GIL.
-                crate::exiting::without_gil(py, || r.read_full_uninit(buf)).map_err(|e| io_to_py(e, Some(name)))
-            })
-        })
-    }
-
-    /// Reads into a writable buffer (bytearray, memoryview, numpy array) with no intermediate copy.
-    fn readinto(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let buf = buffer::ByteBuffer::get(buffer)?;
-        if buf.readonly() {
-            return Err(PyTypeError::new_err("readinto() needs a writable buffer"));
-        }
-        if !buf.is_c_contiguous() {
-            return Err(PyTypeError::new_err("readinto() needs a contiguous buffer"));
-        }
-        let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
-        let name = &self.name;
-        self.with(|r| {
-            crate::exiting::without_gil(py, || {
-                // SAFETY: the exported buffer stays valid and unresizable while `buf` holds it.
-                let slice = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-                r.read_full(slice)
-            })
-            .map_err(|e| io_to_py(e, Some(name)))
-        })
-    }
-
-    /// Reads one line (up to `size` bytes if non-negative).
-    #[pyo3(signature = (size=-1), text_signature = "(self, size=-1)")]
-    fn readline<'py>(&self, py: Python<'py>, size: i64) -> PyResult<Bound<'py, PyBytes>> {
-        let name = &self.name;
-        let limit = (size >= 0).then_some(size as usize);
-        let line =
-            self.with(|r| crate::exiting::without_gil(py, || r.read_line(limit)).map_err(|e| io_to_py(e, Some(name))))?;
-        Ok(PyBytes::new(py, &line))
-    }
-
-    /// Moves the position; `whence` is 0 (start), 1 (current) or 2 (end).
-    #[pyo3(signature = (offset, whence=0))]
-    fn seek(&self, offset: i64, whence: i32) -> PyResult<u64> {
-        let to = match whence {
-            0 if offset >= 0 => SeekFrom::Start(offset as u64),
-            0 => return Err(PyValueError::new_err(format!("negative seek position {offset}"))),
-            1 => SeekFrom::Current(offset),
-            2 => SeekFrom::End(offset),
-            _ => return Err(PyValueError::new_err(format!("invalid whence ({whence}, should be 0, 1 or 2)"))),
-        };
-        self.with(|r| r.seek(to).map_err(|e| PyValueError::new_err(e.to_string())))
-    }
-
-    /// The current position.
-    fn tell(&self) -> PyResult<u64> {
-        self.with(|r| Ok(r.tell()))
-    }
-
-    /// The descriptor of a real file with exactly these bytes, or None (bytes held in memory).
-    fn fileno(&self) -> PyResult<Option<i32>> {
-        self.with(|r| Ok(r.fd()))
-    }
-
-    /// Size of the file in bytes.
-    #[getter]
-    fn size(&self) -> PyResult<u64> {
-        self.with(|r| Ok(r.size()))
-    }
-
-    /// Where the bytes come from: "tier", "memory", "copying" or "source".
-    #[getter]
-    fn backing(&self) -> PyResult<&'static str> {
-        self.with(|r| Ok(r.backing_kind()))
-    }
-
-    /// Releases the file (and its hold on the cached copy).
-    fn close(&self) {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-    }
-
-    /// True once closed.
-    #[getter]
-    fn closed(&self) -> bool {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none()
-    }
-}
-
 /// Progress of a prefetch.
 #[pyclass(name = "Prefetch", module = "tierstore._core", frozen)]
 struct PyPrefetch {
@@ -769,7 +657,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Under `tierstore run` the shim is loaded in this process too: keep this engine's file calls from it.
     tierstore_core::interposer::find();
     m.add_class::<PyCache>()?;
-    m.add_class::<PyReader>()?;
+    m.add_class::<file::PyCachedFile>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
     m.add_function(wrap_pyfunction!(effective_config, m)?)?;
