@@ -506,10 +506,25 @@ impl ObjectSource {
         Ok((meta, bytes))
     }
 
+    /// `fut` run to its end as a task of the runtime, this thread waiting for its result. A response's
+    /// body arrives frame by frame from the connection's task on a runtime thread: awaited here, by
+    /// `block_on` on the caller's thread, every frame was a wake-up across threads; as a task it is read
+    /// where the connection runs, and this thread wakes once. The tierstore process's CPU while
+    /// `tierstore prefetch` copied the peers benchmark's dataset fell by a tenth (paired rounds:
+    /// docs/benchmarks/peers.md); the profile's top symbols were the scheduler's switches and wake-ups.
+    fn on_runtime<T: Send + 'static>(
+        &self,
+        fut: impl std::future::Future<Output = object_store::Result<T>> + Send + 'static,
+    ) -> io::Result<object_store::Result<T>> {
+        let rt = self.runtime()?;
+        let handle = rt.spawn(fut);
+        Ok(rt.block_on(async move { handle.await.map_err(|e| object_store::Error::JoinError { source: e })? }))
+    }
+
     /// Reads `range` of the version `sid` (the bytes, or an error if the object changed).
     fn read_range(&self, rel: &str, key: &Key, sid: &SourceId, range: Range<u64>) -> io::Result<bytes::Bytes> {
         let fut = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(range));
-        let (meta, bytes) = self.runtime()?.block_on(fut).map_err(|e| self.error(rel, e))?;
+        let (meta, bytes) = self.on_runtime(fut)?.map_err(|e| self.error(rel, e))?;
         if identity(&meta) != *sid {
             return Err(self.changed(rel));
         }
@@ -628,13 +643,12 @@ impl Source for ObjectSource {
     fn open(&self, rel: &str) -> io::Result<SourceFile> {
         self.counters.add(slot::OPENS, 1);
         let key = self.key(rel)?;
-        let rt = self.runtime()?;
         let first = Self::get(self.store.clone(), self.counters.clone(), key.clone(), Some(0..self.config.range_size));
-        let (meta, head) = match rt.block_on(first) {
+        let (meta, head) = match self.on_runtime(first)? {
             Ok(x) => x,
             // An empty object has no first byte to ask for: a store answers the range with 416.
-            Err(e) if range_refused(&e) => rt
-                .block_on(Self::get(self.store.clone(), self.counters.clone(), key.clone(), None))
+            Err(e) if range_refused(&e) => self
+                .on_runtime(Self::get(self.store.clone(), self.counters.clone(), key.clone(), None))?
                 .map_err(|e| self.error(rel, e))?,
             Err(e) => return Err(self.error(rel, e)),
         };
