@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -230,3 +231,36 @@ def test_default_cache_reads_the_environment(
         assert f.read() == b"from env"
     cfg = tierstore.default_cache().config()
     assert cfg["tiers"][1] == "$TIERSTORE_TIERS" and cfg["tiers"][0][0]["quota"] == 2 << 20
+
+
+def test_a_close_from_another_thread_waits_for_a_read_in_progress(source: Path, shm_dir: Path) -> None:
+    """A read holds the file's lock without the GIL; a close from another thread, which holds the GIL,
+    must give it up while it waits, or the reader could never take it back (a deadlock before 2026-12-04)."""
+    import threading
+    import time
+
+    data = content(3, 48 << 20)
+    p = source / "large.bin"
+    p.write_bytes(data)
+    big = tierstore.Cache(source, [f"{shm_dir / 'big'}:256M"])
+    with big.open(p) as f:
+        f.read()
+    big.wait()
+
+    def read(f: Any, got: list[Any]) -> None:
+        try:
+            got.append(f.read())
+        except ValueError as e:  # closed before the read took the lock
+            got.append(e)
+
+    for _ in range(5):
+        f = big.open(p)
+        got: list[Any] = []
+        reader = threading.Thread(target=read, args=(f, got))
+        reader.start()
+        time.sleep(0.002)
+        f.close()
+        reader.join(20)
+        assert not reader.is_alive(), "the read and the close deadlocked"
+        assert f.closed
+        assert got and (got[0] == data or isinstance(got[0], ValueError))
