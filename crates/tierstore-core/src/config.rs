@@ -285,7 +285,7 @@ fn source_dir(
     resolved: Option<&(String, String)>,
 ) -> Result<(PathBuf, Option<PathBuf>), ConfigError> {
     let given = expand_home(text);
-    let given = crate::source::normalize(&std::path::absolute(&given).unwrap_or(given));
+    let given = crate::source::normalized(std::path::absolute(&given).unwrap_or(given));
     let source = match resolved_by_parent(&given, resolved) {
         Some(resolved) => resolved,
         None => {

@@ -240,6 +240,30 @@ pub enum Backing {
     Private(File),
 }
 
+impl Backing {
+    /// The descriptor of the cached copy or source file this backing is, if it is one.
+    pub fn into_file(self) -> Option<File> {
+        match self {
+            Backing::Copy(f, _) | Backing::Private(f) => Some(f),
+            Backing::Source(f) => f.into_file(),
+            Backing::Memory(_) | Backing::Growing(_) => None,
+        }
+    }
+
+    /// [`Backing::into_file`] for a program that reads the descriptor itself: the `size` bytes of a
+    /// cached copy count as served when it is handed over (its reads are no longer seen).
+    pub fn into_served_file(self, size: u64) -> Option<File> {
+        self.count_served(size as usize);
+        self.into_file()
+    }
+
+    fn count_served(&self, n: usize) {
+        if let Backing::Copy(_, tier) = self {
+            tier.counters.add(tier_slot::BYTES_SERVED, n as u64);
+        }
+    }
+}
+
 /// Reads `file` from `offset` into `buf` until it is full or the file ends (retrying a short or interrupted
 /// read), without forming a reference to the unwritten memory; returns the bytes written.
 fn pread_uninit(file: &File, buf: &mut [MaybeUninit<u8>], offset: u64) -> io::Result<usize> {
@@ -283,18 +307,13 @@ impl Reader {
 
     /// The descriptor of the cached copy or source file this reader reads, if it reads one directly.
     pub fn into_file(self) -> Option<File> {
-        match self.backing {
-            Backing::Copy(f, _) | Backing::Private(f) => Some(f),
-            Backing::Source(f) => f.into_file(),
-            Backing::Memory(_) | Backing::Growing(_) => None,
-        }
+        self.backing.into_file()
     }
 
     /// [`into_file`](Self::into_file) for a program that reads the descriptor itself: the job's reads of
     /// a cached copy are no longer seen, so the whole copy counts as served when it is handed over.
     pub fn into_served_file(self) -> Option<File> {
-        self.count_served(self.size as usize);
-        self.into_file()
+        self.backing.into_served_file(self.size)
     }
 
     /// The file's size in bytes.
@@ -416,9 +435,7 @@ impl Reader {
 
     /// Counts bytes handed to the job from a cached copy.
     fn count_served(&self, n: usize) {
-        if let Backing::Copy(_, tier) = &self.backing {
-            tier.counters.add(tier_slot::BYTES_SERVED, n as u64);
-        }
+        self.backing.count_served(n);
     }
 
     /// Reads at `offset` (within the file) from the backing, without counting bytes served.

@@ -255,7 +255,7 @@ pub(crate) fn absolute_at(dirfd: c_int, bytes: &[u8]) -> Option<PathBuf> {
         };
         base.join(OsStr::from_bytes(bytes))
     };
-    Some(tierstore_core::source::normalize(&joined))
+    Some(tierstore_core::source::normalized(joined))
 }
 
 fn contains_dotdot(b: &[u8]) -> bool {

@@ -82,6 +82,11 @@ trait Want {
     fn purposes(&self) -> (Purpose, Purpose);
     /// A current copy a tier holds, as this open takes it (`None`: not so; the open goes on as a miss).
     fn on_copy(&self, copy: Reader) -> Option<Self::Opened>;
+    /// [`Want::on_copy`] of the copy `backing` (of `size` bytes), for an open that may take it without a
+    /// reader around it.
+    fn on_backing(&self, storage: &Storage, backing: Backing, size: u64, rel: &str) -> Option<Self::Opened> {
+        self.on_copy(storage.reader(backing, size, rel))
+    }
     /// What a fetch this open led produced.
     fn on_fetch(&self, fetched: Fetched) -> Next<Self::Opened>;
     /// What another thread's flight delivered, of the version this open serves (`None`: look again).
@@ -188,6 +193,11 @@ impl Want for ForProgram {
 
     fn on_copy(&self, copy: Reader) -> Option<Native> {
         copy.into_served_file().map(Native::Whole)
+    }
+
+    fn on_backing(&self, _: &Storage, backing: Backing, size: u64, _: &str) -> Option<Native> {
+        // The shim's warm open: the descriptor, without a reader's name and handle of the source to drop.
+        backing.into_served_file(size).map(Native::Whole)
     }
 
     fn on_fetch(&self, fetched: Fetched) -> Next<Native> {
@@ -374,7 +384,7 @@ impl Inner {
         let Some(backing) = self.storage.lookup().first_tier_copy(&found, &key, rel, &sid, Look::First) else {
             return Ok(None);
         };
-        Ok(want.on_copy(self.storage.reader(backing, sid.size, rel)))
+        Ok(want.on_backing(&self.storage, backing, sid.size, rel))
     }
 
     /// [`Inner::open_native_rel`] whose first look at the tiers is `look` (one already counted by the

@@ -42,7 +42,7 @@ pub mod store_shown;
 
 #[cfg(feature = "object-store")]
 pub use object::{ObjectFile, ObjectSource};
-pub use posix::{list_dir, normalize, open_at, open_at_c, open_dir, PosixSource};
+pub use posix::{list_dir, normalize, normalized, open_at, open_at_c, open_dir, PosixSource};
 
 /// A source file opened for reading, pinned to one version.
 pub enum SourceFile {

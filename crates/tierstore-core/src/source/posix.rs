@@ -41,6 +41,16 @@ pub fn normalize(path: &Path) -> PathBuf {
     rebuilt(path)
 }
 
+/// [`normalize`] of a path the caller owns: one spelled plainly is handed back as it is, not copied (the
+/// shim's every open under the source builds one).
+pub fn normalized(path: PathBuf) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    if plain_absolute(path.as_os_str().as_bytes()) {
+        return path;
+    }
+    rebuilt(&path)
+}
+
 /// `path` rebuilt component by component, `.` dropped and `..` taken back: [`normalize`] of any path.
 fn rebuilt(path: &Path) -> PathBuf {
     let mut out = PathBuf::from("/");
@@ -156,7 +166,7 @@ impl PosixSource {
         let abs = if path.is_absolute() {
             normalize(path)
         } else {
-            normalize(&std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path))
+            normalized(std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path))
         };
         let rel = abs.strip_prefix(&self.root).or_else(|e| self.alias.as_ref().map_or(Err(e), |a| abs.strip_prefix(a)));
         match rel {
@@ -720,6 +730,7 @@ mod tests {
             // Returned as it is or rebuilt, the answer is the one rebuilding gives (the way every path took
             // before plain ones were returned as they are).
             assert_eq!(normalize(Path::new(path)), rebuilt(Path::new(path)), "{path}");
+            assert_eq!(normalized(PathBuf::from(path)), rebuilt(Path::new(path)), "{path}");
         }
     }
 

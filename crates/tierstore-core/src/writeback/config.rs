@@ -114,7 +114,7 @@ pub fn stage_dir(configured: &Path) -> PathBuf {
 /// A configured path made absolute (`~` is the home directory) and normalized.
 fn absolute(p: &str) -> PathBuf {
     let p = expand_home(p);
-    crate::source::normalize(&std::path::absolute(&p).unwrap_or(p))
+    crate::source::normalized(std::path::absolute(&p).unwrap_or(p))
 }
 
 /// Validates the `writeback` value (from the file or the environment). Stage directories are created
