@@ -64,8 +64,8 @@ impl PyCachedFile {
             match self.inner.try_lock() {
                 Ok(g) => return g,
                 Err(TryLockError::Poisoned(p)) => return p.into_inner(),
-                // Wait for the holder without the GIL, then try again with it.
-                Err(TryLockError::WouldBlock) => py.allow_threads(|| drop(self.inner.lock())),
+                // Wait for the holder without the GIL (safely at exit: `exiting`), then try again with it.
+                Err(TryLockError::WouldBlock) => crate::exiting::without_gil(py, || drop(self.inner.lock())),
             }
         }
     }
