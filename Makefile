@@ -121,6 +121,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_prefetch.py --out docs/benchmarks/prefetch.md
 	$(PY) bench/bench_warm_read.py --out docs/benchmarks/warm-read.md --perf
 	$(PY) bench/bench_warm_read.py --size 4096 --passes 60 --out docs/benchmarks/warm-read-4k.md --perf
+	$(PY) bench/bench_file_object.py --out docs/benchmarks/file-object.md
 	$(PY) bench/bench_shim_open.py --out docs/benchmarks/shim-open.md --perf
 	$(PY) bench/bench_s3.py --out docs/benchmarks/s3.md --plot docs/benchmarks/s3.png
 	$(PY) bench/bench_revalidate.py --out docs/benchmarks/revalidate.md
