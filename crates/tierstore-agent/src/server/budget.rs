@@ -3,11 +3,13 @@
 //!
 //! The agent accepts every connection as soon as it arrives and only then asks the budget, so that the
 //! kernel's accept queue never fills and a SYN of a member is never dropped behind a flood. A connection
-//! still in its handshake that finds the budget full does not wait: the oldest unproven connection (of its
-//! address, when that address has its share; of all, otherwise) is closed for it. A member's handshake takes
-//! one round trip, so it completes long before that many newer connections arrive; a stranger's connection
-//! that never sends a hello is the one that grows old. The sessions' own budget is a reserve that no
-//! number of unproven connections can take.
+//! still in its handshake that finds the budget full does not wait: an older unproven connection is closed
+//! for it, the oldest of its own address when that address has its share, otherwise the oldest of the
+//! address that holds the most (the oldest of all among equals). A member's handshake takes one round
+//! trip and is one connection of its address: a flood from a few dozen addresses, each holding many, loses
+//! its own connections first, even when a member's process is slow to answer (a loaded node: CI saw a
+//! member's handshake closed when the oldest of all went first). The sessions' own budget is a reserve
+//! that no number of unproven connections can take.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::Hash;
@@ -43,6 +45,16 @@ struct State<A> {
 }
 
 impl<A: Copy + Eq + Hash> State<A> {
+    /// The unproven connection to close for a newer one: the oldest of the address that holds the most
+    /// (of the one whose oldest is oldest, among equals).
+    fn eldest_of_the_largest(&self) -> Option<u64> {
+        self.by_address
+            .values()
+            .filter_map(|ids| Some((ids.len(), std::cmp::Reverse(*ids.first()?))))
+            .max()
+            .map(|(_, std::cmp::Reverse(id))| id)
+    }
+
     /// Forgets unproven connection `id`; its [`Unproven::closed`] resolves (unless the connection itself
     /// asked). False when it was no longer counted.
     fn remove(&mut self, id: u64) -> bool {
@@ -77,8 +89,8 @@ impl<A: Copy + Eq + Hash> Budget<A> {
     }
 
     /// Counts a connection from `from` that has just been accepted, closing older unproven connections
-    /// where it needs their place: the oldest of `from` when `from` has its share, else the oldest of all
-    /// when all are taken. Returns it, and how many it closed.
+    /// where it needs their place: the oldest of `from` when `from` has its share, else, when all are
+    /// taken, the oldest of the address holding the most. Returns it, and how many it closed.
     pub(super) fn admit(self: &Arc<Self>, from: A) -> (Unproven<A>, usize) {
         let mut s = self.state();
         let mut closed = 0;
@@ -88,8 +100,8 @@ impl<A: Copy + Eq + Hash> Budget<A> {
             closed += oldest.map_or(0, |id| usize::from(s.remove(id)));
         }
         while s.unproven.len() >= self.limits.unproven.max(1) {
-            let Some(oldest) = s.unproven.keys().next().copied() else { break };
-            s.remove(oldest);
+            let Some(victim) = s.eldest_of_the_largest() else { break };
+            s.remove(victim);
             closed += 1;
         }
         let id = s.next;
@@ -100,12 +112,12 @@ impl<A: Copy + Eq + Hash> Budget<A> {
         (Unproven { budget: self.clone(), id, closed: closed_rx }, closed)
     }
 
-    /// Closes the oldest unproven connection, to give its descriptor to a new one (when the process has
-    /// run out of them); false when there is none.
+    /// Closes an unproven connection (the oldest of the address holding the most), to give its descriptor
+    /// to a new one (when the process has run out of them); false when there is none.
     pub(super) fn close_oldest(&self) -> bool {
         let mut s = self.state();
-        let oldest = s.unproven.keys().next().copied();
-        oldest.is_some_and(|id| s.remove(id))
+        let victim = s.eldest_of_the_largest();
+        victim.is_some_and(|id| s.remove(id))
     }
 
     /// Unproven connections now.
@@ -193,6 +205,24 @@ mod tests {
         assert_eq!(held.remove(0).prove().err(), Some(NoSession::Closed));
         let _session = newest.prove().expect("a session");
         assert_eq!((b.unproven(), b.sessions()), (2, 1));
+    }
+
+    #[test]
+    fn when_all_are_taken_the_address_holding_the_most_loses_its_oldest_not_a_slow_member() {
+        let b = budget(6, 6, 10);
+        // A member's handshake, slow to complete: the oldest unproven connection of all.
+        let (mut member, _) = b.admit(1);
+        // A flood from two addresses fills the rest, then keeps coming.
+        let mut flood: Vec<_> = (0..5u8).map(|i| b.admit(7 + i % 2).0).collect();
+        let newer: Vec<_> = (0..20u8).map(|i| b.admit(7 + i % 2)).collect();
+        assert!(newer.iter().all(|(_, closed)| *closed == 1));
+        assert!(!is_closed(&mut member), "the member's one connection was closed for the flood");
+        assert!(flood.iter_mut().all(is_closed), "the flood's oldest connections are the ones closed");
+        assert_eq!(b.unproven(), 6);
+        assert!(member.prove().is_ok());
+        // Out of descriptors: the flood's oldest goes first too.
+        let (mut other, _) = b.admit(2);
+        assert!(b.close_oldest() && !is_closed(&mut other));
     }
 
     #[test]
