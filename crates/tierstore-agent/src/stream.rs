@@ -483,7 +483,7 @@ impl Streams {
         conn.pending = Some(Pending { id, name: name.to_string(), base: base.as_ref().map(|b| b.0) });
         std::fs::create_dir(&tmp).map_err(io_err("cannot create", &tmp))?;
         let base = base.map(|(version, manifest)| Base { version, manifest });
-        let spares = self.spares.as_ref().map(|_| self.dir.join("spares"));
+        let spares = self.spares.as_ref().map(|k| k.dir().to_path_buf());
         Ok(answer(Begun { publish: id, dir: tmp, blobs: self.dir.join("blobs"), base, spares }))
     }
 

@@ -88,8 +88,7 @@ impl Streams {
             })
             .collect();
         let held: u64 = st.blobs.keys().filter_map(|h| std::fs::metadata(self.blob(h)).ok()).map(|m| m.len()).sum();
-        let spares = std::fs::read_dir(self.dir.join("spares")).into_iter().flatten().flatten();
-        let spare_bytes = spares.filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum();
+        let spare_bytes = self.spares.as_ref().map_or(0, |k| k.bytes());
         answer(Report {
             dir: &self.dir,
             keep: self.keep,

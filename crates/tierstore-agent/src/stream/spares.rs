@@ -34,6 +34,7 @@ const AFTER_COMMIT: std::time::Duration = std::time::Duration::from_millis(60);
 
 /// The thread that keeps the spares of a stream directory, and its off switch.
 pub(super) struct Keeper {
+    dir: PathBuf,
     sizes: Sender<Vec<u64>>,
     /// Set when the directory is being removed; held while a spare is made or removed, so that once set
     /// no file appears in the directory behind its removal.
@@ -46,6 +47,7 @@ impl Keeper {
         let (tx, rx) = channel::<Vec<u64>>();
         let closed = Arc::new(Mutex::new(false));
         let shut = closed.clone();
+        let keeps = dir.clone();
         std::thread::Builder::new()
             .name("tierstore-stream-spares".into())
             .spawn(move || {
@@ -63,11 +65,22 @@ impl Keeper {
                     while let Ok(newer) = rx.try_recv() {
                         sizes = newer;
                     }
-                    match_sizes(&dir, &sizes, &mut made, &shut);
+                    match_sizes(&keeps, &sizes, &mut made, &shut);
                 }
             })
             .expect("spawning a thread");
-        Keeper { sizes: tx, closed }
+        Keeper { dir, sizes: tx, closed }
+    }
+
+    /// The directory of the spares, which a publish takes them from.
+    pub(super) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The bytes the spares hold now.
+    pub(super) fn bytes(&self) -> u64 {
+        let spares = std::fs::read_dir(&self.dir).into_iter().flatten().flatten();
+        spares.filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum()
     }
 
     /// After a commit: the sizes of the tensors the publish wrote new, which the spares are made to match.

@@ -115,11 +115,9 @@ impl Spares {
         Spares { dir: dir.to_path_buf(), by_len: Mutex::new(by_len) }
     }
 
-    /// A spare of exactly `len` bytes renamed to `to` and open for writing, if one is left.
+    /// A spare of exactly `len` bytes renamed to `to` and open for writing, if one is left (the caller
+    /// asks only for `SPARE_MIN` bytes or more: the agent makes none smaller).
     fn take(&self, len: usize, to: &Path) -> Option<File> {
-        if (len as u64) < SPARE_MIN {
-            return None;
-        }
         loop {
             let name = self.by_len.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&(len as u64))?.pop()?;
             if std::fs::rename(self.dir.join(&name), to).is_err() {
@@ -224,14 +222,19 @@ fn same_bytes(path: &Path, bytes: &[u8], check: Check) -> io::Result<bool> {
 /// the name it is written under unique in `dir`), so a name in `dir` never holds part of its bytes; a
 /// small tensor in a new file is the exception, created under its name and written at once.
 fn hash_and_write(bytes: &[u8], dir: &Path, n: usize, spares: Option<&Spares>) -> io::Result<Hash> {
-    let part = dir.join(format!(".part-{n}"));
-    let spare = spares.and_then(|s| s.take(bytes.len(), &part));
+    // The name a file is written under before it takes its own; built only for a file written that way
+    // (a small tensor without a spare, the common case of a model with many, needs none).
+    let part = || dir.join(format!(".part-{n}"));
+    let spare = spares.filter(|_| bytes.len() as u64 >= SPARE_MIN).and_then(|s| {
+        let part = part();
+        s.take(bytes.len(), &part).map(|f| (f, part))
+    });
     if bytes.len() <= SUBTREE {
         // Small enough to stay in cache between hashing and writing, and a model may have tens of
         // thousands of them: no rename unless a spare is written.
         let hash = hash::hash(bytes);
         let to = dir.join(hex(&hash));
-        let Some(f) = spare else {
+        let Some((f, part)) = spare else {
             return match File::create_new(&to) {
                 Ok(f) => f.write_all_at(bytes, 0).map(|()| hash).map_err(|e| at(&to, e)),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(hash),
@@ -241,9 +244,12 @@ fn hash_and_write(bytes: &[u8], dir: &Path, n: usize, spares: Option<&Spares>) -
         let written = f.write_all_at(bytes, 0).map_err(|e| at(&part, e));
         return name_written(written, &part, &to).map(|()| hash);
     }
-    let f = match spare {
-        Some(f) => f,
-        None => File::create_new(&part).map_err(|e| at(&part, e))?,
+    let (f, part) = match spare {
+        Some(taken) => taken,
+        None => {
+            let part = part();
+            (File::create_new(&part).map_err(|e| at(&part, e))?, part)
+        }
     };
     // The root of blake3's tree is finalized differently from every other node.
     let hash = match halves(&f, bytes, 0) {
