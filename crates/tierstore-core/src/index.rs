@@ -14,7 +14,7 @@ use std::path::Path;
 use crate::lmdb::{Db, Env, LmdbError};
 use crate::placement::{AccessStats, Policy};
 
-pub use records::{key_of, Entry, Key, Link, Listed, Listing, SourceAttrs, SourceId};
+pub use records::{key_of, rel_text, Entry, Key, Link, Listed, Listing, SourceAttrs, SourceId};
 pub use xattrs::{XattrAnswer, XattrQuery};
 
 /// Failures of the index.

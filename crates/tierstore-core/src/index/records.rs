@@ -9,6 +9,12 @@ use crate::placement::AccessStats;
 /// paths are not).
 pub type Key = [u8; 16];
 
+/// A source-relative path's bytes as the text the engine names it by: valid UTF-8 nearly always, checked
+/// by the fast validator (a word at a time), and made lossy only when it is not.
+pub fn rel_text(bytes: &[u8]) -> String {
+    std::str::from_utf8(bytes).map_or_else(|_| String::from_utf8_lossy(bytes).into_owned(), str::to_owned)
+}
+
 /// Hashes a source-relative path into its index key.
 pub fn key_of(rel: &str) -> Key {
     let h = blake3::hash(rel.as_bytes());
@@ -262,9 +268,7 @@ impl Entry {
             },
             stats: AccessStats { inserted_seq: field(4), last_access_ns: field(5), hits: field(6) },
             checksum: has_sum.then_some(sum),
-            // Valid UTF-8 nearly always: checked by the fast validator, lossy only when it is not.
-            rel: std::str::from_utf8(&b[rel_at..])
-                .map_or_else(|_| String::from_utf8_lossy(&b[rel_at..]).into_owned(), str::to_owned),
+            rel: rel_text(&b[rel_at..]),
             confirmed_ns,
         })
     }

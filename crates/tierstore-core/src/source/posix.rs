@@ -32,17 +32,12 @@ pub struct PosixSource {
 
 /// Lexically normalizes an absolute path (`.` and `..` removed) without touching the file system.
 pub fn normalize(path: &Path) -> PathBuf {
-    use std::os::unix::ffi::OsStrExt;
-    // Every open under the source by a program under `tierstore run` comes here. A path spelled plainly
-    // is its own normal form: copied, not rebuilt component by component (6% of a warm open's CPU, `perf`).
-    if plain_absolute(path.as_os_str().as_bytes()) {
-        return path.to_path_buf();
-    }
-    rebuilt(path)
+    normalized(path.to_path_buf())
 }
 
-/// [`normalize`] of a path the caller owns: one spelled plainly is handed back as it is, not copied (the
-/// shim's every open under the source builds one).
+/// [`normalize`] of a path the caller owns. Every open under the source by a program under `tierstore
+/// run` comes here: a path spelled plainly is its own normal form, handed back as it is, not rebuilt
+/// component by component (6% of a warm open's CPU, `perf`) nor copied.
 pub fn normalized(path: PathBuf) -> PathBuf {
     use std::os::unix::ffi::OsStrExt;
     if plain_absolute(path.as_os_str().as_bytes()) {
@@ -158,10 +153,7 @@ impl PosixSource {
         // Every open of a program under `tierstore run` comes here: a path spelled plainly under the root
         // is cut, not rebuilt component by component (a few percent of a warm open's CPU, `perf`).
         if let Some(rel) = plain_relative(path.as_os_str().as_bytes(), self.root.as_os_str().as_bytes()) {
-            // Valid UTF-8 nearly always: checked by the fast validator, lossy only when it is not.
-            return Ok(
-                std::str::from_utf8(rel).map_or_else(|_| String::from_utf8_lossy(rel).into_owned(), str::to_owned)
-            );
+            return Ok(crate::index::rel_text(rel));
         }
         let abs = if path.is_absolute() {
             normalize(path)
