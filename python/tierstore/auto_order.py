@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierstore import prefetch_report
+from tierstore._after_import import AfterImport
 from tierstore._log import info as _say
 from tierstore.learned_order import LOG_ATTRIBUTE
 
@@ -58,6 +59,9 @@ FREE_SHARE = 4
 FULL_SHARE = 16
 # The attribute on a dataset that names its read-marks file to the loader's workers.
 MARKS_ATTRIBUTE = "_tierstore_read_marks"
+
+# The module whose loader classes the hook patches.
+DATALOADER = "torch.utils.data.dataloader"
 
 
 def budget_setting() -> int | None:
@@ -673,34 +677,22 @@ def install() -> None:
     """Hooks torch's DataLoader now if it is imported, else as soon as it is; nothing when turned off."""
     if os.environ.get(VARIABLE, "").strip().lower() in OFF:
         return
-    module = sys.modules.get("torch.utils.data.dataloader")
+    module = sys.modules.get(DATALOADER)
     if module is not None and hasattr(module, "_BaseDataLoaderIter"):
         patch(module)
         return
-    if not any(isinstance(f, AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, AfterImport())
+    if not any(isinstance(f, AfterImport) and f.name == DATALOADER for f in sys.meta_path):
+        sys.meta_path.insert(0, after_import())
 
 
-class AfterImport:
-    """A meta path finder that lets torch's DataLoader module load as usual, then hooks it."""
+def after_import() -> AfterImport:
+    """A meta path finder that lets torch's DataLoader module load as usual, then hooks it (the
+    `sitecustomize` of `tierstore run` asks it for the module's spec)."""
+    return AfterImport(DATALOADER, _hook)
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch.utils.data.dataloader":
-            return None
-        import importlib.machinery
 
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            try:
-                patch(module)
-            except Exception as e:
-                _say(f"sampler-aware prefetch is off: torch's DataLoader could not be hooked ({e})")
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _hook(module: Any) -> None:
+    try:
+        patch(module)
+    except Exception as e:
+        _say(f"sampler-aware prefetch is off: torch's DataLoader could not be hooked ({e})")

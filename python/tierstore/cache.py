@@ -6,22 +6,23 @@ import atexit
 import contextlib
 import io
 import json
-import multiprocessing.util
 import os
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from tierstore import _core
+from tierstore._after_import import when_imported
 from tierstore._file import CachedFile
 from tierstore.learned_order import opened as _opened
-from tierstore.types import CacheConfig, CacheStats, PrefetchProgress, Setting
 
 if TYPE_CHECKING:
     from tierstore.order import OrderPrefetch
+    from tierstore.types import CacheConfig, CacheStats, ClusterConfig, PrefetchProgress, Setting
 
 PathLike = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 TierSpec = str | PathLike | tuple[PathLike, int | str | None] | Mapping[str, Any]
@@ -118,12 +119,20 @@ class Cache:
         )
         self._core = _core.Cache(**_core_arguments(tiers, values, config, s3, object_store))
         _live.add(self)
-        cluster = self._core.config().get("cluster")
-        if start_agent and cluster is not None and cluster[0].get("sharing", "off") != "off":
+        cluster = self._sharing()
+        if start_agent and cluster is not None:
             from tierstore import agent
 
             # The node's files must be served to its peers while the job runs.
-            agent.ensure(cluster[0], env=_agent_env(self._args))
+            agent.ensure(cluster, env=_agent_env(self._args))
+
+    def _sharing(self) -> ClusterConfig | None:
+        """The `[cluster]` table when this cache is shared with other nodes (the node's agent must run to
+        serve them), else None."""
+        cluster = self._core.config().get("cluster")
+        if cluster is None or cluster[0].get("sharing", "off") == "off":
+            return None
+        return cluster[0]
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A spawned DataLoader worker gets the same configuration and opens the same node-wide cache.
@@ -442,15 +451,27 @@ def _publish_pending_copies() -> None:
 
 
 class _ExitHook:
-    """Registers the flush with multiprocessing, again in every forked child (which clears the registry)."""
+    """Registers the flush with multiprocessing (`util`, its module), again in every forked child (which
+    clears the registry)."""
+
+    def __init__(self, util: ModuleType) -> None:
+        self.util = util
 
     def __call__(self, _: object = None) -> None:
-        multiprocessing.util.Finalize(None, _publish_pending_copies, exitpriority=10)
+        self.util.Finalize(None, _publish_pending_copies, exitpriority=10)
 
 
-_exit_hook = _ExitHook()
-_exit_hook()
-multiprocessing.util.register_after_fork(_exit_hook, _ExitHook.__call__)
+def _hook_multiprocessing(util: ModuleType) -> None:
+    global _exit_hook
+    _exit_hook = _ExitHook(util)
+    _exit_hook()
+    util.register_after_fork(_exit_hook, _ExitHook.__call__)
+
+
+_exit_hook: _ExitHook | None = None  # held here: multiprocessing keeps only a weak reference to it
+# A process has no multiprocessing children before it imports multiprocessing (whose start takes more
+# than all of tierstore's modules), so the flush is registered with it as it is imported, not before.
+when_imported("multiprocessing.util", _hook_multiprocessing)
 atexit.register(_publish_pending_copies)
 
 _default: Cache | None = None

@@ -18,7 +18,7 @@ class _WhenTorchLoads:
             from tierstore import auto_order
         except Exception:  # tierstore cannot load here: the job runs without the hook
             return None
-        return auto_order.AfterImport().find_spec(name, path, target)
+        return auto_order.after_import().find_spec(name, path, target)
 
 
 def _chain():

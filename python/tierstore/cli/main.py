@@ -6,17 +6,19 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import click
 
 import tierstore
 from tierstore import _core
 from tierstore.cache import Cache, effective_config
-from tierstore.types import Setting
+
+if TYPE_CHECKING:
+    from tierstore.types import Setting
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def human(n: int) -> str:
@@ -39,7 +41,7 @@ def os_error(e: OSError) -> str:
 def _setting(name: str) -> Setting:
     """The setting `name` of the settings table (`_core.SETTINGS`): what its option takes and says."""
     # The stub gives the rows as plain dicts (see _core.pyi); each is a Setting.
-    return cast(Setting, next(s for s in _core.SETTINGS if s["name"] == name))
+    return cast("Setting", next(s for s in _core.SETTINGS if s["name"] == name))
 
 
 def _choices(name: str) -> list[str]:
@@ -182,12 +184,16 @@ def main(
     ctx.obj = make
 
 
-# The agent's socket, for every command that talks to this node's agent.
-socket_option = click.option(
-    "--socket",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="The agent's Unix socket (default: $XDG_RUNTIME_DIR/tierstore/agent.sock, or "
-    "/tmp/tierstore-UID/agent.sock, or ~/.tierstore/run-HOST/agent.sock where another user made "
-    "/tmp/tierstore-UID first).",
-)
+def socket_option(f: F) -> F:
+    """The agent's socket, for every command that talks to this node's agent. (pathlib is imported by
+    those commands only: `tierstore run` starts every job, and takes no path that needs it.)"""
+    from pathlib import Path
+
+    return click.option(
+        "--socket",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="The agent's Unix socket (default: $XDG_RUNTIME_DIR/tierstore/agent.sock, or "
+        "/tmp/tierstore-UID/agent.sock, or ~/.tierstore/run-HOST/agent.sock where another user made "
+        "/tmp/tierstore-UID first).",
+    )(f)

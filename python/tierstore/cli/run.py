@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -16,17 +15,15 @@ from tierstore.cli.main import human, main
 
 def preload_library() -> str:
     """The path of the LD_PRELOAD shim installed with the package."""
-    import glob
-
     import tierstore
 
     here = os.path.dirname(os.path.abspath(tierstore.__file__))  # the shim sits beside the package's face
-    found = sorted(glob.glob(os.path.join(here, "_preload*.so")))
+    found = sorted(n for n in os.listdir(here) if n.startswith("_preload") and n.endswith(".so"))
     if not found:
         raise click.ClickException(
             f"the LD_PRELOAD shim is missing from {here}; reinstall tierstore with `pip install .`"
         )
-    return found[0]
+    return os.path.join(here, found[0])
 
 
 def site_directory() -> str:
@@ -46,7 +43,7 @@ def site_directory() -> str:
 )
 @click.option(
     "--order",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(dir_okay=False),
     envvar="TIERSTORE_ORDER",
     help="A file listing the files the job will read, one per line, in order: prefetch them ahead of the "
     "reads (also $TIERSTORE_ORDER).",
@@ -60,7 +57,7 @@ def site_directory() -> str:
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(make: Any, revalidate: str | None, order: Path | None, budget: str, command: tuple[str, ...]) -> None:
+def run(make: Any, revalidate: str | None, order: str | None, budget: str, command: tuple[str, ...]) -> None:
     """Run COMMAND with its reads of the source served from the cache, unchanged.
 
     \b
@@ -122,12 +119,12 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
         # The source is checked and its symlinks resolved here, once for the whole job: every process the
         # command starts (DataLoader workers, each epoch) would otherwise ask the store again.
         env.update(cache._core.resolved_env())
-    cluster = cache.config().get("cluster") if cache is not None else None
+    cluster = cache._sharing() if cache is not None else None
     if cluster is not None:
         from tierstore import agent as agent_mod
 
         try:
-            agent_mod.ensure(cluster[0], env=env)
+            agent_mod.ensure(cluster, env=env)
         except agent_mod.AgentError as e:
             raise click.ClickException(str(e)) from e
     if writeback_dests:
@@ -153,9 +150,7 @@ def run(make: Any, revalidate: str | None, order: Path | None, budget: str, comm
         raise click.ClickException(f"cannot run {command[0]!r}: {e.strerror}") from e
 
 
-def _run_ordered(
-    cache: Cache, order: Path, budget: str, command: tuple[str, ...], env: dict[str, str]
-) -> int:
+def _run_ordered(cache: Cache, order: str, budget: str, command: tuple[str, ...], env: dict[str, str]) -> int:
     """Runs `command` as a child while this process prefetches the files of `order` ahead of its reads.
 
     The child's opens (through the shim, in any of its processes) mark what they read in the prefetch's
@@ -172,7 +167,8 @@ def _run_ordered(
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--budget") from e
     try:
-        lines = order.read_text().splitlines()
+        with open(order, encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except OSError as e:
         raise click.BadParameter(
             f"{order}: {e.strerror}; give a file listing the job's files one per line, in reading order",
