@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -95,6 +96,42 @@ def test_worker_exit_publishes_queued_copies(source: Path, tier: str) -> None:
     assert p.exitcode == 0
     s = cache.stats()["tiers"][0]
     assert s["entries"] == len(files) and s["in_flight"] == 0
+
+
+# A process that imports tierstore before multiprocessing: tierstore registers its exit flush as
+# multiprocessing loads, and must not have loaded it (nor its own cache module) itself.
+_IMPORTED_FIRST = """
+import sys
+import tierstore
+assert "multiprocessing.util" not in sys.modules and "tierstore.cache" not in sys.modules, sorted(sys.modules)
+cache = tierstore.Cache(sys.argv[1], [sys.argv[2] + ":1G"], threads=1)
+import multiprocessing
+
+def leave_at_once(paths):
+    for p in paths:
+        cache.open(p).read()
+
+p = multiprocessing.get_context("fork").Process(target=leave_at_once, args=(sys.argv[3:],))
+p.start()
+p.join(60)
+assert p.exitcode == 0, p.exitcode
+s = cache.stats()["tiers"][0]
+print(s["entries"], s["in_flight"])
+"""
+
+
+def test_worker_exit_publishes_queued_copies_when_multiprocessing_is_imported_after_tierstore(
+    source: Path, tier: str
+) -> None:
+    files = make_files(source, 300, size=200_000)
+    r = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_FIRST, str(source), tier, *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(len(files)), "0"], r.stdout
 
 
 def test_rewritten_source_file_is_fetched_again(source: Path, tier: str) -> None:
@@ -414,3 +451,20 @@ def test_prefetch_warms_everything_and_reports_progress(source: Path, tier: str)
     assert cache.stats()["source"]["bytes_read"] == before
     again = cache.prefetch([source / "f0"], progress=False)
     assert again["files_copied"] == 0 and again["files_done"] == 50
+
+
+def test_every_name_the_package_exports_resolves_in_a_fresh_process() -> None:
+    """The face loads its modules on first use: each name of `__all__`, and the modules `import tierstore`
+    used to load with it, are still there, and `import *` gives them all."""
+    script = (
+        "import tierstore\n"
+        "names = {n: getattr(tierstore, n) for n in tierstore.__all__}\n"
+        "assert tierstore.cache.Cache is names['Cache'] and tierstore.writeback.sync is names['sync']\n"
+        "ns = {}\n"
+        "exec('from tierstore import *', ns)\n"
+        "assert all(ns[n] is v for n, v in names.items())\n"
+        "print(sorted(names))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "'Cache'" in r.stdout and "'sync'" in r.stdout, r.stdout
