@@ -56,6 +56,9 @@ else:
         globals()[name] = value
         return value
 
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY, *_SUBMODULES})
+
 
 __all__ = [
     "Cache",

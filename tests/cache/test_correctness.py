@@ -463,6 +463,7 @@ def test_every_name_the_package_exports_resolves_in_a_fresh_process() -> None:
         "ns = {}\n"
         "exec('from tierstore import *', ns)\n"
         "assert all(ns[n] is v for n, v in names.items())\n"
+        "assert set(tierstore.__all__) <= set(dir(tierstore))\n"
         "print(sorted(names))\n"
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
