@@ -44,7 +44,7 @@ else:
     }
 
     # The modules that were imported with the package before (`tierstore.cache.X` after `import tierstore`).
-    _SUBMODULES = ("cache", "writeback", "_file")
+    _SUBMODULES = ("cache", "writeback", "_file", "types")
 
     def __getattr__(name: str) -> object:
         if name in _SUBMODULES:

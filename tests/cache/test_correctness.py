@@ -458,6 +458,7 @@ def test_every_name_the_package_exports_resolves_in_a_fresh_process() -> None:
     used to load with it, are still there, and `import *` gives them all."""
     script = (
         "import tierstore\n"
+        "assert tierstore.types.CacheStats.__name__ == 'CacheStats'\n"
         "names = {n: getattr(tierstore, n) for n in tierstore.__all__}\n"
         "assert tierstore.cache.Cache is names['Cache'] and tierstore.writeback.sync is names['sync']\n"
         "ns = {}\n"
