@@ -25,7 +25,7 @@ class AfterImport:
 
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None  # found elsewhere (frozen, zipped): the hook waits for a load it can follow
+            return None  # found by another finder (frozen, say): the hook waits for a load it can follow
         with contextlib.suppress(ValueError):  # one load, one call
             sys.meta_path.remove(self)
         loader = spec.loader
@@ -45,5 +45,11 @@ def when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
     module = sys.modules.get(name)
     if module is not None:
         then(module)
-    elif not any(isinstance(f, AfterImport) and f.name == name and f.then == then for f in sys.meta_path):
+    else:
+        wait_for_import(name, then)
+
+
+def wait_for_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Calls `then(module)` once the module `name` is next imported; waiting already, nothing more."""
+    if not any(isinstance(f, AfterImport) and f.name == name and f.then == then for f in sys.meta_path):
         sys.meta_path.insert(0, AfterImport(name, then))

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierstore import prefetch_report
-from tierstore._after_import import AfterImport
+from tierstore._after_import import AfterImport, wait_for_import
 from tierstore._log import info as _say
 from tierstore.learned_order import LOG_ATTRIBUTE
 
@@ -681,8 +681,7 @@ def install() -> None:
     if module is not None and hasattr(module, "_BaseDataLoaderIter"):
         patch(module)
         return
-    if not any(isinstance(f, AfterImport) and f.name == DATALOADER for f in sys.meta_path):
-        sys.meta_path.insert(0, after_import())
+    wait_for_import(DATALOADER, _hook)
 
 
 def after_import() -> AfterImport:
