@@ -19,7 +19,13 @@ Setups, alternated within each round (the order rotates from round to round):
 Epochs 2 to 16 of each job are summed (epoch 1 also starts the workers): their seconds, and the CPU
 seconds of the job's processes (the loader's and its workers'), which the machine's load does not stretch.
 
-    .venv/bin/python bench/bench_warm_prefetch.py --out docs/benchmarks/warm-prefetch.md
+`--instructions` also counts, with valgrind's callgrind, the user-space instructions each setup's job
+executes per warm epoch: every process of it (callgrind follows the workers' fork), with the environment
+`tierstore run` gives the job, a job of 4 epochs less one of 2, halved, so that the start and the
+workers' fork cancel out; hash seed and BLAS/OpenMP threads pinned (bench_startup.py's COUNTED). `off`'s
+2-epoch job is counted twice, and the difference is printed as the count's own noise.
+
+    .venv/bin/python bench/bench_warm_prefetch.py --instructions --out docs/benchmarks/warm-prefetch.md
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_auto_order import _run, job_env
+from bench_shim_open import run_env
+from bench_startup import COUNTED
 from page import Check, finish, met, rounds, targets
 
 HERE = Path(__file__).resolve().parent
@@ -57,12 +66,93 @@ def generate(root: Path) -> Path:
     return arrays
 
 
+def job_command(arrays: Path, setup: str, epochs: int) -> list[str]:
+    """The job's command line, for `setup`, over `epochs` epochs."""
+    cmd = [sys.executable, str(JOB), str(arrays), "--dataset", "npy", "--epochs", str(epochs),
+           "--step-ms", "0"]  # fmt: skip
+    return [*cmd, "--wrap", "64M"] if setup == "wrapper" else cmd
+
+
+def setup_env(env: dict[str, str], setup: str) -> dict[str, str]:
+    return {**env, "TIERSTORE_SAMPLER_PREFETCH": "auto" if setup == "auto" else "off"}
+
+
+def instructions(cmd: list[str], env: dict[str, str]) -> int:
+    """User-space instructions of every process `cmd` runs (the loader and its forked workers), counted by
+    valgrind's callgrind. A forked worker's count starts from its parent's at the fork: what the parent
+    did before is in both, and cancels out of the difference of two jobs that fork at the same point."""
+    with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
+        subprocess.run(
+            ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={d}/out.%p", *cmd],
+            env={**env, **COUNTED}, capture_output=True, check=True, timeout=3600,
+        )  # fmt: skip
+        return sum(
+            int(line.split()[1])
+            for dump in Path(d).iterdir()
+            for line in dump.read_text().splitlines()
+            if line.startswith("summary:")
+        )
+
+
+def instructions_section(arrays: Path, env: dict[str, str]) -> tuple[list[str], list[Check]]:
+    """Each setup's instructions per warm epoch, and the page's section and targets on them."""
+    jobs: dict[str, dict[int, int]] = {}
+    for setup in SETUPS:
+        for epochs in (2, 4):
+            jobs.setdefault(setup, {})[epochs] = instructions(
+                job_command(arrays, setup, epochs), setup_env(env, setup)
+            )
+            print(f"instructions: {setup}, {epochs} epochs: {jobs[setup][epochs]:,}", flush=True)
+    again = instructions(job_command(arrays, "off", 2), setup_env(env, "off"))
+    noise = abs(again - jobs["off"][2])
+    per_epoch = {setup: (n[4] - n[2]) // 2 for setup, n in jobs.items()}
+    print(
+        f"instructions per warm epoch: {per_epoch}; off's 2-epoch job counted again: {noise:,} apart",
+        flush=True,
+    )
+    lines = [
+        "",
+        "## Instructions per warm epoch (valgrind's callgrind, user space)",
+        "",
+        "Every process of the job counted (the loader and its two workers), with the environment "
+        "`tierstore run --revalidate never` gives it; a job of 4 epochs less one of 2, halved. A count, "
+        "which the machine's load does not move; the kernel's part is not in it. "
+        f"`off`'s 2-epoch job counted twice: {noise:,} instructions apart "
+        f"({noise / per_epoch['off']:.3%} of an epoch).",
+        "",
+        "| setup | 2 epochs | 4 epochs | per warm epoch | over `off` |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    checks: list[Check] = []
+    for setup in SETUPS:
+        ratio = per_epoch[setup] / per_epoch["off"]
+        lines.append(
+            f"| {setup} | {jobs[setup][2]:,} | {jobs[setup][4]:,} | {per_epoch[setup]:,} | {ratio:.4f}x |"
+        )
+        if setup != "off":
+            checks.append(
+                (
+                    f"warm epochs, `{setup}` at most {TARGET}x `off` (instructions)",
+                    ratio <= TARGET,
+                    f"{ratio:.4f}x",
+                )
+            )
+    return lines, checks
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="write the page (Markdown) here")
     ap.add_argument("--root", type=Path, default=Path("/tmp/tierstore-bench-warm-prefetch"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count each setup's instructions per warm epoch (valgrind)",
+    )
     args = ap.parse_args(argv)
+    if args.instructions and not shutil.which("valgrind"):
+        sys.exit("bench_warm_prefetch: no valgrind for --instructions (make bench-setup installs it)")
     started = time.time()
     args.root.mkdir(parents=True, exist_ok=True)
     arrays = generate(args.root)
@@ -70,30 +160,32 @@ def main(argv: list[str] | None = None) -> int:
     front = [sys.executable, "-m", "tierstore.cli", "--source", str(arrays), "--tier", f"{tier}:1G"]
     env = job_env()
     runs: dict[str, list[dict[str, Any]]] = {}
+    counted: tuple[list[str], list[Check]] = ([], [])
     try:
         subprocess.run(
             [*front, "prefetch", str(arrays)], env=env, check=True, capture_output=True, timeout=600
         )
         for r in range(args.rounds):
             for setup in SETUPS[r % len(SETUPS) :] + SETUPS[: r % len(SETUPS)]:
-                cmd = [*front, "run", "--revalidate", "never", "--", sys.executable, str(JOB), str(arrays),
-                       "--dataset", "npy", "--epochs", str(EPOCHS), "--step-ms", "0"]  # fmt: skip
-                if setup == "wrapper":
-                    cmd += ["--wrap", "64M"]
-                setup_env = {**env, "TIERSTORE_SAMPLER_PREFETCH": "auto" if setup == "auto" else "off"}
-                out = _run(cmd, setup_env, None)
+                cmd = [*front, "run", "--revalidate", "never", "--", *job_command(arrays, setup, EPOCHS)]
+                out = _run(cmd, setup_env(env, setup), None)
                 out["warm_seconds"] = sum(out["seconds"][1:])
                 out["warm_cpu"] = sum(out["cpu"][1:])
                 runs.setdefault(setup, []).append(out)
                 print(f"round {r + 1} {setup:8} epochs 2-{EPOCHS}: {out['warm_seconds']:.2f} s, "
                       f"CPU {out['warm_cpu']:.2f} s", flush=True)  # fmt: skip
+        if args.instructions:
+            counted = instructions_section(
+                arrays, run_env([*front, "run", "--revalidate", "never", "--"], env)
+            )
     finally:
         shutil.rmtree(tier, ignore_errors=True)
     checks: list[Check] = []
     lines = [
         "# Sampler-aware prefetch on a warm cache: what it costs when nothing is left to fetch",
         "",
-        f"Command: `python bench/bench_warm_prefetch.py --rounds {args.rounds} --out docs/benchmarks/warm-prefetch.md` "
+        f"Command: `python bench/bench_warm_prefetch.py --rounds {args.rounds}"
+        f"{' --instructions' if args.instructions else ''} --out docs/benchmarks/warm-prefetch.md` "
         f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {time.time() - started:.0f} s)",
         "",
         "## Method",
@@ -126,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     rounds(rs),
                 )
             )
+    lines += counted[0]
+    checks += counted[1]
     lines += ["", "## Targets", *targets(checks)]
     return finish(lines, checks, args.out)
 
