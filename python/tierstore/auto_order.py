@@ -110,7 +110,7 @@ def flat(order: list[Any]) -> list[int]:
     out: list[int] = []
     for item in order:
         if isinstance(item, (list, tuple)) or (hasattr(item, "dim") and item.dim() > 0):
-            out.extend(int(i) for i in item)
+            out.extend(map(int, item))
         else:
             out.append(int(item))
     return out
@@ -141,8 +141,7 @@ def find_paths(dataset: Any, under: Callable[[str], bool]) -> tuple[Callable[[in
         if inner is None:
             return None
         path_of, found = inner
-        indices = dataset.indices
-        return (lambda i: path_of(int(indices[i]))), f"Subset of {found}"
+        return _SubsetPaths(path_of, dataset.indices), f"Subset of {found}"
     try:
         n = len(dataset)
         attributes = vars(dataset)
@@ -159,18 +158,45 @@ def find_paths(dataset: Any, under: Callable[[str], bool]) -> tuple[Callable[[in
             continue
         ends = [_as_path(value[0]), _as_path(value[-1])]
         if all(p is not None and under(p) for p in ends):
-            return _reader(value), f"dataset.{name}"
+            return _SamplePaths(value), f"dataset.{name}"
     inner = getattr(dataset, "dataset", None)  # a wrapper that reads another dataset (tierstore's Routed)
     if inner is not None and inner is not dataset and _length(inner) == n:
         return find_paths(inner, under)
     return None
 
 
-def _reader(samples: list[Any] | tuple[Any, ...]) -> Callable[[int], str]:
-    """The path of sample `i` of a list of paths, or of tuples whose first element is one."""
-    if isinstance(samples[0], tuple):
-        return lambda i: os.fsdecode(samples[i][0])
-    return lambda i: os.fsdecode(samples[i])
+class _SamplePaths:
+    """The file of each sample of a dataset's list of paths, or of tuples whose first item is one."""
+
+    def __init__(self, samples: list[Any] | tuple[Any, ...]) -> None:
+        self.samples = samples
+        self.in_tuples = isinstance(samples[0], tuple)
+
+    def __call__(self, i: int) -> str:
+        p = self.samples[i][0] if self.in_tuples else self.samples[i]
+        return p if type(p) is str else os.fsdecode(p)
+
+    def each(self, indices: list[int]) -> list[Any]:
+        """The files of `indices` as the dataset holds them (`str`, `bytes` or `os.PathLike`, which
+        `prefetch_order` takes as they are): an epoch's, without a call per sample as it starts."""
+        s = self.samples
+        return [s[i][0] for i in indices] if self.in_tuples else [s[i] for i in indices]
+
+
+class _SubsetPaths:
+    """The file of each sample of a `Subset`, from those of the dataset it selects from."""
+
+    def __init__(self, paths: Callable[[int], str], indices: Sequence[Any]) -> None:
+        self.paths = paths
+        self.indices = indices
+
+    def __call__(self, i: int) -> str:
+        return self.paths(int(self.indices[i]))
+
+    def each(self, indices: list[int]) -> list[Any]:
+        inner = [int(self.indices[i]) for i in indices]
+        each = getattr(self.paths, "each", None)
+        return each(inner) if each is not None else list(map(self.paths, inner))
 
 
 def _length(dataset: Any) -> int | None:
@@ -215,31 +241,37 @@ class LoaderPrefetch:
 
     Args:
         cache: The cache the samples are read through.
-        files_of: The files of each dataset index (none where they are not known).
-        found: Where `files_of` came from, for the log ("dataset.samples").
+        files_of: The files of each dataset index (none where they are not known); or None, and
+            `path_of` gives each index's one file.
+        found: Where the files came from, for the log ("dataset.samples").
         name: The loader, for the log.
         budget: Bytes fetched ahead of the reads at most; None: `$TIERSTORE_SAMPLER_PREFETCH`'s.
         jobs: Files fetched at once; None: the default.
         marks: The read-marks file (slot 0: the epoch's tag; slot i + 1: index i's), or the dataset's
             length, to make one that lives as long as this prefetch.
         learned: The order `files_of` reads, brought up to date as each epoch starts; None if it is fixed.
+        path_of: The one file of each dataset index, when `files_of` is None.
     """
 
     def __init__(
         self,
         cache: Cache,
-        files_of: Callable[[int], Sequence[str]],
+        files_of: Callable[[int], Sequence[str]] | None,
         found: str,
         name: str,
         budget: int | None,
         jobs: int | None,
         marks: str | int,
         learned: LearnedOrder | None = None,
+        path_of: Callable[[int], str] | None = None,
     ) -> None:
         from tierstore.order import ReadMarker
 
+        if (files_of is None) == (path_of is None):
+            raise TypeError("LoaderPrefetch: give either files_of or path_of")
         self.cache = cache
         self.files_of = files_of
+        self.path_of = path_of
         self.learned = learned
         self.found = found
         self.name = name
@@ -295,10 +327,16 @@ class LoaderPrefetch:
             self.learned.update()
         paths: list[str] = []
         slots: list[int] = []
-        for i in indices:
-            for path in self.files_of(i):
-                paths.append(path)
-                slots.append(i + 1)
+        if self.path_of is not None:
+            # One file per sample, the common case: no sequence per index to build and walk.
+            each = getattr(self.path_of, "each", None)
+            paths = each(indices) if each is not None else list(map(self.path_of, indices))
+            slots = [i + 1 for i in indices]
+        elif self.files_of is not None:
+            for i in indices:
+                for path in self.files_of(i):
+                    paths.append(path)
+                    slots.append(i + 1)
         report = {
             "pid": os.getpid(),
             "loader": self.name,
@@ -416,8 +454,7 @@ def _make(loader: Any) -> LoaderPrefetch | ShardReadAhead | None:
     source = _Source(dataset)
     found = find_paths(dataset, source)
     if found is not None and source.cache is not None:
-        path_of = found[0]
-        made = LoaderPrefetch(source.cache, lambda i: (path_of(i),), found[1], name, None, None, len(dataset))
+        made = LoaderPrefetch(source.cache, None, found[1], name, None, None, len(dataset), path_of=found[0])
         return made if _name_to_workers(dataset, name, {MARKS_ATTRIBUTE: made.marks_path}) else None
     if not (_shim_loaded() or source.own_cache() is not None):
         # Learned only where tierstore sees the reads: under `tierstore run`, or through the dataset's
@@ -574,8 +611,8 @@ def _marking_begun(dataset: Any, index: Any) -> Any:
         return index
     if type(index) is list:
         return _Begun(index, marker)
-    for slot in _slots(index):
-        marker.mark_started(slot)
+    for _ in marker.begin_each(_items(index)):
+        pass
     return index
 
 
@@ -588,40 +625,22 @@ class _Begun(list):  # type: ignore[type-arg]
         self.marker = marker
 
     def __iter__(self) -> Iterator[Any]:
-        for i in list.__iter__(self):
-            slot = _slot(i)
-            if slot is not None:
-                self.marker.mark_started(slot)
-            yield i
+        return self.marker.begin_each(list.__iter__(self))  # type: ignore[no-any-return]
 
 
 def _mark_fetched(dataset: Any, index: Any) -> None:
     """Records, in the dataset's read-marks file, that the indices of `index` are fetched."""
     marker = _marker_of(dataset)
-    if marker is None:
-        return
-    for slot in _slots(index):
-        marker.mark_read(slot)
+    if marker is not None:
+        marker.read_each(_items(index))
 
 
-def _slots(index: Any) -> Iterator[int]:
-    """The read-marks slots of `index`, a batch's list or tuple of indices or one index. A `_Begun` batch
-    is walked as the plain list it is, so walking it marks nothing begun a second time."""
-    items = (
+def _items(index: Any) -> Any:
+    """The indices of `index`, a batch's list or tuple of indices or one index. A `_Begun` batch is walked
+    as the plain list it is, so walking it marks nothing begun a second time."""
+    return (
         list.__iter__(index) if isinstance(index, list) else index if isinstance(index, tuple) else (index,)
     )
-    for i in items:
-        slot = _slot(i)
-        if slot is not None:
-            yield slot
-
-
-def _slot(i: Any) -> int | None:
-    """The read-marks slot of the index `i` (i + 1); None for an index that is not an integer."""
-    try:
-        return int(i) + 1
-    except (TypeError, ValueError):
-        return None
 
 
 _markers: dict[str, Any] = {}

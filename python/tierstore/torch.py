@@ -165,16 +165,18 @@ class _MarkReads(torch.utils.data.Dataset):
         return item
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        # The DataLoader calls this instead of __getitem__ when the dataset has it (Subset does): it must
-        # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded.
+        # The DataLoader calls this instead of __getitem__ when the dataset has it (this class does): it must
+        # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded. Each sample
+        # is begun before its read and read after it, as in __getitem__, with the marks of a batch made in
+        # one loop.
         batched = getattr(self.dataset, "__getitems__", None)
         if batched is None:
-            return [self[i] for i in indices]
-        for i in indices:
-            self.marker.mark_started(int(i) + 1)
+            dataset = self.dataset
+            return [dataset[i] for i in self.marker.begin_then_read_each(indices)]
+        for _ in self.marker.begin_each(indices):
+            pass
         items = batched(indices)
-        for i in indices:
-            self.marker.mark_read(int(i) + 1)
+        self.marker.read_each(indices)
         return list(items)
 
     def __getattr__(self, name: str) -> Any:
@@ -231,7 +233,7 @@ class OrderedSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
         self.sampler = sampler
         self.marks_path = marks_path
         self.epochs = LoaderPrefetch(
-            cache, lambda i: (paths(i),), "paths=", "prefetching", budget, jobs, marks_path
+            cache, None, "paths=", "prefetching", budget, jobs, marks_path, path_of=paths
         )
 
     @property

@@ -402,3 +402,58 @@ def test_tierstore_run_prefetches_the_order_file_and_learns_reads_from_the_shim(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert status.returncode == 3, status.stderr
+
+
+def test_a_batchs_marks_are_those_of_the_per_sample_calls(tmp_path: Path, tier: str) -> None:
+    """`ReadMarker`'s batch calls (a DataLoader worker's marks, made once per batch) leave every slot as
+    `mark_started` and `mark_read` of each sample would, for plain, NumPy and tensor indices, and pass over
+    indices that have no slot; a sample whose read raises stays begun."""
+    import numpy as np
+
+    from tierstore.order import STARTED
+
+    source = tmp_path / "source"
+    source.mkdir()
+    cache = tierstore.Cache(str(source), [f"{tier}:1G"])
+    n = 8
+    batched, single = (ReadMarker(cache._core.create_read_marks(n + 1)) for _ in range(2))
+    for m in (batched, single):
+        m.mark(0, 5)  # the epoch's tag
+    batch = [3, np.int64(1), torch.tensor(6), -1, n, "x", True]
+    slots = [4, 2, 7, 1 + 1]  # the indices with a slot: 3, 1, 6 and True (1)
+
+    def values(m: ReadMarker) -> list[int]:
+        return [m.get(s) for s in range(n + 1)]
+
+    seen = []
+    for i in batched.begin_each(batch):
+        seen.append(i)
+        # Each sample is begun when the fetch reaches it, and the next one is not yet.
+        k = len(seen) - 1
+        if k < 2:
+            assert batched.get(slots[k]) == 5 | STARTED and batched.get(slots[k + 1]) == 0
+    assert seen == batch
+    for s in slots:
+        single.mark_started(s)
+    assert values(batched) == values(single)
+    batched.read_each(batch)
+    for s in slots:
+        single.mark_read(s)
+    assert values(batched) == values(single) and all(batched.get(s) == 5 for s in slots)
+
+    # Begun before each read, read after it; a read that raises leaves its sample begun.
+    batched.mark(0, 6)
+
+    def read(i: Any) -> Any:
+        if i == 6:
+            raise OSError("unreadable")
+        if not isinstance(i, str) and 0 <= int(i) < n:
+            assert batched.get(int(i) + 1) == 6 | STARTED
+        return i
+
+    with pytest.raises(OSError, match="unreadable"):
+        [read(i) for i in batched.begin_then_read_each([3, np.int64(1), torch.tensor(6), 2])]
+    assert [batched.get(s) for s in (4, 2, 7, 3)] == [6, 6, 6 | STARTED, 0]
+    assert [read(i) for i in batched.begin_then_read_each([2, -1, "x"])] == [2, -1, "x"]
+    assert batched.get(3) == 6
+
