@@ -457,3 +457,33 @@ def test_a_batchs_marks_are_those_of_the_per_sample_calls(tmp_path: Path, tier: 
     assert [read(i) for i in batched.begin_then_read_each([2, -1, "x"])] == [2, -1, "x"]
     assert batched.get(3) == 6
 
+
+def test_files_any_tier_holds_are_not_fetched_again(logged_store: Any, tier: str, tmp_path: Path) -> None:
+    """An order's look at what the tiers hold as it starts (each tier's index read in one transaction for
+    many files) finds the copies of both tiers, in order: the first tier full, the rest in the second.
+    Files no tier holds yet are fetched, once each."""
+    backing, mount, _ = logged_store
+    names = write_files(backing, 40)
+    held, fresh = names[:30], names[30:]
+    cache = tierstore.Cache(mount, [f"{tier}:{12 * SIZE}B", f"{tmp_path / 'second'}:1G"])
+    for n in held:
+        with cache.open(mount / n) as f:
+            assert len(f.read()) == SIZE
+    cache.wait()
+    used = [int(t["bytes_used"]) for t in cache.stats()["tiers"]]
+    assert used[0] > 0 and used[1] > 0 and sum(used) == len(held) * SIZE, used  # both tiers hold some
+    before = store_stats(mount)
+    order = fresh[:5] + held + fresh[5:]
+    handle = cache.prefetch_order([mount / n for n in order], budget="64M", jobs=4)
+    assert handle.progress()["files_cached"] == len(held)
+    for i, n in enumerate(order):
+        with cache.open(mount / n) as f:
+            assert f.read()[:4] == int(n[-9:-4]).to_bytes(4, "little")
+        handle.mark_read(i)
+    assert handle.wait(30)
+    cache.wait()
+    after = store_stats(mount)
+    assert after.get("bytes_read", 0) - before.get("bytes_read", 0) == len(fresh) * SIZE
+    p = handle.progress()
+    # A fresh file the reader got to while the prefetch was fetching it counts as cached too.
+    assert p["files_fetched"] + p["files_cached"] + p["files_read_first"] == len(order), p

@@ -174,6 +174,17 @@ impl Index {
         }
     }
 
+    /// The entries of `keys`, read in one transaction (a prefetch's look at a whole epoch's files); a
+    /// damaged entry reads as none, as [`Index::lookup`]'s error makes the readers take it.
+    pub fn lookup_each<'k>(&self, keys: impl IntoIterator<Item = &'k Key>) -> Result<Vec<Option<Entry>>, IndexError> {
+        let txn = self.env.read()?;
+        let mut found = Vec::new();
+        for key in keys {
+            found.push(txn.get(self.entries, key)?.and_then(Entry::decode));
+        }
+        Ok(found)
+    }
+
     /// The entry of `key` once every write in progress has committed. Eviction removes a copy inside
     /// the write that deletes its entry, so a reader that found an entry and then no copy asks again
     /// here: an entry gone by then was evicted under it (a miss); one still there lost its copy (damage).

@@ -152,15 +152,11 @@ impl State {
 /// Which of `rels` need no fetch: published in a tier and trusted now, or left to the reader's open (see
 /// [`left_to_reader`]).
 fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
-    rels.iter()
-        .map(|rel| {
-            inner
-                .storage()
-                .lookup()
-                .published(&key_of(rel), rel)
-                .is_some_and(|e| inner.storage().trusted_now(&e) || left_to_reader(inner))
-        })
-        .collect()
+    let keys: Vec<_> = rels.iter().map(|rel| key_of(rel)).collect();
+    let left = left_to_reader(inner);
+    let storage = inner.storage();
+    let found = storage.lookup().published_each(&keys, rels);
+    found.into_iter().map(|e| e.is_some_and(|e| storage.trusted_now(&e) || left)).collect()
 }
 
 /// Starts `jobs` workers on `shared`. Workers that could not be started are accounted as gone, so that the
