@@ -224,6 +224,12 @@ def test_only_what_can_be_mapped_is_prefetched(
     assert path_of(5) == paths[5]
     path_of, found = auto_order.find_paths(Subset(Listed(paths), [7, 2]), under)
     assert (path_of(1), found) == (paths[2], "Subset of dataset.files")
+    # An epoch's paths in one call, as the dataset holds them (what the prefetch is handed as it starts).
+    for dataset, indices in ((Listed(paths), [4, 0, 4]), (Subset(Listed(paths), [7, 2]), [1, 0])):
+        path_of, _ = auto_order.find_paths(dataset, under)
+        assert path_of.each(indices) == [path_of(i) for i in indices]  # type: ignore[attr-defined]
+    path_of, _ = auto_order.find_paths(Listed([(Path(p), 0) for p in paths]), under)
+    assert path_of.each([5, 1]) == [Path(paths[5]), Path(paths[1])]  # type: ignore[attr-defined]
     outside = [str(tmp_path / f"x{i}") for i in range(3)]
     assert auto_order.find_paths(Listed(outside), under) is None
     assert auto_order.find_paths(Listed(list(range(5))), under) is None
