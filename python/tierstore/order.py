@@ -174,8 +174,9 @@ class ReadMarker:
             view[slot] = view[0] | STARTED
 
     # A DataLoader's worker marks every sample it reads twice, begun and read: the calls below do a batch's
-    # in one call each, with the mapping and the epoch's tag looked up once, rather than per sample (a warm
-    # epoch's marks, per sample, were 9,000 instructions of the worker's; `bench_warm_prefetch.py`).
+    # in one call each, with the mapping and the epoch's tag looked up once, rather than per sample (the
+    # per-sample calls cost the two workers of `bench_warm_prefetch.py --instructions` about 10M more
+    # instructions a warm epoch of 2,000 samples).
 
     def begin_each(self, indices: Iterable[Any]) -> Iterator[Any]:
         """Yields each dataset index of `indices` once `mark_started` of its slot (the index + 1) would have

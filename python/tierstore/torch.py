@@ -165,7 +165,7 @@ class _MarkReads(torch.utils.data.Dataset):
         return item
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
-        # The DataLoader calls this instead of __getitem__ when the dataset has it (this class does): it must
+        # The DataLoader calls this instead of __getitem__ when the dataset has it (Subset does): it must
         # not reach the wrapped dataset's own through __getattr__, or reads would go unrecorded. Each sample
         # is begun before its read and read after it, as in __getitem__, with the marks of a batch made in
         # one loop.
