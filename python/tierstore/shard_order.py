@@ -289,15 +289,30 @@ class ShardReadAhead:
                 return
 
     def update(self) -> None:
-        """Takes in what the workers added to the log, and fetches what they will open next."""
+        """Takes in what the workers added to the log, and fetches what they will open next.
+
+        Every open the log holds is taken in before any fetch is chosen: a log read after a pause (a busy
+        machine) may hold a worker's open of the very shard its previous open would have it fetch ahead,
+        and a shard a worker already reads from the store (the tiers full) must not be fetched again."""
         with self._lock:
+            began, moved = False, dict[int, None]()  # the workers that moved on, in order
             for worker, files in self.log.added():
                 if worker < 0:
                     self._new_epoch()
+                    began, moved = True, {}
                     continue
                 for path in dict.fromkeys(files):
-                    if self.within(path):
-                        self._opened(worker, path)
+                    if self.within(path) and self._opened(worker, path):
+                        moved[worker] = None
+            if began:
+                self._fetch_ahead(self._head_start())
+            for worker in moved:
+                mine = self.now[worker]
+                self._fetch_ahead(
+                    next_shards(mine, self.shards, self.position, self.last.get(worker), self.split.step)
+                )
+            if began or moved:
+                self._report()
 
     def _new_epoch(self) -> None:
         if self.epoch:
@@ -307,8 +322,6 @@ class ShardReadAhead:
         self.now, self.opened, self.passed = {}, set(), collections.deque()
         self.ahead = {p: f for p, f in self.ahead.items() if _landed(f) is None}
         self.epoch += 1
-        self._fetch_ahead(self._head_start())
-        self._report()
 
     def _head_start(self) -> list[str]:
         """The shards each worker will open next after its first this epoch, fetched before it opens any:
@@ -347,10 +360,11 @@ class ShardReadAhead:
                 continue
             self.counts["fetched_ahead"] += 1
 
-    def _opened(self, worker: int, path: str) -> None:
+    def _opened(self, worker: int, path: str) -> bool:
+        """Takes in `worker`'s open of `path`; whether it is a shard the worker had not just opened."""
         mine = self.now.setdefault(worker, [])
         if mine and mine[-1] == path:
-            return
+            return False
         if mine:
             self.passed.append(mine[-1])  # the worker has moved on from it
         mine.append(path)
@@ -364,10 +378,7 @@ class ShardReadAhead:
             if listed is not None:
                 self.shards, self.found = listed, "the files of the first shard's directory, in name order"
                 self.position = {p: i for i, p in enumerate(listed)}
-        self._fetch_ahead(
-            next_shards(mine, self.shards, self.position, self.last.get(worker), self.split.step)
-        )
-        self._report()
+        return True
 
     def _tier_room(self) -> bool:
         """Whether the tiers have room for one more shard (at the mean size so far). When they are full,

@@ -117,6 +117,35 @@ def test_each_worker_gets_a_head_start_from_its_split_then_from_its_last_epoch(
     made.stop()
 
 
+def test_a_shard_the_log_says_a_worker_opened_is_not_fetched_ahead(tmp_path: Path, tier: str) -> None:
+    """A log read after a pause holds a worker's open of the shard its previous open would have it fetch
+    ahead. Every open is taken in before a fetch is chosen: that shard is the worker's (it may be reading
+    it from the store, the tier full), and the read-ahead fetches the ones after it."""
+    from tierstore.learned_order import LearnedLog
+    from tierstore.shard_order import Split
+
+    source = tmp_path / "source"
+    source.mkdir()
+    shards = []
+    for i in range(6):
+        (source / f"s{i}.tar").write_bytes(bytes([i]) * 4096)
+        shards.append(str(source / f"s{i}.tar"))
+    cache = tierstore.Cache(str(source), [f"{tier}:1G"])
+    log = LearnedLog.create(str(tmp_path / "log"))
+    made = ShardReadAhead(
+        cache, log, lambda p: True, (shards, "dataset.urls"), "loader", Split(1), "", lambda: 1 << 30
+    )
+    log.mark_epoch()
+    log.append(0, [shards[0]])
+    log.append(0, [shards[1]])  # in the log before the read-ahead's next look
+    made.update()
+    cache.wait()
+    assert made.counts["opened"] == 2 and made.counts["opened_ahead"] == 0, made.counts
+    assert cache._core.lookup(shards[1], False) is None  # left to the worker that opened it
+    assert all(cache._core.lookup(s, False) is not None for s in shards[2:4]), made.counts  # the next two
+    made.stop()
+
+
 def test_the_shard_list_is_found_in_a_webdataset_pipeline_and_a_custom_dataset(tmp_path: Path) -> None:
     import webdataset as wds
 
