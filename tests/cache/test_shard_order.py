@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,14 +133,18 @@ def test_a_shard_the_log_says_a_worker_opened_is_not_fetched_ahead(tmp_path: Pat
         shards.append(str(source / f"s{i}.tar"))
     cache = tierstore.Cache(str(source), [f"{tier}:1G"])
     log = LearnedLog.create(str(tmp_path / "log"))
+    report = str(tmp_path / "marks")  # its `status` report is written beside it, not in the working directory
     made = ShardReadAhead(
-        cache, log, lambda p: True, (shards, "dataset.urls"), "loader", Split(1), "", lambda: 1 << 30
+        cache, log, lambda p: True, (shards, "dataset.urls"), "loader", Split(1), report, lambda: 1 << 30
     )
+    made.budget = made.budget_now()  # as `begin_epoch` sets it, without its thread (this test looks itself)
     log.mark_epoch()
     log.append(0, [shards[0]])
     log.append(0, [shards[1]])  # in the log before the read-ahead's next look
     made.update()
-    cache.wait()
+    deadline = time.monotonic() + 30
+    while not all(started.done for started in made.ahead.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the fetches ahead land on threads of their own
     assert made.counts["opened"] == 2 and made.counts["opened_ahead"] == 0, made.counts
     assert cache._core.lookup(shards[1], False) is None  # left to the worker that opened it
     assert all(cache._core.lookup(s, False) is not None for s in shards[2:4]), made.counts  # the next two
