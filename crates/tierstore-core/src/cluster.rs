@@ -2,9 +2,11 @@
 //! the members are ([`config`], the `[cluster]` table), which member owns a file ([`owners`]), the frames
 //! every byte that crosses a process or a node travels in ([`wire`]), the handshake that opens every
 //! connection ([`session`]) and the job's token it proves ([`token`]), and the client that reads a file
-//! from its owner's agent ([`remote`]). The agent serves the other end (`tierstore_agent::transfer`).
+//! from its owner's agent ([`remote`]), connecting there with [`dial`]. The agent serves the other end
+//! (`tierstore_agent::transfer`).
 
 pub mod config;
+pub mod dial;
 pub mod owners;
 pub mod remote;
 pub mod seal;

@@ -285,7 +285,7 @@ impl Remote {
             at.to_socket_addrs().map_err(|source| RemoteError::Unreachable { at: at.to_string(), source })?.collect();
         let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
         for addr in addrs {
-            match TcpStream::connect_timeout(&addr, self.connect_deadline) {
+            match super::dial::dial(&addr, self.connect_deadline) {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     s.set_read_timeout(Some(self.deadline)).map_err(RemoteError::Sink)?;
