@@ -13,14 +13,15 @@ setup: $(STAMP)/installed $(STAMP)/system
 # compiler for the LD_PRELOAD test program, rsync for the tool conformance test (tests/shim/test_tools.py),
 # redis-server for the cluster registry's tests, iperf3 for the cluster benchmark's baseline, rclone for the
 # HTTP source's tests (`rclone serve webdav`, tierstore.testing.webdavserver) and the peers benchmark, openssl
-# for the self-signed certificate of the HTTPS one.
+# for the self-signed certificate of the HTTPS one, iproute2 for the network namespaces' tests (`ip netns`)
+# and the flood test's look at the agent's accept queue (`ss`).
 # Installed with apt when missing and we are root (CI is).
-SYSTEM_PACKAGES := fuse3 gcc rsync redis-server iperf3 rclone openssl
+SYSTEM_PACKAGES := fuse3 gcc rsync redis-server iperf3 rclone openssl iproute2
 $(STAMP)/system:
 	@mkdir -p $(STAMP)
 	@if ! command -v fusermount3 >/dev/null || ! command -v cc >/dev/null || ! command -v rsync >/dev/null \
 		|| ! command -v redis-server >/dev/null || ! command -v iperf3 >/dev/null || ! command -v rclone >/dev/null \
-		|| ! command -v openssl >/dev/null; then \
+		|| ! command -v openssl >/dev/null || ! command -v ip >/dev/null || ! command -v ss >/dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(SYSTEM_PACKAGES) || (apt-get update -q && apt-get install -y -q $(SYSTEM_PACKAGES))); \
 		else \

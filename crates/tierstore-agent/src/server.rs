@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpSocket, UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use crate::members::Members;
@@ -172,7 +172,7 @@ impl Agent {
         let unix = bind_unix(&options.socket).await?;
         let streams = crate::stream::Streams::open(&options.stream, &options.socket)?;
         let tcp = match options.listen {
-            Some(addr) => Some(TcpListener::bind(addr).await.map_err(io_err("cannot listen on", addr))?),
+            Some(addr) => Some(listen_tcp(addr).map_err(io_err("cannot listen on", addr))?),
             None => None,
         };
         let metrics = match options.metrics {
@@ -338,6 +338,17 @@ async fn bind_unix(path: &Path) -> Result<UnixListener, AgentError> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(io_err("cannot restrict the socket", path.display()))?;
     Ok(l)
+}
+
+/// Listens for peers on `addr` with an accept queue of [`PEER_BACKLOG`] connections. tokio's `bind` asks
+/// for 128, as Rust's standard library does: a flood of connections that never prove the token refills
+/// that between two turns of the accept loop on a busy node (the flood test saw 3,000 overflows a run),
+/// and the kernel then drops the next SYN, a member's too, which TCP sends again only a second later.
+fn listen_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(PEER_BACKLOG)
 }
 
 async fn accept_unix(l: UnixListener, shared: Arc<Shared>, budget: Arc<Budget<()>>) {
@@ -532,6 +543,12 @@ const UNPROVEN_PEERS: usize = 512;
 /// The same from one address: one host cannot take all of them; past it, that address's oldest goes. A
 /// node whose processes all connect at once (a DataLoader's workers) stays well below it.
 const UNPROVEN_PER_ADDRESS: usize = 64;
+
+/// The accept queue asked of the kernel for the TCP port (it caps it at `net.core.somaxconn`, 4096 by
+/// default since Linux 5.4): room for the SYNs a flood sends while the accept loop waits
+/// for a core, so that a member's finds a place (a flood larger still meets the reader's own redial:
+/// `tierstore_core::cluster::dial`).
+const PEER_BACKLOG: u32 = 4096;
 
 /// Connections on the node's socket that have not completed their handshake yet, at most (they are the
 /// user's own processes, which answer the challenge at once).
