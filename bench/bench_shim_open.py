@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from bench_warm_read import perf_split, perf_top
+from counted import instructions
 from machine import describe
 from page import Check, finish, met, rounds, targets
 
@@ -107,17 +108,8 @@ def instructions_per_open(exe: Path, directory: Path, files: int, env: dict[str,
     """User-space instructions per open, counted by valgrind's callgrind (exact, unlike CPU time on this
     shared machine): the difference between loops of 2,000 and 6,000 opens over 4,000, so that the start
     (the engine's included) cancels out."""
-    counts = []
-    for n in (2000, 6000):
-        with tempfile.NamedTemporaryFile(prefix="callgrind-") as out:
-            r = subprocess.run(
-                ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out.name}",
-                 str(exe), str(directory), str(files), str(n)],
-                env=env, capture_output=True, text=True, check=True,
-            )  # fmt: skip
-        collected = [line for line in r.stderr.splitlines() if "Collected" in line]
-        counts.append(int(collected[-1].split()[-1]))
-    return (counts[1] - counts[0]) // 4000
+    few, many = (instructions([str(exe), str(directory), str(files), str(n)], env) for n in (2000, 6000))
+    return (many - few) // 4000
 
 
 def copies_held(tier: Path) -> int:

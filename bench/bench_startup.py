@@ -25,21 +25,16 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench_shim_open import run_env
+from counted import instructions
 from page import Check, finish, met, rounds, targets
 
 TARGET = 1.05
-
-# What makes a count the same in every run: a fixed hash seed (Python's dicts then do the same work), and
-# one thread for OpenBLAS and OpenMP, whose idle workers spin for as long as the scheduler lets them. Two
-# counts of `import torch` so set differ by about 1,000 instructions in 6 billion.
-COUNTED = {"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -51,23 +46,6 @@ def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({status})")
     return wall, usage.ru_utime + usage.ru_stime
-
-
-def instructions(cmd: list[str], env: dict[str, str], before_exec: bool = False) -> int:
-    """User-space instructions `cmd` executes, counted by valgrind's callgrind: a count, which does not move
-    with this shared machine's load as CPU time does. With `before_exec`, only those before the process
-    first calls `execve` (`tierstore run`'s own part: it ends by exec'ing the job)."""
-    with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
-        out = Path(d) / "out"
-        subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-             *(["--dump-before=execve"] if before_exec else []), *cmd],
-            env={**env, **COUNTED}, capture_output=True, check=True,
-        )  # fmt: skip
-        dump = Path(f"{out}.1") if before_exec else out  # the first part: everything before the first execve
-        return next(
-            int(line.split()[1]) for line in dump.read_text().splitlines() if line.startswith("summary:")
-        )
 
 
 def instructions_section(

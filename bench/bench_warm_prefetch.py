@@ -22,7 +22,7 @@ seconds of the job's processes (the loader's and its workers'), which the machin
 `--instructions` also counts, with valgrind's callgrind, the user-space instructions each setup's job
 executes per warm epoch: every process of it (callgrind follows the workers' fork), with the environment
 `tierstore run` gives the job, a job of 4 epochs less one of 2, halved, so that the start and the
-workers' fork cancel out; hash seed and BLAS/OpenMP threads pinned (bench_startup.py's COUNTED). `off`'s
+workers' fork cancel out; hash seed and BLAS/OpenMP threads pinned (bench/counted.py). `off`'s
 2-epoch job is counted twice, and the difference is printed as the count's own noise.
 
     .venv/bin/python bench/bench_warm_prefetch.py --instructions --out docs/benchmarks/warm-prefetch.md
@@ -35,14 +35,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_auto_order import _run, job_env
 from bench_shim_open import run_env
-from bench_startup import COUNTED
+from counted import instructions, per_warm_epoch
 from page import Check, finish, met, rounds, targets
 
 HERE = Path(__file__).resolve().parent
@@ -77,35 +76,21 @@ def setup_env(env: dict[str, str], setup: str) -> dict[str, str]:
     return {**env, "TIERSTORE_SAMPLER_PREFETCH": "auto" if setup == "auto" else "off"}
 
 
-def instructions(cmd: list[str], env: dict[str, str]) -> int:
-    """User-space instructions of every process `cmd` runs (the loader and its forked workers), counted by
-    valgrind's callgrind. A forked worker's count starts from its parent's at the fork: what the parent
-    did before is in both, and cancels out of the difference of two jobs that fork at the same point."""
-    with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
-        subprocess.run(
-            ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={d}/out.%p", *cmd],
-            env={**env, **COUNTED}, capture_output=True, check=True, timeout=3600,
-        )  # fmt: skip
-        return sum(
-            int(line.split()[1])
-            for dump in Path(d).iterdir()
-            for line in dump.read_text().splitlines()
-            if line.startswith("summary:")
-        )
-
-
 def instructions_section(arrays: Path, env: dict[str, str]) -> tuple[list[str], list[Check]]:
     """Each setup's instructions per warm epoch, and the page's section and targets on them."""
     jobs: dict[str, dict[int, int]] = {}
+    per_epoch: dict[str, int] = {}
     for setup in SETUPS:
-        for epochs in (2, 4):
-            jobs.setdefault(setup, {})[epochs] = instructions(
-                job_command(arrays, setup, epochs), setup_env(env, setup)
-            )
-            print(f"instructions: {setup}, {epochs} epochs: {jobs[setup][epochs]:,}", flush=True)
-    again = instructions(job_command(arrays, "off", 2), setup_env(env, "off"))
+
+        def job(epochs: int, setup: str = setup) -> int:
+            n = instructions(job_command(arrays, setup, epochs), setup_env(env, setup), children=True)
+            print(f"instructions: {setup}, {epochs} epochs: {n:,}", flush=True)
+            return n
+
+        two, four, per_epoch[setup] = per_warm_epoch(job)
+        jobs[setup] = {2: two, 4: four}
+    again = instructions(job_command(arrays, "off", 2), setup_env(env, "off"), children=True)
     noise = abs(again - jobs["off"][2])
-    per_epoch = {setup: (n[4] - n[2]) // 2 for setup, n in jobs.items()}
     print(
         f"instructions per warm epoch: {per_epoch}; off's 2-epoch job counted again: {noise:,} apart",
         flush=True,
