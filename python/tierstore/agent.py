@@ -222,13 +222,16 @@ _ensured: set[Path] = set()
 
 
 def answers(socket: Path) -> bool:
-    """Whether an agent of this user accepts connections on `socket` (a connect, no request; a socket
-    served by another user's process does not count)."""
+    """Whether an agent of this user accepts connections on `socket` within 2 s (a connect, no request; a
+    socket served by another user's process does not count)."""
     import socket as so
     import struct
 
     with so.socket(so.AF_UNIX, so.SOCK_STREAM) as s:
-        s.settimeout(2.0)
+        # A blocking connect whose wait for room in a busy agent's queue the send timeout bounds; with a
+        # timeout of Python's own (a non-blocking socket), a full queue would fail at once with EAGAIN, and
+        # the caller would start a second agent beside a live one.
+        s.setsockopt(so.SOL_SOCKET, so.SO_SNDTIMEO, struct.pack("ll", 2, 0))
         try:
             s.connect(str(socket))
             _pid, uid, _gid = struct.unpack(

@@ -49,6 +49,41 @@ def test_start_status_stop_and_a_second_start_is_harmless(runtime: dict[str, str
     assert "serving on" in log and "stopped by a local client" in log
 
 
+def test_an_agent_whose_queue_is_full_for_a_moment_still_answers(tmp_path: Path) -> None:
+    """A busy agent (its socket's queue full until it accepts again) is one that answers, not a dead one:
+    a connect that failed at once with EAGAIN had the caller start a second agent beside it."""
+    import contextlib
+    import socket as so
+    import threading
+
+    from tierstore import agent
+
+    path = tmp_path / "agent.sock"
+    with so.socket(so.AF_UNIX, so.SOCK_STREAM) as listener, so.socket(so.AF_UNIX, so.SOCK_STREAM) as waiting:
+        listener.bind(str(path))
+        listener.listen(0)  # one connection fills the queue
+        waiting.connect(str(path))
+        accepted: list[so.socket] = []
+
+        def accept_later() -> None:
+            time.sleep(0.3)
+            listener.settimeout(5)  # the second connection never comes when the first try gave up
+            with contextlib.suppress(TimeoutError):
+                accepted.extend(listener.accept()[0] for _ in range(2))
+
+        drain = threading.Thread(target=accept_later)
+        drain.start()
+        asked = time.monotonic()
+        try:
+            answered, took = agent.answers(path), time.monotonic() - asked
+        finally:
+            drain.join(timeout=10)
+            for s in accepted:
+                s.close()
+    assert answered, "a busy agent taken for a dead one"
+    assert took >= 0.25, f"answered in {took:.3f} s, before the queue had room"
+
+
 def test_an_agent_started_on_demand_exits_when_idle(runtime: dict[str, str]) -> None:
     started = cli("start", "--idle-exit", "0.5", env=runtime)
     assert started.returncode == 0, started.stderr

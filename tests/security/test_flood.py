@@ -105,7 +105,9 @@ def open_files_allowed(pid: int) -> int:
 
 def accept_queue(port: int) -> int:
     """The accept queue of the socket listening on loopback `port`, as `ss` reports it (Send-Q)."""
-    p = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True, timeout=30)
+    p = subprocess.run(
+        ["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True, timeout=30
+    )
     queues = [int(line.split()[2]) for line in p.stdout.splitlines() if line.startswith("LISTEN")]
     assert len(queues) == 1, f"not one listener on port {port}: {p.stdout!r}"
     return queues[0]

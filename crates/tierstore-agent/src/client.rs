@@ -61,13 +61,19 @@ pub struct Client<S> {
 }
 
 impl Client<UnixStream> {
-    /// Connects to the agent of this node on `socket`.
+    /// Connects to the agent of this node on `socket` (waiting for room in its queue, within `deadline`).
     pub async fn local(socket: &Path, deadline: Duration) -> Result<Self, ClientError> {
         let at = socket.display().to_string();
-        let stream = match tokio::time::timeout(deadline, UnixStream::connect(socket)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(source)) => return Err(ClientError::Unreachable { at, source }),
-            Err(_) => return Err(ClientError::Deadline { at, waited: deadline }),
+        let path = socket.to_path_buf();
+        let dialed = tokio::task::spawn_blocking(move || tierstore_core::cluster::dial::dial_local(&path, deadline))
+            .await
+            .map_err(|e| ClientError::Unreachable { at: at.clone(), source: io::Error::other(e) })?;
+        let stream = match dialed.and_then(|s| s.set_nonblocking(true).map(|()| s)).and_then(UnixStream::from_std) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                return Err(ClientError::Deadline { at, waited: deadline })
+            }
+            Err(source) => return Err(ClientError::Unreachable { at, source }),
         };
         if let Err(source) = tierstore_core::private::check_peer(&stream, socket) {
             return Err(ClientError::Refused { at, message: source.to_string() });

@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::{TcpListener, TcpSocket, UnixListener, UnixStream};
+use tokio::net::{TcpListener, TcpSocket, UnixListener};
 use tokio::sync::watch;
 
 use crate::members::Members;
+use tierstore_core::cluster::dial::dial_local;
 use tierstore_core::cluster::session;
 
 use crate::protocol::{self, Conn, ErrorCode, Frame, MAX_HELLO, VERSION};
@@ -320,15 +321,18 @@ fn at_port(host: &str, port: u16) -> String {
 }
 
 /// Binds the Unix socket in a directory of this user's own (made 0700, or checked: see
-/// `tierstore_core::private`; never one another user made first), replacing a stale socket file (one no
-/// agent answers on) and refusing to start beside a live agent.
+/// `tierstore_core::private`; never one another user made first), replacing a stale socket file (one
+/// nobody listens on) and refusing to start beside a live agent: one that takes the connection, or whose
+/// queue stays full for a second (a busy agent, not a dead one: a non-blocking connect fails at once with
+/// `EAGAIN` there, and an agent that took that for a dead one would take the busy one's socket).
 async fn bind_unix(path: &Path) -> Result<UnixListener, AgentError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         tierstore_core::private::ensure_dir(dir).map_err(io_err("cannot use the socket directory", dir.display()))?;
     }
     if std::fs::symlink_metadata(path).is_ok() {
-        let live = tokio::time::timeout(Duration::from_secs(1), UnixStream::connect(path)).await;
-        if matches!(live, Ok(Ok(_))) {
+        let probe = path.to_path_buf();
+        let live = tokio::task::spawn_blocking(move || dial_local(&probe, Duration::from_secs(1))).await;
+        if matches!(live, Ok(Ok(_))) || matches!(&live, Ok(Err(e)) if e.kind() == io::ErrorKind::TimedOut) {
             return Err(AgentError::AlreadyRunning(path.to_path_buf()));
         }
         std::fs::remove_file(path).map_err(io_err("cannot remove the stale socket", path.display()))?;
@@ -545,9 +549,9 @@ const UNPROVEN_PEERS: usize = 512;
 const UNPROVEN_PER_ADDRESS: usize = 64;
 
 /// The accept queue asked of the kernel for the TCP port (it caps it at `net.core.somaxconn`, 4096 by
-/// default since Linux 5.4): room for the SYNs a flood sends while the accept loop waits
-/// for a core, so that a member's finds a place (a flood larger still meets the reader's own redial:
-/// `tierstore_core::cluster::dial`).
+/// default since Linux 5.4; the node's socket already gets that much from tokio): room for the SYNs a
+/// flood sends while the accept loop waits for a core, so that a member's finds a place (a flood larger
+/// still meets the reader's own redial: `tierstore_core::cluster::dial`).
 const PEER_BACKLOG: u32 = 4096;
 
 /// Connections on the node's socket that have not completed their handshake yet, at most (they are the
@@ -807,6 +811,30 @@ mod tests {
         assert_eq!(once.len(), names.len(), "a name twice: {names:?}");
         assert!(names.iter().all(|n| n.matches(':').count() == 1), "a malformed name: {names:?}");
         assert!(names.contains(&"localhost:7078".to_string()), "{names:?}");
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    }
+
+    #[test]
+    fn an_agent_whose_queue_is_full_is_running_and_keeps_its_socket() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let live = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None).unwrap();
+        live.bind(&socket2::SockAddr::unix(&path).unwrap()).unwrap();
+        live.listen(0).unwrap();
+        let _waiting = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let inode = std::fs::metadata(&path).unwrap().ino();
+        let e = runtime().block_on(bind_unix(&path)).unwrap_err();
+        assert!(matches!(e, AgentError::AlreadyRunning(_)), "{e}");
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), inode, "the live agent's socket was replaced");
+        // A socket file nobody listens on is stale, and is replaced.
+        drop(live);
+        let rt = runtime();
+        let _mine = rt.block_on(bind_unix(&path)).expect("a stale socket file replaced");
+        dial_local(&path, Duration::from_secs(1)).expect("the new listener takes connections");
     }
 
     #[test]

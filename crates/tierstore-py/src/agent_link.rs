@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
+use tierstore_core::cluster::dial::dial_local;
 use tierstore_core::cluster::session::{ClientHello, HandshakeError};
 use tierstore_core::cluster::wire::{self, Frame};
 use tierstore_core::models::requests::Request;
@@ -93,7 +94,7 @@ impl PyAgentLink {
     #[new]
     fn new(py: Python<'_>, path: PathBuf, deadline: f64) -> PyResult<Self> {
         let deadline = Duration::from_secs_f64(deadline.max(0.001));
-        let stream = crate::exiting::without_gil(py, || UnixStream::connect(&path)).map_err(|e| {
+        let stream = crate::exiting::without_gil(py, || dial_local(&path, deadline)).map_err(|e| {
             stream_error(format!(
                 "no agent answers on {} ({e}); start one with `tierstore agent start` (or pass socket= the agent's \
                  socket)",

@@ -1,4 +1,5 @@
-//! Connecting to a peer's agent within a deadline when its accept queue may be full.
+//! Connecting within a deadline when the listener's queue may be full: to a peer's agent over TCP
+//! ([`dial`]), and to this node's agent on its Unix socket ([`dial_local`]).
 //!
 //! When a listener's accept queue is full, Linux drops the SYN, and TCP sends it again only after its
 //! initial retransmission timeout: a second, as long as a peer read's whole connect deadline
@@ -9,10 +10,16 @@
 //! [`FIRST_REDIAL`], then after twice as long each time, keeps the earlier ones waiting (the first may
 //! just be slow), and takes whichever connects first. On a network that answers, the first SYN connects
 //! within a round trip and no second socket is ever made.
+//!
+//! A Unix socket whose queue is full makes a blocking connect wait for room with no end, and a
+//! non-blocking one fail at once with `EAGAIN`, as if nobody listened there; [`dial_local`] waits for room
+//! until its deadline.
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -55,6 +62,26 @@ pub fn dial(addr: &SocketAddr, deadline: Duration) -> io::Result<TcpStream> {
             };
         }
     }
+}
+
+/// Connects to the Unix socket at `path`, waiting at most `deadline` for room in its listener's queue
+/// (Linux bounds a blocking connect's wait by the socket's send timeout). A queue still full at the
+/// deadline is [`io::ErrorKind::TimedOut`]; nobody listening is `ECONNREFUSED` (or `ENOENT`) at once.
+pub fn dial_local(path: &Path, deadline: Duration) -> io::Result<UnixStream> {
+    let s = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    s.set_write_timeout(Some(deadline.max(Duration::from_millis(1))))?;
+    match s.connect(&SockAddr::unix(path)?) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{} took no connection within {deadline:?}: its queue is full", path.display()),
+            ))
+        }
+        Err(e) => return Err(e),
+    }
+    s.set_write_timeout(None)?;
+    Ok(UnixStream::from(OwnedFd::from(s)))
 }
 
 enum Started {
@@ -148,6 +175,45 @@ mod tests {
         let e = dial(&addr, Duration::from_secs(5)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
         assert!(asked.elapsed() < Duration::from_secs(1));
+    }
+
+    /// A Unix listener whose queue holds one connection and holds it already.
+    fn full_local_listener(dir: &Path) -> (std::os::unix::net::UnixListener, UnixStream, std::path::PathBuf) {
+        let path = dir.join("agent.sock");
+        let s = Socket::new(Domain::UNIX, Type::STREAM, None).unwrap();
+        s.bind(&SockAddr::unix(&path).unwrap()).unwrap();
+        s.listen(0).unwrap();
+        let filler = UnixStream::connect(&path).unwrap();
+        (std::os::unix::net::UnixListener::from(OwnedFd::from(s)), filler, path)
+    }
+
+    #[test]
+    fn a_full_local_queue_is_waited_for_until_it_has_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let (l, _filler, path) = full_local_listener(dir.path());
+        let drain = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let accepted: Vec<UnixStream> = (0..2).map(|_| l.accept().unwrap().0).collect();
+            accepted
+        });
+        let asked = Instant::now();
+        let s = dial_local(&path, Duration::from_secs(5)).expect("connected once the queue had room");
+        assert!(asked.elapsed() >= Duration::from_millis(100), "{:?}", asked.elapsed());
+        assert_eq!(s.write_timeout().unwrap(), None, "the wait's timeout is left on the stream");
+        drain.join().unwrap();
+    }
+
+    #[test]
+    fn a_local_queue_never_drained_is_a_timeout_at_the_deadline_and_nobody_listening_an_error_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_l, _filler, path) = full_local_listener(dir.path());
+        let asked = Instant::now();
+        let e = dial_local(&path, Duration::from_millis(300)).unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+        let e = dial_local(&dir.path().join("nobody.sock"), Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 
     #[test]

@@ -304,7 +304,7 @@ impl Remote {
 
 /// The members the agent on `socket` knows of.
 fn members_from_agent(socket: &Path, deadline: Duration) -> io::Result<Vec<String>> {
-    let mut s = std::os::unix::net::UnixStream::connect(socket)?;
+    let mut s = super::dial::dial_local(socket, deadline)?;
     crate::private::check_peer(&s, socket)?;
     s.set_read_timeout(Some(deadline))?;
     s.set_write_timeout(Some(deadline))?;
