@@ -45,13 +45,16 @@ def opened(log: Path, mount: Path) -> list[str]:
     return out
 
 
-def assert_in_order(seen: list[int], jobs: int, n: int) -> None:
-    """Each of `n` positions opened on the store once, each at most `jobs` positions before the furthest
-    one opened so far (up to `jobs` files are in flight at once, so their opens may interleave)."""
+def assert_in_order(seen: list[int], window: int, n: int) -> None:
+    """Each of `n` positions opened on the store once, each at most `window` positions before the furthest
+    one opened so far. Files are admitted in order, but up to `jobs` are in flight at once, so their opens
+    interleave; and a job the machine holds up between its file's admission and its open lets the others
+    go on admitting as far as the budget allows (the reader waits for that file, so the budget does not
+    move), which CI's busiest runs saw: `window` is the larger of the jobs and the budget's files."""
     assert sorted(seen) == list(range(n))
     furthest = -1
     for pos in seen:
-        assert pos > furthest - jobs - 1, (pos, furthest)
+        assert pos > furthest - window - 1, (pos, furthest)
         furthest = max(furthest, pos)
 
 
@@ -97,7 +100,8 @@ def test_order_is_followed_within_the_budget_and_ahead_of_the_reader(logged_stor
     assert p["files_fetched"] >= 0.9 * len(order), p
     # In order: each file opened on the store comes at most `jobs` positions before the furthest opened.
     positions = {n: i for i, n in enumerate(order)}
-    assert_in_order([positions[n] for n in opened(log, mount) if n in positions], jobs, len(order))
+    window = max(jobs, budget // SIZE)
+    assert_in_order([positions[n] for n in opened(log, mount) if n in positions], window, len(order))
 
 
 def test_every_file_is_read_from_the_store_once_when_reads_race_the_prefetch(
