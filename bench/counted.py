@@ -31,7 +31,7 @@ def instructions(
     with tempfile.TemporaryDirectory(prefix="callgrind-") as d:
         subprocess.run(
             ["valgrind", "--tool=callgrind", *options, f"--callgrind-out-file={d}/out.%p", *cmd],
-            env={**env, **COUNTED}, capture_output=True, check=True, timeout=3600,
+            env={**env, **COUNTED}, stdin=subprocess.DEVNULL, capture_output=True, check=True, timeout=3600,
         )  # fmt: skip
         dumps = sorted(Path(d).iterdir())
         if before_exec:
