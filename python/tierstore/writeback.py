@@ -370,6 +370,12 @@ _KEPT_WHILE_OPEN = (".fuse_hidden", ".nfs")
 _MIGRATION_WAIT_S = 120.0
 
 
+def _temporary(name: str) -> bool:
+    """Whether `name` is a copy of the agent's that it deletes by itself: one being migrated, or one the
+    file system keeps while the agent still has it open."""
+    return migrating(name) or name.startswith(_KEPT_WHILE_OPEN)
+
+
 def _rmtree_past_migrations(top: str) -> None:
     """`shutil.rmtree(top)` while the agent may still be migrating files just removed from the journal:
     a temporary copy that vanishes under the walk was deleted by the agent; a directory left holding
@@ -395,9 +401,13 @@ def _rmtree_past_migrations(top: str) -> None:
         except OSError as e:
             if e.errno != errno.ENOTEMPTY:
                 raise
-            left = [n for _, _, names in os.walk(top) for n in names]
-            if not all(migrating(n) or n.startswith(_KEPT_WHILE_OPEN) for n in left):
-                raise  # a file written meanwhile: rmtree's own error
+            left = [os.path.join(d, n) for d, _, names in os.walk(top) for n in names]
+            written = [p for p in left if not _temporary(os.path.basename(p))]
+            if written:
+                # Named, so that a file written meanwhile (by this program or another) says which it was.
+                raise OSError(
+                    errno.ENOTEMPTY, f"cannot remove {top}: {written[:5]} written there meanwhile", top
+                ) from e
             if time.monotonic() > deadline:
                 raise OSError(
                     errno.ENOTEMPTY,
