@@ -15,7 +15,9 @@ Counted for each, a job of 4 epochs less one of 2, halved (the start, the first 
 cancel out), per sample:
 - the user-space instructions of every process of the job (valgrind's callgrind, bench/counted.py);
 - the system calls of every process, by kind (strace -f -c), whose kernel time the instruction count
-  leaves out.
+  leaves out;
+- the page faults and context switches of every process (getrusage), the kernel's work that no system call
+  shows.
 
     .venv/bin/python bench/bench_per_sample_count.py --out docs/benchmarks/per-sample-count.md
 """
@@ -71,6 +73,27 @@ def counted_job(data: Path, reader: str, envs: dict[str, dict[str, str]], setup:
     return n
 
 
+# What getrusage counts of a job's processes, beside its instructions and system calls: the kernel's work
+# that neither shows (a page touched the first time, a switch to another thread or process).
+KERNEL_COUNTS = {
+    "ru_minflt": "page faults (minor)",
+    "ru_majflt": "page faults (major)",
+    "ru_nvcsw": "context switches (voluntary)",
+    "ru_nivcsw": "context switches (involuntary)",
+}
+
+
+def kernel_counts(cmd: list[str], env: dict[str, str]) -> Counter[str]:
+    """getrusage's counts (`KERNEL_COUNTS`) of `cmd` and every process it waited for."""
+    pid = os.posix_spawn(cmd[0], cmd, env, file_actions=[
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0), (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
+    ])  # fmt: skip
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({status})")
+    return Counter({name: getattr(usage, name) for name in KERNEL_COUNTS})
+
+
 def system_calls(cmd: list[str], env: dict[str, str]) -> Counter[str]:
     """The system calls of every process `cmd` runs, by name (strace -f -c)."""
     with tempfile.NamedTemporaryFile(prefix="strace-", mode="r") as out:
@@ -102,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     per_sample: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], tuple[int, int, int]] = {}
     calls: dict[tuple[str, str], Counter[str]] = {}
+    kernel: dict[tuple[str, str], Counter[str]] = {}
     try:
         for reader in READERS:
             front = [sys.executable, "-m", "tierstore.cli", "--source", str(data[reader]),
@@ -115,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_sample[reader, setup] = counts[reader, setup][2] / spec.samples
                 two, four = (system_calls(job_command(data[reader], reader, e), envs[setup]) for e in (2, 4))
                 calls[reader, setup] = Counter({k: four[k] - two[k] for k in four | two})
+                two, four = (kernel_counts(job_command(data[reader], reader, e), envs[setup]) for e in (2, 4))
+                kernel[reader, setup] = Counter({k: four[k] - two[k] for k in KERNEL_COUNTS})
                 print(f"{reader} {setup}: {per_sample[reader, setup]:,.0f} instructions a sample", flush=True)
     finally:
         shutil.rmtree(tier, ignore_errors=True)
@@ -168,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
             a, b = local[name] / 2 / spec.samples, under[name] / 2 / spec.samples
             if abs(b - a) >= 0.01:
                 lines.append(f"| {reader} | `{name}` | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+    lines += [
+        "",
+        "## Page faults and context switches a sample (getrusage of the job's processes)",
+        "",
+        "| reader | setup | " + " | ".join(KERNEL_COUNTS.values()) + " |",
+        "| --- | --- |" + " ---: |" * len(KERNEL_COUNTS),
+    ]
+    for reader in READERS:
+        for setup in SETUPS:
+            row = " | ".join(f"{kernel[reader, setup][k] / 2 / spec.samples:.3f}" for k in KERNEL_COUNTS)
+            lines.append(f"| {reader} | {setup} | {row} |")
     lines += targets(checks)
     return finish(lines, checks, args.out)
 
