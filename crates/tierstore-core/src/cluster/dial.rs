@@ -28,7 +28,8 @@ use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 /// network, a tenth of the kernel's own retransmission.
 pub const FIRST_REDIAL: Duration = Duration::from_millis(100);
 
-/// Sockets dialing at once, at most (with the waits doubling, a deadline of a minute takes 10).
+/// Sockets dialing at once, at most: with the waits doubling, the eighth is sent 12.7 s in, and from then
+/// on the eight are waited for until the deadline.
 const MOST_PENDING: usize = 8;
 
 /// Connects to `addr` within `deadline`, sending a new SYN after [`FIRST_REDIAL`], then after twice as
@@ -137,6 +138,17 @@ mod tests {
         (l, filler)
     }
 
+    /// Drains a full queue `delay` from now: the connection that filled it, then the one dialed.
+    fn accept_two_after<T: Send + 'static>(
+        delay: Duration,
+        accept: impl Fn() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<Vec<T>> {
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            (0..2).map(|_| accept()).collect()
+        })
+    }
+
     #[test]
     fn a_syn_dropped_by_a_full_queue_is_sent_again_well_before_the_kernel_would() {
         let (l, _filler) = full_listener();
@@ -144,11 +156,7 @@ mod tests {
         // The queue is drained 150 ms after the dial starts; TCP alone would send the dropped SYN again
         // at 1 s. (Redials go at 100, 300 and 700 ms: a drain late by half a second on a busy machine is
         // still caught before the kernel's own retry.)
-        let drain = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(150));
-            let accepted: Vec<TcpStream> = (0..2).map(|_| l.accept().unwrap().0).collect();
-            accepted
-        });
+        let drain = accept_two_after(Duration::from_millis(150), move || l.accept().unwrap().0);
         let asked = Instant::now();
         let s = dial(&addr, Duration::from_secs(3)).expect("connected after the queue was drained");
         let took = asked.elapsed();
@@ -191,11 +199,7 @@ mod tests {
     fn a_full_local_queue_is_waited_for_until_it_has_room() {
         let dir = tempfile::tempdir().unwrap();
         let (l, _filler, path) = full_local_listener(dir.path());
-        let drain = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(100));
-            let accepted: Vec<UnixStream> = (0..2).map(|_| l.accept().unwrap().0).collect();
-            accepted
-        });
+        let drain = accept_two_after(Duration::from_millis(100), move || l.accept().unwrap().0);
         let asked = Instant::now();
         let s = dial_local(&path, Duration::from_secs(5)).expect("connected once the queue had room");
         assert!(asked.elapsed() >= Duration::from_millis(100), "{:?}", asked.elapsed());
