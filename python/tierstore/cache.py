@@ -217,8 +217,8 @@ class Cache:
 
         Returns:
             Counts (`tierstore.types.PrefetchProgress`): files_total, files_done, files_copied,
-            files_failed, bytes_total, bytes_done, first_error (None if none) and errors (every problem, up
-            to 1000, each naming its file).
+            files_failed, files_no_room (0 here: no size is expected), bytes_total, bytes_done, first_error
+            (None if none) and errors (every problem, up to 1000, each naming its file).
 
         Raises:
             ValueError: `jobs` is not a whole number from 1 to 1024.

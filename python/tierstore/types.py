@@ -74,6 +74,7 @@ class PrefetchProgress(TypedDict):
     bytes_done: int
     files_copied: int  # copied from the source by this prefetch
     files_failed: int
+    files_no_room: int  # left unopened: no room for the size expected (`prefetch_files`), not a failure
     first_error: str | None
     errors: list[str]  # every problem (up to 1000), each naming its file
 

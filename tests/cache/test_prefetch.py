@@ -5,6 +5,7 @@ and clear errors for `--jobs`."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,42 @@ def test_cli_jobs_errors_say_what_to_give(source: Path, tier: str) -> None:
     (source / "a.bin").write_bytes(b"abc")
     r = cli(*base, "-j", "1", str(source))
     assert r.returncode == 0 and "prefetched 1 files" in r.stdout
+
+
+def landed(started: object, within: float = 60) -> dict[str, object]:
+    """The progress of a `_core.Prefetch` once it has ended."""
+    deadline = time.monotonic() + within
+    while not started.done:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the prefetch did not end"
+        time.sleep(0.01)
+    return started.progress()  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_file_of_an_expected_size_gets_room_held_before_it_is_opened(
+    slow_store: tuple[Path, Path], tier: str
+) -> None:
+    # The shard read-ahead names each shard with the size it expects: room is held for it, then the
+    # file opened, and the copy takes the held room. A tier without that room leaves it unopened.
+    backing, mount = slow_store
+    size = 100_000
+    for name in ("a", "b", "c"):
+        (backing / name).write_bytes(os.urandom(size))
+    cache = tierstore.Cache(str(mount), [f"{tier}:{2 * size}B"])
+    with cache.open(mount / "c") as f:  # half the tier: the hold fills it, and the copy must take its place
+        f.read()
+    p = landed(cache._core.prefetch_files([str(mount / "a")], 1, size))
+    assert (p["files_copied"], p["files_failed"], p["files_no_room"]) == (1, 0, 0), p
+    used = cache.stats()["tiers"][0]
+    assert (used["bytes_used"], used["in_flight"]) == (2 * size, 0), used  # no hold left behind
+    # Full: the next file is left to its reader, unopened, and not a failure.
+    before = store_stats(mount)
+    p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
+    assert (p["files_copied"], p["files_failed"], p["files_no_room"]) == (0, 0, 1), p
+    assert delta(store_stats(mount), before).get("open", 0) == 0
+    # Without an expected size it is opened, then found to have no room: a failure that names the fix.
+    before = store_stats(mount)
+    p = landed(cache._core.prefetch_files([str(mount / "b")], 1))
+    assert (p["files_failed"], p["files_no_room"]) == (1, 0), p
+    assert "no tier has room" in str(p["first_error"])
+    assert delta(store_stats(mount), before).get("open", 0) == 1
+    assert cache.stats()["tiers"][0]["in_flight"] == 0

@@ -313,10 +313,17 @@ impl Cache {
     /// (on an object store, the object) of that name, with no `stat` or listing first. On an object store
     /// `prefetch_with` lists a name as a prefix, one `LIST` more per name; a read-ahead that names the
     /// shards it wants asks for each with its `GET` alone. A name that is missing or a directory is counted
-    /// as failed or skipped in the progress, not an error here.
-    pub fn prefetch_files(&self, paths: &[PathBuf], jobs: usize) -> Result<Arc<PrefetchProgress>, Error> {
+    /// as failed or skipped in the progress, not an error here. With an `expected` size, room for it is
+    /// held before each file is opened, and a file no tier has that room for is left unopened
+    /// (`files_no_room`): a read-ahead's open never finds the room gone and leaves its reader a second.
+    pub fn prefetch_files(
+        &self,
+        paths: &[PathBuf],
+        jobs: usize,
+        expected: Option<u64>,
+    ) -> Result<Arc<PrefetchProgress>, Error> {
         let _exempt = crate::interposer::calls();
-        let walk = Arc::new(prefetch::Walk::new(self.inner.clone()));
+        let walk = Arc::new(prefetch::Walk::new(self.inner.clone()).expecting(expected));
         for p in paths {
             let named = if self.storage.posix().is_some() { normalize_abs(p) } else { p.clone() };
             walk.add_file(self.storage.source().relative(&named)?);

@@ -214,18 +214,21 @@ impl PyCache {
     }
 
     /// Starts fetching `paths`, each the name of one file (an object, on an object store: never listed as
-    /// a prefix), `jobs` at a time; returns a progress handle.
-    #[pyo3(signature = (paths, jobs=None))]
+    /// a prefix), `jobs` at a time; returns a progress handle. With `expected_size`, room for that many
+    /// bytes is held before each file is opened, and a file no tier has room for is left unopened.
+    #[pyo3(signature = (paths, jobs=None, expected_size=None))]
     fn prefetch_files(
         &self,
         py: Python<'_>,
         paths: Vec<Bound<'_, PyAny>>,
         jobs: Option<usize>,
+        expected_size: Option<u64>,
     ) -> PyResult<PyPrefetch> {
         let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
         let engine = self.engine(py)?;
         let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
-        let progress = crate::exiting::without_gil(py, || engine.prefetch_files(&paths, jobs)).map_err(to_py)?;
+        let progress =
+            crate::exiting::without_gil(py, || engine.prefetch_files(&paths, jobs, expected_size)).map_err(to_py)?;
         Ok(PyPrefetch { progress })
     }
 
@@ -529,6 +532,7 @@ impl PyPrefetch {
         d.set_item("bytes_done", p.bytes_done.load(Relaxed))?;
         d.set_item("files_copied", p.files_copied.load(Relaxed))?;
         d.set_item("files_failed", p.files_failed.load(Relaxed))?;
+        d.set_item("files_no_room", p.files_no_room.load(Relaxed))?;
         d.set_item("first_error", p.first_error.lock().unwrap_or_else(|e| e.into_inner()).clone())?;
         d.set_item("errors", p.errors())?;
         Ok(d)

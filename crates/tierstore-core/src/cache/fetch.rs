@@ -224,8 +224,9 @@ impl Fetcher {
                 Purpose::Prefetch | Purpose::Native | Purpose::Peer => Fetched::Cached,
             });
         }
-        // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher.
-        self.remove_entries(key);
+        // Under the lock, any entry of this key is stale, damaged, or left by a dead fetcher; but room this
+        // fetch held before its open stays held until the reservation below takes its place.
+        self.remove_entries_but_held(key);
         let place = self.place(key, rel, sid, seen);
         placed();
         let Some(t) = place else {
@@ -374,9 +375,18 @@ impl Fetcher {
 
     /// Removes every entry of `key` and its copy (the caller holds the key's fetch lock).
     pub(super) fn remove_entries(&self, key: &Key) {
+        self.remove_entries_if(key, |_| true);
+    }
+
+    /// [`Fetcher::remove_entries`], but for the room this process holds for the key ([`Fetcher::hold_room`]).
+    fn remove_entries_but_held(&self, key: &Key) {
+        self.remove_entries_if(key, |e| !is_held(e));
+    }
+
+    fn remove_entries_if(&self, key: &Key, remove: impl Fn(&Entry) -> bool) {
         for tier in self.storage.lookup().tiers() {
             if let Ok(ix) = &tier.index {
-                if let Ok(Some(old)) = ix.remove_if(key, |_| true) {
+                if let Ok(Some(old)) = ix.remove_if(key, &remove) {
                     if old.ready {
                         let _ = std::fs::remove_file(tier.data_path(key));
                     }
@@ -389,7 +399,7 @@ impl Fetcher {
     /// the version `sid` (0: not known, the copy is confirmed before it is trusted for a while).
     pub(super) fn place(&self, key: &Key, rel: &str, sid: SourceId, seen: u64) -> Option<usize> {
         let tiers = self.storage.lookup().tiers();
-        let (free, quotas) = self.room();
+        let (free, quotas) = self.room(Some(key));
         for (i, evict) in plan(self.storage.config().policy, sid.size, &free, &quotas) {
             let tier = &tiers[i];
             let Ok(ix) = &tier.index else { continue };
@@ -438,17 +448,45 @@ impl Fetcher {
     /// whose quota holds it), without reserving any: a prefetch asks before it opens a file, so that a
     /// file it cannot copy is not opened only to be opened again by its reader.
     pub(super) fn has_room(&self, size: u64) -> bool {
-        let (free, quotas) = self.room();
+        let (free, quotas) = self.room(None);
         !plan(self.storage.config().policy, size, &free, &quotas).is_empty()
+    }
+
+    /// Holds room in a tier for about `size` bytes of `rel` (key `key`, claimed: its fetch lock held),
+    /// before it is opened, as a pending entry of this process with no version yet. A prefetch that saw
+    /// room and then opened the file could find the room taken meanwhile (by a reader's own fetch, in
+    /// any process) and leave the file to its reader, which opens it a second time: on an object store a
+    /// second `GET`. Held, the room is there when the copy reserves it ([`Fetcher::place`] counts the
+    /// hold as free for its key; the reservation replaces it in one write). The hold is let go when the
+    /// [`Hold`] is dropped, if the copy did not take its place.
+    pub(super) fn hold_room(&self, key: &Key, rel: &str, size: u64) -> Held<'_> {
+        let tiers = self.storage.lookup().tiers();
+        // An entry of the key (a stale copy) is replaced by the copy itself, which removes its bytes too.
+        let entry = |t: &crate::tier::Tier| t.index.as_ref().ok().and_then(|ix| ix.lookup(key).ok().flatten());
+        if tiers.iter().any(|t| entry(t).is_some()) {
+            return Held::Stale;
+        }
+        let sid = SourceId { size, mtime_ns: HELD, ctime_ns: HELD, ino: 0, dev: 0, attrs: None };
+        match self.place(key, rel, sid, 0) {
+            Some(tier) => Held::Room(Hold { fetcher: self, tier, key: *key }),
+            None => Held::NoRoom,
+        }
     }
 
     /// Each tier's free room (None: its index is unusable) and this source's quota in it. Each tier's
     /// quota bounds every source of the user in it together: this source's share is the quota less what
-    /// the others hold (see `usage`).
-    fn room(&self) -> (Vec<Option<u64>>, Vec<u64>) {
+    /// the others hold (see `usage`). For a reservation of `key`, an entry of the key counts as free: the
+    /// reservation replaces it (a hold, or a copy left by a dead fetcher) in the same write.
+    fn room(&self, key: Option<&Key>) -> (Vec<Option<u64>>, Vec<u64>) {
         let tiers = self.storage.lookup().tiers();
-        let used: Vec<Option<u64>> =
-            tiers.iter().map(|t| t.index.as_ref().ok().and_then(|ix| ix.usage_bytes().ok())).collect();
+        let used: Vec<Option<u64>> = tiers
+            .iter()
+            .map(|t| {
+                let ix = t.index.as_ref().ok()?;
+                let replaced = key.and_then(|k| ix.lookup(k).ok().flatten()).map_or(0, |e| e.source.size);
+                ix.usage_bytes().ok().map(|used| used.saturating_sub(replaced))
+            })
+            .collect();
         let quotas: Vec<u64> = tiers
             .iter()
             .zip(&used)
@@ -632,6 +670,41 @@ impl Fetcher {
         }
         let job = FetchJob { rel, purpose: Purpose::Prefetch, seen, lead: claimed.lead };
         self.fetch_locked(job, sid, claimed.guard, &mut Some(file))
+    }
+}
+
+/// The times a hold's pending entry records in place of a version: no source file has them, so a hold is
+/// never taken for a copy of one.
+const HELD: i64 = i64::MIN;
+
+/// Whether `e` is room this process holds for a file it has not opened yet ([`Fetcher::hold_room`]).
+fn is_held(e: &Entry) -> bool {
+    !e.ready && e.pid == crate::process::pid() && e.source.mtime_ns == HELD && e.source.ctime_ns == HELD
+}
+
+/// What [`Fetcher::hold_room`] found.
+pub(super) enum Held<'a> {
+    /// Room is held until the hold is dropped.
+    Room(Hold<'a>),
+    /// No tier has room for the size asked.
+    NoRoom,
+    /// The key has an entry already (a stale copy): nothing was held, the copy replaces the entry.
+    Stale,
+}
+
+/// Room held in tier `tier` for the file of `key` until the copy reserves it; let go of when dropped.
+pub(super) struct Hold<'a> {
+    fetcher: &'a Fetcher,
+    tier: usize,
+    key: Key,
+}
+
+impl Drop for Hold<'_> {
+    fn drop(&mut self) {
+        // Gone already where the copy's reservation took its place (in this tier) or it was removed.
+        if let Ok(ix) = &self.fetcher.storage.lookup().tiers()[self.tier].index {
+            let _ = ix.remove_if(&self.key, is_held);
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::engine::Inner;
+use super::fetch::{Held, Hold};
 use super::flight::Role;
 use super::job::Fetched;
 use super::job::{FetchJob, Purpose};
@@ -58,6 +59,9 @@ pub struct PrefetchProgress {
     pub files_copied: AtomicU64,
     /// Files that could not be cached (no room, or an error), and directories that could not be walked.
     pub files_failed: AtomicU64,
+    /// Files left unopened, to their readers, because no tier had room for the size the caller expected
+    /// them to have (see [`Walk::expecting`]): not failures.
+    pub files_no_room: AtomicU64,
     /// The first problem met, for the report.
     pub first_error: Mutex<Option<String>>,
     /// Every problem met (up to a thousand), each naming the file and what to do.
@@ -169,6 +173,7 @@ pub(super) struct Walk {
     work: Condvar,
     open_dirs: Arc<AtomicUsize>,
     workers: AtomicUsize,
+    expected: Option<u64>,
 }
 
 impl Walk {
@@ -180,7 +185,17 @@ impl Walk {
             work: Condvar::new(),
             open_dirs: Arc::new(AtomicUsize::new(0)),
             workers: AtomicUsize::new(0),
+            expected: None,
         }
+    }
+
+    /// Holds room for `size` bytes of each file before it is opened, and leaves a file no tier has that
+    /// room for unopened (`files_no_room`): for a caller that knows about how large the files are (a
+    /// read-ahead of shards of one size) and whose readers open what it leaves. Without this a file is
+    /// opened, then found to have no room: a failure, and an open the reader makes again.
+    pub(super) fn expecting(mut self, size: Option<u64>) -> Walk {
+        self.expected = size.filter(|&s| s > 0);
+        self
     }
 
     pub(super) fn progress(&self) -> Arc<PrefetchProgress> {
@@ -458,13 +473,21 @@ impl Walk {
         let p = &self.progress;
         let path = self.inner.storage().source().path_of(rel);
         let fetcher = self.inner.fetcher();
-        match fetcher.claim(key, rel).and_then(|c| c.map(|c| fetcher.prefetch_object(c, rel)).transpose()) {
-            Ok(Some((sid, fetched))) => {
+        let claimed = match fetcher.claim(key, rel) {
+            Ok(Some(claimed)) => claimed,
+            Ok(None) => return p.handled(0), // cached, or being fetched by another process
+            Err(e) => {
+                self.record(&path, Err(e));
+                return p.handled(0);
+            }
+        };
+        let Ok(_hold) = self.hold(key, rel) else { return };
+        match fetcher.prefetch_object(claimed, rel) {
+            Ok((sid, fetched)) => {
                 p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
                 self.record(&path, Ok(fetched));
                 p.handled(sid.size);
             }
-            Ok(None) => p.handled(0), // cached, or being fetched by another process
             Err(e) => {
                 self.record(&path, Err(e));
                 p.handled(0);
@@ -488,6 +511,7 @@ impl Walk {
                 return p.handled(0);
             }
         };
+        let Ok(_hold) = self.hold(key, &rel) else { return };
         let opened = match (&parent, inner.storage().posix()) {
             (Some(d), Some(posix)) => posix.open_in(&d.file, name).map(SourceFile::Posix),
             _ => inner.storage().source().open(&rel),
@@ -517,6 +541,22 @@ impl Walk {
         p.bytes_total.fetch_add(sid.size, Ordering::Relaxed);
         self.record(&path, inner.fetcher().prefetch_file(claimed, &rel, sid, file, seen));
         p.handled(sid.size);
+    }
+
+    /// The room held for the claimed file before it is opened, when the caller expects a size (`None`
+    /// when it does not, or the key has a stale entry); `Err` when no tier has that room: the file is
+    /// left unopened, counted and handled.
+    fn hold(&self, key: &Key, rel: &str) -> Result<Option<Hold<'_>>, ()> {
+        let Some(size) = self.expected else { return Ok(None) };
+        match self.inner.fetcher().hold_room(key, rel, size) {
+            Held::Room(hold) => Ok(Some(hold)),
+            Held::Stale => Ok(None),
+            Held::NoRoom => {
+                self.progress.files_no_room.fetch_add(1, Ordering::Relaxed);
+                self.progress.handled(0);
+                Err(())
+            }
+        }
     }
 
     fn record(&self, path: &Path, fetched: Result<Fetched, Error>) {
