@@ -28,7 +28,10 @@ worker opens a shard, the loader's process fetches the shards that worker will o
   while its step is a guess), and the bytes fetched ahead and not yet opened within the budget. When the
   tiers are full (a data set larger than they are), the shards the workers have moved on from this epoch
   are let go of, earliest first, to make room for the next; a shard there is still no room for is left
-  to its reader.
+  to its reader. Room for a shard (the mean size of those fetched so far) is held in the tiers before it
+  is opened, so a worker's own fetch that takes the room meanwhile leaves the shard unopened, never
+  opened twice. Before any has landed, the room held is the first shard's size (one `stat`); on an
+  object store, where that would be a request of its own, one shard is fetched at a time until then.
 
 A prediction never changes what the job reads: a wrong one is a shard fetched early (it is read later in
 the epoch, or not at all), never a byte served wrong. Any failure is one line at `-v` and a loader that
@@ -253,6 +256,15 @@ class ShardReadAhead:
         # asks the store nothing, and on an object store the fetch is the shard's `GET` alone, no `LIST`.
         self.ahead: dict[str, _core.Prefetch] = {}
         self.sizes: dict[str, int] = {}  # of the shards fetched ahead, for the budget
+        # Fetched ahead and opened by their worker before the read-ahead took in the fetch's end: its size
+        # and outcome still count.
+        self.opened_early: dict[str, _core.Prefetch] = {}
+        # Until a shard fetched ahead lands, the size of the first one (`_size_of`); 0 where it cannot be
+        # asked without a request of its own.
+        self.guessed = 0
+        # Shards the head start waits to fetch until one has landed, when no size is known: there is no
+        # room to hold for them, and the workers' own first fetches take room too.
+        self.deferred: list[str] = []
         self.counts = {
             "opened": 0,
             "fetched_ahead": 0,
@@ -306,6 +318,9 @@ class ShardReadAhead:
                         moved[worker] = None
             if began:
                 self._fetch_ahead(self._head_start())
+            elif self.deferred:
+                deferred, self.deferred = self.deferred, []
+                self._fetch_ahead(deferred)
             for worker in moved:
                 mine = self.now[worker]
                 self._fetch_ahead(
@@ -319,7 +334,7 @@ class ShardReadAhead:
             self._say_epoch()
         self.last_counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.last.update(self.now)
-        self.now, self.opened, self.passed = {}, set(), collections.deque()
+        self.now, self.opened, self.passed, self.deferred = {}, set(), collections.deque(), []
         self.ahead = {p: f for p, f in self.ahead.items() if _landed(f) is None}
         self.epoch += 1
 
@@ -344,16 +359,21 @@ class ShardReadAhead:
 
     def _fetch_ahead(self, shards: list[str]) -> None:
         """Fetches each of `shards` not opened or fetched ahead yet this epoch, while the budget has room."""
-        for shard in shards:
+        for at, shard in enumerate(shards):
             if shard in self.opened or shard in self.ahead:
                 continue
             if self.cache._core.lookup(shard, False) is not None:
                 continue  # cached already (from the index alone): a warm epoch starts no fetch
+            if not self._mean():
+                self.guessed = _size_of(shard)
             if not self._room() or not self._tier_room():
                 self.counts["no_room"] += 1
                 return
+            if not self._mean() and self.ahead:  # no size to hold room for: one at a time
+                self.deferred = shards[at:]
+                return
             try:
-                self.ahead[shard] = self.cache._core.prefetch_files([shard], 1)
+                self.ahead[shard] = self.cache._core.prefetch_files([shard], 1, self._mean() or None)
             except Exception as e:  # outside the source, or no thread to fetch with: left to its reader
                 self.counts["failed"] += 1
                 _say(f"{self.name}: {shard}: not read ahead: {e}")
@@ -370,8 +390,10 @@ class ShardReadAhead:
         mine.append(path)
         self.opened.add(path)
         self.counts["opened"] += 1
-        if self.ahead.pop(path, None) is not None:
+        started = self.ahead.pop(path, None)
+        if started is not None:
             self.counts["opened_ahead"] += 1
+            self.opened_early[path] = started
         if not self.found:  # no list held by the dataset: the first shard's directory, listed once
             listed = directory_shards(path)
             self.found = "the order the workers open them"
@@ -399,25 +421,33 @@ class ShardReadAhead:
         return True
 
     def _mean(self) -> int:
-        """The mean size of the shards fetched ahead so far (0 before the first lands)."""
-        return sum(self.sizes.values()) // len(self.sizes) if self.sizes else 0
+        """The mean size of the shards fetched ahead so far (0 before the first lands). A fetch that found
+        its shard fetched by a worker already records 0 bytes: not a size."""
+        sizes = [size for size in self.sizes.values() if size]
+        return sum(sizes) // len(sizes) if sizes else self.guessed
 
     def _room(self) -> bool:
         """Whether one more shard fits the budget, counting each shard ahead at the mean size so far."""
-        for path, started in list(self.ahead.items()):
-            if path in self.sizes:
-                continue
+        for path, started in list(self.opened_early.items()):
             landed = _landed(started)
-            if landed is None:
-                continue
-            if landed["files_failed"]:
-                self.counts["failed"] += 1
+            if landed is not None:
+                del self.opened_early[path]
+                self._took_in(path, landed)
+        for path, started in list(self.ahead.items()):
+            landed = None if path in self.sizes else _landed(started)
+            if landed is not None and not self._took_in(path, landed):
                 del self.ahead[path]
-            else:
-                self.sizes[path] = landed["bytes_total"]
         if not self.ahead:
             return True
         return (len(self.ahead) + 1) * self._mean() <= self.budget
+
+    def _took_in(self, path: str, landed: PrefetchProgress) -> bool:
+        """Counts a fetch ahead that has ended: its size, for the mean; whether it placed the shard."""
+        if landed["files_failed"] or landed["files_no_room"]:
+            self.counts["no_room" if landed["files_no_room"] else "failed"] += 1
+            return False
+        self.sizes[path] = landed["bytes_total"]
+        return True
 
     def _say_epoch(self) -> None:
         c = self.counts
@@ -450,6 +480,17 @@ class ShardReadAhead:
                 },
             },
         )
+
+
+def _size_of(shard: str) -> int:
+    """The size of a shard on a file system (one `stat`, once per loader: the room to hold for the first
+    shards fetched ahead, before any has landed); 0 for an object store's URL."""
+    if "://" in shard:
+        return 0
+    try:
+        return os.stat(shard).st_size
+    except OSError:
+        return 0
 
 
 def _landed(started: _core.Prefetch) -> PrefetchProgress | None:
