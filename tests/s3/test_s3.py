@@ -436,6 +436,11 @@ def test_fsspec_chained_over_s3(server: S3Server, bucket: str, tier: str) -> Non
             assert f.read() == body
     fs, _ = fsspec.core.url_to_fs(f"tierstore::s3://{bucket}/d", **opts)
     assert sorted(fs.ls(f"{bucket}/d", detail=False)) == sorted(f"s3://{bucket}/{k}" for k in objects)
+    # A small object is handed to its reader before its copy is written (by the copy pool): the copies
+    # of the bucket's cache, the one every open above went through (fsspec keeps one instance per
+    # options), are waited for before another cache counts them.
+    assert list(fs.caches) == [f"s3://{bucket}"], fs.caches
+    fs.caches[f"s3://{bucket}"].wait()
     cache = tierstore.Cache(source=f"s3://{bucket}", tiers=[tier], s3=server.settings())
     assert cache.stats()["tiers"][0]["entries"] == len(objects)
     # And tierstore:// with a cache whose source is the bucket.
