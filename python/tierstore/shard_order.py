@@ -259,9 +259,9 @@ class ShardReadAhead:
         # Fetched ahead and opened by their worker before the read-ahead took in the fetch's end: its size
         # and outcome still count.
         self.opened_early: dict[str, _core.Prefetch] = {}
-        # Until a shard fetched ahead lands, the size of the first one (`_size_of`); 0 where it cannot be
-        # asked without a request of its own.
-        self.guessed = 0
+        # Until a shard fetched ahead lands, the size of the first one (`_size_of`), asked once (None until
+        # then); 0 where it cannot be asked without a request of its own.
+        self.guessed: int | None = None
         # Shards the head start waits to fetch until one has landed, when no size is known: there is no
         # room to hold for them, and the workers' own first fetches take room too.
         self.deferred: list[str] = []
@@ -364,7 +364,7 @@ class ShardReadAhead:
                 continue
             if self.cache._core.lookup(shard, False) is not None:
                 continue  # cached already (from the index alone): a warm epoch starts no fetch
-            if not self._mean():
+            if self.guessed is None:
                 self.guessed = _size_of(shard)
             if not self._room() or not self._tier_room():
                 self.counts["no_room"] += 1
@@ -424,7 +424,7 @@ class ShardReadAhead:
         """The mean size of the shards fetched ahead so far (0 before the first lands). A fetch that found
         its shard fetched by a worker already records 0 bytes: not a size."""
         sizes = [size for size in self.sizes.values() if size]
-        return sum(sizes) // len(sizes) if sizes else self.guessed
+        return sum(sizes) // len(sizes) if sizes else self.guessed or 0
 
     def _room(self) -> bool:
         """Whether one more shard fits the budget, counting each shard ahead at the mean size so far."""
