@@ -93,6 +93,7 @@ macro_rules! real {
 
 mod changes;
 mod dirs;
+mod fd_table;
 mod io;
 mod open;
 mod order;

@@ -20,15 +20,13 @@
 //! - the table belongs to a process: a forked child sees none of its parent's entries, and its inherited
 //!   descriptors read the source natively.
 
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::ptr;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use libc::{c_int, c_void, off_t, size_t, ssize_t};
 use tierstore_core::{CopyState, Growing};
 
+use crate::fd_table::FdTable;
 use crate::Busy;
 
 /// One descriptor the program reads while its file is copied.
@@ -40,42 +38,7 @@ struct Stream {
     position: Mutex<()>,
 }
 
-struct Table {
-    pid: u32,
-    live: AtomicUsize,
-    entries: Mutex<HashMap<c_int, Arc<Stream>>>,
-}
-
-static TABLE: AtomicPtr<Table> = AtomicPtr::new(ptr::null_mut());
-
-/// This process's table, if it has ever had an entry. One atomic load on the path every `read` takes.
-fn table() -> Option<&'static Table> {
-    // SAFETY: tables are leaked, never freed.
-    let t = unsafe { TABLE.load(Ordering::Acquire).as_ref()? };
-    (t.live.load(Ordering::Relaxed) != 0 && t.pid == tierstore_core::pid()).then_some(t)
-}
-
-/// This process's table, created on first use (lock-free: a fork may happen at any moment).
-fn table_for_insert() -> &'static Table {
-    let pid = tierstore_core::pid();
-    loop {
-        let current = TABLE.load(Ordering::Acquire);
-        // SAFETY: as above.
-        if let Some(t) = unsafe { current.as_ref() } {
-            if t.pid == pid {
-                return t;
-            }
-        }
-        // None yet, or the parent's (inherited by fork): replace it, leaking the old one.
-        let fresh =
-            Box::into_raw(Box::new(Table { pid, live: AtomicUsize::new(0), entries: Mutex::new(HashMap::new()) }));
-        match TABLE.compare_exchange(current, fresh, Ordering::AcqRel, Ordering::Acquire) {
-            // SAFETY: `fresh` was just leaked from a Box.
-            Ok(_) => return unsafe { &*fresh },
-            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
-        }
-    }
-}
+static TABLE: FdTable<Arc<Stream>> = FdTable::new();
 
 /// Whether descriptors `a` and `b` of this process name the same open file.
 fn same_file(a: c_int, b: c_int) -> bool {
@@ -98,29 +61,22 @@ pub(crate) fn register(fd: c_int, copy: Arc<Growing>) {
     if !same_file(fd, witness.as_raw_fd()) {
         return;
     }
-    let t = table_for_insert();
-    let stream = Arc::new(Stream { copy, witness, position: Mutex::new(()) });
-    let mut entries = t.entries.lock().unwrap_or_else(|e| e.into_inner());
-    if entries.insert(fd, stream).is_none() {
-        t.live.fetch_add(1, Ordering::Relaxed);
-    }
+    TABLE.insert(fd, Arc::new(Stream { copy, witness, position: Mutex::new(()) }));
 }
 
 /// Forgets `fd` (closed, replaced, or moved to its copy).
 pub(crate) fn forget(fd: c_int) {
-    let Some(t) = table() else { return };
-    let removed = t.entries.lock().unwrap_or_else(|e| e.into_inner()).remove(&fd);
-    if removed.is_some() {
-        t.live.fetch_sub(1, Ordering::Relaxed);
-    }
+    TABLE.remove(fd);
 }
 
 /// The entry of `fd`, if the program's descriptor `fd` is one being followed. Calls the shim itself
 /// makes (the engine reading the copy) are never followed.
 fn lookup(fd: c_int) -> Option<(Arc<Stream>, Busy)> {
-    let t = table()?;
+    if !TABLE.holds_any() {
+        return None; // the path of every read of a program that follows no copy: one atomic load
+    }
     let busy = Busy::enter()?;
-    let stream = t.entries.lock().unwrap_or_else(|e| e.into_inner()).get(&fd).cloned()?;
+    let stream = TABLE.get(fd, Arc::clone)?;
     Some((stream, busy))
 }
 
