@@ -32,6 +32,9 @@ worker opens a shard, the loader's process fetches the shards that worker will o
   is opened, so a worker's own fetch that takes the room meanwhile leaves the shard unopened, never
   opened twice. Before any has landed, the room held is the first shard's size (one `stat`); on an
   object store, where that would be a request of its own, one shard is fetched at a time until then.
+  A shard a worker reads from the store itself, finding no room, is marked so while the worker has it
+  open, and no fetch ahead reads it again meanwhile (room let go of after the worker's fetch would
+  otherwise send one).
 
 A prediction never changes what the job reads: a wrong one is a shard fetched early (it is read later in
 the epoch, or not at all), never a byte served wrong. Any failure is one line at `-v` and a loader that

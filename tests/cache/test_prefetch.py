@@ -5,13 +5,15 @@ and clear errors for `--jobs`."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import tierstore
-from tests.helpers.cli import cli
+from tests.helpers.cli import cli, tierstore_run
 from tests.helpers.data import make_files
 from tests.helpers.stores import store_stats
 
@@ -201,3 +203,94 @@ def test_a_file_of_an_expected_size_gets_room_held_before_it_is_opened(
     assert "no tier has room" in str(p["first_error"])
     assert delta(store_stats(mount), before).get("open", 0) == 1
     assert cache.stats()["tiers"][0]["in_flight"] == 0
+
+
+# Holds a file open that no tier has room for, until told to close it, then lives on until told to end.
+HOLD_THROUGH_CACHE = """
+import sys, tierstore
+f = tierstore.Cache(sys.argv[1], [sys.argv[2]]).open(sys.argv[3])
+f.read(10)
+print("open", flush=True)
+sys.stdin.readline()
+f.close()
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+HOLD_NATIVE = """
+import os, sys
+fd = os.open(sys.argv[3], os.O_RDONLY)
+os.read(fd, 10)
+print("open", flush=True)
+sys.stdin.readline()
+os.close(fd)
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def full_tier(backing: Path, mount: Path, tier: str, size: int) -> tuple[tierstore.Cache, str]:
+    """A cache whose tier holds two files of `size`, a and c, and is full; files b and d are not in it."""
+    for name in ("a", "b", "c", "d"):
+        (backing / name).write_bytes(os.urandom(size))
+    spec = f"{tier}:{2 * size}B"
+    cache = tierstore.Cache(str(mount), [spec])
+    for name in ("a", "c"):
+        with cache.open(mount / name) as f:
+            f.read()
+    cache.wait()  # their copies are written
+    return cache, spec
+
+
+@pytest.mark.parametrize("holder", ["Cache.open", "tierstore run"])
+def test_a_file_a_reader_reads_from_the_store_is_not_prefetched_until_it_closes(
+    slow_store: tuple[Path, Path], tier: str, holder: str
+) -> None:
+    # A reader whose fetch found no room reads the file from the store. Room let go of afterwards (the
+    # shard read-ahead lets go of passed shards) must not send a prefetch to read the same bytes again
+    # while that reader has them: the reader's mark keeps the prefetch off until it closes the file.
+    backing, mount = slow_store
+    size = 100_000
+    cache, spec = full_tier(backing, mount, tier, size)
+    args = [str(mount), spec, str(mount / "b")]
+    if holder == "Cache.open":
+        reader = subprocess.Popen(
+            [sys.executable, "-c", HOLD_THROUGH_CACHE, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    else:
+        reader = tierstore_run(mount, spec, sys.executable, "-c", HOLD_NATIVE, *args)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "open"
+        assert cache._core.let_go(str(mount / "a"))  # room for one now
+        before = store_stats(mount)
+        p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
+        assert (p["files_copied"], p["files_failed"]) == (0, 0), p
+        assert delta(store_stats(mount), before).get("open", 0) == 0  # b was not opened a second time
+        assert cache._core.lookup(str(mount / "b"), False) is None
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "closed"  # closed, and the process still lives
+        p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
+        assert (p["files_copied"], p["files_failed"]) == (1, 0), p
+    finally:
+        reader.kill()
+        reader.wait(timeout=30)
+
+
+def test_readers_from_the_store_in_this_process_keep_its_own_prefetch_off_counted_per_open(
+    slow_store: tuple[Path, Path], tier: str
+) -> None:
+    backing, mount = slow_store
+    size = 100_000
+    cache, _ = full_tier(backing, mount, tier, size)
+    with cache.open(mount / "d") as first, cache.open(mount / "d") as second:
+        assert first.read() == second.read() == (backing / "d").read_bytes()
+        assert cache._core.let_go(str(mount / "a"))
+        first.close()
+        p = landed(cache._core.prefetch_files([str(mount / "d")], 1, size))
+        assert (p["files_copied"], p["files_failed"]) == (0, 0), p  # the second reader's mark
+    p = landed(cache._core.prefetch_files([str(mount / "d")], 1, size))
+    assert (p["files_copied"], p["files_failed"]) == (1, 0), p

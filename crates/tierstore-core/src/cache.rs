@@ -202,7 +202,9 @@ impl Cache {
     pub fn open_file(&self, path: &Path) -> Result<File, Error> {
         let _exempt = crate::interposer::calls();
         match self.inner.open_native_rel(&self.storage.source().relative(path)?, false)? {
-            Native::Whole(f) => Ok(f),
+            // A mark that the file is read from the store ends here: the caller closes the descriptor
+            // where the cache cannot see it (stdio's `fclose` under the shim, a raw descriptor in Python).
+            Native::Whole(f) | Native::FromStore { file: f, .. } => Ok(f),
             Native::Copying { .. } => unreachable!("only open_native streams"),
         }
     }

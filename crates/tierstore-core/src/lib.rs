@@ -37,5 +37,5 @@ pub use process::pid;
 pub use cache::{Cache, Native, Parts, PartsServed, PrefetchProgress, SourceStats, Stats, TierStats, PART_BLOCK};
 pub use config::{Config, ConfigError, Overrides, Revalidate, TierConfig, TierKind, Verify};
 pub use placement::Policy;
-pub use reader::{CopyState, Growing, Piece, Reader};
+pub use reader::{CopyState, Growing, Kept, Piece, Reader};
 pub use source::OutsideSource;

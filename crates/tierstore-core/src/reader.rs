@@ -288,6 +288,10 @@ fn pread_uninit(file: &File, buf: &mut [MaybeUninit<u8>], offset: u64) -> io::Re
     Ok(done)
 }
 
+/// What a reader keeps as long as it reads ([`Reader::keeping`]), handed over with its descriptor: it
+/// does its work when dropped.
+pub type Kept = Box<dyn Send + Sync>;
+
 /// A read-only file opened through the cache.
 pub struct Reader {
     backing: Backing,
@@ -297,17 +301,33 @@ pub struct Reader {
     source: Arc<dyn Source>,
     /// The source file, opened when a growing copy fails.
     fallback: Option<SourceFile>,
+    /// What lives as long as this reader reads (see [`Reader::keeping`]).
+    kept: Option<Kept>,
 }
 
 impl Reader {
     /// A reader of `size` bytes of the source file `rel` over `backing`.
     pub fn new(backing: Backing, size: u64, rel: String, source: Arc<dyn Source>) -> Reader {
-        Reader { backing, size, pos: 0, rel, source, fallback: None }
+        Reader { backing, size, pos: 0, rel, source, fallback: None, kept: None }
+    }
+
+    /// This reader, keeping `kept` until it is dropped or its descriptor handed over: a mark that the
+    /// file is read from the store, which a prefetch respects while the reader lives.
+    pub(crate) fn keeping(mut self, kept: impl Send + Sync + 'static) -> Reader {
+        self.kept = Some(Box::new(kept));
+        self
     }
 
     /// The descriptor of the cached copy or source file this reader reads, if it reads one directly.
     pub fn into_file(self) -> Option<File> {
         self.backing.into_file()
+    }
+
+    /// [`into_file`](Self::into_file), with what the reader kept ([`Reader::keeping`]), for the holder of
+    /// the descriptor to keep as long.
+    pub fn into_file_kept(self) -> Option<(File, Option<Kept>)> {
+        let kept = self.kept;
+        self.backing.into_file().map(|f| (f, kept))
     }
 
     /// [`into_file`](Self::into_file) for a program that reads the descriptor itself: the job's reads of

@@ -6,7 +6,7 @@
 
 use libc::{c_int, c_void, off_t, size_t, ssize_t, FILE};
 
-use crate::{streams, writes};
+use crate::{open, streams, writes};
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
@@ -35,6 +35,7 @@ pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, count: size_t, off
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     streams::forget(fd);
+    open::forget_store_read(fd);
     writes::close(fd, || real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd))
 }
 
@@ -43,6 +44,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     let rc = real!("dup2", unsafe extern "C" fn(c_int, c_int) -> c_int)(old, new);
     if rc >= 0 && old != new {
         streams::forget(new);
+        open::forget_store_read(new);
     }
     rc
 }
@@ -52,6 +54,7 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     let rc = real!("dup3", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(old, new, flags);
     if rc >= 0 {
         streams::forget(new);
+        open::forget_store_read(new);
     }
     rc
 }

@@ -13,9 +13,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use libc::{c_char, c_int, mode_t, FILE};
-use tierstore_core::Native;
+use tierstore_core::{Kept, Native};
 
 use crate::dirs::{self, at, unshadow};
+use crate::fd_table::FdTable;
 use crate::{invalidate, opens_to_write, order, set_errno, shim, streams, writes, Busy, Shim};
 
 /// The heart of the open family: a read-only open of a file under the source gets a descriptor of its
@@ -83,9 +84,10 @@ unsafe fn opened(s: &Shim, abs: &Path, native: Native, flags: c_int) -> c_int {
 /// The program's descriptor of an opened copy (or of the source while it is copied, registered with its
 /// copy), with the descriptor flags the program asked for rather than Rust's.
 unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
-    let (f, copy) = match native {
-        Native::Whole(f) => (f, None),
-        Native::Copying { source, copy } => (source, Some(copy)),
+    let (f, copy, mark) = match native {
+        Native::Whole(f) => (f, None, None),
+        Native::FromStore { file, mark } => (file, None, Some(mark)),
+        Native::Copying { source, copy } => (source, Some(copy), None),
     };
     let fd = f.into_raw_fd();
     if flags & libc::O_CLOEXEC == 0 {
@@ -98,7 +100,24 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
     if let Some(copy) = copy {
         streams::register(fd, copy);
     }
+    if let Some(mark) = mark {
+        STORE_READS.insert(fd, mark);
+    }
     fd
+}
+
+/// The marks that the program reads a file from the store (no tier had room for it), by its descriptor:
+/// kept until the program closes it, so that a prefetch of this node does not read the same bytes again
+/// meanwhile. A descriptor closed where the shim does not see it (stdio's `fclose` after `fdopen`) keeps
+/// its mark until its number is opened or closed again: at worst a prefetch left undone, never a byte
+/// served wrong. (`fopen` takes no mark: `Cache::open_file` ends it as it hands the descriptor over.)
+static STORE_READS: FdTable<Kept> = FdTable::new();
+
+/// Ends the mark of descriptor `fd` (closed, or replaced by `dup2`), if it has one.
+pub(crate) fn forget_store_read(fd: c_int) {
+    if STORE_READS.holds_any() {
+        STORE_READS.remove(fd);
+    }
 }
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {

@@ -34,7 +34,7 @@ use crate::clock::now_ns;
 use crate::config::Revalidate;
 use crate::error::Error;
 use crate::index::{key_of, Entry, Key, SourceId};
-use crate::reader::{Backing, Growing, Reader};
+use crate::reader::{Backing, Growing, Kept, Reader};
 use crate::source::SourceFile;
 
 /// The state that every handle, copy job and prefetch worker of one cache shares: its components, and
@@ -59,9 +59,18 @@ pub(super) struct Inner {
 
 /// A file opened for a program that reads it with system calls (see [`Cache::open_native`](super::Cache::open_native)).
 pub enum Native {
-    /// A descriptor holding exactly the file's bytes: a published copy, or the source when no tier has
-    /// room or the cache failed.
+    /// A descriptor holding exactly the file's bytes: a published copy, or the source when the cache
+    /// failed (or no tier had room, and the mark below could not be taken).
     Whole(File),
+    /// The source itself, which no tier had room for. `mark` says so to this node's prefetches, which
+    /// then leave the file alone rather than read it from the store a second time while the program
+    /// reads it: keep it until the program closes the descriptor, and drop it then.
+    FromStore {
+        /// The source file, open read-only.
+        file: File,
+        /// The mark that the file is read from the store.
+        mark: Kept,
+    },
     /// A large file being copied into a tier: `source` is a descriptor of the source file itself, which
     /// the program may read natively; reads can be served from `copy` as it grows, and the descriptor
     /// moved to the copy once it is [`finished`](crate::reader::CopyState::Finished).
@@ -203,7 +212,12 @@ impl Want for ForProgram {
     fn on_fetch(&self, fetched: Fetched) -> Next<Native> {
         match fetched {
             Fetched::Uncached | Fetched::NoRoom => Next::Source,
-            Fetched::Reader(r) => r.into_file().map_or(Next::Again, |f| Next::Opened(Native::Whole(f))),
+            Fetched::Reader(r) => r.into_file_kept().map_or(Next::Again, |(file, mark)| {
+                Next::Opened(match mark {
+                    Some(mark) => Native::FromStore { file, mark },
+                    None => Native::Whole(file),
+                })
+            }),
             Fetched::Streaming(source, copy) => Next::Opened(Native::Copying { source, copy }),
             Fetched::Cached | Fetched::Skipped => Next::Again,
         }

@@ -232,12 +232,22 @@ impl Fetcher {
         let Some(t) = place else {
             self.storage.source().counters().add(src_slot::UNCACHED, 1);
             log::debug!("{rel}: no tier has room for {} B; read from the store, not cached", sid.size);
+            if matches!(purpose, Purpose::Prefetch | Purpose::Peer) {
+                return Ok(Fetched::NoRoom);
+            }
+            // Marked before the lock goes: a prefetch that claims the file next, once room is let go of,
+            // finds it read from the store and does not read it a second time.
+            let mark = self.locks.mark_store_read(key);
             drop(guard);
             drop(lead);
-            return Ok(match purpose {
-                Purpose::Read | Purpose::Native => Fetched::Reader(self.storage.direct(rel, sid, pre)?),
-                Purpose::Prefetch | Purpose::Peer => Fetched::NoRoom,
-            });
+            let reader = self.storage.direct(rel, sid, pre)?;
+            return Ok(Fetched::Reader(match mark {
+                Ok(mark) => reader.keeping(mark),
+                Err(e) => {
+                    log::debug!("{rel}: cannot mark it read from the store ({e}); a prefetch may read it again");
+                    reader
+                }
+            }));
         };
         log::debug!(
             "{rel}: fetching {} B from the store into {}{}",
@@ -627,8 +637,9 @@ impl Fetcher {
 
     /// A prefetch's claim on `rel` before the store is asked: its in-process flight and its node-wide
     /// fetch lock, both taken without waiting. `None` when it is being fetched (in this process or
-    /// another) or is cached and current, so that a prefetch racing a reader's fetch never opens the
-    /// file (on an object store, opening it is a `GET`) and never reads it a second time.
+    /// another), read from the store by a reader that found no room for it, or is cached and current, so
+    /// that a prefetch racing a reader's fetch never opens the file (on an object store, opening it is a
+    /// `GET`) and never reads it a second time.
     pub(super) fn claim(&self, key: &Key, rel: &str) -> Result<Option<Claimed>, Error> {
         let Role::Leader(lead) = self.flights.join(key) else { return Ok(None) };
         let guard = match self.locks.try_lock(key) {
@@ -636,12 +647,25 @@ impl Fetcher {
             Ok(None) => return Ok(None),
             Err(e) => return Err(self.storage.error(rel, e)),
         };
+        if self.read_from_store(key) {
+            return Ok(None);
+        }
         if let Some(e) = self.storage.lookup().published(key, rel) {
             if self.storage.trusted_now(&e) && self.storage.hit(key, rel, &e.source, Look::Quiet).is_some() {
                 return Ok(None);
             }
         }
         Ok(Some(Claimed { lead, guard }))
+    }
+
+    /// Whether a reader (in any process) reads `key` from the store now, its fetch having found no room:
+    /// a prefetch of it would read its bytes a second time. Asked under the key's fetch lock, which the
+    /// reader's mark was taken under. A mark that cannot be asked is taken as none.
+    pub(super) fn read_from_store(&self, key: &Key) -> bool {
+        self.locks.read_from_store(key).unwrap_or_else(|e| {
+            self.storage.fault(None, "fetch-lock", &format!("cannot ask the store-read marks: {e}"));
+            false
+        })
     }
 
     /// One object of a prefetch, claimed (`claim`) before it was opened.

@@ -434,7 +434,7 @@ impl Shared {
     fn claim(&self, key: &Key) -> Option<Claim> {
         let Role::Leader(lead) = self.inner.fetcher().join(key) else { return None };
         match self.inner.fetcher().try_lock(key) {
-            Ok(Some(guard)) => Some(Claim { lead, guard }),
+            Ok(Some(guard)) if !self.inner.fetcher().read_from_store(key) => Some(Claim { lead, guard }),
             _ => None,
         }
     }

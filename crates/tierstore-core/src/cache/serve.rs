@@ -148,8 +148,9 @@ impl Inner {
         if beneath.applies() {
             return self.whole_for_peer(rel, &mut beneath, look);
         }
-        let Native::Whole(file) = self.open_native_looked(rel, false, look)? else {
-            unreachable!("a whole-file open never streams")
+        let file = match self.open_native_looked(rel, false, look)? {
+            Native::Whole(file) | Native::FromStore { file, .. } => file,
+            Native::Copying { .. } => unreachable!("a whole-file open never streams"),
         };
         let m = file.metadata().map_err(|e| self.storage().error(rel, e))?;
         let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
