@@ -140,6 +140,7 @@ bench: setup bench-setup bench-dlio-setup
 	$(PY) bench/bench_warm_prefetch.py --instructions --out docs/benchmarks/warm-prefetch.md
 	$(PY) bench/bench_startup.py --rounds 20 --instructions --out docs/benchmarks/startup.md
 	$(PY) bench/bench_per_sample_count.py --out docs/benchmarks/per-sample-count.md
+	$(PY) bench/bench_sample_attribution.py --out docs/benchmarks/sample-attribution.md
 	$(PY) bench/bench_stream.py --out docs/benchmarks/stream.md --plot docs/benchmarks/stream.png
 	$(PY) bench/bench_stream.py --large 4GB --out docs/benchmarks/stream-4gb.md
 	$(PY) bench/bench_writeback.py --no-dcp --out docs/benchmarks/writeback.md --plot docs/benchmarks/writeback.png

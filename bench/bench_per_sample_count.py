@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{mounted_as(args.root)} ({args.root}), the tier on {mounted_as(Path('/dev/shm'))} (/dev/shm, "
         f"{shm_huge_setting()}).",
         "",
+        "Where `run`'s extra instructions go, process by process and object by object: "
+        "[sample-attribution](sample-attribution.md).",
+        "",
         "## User-space instructions (valgrind's callgrind)",
         "",
         "| reader | setup | 2 epochs | 4 epochs | a warm epoch | a sample | over `local` |",
