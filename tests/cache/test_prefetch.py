@@ -294,3 +294,30 @@ def test_readers_from_the_store_in_this_process_keep_its_own_prefetch_off_counte
         assert (p["files_copied"], p["files_failed"]) == (0, 0), p  # the second reader's mark
     p = landed(cache._core.prefetch_files([str(mount / "d")], 1, size))
     assert (p["files_copied"], p["files_failed"]) == (1, 0), p
+
+
+def test_a_reader_killed_while_it_reads_from_the_store_leaves_no_mark(
+    slow_store: tuple[Path, Path], tier: str
+) -> None:
+    # The kernel ends a killed reader's record locks, its store-read mark among them: the next prefetch
+    # copies the file.
+    backing, mount = slow_store
+    size = 100_000
+    cache, spec = full_tier(backing, mount, tier, size)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THROUGH_CACHE, str(mount), spec, str(mount / "b")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert reader.stdout is not None
+        assert reader.stdout.readline().strip() == "open"
+        assert cache._core.let_go(str(mount / "a"))
+        p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
+        assert (p["files_copied"], p["files_failed"]) == (0, 0), p  # marked while the reader lives
+        reader.kill()
+        reader.wait(timeout=30)
+        p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
+        assert (p["files_copied"], p["files_failed"]) == (1, 0), p
+    finally:
+        reader.kill()
+        reader.wait(timeout=30)
