@@ -142,6 +142,14 @@ impl Fetcher {
         self.locks.try_lock(key)
     }
 
+    /// The node-wide fetch lock of `key` for a prefetch, without waiting: `None` when another process
+    /// holds it, or when a reader reads the key from the store (its fetch found no room), which a prefetch
+    /// would read a second time. The reader marked it under this lock, so the mark is seen here.
+    pub(super) fn lock_to_prefetch(&self, key: &Key) -> io::Result<Option<FetchGuard>> {
+        let Some(guard) = self.locks.try_lock(key)? else { return Ok(None) };
+        Ok((!self.read_from_store(key)).then_some(guard))
+    }
+
     /// [`Fetcher::lock`], with a failure counted as a fault (the caller then reads the source uncached).
     pub(super) fn lock_or_fault(&self, key: &Key) -> Option<FetchGuard> {
         match self.locks.lock(key) {
@@ -642,14 +650,11 @@ impl Fetcher {
     /// `GET`) and never reads it a second time.
     pub(super) fn claim(&self, key: &Key, rel: &str) -> Result<Option<Claimed>, Error> {
         let Role::Leader(lead) = self.flights.join(key) else { return Ok(None) };
-        let guard = match self.locks.try_lock(key) {
+        let guard = match self.lock_to_prefetch(key) {
             Ok(Some(guard)) => guard,
             Ok(None) => return Ok(None),
             Err(e) => return Err(self.storage.error(rel, e)),
         };
-        if self.read_from_store(key) {
-            return Ok(None);
-        }
         if let Some(e) = self.storage.lookup().published(key, rel) {
             if self.storage.trusted_now(&e) && self.storage.hit(key, rel, &e.source, Look::Quiet).is_some() {
                 return Ok(None);
@@ -658,10 +663,9 @@ impl Fetcher {
         Ok(Some(Claimed { lead, guard }))
     }
 
-    /// Whether a reader (in any process) reads `key` from the store now, its fetch having found no room:
-    /// a prefetch of it would read its bytes a second time. Asked under the key's fetch lock, which the
-    /// reader's mark was taken under. A mark that cannot be asked is taken as none.
-    pub(super) fn read_from_store(&self, key: &Key) -> bool {
+    /// Whether a reader (in any process) reads `key` from the store now, its fetch having found no room.
+    /// A mark that cannot be asked is taken as none (counted as a fault).
+    fn read_from_store(&self, key: &Key) -> bool {
         self.locks.read_from_store(key).unwrap_or_else(|e| {
             self.storage.fault(None, "fetch-lock", &format!("cannot ask the store-read marks: {e}"));
             false

@@ -430,11 +430,11 @@ impl Shared {
     }
 
     /// Leads the in-process flight of `key` and holds its node-wide fetch lock; `None` when another
-    /// thread or process is fetching it.
+    /// thread or process is fetching it, or a reader is reading it from the store.
     fn claim(&self, key: &Key) -> Option<Claim> {
         let Role::Leader(lead) = self.inner.fetcher().join(key) else { return None };
-        match self.inner.fetcher().try_lock(key) {
-            Ok(Some(guard)) if !self.inner.fetcher().read_from_store(key) => Some(Claim { lead, guard }),
+        match self.inner.fetcher().lock_to_prefetch(key) {
+            Ok(Some(guard)) => Some(Claim { lead, guard }),
             _ => None,
         }
     }
