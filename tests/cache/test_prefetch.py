@@ -241,6 +241,26 @@ def full_tier(backing: Path, mount: Path, tier: str, size: int) -> tuple[tiersto
     return cache, spec
 
 
+def holding_open(mount: Path, spec: str, name: str, holder: str = "Cache.open") -> subprocess.Popen[str]:
+    """A process that has opened `name` through `holder` (`Cache.open`, or a program under `tierstore
+    run`) and holds it: it closes the file at a line on its stdin, says "closed", and ends at the next."""
+    args = [str(mount), spec, str(mount / name)]
+    if holder == "Cache.open":
+        reader = subprocess.Popen(
+            [sys.executable, "-c", HOLD_THROUGH_CACHE, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    else:
+        reader = tierstore_run(mount, spec, sys.executable, "-c", HOLD_NATIVE, *args)
+    assert reader.stdout is not None
+    if reader.stdout.readline().strip() != "open":
+        reader.kill()
+        raise AssertionError(f"{holder} did not open {name}")
+    return reader
+
+
 @pytest.mark.parametrize("holder", ["Cache.open", "tierstore run"])
 def test_a_file_a_reader_reads_from_the_store_is_not_prefetched_until_it_closes(
     slow_store: tuple[Path, Path], tier: str, holder: str
@@ -251,19 +271,9 @@ def test_a_file_a_reader_reads_from_the_store_is_not_prefetched_until_it_closes(
     backing, mount = slow_store
     size = 100_000
     cache, spec = full_tier(backing, mount, tier, size)
-    args = [str(mount), spec, str(mount / "b")]
-    if holder == "Cache.open":
-        reader = subprocess.Popen(
-            [sys.executable, "-c", HOLD_THROUGH_CACHE, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-    else:
-        reader = tierstore_run(mount, spec, sys.executable, "-c", HOLD_NATIVE, *args)
+    reader = holding_open(mount, spec, "b", holder)
     try:
         assert reader.stdout is not None and reader.stdin is not None
-        assert reader.stdout.readline().strip() == "open"
         assert cache._core.let_go(str(mount / "a"))  # room for one now
         before = store_stats(mount)
         p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
@@ -304,13 +314,8 @@ def test_a_reader_killed_while_it_reads_from_the_store_leaves_no_mark(
     backing, mount = slow_store
     size = 100_000
     cache, spec = full_tier(backing, mount, tier, size)
-    reader = subprocess.Popen(
-        [sys.executable, "-c", HOLD_THROUGH_CACHE, str(mount), spec, str(mount / "b")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    reader = holding_open(mount, spec, "b")
     try:
-        assert reader.stdout is not None
-        assert reader.stdout.readline().strip() == "open"
         assert cache._core.let_go(str(mount / "a"))
         p = landed(cache._core.prefetch_files([str(mount / "b")], 1, size))
         assert (p["files_copied"], p["files_failed"]) == (0, 0), p  # marked while the reader lives
