@@ -112,6 +112,15 @@ def instructions_per_open(exe: Path, directory: Path, files: int, env: dict[str,
     return (many - few) // 4000
 
 
+def instructions_per_first_open(exe: Path, directory: Path, files: int, env: dict[str, str]) -> int:
+    """User-space instructions per open of a file the process has not opened before (a DataLoader worker
+    that does not persist across epochs opens every file of its share once): loops that open each of the
+    first half of the files once and each of all of them once, the difference over half the files."""
+    half = files // 2
+    few, many = (instructions([str(exe), str(directory), str(files), str(n)], env) for n in (half, files))
+    return (many - few) // (files - half)
+
+
 def copies_held(tier: Path) -> int:
     return sum(1 for p in tier.glob("*/*/data/*/*") if p.is_file())
 
@@ -247,6 +256,21 @@ def main() -> int:
                 "",
             ]
             print("instructions per open: " + ", ".join(f"{n} {c:,}" for n, c in counted.items()))
+            first = {
+                name: instructions_per_first_open(exe, directory, args.files, e)
+                for name, directory, e in sides
+            }
+            lines += [
+                "The first open of each file in a process (a worker that does not persist across epochs opens "
+                f"each file of its share once): loops that open each of the first {args.files // 2:,} files "
+                f"once and each of all {args.files:,} once, the difference over {args.files - args.files // 2:,}.",
+                "",
+                "| side | instructions per first open | over local |",
+                "| --- | ---: | ---: |",
+                *(f"| {n} | {c:,} | {c - first['local']:+,} |" for n, c in first.items()),
+                "",
+            ]
+            print("instructions per first open: " + ", ".join(f"{n} {c:,}" for n, c in first.items()))
 
         if args.perf and shutil.which("perf"):
             data = root / "perf.data"

@@ -211,6 +211,37 @@ def test_copy_keeps_the_source_mtime(source: Path, tier: str) -> None:
     assert os.stat(cache.lookup(p)).st_mtime_ns == 1_600_000_000_123_456_789
 
 
+def test_an_entry_kept_by_a_process_is_looked_up_again_once_another_process_changes_the_index(
+    source: Path, tier: str
+) -> None:
+    """A process keeps the first tier's entries it found while the index's change number stays the same:
+    another process that replaces the copy moves the number, and this one reads the new copy as it is
+    published, with no fault and no request to the store of its own."""
+    cache = tierstore.Cache(source, [f"{tier}:16M"], revalidate="never")
+    p = source / "kept.bin"
+    p.write_bytes(b"version one")
+    for _ in range(3):  # fetched, then found in the index, then the entry kept
+        assert cache.open(p).read() == b"version one"
+        cache.wait()
+    p.write_bytes(b"version two, longer")
+    replace = (
+        "import sys, tierstore\n"
+        "c = tierstore.Cache(sys.argv[1], [sys.argv[2]], revalidate='never')\n"
+        "c._core.invalidate(sys.argv[3])\n"
+        "assert c.open(sys.argv[3]).read() == b'version two, longer'\n"
+        "c.wait()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", replace, str(source), f"{tier}:16M", str(p)], check=True, timeout=120
+    )
+    before = cache.stats()
+    with cache.open(p) as f:
+        assert f.backing == "tier" and f.read() == b"version two, longer"
+    after = cache.stats()
+    assert after["source"]["opens"] == before["source"]["opens"], "read from the store again"
+    assert after["tiers"][0]["faults"] == before["tiers"][0]["faults"] == 0, after
+
+
 @pytest.mark.parametrize("damage", ["truncate", "overwrite", "delete"])
 def test_damaged_copy_falls_back_then_is_repaired(source: Path, tier: str, damage: str) -> None:
     cache = tierstore.Cache(source, [f"{tier}:16M"])

@@ -228,6 +228,47 @@ def test_file_rewritten_under_tierstore_run_is_read_back_new(
     assert out.split("\n")[:4] == ["original", "rewritten under tierstore run", "replaced by rename", "False"]
 
 
+REOPEN_JOB = textwrap.dedent(
+    """
+    import sys
+    path = sys.argv[1]
+    for _ in range(3):   # fetched, then warm: its name and its entry kept by this process
+        with open(path, "rb") as f:
+            print(f.read().decode(), flush=True)
+    sys.stdin.readline()   # the test replaces the copy from another process meanwhile
+    with open(path, "rb") as f:
+        print(f.read().decode(), flush=True)
+    """
+)
+
+
+def test_a_name_opened_again_after_another_process_replaced_its_copy_reads_the_new_copy(
+    source: Path, tier: str, tmp_path: Path
+) -> None:
+    """The shim keeps the names it opened warm and the entries it found (see `names.rs`, `Lookup::published_of`);
+    a copy replaced by another process moves the index's change number, and the next open of the same name
+    reads the new copy, without a request to the store."""
+    import tierstore
+
+    f = source / "f.txt"
+    f.write_bytes(b"version one")
+    job = tmp_path / "reopen.py"
+    job.write_text(REOPEN_JOB)
+    p = tierstore_run(source, f"{tier}:64M", sys.executable, str(job), str(f))
+    assert p.stdout is not None and p.stdin is not None
+    assert [p.stdout.readline().strip() for _ in range(3)] == ["version one"] * 3
+    cache = tierstore.Cache(source, [f"{tier}:64M"], revalidate="never")
+    f.write_bytes(b"version two, longer")
+    cache._core.invalidate(str(f))
+    assert cache.open(f).read() == b"version two, longer"
+    cache.wait()
+    opens = cache.stats()["source"]["opens"]
+    out, err = p.communicate("\n", timeout=60)
+    assert p.returncode == 0, err
+    assert out.strip() == "version two, longer"
+    assert cache.stats()["source"]["opens"] == opens, "the job read the store again"
+
+
 THREADS_JOB = textwrap.dedent(
     """
     import hashlib, os, signal, subprocess, sys, threading

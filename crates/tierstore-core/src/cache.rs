@@ -218,12 +218,19 @@ impl Cache {
         self.inner.open_native_rel(&self.storage.source().relative(path)?, true)
     }
 
-    /// The copy [`Cache::open_native`] would open for `path` when the first tier holds a current one,
-    /// found without asking the store or a peer; `None` (nothing counted) otherwise, for `open_native` to
-    /// take the whole way. The shim tries it first, so that a warm open skips the checks only a miss needs.
-    pub fn open_native_cached(&self, path: &Path) -> Result<Option<Native>, Error> {
+    /// The copy [`Cache::open_native`] would open for the source-relative path `rel`
+    /// ([`Cache::source_relative`]) when the first tier holds a current one, found without asking the store
+    /// or a peer; `None` (nothing counted) otherwise, for `open_native` to take the whole way. The shim tries
+    /// it first, so that a warm open skips the checks only a miss needs, and keeps the `rel` of each name
+    /// it opens.
+    pub fn open_native_cached_rel(&self, rel: &str) -> Result<Option<Native>, Error> {
         let _exempt = crate::interposer::calls();
-        self.inner.open_native_hit(&self.storage.source().relative(path)?)
+        self.inner.open_native_hit(rel)
+    }
+
+    /// `path` relative to the source, as the cache names it; an error for a path outside the source.
+    pub fn source_relative(&self, path: &Path) -> Result<String, Error> {
+        Ok(self.storage.source().relative(path)?)
     }
 
     /// What the LD_PRELOAD shim answers from the cache without asking the store: `stat`s, links,

@@ -6,12 +6,14 @@
 //! How each record is laid out (entries, symlinks, listings, and their older formats) is in
 //! `index/records.rs`; what the store answered about extended attributes, in `index/xattrs.rs`.
 
+mod changes;
 mod records;
 mod xattrs;
 
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
 
-use crate::lmdb::{Db, Env, LmdbError};
+use crate::lmdb::{Db, Env, LmdbError, Txn};
 use crate::placement::{AccessStats, Policy};
 
 pub use records::{key_of, rel_text, Entry, Key, Link, Listed, Listing, SourceAttrs, SourceId};
@@ -26,6 +28,14 @@ pub enum IndexError {
     /// A record could not be decoded: the index is damaged.
     #[error("damaged index record")]
     Damaged,
+    /// The index's change numbers (see `index/changes.rs`) could not be opened.
+    #[error("{}: {source}", path.display())]
+    Changes {
+        /// The file of the change numbers.
+        path: std::path::PathBuf,
+        /// Why it could not be opened.
+        source: std::io::Error,
+    },
 }
 
 /// Outcome of [`Index::reserve`].
@@ -69,6 +79,42 @@ pub struct Index {
     /// Extended attributes of paths under a trusted source, as the store answered (see [`Index::xattr`]).
     xattrs: Db,
     policy: Policy,
+    /// The number of changes made to the index, for processes that keep what they looked up.
+    changes: changes::Changes,
+}
+
+/// A write transaction that changes the index: numbered in its change numbers when it begins, and ended
+/// there when it is committed or dropped (see `index/changes.rs`).
+struct Changing<'i> {
+    txn: Option<Txn<'i>>,
+    number: u64,
+    changes: &'i changes::Changes,
+}
+
+impl<'i> Changing<'i> {
+    fn commit(mut self) -> Result<(), LmdbError> {
+        self.txn.take().expect("a live transaction").commit()
+    }
+}
+
+impl Drop for Changing<'_> {
+    fn drop(&mut self) {
+        drop(self.txn.take()); // aborted, unless committed: either way it has ended
+        self.changes.end(self.number);
+    }
+}
+
+impl<'i> Deref for Changing<'i> {
+    type Target = Txn<'i>;
+    fn deref(&self) -> &Txn<'i> {
+        self.txn.as_ref().expect("a live transaction")
+    }
+}
+
+impl DerefMut for Changing<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.txn.as_mut().expect("a live transaction")
+    }
 }
 
 const USED: &[u8] = b"used";
@@ -147,6 +193,8 @@ impl Index {
     pub fn open(dir: &Path, policy: Policy) -> Result<Index, IndexError> {
         // 16 GiB of address space, not of memory or disk: LMDB's file grows only as records are added.
         let env = Env::open(dir, 16 << 30, &["entries", "ranks", "meta", "dirs", "links", "listings", "xattrs"])?;
+        let path = dir.join("changes");
+        let changes = changes::Changes::open(&path).map_err(|source| IndexError::Changes { path, source })?;
         Ok(Index {
             entries: env.db(0),
             ranks: env.db(1),
@@ -157,7 +205,21 @@ impl Index {
             xattrs: env.db(6),
             env,
             policy,
+            changes,
         })
+    }
+
+    /// The index's change number now, `None` while a change is under way: a look at the index made after
+    /// reading `Some(n)` is still current while this reads `Some(n)` (see `index/changes.rs`).
+    pub fn changes(&self) -> Option<u64> {
+        self.changes.now()
+    }
+
+    /// The write transaction of a change, numbered.
+    fn change(&self) -> Result<Changing<'_>, LmdbError> {
+        let txn = self.env.write()?;
+        let number = self.changes.begin();
+        Ok(Changing { txn: Some(txn), number, changes: &self.changes })
     }
 
     /// Leaks the environment (after `fork()`; see [`Env::forget`]).
@@ -209,7 +271,7 @@ impl Index {
     pub fn reserve(&self, claim: Claim<'_>, room: Room<'_>) -> Result<Reservation, IndexError> {
         let Claim { key, rel, source, confirmed_ns } = claim;
         let Room { quota, evict } = room;
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         if let Some(old) = txn.get(self.entries, key)?.map(|b| Entry::decode(b).ok_or(IndexError::Damaged)) {
             self.delete(&mut txn, key, &old?)?;
         }
@@ -270,7 +332,7 @@ impl Index {
     /// Turns this process's pending entry of `key` into a published one. Returns false (and changes
     /// nothing) if the reservation is gone, for instance cleared by `tierstore clear`.
     pub fn publish(&self, key: &Key, checksum: Option<[u8; 32]>, now_ns: u64) -> Result<bool, IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         let Some(mut e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(false) };
         if e.ready || e.pid != crate::process::pid() {
             return Ok(false);
@@ -315,7 +377,7 @@ impl Index {
             rel: rel.into(),
             confirmed_ns: at_ns,
         };
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.put(self.dirs, key, &e.encode())?;
         txn.commit()?;
         Ok(())
@@ -338,7 +400,7 @@ impl Index {
 
     /// Records the symlink `rel`.
     pub fn record_link(&self, key: &Key, rel: &str, link: &Link) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.put(self.links, key, &link.encode(rel))?;
         txn.commit()?;
         Ok(())
@@ -347,7 +409,7 @@ impl Index {
     /// Forgets what was recorded of the directory or symlink of `key` and of its extended attributes, and
     /// the `statfs` record (a change through tierstore changes the file system's free counts).
     pub fn forget_path(&self, key: &Key) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.del(self.dirs, key)?;
         txn.del(self.links, key)?;
         txn.del(self.xattrs, key)?;
@@ -387,7 +449,7 @@ impl Index {
         entries: Option<&[Listed]>,
         at_ns: u64,
     ) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.put(self.listings, key, &Listed::encode(rel, entries))?;
         if entries.is_some() {
             txn.put(self.meta, &listed_key(key), &at_ns.to_le_bytes())?;
@@ -398,7 +460,7 @@ impl Index {
 
     /// Forgets the entries of the listing of `key` (the directory changed), keeping its path.
     pub fn forget_listing(&self, key: &Key) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         let rel = match txn.get(self.listings, key)? {
             Some(b) => match Listed::decode(b) {
                 Some((_, None)) => return Ok(()),
@@ -422,7 +484,7 @@ impl Index {
 
     /// Records the source's `statfs` answer (its bytes; the index never leaves the node).
     pub fn record_statfs(&self, raw: &[u8]) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.put(self.meta, STATFS, raw)?;
         txn.commit()?;
         Ok(())
@@ -436,7 +498,7 @@ impl Index {
     /// `dir_rel` is the directory's source-relative path, kept with the time so that
     /// [`Index::directories_confirmed_before`] can name the directories to confirm again.
     pub fn confirm(&self, dir: &Key, dir_rel: &str, seen: &[(Key, SourceId)], at_ns: u64) -> Result<usize, IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         if confirmed_at(txn.get(self.meta, &confirmed_key(dir))?) < at_ns {
             let mut record = at_ns.to_le_bytes().to_vec();
             record.extend_from_slice(dir_rel.as_bytes());
@@ -504,7 +566,7 @@ impl Index {
 
     /// Removes the entry of `key` if `matches` approves of it; returns the removed entry.
     pub fn remove_if(&self, key: &Key, matches: impl Fn(&Entry) -> bool) -> Result<Option<Entry>, IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         let Some(e) = txn.get(self.entries, key)?.and_then(Entry::decode) else { return Ok(None) };
         if !matches(&e) {
             return Ok(None);
@@ -569,7 +631,7 @@ impl Index {
 
     /// Forgets every entry (the caller removes the copies).
     pub fn clear(&self) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         txn.clear(self.dirs)?;
         txn.clear(self.links)?;
         txn.clear(self.listings)?;
@@ -603,7 +665,7 @@ impl Index {
         query: &XattrQuery,
         answer: &XattrAnswer,
     ) -> Result<(), IndexError> {
-        let mut txn = self.env.write()?;
+        let mut txn = self.change()?;
         let mut r = match txn.get(self.xattrs, key)?.and_then(xattrs::Record::decode) {
             Some(r) if r.rel == rel => r,
             _ => xattrs::Record { rel: rel.into(), answers: Vec::new() },

@@ -24,6 +24,7 @@ pub mod placement;
 pub mod private;
 pub mod process;
 pub mod reader;
+pub mod seen;
 pub mod source;
 pub mod sys;
 pub mod tier;

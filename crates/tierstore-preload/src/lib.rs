@@ -95,6 +95,7 @@ mod changes;
 mod dirs;
 mod fd_table;
 mod io;
+mod names;
 mod open;
 mod order;
 mod paths;
@@ -115,6 +116,8 @@ struct Shim {
     root: Vec<u8>,
     /// The source as configured, when that spelling goes through a symlink (empty otherwise).
     alias: Vec<u8>,
+    /// Names this process opened warm, and their source-relative paths.
+    names: names::KnownNames,
 }
 
 static SHIM: AtomicPtr<Shim> = AtomicPtr::new(std::ptr::null_mut());
@@ -170,7 +173,7 @@ fn shim() -> Option<&'static Shim> {
 /// Makes a shim of this configuration process `pid`'s engine, its cache not yet opened (leaked: a forked
 /// child may still hold the one before), and returns it if it is configured.
 fn install(pid: u32, config: Option<Config>, root: Vec<u8>, alias: Vec<u8>) -> Option<&'static Shim> {
-    let shim = Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias };
+    let shim = Shim { pid, config, cache: std::sync::OnceLock::new(), root, alias, names: Default::default() };
     let s: &'static Shim = Box::leak(Box::new(shim));
     SHIM.store(s as *const Shim as *mut Shim, Ordering::Release);
     s.config.as_ref().map(|_| s)

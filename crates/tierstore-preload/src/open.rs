@@ -7,7 +7,7 @@
 //! The open family. On x86_64 and aarch64 the optional `mode` of these variadic functions arrives in the
 //! register a third fixed argument would, so reading it as one is the usual way to interpose them.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, OsStr};
 use std::os::fd::IntoRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -25,6 +25,18 @@ use crate::{invalidate, opens_to_write, order, set_errno, shim, streams, writes,
 /// function must do the call.
 unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: bool) -> Option<c_int> {
     let s = shim()?;
+    // A warm open of a name opened warm before: its source-relative path kept (see `names`), so no normal
+    // form and no cut. (O_NOFOLLOW asks about the link itself, which the long way below answers.)
+    let plain_read = !opens_to_write(flags)
+        && flags & (libc::O_DIRECTORY | libc::O_PATH | libc::O_DIRECT | libc::O_NOFOLLOW) == 0
+        && !path.is_null();
+    let name = if plain_read { CStr::from_ptr(path).to_bytes() } else { &[] };
+    let kept = if plain_read { s.names.rel_of(name) } else { None };
+    if let Some(rel) = kept {
+        if let Ok(Some(native)) = s.cache()?.open_native_cached_rel(&rel) {
+            return Some(opened(s, Path::new(OsStr::from_bytes(name)), native, flags));
+        }
+    }
     let abs = s.source_path(dirfd, path)?;
     if opens_to_write(flags) {
         return None;
@@ -42,8 +54,14 @@ unsafe fn cached_open(dirfd: c_int, path: *const c_char, flags: c_int, stream: b
     // itself, which the long way below answers.)
     let nofollow = flags & libc::O_NOFOLLOW != 0;
     if !nofollow {
-        if let Ok(Some(native)) = cache.open_native_cached(&abs) {
-            return Some(opened(s, &abs, native, flags));
+        if let Ok(rel) = cache.source_relative(&abs) {
+            if let Ok(Some(native)) = cache.open_native_cached_rel(&rel) {
+                // A name that is its own normal form maps to `rel` whatever the working directory.
+                if plain_read && abs.as_os_str().as_bytes() == name {
+                    s.names.keep(name, &rel);
+                }
+                return Some(opened(s, &abs, native, flags));
+            }
         }
     }
     // A directory opened without O_DIRECTORY (tar opens whatever it meets that way, then reads it as a

@@ -331,9 +331,10 @@ impl Inner {
     /// its own (made while copies were revalidated, when links are not followed) is served that copy: its
     /// target's bytes as they were when it was copied, which is what `never` promises of every copy.
     fn first_look(self: &Arc<Self>, rel: &str) -> Result<FirstLook, Error> {
-        let key = key_of(rel);
-        if let Some(found) = self.published_identity(&key, rel)? {
-            return Ok(FirstLook { target: None, key, found: Some(found) });
+        let (key, found) = self.storage.lookup().published_of(rel);
+        if let Some(found) = found {
+            let sid = self.current_identity(&key, rel, &found.1)?;
+            return Ok(FirstLook { target: None, key, found: Some((found, sid)) });
         }
         let Some(target) = self.link_target(rel) else { return Ok(FirstLook { target: None, key, found: None }) };
         let key = key_of(&target);

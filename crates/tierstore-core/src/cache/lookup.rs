@@ -21,6 +21,7 @@ use crate::counters::tier as tier_slot;
 use crate::index::{Entry, Index, Key, SourceId};
 use crate::placement::Policy;
 use crate::reader::Backing;
+use crate::seen::Seen;
 use crate::tier::Tier;
 
 /// Files whose entries [`Lookup::published_each`] reads in one transaction: a few milliseconds of a
@@ -32,6 +33,12 @@ pub(super) type CopyIncarnation = (u64, u64, i64, i64);
 
 /// How many copies' rewritten `stat`s a process remembers before it starts over.
 const COPY_STATS_KEPT: usize = 1 << 16;
+
+/// How many files' first-tier entries a process keeps ([`Lookup::published_of`]), each from its second
+/// look (`seen.rs`); once full it keeps no more, so that a data set larger than this (whose files each come
+/// back once an epoch, after the others) costs one probe of the table per open, never an insert thrown
+/// away before its use.
+const ENTRIES_KEPT: usize = 1 << 16;
 
 /// Pending hits are written to the indexes once this many copies have some, or this long after the last
 /// write: one write transaction per tier, not one per read.
@@ -67,7 +74,14 @@ impl Look {
 }
 
 /// A published entry, and the index of the tier that holds it.
-pub(super) type Found = (usize, Entry);
+pub(super) type Found = (usize, Arc<Entry>);
+
+/// A first-tier entry this process looked up, kept while that tier's index reads the same change number.
+struct KeptEntry {
+    changes: u64,
+    key: Key,
+    entry: Arc<Entry>,
+}
 
 /// The tiers' published copies (see the module).
 pub(super) struct Lookup {
@@ -83,6 +97,12 @@ pub(super) struct Lookup {
     /// Whether anything asked for a remembered `fstat` (the shim does): until then, opens remember none,
     /// and a process that reads through the Python API pays no lock and no insert per open for it.
     copy_stats_asked: AtomicBool,
+    /// The first tier's published entries this process found, by source-relative path, each with the
+    /// index's change number it was found at (see `index/changes.rs`): a warm open of a file opened
+    /// before reads two shared numbers instead of hashing its path and reading the index.
+    kept: Mutex<FxHashMap<String, KeptEntry>>,
+    /// The paths looked up so far: an entry is kept at a path's second look (see `seen.rs`).
+    looked: Seen,
 }
 
 impl Lookup {
@@ -96,6 +116,8 @@ impl Lookup {
             last_access_flush: Mutex::new(Instant::now()),
             copy_stats: Mutex::new(FxHashMap::default()),
             copy_stats_asked: AtomicBool::new(false),
+            kept: Mutex::new(FxHashMap::default()),
+            looked: Seen::default(),
         }
     }
 
@@ -108,8 +130,39 @@ impl Lookup {
     pub(super) fn published_in(&self, key: &Key, rel: &str) -> Option<Found> {
         self.tiers.iter().enumerate().find_map(|(i, t)| {
             let e = t.index.as_ref().ok()?.lookup(key).ok()??;
-            (e.ready && e.rel == rel).then_some((i, e))
+            (e.ready && e.rel == rel).then(|| (i, Arc::new(e)))
         })
+    }
+
+    /// The key of `rel` and [`Lookup::published_in`] of it; a first-tier entry this process found before
+    /// is taken as it was found while the first tier's index has not changed since (`index/changes.rs`).
+    pub(super) fn published_of(&self, rel: &str) -> (Key, Option<Found>) {
+        // Read before the look: a look kept under this number saw at least every change up to it.
+        let Some(changes) = self.first_tier_changes() else {
+            let key = crate::index::key_of(rel);
+            let found = self.published_in(&key, rel);
+            return (key, found);
+        };
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = kept.get(rel).filter(|k| k.changes == changes) {
+            return (k.key, Some((0, k.entry.clone())));
+        }
+        drop(kept);
+        let key = crate::index::key_of(rel);
+        let found = self.published_in(&key, rel);
+        if let Some((0, entry)) = found.as_ref().filter(|_| self.looked.again(rel.as_bytes())) {
+            kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            let fresh = KeptEntry { changes, key, entry: entry.clone() };
+            let room = kept.len() < ENTRIES_KEPT;
+            match kept.get_mut(rel) {
+                Some(k) => *k = fresh,
+                None if room => {
+                    kept.insert(rel.to_owned(), fresh);
+                }
+                None => {}
+            }
+        }
+        (key, found)
     }
 
     /// [`Lookup::published`] of each of `keys` (whose paths are `rels`), a tier's index read in one
@@ -131,6 +184,11 @@ impl Lookup {
             }
         }
         found
+    }
+
+    /// The first tier's change number (`index/changes.rs`); `None` while it changes, or without an index.
+    fn first_tier_changes(&self) -> Option<u64> {
+        self.tiers.first().and_then(|t| t.index.as_ref().ok()).and_then(Index::changes)
     }
 
     /// [`Lookup::hit`] for the entry [`Lookup::published_in`] just found, `found`: the same copy and the
@@ -169,7 +227,7 @@ impl Lookup {
 
     /// The first published entry of `key` in tier order.
     pub(super) fn published(&self, key: &Key, rel: &str) -> Option<Entry> {
-        self.published_in(key, rel).map(|(_, e)| e)
+        self.published_in(key, rel).map(|(_, e)| Arc::unwrap_or_clone(e))
     }
 
     /// The path of the first published copy of `key` in tier order, of version `version` when given (a
