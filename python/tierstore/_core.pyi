@@ -204,6 +204,10 @@ class Prefetch:
     def done(self) -> bool: ...
 
 @final
+class OrderFiles:
+    def __len__(self) -> int: ...
+
+@final
 class OrderPrefetch:
     def progress(self) -> OrderProgress: ...
     @property
@@ -246,6 +250,15 @@ class Cache:
         budget: int,
         jobs: int | None = None,
         reads: tuple[_Path, Sequence[int], int] | None = None,
+    ) -> OrderPrefetch: ...
+    def order_files(self, paths: Sequence[_Path]) -> OrderFiles: ...
+    def prefetch_in_order(
+        self,
+        files: OrderFiles,
+        order: Sequence[int],
+        budget: int,
+        reads: tuple[_Path, int],
+        jobs: int | None = None,
     ) -> OrderPrefetch: ...
     def order_dir(self) -> str: ...
     def create_read_marks(self, slots: int) -> str: ...

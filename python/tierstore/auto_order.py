@@ -178,7 +178,7 @@ class _SamplePaths:
 
     def each(self, indices: list[int]) -> list[Any]:
         """The files of `indices` as the dataset holds them (`str`, `bytes` or `os.PathLike`, which
-        `prefetch_order` takes as they are): an epoch's, without a call per sample as it starts."""
+        `order_files` takes as they are): every index's, once, without a call per sample."""
         s = self.samples
         return [s[i][0] for i in indices] if self.in_tuples else [s[i] for i in indices]
 
@@ -287,6 +287,7 @@ class LoaderPrefetch:
         self.epoch = 0
         self.tag = 0
         self.prefetch: _core.OrderPrefetch | None = None
+        self.files: _core.OrderFiles | None = None
 
     def budget(self) -> int:
         """The fixed budget, or `$TIERSTORE_SAMPLER_PREFETCH`'s: a size, or auto."""
@@ -328,10 +329,9 @@ class LoaderPrefetch:
         paths: list[str] = []
         slots: list[int] = []
         if self.path_of is not None:
-            # One file per sample, the common case: no sequence per index to build and walk.
-            each = getattr(self.path_of, "each", None)
-            paths = each(indices) if each is not None else list(map(self.path_of, indices))
-            slots = [i + 1 for i in indices]
+            # One file per sample, the common case: the files of the dataset's indices, made ready once
+            # (relative to the source, keyed) for every epoch, which then names them by index.
+            files = self._files_up_to(max(indices, default=-1) + 1)
         elif self.files_of is not None:
             for i in indices:
                 for path in self.files_of(i):
@@ -344,11 +344,11 @@ class LoaderPrefetch:
             "epoch": self.epoch,
             "tag": self.tag,
             "samples": len(indices),
-            "files": len(paths),
+            "files": len(indices) if self.path_of is not None else len(paths),
             "budget": None,
             "last_epoch": last,
         }
-        if not paths:
+        if not report["files"]:
             prefetch_report.write(self.marks_path, report)
             _say(
                 f"{self.name}, epoch {self.epoch}: "
@@ -360,14 +360,32 @@ class LoaderPrefetch:
             )
             return
         budget = self.budget()
-        self.prefetch = self.cache._core.prefetch_order(
-            paths, budget, self.jobs, (self.marks_path, slots, self.tag)
-        )
+        if self.path_of is not None:
+            self.prefetch = self.cache._core.prefetch_in_order(
+                files, indices, budget, (self.marks_path, self.tag), self.jobs
+            )
+        else:
+            self.prefetch = self.cache._core.prefetch_order(
+                paths, budget, self.jobs, (self.marks_path, slots, self.tag)
+            )
         prefetch_report.write(self.marks_path, {**report, "budget": budget})
         _say(
-            f"{self.name}, epoch {self.epoch}: prefetching {len(paths)} files of {len(indices)} samples in the "
+            f"{self.name}, epoch {self.epoch}: prefetching {report['files']} files of {len(indices)} samples in the "
             f"sampler's order (files from {self.found}), {budget >> 20} MiB ahead of the reads at most"
         )
+
+    def _files_up_to(self, n: int) -> _core.OrderFiles:
+        """The files of the dataset's indices below `n` (at least), made ready once: an epoch that names an
+        index past them makes them again. A dataset whose paths change between epochs is not one this
+        prefetch follows: it prefetches the paths its files were made from."""
+        if self.files is None or len(self.files) < n:
+            assert self.path_of is not None
+            each = getattr(self.path_of, "each", None)
+            every = list(range(n))
+            self.files = self.cache._core.order_files(
+                each(every) if each is not None else list(map(self.path_of, every))
+            )
+        return self.files
 
     def progress(self) -> OrderProgress | None:
         """The current epoch's prefetch progress (see `OrderPrefetch.progress`), None before the first."""

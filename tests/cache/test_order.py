@@ -7,6 +7,8 @@ DistributedSampler ranks that prefetch only their shard, and clear errors."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -491,3 +493,47 @@ def test_files_any_tier_holds_are_not_fetched_again(logged_store: Any, tier: str
     p = handle.progress()
     # A fresh file the reader got to while the prefetch was fetching it counts as cached too.
     assert p["files_fetched"] + p["files_cached"] + p["files_read_first"] == len(order), p
+
+
+def test_a_loaders_files_found_cached_are_looked_at_again_once_an_index_changes(
+    logged_store: Any, tier: str
+) -> None:
+    """A loader's files are made ready once (`order_files`) and each epoch names them by number; an epoch
+    takes a file a last look found cached as cached without looking again only while no tier's index has
+    changed since. A copy another process let go of is fetched again by the next epoch, and an epoch that
+    names a file past those made ready is refused with what to do."""
+    backing, mount, _ = logged_store
+    names = write_files(backing, 20)
+    cache = tierstore.Cache(mount, [f"{tier}:1G"], revalidate="never")
+    core = cache._core
+    files = core.order_files([mount / n for n in names])
+    assert len(files) == len(names)
+    marks = core.create_read_marks(len(names) + 1)
+
+    def epoch(tag: int) -> dict[str, Any]:
+        order = list(range(len(names)))
+        random.Random(tag).shuffle(order)
+        handle = core.prefetch_in_order(files, order, 64 << 20, (marks, tag), 4)
+        deadline = time.monotonic() + 30
+        while not handle.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.done
+        cache.wait()
+        return dict(handle.progress())
+
+    assert epoch(1)["files_fetched"] == len(names)
+    for tag in (2, 3):  # warm: the second epoch looks, the third takes what it found
+        p = epoch(tag)
+        assert (p["files_cached"], p["files_fetched"]) == (len(names), 0), p
+    let_go = "import sys, tierstore\nprint(tierstore.Cache(sys.argv[1], [sys.argv[2]])._core.let_go(sys.argv[3]))\n"
+    freed = subprocess.run(
+        [sys.executable, "-c", let_go, str(mount), f"{tier}:1G", str(mount / names[3])],
+        check=True, capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    assert int(freed) == SIZE
+    before = store_stats(mount)
+    p = epoch(4)
+    assert (p["files_cached"], p["files_fetched"]) == (len(names) - 1, 1), p
+    assert store_stats(mount).get("bytes_read", 0) - before.get("bytes_read", 0) == SIZE
+    with pytest.raises(Exception, match=r"names file 20 of only 20 .*make the files again"):
+        core.prefetch_in_order(files, [20], 64 << 20, (marks, 5))

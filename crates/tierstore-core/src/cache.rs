@@ -31,6 +31,7 @@ mod link;
 mod lock;
 mod lookup;
 mod order;
+mod order_files;
 mod parts;
 mod peers;
 mod pool;
@@ -68,6 +69,7 @@ use storage::Storage;
 pub use blocks::BLOCK as PART_BLOCK;
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
+pub use order_files::OrderFiles;
 pub use parts::Parts;
 pub use prefetch::{PrefetchProgress, DEFAULT_JOBS as DEFAULT_PREFETCH_JOBS, MAX_JOBS as MAX_PREFETCH_JOBS};
 pub use serve::Served;
@@ -404,34 +406,72 @@ impl Cache {
     ) -> Result<OrderedPrefetch, Error> {
         let _exempt = crate::interposer::calls();
         let rels = paths.iter().map(|p| self.storage.source().relative(p)).collect::<Result<Vec<_>, _>>()?;
+        // A path the order names twice is one file (one slot of a new read log, one fetch).
+        let (order, distinct) = crate::marks::slots_of(&rels);
+        let mut unique = vec![String::new(); distinct];
+        for (rel, &f) in rels.into_iter().zip(&order) {
+            unique[f as usize] = rel;
+        }
+        self.prefetch_in_order(Arc::new(OrderFiles::new(unique)), order, budget, jobs, log)
+    }
+
+    /// The files `paths` (under the source) made ready for ordered prefetches that each draw an order from
+    /// them ([`Cache::prefetch_in_order`]): a loader's, made once for all its epochs, so that an epoch
+    /// costs no path, hash or index read for the files a last look found cached (see
+    /// `cache/order_files.rs`). One outside the source is an error.
+    pub fn order_files(&self, paths: &[PathBuf]) -> Result<Arc<OrderFiles>, Error> {
+        let _exempt = crate::interposer::calls();
+        let rels = paths.iter().map(|p| self.storage.source().relative(p)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Arc::new(OrderFiles::new(rels)))
+    }
+
+    /// [`Cache::prefetch_order`] of the files of `files` numbered in `order`, in that order.
+    pub fn prefetch_in_order(
+        &self,
+        files: Arc<OrderFiles>,
+        order: Vec<u32>,
+        budget: u64,
+        jobs: usize,
+        log: Option<ReadLog>,
+    ) -> Result<OrderedPrefetch, Error> {
+        let _exempt = crate::interposer::calls();
+        if let Some(&f) = order.iter().find(|&&f| f as usize >= files.len()) {
+            return Err(Error::Tier {
+                path: self.order_dir(),
+                message: format!(
+                    "the order names file {f} of only {} made ready for it: make the files again with every path the order reads",
+                    files.len()
+                ),
+            });
+        }
         let log = match log {
             Some(log) => log,
             None => {
-                let (slots, distinct) = crate::marks::slots_of(&rels);
+                let (slots, distinct) = crate::marks::slots_of(&order);
                 let marks = self.read_marks(distinct)?;
                 // Readers that know paths, not positions (the LD_PRELOAD shim), find their slot by name.
                 let mut names = vec![""; distinct];
-                for (rel, &slot) in rels.iter().zip(&slots) {
-                    names[slot as usize] = rel;
+                for (&f, &slot) in order.iter().zip(&slots) {
+                    names[slot as usize] = files.rel(f);
                 }
                 marks.write_names(&names).map_err(|e| Error::io(&marks.names_path(), e))?;
                 ReadLog { marks: Arc::new(marks), slots, tag: 1 }
             }
         };
         let tag_ok = log.tag != 0 && log.tag & crate::marks::STARTED == 0;
-        if log.slots.len() != rels.len() || log.slots.iter().any(|&s| s as usize >= log.marks.len()) || !tag_ok {
+        if log.slots.len() != order.len() || log.slots.iter().any(|&s| s as usize >= log.marks.len()) || !tag_ok {
             return Err(Error::Tier {
                 path: log.marks.path().to_path_buf(),
                 message: format!(
                     "read log does not fit the order ({} positions, {} slots, {} marks, tag {}): give one slot per position, each below the number of marks, and a tag from 1 to 2^31 - 1",
-                    rels.len(),
+                    order.len(),
                     log.slots.len(),
                     log.marks.len(),
                     log.tag
                 ),
             });
         }
-        OrderedPrefetch::start(self.inner.clone(), rels, log, budget, jobs)
+        OrderedPrefetch::start(self.inner.clone(), files, order, log, budget, jobs)
     }
 
     /// A new read-marks file of `slots` slots next to the node's cache state, for the readers of an

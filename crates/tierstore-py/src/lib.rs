@@ -276,6 +276,44 @@ impl PyCache {
         Ok(PyOrderPrefetch { handle })
     }
 
+    /// The files `paths` made ready for the ordered prefetches of a loader's epochs (`prefetch_in_order`):
+    /// each made relative to the source and keyed once; numbered in the order given.
+    fn order_files(&self, py: Python<'_>, paths: Vec<Bound<'_, PyAny>>) -> PyResult<PyOrderFiles> {
+        let paths = paths.iter().map(path_arg).collect::<PyResult<Vec<_>>>()?;
+        let engine = self.engine(py)?;
+        let files = crate::exiting::without_gil(py, || engine.order_files(&paths)).map_err(to_py)?;
+        Ok(PyOrderFiles { files })
+    }
+
+    /// Starts fetching the files of `files` numbered in `order`, in that order, `budget` bytes ahead of
+    /// their reads, `jobs` files at a time. Reads are recorded as `reads` says, `(marks file, value)`, the
+    /// slot of each position being its file's number + 1 (slot 0 holds the epoch's tag: a loader's layout,
+    /// one slot per dataset index).
+    #[pyo3(signature = (files, order, budget, reads, jobs=None))]
+    fn prefetch_in_order(
+        &self,
+        py: Python<'_>,
+        files: &PyOrderFiles,
+        order: Vec<u32>,
+        budget: u64,
+        reads: (Bound<'_, PyAny>, u32),
+        jobs: Option<usize>,
+    ) -> PyResult<PyOrderPrefetch> {
+        let (marks, tag) = (path_arg(&reads.0)?, reads.1);
+        let engine = self.engine(py)?;
+        let jobs = jobs.unwrap_or(tierstore_core::cache::DEFAULT_PREFETCH_JOBS);
+        let files = files.files.clone();
+        let handle = crate::exiting::without_gil(py, || {
+            let opened =
+                tierstore_core::marks::ReadMarks::open(&marks).map_err(|e| tierstore_core::Error::io(&marks, e))?;
+            let slots = order.iter().map(|&f| f.saturating_add(1)).collect();
+            let log = ReadLog { marks: Arc::new(opened), slots, tag };
+            engine.prefetch_in_order(files, order, budget, jobs, Some(log))
+        })
+        .map_err(to_py)?;
+        Ok(PyOrderPrefetch { handle })
+    }
+
     /// The directory of the read-marks files (see `create_read_marks`); it may not exist yet.
     fn order_dir(&self, py: Python<'_>) -> PyResult<String> {
         Ok(self.engine(py)?.order_dir().to_string_lossy().into_owned())
@@ -545,6 +583,19 @@ impl PyPrefetch {
     }
 }
 
+/// Files made ready for a loader's ordered prefetches (see `Cache.order_files`).
+#[pyclass(name = "OrderFiles", module = "tierstore._core", frozen)]
+struct PyOrderFiles {
+    files: Arc<tierstore_core::cache::OrderFiles>,
+}
+
+#[pymethods]
+impl PyOrderFiles {
+    fn __len__(&self) -> usize {
+        self.files.len()
+    }
+}
+
 /// A running ordered prefetch (see `tierstore.Cache.prefetch_order`).
 #[pyclass(name = "OrderPrefetch", module = "tierstore._core", frozen)]
 struct PyOrderPrefetch {
@@ -664,6 +715,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<file::PyCachedFile>()?;
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
+    m.add_class::<PyOrderFiles>()?;
     m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(is_secret, m)?)?;

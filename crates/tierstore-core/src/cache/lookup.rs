@@ -165,21 +165,21 @@ impl Lookup {
         (key, found)
     }
 
-    /// [`Lookup::published`] of each of `keys` (whose paths are `rels`), a tier's index read in one
+    /// [`Lookup::published`] of each of `files` (key and path), a tier's index read in one
     /// transaction per [`EACH_TXN`] files instead of one per file: an ordered prefetch looks at its whole
     /// epoch as it starts.
-    pub(super) fn published_each(&self, keys: &[Key], rels: &[String]) -> Vec<Option<Entry>> {
-        let mut found: Vec<Option<Entry>> = keys.iter().map(|_| None).collect();
+    pub(super) fn published_each(&self, files: &[(&Key, &str)]) -> Vec<Option<Entry>> {
+        let mut found: Vec<Option<Entry>> = files.iter().map(|_| None).collect();
         for t in &self.tiers {
             let Ok(ix) = t.index.as_ref() else { continue };
-            let wanted: Vec<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
+            let wanted: Vec<usize> = (0..files.len()).filter(|&i| found[i].is_none()).collect();
             if wanted.is_empty() {
                 break;
             }
             for part in wanted.chunks(EACH_TXN) {
-                let Ok(entries) = ix.lookup_each(part.iter().map(|&i| &keys[i])) else { continue };
+                let Ok(entries) = ix.lookup_each(part.iter().map(|&i| files[i].0)) else { continue };
                 for (&i, e) in part.iter().zip(entries) {
-                    found[i] = e.filter(|e| e.ready && e.rel == rels[i]);
+                    found[i] = e.filter(|e| e.ready && e.rel == files[i].1);
                 }
             }
         }
@@ -189,6 +189,15 @@ impl Lookup {
     /// The first tier's change number (`index/changes.rs`); `None` while it changes, or without an index.
     fn first_tier_changes(&self) -> Option<u64> {
         self.tiers.first().and_then(|t| t.index.as_ref().ok()).and_then(Index::changes)
+    }
+
+    /// A number that moves whenever any tier's index changes: the sum of their change numbers, each of
+    /// which only grows. `None` while one of them changes.
+    pub(super) fn changes(&self) -> Option<u64> {
+        self.tiers
+            .iter()
+            .filter_map(|t| t.index.as_ref().ok())
+            .try_fold(0u64, |sum, ix| Some(sum.wrapping_add(ix.changes()?)))
     }
 
     /// [`Lookup::hit`] for the entry [`Lookup::published_in`] just found, `found`: the same copy and the

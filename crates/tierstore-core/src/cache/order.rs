@@ -48,9 +48,10 @@ use super::job::Fetched;
 use super::job::{FetchJob, Purpose};
 use super::lock::FetchGuard;
 use super::lookup::Look;
+use super::order_files::OrderFiles;
 use crate::clock::now_ns;
 use crate::error::Error;
-use crate::index::{key_of, Key, SourceId};
+use crate::index::{Key, SourceId};
 use crate::marks::ReadMarks;
 use crate::source::SourceFile;
 
@@ -149,16 +150,6 @@ impl State {
     }
 }
 
-/// Which of `rels` need no fetch: published in a tier and trusted now, or left to the reader's open (see
-/// [`left_to_reader`]).
-fn already_cached(inner: &Inner, rels: &[String]) -> Vec<bool> {
-    let keys: Vec<_> = rels.iter().map(|rel| key_of(rel)).collect();
-    let left = left_to_reader(inner);
-    let storage = inner.storage();
-    let found = storage.lookup().published_each(&keys, rels);
-    found.into_iter().map(|e| e.is_some_and(|e| storage.trusted_now(&e) || left)).collect()
-}
-
 /// Starts `jobs` workers on `shared`. Workers that could not be started are accounted as gone, so that the
 /// handle does not wait for them; none at all is an error.
 fn spawn_workers(shared: &Arc<Shared>, jobs: usize) -> Result<(), Error> {
@@ -195,7 +186,9 @@ fn left_to_reader(inner: &Inner) -> bool {
 
 struct Shared {
     inner: Arc<Inner>,
-    rels: Vec<String>,
+    /// The files the order draws from, and the file of each position.
+    files: Arc<OrderFiles>,
+    order: Vec<u32>,
     /// Positions whose file a tier held, trusted without asking the source, when the prefetch started:
     /// never taken by a worker, and passed over by admission. A warm epoch so costs an index lookup per
     /// file, once, instead of a walk of the whole order beside the readers.
@@ -218,28 +211,30 @@ pub struct OrderedPrefetch {
 }
 
 impl OrderedPrefetch {
-    /// Starts `jobs` threads fetching `rels` (source-relative paths) in order within `budget` bytes ahead
-    /// of the reads recorded in `log`.
+    /// Starts `jobs` threads fetching the files of `order` (numbers of `files`) in that order within
+    /// `budget` bytes ahead of the reads recorded in `log`.
     pub(super) fn start(
         inner: Arc<Inner>,
-        rels: Vec<String>,
+        files: Arc<OrderFiles>,
+        order: Vec<u32>,
         log: ReadLog,
         budget: u64,
         jobs: usize,
     ) -> Result<OrderedPrefetch, Error> {
         let progress = Arc::new(OrderProgress::default());
-        progress.files_total.store(rels.len() as u64, Ordering::Relaxed);
-        let cached = already_cached(&inner, &rels);
+        progress.files_total.store(order.len() as u64, Ordering::Relaxed);
+        let cached = files.cached(&inner, &order, left_to_reader(&inner));
         let warm = cached.iter().filter(|c| **c).count() as u64;
         progress.files_cached.store(warm, Ordering::Relaxed);
         progress.files_done.store(warm, Ordering::Relaxed);
-        let cold = rels.len() - warm as usize;
+        let cold = order.len() - warm as usize;
         let jobs = jobs.clamp(1, super::prefetch::MAX_JOBS).min(cold.max(1));
         let state = Mutex::new(State::default());
         let let_go_from = Mutex::new(0);
         let shared = Arc::new(Shared {
             inner,
-            rels,
+            files,
+            order,
             cached,
             log,
             budget,
@@ -311,6 +306,16 @@ impl Drop for OrderedPrefetch {
 }
 
 impl Shared {
+    /// The source-relative path of the file at `position`.
+    fn rel(&self, position: usize) -> &str {
+        self.files.rel(self.order[position])
+    }
+
+    /// The key of the file at `position`.
+    fn key(&self, position: usize) -> &Key {
+        self.files.key(self.order[position])
+    }
+
     fn read(&self, position: usize) -> bool {
         self.log.marks.is_marked(self.log.slots[position] as usize, self.log.tag)
     }
@@ -351,7 +356,7 @@ impl Shared {
                 self.progress.bytes_ahead.store(s.ahead, Ordering::Relaxed);
             }
         }
-        while s.low < self.rels.len() && self.read(s.low) {
+        while s.low < self.order.len() && self.read(s.low) {
             s.low += 1;
         }
         self.progress.position.store(s.low as u64, Ordering::Relaxed);
@@ -378,7 +383,7 @@ impl Shared {
             }
             // Positions the readers passed, and those cached at the start, are never waited for.
             s.admitted = s.admitted.max(s.low);
-            while s.admitted < self.rels.len() && self.cached[s.admitted] {
+            while s.admitted < self.order.len() && self.cached[s.admitted] {
                 s.admitted += 1;
             }
             if s.admitted > position {
@@ -454,10 +459,10 @@ impl Shared {
     fn take(&self) -> Option<usize> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.refresh(&mut s);
-        while s.next < self.rels.len() && self.cached[s.next] {
+        while s.next < self.order.len() && self.cached[s.next] {
             s.next += 1;
         }
-        if s.stopped || s.next >= self.rels.len() {
+        if s.stopped || s.next >= self.order.len() {
             return None;
         }
         let p = s.next;
@@ -481,8 +486,7 @@ impl Shared {
     fn one(&self, position: usize) {
         let inner = &self.inner;
         let p = &self.progress;
-        let rel = &self.rels[position];
-        let key = key_of(rel);
+        let (rel, key) = (self.rel(position), *self.key(position));
         let skip = |counter: &AtomicU64| {
             counter.fetch_add(1, Ordering::Relaxed);
             self.admit(position, false);
@@ -618,7 +622,7 @@ impl Shared {
         // Claimed before letting go, as in `room_before_open`.
         let mut taken = 0;
         while matches!(fetched, Ok(Fetched::NoRoom)) && taken < 3 && !self.started(position) && !self.stopped() {
-            let Some(Claim { lead, guard }) = self.claim(&key_of(rel)) else { break };
+            let Some(Claim { lead, guard }) = self.claim(self.key(position)) else { break };
             if self.started(position) {
                 break; // its reader began it meanwhile, and reads it from the store itself (see `one`)
             }
@@ -685,8 +689,7 @@ impl Shared {
                 unread = unread.or(Some(p));
                 continue;
             }
-            let rel = &self.rels[p];
-            freed += inner.fetcher().let_go(&key_of(rel), rel);
+            freed += inner.fetcher().let_go(self.key(p), self.rel(p));
         }
         *from = unread.unwrap_or(position.max(*from));
         if freed > 0 {
