@@ -29,6 +29,7 @@ __all__ = [
     "CachedFile",
     "ConfigError",
     "IntegrityError",
+    "OrderFiles",
     "OrderPrefetch",
     "OutsideSourceError",
     "PackMap",
