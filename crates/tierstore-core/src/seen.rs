@@ -33,7 +33,12 @@ impl Seen {
         h.write(name);
         // 0 marks an empty slot, so no fingerprint is 0.
         let fingerprint = h.finish() | 1;
-        let slots = self.slots.get_or_init(|| (0..SLOTS).map(|_| AtomicU64::new(0)).collect());
+        let slots = self.slots.get_or_init(|| {
+            // Zeroed by the allocator (a fresh mapping at this size), so only the slots used are touched:
+            // a process that meets a few names pays for a few pages, not 256 KiB.
+            // SAFETY: an `AtomicU64` of all zero bytes is a valid 0.
+            unsafe { Box::<[AtomicU64]>::new_zeroed_slice(SLOTS).assume_init() }
+        });
         // The top bits of a multiplicative mix: FxHash's low bits alone spread short names poorly.
         let slot = &slots[(fingerprint.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - SLOTS.trailing_zeros())) as usize];
         slot.swap(fingerprint, Ordering::Relaxed) == fingerprint
