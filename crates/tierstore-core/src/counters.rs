@@ -6,79 +6,45 @@
 
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::shared_words::SharedWords;
 
 const MAGIC: u64 = 0x7469_6572_636e_7431; // "tiercnt1"
 const SLOTS: usize = 32;
 
 /// A fixed array of shared `u64` counters.
 pub struct Counters {
-    ptr: *mut AtomicU64,
+    words: SharedWords,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for Counters {}
-unsafe impl Sync for Counters {}
 
 impl Counters {
     /// Maps (creating if needed, mode 0600) the counter file at `path`, never through a symbolic link: the
     /// file is written, and a link planted in its place must not make this process write elsewhere.
     pub fn open(path: &Path) -> io::Result<Counters> {
         let file = crate::private::open_nofollow(path, false, true)?;
-        let len = ((SLOTS + 1) * 8) as u64;
-        if file.metadata()?.len() < len {
-            file.set_len(len)?;
-        }
-        use std::os::fd::AsRawFd;
-        // SAFETY: a shared mapping of a file we just sized; unmapped in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let c = Counters { ptr: ptr as *mut AtomicU64 };
+        let c = Counters { words: SharedWords::map(&file, SLOTS + 1)? };
         // A new file is all zeros; stamping it lets a future layout change recognise old files.
-        let _ = c.slot(SLOTS).compare_exchange(0, MAGIC, Ordering::Relaxed, Ordering::Relaxed);
+        let _ = c.words.word(SLOTS).compare_exchange(0, MAGIC, Ordering::Relaxed, Ordering::Relaxed);
         Ok(c)
-    }
-
-    fn slot(&self, i: usize) -> &AtomicU64 {
-        assert!(i <= SLOTS);
-        // SAFETY: `i` is within the mapping, which lives as long as `self`.
-        unsafe { &*self.ptr.add(i) }
     }
 
     /// Adds `n` to counter `i`.
     #[inline]
     pub fn add(&self, i: usize, n: u64) {
-        self.slot(i).fetch_add(n, Ordering::Relaxed);
+        self.words.word(i).fetch_add(n, Ordering::Relaxed);
     }
 
     /// Reads counter `i`.
     pub fn get(&self, i: usize) -> u64 {
-        self.slot(i).load(Ordering::Relaxed)
+        self.words.word(i).load(Ordering::Relaxed)
     }
 
     /// Sets every counter back to zero.
     pub fn reset(&self) {
         for i in 0..SLOTS {
-            self.slot(i).store(0, Ordering::Relaxed);
+            self.words.word(i).store(0, Ordering::Relaxed);
         }
-    }
-}
-
-impl Drop for Counters {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created in `open` with this length.
-        unsafe { libc::munmap(self.ptr as *mut _, (SLOTS + 1) * 8) };
     }
 }
 

@@ -25,6 +25,7 @@ pub mod private;
 pub mod process;
 pub mod reader;
 pub mod seen;
+mod shared_words;
 pub mod source;
 pub mod sys;
 pub mod tier;

@@ -10,26 +10,21 @@
 //! see less room, never more. Two namespaces placing at the same instant can together pass the quota by
 //! at most the copies they are placing.
 
-use std::fs::File;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::shared_words::SharedWords;
 
 /// Namespaces one tier directory of one user can share its quota between.
 pub const SLOTS: usize = 64;
 
 /// The table: a slot is a namespace's id (0: free) and its bytes.
 pub struct TierUsage {
-    ptr: *mut AtomicU64,
+    words: SharedWords,
     /// This namespace's slot, if one was free.
     slot: Option<usize>,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for TierUsage {}
-unsafe impl Sync for TierUsage {}
-
-const LEN: usize = SLOTS * 2 * 8;
 
 /// The id of a namespace directory name (never 0, the free slot's).
 fn id_of(namespace: &str) -> u64 {
@@ -42,10 +37,7 @@ impl TierUsage {
     /// of the tier) and takes the slot of `namespace`. Slots of namespaces no longer in `dir` are freed.
     pub fn open(dir: &Path, namespace: &str) -> io::Result<TierUsage> {
         let file = crate::private::open_file(&crate::private::ensure_dir(dir)?, "usage")?;
-        if file.metadata()?.len() < LEN as u64 {
-            file.set_len(LEN as u64)?;
-        }
-        let mut usage = TierUsage { ptr: map(&file)?, slot: None };
+        let mut usage = TierUsage { words: SharedWords::map(&file, SLOTS * 2)?, slot: None };
         let present: Vec<u64> = std::fs::read_dir(dir)?
             .flatten()
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
@@ -72,14 +64,12 @@ impl TierUsage {
 
     fn id(&self, i: usize) -> &AtomicU64 {
         assert!(i < SLOTS);
-        // SAFETY: within the mapping, which lives as long as `self`.
-        unsafe { &*self.ptr.add(2 * i) }
+        self.words.word(2 * i)
     }
 
     fn bytes(&self, i: usize) -> &AtomicU64 {
         assert!(i < SLOTS);
-        // SAFETY: within the mapping, which lives as long as `self`.
-        unsafe { &*self.ptr.add(2 * i + 1) }
+        self.words.word(2 * i + 1)
     }
 
     /// The slot of `id`: the one it already has, else the first free one. Two processes claiming at once
@@ -112,25 +102,6 @@ impl TierUsage {
             .filter(|&i| Some(i) != self.slot && self.id(i).load(Ordering::Acquire) != 0)
             .map(|i| self.bytes(i).load(Ordering::Acquire))
             .sum()
-    }
-}
-
-fn map(file: &File) -> io::Result<*mut AtomicU64> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a shared mapping of a file at least LEN bytes long; unmapped in Drop.
-    let ptr = unsafe {
-        libc::mmap(std::ptr::null_mut(), LEN, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0)
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(ptr as *mut AtomicU64)
-}
-
-impl Drop for TierUsage {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created in `map` with this length.
-        unsafe { libc::munmap(self.ptr as *mut _, LEN) };
     }
 }
 

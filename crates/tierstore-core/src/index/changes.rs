@@ -22,55 +22,29 @@
 
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::shared_words::SharedWords;
 
 const MAGIC: u64 = 0x7469_6572_6368_6731; // "tierchg1"
-/// Slots: the magic number, `begun`, `done`.
-const LEN: usize = 3 * 8;
+/// Words: the magic number, `begun`, `done`.
+const WORDS: usize = 3;
 const BEGUN: usize = 1;
 const DONE: usize = 2;
 
 /// The shared change numbers of one index (see the module).
 pub(super) struct Changes {
-    ptr: *mut AtomicU64,
+    words: SharedWords,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for Changes {}
-unsafe impl Sync for Changes {}
 
 impl Changes {
     /// Maps (creating if needed, mode 0600, never through a symbolic link, owned by this user) the file at
     /// `path`.
     pub(super) fn open(path: &Path) -> io::Result<Changes> {
         let file = crate::private::open_own_file(path)?;
-        if file.metadata()?.len() < LEN as u64 {
-            file.set_len(LEN as u64)?;
-        }
-        use std::os::fd::AsRawFd;
-        // SAFETY: a shared mapping of a file just sized to at least `LEN`; unmapped in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let c = Changes { ptr: ptr as *mut AtomicU64 };
-        let _ = c.slot(0).compare_exchange(0, MAGIC, Ordering::Relaxed, Ordering::Relaxed);
+        let c = Changes { words: SharedWords::map(&file, WORDS)? };
+        let _ = c.words.word(0).compare_exchange(0, MAGIC, Ordering::Relaxed, Ordering::Relaxed);
         Ok(c)
-    }
-
-    fn slot(&self, i: usize) -> &AtomicU64 {
-        debug_assert!(i * 8 < LEN);
-        // SAFETY: `i` is within the mapping, which lives as long as `self`.
-        unsafe { &*self.ptr.add(i) }
     }
 
     /// The number of the index as it is now, or `None` while a change is under way (or was left
@@ -78,8 +52,8 @@ impl Changes {
     pub(super) fn now(&self) -> Option<u64> {
         // `done` first: a writer sets `begun` before it changes anything and `done` after, so seeing the
         // same number in `begun` afterwards means no change began in between.
-        let done = self.slot(DONE).load(Ordering::Acquire);
-        let begun = self.slot(BEGUN).load(Ordering::Acquire);
+        let done = self.words.word(DONE).load(Ordering::Acquire);
+        let begun = self.words.word(BEGUN).load(Ordering::Acquire);
         (done == begun).then_some(done)
     }
 
@@ -87,19 +61,12 @@ impl Changes {
     pub(super) fn begin(&self) -> u64 {
         // The write lock orders writers, so this add is never raced by another; `SeqCst` keeps it ahead of
         // the transaction's own writes for the readers of the map.
-        self.slot(BEGUN).fetch_add(1, Ordering::SeqCst) + 1
+        self.words.word(BEGUN).fetch_add(1, Ordering::SeqCst) + 1
     }
 
     /// Marks change `number` ended: its transaction committed or was abandoned.
     pub(super) fn end(&self, number: u64) {
-        self.slot(DONE).fetch_max(number, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Changes {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created in `open` with this length.
-        unsafe { libc::munmap(self.ptr as *mut _, LEN) };
+        self.words.word(DONE).fetch_max(number, Ordering::SeqCst);
     }
 }
 
