@@ -139,6 +139,67 @@ def test_fstat_of_other_files_on_the_tiers_device_is_their_own(
     assert seen["gone"] == [ino, 1234, 0], "an unlinked file on the tier's device must report itself"
 
 
+# A cached file's descriptor number ended every way a program ends one, then taken by another file: its
+# `fstat` must describe the new file. (The shim answers the `fstat` of the copy a thread just opened
+# without the kernel, only while no descriptor of the process was ended since: tierstore_core's
+# cache/copy_stats.rs.) stdio's `fclose` and `close_range` end the descriptor inside glibc, where the
+# shim's `close` does not see it.
+REUSED = textwrap.dedent(
+    """
+    import ctypes, json, os, sys
+    cached, other = sys.argv[1], sys.argv[2]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fdopen.restype = ctypes.c_void_p
+    for _ in range(2):  # the cache is open, and has been asked an `fstat`, from here on
+        with open(cached, "rb") as f:
+            os.fstat(f.fileno()); f.read()
+
+    def by_close(fd): os.close(fd)
+    def by_fclose(fd): assert libc.fclose(ctypes.c_void_p(libc.fdopen(fd, b"rb"))) == 0
+    def by_close_range(fd): assert libc.close_range(fd, fd, 0) == 0, ctypes.get_errno()
+    def onto(dup):
+        def end(fd):
+            o = os.open(other, os.O_RDONLY)
+            dup(o, fd)
+            os.close(o)
+        return end
+    ends = {"close": by_close, "fclose": by_fclose, "close_range": by_close_range,
+            "dup2": onto(lambda o, fd: libc.dup2(o, fd)), "dup3": onto(lambda o, fd: libc.dup3(o, fd, 0))}
+    out = {}
+    for name, end in ends.items():
+        fd = os.open(cached, os.O_RDONLY)
+        before = os.fstat(fd)
+        end(fd)
+        again = fd if name.startswith("dup") else os.open(other, os.O_RDONLY)
+        after = os.fstat(again)
+        out[name] = [again == fd, before.st_size, after.st_size, after.st_ino, os.read(again, 10).decode()]
+        os.close(again)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_descriptor_number_of_a_cached_file_used_again_describes_its_new_file(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    backing, mount = slow_store
+    (backing / "a.bin").write_bytes(content(4, 5_000))
+    other = tmp_path / "other.txt"
+    other.write_text("other file")
+    job = tmp_path / "reused.py"
+    job.write_text(REUSED)
+    for attempt in ("cold", "warm"):
+        p = tierstore_run(mount, f"{tier}:64M", sys.executable, str(job), str(mount / "a.bin"), str(other))
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        for end, (same_number, before, after, ino, head) in json.loads(out).items():
+            assert same_number, f"{attempt}, {end}: the number was not used again, so nothing was tested"
+            assert before == 5_000, f"{attempt}, {end}: the cached file's fstat is not the source's"
+            assert (after, ino, head) == (10, other.stat().st_ino, "other file"), (
+                f"{attempt}, after {end}: fstat of the descriptor described the cached file, not the new one"
+            )
+
+
 # A per-sample reader's metadata calls: what libhdf5, numpy and Python's path helpers ask of a file.
 PER_SAMPLE = textwrap.dedent(
     """

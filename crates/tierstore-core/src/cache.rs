@@ -22,6 +22,7 @@
 
 mod blocks;
 mod confirm;
+mod copy_stats;
 mod engine;
 mod faults;
 mod fetch;
@@ -67,6 +68,7 @@ use pool::Pool;
 use storage::Storage;
 
 pub use blocks::BLOCK as PART_BLOCK;
+pub use copy_stats::descriptor_ended;
 pub use engine::Native;
 pub use order::{OrderProgress, OrderedPrefetch, ReadLog};
 pub use order_files::OrderFiles;

@@ -415,6 +415,7 @@ pub unsafe extern "C" fn seekdir(dirp: *mut DIR, at: c_long) {
 
 #[no_mangle]
 pub unsafe extern "C" fn closedir(dirp: *mut DIR) -> c_int {
+    tierstore_core::cache::descriptor_ended();
     if LIVE.load(Ordering::Relaxed) != 0 && streams().remove(&(dirp as usize)).is_some() {
         LIVE.fetch_sub(1, Ordering::Relaxed);
     }

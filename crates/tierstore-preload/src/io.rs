@@ -3,10 +3,14 @@
 //! The calls that end a descriptor's life drop it from the table of copies being followed (a missed one
 //! is caught by `kcmp`, see `streams`), and `close` and `fclose` journal a staged file (see `writes`);
 //! `mmap` and `munmap` let the write-back capture follow a staged file written through a mapping.
+//! Every call that ends a descriptor first tells the engine (`descriptor_ended`), whose `fstat` answers
+//! for the copy a thread just opened hold only while no descriptor number was freed for another file
+//! (see `tierstore_core::cache::copy_stats`).
 
-use libc::{c_int, c_void, off_t, size_t, ssize_t, FILE};
+use libc::{c_int, c_uint, c_void, off_t, size_t, ssize_t, FILE};
+use tierstore_core::cache::descriptor_ended;
 
-use crate::{open, streams, writes};
+use crate::{open, set_errno, streams, writes};
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
@@ -34,6 +38,7 @@ pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, count: size_t, off
 
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    descriptor_ended();
     streams::forget(fd);
     open::forget_store_read(fd);
     writes::close(fd, || real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd))
@@ -41,6 +46,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    descriptor_ended();
     let rc = real!("dup2", unsafe extern "C" fn(c_int, c_int) -> c_int)(old, new);
     if rc >= 0 && old != new {
         streams::forget(new);
@@ -51,6 +57,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    descriptor_ended();
     let rc = real!("dup3", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(old, new, flags);
     if rc >= 0 {
         streams::forget(new);
@@ -59,9 +66,39 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     rc
 }
 
+/// `close_range` (glibc 2.34, which Python's `os.closerange` and subprocess's children call).
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
+    descriptor_ended();
+    match next!("close_range", unsafe extern "C" fn(c_uint, c_uint, c_int) -> c_int) {
+        Some(real) => real(first, last, flags),
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+/// `closefrom` (glibc 2.34), which closes through glibc's own `close_range`, not the shim's.
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    descriptor_ended();
+    if let Some(real) = next!("closefrom", unsafe extern "C" fn(c_int)) {
+        real(low);
+    }
+}
+
+/// `fcloseall`: every stream, closed by glibc's own `close`.
+#[no_mangle]
+pub unsafe extern "C" fn fcloseall() -> c_int {
+    descriptor_ended();
+    real!("fcloseall", unsafe extern "C" fn() -> c_int)()
+}
+
 /// `fclose`: the journal for a stream of a staged file (see `writes`).
 #[no_mangle]
 pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
+    descriptor_ended();
     writes::fclose(f, || real!("fclose", unsafe extern "C" fn(*mut FILE) -> c_int)(f))
 }
 

@@ -91,6 +91,20 @@ macro_rules! real {
     }};
 }
 
+/// The next definition of a libc function, or `None` where this C library has none: for the functions
+/// of newer releases than the oldest the shim runs on (`close_range`, glibc 2.34).
+macro_rules! next {
+    ($name:literal, $ty:ty) => {{
+        static PTR: ::std::sync::atomic::AtomicUsize = ::std::sync::atomic::AtomicUsize::new(0);
+        let mut p = PTR.load(::std::sync::atomic::Ordering::Relaxed);
+        if p == 0 {
+            p = ::libc::dlsym(::libc::RTLD_NEXT, concat!($name, "\0").as_ptr() as *const ::libc::c_char) as usize;
+            PTR.store(p, ::std::sync::atomic::Ordering::Relaxed);
+        }
+        (p != 0).then(|| ::std::mem::transmute::<usize, $ty>(p))
+    }};
+}
+
 mod changes;
 mod dirs;
 mod fd_table;

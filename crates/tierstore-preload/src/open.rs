@@ -273,6 +273,8 @@ unsafe fn freopen_common(
     stream: *mut FILE,
     real: unsafe extern "C" fn(*const c_char, *const c_char, *mut FILE) -> *mut FILE,
 ) -> *mut FILE {
+    // glibc's freopen closes the stream's descriptor by its own `close`.
+    tierstore_core::cache::descriptor_ended();
     let Some(_busy) = Busy::enter() else { return real(path, mode, stream) };
     if path.is_null() {
         return real(path, mode, stream);

@@ -1,7 +1,8 @@
 //! The stat family. For a cached file every answer is the source's `stat` as recorded when the copy was
 //! taken, whichever call asks: `stat`/`lstat`/`statx` of the path (from the index, without asking the source,
 //! when copies are trusted: `revalidate = "never"`) and `fstat` of the descriptor an open returned (which is
-//! the tier copy's). Programs that compare them (cp, tar, rsync: "file changed as we read it") see one file.
+//! the tier copy's; for the copy the thread just opened, answered without the system call). Programs that
+//! compare them (cp, tar, rsync: "file changed as we read it") see one file.
 //!
 //! `access` and `faccessat` of a cached or staged file are answered the same way, for reading.
 
@@ -80,9 +81,20 @@ unsafe fn stat_common(
     stat_path(dirfd, path, buf, nofollow, real)
 }
 
-/// After the real `fstat` of `fd` filled `buf`: a tier copy this process's cache handed out is reported
-/// as the source file it copies. The cache is not opened for this: without it, no copy was handed out.
+/// The answer for `fd` without the system call, when it is the tier copy this thread just opened (see
+/// `tierstore_core::cache::copy_stats`).
+unsafe fn opened_copy_stat(fd: c_int) -> Option<libc::stat> {
+    let _busy = Busy::enter()?;
+    shim()?.cache.get()?.as_ref()?.trusted().opened_copy_stat(fd)
+}
+
+/// Else, after the real `fstat` of `fd` filled `buf`: a tier copy this process's cache handed out is
+/// reported as the source file it copies. The cache is not opened for this: without it, no copy was handed out.
 unsafe fn fstat_common(fd: c_int, buf: *mut libc::stat, real: impl FnOnce() -> c_int) -> c_int {
+    if let Some(st) = opened_copy_stat(fd).filter(|_| !buf.is_null()) {
+        *buf = st;
+        return 0;
+    }
     let rc = real();
     if rc != 0 || buf.is_null() {
         return rc;
@@ -301,6 +313,10 @@ pub unsafe extern "C" fn statx(
         )
     };
     if names_descriptor(path, flags) {
+        if let Some(st) = opened_copy_stat(dirfd).filter(|_| !buf.is_null()) {
+            *buf = statx_of(&st);
+            return 0;
+        }
         let rc = real();
         if rc != 0 || buf.is_null() {
             return rc;

@@ -7,12 +7,12 @@
 use std::collections::HashMap;
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use rustc_hash::FxHashMap;
 
+use super::copy_stats::CopyStats;
 use super::faults::Faults;
 use super::lock::lock_shared;
 use crate::clock::now_ns;
@@ -27,12 +27,6 @@ use crate::tier::Tier;
 /// Files whose entries [`Lookup::published_each`] reads in one transaction: a few milliseconds of a
 /// reader's hold on the index's pages, however long the order.
 const EACH_TXN: usize = 4096;
-
-/// A copy file as one version of it: device, inode and change time (seconds, nanoseconds).
-pub(super) type CopyIncarnation = (u64, u64, i64, i64);
-
-/// How many copies' rewritten `stat`s a process remembers before it starts over.
-const COPY_STATS_KEPT: usize = 1 << 16;
 
 /// How many files' first-tier entries a process keeps ([`Lookup::published_of`]), each from its second
 /// look (`seen.rs`); once full it keeps no more, so that a data set larger than this (whose files each come
@@ -92,11 +86,8 @@ pub(super) struct Lookup {
     /// Hits not yet written to the index: (tier, key) -> (hits, last access).
     access: Mutex<FxHashMap<(usize, Key), (u64, u64)>>,
     last_access_flush: Mutex<Instant>,
-    /// What `fstat` of each copy incarnation this process opened reports, rewritten as its source file's.
-    copy_stats: Mutex<FxHashMap<CopyIncarnation, libc::stat>>,
-    /// Whether anything asked for a remembered `fstat` (the shim does): until then, opens remember none,
-    /// and a process that reads through the Python API pays no lock and no insert per open for it.
-    copy_stats_asked: AtomicBool,
+    /// What `fstat` of each copy this process opened reports, rewritten as its source file's.
+    copy_stats: CopyStats,
     /// The first tier's published entries this process found, by source-relative path, each with the
     /// index's change number it was found at (see `index/changes.rs`): a warm open of a file opened
     /// before reads two shared numbers instead of hashing its path and reading the index.
@@ -114,8 +105,7 @@ impl Lookup {
             faults,
             access: Mutex::new(FxHashMap::default()),
             last_access_flush: Mutex::new(Instant::now()),
-            copy_stats: Mutex::new(FxHashMap::default()),
-            copy_stats_asked: AtomicBool::new(false),
+            copy_stats: CopyStats::default(),
             kept: Mutex::new(FxHashMap::default()),
             looked: Seen::default(),
         }
@@ -341,24 +331,27 @@ impl Lookup {
         if self.policy.evicts() {
             lock_shared(&file).map_err(|err| format!("copy cannot be locked ({err})"))?;
         }
-        let m = file.metadata().map_err(|err| format!("copy cannot be inspected ({err})"))?;
-        use std::os::unix::fs::MetadataExt;
-        if m.nlink() == 0 {
+        // A raw `fstat` (rustix): std's `metadata` goes through libc's `statx`, which the shim, loaded
+        // into the same process, interposes, and builds more than these fields.
+        let m = rustix::fs::fstat(&file).map_err(|err| format!("copy cannot be inspected ({err})"))?;
+        if m.st_nlink == 0 {
             return Ok(None);
         }
-        let mtime = m.mtime() * 1_000_000_000 + m.mtime_nsec();
-        if m.size() != e.source.size {
-            return Err(format!("truncated copy ({} of {} bytes)", m.size(), e.source.size));
+        if m.st_size as u64 != e.source.size {
+            return Err(format!("truncated copy ({} of {} bytes)", m.st_size, e.source.size));
         }
-        if mtime != e.source.mtime_ns {
+        if m.st_mtime as i64 * 1_000_000_000 + m.st_mtime_nsec as i64 != e.source.mtime_ns {
             return Err("modified copy (its mtime changed)".into());
         }
         // The reader's `fstat` of the copy comes next under the shim (Python's `open` asks it of every
-        // file): remember its answer from what was just read, rather than find the entry again through
-        // /proc then. Only once the shim has asked for one: nothing else reads them.
-        if self.copy_stats_asked.load(Ordering::Relaxed) {
+        // file): keep its answer and the descriptor in this thread's slot (`copy_stats.rs`), which answers
+        // it without the kernel, rather than find the entry again through /proc then. Only once the shim
+        // has asked for one: nothing else reads them.
+        if self.copy_stats.wanted() {
+            use std::os::fd::AsRawFd;
             if let Some(st) = e.source.to_stat() {
-                self.remember_copy((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()), st);
+                let incarnation = (m.st_dev as u64, m.st_ino as u64, m.st_ctime as i64, m.st_ctime_nsec as i64);
+                self.copy_stats.opened(incarnation, file.as_raw_fd(), st);
             }
         }
         if self.verify == Verify::Checksum {
@@ -367,7 +360,7 @@ impl Lookup {
             if e.checksum.is_none() {
                 return Ok(None);
             }
-            let mut bytes = Vec::with_capacity(m.size() as usize);
+            let mut bytes = Vec::with_capacity(m.st_size as usize);
             use std::io::Read;
             (&file).read_to_end(&mut bytes).map_err(|err| format!("copy unreadable ({err})"))?;
             if Some(crate::hash::hash_serial(&bytes)) != e.checksum {
@@ -416,18 +409,8 @@ impl Lookup {
         }
     }
 
-    /// Remembers what `fstat` reports for a copy's incarnation (see [`Trusted::copy_stat`](super::Trusted::copy_stat)).
-    pub(super) fn remember_copy(&self, incarnation: CopyIncarnation, st: libc::stat) {
-        let mut memo = self.copy_stats.lock().expect("copy stats lock");
-        if memo.len() >= COPY_STATS_KEPT {
-            memo.clear();
-        }
-        memo.insert(incarnation, st);
-    }
-
-    /// What was remembered of a copy's incarnation.
-    pub(super) fn remembered_copy(&self, incarnation: &CopyIncarnation) -> Option<libc::stat> {
-        self.copy_stats_asked.store(true, Ordering::Relaxed);
-        self.copy_stats.lock().expect("copy stats lock").get(incarnation).copied()
+    /// What `fstat` of the copies this process opened reports (see `copy_stats.rs`).
+    pub(super) fn copy_stats(&self) -> &CopyStats {
+        &self.copy_stats
     }
 }

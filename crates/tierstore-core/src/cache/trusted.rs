@@ -230,6 +230,14 @@ impl<'a> Trusted<'a> {
         Some(self.storage.source().path_of(&rel))
     }
 
+    /// What `fstat` of descriptor `fd` should say, without asking the kernel: the source's `stat` when
+    /// `fd` is the tier copy this thread opened last and no descriptor of the process was ended since
+    /// (see `copy_stats.rs`, which says what a caller must report). `None`: ask the kernel, then
+    /// [`Trusted::copy_stat`].
+    pub fn opened_copy_stat(&self, fd: i32) -> Option<libc::stat> {
+        self.storage.lookup().copy_stats().of_descriptor(fd)
+    }
+
     /// What `fstat` should say of descriptor `fd`, whose own `fstat` gave `st`: for a tier copy handed out
     /// by this cache, the `stat` of the source file it is a copy of (so `stat` of the path and `fstat` of
     /// the descriptor agree, as programs such as cp and tar check); `None` for any other descriptor. Costs
@@ -250,7 +258,7 @@ impl<'a> Trusted<'a> {
         let incarnation = (st.st_dev, st.st_ino, st.st_ctime, st.st_ctime_nsec);
         let remembered = st.st_nlink > 0 && st.st_ino != 0;
         if remembered {
-            if let Some(known) = self.storage.lookup().remembered_copy(&incarnation) {
+            if let Some(known) = self.storage.lookup().copy_stats().remembered(&incarnation) {
                 return (known.st_size == st.st_size).then_some(known);
             }
         }
@@ -262,7 +270,7 @@ impl<'a> Trusted<'a> {
         }
         let rewritten = e.source.to_stat()?;
         if remembered {
-            self.storage.lookup().remember_copy(incarnation, rewritten);
+            self.storage.lookup().copy_stats().remember(incarnation, rewritten);
         }
         Some(rewritten)
     }

@@ -22,15 +22,13 @@ pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
     open_at_c(dir, &c_path(rel)?)
 }
 
-/// [`open_at`] of a path already NUL-terminated (a tier's copy, named on the stack).
+/// [`open_at`] of a path already NUL-terminated (a tier's copy, named on the stack). A raw system call
+/// (rustix), not libc's `openat`: in a job under the LD_PRELOAD shim, libc's is the shim's own, which
+/// would look at the path only to pass it on.
 pub fn open_at_c(dir: &File, c: &std::ffi::CStr) -> io::Result<File> {
-    use std::os::fd::{AsRawFd, FromRawFd};
-    // SAFETY: openat with a valid directory descriptor and NUL-terminated path; the new descriptor is owned.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(unsafe { File::from_raw_fd(fd) })
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::openat(dir, c, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    Ok(File::from(fd))
 }
 
 /// `openat2(dir, path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`: see
