@@ -13,6 +13,10 @@ With `--perf`, `perf record -g` profiles the cached passes of each tier in a chi
 lists where the time goes (kernel and user space), as #51 asks of every profile.
 
     .venv/bin/python bench/bench_warm_read.py --out docs/benchmarks/warm-read.md --perf
+
+With `--shim NAME=PATH`, `open()` under `tierstore run` is also measured with that build of the shim (a
+`cargo build --release -p tierstore-preload` kept aside), in a process and a tier of its own: each
+process's rounds pair a local read with one build, so two builds compare by their ratios, round by round.
 """
 
 from __future__ import annotations
@@ -180,6 +184,14 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=20, help="passes over the files per round and side")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--perf", action="store_true", help="profile each tier's cached passes with perf")
+    ap.add_argument(
+        "--shim",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also measure `open()` under `tierstore run` with this build of the shim (repeatable): how a "
+        "change to the shim is measured against the build before it, each in its own process and tier",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -219,10 +231,13 @@ def main() -> int:
             (fast[0], Path(str(fast[1]) + "-fsspec"), "fsspec"),
             (fast[0], Path(str(fast[1]) + "-run"), "run"),
         ]
+        builds = dict(s.split("=", 1) for s in args.shim)
+        cases += [(fast[0], Path(str(fast[1]) + f"-run-{b}"), f"run={b}") for b in builds]
         results: dict[str, list[tuple[float, float, float, float]]] = {}
         profiles: dict[str, Path] = {}
-        for tier_name, tier, via in cases:
-            name = f"{VIAS[via]}, tier on {tier_name}"
+        for tier_name, tier, case in cases:
+            via, _, build = case.partition("=")
+            name = f"{VIAS[via]}{f' (build {build})' if build else ''}, tier on {tier_name}"
             child = [
                 sys.executable,
                 __file__,
@@ -245,7 +260,20 @@ def main() -> int:
             env = dict(os.environ)
             if via == "run":
                 tierstore_cli = str(Path(sys.executable).with_name("tierstore"))
-                child = [tierstore_cli, "--source", str(source), "--tier", f"{tier}:4G", "run", "--", *child]
+                # Another build of the shim: the job starts through `env`, which puts that build in
+                # `tierstore run`'s place.
+                other = ["env", f"LD_PRELOAD={builds[build]}"] if build else []
+                child = [
+                    tierstore_cli,
+                    "--source",
+                    str(source),
+                    "--tier",
+                    f"{tier}:4G",
+                    "run",
+                    "--",
+                    *other,
+                    *child,
+                ]
                 env["TIERSTORE_REVALIDATE"] = "never"
             out = subprocess.run(
                 [*child, "--measure"], capture_output=True, text=True, check=True, env=env
@@ -253,7 +281,7 @@ def main() -> int:
             results[name] = [
                 tuple(map(float, ln.split()[1:])) for ln in out.splitlines() if ln.startswith("ROUND")
             ]
-            if args.perf and shutil.which("perf") and via != "fsspec":
+            if args.perf and shutil.which("perf") and via != "fsspec" and not build:
                 # The Python API on each tier, and the shim's open under `tierstore run` (perf follows the
                 # job the command execs). fsspec's path is the API's and a few calls more.
                 data = base / f"perf-{len(profiles)}.data"
