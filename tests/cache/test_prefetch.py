@@ -227,6 +227,14 @@ print("closed", flush=True)
 sys.stdin.readline()
 """
 
+# The same, closing through stdio: a stream `fdopen` made of the descriptor, ended by `fclose` (which closes
+# the descriptor inside glibc, by its own `close`).
+HOLD_FCLOSE = HOLD_NATIVE.replace(
+    "os.close(fd)",
+    "import ctypes; libc = ctypes.CDLL(None); libc.fdopen.restype = ctypes.c_void_p; "
+    "assert libc.fclose(ctypes.c_void_p(libc.fdopen(fd, b'rb'))) == 0",
+)
+
 
 def full_tier(backing: Path, mount: Path, tier: str, size: int) -> tuple[tierstore.Cache, str]:
     """A cache whose tier holds two files of `size`, a and c, and is full; files b and d are not in it."""
@@ -243,7 +251,8 @@ def full_tier(backing: Path, mount: Path, tier: str, size: int) -> tuple[tiersto
 
 def holding_open(mount: Path, spec: str, name: str, holder: str = "Cache.open") -> subprocess.Popen[str]:
     """A process that has opened `name` through `holder` (`Cache.open`, or a program under `tierstore
-    run`) and holds it: it closes the file at a line on its stdin, says "closed", and ends at the next."""
+    run`, which closes with `close` or, for "tierstore run, fclose", through stdio) and holds it: it closes
+    the file at a line on its stdin, says "closed", and ends at the next."""
     args = [str(mount), spec, str(mount / name)]
     if holder == "Cache.open":
         reader = subprocess.Popen(
@@ -253,7 +262,8 @@ def holding_open(mount: Path, spec: str, name: str, holder: str = "Cache.open") 
             text=True,
         )
     else:
-        reader = tierstore_run(mount, spec, sys.executable, "-c", HOLD_NATIVE, *args)
+        script = HOLD_FCLOSE if holder.endswith("fclose") else HOLD_NATIVE
+        reader = tierstore_run(mount, spec, sys.executable, "-c", script, *args)
     assert reader.stdout is not None
     if reader.stdout.readline().strip() != "open":
         reader.kill()
@@ -261,7 +271,7 @@ def holding_open(mount: Path, spec: str, name: str, holder: str = "Cache.open") 
     return reader
 
 
-@pytest.mark.parametrize("holder", ["Cache.open", "tierstore run"])
+@pytest.mark.parametrize("holder", ["Cache.open", "tierstore run", "tierstore run, fclose"])
 def test_a_file_a_reader_reads_from_the_store_is_not_prefetched_until_it_closes(
     slow_store: tuple[Path, Path], tier: str, holder: str
 ) -> None:

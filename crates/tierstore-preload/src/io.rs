@@ -95,10 +95,18 @@ pub unsafe extern "C" fn fcloseall() -> c_int {
     real!("fcloseall", unsafe extern "C" fn() -> c_int)()
 }
 
-/// `fclose`: the journal for a stream of a staged file (see `writes`).
+/// `fclose`: the journal for a stream of a staged file (see `writes`), and the end of what the shim kept for
+/// its descriptor.
 #[no_mangle]
 pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
     descriptor_ended();
+    // glibc closes the stream's descriptor by its own `close`: what the shim keeps for it ends here (a
+    // stream of `fdopen` over a descriptor the program opened under the source).
+    let fd = if f.is_null() { -1 } else { libc::fileno(f) };
+    if fd >= 0 {
+        streams::forget(fd);
+        open::forget_store_read(fd);
+    }
     writes::fclose(f, || real!("fclose", unsafe extern "C" fn(*mut FILE) -> c_int)(f))
 }
 
