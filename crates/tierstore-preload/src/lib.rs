@@ -77,22 +77,8 @@ pub extern "C" fn tierstore_preload_exempt(on: c_int) -> c_int {
     BUSY.with(|b| b.replace(on != 0) as c_int)
 }
 
-/// Resolves (once) and calls the next definition of a libc function.
-macro_rules! real {
-    ($name:literal, $ty:ty) => {{
-        static PTR: ::std::sync::atomic::AtomicUsize = ::std::sync::atomic::AtomicUsize::new(0);
-        let mut p = PTR.load(::std::sync::atomic::Ordering::Relaxed);
-        if p == 0 {
-            p = ::libc::dlsym(::libc::RTLD_NEXT, concat!($name, "\0").as_ptr() as *const ::libc::c_char) as usize;
-            PTR.store(p, ::std::sync::atomic::Ordering::Relaxed);
-        }
-        assert!(p != 0, concat!("tierstore preload: no next definition of ", $name));
-        ::std::mem::transmute::<usize, $ty>(p)
-    }};
-}
-
-/// The next definition of a libc function, or `None` where this C library has none: for the functions
-/// of newer releases than the oldest the shim runs on (`close_range`, glibc 2.34).
+/// The next definition of a libc function (resolved once), or `None` where this C library has none: the
+/// functions of newer releases than the oldest the shim runs on (`close_range`, glibc 2.34).
 macro_rules! next {
     ($name:literal, $ty:ty) => {{
         static PTR: ::std::sync::atomic::AtomicUsize = ::std::sync::atomic::AtomicUsize::new(0);
@@ -103,6 +89,16 @@ macro_rules! next {
         }
         (p != 0).then(|| ::std::mem::transmute::<usize, $ty>(p))
     }};
+}
+
+/// The next definition of a libc function that every C library the shim runs on has.
+macro_rules! real {
+    ($name:literal, $ty:ty) => {
+        match next!($name, $ty) {
+            Some(f) => f,
+            None => panic!(concat!("tierstore preload: no next definition of ", $name)),
+        }
+    };
 }
 
 mod changes;
