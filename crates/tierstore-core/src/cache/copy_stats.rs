@@ -17,9 +17,11 @@
 //! process had ended when the copy was opened ([`descriptor_ended`], which the shim calls before every
 //! call that ends one: `close`, `dup2`, `dup3`, `close_range`, `closefrom`, `fclose`, `fcloseall`,
 //! `freopen`, `closedir`). The slot answers only while that count has not moved. What it cannot see is a
-//! descriptor closed by a raw system call (`syscall(SYS_close)`, io_uring) and its number used again
-//! before the next `close` the shim sees: then `fstat` takes the long way for nothing, or, if the new
-//! file is asked for on the same thread before any other close in the process, is told of the copy.
+//! descriptor closed by a raw system call (`syscall(SYS_close)`, io_uring), or by another process that
+//! shares this one's descriptor table but not its memory (`clone` with `CLONE_FILES` and not `CLONE_VM`),
+//! and its number used again before the next `close` the shim sees: if the new file is asked for on the
+//! same thread before any other close in the process, it is told of the copy. A forked child has a table
+//! and a count of its own, so its closes and its parent's do not meet.
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
