@@ -146,7 +146,7 @@ def test_fstat_of_other_files_on_the_tiers_device_is_their_own(
 # shim's `close` does not see it.
 REUSED = textwrap.dedent(
     """
-    import ctypes, json, os, sys
+    import ctypes, json, os, sys, threading
     cached, other = sys.argv[1], sys.argv[2]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.fdopen.restype = ctypes.c_void_p
@@ -155,6 +155,8 @@ REUSED = textwrap.dedent(
             os.fstat(f.fileno()); f.read()
 
     def by_close(fd): os.close(fd)
+    def by_another_thread(fd):  # the slot is the opening thread's; the count is the process's
+        t = threading.Thread(target=os.close, args=(fd,)); t.start(); t.join()
     def by_fclose(fd): assert libc.fclose(ctypes.c_void_p(libc.fdopen(fd, b"rb"))) == 0
     def by_close_range(fd): assert libc.close_range(fd, fd, 0) == 0, ctypes.get_errno()
     def onto(dup):
@@ -163,7 +165,7 @@ REUSED = textwrap.dedent(
             dup(o, fd)
             os.close(o)
         return end
-    ends = {"close": by_close, "fclose": by_fclose, "close_range": by_close_range,
+    ends = {"close": by_close, "close on another thread": by_another_thread, "fclose": by_fclose, "close_range": by_close_range,
             "dup2": onto(lambda o, fd: libc.dup2(o, fd)), "dup3": onto(lambda o, fd: libc.dup3(o, fd, 0))}
     out = {}
     for name, end in ends.items():
