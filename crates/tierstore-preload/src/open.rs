@@ -126,10 +126,11 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
 
 /// The marks that the program reads a file from the store (no tier had room for it), by its descriptor:
 /// kept until the program closes it, so that a prefetch of this node does not read the same bytes again
-/// meanwhile (`close`, `dup2`, `dup3` and `fclose` of a stream `fdopen` made of it end it). A descriptor
-/// closed where the shim does not see it (`close_range`, a raw system call) keeps its mark until its
-/// number is opened or closed again: at worst a prefetch left undone, never a byte served wrong. (`fopen`
-/// takes no mark: `Cache::open_file` ends it as it hands the descriptor over.)
+/// meanwhile (`close`, `dup2`, `dup3`, and `fclose` or `freopen` of a stream `fdopen` made of it, end
+/// it). A descriptor closed where the shim does not see it (`close_range`, `fcloseall`, a raw system
+/// call) keeps its mark until its number is opened or closed again: at worst a prefetch left undone,
+/// never a byte served wrong. (`fopen` takes no mark: its whole-file fetch reads a file no tier has room
+/// for from the store unmarked, as a prefetch does.)
 static STORE_READS: FdTable<Kept> = FdTable::new();
 
 /// Ends the mark of descriptor `fd` (closed, or replaced by `dup2`), if it has one.
@@ -276,6 +277,9 @@ unsafe fn freopen_common(
 ) -> *mut FILE {
     // glibc's freopen closes the stream's descriptor by its own `close`.
     tierstore_core::cache::descriptor_ended();
+    if !stream.is_null() {
+        forget_store_read(libc::fileno(stream));
+    }
     let Some(_busy) = Busy::enter() else { return real(path, mode, stream) };
     if path.is_null() {
         return real(path, mode, stream);
