@@ -1,6 +1,6 @@
 """Type stubs of the native module `tierstore._core` (checked by `mypy.stubtest` in `make lint`)."""
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, final
@@ -25,10 +25,12 @@ __all__ = [
     "STORE_KEYS",
     "VALUE_KEYWORDS",
     "AgentLink",
+    "BeginEach",
     "Cache",
     "CachedFile",
     "ConfigError",
     "IntegrityError",
+    "Marks",
     "OrderFiles",
     "OrderPrefetch",
     "OutsideSourceError",
@@ -207,6 +209,17 @@ class Prefetch:
 @final
 class OrderFiles:
     def __len__(self) -> int: ...
+
+@final
+class Marks:
+    def __new__(cls, path: str | PathLike[str]) -> Marks: ...
+    def begin_each(self, indices: Iterable[Any], then_read: bool = False) -> BeginEach: ...
+    def read_each(self, indices: Iterable[Any]) -> None: ...
+
+@final
+class BeginEach:
+    def __iter__(self) -> BeginEach: ...
+    def __next__(self) -> Any: ...
 
 @final
 class OrderPrefetch:

@@ -135,6 +135,7 @@ class ReadMarker:
         self._mapped_after = -1  # the fork count when this process mapped the file (-1: not yet)
         self._view: memoryview | None = None
         self._map: mmap.mmap | None = None
+        self._native: _core.Marks | None = None  # the same file mapped by the engine, for a batch's marks
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -149,8 +150,9 @@ class ReadMarker:
                 with open(self.path, "r+b") as f:
                     self._map = mmap.mmap(f.fileno(), 0)
                 self._view = memoryview(self._map).cast("I")
+                self._native = _core.Marks(self.path)
             except (OSError, ValueError):
-                self._view = None  # a reader never fails because of the prefetch
+                self._view = self._native = None  # a reader never fails because of the prefetch
         return self._view
 
     def mark(self, slot: int, tag: int) -> None:
@@ -174,54 +176,32 @@ class ReadMarker:
             view[slot] = view[0] | STARTED
 
     # A DataLoader's worker marks every sample it reads twice, begun and read: the calls below do a batch's
-    # in one call each, with the mapping and the epoch's tag looked up once, rather than per sample (the
-    # per-sample calls cost the two workers of `bench_warm_prefetch.py --instructions` about 10M more
-    # instructions a warm epoch of 2,000 samples).
+    # in one call each, in the engine (`_core.Marks`), with the epoch's tag read once, rather than a Python
+    # call or a Python loop's turn per sample (those cost the worker about 10M and then 3.5M instructions a
+    # warm epoch of 2,000 samples: bench_warm_prefetch.py, bench_sample_attribution.py).
 
     def begin_each(self, indices: Iterable[Any]) -> Iterator[Any]:
         """Yields each dataset index of `indices` once `mark_started` of its slot (the index + 1) would have
-        marked it begun; an index that is not an integer is yielded unmarked."""
-        view = self._slots()
-        if view is None:
-            yield from indices
-            return
-        begun, last = view[0] | STARTED, len(view) - 1
-        for i in indices:
-            k = i if type(i) is int else _index(i)
-            if 0 <= k < last:
-                view[k + 1] = begun
-            yield i
+        marked it begun; an index that is not an integer (nor converts to one) is yielded unmarked."""
+        return self._each(indices, then_read=False)
 
     def begin_then_read_each(self, indices: Iterable[Any]) -> Iterator[Any]:
         """`begin_each`, and each index marked read (`mark_read`) once the consumer asks for the next:
         `[dataset[i] for i in marker.begin_then_read_each(batch)]` marks each sample begun before its read
         and read after it. A read that raises leaves its sample begun, as the two calls would."""
-        view = self._slots()
-        if view is None:
-            yield from indices
-            return
-        tag, last = view[0], len(view) - 1
-        begun = tag | STARTED
-        for i in indices:
-            k = i if type(i) is int else _index(i)
-            if 0 <= k < last:
-                view[k + 1] = begun
-                yield i
-                view[k + 1] = tag
-            else:
-                yield i
+        return self._each(indices, then_read=True)
+
+    def _each(self, indices: Iterable[Any], then_read: bool) -> Iterator[Any]:
+        self._slots()
+        native = self._native
+        return iter(indices) if native is None else native.begin_each(indices, then_read)
 
     def read_each(self, indices: Iterable[Any]) -> None:
         """`mark_read` of each dataset index's slot (the index + 1); indices that are not integers are
         passed over."""
-        view = self._slots()
-        if view is None:
-            return
-        tag, last = view[0], len(view) - 1
-        for i in indices:
-            k = i if type(i) is int else _index(i)
-            if 0 <= k < last:
-                view[k + 1] = tag
+        self._slots()
+        if self._native is not None:
+            self._native.read_each(indices)
 
     def get(self, slot: int) -> int:
         """The value in `slot` (0 when unreadable)."""
@@ -236,12 +216,3 @@ class ReadMarker:
         if view is None:
             return 0
         return sum(1 for v in view[start:] if v == tag)
-
-
-def _index(i: Any) -> int:
-    """A dataset index as an int (a NumPy or 0-d tensor index converts); -1, which no slot has, for
-    anything else."""
-    try:
-        return int(i)
-    except (TypeError, ValueError):
-        return -1

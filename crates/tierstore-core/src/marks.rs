@@ -127,6 +127,11 @@ impl ReadMarks {
         }
     }
 
+    /// What `slot` holds (0 for a slot out of range).
+    pub fn get(&self, slot: usize) -> u32 {
+        self.slot(slot).map_or(0, |s| s.load(Ordering::Acquire))
+    }
+
     /// Whether the file of `slot` was read in the epoch tagged `tag`.
     pub fn is_marked(&self, slot: usize, tag: u32) -> bool {
         self.slot(slot).is_some_and(|s| s.load(Ordering::Acquire) == tag)

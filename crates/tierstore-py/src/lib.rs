@@ -6,6 +6,7 @@ mod buffer;
 mod error;
 mod exiting;
 mod file;
+mod marks;
 mod pack;
 mod stream;
 mod writeback;
@@ -716,6 +717,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPrefetch>()?;
     m.add_class::<PyOrderPrefetch>()?;
     m.add_class::<PyOrderFiles>()?;
+    m.add_class::<marks::PyMarks>()?;
+    m.add_class::<marks::BeginEach>()?;
     m.add_function(wrap_pyfunction!(effective_config, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(is_secret, m)?)?;
