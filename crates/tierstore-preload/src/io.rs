@@ -12,6 +12,13 @@ use tierstore_core::cache::descriptor_ended;
 
 use crate::{open, set_errno, streams, writes};
 
+/// What the shim keeps for descriptor `fd` ends, the descriptor closed or replaced: the copy its reads
+/// follow (`streams`) and its mark of a read from the store (`open`).
+pub(crate) fn forget(fd: c_int) {
+    streams::forget(fd);
+    open::forget_store_read(fd);
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
     if let Some(n) = streams::serve(fd, buf, count, None) {
@@ -39,8 +46,7 @@ pub unsafe extern "C" fn pread64(fd: c_int, buf: *mut c_void, count: size_t, off
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     descriptor_ended();
-    streams::forget(fd);
-    open::forget_store_read(fd);
+    forget(fd);
     writes::close(fd, || real!("close", unsafe extern "C" fn(c_int) -> c_int)(fd))
 }
 
@@ -49,8 +55,7 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     descriptor_ended();
     let rc = real!("dup2", unsafe extern "C" fn(c_int, c_int) -> c_int)(old, new);
     if rc >= 0 && old != new {
-        streams::forget(new);
-        open::forget_store_read(new);
+        forget(new);
     }
     rc
 }
@@ -60,8 +65,7 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     descriptor_ended();
     let rc = real!("dup3", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(old, new, flags);
     if rc >= 0 {
-        streams::forget(new);
-        open::forget_store_read(new);
+        forget(new);
     }
     rc
 }
@@ -104,8 +108,7 @@ pub unsafe extern "C" fn fclose(f: *mut FILE) -> c_int {
     // stream of `fdopen` over a descriptor the program opened under the source).
     let fd = if f.is_null() { -1 } else { libc::fileno(f) };
     if fd >= 0 {
-        streams::forget(fd);
-        open::forget_store_read(fd);
+        forget(fd);
     }
     writes::fclose(f, || real!("fclose", unsafe extern "C" fn(*mut FILE) -> c_int)(f))
 }

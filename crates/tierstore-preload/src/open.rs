@@ -278,7 +278,7 @@ unsafe fn freopen_common(
     // glibc's freopen closes the stream's descriptor by its own `close`.
     tierstore_core::cache::descriptor_ended();
     if !stream.is_null() {
-        forget_store_read(libc::fileno(stream));
+        crate::io::forget(libc::fileno(stream));
     }
     let Some(_busy) = Busy::enter() else { return real(path, mode, stream) };
     if path.is_null() {
