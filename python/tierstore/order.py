@@ -7,7 +7,6 @@ its file's bytes from the budget. `tierstore.torch.prefetching` does all of this
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -133,9 +132,7 @@ class ReadMarker:
     def __init__(self, path: str) -> None:
         self.path = path
         self._mapped_after = -1  # the fork count when this process mapped the file (-1: not yet)
-        self._view: memoryview | None = None
-        self._map: mmap.mmap | None = None
-        self._native: _core.Marks | None = None  # the same file mapped by the engine, for a batch's marks
+        self._marks: _core.Marks | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path}
@@ -143,37 +140,36 @@ class ReadMarker:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"])  # type: ignore[misc]
 
-    def _slots(self) -> memoryview | None:
+    def _slots(self) -> _core.Marks | None:
+        """The file mapped in this process by the engine (which opens it only if it is this user's own and
+        no link): None where it cannot be, for a reader never fails because of the prefetch."""
         if self._mapped_after != _forks:
             self._mapped_after = _forks
             try:
-                with open(self.path, "r+b") as f:
-                    self._map = mmap.mmap(f.fileno(), 0)
-                self._view = memoryview(self._map).cast("I")
-                self._native = _core.Marks(self.path)
+                self._marks = _core.Marks(self.path)
             except (OSError, ValueError):
-                self._view = self._native = None  # a reader never fails because of the prefetch
-        return self._view
+                self._marks = None
+        return self._marks
 
     def mark(self, slot: int, tag: int) -> None:
         """Stores `tag` into `slot` (out of range: ignored)."""
-        view = self._slots()
-        if view is not None and 0 <= slot < len(view):
-            view[slot] = tag
+        marks = self._slots()
+        if marks is not None:
+            marks.mark(slot, tag)
 
     def mark_read(self, slot: int) -> None:
         """Stores the current epoch's tag (slot 0) into `slot`: what a read of its sample records."""
-        view = self._slots()
-        if view is not None and 0 < slot < len(view):
-            view[slot] = view[0]
+        marks = self._slots()
+        if marks is not None:
+            marks.mark_read(slot)
 
     def mark_started(self, slot: int) -> None:
         """Stores the current epoch's tag with `STARTED` into `slot`, as its sample begins: the prefetch
         leaves the sample's files to this reader from then on, rather than fetch a file the reader may
         already be reading from the store. `mark_read` follows once the sample is read."""
-        view = self._slots()
-        if view is not None and 0 < slot < len(view):
-            view[slot] = view[0] | STARTED
+        marks = self._slots()
+        if marks is not None:
+            marks.mark_started(slot)
 
     # A DataLoader's worker marks every sample it reads twice, begun and read: the calls below do a batch's
     # in one call each, in the engine (`_core.Marks`), with the epoch's tag read once, rather than a Python
@@ -192,27 +188,22 @@ class ReadMarker:
         return self._each(indices, then_read=True)
 
     def _each(self, indices: Iterable[Any], then_read: bool) -> Iterator[Any]:
-        self._slots()
-        native = self._native
-        return iter(indices) if native is None else native.begin_each(indices, then_read)
+        marks = self._slots()
+        return iter(indices) if marks is None else marks.begin_each(indices, then_read)
 
     def read_each(self, indices: Iterable[Any]) -> None:
         """`mark_read` of each dataset index's slot (the index + 1); indices that are not integers are
         passed over."""
-        self._slots()
-        if self._native is not None:
-            self._native.read_each(indices)
+        marks = self._slots()
+        if marks is not None:
+            marks.read_each(indices)
 
     def get(self, slot: int) -> int:
         """The value in `slot` (0 when unreadable)."""
-        view = self._slots()
-        if view is None or not 0 <= slot < len(view):
-            return 0
-        return int(view[slot])
+        marks = self._slots()
+        return 0 if marks is None else marks.get(slot)
 
     def count(self, tag: int, start: int = 0) -> int:
         """How many slots from `start` on hold `tag`."""
-        view = self._slots()
-        if view is None:
-            return 0
-        return sum(1 for v in view[start:] if v == tag)
+        marks = self._slots()
+        return 0 if marks is None else marks.count(tag, start)

@@ -6,6 +6,7 @@ DistributedSampler ranks that prefetch only their shard, and clear errors."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -462,6 +463,59 @@ def test_a_batchs_marks_are_those_of_the_per_sample_calls(tmp_path: Path, tier: 
     assert [batched.get(s) for s in (4, 2, 7, 3)] == [6, 6, 6 | STARTED, 0]
     assert [read(i) for i in batched.begin_then_read_each([2, -1, "x"])] == [2, -1, "x"]
     assert batched.get(3) == 6
+
+
+def test_a_marker_ignores_slots_out_of_range_and_counts_a_tag(tmp_path: Path, tier: str) -> None:
+    """A reader's single marks never fail: a negative slot, one past the end and slot 0 (the epoch's tag,
+    for `mark_read` and `mark_started`) are passed over, and `get` reads 0 there."""
+    source = tmp_path / "source"
+    source.mkdir()
+    cache = tierstore.Cache(str(source), [f"{tier}:1G"])
+    m = ReadMarker(cache._core.create_read_marks(5))
+    m.mark(0, 9)
+    for bad in (-1, 5, 1 << 40):
+        m.mark(bad, 3)
+        m.mark_read(bad)
+        m.mark_started(bad)
+        assert m.get(bad) == 0
+    m.mark_read(0)
+    m.mark_started(0)
+    m.mark_read(2)
+    m.mark_read(4)
+    assert [m.get(s) for s in range(5)] == [9, 0, 9, 0, 9]
+    assert (m.count(9), m.count(9, 1), m.count(9, 5), m.count(0, 1)) == (3, 2, 0, 2)
+
+
+def test_a_marks_file_planted_as_a_link_or_left_writable_is_not_written(tmp_path: Path, tier: str) -> None:
+    """A marks path comes from a dataset's attribute or the environment: a symbolic link there (to make
+    the reader write into another file) or a file other users can write is refused, and the reader goes on
+    without marks rather than fail."""
+    source = tmp_path / "source"
+    source.mkdir()
+    cache = tierstore.Cache(str(source), [f"{tier}:1G"])
+    real = cache._core.create_read_marks(4)
+    victim = tmp_path / "victim"
+    victim.write_bytes(bytes(16))
+    link = tmp_path / "planted.marks"
+    link.symlink_to(victim)
+    with pytest.raises(OSError, match="symbolic link"):
+        tierstore._core.Marks(str(link))
+    through_link = ReadMarker(str(link))
+    through_link.mark(1, 7)
+    through_link.read_each([0, 1, 2])
+    assert victim.read_bytes() == bytes(16) and through_link.get(1) == 0
+
+    os.chmod(real, 0o666)
+    with pytest.raises(OSError, match="writable by other users"):
+        tierstore._core.Marks(real)
+    open_to_all = ReadMarker(real)
+    open_to_all.mark(1, 7)
+    assert open_to_all.get(1) == 0
+    os.chmod(real, 0o600)
+    assert ReadMarker(real).get(1) == 0, "nothing was written through the refused marker"
+    mine = ReadMarker(real)
+    mine.mark(1, 7)
+    assert mine.get(1) == 7
 
 
 def test_files_any_tier_holds_are_not_fetched_again(logged_store: Any, tier: str, tmp_path: Path) -> None:

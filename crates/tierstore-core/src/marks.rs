@@ -7,10 +7,9 @@
 //! system call, and the prefetch compares slots with its tag. A tag per epoch lets one file serve every
 //! epoch of a job without being cleared.
 //!
-//! Layout: `u32` slots, native endianness, nothing else (a Python worker writes them with `mmap` and
-//! `memoryview.cast("I")`).
+//! Layout: `u32` slots, native endianness, nothing else. Every reader maps the file through this module
+//! (a Python worker through `_core.Marks`), which opens it only if it is the user's own and no link.
 
-use std::fs::OpenOptions;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -69,9 +68,12 @@ impl ReadMarks {
         std::fs::write(self.names_path(), text)
     }
 
-    /// Maps an existing marks file (made by [`ReadMarks::create_in`] in another process).
+    /// Maps an existing marks file (made by [`ReadMarks::create_in`] in another process). The path comes
+    /// from an environment variable or a dataset's attribute, so it is opened as any private file is: never
+    /// through a symbolic link, and only if it is this user's and nobody else can write it (another user's
+    /// file could steer this process's prefetch, or be changed under it).
     pub fn open(path: &Path) -> io::Result<ReadMarks> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let file = crate::private::open_own_existing(path)?;
         Self::map(&file, path.to_path_buf())
     }
 
@@ -202,6 +204,23 @@ mod tests {
         assert!(m.is_started(1, 7) && m.is_marked(1, 7)); // read: started as well
         m.mark(2, 7);
         assert!(m.is_started(2, 7)); // a reader that marks only reads (the shim) is never behind
+    }
+
+    #[test]
+    fn a_marks_file_through_a_link_or_writable_by_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let m = ReadMarks::create_in(dir.path(), 4).unwrap();
+        let link = dir.path().join("planted.marks");
+        std::os::unix::fs::symlink(m.path(), &link).unwrap();
+        let e = ReadMarks::open(&link).err().expect("a link is never followed");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        std::fs::set_permissions(m.path(), std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = ReadMarks::open(m.path()).err().expect("a file others can write is refused");
+        assert!(e.to_string().contains("writable by other users"), "{e}");
+        let missing = dir.path().join("missing.marks");
+        assert_eq!(ReadMarks::open(&missing).err().map(|e| e.kind()), Some(io::ErrorKind::NotFound));
+        assert!(!missing.exists(), "opening never creates one");
     }
 
     #[test]

@@ -297,7 +297,18 @@ pub fn open_nofollow(path: &Path, append: bool, create: bool) -> io::Result<File
 /// fix. One that others may only read (made with the umask's 0644 by an older tierstore) is narrowed to
 /// 0600, since nobody else could have changed it.
 pub fn open_own_file(path: &Path) -> io::Result<File> {
-    let file = open_nofollow(path, false, true)?;
+    own_file(open_nofollow(path, false, true)?, path)
+}
+
+/// [`open_own_file`] of a file that must exist already (another process of the job made it): a missing
+/// one is `NotFound`, never created.
+pub fn open_own_existing(path: &Path) -> io::Result<File> {
+    own_file(open_nofollow(path, false, false)?, path)
+}
+
+/// `file`, opened from `path`, if it is a plain file of the effective user's that nobody else can write
+/// (narrowed to 0600 if others may read it); else refused with the fix.
+fn own_file(file: File, path: &Path) -> io::Result<File> {
     let meta = file.metadata()?;
     let me = euid();
     let remove = |what: String| {

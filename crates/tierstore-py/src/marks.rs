@@ -1,6 +1,6 @@
-//! A DataLoader worker's read marks, a batch at a time: `tierstore.order.ReadMarker`'s `begin_each`,
-//! `begin_then_read_each` and `read_each`, each sample marked in the shared marks file
-//! (`tierstore_core::marks`) without a Python frame per sample. Under the DataLoader hook every sample
+//! A process's mapping of a read-marks file (`tierstore_core::marks`), the one `tierstore.order.ReadMarker`
+//! reads and writes through: single marks, and a DataLoader worker's marks a batch at a time
+//! (`begin_each`, `begin_then_read_each`, `read_each`) without a Python frame per sample. Under the DataLoader hook every sample
 //! is marked begun and read: in Python that was about 1,750 of the 3,300 instructions a warm sample
 //! costs a worker under `tierstore run` beyond a local read (docs/benchmarks/sample-attribution.md).
 
@@ -29,12 +29,53 @@ fn slot_of(marks: &ReadMarks, item: &Bound<'_, PyAny>) -> Option<usize> {
     (slot < marks.len()).then_some(slot)
 }
 
+/// A sample's slot (1 or more; slot 0 holds the epoch's tag), or None.
+fn sample_slot(slot: i64) -> Option<usize> {
+    usize::try_from(slot).ok().filter(|&s| s > 0)
+}
+
 #[pymethods]
 impl PyMarks {
     #[new]
     fn new(path: PathBuf) -> PyResult<PyMarks> {
         let marks = ReadMarks::open(&path).map_err(|e| PyOSError::new_err(format!("{}: {e}", path.display())))?;
         Ok(PyMarks { marks: Arc::new(marks) })
+    }
+
+    fn __len__(&self) -> usize {
+        self.marks.len()
+    }
+
+    /// What `slot` holds (0 for a slot out of range, negative included).
+    fn get(&self, slot: i64) -> u32 {
+        usize::try_from(slot).map_or(0, |s| self.marks.get(s))
+    }
+
+    /// Stores `tag` into `slot` (out of range: ignored; a reader never fails because of the prefetch).
+    fn mark(&self, slot: i64, tag: u32) {
+        if let Ok(s) = usize::try_from(slot) {
+            self.marks.mark(s, tag);
+        }
+    }
+
+    /// Stores the current epoch's tag (slot 0) into `slot`, which must be 1 or more: a read of its sample.
+    fn mark_read(&self, slot: i64) {
+        if let Some(s) = sample_slot(slot) {
+            self.marks.mark(s, self.marks.get(0));
+        }
+    }
+
+    /// Stores the current epoch's tag with the started bit into `slot` (1 or more): its sample begun.
+    fn mark_started(&self, slot: i64) {
+        if let Some(s) = sample_slot(slot) {
+            self.marks.mark(s, self.marks.get(0) | STARTED);
+        }
+    }
+
+    /// How many slots from `start` on hold `tag`.
+    #[pyo3(signature = (tag, start=0))]
+    fn count(&self, tag: u32, start: usize) -> usize {
+        (start..self.marks.len()).filter(|&s| self.marks.get(s) == tag).count()
     }
 
     /// Yields each index of `indices`, its slot marked begun (the epoch's tag with the started bit) as it
