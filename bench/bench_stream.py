@@ -27,7 +27,9 @@ Measured:
               arrive continuously, against steady state, in the consumer.
 
   --full      only full updates (every tensor changed) of one size, printed (not in the report): publish()
-              to served and its parts, with the consumer idle and with it serving requests, alternated.
+              to served and its parts, with the consumer idle and with it serving requests, alternated;
+              and each round's floor: the model's two copies (written into allocated /dev/shm, read
+              back), every core, without tierstore, with its blake3 alone beside them.
   --group     only this, printed (not in the report): 3%-changed updates, publish() to served, through a
               gloo process group of 2 against shared memory (two copies) and shared memory in place, in
               turn on the same versions; and the in-place mode's pause per update.
@@ -339,6 +341,47 @@ def shm_allocation_times(nbytes: int, tensors: int = TENSORS, reps: int = 5) -> 
                 for p in paths:
                     p.unlink()
             out.append((times[0], times[1]))
+    return out
+
+
+def full_floor_times(total: int, reps: int = 5) -> list[tuple[float, float, float]]:
+    """The work every full same-node update of a `total`-byte model must do, each step alone and on every
+    core, without tierstore: hash the tensors (each new tensor's file is named by its blake3), copy them
+    into files in /dev/shm allocated before (the agent's spares: the kernel's allocation is not counted),
+    and copy those files into buffers written before (the consumer's idle copy). Each rep: (hash, write,
+    read) seconds. What a publish adds to their sum is tierstore's own time (commit, notices, Python, and
+    the steps running one after another rather than overlapped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tierstore import _core
+
+    counts = shapes(total)
+    tensors = [a.view(np.uint8) for a in random_model(counts).values()]
+    dests = [np.ones_like(t) for t in tensors]
+    out = []
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-stream-full-floor-") as d,
+        ThreadPoolExecutor(os.cpu_count() or 1) as pool,
+    ):
+        for r in range(reps):
+            paths = [Path(d) / f"{r}-{i}" for i in range(len(tensors))]
+            fds = []
+            for p, t in zip(paths, tensors, strict=True):
+                fd = os.open(p, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+                os.posix_fallocate(fd, 0, t.nbytes)
+                fds.append(fd)
+            t0 = time.perf_counter()
+            _core.hash_buffers(tensors)
+            t1 = time.perf_counter()
+            list(pool.map(lambda ft: os.pwrite(ft[0], ft[1], 0), zip(fds, tensors, strict=True)))
+            t2 = time.perf_counter()
+            _core.stream_read(paths, dests)
+            t3 = time.perf_counter()
+            for fd, p in zip(fds, paths, strict=True):
+                os.close(fd)
+                p.unlink()
+            assert all(np.array_equal(a, b) for a, b in zip(tensors[:3], dests[:3], strict=False))
+            out.append((t1 - t0, t2 - t1, t3 - t2))
     return out
 
 
@@ -989,8 +1032,18 @@ def full_main(size: str, rounds: int) -> None:
         flush=True,
     )
     p50s: dict[tuple[bool, bool], list[dict[str, float]]] = {}
+    floors: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         for r in range(rounds):
+            steps = full_floor_times(total)
+            floor = statistics.median(w + rd for _, w, rd in steps)
+            floors.append(floor)
+            print(
+                f"round {r + 1} floor, the model's two copies (written into allocated /dev/shm, read back; "
+                f"every core, no tierstore): {ms(floor)}; each rep blake3 + write + read: "
+                + ", ".join(f"{ms(h)} + {ms(w)} + {ms(rd)}" for h, w, rd in steps),
+                flush=True,
+            )
             for spares in (True, False) if r % 2 == 0 else (False, True):
                 with private_agent(Path(d) / f"{r}-{spares}", spares=spares) as env:
                     for requests in (False, True) if r % 2 == 0 else (True, False):
@@ -1007,6 +1060,12 @@ def full_main(size: str, rounds: int) -> None:
                         )
     for requests in (False, True):
         on, off = p50s[(True, requests)], p50s[(False, requests)]
+        over = [a["served"] / f for a, f in zip(on, floors, strict=True)]
+        print(
+            f"{'serving' if requests else 'idle'}: publish->served with spares / that round's two copies, each "
+            f"round: {statistics.median(over):.2f}x ({', '.join(f'{x:.2f}' for x in over)})",
+            flush=True,
+        )
         for key, what in (("served", "publish->served"), ("place_cpu", "the publisher's CPU")):
             ratios = [b[key] / a[key] for a, b in zip(on, off, strict=True)]
             print(
