@@ -344,13 +344,13 @@ def shm_allocation_times(nbytes: int, tensors: int = TENSORS, reps: int = 5) -> 
     return out
 
 
-def full_floor_times(total: int, reps: int = 5) -> list[tuple[float, float, float]]:
+def full_floor_times(total: int, reps: int = 5) -> list[tuple[float, float, float, float]]:
     """The work every full same-node update of a `total`-byte model must do, each step alone and on every
     core, without tierstore: hash the tensors (each new tensor's file is named by its blake3), copy them
     into files in /dev/shm allocated before (the agent's spares: the kernel's allocation is not counted),
     and copy those files into buffers written before (the consumer's idle copy). Each rep: (hash, write,
-    read) seconds. What a publish adds to their sum is tierstore's own time (commit, notices, Python, and
-    the steps running one after another rather than overlapped)."""
+    read) seconds, and the CPU seconds the three took together (every thread of this process): what one
+    core left free would need for the bytes alone."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tierstore import _core
@@ -370,18 +370,18 @@ def full_floor_times(total: int, reps: int = 5) -> list[tuple[float, float, floa
                 fd = os.open(p, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
                 os.posix_fallocate(fd, 0, t.nbytes)
                 fds.append(fd)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             _core.hash_buffers(tensors)
             t1 = time.perf_counter()
             list(pool.map(lambda ft: os.pwrite(ft[0], ft[1], 0), zip(fds, tensors, strict=True)))
             t2 = time.perf_counter()
             _core.stream_read(paths, dests)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
             for fd, p in zip(fds, paths, strict=True):
                 os.close(fd)
                 p.unlink()
             assert all(np.array_equal(a, b) for a, b in zip(tensors[:3], dests[:3], strict=False))
-            out.append((t1 - t0, t2 - t1, t3 - t2))
+            out.append((t1 - t0, t2 - t1, t3 - t2, c3 - c0))
     return out
 
 
@@ -1036,12 +1036,13 @@ def full_main(size: str, rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as d:
         for r in range(rounds):
             steps = full_floor_times(total)
-            floor = statistics.median(w + rd for _, w, rd in steps)
+            floor = statistics.median(w + rd for _, w, rd, _ in steps)
             floors.append(floor)
             print(
                 f"round {r + 1} floor, the model's two copies (written into allocated /dev/shm, read back; "
-                f"every core, no tierstore): {ms(floor)}; each rep blake3 + write + read: "
-                + ", ".join(f"{ms(h)} + {ms(w)} + {ms(rd)}" for h, w, rd in steps),
+                f"every core, no tierstore): {ms(floor)}; with its blake3, CPU "
+                f"{statistics.median(c for *_, c in steps) * 1e3:.0f} ms; each rep blake3 + write + read: "
+                + ", ".join(f"{ms(h)} + {ms(w)} + {ms(rd)} ({c * 1e3:.0f} ms CPU)" for h, w, rd, c in steps),
                 flush=True,
             )
             for spares in (True, False) if r % 2 == 0 else (False, True):
