@@ -14,6 +14,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use crate::shared_words::SharedWords;
+
 /// The high bit of a slot: its sample has been begun, not yet read, in the epoch of the tag in the other
 /// bits. A reader that fetches a sample's files itself (a `DataLoader` worker) stores it as it starts the
 /// sample, and the tag alone once the sample is read. Tags are below it.
@@ -21,16 +23,11 @@ pub const STARTED: u32 = 1 << 31;
 
 /// A shared array of `u32` read marks.
 pub struct ReadMarks {
-    ptr: *mut AtomicU32,
-    len: usize,
+    slots: SharedWords<AtomicU32>,
     path: PathBuf,
     /// Made by this handle: removed (with its names file) when the handle goes.
     owned: bool,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for ReadMarks {}
-unsafe impl Sync for ReadMarks {}
 
 impl ReadMarks {
     /// Creates a new marks file of `slots` slots (all zero) in `dir`, with a name no other process uses.
@@ -78,27 +75,7 @@ impl ReadMarks {
     }
 
     fn map(file: &std::fs::File, path: PathBuf) -> io::Result<ReadMarks> {
-        use std::os::fd::AsRawFd;
-        let bytes = file.metadata()?.len() as usize;
-        let len = bytes / 4;
-        if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "empty read-marks file"));
-        }
-        // SAFETY: a shared mapping of a file of at least `len * 4` bytes; unmapped in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len * 4,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(ReadMarks { ptr: ptr as *mut AtomicU32, len, path, owned: false })
+        Ok(ReadMarks { slots: SharedWords::map_whole(file)?, path, owned: false })
     }
 
     /// The file, for readers in other processes to map.
@@ -108,17 +85,16 @@ impl ReadMarks {
 
     /// Number of slots.
     pub fn len(&self) -> usize {
-        self.len
+        self.slots.len()
     }
 
     /// Whether there are no slots (never: a marks file has at least one).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.slots.len() == 0
     }
 
     fn slot(&self, i: usize) -> Option<&AtomicU32> {
-        // SAFETY: `i` is within the mapping, which lives as long as `self`.
-        (i < self.len).then(|| unsafe { &*self.ptr.add(i) })
+        self.slots.get(i)
     }
 
     /// Records that the file of `slot` was read in the epoch tagged `tag` (a slot out of range is ignored:
@@ -148,8 +124,7 @@ impl ReadMarks {
 
 impl Drop for ReadMarks {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len * 4) };
+        // The mapping goes with `slots`; a file made here goes with it.
         if self.owned {
             let _ = std::fs::remove_file(&self.path);
             let _ = std::fs::remove_file(self.names_path());
