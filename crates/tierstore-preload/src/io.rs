@@ -10,14 +10,8 @@
 use libc::{c_int, c_uint, c_void, off_t, size_t, ssize_t, FILE};
 use tierstore_core::cache::descriptor_ended;
 
-use crate::{open, set_errno, streams, writes};
-
-/// What the shim keeps for descriptor `fd` ends, the descriptor closed or replaced: the copy its reads
-/// follow (`streams`) and its mark of a read from the store (`open`).
-pub(crate) fn forget(fd: c_int) {
-    streams::forget(fd);
-    open::forget_store_read(fd);
-}
+use crate::kept::forget;
+use crate::{set_errno, streams, writes};
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {

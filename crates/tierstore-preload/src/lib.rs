@@ -105,6 +105,7 @@ mod changes;
 mod dirs;
 mod fd_table;
 mod io;
+mod kept;
 mod names;
 mod open;
 mod order;

@@ -13,11 +13,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use libc::{c_char, c_int, mode_t, FILE};
-use tierstore_core::{Kept, Native};
+use tierstore_core::Native;
 
 use crate::dirs::{self, at, unshadow};
-use crate::fd_table::FdTable;
-use crate::{invalidate, opens_to_write, order, set_errno, shim, streams, writes, Busy, Shim};
+use crate::{invalidate, kept, opens_to_write, order, set_errno, shim, streams, writes, Busy, Shim};
 
 /// The heart of the open family: a read-only open of a file under the source gets a descriptor of its
 /// tier copy, or with `stream`, of the source while a large file is copied (stdio reads through its own
@@ -119,23 +118,9 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
         streams::register(fd, copy);
     }
     if let Some(mark) = mark {
-        STORE_READS.insert(fd, mark);
+        kept::mark_store_read(fd, mark);
     }
     fd
-}
-
-/// The marks that the program reads a file from the store (no tier had room for it), by its descriptor:
-/// kept until the program closes it, so that a prefetch of this node does not read the same bytes again
-/// meanwhile (`close`, `dup2`, `dup3`, and `fclose` or `freopen` of a stream `fdopen` made of it, end
-/// it). A descriptor closed where the shim does not see it (`close_range`, `fcloseall`, a raw system
-/// call) keeps its mark until its number is opened or closed again: at worst a prefetch left undone,
-/// never a byte served wrong. (`fopen` takes no mark: its whole-file fetch reads a file no tier has room
-/// for from the store unmarked, as a prefetch does.)
-static STORE_READS: FdTable<Kept> = FdTable::new();
-
-/// Ends the mark of descriptor `fd` (closed, or replaced by `dup2`), if it has one.
-pub(crate) fn forget_store_read(fd: c_int) {
-    STORE_READS.remove(fd); // one atomic load while the table is empty
 }
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
@@ -278,7 +263,7 @@ unsafe fn freopen_common(
     // glibc's freopen closes the stream's descriptor by its own `close`.
     tierstore_core::cache::descriptor_ended();
     if !stream.is_null() {
-        crate::io::forget(libc::fileno(stream));
+        kept::forget(libc::fileno(stream));
     }
     let Some(_busy) = Busy::enter() else { return real(path, mode, stream) };
     if path.is_null() {
