@@ -83,7 +83,7 @@ else:
     from runai_model_streamer import SafetensorsStreamer
 print("ready", flush=True)
 sys.stdin.readline()
-start = time.time()
+start, cpu_start = time.time(), time.process_time()
 nbytes = 0
 if setup in ("tierstore", "direct"):
     got = repo.load("model", keys=keys, mmap=mmap)
@@ -102,12 +102,15 @@ else:
         s.stream_file(path, tensor_names=keys)
         for name, t in s.get_tensors():
             nbytes += t.nbytes
-end = time.time()
+end, cpu = time.time(), time.process_time() - cpu_start
 stats = None
 if setup == "tierstore":
     import tierstore
     stats = tierstore.default_cache().stats()["source"]
-print(json.dumps({"start": start, "end": end, "bytes": nbytes, "stats": stats}), flush=True)
+with open("/proc/self/io") as f:
+    io = {k: int(v) for k, v in (line.split(": ") for line in f)}
+print(json.dumps({"start": start, "end": end, "cpu": cpu, "bytes": nbytes, "stats": stats,
+                  "written": io["wchar"], "read": io["rchar"]}), flush=True)
 """
 
 
@@ -230,6 +233,8 @@ def load_at_once(
         if p.returncode != 0:
             raise RuntimeError(f"{setup} loader failed: {stderr[-3000:]}")
         out.append(json.loads(stdout.strip().splitlines()[-1]))
+    # The window on CLOCK_MONOTONIC, for a profile taken with `perf record -k CLOCK_MONOTONIC`.
+    print(f"{setup}: the loads ran from {start:.3f} to {time.monotonic():.3f} (CLOCK_MONOTONIC)", flush=True)
     return out, cpu_busy() - busy, time.monotonic() - start
 
 
@@ -271,8 +276,12 @@ def job(
         "store_bytes": sum(after) - sum(before),
         "peer_bytes": sum((r["stats"] or {}).get("peer_bytes", 0) for r in reports),
         "loaded": want,
-        # The whole machine's, from the go to the last loader's exit.
+        # The whole machine's, from the go to the last loader's exit; and the loaders' own, go to end.
         "cpu_seconds": busy,
+        "loader_cpu_seconds": sum(r["cpu"] for r in reports),
+        # Each loader's bytes through read and write calls (/proc/self/io), its whole life.
+        "loader_written": [r["written"] for r in reports],
+        "loader_read": [r["read"] for r in reports],
         "cpu_share": busy / (window * (os.cpu_count() or 1)),
     }
 
@@ -376,6 +385,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, bool], dict[str, floa
             "peer_bytes": statistics.median(r["peer_bytes"] for r in these),
             "cpu_seconds": statistics.median(r.get("cpu_seconds", float("nan")) for r in these),
             "cpu_share": statistics.median(r.get("cpu_share", float("nan")) for r in these),
+            "loader_cpu_seconds": statistics.median(r.get("loader_cpu_seconds", float("nan")) for r in these),
             "loaded": these[0]["loaded"],
         }
     return out
@@ -423,8 +433,8 @@ def report(
             f"## {'Partial' if partial else 'Full'} load",
             "",
             "| setup | all 4 loaded (s) | vs tierstore | store bytes / loaded bytes x4 | peer bytes (GiB) "
-            f"| CPU busy (core-s) | of the {os.cpu_count()} cores |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| CPU busy (core-s) | of the {os.cpu_count()} cores | the loaders' own CPU (core-s) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         ours = s.get(("tierstore", partial))
         for setup in LABELS:
@@ -437,7 +447,7 @@ def report(
                 f"| {LABELS[setup]} | {v['seconds']:.2f} | {ratio:.2f}x | "
                 f"{v['store_bytes'] / (v['loaded'] * nodes):.3f} ({v['store_bytes'] / GiB:.2f} GiB) | "
                 f"{v['peer_bytes'] / GiB:.2f} | {v['cpu_seconds']:.1f} | "
-                f"{v['cpu_share']:.0%} |"
+                f"{v['cpu_share']:.0%} | {v['loader_cpu_seconds']:.1f} |"
             )
         lines.append("")
         if ours and base:
@@ -478,14 +488,16 @@ def report(
                 ok &= met is not False
                 lines.append(f"- {({True: 'PASS', False: 'FAIL', None: 'UNDECIDED'})[met]}: {text}")
             lines.append("")
-    lines += ["## Every job", "", "| round | setup | partial | seconds | per node (s) | store GiB | peer GiB |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["## Every job", "", "| round | setup | partial | seconds | per node (s) | store GiB | peer GiB "
+              "| CPU busy (core-s) | the loaders' own |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         if r["seconds"] is None:
             continue  # listed below
         lines.append(
             f"| {r['round']} | {r['setup']} | {'yes' if r['partial'] else 'no'} | {r['seconds']:.2f} | "
-            f"{', '.join(f'{x:.2f}' for x in r['per_node'])} | {r['store_bytes'] / GiB:.3f} | {r['peer_bytes'] / GiB:.3f} |"
+            f"{', '.join(f'{x:.2f}' for x in r['per_node'])} | {r['store_bytes'] / GiB:.3f} | {r['peer_bytes'] / GiB:.3f} | "
+            f"{r['cpu_seconds']:.2f} | {r['loader_cpu_seconds']:.2f} |"
         )
     failures = [r for r in rows if r["failed"]]
     if failures:
