@@ -188,12 +188,19 @@ def test_files_reach_the_store_in_close_and_rename_order(
 
         def watch() -> None:
             known: set[str] = set()
-            while not stop.is_set():
+
+            def look() -> None:
                 for p in (s.backing / "ckpt" / "step").glob("*"):
                     if p.name not in known and not p.name.endswith(PART):
                         known.add(p.name)
                         seen.append((time.monotonic(), p.name))
+
+            while not stop.is_set():
+                look()
                 time.sleep(0.002)
+            # A last look once sync() has returned: a file that reached the store during the last sleep
+            # (the last one, most often) is seen rather than lost to the stop.
+            look()
 
         (s.dest / "step").mkdir()
         t = threading.Thread(target=watch)
