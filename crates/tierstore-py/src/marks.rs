@@ -1,8 +1,9 @@
 //! A process's mapping of a read-marks file (`tierstore_core::marks`), the one `tierstore.order.ReadMarker`
 //! reads and writes through: single marks, and a DataLoader worker's marks a batch at a time
-//! (`begin_each`, `begin_then_read_each`, `read_each`) without a Python frame per sample. Under the DataLoader hook every sample
-//! is marked begun and read: in Python that was about 1,750 of the 3,300 instructions a warm sample
-//! costs a worker under `tierstore run` beyond a local read (docs/benchmarks/sample-attribution.md).
+//! (`begin_each`, `begin_then_read_each`, `read_each`) without a Python frame per sample. Under the
+//! DataLoader hook every sample is marked begun and read: in Python that was about 1,750 of the 3,300
+//! instructions a warm sample costs a worker under `tierstore run` beyond a local read
+//! (docs/benchmarks/sample-attribution.md).
 
 use std::path::PathBuf;
 use std::sync::Arc;
