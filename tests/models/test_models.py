@@ -232,6 +232,42 @@ def test_dedup_writes_only_changed_tensors(repo: Repository) -> None:
     assert repo.info("m", 2)["deduplicated_bytes"] == v2.deduplicated_bytes
 
 
+def test_every_version_records_the_hash_of_each_pack_it_reads_where_known(repo: Repository) -> None:
+    """A save records the blake3 of the pack it writes, whole (padding included), and carries over those
+    of the older packs its deduplicated tensors are in; a pack whose hash no manifest records (saved by a
+    tierstore before they were) is left without one, never given an invented one."""
+    from tierstore import _core
+
+    def pack_hash(pack: Path) -> str:
+        (h,) = _core.hash_buffers([np.fromfile(pack, dtype=np.uint8)])
+        return h.hex()
+
+    state = {f"t{i}": torch.randn(100 + 37 * i) for i in range(20)} | {"big": torch.randn(3 << 20)}
+    repo.save("m", state)
+    first = repo.manifest("m", 1)
+    (pack1,) = {t["pack"] for t in first["tensors"]}
+    assert first["pack_hashes"] == {pack1: pack_hash(repo.root / "packs" / pack1)}
+    state["t0"] = state["t0"] + 1
+    repo.save("m", state)
+    second = repo.manifest("m", 2)
+    (pack2,) = {t["pack"] for t in second["tensors"]} - {pack1}
+    assert second["pack_hashes"] == {p: pack_hash(repo.root / "packs" / p) for p in (pack1, pack2)}
+    # A version written before packs' hashes were recorded: the next save knows none for its pack.
+    path = repo.root / "models" / "m" / "v1.json"
+    old = json.loads(path.read_text())
+    del old["pack_hashes"]
+    path.write_text(json.dumps(old))
+    path = repo.root / "models" / "m" / "v2.json"
+    path.write_text(json.dumps(old | {"version": 2}))
+    state["t1"] = state["t1"] + 1
+    fresh = Repository(repo.root)
+    fresh.save("m", state)
+    third = fresh.manifest("m", 3)
+    (pack3,) = {t["pack"] for t in third["tensors"]} - {pack1}
+    assert third["pack_hashes"] == {pack3: pack_hash(repo.root / "packs" / pack3)}
+    assert all(torch.equal(fresh.load("m", 3)[k], state[k]) for k in state)
+
+
 def test_corrupted_pack_bytes_are_detected_and_named(repo: Repository) -> None:
     state = {"a": torch.randn(1000), "b": torch.randn(200_000), "c": torch.randn(10)}
     repo.save("c", state)

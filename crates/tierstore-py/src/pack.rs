@@ -110,11 +110,13 @@ impl PyPackWriter {
         self.with(|w| Ok(w.len()))
     }
 
-    /// fsyncs the pack and renames it into place.
-    fn commit(&self, py: Python<'_>) -> PyResult<()> {
+    /// fsyncs the pack and renames it into place; returns the blake3 of the whole file, lowercase hex.
+    fn commit(&self, py: Python<'_>) -> PyResult<String> {
         let w = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
         let w = w.ok_or_else(|| PyValueError::new_err("the pack is already committed or aborted"))?;
-        crate::exiting::without_gil(py, || w.commit()).map_err(|e| io_to_py(e, Some(&self.path.to_string_lossy())))
+        let hash = crate::exiting::without_gil(py, || w.commit())
+            .map_err(|e| io_to_py(e, Some(&self.path.to_string_lossy())))?;
+        Ok(tierstore_core::hash::hex(&hash))
     }
 
     /// Removes the unfinished pack.

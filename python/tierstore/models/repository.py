@@ -142,6 +142,8 @@ class Repository:
         # hash -> (pack, offset, nbytes): what the repository holds, built from the manifests, without the
         # quarantined (damaged) copies
         self._blobs: dict[str, tuple[str, int, int]] = {}
+        # The blake3 of each pack file whole, where a manifest records it (by pack name).
+        self._pack_hashes: dict[str, str] = {}
         self._seen: set[Path] = set()
         self._quarantined: frozenset[integrity.BlobKey] = frozenset()
         self._packs = Packs(self.root, cache_for(self.root, cache))
@@ -213,6 +215,7 @@ class Repository:
         # copy of the same tensor may be intact): start again.
         if not self._seen <= paths or quarantined != self._quarantined:
             self._blobs.clear()
+            self._pack_hashes.clear()
             self._seen.clear()
             self._quarantined = quarantined
         for p in sorted(paths - self._seen):
@@ -223,6 +226,7 @@ class Repository:
             for t in m["tensors"]:
                 if (t["pack"], t["offset"], t["hash"]) not in quarantined:
                     self._blobs.setdefault(t["hash"], (t["pack"], t["offset"], t["nbytes"]))
+            self._pack_hashes.update(m.get("pack_hashes", {}))
             self._seen.add(p)
 
     # -- saving -------------------------------------------------------------------------------------------
@@ -322,7 +326,7 @@ class Repository:
                         locations[h] = (pack, offset, view.nbytes)
                         written += view.nbytes
                 if writer is not None:
-                    writer.commit()
+                    self._pack_hashes[pack] = writer.commit()
             except BaseException:
                 if writer is not None:
                     writer.abort()
@@ -354,6 +358,13 @@ class Repository:
                     "metadata": meta,
                     "graph": graph,
                     "tensors": table,
+                    # Every pack the version reads whose hash is known: this save's, and those of older
+                    # saves that recorded theirs (a pack written before hashes were recorded has none).
+                    "pack_hashes": {
+                        p: self._pack_hashes[p]
+                        for p in sorted({t["pack"] for t in table})
+                        if p in self._pack_hashes
+                    },
                     "written_bytes": written,
                 }
                 write_manifest(self._manifest_path(name, version), manifest)

@@ -12,6 +12,7 @@
 //! checks what a reader will act on: every hash is a blake3 (the name of a file), and every pack a plain
 //! file name of the repository's `packs/` (a `../` there would read outside it).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -114,6 +115,12 @@ pub struct RepositoryManifest {
     pub graph: Value,
     /// The tensors, in the state dict's order.
     pub tensors: Vec<StoredTensor>,
+    /// The blake3 of each pack file the tensors are kept in, whole (lowercase hex, by pack name), where
+    /// known: the hash its writer computed. A load whose copy of a pack was checked whole against it as
+    /// the copy arrived does not hash each tensor again. Absent from manifests written before it was
+    /// recorded, and for a pack whose hash no save recorded; those loads hash every tensor.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pack_hashes: BTreeMap<String, String>,
     /// Bytes this save wrote to packs (what deduplication did not spare).
     pub written_bytes: u64,
 }
@@ -142,6 +149,14 @@ impl RepositoryManifest {
             }
             if !is_pack_name(&t.pack) {
                 return Err(format!("tensor {name:?} names the pack {:?}, not a file of packs/", t.pack));
+            }
+        }
+        for (pack, hash) in &self.pack_hashes {
+            if !is_pack_name(pack) {
+                return Err(format!("pack_hashes names {pack:?}, not a file of packs/"));
+            }
+            if !check_hash(hash) {
+                return Err(format!("pack_hashes gives the pack {pack} no blake3 hash ({hash:?})"));
             }
         }
         Ok(())
@@ -197,6 +212,7 @@ mod tests {
             metadata: serde_json::json!({"step": 3}),
             graph: Value::Null,
             tensors: vec![StoredTensor { tensor, pack: pack.into(), offset: 64 }],
+            pack_hashes: BTreeMap::new(),
             written_bytes: 8,
         }
     }
@@ -230,6 +246,18 @@ mod tests {
             std::fs::write(&path, bad.to_string()).unwrap();
             let e = RepositoryManifest::read(&path).unwrap_err();
             assert!(e.to_string().contains(why) && e.to_string().contains("v1.json"), "{e}");
+        }
+        // A pack's own hash, where recorded, is checked as a tensor's is.
+        let mut hashed = manifest("ab12.pack", &"c".repeat(64));
+        hashed.pack_hashes.insert("ab12.pack".into(), "d".repeat(64));
+        hashed.write(&path).unwrap();
+        assert_eq!(RepositoryManifest::read(&path).unwrap().pack_hashes["ab12.pack"], "d".repeat(64));
+        for (pack, hash, why) in
+            [("x/ab.pack", "d".repeat(64), "names \"x/ab.pack\""), ("ab12.pack", "d".repeat(63), "no blake3 hash")]
+        {
+            let mut bad = manifest("ab12.pack", &"c".repeat(64));
+            bad.pack_hashes.insert(pack.into(), hash);
+            assert!(bad.write(&path).unwrap_err().to_string().contains(why));
         }
         std::fs::write(&path, text.replace(r#""format":1"#, r#""format":9"#)).unwrap();
         assert!(RepositoryManifest::read(&path).unwrap_err().to_string().contains("format 9"));

@@ -11,8 +11,10 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 pub use super::load::{
-    map_parts, map_verified, read_into, read_into_from, read_parts, verify, ReadError, ReadInto, Span,
+    map_parts, map_verified, read_into, read_into_from, read_into_vouched, read_parts, verify, ReadError, ReadInto,
+    Span,
 };
+use crate::hash::Hasher;
 pub use crate::hash::{hash, hash_many, Hash};
 
 /// The alignment of a tensor in a pack: page alignment for large tensors (mmap and O_DIRECT friendly),
@@ -33,6 +35,10 @@ pub struct PackWriter {
     len: u64,
     /// Bytes already handed to the device by `sync_file_range`.
     flushed: u64,
+    /// The blake3 of every byte written so far, padding included: the pack's own hash, which a manifest
+    /// records so that a load whose copy of the pack was checked whole as it arrived (by the cache) need
+    /// not hash each tensor again.
+    hasher: Hasher,
 }
 
 const WRITEBACK_STEP: u64 = 64 << 20;
@@ -46,7 +52,7 @@ impl PackWriter {
         let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let temp = dest.with_file_name(format!(".{name}.{}.tmp", crate::process::pid()));
         let file = OpenOptions::new().write(true).create_new(true).open(&temp)?;
-        Ok(PackWriter { file, temp, dest: dest.to_path_buf(), len: 0, flushed: 0 })
+        Ok(PackWriter { file, temp, dest: dest.to_path_buf(), len: 0, flushed: 0, hasher: Hasher::new() })
     }
 
     /// Appends `bytes` at the next aligned offset; returns that offset.
@@ -63,7 +69,8 @@ impl PackWriter {
         static ZEROS: [u8; 4096] = [0; 4096];
         let mut offsets = Vec::with_capacity(buffers.len());
         let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(2 * buffers.len());
-        let mut end = self.len;
+        let start = self.len;
+        let mut end = start;
         for bytes in buffers {
             let align = alignment_for(bytes.len());
             let pad = (align - end % align) % align;
@@ -103,6 +110,14 @@ impl PackWriter {
             };
             self.flushed = self.len;
         }
+        // Hashed once the device has its work: the same memory the writes read, padding included, in the
+        // file's order (the slices themselves were consumed by the writes).
+        let mut at = start;
+        for (bytes, &offset) in buffers.iter().zip(&offsets) {
+            self.hasher.update(&ZEROS[..(offset - at) as usize]);
+            crate::hash::update(&mut self.hasher, bytes);
+            at = offset + bytes.len() as u64;
+        }
         Ok(offsets)
     }
 
@@ -116,11 +131,12 @@ impl PackWriter {
         self.len == 0
     }
 
-    /// Makes the pack durable and visible under its name.
-    pub fn commit(self) -> io::Result<()> {
+    /// Makes the pack durable and visible under its name; returns the blake3 of the whole file.
+    pub fn commit(self) -> io::Result<Hash> {
         self.file.sync_all()?;
         std::fs::rename(&self.temp, &self.dest)?;
-        sync_dir(self.dest.parent().unwrap_or(Path::new(".")))
+        sync_dir(self.dest.parent().unwrap_or(Path::new(".")))?;
+        Ok(*self.hasher.finalize().as_bytes())
     }
 
     /// Removes the unfinished pack.
@@ -186,12 +202,20 @@ mod tests {
         let slices: Vec<&[u8]> = tensors.iter().map(|t| t.as_slice()).collect();
         let mut w = PackWriter::create(&dest).unwrap();
         let offsets = w.append_all(&slices).unwrap(); // more slices than one writev takes
-        w.commit().unwrap();
+
+        // A large tensor after them (hashed with every core), and a small one after its page's padding.
+        let big: Vec<u8> = (0..(9 << 20)).map(|i| (i % 253) as u8).collect();
+        let more = w.append_all(&[&big, &[5u8; 3]]).unwrap();
+        let root = w.commit().unwrap();
         let pack = std::fs::read(&dest).unwrap();
-        for (t, &o) in tensors.iter().zip(&offsets) {
+        for (t, &o) in
+            tensors.iter().map(|t| t.as_slice()).chain([&big[..], &[5u8; 3]]).zip(offsets.iter().chain(&more))
+        {
             assert_eq!(o % alignment_for(t.len()), 0);
-            assert_eq!(&pack[o as usize..o as usize + t.len()], t.as_slice());
+            assert_eq!(&pack[o as usize..o as usize + t.len()], t);
         }
+        // The writer's hash is the whole file's, padding included.
+        assert_eq!(root, hash(&pack));
     }
 
     #[test]
