@@ -363,7 +363,7 @@ mod tests {
                 g.advance(((k * CHUNK) + c.len()) as u64);
             }
             drop(pieces);
-            g.finish();
+            g.finish(None);
         });
         (growing, follower, h)
     }

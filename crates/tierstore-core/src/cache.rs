@@ -53,6 +53,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use crate::config::{Config, TierConfig, Verify};
 use crate::counters::{source as src_slot, tier as tier_slot, Counters};
 use crate::error::Error;
+use crate::hash::Hash;
 use crate::index::key_of;
 use crate::reader::Reader;
 use crate::source::{PosixSource, Source};
@@ -282,6 +283,28 @@ impl Cache {
             None
         };
         Ok(self.storage.lookup().copy_path(&key, &rel, sid.as_ref()))
+    }
+
+    /// The blake3 this cache recorded when it made the tier copy that `file` is, the published copy of
+    /// `path`, if it recorded one and the copy was made (its inode last changed) at `since_ns` (ns since
+    /// the epoch) or later; `None` otherwise.
+    ///
+    /// A copy is hashed as it is made where the cache records checksums (`verify = "checksum"`, or a
+    /// cluster, whose peers are sent only vouched bytes): from the store's bytes as they are written, or
+    /// checked against the owner's chaining values as they arrive. So for a copy made during the caller's
+    /// own load, the hash vouches for the bytes the caller reads, and a model load whose pack's hash (in
+    /// its manifest) equals it need not hash each tensor again. A copy made earlier may have been damaged
+    /// in its tier since; its reader hashes what it reads.
+    pub fn hash_of_new_copy(&self, path: &Path, file: &File, since_ns: u64) -> Result<Option<Hash>, Error> {
+        let _exempt = crate::interposer::calls();
+        let rel = self.storage.source().relative(path)?;
+        Ok(self.storage.lookup().hash_of_new_copy(&key_of(&rel), &rel, file, since_ns))
+    }
+
+    /// Whether this cache hashes the copies it makes (see [`Cache::hash_of_new_copy`]): a reader that
+    /// follows a copy being made then learns its hash when the copy ends ([`Reader::hash_of_arriving_copy`]).
+    pub fn hashes_copies(&self) -> bool {
+        self.inner.fetcher().records_checksums()
     }
 
     /// Warms the cache with `paths` (files, or directories walked recursively), fetching

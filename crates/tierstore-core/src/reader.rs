@@ -38,6 +38,8 @@ struct Progress {
     source_error: Option<(io::ErrorKind, Arc<str>)>,
     /// The chaining value of each piece written so far, where the copy records them.
     pieces: Vec<crate::hash::ChainingValue>,
+    /// The blake3 of the whole copy, once finished, where the copy was hashed as it was written.
+    hash: Option<crate::hash::Hash>,
 }
 
 /// Where one piece of a [`Growing`] copy stands (see [`Growing::piece`]).
@@ -77,6 +79,7 @@ impl Growing {
                 finished: false,
                 source_error: None,
                 pieces: Vec::new(),
+                hash: None,
             }),
             advanced: Condvar::new(),
         }
@@ -164,10 +167,28 @@ impl Growing {
         self.advanced.notify_all();
     }
 
-    /// Records that the copy is complete and checked against the source.
-    pub fn finish(&self) {
-        self.progress.lock().expect("progress lock").finished = true;
+    /// Records that the copy is complete and checked against the source, with the blake3 of its bytes
+    /// when they were hashed as they were written (from the store) or checked as they arrived (from the
+    /// node that owns the file). Its last bytes are readable from now on, not before: a reader that
+    /// reached the end finds the copy finished, with its hash.
+    pub fn finish(&self, hash: Option<crate::hash::Hash>) {
+        let mut p = self.progress.lock().expect("progress lock");
+        p.copied = self.size;
+        p.finished = true;
+        p.hash = hash;
+        drop(p);
         self.advanced.notify_all();
+    }
+
+    /// The blake3 of the whole copy ([`Growing::finish`]) if it has finished: `None` while it is still
+    /// being made, when it failed (its readers read the rest from the source, which nothing hashed), or
+    /// when it was not hashed. A reader that has read up to the end finds it finished.
+    pub fn hash_if_finished(&self) -> Option<crate::hash::Hash> {
+        if self.pid != crate::process::pid() {
+            return None; // a forked child: the copy thread is the parent's
+        }
+        let p = self.progress.lock().expect("progress lock");
+        (p.finished && !p.failed).then_some(p.hash).flatten()
     }
 
     /// Where the copy stands, without waiting.
@@ -339,6 +360,24 @@ impl Reader {
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The blake3 of the whole file as its copy was made, when this reader follows a copy being made
+    /// (from the store, or from the node that owns the file) that hashes what it writes, and the copy has
+    /// finished (as it has once the reader read up to the end). Those are the very bytes the reader
+    /// reads. `None` for any other backing (a copy found in a tier may have been damaged since it was
+    /// made), and while the copy goes on, when it failed (the rest was read from the source) or when it
+    /// was not hashed.
+    pub fn hash_of_arriving_copy(&self) -> Option<crate::hash::Hash> {
+        match &self.backing {
+            Backing::Growing(g) => g.hash_if_finished(),
+            _ => None,
+        }
+    }
+
+    /// Whether this reader follows a copy being made ([`Reader::hash_of_arriving_copy`]).
+    pub fn follows_a_copy(&self) -> bool {
+        matches!(self.backing, Backing::Growing(_))
     }
 
     /// The source-relative path.

@@ -88,8 +88,7 @@ impl Pending<'_> {
             return false;
         }
         if let Some(g) = &self.growing {
-            g.advance(sid.size);
-            g.finish();
+            g.finish(hash);
         }
         true
     }

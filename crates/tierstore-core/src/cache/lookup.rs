@@ -18,6 +18,7 @@ use super::lock::lock_shared;
 use crate::clock::now_ns;
 use crate::config::Verify;
 use crate::counters::tier as tier_slot;
+use crate::hash::Hash;
 use crate::index::{Entry, Index, Key, SourceId};
 use crate::placement::Policy;
 use crate::reader::Backing;
@@ -306,6 +307,28 @@ impl Lookup {
             }
         }
         None
+    }
+
+    /// The blake3 recorded for the published copy of `rel` (key `key`) when it was made, if `file` is that
+    /// copy and its inode last changed at `since_ns` or later (see [`crate::Cache::hash_of_new_copy`]).
+    pub(super) fn hash_of_new_copy(&self, key: &Key, rel: &str, file: &std::fs::File, since_ns: u64) -> Option<Hash> {
+        // Raw `fstat` and `lstat` (rustix), as `open_copy` explains.
+        let held = rustix::fs::fstat(file).ok()?;
+        let changed = held.st_ctime as i128 * 1_000_000_000 + held.st_ctime_nsec as i128;
+        if changed < since_ns as i128 {
+            return None;
+        }
+        // The tier's file is the one held before and after the entry is read: its entry is that copy's,
+        // not one of a copy that replaced it meanwhile (a new copy is a new file renamed into place).
+        let (t, e) = self.published_in(key, rel)?;
+        let is_held = || {
+            let at = rustix::fs::lstat(self.tiers[t].data_path(key)).ok()?;
+            ((at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)).then_some(())
+        };
+        is_held()?;
+        let hash = e.checksum?;
+        (e.source.size == held.st_size as u64).then_some(())?;
+        is_held().map(|()| hash)
     }
 
     /// Opens and checks the copy of a ready entry. `Ok(None)`: evicted meanwhile (not a fault).

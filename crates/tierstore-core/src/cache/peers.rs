@@ -226,16 +226,16 @@ impl Peers {
         let kept = received.and_then(|hash| match (c.tier, &c.temp) {
             (Some(t), Some(path)) => self.storage.lookup().tiers()[t]
                 .publish_copy(&c.key, path, &c.file, c.sid, Some(hash))
+                .map(|()| hash)
                 .map_err(RemoteError::Sink),
-            _ => Ok(()),
+            _ => Ok(hash),
         });
         match kept {
-            Ok(()) => {
+            Ok(hash) => {
                 link.served_whole(&c.who, &c.rel, c.sid.size);
-                // The last chunk only now: a reader that reached the end finds the whole file checked,
-                // published and counted.
-                growing.advance(c.sid.size);
-                growing.finish();
+                // The last chunk only now (`finish`): a reader that reached the end finds the whole file
+                // checked, published and counted.
+                growing.finish(Some(hash));
             }
             Err(e) => {
                 // Its readers go on from the source after the bytes checked: those came from the peer.

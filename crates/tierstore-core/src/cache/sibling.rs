@@ -20,7 +20,7 @@ use super::engine::Inner;
 use super::flight::{Lead, Outcome};
 use super::serve::{Beneath, Served};
 use crate::error::Error;
-use crate::hash::{root_of_pieces, subtree, PIECE};
+use crate::hash::{root_of_pieces, subtree, Hash, PIECE};
 use crate::index::Key;
 use crate::reader::Growing;
 
@@ -81,7 +81,7 @@ impl Inner {
         let (inner, k, r, following) = (self.clone(), key, rel.to_string(), copy.clone());
         let spawned = crate::interposer::spawn("tierstore-sibling".into(), move || {
             match inner.watch_sibling(&k, &r, &file, &following) {
-                Ok(()) => following.finish(),
+                Ok(merged) => following.finish(Some(merged)),
                 Err(why) => {
                     log::debug!("stopped following another process's copy of {r}: {why}");
                     following.fail();
@@ -99,10 +99,10 @@ impl Inner {
     }
 
     /// Records each piece of `file` (the other process's copy) in `copy` as the file comes to hold it,
-    /// then waits for the other process to publish the copy: `Ok` once it has, as the version `copy`
-    /// names, with the blake3 its pieces merge into; `Err` (why) when it gave up, stalled or published
-    /// something else.
-    fn watch_sibling(&self, key: &Key, rel: &str, file: &File, copy: &Growing) -> Result<(), String> {
+    /// then waits for the other process to publish the copy: `Ok(the blake3 its pieces merge into)` once
+    /// it has, as the version `copy` names, with that blake3; `Err` (why) when it gave up, stalled or
+    /// published something else.
+    fn watch_sibling(&self, key: &Key, rel: &str, file: &File, copy: &Growing) -> Result<Hash, String> {
         let (size, sid) = (copy.size(), *copy.version());
         let mut buf = vec![0u8; PIECE];
         let (mut hashed, mut moved) = (0u64, Instant::now());
@@ -132,8 +132,7 @@ impl Inner {
         loop {
             if let Some(e) = self.storage().lookup().published(key, rel) {
                 return if e.source == sid && e.checksum == Some(merged) {
-                    copy.advance(size);
-                    Ok(())
+                    Ok(merged) // its end is reached once the caller finishes the copy
                 } else {
                     Err("the other process published another version, or other bytes".into())
                 };
