@@ -284,6 +284,37 @@ def test_checksum_mode_catches_silent_corruption(source: Path, tier: str) -> Non
     assert cache.stats()["tiers"][0]["faults"] == 1
 
 
+def test_checksum_mode_gives_programs_the_checked_bytes_not_the_store(source: Path, tier: str) -> None:
+    """Under `verify = "checksum"` a program's descriptor of a cached file (what the shim hands out, and
+    what a mapped model load maps) holds the bytes the open checked, in memory: not the store's file,
+    which every open used to fall back to. A damaged copy is still never handed out."""
+    cache = tierstore.Cache(source, [f"{tier}:16M"], verify="checksum")
+    p = source / "checked.bin"
+    data = content(9, 30_000)
+    p.write_bytes(data)
+    cache.open(p).read()
+    cache.wait()
+    for _ in range(2):
+        fd = cache._core.open_file(p)
+        try:
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:tierstore:"), "the store's own file"
+            assert os.pread(fd, len(data) + 1, 0) == data
+        finally:
+            os.close(fd)
+    copy = cache.lookup(p)
+    st = os.stat(copy)
+    with open(copy, "r+b") as f:  # a flipped byte that keeps size and mtime
+        f.seek(777)
+        f.write(bytes([data[777] ^ 0xFF]))
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fd = cache._core.open_file(p)
+    try:
+        assert os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+    assert cache.stats()["tiers"][0]["faults"] == 1
+
+
 def test_quota_full_tier_still_serves_every_read(source: Path, tier: str) -> None:
     files = make_files(source, 40, size=10_000)
     cache = tierstore.Cache(source, [f"{tier}:50000B"])  # room for 4 files

@@ -201,11 +201,17 @@ impl Want for ForProgram {
     }
 
     fn on_copy(&self, copy: Reader) -> Option<Native> {
+        if let Backing::Memory(bytes) = copy.backing() {
+            return checked_bytes_file(copy.rel(), bytes).map(Native::Whole);
+        }
         copy.into_served_file().map(Native::Whole)
     }
 
-    fn on_backing(&self, _: &Storage, backing: Backing, size: u64, _: &str) -> Option<Native> {
+    fn on_backing(&self, _: &Storage, backing: Backing, size: u64, rel: &str) -> Option<Native> {
         // The shim's warm open: the descriptor, without a reader's name and handle of the source to drop.
+        if let Backing::Memory(bytes) = &backing {
+            return checked_bytes_file(rel, bytes).map(Native::Whole);
+        }
         backing.into_served_file(size).map(Native::Whole)
     }
 
@@ -242,6 +248,17 @@ impl Want for ForProgram {
     ) -> Result<Native, Error> {
         storage.source_descriptor(rel, pre).map(Native::Whole)
     }
+}
+
+/// A program's descriptor for a copy whose bytes the open checked into memory (`verify = "checksum"`): a
+/// memory file holding exactly those bytes. The copy's own descriptor could change after the check; the
+/// store's, which a program got before, sent every open of the copy to the store. `None` (the open goes
+/// on to the store) when the memory file cannot be made.
+fn checked_bytes_file(rel: &str, bytes: &[u8]) -> Option<File> {
+    use std::os::unix::fs::FileExt;
+    let file = super::storage::memory_file(rel).ok()?;
+    file.write_all_at(bytes, 0).ok()?;
+    Some(file)
 }
 
 impl Inner {
