@@ -73,9 +73,12 @@ LOADER = r"""
 import json, sys, time
 setup, path, keys, mmap = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "mmap"
 import torch
-if setup in ("tierstore", "direct"):
+if setup in ("tierstore", "tierstore-rehash", "direct"):
     from tierstore.models import Repository
-    repo = Repository(path, create=False, cache=None if setup == "tierstore" else False)
+    repo = Repository(path, create=False, cache=None if setup.startswith("tierstore") else False)
+    if setup == "tierstore-rehash":  # as a manifest written before packs' hashes were: every tensor hashed
+        import tierstore.models.repository
+        tierstore.models.repository._pack_hash = lambda m, pack: None
 elif setup == "safetensors":
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -85,7 +88,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 start, cpu_start = time.time(), time.process_time()
 nbytes = 0
-if setup in ("tierstore", "direct"):
+if setup in ("tierstore", "tierstore-rehash", "direct"):
     got = repo.load("model", keys=keys, mmap=mmap)
     nbytes = sum(t.nbytes for t in got.values())
 elif setup == "safetensors":
@@ -103,14 +106,15 @@ else:
         for name, t in s.get_tensors():
             nbytes += t.nbytes
 end, cpu = time.time(), time.process_time() - cpu_start
-stats = None
-if setup == "tierstore":
+stats, vouched = None, 0
+if setup.startswith("tierstore"):
     import tierstore
     stats = tierstore.default_cache().stats()["source"]
+    vouched = repo._packs.vouched  # packs whose tensors were not hashed again (see Packs.read)
 with open("/proc/self/io") as f:
     io = {k: int(v) for k, v in (line.split(": ") for line in f)}
 print(json.dumps({"start": start, "end": end, "cpu": cpu, "bytes": nbytes, "stats": stats,
-                  "written": io["wchar"], "read": io["rchar"]}), flush=True)
+                  "vouched": vouched, "written": io["wchar"], "read": io["rchar"]}), flush=True)
 """
 
 
@@ -258,10 +262,11 @@ def job(
     (work / "shm").mkdir()
     addresses = [n.address for n in nodes.nodes]
     envs = [node_env(work, i, addresses, mounts[0], work / "token") for i in range(NODES)]
-    name = "repo" if setup in ("tierstore", "direct") else "model.safetensors"
-    paths = [(mounts[0] if setup == "tierstore" else m) / name for m in mounts[1:]]
+    cached = setup.startswith("tierstore")
+    name = "repo" if cached or setup == "direct" else "model.safetensors"
+    paths = [(mounts[0] if cached else m) / name for m in mounts[1:]]
     which = [0] if alone else list(range(NODES))
-    with agents(nodes, envs) if setup == "tierstore" else contextlib.nullcontext():
+    with agents(nodes, envs) if cached else contextlib.nullcontext():
         before = [store_stats(m).get("bytes_read", 0) for m in mounts]
         reports, busy, window = load_at_once(nodes, envs, which, setup, paths, keys, mode)
         after = [store_stats(m).get("bytes_read", 0) for m in mounts]
@@ -282,6 +287,8 @@ def job(
         # Each loader's bytes through read and write calls (/proc/self/io), its whole life.
         "loader_written": [r["written"] for r in reports],
         "loader_read": [r["read"] for r in reports],
+        # The loaders whose pack was hashed once, by the cache as it arrived (see `Packs.read`).
+        "hashed_once": sum(r["vouched"] for r in reports),
         "cpu_share": busy / (window * (os.cpu_count() or 1)),
     }
 
@@ -315,6 +322,7 @@ def attempt(run: Callable[[], dict[str, Any]], setup: str, partial: bool) -> dic
 SETUPS = [
     ("tierstore", True),
     ("tierstore", False),
+    ("tierstore-rehash", False),
     ("direct", False),
     ("safetensors", False),
     ("runai", False),
@@ -354,6 +362,8 @@ def run(a: argparse.Namespace) -> tuple[list[dict[str, Any]], Model]:
                     order = chosen if r % 2 == 0 else chosen[::-1]
                     for partial in (False, True):
                         for setup, alone in order:
+                            if partial and setup == "tierstore-rehash":
+                                continue  # a partial load of an uncached pack reads parts, hashed alike
                             run = functools.partial(
                                 job,
                                 work,
@@ -394,6 +404,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, bool], dict[str, floa
 LABELS = {
     "tierstore": "tierstore (through the cache)",
     "tierstore, 1 node": "tierstore, one node alone",
+    "tierstore-rehash": "tierstore, every tensor hashed again (no pack hash in the manifest)",
     "direct": "repository read directly",
     "safetensors": "safetensors `load_file`",
     "runai": "Run:ai Model Streamer",
@@ -471,6 +482,21 @@ def report(
             scale = [mine[i]["seconds"] / alone[i]["seconds"] for i in both]
             checks.append((f"4 nodes in {page.rounds(scale)} one node's time (target <= 1.3x)",
                            page.met([1 / x for x in scale], 1 / 1.3)))  # fmt: skip
+            rehash = per_round("tierstore-rehash")
+            paired = sorted(set(mine) & set(rehash))
+            if paired and not partial:
+                # The pack's hash in the manifest against none, paired: the loaders' own CPU (not noisy) and
+                # the time.
+                cpu = [mine[i]["loader_cpu_seconds"] / rehash[i]["loader_cpu_seconds"] for i in paired]
+                speed = [rehash[i]["seconds"] / mine[i]["seconds"] for i in paired]
+                once = [f"{mine[i]['hashed_once']}/{NODES}" for i in paired]
+                checks.append(
+                    (
+                        f"each pack hashed once (loads that did: {', '.join(once)}): the loaders' own CPU "
+                        f"{page.rounds(cpu)} that of loads hashing every tensor again; {page.rounds(speed)} faster",
+                        page.met([1 / x for x in cpu], 1.0),
+                    )
+                )
             for other in ("safetensors", "runai"):
                 theirs = per_round(other)
                 paired = sorted(set(mine) & set(theirs))
@@ -489,15 +515,16 @@ def report(
                 lines.append(f"- {({True: 'PASS', False: 'FAIL', None: 'UNDECIDED'})[met]}: {text}")
             lines.append("")
     lines += ["## Every job", "", "| round | setup | partial | seconds | per node (s) | store GiB | peer GiB "
-              "| CPU busy (core-s) | the loaders' own |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+              "| CPU busy (core-s) | the loaders' own | loads that hashed the pack once |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         if r["seconds"] is None:
             continue  # listed below
         lines.append(
             f"| {r['round']} | {r['setup']} | {'yes' if r['partial'] else 'no'} | {r['seconds']:.2f} | "
             f"{', '.join(f'{x:.2f}' for x in r['per_node'])} | {r['store_bytes'] / GiB:.3f} | {r['peer_bytes'] / GiB:.3f} | "
-            f"{r['cpu_seconds']:.2f} | {r['loader_cpu_seconds']:.2f} |"
+            f"{r['cpu_seconds']:.2f} | {r['loader_cpu_seconds']:.2f} | "
+            f"{r.get('hashed_once', 0)} of {len(r['per_node'])} |"
         )
     failures = [r for r in rows if r["failed"]]
     if failures:
@@ -546,7 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--partial", type=float, default=0.15, help="share of the bytes a partial load reads")
     ap.add_argument("--bandwidth", default="500MiB/s", help="the store's read bandwidth cap")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--setups", type=lambda t: t.split(","), default=["tierstore", "direct", "safetensors", "runai"],
+    ap.add_argument("--setups", type=lambda t: t.split(","),
+                    default=["tierstore", "tierstore-rehash", "direct", "safetensors", "runai"],
                     help="the setups to run, comma-separated (a quick check of one: --setups tierstore)")  # fmt: skip
     ap.add_argument("--mode", choices=["mmap", "copy"], default="mmap",
                     help="how tierstore and the repository read directly load: mapped (the default of "

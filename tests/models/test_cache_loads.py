@@ -118,19 +118,57 @@ def test_a_damaged_cached_pack_is_dropped_refetched_and_never_returned(
     assert Path(again).read_bytes() == pack_of(repo).read_bytes()
 
 
+@pytest.mark.parametrize("verify", ["metadata", "checksum"])
 def test_damage_in_the_store_itself_is_reported_not_hidden_by_the_cache(
-    saved: tuple[tierstore.Cache, Path, dict[str, np.ndarray]],
+    saved: tuple[tierstore.Cache, Path, dict[str, np.ndarray]], tier: str, verify: str
 ) -> None:
     """When the store's pack is the damaged one, the refetched copy fails too: the load raises
-    IntegrityError naming the tensor (as it does without a cache) and returns nothing."""
-    cache, repo, _ = saved
+    IntegrityError naming the tensor (as it does without a cache) and returns nothing. A cache that
+    hashes its copies as they land finds the copy's hash is not the pack's, and the tensors are hashed."""
+    _, repo, _ = saved
+    cache = tierstore.Cache(source=repo.parent, tiers=[f"{tier}/{verify}:256M"], verify=verify)
     with open(pack_of(repo), "r+b") as f:
         f.seek(100)
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 1]))
-    with pytest.raises(IntegrityError, match=r"layer0\.weight"):
-        Repository(repo, cache=cache).load("m", mmap=False)
+    for mmap in (False, True):
+        with pytest.raises(IntegrityError, match=r"layer0\.weight"):
+            Repository(repo, cache=cache).load("m", mmap=mmap)
+
+
+def test_a_copy_the_cache_hashed_as_it_arrived_is_not_hashed_again_tensor_by_tensor(
+    tmp_path: Path, tier: str
+) -> None:
+    """A cache that hashes the copies it makes (`verify = "checksum"` here; every cache of a cluster)
+    hashes a pack's copy whole as it lands. When that hash is the pack's own, recorded by its save in the
+    manifest, the load that had the copy made reads the tensors without hashing them again: each byte is
+    hashed once. A later load of the copy (at rest in its tier since) hashes every tensor, as does a
+    load whose manifest records no hash, or another one, for the pack; all return the saved tensors."""
+    source = tmp_path / "store"
+    want = weights(n=6, size=4 << 20)  # 24 MiB: larger than inline_max, so the copy grows as it is read
+    Repository(source / "repo", cache=False).save("m", want)
+    manifest = next((source / "repo" / "models" / "m").glob("v*.json"))
+
+    def loads(verify: str) -> list[int]:
+        """How many of two copying loads, through a new cache, were vouched for by the pack's hash."""
+        cache = tierstore.Cache(source=source, tiers=[f"{tier}/{verify}-{len(list(tmp_path.iterdir()))}:256M"],
+                                verify=verify)  # fmt: skip
+        repository = Repository(source / "repo", cache=cache)
+        counts = []
+        for _ in range(2):
+            before = repository._packs.vouched
+            assert same(repository.load("m", mmap=False), want)
+            counts.append(repository._packs.vouched - before)
+        return counts
+
+    assert loads("checksum") == [1, 0]
+    assert loads("metadata") == [0, 0], "a cache that hashes no copy vouched for one"
+    recorded = json.loads(manifest.read_text())
+    (pack,) = recorded["pack_hashes"]
+    for pack_hashes in ({}, {pack: "0" * 64}):
+        manifest.write_text(json.dumps(recorded | {"pack_hashes": pack_hashes}))
+        assert loads("checksum") == [0, 0], pack_hashes
 
 
 def test_the_default_cache_is_used_when_its_source_holds_the_repository(tmp_path: Path, tier: str) -> None:
@@ -169,7 +207,7 @@ h = hashlib.sha256()
 for k in sorted(got):
     h.update(k.encode()); h.update(np.ascontiguousarray(got[k]).tobytes())
 print(json.dumps({"digest": h.hexdigest(), "seconds": time.monotonic() - t,
-                  "refetched": repository._packs.refetched,
+                  "refetched": repository._packs.refetched, "vouched": repository._packs.vouched,
                   "stats": tierstore.default_cache().stats()["source"]}))
 """
 
@@ -210,7 +248,11 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
 ) -> None:
     """Four nodes in their own network namespaces load the same version at the same moment, each with the
     cache configured the usual way (TIERSTORE_* variables): the store serves the pack's bytes once for the
-    job, and every node gets the right tensors."""
+    job, and every node gets the right tensors. A node that receives the pack from its owner hashes it
+    once: its cache checks the copy against the owner's chaining values as it arrives, and the load,
+    finding the copy's hash to be the pack's own, does not hash each tensor again. (The owner's own load
+    may find the copy its agent made for a peer already in its tier, at rest since before the load began:
+    that copy is hashed tensor by tensor.)"""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
     backing, mount = slow_store
@@ -230,6 +272,8 @@ def test_four_nodes_loading_one_version_at_once_read_its_pack_from_the_store_onc
         f"the store served {read} bytes for a {pack}-byte pack"
     )
     assert sum(r["stats"]["peer_hits"] for r in results) >= NODES - 1, [r["stats"] for r in results]
+    received = [r["vouched"] for r in results if r["stats"]["peer_hits"] > 0]
+    assert received == [1] * len(received) and len(received) >= NODES - 1, [r["stats"] for r in results]
 
 
 @pytest.mark.netns

@@ -158,11 +158,43 @@ impl PyCache {
 
     /// Reads `(offset, destination buffer, expected hash or None)` requests of the pack `path` through the
     /// cache, each as soon as its bytes are there (a copy still arriving is read as it grows), checking
-    /// the hashes; raises `IntegrityError` as `read_into` does.
-    fn read_into(&self, py: Python<'_>, path: &Bound<'_, PyAny>, requests: Vec<pack::Request<'_>>) -> PyResult<()> {
+    /// the hashes; raises `IntegrityError` as `read_into` does. `pack_hash`: the blake3 of the whole pack
+    /// (32 bytes), which spares hashing each tensor of a copy the cache hashed whole as it made it for this
+    /// read; True when it did (see `pack::read_into_cached`).
+    #[pyo3(signature = (path, requests, pack_hash=None))]
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        path: &Bound<'_, PyAny>,
+        requests: Vec<pack::Request<'_>>,
+        pack_hash: Option<Vec<u8>>,
+    ) -> PyResult<bool> {
         let p = path_arg(path)?;
         let engine = self.engine(py)?;
-        pack::read_into_cached(py, &engine, p, requests)
+        pack::read_into_cached(py, &engine, p, requests, pack_hash)
+    }
+
+    /// The blake3 (32 bytes) the cache recorded when it made the tier copy that the descriptor `fd` is,
+    /// the published copy of `path`, if it recorded one and made the copy at `since_ns` (ns since the
+    /// epoch, `time.time_ns()`) or later; None otherwise (see `tierstore_core::Cache::hash_of_new_copy`).
+    fn hash_of_new_copy<'py>(
+        &self,
+        py: Python<'py>,
+        path: &Bound<'py, PyAny>,
+        fd: i32,
+        since_ns: u64,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+        use std::os::fd::FromRawFd;
+        let p = path_arg(path)?;
+        let engine = self.engine(py)?;
+        if fd < 0 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("{fd} is not a descriptor")));
+        }
+        // SAFETY: the caller's descriptor, borrowed for the call and never closed here (ManuallyDrop); one
+        // that is not open fails the `fstat` and gives None.
+        let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+        let hash = crate::exiting::without_gil(py, || engine.hash_of_new_copy(&p, &file, since_ns)).map_err(to_py)?;
+        Ok(hash.map(|h| pyo3::types::PyBytes::new(py, &h)))
     }
 
     /// Reads `(offset, destination buffer, expected hash or None)` requests of the pack `path` as parts

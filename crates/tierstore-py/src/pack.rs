@@ -144,20 +144,26 @@ pub fn read_into(py: Python<'_>, path: PathBuf, requests: Vec<Request<'_>>) -> P
 
 /// `read_into` through `cache`: the pack is opened as a reader of the cache (its tier copy, or a copy
 /// still arriving from the store or from the node that owns it, read as it grows), and each request is
-/// read and checked as soon as its bytes are there.
+/// read and checked as soon as its bytes are there. With `pack_hash` (the pack's own blake3, from the
+/// manifest), the tensors of a copy made for this read are not hashed one by one when the cache hashed
+/// the copy whole as it landed and that hash is `pack_hash` (`pack::read_into_vouched`): each byte is
+/// hashed once, not twice. Returns whether it was (the tensors were then not hashed again).
 pub fn read_into_cached(
     py: Python<'_>,
     cache: &tierstore_core::Cache,
     path: PathBuf,
     requests: Vec<Request<'_>>,
-) -> PyResult<()> {
+    pack_hash: Option<Vec<u8>>,
+) -> PyResult<bool> {
     let views = request_views(&requests)?;
+    let pack_hash = hash_of(pack_hash.as_deref())?;
+    let since = tierstore_core::clock::now_ns();
     let opened = crate::exiting::without_gil(py, || cache.open(&path));
     let reader = std::sync::Mutex::new(opened.map_err(crate::error::to_py)?);
     let result = crate::exiting::without_gil(py, || {
         // SAFETY: as in `read_into`.
         let mut reqs = unsafe { read_requests(&views) };
-        pack::read_into_from(&path, &mut reqs, |offset, buf| {
+        let fetch = |offset: u64, buf: &mut [u8]| {
             // One reader thread reads in order (the other threads hash): the lock is never contended.
             let mut r = reader.lock().unwrap_or_else(|p| p.into_inner());
             let mut done = 0;
@@ -168,7 +174,38 @@ pub fn read_into_cached(
                 }
             }
             Ok(true)
-        })
+        };
+        let Some(want) = pack_hash.filter(|_| cache.hashes_copies()) else {
+            return pack::read_into_from(&path, &mut reqs, fetch).map(|()| false);
+        };
+        let lock = || reader.lock().unwrap_or_else(|p| p.into_inner());
+        // Decided with the reader locked, and read after (the reads lock it).
+        let kind = lock().backing_kind();
+        let made_now = match lock().backing() {
+            // A copy that another process made while this read began (this node's agent, fetching the
+            // pack for a peer): vouched for by the hash it was made with.
+            tierstore_core::reader::Backing::Copy(file, _) => {
+                Some(cache.hash_of_new_copy(&path, file, since).ok().flatten() == Some(want))
+            }
+            // A copy being made: its hash once it is whole.
+            tierstore_core::reader::Backing::Growing(_) => None,
+            _ => Some(false),
+        };
+        if made_now == Some(false) {
+            log::debug!(
+                "{}: a load read from its {kind} copy, made before it: hashed tensor by tensor",
+                path.display()
+            );
+            return pack::read_into_from(&path, &mut reqs, fetch).map(|()| false);
+        }
+        let mut vouched = false;
+        let read = pack::read_into_vouched(&path, &mut reqs, fetch, || {
+            vouched = made_now.unwrap_or_else(|| lock().hash_of_arriving_copy() == Some(want));
+            vouched
+        });
+        let how = if vouched { "vouched for by the pack's hash" } else { "hashed tensor by tensor" };
+        log::debug!("{}: a load read from its {kind} copy, {how}", path.display());
+        read.map(|()| vouched)
     });
     result.map_err(|e| read_error_to_py(py, e))
 }

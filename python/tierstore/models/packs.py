@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -81,6 +82,9 @@ class Packs:
         self.cache = cache
         # Copies found damaged and dropped from the cache (counted for tests and `stats`).
         self.refetched = 0
+        # Reads of a pack whose copy the cache hashed whole as it made it for the load, matching the pack's
+        # own hash: its tensors were not hashed a second time (counted for tests and benchmarks).
+        self.vouched = 0
 
     def path(self, pack: str) -> Path:
         """The pack's own file in the repository."""
@@ -90,12 +94,15 @@ class Packs:
         self,
         pack: str,
         share: float,
-        fn: Callable[[Path], T],
+        fn: Callable[[Path, bool], T],
         arriving: Callable[[_core.Cache, Path], T] | None = None,
         parts: Callable[[_core.Cache, Path], T | NotServed] | None = None,
+        pack_hash: bytes | None = None,
     ) -> T:
-        """`fn(path)` over a file holding the pack's bytes, which `fn` checks against the tensors' hashes
-        (raising IntegrityError when they do not match). `share`: the part of the pack the load reads.
+        """`fn(path, vouched)` over a file holding the pack's bytes, which `fn` checks against the tensors'
+        hashes (raising IntegrityError when they do not match) unless `vouched`. `share`: the part of the
+        pack the load reads. `pack_hash`: the blake3 of the whole pack, as its writer recorded it in the
+        manifest (None where it did not).
 
         Through the cache, a copy whose bytes fail the check is dropped and fetched again; if that copy
         fails too, the repository's own pack is read, and its error is the one raised. A pack that no
@@ -103,10 +110,16 @@ class Packs:
         tensors out): it reads each tensor as soon as its bytes arrive, from the store or from the node
         that owns the pack, rather than after the whole pack. A partial load of such a pack is read with
         `parts(cache, path)` when given: the tensors alone, from the agent of the node that owns the pack;
-        it returns NOT_SERVED when no owner could serve them, and the store's pack is read."""
+        it returns NOT_SERVED when no owner could serve them, and the store's pack is read.
+
+        `vouched` is True for a copy that the cache made during this call, hashing it whole as it landed,
+        when that hash is `pack_hash`: every byte of the pack is its writer's, checked once, and `fn` need
+        not hash each tensor a second time. A copy made before the call may have been damaged in its tier
+        since, and is checked tensor by tensor as ever."""
         own = self.path(pack)
         if self.cache is None:
-            return fn(own)
+            return fn(own, False)
+        since = time.time_ns()
         copy = self.cache.lookup(own, validate=False)
         core = self.cache._core
         if share < WHOLE_PACK_SHARE and copy is None:
@@ -116,23 +129,32 @@ class Packs:
                 got := self._attempt(lambda: parts(core, own)), NotServed
             ):
                 return got
-            return fn(own)
+            return fn(own, False)
         if copy is None and arriving is not None:
             # A damaged copy is dropped; the whole-file reads below end at the store's pack.
             got = self._attempt(lambda: arriving(core, own), damaged=lambda: core.invalidate(own))
             if not isinstance(got, NotServed):
                 return got
         for _ in range(2):
-            with self._opened(own, copy) as path:
-                if path is None:
+            with self._opened(own, copy) as fd:
+                if fd is None:
                     break  # the cache could not serve it: read the store's pack
+                made = None
+                if pack_hash is not None:
+                    # A cache fault here only means the tensors are hashed.
+                    with contextlib.suppress(OSError, _core.TierstoreError):
+                        made = core.hash_of_new_copy(own, fd, since)
+                vouched = made is not None and made == pack_hash
+                self.vouched += vouched
                 try:
-                    return fn(path)
+                    # The descriptor's own file, whatever holds it (a memory file has no other name);
+                    # reopening it through /proc gives the engine's path-taking reads the very same bytes.
+                    return fn(Path(f"/proc/self/fd/{fd}"), vouched)
                 except _core.IntegrityError:
                     self.refetched += 1
                     self.cache._core.invalidate(own)
                     copy = None
-        return fn(own)
+        return fn(own, False)
 
     def _attempt(
         self, read: Callable[[], T | NotServed], damaged: Callable[[], None] = lambda: None
@@ -151,11 +173,11 @@ class Packs:
         return NOT_SERVED
 
     @contextlib.contextmanager
-    def _opened(self, own: Path, copy: str | None) -> Iterator[Path | None]:
-        """A path to a descriptor holding exactly the pack's bytes, open for the block: the tier copy
-        `copy` when it is still there (a pack never changes, so the store is not asked), else what the
-        cache opens (the copy it fetches, one a peer sent, or the store's file when no tier has room);
-        None when the cache failed (the caller reads the store: a cache fault never stops a load)."""
+    def _opened(self, own: Path, copy: str | None) -> Iterator[int | None]:
+        """A descriptor holding exactly the pack's bytes, open for the block: the tier copy `copy` when it
+        is still there (a pack never changes, so the store is not asked), else what the cache opens (the
+        copy it fetches, one a peer sent, or the store's file when no tier has room); None when the cache
+        failed (the caller reads the store: a cache fault never stops a load)."""
         assert self.cache is not None
         fd = -1
         if copy is not None:
@@ -170,8 +192,6 @@ class Packs:
                 yield None
                 return
         try:
-            # The descriptor's own file, whatever holds it (a memory file has no other name); reopening it
-            # through /proc gives the engine's path-taking reads the very same bytes.
-            yield Path(f"/proc/self/fd/{fd}")
+            yield fd
         finally:
             os.close(fd)

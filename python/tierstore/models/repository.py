@@ -508,13 +508,22 @@ class Repository:
         share: float,
     ) -> None:
         requests = [(t["offset"], buf, bytes.fromhex(t["hash"])) for t, buf in items]
+        pack_hash = _pack_hash(m, pack)
+
+        def read(path: Path, vouched: bool) -> None:
+            _core.read_into(path, _unchecked(requests) if vouched else requests)
+
+        def read_arriving(cache: _core.Cache, path: Path) -> None:
+            self._packs.vouched += cache.read_into(path, requests, pack_hash)
+
         with integrity.named_damage(m, self._packs.path(pack), [t for t, _ in items]):
             self._packs.read(
                 pack,
                 share,
-                lambda path: _core.read_into(path, requests),
-                arriving=lambda cache, path: cache.read_into(path, requests),
+                read,
+                arriving=read_arriving,
                 parts=lambda cache, path: None if cache.read_parts(path, requests) else NOT_SERVED,
+                pack_hash=pack_hash,
             )
 
     def _map(self, m: RepositoryManifest, chosen: list[StoredTensor]) -> dict[str, Any]:
@@ -534,6 +543,7 @@ class Repository:
                     shares[pack],
                     functools.partial(_map_pack, spans=spans),
                     parts=functools.partial(_map_parts, spans=spans),
+                    pack_hash=_pack_hash(m, pack),
                 )
             for t in items:
                 out[t["name"]] = mapped(mapping, t["offset"], specs[t["name"]], m["framework"])
@@ -646,6 +656,7 @@ class Repository:
                 if key[0] not in live:  # its pack is gone with the last version that referred to it
                     (self.root / integrity.QUARANTINE / integrity.entry_name(key)).unlink()
             self._blobs.clear()
+            self._pack_hashes.clear()
             self._seen.clear()
         return {
             "packs_removed": removed,
@@ -708,8 +719,21 @@ class Repository:
         return integrity.verify(self.root, chosen, repair=repair, progress=progress)
 
 
-def _map_pack(path: Path, spans: list[tuple[int, int, bytes]]) -> Any:
-    return _core.map_pack(path, spans)
+def _pack_hash(m: RepositoryManifest, pack: str) -> bytes | None:
+    """The blake3 of the pack file whole, as the manifest records it (None where it does not)."""
+    h = m.get("pack_hashes", {}).get(pack)
+    return bytes.fromhex(h) if h is not None else None
+
+
+def _unchecked(requests: list[tuple[int, Any, bytes]]) -> list[tuple[int, Any, None]]:
+    """The requests without their tensors' hashes: for a pack whose every byte is vouched for already."""
+    return [(offset, dest, None) for offset, dest, _ in requests]
+
+
+def _map_pack(path: Path, vouched: bool, spans: list[tuple[int, int, bytes]]) -> Any:
+    """The pack mapped with `spans` brought in, each checked against its hash unless the whole pack's
+    bytes are `vouched` for already (see `Packs.read`)."""
+    return _core.map_pack(path, [(o, n, None) for o, n, _ in spans] if vouched else spans)
 
 
 def _map_parts(cache: _core.Cache, path: Path, spans: list[tuple[int, int, bytes]]) -> Any:

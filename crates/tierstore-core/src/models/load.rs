@@ -156,6 +156,33 @@ pub fn read_into_from(
     fetch_and_verify(path, requests, false, true, fetch)
 }
 
+/// [`read_into_from`] for a pack whose bytes are vouched for as a whole while they arrive: the cache
+/// hashes the copy it makes as it writes it (from the store) or checks it against the owner's chaining
+/// values (from the node that owns it), and the pack's own hash is in the manifest. The requests are read
+/// without hashing each tensor; `vouched()`, called once they are all read, says whether the whole pack
+/// had the writer's bytes. Only when it did not (the copy failed and the rest came from the store, it
+/// was not hashed, or its hash is another) are the tensors hashed, after the reads, with all cores: the
+/// load then returns what `read_into_from` would, the right bytes or the error naming the first
+/// tensor that does not match.
+pub fn read_into_vouched(
+    path: &Path,
+    requests: &mut [ReadInto<'_>],
+    fetch: impl Fn(u64, &mut [u8]) -> io::Result<bool> + Sync,
+    vouched: impl FnOnce() -> bool,
+) -> Result<(), ReadError> {
+    let expected: Vec<Option<Hash>> = requests.iter_mut().map(|r| r.expect.take()).collect();
+    let read = fetch_and_verify(path, requests, false, true, fetch);
+    for (r, want) in requests.iter_mut().zip(&expected) {
+        r.expect = *want;
+    }
+    read?;
+    if vouched() {
+        return Ok(());
+    }
+    let mut got: Vec<(u64, &mut [u8])> = requests.iter_mut().map(|r| (r.offset, &mut *r.dest)).collect();
+    check_parts(path, &mut got, &expected)
+}
+
 /// Where the parts of a pack come from: the agent of the node that owns it, through the node's cache
 /// (the cache implements it, `cache/parts.rs`). A trait here, so that reading a pack never reaches up to
 /// the cache.

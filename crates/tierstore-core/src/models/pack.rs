@@ -83,17 +83,22 @@ impl PackWriter {
             }
             end += pad + bytes.len() as u64;
         }
-        for group in slices.chunks_mut(IOV_MAX) {
-            let mut group = &mut group[..];
-            while !group.is_empty() {
-                match self.file.write_vectored(group) {
-                    Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the pack accepted no bytes")),
-                    Ok(n) => io::IoSlice::advance_slices(&mut group, n),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
+        // The pack's hash is taken on another thread while the writes run here: the same memory, padding
+        // included, in the file's order. Hashed after the writes instead, on this thread, a save of 1 GiB
+        // took 0.72-0.80 s against 0.55 s without the hash on this project's 2-core VM.
+        let (file, hasher) = (&mut self.file, &mut self.hasher);
+        let written = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut at = start;
+                for (bytes, &offset) in buffers.iter().zip(&offsets) {
+                    hasher.update(&ZEROS[..(offset - at) as usize]);
+                    crate::hash::update(hasher, bytes);
+                    at = offset + bytes.len() as u64;
                 }
-            }
-        }
+            });
+            write_all_vectored(file, &mut slices)
+        });
+        written?;
         self.len = end;
         // Every 64 MiB, start writing what is new to the device without waiting for it: the caller hashes
         // the next tensors meanwhile, and the final fsync only waits for the tail.
@@ -109,14 +114,6 @@ impl PackWriter {
                 )
             };
             self.flushed = self.len;
-        }
-        // Hashed once the device has its work: the same memory the writes read, padding included, in the
-        // file's order (the slices themselves were consumed by the writes).
-        let mut at = start;
-        for (bytes, &offset) in buffers.iter().zip(&offsets) {
-            self.hasher.update(&ZEROS[..(offset - at) as usize]);
-            crate::hash::update(&mut self.hasher, bytes);
-            at = offset + bytes.len() as u64;
         }
         Ok(offsets)
     }
@@ -143,6 +140,22 @@ impl PackWriter {
     pub fn abort(self) {
         let _ = std::fs::remove_file(&self.temp);
     }
+}
+
+/// Writes every slice to `file`, `IOV_MAX` at a time, retrying short and interrupted writes.
+fn write_all_vectored(file: &mut File, slices: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    for group in slices.chunks_mut(IOV_MAX) {
+        let mut group = &mut group[..];
+        while !group.is_empty() {
+            match file.write_vectored(group) {
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "the pack accepted no bytes")),
+                Ok(n) => io::IoSlice::advance_slices(&mut group, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// fsyncs a directory, so that a rename or creation in it survives a crash.
