@@ -18,7 +18,7 @@ manifests are JSON whose one schema is `crates/tierstore-core/src/models/manifes
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypeAlias, TypedDict, TypeVar
+from typing import Any, Literal, TypeAlias, TypedDict, TypeVar
 
 __all__ = [
     "CacheConfig",
@@ -240,7 +240,15 @@ class StoredTensor(ManifestTensor):
     offset: int  # where the bytes start in the pack
 
 
-class RepositoryManifest(TypedDict):
+class _RepositoryManifestOptional(TypedDict, total=False):
+    """The keys of a `RepositoryManifest` that older manifests lack (`NotRequired` is Python 3.11's)."""
+
+    # blake3 of each pack file whole (lowercase hex, by pack name), where its writer recorded it: a load
+    # whose copy of the pack the cache hashed as it arrived need not hash each tensor again
+    pack_hashes: dict[str, str]
+
+
+class RepositoryManifest(_RepositoryManifestOptional):
     """A version of a model in the repository (`models/<name>/v<N>.json`), as `_core.model_manifest_read`
     gives it and `_core.model_manifest_write` takes it."""
 
@@ -252,9 +260,6 @@ class RepositoryManifest(TypedDict):
     metadata: Any  # the user's metadata, as JSON holds it
     graph: Any  # the layer graph (`tierstore.models.layers.describe`); None when saved without one
     tensors: list[StoredTensor]  # in the state dict's order
-    # blake3 of each pack file whole (lowercase hex, by pack name), where its writer recorded it: a load
-    # whose copy of the pack the cache hashed as it arrived need not hash each tensor again
-    pack_hashes: NotRequired[dict[str, str]]
     written_bytes: int  # bytes this save wrote to packs (what deduplication did not spare)
 
 
