@@ -7,13 +7,16 @@ and exported as one safetensors file, both on the stand-in shared store (`tierst
 default latencies and a read bandwidth of `--bandwidth`). Four
 nodes, each in its own network namespace with its own agent and tiers on /dev/shm, load it at the same
 moment (each process imports first, then all start together); the time is from that start to the last
-node's end. Setups:
+node's end. Each loader exits only once all have loaded (a node's exit is no part of its start-up, and here
+it would take the cores the other nodes load on). Setups:
 
   tierstore           `Repository(path).load(name)`, the repository read through each node's cache (the
                       default cache, configured by TIERSTORE_* with cluster sharing inclusive): the pack is
                       fetched from the store by its owner and sent to the others by their agents
   tierstore, 1 node   the same job, one node loading while the other three only run their agents: the bar
                       for "all four as fast as one"
+  tierstore-rehash    the four nodes' job with the manifest's pack hash ignored (as for a version saved
+                      before packs' hashes were recorded): every tensor hashed again by the load
   repository direct   `Repository(path, cache=False).load(name)` on each node: every node reads the store
   safetensors         `safetensors.torch.load_file` of the exported file on each node
   runai streamer      Run:ai Model Streamer (`runai-model-streamer`), `SafetensorsStreamer.stream_file` of
@@ -68,7 +71,8 @@ MiB, GiB = 1 << 20, 1 << 30
 NODES = 4
 NAME = "model"
 
-# One process per node: imports, says "ready", waits for "go" on stdin, loads, prints what it did.
+# One process per node: imports, says "ready", waits for "go" on stdin, loads, prints what it did, and waits
+# for "exit" before it exits (see `load_at_once`).
 LOADER = r"""
 import json, sys, time
 setup, path, keys, mmap = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "mmap"
@@ -115,6 +119,7 @@ with open("/proc/self/io") as f:
     io = {k: int(v) for k, v in (line.split(": ") for line in f)}
 print(json.dumps({"start": start, "end": end, "cpu": cpu, "bytes": nbytes, "stats": stats,
                   "vouched": vouched, "written": io["wchar"], "read": io["rchar"]}), flush=True)
+sys.stdin.readline()
 """
 
 
@@ -209,7 +214,13 @@ def load_at_once(
 ) -> tuple[list[dict[str, Any]], float, float]:
     """Starts a loader on each node of `which` (node i loads `paths[i]`), lets them all go at once, and
     returns what each reported, with the machine's busy CPU core-seconds and the wall-clock seconds from
-    the go to the last loader's exit (their imports and start-up left out)."""
+    the go to the last loader's report (their imports and start-up left out).
+
+    The loaders exit only once every one has reported. A node's exit is no part of a start-up (a real
+    replica goes on to serve), and these nodes share one machine's two cores: a loader done early used to
+    exit while the others still loaded, and the interpreter's last collection of a process holding torch
+    took about 0.3 core-seconds each, on the cores the others were loading on (`perf` of the window:
+    Python's `gc_collect_main` at 15.6% of the 4 nodes' busy time, every sample in an exiting loader)."""
     procs = [
         subprocess.Popen(
             nodes.nodes[i].cmd(sys.executable, "-c", LOADER, setup, str(paths[i]), json.dumps(keys), mode),
@@ -232,14 +243,26 @@ def load_at_once(
         p.stdin.write("go\n")
         p.stdin.flush()
     out = []
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()  # its report; it waits for "exit"
+            if not line.strip():
+                raise RuntimeError(f"{setup} loader failed: {p.communicate(timeout=60)[1][-3000:]}")
+            out.append(json.loads(line))
+    except BaseException:
+        for p in procs:  # the others wait for "exit"
+            p.kill()
+            p.wait()
+        raise
+    busy, seconds, end = cpu_busy() - busy, time.monotonic() - start, time.monotonic()
     for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
+        _, stderr = p.communicate("exit\n", timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"{setup} loader failed: {stderr[-3000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
     # The window on CLOCK_MONOTONIC, for a profile taken with `perf record -k CLOCK_MONOTONIC`.
-    print(f"{setup}: the loads ran from {start:.3f} to {time.monotonic():.3f} (CLOCK_MONOTONIC)", flush=True)
-    return out, cpu_busy() - busy, time.monotonic() - start
+    print(f"{setup}: the loads ran from {start:.3f} to {end:.3f} (CLOCK_MONOTONIC)", flush=True)
+    return out, busy, seconds
 
 
 def job(
@@ -281,7 +304,7 @@ def job(
         "store_bytes": sum(after) - sum(before),
         "peer_bytes": sum((r["stats"] or {}).get("peer_bytes", 0) for r in reports),
         "loaded": want,
-        # The whole machine's, from the go to the last loader's exit; and the loaders' own, go to end.
+        # The whole machine's, from the go to the last loader's report; and the loaders' own, go to end.
         "cpu_seconds": busy,
         "loader_cpu_seconds": sum(r["cpu"] for r in reports),
         # Each loader's bytes through read and write calls (/proc/self/io), its whole life.
