@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import tierstore
-from tests.helpers.data import content, make_files
+from tests.helpers.data import content, flip_byte, make_files
 from tests.helpers.soak import EVICTION_READS
 
 
@@ -274,12 +274,7 @@ def test_checksum_mode_catches_silent_corruption(source: Path, tier: str) -> Non
     p.write_bytes(data)
     cache.open(p).read()
     cache.wait()
-    copy = cache.lookup(p)
-    st = os.stat(copy)
-    with open(copy, "r+b") as f:  # a flipped byte that keeps size and mtime
-        f.seek(12345)
-        f.write(bytes([data[12345] ^ 0xFF]))
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_byte(Path(cache.lookup(p)), 12345)
     assert cache.open(p).read() == data
     assert cache.stats()["tiers"][0]["faults"] == 1
 
@@ -301,12 +296,7 @@ def test_checksum_mode_gives_programs_the_checked_bytes_not_the_store(source: Pa
             assert os.pread(fd, len(data) + 1, 0) == data
         finally:
             os.close(fd)
-    copy = cache.lookup(p)
-    st = os.stat(copy)
-    with open(copy, "r+b") as f:  # a flipped byte that keeps size and mtime
-        f.seek(777)
-        f.write(bytes([data[777] ^ 0xFF]))
-    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_byte(Path(cache.lookup(p)), 777)
     fd = cache._core.open_file(p)
     try:
         assert os.pread(fd, len(data) + 1, 0) == data

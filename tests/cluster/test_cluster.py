@@ -31,6 +31,7 @@ from tests.helpers.cluster import (
     owner_of,
     stop_cluster,
 )
+from tests.helpers.data import flip_byte
 from tests.helpers.stores import store_stats
 from tierstore import agent as agent_mod
 
@@ -110,12 +111,7 @@ def test_a_damaged_copy_on_the_owner_is_never_served(
         copies = [p for p in owner.tier.rglob("data/*/*") if p.is_file() and p.stat().st_size > 0]
         assert copies, "the owner holds no copy"
         for p in copies:
-            st = p.stat()
-            with open(p, "r+b") as f:
-                b = f.read(1)
-                f.seek(0)
-                f.write(bytes([b[0] ^ 0xFF]))
-            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+            flip_byte(p, 0)
         out = cluster.read_all(other, rels)
         assert out["got"] == digests, "a damaged byte reached a reader"
         assert out["stats"]["peer_faults"] == len(copies)

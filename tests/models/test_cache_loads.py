@@ -16,6 +16,7 @@ import pytest
 
 import tierstore
 from tests.helpers.cluster import Node, netns_job, owner_of, tier_bytes
+from tests.helpers.data import flip_byte
 from tests.helpers.marks import needs
 from tests.helpers.stores import store_stats
 from tests.helpers.wait import wait_for
@@ -38,18 +39,6 @@ def same(got: dict, want: dict[str, np.ndarray]) -> bool:
 def pack_of(repo: Path) -> Path:
     (pack,) = (repo / "packs").iterdir()
     return pack
-
-
-def flip_byte(path: Path, at: int) -> None:
-    """Flips one bit of the byte at `at` of the file, keeping its size and times (nothing but its bytes
-    says it changed)."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x40]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.fixture
