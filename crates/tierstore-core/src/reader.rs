@@ -375,11 +375,6 @@ impl Reader {
         }
     }
 
-    /// Whether this reader follows a copy being made ([`Reader::hash_of_arriving_copy`]).
-    pub fn follows_a_copy(&self) -> bool {
-        matches!(self.backing, Backing::Growing(_))
-    }
-
     /// The source-relative path.
     pub fn rel(&self) -> &str {
         &self.rel

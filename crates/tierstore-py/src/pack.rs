@@ -180,8 +180,9 @@ pub fn read_into_cached(
         };
         let lock = || reader.lock().unwrap_or_else(|p| p.into_inner());
         // Decided with the reader locked, and read after (the reads lock it).
-        let kind = lock().backing_kind();
-        let made_now = match lock().backing() {
+        let guard = lock();
+        let kind = guard.backing_kind();
+        let made_now = match guard.backing() {
             // A copy that another process made while this read began (this node's agent, fetching the
             // pack for a peer): vouched for by the hash it was made with.
             tierstore_core::reader::Backing::Copy(file, _) => {
@@ -191,6 +192,7 @@ pub fn read_into_cached(
             tierstore_core::reader::Backing::Growing(_) => None,
             _ => Some(false),
         };
+        drop(guard);
         if made_now == Some(false) {
             log::debug!(
                 "{}: a load read from its {kind} copy, made before it: hashed tensor by tensor",
