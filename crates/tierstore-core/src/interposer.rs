@@ -39,6 +39,28 @@ pub fn find() -> bool {
     !p.is_null()
 }
 
+/// Told of each descriptor the engine makes by a system call of its own, which the shim does not see.
+pub type MadeFn = extern "C" fn(libc::c_int);
+
+static MADE: AtomicUsize = AtomicUsize::new(0);
+
+/// Has `f` told of the descriptors the engine makes by its own system calls (the shim's own engine: it
+/// keeps its descriptors open through the program's closes, and must know them all).
+pub fn register_made(f: MadeFn) {
+    MADE.store(f as usize, Ordering::Release);
+}
+
+/// The engine just made descriptor `fd` by a system call of its own (`openat2`, rustix's `openat`,
+/// `memfd_create`): tells the shim, if this is its engine. One atomic load otherwise.
+pub fn made(fd: std::os::fd::RawFd) {
+    let p = MADE.load(Ordering::Acquire);
+    if p != 0 {
+        // SAFETY: only `register_made` stores here, and only a `MadeFn`.
+        let f = unsafe { std::mem::transmute::<usize, MadeFn>(p) };
+        f(fd);
+    }
+}
+
 fn exempt_fn() -> Option<ExemptFn> {
     let p = EXEMPT.load(Ordering::Acquire);
     // SAFETY: only `register` stores here, and only an `ExemptFn`.

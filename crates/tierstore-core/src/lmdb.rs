@@ -164,6 +164,13 @@ impl Env {
             let flags = sync | ffi::MDB_NOTLS;
             // 0600: an index names every file its user cached (its directory is private too, see `private`).
             check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600))?;
+            // LMDB opens the data file without O_CLOEXEC (its lock file and sync descriptor have it): every
+            // program this process executes (`tierstore run`'s job, a subprocess) would inherit a writable
+            // descriptor of the index.
+            let mut fd = -1;
+            if ffi::mdb_env_get_fd(raw, &mut fd) == 0 && fd >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, libc::fcntl(fd, libc::F_GETFD) | libc::FD_CLOEXEC);
+            }
             // Databases that exist are opened in a read transaction, without the write lock, so that
             // opening never waits for another process's write; only creating them takes it.
             env.dbs = match env.open_dbs(names, false)? {

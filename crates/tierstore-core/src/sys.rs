@@ -22,7 +22,9 @@ pub unsafe fn getrandom(buf: *mut c_void, len: usize, flags: c_uint) -> isize {
 /// # Safety
 /// `name` must be a NUL-terminated string.
 pub unsafe fn memfd_create(name: *const c_char, flags: c_uint) -> c_int {
-    libc::syscall(libc::SYS_memfd_create, name, flags) as c_int
+    let fd = libc::syscall(libc::SYS_memfd_create, name, flags) as c_int;
+    crate::interposer::made(fd);
+    fd
 }
 
 /// `statx(2)`: 0 with `buf` filled, or -1 with errno set.

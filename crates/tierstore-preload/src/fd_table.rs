@@ -79,6 +79,16 @@ impl<T> FdTable<T> {
         removed
     }
 
+    /// Takes out the entries of the descriptors from `first` to `last` (both included).
+    pub(crate) fn remove_within(&self, first: c_int, last: c_int) -> Vec<T> {
+        let Some(t) = self.live() else { return Vec::new() };
+        let mut entries = lock(&t.entries);
+        let fds: Vec<c_int> = entries.keys().copied().filter(|fd| (first..=last).contains(fd)).collect();
+        let removed: Vec<T> = fds.iter().filter_map(|fd| entries.remove(fd)).collect();
+        t.live.fetch_sub(removed.len(), Ordering::Relaxed);
+        removed
+    }
+
     /// Whether this process's table holds any entry.
     pub(crate) fn holds_any(&self) -> bool {
         self.live().is_some()

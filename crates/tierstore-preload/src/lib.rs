@@ -43,8 +43,11 @@ use libc::{c_char, c_int};
 use tierstore_core::{Cache, Config, Overrides};
 
 thread_local! {
-    /// Set while this thread runs shim code: calls it makes land in the real functions.
+    /// Set while this thread runs shim code, or an engine's: calls it makes land in the real functions.
     static BUSY: Cell<bool> = const { Cell::new(false) };
+    /// Set while the code this thread runs is this shim's own (its calls, its engine's threads), not
+    /// another engine's in the process: the descriptors it opens are the shim's (see `own`).
+    static OURS: Cell<bool> = const { Cell::new(false) };
 }
 
 struct Busy;
@@ -56,6 +59,7 @@ impl Busy {
                 None
             } else {
                 b.set(true);
+                OURS.with(|o| o.set(true));
                 Some(Busy)
             }
         })
@@ -65,6 +69,33 @@ impl Busy {
 impl Drop for Busy {
     fn drop(&mut self) {
         BUSY.with(|b| b.set(false));
+        OURS.with(|o| o.set(false));
+    }
+}
+
+/// Whether the calling thread runs an engine's code (this shim's or another's), not the program's.
+fn engine_calling() -> bool {
+    BUSY.with(|b| b.get())
+}
+
+/// Whether the calling thread runs this shim's own engine.
+fn shim_calling() -> bool {
+    BUSY.with(|b| b.get()) && OURS.with(|o| o.get())
+}
+
+/// Told by the shim's engine of a descriptor it made by a system call of its own: the shim's (see `own`).
+extern "C" fn shim_made(fd: c_int) {
+    if shim_calling() {
+        own::keep(fd);
+    }
+}
+
+/// Drops what the shim kept for a descriptor of the program's as the shim: a descriptor it closes (a
+/// stream's duplicate, a fetch's lock) is its own, which a close from the program would leave open.
+fn drop_as_shim<T>(kept: Option<T>) {
+    if kept.is_some() {
+        let _busy = Busy::enter();
+        drop(kept);
     }
 }
 
@@ -75,6 +106,15 @@ impl Drop for Busy {
 #[no_mangle]
 pub extern "C" fn tierstore_preload_exempt(on: c_int) -> c_int {
     BUSY.with(|b| b.replace(on != 0) as c_int)
+}
+
+/// [`tierstore_preload_exempt`] for the shim's own engine, whose threads' descriptors are the shim's.
+extern "C" fn shim_exempt(on: c_int) -> c_int {
+    let was = tierstore_preload_exempt(on);
+    if was == 0 || on == 0 {
+        OURS.with(|o| o.set(on != 0)); // raised from nothing, or put back: a nested call leaves it be
+    }
+    was
 }
 
 /// The next definition of a libc function (resolved once), or `None` where this C library has none: the
@@ -109,6 +149,7 @@ mod kept;
 mod names;
 mod open;
 mod order;
+mod own;
 mod paths;
 mod stat;
 mod statfs;
@@ -158,7 +199,8 @@ fn shim() -> Option<&'static Shim> {
     }
     tierstore_core::logging::init();
     // The engine's own threads (copies, prefetches, sweeps) are exempt for their whole life.
-    tierstore_core::interposer::register(tierstore_preload_exempt);
+    tierstore_core::interposer::register(shim_exempt);
+    tierstore_core::interposer::register_made(shim_made);
     // `tierstore run` for a job that only stages what it writes has no source to read through: nothing
     // to load, and nothing to warn every process of the job about.
     let config = if std::env::var_os(WRITEBACK_ONLY).is_some() {

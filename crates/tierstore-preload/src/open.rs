@@ -16,7 +16,7 @@ use libc::{c_char, c_int, mode_t, FILE};
 use tierstore_core::Native;
 
 use crate::dirs::{self, at, unshadow};
-use crate::{invalidate, kept, opens_to_write, order, set_errno, shim, streams, writes, Busy, Shim};
+use crate::{invalidate, kept, opens_to_write, order, own, set_errno, shim, shim_calling, streams, writes, Busy, Shim};
 
 /// The heart of the open family: a read-only open of a file under the source gets a descriptor of its
 /// tier copy, or with `stream`, of the source while a large file is copied (stdio reads through its own
@@ -124,18 +124,31 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
 }
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
-    let Some(_busy) = Busy::enter() else { return real() };
-    if let Some(fd) = writes::open(dirfd, path, flags) {
+    let Some(_busy) = Busy::enter() else {
+        // An engine's own open: this shim's keeps its descriptor through the program's closes.
+        let fd = real();
+        if shim_calling() {
+            own::keep(fd);
+        }
         return fd;
+    };
+    // What the engine opened for the program (a copy, a shadow, a staged file) is the program's, and so
+    // is any number the kernel just handed out.
+    let given = |fd: c_int| {
+        own::release(fd);
+        fd
+    };
+    if let Some(fd) = writes::open(dirfd, path, flags) {
+        return given(fd);
     }
     if let Some(fd) = cached_open(dirfd, path, flags, true) {
-        return fd;
+        return given(fd);
     }
     let fd = real();
     if fd >= 0 && opens_to_write(flags) {
         invalidate(dirfd, path);
     }
-    fd
+    given(fd)
 }
 
 #[no_mangle]
@@ -218,12 +231,16 @@ unsafe fn fopen_flags(mode: *const c_char) -> c_int {
 unsafe fn fopen_common(path: *const c_char, mode: *const c_char, real: impl FnOnce() -> *mut FILE) -> *mut FILE {
     let Some(_busy) = Busy::enter() else { return real() };
     if let Some(f) = writes::fopen(path, mode) {
+        if !f.is_null() {
+            own::release(libc::fileno(f)); // the program's stream's
+        }
         return f;
     }
     let flags = fopen_flags(mode);
     match cached_open(libc::AT_FDCWD, path, flags, false) {
         Some(-1) => std::ptr::null_mut(),
         Some(fd) => {
+            own::release(fd); // the program's, as its stream's
             let f = libc::fdopen(fd, mode);
             if f.is_null() {
                 libc::close(fd);

@@ -58,6 +58,7 @@ pub(crate) fn register(fd: c_int, copy: Arc<Growing>) {
     }
     // SAFETY: `dup` is a fresh descriptor.
     let witness = unsafe { OwnedFd::from_raw_fd(dup) };
+    crate::own::keep(dup); // the program never sees it: its closes leave it be (closed with the entry)
     if !same_file(fd, witness.as_raw_fd()) {
         return;
     }
@@ -66,7 +67,13 @@ pub(crate) fn register(fd: c_int, copy: Arc<Growing>) {
 
 /// Forgets `fd` (closed, replaced, or moved to its copy).
 pub(crate) fn forget(fd: c_int) {
-    TABLE.remove(fd);
+    crate::drop_as_shim(TABLE.remove(fd));
+}
+
+/// Forgets the descriptors from `first` to `last`, closed together.
+pub(crate) fn forget_within(first: c_int, last: c_int) {
+    let gone = TABLE.remove_within(first, last);
+    crate::drop_as_shim((!gone.is_empty()).then_some(gone));
 }
 
 /// The entry of `fd`, if the program's descriptor `fd` is one being followed. Calls the shim itself

@@ -28,6 +28,7 @@ pub fn open_at(dir: &File, rel: &str) -> io::Result<File> {
 pub fn open_at_c(dir: &File, c: &std::ffi::CStr) -> io::Result<File> {
     use rustix::fs::{Mode, OFlags};
     let fd = rustix::fs::openat(dir, c, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    crate::interposer::made(std::os::fd::AsRawFd::as_raw_fd(&fd));
     Ok(File::from(fd))
 }
 
@@ -54,6 +55,7 @@ pub(super) fn openat2_beneath(dir: &File, path: &std::ffi::CStr) -> io::Result<F
             )
         };
         if fd >= 0 {
+            crate::interposer::made(fd as i32);
             return Ok(unsafe { File::from_raw_fd(fd as i32) });
         }
         let e = io::Error::last_os_error();

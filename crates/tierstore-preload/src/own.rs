@@ -1,0 +1,145 @@
+//! The shim's own descriptors (its engine's index, lock files, directories and copies), which the program
+//! does not know it has, and so must not close.
+//!
+//! A program that closes descriptors it never opened, as a daemon does (`os.closerange(3, N)`, a loop of
+//! `close` over every number, `closefrom`), would otherwise close the engine's, and the numbers would be
+//! handed to the program's next opens: the engine's next write to its index would land in the program's
+//! file, and its next open under a directory descriptor would fail (`ENOTDIR`). Without the shim those
+//! numbers would not be open at all, so the program loses nothing when the shim keeps them:
+//! - `close` of one of them fails with `EBADF`, as a close of a number that is not open does;
+//! - `close_range` and `closefrom` close the rest of the range around them.
+//!
+//! What counts as the shim's: every descriptor this shim's engine opens through the open family (it calls
+//! the shim's own `open`, which passes it to the real one), and the duplicates `streams` keeps; the
+//! descriptor an open hands the program is the program's. Descriptors the engine makes other ways
+//! (sockets, memory files, `fcntl` duplicates) are not kept here. A number leaves the set when the engine
+//! closes it, or when the program takes it with `dup2`/`dup3`.
+//!
+//! A bitmap, not a table: lock-free, so a `fork` in any state leaves the child a coherent copy, and it
+//! inherits the descriptors it describes. Descriptors from [`LIMIT`] up are not kept.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use libc::{c_int, c_uint};
+
+/// The descriptors below this number are the ones kept.
+const LIMIT: usize = 1 << 16;
+
+static OWN: [AtomicU64; LIMIT / 64] = [const { AtomicU64::new(0) }; LIMIT / 64];
+
+fn slot(fd: c_int) -> Option<(&'static AtomicU64, u64)> {
+    let i = usize::try_from(fd).ok().filter(|&i| i < LIMIT)?;
+    Some((&OWN[i / 64], 1 << (i % 64)))
+}
+
+/// Descriptor `fd`, just opened by the shim's engine, is the shim's.
+pub(crate) fn keep(fd: c_int) {
+    if let Some((word, bit)) = slot(fd) {
+        word.fetch_or(bit, Ordering::Relaxed);
+    }
+}
+
+/// Descriptor number `fd` is not the shim's (any more): closed by it, or handed to the program.
+pub(crate) fn release(fd: c_int) {
+    if let Some((word, bit)) = slot(fd) {
+        if word.load(Ordering::Relaxed) & bit != 0 {
+            word.fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Whether descriptor `fd` is the shim's.
+pub(crate) fn holds(fd: c_int) -> bool {
+    slot(fd).is_some_and(|(word, bit)| word.load(Ordering::Relaxed) & bit != 0)
+}
+
+/// The shim's descriptors from `first` to `last` (both included), in order.
+fn within(first: c_uint, last: c_uint) -> Vec<c_uint> {
+    let end = (last as usize).min(LIMIT - 1);
+    let mut found = Vec::new();
+    let mut i = first as usize;
+    while i <= end {
+        let word = OWN[i / 64].load(Ordering::Relaxed) >> (i % 64);
+        if word == 0 {
+            i = (i / 64 + 1) * 64; // the rest of this word holds none
+            continue;
+        }
+        let next = i + word.trailing_zeros() as usize;
+        if next <= end {
+            found.push(next as c_uint);
+        }
+        i = next + 1;
+    }
+    found
+}
+
+/// `close_range(first, last, flags)` for the program: `real` over the range less the shim's descriptors,
+/// one call per stretch between them. Returns the first failure, or 0.
+pub(crate) fn close_range_around(
+    first: c_uint,
+    last: c_uint,
+    flags: c_int,
+    real: impl Fn(c_uint, c_uint, c_int) -> c_int,
+) -> c_int {
+    if first > last {
+        return real(first, last, flags); // EINVAL is the real function's to give
+    }
+    // The stretches from `from` up to the next of the shim's descriptors, then up to `last`.
+    let mut from = first as u64;
+    for own in within(first, last) {
+        if own as u64 > from {
+            let rc = real(from as c_uint, own - 1, flags);
+            if rc != 0 {
+                return rc;
+            }
+        }
+        from = own as u64 + 1;
+    }
+    if from <= last as u64 {
+        return real(from as c_uint, last, flags);
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    #[test]
+    fn a_range_is_closed_around_the_shims_descriptors_and_no_further() {
+        for fd in [10, 12, 13, 64, 200] {
+            keep(fd);
+        }
+        let calls = RefCell::new(Vec::new());
+        let real = |a, b, _| {
+            calls.borrow_mut().push((a, b));
+            0
+        };
+        assert_eq!(close_range_around(3, u32::MAX, 0, real), 0);
+        assert_eq!(calls.take(), [(3, 9), (11, 11), (14, 63), (65, 199), (201, u32::MAX)]);
+        close_range_around(12, 13, 0, real);
+        assert_eq!(calls.take(), []);
+        close_range_around(12, 14, 0, real);
+        assert_eq!(calls.take(), [(14, 14)]);
+        close_range_around(5, 10, 0, real);
+        assert_eq!(calls.take(), [(5, 9)]);
+        release(12);
+        assert!(!holds(12) && holds(13));
+        close_range_around(12, 13, 0, real);
+        assert_eq!(calls.take(), [(12, 12)]);
+        // A number past what the bitmap keeps is the program's; a failure stops the closing.
+        keep(LIMIT as c_int);
+        assert!(!holds(LIMIT as c_int));
+        let failing = |a, b, _| {
+            calls.borrow_mut().push((a, b));
+            -1
+        };
+        assert_eq!(close_range_around(3, 100, 0, failing), -1);
+        assert_eq!(calls.take(), [(3, 9)]);
+        for fd in [10, 13, 64, 200] {
+            release(fd);
+        }
+        assert!(within(0, u32::MAX).is_empty());
+    }
+}
