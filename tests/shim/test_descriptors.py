@@ -138,7 +138,7 @@ def test_a_shell_that_redirects_low_descriptors_of_its_own_gets_its_files_intact
         """
     )
     p = tierstore_run(mount, f"{tier}:256M", "bash", "-c", script)
-    out, err = p.communicate(timeout=180)
+    _, err = p.communicate(timeout=180)
     assert p.returncode == 0, err
     for name, data in files.items():
         assert (outs / f"{name}.sum").read_text().strip() == hashlib.sha256(data).hexdigest(), name
