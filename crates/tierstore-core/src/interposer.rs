@@ -61,13 +61,6 @@ pub fn made(fd: std::os::fd::RawFd) {
     }
 }
 
-/// Whether `path` names a file the engine takes POSIX record locks on: the fetch locks' file and LMDB's
-/// lock file. Closing any descriptor of such a file drops every record lock the process holds on it, so
-/// the shim never closes a second descriptor of one (it leaves them where they were opened).
-pub fn holds_record_locks(path: &[u8]) -> bool {
-    path.ends_with(b"/fetch.lock") || path.ends_with(b"/lock.mdb")
-}
-
 fn exempt_fn() -> Option<ExemptFn> {
     let p = EXEMPT.load(Ordering::Acquire);
     // SAFETY: only `register` stores here, and only an `ExemptFn`.

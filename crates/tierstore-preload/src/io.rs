@@ -129,13 +129,13 @@ pub unsafe extern "C" fn closefrom(low: c_int) {
 }
 
 /// A call that made descriptor `fd` (when not negative) returned: the shim's own engine made it, so it is
-/// the shim's, moved out of the numbers a program names (see `own`); or the program did, and the number
-/// is the program's. Returns the number the caller gets.
+/// the shim's (see `own`); or the program did, and the number is the program's.
 fn made(fd: c_int) -> c_int {
     if shim_calling() {
-        return own::keep_high(fd);
+        own::keep(fd);
+    } else {
+        own::release(fd);
     }
-    own::release(fd);
     fd
 }
 
@@ -146,7 +146,7 @@ fn made(fd: c_int) -> c_int {
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
     let rc = real!("fcntl", unsafe extern "C" fn(c_int, c_int, ...) -> c_int)(fd, cmd, arg);
     if rc >= 0 && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) {
-        return made(rc); // moved, if at all, to a higher number: still at least the one asked for
+        made(rc);
     }
     rc
 }

@@ -125,19 +125,12 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else {
-        // An engine's own open: this shim's keeps its descriptor through the program's closes, out of the
-        // numbers the program names itself where moving it loses nothing.
+        // An engine's own open: this shim's keeps its descriptor through the program's closes.
         let fd = real();
-        if !shim_calling() {
-            return fd;
-        }
-        let locked = !path.is_null() && tierstore_core::interposer::holds_record_locks(CStr::from_ptr(path).to_bytes());
-        return if locked {
+        if shim_calling() {
             own::keep(fd);
-            fd
-        } else {
-            own::keep_high(fd)
-        };
+        }
+        return fd;
     };
     // What the engine opened for the program (a copy, a shadow, a staged file) is the program's, and so
     // is any number the kernel just handed out.
