@@ -111,3 +111,36 @@ def test_a_program_started_by_a_process_holding_a_cache_inherits_no_descriptor_o
     ls = ["ls", "-l", "/proc/self/fd"]
     listing = subprocess.run(ls, capture_output=True, text=True, check=True, close_fds=False).stdout
     assert "data.mdb" not in listing and tier not in listing, listing
+
+
+def test_a_shell_that_redirects_low_descriptors_of_its_own_gets_its_files_intact(
+    slow_store: tuple[Path, Path], tier: str, tmp_path: Path
+) -> None:
+    # `exec 5>log` is a dup2 onto 5, which replaces whatever is there. The engine of a shell that looked at
+    # the source held its index's data file on such a number, and its next index write went into the log.
+    backing, mount = slow_store
+    files = {f"f{i}": content(i, 150_000) for i in range(8)}
+    for name, data in files.items():
+        (backing / name).write_bytes(data)
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    script = textwrap.dedent(
+        f"""
+        set -e
+        [ -f {mount}/f0 ]                                 # the engine opens its cache in the shell
+        cd {outs}
+        exec 3>o3 4>o4 5>o5 6>o6 7>o7 8>o8 9>o9
+        for f in {" ".join(sorted(files))}; do
+            read -r -N 4 head < {mount}/$f                # the shell's own opens of the source
+            sha256sum < {mount}/$f | cut -d' ' -f1 > $f.sum
+        done
+        for n in 3 4 5 6 7 8 9; do echo "fd $n" >&$n; done
+        """
+    )
+    p = tierstore_run(mount, f"{tier}:256M", "bash", "-c", script)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    for name, data in files.items():
+        assert (outs / f"{name}.sum").read_text().strip() == hashlib.sha256(data).hexdigest(), name
+    for n in range(3, 10):
+        assert (outs / f"o{n}").read_bytes() == f"fd {n}\n".encode(), f"the shell's file on descriptor {n}"

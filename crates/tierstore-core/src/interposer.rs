@@ -61,6 +61,33 @@ pub fn made(fd: std::os::fd::RawFd) {
     }
 }
 
+thread_local! {
+    static LASTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f`, whose opens make descriptors the engine keeps for its life and writes or opens files under
+/// (its index, its tier and source directories, the copies it writes). Under the shim these are moved out
+/// of the low numbers a program names itself, where a program's `dup2` would replace them (see the shim's
+/// `own.rs`); everything else keeps the number the kernel gave it.
+pub fn lasting<T>(f: impl FnOnce() -> T) -> T {
+    let was = LASTING.with(|l| l.replace(true));
+    let out = f();
+    LASTING.with(|l| l.set(was));
+    out
+}
+
+/// Whether the calling thread is inside [`lasting`].
+pub fn opening_lasting() -> bool {
+    LASTING.with(|l| l.get())
+}
+
+/// Whether `path` names a file the engine takes POSIX record locks on: the fetch locks' file and LMDB's
+/// lock file. Closing any descriptor of such a file drops every record lock the process holds on it, so
+/// the shim never closes a second descriptor of one (it leaves them where they were opened).
+pub fn holds_record_locks(path: &[u8]) -> bool {
+    path.ends_with(b"/fetch.lock") || path.ends_with(b"/lock.mdb")
+}
+
 fn exempt_fn() -> Option<ExemptFn> {
     let p = EXEMPT.load(Ordering::Acquire);
     // SAFETY: only `register` stores here, and only an `ExemptFn`.

@@ -163,7 +163,8 @@ impl Env {
             let c_path = CString::new(dir.as_os_str().as_bytes()).expect("path without NUL bytes");
             let flags = sync | ffi::MDB_NOTLS;
             // 0600: an index names every file its user cached (its directory is private too, see `private`).
-            check("env_open", ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600))?;
+            // Its data file is written for the life of the process: out of the numbers a program names.
+            check("env_open", crate::interposer::lasting(|| ffi::mdb_env_open(raw, c_path.as_ptr(), flags, 0o600)))?;
             // LMDB opens the data file without O_CLOEXEC (its lock file and sync descriptor have it): every
             // program this process executes (`tierstore run`'s job, a subprocess) would inherit a writable
             // descriptor of the index.

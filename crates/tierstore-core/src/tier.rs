@@ -119,7 +119,7 @@ impl Tier {
                 None
             }
         };
-        let data_dir = crate::source::open_dir(&root.join("data"))?;
+        let data_dir = crate::interposer::lasting(|| crate::source::open_dir(&root.join("data")))?;
         let data_real = std::fs::canonicalize(root.join("data"))?;
         let data_dev = std::os::unix::fs::MetadataExt::dev(&data_dir.metadata()?);
         Ok(Tier { config: config.clone(), root, index, counters, usage, data_dir, data_real, data_dev })
@@ -206,7 +206,7 @@ impl Tier {
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = self.root.join("tmp").join(format!("{}.{}.{n}", hex(key), crate::process::pid()));
-        let f = crate::private::create_new(&path)?;
+        let f = crate::interposer::lasting(|| crate::private::create_new(&path))?;
         Ok((path, f))
     }
 

@@ -125,11 +125,19 @@ unsafe fn descriptor_of(native: Native, flags: c_int) -> c_int {
 
 unsafe fn open_common(dirfd: c_int, path: *const c_char, flags: c_int, real: impl FnOnce() -> c_int) -> c_int {
     let Some(_busy) = Busy::enter() else {
-        // An engine's own open: this shim's keeps its descriptor through the program's closes.
+        // An engine's own open: this shim's keeps its descriptor through the program's closes, and what it
+        // keeps for its life out of the numbers the program names itself (see `own`).
         let fd = real();
-        if shim_calling() {
-            own::keep(fd);
+        if !shim_calling() {
+            return fd;
         }
+        let movable = tierstore_core::interposer::opening_lasting()
+            && !path.is_null()
+            && !tierstore_core::interposer::holds_record_locks(CStr::from_ptr(path).to_bytes());
+        if movable {
+            return own::keep_high(fd);
+        }
+        own::keep(fd);
         return fd;
     };
     // What the engine opened for the program (a copy, a shadow, a staged file) is the program's, and so

@@ -9,11 +9,20 @@
 //! - `close` of one of them fails with `EBADF`, as a close of a number that is not open does;
 //! - `close_range` and `closefrom` close the rest of the range around them.
 //!
-//! What counts as the shim's: every descriptor this shim's engine opens through the open family (it calls
-//! the shim's own `open`, which passes it to the real one), and the duplicates `streams` keeps; the
-//! descriptor an open hands the program is the program's. Descriptors the engine makes other ways
-//! (sockets, memory files, `fcntl` duplicates) are not kept here. A number leaves the set when the engine
-//! closes it, or when the program takes it with `dup2`/`dup3`.
+//! What counts as the shim's: every descriptor this shim's engine makes through the shim's own calls (the
+//! open family, `fcntl` and `dup` duplicates, `socket`, `accept`) or reports from a raw system call
+//! (`tierstore_core::interposer::made`), and the duplicates `streams` keeps; the descriptor an open hands
+//! the program is the program's. A number leaves the set when the engine closes it, or when the program
+//! takes it with `dup2`/`dup3`.
+//!
+//! The descriptors the engine keeps for its life and writes or opens files under (its index's data file,
+//! its tier and source directories, the copies it writes: opened inside
+//! `tierstore_core::interposer::lasting`) are also moved above a floor ([`keep_high`]), out of the low
+//! numbers a program names itself: a shell's `exec 5>log` is a `dup2` onto 5, which closes whatever is
+//! there, and the engine's next index write went into the log. Left where they were opened: the files
+//! the engine holds POSIX record locks on (a second descriptor of one cannot be closed without dropping
+//! them; a `dup2` onto one costs the locks, not the program's bytes), and everything else, so that what
+//! an open hands the program has the number it would have without the shim.
 //!
 //! A bitmap, not a table: lock-free, so a `fork` in any state leaves the child a coherent copy, and it
 //! inherits the descriptors it describes. Descriptors from [`LIMIT`] up are not kept.
@@ -30,6 +39,45 @@ static OWN: [AtomicU64; LIMIT / 64] = [const { AtomicU64::new(0) }; LIMIT / 64];
 fn slot(fd: c_int) -> Option<(&'static AtomicU64, u64)> {
     let i = usize::try_from(fd).ok().filter(|&i| i < LIMIT)?;
     Some((&OWN[i / 64], 1 << (i % 64)))
+}
+
+/// The lowest number the shim moves the descriptors it opens to, or 0 where it keeps them where they
+/// are: the middle of the soft limit, at most 512. A program picks low numbers for descriptors of its
+/// own (a shell's `exec 5>log` is a `dup2` onto 5, which would replace whatever the shim held there,
+/// and the engine would write its index into the log); the kernel hands out the lowest free ones.
+fn floor() -> c_int {
+    static FLOOR: std::sync::OnceLock<c_int> = std::sync::OnceLock::new();
+    *FLOOR.get_or_init(|| {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes into `limit`.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 || limit.rlim_cur < 128 {
+            return 0; // a limit this low leaves no room above the program's own
+        }
+        (limit.rlim_cur / 2).min(512) as c_int
+    })
+}
+
+/// Descriptor `fd`, just opened by the shim's engine through the shim's own open for itself to keep (see
+/// `tierstore_core::interposer::lasting`), is the shim's: moved above [`floor`] (close-on-exec), out of
+/// the numbers a program names itself, and kept. Returns the number the engine is to use.
+pub(crate) fn keep_high(fd: c_int) -> c_int {
+    let floor = floor();
+    if fd < 0 || fd >= floor {
+        keep(fd);
+        return fd;
+    }
+    // SAFETY: plain descriptor calls; `fd` is the engine's, not yet seen by anyone else. The duplicate
+    // shares its open file (offset, status flags, `flock` locks), so closing `fd` loses nothing of it
+    // but the POSIX record locks of the process on the file, which is why the files the engine takes
+    // those on are never moved (`open_common`, `tierstore_core::interposer::holds_record_locks`).
+    let high = unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_DUPFD_CLOEXEC, floor) } as c_int;
+    if high < 0 {
+        keep(fd); // the numbers above are full: it stays where it is
+        return fd;
+    }
+    unsafe { libc::syscall(libc::SYS_close, fd) };
+    keep(high);
+    high
 }
 
 /// Descriptor `fd`, just opened by the shim's engine, is the shim's.

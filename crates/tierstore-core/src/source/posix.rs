@@ -100,7 +100,7 @@ impl PosixSource {
         if let Some(d) = self.dir.get() {
             return Ok(d);
         }
-        let d = open_dir(&self.root)?;
+        let d = crate::interposer::lasting(|| open_dir(&self.root))?;
         Ok(self.dir.get_or_init(|| d))
     }
 
