@@ -12,7 +12,7 @@ use libc::{c_int, c_uint, c_void, off_t, size_t, ssize_t, FILE};
 use tierstore_core::cache::descriptor_ended;
 
 use crate::kept::{forget, forget_within};
-use crate::{engine_calling, own, set_errno, shim_calling, streams, writes, Busy};
+use crate::{engine_calling, own, set_errno, streams, writes, Busy};
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, count: size_t) -> ssize_t {
@@ -128,17 +128,6 @@ pub unsafe extern "C" fn closefrom(low: c_int) {
     }
 }
 
-/// A call that made descriptor `fd` (when not negative) returned: the shim's own engine made it, so it is
-/// the shim's (see `own`); or the program did, and the number is the program's.
-fn made(fd: c_int) -> c_int {
-    if shim_calling() {
-        own::keep(fd);
-    } else {
-        own::release(fd);
-    }
-    fd
-}
-
 /// `fcntl`, for the duplicates it makes (`F_DUPFD`, `F_DUPFD_CLOEXEC`: Rust's `try_clone`). The third
 /// argument of this variadic function arrives where a fixed one would, whatever the command (see `open`),
 /// and goes on the same way.
@@ -146,25 +135,25 @@ fn made(fd: c_int) -> c_int {
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
     let rc = real!("fcntl", unsafe extern "C" fn(c_int, c_int, ...) -> c_int)(fd, cmd, arg);
     if rc >= 0 && (cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) {
-        made(rc);
+        own::made(rc);
     }
     rc
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
-    made(real!("dup", unsafe extern "C" fn(c_int) -> c_int)(fd))
+    own::made(real!("dup", unsafe extern "C" fn(c_int) -> c_int)(fd))
 }
 
 /// `socket`, `accept` and `accept4`: the engine's connections to its agent and its peers.
 #[no_mangle]
 pub unsafe extern "C" fn socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int {
-    made(real!("socket", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(domain, kind, protocol))
+    own::made(real!("socket", unsafe extern "C" fn(c_int, c_int, c_int) -> c_int)(domain, kind, protocol))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn accept(fd: c_int, addr: *mut libc::sockaddr, len: *mut libc::socklen_t) -> c_int {
-    made(real!("accept", unsafe extern "C" fn(c_int, *mut libc::sockaddr, *mut libc::socklen_t) -> c_int)(
+    own::made(real!("accept", unsafe extern "C" fn(c_int, *mut libc::sockaddr, *mut libc::socklen_t) -> c_int)(
         fd, addr, len,
     ))
 }
@@ -177,7 +166,7 @@ pub unsafe extern "C" fn accept4(
     flags: c_int,
 ) -> c_int {
     type Accept4 = unsafe extern "C" fn(c_int, *mut libc::sockaddr, *mut libc::socklen_t, c_int) -> c_int;
-    made(real!("accept4", Accept4)(fd, addr, len, flags))
+    own::made(real!("accept4", Accept4)(fd, addr, len, flags))
 }
 
 /// `fcloseall`: every stream, closed by glibc's own `close`.

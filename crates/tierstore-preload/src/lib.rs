@@ -83,11 +83,9 @@ fn shim_calling() -> bool {
     BUSY.with(|b| b.get()) && OURS.with(|o| o.get())
 }
 
-/// Told by the shim's engine of a descriptor it made by a system call of its own: the shim's (see `own`).
+/// Told by the shim's engine of a descriptor it made by a system call of its own (see `own`).
 extern "C" fn shim_made(fd: c_int) {
-    if shim_calling() {
-        own::keep(fd);
-    }
+    own::made(fd);
 }
 
 /// Drops what the shim kept for a descriptor of the program's as the shim: a descriptor it closes (a

@@ -11,8 +11,8 @@
 //!
 //! What counts as the shim's: every descriptor this shim's engine makes through the shim's own calls (the
 //! open family, `fcntl` and `dup` duplicates, `socket`, `accept`) or reports from a raw system call
-//! (`tierstore_core::interposer::made`), and the duplicates `streams` keeps; the descriptor an open hands
-//! the program is the program's. A number leaves the set when the engine closes it, or when the program
+//! (`tierstore_core::interposer::made`), the duplicates `streams` keeps among them; the descriptor an open
+//! hands the program is the program's. A number leaves the set when the engine closes it, or when the program
 //! takes it with `dup2`/`dup3`.
 //!
 //! The descriptors the engine keeps for its life and writes or opens files under (its index's data file,
@@ -69,7 +69,8 @@ pub(crate) fn keep_high(fd: c_int) -> c_int {
     // SAFETY: plain descriptor calls; `fd` is the engine's, not yet seen by anyone else. The duplicate
     // shares its open file (offset, status flags, `flock` locks), so closing `fd` loses nothing of it
     // but the POSIX record locks of the process on the file, which is why the files the engine takes
-    // those on are never moved (`open_common`, `tierstore_core::interposer::holds_record_locks`).
+    // those on are never moved (`open_common`, `tierstore_core::interposer::holds_record_locks`). Raw
+    // system calls: through libc they would come back to the shim's own `fcntl` and `close`.
     let high = unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_DUPFD_CLOEXEC, floor) } as c_int;
     if high < 0 {
         keep(fd); // the numbers above are full: it stays where it is
@@ -78,6 +79,18 @@ pub(crate) fn keep_high(fd: c_int) -> c_int {
     unsafe { libc::syscall(libc::SYS_close, fd) };
     keep(high);
     high
+}
+
+/// A call that made descriptor `fd` (when not negative) returned, or the engine reported one it made by a
+/// raw system call: the shim's own engine made it, so it is the shim's; or the program did, and the
+/// number is the program's. Returns `fd`.
+pub(crate) fn made(fd: c_int) -> c_int {
+    if crate::shim_calling() {
+        keep(fd);
+    } else {
+        release(fd);
+    }
+    fd
 }
 
 /// Descriptor `fd`, just opened by the shim's engine, is the shim's.

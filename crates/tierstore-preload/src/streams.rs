@@ -51,14 +51,14 @@ fn same_file(a: c_int, b: c_int) -> bool {
 /// Starts following `copy` for reads of the program's descriptor `fd` (a descriptor of the source file).
 /// Where the kernel cannot compare descriptors (no kcmp), the program reads the source natively.
 pub(crate) fn register(fd: c_int, copy: Arc<Growing>) {
-    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor this entry owns.
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor this entry owns. Made through the shim's own
+    // `fcntl`, it is the shim's (see `own`): the program's closes leave it be.
     let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if dup < 0 {
         return;
     }
     // SAFETY: `dup` is a fresh descriptor.
     let witness = unsafe { OwnedFd::from_raw_fd(dup) };
-    crate::own::keep(dup); // the program never sees it: its closes leave it be (closed with the entry)
     if !same_file(fd, witness.as_raw_fd()) {
         return;
     }
